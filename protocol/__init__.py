@@ -1,0 +1,41 @@
+"""The wire protocol between islands, broker and merger: messages, framing, codecs, chunking.
+
+Pure numpy + msgpack: this package imports neither zmq nor jax.  PROTOCOL.md is the specification;
+this package is its reference implementation.
+
+    frames = protocol.encode(message)      # [topic, header, *payloads]; send with copy=False
+    message = protocol.decode(frames)      # raises protocol.ProtocolError, and nothing else
+"""
+
+from protocol.chunking import DEFAULT_MAX_CHUNK_BYTES, ChunkPlan, model_fingerprint, split_fragment
+from protocol.error_feedback import compensate, quantize_with_feedback
+from protocol.errors import DlocoError, EncodeError, ProtocolError
+from protocol.framing import DEFAULT_LIMITS, Limits, decode, encode
+from protocol.messages import (
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    STREAM_KINDS,
+    Ack,
+    Cursor,
+    DeltaChunk,
+    DeltaResult,
+    Heartbeat,
+    Hello,
+    Kind,
+    Message,
+    ResendRequest,
+    SnapshotChunk,
+    SnapshotRequest,
+    TensorSlice,
+)
+from protocol.quantization import CODEC_NAMES, DEFAULT_BLOCK, Codec
+from protocol.reassembly import Assembled, Reassembler, message_key
+
+__all__ = [
+    "CODEC_NAMES", "DEFAULT_BLOCK", "DEFAULT_LIMITS", "DEFAULT_MAX_CHUNK_BYTES", "MESSAGE_TYPES",
+    "PROTOCOL_VERSION", "STREAM_KINDS", "Ack", "Assembled", "ChunkPlan", "Codec", "Cursor",
+    "DeltaChunk", "DeltaResult", "DlocoError", "EncodeError", "Heartbeat", "Hello", "Kind",
+    "Limits", "Message", "ProtocolError", "Reassembler", "ResendRequest", "SnapshotChunk",
+    "SnapshotRequest", "TensorSlice", "compensate", "decode", "encode", "message_key",
+    "model_fingerprint", "quantize_with_feedback", "split_fragment",
+]

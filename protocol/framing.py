@@ -1,0 +1,358 @@
+"""Messages to ZeroMQ frames and back: ``[topic, header (msgpack map), *payload frames]``.
+
+`encode` never copies a payload: payload frames are the caller's buffers (send them with
+``copy=False``).  `decode` is strict: any input that is not exactly a valid message raises
+`ProtocolError` with a reason, and nothing else escapes it; no allocation is driven by a header
+field (sizes are checked against `Limits` and against the frames actually received before use).
+Payloads of a decoded message are zero-copy memoryviews of the received frames.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgpack
+
+from protocol.errors import EncodeError, ProtocolError
+from protocol.messages import (
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    TENSOR_DTYPES,
+    Ack,
+    Cursor,
+    DeltaChunk,
+    DeltaResult,
+    Hello,
+    Kind,
+    Message,
+    ResendRequest,
+    SnapshotChunk,
+    SnapshotRequest,
+    TensorSlice,
+)
+from protocol.quantization import CODEC_NAMES, Codec
+
+_U64 = 1 << 64
+_IDENT = re.compile(r"[A-Za-z0-9._:@-]+")
+_PATH = re.compile(r"[A-Za-z0-9._:@/\[\]-]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds a decoder enforces before trusting any size in a header."""
+
+    max_header_bytes: int = 64 * 1024
+    max_payload_bytes: int = 64 * 1024 * 1024  # per message, all payload frames together
+    max_slices: int = 1024  # per chunk
+    max_chunks: int = 1 << 20  # chunk_count of one delta or snapshot
+    max_tensor_values: int = 1 << 34  # values in one tensor
+    max_ndim: int = 8
+    max_ident_len: int = 64  # sender, region, model, role, codec names
+    max_path_len: int = 256
+    max_list_len: int = 1024  # ranges, cursors, results, fragments, codecs
+    max_reason_len: int = 256
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise EncodeError(f"Limits.{field.name} must be a positive int, got {value!r}")
+
+
+DEFAULT_LIMITS = Limits()
+
+
+# ---- encode --------------------------------------------------------------------------------------
+def encode(message: Message) -> list[bytes | memoryview]:
+    """Frames of `message`: topic, msgpack header, then one raw payload frame per tensor slice."""
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": str(message.kind)}
+    payloads: list[memoryview] = []
+    for field in dataclasses.fields(message):
+        value = getattr(message, field.name)
+        if field.name == "payloads":
+            continue
+        if field.name == "codec":
+            header["codec"], header["block"] = value.name, value.block
+        elif field.name == "slices":
+            payloads = [_byte_view(p) for p in message.payloads]
+            header["slices"] = _slice_headers(message, payloads)
+        elif field.name in ("cursors", "results"):
+            header[field.name] = [dataclasses.asdict(entry) for entry in value]
+        elif isinstance(value, tuple):
+            header[field.name] = [list(v) if isinstance(v, tuple) else v for v in value]
+        else:
+            header[field.name] = value
+    try:
+        packed = msgpack.packb(header, use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as error:
+        raise EncodeError(f"cannot encode {message.kind} header: {error}") from None
+    return [message.topic.encode("ascii"), packed, *payloads]
+
+
+def _byte_view(buffer: Any) -> memoryview:
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise EncodeError("payload buffers must be C-contiguous")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _slice_headers(message: DeltaChunk | SnapshotChunk, payloads: list[memoryview]) -> list[dict[str, Any]]:
+    if len(payloads) != len(message.slices):
+        raise EncodeError(f"{len(message.slices)} slices but {len(payloads)} payloads")
+    out = []
+    for item, payload in zip(message.slices, payloads):
+        expected = message.codec.encoded_nbytes(item.count)
+        if payload.nbytes != expected:
+            raise EncodeError(f"payload of {item.path} is {payload.nbytes} bytes, {message.codec.name} needs {expected}")
+        out.append(
+            {"path": item.path, "dtype": item.dtype, "shape": list(item.shape), "start": item.start,
+             "count": item.count, "nbytes": payload.nbytes, "crc32": zlib.crc32(payload)}
+        )
+    return out
+
+
+# ---- decode --------------------------------------------------------------------------------------
+def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Parse and fully validate frames; raise ProtocolError (only) if they are not a valid message."""
+    try:
+        return _decode(frames, limits)
+    except ProtocolError:
+        raise
+    except RecursionError as error:  # pathological nesting that slipped past msgpack's own guard
+        raise ProtocolError("header_msgpack", f"header nesting too deep: {error}") from None
+
+
+def _decode(frames: Sequence[Any], limits: Limits) -> Message:
+    if not isinstance(frames, (list, tuple)) or len(frames) < 2:
+        raise ProtocolError("frame_count", "a message has at least 2 frames (topic, header)")
+    if len(frames) > 2 + limits.max_slices:
+        raise ProtocolError("frame_count", f"{len(frames)} frames exceed the limit of {2 + limits.max_slices}")
+    views = [_view(frame, index) for index, frame in enumerate(frames)]
+    header = _unpack_header(views[1], limits)
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError("version", f"protocol version {version!r} is not supported (this peer speaks {PROTOCOL_VERSION})")
+    kind_name = header.get("kind")
+    try:
+        kind = Kind(kind_name)
+    except ValueError:
+        raise ProtocolError("unknown_kind", f"unknown message kind {kind_name!r}") from None
+    fields = _FieldReader(header, f"{kind} header", limits)
+    message = _READERS[kind](fields, views[2:], limits)
+    fields.finish(extra_allowed={"v", "kind"})
+    topic = bytes(views[0])
+    if topic != message.topic.encode("ascii"):
+        raise ProtocolError("topic", f"topic {topic[:80]!r} does not match {message.topic!r}")
+    if kind not in (Kind.DELTA, Kind.SNAPSHOT) and len(views) != 2:
+        raise ProtocolError("frame_count", f"{kind} has no payload frames, got {len(views) - 2}")
+    return message
+
+
+def _view(frame: Any, index: int) -> memoryview:
+    try:
+        view = memoryview(frame)
+    except TypeError:
+        raise ProtocolError("frame_type", f"frame {index} is {type(frame).__name__}, not a buffer") from None
+    if view.ndim != 1 or view.itemsize != 1:
+        try:
+            view = view.cast("B")
+        except (TypeError, ValueError):
+            raise ProtocolError("frame_type", f"frame {index} is not a contiguous byte buffer") from None
+    return view
+
+
+def _unpack_header(view: memoryview, limits: Limits) -> dict:
+    if view.nbytes > limits.max_header_bytes:
+        raise ProtocolError("header_too_large", f"header of {view.nbytes} bytes exceeds {limits.max_header_bytes}")
+    cap = limits.max_header_bytes
+    try:
+        header = msgpack.unpackb(
+            view, raw=False, strict_map_key=True, use_list=True, max_str_len=cap,
+            max_bin_len=cap, max_array_len=cap, max_map_len=cap, max_ext_len=cap,
+        )
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as error:
+        raise ProtocolError("header_msgpack", f"header is not valid msgpack: {type(error).__name__}: {error}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header_type", f"header must be a map, got {type(header).__name__}")
+    return header
+
+
+class _FieldReader:
+    """Typed access to one header map; remembers which keys were read to reject unknown ones."""
+
+    def __init__(self, mapping: Any, where: str, limits: Limits) -> None:
+        if not isinstance(mapping, dict):
+            raise ProtocolError("field_type", f"{where} must be a map, got {type(mapping).__name__}")
+        self.mapping, self.where, self.limits, self.seen = mapping, where, limits, set()
+
+    def _get(self, key: str) -> Any:
+        if key not in self.mapping:
+            raise ProtocolError("missing_field", f"{self.where} lacks {key!r}")
+        self.seen.add(key)
+        return self.mapping[key]
+
+    def uint(self, key: str, below: int = _U64) -> int:
+        value = self._get(key)
+        if type(value) is not int or not 0 <= value < below:
+            raise ProtocolError("field_value", f"{self.where}.{key} must be an int in [0, {below}), got {_show(value)}")
+        return value
+
+    def text(self, key: str, pattern: re.Pattern = _IDENT, max_len: int | None = None, allow_empty: bool = False) -> str:
+        value = self._get(key)
+        max_len = max_len or self.limits.max_ident_len
+        if not isinstance(value, str) or len(value) > max_len:
+            raise ProtocolError("field_value", f"{self.where}.{key} must be a string of at most {max_len} chars, got {_show(value)}")
+        if not (allow_empty and value == "") and not pattern.fullmatch(value):
+            raise ProtocolError("field_value", f"{self.where}.{key} has characters outside {pattern.pattern}: {_show(value)}")
+        return value
+
+    def items(self, key: str) -> list:
+        value = self._get(key)
+        if not isinstance(value, list) or len(value) > self.limits.max_list_len:
+            raise ProtocolError("field_value", f"{self.where}.{key} must be a list of at most {self.limits.max_list_len}, got {_show(value)}")
+        return value
+
+    def nested(self, key: str, index: int, item: Any) -> _FieldReader:
+        return _FieldReader(item, f"{self.where}.{key}[{index}]", self.limits)
+
+    def finish(self, extra_allowed: frozenset | set = frozenset()) -> None:
+        unknown = set(self.mapping) - self.seen - set(extra_allowed)
+        if unknown:
+            raise ProtocolError("unknown_field", f"{self.where} has unknown fields {sorted(map(str, unknown))[:5]}")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _envelope(fields: _FieldReader) -> dict[str, Any]:
+    return {"sender": fields.text("sender"), "epoch": fields.uint("epoch"), "seq": fields.uint("seq")}
+
+
+def _read_codec(fields: _FieldReader) -> Codec:
+    name, block = fields.text("codec"), fields.uint("block")
+    if name not in CODEC_NAMES:
+        raise ProtocolError("codec", f"unknown codec {name!r}; expected one of {CODEC_NAMES}")
+    try:
+        return Codec(name, block)
+    except EncodeError as error:
+        raise ProtocolError("codec", str(error)) from None
+
+
+def _read_chunk_common(fields: _FieldReader, payloads: list[memoryview], limits: Limits) -> dict[str, Any]:
+    chunk_count = fields.uint("chunk_count", below=limits.max_chunks + 1)
+    chunk_index = fields.uint("chunk_index")
+    if chunk_count < 1 or chunk_index >= chunk_count:
+        raise ProtocolError("chunk_index", f"chunk {chunk_index} of {chunk_count} is out of range")
+    codec = _read_codec(fields)
+    entries = fields.items("slices")
+    if not entries or len(entries) > limits.max_slices:
+        raise ProtocolError("frame_count", f"a chunk carries 1..{limits.max_slices} slices, got {len(entries)}")
+    if len(payloads) != len(entries):
+        raise ProtocolError("frame_count", f"{len(entries)} slices need {len(entries)} payload frames, got {len(payloads)}")
+    total = sum(p.nbytes for p in payloads)
+    if total > limits.max_payload_bytes:
+        raise ProtocolError("payload_too_large", f"payload of {total} bytes exceeds {limits.max_payload_bytes}")
+    slices = tuple(_read_slice(fields.nested("slices", i, e), payloads[i], codec, limits) for i, e in enumerate(entries))
+    return {"chunk_index": chunk_index, "chunk_count": chunk_count, "codec": codec, "slices": slices,
+            "payloads": tuple(payloads), "model": fields.text("model")}
+
+
+def _read_slice(fields: _FieldReader, payload: memoryview, codec: Codec, limits: Limits) -> TensorSlice:
+    path = fields.text("path", pattern=_PATH, max_len=limits.max_path_len)
+    dtype = fields.text("dtype")
+    if dtype not in TENSOR_DTYPES:
+        raise ProtocolError("field_value", f"{fields.where}.dtype {dtype!r} is not one of {TENSOR_DTYPES}")
+    dims = fields.items("shape")
+    if len(dims) > limits.max_ndim or any(type(d) is not int or d < 1 for d in dims):
+        raise ProtocolError("shape", f"{fields.where}.shape must be at most {limits.max_ndim} positive ints, got {_show(dims)}")
+    size = math.prod(dims)  # exact (Python ints): no overflow, no allocation
+    if size > limits.max_tensor_values:
+        raise ProtocolError("shape", f"{fields.where}: tensor of {size} values exceeds {limits.max_tensor_values}")
+    start, count = fields.uint("start"), fields.uint("count")
+    if count < 1 or start + count > size or start % codec.granule:
+        raise ProtocolError("slice_bounds", f"{fields.where}: values [{start}, {start + count}) do not fit a tensor of {size} aligned to {codec.granule}")
+    nbytes, crc = fields.uint("nbytes"), fields.uint("crc32", below=1 << 32)
+    fields.finish()
+    if nbytes != codec.encoded_nbytes(count) or payload.nbytes != nbytes:
+        raise ProtocolError("length", f"{fields.where}: {count} {codec.name} values take {codec.encoded_nbytes(count)} bytes; header says {nbytes}, frame has {payload.nbytes}")
+    if zlib.crc32(payload) != crc:
+        raise ProtocolError("checksum", f"{fields.where}: crc32 of payload does not match the header")
+    codec.validate(payload, count)
+    return TensorSlice(path=path, dtype=dtype, shape=tuple(dims), start=start, count=count)
+
+
+def _read_delta(fields: _FieldReader, payloads: list[memoryview], limits: Limits) -> DeltaChunk:
+    return DeltaChunk(
+        **_envelope(fields), delta_id=fields.uint("delta_id"), fragment=fields.uint("fragment"),
+        base_version=fields.uint("base_version"), steps=fields.uint("steps"), tokens=fields.uint("tokens"),
+        **_read_chunk_common(fields, payloads, limits),
+    )
+
+
+def _read_snapshot(fields: _FieldReader, payloads: list[memoryview], limits: Limits) -> SnapshotChunk:
+    return SnapshotChunk(
+        **_envelope(fields), fragment=fields.uint("fragment"), version=fields.uint("version"),
+        **_read_chunk_common(fields, payloads, limits),
+    )
+
+
+def _read_hello(fields: _FieldReader, payloads: list[memoryview], limits: Limits) -> Hello:
+    codecs = fields.items("codecs")
+    if any(c not in CODEC_NAMES for c in codecs):
+        raise ProtocolError("codec", f"hello lists unknown codecs {_show(codecs)}")
+    return Hello(**_envelope(fields), role=fields.text("role"), region=fields.text("region"),
+                 model=fields.text("model"), codecs=tuple(codecs))
+
+
+def _read_resend(fields: _FieldReader, payloads: list[memoryview], limits: Limits) -> ResendRequest:
+    ranges = fields.items("ranges")
+    for pair in ranges:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(type(s) is int and 0 < s < _U64 for s in pair) and pair[0] <= pair[1]):
+            raise ProtocolError("field_value", f"resend range must be [first, last] with 0 < first <= last, got {_show(pair)}")
+    return ResendRequest(**_envelope(fields), target=fields.text("target"), target_epoch=fields.uint("target_epoch"),
+                         ranges=tuple((a, b) for a, b in ranges))
+
+
+def _read_ack(fields: _FieldReader, payloads: list[memoryview], limits: Limits) -> Ack:
+    cursors, results = [], []
+    for i, entry in enumerate(fields.items("cursors")):
+        f = fields.nested("cursors", i, entry)
+        cursors.append(Cursor(island=f.text("island"), epoch=f.uint("epoch"), seq=f.uint("seq")))
+        f.finish()
+    for i, entry in enumerate(fields.items("results")):
+        f = fields.nested("results", i, entry)
+        status = f.text("status")
+        if status not in DeltaResult.STATUSES:
+            raise ProtocolError("field_value", f"{f.where}.status must be one of {DeltaResult.STATUSES}, got {_show(status)}")
+        results.append(DeltaResult(
+            island=f.text("island"), epoch=f.uint("epoch"), delta_id=f.uint("delta_id"), fragment=f.uint("fragment"),
+            status=status, version=f.uint("version"),
+            reason=f.text("reason", pattern=re.compile(r"[ -~]+"), max_len=limits.max_reason_len, allow_empty=True),
+        ))
+        f.finish()
+    return Ack(**_envelope(fields), cursors=tuple(cursors), results=tuple(results))
+
+
+def _read_snapshot_request(fields: _FieldReader, payloads: list[memoryview], limits: Limits) -> SnapshotRequest:
+    fragments = fields.items("fragments")
+    if any(type(f) is not int or not 0 <= f < _U64 for f in fragments):
+        raise ProtocolError("field_value", f"snapshot_request.fragments must be ints >= 0, got {_show(fragments)}")
+    return SnapshotRequest(**_envelope(fields), fragments=tuple(fragments))
+
+
+_READERS: dict[Kind, Callable[[_FieldReader, list[memoryview], Limits], Message]] = {
+    Kind.DELTA: _read_delta,
+    Kind.SNAPSHOT: _read_snapshot,
+    Kind.HEARTBEAT: lambda fields, payloads, limits: MESSAGE_TYPES[Kind.HEARTBEAT](**_envelope(fields)),
+    Kind.HELLO: _read_hello,
+    Kind.RESEND: _read_resend,
+    Kind.ACK: _read_ack,
+    Kind.SNAPSHOT_REQUEST: _read_snapshot_request,
+}

@@ -1,0 +1,208 @@
+"""Message kinds of the wire protocol: frozen, typed values, one class per kind.
+
+Every message carries the common envelope ``sender``, ``epoch`` (the sender's incarnation, new on
+every process start, so a restarted sender's sequence numbers are never confused with its previous
+life) and ``seq``.  For the *stream* kinds (delta, snapshot, ack) ``seq`` numbers the message in
+its sender's stream, 1, 2, 3, ... without gaps; for the *control* kinds (heartbeat, hello, resend,
+snapshot request) it is the sender's last stream ``seq`` so far (0 if none), which lets a receiver
+notice tail loss from any message.  PROTOCOL.md defines every field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import ClassVar, Union
+
+from protocol.quantization import Codec
+
+PROTOCOL_VERSION = 1
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class Kind(enum.StrEnum):
+    DELTA = "delta"
+    SNAPSHOT = "snapshot"
+    HEARTBEAT = "heartbeat"
+    HELLO = "hello"
+    RESEND = "resend"
+    ACK = "ack"
+    SNAPSHOT_REQUEST = "snapshot_request"
+
+
+STREAM_KINDS = frozenset({Kind.DELTA, Kind.SNAPSHOT, Kind.ACK})
+TENSOR_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSlice:
+    """Values [start, start + count) of the flattened (C-order) tensor `path`."""
+
+    path: str  # "/"-joined parameter path, e.g. "blocks/0/attn/qkv/kernel"
+    dtype: str  # the tensor's dtype in the model, one of TENSOR_DTYPES
+    shape: tuple[int, ...]  # the whole tensor's shape
+    start: int  # first value carried, a multiple of the codec's granule
+    count: int  # values carried, >= 1
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaChunk:
+    """One chunk of an island's quantized pseudo-gradient for one fragment (island → merger)."""
+
+    kind: ClassVar[Kind] = Kind.DELTA
+    sender: str
+    epoch: int
+    seq: int
+    delta_id: int  # per-sender delta counter; all chunks of one delta share it
+    fragment: int
+    base_version: int  # version of the fragment snapshot this delta was computed against
+    chunk_index: int
+    chunk_count: int
+    steps: int  # inner steps since the anchor was adopted
+    tokens: int  # tokens trained on since the anchor was adopted
+    model: str  # model fingerprint (structure hash); must match the merger's
+    codec: Codec
+    slices: tuple[TensorSlice, ...]
+    payloads: tuple[Buffer, ...]  # payloads[i] encodes slices[i] with `codec`
+
+    @property
+    def topic(self) -> str:
+        return f"delta/{self.fragment}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotChunk:
+    """One chunk of the merger's global value of one fragment at `version` (merger → islands)."""
+
+    kind: ClassVar[Kind] = Kind.SNAPSHOT
+    sender: str
+    epoch: int
+    seq: int
+    fragment: int
+    version: int
+    chunk_index: int
+    chunk_count: int
+    model: str
+    codec: Codec
+    slices: tuple[TensorSlice, ...]
+    payloads: tuple[Buffer, ...]
+
+    @property
+    def topic(self) -> str:
+        return f"snapshot/{self.fragment}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """Liveness; `seq` is the sender's last stream seq, so tail loss shows up within one interval."""
+
+    kind: ClassVar[Kind] = Kind.HEARTBEAT
+    sender: str
+    epoch: int
+    seq: int
+
+    @property
+    def topic(self) -> str:
+        return "heartbeat"
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    """A process announces itself (join): who it is, where, and what it can speak."""
+
+    kind: ClassVar[Kind] = Kind.HELLO
+    sender: str
+    epoch: int
+    seq: int
+    role: str  # "island", "merger", "broker", "observer"
+    region: str
+    model: str
+    codecs: tuple[str, ...]
+
+    @property
+    def topic(self) -> str:
+        return "hello"
+
+
+@dataclasses.dataclass(frozen=True)
+class ResendRequest:
+    """Ask `target` (incarnation `target_epoch`) to send its stream messages in `ranges` again."""
+
+    kind: ClassVar[Kind] = Kind.RESEND
+    sender: str
+    epoch: int
+    seq: int
+    target: str
+    target_epoch: int
+    ranges: tuple[tuple[int, int], ...]  # inclusive [first, last] seq ranges, first <= last
+
+    @property
+    def topic(self) -> str:
+        return "resend"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cursor:
+    """All stream messages of `island` (incarnation `epoch`) with seq <= `seq` are settled."""
+
+    island: str
+    epoch: int
+    seq: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaResult:
+    """What became of one delta: folded into `version`, or rejected for `reason`."""
+
+    island: str
+    epoch: int
+    delta_id: int
+    fragment: int
+    status: str  # "folded" | "rejected"
+    version: int  # the fragment version after the fold (folded) or at rejection (rejected)
+    reason: str  # "" when folded
+
+    STATUSES: ClassVar[tuple[str, ...]] = ("folded", "rejected")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ack:
+    """The merger's acknowledgements: senders may release settled messages from their buffers."""
+
+    kind: ClassVar[Kind] = Kind.ACK
+    sender: str
+    epoch: int
+    seq: int
+    cursors: tuple[Cursor, ...]
+    results: tuple[DeltaResult, ...]
+
+    @property
+    def topic(self) -> str:
+        return "ack"
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotRequest:
+    """Catch-up (Clone pattern): send the current snapshot of `fragments` (empty: all)."""
+
+    kind: ClassVar[Kind] = Kind.SNAPSHOT_REQUEST
+    sender: str
+    epoch: int
+    seq: int
+    fragments: tuple[int, ...]
+
+    @property
+    def topic(self) -> str:
+        return "snapshot_request"
+
+
+Message = Union[DeltaChunk, SnapshotChunk, Heartbeat, Hello, ResendRequest, Ack, SnapshotRequest]
+MESSAGE_TYPES: dict[Kind, type] = {
+    cls.kind: cls for cls in (DeltaChunk, SnapshotChunk, Heartbeat, Hello, ResendRequest, Ack, SnapshotRequest)
+}

@@ -1,0 +1,320 @@
+"""Wire codecs for parameter deltas and snapshots: fp32, bf16 and blockwise absmax int8/int4/int2.
+
+Pure numpy; no I/O.  Every codec turns a flat float32 vector into a flat uint8 buffer and back.
+The byte layouts are specified in PROTOCOL.md §Codecs; in short:
+
+- ``fp32``: IEEE-754 binary32, little-endian.  Lossless.
+- ``bf16``: the upper 16 bits of the binary32 value after round-to-nearest-even, little-endian.
+  Relative error ≤ 2**-9 (8 stored mantissa bits).
+- ``int8`` / ``int4`` / ``int2``: the vector is cut into blocks of ``block`` values (the last block
+  zero-padded).  Each block is one *record*: a float32 ``scale`` (little-endian) followed by the
+  block's codes.  With ``L`` = 127, 7, 1 levels: ``scale = absmax / L`` and
+  ``q = round_half_even(x / scale)`` in ``[-L, L]``; the decoded value is ``q * scale``, so every
+  value is off by at most ``scale / 2`` (plus float32 rounding of the product, ≤ L·scale·2**-23).
+  Blocks whose absmax is below 2**-126 (zero or subnormal) are flushed to zero: scale 0, all
+  codes 0 (error ≤ 2**-126).
+  Code storage: int8 two's complement, one byte per value; int4 ``q + 8`` in a nibble, value 2j in
+  the low nibble of byte j; int2 ``q + 1`` in two bits, value 4j+k in bits 2k..2k+1 of byte j.
+
+Records make any block-aligned slice of an encoded tensor a contiguous byte range, so a tensor is
+quantized once and its chunks are zero-copy views (see `chunking.py`).
+
+Speed: the blockwise codecs work through the input in cache-sized pieces (``_PASS_BYTES``) so that
+their several numpy passes touch L2, not DRAM; the bound is then one DRAM read of the input plus
+the slowest in-cache pass (the float→int cast).  See BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar
+
+import numpy as np
+
+from protocol.errors import EncodeError, ProtocolError
+
+CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "int2")
+DEFAULT_BLOCK = 256
+MIN_BLOCK, MAX_BLOCK = 8, 1 << 16
+
+_SCALE_BYTES = 4
+# Smallest normal float32: below it 1/absmax overflows, so such blocks are flushed to zero.
+_FLUSH_BELOW = np.float32(np.finfo(np.float32).tiny)
+# Work in pieces of about this many input bytes: large enough to amortise numpy's per-call cost,
+# small enough that the temporaries stay in L2 (measured best at 1-2 MiB on this machine).
+_PASS_BYTES = 1 << 21
+# numpy releases the GIL inside its loops, so pieces run in parallel on a small thread pool.
+DEFAULT_THREADS = min(4, os.cpu_count() or 1)
+
+_LEVELS = {"int8": 127, "int4": 7, "int2": 1}
+_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}
+
+
+def _unpack_table(bits: int) -> np.ndarray:
+    """Decoded level of every code in a byte: shape (256, 8 // bits), float32."""
+    per_byte = 8 // bits
+    offset = {4: 8, 2: 1}[bits]
+    byte_B = np.arange(256, dtype=np.int32)[:, None]
+    shifts_K = np.arange(per_byte, dtype=np.int32)[None, :] * bits
+    return (((byte_B >> shifts_K) & ((1 << bits) - 1)) - offset).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """One wire encoding.  `block` matters only for the blockwise (int) codecs."""
+
+    name: str
+    block: int = DEFAULT_BLOCK  # values per block; a power of two in [8, 65536]
+
+    _tables: ClassVar[dict[int, np.ndarray]] = {4: _unpack_table(4), 2: _unpack_table(2)}
+
+    def __post_init__(self) -> None:
+        if self.name not in CODEC_NAMES:
+            raise EncodeError(f"unknown codec {self.name!r}; expected one of {CODEC_NAMES}")
+        block = self.block
+        if not isinstance(block, int) or isinstance(block, bool):
+            raise EncodeError(f"codec block must be an int, got {block!r}")
+        if not MIN_BLOCK <= block <= MAX_BLOCK or block & (block - 1):
+            raise EncodeError(f"codec block must be a power of two in [{MIN_BLOCK}, {MAX_BLOCK}], got {block}")
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def bits(self) -> int:
+        return _BITS[self.name]
+
+    @property
+    def blockwise(self) -> bool:
+        return self.name in _LEVELS
+
+    @property
+    def granule(self) -> int:
+        """Slices of a tensor must start at a multiple of this many values."""
+        return self.block if self.blockwise else 1
+
+    @property
+    def record_nbytes(self) -> int:
+        """Bytes per block record (blockwise) or per value (fp32, bf16)."""
+        if self.blockwise:
+            return _SCALE_BYTES + self.block * self.bits // 8
+        return self.bits // 8
+
+    def encoded_nbytes(self, count: int) -> int:
+        """Exact payload length of `count` values."""
+        if self.blockwise:
+            return -(-count // self.block) * self.record_nbytes
+        return count * self.record_nbytes
+
+    def wire_bytes_per_value(self) -> float:
+        return self.record_nbytes / self.block if self.blockwise else float(self.record_nbytes)
+
+    # ---- encode ------------------------------------------------------------------------------
+    def encode(self, x_N: np.ndarray, threads: int = DEFAULT_THREADS) -> np.ndarray:
+        """Encode a flat finite float32 vector into a flat uint8 buffer (a view of x for fp32).
+
+        Raises EncodeError on NaN/Inf (and on bf16 overflow): a delta that cannot be represented
+        is a bug upstream, never something to put on the wire.
+        """
+        x_N = np.ascontiguousarray(x_N, dtype=np.float32).reshape(-1)
+        if self.name == "fp32":
+            _require_finite(x_N)
+            return x_N.astype("<f4", copy=False).view(np.uint8)
+        if self.name == "bf16":
+            return _encode_bf16(x_N, threads).view(np.uint8)
+        return _encode_blocks(x_N, self.name, self.block, threads).reshape(-1)
+
+    # ---- decode ------------------------------------------------------------------------------
+    def validate(self, buf: memoryview | bytes | np.ndarray, count: int) -> None:
+        """Raise ProtocolError unless `buf` is a well-formed, finite encoding of `count` values."""
+        data_U = np.frombuffer(buf, dtype=np.uint8)
+        expected = self.encoded_nbytes(count)
+        if data_U.size != expected:
+            raise ProtocolError("length", f"{self.name} payload of {count} values must be {expected} bytes, got {data_U.size}")
+        if self.blockwise:
+            scale_B = data_U.reshape(-1, self.record_nbytes)[:, :_SCALE_BYTES].view("<f4")
+            if not (np.isfinite(scale_B).all() and (scale_B >= 0).all()):
+                raise ProtocolError("non_finite", f"{self.name} block scale is negative, NaN or Inf")
+        elif self.name == "fp32":
+            if not np.isfinite(data_U.view("<f4")).all():
+                raise ProtocolError("non_finite", "fp32 payload holds NaN or Inf")
+        else:  # bf16: exponent all ones means Inf or NaN
+            if ((data_U.view("<u2") & 0x7F80) == 0x7F80).any():
+                raise ProtocolError("non_finite", "bf16 payload holds NaN or Inf")
+
+    def decode(
+        self, buf: memoryview | bytes | np.ndarray, count: int, out: np.ndarray | None = None, threads: int = DEFAULT_THREADS
+    ) -> np.ndarray:
+        """Decode `count` values from `buf` (already `validate`d) into float32 `out` (allocated if None)."""
+        data_U = np.frombuffer(buf, dtype=np.uint8)
+        if data_U.size != self.encoded_nbytes(count):
+            raise ProtocolError("length", f"{self.name} payload of {count} values must be {self.encoded_nbytes(count)} bytes, got {data_U.size}")
+        if out is None:
+            out = np.empty(count, dtype=np.float32)
+        if out.shape != (count,) or out.dtype != np.float32:
+            raise EncodeError(f"out must be float32 of shape ({count},), got {out.dtype} {out.shape}")
+        if self.name == "fp32":
+            np.copyto(out, data_U.view("<f4"))
+        elif self.name == "bf16":
+            half_N, out_bits_N = data_U.view("<u2"), out.view(np.uint32)
+
+            def widen(lo: int, hi: int) -> None:
+                np.left_shift(half_N[lo:hi], 16, out=out_bits_N[lo:hi], dtype=np.uint32)
+
+            _run_pieces(widen, count, _PASS_BYTES // 4, threads)
+        else:
+            _decode_blocks(data_U, self, count, out, threads)
+        return out
+
+
+def _require_finite(x_N: np.ndarray) -> None:
+    if not np.isfinite(x_N).all():
+        raise EncodeError(f"cannot encode non-finite values ({np.count_nonzero(~np.isfinite(x_N))} NaN/Inf)")
+
+
+def _run_pieces(fn: Callable[[int, int], None], n: int, per_piece: int, threads: int) -> None:
+    """Call fn(lo, hi) over [0, n) in pieces of `per_piece`, on up to `threads` threads."""
+    bounds = [(lo, min(n, lo + per_piece)) for lo in range(0, n, per_piece)]
+    if threads <= 1 or len(bounds) < 2:
+        for lo, hi in bounds:
+            fn(lo, hi)
+        return
+    # list() re-raises the first exception of any piece in the caller's thread.
+    list(_pool(threads).map(lambda b: fn(*b), bounds))
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        if threads not in _pools:
+            _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="codec")
+        return _pools[threads]
+
+
+def _encode_bf16(x_N: np.ndarray, threads: int) -> np.ndarray:
+    bits_N = x_N.view(np.uint32)
+    rounded_N = np.empty(x_N.size, dtype="<u2")
+    overflow = []
+
+    def round_piece(lo: int, hi: int) -> None:
+        _require_finite(x_N[lo:hi])
+        bits = bits_N[lo:hi]
+        # Round to nearest even on the 16 dropped bits: add 0x7FFF plus the lowest kept bit.
+        wide = (bits >> 16) & 1
+        wide += 0x7FFF
+        wide += bits
+        wide >>= 16
+        np.copyto(rounded_N[lo:hi], wide, casting="unsafe")
+        if ((rounded_N[lo:hi] & 0x7F80) == 0x7F80).any():
+            overflow.append(lo)
+
+    _run_pieces(round_piece, x_N.size, _PASS_BYTES // 4, threads)
+    if overflow:
+        raise EncodeError("value overflows bfloat16 (|x| > 3.39e38)")
+    return rounded_N
+
+
+def _encode_blocks(x_N: np.ndarray, name: str, block: int, threads: int) -> np.ndarray:
+    """Quantize x into records of shape (blocks, record_nbytes)."""
+    levels, bits = _LEVELS[name], _BITS[name]
+    n_full, tail = divmod(x_N.size, block)
+    n_blocks = n_full + (tail > 0)
+    rec_BxR = np.empty((n_blocks, _SCALE_BYTES + block * bits // 8), dtype=np.uint8)
+    scale_B = rec_BxR[:, :_SCALE_BYTES].view("<f4")[:, 0]
+    codes_BxC = rec_BxR[:, _SCALE_BYTES:]
+    rows = max(1, _PASS_BYTES // (4 * block))
+    full_BxK = x_N[: n_full * block].reshape(n_full, block)
+
+    def quantize_piece(r0: int, r1: int) -> None:
+        _quantize_rows(full_BxK[r0:r1], scale_B[r0:r1], codes_BxC[r0:r1], levels, bits, _work(rows, block))
+
+    _run_pieces(quantize_piece, n_full, rows, threads)
+    if tail:
+        padded_1xK = np.zeros((1, block), dtype=np.float32)
+        padded_1xK[0, :tail] = x_N[n_full * block :]
+        _quantize_rows(padded_1xK, scale_B[n_full:], codes_BxC[n_full:], levels, bits, _work(1, block))
+    return rec_BxR
+
+
+class _Work:
+    """Cache-sized temporaries, reused per thread so that no piece pays for fresh pages."""
+
+    def __init__(self, rows: int, block: int) -> None:
+        self.f32_RxK = np.empty((rows, block), dtype=np.float32)
+        self.u8_RxK = np.empty((rows, block), dtype=np.uint8)
+        self.absmax_R = np.empty(rows, dtype=np.float32)
+
+
+_local = threading.local()
+
+
+def _work(rows: int, block: int) -> _Work:
+    cache = _local.__dict__.setdefault("work", {})
+    if (rows, block) not in cache:
+        cache[(rows, block)] = _Work(rows, block)
+    return cache[(rows, block)]
+
+
+def _quantize_rows(x_RxK, scale_R, codes_RxC, levels: int, bits: int, work: _Work) -> None:
+    n, block = x_RxK.shape
+    t_RxK, absmax_R = work.f32_RxK[:n], work.absmax_R[:n]
+    np.abs(x_RxK, out=t_RxK)
+    np.max(t_RxK, axis=1, out=absmax_R)
+    if not np.isfinite(absmax_R).all():
+        raise EncodeError("cannot encode non-finite values (NaN/Inf in a block)")
+    normal_R = absmax_R >= _FLUSH_BELOW
+    scale_R[:] = np.where(normal_R, absmax_R / np.float32(levels), np.float32(0))
+    inverse_R = np.divide(np.float32(levels), absmax_R, out=np.zeros_like(absmax_R), where=normal_R)
+    np.multiply(x_RxK, inverse_R[:, None], out=t_RxK)
+    np.rint(t_RxK, out=t_RxK)  # round half to even; |q| <= levels since |x| <= absmax
+    if bits == 8:
+        np.copyto(codes_RxC.view(np.int8), t_RxK, casting="unsafe")
+        return
+    offset = {4: 8, 2: 1}[bits]
+    t_RxK += np.float32(offset)
+    u_RxK = work.u8_RxK[:n]
+    np.copyto(u_RxK, t_RxK, casting="unsafe")
+    if bits == 4:
+        # Little-endian u16 of a pair is lo | hi << 8; OR-ing in itself >> 4 puts hi at bits 4..7.
+        pair_RxH = u_RxK.view("<u2")
+        np.copyto(codes_RxC, pair_RxH | (pair_RxH >> 4), casting="unsafe")
+    else:
+        quad_RxQ = u_RxK.view("<u4")
+        packed_RxQ = quad_RxQ | (quad_RxQ >> 6)
+        packed_RxQ |= packed_RxQ >> 12
+        np.copyto(codes_RxC, packed_RxQ, casting="unsafe")
+
+
+def _decode_blocks(data_U: np.ndarray, codec: Codec, count: int, out_N: np.ndarray, threads: int) -> None:
+    block, bits = codec.block, codec.bits
+    rec_BxR = data_U.reshape(-1, codec.record_nbytes)
+    n_blocks = rec_BxR.shape[0]
+    scale_Bx1 = rec_BxR[:, :_SCALE_BYTES].view("<f4")
+    codes_BxC = rec_BxR[:, _SCALE_BYTES:]
+    n_full = count // block
+    full_BxK = out_N[: n_full * block].reshape(n_full, block)
+
+    def dequantize_piece(r0: int, r1: int) -> None:
+        _dequantize_rows(codes_BxC[r0:r1], scale_Bx1[r0:r1], full_BxK[r0:r1], bits)
+
+    _run_pieces(dequantize_piece, n_full, max(1, _PASS_BYTES // (4 * block)), threads)
+    if n_blocks > n_full:
+        padded_1xK = np.empty((1, block), dtype=np.float32)
+        _dequantize_rows(codes_BxC[n_full:], scale_Bx1[n_full:], padded_1xK, bits)
+        out_N[n_full * block :] = padded_1xK[0, : count - n_full * block]
+
+
+def _dequantize_rows(codes_RxC, scale_Rx1, out_RxK, bits: int) -> None:
+    if bits == 8:
+        np.multiply(codes_RxC.view(np.int8), scale_Rx1, out=out_RxK)
+        return
+    # One table lookup per byte yields all of its levels (2 for int4, 4 for int2), in order.
+    table = Codec._tables[bits]
+    n, per_byte = out_RxK.shape[0], 8 // bits
+    np.take(table, codes_RxC, axis=0, out=out_RxK.reshape(n, -1, per_byte))
+    out_RxK *= scale_Rx1
