@@ -5,7 +5,7 @@ The byte layouts are specified in PROTOCOL.md §Codecs; in short:
 
 - ``fp32``: IEEE-754 binary32, little-endian.  Lossless.
 - ``bf16``: the upper 16 bits of the binary32 value after round-to-nearest-even, little-endian.
-  Relative error ≤ 2**-9 (8 stored mantissa bits).
+  Relative error ≤ 2**-8 (8 significant bits, round to nearest even).
 - ``int8`` / ``int4`` / ``int2``: the vector is cut into blocks of ``block`` values (the last block
   zero-padded).  Each block is one *record*: a float32 ``scale`` (little-endian) followed by the
   block's codes.  With ``L`` = 127, 7, 1 levels: ``scale = absmax / L`` and

@@ -1,0 +1,1 @@
+"""The `dloco` command line and, later, the local multi-island launcher."""

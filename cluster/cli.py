@@ -1,0 +1,55 @@
+"""`dloco`: one command, one subcommand per process or tool.  Wiring only: parse, build, run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dloco", description="Decoupled DiLoCo: islands, merger, broker and tools.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    bench = commands.add_parser("bench", help="run a benchmark and print its figures")
+    suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    codec = suites.add_parser("codec", help="quantize/dequantize/frame ~100 MB of deltas with every codec vs memcpy")
+    codec.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    codec.add_argument("--mib", type=_positive_int, default=100, help="MiB of float32 deltas (default 100)")
+    codec.add_argument("--block", type=_positive_int, default=256, help="values per quantization block (power of two, default 256)")
+    codec.add_argument("--reps", type=_positive_int, default=5, help="timed repetitions; medians are reported (default 5)")
+    codec.add_argument("--threads", type=_positive_int, default=None, help="codec threads (default: min(4, cores))")
+    codec.set_defaults(run=_bench_codec)
+    return parser
+
+
+def _bench_codec(args: argparse.Namespace) -> int:
+    from benchmarks import codec
+    from protocol import DlocoError
+
+    try:
+        result = codec.run(total_mib=args.mib, block=args.block, reps=args.reps, threads=args.threads)
+    except DlocoError as error:
+        print(f"dloco bench codec: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else codec.format_table(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

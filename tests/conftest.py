@@ -1,0 +1,52 @@
+"""Shared test helpers: small fragments and valid messages of every kind."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import protocol
+
+
+def make_fragment(seed: int = 0, scale: float = 1e-2) -> dict[str, np.ndarray]:
+    """A fragment with awkward sizes: odd lengths, a scalar, a tensor spanning many blocks."""
+    rng = np.random.default_rng(seed)
+    shapes = {"embed/table": (97, 33), "blocks/0/mlp/kernel": (64, 130), "blocks/0/norm/scale": (33,), "head/bias": (1,)}
+    return {path: (rng.standard_normal(shape) * scale).astype(np.float32) for path, shape in shapes.items()}
+
+
+def delta_messages(fragment, codec, max_chunk_bytes=4096, sender="island-a", epoch=7, delta_id=1, base_version=3):
+    plans = protocol.split_fragment(fragment, codec, max_chunk_bytes)
+    model = protocol.model_fingerprint(fragment)
+    return [
+        protocol.DeltaChunk(sender=sender, epoch=epoch, seq=i + 1, delta_id=delta_id, fragment=2, base_version=base_version,
+                            chunk_index=i, chunk_count=len(plans), steps=50, tokens=50 * 2048, model=model, codec=codec,
+                            slices=plan.slices, payloads=plan.payloads)
+        for i, plan in enumerate(plans)
+    ]
+
+
+def one_of_each_kind() -> list[protocol.Message]:
+    """A valid message of every kind (chunks with real payloads)."""
+    fragment = make_fragment()
+    delta = delta_messages(fragment, protocol.Codec("int4"), max_chunk_bytes=1 << 20)[0]
+    plan = protocol.split_fragment(fragment, protocol.Codec("bf16"))[0]
+    snapshot = protocol.SnapshotChunk(sender="merger", epoch=1, seq=9, fragment=2, version=4, chunk_index=0, chunk_count=1,
+                                      model=delta.model, codec=protocol.Codec("bf16"), slices=plan.slices, payloads=plan.payloads)
+    return [
+        delta,
+        snapshot,
+        protocol.Heartbeat(sender="island-a", epoch=7, seq=12),
+        protocol.Hello(sender="island-a", epoch=7, seq=0, role="island", region="us-east", model=delta.model, codecs=("int4", "bf16")),
+        protocol.ResendRequest(sender="merger", epoch=1, seq=9, target="island-a", target_epoch=7, ranges=((3, 5), (9, 9))),
+        protocol.Ack(sender="merger", epoch=1, seq=10,
+                     cursors=(protocol.Cursor(island="island-a", epoch=7, seq=12),),
+                     results=(protocol.DeltaResult(island="island-a", epoch=7, delta_id=1, fragment=2, status="folded", version=5, reason=""),
+                              protocol.DeltaResult(island="island-b", epoch=3, delta_id=4, fragment=2, status="rejected", version=5, reason="stale: 9 > 8"))),
+        protocol.SnapshotRequest(sender="island-a", epoch=7, seq=12, fragments=(0, 2)),
+    ]
+
+
+@pytest.fixture
+def fragment() -> dict[str, np.ndarray]:
+    return make_fragment()

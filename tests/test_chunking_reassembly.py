@@ -1,0 +1,146 @@
+"""Chunking and reassembly: bounded chunks, any order, duplicates, inconsistency, eviction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import protocol
+from protocol import Codec, ProtocolError, Reassembler, decode, encode
+from tests.conftest import delta_messages, make_fragment
+
+FRAGMENT = make_fragment()
+
+
+def wire(messages):
+    """What a receiver sees: the messages after encode -> bytes -> decode."""
+    return [decode([bytes(f) for f in encode(m)]) for m in messages]
+
+
+@pytest.mark.parametrize("name", protocol.CODEC_NAMES)
+@pytest.mark.parametrize("max_chunk_bytes", [260, 1000, 4096, 1 << 20])
+def test_chunks_respect_the_budget_and_tile_every_tensor(name, max_chunk_bytes):
+    codec = Codec(name)
+    if max_chunk_bytes < codec.record_nbytes:
+        with pytest.raises(protocol.EncodeError):
+            protocol.split_fragment(FRAGMENT, codec, max_chunk_bytes)
+        return
+    plans = protocol.split_fragment(FRAGMENT, codec, max_chunk_bytes)
+    covered = {path: 0 for path in FRAGMENT}
+    for plan in plans:
+        assert 0 < plan.nbytes <= max_chunk_bytes
+        for item, payload in zip(plan.slices, plan.payloads):
+            assert item.start % codec.granule == 0 and payload.nbytes == codec.encoded_nbytes(item.count)
+            assert item.start == covered[item.path]  # in order, no gap, no overlap
+            covered[item.path] += item.count
+    assert covered == {path: a.size for path, a in FRAGMENT.items()}
+
+
+@pytest.mark.parametrize("name", protocol.CODEC_NAMES)
+def test_reassembly_equals_whole_tensor_decode(name):
+    codec = Codec(name)
+    chunks = wire(delta_messages(FRAGMENT, codec, max_chunk_bytes=700))
+    reassembler = Reassembler()
+    results = [r for m in chunks if (r := reassembler.add(m, 0.0))]
+    assert len(chunks) > 1 and len(results) == 1
+    for path, x in FRAGMENT.items():
+        expected = codec.decode(codec.encode(x.reshape(-1)), x.size).reshape(x.shape)
+        assert results[0].tensors[path].shape == x.shape
+        assert np.array_equal(results[0].tensors[path], expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.permutations(range(12)), st.lists(st.integers(0, 11), max_size=8))
+def test_any_order_with_duplicates_completes_exactly_once(order, duplicates):
+    chunks = wire(delta_messages(FRAGMENT, Codec("int4"), max_chunk_bytes=600))  # 4 records of 132 B per chunk
+    assert len(chunks) == 12
+    reassembler = Reassembler()
+    arrivals = [chunks[i] for i in order]
+    for i in duplicates:
+        arrivals.insert(i, chunks[i])
+    arrivals += [chunks[0], chunks[-1]]  # late duplicates after completion
+    completed = [r for chunk in arrivals if (r := reassembler.add(chunk, 0.0))]
+    assert len(completed) == 1
+    assert completed[0].seqs == tuple(range(1, 13))
+    assert reassembler.stats.duplicates == len(duplicates) + 2 and len(reassembler) == 0 and reassembler.held_bytes == 0
+
+
+def test_inconsistent_chunks_are_rejected_and_state_kept():
+    chunks = wire(delta_messages(FRAGMENT, Codec("int8"), max_chunk_bytes=2000))
+    reassembler = Reassembler()
+    assert reassembler.add(chunks[0], 0.0) is None
+    other_base = dataclasses.replace(chunks[1], base_version=99)
+    wrong_shape = dataclasses.replace(chunks[1], slices=tuple(dataclasses.replace(s, shape=(1, *s.shape)) for s in chunks[1].slices))
+    overlapping = dataclasses.replace(chunks[1], slices=chunks[0].slices, payloads=chunks[0].payloads)
+    for bad in (other_base, wrong_shape, overlapping):
+        with pytest.raises(ProtocolError) as info:
+            reassembler.add(bad, 0.0)
+        assert info.value.reason == "inconsistent"
+    assert reassembler.stats.inconsistent == 3
+    completed = [r for chunk in chunks[1:] if (r := reassembler.add(chunk, 0.0))]
+    assert len(completed) == 1  # the good chunks still complete the delta
+
+
+def test_a_chunk_count_that_lies_is_caught_at_completion():
+    chunks = wire(delta_messages(FRAGMENT, Codec("fp32"), max_chunk_bytes=4000))
+    short = [dataclasses.replace(c, chunk_count=2) for c in chunks[:2]]
+    reassembler = Reassembler()
+    reassembler.add(short[0], 0.0)
+    with pytest.raises(ProtocolError, match="values after all chunks arrived"):
+        reassembler.add(short[1], 0.0)
+    assert reassembler.add(short[0], 0.0) is None  # the failed message is settled: no second attempt
+
+
+def test_incomplete_messages_are_evicted_after_the_ttl():
+    chunks = wire(delta_messages(FRAGMENT, Codec("int4"), max_chunk_bytes=1100))
+    reassembler = Reassembler(ttl_s=5.0)
+    reassembler.add(chunks[0], now=100.0)
+    assert reassembler.evict(now=104.0) == [] and len(reassembler) == 1
+    assert len(reassembler.evict(now=105.5)) == 1
+    assert len(reassembler) == 0 and reassembler.held_bytes == 0 and reassembler.stats.evicted_ttl == 1
+
+
+def test_memory_budget_evicts_the_oldest_partial():
+    first = wire(delta_messages(FRAGMENT, Codec("fp32"), max_chunk_bytes=4000, delta_id=1))
+    second = wire(delta_messages(FRAGMENT, Codec("fp32"), max_chunk_bytes=4000, delta_id=2))
+    reassembler = Reassembler(max_bytes=10_000)
+    reassembler.add(first[0], 0.0)
+    reassembler.add(first[1], 0.0)
+    reassembler.add(second[0], 1.0)
+    assert reassembler.held_bytes <= 10_000 and reassembler.stats.evicted_memory == 1
+    assert [key[3] for key in reassembler._partials] == [2]
+    with pytest.raises(ProtocolError, match="exceeds the reassembly budget"):
+        Reassembler(max_bytes=100).add(first[0], 0.0)
+
+
+def test_completed_keys_are_remembered_in_bounded_memory():
+    reassembler = Reassembler(remember=3)
+    for delta_id in range(1, 6):
+        small = {"w": np.ones(4, dtype=np.float32)}
+        (chunk,) = wire(delta_messages(small, Codec("fp32"), delta_id=delta_id))
+        assert reassembler.add(chunk, 0.0) is not None
+    assert len(reassembler._done) == 3
+
+
+def test_snapshots_reassemble_by_fragment_and_version():
+    plans = protocol.split_fragment(FRAGMENT, Codec("bf16"), 3000)
+    chunks = wire([protocol.SnapshotChunk(sender="merger", epoch=1, seq=i + 1, fragment=1, version=8, chunk_index=i,
+                                          chunk_count=len(plans), model="m", codec=Codec("bf16"), slices=p.slices, payloads=p.payloads)
+                   for i, p in enumerate(plans)])
+    reassembler = Reassembler()
+    results = [r for c in reversed(chunks) if (r := reassembler.add(c, 0.0))]
+    assert len(results) == 1 and results[0].key == ("merger", 1, "snapshot", 1, 8)
+    for path, x in FRAGMENT.items():
+        assert np.allclose(results[0].tensors[path], x, rtol=2**-8, atol=0)
+
+
+def test_model_fingerprint_depends_on_structure_only():
+    same_structure = {path: np.zeros_like(a) for path, a in FRAGMENT.items()}
+    assert protocol.model_fingerprint(FRAGMENT) == protocol.model_fingerprint(same_structure)
+    assert protocol.model_fingerprint(FRAGMENT) == protocol.model_fingerprint({p: (a.shape, "float32") for p, a in FRAGMENT.items()})
+    renamed = {**FRAGMENT, "head/bias": np.zeros(2, dtype=np.float32)}
+    assert protocol.model_fingerprint(FRAGMENT) != protocol.model_fingerprint(renamed)

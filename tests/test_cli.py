@@ -1,0 +1,48 @@
+"""The `dloco` command line: the codec benchmark's JSON contract and clear errors for bad arguments."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import protocol
+
+
+def dloco(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_bench_codec_json_has_every_figure():
+    run = dloco("bench", "codec", "--json", "--mib", "8", "--reps", "2")
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["memcpy_gbps"] > 0
+    assert set(result["codecs"]) == set(protocol.CODEC_NAMES)
+    for name, stats in result["codecs"].items():
+        for key in ("quantize_gbps", "dequantize_gbps", "roundtrip_max_rel_err", "wire_bytes_per_param", "frame_encode_gbps", "frame_decode_gbps"):
+            assert stats[key] >= 0, (name, key)
+    codecs = result["codecs"]
+    assert codecs["fp32"]["roundtrip_max_rel_err"] == 0
+    assert codecs["int8"]["roundtrip_max_rel_err"] <= 0.5 / 127 * (1 + 1e-5)  # half a step of the largest block
+    assert codecs["int4"]["roundtrip_max_rel_err"] <= 0.5 / 7 * (1 + 1e-5)
+    assert codecs["int4"]["wire_bytes_per_param"] <= 0.53 and codecs["int8"]["wire_bytes_per_param"] <= 1.02
+    assert "bench codec: int4" in run.stderr  # progress goes to stderr, the figures to stdout
+
+
+def test_bench_codec_table_is_the_default():
+    run = dloco("bench", "codec", "--mib", "4", "--reps", "1")
+    assert run.returncode == 0 and "memcpy" in run.stdout and "int4" in run.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (("bench", "codec", "--mib", "0"), "positive integer"),
+    (("bench", "codec", "--block", "100", "--mib", "4"), "power of two"),
+    (("bench", "nosuch"), "invalid choice"),
+    ((), "required"),
+])
+def test_bad_arguments_exit_2_with_a_clear_message(args, message):
+    run = dloco(*args)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
