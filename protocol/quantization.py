@@ -102,6 +102,12 @@ class Codec:
             return _SCALE_BYTES + self.block * self.bits // 8
         return self.bits // 8
 
+    @property
+    def max_scale(self) -> float:
+        """Largest valid block scale: every code times it is finite in float32."""
+        largest_code = {"int8": 128, "int4": 8, "int2": 2}[self.name]
+        return float(np.finfo(np.float32).max) / largest_code
+
     def encoded_nbytes(self, count: int) -> int:
         """Exact payload length of `count` values."""
         if self.blockwise:
@@ -135,8 +141,9 @@ class Codec:
             raise ProtocolError("length", f"{self.name} payload of {count} values must be {expected} bytes, got {data_U.size}")
         if self.blockwise:
             scale_B = data_U.reshape(-1, self.record_nbytes)[:, :_SCALE_BYTES].view("<f4")
-            if not (np.isfinite(scale_B).all() and (scale_B >= 0).all()):
-                raise ProtocolError("non_finite", f"{self.name} block scale is negative, NaN or Inf")
+            # The largest code magnitude (int8 -128, int4 -8, int2 +2) times the scale must stay finite.
+            if not (np.isfinite(scale_B).all() and (scale_B >= 0).all() and (scale_B <= self.max_scale).all()):
+                raise ProtocolError("non_finite", f"{self.name} block scale is negative, NaN, Inf, or so large that decoded values overflow")
         elif self.name == "fp32":
             if not np.isfinite(data_U.view("<f4")).all():
                 raise ProtocolError("non_finite", "fp32 payload holds NaN or Inf")

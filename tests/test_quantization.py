@@ -128,12 +128,19 @@ def test_every_code_decodes_even_those_encoders_never_emit():
     assert Codec("int2", 8).decode(record2, 8).tolist() == [1, 1, 1, 1, -0.5, -0.5, -0.5, -0.5]
 
 
-@pytest.mark.parametrize("scale", [-1.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("scale", [-1.0, float("nan"), float("inf"), 3e38])
 def test_validate_rejects_bad_scales(scale):
     record = np.frombuffer(struct.pack("<f", scale) + bytes(4), dtype=np.uint8)
     with pytest.raises(ProtocolError) as info:
         Codec("int4", 8).validate(record, 8)
     assert info.value.reason == "non_finite"
+
+
+def test_largest_valid_scale_decodes_finite():
+    scale = Codec("int8", 8).max_scale
+    record = np.frombuffer(struct.pack("<f", scale) + bytes([0x80] * 8), dtype=np.uint8)  # every code -128
+    Codec("int8", 8).validate(record, 8)
+    assert np.isfinite(Codec("int8", 8).decode(record, 8)).all()
 
 
 def test_validate_rejects_wrong_length_and_non_finite_floats():
