@@ -1,0 +1,69 @@
+"""Typed, frozen configuration of the merger's math; every value validated with the offender named."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from protocol.errors import DlocoError
+
+
+class ConfigError(DlocoError, ValueError):
+    """A configuration value is out of its domain."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterConfig:
+    """Outer optimizer (DiLoCo: SGD with Nesterov momentum, lr 0.7, momentum 0.9)."""
+
+    kind: str = "nesterov"  # "nesterov" | "delayed_nesterov" | "sgd"
+    lr: float = 0.7
+    momentum: float = 0.9
+    delay: int = 4  # delayed_nesterov: momentum applied once per `delay` folds (Liu et al. 2024: N)
+
+    KINDS = ("nesterov", "delayed_nesterov", "sgd")
+
+    def __post_init__(self) -> None:
+        _require(self.kind in self.KINDS, f"outer.kind must be one of {self.KINDS}, got {self.kind!r}")
+        _require(0 < self.lr <= 10, f"outer.lr must be in (0, 10], got {self.lr}")
+        _require(0 <= self.momentum < 1, f"outer.momentum must be in [0, 1), got {self.momentum}")
+        _require(isinstance(self.delay, int) and self.delay >= 1, f"outer.delay must be an int >= 1, got {self.delay!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeConfig:
+    """How admitted deltas of one round become one merged delta."""
+
+    method: str = "rda"  # "rda" (radial-directional averaging) | "average" (token-weighted mean)
+    max_staleness: int = 4  # S: reject deltas whose base is more than S versions behind
+    staleness_power: float = 0.0  # weight *= (1 + staleness) ** -power; 0 disables the discount
+    average_paths: tuple[str, ...] = ("embed",)  # tensors whose path contains one of these use the plain mean (paper)
+
+    METHODS = ("rda", "average")
+
+    def __post_init__(self) -> None:
+        _require(self.method in self.METHODS, f"merge.method must be one of {self.METHODS}, got {self.method!r}")
+        _require(isinstance(self.max_staleness, int) and self.max_staleness >= 0, f"merge.max_staleness must be an int >= 0, got {self.max_staleness!r}")
+        _require(0 <= self.staleness_power <= 8, f"merge.staleness_power must be in [0, 8], got {self.staleness_power}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundConfig:
+    """When to fold: a minimum quorum, then an adaptive grace window."""
+
+    quorum: int = 1  # K: deltas needed before a fold; 1 = nobody is ever held back by others
+    quorum_timeout_s: float = 30.0  # fold with fewer than K once the oldest pending delta waited this long
+    grace_cap_s: float = 1.0  # never wait longer than this past the moment the quorum was met
+    grace_slack_s: float = 0.05  # wait this much past an island's predicted arrival
+    ema_alpha: float = 0.3  # smoothing of each island's inter-arrival time
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.quorum, int) and self.quorum >= 1, f"round.quorum must be an int >= 1, got {self.quorum!r}")
+        _require(self.quorum_timeout_s > 0, f"round.quorum_timeout_s must be > 0, got {self.quorum_timeout_s}")
+        _require(self.grace_cap_s >= 0, f"round.grace_cap_s must be >= 0, got {self.grace_cap_s}")
+        _require(self.grace_slack_s >= 0, f"round.grace_slack_s must be >= 0, got {self.grace_slack_s}")
+        _require(0 < self.ema_alpha <= 1, f"round.ema_alpha must be in (0, 1], got {self.ema_alpha}")

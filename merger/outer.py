@@ -1,0 +1,68 @@
+"""Outer optimizers over a fragment's parameters, as optax transformations.
+
+The pseudo-gradient is the merged delta (anchor - theta), so the outer step descends along it:
+with lr 1 and no momentum, one island's delta moves the global model exactly to that island's
+parameters.  Default: SGD with Nesterov momentum, lr 0.7, momentum 0.9 (DiLoCo, Douillard et al.
+2023) — `optax.sgd(..., nesterov=True)`.
+
+Delayed Nesterov (Liu et al. 2024, "Asynchronous Local-SGD Training for Language Modeling",
+arXiv:2401.09135, with their c = 0): asynchronous folds each take a plain step of ``lr * g / N``;
+every N-th fold the momentum buffer absorbs the mean of the last N pseudo-gradients,
+``m <- beta * m + mean(g)``, and the parameters take the extra momentum step ``lr * beta * m``.
+With N = 1 it is exactly Nesterov SGD.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from merger.config import OuterConfig
+
+
+class DelayedNesterovState(NamedTuple):
+    count: jax.Array  # folds since the start, int32
+    momentum: optax.Updates
+    accumulated: optax.Updates  # sum of pseudo-gradients since the last momentum update
+
+
+def delayed_nesterov(learning_rate: float, momentum: float, delay: int) -> optax.GradientTransformation:
+    def init(params: optax.Params) -> DelayedNesterovState:
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        return DelayedNesterovState(jnp.zeros([], jnp.int32), zeros, zeros)
+
+    def update(grads: optax.Updates, state: DelayedNesterovState, params: optax.Params | None = None):
+        del params
+        count = state.count + 1
+        accumulated = jax.tree_util.tree_map(jnp.add, state.accumulated, grads)
+        due = count % delay == 0
+        new_momentum = jax.tree_util.tree_map(lambda m, a: jnp.where(due, momentum * m + a / delay, m), state.momentum, accumulated)
+        updates = jax.tree_util.tree_map(
+            lambda g, m: -learning_rate * (g / delay + jnp.where(due, momentum * m, jnp.zeros_like(m))), grads, new_momentum
+        )
+        accumulated = jax.tree_util.tree_map(lambda a: jnp.where(due, jnp.zeros_like(a), a), accumulated)
+        return updates, DelayedNesterovState(count, new_momentum, accumulated)
+
+    return optax.GradientTransformation(init, update)
+
+
+def outer_optimizer(config: OuterConfig) -> optax.GradientTransformation:
+    if config.kind == "nesterov":
+        return optax.sgd(config.lr, momentum=config.momentum, nesterov=True)
+    if config.kind == "sgd":
+        return optax.sgd(config.lr)
+    return delayed_nesterov(config.lr, config.momentum, config.delay)
+
+
+def make_step(optimizer: optax.GradientTransformation):
+    """A jitted ``(params, opt_state, pseudo_gradient) -> (params, opt_state)``."""
+
+    @jax.jit
+    def step(params, opt_state, pseudo_gradient):
+        updates, opt_state = optimizer.update(pseudo_gradient, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step

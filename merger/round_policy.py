@@ -1,0 +1,64 @@
+"""When to fold: a pure function of the pending arrivals, the clock reading and arrival history.
+
+Rule (per fragment):
+1. Fewer than K deltas pending: wait for more, but never past ``oldest + quorum_timeout`` (a dead
+   island must not stall the run; K = 1 folds on the first arrival).
+2. Quorum met at time q: fold now unless some island not yet pending is *predicted* (last arrival
+   + EMA of its inter-arrival time) to arrive before ``q + grace_cap``; then wait until the
+   earliest such prediction plus a small slack.  A prediction that has passed no longer counts,
+   so each wait ends in a fold or a shorter wait; no wait goes past ``q + grace_cap``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from merger.config import RoundConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrivalStats:
+    """One island's arrival history for one fragment."""
+
+    last: float  # time of its latest delta
+    interval: float | None  # EMA of the time between its deltas; None after a single arrival
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    fold: bool
+    wait_until: float | None  # when to decide again if not folding; None: only on the next arrival
+
+
+def observe(stats: ArrivalStats | None, now: float, alpha: float) -> ArrivalStats:
+    """Arrival history after a delta arrives at `now`."""
+    if stats is None:
+        return ArrivalStats(last=now, interval=None)
+    gap = max(0.0, now - stats.last)
+    interval = gap if stats.interval is None else alpha * gap + (1 - alpha) * stats.interval
+    return ArrivalStats(last=now, interval=interval)
+
+
+def decide(now: float, pending: Sequence[tuple[str, float]], history: Mapping[str, ArrivalStats], config: RoundConfig) -> Decision:
+    """`pending`: (island, arrival time) of admitted deltas not folded yet, oldest first."""
+    if not pending:
+        return Decision(False, None)
+    oldest = min(t for _, t in pending)
+    if len(pending) < config.quorum:
+        deadline = oldest + config.quorum_timeout_s
+        return Decision(True, None) if now >= deadline else Decision(False, deadline)
+    quorum_met = sorted(t for _, t in pending)[config.quorum - 1]
+    deadline = quorum_met + config.grace_cap_s
+    if now >= deadline:
+        return Decision(True, None)
+    waiting_for = {island for island, _ in pending}
+    predictions = [
+        stats.last + stats.interval
+        for island, stats in history.items()
+        if island not in waiting_for and stats.interval is not None and now < stats.last + stats.interval + config.grace_slack_s
+    ]
+    upcoming = [p for p in predictions if p <= deadline]
+    if not upcoming:
+        return Decision(True, None)
+    return Decision(False, min(min(upcoming) + config.grace_slack_s, deadline))

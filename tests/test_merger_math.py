@@ -1,0 +1,207 @@
+"""The merger's pure core against hand-derived values: admission, weights, RDA, outer steps, rounds, fold."""
+
+from __future__ import annotations
+
+import random
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from merger import admission, outer, rda, round_policy, weighting
+from merger.config import ConfigError, MergeConfig, OuterConfig, RoundConfig
+from merger.fold import Contribution, fold, init_state
+
+LAYOUT = {"w": (2, 2), "b": (2,)}
+
+
+def candidate(**overrides) -> admission.Candidate:
+    fields = dict(island="a", epoch=1, delta_id=1, fragment=0, base_version=3, steps=10, tokens=1000, model="m",
+                  tensors={"w": np.ones((2, 2), np.float32), "b": np.zeros(2, np.float32)})
+    return admission.Candidate(**{**fields, **overrides})
+
+
+@pytest.mark.parametrize("overrides,reason,staleness", [
+    ({}, "", 2),
+    ({"base_version": 5}, "", 0),
+    ({"base_version": 2}, "stale", 3),
+    ({"base_version": 6}, "future_base", -1),
+    ({"model": "other"}, "model_mismatch", 2),
+    ({"tensors": {"w": np.ones((2, 2), np.float32)}}, "layout_mismatch", 2),
+    ({"tensors": {"w": np.ones((4,), np.float32), "b": np.zeros(2, np.float32)}}, "layout_mismatch", 2),
+    ({"steps": 0}, "empty", 2),
+    ({"tensors": {"w": np.full((2, 2), np.nan, np.float32), "b": np.zeros(2, np.float32)}}, "non_finite", 2),
+])
+def test_admission(overrides, reason, staleness):
+    verdict = admission.admit(candidate(**overrides), version=5, layout=LAYOUT, model="m", max_staleness=2)
+    assert (verdict.admitted, verdict.reason, verdict.staleness) == (reason == "", reason, staleness)
+
+
+def test_token_weights_by_hand():
+    assert weighting.token_weight(tokens=100, steps=10) == 1000.0
+    assert weighting.weights([(100, 10, 0), (50, 10, 0)], power=0) == pytest.approx([0.8, 0.2])
+    # staleness 1 with power 1 halves the raw weight: 1000 and 500 -> 2/3, 1/3
+    assert weighting.weights([(100, 10, 0), (100, 10, 1)], power=1) == pytest.approx([2 / 3, 1 / 3])
+
+
+def test_rda_by_hand():
+    d1, d2 = np.array([3, 0], np.float32), np.array([0, 4], np.float32)
+    # r = (3 + 4) / 2 = 3.5 ; u = ([1,0] + [0,1]) / 2 -> unit [1,1]/sqrt2 ; merged = 3.5/sqrt2 * [1, 1]
+    assert rda.radial_directional_average([d1, d2], [0.5, 0.5]) == pytest.approx(np.full(2, 3.5 / np.sqrt(2)), rel=1e-6)
+    assert rda.weighted_average([d1, d2], [0.5, 0.5]) == pytest.approx([1.5, 2.0])
+
+
+def test_rda_single_island_and_zero_deltas():
+    d = np.array([[1, -2], [3, 0.5]], np.float32)
+    assert np.allclose(rda.radial_directional_average([d], [1.0]), d, rtol=1e-6)
+    zero, x = np.zeros(2, np.float32), np.array([2, 0], np.float32)
+    # the zero delta halves the radius (r = 1) and adds no direction
+    assert rda.radial_directional_average([zero, x], [0.5, 0.5]).tolist() == [1.0, 0.0]
+    assert rda.radial_directional_average([zero, zero], [0.5, 0.5]).tolist() == [0.0, 0.0]
+
+
+def test_rda_keeps_the_length_a_plain_mean_loses():
+    rng = np.random.default_rng(0)
+    deltas = [rng.standard_normal(10_000).astype(np.float32) for _ in range(16)]
+    w = [1 / 16] * 16
+    # near-orthogonal deltas: the mean shrinks ~1/sqrt(16) = 1/4, RDA keeps the mean norm
+    assert rda.norm(rda.weighted_average(deltas, w)) == pytest.approx(100 / 4, rel=0.05)
+    assert rda.norm(rda.radial_directional_average(deltas, w)) == pytest.approx(100, rel=0.02)
+
+
+def run_outer(config: OuterConfig, grads: list[float]) -> list[float]:
+    optimizer = outer.outer_optimizer(config)
+    step = outer.make_step(optimizer)
+    params = {"p": jnp.zeros(())}
+    state = optimizer.init(params)
+    trace = []
+    for g in grads:
+        params, state = step(params, state, {"p": jnp.asarray(g, jnp.float32)})
+        trace.append(float(params["p"]))
+    return trace
+
+
+def test_nesterov_by_hand():
+    # m1 = 1, p1 = -0.7 (1 + 0.9*1) = -1.33 ; m2 = 1.9, p2 = p1 - 0.7 (1 + 0.9*1.9) = -3.227
+    assert run_outer(OuterConfig("nesterov", lr=0.7, momentum=0.9), [1, 1]) == pytest.approx([-1.33, -3.227], rel=1e-6)
+
+
+def test_delayed_nesterov_by_hand():
+    # N=2: plain 0.7*1/2 steps; every 2nd fold m <- 0.9 m + mean(g) and an extra 0.7*0.9*m step
+    expected = [-0.35, -1.33, -1.68, -3.227]
+    assert run_outer(OuterConfig("delayed_nesterov", lr=0.7, momentum=0.9, delay=2), [1, 1, 1, 1]) == pytest.approx(expected, rel=1e-6)
+
+
+def test_delayed_nesterov_with_delay_1_is_optax_nesterov():
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(6)]
+    results = []
+    for optimizer in (outer.delayed_nesterov(0.7, 0.9, 1), optax.sgd(0.7, momentum=0.9, nesterov=True)):
+        params, state = {"w": jnp.ones((3, 4))}, None
+        state = optimizer.init(params)
+        for g in grads:
+            updates, state = optimizer.update({"w": jnp.asarray(g)}, state, params)
+            params = optax.apply_updates(params, updates)
+        results.append(np.asarray(params["w"]))
+    assert np.allclose(results[0], results[1], rtol=1e-6, atol=1e-6)
+
+
+def test_outer_step_matches_a_direct_optax_reference():
+    rng = np.random.default_rng(2)
+    params = {"w": rng.standard_normal((5, 3)).astype(np.float32)}
+    grads = [{"w": rng.standard_normal((5, 3)).astype(np.float32)} for _ in range(3)]
+    reference = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    ref_params, ref_state = {"w": jnp.asarray(params["w"])}, reference.init(params)
+    for g in grads:
+        updates, ref_state = reference.update(g, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, updates)
+    state = init_state(params, outer.outer_optimizer(OuterConfig()))
+    step = outer.make_step(outer.outer_optimizer(OuterConfig()))
+    for g in grads:
+        state, _ = fold(state, [Contribution("a", 1, 1, 0, 100, 10, g)], MergeConfig(), step)
+    assert state.version == 3 and np.allclose(state.params["w"], np.asarray(ref_params["w"]), rtol=1e-6, atol=1e-6)
+
+
+def test_one_island_with_plain_sgd_lr_1_lands_on_its_parameters():
+    anchor = {"w": np.array([1.0, 2.0], np.float32)}
+    theta = {"w": np.array([0.5, 2.5], np.float32)}
+    delta = {"w": anchor["w"] - theta["w"]}
+    config = OuterConfig("sgd", lr=1.0)
+    state = init_state(anchor, outer.outer_optimizer(config))
+    state, report = fold(state, [Contribution("a", 1, 1, 0, 64, 4, delta)], MergeConfig(), outer.make_step(outer.outer_optimizer(config)))
+    assert np.array_equal(state.params["w"], theta["w"]) and report.version == 1 and report.weights == (1.0,)
+
+
+def test_fold_is_order_independent_and_deterministic():
+    rng = np.random.default_rng(3)
+    contributions = [Contribution(f"i{k}", 1, k, k % 2, 100 + k, 10, {"w": rng.standard_normal(50).astype(np.float32),
+                                                                        "embed/table": rng.standard_normal(7).astype(np.float32)})
+                     for k in range(5)]
+    config = OuterConfig()
+    step = outer.make_step(outer.outer_optimizer(config))
+    start = init_state({"w": np.zeros(50, np.float32), "embed/table": np.zeros(7, np.float32)}, outer.outer_optimizer(config))
+    results = []
+    for _ in range(3):
+        shuffled = random.Random(len(results)).sample(contributions, len(contributions))
+        state, report = fold(start, shuffled, MergeConfig(), step)
+        results.append((state.params["w"].tobytes(), state.params["embed/table"].tobytes(), report.contributors))
+    assert results[0] == results[1] == results[2]
+    assert report.contributors == ("i0", "i1", "i2", "i3", "i4") and sum(report.weights) == pytest.approx(1.0)
+
+
+# ---- rounds ----------------------------------------------------------------------------------
+def test_quorum_one_folds_immediately():
+    assert round_policy.decide(5.0, [("a", 5.0)], {}, RoundConfig(quorum=1)) == round_policy.Decision(True, None)
+
+
+def test_quorum_waits_but_never_past_the_timeout():
+    config = RoundConfig(quorum=2, quorum_timeout_s=30)
+    assert round_policy.decide(1.0, [("a", 0.0)], {}, config) == round_policy.Decision(False, 30.0)
+    assert round_policy.decide(30.0, [("a", 0.0)], {}, config).fold
+
+
+def test_a_late_island_within_the_grace_window_is_waited_for():
+    config = RoundConfig(quorum=1, grace_cap_s=1.0, grace_slack_s=0.05)
+    history = {"a": round_policy.ArrivalStats(10.0, 1.0), "b": round_policy.ArrivalStats(9.5, 0.8)}  # b due at 10.3
+    decision = round_policy.decide(10.0, [("a", 10.0)], history, config)
+    assert decision == round_policy.Decision(False, pytest.approx(10.35))
+    # b arrives in time and is included; nobody else is due: fold
+    history["b"] = round_policy.observe(history["b"], 10.3, config.ema_alpha)
+    assert round_policy.decide(10.3, [("a", 10.0), ("b", 10.3)], history, config).fold
+    # had b not come, the round is decided again at the wait's end and the passed prediction no longer holds it
+    assert round_policy.decide(decision.wait_until, [("a", 10.0)], {**history, "b": round_policy.ArrivalStats(9.5, 0.8)}, config).fold
+
+
+def test_islands_predicted_after_the_cap_are_not_waited_for():
+    history = {"slow": round_policy.ArrivalStats(0.0, 50.0)}
+    assert round_policy.decide(10.0, [("a", 10.0)], history, RoundConfig(grace_cap_s=1.0)).fold
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(0, 100), min_size=1, max_size=5), st.dictionaries(st.sampled_from("abcdefgh"), st.tuples(st.floats(0, 100), st.floats(0.01, 20)), max_size=6),
+       st.floats(0, 120), st.integers(1, 4), st.floats(0, 5))
+def test_the_grace_window_never_exceeds_its_cap(arrivals, history, now, quorum, cap):
+    pending = [(f"p{i}", t) for i, t in enumerate(sorted(arrivals))]
+    config = RoundConfig(quorum=quorum, grace_cap_s=cap)
+    stats = {k: round_policy.ArrivalStats(last, interval) for k, (last, interval) in history.items()}
+    decision = round_policy.decide(max(now, pending[0][1]), pending, stats, config)
+    if decision.wait_until is not None:
+        limit = pending[quorum - 1][1] + cap if len(pending) >= quorum else pending[0][1] + config.quorum_timeout_s
+        assert decision.wait_until <= limit + 1e-9
+
+
+def test_observe_updates_the_ema():
+    stats = round_policy.observe(None, 1.0, 0.5)
+    stats = round_policy.observe(stats, 3.0, 0.5)  # first gap 2
+    stats = round_policy.observe(stats, 4.0, 0.5)  # 0.5*1 + 0.5*2
+    assert stats == round_policy.ArrivalStats(4.0, 1.5)
+
+
+@pytest.mark.parametrize("make", [lambda: OuterConfig(kind="adam"), lambda: OuterConfig(lr=0), lambda: OuterConfig(delay=0),
+                                  lambda: MergeConfig(method="median"), lambda: MergeConfig(max_staleness=-1), lambda: RoundConfig(quorum=0)])
+def test_bad_configuration_names_the_value(make):
+    with pytest.raises(ConfigError):
+        make()
