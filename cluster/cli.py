@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--reps", type=_positive_int, default=5, help="timed repetitions; medians are reported (default 5)")
     codec.add_argument("--threads", type=_positive_int, default=None, help="codec threads (default: min(4, cores))")
     codec.set_defaults(run=_bench_codec)
+
+    from merger.main import add_commands as add_merger_commands
+
+    add_merger_commands(commands, _positive_int)
     return parser
 
 

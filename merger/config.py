@@ -67,3 +67,24 @@ class RoundConfig:
         _require(self.grace_cap_s >= 0, f"round.grace_cap_s must be >= 0, got {self.grace_cap_s}")
         _require(self.grace_slack_s >= 0, f"round.grace_slack_s must be >= 0, got {self.grace_slack_s}")
         _require(0 < self.ema_alpha <= 1, f"round.ema_alpha must be in (0, 1], got {self.ema_alpha}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MergerConfig:
+    """Everything that determines the merger's math; logged in the genesis record so a replay folds alike."""
+
+    merge: MergeConfig = MergeConfig()
+    outer: OuterConfig = OuterConfig()
+    round: RoundConfig = RoundConfig()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MergerConfig:
+        try:
+            merge = dict(data["merge"])
+            merge["average_paths"] = tuple(merge.get("average_paths", ()))
+            return cls(MergeConfig(**merge), OuterConfig(**data["outer"]), RoundConfig(**data["round"]))
+        except (KeyError, TypeError) as error:
+            raise ConfigError(f"merger config is malformed: {error}") from None

@@ -10,6 +10,7 @@ this package is its reference implementation.
 from protocol.chunking import DEFAULT_MAX_CHUNK_BYTES, ChunkPlan, model_fingerprint, split_fragment
 from protocol.error_feedback import compensate, quantize_with_feedback
 from protocol.errors import DlocoError, EncodeError, ProtocolError
+from protocol.fragments import partition
 from protocol.framing import DEFAULT_LIMITS, Limits, decode, encode
 from protocol.messages import (
     MESSAGE_TYPES,
@@ -37,5 +38,5 @@ __all__ = [
     "DeltaChunk", "DeltaResult", "DlocoError", "EncodeError", "Heartbeat", "Hello", "Kind",
     "Limits", "Message", "ProtocolError", "Reassembler", "ResendRequest", "SnapshotChunk",
     "SnapshotRequest", "TensorSlice", "compensate", "decode", "encode", "message_key",
-    "model_fingerprint", "quantize_with_feedback", "split_fragment",
+    "model_fingerprint", "partition", "quantize_with_feedback", "split_fragment",
 ]

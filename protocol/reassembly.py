@@ -33,6 +33,7 @@ class Assembled:
     tensors: dict[str, np.ndarray]  # path -> float32 array of the tensor's shape
     seqs: tuple[int, ...]  # stream seq of every chunk, in chunk order
     wire_bytes: int  # payload bytes received for it (duplicates excluded)
+    chunks: tuple[Chunk, ...]  # the chunks in index order (their payloads: views of received frames)
 
 
 def message_key(chunk: Chunk) -> tuple:
@@ -190,4 +191,5 @@ class Reassembler:
             tensors={path: flat.reshape(partial.tensors[path][1]) for path, flat in tensors.items()},
             seqs=tuple(chunk.seq for chunk in ordered),
             wire_bytes=partial.nbytes,
+            chunks=tuple(ordered),
         )

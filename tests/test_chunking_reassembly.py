@@ -144,3 +144,15 @@ def test_model_fingerprint_depends_on_structure_only():
     assert protocol.model_fingerprint(FRAGMENT) == protocol.model_fingerprint({p: (a.shape, "float32") for p, a in FRAGMENT.items()})
     renamed = {**FRAGMENT, "head/bias": np.zeros(2, dtype=np.float32)}
     assert protocol.model_fingerprint(FRAGMENT) != protocol.model_fingerprint(renamed)
+
+
+def test_partition_balances_bytes_deterministically():
+    shapes = {"a": (100,), "b": (60,), "c": (50,), "d": (40,), "e": (10,)}
+    # LPT by hand: a(100)->0, b(60)->1, c(50)->1 (60<100), d(40)->0? loads 100 vs 110 -> 0, e(10)->1 (110 vs 140)
+    assert protocol.partition(shapes, 2) == [["a", "d"], ["b", "c", "e"]]
+    assert protocol.partition(dict(reversed(list(shapes.items()))), 2) == [["a", "d"], ["b", "c", "e"]]
+    assert protocol.partition(shapes, 1) == [["a", "b", "c", "d", "e"]]
+    with pytest.raises(protocol.EncodeError):
+        protocol.partition(shapes, 6)
+    with pytest.raises(protocol.EncodeError):
+        protocol.partition(shapes, 0)

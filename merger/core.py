@@ -1,0 +1,169 @@
+"""The merger's state machine: admit, log, decide, fold.  No sockets and no clock reads.
+
+`MergerCore` owns the global model (one `FragmentState` per fragment) and applies the pure core
+(`admission`, `round_policy`, `fold`).  It writes every admitted delta to the write-ahead log
+*before* it can be folded, and a fold record naming the round's members after each fold, so the
+log alone determines the model: replay and crash recovery feed the same records back through
+`apply_record`.  Time is passed in by the caller.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from merger import records
+from merger.admission import Candidate, admit
+from merger.config import MergerConfig
+from merger.fold import Contribution, FoldReport, fold, init_state
+from merger.outer import make_step, outer_optimizer
+from merger.round_policy import ArrivalStats, decide, observe
+from protocol import Assembled, DeltaResult, DlocoError
+
+DeltaKey = tuple[str, int, int]  # (island, epoch, delta_id)
+
+
+class ReplayError(DlocoError):
+    """The log does not describe a consistent history (a fold names an unknown delta, versions skip)."""
+
+
+class Log(Protocol):
+    next_index: int
+
+    def append(self, record: dict) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    contribution: Contribution
+    fragment: int
+    arrived: float
+    wal_index: int | None
+
+
+class MergerCore:
+    def __init__(self, config: MergerConfig, model: str, fragments: Sequence[Sequence[str]], params: Mapping[str, np.ndarray],
+                 log: Log | None = None, remember: int = 1 << 16) -> None:
+        self.config, self.model, self.log, self.remember = config, model, log, remember
+        self.fragments = [list(f) for f in fragments]
+        self.optimizer = outer_optimizer(config.outer)
+        self._step = make_step(self.optimizer)
+        self.layouts = [{path: tuple(np.shape(params[path])) for path in paths} for paths in self.fragments]
+        self.states = [init_state({path: params[path] for path in paths}, self.optimizer) for paths in self.fragments]
+        self.pending: list[list[Pending]] = [[] for _ in self.fragments]
+        self.history: list[dict[str, ArrivalStats]] = [{} for _ in self.fragments]
+        self.settled: collections.OrderedDict[DeltaKey, DeltaResult] = collections.OrderedDict()
+        self.rejected: collections.Counter[str] = collections.Counter()
+        if log is not None and log.next_index == 0:
+            log.append(records.genesis_record(config.to_dict(), model, self.fragments, params))
+
+    @classmethod
+    def from_genesis(cls, record: dict, log: Log | None = None) -> MergerCore:
+        return cls(MergerConfig.from_dict(record["config"]), record["model"], record["fragments"], records.params_from_genesis(record), log)
+
+    # ---- live path -----------------------------------------------------------------------------
+    def submit(self, assembled: Assembled, now: float) -> DeltaResult | None:
+        """Admit (log + queue) a reassembled delta.  Returns its result if it is settled already
+        (rejected now, or a duplicate of a settled delta); None when it waits for a fold."""
+        head = assembled.header
+        key = (head.sender, head.epoch, head.delta_id)
+        if key in self.settled:
+            return self.settled[key]
+        if any((p.contribution.island, p.contribution.epoch, p.contribution.delta_id) == key for q in self.pending for p in q):
+            return None
+        if head.fragment >= len(self.fragments):
+            return self._reject(key, head.fragment, "unknown_fragment")
+        state = self.states[head.fragment]
+        candidate = Candidate(head.sender, head.epoch, head.delta_id, head.fragment, head.base_version, head.steps, head.tokens,
+                              head.model, assembled.tensors)
+        verdict = admit(candidate, version=state.version, layout=self.layouts[head.fragment], model=self.model,
+                        max_staleness=self.config.merge.max_staleness)
+        if not verdict.admitted:
+            return self._reject(key, head.fragment, f"{verdict.reason}: {verdict.detail}"[:256], verdict.reason)
+        wal_index = self.log.append(records.delta_record(assembled, verdict.staleness)) if self.log is not None else None
+        contribution = Contribution(head.sender, head.epoch, head.delta_id, verdict.staleness, head.tokens, head.steps, assembled.tensors)
+        self._enqueue(Pending(contribution, head.fragment, now, wal_index))
+        return None
+
+    def due(self, now: float) -> tuple[list[int], float | None]:
+        """Fragments to fold now, and the earliest time a waiting fragment must be decided again."""
+        ready, wake = [], None
+        for fragment, queue in enumerate(self.pending):
+            if not queue:
+                continue
+            decision = decide(now, [(p.contribution.island, p.arrived) for p in queue], self.history[fragment], self.config.round)
+            if decision.fold:
+                ready.append(fragment)
+            elif decision.wait_until is not None:
+                wake = decision.wait_until if wake is None else min(wake, decision.wait_until)
+        return ready, wake
+
+    def fold(self, fragment: int) -> tuple[FoldReport, list[DeltaResult]]:
+        """Fold every pending delta of `fragment`; log the fold; return the report and results."""
+        queue, self.pending[fragment] = self.pending[fragment], []
+        report = self._apply_fold(fragment, [p.contribution for p in queue])
+        if self.log is not None:
+            members = [(c.island, c.epoch, c.delta_id) for c in (p.contribution for p in queue)]
+            self.log.append(records.fold_record(fragment, report.version, members))
+        return report, self._settle_folded(fragment, [p.contribution for p in queue], report.version)
+
+    # ---- replay and recovery -----------------------------------------------------------------
+    def apply_record(self, record: dict, index: int) -> FoldReport | None:
+        """Re-apply one logged record (delta: queue it as logged; fold: fold exactly its members)."""
+        if record["type"] == records.DELTA:
+            contribution = records.contribution_from_record(record)
+            self._enqueue(Pending(contribution, record["fragment"], 0.0, index), observe_arrival=False)
+            return None
+        if record["type"] != records.FOLD:
+            raise ReplayError(f"log record {index} has unexpected type {record['type']!r}")
+        fragment, wanted = record["fragment"], [tuple(m) for m in record["members"]]
+        queue = self.pending[fragment]
+        by_key = {(p.contribution.island, p.contribution.epoch, p.contribution.delta_id): p for p in queue}
+        missing = [key for key in wanted if key not in by_key]
+        if missing:
+            raise ReplayError(f"log record {index}: fold of fragment {fragment} names deltas not in the log: {missing[:3]}")
+        self.pending[fragment] = [p for key, p in by_key.items() if key not in set(wanted)]
+        members = [by_key[key].contribution for key in wanted]
+        report = self._apply_fold(fragment, members)
+        if report.version != record["version"]:
+            raise ReplayError(f"log record {index}: fold produced version {report.version}, log says {record['version']}")
+        self._settle_folded(fragment, members, report.version)
+        return report
+
+    def digest(self) -> str:
+        return records.params_digest(self.states)
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _enqueue(self, pending: Pending, observe_arrival: bool = True) -> None:
+        self.pending[pending.fragment].append(pending)
+        if observe_arrival:
+            island = pending.contribution.island
+            history = self.history[pending.fragment]
+            history[island] = observe(history.get(island), pending.arrived, self.config.round.ema_alpha)
+
+    def _apply_fold(self, fragment: int, members: list[Contribution]) -> FoldReport:
+        state, report = fold(self.states[fragment], members, self.config.merge, self._step)
+        self.states[fragment] = state
+        return report
+
+    def _settle_folded(self, fragment: int, members: list[Contribution], version: int) -> list[DeltaResult]:
+        results = [DeltaResult(c.island, c.epoch, c.delta_id, fragment, "folded", version, "") for c in members]
+        for result in results:
+            self._remember((result.island, result.epoch, result.delta_id), result)
+        return results
+
+    def _reject(self, key: DeltaKey, fragment: int, reason: str, label: str | None = None) -> DeltaResult:
+        self.rejected[label or reason] += 1
+        version = self.states[fragment].version if fragment < len(self.states) else 0
+        result = DeltaResult(key[0], key[1], key[2], fragment, "rejected", version, reason)
+        self._remember(key, result)
+        return result
+
+    def _remember(self, key: DeltaKey, result: DeltaResult) -> None:
+        self.settled[key] = result
+        while len(self.settled) > self.remember:
+            self.settled.popitem(last=False)

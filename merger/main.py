@@ -1,0 +1,90 @@
+"""`dloco merger` and `dloco replay`: argument parsing and wiring only."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from merger.config import ConfigError, MergeConfig, MergerConfig, OuterConfig, RoundConfig
+from protocol import DlocoError
+
+
+def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
+    merger = commands.add_parser("merger", help="run the merger: fold deltas, publish snapshots, keep the log")
+    merger.add_argument("--run-dir", type=Path, required=True, help="write-ahead log and checkpoints live here; an existing one is resumed")
+    merger.add_argument("--init-npz", type=Path, help="initial global parameters (.npz, one array per parameter path); needed for a new run")
+    merger.add_argument("--fragments", type=positive_int, default=4, help="P, fragments of the model (default 4)")
+    merger.add_argument("--delta-endpoint", required=True, help="SUB for deltas; '@tcp://...' binds, 'tcp://...' connects")
+    merger.add_argument("--snapshot-endpoint", required=True, help="PUB for snapshots and acks; '@' binds")
+    merger.add_argument("--control-endpoint", required=True, help="ROUTER for catch-up requests; '@' binds")
+    merger.add_argument("--max-staleness", type=int, default=4, help="S: reject deltas more than S versions behind (default 4)")
+    merger.add_argument("--merge", choices=MergeConfig.METHODS, default="rda")
+    merger.add_argument("--outer", choices=OuterConfig.KINDS, default="nesterov")
+    merger.add_argument("--outer-lr", type=float, default=0.7)
+    merger.add_argument("--outer-momentum", type=float, default=0.9)
+    merger.add_argument("--delay", type=positive_int, default=4, help="delayed_nesterov: momentum once per N folds")
+    merger.add_argument("--quorum", type=positive_int, default=1, help="K: deltas per fold (default 1: nobody waits)")
+    merger.add_argument("--grace-cap", type=float, default=1.0, help="seconds a round may wait for a predicted late island")
+    merger.add_argument("--snapshot-codec", choices=("fp32", "bf16"), default="fp32")
+    merger.add_argument("--fsync", choices=("always", "batch", "never"), default="batch")
+    merger.add_argument("--checkpoint-every", type=positive_int, default=50, help="folds between checkpoints")
+    merger.set_defaults(run=run_merger)
+
+    replay = commands.add_parser("replay", help="rebuild the global model from a merger's log and print its hashes")
+    replay.add_argument("logdir", type=Path, help="the merger's --run-dir")
+    replay.add_argument("--every", type=positive_int, default=1, help="print the sha256 after every N-th fold")
+    replay.add_argument("--verify", action="store_true", help="compare with the checkpoints; exit 1 on any mismatch or corrupt record")
+    replay.set_defaults(run=run_replay)
+
+
+def run_merger(args: argparse.Namespace) -> int:
+    from merger.service import MergerService, ServiceConfig, initial_core
+
+    try:
+        config = MergerConfig(
+            MergeConfig(method=args.merge, max_staleness=args.max_staleness),
+            OuterConfig(kind=args.outer, lr=args.outer_lr, momentum=args.outer_momentum, delay=args.delay),
+            RoundConfig(quorum=args.quorum, grace_cap_s=args.grace_cap),
+        )
+        factory = None
+        if args.init_npz is not None:
+            with np.load(args.init_npz) as data:
+                factory = initial_core(config, {path: data[path].astype(np.float32) for path in data.files}, args.fragments)
+        elif not (args.run_dir / "wal").exists():
+            raise ConfigError(f"{args.run_dir} holds no log to resume; give --init-npz to start a new run")
+        service = MergerService(ServiceConfig(args.run_dir, args.delta_endpoint, args.snapshot_endpoint, args.control_endpoint,
+                                              snapshot_codec=args.snapshot_codec, fsync=args.fsync,
+                                              checkpoint_every=args.checkpoint_every), core_factory=factory)
+    except (DlocoError, OSError) as error:
+        print(f"dloco merger: {error}", file=sys.stderr)
+        return 2
+    return service.run()
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from merger.recovery import replay
+
+    folds = 0
+
+    def on_fold(index, record, report, core) -> None:
+        nonlocal folds
+        folds += 1
+        if folds % args.every == 0:
+            print(f"record {index} fold fragment={record['fragment']} version={report.version} sha256={core.digest()}")
+
+    try:
+        mismatches = 0
+        for position, expected, actual in replay(args.logdir, on_fold, strict=args.verify):
+            status = "ok" if expected == actual else "MISMATCH"
+            mismatches += expected != actual
+            print(f"checkpoint at record {position}: {status} sha256={actual}" + ("" if expected == actual else f" expected={expected}"))
+    except (DlocoError, OSError, KeyError) as error:
+        print(f"dloco replay: {error}", file=sys.stderr)
+        return 1
+    if args.verify and mismatches:
+        print(f"dloco replay: {mismatches} checkpoint(s) do not match the log", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,69 @@
+"""Write-ahead-log records: genesis, admitted delta, fold.  Pure conversions, no file access.
+
+A delta is logged in its wire form (codec, slices, encoded payloads), 8x smaller than float32 at
+int4, and decoded on replay with the same codec code as on the live path, so replay sees the
+same float32 values bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from merger.fold import Contribution, FragmentState
+from protocol import Assembled, Codec
+
+GENESIS, DELTA, FOLD = "genesis", "delta", "fold"
+
+
+def genesis_record(config: dict, model: str, fragments: Sequence[Sequence[str]], params: Mapping[str, np.ndarray]) -> dict:
+    return {
+        "type": GENESIS, "config": config, "model": model, "fragments": [list(f) for f in fragments],
+        "params": {path: {"shape": list(a.shape), "data": np.ascontiguousarray(a, dtype="<f4").tobytes()} for path, a in params.items()},
+    }
+
+
+def params_from_genesis(record: dict) -> dict[str, np.ndarray]:
+    return {path: np.frombuffer(entry["data"], dtype="<f4").reshape(entry["shape"]).astype(np.float32)
+            for path, entry in record["params"].items()}
+
+
+def delta_record(assembled: Assembled, staleness: int) -> dict:
+    first = assembled.header
+    slices, payloads = [], []
+    for chunk in assembled.chunks:
+        for item, payload in zip(chunk.slices, chunk.payloads):
+            slices.append([item.path, list(item.shape), item.start, item.count])
+            payloads.append(memoryview(payload))
+    return {
+        "type": DELTA, "island": first.sender, "epoch": first.epoch, "delta_id": first.delta_id, "fragment": first.fragment,
+        "base_version": first.base_version, "staleness": staleness, "steps": first.steps, "tokens": first.tokens,
+        "codec": first.codec.name, "block": first.codec.block, "slices": slices, "payloads": payloads,
+    }
+
+
+def contribution_from_record(record: dict) -> Contribution:
+    codec = Codec(record["codec"], record["block"])
+    tensors: dict[str, np.ndarray] = {}
+    for (path, shape, start, count), payload in zip(record["slices"], record["payloads"]):
+        flat = tensors.setdefault(path, np.empty(int(np.prod(shape, dtype=np.int64)), dtype=np.float32))
+        codec.decode(payload, count, out=flat[start : start + count])
+    shapes = {path: shape for path, shape, _, _ in record["slices"]}
+    return Contribution(record["island"], record["epoch"], record["delta_id"], record["staleness"], record["tokens"],
+                        record["steps"], {path: flat.reshape(shapes[path]) for path, flat in tensors.items()})
+
+
+def fold_record(fragment: int, version: int, members: Sequence[tuple[str, int, int]]) -> dict:
+    return {"type": FOLD, "fragment": fragment, "version": version, "members": [list(m) for m in members]}
+
+
+def params_digest(states: Sequence[FragmentState]) -> str:
+    """sha256 over every fragment's parameters (path order, float32 little-endian bytes)."""
+    digest = hashlib.sha256()
+    for state in states:
+        for path in sorted(state.params):
+            digest.update(path.encode())
+            digest.update(np.ascontiguousarray(state.params[path], dtype="<f4").tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,77 @@
+"""Rebuild a `MergerCore` from its run directory: newest valid checkpoint + log tail.
+
+Used both to restart after a crash (`recover`) and by `dloco replay` (`replay`, from genesis
+only, checking checkpoints on the way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from merger import checkpoint, records
+from merger.core import Log, MergerCore, ReplayError
+from merger.fold import FoldReport
+from merger.wal import read_records
+
+
+def wal_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "wal"
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _genesis(run_dir: Path) -> dict:
+    if not wal_dir(run_dir).is_dir():
+        raise ReplayError(f"no write-ahead log at {wal_dir(run_dir)}")
+    for index, record in read_records(wal_dir(run_dir)):
+        if index != 0 or record.get("type") != records.GENESIS:
+            raise ReplayError(f"{wal_dir(run_dir)}: the first log record is not a genesis record")
+        return record
+    raise ReplayError(f"{wal_dir(run_dir)}: the log is empty")
+
+
+def recover(run_dir: str | Path, log: Log | None = None) -> MergerCore:
+    """The state the merger had after its last logged record.  `log` is attached afterwards."""
+    run_dir = Path(run_dir)
+    core = MergerCore.from_genesis(_genesis(run_dir))
+    saved = checkpoint.latest(checkpoint_dir(run_dir))
+    next_index, pending = 1, set()
+    if saved is not None:
+        checkpoint.import_state(core, saved)
+        if core.digest() != saved["digest"]:
+            raise ReplayError(f"checkpoint at record {saved['next_index']} does not reproduce its own digest")
+        next_index, pending = saved["next_index"], set(saved["pending"])
+    start = min(pending | {next_index})
+    for index, record in read_records(wal_dir(run_dir), start):
+        if index >= next_index or index in pending:
+            core.apply_record(record, index)
+    core.log = log
+    return core
+
+
+def replay(run_dir: str | Path, on_fold: Callable[[int, dict, FoldReport, MergerCore], None], strict: bool = True) -> Iterator[tuple[int, str, str]]:
+    """Replay the whole log from genesis.  Calls on_fold after every fold record; yields
+    (next_index, checkpoint digest, replayed digest) at every checkpoint position."""
+    run_dir = Path(run_dir)
+    core = MergerCore.from_genesis(_genesis(run_dir))
+    expected = {}
+    for path in checkpoint.all_checkpoints(checkpoint_dir(run_dir)):
+        content = checkpoint.read(path)
+        if content is None:
+            raise ReplayError(f"checkpoint {path.name} is unreadable (checksum or length)")
+        expected[content["next_index"]] = content["digest"]
+    index = 0
+    for index, record in read_records(wal_dir(run_dir), 1, allow_torn_tail=not strict):
+        if index in expected:
+            yield index, expected.pop(index), core.digest()
+        report = core.apply_record(record, index)
+        if report is not None:
+            on_fold(index, record, report, core)
+    for position, digest in sorted(expected.items()):
+        if position == index + 1:
+            yield position, digest, core.digest()
+        else:
+            raise ReplayError(f"checkpoint at record {position} lies beyond the end of the log (last record {index})")

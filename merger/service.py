@@ -1,0 +1,219 @@
+"""The merger process: sockets, clock and disk around `MergerCore`.
+
+Sockets (endpoint strings: ``@tcp://...`` binds, ``tcp://...`` or ``>tcp://...`` connects):
+- ``delta_sub``  SUB on the delta bus (topic ``delta/``): chunks from islands;
+- ``snapshot_pub`` PUB on the snapshot bus: fragment snapshots after every fold, and acks;
+- ``control`` ROUTER (binds): catch-up snapshot requests (Clone pattern), hellos, heartbeats.
+
+Per admitted delta: write-ahead log first, fold when the round policy says so, sync the log, then
+publish the snapshot and the acks — an acknowledged delta is always on disk.  Every receive is
+behind a poll with a timeout; SIGTERM/SIGINT stop the loop, write a final checkpoint, close the
+sockets with linger 0 and exit 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+import protocol
+from cluster.telemetry import configure_logging
+from merger import checkpoint
+from merger.config import MergerConfig
+from merger.core import MergerCore
+from merger.recovery import checkpoint_dir, recover, wal_dir
+from merger.wal import WriteAheadLog
+
+POLL_MS = 50  # longest sleep between checks of the clock-driven round policy
+DRAIN_LIMIT = 256  # messages taken from one socket before the loop looks at the others
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceConfig:
+    run_dir: Path
+    delta_endpoint: str  # SUB
+    snapshot_endpoint: str  # PUB
+    control_endpoint: str  # ROUTER
+    sender: str = "merger"
+    snapshot_codec: str = "fp32"  # fp32 | bf16
+    max_chunk_bytes: int = protocol.DEFAULT_MAX_CHUNK_BYTES
+    fsync: str = "batch"
+    checkpoint_every: int = 50  # folds between checkpoints
+    reassembly_ttl_s: float = 60.0
+    reassembly_bytes: int = 512 << 20
+
+
+def attach(socket: zmq.Socket, endpoint: str) -> None:
+    if endpoint.startswith("@"):
+        socket.bind(endpoint[1:])
+    else:
+        socket.connect(endpoint.removeprefix(">"))
+
+
+class MergerService:
+    def __init__(self, config: ServiceConfig, core_factory=None) -> None:
+        self.config = config
+        self.log = configure_logging("merger", sender=config.sender)
+        self.wal = WriteAheadLog(wal_dir(config.run_dir), fsync=config.fsync)
+        if self.wal.truncated_bytes:
+            self.log.warning("wal_torn_tail_truncated", bytes=self.wal.truncated_bytes)
+        if self.wal.next_index > 0:
+            self.core = recover(config.run_dir, log=self.wal)
+            self.log.info("recovered", next_index=self.wal.next_index, versions=[s.version for s in self.core.states], digest=self.core.digest())
+        else:
+            self.core = core_factory(self.wal)
+            self.log.info("genesis", fragments=len(self.core.fragments), digest=self.core.digest())
+        self.epoch, self.seq, self.folds = time.time_ns(), 0, 0
+        self.reassembler = protocol.Reassembler(ttl_s=config.reassembly_ttl_s, max_bytes=config.reassembly_bytes)
+        self.counters: dict[str, int] = {}
+        self.context = zmq.Context()
+        self.delta_sub = self._socket(zmq.SUB, config.delta_endpoint)
+        self.delta_sub.setsockopt(zmq.SUBSCRIBE, b"delta/")
+        self.snapshot_pub = self._socket(zmq.PUB, config.snapshot_endpoint)
+        self.control = self._socket(zmq.ROUTER, config.control_endpoint)
+        self.stopping = False
+
+    def _socket(self, kind: int, endpoint: str) -> zmq.Socket:
+        socket = self.context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        for option, value in ((zmq.HEARTBEAT_IVL, 1000), (zmq.HEARTBEAT_TIMEOUT, 5000), (zmq.HEARTBEAT_TTL, 5000)):
+            socket.setsockopt(option, value)
+        attach(socket, endpoint)
+        return socket
+
+    # ---- loop ------------------------------------------------------------------------------------
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+        poller = zmq.Poller()
+        poller.register(self.delta_sub, zmq.POLLIN)
+        poller.register(self.control, zmq.POLLIN)
+        for fragment in range(len(self.core.fragments)):
+            self.publish_snapshot(fragment)
+        wake = None
+        try:
+            while not self.stopping:
+                timeout = POLL_MS if wake is None else max(0, min(POLL_MS, int((wake - time.monotonic()) * 1000)))
+                events = dict(poller.poll(timeout))
+                if self.delta_sub in events:
+                    self._drain(self.delta_sub, self.on_delta_frames)
+                if self.control in events:
+                    self._drain(self.control, self.on_control_frames)
+                wake = self.fold_due()
+        finally:
+            self.shutdown()
+        return 0
+
+    def _drain(self, socket: zmq.Socket, handle) -> None:
+        for _ in range(DRAIN_LIMIT):
+            try:
+                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            handle([frame.buffer for frame in frames])
+
+    def count(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1
+
+    # ---- handlers ------------------------------------------------------------------------------
+    def on_delta_frames(self, frames: list) -> None:
+        now = time.monotonic()
+        try:
+            message = protocol.decode(frames)
+            if not isinstance(message, protocol.DeltaChunk):
+                return
+            assembled = self.reassembler.add(message, now)
+        except protocol.ProtocolError as error:
+            self.count(f"merger/rejected/{error.reason}")
+            self.log.warning("message_rejected", reason=error.reason, detail=error.detail[:200])
+            return
+        if assembled is None:
+            return
+        result = self.core.submit(assembled, now)
+        if result is not None:
+            self.count(f"merger/delta/{result.status}")
+            if result.status == "rejected":
+                self.log.warning("delta_rejected", island=result.island, delta_id=result.delta_id, reason=result.reason)
+            self.publish_ack([result])
+
+    def on_control_frames(self, frames: list) -> None:
+        identity, body = bytes(frames[0]), frames[1:]
+        try:
+            message = protocol.decode(body)
+        except protocol.ProtocolError as error:
+            self.count(f"merger/rejected/{error.reason}")
+            return
+        if isinstance(message, protocol.SnapshotRequest):
+            wanted = message.fragments or tuple(range(len(self.core.fragments)))
+            for fragment in wanted:
+                if fragment < len(self.core.fragments):
+                    for frames_out in self.snapshot_frames(fragment, on_bus=False):
+                        self.control.send_multipart([identity, *frames_out], copy=False)
+        elif isinstance(message, protocol.Hello):
+            self.log.info("hello", peer=message.sender, role=message.role, region=message.region, model_ok=message.model == self.core.model)
+
+    # ---- folding and publishing ----------------------------------------------------------------
+    def fold_due(self) -> float | None:
+        ready, wake = self.core.due(time.monotonic())
+        for fragment in ready:
+            started = time.perf_counter()
+            report, results = self.core.fold(fragment)
+            self.wal.sync()  # durable before anyone is told
+            self.folds += 1
+            self.log.info("fold", fragment=fragment, version=report.version, contributors=list(report.contributors),
+                          staleness=list(report.staleness), weights=[round(w, 4) for w in report.weights],
+                          delta_norms=[round(n, 6) for n in report.delta_norms], merged_norm=round(report.merged_norm, 6),
+                          fold_ms=round((time.perf_counter() - started) * 1000, 2))
+            self.publish_snapshot(fragment)
+            self.publish_ack(results)
+            if self.folds % self.config.checkpoint_every == 0:
+                self.write_checkpoint()
+        return wake
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def snapshot_frames(self, fragment: int, on_bus: bool = True):
+        """Frames of the current snapshot of `fragment`.  Point-to-point replies (on_bus False) are
+        not part of the bus stream: they carry the last stream seq instead of a new one."""
+        state = self.core.states[fragment]
+        codec = protocol.Codec(self.config.snapshot_codec)
+        plans = protocol.split_fragment(state.params, codec, self.config.max_chunk_bytes)
+        for index, plan in enumerate(plans):
+            yield protocol.encode(protocol.SnapshotChunk(
+                sender=self.config.sender, epoch=self.epoch, seq=self.next_seq() if on_bus else self.seq, fragment=fragment, version=state.version,
+                chunk_index=index, chunk_count=len(plans), model=self.core.model, codec=codec,
+                slices=plan.slices, payloads=plan.payloads))
+
+    def publish_snapshot(self, fragment: int) -> None:
+        for frames in self.snapshot_frames(fragment):
+            self.snapshot_pub.send_multipart(frames, copy=False)
+
+    def publish_ack(self, results: list[protocol.DeltaResult]) -> None:
+        ack = protocol.Ack(sender=self.config.sender, epoch=self.epoch, seq=self.next_seq(), cursors=(), results=tuple(results))
+        self.snapshot_pub.send_multipart(protocol.encode(ack))
+
+    def write_checkpoint(self) -> None:
+        self.wal.sync()
+        path = checkpoint.save(checkpoint_dir(self.config.run_dir), self.core, self.wal.next_index)
+        self.log.info("checkpoint", path=str(path), next_index=self.wal.next_index, digest=self.core.digest())
+
+    def shutdown(self) -> None:
+        self.write_checkpoint()
+        self.wal.close()
+        self.context.destroy(linger=0)
+        self.log.info("stopped", folds=self.folds, counters=self.counters, rejected=dict(self.core.rejected))
+
+
+def initial_core(config: MergerConfig, params: dict[str, np.ndarray], fragments: int):
+    """A factory for a fresh core: partition by bytes, fingerprint, genesis logged on creation."""
+    shapes = {path: tuple(a.shape) for path, a in params.items()}
+    parts = protocol.partition(shapes, fragments)
+    model = protocol.model_fingerprint(params)
+    return lambda wal: MergerCore(config, model, parts, params, log=wal)
