@@ -30,6 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--reps", type=_positive_int, default=5, help="timed repetitions; medians are reported (default 5)")
     codec.add_argument("--threads", type=_positive_int, default=None, help="codec threads (default: min(4, cores))")
     codec.set_defaults(run=_bench_codec)
+    merger = suites.add_parser("merger", help="merger ingest: receive+decode+dequantize+fold+log of int4 deltas, GB/s of wire bytes")
+    merger.add_argument("--json", action="store_true", help="print one JSON object")
+    merger.add_argument("--params", type=_positive_int, default=25_165_824, help="model size (default 25,165,824)")
+    merger.add_argument("--islands", type=_positive_int, default=4, help="deltas per fold (default 4)")
+    merger.add_argument("--fragments", type=_positive_int, default=4)
+    merger.add_argument("--rounds", type=_positive_int, default=2)
+    merger.set_defaults(run=_bench_merger)
 
     from merger.main import add_commands as add_merger_commands
 
@@ -47,6 +54,19 @@ def _bench_codec(args: argparse.Namespace) -> int:
         print(f"dloco bench codec: {error}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2) if args.json else codec.format_table(result))
+    return 0
+
+
+def _bench_merger(args: argparse.Namespace) -> int:
+    from benchmarks import merger
+
+    result = merger.run(params=args.params, fragments=args.fragments, islands=args.islands, rounds=args.rounds)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"merger ingest {result['merger_ingest_gbps']:.3f} GB/s of int4 wire bytes ({result['params']:,} params, "
+              f"{result['islands']} deltas per fold); raw ZeroMQ receive {result['raw_zmq_recv_gbps']:.3f} GB/s; "
+              f"ratio {result['ingest_vs_raw']:.2f}; stages {result['stages_s']}")
     return 0
 
 

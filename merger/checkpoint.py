@@ -54,7 +54,7 @@ def import_state(core: MergerCore, data: dict) -> None:
     """Load exported state into a core built from the same genesis (pending deltas excluded)."""
     for fragment, entry in enumerate(data["fragments"]):
         params = {p: _array(v).astype(np.float32) for p, v in entry["params"].items()}
-        template = core.optimizer.init(params)
+        template = core.optimizer.init([params[p] for p in sorted(params)])
         treedef = jax.tree_util.tree_structure(template)
         opt_state = jax.tree_util.tree_unflatten(treedef, [jax.numpy.asarray(_array(leaf)) for leaf in entry["opt_leaves"]])
         core.states[fragment] = FragmentState(entry["version"], params, opt_state)

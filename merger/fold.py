@@ -86,5 +86,7 @@ def fold(state: FragmentState, contributions: Sequence[Contribution], config: Me
 
 
 def init_state(params: Mapping[str, np.ndarray], optimizer) -> FragmentState:
+    """Version 0 of a fragment; the optimizer state is built over the params as a path-ordered list
+    (the layout `outer.make_step` uses)."""
     params = {path: np.asarray(value, dtype=np.float32) for path, value in params.items()}
-    return FragmentState(0, params, optimizer.init(params))
+    return FragmentState(0, params, optimizer.init([params[p] for p in sorted(params)]))

@@ -58,11 +58,20 @@ def outer_optimizer(config: OuterConfig) -> optax.GradientTransformation:
 
 
 def make_step(optimizer: optax.GradientTransformation):
-    """A jitted ``(params, opt_state, pseudo_gradient) -> (params, opt_state)``."""
+    """``(params, opt_state, pseudo_gradient) -> (params, opt_state)`` over path-keyed dicts.
+
+    The jitted core sees lists in path order, so fragments whose tensors have the same shapes
+    share one compilation whatever their paths.
+    """
 
     @jax.jit
-    def step(params, opt_state, pseudo_gradient):
+    def flat_step(params, opt_state, pseudo_gradient):
         updates, opt_state = optimizer.update(pseudo_gradient, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
+
+    def step(params, opt_state, pseudo_gradient):
+        paths = sorted(params)
+        new_params, opt_state = flat_step([params[p] for p in paths], opt_state, [pseudo_gradient[p] for p in paths])
+        return dict(zip(paths, new_params)), opt_state
 
     return step

@@ -76,7 +76,7 @@ def run_outer(config: OuterConfig, grads: list[float]) -> list[float]:
     optimizer = outer.outer_optimizer(config)
     step = outer.make_step(optimizer)
     params = {"p": jnp.zeros(())}
-    state = optimizer.init(params)
+    state = optimizer.init([params["p"]])  # make_step keeps optimizer state over the path-ordered list
     trace = []
     for g in grads:
         params, state = step(params, state, {"p": jnp.asarray(g, jnp.float32)})

@@ -1,0 +1,71 @@
+"""Sender half of the merger benchmark: publishes pre-encoded int4 deltas of a synthetic model.
+
+Runs as its own process (numpy + protocol + zmq, no jax) so the measured merger has the GIL and
+a core to itself.  It builds every frame first, waits for the subscriber to join, then sends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import zmq
+
+import protocol
+
+
+def synthetic_shapes(params: int, fragments: int) -> dict[str, tuple[int, ...]]:
+    """Two matrices per fragment, `params` values in all (rounded to a multiple of 256 per tensor)."""
+    per_tensor = max(256, params // (2 * fragments) // 256 * 256)
+    return {f"layers/{i:02d}/kernel": (per_tensor // 256, 256) for i in range(2 * fragments)}
+
+
+def build_frames(params: int, fragments: int, islands: int, rounds: int, codec: str) -> list[list[bytes]]:
+    shapes = synthetic_shapes(params, fragments)
+    parts = protocol.partition(shapes, fragments)
+    model = protocol.model_fingerprint({p: (s, "float32") for p, s in shapes.items()})
+    rng = np.random.default_rng(0)
+    frames, seqs = [], {}
+    for version in range(rounds):
+        for fragment, paths in enumerate(parts):
+            for island in range(islands):
+                tensors = {p: (rng.standard_normal(shapes[p], dtype=np.float32) * 1e-3) for p in paths}
+                plans = protocol.split_fragment(tensors, protocol.Codec(codec))
+                sender = f"island-{island}"
+                for index, plan in enumerate(plans):
+                    seqs[sender] = seqs.get(sender, 0) + 1
+                    message = protocol.DeltaChunk(
+                        sender=sender, epoch=1, seq=seqs[sender], delta_id=version * fragments + fragment, fragment=fragment,
+                        base_version=version, chunk_index=index, chunk_count=len(plans), steps=50, tokens=50 * 4096,
+                        model=model, codec=protocol.Codec(codec), slices=plan.slices, payloads=plan.payloads)
+                    frames.append([bytes(f) for f in protocol.encode(message)])
+    return frames
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--params", type=int, required=True)
+    parser.add_argument("--fragments", type=int, required=True)
+    parser.add_argument("--islands", type=int, required=True)
+    parser.add_argument("--rounds", type=int, required=True)
+    parser.add_argument("--codec", default="int4")
+    parser.add_argument("--passes", type=int, default=1, help="send everything this many times (raw reference)")
+    args = parser.parse_args()
+    frames = build_frames(args.params, args.fragments, args.islands, args.rounds, args.codec)
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    pub.setsockopt(zmq.LINGER, -1)  # deliver everything queued before exiting
+    pub.connect(args.endpoint)
+    time.sleep(1.0)  # let the subscription arrive (slow joiner)
+    for _ in range(args.passes):
+        for message in frames:
+            pub.send_multipart(message, copy=False)
+    pub.close()
+    context.term()
+
+
+if __name__ == "__main__":
+    main()

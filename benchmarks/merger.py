@@ -1,0 +1,136 @@
+"""Merger ingest benchmark: receive + decode + dequantize + admit + log + fold of int4 deltas.
+
+A separate sender process publishes every island's delta of every fragment for a few rounds of a
+synthetic model (>= 25 M parameters) over loopback TCP.  The merger side runs the real pipeline
+in-process (SUB, `protocol.decode`, `Reassembler`, `MergerCore` with its write-ahead log, folds of
+`islands` deltas each, log sync) and reports wire bytes per second from the first message to the
+last synced fold.  Reference, same run: the same frames only received from a raw SUB socket.
+"""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+import protocol
+from benchmarks.delta_sender import synthetic_shapes
+from benchmarks.timing import gbps
+from merger.config import MergeConfig, MergerConfig, RoundConfig
+from merger.core import MergerCore
+from merger.wal import WriteAheadLog
+
+END = b"end"
+
+
+def _sender(port: int, params: int, fragments: int, islands: int, rounds: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "benchmarks.delta_sender", "--endpoint", f"tcp://127.0.0.1:{port}", "--params", str(params),
+               "--fragments", str(fragments), "--islands", str(islands), "--rounds", str(rounds)]
+    return subprocess.Popen(command)
+
+
+def _subscriber(context: zmq.Context) -> tuple[zmq.Socket, int]:
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    return sub, sub.bind_to_random_port("tcp://127.0.0.1")
+
+
+def _receive(sub: zmq.Socket, expected: int, handle: Callable[[list], None], timeout_s: float = 600.0) -> tuple[int, float]:
+    """Receive `expected` messages; return (wire bytes, seconds from the first to the last handled)."""
+    received, nbytes, first = 0, 0, None
+    deadline = time.monotonic() + timeout_s
+    while received < expected:
+        if not sub.poll(1000):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"received {received} of {expected} messages")
+            continue
+        frames = sub.recv_multipart(copy=False)
+        first = time.perf_counter() if first is None else first
+        nbytes += sum(len(f) for f in frames)
+        received += 1
+        handle([f.buffer for f in frames])
+    return nbytes, time.perf_counter() - first
+
+
+def expected_messages(params: int, fragments: int, islands: int, rounds: int) -> int:
+    shapes = synthetic_shapes(params, fragments)
+    codec = protocol.Codec("int4")
+    per_round = 0
+    for paths in protocol.partition(shapes, fragments):
+        nbytes = sum(codec.encoded_nbytes(int(np.prod(shapes[p]))) for p in paths)
+        per_round += len(protocol.split_fragment({p: np.zeros(shapes[p], np.float32) for p in paths}, codec)) if nbytes else 0
+    return per_round * islands * rounds
+
+
+def run(params: int = 25_165_824, fragments: int = 4, islands: int = 4, rounds: int = 2,
+        log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
+    shapes = synthetic_shapes(params, fragments)
+    total_params = int(sum(np.prod(s) for s in shapes.values()))
+    expected = expected_messages(params, fragments, islands, rounds)
+    context = zmq.Context()
+    try:
+        log(f"bench merger: raw ZeroMQ reference, {expected} messages ...")
+        sub, port = _subscriber(context)
+        sender = _sender(port, params, fragments, islands, rounds)
+        raw_bytes, raw_seconds = _receive(sub, expected, lambda frames: None)
+        sender.wait(timeout=60)
+        sub.close()
+
+        log(f"bench merger: merger pipeline, {total_params:,} parameters, {islands} islands x {fragments} fragments x {rounds} rounds ...")
+        stages: collections.Counter[str] = collections.Counter()
+        with tempfile.TemporaryDirectory(prefix="dloco-bench-merger-") as tmp:
+            config = MergerConfig(MergeConfig(max_staleness=rounds), round=RoundConfig(quorum=islands, grace_cap_s=0.0))
+            zeros = {path: np.zeros(shape, np.float32) for path, shape in shapes.items()}
+            wal = WriteAheadLog(Path(tmp) / "wal", fsync="batch")
+            core = MergerCore(config, protocol.model_fingerprint(zeros), protocol.partition(shapes, fragments), zeros, log=wal)
+            reassembler = protocol.Reassembler(max_bytes=2 << 30)
+            folds = 0
+
+            def handle(frames: list) -> None:
+                nonlocal folds
+                t0 = time.perf_counter()
+                message = protocol.decode(frames)
+                t1 = time.perf_counter()
+                assembled = reassembler.add(message, now=0.0)
+                t2 = time.perf_counter()
+                stages["decode_s"] += t1 - t0
+                stages["reassemble_dequantize_s"] += t2 - t1
+                if assembled is None:
+                    return
+                result = core.submit(assembled, now=0.0)
+                t3 = time.perf_counter()
+                stages["admit_log_s"] += t3 - t2
+                assert result is None, result
+                for fragment in core.due(now=0.0)[0]:
+                    core.fold(fragment)
+                    folds += 1
+                t4 = time.perf_counter()
+                wal.sync()
+                stages["fold_s"] += t4 - t3
+                stages["sync_s"] += time.perf_counter() - t4
+
+            sub, port = _subscriber(context)
+            sender = _sender(port, params, fragments, islands, rounds)
+            wire_bytes, seconds = _receive(sub, expected, handle)
+            sender.wait(timeout=60)
+            wal.close()
+        if folds != fragments * rounds:
+            raise RuntimeError(f"expected {fragments * rounds} folds, saw {folds}")
+    finally:
+        context.destroy(linger=0)
+    ingest, raw = gbps(wire_bytes, seconds), gbps(raw_bytes, raw_seconds)
+    return {
+        "params": total_params, "islands": islands, "fragments": fragments, "rounds": rounds, "codec": "int4",
+        "messages": expected, "wire_bytes": wire_bytes, "folds": folds, "seconds": round(seconds, 3),
+        "merger_ingest_gbps": round(ingest, 3), "raw_zmq_recv_gbps": round(raw, 3), "ingest_vs_raw": round(ingest / raw, 3),
+        "stages_s": {k: round(v, 3) for k, v in sorted(stages.items())},
+    }
