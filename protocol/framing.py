@@ -38,6 +38,7 @@ from protocol.messages import (
 from protocol.quantization import CODEC_NAMES, Codec
 
 _U64 = 1 << 64
+MAX_TOPIC_BYTES = 64
 _IDENT = re.compile(r"[A-Za-z0-9._:@-]+")
 _PATH = re.compile(r"[A-Za-z0-9._:@/\[\]-]+")
 
@@ -135,7 +136,7 @@ def _decode(frames: Sequence[Any], limits: Limits) -> Message:
     views = [_view(frame, index) for index, frame in enumerate(frames)]
     header = _unpack_header(views[1], limits)
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError("version", f"protocol version {version!r} is not supported (this peer speaks {PROTOCOL_VERSION})")
     kind_name = header.get("kind")
     try:
@@ -145,7 +146,7 @@ def _decode(frames: Sequence[Any], limits: Limits) -> Message:
     fields = _FieldReader(header, f"{kind} header", limits)
     message = _READERS[kind](fields, views[2:], limits)
     fields.finish(extra_allowed={"v", "kind"})
-    topic = bytes(views[0])
+    topic = bytes(views[0][:MAX_TOPIC_BYTES + 1])
     if topic != message.topic.encode("ascii"):
         raise ProtocolError("topic", f"topic {topic[:80]!r} does not match {message.topic!r}")
     if kind not in (Kind.DELTA, Kind.SNAPSHOT) and len(views) != 2:
@@ -156,14 +157,11 @@ def _decode(frames: Sequence[Any], limits: Limits) -> Message:
 def _view(frame: Any, index: int) -> memoryview:
     try:
         view = memoryview(frame)
-    except TypeError:
-        raise ProtocolError("frame_type", f"frame {index} is {type(frame).__name__}, not a buffer") from None
-    if view.ndim != 1 or view.itemsize != 1:
-        try:
-            view = view.cast("B")
-        except (TypeError, ValueError):
-            raise ProtocolError("frame_type", f"frame {index} is not a contiguous byte buffer") from None
-    return view
+        if not view.c_contiguous:
+            raise ProtocolError("frame_type", f"frame {index} is not a contiguous buffer")
+        return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+    except (TypeError, ValueError, BufferError):  # not a buffer, released, or of an uncastable format
+        raise ProtocolError("frame_type", f"frame {index} ({type(frame).__name__}) is not a readable byte buffer") from None
 
 
 def _unpack_header(view: memoryview, limits: Limits) -> dict:
@@ -172,7 +170,7 @@ def _unpack_header(view: memoryview, limits: Limits) -> dict:
     cap = limits.max_header_bytes
     try:
         header = msgpack.unpackb(
-            view, raw=False, strict_map_key=True, use_list=True, max_str_len=cap,
+            view, raw=False, strict_map_key=True, use_list=True, object_pairs_hook=_unique_keys, max_str_len=cap,
             max_bin_len=cap, max_array_len=cap, max_map_len=cap, max_ext_len=cap,
         )
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as error:
@@ -180,6 +178,14 @@ def _unpack_header(view: memoryview, limits: Limits) -> dict:
     if not isinstance(header, dict):
         raise ProtocolError("header_type", f"header must be a map, got {type(header).__name__}")
     return header
+
+
+def _unique_keys(pairs: list[tuple[Any, Any]]) -> dict:
+    """msgpack maps with a repeated key are ambiguous (which value wins?): refuse them."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ProtocolError("header_msgpack", "a map in the header repeats a key")
+    return result
 
 
 class _FieldReader:

@@ -5,14 +5,16 @@ The byte layouts are specified in PROTOCOL.md §Codecs; in short:
 
 - ``fp32``: IEEE-754 binary32, little-endian.  Lossless.
 - ``bf16``: the upper 16 bits of the binary32 value after round-to-nearest-even, little-endian.
-  Relative error ≤ 2**-8 (8 significant bits, round to nearest even).
+  Relative error ≤ 2**-8 for normal values (8 significant bits, round to nearest even).
 - ``int8`` / ``int4`` / ``int2``: the vector is cut into blocks of ``block`` values (the last block
   zero-padded).  Each block is one *record*: a float32 ``scale`` (little-endian) followed by the
   block's codes.  With ``L`` = 127, 7, 1 levels: ``scale = absmax / L`` and
   ``q = round_half_even(x / scale)`` in ``[-L, L]``; the decoded value is ``q * scale``, so every
-  value is off by at most ``scale / 2`` (plus float32 rounding of the product, ≤ L·scale·2**-23).
-  Blocks whose absmax is below 2**-126 (zero or subnormal) are flushed to zero: scale 0, all
-  codes 0 (error ≤ 2**-126).
+  value is off by at most ``scale / 2`` (plus float32 rounding, ≤ 4·L·scale·2**-23).
+  Blocks whose absmax is below 2**-120 (zero, subnormal, or so small that L/absmax would
+  overflow float32) are flushed to zero: scale 0, all codes 0 (error ≤ 2**-120).  Encoders refuse
+  blocks whose scale would exceed `Codec.max_scale` (absmax above about 1.7e38 for int2, 3e38
+  for int4, 3.37e38 for int8), since no decoder may accept such a scale.
   Code storage: int8 two's complement, one byte per value; int4 ``q + 8`` in a nibble, value 2j in
   the low nibble of byte j; int2 ``q + 1`` in two bits, value 4j+k in bits 2k..2k+1 of byte j.
 
@@ -42,16 +44,23 @@ DEFAULT_BLOCK = 256
 MIN_BLOCK, MAX_BLOCK = 8, 1 << 16
 
 _SCALE_BYTES = 4
-# Smallest normal float32: below it 1/absmax overflows, so such blocks are flushed to zero.
-_FLUSH_BELOW = np.float32(np.finfo(np.float32).tiny)
+# Blocks with a smaller absmax are flushed to zero: L / absmax must stay finite for L <= 127
+# (127 * 2**120 < FLT_MAX), and such values are far below anything a delta carries.
+_FLUSH_BELOW = np.float32(2.0**-120)
 # Work in pieces of about this many input bytes: large enough to amortise numpy's per-call cost,
 # small enough that the temporaries stay in L2 (measured best at 1-2 MiB on this machine).
 _PASS_BYTES = 1 << 21
 # numpy releases the GIL inside its loops, so pieces run in parallel on a small thread pool.
 DEFAULT_THREADS = min(4, os.cpu_count() or 1)
+MAX_THREADS = 64
+_THREAD_PREFIX = "dloco-codec"
 
 _LEVELS = {"int8": 127, "int4": 7, "int2": 1}
 _BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}
+# Largest code magnitude a decoder may meet: int8 -128, int4 nibble 0 = -8, int2 code 3 = +2.
+_LARGEST_CODE = {"int8": 128, "int4": 8, "int2": 2}
+# Largest absmax an encoder accepts, by bits: absmax / L must not exceed FLT_MAX / largest code.
+_MAX_ABSMAX = {_BITS[n]: float(np.float32(float(np.finfo(np.float32).max) / _LARGEST_CODE[n] * _LEVELS[n] * (1 - 2**-20))) for n in _LEVELS}
 
 
 def _unpack_table(bits: int) -> np.ndarray:
@@ -105,8 +114,7 @@ class Codec:
     @property
     def max_scale(self) -> float:
         """Largest valid block scale: every code times it is finite in float32."""
-        largest_code = {"int8": 128, "int4": 8, "int2": 2}[self.name]
-        return float(np.finfo(np.float32).max) / largest_code
+        return float(np.finfo(np.float32).max) / _LARGEST_CODE[self.name]
 
     def encoded_nbytes(self, count: int) -> int:
         """Exact payload length of `count` values."""
@@ -182,9 +190,11 @@ def _require_finite(x_N: np.ndarray) -> None:
 
 
 def _run_pieces(fn: Callable[[int, int], None], n: int, per_piece: int, threads: int) -> None:
-    """Call fn(lo, hi) over [0, n) in pieces of `per_piece`, on up to `threads` threads."""
+    """Call fn(lo, hi) over [0, n) in pieces of `per_piece`, on up to `threads` threads (at most
+    MAX_THREADS; inline when already on a codec thread, so nested calls cannot deadlock)."""
     bounds = [(lo, min(n, lo + per_piece)) for lo in range(0, n, per_piece)]
-    if threads <= 1 or len(bounds) < 2:
+    threads = min(threads, MAX_THREADS)
+    if threads <= 1 or len(bounds) < 2 or threading.current_thread().name.startswith(_THREAD_PREFIX):
         for lo, hi in bounds:
             fn(lo, hi)
         return
@@ -199,7 +209,7 @@ _pools_lock = threading.Lock()
 def _pool(threads: int) -> ThreadPoolExecutor:
     with _pools_lock:
         if threads not in _pools:
-            _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="codec")
+            _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=_THREAD_PREFIX)
         return _pools[threads]
 
 
@@ -274,6 +284,8 @@ def _quantize_rows(x_RxK, scale_R, codes_RxC, levels: int, bits: int, work: _Wor
     np.max(t_RxK, axis=1, out=absmax_R)
     if not np.isfinite(absmax_R).all():
         raise EncodeError("cannot encode non-finite values (NaN/Inf in a block)")
+    if (absmax_R > np.float32(_MAX_ABSMAX[bits])).any():
+        raise EncodeError(f"values too large for int{bits}: |x| above {_MAX_ABSMAX[bits]:.3g} would need a scale no decoder accepts")
     normal_R = absmax_R >= _FLUSH_BELOW
     scale_R[:] = np.where(normal_R, absmax_R / np.float32(levels), np.float32(0))
     inverse_R = np.divide(np.float32(levels), absmax_R, out=np.zeros_like(absmax_R), where=normal_R)

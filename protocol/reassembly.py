@@ -2,10 +2,12 @@
 
 A `Reassembler` holds partial messages keyed by sender, incarnation and message identity.  It has
 no clock: callers pass ``now`` (seconds, any monotonic origin), so it is deterministic and
-testable.  Memory is bounded twice: by the payload bytes held (oldest partials are evicted first
-to make room) and by a time-to-live after which an incomplete message is dropped.  Completed keys
-are remembered (a bounded LRU) so late duplicates of a finished message are ignored, not
-assembled again.
+testable.  Memory is bounded: every chunk is charged its payload bytes plus a fixed overhead per
+chunk and per slice (the Python objects that describe it), the total stays under ``max_bytes``
+(least recently extended partials are evicted first; a message that alone would exceed the budget
+is refused), and a partial that receives nothing for ``ttl_s`` is dropped.  The last ``remember``
+completed keys are kept, so late duplicates of a finished message are ignored rather than
+assembled again; older duplicates are the sequencing layer's to filter (PROTOCOL.md §6).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from protocol.errors import EncodeError, ProtocolError
 from protocol.messages import DeltaChunk, SnapshotChunk
 
 Chunk = Union[DeltaChunk, SnapshotChunk]
+# Charged per chunk and per slice on top of payload bytes: measured Python object sizes, rounded up.
+CHUNK_OVERHEAD_BYTES = 4096
+SLICE_OVERHEAD_BYTES = 1024
 _PER_CHUNK_FIELDS = frozenset({"seq", "chunk_index", "slices", "payloads"})
 
 
@@ -49,11 +54,12 @@ def _identity(chunk: Chunk) -> tuple:
 @dataclasses.dataclass
 class _Partial:
     first: Chunk
-    started: float
+    touched: float  # time of the latest chunk: the TTL runs from here
     chunks: dict[int, Chunk] = dataclasses.field(default_factory=dict)
     tensors: dict[str, tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
-    spans: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)  # sorted, disjoint
-    nbytes: int = 0
+    spans: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)  # sorted, disjoint, coalesced
+    nbytes: int = 0  # payload bytes
+    charged: int = 0  # payload plus overhead, counted against max_bytes
 
 
 @dataclasses.dataclass
@@ -63,6 +69,7 @@ class ReassemblyStats:
     inconsistent: int = 0
     evicted_ttl: int = 0
     evicted_memory: int = 0
+    over_budget: int = 0
 
 
 class Reassembler:
@@ -91,43 +98,51 @@ class Reassembler:
             self.stats.duplicates += 1
             return None
         size = sum(memoryview(p).nbytes for p in chunk.payloads)
+        cost = size + CHUNK_OVERHEAD_BYTES + SLICE_OVERHEAD_BYTES * len(chunk.slices)
         partial = self._partials.get(key)
         if partial is None:
-            if size > self.max_bytes:
-                self._reject(f"chunk of {size} bytes exceeds the reassembly budget of {self.max_bytes}")
-            partial = _Partial(first=chunk, started=now)
+            partial = _Partial(first=chunk, touched=now)
         else:
             self._check_same_message(partial, chunk)
             if chunk.chunk_index in partial.chunks:
                 self._check_duplicate(partial.chunks[chunk.chunk_index], chunk)
                 self.stats.duplicates += 1
                 return None
+        if partial.charged + cost > self.max_bytes:
+            if key in self._partials:
+                self._drop(key)
+            self._reject(f"message {key} needs more than the reassembly budget of {self.max_bytes} bytes", "reassembly_budget")
         new_spans = self._check_slices(partial, chunk)
-        self._make_room(size, keep=key)
-        if key not in self._partials:
-            self._partials[key] = partial
+        self._make_room(cost, keep=key, new=key not in self._partials)
+        self._partials[key] = partial
+        self._partials.move_to_end(key)  # most recently extended last: evicted last
+        partial.touched = now
         partial.chunks[chunk.chunk_index] = chunk
         partial.spans.update(new_spans)
         for item in chunk.slices:
             partial.tensors.setdefault(item.path, (item.dtype, item.shape))
         partial.nbytes += size
-        self.held_bytes += size
+        partial.charged += cost
+        self.held_bytes += cost
         if len(partial.chunks) < chunk.chunk_count:
             return None
         return self._complete(key, partial)
 
     def evict(self, now: float) -> list[tuple]:
-        """Drop partial messages older than the TTL; return their keys."""
-        expired = [key for key, partial in self._partials.items() if now - partial.started > self.ttl_s]
+        """Drop partial messages that received nothing for longer than the TTL; return their keys."""
+        expired = [key for key, partial in self._partials.items() if now - partial.touched > self.ttl_s]
         for key in expired:
             self._drop(key)
             self.stats.evicted_ttl += 1
         return expired
 
     # ---- internals ---------------------------------------------------------------------------
-    def _reject(self, detail: str) -> None:
-        self.stats.inconsistent += 1
-        raise ProtocolError("inconsistent", detail)
+    def _reject(self, detail: str, reason: str = "inconsistent") -> None:
+        if reason == "inconsistent":
+            self.stats.inconsistent += 1
+        else:
+            self.stats.over_budget += 1
+        raise ProtocolError(reason, detail)
 
     def _check_same_message(self, partial: _Partial, chunk: Chunk) -> None:
         if _identity(chunk) != _identity(partial.first):
@@ -145,17 +160,25 @@ class Reassembler:
             known = layouts.setdefault(item.path, (item.dtype, item.shape))
             if known != (item.dtype, item.shape):
                 self._reject(f"tensor {item.path} changes dtype/shape between chunks: {known} vs {(item.dtype, item.shape)}")
-            spans = updated.setdefault(item.path, list(partial.spans.get(item.path, [])))
-            span = (item.start, item.start + item.count)
-            at = bisect.bisect_left(spans, span)
-            for lo, hi in spans[max(0, at - 1) : at + 1]:
-                if span[0] < hi and lo < span[1]:
-                    self._reject(f"tensor {item.path} values {span} overlap values {(lo, hi)} of another chunk")
-            spans.insert(at, span)
+            spans = updated.get(item.path)
+            if spans is None:
+                spans = updated[item.path] = list(partial.spans.get(item.path, []))
+            lo, hi = item.start, item.start + item.count
+            at = bisect.bisect_left(spans, (lo, hi))
+            for other_lo, other_hi in spans[max(0, at - 1) : at + 1]:
+                if lo < other_hi and other_lo < hi:
+                    self._reject(f"tensor {item.path} values {(lo, hi)} overlap values {(other_lo, other_hi)} of another chunk")
+            # Coalesce with touching neighbours: in-order chunking keeps one span per tensor.
+            if at > 0 and spans[at - 1][1] == lo:
+                at -= 1
+                lo = spans.pop(at)[0]
+            if at < len(spans) and spans[at][0] == hi:
+                hi = spans.pop(at)[1]
+            spans.insert(at, (lo, hi))
         return updated
 
-    def _make_room(self, size: int, keep: tuple) -> None:
-        while self._partials and (self.held_bytes + size > self.max_bytes or len(self._partials) >= self.max_partials):
+    def _make_room(self, cost: int, keep: tuple, new: bool) -> None:
+        while self._partials and (self.held_bytes + cost > self.max_bytes or (new and len(self._partials) >= self.max_partials)):
             oldest = next((k for k in self._partials if k != keep), None)
             if oldest is None:
                 break
@@ -164,7 +187,7 @@ class Reassembler:
 
     def _drop(self, key: tuple) -> None:
         partial = self._partials.pop(key)
-        self.held_bytes -= partial.nbytes
+        self.held_bytes -= partial.charged
 
     def _finish(self, key: tuple) -> None:
         self._drop(key)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import protocol
 from protocol import Codec, ProtocolError, Reassembler, decode, encode
+from protocol.reassembly import CHUNK_OVERHEAD_BYTES, SLICE_OVERHEAD_BYTES
 from tests.conftest import delta_messages, make_fragment
 
 FRAGMENT = make_fragment()
@@ -98,23 +99,59 @@ def test_a_chunk_count_that_lies_is_caught_at_completion():
 def test_incomplete_messages_are_evicted_after_the_ttl():
     chunks = wire(delta_messages(FRAGMENT, Codec("int4"), max_chunk_bytes=1100))
     reassembler = Reassembler(ttl_s=5.0)
-    reassembler.add(chunks[0], now=100.0)
+    reassembler.add(chunks[0], now=100.0)  # nothing more arrives
     assert reassembler.evict(now=104.0) == [] and len(reassembler) == 1
     assert len(reassembler.evict(now=105.5)) == 1
     assert len(reassembler) == 0 and reassembler.held_bytes == 0 and reassembler.stats.evicted_ttl == 1
 
 
-def test_memory_budget_evicts_the_oldest_partial():
+def cost(chunk) -> int:
+    return sum(p.nbytes for p in chunk.payloads) + CHUNK_OVERHEAD_BYTES + SLICE_OVERHEAD_BYTES * len(chunk.slices)
+
+
+def test_memory_budget_evicts_the_least_recently_extended_partial():
     first = wire(delta_messages(FRAGMENT, Codec("fp32"), max_chunk_bytes=4000, delta_id=1))
     second = wire(delta_messages(FRAGMENT, Codec("fp32"), max_chunk_bytes=4000, delta_id=2))
-    reassembler = Reassembler(max_bytes=10_000)
+    reassembler = Reassembler(max_bytes=sum(cost(c) for c in (first[0], first[1], second[0], second[1])) - 1)
     reassembler.add(first[0], 0.0)
-    reassembler.add(first[1], 0.0)
-    reassembler.add(second[0], 1.0)
-    assert reassembler.held_bytes <= 10_000 and reassembler.stats.evicted_memory == 1
-    assert [key[3] for key in reassembler._partials] == [2]
-    with pytest.raises(ProtocolError, match="exceeds the reassembly budget"):
-        Reassembler(max_bytes=100).add(first[0], 0.0)
+    reassembler.add(second[0], 0.5)
+    reassembler.add(first[1], 1.0)  # first is now the most recently extended
+    reassembler.add(second[1], 1.5)  # needs room: second's own older chunk stays, first is evicted
+    assert reassembler.stats.evicted_memory == 1 and [key[3] for key in reassembler._partials] == [2]
+    assert reassembler.held_bytes == cost(second[0]) + cost(second[1]) <= reassembler.max_bytes
+
+
+def test_a_message_larger_than_the_budget_is_refused_not_held():
+    chunks = wire(delta_messages(FRAGMENT, Codec("fp32"), max_chunk_bytes=4000))
+    reassembler = Reassembler(max_bytes=cost(chunks[0]) + cost(chunks[1]) - 1)
+    reassembler.add(chunks[0], 0.0)
+    with pytest.raises(ProtocolError) as info:
+        reassembler.add(chunks[1], 0.0)
+    assert info.value.reason == "reassembly_budget" and reassembler.held_bytes == 0 and len(reassembler) == 0
+
+
+def test_many_tiny_slices_cost_their_overhead_and_stay_linear():
+    x = {"w": np.arange(20_000, dtype=np.float32)}
+    plan = protocol.split_fragment(x, Codec("fp32"))[0]
+    (whole,) = plan.slices
+    slices = [dataclasses.replace(whole, start=i, count=1) for i in range(20_000)]
+    payloads = [plan.payloads[0][4 * i : 4 * i + 4] for i in range(20_000)]
+    reassembler = Reassembler(max_bytes=1 << 30)
+    chunks = [protocol.DeltaChunk(sender="a", epoch=1, seq=k + 1, delta_id=1, fragment=0, base_version=0, chunk_index=k, chunk_count=20,
+                                  steps=1, tokens=1, model="m", codec=Codec("fp32"), slices=tuple(slices[k::20]), payloads=tuple(payloads[k::20]))
+              for k in range(20)]  # interleaved: worst case for span bookkeeping
+    done = [r for c in chunks if (r := reassembler.add(c, 0.0))]
+    assert np.array_equal(done[0].tensors["w"], x["w"])
+    with pytest.raises(ProtocolError, match="reassembly budget"):
+        Reassembler(max_bytes=1000 * SLICE_OVERHEAD_BYTES).add(chunks[0], 0.0)  # 1000 slices cost more than their 4 kB of payload
+
+
+def test_the_ttl_runs_from_the_latest_chunk():
+    chunks = wire(delta_messages(FRAGMENT, Codec("int4"), max_chunk_bytes=600))
+    reassembler = Reassembler(ttl_s=10.0)
+    for t, chunk in zip([0.0, 9.0, 18.0, 27.0], chunks[:4]):
+        assert reassembler.add(chunk, t) is None
+    assert reassembler.stats.evicted_ttl == 0 and len(reassembler) == 1
 
 
 def test_completed_keys_are_remembered_in_bounded_memory():

@@ -127,6 +127,29 @@ def test_rejects_large_or_broken_headers(delta):
     assert reason_of([frames[0], object(), *frames[2:]]) == "frame_type"
 
 
+def test_rejects_unreadable_frames(delta):
+    frames, header = header_of(delta)
+    released = memoryview(bytearray(frames[0]))
+    released.release()
+    assert reason_of([released, *frames[1:]]) == "frame_type"
+    strided = np.zeros(2 * len(frames[2]), np.uint8)
+    strided[::2] = np.frombuffer(frames[2], np.uint8)
+    assert reason_of([*frames[:2], strided[::2], *frames[3:]]) == "frame_type"
+    assert reason_of([b"x" * 1_000_000, *frames[1:]]) == "topic"
+
+
+def test_rejects_booleans_floats_and_repeated_keys(delta):
+    frames, header = header_of(delta)
+    assert reason_of(with_header(frames, {**header, "v": True})) == "version"
+    assert reason_of(with_header(frames, {**header, "v": 1.0})) == "version"
+    packed = msgpack.packb(header)
+    # append a second "seq" entry by hand: bump the map16 length and add the pair
+    assert packed[0] == 0xDE
+    count = int.from_bytes(packed[1:3], "big")
+    repeated = b"\xde" + (count + 1).to_bytes(2, "big") + packed[3:] + msgpack.packb("seq") + msgpack.packb(999)
+    assert reason_of([frames[0], repeated, *frames[2:]]) == "header_msgpack"
+
+
 def test_rejects_length_mismatch(delta):
     frames, header = header_of(delta)
     assert reason_of([*frames[:2], frames[2][:-1], *frames[3:]]) == "length"

@@ -11,7 +11,7 @@ import pytest
 from protocol import Codec, EncodeError, ProtocolError
 
 LEVELS = {"int8": 127, "int4": 7, "int2": 1}
-TINY = float(np.finfo(np.float32).tiny)
+FLUSH = 2.0**-120  # blocks with a smaller absmax are flushed to zero
 EPS = 2.0**-23
 
 
@@ -19,14 +19,14 @@ def blockwise_bound(x: np.ndarray, name: str, block: int) -> np.ndarray:
     """Per-value error bound: scale/2 for rounding, plus float32 rounding of x*inv and q*scale.
 
     scale = absmax/L; the products x*(L/absmax) and q*scale each carry ≤ 1 ulp relative error of
-    values ≤ L and ≤ absmax, i.e. at most ≈ 2·L·scale·2**-23 in all; flushed blocks err ≤ 2**-126.
+    values ≤ L and ≤ absmax, i.e. at most ≈ 2·L·scale·2**-23 in all; flushed blocks err ≤ 2**-120.
     """
     levels = LEVELS[name]
     padded = np.zeros(-(-x.size // block) * block, dtype=np.float32)
     padded[: x.size] = x
     absmax = np.abs(padded.reshape(-1, block)).max(axis=1).astype(np.float64)
     scale = absmax / levels
-    bound = np.where(absmax >= TINY, scale / 2 + 4 * levels * scale * EPS, TINY)
+    bound = np.where(absmax >= FLUSH, scale / 2 + 4 * levels * scale * EPS, FLUSH)
     return np.repeat(bound, block)[: x.size]
 
 
@@ -81,9 +81,10 @@ def test_bf16_rounds_to_nearest_even_by_hand():
     assert Codec("bf16").encode(x).view("<u2").tolist() == [0x3F80, 0x3F80, 0x3F82, 0xC000]
 
 
-def test_zero_and_subnormal_blocks_flush_to_zero():
+@pytest.mark.parametrize("tiny", [1e-40, 2e-38, 1e-37, 7e-37])
+def test_zero_subnormal_and_tiny_blocks_flush_to_zero(tiny):
     x = np.zeros(20, dtype=np.float32)
-    x[10:] = 1e-40  # subnormal: 1/absmax would overflow
+    x[10:] = tiny  # L/absmax would overflow float32 for absmax < L/FLT_MAX (3.7e-37 at L=127)
     for name in LEVELS:
         encoded = Codec(name, 8).encode(x)
         scales = encoded.reshape(-1, Codec(name, 8).record_nbytes)[:, :4].copy().view("<f4").ravel()
@@ -98,6 +99,19 @@ def test_non_finite_input_refuses_to_encode(name, bad):
     x[517] = bad
     with pytest.raises(EncodeError):
         Codec(name).encode(x)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_largest_encodable_values_round_trip_and_larger_ones_are_refused(name):
+    from protocol.quantization import _BITS, _MAX_ABSMAX
+
+    largest = np.float32(_MAX_ABSMAX[_BITS[name]])
+    codec = Codec(name, 8)
+    encoded = codec.encode(np.array([largest, -largest / 2, 0, 1, 2, 3, 4, 5], dtype=np.float32))
+    codec.validate(encoded, 8)  # what an encoder emits, a decoder accepts
+    assert np.isfinite(codec.decode(encoded, 8)).all()
+    with pytest.raises(EncodeError, match="too large"):
+        codec.encode(np.full(8, np.nextafter(largest, np.float32(np.inf)), dtype=np.float32))
 
 
 def test_bf16_overflow_refuses_to_encode():
