@@ -133,12 +133,23 @@ class MergerService:
             self.log.warning("message_rejected", reason=error.reason, detail=error.detail[:200])
             return
         if assembled is None:
+            self.reack_resend(message)
             return
         result = self.core.submit(assembled, now)
         if result is not None:
             self.count(f"merger/delta/{result.status}")
             if result.status == "rejected":
                 self.log.warning("delta_rejected", island=result.island, delta_id=result.delta_id, reason=result.reason)
+            self.publish_ack([result])
+
+    def reack_resend(self, chunk: protocol.DeltaChunk) -> None:
+        """A chunk of a delta settled before means its sender missed our ack: say it again (once
+        per resent delta, on its first chunk)."""
+        if chunk.chunk_index != 0 or not self.reassembler.delivered(protocol.message_key(chunk)):
+            return
+        result = self.core.settled.get((chunk.sender, chunk.epoch, chunk.delta_id))
+        if result is not None:
+            self.count("merger/reacked")
             self.publish_ack([result])
 
     def on_control_frames(self, frames: list) -> None:

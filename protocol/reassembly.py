@@ -128,6 +128,10 @@ class Reassembler:
             return None
         return self._complete(key, partial)
 
+    def delivered(self, key: tuple) -> bool:
+        """Whether the message `key` was completed (within the last `remember` completions)."""
+        return key in self._done
+
     def evict(self, now: float) -> list[tuple]:
         """Drop partial messages that received nothing for longer than the TTL; return their keys."""
         expired = [key for key, partial in self._partials.items() if now - partial.touched > self.ttl_s]

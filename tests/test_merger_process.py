@@ -46,6 +46,7 @@ class Island:
         if self.sub is not None:
             self.sub.close(linger=0)
         self.sub = self.context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"ack")
         self.sub.connect(f"tcp://127.0.0.1:{self.snapshot_port}")
 
@@ -109,17 +110,42 @@ def init_npz(tmp_path) -> Path:
     return path
 
 
+@pytest.fixture
+def processes():
+    """Every merger a test starts; whatever happens, none outlives the test."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+
+
+@pytest.fixture
+def islands():
+    made: list[Island] = []
+    yield made
+    for island in made:
+        island.close()
+
+
 @pytest.mark.timeout(300)
-def test_kill_9_at_several_points_ends_where_an_uninterrupted_run_ends(tmp_path, init_npz):
-    straight, island = tmp_path / "straight", Island(tmp_path)
-    process = start_merger(straight, island, init_npz)
+def test_kill_9_at_several_points_ends_where_an_uninterrupted_run_ends(tmp_path, init_npz, processes, islands):
+    def launch(run_dir, island, init):
+        processes.append(start_merger(run_dir, island, init))
+        return processes[-1]
+
+    straight = tmp_path / "straight"
+    islands.append(island := Island(tmp_path))
+    process = launch(straight, island, init_npz)
     results = [island.send_until_settled(i, island.chunks(i)) for i in range(1, DELTAS + 1)]
+    assert island.send_until_settled(3, island.chunks(3)) == results[2]  # a resent settled delta is acked again, not refolded
     stop(process)
-    island.close()
     assert {r.status for r in results} == {"folded"}
 
-    crashed, island = tmp_path / "crashed", Island(tmp_path)
-    process = start_merger(crashed, island, init_npz)
+    crashed = tmp_path / "crashed"
+    islands.append(island := Island(tmp_path))
+    process = launch(crashed, island, init_npz)
     for i in range(1, 5):
         island.send_until_settled(i, island.chunks(i))
     process.kill()  # kill -9 between deltas
@@ -127,7 +153,7 @@ def test_kill_9_at_several_points_ends_where_an_uninterrupted_run_ends(tmp_path,
     segment = sorted(wal_dir(crashed).glob("*.seg"))[-1]
     with open(segment, "ab") as handle:
         handle.write(b"\x40\x00\x00\x00\x00\x00\x00\x00partial")  # a record cut off mid-append
-    process = start_merger(crashed, island, None)
+    process = launch(crashed, island, None)
     for i in range(5, 9):
         island.send_until_settled(i, island.chunks(i))
     pending = island.chunks(9)
@@ -137,11 +163,10 @@ def test_kill_9_at_several_points_ends_where_an_uninterrupted_run_ends(tmp_path,
     time.sleep(0.05)
     process.kill()  # kill -9 while delta 9 may be mid-flight, mid-log or mid-fold
     process.wait(timeout=10)
-    process = start_merger(crashed, island, None)
+    process = launch(crashed, island, None)
     for i in range(9, DELTAS + 1):
         island.send_until_settled(i, island.chunks(i))
     stop(process)
-    island.close()
     assert final_digest(crashed) == final_digest(straight)
 
     verify = subprocess.run([sys.executable, "-m", "cluster.cli", "replay", str(crashed), "--verify"], capture_output=True, text=True, timeout=120)
