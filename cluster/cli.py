@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     from merger.main import add_commands as add_merger_commands
 
     add_merger_commands(commands, _positive_int)
+
+    from island.main import add_commands as add_island_commands
+
+    add_island_commands(commands, _positive_int)
     return parser
 
 

@@ -1,0 +1,79 @@
+"""Typed, frozen configuration of an island; every value validated with the offender named."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from protocol import CODEC_NAMES
+from protocol.errors import DlocoError
+
+
+class IslandConfigError(DlocoError, ValueError):
+    """A configuration value is out of its domain."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise IslandConfigError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only byte-level Transformer."""
+
+    vocab: int = 256  # bytes
+    width: int = 128  # model dimension
+    depth: int = 4  # Transformer blocks
+    heads: int = 4
+    context: int = 128  # tokens (bytes) per sequence
+    mlp_ratio: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "width", "depth", "heads", "context", "mlp_ratio"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, f"model.{name} must be a positive int, got {value!r}")
+        _require(self.width % self.heads == 0, f"model.width {self.width} must be a multiple of model.heads {self.heads}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Inner optimizer (AdamW) and run length."""
+
+    batch: int = 16  # sequences per step (global, split over local devices)
+    lr: float = 3e-3  # peak learning rate
+    warmup: int = 50  # steps of linear warmup
+    schedule: str = "cosine"  # "cosine" (to 10 % of peak at max_steps) | "constant"
+    max_steps: int = 600
+    weight_decay: float = 0.01
+    clip: float = 1.0  # global gradient-norm clip
+    eval_every: int = 100  # steps between evaluations
+    eval_batches: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.batch, int) and self.batch >= 1, f"train.batch must be a positive int, got {self.batch!r}")
+        _require(0 < self.lr < 1, f"train.lr must be in (0, 1), got {self.lr}")
+        _require(self.schedule in ("cosine", "constant"), f"train.schedule must be 'cosine' or 'constant', got {self.schedule!r}")
+        _require(isinstance(self.max_steps, int) and self.max_steps >= 1, f"train.max_steps must be a positive int, got {self.max_steps!r}")
+        _require(isinstance(self.warmup, int) and 0 <= self.warmup, f"train.warmup must be an int >= 0, got {self.warmup!r}")
+        _require(self.clip > 0, f"train.clip must be > 0, got {self.clip}")
+        _require(isinstance(self.eval_every, int) and self.eval_every >= 1, f"train.eval_every must be a positive int, got {self.eval_every!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncConfig:
+    """How the island exchanges fragments with the merger."""
+
+    fragments: int = 4  # P
+    interval: int = 50  # H: each fragment is due every H inner steps
+    codec: str = "int4"
+    block: int = 256
+    alpha: float = 0.0  # adoption: theta <- alpha*theta + (1-alpha)*Theta (0: overwrite)
+    error_feedback: bool = False
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.fragments, int) and self.fragments >= 1, f"sync.fragments must be a positive int, got {self.fragments!r}")
+        _require(isinstance(self.interval, int) and self.interval >= self.fragments,
+                 f"sync.interval (H={self.interval}) must be an int >= sync.fragments (P={self.fragments})")
+        _require(self.codec in CODEC_NAMES, f"sync.codec must be one of {CODEC_NAMES}, got {self.codec!r}")
+        _require(0 <= self.alpha < 1, f"sync.alpha must be in [0, 1), got {self.alpha}")

@@ -1,0 +1,42 @@
+"""Pure fragment arithmetic: partition, schedule, pseudo-gradient, adoption.  Values in, values out.
+
+Schedule (staggered, Streaming DiLoCo): counting inner steps from 1, fragment p is due after step
+t when ``t mod H == ((p + 1) * H // P) mod H``.  Each fragment is due every H steps and one falls
+due about every H/P steps (P = 4, H = 50: fragments 0..3 at steps 12, 25, 37, 50, then 62, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+import protocol
+
+
+def partition(shapes: Mapping[str, tuple[int, ...]], fragments: int) -> list[list[str]]:
+    """Same function the merger uses (protocol.partition): balanced by bytes, structure only."""
+    return protocol.partition(shapes, fragments)
+
+
+def due_offset(fragment: int, fragments: int, interval: int) -> int:
+    """The step residue (mod H) at which `fragment` is due; distinct for every fragment when H >= P."""
+    return ((fragment + 1) * interval // fragments) % interval
+
+
+def due_fragments(step: int, fragments: int, interval: int) -> list[int]:
+    """Fragments due after inner step `step` (counted from 1)."""
+    return [p for p in range(fragments) if step % interval == due_offset(p, fragments, interval)]
+
+
+def pseudo_gradient(anchor: Mapping[str, np.ndarray], theta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """delta_p = anchor_p - theta_p, in float32."""
+    return {path: np.asarray(anchor[path], np.float32) - np.asarray(theta[path], np.float32) for path in anchor}
+
+
+def adopt(theta: Mapping[str, np.ndarray], snapshot: Mapping[str, np.ndarray], alpha: float) -> dict[str, np.ndarray]:
+    """theta_p <- alpha * theta_p + (1 - alpha) * Theta_p (alpha 0: take the global value)."""
+    if alpha == 0:
+        return {path: np.asarray(snapshot[path], np.float32).copy() for path in snapshot}
+    return {path: (alpha * np.asarray(theta[path], np.float32) + (1 - alpha) * np.asarray(snapshot[path], np.float32)).astype(np.float32)
+            for path in snapshot}

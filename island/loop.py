@@ -1,0 +1,129 @@
+"""The island's training loop.  It never blocks on the network: a `link` (optional) takes deltas
+into a bounded background outbox and hands back snapshots that already arrived, both without
+waiting.  Without a link (standalone) it is the single-island baseline, same code path."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Protocol
+
+import numpy as np
+
+from island import fragments
+from island.config import SyncConfig, TrainConfig
+from island.data import Batches
+from island.metrics import MetricsWriter
+from island.train import Trainer
+from protocol.errors import DlocoError
+
+
+class JoinTimeout(DlocoError):
+    """The merger's initial snapshot did not arrive."""
+
+
+class Link(Protocol):
+    """What the loop needs from the network; implementations never block the caller."""
+
+    bytes_sent: int
+    bytes_received: int
+
+    def publish(self, fragment: int, base_version: int, delta: dict[str, np.ndarray], steps: int, tokens: int) -> None: ...
+
+    def snapshots(self) -> list[tuple[int, int, dict[str, np.ndarray]]]: ...  # (fragment, version, tensors)
+
+
+@dataclasses.dataclass
+class FragmentProgress:
+    anchor: dict[str, np.ndarray]
+    version: int = 0
+    steps: int = 0
+    tokens: int = 0
+
+
+class IslandLoop:
+    def __init__(self, trainer: Trainer, batches: Batches, eval_batches: list[np.ndarray], train: TrainConfig, sync: SyncConfig,
+                 metrics: MetricsWriter, link: Link | None = None, slowdown: float = 1.0, log=None) -> None:
+        if slowdown < 1:
+            raise ValueError(f"slowdown must be >= 1, got {slowdown}")
+        self.trainer, self.batches, self.eval_batches = trainer, batches, eval_batches
+        self.train, self.sync, self.metrics, self.link, self.slowdown, self.log = train, sync, metrics, link, slowdown, log
+        params = trainer.params()
+        self.parts = fragments.partition({p: v.shape for p, v in params.items()}, sync.fragments)
+        self.progress = [FragmentProgress({p: params[p] for p in paths}) for paths in self.parts]
+        self.tokens, self.compute_s, self.started = 0, 0.0, None
+
+    def join(self, timeout_s: float) -> None:
+        """Start from the merger's model: wait (once, before training) for a snapshot of every
+        fragment and adopt it.  Raises JoinTimeout if the merger does not answer in time."""
+        deadline = time.monotonic() + timeout_s
+        waiting = set(range(len(self.progress)))
+        theta = self.trainer.params()
+        while waiting:
+            if time.monotonic() > deadline:
+                raise JoinTimeout(f"no snapshot of fragments {sorted(waiting)} within {timeout_s} s: is the merger running, with the same model?")
+            for fragment, version, tensors in self.link.snapshots():
+                self.trainer.set_params(fragments.adopt(theta, tensors, 0.0))
+                self.progress[fragment] = FragmentProgress({p: np.asarray(v, np.float32) for p, v in tensors.items()}, version)
+                waiting.discard(fragment)
+            time.sleep(0.01)
+
+    def run(self, max_steps: int | None = None) -> dict:
+        max_steps = max_steps or self.train.max_steps
+        self.started = time.perf_counter()
+        eval_loss = self.trainer.evaluate(self.eval_batches)
+        self.metrics.write({"step": 0, "tokens": 0, "eval_loss": eval_loss, "time": 0.0})
+        loss = float("nan")
+        for step in range(1, max_steps + 1):
+            batch = self.batches.next()
+            began = time.perf_counter()
+            loss, grad_norm = self.trainer.step(batch)
+            compute = time.perf_counter() - began
+            if self.slowdown > 1:  # an older chip: the same work takes `slowdown` times as long
+                time.sleep(compute * (self.slowdown - 1))
+            self.compute_s += compute * self.slowdown
+            step_tokens = batch.shape[0] * (batch.shape[1] - 1)
+            self.tokens += step_tokens
+            for progress in self.progress:
+                progress.steps += 1
+                progress.tokens += step_tokens
+            if self.link is not None:
+                self._exchange(step)
+            event = {"step": step, "tokens": self.tokens, "loss": loss, "grad_norm": grad_norm, "time": time.perf_counter() - self.started,
+                     "compute_util": self.compute_s / (time.perf_counter() - self.started),
+                     "bytes_sent": getattr(self.link, "bytes_sent", 0), "bytes_received": getattr(self.link, "bytes_received", 0),
+                     "snapshot_version": [p.version for p in self.progress]}
+            if step % self.train.eval_every == 0 or step == max_steps:
+                event["eval_loss"] = eval_loss = self.trainer.evaluate(self.eval_batches)
+                if self.log is not None:
+                    self.log.info("eval", step=step, loss=round(loss, 4), eval_loss=round(eval_loss, 4), tokens=self.tokens)
+            self.metrics.write(event)
+        wall = time.perf_counter() - self.started
+        return {"steps": max_steps, "tokens": self.tokens, "loss": loss, "eval_loss": eval_loss, "seconds": wall,
+                "steps_per_s": max_steps / wall, "compute_util": self.compute_s / wall}
+
+    def _exchange(self, step: int) -> None:
+        """Adopt snapshots that arrived; hand due fragments' deltas to the link.  Never waits.
+
+        A delta is the change since the fragment was last adopted *or sent*: anchor - theta, after
+        which the anchor moves to theta.  So two sends between adoptions carry disjoint work and
+        the merger never counts a step twice.  Adoption resets the anchor to the global value."""
+        arrived = self.link.snapshots()
+        if arrived:
+            theta = self.trainer.params()
+            for fragment, version, tensors in arrived:
+                progress = self.progress[fragment]
+                if version <= progress.version:
+                    continue
+                self.trainer.set_params(fragments.adopt(theta, tensors, self.sync.alpha))
+                self.progress[fragment] = FragmentProgress({p: np.asarray(v, np.float32) for p, v in tensors.items()}, version)
+        due = [p for p in fragments.due_fragments(step, self.sync.fragments, self.sync.interval) if self.progress[p].steps > 0]
+        if due:
+            theta = self.trainer.params()
+            for fragment in due:
+                progress = self.progress[fragment]
+                current = {p: theta[p] for p in progress.anchor}
+                delta = fragments.pseudo_gradient(progress.anchor, current)
+                self.link.publish(fragment, progress.version, delta, progress.steps, progress.tokens)
+                # The next delta counts from here: what was just sent is never sent again.
+                self.progress[fragment] = FragmentProgress(current, progress.version)

@@ -1,0 +1,109 @@
+"""`dloco island`: argument parsing and wiring only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
+    island = commands.add_parser("island", help="run an island: train on its shard and exchange fragments")
+    island.add_argument("--standalone", action="store_true", help="no broker, no merger: the single-island baseline")
+    island.add_argument("--max-steps", type=positive_int, default=600)
+    island.add_argument("--corpus", type=Path, default=None, help="file or folder of text (default: this Python's standard library sources)")
+    island.add_argument("--island-index", type=int, default=0, help="which shard this island trains on")
+    island.add_argument("--islands", type=positive_int, default=1, help="how many shards the corpus is cut into")
+    island.add_argument("--name", default="island-0")
+    island.add_argument("--region", default="local")
+    island.add_argument("--width", type=positive_int, default=128)
+    island.add_argument("--depth", type=positive_int, default=4)
+    island.add_argument("--heads", type=positive_int, default=4)
+    island.add_argument("--context", type=positive_int, default=128)
+    island.add_argument("--batch", type=positive_int, default=16)
+    island.add_argument("--lr", type=float, default=3e-3)
+    island.add_argument("--warmup", type=int, default=50)
+    island.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
+    island.add_argument("--eval-every", type=positive_int, default=100)
+    island.add_argument("--eval-batches", type=positive_int, default=8)
+    island.add_argument("--seed", type=int, default=0)
+    island.add_argument("--slowdown", type=float, default=1.0, help="each step takes X times its measured compute (an older chip)")
+    island.add_argument("--metrics-out", type=Path, default=None, help="JSON lines, one object per step")
+    island.add_argument("--write-init", type=Path, default=None, help="write the initial parameters (.npz, for `dloco merger --init-npz`) and exit")
+    network = island.add_argument_group("network (all connect: islands only dial out)")
+    network.add_argument("--delta-endpoint", help="PUB for deltas, e.g. tcp://127.0.0.1:5555")
+    network.add_argument("--snapshot-endpoint", help="SUB for snapshots and acks")
+    network.add_argument("--control-endpoint", help="DEALER to the merger's ROUTER (catch-up)")
+    network.add_argument("--fragments", type=positive_int, default=4, help="P (must match the merger)")
+    network.add_argument("--interval", type=positive_int, default=50, help="H: inner steps between two deltas of a fragment")
+    network.add_argument("--codec", default="int4", help="delta codec: fp32, bf16, int8, int4, int2")
+    network.add_argument("--alpha", type=float, default=0.0, help="adoption: theta <- alpha*theta + (1-alpha)*global")
+    network.add_argument("--error-feedback", action="store_true")
+    network.add_argument("--uplink-mbps", type=float, default=None, help="emulated uplink rate (default unlimited)")
+    network.add_argument("--downlink-mbps", type=float, default=None, help="emulated downlink rate (default unlimited)")
+    network.add_argument("--rtt-ms", type=float, default=0.0, help="emulated round-trip time, half added each way")
+    network.add_argument("--join-timeout", type=float, default=60.0, help="seconds to wait for the merger's initial snapshot")
+    network.add_argument("--drain-timeout", type=float, default=10.0, help="at the end, seconds to wait for the last deltas to be sent and acknowledged")
+    island.set_defaults(run=run_island)
+
+
+def run_island(args: argparse.Namespace) -> int:
+    from cluster.telemetry import configure_logging
+    from island import data
+    from island.config import ModelConfig, SyncConfig, TrainConfig
+    from island.loop import IslandLoop
+    from island.metrics import MetricsWriter
+    from island.network import NetworkLink
+    from island.shaper import LinkShaper
+    from island.train import Trainer
+    import numpy as np
+    import protocol
+    from protocol import DlocoError
+
+    log = configure_logging("island", island=args.name, region=args.region)
+    link = None
+    try:
+        model = ModelConfig(width=args.width, depth=args.depth, heads=args.heads, context=args.context)
+        train = TrainConfig(batch=args.batch, lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_steps=args.max_steps,
+                            eval_every=args.eval_every, eval_batches=args.eval_batches, seed=args.seed)
+        if not 0 <= args.island_index < args.islands:
+            raise DlocoError(f"--island-index must be in [0, {args.islands}), got {args.island_index}")
+        corpus = data.load(args.corpus)
+        shards, evaluation = data.split(corpus, args.islands)
+        log.info("corpus", root=corpus.root, files=corpus.files, bytes=int(corpus.tokens_N.size), sha256=corpus.digest)
+        trainer = Trainer(model, train)
+        if args.write_init is not None:
+            np.savez(args.write_init, **trainer.params())
+            log.info("wrote_initial_parameters", path=str(args.write_init))
+            return 0
+        log.info("model", params=sum(v.size for v in trainer.params().values()), devices=[str(d) for d in trainer.devices])
+        sync = SyncConfig(fragments=args.fragments, interval=args.interval, codec=args.codec, alpha=args.alpha, error_feedback=args.error_feedback)
+        if not args.standalone:
+            if not (args.delta_endpoint and args.snapshot_endpoint and args.control_endpoint):
+                raise DlocoError("a networked island needs --delta-endpoint, --snapshot-endpoint and --control-endpoint (or --standalone)")
+            link = NetworkLink(args.name, protocol.model_fingerprint(trainer.params()), sync, args.delta_endpoint, args.snapshot_endpoint,
+                               args.control_endpoint, LinkShaper.from_mbps(args.uplink_mbps, args.rtt_ms),
+                               LinkShaper.from_mbps(args.downlink_mbps, args.rtt_ms), log=log)
+        metrics = MetricsWriter(args.metrics_out)
+        loop = IslandLoop(trainer, data.Batches(shards[args.island_index], args.batch, args.context, args.seed, args.island_index),
+                          data.eval_batches(evaluation, args.batch, args.context, args.eval_batches), train, sync, metrics,
+                          link=link, slowdown=args.slowdown, log=log)
+        if link is not None:
+            loop.join(args.join_timeout)
+            log.info("joined", versions=[p.version for p in loop.progress])
+        summary = loop.run()
+        metrics.close()
+        if link is not None and not link.drain(args.drain_timeout):
+            log.warning("drain_incomplete", deltas_sent=link.deltas_sent, settled=dict(link.results))
+    except (DlocoError, ValueError, OSError) as error:
+        print(f"dloco island: {error}", file=sys.stderr)
+        return 2
+    finally:
+        if link is not None:
+            link.close()
+    if link is not None:
+        summary.update(deltas_sent=link.deltas_sent, rebased=link.rebased, acks=dict(link.results))
+    log.info("done", **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,188 @@
+"""The island's network side: a background publisher and a background snapshot receiver.
+
+The training loop calls `publish` and `snapshots`; neither waits.  Threads own their sockets
+(ZeroMQ sockets are not thread-safe):
+- publisher: takes deltas from the outbox, quantizes and chunks them, paces them through the
+  uplink shaper, sends them on a PUB (connects to the delta bus);
+- receiver: a SUB on the snapshot bus and a DEALER to the merger's ROUTER (catch-up request on
+  start); reassembles snapshots, holds each until the downlink shaper says it has arrived, and
+  queues it for the loop.
+
+Outbox: at most one pending delta per fragment.  When the link is slower than deltas are made, a
+newer delta of a fragment whose older one is still unsent is *rebased* onto it: the two are summed
+(each is the change since the previous send or adoption, so the sum is the change since the older
+one's anchor), their step and token counters are summed, and the newer base version is kept.
+The outbox therefore never grows beyond P deltas and no trained work is silently dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+import zmq
+
+import protocol
+from island.config import SyncConfig
+from island.shaper import LinkShaper
+
+POLL_MS = 50
+
+
+class NetworkLink:
+    def __init__(self, name: str, model: str, sync: SyncConfig, delta_endpoint: str, snapshot_endpoint: str, control_endpoint: str,
+                 uplink: LinkShaper | None = None, downlink: LinkShaper | None = None, log=None) -> None:
+        self.name, self.model, self.sync, self.log = name, model, sync, log
+        self.epoch = time.time_ns()
+        self.codec = protocol.Codec(sync.codec, sync.block)
+        self.uplink, self.downlink = uplink or LinkShaper(None), downlink or LinkShaper(None)
+        self.endpoints = (delta_endpoint, snapshot_endpoint, control_endpoint)
+        self.bytes_sent = self.bytes_received = 0
+        self.deltas_sent = self.rebased = 0
+        self.results: collections.Counter[str] = collections.Counter()
+        self._outbox: dict[int, tuple[int, dict[str, np.ndarray], int, int]] = {}
+        self._order: collections.deque[int] = collections.deque()
+        self._arrived: collections.deque = collections.deque()
+        self._residuals: dict[str, np.ndarray] = {}
+        self._settled: set[int] = set()  # delta ids acknowledged (an ack can arrive twice)
+        self._lock = threading.Condition()
+        self._stop = threading.Event()
+        self._context = zmq.Context()
+        self._threads = [threading.Thread(target=self._publisher, name=f"{name}-publisher", daemon=True),
+                         threading.Thread(target=self._receiver, name=f"{name}-receiver", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    # ---- called by the training loop (never blocks) -------------------------------------------
+    def publish(self, fragment: int, base_version: int, delta: dict[str, np.ndarray], steps: int, tokens: int) -> None:
+        with self._lock:
+            older = self._outbox.get(fragment)
+            if older is not None:
+                _, old_delta, old_steps, old_tokens = older
+                self.rebased += 1
+                delta = {path: delta[path] + old_delta[path] for path in delta}
+                steps, tokens = steps + old_steps, tokens + old_tokens
+            else:
+                self._order.append(fragment)
+            self._outbox[fragment] = (base_version, delta, steps, tokens)
+            self._lock.notify()
+
+    def snapshots(self) -> list[tuple[int, int, dict[str, np.ndarray]]]:
+        """Snapshots that have fully arrived (by the downlink's clock), oldest first."""
+        ready, now = [], time.monotonic()
+        with self._lock:
+            while self._arrived and self._arrived[0][0] <= now:
+                ready.append(self._arrived.popleft()[1])
+        return ready
+
+    def drain(self, timeout_s: float) -> bool:
+        """At the end of a run: wait until every delta is sent and settled (folded or rejected),
+        at most `timeout_s`.  Returns whether everything was."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while time.monotonic() < deadline:
+                if not self._order and self.results["folded"] + self.results["rejected"] >= self.deltas_sent:
+                    return True
+                self._lock.wait(timeout=POLL_MS / 1000)
+        return False
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self._context.destroy(linger=0)
+
+    # ---- publisher thread ----------------------------------------------------------------------
+    def _socket(self, kind: int, endpoint: str) -> zmq.Socket:
+        socket = self._context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        socket.connect(endpoint.removeprefix(">"))
+        return socket
+
+    def _publisher(self) -> None:
+        pub = self._socket(zmq.PUB, self.endpoints[0])
+        seq, delta_id = 0, 0
+        while not self._stop.is_set():
+            with self._lock:
+                while not self._order and not self._stop.is_set():
+                    self._lock.wait(timeout=POLL_MS / 1000)
+                if self._stop.is_set():
+                    break
+                fragment = self._order.popleft()
+                base_version, delta, steps, tokens = self._outbox.pop(fragment)
+            if self.sync.error_feedback:
+                delta, kept = protocol.compensate(delta, self._residuals, self.codec)
+                self._residuals.update(kept)
+            plans = protocol.split_fragment(delta, self.codec)
+            delta_id += 1
+            for index, plan in enumerate(plans):
+                seq += 1
+                frames = protocol.encode(protocol.DeltaChunk(
+                    sender=self.name, epoch=self.epoch, seq=seq, delta_id=delta_id, fragment=fragment, base_version=base_version,
+                    chunk_index=index, chunk_count=len(plans), steps=steps, tokens=tokens, model=self.model, codec=self.codec,
+                    slices=plan.slices, payloads=plan.payloads))
+                nbytes = sum(memoryview(f).nbytes for f in frames)
+                _, arrives = self.uplink.schedule(nbytes, time.monotonic())
+                self._sleep_until(arrives)  # this thread waits for the emulated wire, never the loop
+                if self._stop.is_set():
+                    break
+                pub.send_multipart(frames, copy=False)
+                self.bytes_sent += nbytes
+            else:
+                self.deltas_sent += 1
+            with self._lock:
+                self._lock.notify_all()
+        pub.close(linger=0)
+
+    def _sleep_until(self, when: float) -> None:
+        while not self._stop.is_set() and (left := when - time.monotonic()) > 0:
+            time.sleep(min(left, POLL_MS / 1000))
+
+    # ---- receiver thread -----------------------------------------------------------------------
+    def _receiver(self) -> None:
+        sub = self._socket(zmq.SUB, self.endpoints[1])
+        sub.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
+        sub.setsockopt(zmq.SUBSCRIBE, b"ack")
+        dealer = self._socket(zmq.DEALER, self.endpoints[2])
+        dealer.send_multipart(protocol.encode(protocol.SnapshotRequest(sender=self.name, epoch=self.epoch, seq=0, fragments=())))
+        reassembler = protocol.Reassembler()
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(dealer, zmq.POLLIN)
+        while not self._stop.is_set():
+            for socket in dict(poller.poll(POLL_MS)):
+                frames = socket.recv_multipart(copy=False)
+                self._on_frames([f.buffer for f in frames], reassembler)
+        sub.close(linger=0)
+        dealer.close(linger=0)
+
+    def _on_frames(self, frames: list, reassembler: protocol.Reassembler) -> None:
+        nbytes = sum(f.nbytes for f in frames)
+        self.bytes_received += nbytes
+        _, arrives = self.downlink.schedule(nbytes, time.monotonic())
+        try:
+            message = protocol.decode(frames)
+            if isinstance(message, protocol.Ack):
+                with self._lock:
+                    for result in message.results:
+                        if result.island == self.name and result.epoch == self.epoch and result.delta_id not in self._settled:
+                            self._settled.add(result.delta_id)
+                            self.results[result.status] += 1
+                    self._lock.notify_all()
+                return
+            if not isinstance(message, protocol.SnapshotChunk) or message.model != self.model:
+                return
+            assembled = reassembler.add(message, time.monotonic())
+        except protocol.ProtocolError as error:
+            self.results[f"dropped/{error.reason}"] += 1
+            return
+        if assembled is not None:
+            head = assembled.header
+            with self._lock:
+                self._arrived.append((arrives, (head.fragment, head.version, assembled.tensors)))

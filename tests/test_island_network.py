@@ -1,0 +1,128 @@
+"""The island on the network: a real merger and two real islands on loopback; the loop never
+waits on a trickling uplink; the emulated link holds its rate."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+import protocol
+from island import data
+from island.config import ModelConfig, SyncConfig, TrainConfig
+from island.loop import IslandLoop
+from island.metrics import MetricsWriter
+from island.network import NetworkLink
+from island.shaper import LinkShaper
+from island.train import Trainer
+from tests.test_merger_process import free_port
+
+TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--batch", "8", "--seed", "0"]
+
+
+def test_shaper_schedules_by_hand():
+    link = LinkShaper(rate_bytes_s=1000.0, latency_s=0.5)
+    assert link.schedule(500, now=10.0) == (10.5, 11.0)  # 0.5 s on the wire, then 0.5 s latency
+    assert link.schedule(1000, now=10.2) == (11.5, 12.0)  # queued behind the first
+    assert link.schedule(100, now=20.0) == (20.1, 20.6)  # idle link starts at once
+    assert LinkShaper.from_mbps(8, rtt_ms=100) == LinkShaper(1e6, 0.05)
+    assert LinkShaper(None).schedule(10**9, now=1.0) == (1.0, 1.0)
+    with pytest.raises(ValueError):
+        LinkShaper(rate_bytes_s=0)
+
+
+@pytest.mark.timeout(240)
+def test_merger_and_two_islands_exchange_and_fold(tmp_path):
+    init = tmp_path / "init.npz"
+    subprocess.run([sys.executable, "-m", "cluster.cli", "island", "--write-init", str(init), *TINY], check=True, capture_output=True, timeout=120)
+    ports = [free_port() for _ in range(3)]
+    merger = subprocess.Popen([sys.executable, "-m", "cluster.cli", "merger", "--run-dir", str(tmp_path / "m"), "--init-npz", str(init),
+                               "--fragments", "2", "--delta-endpoint", f"@tcp://127.0.0.1:{ports[0]}",
+                               "--snapshot-endpoint", f"@tcp://127.0.0.1:{ports[1]}", "--control-endpoint", f"@tcp://127.0.0.1:{ports[2]}"],
+                              stdout=open(tmp_path / "merger.log", "wb"), stderr=subprocess.STDOUT)
+    islands = []
+    try:
+        for i in range(2):
+            islands.append(subprocess.Popen(
+                [sys.executable, "-m", "cluster.cli", "island", "--name", f"isl-{i}", "--island-index", str(i), "--islands", "2", *TINY,
+                 "--max-steps", "60", "--eval-every", "30", "--fragments", "2", "--interval", "10",
+                 "--delta-endpoint", f"tcp://127.0.0.1:{ports[0]}", "--snapshot-endpoint", f"tcp://127.0.0.1:{ports[1]}",
+                 "--control-endpoint", f"tcp://127.0.0.1:{ports[2]}", "--metrics-out", str(tmp_path / f"isl-{i}.jsonl")],
+                stdout=subprocess.PIPE, stderr=open(tmp_path / f"isl-{i}.err", "wb")))
+        summaries = [json.loads(p.communicate(timeout=180)[0].decode().strip().splitlines()[-1]) for p in islands]
+    finally:
+        for p in [*islands, merger]:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=30)
+    for summary in summaries:
+        assert summary["deltas_sent"] >= 10 and summary["acks"].get("folded", 0) >= 5, summary
+    folds = [json.loads(line) for line in open(tmp_path / "merger.log") if '"fold"' in line]
+    assert {name for fold in folds for name in fold["contributors"]} == {"isl-0", "isl-1"}
+    versions = [json.loads(line)["snapshot_version"] for line in open(tmp_path / "isl-0.jsonl") if '"snapshot_version"' in line]
+    assert max(max(v) for v in versions) >= 2  # the island adopted fresh global snapshots while training
+
+
+def step_times(loop: IslandLoop, metrics: Path, steps: int) -> list[float]:
+    loop.run(steps)
+    loop.metrics.close()
+    times = [json.loads(line)["time"] for line in open(metrics)]
+    return [b - a for a, b in zip(times[1:], times[2:])]
+
+
+@pytest.mark.timeout(240)
+def test_the_loop_never_waits_for_a_trickling_uplink(tmp_path):
+    """Same loop, same delta work; only the uplink differs: unlimited vs 0.001 Mbit/s."""
+    corpus = data.load()
+    shards, evaluation = data.split(corpus, 1)
+    model, train = ModelConfig(width=64, depth=2, heads=2, context=64), TrainConfig(batch=8, eval_every=10_000, max_steps=150)
+    sync = SyncConfig(fragments=2, interval=4, codec="int4")
+    runs, links = {}, {}
+    for mode, mbps in (("free", None), ("trickle", 0.001)):
+        trainer = Trainer(model, train)
+        links[mode] = link = NetworkLink("isl", "m", sync, f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}",
+                                         f"tcp://127.0.0.1:{free_port()}", uplink=LinkShaper.from_mbps(mbps))
+        loop = IslandLoop(trainer, data.Batches(shards[0], 8, 64, 0, 0), data.eval_batches(evaluation, 8, 64, 1), train, sync,
+                          MetricsWriter(tmp_path / f"{mode}.jsonl"), link=link)
+        try:
+            runs[mode] = step_times(loop, tmp_path / f"{mode}.jsonl", 150)[20:]  # after compilation
+        finally:
+            link.close()
+    # the trickle publisher is stuck in its first delta, yet every later delta is kept (summed), none dropped
+    assert links["free"].deltas_sent > 50 and links["trickle"].deltas_sent == 0 and links["trickle"].rebased > 50
+    ratio = statistics.median(runs["trickle"]) / statistics.median(runs["free"])
+    assert 0.85 < ratio < 1.15, (ratio, statistics.median(runs["trickle"]), statistics.median(runs["free"]))
+
+
+@pytest.mark.timeout(120)
+def test_the_uplink_holds_its_configured_rate_within_10_percent():
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    rate_mbps = 16.0  # 2 MB/s
+    link = NetworkLink("isl", "m", SyncConfig(fragments=1, interval=1, codec="fp32"), f"tcp://127.0.0.1:{port}",
+                       f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", uplink=LinkShaper.from_mbps(rate_mbps))
+    try:
+        time.sleep(0.5)  # subscription reaches the publisher
+        delta = {"w": np.zeros(1 << 20, np.float32)}  # 4 MiB in 4 chunks of 1 MiB: about 2 s of wire time
+        link.publish(0, 0, delta, 1, 1)
+        arrivals, sizes = [], []
+        while len(arrivals) < 4:
+            assert sub.poll(10_000), "the shaped uplink delivered nothing for 10 s"
+            frames = sub.recv_multipart()
+            arrivals.append(time.monotonic())
+            sizes.append(sum(len(f) for f in frames))
+        measured = sum(sizes[1:]) / (arrivals[-1] - arrivals[0])  # bytes after the first, over the time they took
+        assert measured == pytest.approx(rate_mbps * 1e6 / 8, rel=0.10)
+    finally:
+        link.close()
+        context.destroy(linger=0)
