@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     merger.add_argument("--fragments", type=_positive_int, default=4)
     merger.add_argument("--rounds", type=_positive_int, default=2)
     merger.set_defaults(run=_bench_merger)
+    island = suites.add_parser("island", help="island steps/s with int4 publishing on vs standalone, side by side")
+    island.add_argument("--json", action="store_true", help="print one JSON object")
+    island.add_argument("--steps", type=_positive_int, default=300, help="timed steps per run (default 300)")
+    island.add_argument("--rounds", type=_positive_int, default=3, help="alternating standalone/publishing pairs (default 3)")
+    island.set_defaults(run=_bench_island)
 
     from merger.main import add_commands as add_merger_commands
 
@@ -71,6 +76,16 @@ def _bench_merger(args: argparse.Namespace) -> int:
         print(f"merger ingest {result['merger_ingest_gbps']:.3f} GB/s of int4 wire bytes ({result['params']:,} params, "
               f"{result['islands']} deltas per fold); raw ZeroMQ receive {result['raw_zmq_recv_gbps']:.3f} GB/s; "
               f"ratio {result['ingest_vs_raw']:.2f}; stages {result['stages_s']}")
+    return 0
+
+
+def _bench_island(args: argparse.Namespace) -> int:
+    from benchmarks import island
+
+    result = island.run(steps=args.steps, rounds=args.rounds)
+    print(json.dumps(result, indent=2) if args.json else
+          f"island: publishing {result['publishing_steps_per_s']:.2f} steps/s vs standalone {result['standalone_steps_per_s']:.2f} "
+          f"(ratio {result['ratio']:.3f}, medians of {result['rounds']}; {result['deltas_sent']} int4 deltas sent)")
     return 0
 
 
