@@ -126,3 +126,36 @@ def test_the_uplink_holds_its_configured_rate_within_10_percent():
     finally:
         link.close()
         context.destroy(linger=0)
+
+
+@pytest.mark.timeout(120)
+def test_the_downlink_holds_snapshots_until_they_would_have_arrived():
+    link = NetworkLink("isl", "m", SyncConfig(fragments=1, interval=1), f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}",
+                       f"tcp://127.0.0.1:{free_port()}", downlink=LinkShaper.from_mbps(8, rtt_ms=200))  # 1 MB/s, 100 ms one way
+    try:
+        x = np.ones(250_000, np.float32)  # 1 MB of fp32 snapshot
+        plan = protocol.split_fragment({"w": x}, protocol.Codec("fp32"), 1 << 20)[0]
+        frames = protocol.encode(protocol.SnapshotChunk(sender="m", epoch=1, seq=1, fragment=0, version=3, chunk_index=0, chunk_count=1,
+                                                        model="m", codec=protocol.Codec("fp32"), slices=plan.slices, payloads=plan.payloads))
+        handed = time.monotonic()
+        link._on_frames([memoryview(f) for f in frames], protocol.Reassembler())  # as the receiver thread would
+        assert link.snapshots() == []  # on the emulated wire for ~1.1 s
+        while not (ready := link.snapshots()):
+            time.sleep(0.01)
+        waited = time.monotonic() - handed
+        nbytes = sum(memoryview(f).nbytes for f in frames)
+        assert waited == pytest.approx(nbytes / 1e6 + 0.1, rel=0.10) and ready[0][:2] == (0, 3)
+    finally:
+        link.close()
+
+
+def test_slowdown_stretches_each_step_by_its_factor(tmp_path):
+    corpus = data.load()
+    shards, evaluation = data.split(corpus, 1)
+    model, train = ModelConfig(width=64, depth=2, heads=2, context=64), TrainConfig(batch=8, eval_every=10_000)
+    medians = {}
+    for slowdown in (1.0, 2.0):
+        loop = IslandLoop(Trainer(model, train), data.Batches(shards[0], 8, 64, 0, 0), data.eval_batches(evaluation, 8, 64, 1), train,
+                          SyncConfig(), MetricsWriter(tmp_path / f"{slowdown}.jsonl"), slowdown=slowdown)
+        medians[slowdown] = statistics.median(step_times(loop, tmp_path / f"{slowdown}.jsonl", 60)[10:])
+    assert medians[2.0] / medians[1.0] == pytest.approx(2.0, rel=0.2)
