@@ -5,16 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from protocol import CODEC_NAMES
-from protocol.errors import DlocoError
-
-
-class IslandConfigError(DlocoError, ValueError):
-    """A configuration value is out of its domain."""
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise IslandConfigError(message)
+from protocol.errors import ConfigError as ConfigError  # re-exported: the error these configs raise
+from protocol.errors import require as _require
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,3 +33,13 @@ class ProtocolError(DlocoError):
 
 class EncodeError(DlocoError, ValueError):
     """Local input handed to an encoder is not encodable (a caller bug, never wire input)."""
+
+
+class ConfigError(DlocoError, ValueError):
+    """A configuration value is out of its domain; the message names the field and the value."""
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ConfigError(message) unless `condition` holds (for `__post_init__` validation)."""
+    if not condition:
+        raise ConfigError(message)

@@ -7,7 +7,7 @@ import pytest
 
 import protocol
 from island import fragments
-from island.config import IslandConfigError, ModelConfig, SyncConfig, TrainConfig
+from island.config import ConfigError, ModelConfig, SyncConfig, TrainConfig
 
 
 def test_schedule_staggers_fragments_by_hand():
@@ -44,5 +44,5 @@ def test_pseudo_gradient_and_adoption_by_hand():
                                   lambda: TrainConfig(schedule="linear"), lambda: SyncConfig(fragments=4, interval=3),
                                   lambda: SyncConfig(codec="int3"), lambda: SyncConfig(alpha=1.0)])
 def test_bad_configuration_names_the_value(make):
-    with pytest.raises(IslandConfigError):
+    with pytest.raises(ConfigError):
         make()
