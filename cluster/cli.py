@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     island.add_argument("--steps", type=_positive_int, default=300, help="timed steps per run (default 300)")
     island.add_argument("--rounds", type=_positive_int, default=3, help="alternating standalone/publishing pairs (default 3)")
     island.set_defaults(run=_bench_island)
+    bus = suites.add_parser("bus", help="1 MiB messages: raw PUB->SUB vs through the broker vs broker with CURVE")
+    bus.add_argument("--json", action="store_true", help="print one JSON object")
+    bus.add_argument("--messages", type=_positive_int, default=400)
+    bus.set_defaults(run=_bench_bus)
 
     from merger.main import add_commands as add_merger_commands
 
@@ -50,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     from island.main import add_commands as add_island_commands
 
     add_island_commands(commands, _positive_int)
+
+    from broker.main import add_commands as add_broker_commands
+
+    add_broker_commands(commands, _positive_int)
     return parser
 
 
@@ -86,6 +94,16 @@ def _bench_island(args: argparse.Namespace) -> int:
     print(json.dumps(result, indent=2) if args.json else
           f"island: publishing {result['publishing_steps_per_s']:.2f} steps/s vs standalone {result['standalone_steps_per_s']:.2f} "
           f"(ratio {result['ratio']:.3f}, medians of {result['rounds']}; {result['deltas_sent']} int4 deltas sent)")
+    return 0
+
+
+def _bench_bus(args: argparse.Namespace) -> int:
+    from benchmarks import bus
+
+    result = bus.run(count=args.messages)
+    print(json.dumps(result, indent=2) if args.json else
+          f"bus, 1 MiB messages: raw {result['raw_pubsub_gbps']:.2f} GB/s, broker {result['broker_gbps']:.2f} "
+          f"({result['broker_vs_raw']:.2f} x raw), broker+CURVE {result['broker_curve_gbps']:.2f} ({result['curve_vs_raw']:.2f} x raw)")
     return 0
 
 

@@ -1,0 +1,132 @@
+"""Bus benchmark: 1 MiB messages PUB → SUB directly, through the broker, and through the broker
+with CURVE on every hop, measured in the same run.  Sender, broker and receiver are separate
+processes (the sender is this module run as a script)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+
+from benchmarks.timing import gbps
+
+MESSAGE_BYTES = 1 << 20
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _receive(sub: zmq.Socket, count: int, timeout_s: float = 120.0) -> float:
+    """Seconds from the first to the last of `count` messages (after the sender's warm-up)."""
+    first, got = None, 0
+    deadline = time.monotonic() + timeout_s
+    while got < count:
+        if not sub.poll(1000):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"received {got} of {count}")
+            continue
+        sub.recv_multipart(copy=False)
+        first = time.perf_counter() if first is None else first
+        got += 1
+    return time.perf_counter() - first
+
+
+def _measure(endpoint_out: str, endpoint_in: str, count: int, keys: Path | None, bind_sub: bool) -> float:
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    if keys is not None:
+        from broker.security import Identity, make_client
+
+        make_client(sub, Identity.load(keys, "merger", server="broker"))
+    (sub.bind if bind_sub else sub.connect)(endpoint_out)
+    sender = [sys.executable, "-m", "benchmarks.bus", "--send", endpoint_in, "--count", str(count)]
+    if keys is not None:
+        sender += ["--keys", str(keys)]
+    process = subprocess.Popen(sender)
+    try:
+        seconds = _receive(sub, count)
+    finally:
+        process.wait(timeout=60)
+        context.destroy(linger=0)
+    return gbps((count - 1) * MESSAGE_BYTES, seconds)
+
+
+def _broker(secure_keys: Path | None) -> tuple[subprocess.Popen, list[int]]:
+    ports = [_free_port() for _ in range(4)]
+    args = [sys.executable, "-m", "cluster.cli", "broker", "--stats-every", "3600",
+            "--delta-in", f"tcp://127.0.0.1:{ports[0]}", "--delta-out", f"tcp://127.0.0.1:{ports[1]}",
+            "--snapshot-in", f"tcp://127.0.0.1:{ports[2]}", "--snapshot-out", f"tcp://127.0.0.1:{ports[3]}"]
+    args += ["--keys", str(secure_keys), "--allow", str(secure_keys / "allow")] if secure_keys else ["--insecure"]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in process.stdout:
+        if "broker_started" in line:
+            break
+    return process, ports
+
+
+def run(count: int = 400, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
+    results = {}
+    log(f"bench bus: raw PUB->SUB, {count} x 1 MiB ...")
+    port = _free_port()
+    results["raw_pubsub_gbps"] = _measure(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port}", count, None, bind_sub=True)
+    with tempfile.TemporaryDirectory(prefix="dloco-bench-bus-") as tmp:
+        keys = Path(tmp)
+        from broker.security import create_keys
+
+        create_keys(keys, ["broker", "island-0", "merger"])
+        (keys / "allow").mkdir()
+        for name in ("island-0", "merger"):
+            shutil.copy(keys / f"{name}.key", keys / "allow")
+        for label, secure in (("broker_gbps", None), ("broker_curve_gbps", keys)):
+            log(f"bench bus: {label.removesuffix('_gbps').replace('_', ' ')} ...")
+            broker, ports = _broker(secure)
+            try:
+                results[label] = _measure(f"tcp://127.0.0.1:{ports[1]}", f"tcp://127.0.0.1:{ports[0]}", count, secure, bind_sub=False)
+            finally:
+                broker.terminate()
+                broker.wait(timeout=30)
+    raw = results["raw_pubsub_gbps"]
+    return {"message_bytes": MESSAGE_BYTES, "messages": count, **{k: round(v, 3) for k, v in results.items()},
+            "broker_vs_raw": round(results["broker_gbps"] / raw, 3), "curve_vs_raw": round(results["broker_curve_gbps"] / raw, 3)}
+
+
+def _send(endpoint: str, count: int, keys: str | None) -> None:
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    pub.setsockopt(zmq.LINGER, -1)
+    if keys:
+        from broker.security import Identity, make_client
+
+        make_client(pub, Identity.load(keys, "island-0", server="broker"))
+    pub.connect(endpoint)
+    time.sleep(1.0)  # subscriptions propagate (slow joiner)
+    payload = b"\x00" * MESSAGE_BYTES
+    for _ in range(count):
+        pub.send_multipart([b"delta/0", payload], copy=False)
+    pub.close()
+    context.term()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--send", required=True)
+    parser.add_argument("--count", type=int, required=True)
+    parser.add_argument("--keys")
+    arguments = parser.parse_args()
+    _send(arguments.send, arguments.count, arguments.keys)

@@ -1,0 +1,71 @@
+"""`dloco broker` and `dloco keys`: argument parsing and wiring only."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
+    broker = commands.add_parser("broker", help="run the broker: XSUB/XPUB proxies for the delta and snapshot buses")
+    broker.add_argument("--delta-in", default="tcp://*:5555", help="XSUB for delta publishers (islands)")
+    broker.add_argument("--delta-out", default="tcp://*:5556", help="XPUB for delta subscribers (merger)")
+    broker.add_argument("--snapshot-in", default="tcp://*:5557", help="XSUB for snapshot publishers (merger)")
+    broker.add_argument("--snapshot-out", default="tcp://*:5558", help="XPUB for snapshot subscribers (islands)")
+    broker.add_argument("--keys", type=Path, help="key directory holding broker.key_secret (CURVE, the default)")
+    broker.add_argument("--allow", type=Path, help="directory of accepted client public keys (*.key)")
+    broker.add_argument("--insecure", action="store_true", help="plaintext, no authentication (prints a warning)")
+    broker.add_argument("--memory-mib", type=positive_int, default=512, help="queue budget per socket, MiB")
+    broker.add_argument("--chunk-bytes", type=positive_int, default=1 << 20, help="typical message size, to size high-water marks")
+    broker.add_argument("--stats-every", type=float, default=10.0, help="seconds between counter log lines")
+    broker.set_defaults(run=run_broker)
+
+    keys = commands.add_parser("keys", help="create CURVE key pairs (mode 0600), one per component")
+    keys.add_argument("directory", type=Path)
+    keys.add_argument("names", nargs="+", help="e.g. broker merger island-0 island-1")
+    keys.set_defaults(run=run_keys)
+
+
+def run_broker(args: argparse.Namespace) -> int:
+    import zmq
+
+    from broker.proxy import Broker, BrokerConfig, BusEndpoints
+    from broker.security import Identity
+    from cluster.telemetry import configure_logging
+    from protocol import DlocoError
+
+    log = configure_logging("broker")
+    try:
+        identity = None
+        if args.insecure:
+            if args.keys or args.allow:
+                raise DlocoError("--insecure contradicts --keys/--allow")
+            print("dloco broker: WARNING: --insecure: traffic is plaintext and anyone can connect", file=sys.stderr)
+        else:
+            if not (args.keys and args.allow):
+                raise DlocoError("CURVE is on by default: give --keys DIR (with broker.key_secret) and --allow DIR, or --insecure")
+            identity = Identity.load(args.keys, "broker", allow_dir=args.allow)
+        config = BrokerConfig((BusEndpoints("delta", args.delta_in, args.delta_out), BusEndpoints("snapshot", args.snapshot_in, args.snapshot_out)),
+                              memory_bytes=args.memory_mib << 20, chunk_bytes=args.chunk_bytes, identity=identity, stats_every_s=args.stats_every)
+        broker = Broker(config, log)
+    except (DlocoError, OSError) as error:
+        print(f"dloco broker: {error}", file=sys.stderr)
+        return 2
+    except zmq.ZMQError as error:  # a malformed or busy endpoint
+        print(f"dloco broker: cannot bind: {error}", file=sys.stderr)
+        return 2
+    return broker.run()
+
+
+def run_keys(args: argparse.Namespace) -> int:
+    from broker.security import create_keys
+    from protocol import DlocoError
+
+    try:
+        for path in create_keys(args.directory, args.names):
+            print(path)
+    except (DlocoError, OSError) as error:
+        print(f"dloco keys: {error}", file=sys.stderr)
+        return 2
+    return 0

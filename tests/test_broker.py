@@ -1,0 +1,123 @@
+"""The broker as a real process: forwards both buses, counts, stops on SIGTERM; CURVE by default
+with an allowlist; unknown keys and plaintext clients get nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from broker.security import Identity, create_keys, make_client
+from tests.test_merger_process import free_port
+
+
+class BrokerProcess:
+    def __init__(self, tmp: Path, *extra: str) -> None:
+        self.ports = [free_port() for _ in range(4)]
+        names = ("--delta-in", "--delta-out", "--snapshot-in", "--snapshot-out")
+        args = [a for name, port in zip(names, self.ports) for a in (name, f"tcp://127.0.0.1:{port}")]
+        self.log = tmp / f"broker-{self.ports[0]}.log"
+        self.process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "broker", *args, "--stats-every", "1", *extra],
+                                        stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while "broker_started" not in self.log.read_text():
+            assert self.process.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, "broker did not start"
+            time.sleep(0.05)
+
+    def endpoint(self, index: int) -> str:
+        return f"tcp://127.0.0.1:{self.ports[index]}"
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=20)
+
+    def events(self, name: str) -> list[dict]:
+        return [json.loads(line) for line in self.log.read_text().splitlines() if f'"event": "{name}"' in line]
+
+
+@pytest.fixture
+def context():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def pair(context, broker: BrokerProcess, bus: int, pub_identity=None, sub_identity=None):
+    """A publisher into bus `bus` (0 delta, 1 snapshot) and a subscriber out of it."""
+    pub, sub = context.socket(zmq.PUB), context.socket(zmq.SUB)
+    for socket, identity in ((pub, pub_identity), (sub, sub_identity)):
+        socket.setsockopt(zmq.LINGER, 0)
+        if identity is not None:
+            make_client(socket, identity)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    pub.connect(broker.endpoint(2 * bus))
+    sub.connect(broker.endpoint(2 * bus + 1))
+    return pub, sub
+
+
+def received(pub, sub, count: int = 20, wait_s: float = 3.0) -> int:
+    """Publish `count` messages for up to `wait_s` (until the subscription is through); count arrivals."""
+    got, deadline = 0, time.monotonic() + wait_s
+    while time.monotonic() < deadline and got < count:
+        pub.send_multipart([b"delta/0", b"header", b"x" * 1000])
+        if sub.poll(50):
+            while sub.poll(0):
+                sub.recv_multipart()
+                got += 1
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_insecure_broker_forwards_both_buses_counts_and_stops_cleanly(tmp_path, context):
+    broker = BrokerProcess(tmp_path, "--insecure")
+    try:
+        for bus in (0, 1):
+            pub, sub = pair(context, broker, bus)
+            assert received(pub, sub) >= 20
+        time.sleep(1.2)
+    finally:
+        assert broker.stop() == 0
+    stopped = broker.events("broker_stopped")[-1]
+    assert stopped["messages"]["delta/delta"] >= 20 and stopped["messages"]["snapshot/delta"] >= 20
+    assert stopped["bytes"]["delta/delta"] >= 20 * 1000 and broker.events("broker_stats")
+    assert "WARNING: --insecure" in broker.log.read_text()
+
+
+@pytest.mark.timeout(120)
+def test_curve_admits_listed_keys_only_and_logs_refusals(tmp_path, context):
+    keys, allow = tmp_path / "keys", tmp_path / "allow"
+    create_keys(keys, ["broker", "island-0", "merger", "stranger"])
+    allow.mkdir()
+    for name in ("island-0", "merger"):
+        shutil.copy(keys / f"{name}.key", allow)
+    broker = BrokerProcess(tmp_path, "--keys", str(keys), "--allow", str(allow))
+    try:
+        island = Identity.load(keys, "island-0", server="broker")
+        merger = Identity.load(keys, "merger", server="broker")
+        stranger = Identity.load(keys, "stranger", server="broker")
+        pub, sub = pair(context, broker, 0, island, merger)
+        assert received(pub, sub) >= 20  # both listed: traffic flows, encrypted
+        pub, sub = pair(context, broker, 0, stranger, merger)
+        assert received(pub, sub, wait_s=2.0) == 0  # unknown publisher: refused
+        pub, sub = pair(context, broker, 0, island, None)
+        assert received(pub, sub, wait_s=2.0) == 0  # plaintext subscriber cannot talk to a secure broker
+    finally:
+        assert broker.stop() == 0
+    assert broker.events("auth_refused") and broker.events("broker_stopped")[-1]["auth_refused"] >= 1
+
+
+def test_keys_are_private_and_bad_invocations_are_clear(tmp_path):
+    for path in create_keys(tmp_path / "k", ["broker"]):
+        assert path.stat().st_mode & 0o777 == 0o600
+    run = subprocess.run([sys.executable, "-m", "cluster.cli", "broker"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "CURVE is on by default" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "cluster.cli", "broker", "--insecure", "--delta-in", "nonsense://x"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "cannot bind" in run.stderr and "Traceback" not in run.stderr
