@@ -101,3 +101,56 @@ def start_authenticator(context: zmq.Context, allow_dir: Path, report) -> tuple[
     authenticator.start()
     authenticator.configure_curve(domain="*", location=str(allow_dir))
     return authenticator, refusals
+
+
+# The ZAP handler of each context that has CURVE server sockets (one per context), by id(context).
+_authenticators: dict[int, tuple[ThreadAuthenticator, _Refusals]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Security:
+    """How one process secures its sockets: CURVE with its own key pair, or plaintext (insecure).
+
+    A bound socket (endpoint starting with '@') is a CURVE server and admits only keys in `allow`;
+    a connecting socket is a client of the named server, whose public key is `keys/<server>.key`.
+    """
+
+    keys: Path | None  # None: plaintext
+    name: str
+    allow: Path | None = None
+
+    @property
+    def insecure(self) -> bool:
+        return self.keys is None
+
+    def secure(self, context: zmq.Context, socket: zmq.Socket, endpoint: str, server: str, report=lambda message: None) -> None:
+        if self.keys is None:
+            return
+        if endpoint.startswith("@"):
+            if self.allow is None:
+                raise ConfigError(f"{self.name} binds {endpoint[1:]} with CURVE on: give --allow DIR (accepted client keys)")
+            if id(context) not in _authenticators:
+                _authenticators[id(context)] = start_authenticator(context, self.allow, report)
+            make_server(socket, Identity.load(self.keys, self.name))
+        else:
+            make_client(socket, Identity.load(self.keys, self.name, server=server))
+
+    @staticmethod
+    def stop(context: zmq.Context) -> None:
+        started = _authenticators.pop(id(context), None)
+        if started is not None:
+            started[0].stop()
+
+
+def security_from_args(args, name: str, component: str) -> Security:
+    """--keys/--allow/--insecure, checked the same way for every component."""
+    if args.insecure:
+        if args.keys or getattr(args, "allow", None):
+            raise ConfigError("--insecure contradicts --keys/--allow")
+        import sys
+
+        print(f"dloco {component}: WARNING: --insecure: traffic is plaintext and unauthenticated", file=sys.stderr)
+        return Security(None, name)
+    if not args.keys:
+        raise ConfigError(f"CURVE is on by default: give --keys DIR (holding {name}.key_secret), or --insecure")
+    return Security(Path(args.keys), name, Path(args.allow) if getattr(args, "allow", None) else None)

@@ -44,6 +44,10 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     network.add_argument("--downlink-mbps", type=float, default=None, help="emulated downlink rate (default unlimited)")
     network.add_argument("--rtt-ms", type=float, default=0.0, help="emulated round-trip time, half added each way")
     network.add_argument("--join-timeout", type=float, default=60.0, help="seconds to wait for the merger's initial snapshot")
+    network.add_argument("--keys", type=Path, help="CURVE key directory (NAME.key_secret and the servers' .key); CURVE is the default")
+    network.add_argument("--insecure", action="store_true", help="plaintext, no authentication (prints a warning)")
+    network.add_argument("--bus-server", default="broker", help="key name of what the bus endpoints reach (broker, or merger when direct)")
+    network.add_argument("--control-server", default="merger", help="key name of the control endpoint's server")
     network.add_argument("--drain-timeout", type=float, default=10.0, help="at the end, seconds to wait for the last deltas to be sent and acknowledged")
     island.set_defaults(run=run_island)
 
@@ -54,6 +58,7 @@ def run_island(args: argparse.Namespace) -> int:
     from island.config import ModelConfig, SyncConfig, TrainConfig
     from island.loop import IslandLoop
     from island.metrics import MetricsWriter
+    from broker.security import security_from_args
     from island.network import NetworkLink
     from island.shaper import LinkShaper
     from island.train import Trainer
@@ -82,9 +87,11 @@ def run_island(args: argparse.Namespace) -> int:
         if not args.standalone:
             if not (args.delta_endpoint and args.snapshot_endpoint and args.control_endpoint):
                 raise DlocoError("a networked island needs --delta-endpoint, --snapshot-endpoint and --control-endpoint (or --standalone)")
+            security = security_from_args(args, args.name, "island")
             link = NetworkLink(args.name, protocol.model_fingerprint(trainer.params()), sync, args.delta_endpoint, args.snapshot_endpoint,
                                args.control_endpoint, LinkShaper.from_mbps(args.uplink_mbps, args.rtt_ms),
-                               LinkShaper.from_mbps(args.downlink_mbps, args.rtt_ms), log=log)
+                               LinkShaper.from_mbps(args.downlink_mbps, args.rtt_ms), log=log, security=security,
+                               bus_server=args.bus_server, control_server=args.control_server)
         metrics = MetricsWriter(args.metrics_out)
         loop = IslandLoop(trainer, data.Batches(shards[args.island_index], args.batch, args.context, args.seed, args.island_index),
                           data.eval_batches(evaluation, args.batch, args.context, args.eval_batches), train, sync, metrics,

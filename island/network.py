@@ -26,6 +26,7 @@ import zmq
 
 import protocol
 from island.config import SyncConfig
+from broker.security import Security
 from island.shaper import LinkShaper
 
 POLL_MS = 50
@@ -33,8 +34,11 @@ POLL_MS = 50
 
 class NetworkLink:
     def __init__(self, name: str, model: str, sync: SyncConfig, delta_endpoint: str, snapshot_endpoint: str, control_endpoint: str,
-                 uplink: LinkShaper | None = None, downlink: LinkShaper | None = None, log=None) -> None:
+                 uplink: LinkShaper | None = None, downlink: LinkShaper | None = None, log=None,
+                 security: Security | None = None, bus_server: str = "broker", control_server: str = "merger") -> None:
         self.name, self.model, self.sync, self.log = name, model, sync, log
+        self.security = security or Security(None, name)
+        self.servers = (bus_server, bus_server, control_server)
         self.epoch = time.time_ns()
         self.codec = protocol.Codec(sync.codec, sync.block)
         self.uplink, self.downlink = uplink or LinkShaper(None), downlink or LinkShaper(None)
@@ -97,16 +101,17 @@ class NetworkLink:
         self._context.destroy(linger=0)
 
     # ---- publisher thread ----------------------------------------------------------------------
-    def _socket(self, kind: int, endpoint: str) -> zmq.Socket:
+    def _socket(self, kind: int, endpoint: str, server: str) -> zmq.Socket:
         socket = self._context.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
+        self.security.secure(self._context, socket, endpoint, server)
         socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         socket.connect(endpoint.removeprefix(">"))
         return socket
 
     def _publisher(self) -> None:
-        pub = self._socket(zmq.PUB, self.endpoints[0])
+        pub = self._socket(zmq.PUB, self.endpoints[0], self.servers[0])
         seq, delta_id = 0, 0
         while not self._stop.is_set():
             with self._lock:
@@ -146,10 +151,10 @@ class NetworkLink:
 
     # ---- receiver thread -----------------------------------------------------------------------
     def _receiver(self) -> None:
-        sub = self._socket(zmq.SUB, self.endpoints[1])
+        sub = self._socket(zmq.SUB, self.endpoints[1], self.servers[1])
         sub.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
         sub.setsockopt(zmq.SUBSCRIBE, b"ack")
-        dealer = self._socket(zmq.DEALER, self.endpoints[2])
+        dealer = self._socket(zmq.DEALER, self.endpoints[2], self.servers[2])
         dealer.send_multipart(protocol.encode(protocol.SnapshotRequest(sender=self.name, epoch=self.epoch, seq=0, fragments=())))
         reassembler = protocol.Reassembler()
         poller = zmq.Poller()

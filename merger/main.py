@@ -31,6 +31,10 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     merger.add_argument("--snapshot-codec", choices=("fp32", "bf16"), default="fp32")
     merger.add_argument("--fsync", choices=("always", "batch", "never"), default="batch")
     merger.add_argument("--checkpoint-every", type=positive_int, default=50, help="folds between checkpoints")
+    merger.add_argument("--name", default="merger", help="sender id and key name (default merger)")
+    merger.add_argument("--keys", type=Path, help="CURVE key directory (NAME.key_secret, broker.key); CURVE is the default")
+    merger.add_argument("--allow", type=Path, help="accepted client public keys, for the sockets this merger binds")
+    merger.add_argument("--insecure", action="store_true", help="plaintext, no authentication (prints a warning)")
     merger.set_defaults(run=run_merger)
 
     replay = commands.add_parser("replay", help="rebuild the global model from a merger's log and print its hashes")
@@ -41,6 +45,9 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
 
 
 def run_merger(args: argparse.Namespace) -> int:
+    import zmq
+
+    from broker.security import security_from_args
     from merger.service import MergerService, ServiceConfig, initial_core
 
     try:
@@ -55,10 +62,11 @@ def run_merger(args: argparse.Namespace) -> int:
                 factory = initial_core(config, {path: data[path].astype(np.float32) for path in data.files}, args.fragments)
         elif not (args.run_dir / "wal").exists():
             raise ConfigError(f"{args.run_dir} holds no log to resume; give --init-npz to start a new run")
+        security = security_from_args(args, args.name, "merger")
         service = MergerService(ServiceConfig(args.run_dir, args.delta_endpoint, args.snapshot_endpoint, args.control_endpoint,
-                                              snapshot_codec=args.snapshot_codec, fsync=args.fsync,
-                                              checkpoint_every=args.checkpoint_every), core_factory=factory)
-    except (DlocoError, OSError) as error:
+                                              sender=args.name, snapshot_codec=args.snapshot_codec, fsync=args.fsync,
+                                              checkpoint_every=args.checkpoint_every, security=security), core_factory=factory)
+    except (DlocoError, OSError, zmq.ZMQError) as error:
         print(f"dloco merger: {error}", file=sys.stderr)
         return 2
     return service.run()

@@ -28,6 +28,7 @@ from merger.config import MergerConfig
 from merger.core import MergerCore
 from merger.recovery import checkpoint_dir, recover, wal_dir
 from merger.wal import WriteAheadLog
+from broker.security import Security
 
 POLL_MS = 50  # longest sleep between checks of the clock-driven round policy
 DRAIN_LIMIT = 256  # messages taken from one socket before the loop looks at the others
@@ -46,6 +47,7 @@ class ServiceConfig:
     checkpoint_every: int = 50  # folds between checkpoints
     reassembly_ttl_s: float = 60.0
     reassembly_bytes: int = 512 << 20
+    security: Security = Security(None, "merger")  # plaintext unless keys are given
 
 
 def attach(socket: zmq.Socket, endpoint: str) -> None:
@@ -72,15 +74,17 @@ class MergerService:
         self.reassembler = protocol.Reassembler(ttl_s=config.reassembly_ttl_s, max_bytes=config.reassembly_bytes)
         self.counters: dict[str, int] = {}
         self.context = zmq.Context()
-        self.delta_sub = self._socket(zmq.SUB, config.delta_endpoint)
+        self.delta_sub = self._socket(zmq.SUB, config.delta_endpoint, server="broker")
         self.delta_sub.setsockopt(zmq.SUBSCRIBE, b"delta/")
-        self.snapshot_pub = self._socket(zmq.PUB, config.snapshot_endpoint)
-        self.control = self._socket(zmq.ROUTER, config.control_endpoint)
+        self.snapshot_pub = self._socket(zmq.PUB, config.snapshot_endpoint, server="broker")
+        self.control = self._socket(zmq.ROUTER, config.control_endpoint, server=config.sender)
         self.stopping = False
 
-    def _socket(self, kind: int, endpoint: str) -> zmq.Socket:
+    def _socket(self, kind: int, endpoint: str, server: str) -> zmq.Socket:
         socket = self.context.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
+        self.config.security.secure(self.context, socket, endpoint, server,
+                                    report=lambda message: self.log.warning("auth_refused", detail=message))
         for option, value in ((zmq.HEARTBEAT_IVL, 1000), (zmq.HEARTBEAT_TIMEOUT, 5000), (zmq.HEARTBEAT_TTL, 5000)):
             socket.setsockopt(option, value)
         attach(socket, endpoint)
@@ -218,6 +222,7 @@ class MergerService:
     def shutdown(self) -> None:
         self.write_checkpoint()
         self.wal.close()
+        Security.stop(self.context)
         self.context.destroy(linger=0)
         self.log.info("stopped", folds=self.folds, counters=self.counters, rejected=dict(self.core.rejected))
 

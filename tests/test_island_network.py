@@ -45,7 +45,7 @@ def test_merger_and_two_islands_exchange_and_fold(tmp_path):
     ports = [free_port() for _ in range(3)]
     merger = subprocess.Popen([sys.executable, "-m", "cluster.cli", "merger", "--run-dir", str(tmp_path / "m"), "--init-npz", str(init),
                                "--fragments", "2", "--delta-endpoint", f"@tcp://127.0.0.1:{ports[0]}",
-                               "--snapshot-endpoint", f"@tcp://127.0.0.1:{ports[1]}", "--control-endpoint", f"@tcp://127.0.0.1:{ports[2]}"],
+                               "--snapshot-endpoint", f"@tcp://127.0.0.1:{ports[1]}", "--control-endpoint", f"@tcp://127.0.0.1:{ports[2]}", "--insecure"],
                               stdout=open(tmp_path / "merger.log", "wb"), stderr=subprocess.STDOUT)
     islands = []
     try:
@@ -54,7 +54,7 @@ def test_merger_and_two_islands_exchange_and_fold(tmp_path):
                 [sys.executable, "-m", "cluster.cli", "island", "--name", f"isl-{i}", "--island-index", str(i), "--islands", "2", *TINY,
                  "--max-steps", "60", "--eval-every", "30", "--fragments", "2", "--interval", "10",
                  "--delta-endpoint", f"tcp://127.0.0.1:{ports[0]}", "--snapshot-endpoint", f"tcp://127.0.0.1:{ports[1]}",
-                 "--control-endpoint", f"tcp://127.0.0.1:{ports[2]}", "--metrics-out", str(tmp_path / f"isl-{i}.jsonl")],
+                 "--control-endpoint", f"tcp://127.0.0.1:{ports[2]}", "--metrics-out", str(tmp_path / f"isl-{i}.jsonl"), "--insecure"],
                 stdout=subprocess.PIPE, stderr=open(tmp_path / f"isl-{i}.err", "wb")))
         summaries = [json.loads(p.communicate(timeout=180)[0].decode().strip().splitlines()[-1]) for p in islands]
     finally:

@@ -85,7 +85,7 @@ def start_merger(run_dir: Path, island: Island, init: Path | None) -> subprocess
             "--delta-endpoint", f"tcp://127.0.0.1:{island.delta_port}",
             "--snapshot-endpoint", f"@tcp://127.0.0.1:{island.snapshot_port}",
             "--control-endpoint", f"@tcp://127.0.0.1:{island.control_port}",
-            "--checkpoint-every", "3", "--fsync", "always", "--max-staleness", "3"]
+            "--checkpoint-every", "3", "--fsync", "always", "--max-staleness", "3", "--insecure"]
     if init is not None:
         args += ["--init-npz", str(init)]
     log = open(run_dir.parent / f"{run_dir.name}.log", "ab")

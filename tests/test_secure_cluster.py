@@ -1,0 +1,58 @@
+"""Broker, merger and an island as real processes, CURVE on every socket: training flows through
+the broker and is folded; an island whose key is not allowed cannot even join."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from broker.security import create_keys
+from tests.test_broker import BrokerProcess
+from tests.test_merger_process import free_port
+
+TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--batch", "8", "--seed", "0"]
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cluster.cli", *args]
+
+
+@pytest.mark.timeout(300)
+def test_training_through_a_curve_broker(tmp_path):
+    keys, broker_allow, merger_allow = tmp_path / "keys", tmp_path / "broker-allow", tmp_path / "merger-allow"
+    create_keys(keys, ["broker", "merger", "island-0", "stranger"])
+    for folder, names in ((broker_allow, ["merger", "island-0"]), (merger_allow, ["island-0"])):
+        folder.mkdir()
+        for name in names:
+            shutil.copy(keys / f"{name}.key", folder)
+    init = tmp_path / "init.npz"
+    subprocess.run(cli("island", "--write-init", str(init), *TINY), check=True, capture_output=True, timeout=120)
+    broker = BrokerProcess(tmp_path, "--keys", str(keys), "--allow", str(broker_allow))
+    control = free_port()
+    merger = subprocess.Popen(cli("merger", "--run-dir", str(tmp_path / "m"), "--init-npz", str(init), "--fragments", "2",
+                                  "--delta-endpoint", broker.endpoint(1), "--snapshot-endpoint", broker.endpoint(2),
+                                  "--control-endpoint", f"@tcp://127.0.0.1:{control}", "--keys", str(keys), "--allow", str(merger_allow)),
+                              stdout=open(tmp_path / "merger.log", "wb"), stderr=subprocess.STDOUT)
+
+    def island(name: str, join_timeout: str) -> subprocess.CompletedProcess:
+        return subprocess.run(cli("island", "--name", name, *TINY, "--max-steps", "40", "--eval-every", "40", "--fragments", "2",
+                                  "--interval", "10", "--delta-endpoint", broker.endpoint(0), "--snapshot-endpoint", broker.endpoint(3),
+                                  "--control-endpoint", f"tcp://127.0.0.1:{control}", "--keys", str(keys), "--join-timeout", join_timeout),
+                              capture_output=True, text=True, timeout=200)
+
+    try:
+        good = island("island-0", "60")
+        bad = island("stranger", "5")
+    finally:
+        merger.terminate()
+        assert merger.wait(timeout=30) == 0
+        assert broker.stop() == 0
+    assert good.returncode == 0, good.stderr[-2000:]
+    summary = json.loads(good.stdout.strip().splitlines()[-1])
+    assert summary["deltas_sent"] >= 6 and summary["acks"].get("folded", 0) >= 3, summary
+    assert bad.returncode == 2 and "no snapshot of fragments" in bad.stderr
+    assert broker.events("broker_stopped")[-1]["auth_refused"] >= 1  # the stranger was turned away at the broker
