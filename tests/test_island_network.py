@@ -82,21 +82,26 @@ def test_the_loop_never_waits_for_a_trickling_uplink(tmp_path):
     """Same loop, same delta work; only the uplink differs: unlimited vs 0.001 Mbit/s."""
     corpus = data.load()
     shards, evaluation = data.split(corpus, 1)
-    model, train = ModelConfig(width=64, depth=2, heads=2, context=64), TrainConfig(batch=8, eval_every=10_000, max_steps=150)
+    model, train = ModelConfig(width=64, depth=2, heads=2, context=64), TrainConfig(batch=8, eval_every=10_000, max_steps=120)
     sync = SyncConfig(fragments=2, interval=4, codec="int4")
-    runs, links = {}, {}
-    for mode, mbps in (("free", None), ("trickle", 0.001)):
-        trainer = Trainer(model, train)
-        links[mode] = link = NetworkLink("isl", "m", sync, f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}",
-                                         f"tcp://127.0.0.1:{free_port()}", uplink=LinkShaper.from_mbps(mbps))
-        loop = IslandLoop(trainer, data.Batches(shards[0], 8, 64, 0, 0), data.eval_batches(evaluation, 8, 64, 1), train, sync,
-                          MetricsWriter(tmp_path / f"{mode}.jsonl"), link=link)
-        try:
-            runs[mode] = step_times(loop, tmp_path / f"{mode}.jsonl", 150)[20:]  # after compilation
-        finally:
-            link.close()
+    runs: dict[str, list[float]] = {"free": [], "trickle": []}
+    links: dict[str, list[NetworkLink]] = {"free": [], "trickle": []}
+    for round_ in range(2):  # alternate, so both modes see the same machine load
+        for mode, mbps in (("free", None), ("trickle", 0.001)):
+            trainer = Trainer(model, train)
+            link = NetworkLink("isl", "m", sync, f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}",
+                               f"tcp://127.0.0.1:{free_port()}", uplink=LinkShaper.from_mbps(mbps))
+            links[mode].append(link)
+            metrics = tmp_path / f"{mode}-{round_}.jsonl"
+            loop = IslandLoop(trainer, data.Batches(shards[0], 8, 64, 0, 0), data.eval_batches(evaluation, 8, 64, 1), train, sync,
+                              MetricsWriter(metrics), link=link)
+            try:
+                runs[mode] += step_times(loop, metrics, 120)[20:]  # after compilation
+            finally:
+                link.close()
     # the trickle publisher is stuck in its first delta, yet every later delta is kept (summed), none dropped
-    assert links["free"].deltas_sent > 50 and links["trickle"].deltas_sent == 0 and links["trickle"].rebased > 50
+    assert all(link.deltas_sent > 0 for link in links["free"])
+    assert all(link.deltas_sent == 0 and link.rebased >= 50 for link in links["trickle"])
     # One-sided: a free publisher competes with training for the 2 cores (it quantizes and sends),
     # a stuck one sleeps, so the trickle run may well be faster; it must never be slower.
     ratio = statistics.median(runs["trickle"]) / statistics.median(runs["free"])
