@@ -55,14 +55,14 @@ def run(total_mib: int = 100, block: int = protocol.DEFAULT_BLOCK, reps: int = 5
         log(f"bench codec: {name} ...")
         codec = protocol.Codec(name, block)
         encoded = codec.encode(x_N, threads=threads)
-        quantize = median_seconds(lambda: codec.encode(x_N, threads=threads), reps)
-        dequantize = median_seconds(lambda: codec.decode(encoded, x_N.size, out=out_N, threads=threads), reps)
+        quantize = median_seconds(lambda codec=codec: codec.encode(x_N, threads=threads), reps)
+        dequantize = median_seconds(lambda codec=codec, encoded=encoded: codec.decode(encoded, x_N.size, out=out_N, threads=threads), reps)
         error = float(np.max(np.abs(out_N - x_N)) / np.max(np.abs(x_N)))
         frames = [protocol.encode(message) for message in _delta_chunks(deltas, codec)]
         wire = sum(memoryview(f).nbytes for fs in frames for f in fs)
         messages = list(_delta_chunks(deltas, codec))
-        frame_encode = median_seconds(lambda: [protocol.encode(m) for m in messages], reps)
-        frame_decode = median_seconds(lambda: [protocol.decode(fs) for fs in frames], reps)
+        frame_encode = median_seconds(lambda messages=messages: [protocol.encode(m) for m in messages], reps)
+        frame_decode = median_seconds(lambda frames=frames: [protocol.decode(fs) for fs in frames], reps)
         result["codecs"][name] = {
             "quantize_gbps": round(gbps(x_N.nbytes, quantize), 3),
             "dequantize_gbps": round(gbps(x_N.nbytes, dequantize), 3),

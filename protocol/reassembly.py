@@ -201,7 +201,7 @@ class Reassembler:
 
     def _complete(self, key: tuple, partial: _Partial) -> Assembled:
         self._finish(key)
-        for path, (dtype, shape) in partial.tensors.items():
+        for path, (_, shape) in partial.tensors.items():
             covered = sum(hi - lo for lo, hi in partial.spans[path])
             size = int(np.prod(shape, dtype=np.int64))
             if covered != size:

@@ -3,7 +3,6 @@ record), restart, and end with exactly the parameters of an uninterrupted run; r
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
