@@ -1,0 +1,121 @@
+"""Lossless delivery over pub/sub, the pure parts: receiver-side gap tracking and in-order
+delivery, sender-side bounded retransmit buffer.  No sockets, no clocks (PROTOCOL.md §6).
+
+Receiver: per sender it knows the incarnation (epoch) and the highest seq delivered so far; a
+message beyond it is held until the gap before it is filled, so delivery is exactly once and in
+order per sender.  `missing` lists the gaps — including the tail, known from heartbeats carrying
+the sender's last seq — as inclusive ranges to ask the sender for again.
+
+Sender: keeps every stream message until a receiver's cursor covers it; refuses new ones when
+full, which the caller turns into backpressure (it stops producing), never into a drop.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class _Stream:
+    epoch: int
+    delivered: int = 0  # every seq <= delivered has been handed out
+    known_last: int = 0  # highest seq the sender says (or shows) it has sent
+    held: dict[int, Any] = dataclasses.field(default_factory=dict)  # seq -> message waiting for a gap
+
+
+class GapTracker:
+    def __init__(self, max_held: int = 65_536) -> None:
+        self.max_held = max_held  # bound on out-of-order messages held per sender
+        self.streams: dict[str, _Stream] = {}
+        self.duplicates = self.stale = self.overflow = 0
+
+    def _stream(self, sender: str, epoch: int) -> _Stream | None:
+        stream = self.streams.get(sender)
+        if stream is None or epoch > stream.epoch:  # first contact, or the sender restarted
+            stream = self.streams[sender] = _Stream(epoch)
+        return stream if epoch == stream.epoch else None
+
+    def receive(self, sender: str, epoch: int, seq: int, message: Any) -> list[Any]:
+        """Messages now deliverable in order (possibly none, possibly several)."""
+        stream = self._stream(sender, epoch)
+        if stream is None:
+            self.stale += 1
+            return []
+        if seq <= stream.delivered or seq in stream.held:
+            self.duplicates += 1
+            return []
+        stream.known_last = max(stream.known_last, seq)
+        if seq != stream.delivered + 1:
+            if len(stream.held) >= self.max_held:
+                self.overflow += 1  # dropped here; it will be asked for again as part of the gap
+                return []
+            stream.held[seq] = message
+            return []
+        ready = [message]
+        stream.delivered = seq
+        while stream.delivered + 1 in stream.held:
+            stream.delivered += 1
+            ready.append(stream.held.pop(stream.delivered))
+        return ready
+
+    def heartbeat(self, sender: str, epoch: int, last_seq: int) -> None:
+        """A control message said the sender's stream reached `last_seq`: a tail beyond what we
+        have is missing."""
+        stream = self._stream(sender, epoch)
+        if stream is not None:
+            stream.known_last = max(stream.known_last, last_seq)
+
+    def missing(self, sender: str, limit: int = 256) -> list[tuple[int, int]]:
+        """Inclusive seq ranges known to exist but not received, oldest first, at most `limit`."""
+        stream = self.streams.get(sender)
+        if stream is None:
+            return []
+        ranges, start = [], stream.delivered + 1
+        for seq in sorted(stream.held) + [stream.known_last + 1]:
+            if seq > start:
+                ranges.append((start, seq - 1))
+                if len(ranges) == limit:
+                    break
+            start = seq + 1
+        return ranges
+
+    def cursor(self, sender: str) -> tuple[int, int] | None:
+        """(epoch, seq): everything up to seq of this incarnation was delivered."""
+        stream = self.streams.get(sender)
+        return None if stream is None else (stream.epoch, stream.delivered)
+
+
+class RetransmitBuffer:
+    """Stream messages kept until acknowledged; bounded in count and bytes."""
+
+    def __init__(self, max_messages: int = 4096, max_bytes: int = 256 << 20) -> None:
+        self.max_messages, self.max_bytes = max_messages, max_bytes
+        self._kept: collections.OrderedDict[int, tuple[Any, int]] = collections.OrderedDict()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def has_room(self, nbytes: int) -> bool:
+        return not self._kept or (len(self._kept) < self.max_messages and self.nbytes + nbytes <= self.max_bytes)
+
+    def add(self, seq: int, message: Any, nbytes: int) -> None:
+        if not self.has_room(nbytes):
+            raise OverflowError(f"retransmit buffer full ({len(self._kept)} messages, {self.nbytes} bytes): apply backpressure")
+        self._kept[seq] = (message, nbytes)
+        self.nbytes += nbytes
+
+    def release(self, upto: int) -> int:
+        """Forget every message with seq <= upto (acknowledged); return how many."""
+        released = 0
+        while self._kept and next(iter(self._kept)) <= upto:
+            _, (_, nbytes) = self._kept.popitem(last=False)
+            self.nbytes -= nbytes
+            released += 1
+        return released
+
+    def get(self, ranges: list[tuple[int, int]]) -> list[tuple[int, Any]]:
+        """Kept messages in the inclusive ranges (released ones are acknowledged: nothing to resend)."""
+        return [(seq, self._kept[seq][0]) for first, last in ranges for seq in range(first, last + 1) if seq in self._kept]
