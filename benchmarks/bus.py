@@ -20,12 +20,18 @@ from benchmarks.timing import gbps
 MESSAGE_BYTES = 1 << 20
 
 
-def _free_port() -> int:
+def _free_ports(count: int) -> list[int]:
+    """Distinct free loopback ports (held open together so the OS cannot hand out one twice)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def _receive(sub: zmq.Socket, count: int, timeout_s: float = 120.0) -> float:
@@ -67,7 +73,7 @@ def _measure(endpoint_out: str, endpoint_in: str, count: int, keys: Path | None,
 
 
 def _broker(secure_keys: Path | None) -> tuple[subprocess.Popen, list[int]]:
-    ports = [_free_port() for _ in range(4)]
+    ports = _free_ports(4)
     args = [sys.executable, "-m", "cluster.cli", "broker", "--stats-every", "3600",
             "--delta-in", f"tcp://127.0.0.1:{ports[0]}", "--delta-out", f"tcp://127.0.0.1:{ports[1]}",
             "--snapshot-in", f"tcp://127.0.0.1:{ports[2]}", "--snapshot-out", f"tcp://127.0.0.1:{ports[3]}"]
@@ -82,7 +88,7 @@ def _broker(secure_keys: Path | None) -> tuple[subprocess.Popen, list[int]]:
 def run(count: int = 400, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
     results = {}
     log(f"bench bus: raw PUB->SUB, {count} x 1 MiB ...")
-    port = _free_port()
+    (port,) = _free_ports(1)
     results["raw_pubsub_gbps"] = _measure(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port}", count, None, bind_sub=True)
     with tempfile.TemporaryDirectory(prefix="dloco-bench-bus-") as tmp:
         keys = Path(tmp)

@@ -62,6 +62,10 @@ class SyncConfig:
     block: int = 256
     alpha: float = 0.0  # adoption: theta <- alpha*theta + (1-alpha)*Theta (0: overwrite)
     error_feedback: bool = False
+    chunk_bytes: int = 1 << 20  # payload bytes per delta chunk
+    retransmit_messages: int = 4096  # chunks kept until the merger's cursor covers them
+    retransmit_bytes: int = 256 << 20  # ... and their bytes; when full, the publisher waits (backpressure)
+    send_hwm: int = 1000  # chunks queued per subscriber before PUB drops (recovered by resend)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.fragments, int) and self.fragments >= 1, f"sync.fragments must be a positive int, got {self.fragments!r}")

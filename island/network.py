@@ -27,9 +27,11 @@ import zmq
 import protocol
 from island.config import SyncConfig
 from broker.security import Security
+from broker.sequencing import RetransmitBuffer
 from island.shaper import LinkShaper
 
 POLL_MS = 50
+HEARTBEAT_S = 0.5  # a heartbeat carries the last seq, so a lost tail is asked for within this
 
 
 class NetworkLink:
@@ -51,6 +53,9 @@ class NetworkLink:
         self._arrived: collections.deque = collections.deque()
         self._residuals: dict[str, np.ndarray] = {}
         self._settled: set[int] = set()  # delta ids acknowledged (an ack can arrive twice)
+        self._kept = RetransmitBuffer(max_messages=sync.retransmit_messages, max_bytes=sync.retransmit_bytes)
+        self.seq = 0  # last stream seq sent (delta chunks)
+        self.resent = self.backpressure_waits = 0
         self._lock = threading.Condition()
         self._stop = threading.Event()
         self._context = zmq.Context()
@@ -112,31 +117,46 @@ class NetworkLink:
 
     def _publisher(self) -> None:
         pub = self._socket(zmq.PUB, self.endpoints[0], self.servers[0])
-        seq, delta_id = 0, 0
+        pub.setsockopt(zmq.SNDHWM, self.sync.send_hwm)
+        delta_id, next_heartbeat = 0, time.monotonic() + HEARTBEAT_S
         while not self._stop.is_set():
             with self._lock:
                 while not self._order and not self._stop.is_set():
+                    if time.monotonic() >= next_heartbeat:
+                        break
                     self._lock.wait(timeout=POLL_MS / 1000)
                 if self._stop.is_set():
                     break
-                fragment = self._order.popleft()
-                base_version, delta, steps, tokens = self._outbox.pop(fragment)
+                job = None
+                if self._order:
+                    fragment = self._order.popleft()
+                    job = (fragment, *self._outbox.pop(fragment))
+            if time.monotonic() >= next_heartbeat:  # tells receivers our last seq: tail loss shows up
+                pub.send_multipart(protocol.encode(protocol.Heartbeat(sender=self.name, epoch=self.epoch, seq=self.seq)))
+                next_heartbeat = time.monotonic() + HEARTBEAT_S
+            if job is None:
+                continue
+            fragment, base_version, delta, steps, tokens = job
             if self.sync.error_feedback:
                 delta, kept = protocol.compensate(delta, self._residuals, self.codec)
                 self._residuals.update(kept)
-            plans = protocol.split_fragment(delta, self.codec)
+            plans = protocol.split_fragment(delta, self.codec, self.sync.chunk_bytes)
             delta_id += 1
             for index, plan in enumerate(plans):
-                seq += 1
                 frames = protocol.encode(protocol.DeltaChunk(
-                    sender=self.name, epoch=self.epoch, seq=seq, delta_id=delta_id, fragment=fragment, base_version=base_version,
-                    chunk_index=index, chunk_count=len(plans), steps=steps, tokens=tokens, model=self.model, codec=self.codec,
-                    slices=plan.slices, payloads=plan.payloads))
+                    sender=self.name, epoch=self.epoch, seq=self.seq + 1, delta_id=delta_id, fragment=fragment,
+                    base_version=base_version, chunk_index=index, chunk_count=len(plans), steps=steps, tokens=tokens,
+                    model=self.model, codec=self.codec, slices=plan.slices, payloads=plan.payloads))
                 nbytes = sum(memoryview(f).nbytes for f in frames)
+                if not self._wait_for_room(nbytes):
+                    break
                 _, arrives = self.uplink.schedule(nbytes, time.monotonic())
                 self._sleep_until(arrives)  # this thread waits for the emulated wire, never the loop
                 if self._stop.is_set():
                     break
+                with self._lock:
+                    self.seq += 1
+                    self._kept.add(self.seq, frames, nbytes)  # until the merger's cursor covers it
                 pub.send_multipart(frames, copy=False)
                 self.bytes_sent += nbytes
             else:
@@ -144,6 +164,16 @@ class NetworkLink:
             with self._lock:
                 self._lock.notify_all()
         pub.close(linger=0)
+
+    def _wait_for_room(self, nbytes: int) -> bool:
+        """Backpressure: a full retransmit buffer stops this thread (the loop's outbox keeps summing)."""
+        with self._lock:
+            while not self._kept.has_room(nbytes):
+                if self._stop.is_set():
+                    return False
+                self.backpressure_waits += 1
+                self._lock.wait(timeout=POLL_MS / 1000)
+        return True
 
     def _sleep_until(self, when: float) -> None:
         while not self._stop.is_set() and (left := when - time.monotonic()) > 0:
@@ -154,7 +184,12 @@ class NetworkLink:
         sub = self._socket(zmq.SUB, self.endpoints[1], self.servers[1])
         sub.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
         sub.setsockopt(zmq.SUBSCRIBE, b"ack")
-        dealer = self._socket(zmq.DEALER, self.endpoints[2], self.servers[2])
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, self.name.encode())  # the merger routes resend requests to us by name
+        dealer.setsockopt(zmq.LINGER, 0)
+        self.security.secure(self._context, dealer, self.endpoints[2], self.servers[2])
+        dealer.connect(self.endpoints[2].removeprefix(">"))
+        self._dealer = dealer
         dealer.send_multipart(protocol.encode(protocol.SnapshotRequest(sender=self.name, epoch=self.epoch, seq=0, fragments=())))
         reassembler = protocol.Reassembler()
         poller = zmq.Poller()
@@ -179,7 +214,18 @@ class NetworkLink:
                         if result.island == self.name and result.epoch == self.epoch and result.delta_id not in self._settled:
                             self._settled.add(result.delta_id)
                             self.results[result.status] += 1
+                    for cursor in message.cursors:
+                        if cursor.island == self.name and cursor.epoch == self.epoch:
+                            self._kept.release(cursor.seq)
                     self._lock.notify_all()
+                return
+            if isinstance(message, protocol.ResendRequest):
+                if message.target == self.name and message.target_epoch == self.epoch:
+                    with self._lock:
+                        again = self._kept.get(list(message.ranges))
+                    for _, frames in again:  # point to point, not on the bus
+                        self._dealer.send_multipart(frames, copy=False)
+                    self.resent += len(again)
                 return
             if not isinstance(message, protocol.SnapshotChunk) or message.model != self.model:
                 return

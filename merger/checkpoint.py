@@ -47,6 +47,7 @@ def export_state(core: MergerCore, next_index: int) -> dict:
         ],
         "pending": [p.wal_index for queue in core.pending for p in queue],
         "settled": [[r.island, r.epoch, r.delta_id, r.fragment, r.status, r.version, r.reason] for r in core.settled.values()],
+        "cursors": [[island, epoch, seq] for island, (epoch, seq) in sorted(core.cursors.items())],
     }
 
 
@@ -58,6 +59,7 @@ def import_state(core: MergerCore, data: dict) -> None:
         treedef = jax.tree_util.tree_structure(template)
         opt_state = jax.tree_util.tree_unflatten(treedef, [jax.numpy.asarray(_array(leaf)) for leaf in entry["opt_leaves"]])
         core.states[fragment] = FragmentState(entry["version"], params, opt_state)
+    core.cursors = {island: (epoch, seq) for island, epoch, seq in data.get("cursors", [])}
     core.settled.clear()
     for island, epoch, delta_id, fragment, status, version, reason in data["settled"]:
         core.settled[(island, epoch, delta_id)] = DeltaResult(island, epoch, delta_id, fragment, status, version, reason)

@@ -58,6 +58,8 @@ class MergerCore:
         self.history: list[dict[str, ArrivalStats]] = [{} for _ in self.fragments]
         self.settled: collections.OrderedDict[DeltaKey, DeltaResult] = collections.OrderedDict()
         self.rejected: collections.Counter[str] = collections.Counter()
+        # island -> (epoch, seq): stream messages up to seq are settled and were acknowledged as such
+        self.cursors: dict[str, tuple[int, int]] = {}
         if log is not None and log.next_index == 0:
             log.append(records.genesis_record(config.to_dict(), model, self.fragments, params))
 
@@ -114,6 +116,9 @@ class MergerCore:
     # ---- replay and recovery -----------------------------------------------------------------
     def apply_record(self, record: dict, index: int) -> FoldReport | None:
         """Re-apply one logged record (delta: queue it as logged; fold: fold exactly its members)."""
+        if record["type"] == records.CURSORS:
+            self.cursors.update({island: (epoch, seq) for island, epoch, seq in record["cursors"]})
+            return None
         if record["type"] == records.DELTA:
             contribution = records.contribution_from_record(record)
             self._enqueue(Pending(contribution, record["fragment"], 0.0, index), observe_arrival=False)
@@ -133,6 +138,17 @@ class MergerCore:
             raise ReplayError(f"log record {index}: fold produced version {report.version}, log says {record['version']}")
         self._settle_folded(fragment, members, report.version)
         return report
+
+    def record_cursors(self, cursors: dict[str, tuple[int, int]]) -> bool:
+        """Log cursors (before they are published: a restarted merger resumes from them, and
+        senders keep everything after them).  Returns whether anything changed."""
+        changed = {island: c for island, c in cursors.items() if self.cursors.get(island) != c}
+        if not changed:
+            return False
+        if self.log is not None:
+            self.log.append({"type": records.CURSORS, "cursors": [[i, e, s] for i, (e, s) in sorted(changed.items())]})
+        self.cursors.update(changed)
+        return True
 
     def digest(self) -> str:
         return records.params_digest(self.states)

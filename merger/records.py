@@ -15,7 +15,7 @@ import numpy as np
 from merger.fold import Contribution, FragmentState
 from protocol import Assembled, Codec
 
-GENESIS, DELTA, FOLD = "genesis", "delta", "fold"
+GENESIS, DELTA, FOLD, CURSORS = "genesis", "delta", "fold", "cursors"
 
 
 def genesis_record(config: dict, model: str, fragments: Sequence[Sequence[str]], params: Mapping[str, np.ndarray]) -> dict:

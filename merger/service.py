@@ -29,8 +29,11 @@ from merger.core import MergerCore
 from merger.recovery import checkpoint_dir, recover, wal_dir
 from merger.wal import WriteAheadLog
 from broker.security import Security
+from broker.sequencing import GapTracker
 
 POLL_MS = 50  # longest sleep between checks of the clock-driven round policy
+RESEND_S = 0.2  # how often missing stream messages are asked for again
+CURSOR_S = 1.0  # how often settled cursors are published even without a fold
 DRAIN_LIMIT = 256  # messages taken from one socket before the loop looks at the others
 
 
@@ -76,8 +79,15 @@ class MergerService:
         self.context = zmq.Context()
         self.delta_sub = self._socket(zmq.SUB, config.delta_endpoint, server="broker")
         self.delta_sub.setsockopt(zmq.SUBSCRIBE, b"delta/")
+        self.delta_sub.setsockopt(zmq.SUBSCRIBE, b"heartbeat")
         self.snapshot_pub = self._socket(zmq.PUB, config.snapshot_endpoint, server="broker")
         self.control = self._socket(zmq.ROUTER, config.control_endpoint, server=config.sender)
+        self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown island is an error we count, not a silent drop
+        self.tracker = GapTracker()
+        for island, (epoch, seq) in self.core.cursors.items():  # resume each stream where it was acknowledged
+            self.tracker.receive(island, epoch, 0, None)
+            self.tracker.streams[island].delivered = self.tracker.streams[island].known_last = seq
+        self.next_resend = self.next_cursor = 0.0
         self.stopping = False
 
     def _socket(self, kind: int, endpoint: str, server: str) -> zmq.Socket:
@@ -109,6 +119,7 @@ class MergerService:
                 if self.control in events:
                     self._drain(self.control, self.on_control_frames)
                 wake = self.fold_due()
+                self.maintain_streams()
         finally:
             self.shutdown()
         return 0
@@ -126,18 +137,31 @@ class MergerService:
 
     # ---- handlers ------------------------------------------------------------------------------
     def on_delta_frames(self, frames: list) -> None:
-        now = time.monotonic()
         try:
             message = protocol.decode(frames)
-            if not isinstance(message, protocol.DeltaChunk):
-                return
+        except protocol.ProtocolError as error:
+            self.count(f"merger/rejected/{error.reason}")
+            self.log.warning("message_rejected", reason=error.reason, detail=error.detail[:200])
+            return
+        if isinstance(message, protocol.Heartbeat):
+            self.tracker.heartbeat(message.sender, message.epoch, message.seq)
+        elif isinstance(message, protocol.DeltaChunk):
+            ready = self.tracker.receive(message.sender, message.epoch, message.seq, message)
+            stream = self.tracker.streams.get(message.sender)
+            if not ready and stream is not None and stream.epoch == message.epoch and message.seq <= stream.delivered:
+                self.reack_resend(message)  # a repeat of something settled: its sender may have missed our answer
+            for chunk in ready:
+                self.on_delta_chunk(chunk)  # exactly once, in order per island
+
+    def on_delta_chunk(self, message: protocol.DeltaChunk) -> None:
+        now = time.monotonic()
+        try:
             assembled = self.reassembler.add(message, now)
         except protocol.ProtocolError as error:
             self.count(f"merger/rejected/{error.reason}")
             self.log.warning("message_rejected", reason=error.reason, detail=error.detail[:200])
             return
         if assembled is None:
-            self.reack_resend(message)
             return
         result = self.core.submit(assembled, now)
         if result is not None:
@@ -149,7 +173,7 @@ class MergerService:
     def reack_resend(self, chunk: protocol.DeltaChunk) -> None:
         """A chunk of a delta settled before means its sender missed our ack: say it again (once
         per resent delta, on its first chunk)."""
-        if chunk.chunk_index != 0 or not self.reassembler.delivered(protocol.message_key(chunk)):
+        if chunk.chunk_index != 0:
             return
         result = self.core.settled.get((chunk.sender, chunk.epoch, chunk.delta_id))
         if result is not None:
@@ -163,7 +187,10 @@ class MergerService:
         except protocol.ProtocolError as error:
             self.count(f"merger/rejected/{error.reason}")
             return
-        if isinstance(message, protocol.SnapshotRequest):
+        if isinstance(message, protocol.DeltaChunk):  # a resend, point to point
+            self.count("merger/resent_chunks")
+            self.on_delta_frames(body)
+        elif isinstance(message, protocol.SnapshotRequest):
             wanted = message.fragments or tuple(range(len(self.core.fragments)))
             for fragment in wanted:
                 if fragment < len(self.core.fragments):
@@ -190,6 +217,33 @@ class MergerService:
                 self.write_checkpoint()
         return wake
 
+    def maintain_streams(self) -> None:
+        """Ask islands for what is missing; publish how far each island's stream is settled."""
+        now = time.monotonic()
+        if now >= self.next_resend:
+            self.next_resend = now + RESEND_S
+            for island, stream in self.tracker.streams.items():
+                ranges = self.tracker.missing(island)
+                if not ranges:
+                    continue
+                request = protocol.ResendRequest(sender=self.config.sender, epoch=self.epoch, seq=self.seq, target=island,
+                                                 target_epoch=stream.epoch, ranges=tuple(ranges))
+                try:
+                    self.control.send_multipart([island.encode(), *protocol.encode(request)], zmq.NOBLOCK)
+                    self.count("merger/resend_requests")
+                except zmq.ZMQError:  # not connected (yet): the next round asks again
+                    self.count("merger/resend_unroutable")
+        if now >= self.next_cursor:
+            self.next_cursor = now + CURSOR_S
+            self.publish_ack([])
+
+    def settled_cursors(self) -> dict[str, tuple[int, int]]:
+        cursors = {}
+        for island, stream in self.tracker.streams.items():
+            held = self.reassembler.lowest_seq(island, stream.epoch)
+            cursors[island] = (stream.epoch, stream.delivered if held is None else min(stream.delivered, held - 1))
+        return cursors
+
     def next_seq(self) -> int:
         self.seq += 1
         return self.seq
@@ -211,7 +265,15 @@ class MergerService:
             self.snapshot_pub.send_multipart(frames, copy=False)
 
     def publish_ack(self, results: list[protocol.DeltaResult]) -> None:
-        ack = protocol.Ack(sender=self.config.sender, epoch=self.epoch, seq=self.next_seq(), cursors=(), results=tuple(results))
+        """Results plus every island's cursor; cursors are logged and synced before anyone sees them."""
+        cursors = self.settled_cursors()
+        if self.core.record_cursors(cursors) or results:
+            self.wal.sync()
+        if not results and not cursors:
+            return
+        ack = protocol.Ack(sender=self.config.sender, epoch=self.epoch, seq=self.next_seq(),
+                           cursors=tuple(protocol.Cursor(island, epoch, seq) for island, (epoch, seq) in sorted(cursors.items())),
+                           results=tuple(results))
         self.snapshot_pub.send_multipart(protocol.encode(ack))
 
     def write_checkpoint(self) -> None:

@@ -128,6 +128,11 @@ class Reassembler:
             return None
         return self._complete(key, partial)
 
+    def lowest_seq(self, sender: str, epoch: int) -> int | None:
+        """Smallest stream seq among chunks held for incomplete messages of (sender, epoch)."""
+        seqs = [chunk.seq for key, partial in self._partials.items() if key[:2] == (sender, epoch) for chunk in partial.chunks.values()]
+        return min(seqs) if seqs else None
+
     def delivered(self, key: tuple) -> bool:
         """Whether the message `key` was completed (within the last `remember` completions)."""
         return key in self._done

@@ -15,12 +15,12 @@ import pytest
 import zmq
 
 from broker.security import Identity, create_keys, make_client
-from tests.test_merger_process import free_port
+from tests.test_merger_process import free_ports
 
 
 class BrokerProcess:
     def __init__(self, tmp: Path, *extra: str) -> None:
-        self.ports = [free_port() for _ in range(4)]
+        self.ports = free_ports(4)
         names = ("--delta-in", "--delta-out", "--snapshot-in", "--snapshot-out")
         args = [a for name, port in zip(names, self.ports) for a in (name, f"tcp://127.0.0.1:{port}")]
         self.log = tmp / f"broker-{self.ports[0]}.log"

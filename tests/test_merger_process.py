@@ -3,6 +3,7 @@ record), restart, and end with exactly the parameters of an uninterrupted run; r
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import socket
 import subprocess
@@ -23,41 +24,72 @@ DELTAS = 12
 ACK_TIMEOUT_S = 30.0
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free loopback ports (held open together, so the OS cannot repeat one)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 class Island:
-    """Test-side island: PUB deltas, SUB acks; resends a delta until the merger settles it."""
+    """Test-side island speaking the stream protocol: contiguous seqs, heartbeats, resends on
+    request (from an unbounded record of what it sent), and repeats a delta until it is settled."""
 
     def __init__(self, tmp: Path) -> None:
         self.context = zmq.Context()
         self.pub = self.context.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.delta_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.snapshot_port, self.control_port = free_port(), free_port()
+        self.snapshot_port, self.control_port = free_ports(2)
         self.versions = [0, 0]
-        self.sub = None
+        self.epoch, self.seq, self.sent, self.by_delta = 1, 0, {}, {}
+        self.sub = self.dealer = None
 
     def connect(self) -> None:
-        if self.sub is not None:
-            self.sub.close(linger=0)
+        for socket in (self.sub, self.dealer):
+            if socket is not None:
+                socket.close(linger=0)
         self.sub = self.context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"ack")
         self.sub.connect(f"tcp://127.0.0.1:{self.snapshot_port}")
+        self.dealer = self.context.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.setsockopt(zmq.IDENTITY, b"a")
+        self.dealer.connect(f"tcp://127.0.0.1:{self.control_port}")
 
-    def send_until_settled(self, delta_id: int, chunks, deadline_s: float = ACK_TIMEOUT_S) -> protocol.DeltaResult:
-        frames = [protocol.encode(c) for c in chunks]
+    def frames_of(self, chunks) -> list[list]:
+        frames = []
+        for chunk in chunks:
+            self.seq += 1
+            self.sent[self.seq] = protocol.encode(dataclasses.replace(chunk, seq=self.seq, epoch=self.epoch))
+            frames.append(self.sent[self.seq])
+        return frames
+
+    def send_until_settled(self, delta_id: int, frames, deadline_s: float = ACK_TIMEOUT_S) -> protocol.DeltaResult:
         deadline = time.monotonic() + deadline_s
         while time.monotonic() < deadline:
             for f in frames:
                 self.pub.send_multipart(f)
+            self.pub.send_multipart(protocol.encode(protocol.Heartbeat(sender="a", epoch=self.epoch, seq=self.seq)))
             until = time.monotonic() + 0.3
             while (left := until - time.monotonic()) > 0:
-                if self.sub.poll(int(left * 1000) + 1):
+                events = dict(zmq.Poller.poll(self._poller(), int(left * 1000) + 1))
+                if self.dealer in events:
+                    request = protocol.decode(self.dealer.recv_multipart())
+                    for first, last in request.ranges:
+                        for seq in range(first, last + 1):
+                            self.dealer.send_multipart(self.sent[seq])
+                if self.sub in events:
                     ack = protocol.decode(self.sub.recv_multipart())
                     for result in ack.results:
                         if result.island == "a" and result.delta_id == delta_id:
@@ -66,10 +98,19 @@ class Island:
                             return result
         raise TimeoutError(f"delta {delta_id} was not settled within {deadline_s} s")
 
+    def _poller(self) -> zmq.Poller:
+        poller = zmq.Poller()
+        poller.register(self.sub, zmq.POLLIN)
+        poller.register(self.dealer, zmq.POLLIN)
+        return poller
+
     def chunks(self, delta_id: int):
         fragment = delta_id % 2
-        paths = PARTS[fragment]
-        return delta_chunks(paths, "a", delta_id, fragment, self.versions[fragment], seed=delta_id, first_seq=100 * delta_id)
+        self.by_delta[delta_id] = self.frames_of(delta_chunks(PARTS[fragment], "a", delta_id, fragment, self.versions[fragment], seed=delta_id))
+        return self.by_delta[delta_id]
+
+    def sent_frames_of(self, delta_id: int):
+        return self.by_delta[delta_id]
 
     def close(self) -> None:
         self.context.destroy(linger=0)
@@ -138,7 +179,7 @@ def test_kill_9_at_several_points_ends_where_an_uninterrupted_run_ends(tmp_path,
     islands.append(island := Island(tmp_path))
     process = launch(straight, island, init_npz)
     results = [island.send_until_settled(i, island.chunks(i)) for i in range(1, DELTAS + 1)]
-    assert island.send_until_settled(3, island.chunks(3)) == results[2]  # a resent settled delta is acked again, not refolded
+    assert island.send_until_settled(3, island.sent_frames_of(3)) == results[2]  # a resent settled delta is acked again, not refolded
     stop(process)
     assert {r.status for r in results} == {"folded"}
 
@@ -157,13 +198,14 @@ def test_kill_9_at_several_points_ends_where_an_uninterrupted_run_ends(tmp_path,
         island.send_until_settled(i, island.chunks(i))
     pending = island.chunks(9)
     for _ in range(3):
-        for chunk in pending:
-            island.pub.send_multipart(protocol.encode(chunk))
+        for frames in pending:
+            island.pub.send_multipart(frames)
     time.sleep(0.05)
     process.kill()  # kill -9 while delta 9 may be mid-flight, mid-log or mid-fold
     process.wait(timeout=10)
     process = launch(crashed, island, None)
-    for i in range(9, DELTAS + 1):
+    island.send_until_settled(9, pending)
+    for i in range(10, DELTAS + 1):
         island.send_until_settled(i, island.chunks(i))
     stop(process)
     assert final_digest(crashed) == final_digest(straight)

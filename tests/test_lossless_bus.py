@@ -1,0 +1,162 @@
+"""Lossless delivery over pub/sub with a real island sender: overflow, slow joiner, broker kill -9.
+
+The receiver here is the merger's stream logic in miniature (SUB + ROUTER + `GapTracker`, cursors
+published on a PUB), reading slowly through tiny high-water marks; the sender is the production
+`NetworkLink`.  Every test requires all 200 chunks exactly once, in order."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+import protocol
+from broker.sequencing import GapTracker
+from island.config import SyncConfig
+from island.network import NetworkLink
+from tests.test_broker import BrokerProcess
+from tests.test_merger_process import free_ports
+
+CHUNKS = 200
+
+
+class SlowReceiver:
+    """Binds its ROUTER and cursor PUB; SUB binds too, or connects to a broker."""
+
+    def __init__(self, sub_endpoint: str, control_port: int, cursor_port: int, read_delay_s: float = 0.002) -> None:
+        self.context = zmq.Context()
+        self.sub = self.context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, 2)
+        self.sub.setsockopt(zmq.RCVBUF, 4096)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        (self.sub.bind if sub_endpoint.startswith("@") else self.sub.connect)(sub_endpoint.removeprefix("@"))
+        self.router = self.context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(f"tcp://127.0.0.1:{control_port}")
+        self.cursor_pub = self.context.socket(zmq.PUB)
+        self.cursor_pub.setsockopt(zmq.LINGER, 0)
+        self.cursor_pub.bind(f"tcp://127.0.0.1:{cursor_port}")
+        self.tracker, self.delivered, self.read_delay_s = GapTracker(), [], read_delay_s
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def on_frames(self, frames) -> None:
+        message = protocol.decode(frames)
+        if isinstance(message, protocol.Heartbeat):
+            self.tracker.heartbeat(message.sender, message.epoch, message.seq)
+        elif isinstance(message, protocol.DeltaChunk):
+            self.delivered += [m.seq for m in self.tracker.receive(message.sender, message.epoch, message.seq, message)]
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sub, zmq.POLLIN)
+        poller.register(self.router, zmq.POLLIN)
+        next_round = 0.0
+        while not self.stop.is_set():
+            events = dict(poller.poll(20))
+            if self.sub in events:
+                self.on_frames(self.sub.recv_multipart())
+                time.sleep(self.read_delay_s)  # a slow reader
+            if self.router in events:
+                identity, *body = self.router.recv_multipart()
+                if protocol.decode(body).kind == protocol.Kind.DELTA:
+                    self.on_frames(body)
+            if time.monotonic() >= next_round:
+                next_round = time.monotonic() + 0.2
+                for island, stream in self.tracker.streams.items():
+                    if ranges := self.tracker.missing(island):
+                        request = protocol.ResendRequest(sender="rx", epoch=1, seq=0, target=island, target_epoch=stream.epoch, ranges=tuple(ranges))
+                        self.router.send_multipart([island.encode(), *protocol.encode(request)])
+                    cursor = protocol.Cursor(island, stream.epoch, stream.delivered)
+                    self.cursor_pub.send_multipart(protocol.encode(protocol.Ack(sender="rx", epoch=1, seq=1, cursors=(cursor,), results=())))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.context.destroy(linger=0)
+
+
+def sender(delta_endpoint: str, control_port: int, cursor_port: int) -> NetworkLink:
+    sync = SyncConfig(fragments=1, interval=1, codec="fp32", chunk_bytes=1024, send_hwm=4)
+    return NetworkLink("island-a", "m", sync, delta_endpoint, f"tcp://127.0.0.1:{cursor_port}", f"tcp://127.0.0.1:{control_port}")
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+DELTA = {"w": np.arange(CHUNKS * 256, dtype=np.float32)}  # fp32, 1 KiB chunks: 200 chunks
+
+
+@pytest.mark.timeout(120)
+def test_overflowing_a_slow_subscriber_loses_nothing():
+    data_port, control_port, cursor_port = free_ports(3)
+    receiver = SlowReceiver(f"@tcp://127.0.0.1:{data_port}", control_port, cursor_port)
+    link = sender(f"tcp://127.0.0.1:{data_port}", control_port, cursor_port)
+    try:
+        time.sleep(0.5)
+        link.publish(0, 0, DELTA, 1, 1)
+        wait_for(lambda: len(receiver.delivered) >= CHUNKS, 60, f"delivered {len(receiver.delivered)} of {CHUNKS}")
+        time.sleep(0.5)
+        assert receiver.delivered == list(range(1, CHUNKS + 1))  # each once, in order
+        assert link.resent > 0  # the loss was real and the resend path filled it
+        wait_for(lambda: len(link._kept) == 0, 10, "retransmit buffer not released by cursors")
+    finally:
+        link.close()
+        receiver.close()
+
+
+@pytest.mark.timeout(120)
+def test_messages_sent_before_the_subscriber_exists_are_recovered():
+    data_port, control_port, cursor_port = free_ports(3)
+    link = sender(f"tcp://127.0.0.1:{data_port}", control_port, cursor_port)
+    try:
+        link.publish(0, 0, DELTA, 1, 1)
+        wait_for(lambda: link.seq == CHUNKS, 30, "sender did not send")  # all 200 went out to nobody
+        receiver = SlowReceiver(f"@tcp://127.0.0.1:{data_port}", control_port, cursor_port, read_delay_s=0)
+        try:
+            wait_for(lambda: len(receiver.delivered) >= CHUNKS, 60, f"delivered {len(receiver.delivered)} of {CHUNKS}")
+            assert receiver.delivered == list(range(1, CHUNKS + 1)) and link.resent >= CHUNKS - 4
+        finally:
+            receiver.close()
+    finally:
+        link.close()
+
+
+@pytest.mark.timeout(180)
+def test_kill_9_of_the_broker_mid_stream_loses_nothing(tmp_path):
+    broker = BrokerProcess(tmp_path, "--insecure")
+    control_port, cursor_port = free_ports(2)
+    receiver = SlowReceiver(broker.endpoint(1), control_port, cursor_port, read_delay_s=0.01)
+    link = sender(broker.endpoint(0), control_port, cursor_port)
+    restarted = None
+    try:
+        time.sleep(1.0)
+        link.publish(0, 0, DELTA, 1, 1)
+        wait_for(lambda: len(receiver.delivered) >= 20, 30, "nothing got through the broker")
+        broker.process.send_signal(signal.SIGKILL)
+        broker.process.wait(timeout=10)
+        link.publish(0, 0, DELTA, 1, 1)  # a second delta while the broker is down: 200 more chunks
+        time.sleep(0.5)
+        restarted = subprocess.Popen(broker.process.args, stdout=open(tmp_path / "broker-2.log", "wb"), stderr=subprocess.STDOUT)
+        wait_for(lambda: len(receiver.delivered) >= 2 * CHUNKS, 90, f"delivered {len(receiver.delivered)} of {2 * CHUNKS}")
+        time.sleep(0.5)
+        assert receiver.delivered == list(range(1, 2 * CHUNKS + 1))  # before, during and after: each once, in order
+        assert link.resent > 0  # what the dead broker swallowed came back point to point
+    finally:
+        link.close()
+        receiver.close()
+        if restarted is not None:
+            restarted.send_signal(signal.SIGTERM)
+            assert restarted.wait(timeout=20) == 0
