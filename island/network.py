@@ -187,6 +187,8 @@ class NetworkLink:
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IDENTITY, self.name.encode())  # the merger routes resend requests to us by name
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         self.security.secure(self._context, dealer, self.endpoints[2], self.servers[2])
         dealer.connect(self.endpoints[2].removeprefix(">"))
         self._dealer = dealer

@@ -31,6 +31,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     merger.add_argument("--snapshot-codec", choices=("fp32", "bf16"), default="fp32")
     merger.add_argument("--fsync", choices=("always", "batch", "never"), default="batch")
     merger.add_argument("--checkpoint-every", type=positive_int, default=50, help="folds between checkpoints")
+    merger.add_argument("--peer-timeout", type=float, default=10.0, help="seconds of silence after which an island is logged as gone")
     merger.add_argument("--name", default="merger", help="sender id and key name (default merger)")
     merger.add_argument("--keys", type=Path, help="CURVE key directory (NAME.key_secret, broker.key); CURVE is the default")
     merger.add_argument("--allow", type=Path, help="accepted client public keys, for the sockets this merger binds")
@@ -65,7 +66,8 @@ def run_merger(args: argparse.Namespace) -> int:
         security = security_from_args(args, args.name, "merger")
         service = MergerService(ServiceConfig(args.run_dir, args.delta_endpoint, args.snapshot_endpoint, args.control_endpoint,
                                               sender=args.name, snapshot_codec=args.snapshot_codec, fsync=args.fsync,
-                                              checkpoint_every=args.checkpoint_every, security=security), core_factory=factory)
+                                              checkpoint_every=args.checkpoint_every, security=security,
+                                              peer_timeout_s=args.peer_timeout), core_factory=factory)
     except (DlocoError, OSError, zmq.ZMQError) as error:
         print(f"dloco merger: {error}", file=sys.stderr)
         return 2

@@ -50,6 +50,7 @@ class ServiceConfig:
     checkpoint_every: int = 50  # folds between checkpoints
     reassembly_ttl_s: float = 60.0
     reassembly_bytes: int = 512 << 20
+    peer_timeout_s: float = 10.0  # an island silent this long (no chunk, no heartbeat) is logged as gone
     security: Security = Security(None, "merger")  # plaintext unless keys are given
 
 
@@ -88,6 +89,8 @@ class MergerService:
             self.tracker.receive(island, epoch, 0, None)
             self.tracker.streams[island].delivered = self.tracker.streams[island].known_last = seq
         self.next_resend = self.next_cursor = 0.0
+        self.last_seen: dict[str, float] = {}
+        self.gone: set[str] = set()
         self.stopping = False
 
     def _socket(self, kind: int, endpoint: str, server: str) -> zmq.Socket:
@@ -143,6 +146,7 @@ class MergerService:
             self.count(f"merger/rejected/{error.reason}")
             self.log.warning("message_rejected", reason=error.reason, detail=error.detail[:200])
             return
+        self.seen(message.sender)
         if isinstance(message, protocol.Heartbeat):
             self.tracker.heartbeat(message.sender, message.epoch, message.seq)
         elif isinstance(message, protocol.DeltaChunk):
@@ -217,9 +221,20 @@ class MergerService:
                 self.write_checkpoint()
         return wake
 
+    def seen(self, island: str) -> None:
+        self.last_seen[island] = time.monotonic()
+        if island in self.gone:
+            self.gone.discard(island)
+            self.log.info("island_back", island=island)
+
     def maintain_streams(self) -> None:
-        """Ask islands for what is missing; publish how far each island's stream is settled."""
+        """Ask islands for what is missing; publish how far each island's stream is settled;
+        mark islands that went silent."""
         now = time.monotonic()
+        for island, last in self.last_seen.items():
+            if island not in self.gone and now - last > self.config.peer_timeout_s:
+                self.gone.add(island)
+                self.log.warning("island_gone", island=island, silent_s=round(now - last, 1))
         if now >= self.next_resend:
             self.next_resend = now + RESEND_S
             for island, stream in self.tracker.streams.items():

@@ -160,3 +160,19 @@ def test_kill_9_of_the_broker_mid_stream_loses_nothing(tmp_path):
         if restarted is not None:
             restarted.send_signal(signal.SIGTERM)
             assert restarted.wait(timeout=20) == 0
+
+
+def test_a_full_retransmit_buffer_stops_the_publisher_not_the_loop():
+    data_port, control_port, cursor_port = free_ports(3)
+    sync = SyncConfig(fragments=1, interval=1, codec="fp32", chunk_bytes=1024, retransmit_messages=10)
+    link = NetworkLink("island-a", "m", sync, f"tcp://127.0.0.1:{data_port}", f"tcp://127.0.0.1:{cursor_port}", f"tcp://127.0.0.1:{control_port}")
+    try:  # nobody acknowledges anything
+        started = time.monotonic()
+        for _ in range(5):
+            link.publish(0, 0, DELTA, 1, 1)  # returns at once every time
+        assert time.monotonic() - started < 0.5
+        wait_for(lambda: link.backpressure_waits > 0, 10, "publisher never waited")
+        assert link.seq == 10 and len(link._kept) == 10  # stopped at the bound; nothing discarded
+        assert link.rebased >= 3  # later deltas wait in the outbox, summed
+    finally:
+        link.close()

@@ -120,12 +120,12 @@ PARAMS = initial_params()
 PARTS = protocol.partition({p: a.shape for p, a in PARAMS.items()}, 2)
 
 
-def start_merger(run_dir: Path, island: Island, init: Path | None) -> subprocess.Popen:
+def start_merger(run_dir: Path, island: Island, init: Path | None, *extra: str) -> subprocess.Popen:
     args = [sys.executable, "-m", "cluster.cli", "merger", "--run-dir", str(run_dir), "--fragments", "2",
             "--delta-endpoint", f"tcp://127.0.0.1:{island.delta_port}",
             "--snapshot-endpoint", f"@tcp://127.0.0.1:{island.snapshot_port}",
             "--control-endpoint", f"@tcp://127.0.0.1:{island.control_port}",
-            "--checkpoint-every", "3", "--fsync", "always", "--max-staleness", "3", "--insecure"]
+            "--checkpoint-every", "3", "--fsync", "always", "--max-staleness", "3", "--insecure", *extra]
     if init is not None:
         args += ["--init-npz", str(init)]
     log = open(run_dir.parent / f"{run_dir.name}.log", "ab")
@@ -221,3 +221,23 @@ def test_kill_9_at_several_points_ends_where_an_uninterrupted_run_ends(tmp_path,
     segment.write_bytes(bytes(data))
     broken = subprocess.run([sys.executable, "-m", "cluster.cli", "replay", str(crashed), "--verify"], capture_output=True, text=True, timeout=120)
     assert broken.returncode == 1 and "log record" in broken.stderr and "corrupt" in broken.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_island_is_marked_gone_and_back(tmp_path, init_npz, processes, islands):
+    islands.append(island := Island(tmp_path))
+    processes.append(start_merger(tmp_path / "run", island, init_npz, "--peer-timeout", "1"))
+    log = tmp_path / "run.log"
+
+    def heartbeat_until(event: str) -> None:
+        deadline = time.monotonic() + 30
+        while event not in log.read_text():
+            assert time.monotonic() < deadline, f"no {event} in the merger's log"
+            if event == "island_back":
+                island.pub.send_multipart(protocol.encode(protocol.Heartbeat(sender="a", epoch=1, seq=0)))
+            time.sleep(0.1)
+
+    island.send_until_settled(1, island.chunks(1))  # the merger has heard from island "a"
+    heartbeat_until("island_gone")  # then silence for more than 1 s
+    heartbeat_until("island_back")  # and a heartbeat brings it back
+    stop(processes[-1])
