@@ -1,11 +1,12 @@
 """Bus benchmark: 1 MiB messages PUB → SUB directly, through the broker, and through the broker
-with CURVE on every hop, measured in the same run.  Sender, broker and receiver are separate
-processes (the sender is this module run as a script)."""
+with CURVE on every hop, measured in the same run, interleaved `repeats` times; medians.  Sender,
+broker and receiver are separate processes (the sender is this module run as a script)."""
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,11 +86,9 @@ def _broker(secure_keys: Path | None) -> tuple[subprocess.Popen, list[int]]:
     return process, ports
 
 
-def run(count: int = 400, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
-    results = {}
-    log(f"bench bus: raw PUB->SUB, {count} x 1 MiB ...")
-    (port,) = _free_ports(1)
-    results["raw_pubsub_gbps"] = _measure(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port}", count, None, bind_sub=True)
+def run(count: int = 400, repeats: int = 3, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
+    """Each path measured `repeats` times, interleaved (raw, broker, CURVE, raw, ...); medians."""
+    samples: dict[str, list[float]] = {"raw_pubsub_gbps": [], "broker_gbps": [], "broker_curve_gbps": []}
     with tempfile.TemporaryDirectory(prefix="dloco-bench-bus-") as tmp:
         keys = Path(tmp)
         from broker.security import create_keys
@@ -98,17 +97,22 @@ def run(count: int = 400, log: Callable[[str], None] = lambda line: print(line, 
         (keys / "allow").mkdir()
         for name in ("island-0", "merger"):
             shutil.copy(keys / f"{name}.key", keys / "allow")
-        for label, secure in (("broker_gbps", None), ("broker_curve_gbps", keys)):
-            log(f"bench bus: {label.removesuffix('_gbps').replace('_', ' ')} ...")
-            broker, ports = _broker(secure)
-            try:
-                results[label] = _measure(f"tcp://127.0.0.1:{ports[1]}", f"tcp://127.0.0.1:{ports[0]}", count, secure, bind_sub=False)
-            finally:
-                broker.terminate()
-                broker.wait(timeout=30)
-    raw = results["raw_pubsub_gbps"]
-    return {"message_bytes": MESSAGE_BYTES, "messages": count, **{k: round(v, 3) for k, v in results.items()},
-            "broker_vs_raw": round(results["broker_gbps"] / raw, 3), "curve_vs_raw": round(results["broker_curve_gbps"] / raw, 3)}
+        for round_ in range(repeats):
+            log(f"bench bus: round {round_ + 1}/{repeats}: raw PUB->SUB, broker, broker+CURVE, {count} x 1 MiB each ...")
+            (port,) = _free_ports(1)
+            samples["raw_pubsub_gbps"].append(_measure(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port}", count, None, bind_sub=True))
+            for label, secure in (("broker_gbps", None), ("broker_curve_gbps", keys)):
+                broker, ports = _broker(secure)
+                try:
+                    samples[label].append(_measure(f"tcp://127.0.0.1:{ports[1]}", f"tcp://127.0.0.1:{ports[0]}", count, secure, bind_sub=False))
+                finally:
+                    broker.terminate()
+                    broker.wait(timeout=30)
+    medians = {label: statistics.median(values) for label, values in samples.items()}
+    raw = medians["raw_pubsub_gbps"]
+    return {"message_bytes": MESSAGE_BYTES, "messages": count, "repeats": repeats, **{k: round(v, 3) for k, v in medians.items()},
+            "broker_vs_raw": round(medians["broker_gbps"] / raw, 3), "curve_vs_raw": round(medians["broker_curve_gbps"] / raw, 3),
+            "samples": {k: [round(v, 3) for v in values] for k, values in samples.items()}}
 
 
 def _send(endpoint: str, count: int, keys: str | None) -> None:

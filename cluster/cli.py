@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     bus = suites.add_parser("bus", help="1 MiB messages: raw PUB->SUB vs through the broker vs broker with CURVE")
     bus.add_argument("--json", action="store_true", help="print one JSON object")
     bus.add_argument("--messages", type=_positive_int, default=400)
+    bus.add_argument("--repeats", type=_positive_int, default=3, help="interleaved measurements per path; medians reported")
     bus.set_defaults(run=_bench_bus)
 
     from merger.main import add_commands as add_merger_commands
@@ -100,7 +101,7 @@ def _bench_island(args: argparse.Namespace) -> int:
 def _bench_bus(args: argparse.Namespace) -> int:
     from benchmarks import bus
 
-    result = bus.run(count=args.messages)
+    result = bus.run(count=args.messages, repeats=args.repeats)
     print(json.dumps(result, indent=2) if args.json else
           f"bus, 1 MiB messages: raw {result['raw_pubsub_gbps']:.2f} GB/s, broker {result['broker_gbps']:.2f} "
           f"({result['broker_vs_raw']:.2f} x raw), broker+CURVE {result['broker_curve_gbps']:.2f} ({result['curve_vs_raw']:.2f} x raw)")
