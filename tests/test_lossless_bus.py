@@ -157,9 +157,13 @@ def test_kill_9_of_the_broker_mid_stream_loses_nothing(tmp_path):
     finally:
         link.close()
         receiver.close()
+        if broker.process.poll() is None:
+            broker.process.kill()
+        code = None
         if restarted is not None:
             restarted.send_signal(signal.SIGTERM)
-            assert restarted.wait(timeout=20) == 0
+            code = restarted.wait(timeout=20)
+    assert code == 0
 
 
 def test_a_full_retransmit_buffer_stops_the_publisher_not_the_loop():

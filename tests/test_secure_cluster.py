@@ -47,10 +47,11 @@ def test_training_through_a_curve_broker(tmp_path):
     try:
         good = island("island-0", "60")
         bad = island("stranger", "5")
-    finally:
+    finally:  # stop everything first, judge afterwards: nothing may outlive the test
         merger.terminate()
-        assert merger.wait(timeout=30) == 0
-        assert broker.stop() == 0
+        merger_code = merger.wait(timeout=30)
+        broker_code = broker.stop()
+    assert merger_code == 0 and broker_code == 0
     assert good.returncode == 0, good.stderr[-2000:]
     summary = json.loads(good.stdout.strip().splitlines()[-1])
     assert summary["deltas_sent"] >= 6 and summary["acks"].get("folded", 0) >= 3, summary
