@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def _positive_int(text: str) -> int:
@@ -56,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_island_commands(commands, _positive_int)
 
+    up = commands.add_parser("up", help="the main job: broker, merger and one island per region on this machine, with a live view and a report")
+    up.add_argument("--config", type=Path, default=None, help="cluster file (TOML); default: the shipped 4-region profile")
+    up.add_argument("--run-dir", type=Path, default=None, help="where logs, metrics, the merger's log and the report go (default runs/<time>)")
+    up.add_argument("--duration", type=float, default=None, help="seconds to run (overrides the cluster file)")
+    up.set_defaults(run=_up)
+
     from broker.main import add_commands as add_broker_commands
 
     add_broker_commands(commands, _positive_int)
@@ -106,6 +113,21 @@ def _bench_bus(args: argparse.Namespace) -> int:
           f"bus, 1 MiB messages: raw {result['raw_pubsub_gbps']:.2f} GB/s, broker {result['broker_gbps']:.2f} "
           f"({result['broker_vs_raw']:.2f} x raw), broker+CURVE {result['broker_curve_gbps']:.2f} ({result['curve_vs_raw']:.2f} x raw)")
     return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    import time
+
+    from cluster import config, launcher
+    from protocol import DlocoError
+
+    try:
+        cluster = config.load(args.config).with_duration(args.duration)
+    except DlocoError as error:
+        print(f"dloco up: {error}", file=sys.stderr)
+        return 2
+    run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    return launcher.run(cluster, run_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

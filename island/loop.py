@@ -52,6 +52,7 @@ class IslandLoop:
         self.parts = fragments.partition({p: v.shape for p, v in params.items()}, sync.fragments)
         self.progress = [FragmentProgress({p: params[p] for p in paths}) for paths in self.parts]
         self.tokens, self.compute_s, self.started = 0, 0.0, None
+        self.stop_requested = False  # set from a signal handler: finish the current step, then stop
 
     def join(self, timeout_s: float) -> None:
         """Start from the merger's model: wait (once, before training) for a snapshot of every
@@ -73,8 +74,11 @@ class IslandLoop:
         self.started = time.perf_counter()
         eval_loss = self.trainer.evaluate(self.eval_batches)
         self.metrics.write({"step": 0, "tokens": 0, "eval_loss": eval_loss, "time": 0.0})
-        loss = float("nan")
+        loss, step = float("nan"), 0
         for step in range(1, max_steps + 1):
+            if self.stop_requested:
+                step -= 1
+                break
             batch = self.batches.next()
             began = time.perf_counter()
             loss, grad_norm = self.trainer.step(batch)
@@ -93,14 +97,14 @@ class IslandLoop:
                      "compute_util": self.compute_s / (time.perf_counter() - self.started),
                      "bytes_sent": getattr(self.link, "bytes_sent", 0), "bytes_received": getattr(self.link, "bytes_received", 0),
                      "snapshot_version": [p.version for p in self.progress]}
-            if step % self.train.eval_every == 0 or step == max_steps:
+            if step % self.train.eval_every == 0 or step == max_steps or self.stop_requested:
                 event["eval_loss"] = eval_loss = self.trainer.evaluate(self.eval_batches)
                 if self.log is not None:
                     self.log.info("eval", step=step, loss=round(loss, 4), eval_loss=round(eval_loss, 4), tokens=self.tokens)
             self.metrics.write(event)
         wall = time.perf_counter() - self.started
-        return {"steps": max_steps, "tokens": self.tokens, "loss": loss, "eval_loss": eval_loss, "seconds": wall,
-                "steps_per_s": max_steps / wall, "compute_util": self.compute_s / wall}
+        return {"steps": step, "tokens": self.tokens, "loss": loss, "eval_loss": eval_loss, "seconds": wall,
+                "steps_per_s": step / wall, "compute_util": self.compute_s / wall}
 
     def _exchange(self, step: int) -> None:
         """Adopt snapshots that arrived; hand due fragments' deltas to the link.  Never waits.

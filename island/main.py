@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -96,6 +97,8 @@ def run_island(args: argparse.Namespace) -> int:
         loop = IslandLoop(trainer, data.Batches(shards[args.island_index], args.batch, args.context, args.seed, args.island_index),
                           data.eval_batches(evaluation, args.batch, args.context, args.eval_batches), train, sync, metrics,
                           link=link, slowdown=args.slowdown, log=log)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # stop after the current step, then drain and exit 0
+            signal.signal(sig, lambda *_: setattr(loop, "stop_requested", True))
         if link is not None:
             loop.join(args.join_timeout)
             log.info("joined", versions=[p.version for p in loop.progress])

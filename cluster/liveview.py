@@ -1,0 +1,62 @@
+"""The live view of `dloco up`: one compact table, refreshed every second in a terminal (a line
+every ten seconds when the output is a file)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from cluster.config import ClusterConfig
+from cluster.runinfo import last_events
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n:.1f}TB"
+
+
+class LiveView:
+    def __init__(self, config: ClusterConfig, run_dir, out=sys.stdout) -> None:
+        self.config, self.run_dir, self.out = config, run_dir, out
+        self.tty = hasattr(out, "isatty") and out.isatty()
+        self.eval_loss: dict[str, float] = {}
+        self.last_plain = 0.0
+
+    def refresh(self, elapsed: float) -> None:
+        if not self.tty and time.monotonic() - self.last_plain < 10:
+            return
+        self.last_plain = time.monotonic()
+        lines = [self.header(elapsed), f"{'region':16} {'step':>6} {'tok/s':>8} {'util':>5} {'eval':>6} {'snapshot versions':>18} {'sent':>8} {'recv':>8}"]
+        for region in self.config.regions:
+            events = last_events(self.run_dir / "metrics" / f"{region.name}.jsonl")
+            if not events:
+                lines.append(f"{region.name:16} {'(joining)':>6}")
+                continue
+            last = events[-1]
+            for event in events:
+                if "eval_loss" in event:
+                    self.eval_loss[region.name] = event["eval_loss"]
+            rate = last.get("tokens", 0) / max(last.get("time", 0) or 1e-9, 1e-9)
+            versions = ",".join(str(v) for v in last.get("snapshot_version", []))
+            lines.append(f"{region.name:16} {last.get('step', 0):>6} {rate:>8.0f} {last.get('compute_util', 0):>5.2f} "
+                         f"{self.eval_loss.get(region.name, float('nan')):>6.3f} {versions:>18} "
+                         f"{_bytes(last.get('bytes_sent', 0)):>8} {_bytes(last.get('bytes_received', 0)):>8}")
+        folds = [e for e in last_events(self.run_dir / "logs" / "merger.log") if e.get("event") == "fold"]
+        if folds:
+            lines.append(f"merger: last fold fragment {folds[-1]['fragment']} -> version {folds[-1]['version']} "
+                         f"from {', '.join(folds[-1]['contributors'])} (staleness {folds[-1]['staleness']})")
+        text = "\n".join(lines)
+        if self.tty:
+            self.out.write("\x1b[H\x1b[2J" + text + "\n")
+        else:
+            self.out.write(text + "\n\n")
+        self.out.flush()
+
+    def header(self, elapsed: float) -> str:
+        total = self.config.duration_s
+        done = min(1.0, elapsed / total)
+        bar = "#" * int(done * 30) + "-" * (30 - int(done * 30))
+        return f"dloco up: {len(self.config.regions)} regions  [{bar}] {elapsed:5.0f}/{total:.0f} s"

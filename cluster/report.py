@@ -1,0 +1,105 @@
+"""The report a run leaves behind: report.md with a table per island and for the global model, and
+PNG plots (held-out loss against wall clock and tokens, bytes on the wire, compute utilisation)."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import numpy as np
+
+from cluster.config import ClusterConfig
+from cluster.runinfo import merger_folds, read_events
+
+
+def global_eval(config: ClusterConfig, run_dir: Path) -> tuple[float | None, float | None]:
+    """Held-out loss of the initial model and of the merger's final global model (same eval bytes as the islands)."""
+    from island import data
+    from island.config import ModelConfig, TrainConfig
+    from island.train import Trainer
+    from merger import checkpoint
+    from merger.recovery import checkpoint_dir
+
+    m = config.model
+    model = ModelConfig(width=m["width"], depth=m["depth"], heads=m["heads"], context=m["context"])
+    trainer = Trainer(model, TrainConfig(batch=m["batch"], seed=config.seed))
+    _, evaluation = data.split(data.load(), len(config.regions))
+    batches = data.eval_batches(evaluation, m["batch"], m["context"], 8)
+    with np.load(run_dir / "init.npz") as initial:
+        trainer.set_params({k: initial[k] for k in initial.files})
+    before = trainer.evaluate(batches)
+    saved = checkpoint.latest(checkpoint_dir(run_dir / "merger"))
+    if saved is None:
+        return before, None
+    params = {}
+    for fragment in saved["fragments"]:
+        for path, entry in fragment["params"].items():
+            params[path] = np.frombuffer(entry["data"], dtype=np.dtype(entry["dtype"])).reshape(entry["shape"])
+    trainer.set_params(params)
+    return before, trainer.evaluate(batches)
+
+
+def _plots(config: ClusterConfig, run_dir: Path, metrics: dict[str, list[dict]]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = run_dir / "plots"
+    plots.mkdir(exist_ok=True)
+    made = []
+    specs = [("eval_loss_vs_time.png", "time", "eval_loss", "wall clock (s)", "held-out loss (nats/byte)"),
+             ("eval_loss_vs_tokens.png", "tokens", "eval_loss", "tokens trained by the island", "held-out loss (nats/byte)"),
+             ("bytes_on_wire.png", "time", "bytes_sent", "wall clock (s)", "bytes sent (solid) / received (dashed)"),
+             ("compute_util.png", "time", "compute_util", "wall clock (s)", "compute utilisation")]
+    for filename, x_key, y_key, x_label, y_label in specs:
+        figure, axes = plt.subplots(figsize=(7, 4))
+        for name, events in metrics.items():
+            points = [(e[x_key], e[y_key]) for e in events if y_key in e and x_key in e]
+            if points:
+                line, = axes.plot(*zip(*points), label=name)
+                if y_key == "bytes_sent":
+                    received = [(e["time"], e["bytes_received"]) for e in events if "bytes_received" in e]
+                    axes.plot(*zip(*received), linestyle="--", color=line.get_color())
+        axes.set_xlabel(x_label)
+        axes.set_ylabel(y_label)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+        figure.tight_layout()
+        figure.savefig(plots / filename, dpi=100)
+        plt.close(figure)
+        made.append(f"plots/{filename}")
+    return made
+
+
+def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int]) -> Path:
+    metrics = {r.name: read_events(run_dir / "metrics" / f"{r.name}.jsonl") for r in config.regions}
+    folds = merger_folds(run_dir)
+    folded_by = collections.Counter(name for fold in folds for name in fold["contributors"])
+    before, after = global_eval(config, run_dir)
+    lines = ["# dloco run report", "", f"Run directory: `{run_dir}`; {len(config.regions)} regions; planned length {config.duration_s:.0f} s.", "",
+             "## Islands", "",
+             "| region | slowdown | link up/down Mbit/s, RTT | steps | tokens | steps/s | compute util | last loss | last held-out loss | bytes sent | bytes received | deltas folded | exit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for region in config.regions:
+        events = [e for e in metrics[region.name] if "step" in e]
+        last = events[-1] if events else {}
+        evals = [e["eval_loss"] for e in events if "eval_loss" in e]
+        seconds = last.get("time", 0) or float("nan")
+        lines.append(f"| {region.name} | {region.slowdown} | {region.uplink_mbps or '∞'}/{region.downlink_mbps or '∞'}, {region.rtt_ms:.0f} ms "
+                     f"| {last.get('step', 0)} | {last.get('tokens', 0):,} | {last.get('step', 0) / seconds:.2f} | {last.get('compute_util', float('nan')):.3f} "
+                     f"| {last.get('loss', float('nan')):.3f} | {evals[-1] if evals else float('nan'):.3f} | {last.get('bytes_sent', 0):,} "
+                     f"| {last.get('bytes_received', 0):,} | {folded_by.get(region.name, 0)} | {exit_codes.get(region.name)} |")
+    versions = collections.defaultdict(int)
+    for fold in folds:
+        versions[fold["fragment"]] = max(versions[fold["fragment"]], fold["version"])
+    lines += ["", "## Global model (the merger's)", "",
+              "| folds | fragment versions | held-out loss, initial | held-out loss, final | merger exit | broker exit |", "|---|---|---|---|---|---|",
+              f"| {len(folds)} | {dict(sorted(versions.items()))} | {before:.3f} | {after if after is None else round(after, 3)} "
+              f"| {exit_codes.get('merger')} | {exit_codes.get('broker')} |", ""]
+    lines += ["## Plots", ""] + [f"![{p}]({p})" for p in _plots(config, run_dir, metrics)]
+    lines += ["", "Logs: `logs/<process>.log` (JSON lines); island metrics: `metrics/<region>.jsonl`; "
+              "the merger's write-ahead log and checkpoints: `merger/` (`dloco replay` rebuilds the model from it).", ""]
+    report = run_dir / "report.md"
+    report.write_text("\n".join(lines))
+    return report

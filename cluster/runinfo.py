@@ -1,0 +1,41 @@
+"""Reading a run directory: island metrics (JSON lines) and the merger's fold log lines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_events(path: Path) -> list[dict]:
+    """Every complete JSON line (a line being written is skipped)."""
+    events = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return events
+
+
+def last_events(path: Path, tail_bytes: int = 16384) -> list[dict]:
+    """The complete JSON lines among the last `tail_bytes` of a file (cheap for a live view)."""
+    if not path.exists():
+        return []
+    with open(path, "rb") as handle:
+        start = max(0, path.stat().st_size - tail_bytes)
+        handle.seek(start)
+        lines = handle.read().decode("utf-8", "replace").splitlines()
+    if start > 0:
+        lines = lines[1:]  # the first line was cut by the seek
+    events = []
+    for line in lines:
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
+
+
+def merger_folds(run_dir: Path) -> list[dict]:
+    return [e for e in read_events(run_dir / "logs" / "merger.log") if e.get("event") == "fold"]
