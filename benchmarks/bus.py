@@ -17,22 +17,9 @@ from pathlib import Path
 import zmq
 
 from benchmarks.timing import gbps
+from cluster.ports import free_ports
 
 MESSAGE_BYTES = 1 << 20
-
-
-def _free_ports(count: int) -> list[int]:
-    """Distinct free loopback ports (held open together so the OS cannot hand out one twice)."""
-    import socket
-
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _receive(sub: zmq.Socket, count: int, timeout_s: float = 120.0) -> float:
@@ -74,7 +61,7 @@ def _measure(endpoint_out: str, endpoint_in: str, count: int, keys: Path | None,
 
 
 def _broker(secure_keys: Path | None) -> tuple[subprocess.Popen, list[int]]:
-    ports = _free_ports(4)
+    ports = free_ports(4)
     args = [sys.executable, "-m", "cluster.cli", "broker", "--stats-every", "3600",
             "--delta-in", f"tcp://127.0.0.1:{ports[0]}", "--delta-out", f"tcp://127.0.0.1:{ports[1]}",
             "--snapshot-in", f"tcp://127.0.0.1:{ports[2]}", "--snapshot-out", f"tcp://127.0.0.1:{ports[3]}"]
@@ -99,7 +86,7 @@ def run(count: int = 400, repeats: int = 3, log: Callable[[str], None] = lambda 
             shutil.copy(keys / f"{name}.key", keys / "allow")
         for round_ in range(repeats):
             log(f"bench bus: round {round_ + 1}/{repeats}: raw PUB->SUB, broker, broker+CURVE, {count} x 1 MiB each ...")
-            (port,) = _free_ports(1)
+            (port,) = free_ports(1)
             samples["raw_pubsub_gbps"].append(_measure(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port}", count, None, bind_sub=True))
             for label, secure in (("broker_gbps", None), ("broker_curve_gbps", keys)):
                 broker, ports = _broker(secure)
@@ -113,6 +100,11 @@ def run(count: int = 400, repeats: int = 3, log: Callable[[str], None] = lambda 
     return {"message_bytes": MESSAGE_BYTES, "messages": count, "repeats": repeats, **{k: round(v, 3) for k, v in medians.items()},
             "broker_vs_raw": round(medians["broker_gbps"] / raw, 3), "curve_vs_raw": round(medians["broker_curve_gbps"] / raw, 3),
             "samples": {k: [round(v, 3) for v in values] for k, values in samples.items()}}
+
+
+def summary(result: dict) -> str:
+    return (f"bus, 1 MiB messages: raw {result['raw_pubsub_gbps']:.2f} GB/s, broker {result['broker_gbps']:.2f} "
+            f"({result['broker_vs_raw']:.2f} x raw), broker+CURVE {result['broker_curve_gbps']:.2f} ({result['curve_vs_raw']:.2f} x raw)")
 
 
 def _send(endpoint: str, count: int, keys: str | None) -> None:

@@ -90,7 +90,7 @@ def _delta_chunks(deltas: dict[str, np.ndarray], codec: protocol.Codec):
         )
 
 
-def format_table(result: dict) -> str:
+def summary(result: dict) -> str:
     lines = [f"codec benchmark: {result['values']:,} float32 values, block {result['block']}, "
              f"{result['threads']} thread(s), median of {result['reps']}; memcpy {result['memcpy_gbps']:.2f} GB/s",
              f"{'codec':6} {'quant GB/s':>10} {'x memcpy':>8} {'dequant GB/s':>12} {'x memcpy':>8} "

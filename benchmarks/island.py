@@ -70,3 +70,8 @@ def run(steps: int = 300, rounds: int = 3, log: Callable[[str], None] = lambda l
     return {"steps": steps, "rounds": rounds, "codec": "int4", "interval": 50, "fragments": 4, "deltas_sent": deltas,
             "standalone_steps_per_s": round(standalone, 3), "publishing_steps_per_s": round(publishing, 3),
             "ratio": round(publishing / standalone, 3), "all_rates": {k: [round(r, 3) for r in v] for k, v in rates.items()}}
+
+
+def summary(result: dict) -> str:
+    return (f"island: publishing {result['publishing_steps_per_s']:.2f} steps/s vs standalone {result['standalone_steps_per_s']:.2f} "
+            f"(ratio {result['ratio']:.3f}, medians of {result['rounds']}; {result['deltas_sent']} int4 deltas sent)")

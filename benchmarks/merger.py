@@ -134,3 +134,9 @@ def run(params: int = 25_165_824, fragments: int = 4, islands: int = 4, rounds: 
         "merger_ingest_gbps": round(ingest, 3), "raw_zmq_recv_gbps": round(raw, 3), "ingest_vs_raw": round(ingest / raw, 3),
         "stages_s": {k: round(v, 3) for k, v in sorted(stages.items())},
     }
+
+
+def summary(result: dict) -> str:
+    return (f"merger ingest {result['merger_ingest_gbps']:.3f} GB/s of int4 wire bytes ({result['params']:,} params, "
+            f"{result['islands']} deltas per fold); raw ZeroMQ receive {result['raw_zmq_recv_gbps']:.3f} GB/s; "
+            f"ratio {result['ingest_vs_raw']:.2f}; stages {result['stages_s']}")

@@ -30,24 +30,24 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--block", type=_positive_int, default=256, help="values per quantization block (power of two, default 256)")
     codec.add_argument("--reps", type=_positive_int, default=5, help="timed repetitions; medians are reported (default 5)")
     codec.add_argument("--threads", type=_positive_int, default=None, help="codec threads (default: min(4, cores))")
-    codec.set_defaults(run=_bench_codec)
+    codec.set_defaults(run=_bench, bench_params={"total_mib": "mib", "block": "block", "reps": "reps", "threads": "threads"})
     merger = suites.add_parser("merger", help="merger ingest: receive+decode+dequantize+fold+log of int4 deltas, GB/s of wire bytes")
     merger.add_argument("--json", action="store_true", help="print one JSON object")
     merger.add_argument("--params", type=_positive_int, default=25_165_824, help="model size (default 25,165,824)")
     merger.add_argument("--islands", type=_positive_int, default=4, help="deltas per fold (default 4)")
     merger.add_argument("--fragments", type=_positive_int, default=4)
     merger.add_argument("--rounds", type=_positive_int, default=2)
-    merger.set_defaults(run=_bench_merger)
+    merger.set_defaults(run=_bench, bench_params={"params": "params", "fragments": "fragments", "islands": "islands", "rounds": "rounds"})
     island = suites.add_parser("island", help="island steps/s with int4 publishing on vs standalone, side by side")
     island.add_argument("--json", action="store_true", help="print one JSON object")
     island.add_argument("--steps", type=_positive_int, default=300, help="timed steps per run (default 300)")
     island.add_argument("--rounds", type=_positive_int, default=3, help="alternating standalone/publishing pairs (default 3)")
-    island.set_defaults(run=_bench_island)
+    island.set_defaults(run=_bench, bench_params={"steps": "steps", "rounds": "rounds"})
     bus = suites.add_parser("bus", help="1 MiB messages: raw PUB->SUB vs through the broker vs broker with CURVE")
     bus.add_argument("--json", action="store_true", help="print one JSON object")
     bus.add_argument("--messages", type=_positive_int, default=400)
     bus.add_argument("--repeats", type=_positive_int, default=3, help="interleaved measurements per path; medians reported")
-    bus.set_defaults(run=_bench_bus)
+    bus.set_defaults(run=_bench, bench_params={"count": "messages", "repeats": "repeats"})
 
     from merger.main import add_commands as add_merger_commands
 
@@ -69,49 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _bench_codec(args: argparse.Namespace) -> int:
-    from benchmarks import codec
+def _bench(args: argparse.Namespace) -> int:
+    """Run benchmarks.<suite>.run(...) with the suite's options; print JSON or its one-line summary."""
+    import importlib
+
     from protocol import DlocoError
 
+    module = importlib.import_module(f"benchmarks.{args.suite}")
     try:
-        result = codec.run(total_mib=args.mib, block=args.block, reps=args.reps, threads=args.threads)
+        result = module.run(**{param: getattr(args, option) for param, option in args.bench_params.items()})
     except DlocoError as error:
-        print(f"dloco bench codec: {error}", file=sys.stderr)
+        print(f"dloco bench {args.suite}: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=2) if args.json else codec.format_table(result))
-    return 0
-
-
-def _bench_merger(args: argparse.Namespace) -> int:
-    from benchmarks import merger
-
-    result = merger.run(params=args.params, fragments=args.fragments, islands=args.islands, rounds=args.rounds)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(f"merger ingest {result['merger_ingest_gbps']:.3f} GB/s of int4 wire bytes ({result['params']:,} params, "
-              f"{result['islands']} deltas per fold); raw ZeroMQ receive {result['raw_zmq_recv_gbps']:.3f} GB/s; "
-              f"ratio {result['ingest_vs_raw']:.2f}; stages {result['stages_s']}")
-    return 0
-
-
-def _bench_island(args: argparse.Namespace) -> int:
-    from benchmarks import island
-
-    result = island.run(steps=args.steps, rounds=args.rounds)
-    print(json.dumps(result, indent=2) if args.json else
-          f"island: publishing {result['publishing_steps_per_s']:.2f} steps/s vs standalone {result['standalone_steps_per_s']:.2f} "
-          f"(ratio {result['ratio']:.3f}, medians of {result['rounds']}; {result['deltas_sent']} int4 deltas sent)")
-    return 0
-
-
-def _bench_bus(args: argparse.Namespace) -> int:
-    from benchmarks import bus
-
-    result = bus.run(count=args.messages, repeats=args.repeats)
-    print(json.dumps(result, indent=2) if args.json else
-          f"bus, 1 MiB messages: raw {result['raw_pubsub_gbps']:.2f} GB/s, broker {result['broker_gbps']:.2f} "
-          f"({result['broker_vs_raw']:.2f} x raw), broker+CURVE {result['broker_curve_gbps']:.2f} ({result['curve_vs_raw']:.2f} x raw)")
+    print(json.dumps(result, indent=2) if args.json else module.summary(result))
     return 0
 
 

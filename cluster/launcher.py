@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,19 +19,9 @@ from pathlib import Path
 from broker.security import create_keys
 from cluster.config import ClusterConfig
 from cluster.liveview import LiveView
+from cluster.ports import free_ports
 
 STOP_TIMEOUT_S = 60.0
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def dloco(*args: str) -> list[str]:

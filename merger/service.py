@@ -1,14 +1,18 @@
 """The merger process: sockets, clock and disk around `MergerCore`.
 
 Sockets (endpoint strings: ``@tcp://...`` binds, ``tcp://...`` or ``>tcp://...`` connects):
-- ``delta_sub``  SUB on the delta bus (topic ``delta/``): chunks from islands;
-- ``snapshot_pub`` PUB on the snapshot bus: fragment snapshots after every fold, and acks;
-- ``control`` ROUTER (binds): catch-up snapshot requests (Clone pattern), hellos, heartbeats.
+- ``delta_sub``  SUB on the delta bus (topics ``delta/``, ``heartbeat``): chunks from islands;
+- ``snapshot_pub`` PUB on the snapshot bus: fragment snapshots after every fold, and acks with
+  results and per-island cursors;
+- ``control`` ROUTER (binds): catch-up snapshot requests (Clone pattern), resend requests to
+  islands (routed by island name) and the chunks they resend, hellos.
 
-Per admitted delta: write-ahead log first, fold when the round policy says so, sync the log, then
-publish the snapshot and the acks — an acknowledged delta is always on disk.  Every receive is
-behind a poll with a timeout; SIGTERM/SIGINT stop the loop, write a final checkpoint, close the
-sockets with linger 0 and exit 0.
+Chunks pass a `GapTracker` first (in order, exactly once per island); gaps and heartbeat-revealed
+tails are asked for again every RESEND_S.  Per admitted delta: write-ahead log first, fold when the
+round policy says so, sync the log, then publish the snapshot and the acks — an acknowledged delta
+is always on disk, and cursors are logged before islands see them.  Every receive is behind a poll
+with a timeout; SIGTERM/SIGINT stop the loop, write a final checkpoint, close the sockets with
+linger 0 and exit 0.
 """
 
 from __future__ import annotations
@@ -22,14 +26,14 @@ import numpy as np
 import zmq
 
 import protocol
+from broker.security import Security
+from broker.sequencing import GapTracker
 from cluster.telemetry import configure_logging
 from merger import checkpoint
 from merger.config import MergerConfig
 from merger.core import MergerCore
 from merger.recovery import checkpoint_dir, recover, wal_dir
 from merger.wal import WriteAheadLog
-from broker.security import Security
-from broker.sequencing import GapTracker
 
 POLL_MS = 50  # longest sleep between checks of the clock-driven round policy
 RESEND_S = 0.2  # how often missing stream messages are asked for again

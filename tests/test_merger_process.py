@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,24 +15,13 @@ import pytest
 import zmq
 
 import protocol
+from cluster.ports import free_ports
 from merger import checkpoint
 from merger.recovery import checkpoint_dir, wal_dir
 from tests.merger_helpers import delta_chunks, initial_params
 
 DELTAS = 12
 ACK_TIMEOUT_S = 30.0
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct free loopback ports (held open together, so the OS cannot repeat one)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def free_port() -> int:
