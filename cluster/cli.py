@@ -97,7 +97,11 @@ def _up(args: argparse.Namespace) -> int:
         print(f"dloco up: {error}", file=sys.stderr)
         return 2
     run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    return launcher.run(cluster, run_dir)
+    try:
+        return launcher.run(cluster, run_dir)
+    except (launcher.LaunchError, DlocoError, OSError) as error:
+        print(f"dloco up: {error}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:

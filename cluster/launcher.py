@@ -20,8 +20,13 @@ from broker.security import create_keys
 from cluster.config import ClusterConfig
 from cluster.liveview import LiveView
 from cluster.ports import free_ports
+from protocol.errors import DlocoError
 
 STOP_TIMEOUT_S = 60.0
+
+
+class LaunchError(DlocoError):
+    """The cluster could not be prepared or started."""
 
 
 def dloco(*args: str) -> list[str]:
@@ -49,7 +54,7 @@ class Cluster:
         init = subprocess.run(dloco("island", "--write-init", self.run_dir / "init.npz", *self.model_args()),
                               capture_output=True, text=True, timeout=300)
         if init.returncode != 0:
-            raise RuntimeError(f"could not create the initial model: {init.stderr[-500:]}")
+            raise LaunchError(f"could not create the initial model: {init.stderr[-500:]}")
 
     def model_args(self) -> list[str]:
         m = self.config.model
@@ -112,8 +117,7 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout) -> int:
         nonlocal interrupted
         interrupted = True
 
-    previous = signal.signal(signal.SIGINT, on_interrupt)
-    signal.signal(signal.SIGTERM, on_interrupt)
+    previous = {sig: signal.signal(sig, on_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
     try:
         print(f"dloco up: preparing {run_dir} (keys, initial model) ...", file=out, flush=True)
@@ -130,7 +134,8 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout) -> int:
     finally:
         print("dloco up: stopping (islands, then merger, then broker) ...", file=out, flush=True)
         codes = cluster.stop_all()
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     from cluster.report import write_report
 
     report = write_report(config, run_dir, codes)
