@@ -16,25 +16,10 @@ from pathlib import Path
 
 import zmq
 
-from benchmarks.timing import gbps
+from benchmarks.timing import gbps, receive_timed
 from cluster.ports import free_ports
 
 MESSAGE_BYTES = 1 << 20
-
-
-def _receive(sub: zmq.Socket, count: int, timeout_s: float = 120.0) -> float:
-    """Seconds from the first to the last of `count` messages (after the sender's warm-up)."""
-    first, got = None, 0
-    deadline = time.monotonic() + timeout_s
-    while got < count:
-        if not sub.poll(1000):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"received {got} of {count}")
-            continue
-        sub.recv_multipart(copy=False)
-        first = time.perf_counter() if first is None else first
-        got += 1
-    return time.perf_counter() - first
 
 
 def _measure(endpoint_out: str, endpoint_in: str, count: int, keys: Path | None, bind_sub: bool) -> float:
@@ -53,7 +38,7 @@ def _measure(endpoint_out: str, endpoint_in: str, count: int, keys: Path | None,
         sender += ["--keys", str(keys)]
     process = subprocess.Popen(sender)
     try:
-        seconds = _receive(sub, count)
+        _, seconds = receive_timed(sub, count, timeout_s=120.0)
     finally:
         process.wait(timeout=60)
         context.destroy(linger=0)

@@ -22,7 +22,7 @@ import zmq
 
 import protocol
 from benchmarks.delta_sender import synthetic_shapes
-from benchmarks.timing import gbps
+from benchmarks.timing import gbps, receive_timed
 from merger.config import MergeConfig, MergerConfig, RoundConfig
 from merger.core import MergerCore
 from merger.wal import WriteAheadLog
@@ -42,23 +42,6 @@ def _subscriber(context: zmq.Context) -> tuple[zmq.Socket, int]:
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     return sub, sub.bind_to_random_port("tcp://127.0.0.1")
-
-
-def _receive(sub: zmq.Socket, expected: int, handle: Callable[[list], None], timeout_s: float = 600.0) -> tuple[int, float]:
-    """Receive `expected` messages; return (wire bytes, seconds from the first to the last handled)."""
-    received, nbytes, first = 0, 0, None
-    deadline = time.monotonic() + timeout_s
-    while received < expected:
-        if not sub.poll(1000):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"received {received} of {expected} messages")
-            continue
-        frames = sub.recv_multipart(copy=False)
-        first = time.perf_counter() if first is None else first
-        nbytes += sum(len(f) for f in frames)
-        received += 1
-        handle([f.buffer for f in frames])
-    return nbytes, time.perf_counter() - first
 
 
 def expected_messages(params: int, fragments: int, islands: int, rounds: int) -> int:
@@ -81,7 +64,7 @@ def run(params: int = 25_165_824, fragments: int = 4, islands: int = 4, rounds: 
         log(f"bench merger: raw ZeroMQ reference, {expected} messages ...")
         sub, port = _subscriber(context)
         sender = _sender(port, params, fragments, islands, rounds)
-        raw_bytes, raw_seconds = _receive(sub, expected, lambda frames: None)
+        raw_bytes, raw_seconds = receive_timed(sub, expected)
         sender.wait(timeout=60)
         sub.close()
 
@@ -120,7 +103,7 @@ def run(params: int = 25_165_824, fragments: int = 4, islands: int = 4, rounds: 
 
             sub, port = _subscriber(context)
             sender = _sender(port, params, fragments, islands, rounds)
-            wire_bytes, seconds = _receive(sub, expected, handle)
+            wire_bytes, seconds = receive_timed(sub, expected, handle)
             sender.wait(timeout=60)
             wal.close()
         if folds != fragments * rounds:

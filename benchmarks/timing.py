@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
@@ -21,3 +22,23 @@ def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 1) -> floa
 
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def receive_timed(sub: Any, expected: int, handle: Callable[[list], None] = lambda frames: None,
+                  timeout_s: float = 600.0) -> tuple[int, float]:
+    """Receive `expected` messages from a ZeroMQ socket, passing each to `handle`; return (wire
+    bytes, seconds from the first arrival to the last handled).  Raises TimeoutError if the stream
+    stalls for `timeout_s`."""
+    received, nbytes, first = 0, 0, None
+    deadline = time.monotonic() + timeout_s
+    while received < expected:
+        if not sub.poll(1000):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"received {received} of {expected} messages")
+            continue
+        frames = sub.recv_multipart(copy=False)
+        first = time.perf_counter() if first is None else first
+        nbytes += sum(len(f) for f in frames)
+        received += 1
+        handle([f.buffer for f in frames])
+    return nbytes, time.perf_counter() - first
