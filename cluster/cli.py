@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", type=Path, default=None, help="cluster file (TOML); default: the shipped 4-region profile")
     up.add_argument("--run-dir", type=Path, default=None, help="where logs, metrics, the merger's log and the report go (default runs/<time>)")
     up.add_argument("--duration", type=float, default=None, help="seconds to run (overrides the cluster file)")
+    up.add_argument("--chaos", default=None, metavar="SCHEDULE",
+                    help="kill -9 / restart processes at given seconds, e.g. 'kill:us-east@60,restart:us-east@90,kill:merger@120,restart:merger@125' "
+                         "(overrides the cluster file's [[chaos]])")
     up.set_defaults(run=_up)
 
     from broker.main import add_commands as add_broker_commands
@@ -88,11 +91,12 @@ def _bench(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     import time
 
-    from cluster import config, launcher
+    from cluster import chaos, config, launcher
     from protocol import DlocoError
 
     try:
-        cluster = config.load(args.config).with_duration(args.duration)
+        schedule = chaos.parse(args.chaos) if args.chaos is not None else None
+        cluster = config.load(args.config).with_duration(args.duration).with_chaos(schedule)
     except DlocoError as error:
         print(f"dloco up: {error}", file=sys.stderr)
         return 2

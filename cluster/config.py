@@ -10,6 +10,7 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
+from cluster.chaos import ChaosEvent, check
 from protocol import CODEC_NAMES
 from protocol.errors import ConfigError, require
 
@@ -43,15 +44,25 @@ class ClusterConfig:
     sync: dict = dataclasses.field(default_factory=lambda: {"fragments": 4, "interval": 48, "codec": "int4", "alpha": 0.0})
     merger: dict = dataclasses.field(default_factory=lambda: {"max_staleness": 4, "quorum": 1, "grace_cap_s": 1.0, "outer": "nesterov",
                                                               "outer_lr": 0.7, "snapshot_codec": "bf16"})
+    chaos: tuple[ChaosEvent, ...] = ()  # kill -9 / restart schedule (cluster.chaos)
 
     def __post_init__(self) -> None:
         require(len(self.regions) >= 1, "a cluster needs at least one region")
         require(len({r.name for r in self.regions}) == len(self.regions), "region names must be unique")
+        require(not {r.name for r in self.regions} & {"merger", "broker"}, "'merger' and 'broker' are not region names")
         require(self.duration_s > 0, f"run.duration_s must be > 0, got {self.duration_s}")
         require(self.sync["codec"] in CODEC_NAMES, f"sync.codec must be one of {CODEC_NAMES}, got {self.sync['codec']!r}")
+        check(self.chaos, self.process_names)
+
+    @property
+    def process_names(self) -> list[str]:
+        return [r.name for r in self.regions] + ["merger", "broker"]
 
     def with_duration(self, seconds: float | None) -> ClusterConfig:
         return self if seconds is None else dataclasses.replace(self, duration_s=seconds)
+
+    def with_chaos(self, schedule: tuple[ChaosEvent, ...] | None) -> ClusterConfig:
+        return self if schedule is None else dataclasses.replace(self, chaos=schedule)
 
 
 _SECTIONS = {"run": {"duration_s", "eval_every", "seed"}, "model": {"width", "depth", "heads", "context", "batch"},
@@ -65,7 +76,7 @@ def load(path: str | Path | None = None) -> ClusterConfig:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise ConfigError(f"cannot read cluster file {path}: {error}") from None
-    unknown = set(data) - set(_SECTIONS) - {"regions"}
+    unknown = set(data) - set(_SECTIONS) - {"regions", "chaos"}
     require(not unknown, f"{path}: unknown sections {sorted(unknown)}")
     for section, keys in _SECTIONS.items():
         extra = set(data.get(section, {})) - keys
@@ -79,11 +90,18 @@ def load(path: str | Path | None = None) -> ClusterConfig:
             regions.append(Region(**entry))
         except TypeError as error:
             raise ConfigError(f"{path}: bad [[regions]] entry {entry}: {error}") from None
+    chaos = []
+    for entry in data.get("chaos", []):
+        require(set(entry) == {"at_s", "action", "target"}, f"{path}: a [[chaos]] entry needs exactly at_s, action and target, got {sorted(entry)}")
+        try:
+            chaos.append(ChaosEvent(float(entry["at_s"]), str(entry["action"]), str(entry["target"])))
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}: [[chaos]] at_s must be a number of seconds, got {entry['at_s']!r}") from None
     defaults = ClusterConfig(regions=(Region("x"),))
     run = data.get("run", {})
     return ClusterConfig(
         regions=tuple(regions), duration_s=float(run.get("duration_s", defaults.duration_s)),
         eval_every=int(run.get("eval_every", defaults.eval_every)), seed=int(run.get("seed", defaults.seed)),
         model={**defaults.model, **data.get("model", {})}, sync={**defaults.sync, **data.get("sync", {})},
-        merger={**defaults.merger, **data.get("merger", {})},
+        merger={**defaults.merger, **data.get("merger", {})}, chaos=tuple(sorted(chaos, key=lambda e: e.at_s)),
     )

@@ -9,6 +9,7 @@ metrics/<region>.jsonl, merger/ (write-ahead log, checkpoints), report.md, plots
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -37,6 +38,8 @@ class Cluster:
     def __init__(self, config: ClusterConfig, run_dir: Path) -> None:
         self.config, self.run_dir = config, run_dir
         self.processes: dict[str, subprocess.Popen] = {}
+        self.commands: dict[str, list] = {}
+        self.down: set[str] = set()  # killed on purpose (chaos), not yet restarted
         ports = free_ports(5)
         self.broker_endpoints = [f"tcp://127.0.0.1:{p}" for p in ports[:4]]
         self.control_port = ports[4]
@@ -63,9 +66,25 @@ class Cluster:
 
     # ---- processes -----------------------------------------------------------------------------
     def start(self, name: str, command: list) -> None:
-        log = open(self.run_dir / "logs" / f"{name}.log", "ab")
-        # A session of its own: a terminal's Ctrl-C reaches only the launcher, which stops the rest in order.
-        self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.commands[name] = command
+        with open(self.run_dir / "logs" / f"{name}.log", "ab") as log:
+            # A session of its own: a terminal's Ctrl-C reaches only the launcher, which stops the rest in order.
+            self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.down.discard(name)
+
+    def kill(self, name: str) -> None:
+        """kill -9: no signal handler runs, nothing is flushed or drained."""
+        process = self.processes[name]
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+        self.down.add(name)
+
+    def restart(self, name: str) -> None:
+        self.start(name, self.commands[name])
+
+    def unexpectedly_dead(self) -> list[str]:
+        return [n for n, p in self.processes.items() if n not in self.down and p.poll() is not None]
 
     def start_all(self) -> None:
         keys, b = self.run_dir / "keys", self.broker_endpoints
@@ -118,19 +137,28 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout) -> int:
         interrupted = True
 
     previous = {sig: signal.signal(sig, on_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    started = time.monotonic()
+    pending = list(config.chaos)
     try:
         print(f"dloco up: preparing {run_dir} (keys, initial model) ...", file=out, flush=True)
         cluster.prepare()
         cluster.start_all()
+        started = time.monotonic()  # the run's clock (duration, chaos times) starts with the processes
         view = LiveView(config, run_dir, out)
-        while not interrupted and time.monotonic() - started < config.duration_s:
-            dead = [n for n, p in cluster.processes.items() if p.poll() is not None]
-            if dead:
-                print(f"dloco up: {', '.join(dead)} exited early; see {run_dir / 'logs'}", file=out, flush=True)
-                break
-            view.refresh(time.monotonic() - started)
-            time.sleep(1.0)
+        with open(run_dir / "chaos.jsonl", "a") as chaos_log:
+            while not interrupted and time.monotonic() - started < config.duration_s:
+                while pending and time.monotonic() - started >= pending[0].at_s:
+                    event = pending.pop(0)
+                    getattr(cluster, event.action)(event.target)
+                    chaos_log.write(json.dumps({"at_s": round(time.monotonic() - started, 3), "wall": time.time(),
+                                                "action": event.action, "target": event.target}) + "\n")
+                    chaos_log.flush()
+                    print(f"dloco up: chaos {event} done", file=out, flush=True)
+                dead = cluster.unexpectedly_dead()
+                if dead:
+                    print(f"dloco up: {', '.join(dead)} exited early; see {run_dir / 'logs'}", file=out, flush=True)
+                    break
+                view.refresh(time.monotonic() - started)
+                time.sleep(0.25 if pending else 1.0)
     finally:
         print("dloco up: stopping (islands, then merger, then broker) ...", file=out, flush=True)
         codes = cluster.stop_all()
@@ -140,4 +168,4 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout) -> int:
 
     report = write_report(config, run_dir, codes)
     print(f"dloco up: report at {report}", file=out, flush=True)
-    return 0 if all(code == 0 for code in codes.values()) else 1
+    return 0 if all(code == 0 or name in cluster.down for name, code in codes.items()) else 1

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster.config import ClusterConfig
-from cluster.runinfo import merger_folds, read_events
+from cluster.runinfo import chaos_effects, merger_folds, read_events
 
 
 def global_eval(config: ClusterConfig, run_dir: Path) -> tuple[float | None, float | None]:
@@ -72,6 +72,29 @@ def _plots(config: ClusterConfig, run_dir: Path, metrics: dict[str, list[dict]])
     return made
 
 
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f} s"
+
+
+def _chaos_section(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["## Chaos", "", "What each kill -9 / restart did to the rest: the other islands' step rates in the seconds after the event "
+             "relative to the seconds before (1.00 = undisturbed), the merger's folds in those windows, and the recovery.", "",
+             "| t (s) | event | other islands' step rate after/before | folds before/after | contributors after | recovery |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        ratios = ", ".join(f"{name} {r['ratio']:.2f}" if r["ratio"] is not None else f"{name} (not yet stepping)" for name, r in row["others"].items())
+        recovery = ""
+        if "rejoined_s" in row:
+            recovery = f"rejoined after {_seconds(row['rejoined_s'])}; first delta folded after {_seconds(row['first_fold_s'])}"
+        elif "first_fold_s" in row:
+            recovery = f"next fold after {_seconds(row['first_fold_s'])}"
+        window = f"{row['window_s'][0]:.0f}/{row['window_s'][1]:.0f} s"
+        lines.append(f"| {row['at_s']:.1f} | {row['action']} {row['target']} | {ratios or '-'} | {row['folds_before']}/{row['folds_after']} "
+                     f"(windows {window}) | {', '.join(row['contributors_after']) or '-'} | {recovery or '-'} |")
+    return lines + [""]
+
+
 def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int]) -> Path:
     metrics = {r.name: read_events(run_dir / "metrics" / f"{r.name}.jsonl") for r in config.regions}
     folds = merger_folds(run_dir)
@@ -97,6 +120,7 @@ def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int
               "| folds | fragment versions | held-out loss, initial | held-out loss, final | merger exit | broker exit |", "|---|---|---|---|---|---|",
               f"| {len(folds)} | {dict(sorted(versions.items()))} | {before:.3f} | {after if after is None else round(after, 3)} "
               f"| {exit_codes.get('merger')} | {exit_codes.get('broker')} |", ""]
+    lines += _chaos_section(chaos_effects(run_dir, [r.name for r in config.regions]))
     lines += ["## Plots", ""] + [f"![{p}]({p})" for p in _plots(config, run_dir, metrics)]
     lines += ["", "Logs: `logs/<process>.log` (JSON lines); island metrics: `metrics/<region>.jsonl`; "
               "the merger's write-ahead log and checkpoints: `merger/` (`dloco replay` rebuilds the model from it).", ""]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
@@ -39,3 +40,24 @@ def last_events(path: Path, tail_bytes: int = 16384) -> list[dict]:
 
 def merger_folds(run_dir: Path) -> list[dict]:
     return [e for e in read_events(run_dir / "logs" / "merger.log") if e.get("event") == "fold"]
+
+
+def wall(event: dict) -> float:
+    """A log line's ISO timestamp as seconds since the epoch."""
+    return datetime.datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def chaos_effects(run_dir: Path, regions: list[str]) -> list[dict]:
+    """What each executed chaos event did to the rest of the cluster (cluster.chaos.effects)."""
+    from cluster.chaos import effects
+
+    executed = read_events(run_dir / "chaos.jsonl")
+    if not executed:
+        return []
+    steps, joins = {}, {}
+    for region in regions:
+        events = [e for e in read_events(run_dir / "metrics" / f"{region}.jsonl") if "wall" in e]
+        steps[region] = [e["wall"] for e in events if e.get("step", 0) > 0]
+        joins[region] = [e["wall"] for e in events if e.get("step") == 0]
+    folds = [(wall(e), tuple(e["contributors"])) for e in merger_folds(run_dir)]
+    return effects(executed, steps, joins, folds)

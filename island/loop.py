@@ -73,7 +73,7 @@ class IslandLoop:
         max_steps = max_steps or self.train.max_steps
         self.started = time.perf_counter()
         eval_loss = self.trainer.evaluate(self.eval_batches)
-        self.metrics.write({"step": 0, "tokens": 0, "eval_loss": eval_loss, "time": 0.0})
+        self.metrics.write({"step": 0, "tokens": 0, "eval_loss": eval_loss, "time": 0.0, "wall": time.time()})
         loss, step = float("nan"), 0
         for step in range(1, max_steps + 1):
             if self.stop_requested:
@@ -83,7 +83,7 @@ class IslandLoop:
             began = time.perf_counter()
             loss, grad_norm = self.trainer.step(batch)
             compute = time.perf_counter() - began
-            if self.slowdown > 1:  # an older chip: the same work takes `slowdown` times as long
+            if self.slowdown > 1 and step > 1:  # an older chip: the same work takes `slowdown` times as long (step 1 is mostly compiling)
                 time.sleep(compute * (self.slowdown - 1))
             self.compute_s += compute * self.slowdown
             step_tokens = batch.shape[0] * (batch.shape[1] - 1)
@@ -94,7 +94,7 @@ class IslandLoop:
             if self.link is not None:
                 self._exchange(step)
             event = {"step": step, "tokens": self.tokens, "loss": loss, "grad_norm": grad_norm, "time": time.perf_counter() - self.started,
-                     "compute_util": self.compute_s / (time.perf_counter() - self.started),
+                     "wall": time.time(), "compute_util": self.compute_s / (time.perf_counter() - self.started),
                      "bytes_sent": getattr(self.link, "bytes_sent", 0), "bytes_received": getattr(self.link, "bytes_received", 0),
                      "snapshot_version": [p.version for p in self.progress]}
             if step % self.train.eval_every == 0 or step == max_steps or self.stop_requested:

@@ -32,6 +32,7 @@ from island.shaper import LinkShaper
 
 POLL_MS = 50
 HEARTBEAT_S = 0.5  # a heartbeat carries the last seq, so a lost tail is asked for within this
+PROBE_AFTER_S = 3.0  # an admitted delta still unsettled this long: its result (an ack) was lost; ask again
 
 
 class NetworkLink:
@@ -53,9 +54,16 @@ class NetworkLink:
         self._arrived: collections.deque = collections.deque()
         self._residuals: dict[str, np.ndarray] = {}
         self._settled: set[int] = set()  # delta ids acknowledged (an ack can arrive twice)
+        # Sent, not yet settled: delta id -> [last seq, first chunk's frames, when last sent or probed].
+        # Once the merger's cursor passes the last seq the delta is admitted; if no result follows (the
+        # ack was published while the bus was down), re-sending the first chunk point to point makes
+        # the merger acknowledge it again (a repeat of a settled delta is re-acked, never refolded).
+        self._unsettled: dict[int, list] = {}
+        self._cursor = 0  # highest seq the merger's cursor covered
+        self.probes = 0
         self._kept = RetransmitBuffer(max_messages=sync.retransmit_messages, max_bytes=sync.retransmit_bytes)
         self.seq = 0  # last stream seq sent (delta chunks)
-        self.resent = self.backpressure_waits = 0
+        self.resent = self.resend_deferred = self.backpressure_waits = 0
         self._lock = threading.Condition()
         self._stop = threading.Event()
         self._context = zmq.Context()
@@ -142,6 +150,7 @@ class NetworkLink:
                 self._residuals.update(kept)
             plans = protocol.split_fragment(delta, self.codec, self.sync.chunk_bytes)
             delta_id += 1
+            first = None
             for index, plan in enumerate(plans):
                 frames = protocol.encode(protocol.DeltaChunk(
                     sender=self.name, epoch=self.epoch, seq=self.seq + 1, delta_id=delta_id, fragment=fragment,
@@ -159,8 +168,12 @@ class NetworkLink:
                     self._kept.add(self.seq, frames, nbytes)  # until the merger's cursor covers it
                 pub.send_multipart(frames, copy=False)
                 self.bytes_sent += nbytes
+                first = first or frames
             else:
                 self.deltas_sent += 1
+                with self._lock:
+                    if delta_id not in self._settled:
+                        self._unsettled[delta_id] = [self.seq, first, time.monotonic()]
             with self._lock:
                 self._lock.notify_all()
         pub.close(linger=0)
@@ -201,8 +214,23 @@ class NetworkLink:
             for socket in dict(poller.poll(POLL_MS)):
                 frames = socket.recv_multipart(copy=False)
                 self._on_frames([f.buffer for f in frames], reassembler)
+            self._probe_unsettled()
         sub.close(linger=0)
         dealer.close(linger=0)
+
+    def _probe_unsettled(self) -> None:
+        """Admitted deltas whose result never came: send their first chunk again, point to point."""
+        now = time.monotonic()
+        with self._lock:
+            due = [entry for entry in self._unsettled.values() if entry[0] <= self._cursor and now - entry[2] >= PROBE_AFTER_S]
+            for entry in due:
+                entry[2] = now
+        for _, frames, _ in due:
+            try:
+                self._dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+                self.probes += 1
+            except zmq.Again:
+                self.resend_deferred += 1
 
     def _on_frames(self, frames: list, reassembler: protocol.Reassembler) -> None:
         nbytes = sum(f.nbytes for f in frames)
@@ -215,19 +243,24 @@ class NetworkLink:
                     for result in message.results:
                         if result.island == self.name and result.epoch == self.epoch and result.delta_id not in self._settled:
                             self._settled.add(result.delta_id)
+                            self._unsettled.pop(result.delta_id, None)
                             self.results[result.status] += 1
                     for cursor in message.cursors:
                         if cursor.island == self.name and cursor.epoch == self.epoch:
                             self._kept.release(cursor.seq)
+                            self._cursor = max(self._cursor, cursor.seq)
                     self._lock.notify_all()
                 return
             if isinstance(message, protocol.ResendRequest):
                 if message.target == self.name and message.target_epoch == self.epoch:
                     with self._lock:
                         again = self._kept.get(list(message.ranges))
-                    for _, frames in again:  # point to point, not on the bus
-                        self._dealer.send_multipart(frames, copy=False)
-                    self.resent += len(again)
+                    for _, frames in again:  # point to point, not on the bus; never blocks (the merger asks again)
+                        try:
+                            self._dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+                            self.resent += 1
+                        except zmq.Again:
+                            self.resend_deferred += 1
                 return
             if not isinstance(message, protocol.SnapshotChunk) or message.model != self.model:
                 return

@@ -42,7 +42,7 @@ class SlowReceiver:
         self.cursor_pub = self.context.socket(zmq.PUB)
         self.cursor_pub.setsockopt(zmq.LINGER, 0)
         self.cursor_pub.bind(f"tcp://127.0.0.1:{cursor_port}")
-        self.tracker, self.delivered, self.read_delay_s = GapTracker(), [], read_delay_s
+        self.tracker, self.delivered, self.read_delay_s, self.probed = GapTracker(), [], read_delay_s, []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
@@ -66,7 +66,13 @@ class SlowReceiver:
                 time.sleep(self.read_delay_s)  # a slow reader
             if self.router in events:
                 identity, *body = self.router.recv_multipart()
-                if protocol.decode(body).kind == protocol.Kind.DELTA:
+                message = protocol.decode(body)
+                stream = self.tracker.streams.get(message.sender)
+                if message.kind == protocol.Kind.DELTA and stream is not None and message.seq <= stream.delivered:
+                    self.probed.append(message.delta_id)  # a repeat of a delivered delta: say its result (the merger's re-ack)
+                    result = protocol.DeltaResult(message.sender, message.epoch, message.delta_id, message.fragment, "folded", 1, "")
+                    self.cursor_pub.send_multipart(protocol.encode(protocol.Ack(sender="rx", epoch=1, seq=1, cursors=(), results=(result,))))
+                elif message.kind == protocol.Kind.DELTA:
                     self.on_frames(body)
             if time.monotonic() >= next_round:
                 next_round = time.monotonic() + 0.2
@@ -179,3 +185,22 @@ def test_a_full_retransmit_buffer_stops_the_publisher_not_the_loop():
         assert link.rebased >= 3  # later deltas wait in the outbox, summed
     finally:
         link.close()
+
+
+def test_a_lost_result_is_asked_for_again_and_the_drain_completes():
+    """The receiver acknowledges the stream (cursors) but its results never come (as when the ack
+    was published while the broker was down): the island re-sends the delta's first chunk point to
+    point, the receiver answers with the result, and the drain at the end completes."""
+    data_port, control_port, cursor_port = free_ports(3)
+    receiver = SlowReceiver(f"@tcp://127.0.0.1:{data_port}", control_port, cursor_port, read_delay_s=0)
+    link = sender(f"tcp://127.0.0.1:{data_port}", control_port, cursor_port)
+    try:
+        time.sleep(0.5)
+        link.publish(0, 0, DELTA, 1, 1)
+        wait_for(lambda: len(receiver.delivered) == CHUNKS, 30, "the delta did not get through")
+        assert not link.drain(1.0)  # admitted (cursor) but unsettled: no result yet
+        assert link.drain(15.0), (link.results, link.probes)
+        assert receiver.probed == [1] and link.probes == 1 and link.results["folded"] == 1
+    finally:
+        link.close()
+        receiver.close()
