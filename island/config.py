@@ -66,6 +66,7 @@ class SyncConfig:
     retransmit_messages: int = 4096  # chunks kept until the merger's cursor covers them
     retransmit_bytes: int = 256 << 20  # ... and their bytes; when full, the publisher waits (backpressure)
     send_hwm: int = 1000  # chunks queued per subscriber before PUB drops (recovered by resend)
+    settle_timeout_s: float = 60.0  # stop asking for the result of a delta after this (the merger does not know it)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.fragments, int) and self.fragments >= 1, f"sync.fragments must be a positive int, got {self.fragments!r}")
@@ -73,3 +74,4 @@ class SyncConfig:
                  f"sync.interval (H={self.interval}) must be an int >= sync.fragments (P={self.fragments})")
         _require(self.codec in CODEC_NAMES, f"sync.codec must be one of {CODEC_NAMES}, got {self.codec!r}")
         _require(0 <= self.alpha < 1, f"sync.alpha must be in [0, 1), got {self.alpha}")
+        _require(self.settle_timeout_s > 0, f"sync.settle_timeout_s must be > 0, got {self.settle_timeout_s}")

@@ -54,7 +54,7 @@ class NetworkLink:
         self._arrived: collections.deque = collections.deque()
         self._residuals: dict[str, np.ndarray] = {}
         self._settled: set[int] = set()  # delta ids acknowledged (an ack can arrive twice)
-        # Sent, not yet settled: delta id -> [last seq, first chunk's frames, when last sent or probed].
+        # Sent, not yet settled: delta id -> [last seq, first chunk's frames, when last sent or probed, when sent].
         # Once the merger's cursor passes the last seq the delta is admitted; if no result follows (the
         # ack was published while the bus was down), re-sending the first chunk point to point makes
         # the merger acknowledge it again (a repeat of a settled delta is re-acked, never refolded).
@@ -100,7 +100,7 @@ class NetworkLink:
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while time.monotonic() < deadline:
-                if not self._order and self.results["folded"] + self.results["rejected"] >= self.deltas_sent:
+                if not self._order and self.results["folded"] + self.results["rejected"] + self.results["unknown"] >= self.deltas_sent:
                     return True
                 self._lock.wait(timeout=POLL_MS / 1000)
         return False
@@ -173,7 +173,7 @@ class NetworkLink:
                 self.deltas_sent += 1
                 with self._lock:
                     if delta_id not in self._settled:
-                        self._unsettled[delta_id] = [self.seq, first, time.monotonic()]
+                        self._unsettled[delta_id] = [self.seq, first, time.monotonic(), time.monotonic()]
             with self._lock:
                 self._lock.notify_all()
         pub.close(linger=0)
@@ -222,10 +222,16 @@ class NetworkLink:
         """Admitted deltas whose result never came: send their first chunk again, point to point."""
         now = time.monotonic()
         with self._lock:
+            expired = [d for d, entry in self._unsettled.items() if now - entry[3] > self.sync.settle_timeout_s]
+            for delta_id in expired:  # the merger does not know it (e.g. rejected, then restarted): stop asking
+                del self._unsettled[delta_id]
+                self.results["unknown"] += 1
+            if expired:
+                self._lock.notify_all()
             due = [entry for entry in self._unsettled.values() if entry[0] <= self._cursor and now - entry[2] >= PROBE_AFTER_S]
             for entry in due:
                 entry[2] = now
-        for _, frames, _ in due:
+        for _, frames, *_ in due:
             try:
                 self._dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
                 self.probes += 1

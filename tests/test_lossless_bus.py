@@ -28,7 +28,8 @@ CHUNKS = 200
 class SlowReceiver:
     """Binds its ROUTER and cursor PUB; SUB binds too, or connects to a broker."""
 
-    def __init__(self, sub_endpoint: str, control_port: int, cursor_port: int, read_delay_s: float = 0.002) -> None:
+    def __init__(self, sub_endpoint: str, control_port: int, cursor_port: int, read_delay_s: float = 0.002, answer_probes: bool = True) -> None:
+        self.answer_probes = answer_probes
         self.context = zmq.Context()
         self.sub = self.context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, 2)
@@ -69,7 +70,9 @@ class SlowReceiver:
                 message = protocol.decode(body)
                 stream = self.tracker.streams.get(message.sender)
                 if message.kind == protocol.Kind.DELTA and stream is not None and message.seq <= stream.delivered:
-                    self.probed.append(message.delta_id)  # a repeat of a delivered delta: say its result (the merger's re-ack)
+                    self.probed.append(message.delta_id)
+                    if not self.answer_probes:
+                        continue  # a repeat of a delivered delta: say its result (the merger's re-ack)
                     result = protocol.DeltaResult(message.sender, message.epoch, message.delta_id, message.fragment, "folded", 1, "")
                     self.cursor_pub.send_multipart(protocol.encode(protocol.Ack(sender="rx", epoch=1, seq=1, cursors=(), results=(result,))))
                 elif message.kind == protocol.Kind.DELTA:
@@ -201,6 +204,22 @@ def test_a_lost_result_is_asked_for_again_and_the_drain_completes():
         assert not link.drain(1.0)  # admitted (cursor) but unsettled: no result yet
         assert link.drain(15.0), (link.results, link.probes)
         assert receiver.probed == [1] and link.probes == 1 and link.results["folded"] == 1
+    finally:
+        link.close()
+        receiver.close()
+
+
+def test_a_result_nobody_knows_is_given_up_after_the_settle_timeout():
+    """A merger that restarted after rejecting a delta has no record of it: the island stops asking."""
+    data_port, control_port, cursor_port = free_ports(3)
+    receiver = SlowReceiver(f"@tcp://127.0.0.1:{data_port}", control_port, cursor_port, read_delay_s=0, answer_probes=False)
+    sync = SyncConfig(fragments=1, interval=1, codec="fp32", chunk_bytes=1024, settle_timeout_s=4.0)
+    link = NetworkLink("island-a", "m", sync, f"tcp://127.0.0.1:{data_port}", f"tcp://127.0.0.1:{cursor_port}", f"tcp://127.0.0.1:{control_port}")
+    try:
+        time.sleep(0.5)
+        link.publish(0, 0, DELTA, 1, 1)
+        assert link.drain(20.0), link.results
+        assert link.results["unknown"] == 1 and link.results["folded"] == 0 and receiver.probed == [1]  # asked once (at 3 s), then gave up
     finally:
         link.close()
         receiver.close()
