@@ -32,7 +32,7 @@ from island.shaper import LinkShaper
 
 POLL_MS = 50
 HEARTBEAT_S = 0.5  # a heartbeat carries the last seq, so a lost tail is asked for within this
-PROBE_AFTER_S = 3.0  # an admitted delta still unsettled this long: its result (an ack) was lost; ask again
+PROBE_AFTER_S = 3.0  # a delta admitted this long ago and still unsettled: its result (an ack) was lost; ask again
 
 
 class NetworkLink:
@@ -54,7 +54,8 @@ class NetworkLink:
         self._arrived: collections.deque = collections.deque()
         self._residuals: dict[str, np.ndarray] = {}
         self._settled: set[int] = set()  # delta ids acknowledged (an ack can arrive twice)
-        # Sent, not yet settled: delta id -> [last seq, first chunk's frames, when last sent or probed, when sent].
+        # Sent, not yet settled: delta id -> [last seq, first chunk's frames, when admitted (the cursor
+        # passed it) or last probed, when admitted]; the times are None until the cursor passes.
         # Once the merger's cursor passes the last seq the delta is admitted; if no result follows (the
         # ack was published while the bus was down), re-sending the first chunk point to point makes
         # the merger acknowledge it again (a repeat of a settled delta is re-acked, never refolded).
@@ -173,7 +174,7 @@ class NetworkLink:
                 self.deltas_sent += 1
                 with self._lock:
                     if delta_id not in self._settled:
-                        self._unsettled[delta_id] = [self.seq, first, time.monotonic(), time.monotonic()]
+                        self._unsettled[delta_id] = [self.seq, first, None, None]
             with self._lock:
                 self._lock.notify_all()
         pub.close(linger=0)
@@ -222,13 +223,17 @@ class NetworkLink:
         """Admitted deltas whose result never came: send their first chunk again, point to point."""
         now = time.monotonic()
         with self._lock:
-            expired = [d for d, entry in self._unsettled.items() if now - entry[3] > self.sync.settle_timeout_s]
+            for entry in self._unsettled.values():
+                if entry[2] is None and entry[0] <= self._cursor:  # admitted (logged) now: its result is due soon
+                    entry[2] = entry[3] = now
+            expired = [d for d, entry in self._unsettled.items() if entry[3] is not None and now - entry[3] > self.sync.settle_timeout_s]
             for delta_id in expired:  # the merger does not know it (e.g. rejected, then restarted): stop asking
                 del self._unsettled[delta_id]
+                self._settled.add(delta_id)  # a late answer is not counted twice
                 self.results["unknown"] += 1
             if expired:
                 self._lock.notify_all()
-            due = [entry for entry in self._unsettled.values() if entry[0] <= self._cursor and now - entry[2] >= PROBE_AFTER_S]
+            due = [entry for entry in self._unsettled.values() if entry[2] is not None and now - entry[2] >= PROBE_AFTER_S]
             for entry in due:
                 entry[2] = now
         for _, frames, *_ in due:

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from protocol import CodedTensor
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -58,6 +60,8 @@ def admit(candidate: Candidate, *, version: int, layout: Mapping[str, tuple[int,
     if candidate.steps < 1 or candidate.tokens < 1:
         return reject("empty", f"steps={candidate.steps}, tokens={candidate.tokens}: nothing was trained")
     for path, delta in candidate.tensors.items():
+        if isinstance(delta, CodedTensor):
+            continue  # int records: scales were checked finite and bounded when decoded from the wire
         if not np.isfinite(delta).all():
             return reject("non_finite", f"{path} holds NaN or Inf")
     return Verdict(True, "", "", staleness)

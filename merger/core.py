@@ -80,14 +80,15 @@ class MergerCore:
         if head.fragment >= len(self.fragments):
             return self._reject(key, head.fragment, "unknown_fragment")
         state = self.states[head.fragment]
+        tensors = records.delta_tensors(assembled)
         candidate = Candidate(head.sender, head.epoch, head.delta_id, head.fragment, head.base_version, head.steps, head.tokens,
-                              head.model, assembled.tensors)
+                              head.model, tensors)
         verdict = admit(candidate, version=state.version, layout=self.layouts[head.fragment], model=self.model,
                         max_staleness=self.config.merge.max_staleness)
         if not verdict.admitted:
             return self._reject(key, head.fragment, f"{verdict.reason}: {verdict.detail}"[:256], verdict.reason)
         wal_index = self.log.append(records.delta_record(assembled, verdict.staleness)) if self.log is not None else None
-        contribution = Contribution(head.sender, head.epoch, head.delta_id, verdict.staleness, head.tokens, head.steps, assembled.tensors)
+        contribution = Contribution(head.sender, head.epoch, head.delta_id, verdict.staleness, head.tokens, head.steps, tensors)
         self._enqueue(Pending(contribution, head.fragment, now, wal_index))
         return None
 

@@ -11,16 +11,19 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
+
 import numpy as np
 
-from merger import rda
+from protocol import CodedTensor
+from merger import coded, rda
 from merger.config import MergeConfig
 from merger.weighting import weights as contribution_weights
 
 
 class FragmentState(NamedTuple):
     version: int
-    params: dict[str, np.ndarray]  # path -> float32 global value of the fragment
+    params: dict[str, np.ndarray | jax.Array]  # path -> float32 global value of the fragment (np.asarray for numpy)
     opt_state: Any  # the outer optimizer's state for these params
 
 
@@ -32,7 +35,7 @@ class Contribution:
     staleness: int
     tokens: int
     steps: int
-    tensors: Mapping[str, np.ndarray]  # path -> float32 delta
+    tensors: Mapping[str, np.ndarray | CodedTensor]  # path -> float32 delta, or its int records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,35 +55,50 @@ def canonical(contributions: Sequence[Contribution]) -> list[Contribution]:
     return sorted(contributions, key=lambda c: (c.island, c.epoch, c.delta_id))
 
 
+def _plain(path: str, config: MergeConfig) -> bool:
+    return config.method == "average" or any(marker in path for marker in config.average_paths)
+
+
 def merge(contributions: Sequence[Contribution], config: MergeConfig) -> tuple[dict[str, np.ndarray], list[float]]:
-    """The merged pseudo-gradient of a round and the normalised weights used (canonical order)."""
+    """The merged pseudo-gradient of a round and the normalised weights used (canonical order).
+    Float tensors; coded ones (CodedTensor) are decoded first (`fold` merges them from codes)."""
     ordered = canonical(contributions)
     w = contribution_weights([(c.tokens, c.steps, c.staleness) for c in ordered], config.staleness_power)
     merged = {}
     for path in ordered[0].tensors:
-        deltas = [c.tensors[path] for c in ordered]
-        plain = config.method == "average" or any(marker in path for marker in config.average_paths)
-        merged[path] = (rda.weighted_average if plain else rda.radial_directional_average)(deltas, w)
+        deltas = [_float(c.tensors[path]) for c in ordered]
+        merged[path] = (rda.weighted_average if _plain(path, config) else rda.radial_directional_average)(deltas, w)
     return merged, w
+
+
+def _float(tensor) -> np.ndarray:
+    return tensor.decode() if isinstance(tensor, CodedTensor) else tensor
 
 
 def fold(state: FragmentState, contributions: Sequence[Contribution], config: MergeConfig,
          step: Callable[[Any, Any, Any], tuple[Any, Any]]) -> tuple[FragmentState, FoldReport]:
-    """Apply one round; `step` is `outer.make_step(optimizer)`."""
+    """Apply one round; `step` is `outer.make_step(optimizer)`.  A round whose deltas are all coded
+    with one int codec is merged from the codes (merger/coded.py), any other from float32."""
     if not contributions:
         raise ValueError("fold needs at least one contribution")
     ordered = canonical(contributions)
-    merged, w = merge(ordered, config)
+    if coded.mergeable([c.tensors for c in ordered]):
+        w = contribution_weights([(c.tokens, c.steps, c.staleness) for c in ordered], config.staleness_power)
+        merged, delta_norms, merged_norm = coded.merge([c.tensors for c in ordered], w, {p: _plain(p, config) for p in ordered[0].tensors})
+    else:
+        merged, w = merge(ordered, config)
+        delta_norms = [rda.fragment_norm({p: _float(t) for p, t in c.tensors.items()}) for c in ordered]
+        merged_norm = rda.fragment_norm(merged)
     params, opt_state = step(state.params, state.opt_state, merged)
-    new_params = {path: np.asarray(value, dtype=np.float32) for path, value in params.items()}
+    new_params = dict(params)  # XLA arrays: the next fold starts from them without a copy (np.asarray views them)
     report = FoldReport(
         version=state.version + 1,
         contributors=tuple(c.island for c in ordered),
         delta_ids=tuple(c.delta_id for c in ordered),
         staleness=tuple(c.staleness for c in ordered),
         weights=tuple(w),
-        delta_norms=tuple(rda.fragment_norm(c.tensors) for c in ordered),
-        merged_norm=rda.fragment_norm(merged),
+        delta_norms=tuple(delta_norms),
+        merged_norm=merged_norm,
     )
     return FragmentState(state.version + 1, new_params, opt_state), report
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from merger.fold import Contribution, FragmentState
-from protocol import Assembled, Codec
+from protocol import Assembled, Codec, CodedTensor
 
 GENESIS, DELTA, FOLD, CURSORS = "genesis", "delta", "fold", "cursors"
 
@@ -44,8 +44,32 @@ def delta_record(assembled: Assembled, staleness: int) -> dict:
     }
 
 
+def coded_tensors(codec: Codec, slices: Sequence[tuple[str, Sequence[int], int]], payloads: Sequence) -> dict[str, CodedTensor]:
+    """The records of an int-coded delta per tensor, from its (path, shape, start) slices and
+    payloads: the live path (from the received chunks) and replay (from the log) both build a
+    round's input with this, so both fold the same codes."""
+    pieces: dict[str, tuple[tuple[int, ...], list]] = {}
+    for (path, shape, start), payload in zip(slices, payloads):
+        pieces.setdefault(path, (tuple(shape), []))[1].append((start, payload))
+    return {path: CodedTensor(codec, shape, np.concatenate([np.frombuffer(p, np.uint8) for _, p in sorted(parts, key=lambda x: x[0])])
+                              .reshape(-1, codec.record_nbytes)) for path, (shape, parts) in pieces.items()}
+
+
+def delta_tensors(assembled: Assembled) -> dict:
+    """What the merger folds of a reassembled delta: its records for int codecs, else its float32 tensors."""
+    codec = assembled.header.codec
+    if not codec.blockwise or all(isinstance(t, CodedTensor) for t in assembled.tensors.values()):
+        return assembled.tensors  # float32, or records a Reassembler(decode=False) built the same way
+    slices = [(item.path, item.shape, item.start) for chunk in assembled.chunks for item in chunk.slices]
+    return coded_tensors(codec, slices, [payload for chunk in assembled.chunks for payload in chunk.payloads])
+
+
 def contribution_from_record(record: dict) -> Contribution:
+    """The contribution as the live path admitted it (see `delta_tensors`)."""
     codec = Codec(record["codec"], record["block"])
+    if codec.blockwise:
+        coded = coded_tensors(codec, [(path, shape, start) for path, shape, start, _ in record["slices"]], record["payloads"])
+        return Contribution(record["island"], record["epoch"], record["delta_id"], record["staleness"], record["tokens"], record["steps"], coded)
     tensors: dict[str, np.ndarray] = {}
     for (path, shape, start, count), payload in zip(record["slices"], record["payloads"]):
         flat = tensors.setdefault(path, np.empty(int(np.prod(shape, dtype=np.int64)), dtype=np.float32))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import numpy as np
 import zmq
 
 import protocol
+from merger import coded
 from broker.security import Security
 from broker.sequencing import GapTracker
 from cluster.telemetry import configure_logging
@@ -79,7 +81,12 @@ class MergerService:
             self.core = core_factory(self.wal)
             self.log.info("genesis", fragments=len(self.core.fragments), digest=self.core.digest())
         self.epoch, self.seq, self.folds = time.time_ns(), 0, 0
-        self.reassembler = protocol.Reassembler(ttl_s=config.reassembly_ttl_s, max_bytes=config.reassembly_bytes)
+        # int deltas stay in their records: the fold works on codes (merger/coded.py), whose kernels
+        # compile in the background now rather than in the first rounds
+        sizes = [sum(int(np.prod(shape)) for shape in layout.values()) for layout in self.core.layouts]
+        self.warming = threading.Thread(target=coded.warm_up, args=(sizes,), name="warm-up", daemon=True)
+        self.warming.start()
+        self.reassembler = protocol.Reassembler(ttl_s=config.reassembly_ttl_s, max_bytes=config.reassembly_bytes, decode=False)
         self.counters: dict[str, int] = {}
         self.context = zmq.Context()
         self.delta_sub = self._socket(zmq.SUB, config.delta_endpoint, server="broker")
@@ -272,7 +279,7 @@ class MergerService:
         not part of the bus stream: they carry the last stream seq instead of a new one."""
         state = self.core.states[fragment]
         codec = protocol.Codec(self.config.snapshot_codec)
-        plans = protocol.split_fragment(state.params, codec, self.config.max_chunk_bytes)
+        plans = protocol.split_fragment({p: np.asarray(v) for p, v in state.params.items()}, codec, self.config.max_chunk_bytes)
         for index, plan in enumerate(plans):
             yield protocol.encode(protocol.SnapshotChunk(
                 sender=self.config.sender, epoch=self.epoch, seq=self.next_seq() if on_bus else self.seq, fragment=fragment, version=state.version,
@@ -301,6 +308,7 @@ class MergerService:
         self.log.info("checkpoint", path=str(path), next_index=self.wal.next_index, digest=self.core.digest())
 
     def shutdown(self) -> None:
+        self.warming.join(timeout=120)  # exiting while XLA compiles on another thread aborts the process
         self.write_checkpoint()
         self.wal.close()
         Security.stop(self.context)

@@ -29,10 +29,11 @@ from protocol.messages import (
     SnapshotRequest,
     TensorSlice,
 )
-from protocol.quantization import CODEC_NAMES, DEFAULT_BLOCK, Codec
+from protocol.quantization import CODEC_NAMES, DEFAULT_BLOCK, Codec, CodedTensor
 from protocol.reassembly import Assembled, Reassembler, message_key
 
 __all__ = [
+    "CodedTensor",
     "CODEC_NAMES", "DEFAULT_BLOCK", "DEFAULT_LIMITS", "DEFAULT_MAX_CHUNK_BYTES", "MESSAGE_TYPES",
     "PROTOCOL_VERSION", "STREAM_KINDS", "Ack", "Assembled", "ChunkPlan", "Codec", "Cursor",
     "DeltaChunk", "DeltaResult", "DlocoError", "EncodeError", "Heartbeat", "Hello", "Kind",

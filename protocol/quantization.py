@@ -337,3 +337,38 @@ def _dequantize_rows(codes_RxC, scale_Rx1, out_RxK, bits: int) -> None:
     n, per_byte = out_RxK.shape[0], 8 // bits
     np.take(table, codes_RxC, axis=0, out=out_RxK.reshape(n, -1, per_byte))
     out_RxK *= scale_Rx1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CodedTensor:
+    """A tensor kept in its blockwise wire form (records: scale ‖ codes per block), for consumers
+    that work on codes directly (the merger folds int deltas without materialising float32).
+    `decode()` gives the float32 values the codec defines."""
+
+    codec: Codec
+    shape: tuple[int, ...]
+    records: np.ndarray  # uint8, (blocks, codec.record_nbytes)
+
+    def __post_init__(self) -> None:
+        if not self.codec.blockwise:
+            raise EncodeError(f"CodedTensor needs a blockwise codec, got {self.codec.name}")
+        blocks = -(-self.count // self.codec.block)
+        if self.records.dtype != np.uint8 or self.records.shape != (blocks, self.codec.record_nbytes):
+            raise EncodeError(f"records of {self.shape} must be uint8 ({blocks}, {self.codec.record_nbytes}), got {self.records.dtype} {self.records.shape}")
+
+    @property
+    def count(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def scales(self) -> np.ndarray:
+        """float32 scale of every block."""
+        return np.ascontiguousarray(self.records[:, :_SCALE_BYTES]).view("<f4").reshape(-1)
+
+    @property
+    def codes(self) -> np.ndarray:
+        """uint8 (blocks, codes bytes per block), in the layout of the module docstring."""
+        return self.records[:, _SCALE_BYTES:]
+
+    def decode(self) -> np.ndarray:
+        return self.codec.decode(self.records.reshape(-1), self.count).reshape(self.shape)

@@ -21,6 +21,7 @@ import numpy as np
 
 from protocol.errors import EncodeError, ProtocolError
 from protocol.messages import DeltaChunk, SnapshotChunk
+from protocol.quantization import CodedTensor
 
 Chunk = Union[DeltaChunk, SnapshotChunk]
 # Charged per chunk and per slice on top of payload bytes: measured Python object sizes, rounded up.
@@ -35,7 +36,7 @@ class Assembled:
 
     key: tuple
     header: Chunk  # the first chunk received; its whole-message fields hold for all chunks
-    tensors: dict[str, np.ndarray]  # path -> float32 array of the tensor's shape
+    tensors: dict[str, np.ndarray | CodedTensor]  # path -> float32 array of the tensor's shape (CodedTensor: see Reassembler)
     seqs: tuple[int, ...]  # stream seq of every chunk, in chunk order
     wire_bytes: int  # payload bytes received for it (duplicates excluded)
     chunks: tuple[Chunk, ...]  # the chunks in index order (their payloads: views of received frames)
@@ -73,7 +74,11 @@ class ReassemblyStats:
 
 
 class Reassembler:
-    def __init__(self, ttl_s: float = 60.0, max_bytes: int = 256 << 20, max_partials: int = 1024, remember: int = 4096) -> None:
+    def __init__(self, ttl_s: float = 60.0, max_bytes: int = 256 << 20, max_partials: int = 1024, remember: int = 4096,
+                 decode: bool = True) -> None:
+        """decode=False: tensors of a blockwise (int) codec come out as `CodedTensor` (their records),
+        others decoded as usual."""
+        self.decode = decode
         if not (ttl_s > 0 and max_bytes > 0 and max_partials > 0 and remember > 0):
             raise EncodeError(f"Reassembler bounds must be positive: ttl_s={ttl_s}, max_bytes={max_bytes}, max_partials={max_partials}, remember={remember}")
         self.ttl_s, self.max_bytes, self.max_partials, self.remember = ttl_s, max_bytes, max_partials, remember
@@ -211,16 +216,28 @@ class Reassembler:
             size = int(np.prod(shape, dtype=np.int64))
             if covered != size:
                 self._reject(f"tensor {path} of {key} has {covered} of {size} values after all chunks arrived")
-        tensors = {path: np.empty(int(np.prod(shape, dtype=np.int64)), dtype=np.float32) for path, (_, shape) in partial.tensors.items()}
         ordered = [partial.chunks[i] for i in sorted(partial.chunks)]
-        for chunk in ordered:
-            for item, payload in zip(chunk.slices, chunk.payloads):
-                chunk.codec.decode(payload, item.count, out=tensors[item.path][item.start : item.start + item.count])
+        codec = partial.first.codec
+        if not self.decode and codec.blockwise:  # keep the records; block-aligned slices concatenate
+            pieces: dict[str, list[tuple[int, memoryview]]] = {path: [] for path in partial.tensors}
+            for chunk in ordered:
+                for item, payload in zip(chunk.slices, chunk.payloads):
+                    pieces[item.path].append((item.start, payload))
+            tensors = {}
+            for path, (_, shape) in partial.tensors.items():
+                data = np.concatenate([np.frombuffer(p, np.uint8) for _, p in sorted(pieces[path], key=lambda piece: piece[0])])
+                tensors[path] = CodedTensor(codec, tuple(shape), data.reshape(-1, codec.record_nbytes))
+        else:
+            flats = {path: np.empty(int(np.prod(shape, dtype=np.int64)), dtype=np.float32) for path, (_, shape) in partial.tensors.items()}
+            for chunk in ordered:
+                for item, payload in zip(chunk.slices, chunk.payloads):
+                    chunk.codec.decode(payload, item.count, out=flats[item.path][item.start : item.start + item.count])
+            tensors = {path: flat.reshape(partial.tensors[path][1]) for path, flat in flats.items()}
         self.stats.completed += 1
         return Assembled(
             key=key,
             header=partial.first,
-            tensors={path: flat.reshape(partial.tensors[path][1]) for path, flat in tensors.items()},
+            tensors=tensors,
             seqs=tuple(chunk.seq for chunk in ordered),
             wire_bytes=partial.nbytes,
             chunks=tuple(ordered),

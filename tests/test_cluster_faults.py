@@ -16,7 +16,7 @@ from cluster.runinfo import chaos_effects, read_events
 
 PROFILE = """
 [run]
-duration_s = 100
+duration_s = 110
 eval_every = 25
 
 [model]
@@ -46,7 +46,7 @@ slowdown = 2.0
 uplink_mbps = 4
 rtt_ms = 60
 """
-SCHEDULE = "kill:c@30,restart:c@42,kill:merger@55,restart:merger@61,kill:broker@75,restart:broker@80"
+SCHEDULE = "kill:c@30,restart:c@42,kill:merger@55,restart:merger@61,kill:broker@85,restart:broker@90"
 
 
 def _events(log, name):

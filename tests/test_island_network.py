@@ -52,7 +52,7 @@ def test_merger_and_two_islands_exchange_and_fold(tmp_path):
         for i in range(2):
             islands.append(subprocess.Popen(
                 [sys.executable, "-m", "cluster.cli", "island", "--name", f"isl-{i}", "--island-index", str(i), "--islands", "2", *TINY,
-                 "--max-steps", "60", "--eval-every", "30", "--fragments", "2", "--interval", "10",
+                 "--max-steps", "120", "--eval-every", "60", "--fragments", "2", "--interval", "10",
                  "--delta-endpoint", f"tcp://127.0.0.1:{ports[0]}", "--snapshot-endpoint", f"tcp://127.0.0.1:{ports[1]}",
                  "--control-endpoint", f"tcp://127.0.0.1:{ports[2]}", "--metrics-out", str(tmp_path / f"isl-{i}.jsonl"), "--insecure"],
                 stdout=subprocess.PIPE, stderr=open(tmp_path / f"isl-{i}.err", "wb")))
