@@ -102,7 +102,7 @@ def run(params: int = 25_165_824, fragments: int = 4, islands: int = 4, rounds: 
                 assembled = reassembler.add(message, now=0.0)
                 t2 = time.perf_counter()
                 stages["decode_s"] += t1 - t0
-                stages["reassemble_dequantize_s"] += t2 - t1
+                stages["reassemble_s"] += t2 - t1
                 if assembled is None:
                     return
                 result = core.submit(assembled, now=0.0)
