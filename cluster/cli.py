@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", type=Path, default=None, help="cluster file (TOML); default: the shipped 4-region profile")
     up.add_argument("--run-dir", type=Path, default=None, help="where logs, metrics, the merger's log and the report go (default runs/<time>)")
     up.add_argument("--duration", type=float, default=None, help="seconds to run (overrides the cluster file)")
+    up.add_argument("--mode", choices=("decoupled", "sync-diloco", "sync-dp"), default=None,
+                    help="how the islands synchronise (overrides the cluster file): this project, or a synchronous baseline")
     up.add_argument("--compose", type=Path, default=None, metavar="FILE",
                     help="run this docker-compose file's services as local processes instead (service name -> 127.0.0.1)")
     up.add_argument("--services", default=None, help="with --compose: comma-separated services to run (and what they depend on)")
@@ -112,7 +114,7 @@ def _up(args: argparse.Namespace) -> int:
 
     try:
         schedule = chaos.parse(args.chaos) if args.chaos is not None else None
-        cluster = config.load(args.config).with_duration(args.duration).with_chaos(schedule)
+        cluster = config.load(args.config).with_duration(args.duration).with_chaos(schedule).with_mode(args.mode)
         if args.services is not None and args.compose is None:
             raise config.ConfigError("--services needs --compose")
     except DlocoError as error:

@@ -43,8 +43,10 @@ class ClusterConfig:
     model: dict = dataclasses.field(default_factory=lambda: {"width": 128, "depth": 4, "heads": 4, "context": 128, "batch": 16})
     sync: dict = dataclasses.field(default_factory=lambda: {"fragments": 4, "interval": 48, "codec": "int4", "alpha": 0.0})
     merger: dict = dataclasses.field(default_factory=lambda: {"max_staleness": 4, "quorum": 1, "grace_cap_s": 1.0, "outer": "nesterov",
-                                                              "outer_lr": 0.7, "snapshot_codec": "bf16"})
+                                                              "outer_lr": 0.7, "snapshot_codec": "bf16", "merge": "rda",
+                                                              "quorum_timeout_s": 30.0})
     chaos: tuple[ChaosEvent, ...] = ()  # kill -9 / restart schedule (cluster.chaos)
+    mode: str = "decoupled"  # or a synchronous baseline: "sync-diloco", "sync-dp" (see MODES)
 
     def __post_init__(self) -> None:
         require(len(self.regions) >= 1, "a cluster needs at least one region")
@@ -53,6 +55,15 @@ class ClusterConfig:
         require(self.duration_s > 0, f"run.duration_s must be > 0, got {self.duration_s}")
         require(self.sync["codec"] in CODEC_NAMES, f"sync.codec must be one of {CODEC_NAMES}, got {self.sync['codec']!r}")
         check(self.chaos, self.process_names)
+        require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
+
+    def effective(self) -> tuple[dict, dict]:
+        """(sync, merger) settings after the mode's overrides."""
+        sync, merger = dict(self.sync), dict(self.merger)
+        overrides = MODES[self.mode]
+        sync.update(overrides.get("sync", {}))
+        merger.update({k: (len(self.regions) if v == "all" else v) for k, v in overrides.get("merger", {}).items()})
+        return sync, merger
 
     @property
     def process_names(self) -> list[str]:
@@ -61,13 +72,30 @@ class ClusterConfig:
     def with_duration(self, seconds: float | None) -> ClusterConfig:
         return self if seconds is None else dataclasses.replace(self, duration_s=seconds)
 
+    def with_mode(self, mode: str | None) -> ClusterConfig:
+        return self if mode is None else dataclasses.replace(self, mode=mode)
+
     def with_chaos(self, schedule: tuple[ChaosEvent, ...] | None) -> ClusterConfig:
         return self if schedule is None else dataclasses.replace(self, chaos=schedule)
 
 
-_SECTIONS = {"run": {"duration_s", "eval_every", "seed"}, "model": {"width", "depth", "heads", "context", "batch"},
+# The run modes (issue #7): the same islands, links and corpus; only how they synchronise differs.
+# sync-diloco: classic DiLoCo — the whole model (P = 1) every H steps, every island blocks until the
+#   merger has all N deltas and returns the new global model.
+# sync-dp: a stand-in for data-parallel all-reduce — every step each island sends its full fp32
+#   change and blocks until the merger returns the average (outer SGD, lr 1: the new global model is
+#   the mean of the islands' models), so the bytes and the barrier per step are those of an
+#   all-reduce of fp32 gradients.
+MODES = {
+    "decoupled": {},
+    "sync-diloco": {"sync": {"fragments": 1, "blocking": True}, "merger": {"quorum": "all", "grace_cap_s": 0.0}},
+    "sync-dp": {"sync": {"fragments": 1, "interval": 1, "codec": "fp32", "blocking": True},
+                "merger": {"quorum": "all", "grace_cap_s": 0.0, "merge": "average", "outer": "sgd", "outer_lr": 1.0, "snapshot_codec": "fp32"}},
+}
+
+_SECTIONS = {"run": {"duration_s", "eval_every", "seed", "mode"}, "model": {"width", "depth", "heads", "context", "batch"},
              "sync": {"fragments", "interval", "codec", "alpha"},
-             "merger": {"max_staleness", "quorum", "grace_cap_s", "outer", "outer_lr", "snapshot_codec"}}
+             "merger": {"max_staleness", "quorum", "grace_cap_s", "outer", "outer_lr", "snapshot_codec", "merge", "quorum_timeout_s"}}
 
 
 def load(path: str | Path | None = None) -> ClusterConfig:
@@ -101,7 +129,7 @@ def load(path: str | Path | None = None) -> ClusterConfig:
     run = data.get("run", {})
     return ClusterConfig(
         regions=tuple(regions), duration_s=float(run.get("duration_s", defaults.duration_s)),
-        eval_every=int(run.get("eval_every", defaults.eval_every)), seed=int(run.get("seed", defaults.seed)),
+        eval_every=int(run.get("eval_every", defaults.eval_every)), seed=int(run.get("seed", defaults.seed)), mode=str(run.get("mode", "decoupled")),
         model={**defaults.model, **data.get("model", {})}, sync={**defaults.sync, **data.get("sync", {})},
         merger={**defaults.merger, **data.get("merger", {})}, chaos=tuple(sorted(chaos, key=lambda e: e.at_s)),
     )

@@ -59,4 +59,4 @@ class LiveView:
         total = self.config.duration_s
         done = min(1.0, elapsed / total)
         bar = "#" * int(done * 30) + "-" * (30 - int(done * 30))
-        return f"dloco up: {len(self.config.regions)} regions  [{bar}] {elapsed:5.0f}/{total:.0f} s"
+        return f"dloco up ({self.config.mode}): {len(self.config.regions)} regions  [{bar}] {elapsed:5.0f}/{total:.0f} s"

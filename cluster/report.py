@@ -100,7 +100,7 @@ def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int
     folds = merger_folds(run_dir)
     folded_by = collections.Counter(name for fold in folds for name in fold["contributors"])
     before, after = global_eval(config, run_dir)
-    lines = ["# dloco run report", "", f"Run directory: `{run_dir}`; {len(config.regions)} regions; planned length {config.duration_s:.0f} s.", "",
+    lines = ["# dloco run report", "", f"Run directory: `{run_dir}`; mode `{config.mode}`; {len(config.regions)} regions; planned length {config.duration_s:.0f} s.", "",
              "## Islands", "",
              "| region | slowdown | link up/down Mbit/s, RTT | steps | tokens | steps/s | compute util | last loss | last held-out loss | bytes sent | bytes received | deltas folded | exit |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -39,11 +39,12 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str) -> dict[str, li
     out = {"broker": ["broker", "--keys", keys, "--allow", f"{run_dir}/allow/broker", "--delta-in", f"tcp://{at.bind_host}:{b[0]}",
                       "--delta-out", f"tcp://{at.bind_host}:{b[1]}", "--snapshot-in", f"tcp://{at.bind_host}:{b[2]}",
                       "--snapshot-out", f"tcp://{at.bind_host}:{b[3]}", "--stats-every", 5]}
-    mc, sc = config.merger, config.sync
+    sc, mc = config.effective()
     out["merger"] = ["merger", "--run-dir", f"{run_dir}/merger", "--init-npz", f"{run_dir}/init.npz", "--fragments", sc["fragments"],
                      "--keys", keys, "--allow", f"{run_dir}/allow/merger", "--delta-endpoint", at.broker(1), "--snapshot-endpoint", at.broker(2),
                      "--control-endpoint", f"@tcp://{at.bind_host}:{at.control_port}", "--max-staleness", mc["max_staleness"],
-                     "--quorum", mc["quorum"], "--grace-cap", mc["grace_cap_s"], "--outer", mc["outer"], "--outer-lr", mc["outer_lr"],
+                     "--quorum", mc["quorum"], "--quorum-timeout", mc["quorum_timeout_s"], "--grace-cap", mc["grace_cap_s"],
+                     "--merge", mc["merge"], "--outer", mc["outer"], "--outer-lr", mc["outer_lr"],
                      "--snapshot-codec", mc["snapshot_codec"]]
     for index, region in enumerate(config.regions):
         links = []
@@ -53,7 +54,7 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str) -> dict[str, li
             "island", "--name", region.name, "--region", region.name, "--islands", len(config.regions), "--island-index", index,
             *model_args(config), "--max-steps", 10**9, "--eval-every", config.eval_every,
             "--fragments", sc["fragments"], "--interval", sc["interval"], "--codec", sc["codec"], "--alpha", sc["alpha"],
-            "--slowdown", region.slowdown, *links, "--rtt-ms", region.rtt_ms, "--keys", keys,
+            *(["--blocking"] if sc.get("blocking") else []), "--slowdown", region.slowdown, *links, "--rtt-ms", region.rtt_ms, "--keys", keys,
             "--delta-endpoint", at.broker(0), "--snapshot-endpoint", at.broker(3), "--control-endpoint", f"tcp://{at.merger_host}:{at.control_port}",
             "--metrics-out", f"{run_dir}/metrics/{region.name}.jsonl", "--join-timeout", 300]
     return {name: [str(arg) for arg in args] for name, args in out.items()}

@@ -66,6 +66,7 @@ class SyncConfig:
     retransmit_messages: int = 4096  # chunks kept until the merger's cursor covers them
     retransmit_bytes: int = 256 << 20  # ... and their bytes; when full, the publisher waits (backpressure)
     send_hwm: int = 1000  # chunks queued per subscriber before PUB drops (recovered by resend)
+    blocking: bool = False  # synchronous baselines: after sending a delta, wait for the fold that includes it
     settle_timeout_s: float = 60.0  # stop asking for the result of a delta after this (the merger does not know it)
 
     def __post_init__(self) -> None:

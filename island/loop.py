@@ -52,6 +52,7 @@ class IslandLoop:
         self.parts = fragments.partition({p: v.shape for p, v in params.items()}, sync.fragments)
         self.progress = [FragmentProgress({p: params[p] for p in paths}) for paths in self.parts]
         self.tokens, self.compute_s, self.started = 0, 0.0, None
+        self.wait_s = 0.0  # time spent blocked on the merger (synchronous modes only)
         self.stop_requested = False  # set from a signal handler: finish the current step, then stop
 
     def join(self, timeout_s: float) -> None:
@@ -96,7 +97,7 @@ class IslandLoop:
             event = {"step": step, "tokens": self.tokens, "loss": loss, "grad_norm": grad_norm, "time": time.perf_counter() - self.started,
                      "wall": time.time(), "compute_util": self.compute_s / (time.perf_counter() - self.started),
                      "bytes_sent": getattr(self.link, "bytes_sent", 0), "bytes_received": getattr(self.link, "bytes_received", 0),
-                     "snapshot_version": [p.version for p in self.progress]}
+                     "snapshot_version": [p.version for p in self.progress], "wait_s": self.wait_s}
             if step % self.train.eval_every == 0 or step == max_steps or self.stop_requested:
                 event["eval_loss"] = eval_loss = self.trainer.evaluate(self.eval_batches)
                 if self.log is not None:
@@ -107,20 +108,13 @@ class IslandLoop:
                 "steps_per_s": step / wall, "compute_util": self.compute_s / wall}
 
     def _exchange(self, step: int) -> None:
-        """Adopt snapshots that arrived; hand due fragments' deltas to the link.  Never waits.
+        """Adopt snapshots that arrived; hand due fragments' deltas to the link.  Never waits
+        (unless sync.blocking: the synchronous baselines).
 
         A delta is the change since the fragment was last adopted *or sent*: anchor - theta, after
         which the anchor moves to theta.  So two sends between adoptions carry disjoint work and
         the merger never counts a step twice.  Adoption resets the anchor to the global value."""
-        arrived = self.link.snapshots()
-        if arrived:
-            theta = self.trainer.params()
-            for fragment, version, tensors in arrived:
-                progress = self.progress[fragment]
-                if version <= progress.version:
-                    continue
-                self.trainer.set_params(fragments.adopt(theta, tensors, self.sync.alpha))
-                self.progress[fragment] = FragmentProgress({p: np.asarray(v, np.float32) for p, v in tensors.items()}, version)
+        self._adopt(self.link.snapshots())
         due = [p for p in fragments.due_fragments(step, self.sync.fragments, self.sync.interval) if self.progress[p].steps > 0]
         if due:
             theta = self.trainer.params()
@@ -131,3 +125,28 @@ class IslandLoop:
                 self.link.publish(fragment, progress.version, delta, progress.steps, progress.tokens)
                 # The next delta counts from here: what was just sent is never sent again.
                 self.progress[fragment] = FragmentProgress(current, progress.version)
+            if self.sync.blocking:
+                self._wait_for_fold({fragment: self.progress[fragment].version for fragment in due})
+
+    def _adopt(self, arrived: list) -> None:
+        if not arrived:
+            return
+        theta = self.trainer.params()
+        for fragment, version, tensors in arrived:
+            progress = self.progress[fragment]
+            if version <= progress.version:
+                continue
+            self.trainer.set_params(fragments.adopt(theta, tensors, self.sync.alpha))
+            self.progress[fragment] = FragmentProgress({p: np.asarray(v, np.float32) for p, v in tensors.items()}, version)
+
+    def _wait_for_fold(self, sent: dict[int, int]) -> None:
+        """The synchronous baselines: training stops until every fragment just sent comes back in a
+        newer version (the merger folds a round once it has every island's delta).  This wait is
+        what `compute_util` shows and what the decoupled mode never does."""
+        began = time.perf_counter()
+        while not self.stop_requested:
+            self._adopt(self.link.snapshots())
+            if all(self.progress[f].version > v for f, v in sent.items()):
+                break
+            time.sleep(0.001)
+        self.wait_s += time.perf_counter() - began

@@ -41,6 +41,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     network.add_argument("--codec", default="int4", help="delta codec: fp32, bf16, int8, int4, int2")
     network.add_argument("--alpha", type=float, default=0.0, help="adoption: theta <- alpha*theta + (1-alpha)*global")
     network.add_argument("--error-feedback", action="store_true")
+    network.add_argument("--blocking", action="store_true", help="synchronous baselines: after each send, wait for the fold that includes it")
     network.add_argument("--uplink-mbps", type=float, default=None, help="emulated uplink rate (default unlimited)")
     network.add_argument("--downlink-mbps", type=float, default=None, help="emulated downlink rate (default unlimited)")
     network.add_argument("--rtt-ms", type=float, default=0.0, help="emulated round-trip time, half added each way")
@@ -84,7 +85,8 @@ def run_island(args: argparse.Namespace) -> int:
             log.info("wrote_initial_parameters", path=str(args.write_init))
             return 0
         log.info("model", params=sum(v.size for v in trainer.params().values()), devices=[str(d) for d in trainer.devices])
-        sync = SyncConfig(fragments=args.fragments, interval=args.interval, codec=args.codec, alpha=args.alpha, error_feedback=args.error_feedback)
+        sync = SyncConfig(fragments=args.fragments, interval=args.interval, codec=args.codec, alpha=args.alpha, error_feedback=args.error_feedback,
+                          blocking=args.blocking)
         if not args.standalone:
             if not (args.delta_endpoint and args.snapshot_endpoint and args.control_endpoint):
                 raise DlocoError("a networked island needs --delta-endpoint, --snapshot-endpoint and --control-endpoint (or --standalone)")

@@ -27,6 +27,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     merger.add_argument("--outer-momentum", type=float, default=0.9)
     merger.add_argument("--delay", type=positive_int, default=4, help="delayed_nesterov: momentum once per N folds")
     merger.add_argument("--quorum", type=positive_int, default=1, help="K: deltas per fold (default 1: nobody waits)")
+    merger.add_argument("--quorum-timeout", type=float, default=30.0, help="fold with fewer than K once the oldest pending delta waited this long")
     merger.add_argument("--grace-cap", type=float, default=1.0, help="seconds a round may wait for a predicted late island")
     merger.add_argument("--snapshot-codec", choices=("fp32", "bf16"), default="fp32")
     merger.add_argument("--fsync", choices=("always", "batch", "never"), default="batch")
@@ -55,7 +56,7 @@ def run_merger(args: argparse.Namespace) -> int:
         config = MergerConfig(
             MergeConfig(method=args.merge, max_staleness=args.max_staleness),
             OuterConfig(kind=args.outer, lr=args.outer_lr, momentum=args.outer_momentum, delay=args.delay),
-            RoundConfig(quorum=args.quorum, grace_cap_s=args.grace_cap),
+            RoundConfig(quorum=args.quorum, quorum_timeout_s=args.quorum_timeout, grace_cap_s=args.grace_cap),
         )
         factory = None
         if args.init_npz is not None:

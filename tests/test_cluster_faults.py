@@ -61,6 +61,7 @@ def test_island_merger_and_broker_crashes_are_survived(tmp_path):
                          "--chaos", SCHEDULE], capture_output=True, text=True, timeout=400)
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
     assert "exited early" not in up.stdout
+    assert all(f"\n{name} " in up.stdout for name in ("a", "b", "c"))  # the live view showed every island
     kill_c, restart_c, kill_merger, restart_merger, kill_broker, restart_broker = rows = chaos_effects(run, ["a", "b", "c"])
     summary = json.dumps(rows, indent=1)
 

@@ -1,0 +1,76 @@
+"""The synchronous baselines as run modes of the same cluster (issue #7): a fast and a half-speed
+island, ~25 s each.  Every fold waits for both islands (the barrier), so the fast island idles for
+the slow one; sync-dp moves the full fp32 model every step."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cluster import config
+from cluster.runinfo import merger_folds, read_events
+from protocol.errors import ConfigError
+
+PROFILE = """
+[run]
+duration_s = 25
+eval_every = 20
+[model]
+width = 32
+depth = 1
+heads = 2
+context = 32
+batch = 8
+[sync]
+fragments = 2
+interval = 10
+[[regions]]
+name = "fast"
+[[regions]]
+name = "slow"
+slowdown = 2.0
+"""
+
+
+def test_modes_set_what_synchronisation_means(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(PROFILE)
+    decoupled = config.load(path)
+    assert decoupled.effective() == (decoupled.sync, decoupled.merger)
+    sync, merger = decoupled.with_mode("sync-dp").effective()
+    assert (sync["fragments"], sync["interval"], sync["codec"], sync["blocking"]) == (1, 1, "fp32", True)
+    assert (merger["quorum"], merger["merge"], merger["outer"], merger["outer_lr"]) == (2, "average", "sgd", 1.0)
+    sync, merger = decoupled.with_mode("sync-diloco").effective()
+    assert (sync["fragments"], sync["interval"], sync["blocking"], merger["quorum"]) == (1, 10, True, 2)
+    path.write_text(PROFILE.replace("eval_every = 20", "eval_every = 20\nmode = 'lockstep'"))
+    with pytest.raises(ConfigError, match="run.mode must be one of"):
+        config.load(path)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["sync-diloco", "sync-dp"])
+def test_a_synchronous_mode_holds_every_island_at_the_barrier(tmp_path, mode):
+    (tmp_path / "c.toml").write_text(PROFILE)
+    run = tmp_path / "run"
+    up = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run), "--mode", mode],
+                        capture_output=True, text=True, timeout=360)
+    assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
+    folds = merger_folds(run)
+    assert len(folds) >= 5
+    assert all(sorted(fold["contributors"]) == ["fast", "slow"] for fold in folds[:-1]), folds[:3]  # the last may be cut by the stop
+    last = {name: [e for e in read_events(run / "metrics" / f"{name}.jsonl") if "compute_util" in e][-1] for name in ("fast", "slow")}
+    interval = 1 if mode == "sync-dp" else 10
+    assert abs(last["fast"]["step"] - last["slow"]["step"]) <= 2 * interval, last  # lockstep
+    assert last["fast"]["compute_util"] < 0.75 and last["fast"]["wait_s"] > 0.25 * last["fast"]["time"], last["fast"]  # it waits for the slow one
+    with np.load(run / "init.npz") as init:
+        params = sum(init[name].size for name in init.files)
+    if mode == "sync-dp":  # a full fp32 model up every step, as an all-reduce of gradients would move
+        assert last["fast"]["bytes_sent"] / last["fast"]["step"] >= 4 * params
+    report = (run / "report.md").read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| ") and "| {" in line)
+    initial, final = (float(cell) for cell in row.split("|")[3:5])
+    assert final < initial - 1.0, row
+    assert f"mode `{mode}`" in report and f"dloco up ({mode})" in up.stdout
