@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "(overrides the cluster file's [[chaos]])")
     up.set_defaults(run=_up)
 
+    experiment = commands.add_parser("experiment", help="run a named suite of cluster runs side by side; Markdown + PNG plots")
+    experiment.add_argument("name", choices=("speedup", "heterogeneous"), help="the suite (cluster/experiments.py says what each measures)")
+    experiment.add_argument("--quick", action="store_true", help="tiny model, 40 s runs: checks directions, not magnitudes")
+    experiment.add_argument("--seconds", type=float, default=None, help="seconds per run (default 300, or 40 with --quick)")
+    experiment.add_argument("--config", type=Path, default=None, help="cluster file the runs start from (default: the shipped profile)")
+    experiment.add_argument("--out", type=Path, default=None, help="where runs, NAME.md and experiments/*.png go (default runs/experiment-<time>)")
+    experiment.set_defaults(run=_experiment)
     prepare = commands.add_parser("prepare", help="write a run directory's CURVE keys, allow-lists and initial model (compose's first service)")
     prepare.add_argument("--config", type=Path, default=None, help="cluster file (TOML); default: the shipped 4-region profile")
     prepare.add_argument("--run-dir", type=Path, required=True)
@@ -127,6 +134,23 @@ def _up(args: argparse.Namespace) -> int:
     except (launcher.LaunchError, DlocoError, OSError) as error:
         print(f"dloco up: {error}", file=sys.stderr)
         return 2
+
+
+def _experiment(args: argparse.Namespace) -> int:
+    import time
+
+    from cluster import experiments
+    from protocol import DlocoError
+
+    out = args.out or Path("runs") / f"experiment-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        text = experiments.run(args.name, out, quick=args.quick, config_path=args.config, seconds=args.seconds)
+    except (DlocoError, OSError) as error:
+        print(f"dloco experiment: {error}", file=sys.stderr)
+        return 2
+    print(text)
+    print(f"dloco experiment: written {out / (args.name + '.md')} and {out / 'experiments'}/", file=sys.stderr)
+    return 0
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -86,7 +86,7 @@ class IslandLoop:
             compute = time.perf_counter() - began
             if self.slowdown > 1 and step > 1:  # an older chip: the same work takes `slowdown` times as long (step 1 is mostly compiling)
                 time.sleep(compute * (self.slowdown - 1))
-            self.compute_s += compute * self.slowdown
+            self.compute_s += compute * self.slowdown if step > 1 else compute  # step 1: compiling, not slowed down
             step_tokens = batch.shape[0] * (batch.shape[1] - 1)
             self.tokens += step_tokens
             for progress in self.progress:

@@ -1,0 +1,182 @@
+"""`dloco experiment NAME`: named suites of cluster runs side by side, same corpus, model and links,
+written up as Markdown (ready for EXPERIMENTS.md) with PNG plots.
+
+Each suite is a list of (label, cluster-file transform).  Every run is a plain `dloco up` into
+`OUT/<label>/` (its own report.md there); the suite then compares them:
+- held-out loss of the merger's final global model;
+- time to a target held-out loss (the target: the worst run's best island evaluation, so every
+  run reaches it), from the islands' evaluations;
+- the islands' held-out loss at equal tokens (the fewest tokens any run's islands reached);
+- compute utilisation per island and bytes on the wire per trained token.
+`--quick` shortens every run (the tests use it to check directions, not magnitudes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from cluster import config as cluster_config
+from cluster.config import ClusterConfig
+from cluster.runinfo import read_events
+from protocol.errors import ConfigError
+
+Transform = Callable[[ClusterConfig], ClusterConfig]
+
+
+def _mode(mode: str) -> Transform:
+    return lambda c: dataclasses.replace(c, mode=mode)
+
+
+def _homogeneous(c: ClusterConfig) -> ClusterConfig:
+    return dataclasses.replace(c, regions=tuple(dataclasses.replace(r, slowdown=1.0) for r in c.regions))
+
+
+def _both(*transforms: Transform) -> Transform:
+    def apply(c: ClusterConfig) -> ClusterConfig:
+        for transform in transforms:
+            c = transform(c)
+        return c
+    return apply
+
+
+SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
+    "speedup": ("The three modes at the default profile's links (scaled like the seed's 2-5 Gbit/s for a 12B model, "
+                "see cluster/profiles/default.toml): time to a target loss, loss at equal tokens, utilisation, bytes per token.",
+                [("decoupled", _mode("decoupled")), ("sync-diloco", _mode("sync-diloco")), ("sync-dp", _mode("sync-dp"))]),
+    "heterogeneous": ("Four islands, two at half speed, against four at full speed, in decoupled and sync-diloco: "
+                      "do the fast islands wait for the slow ones?",
+                      [("decoupled-mixed", _mode("decoupled")), ("decoupled-uniform", _both(_mode("decoupled"), _homogeneous)),
+                       ("sync-diloco-mixed", _mode("sync-diloco")), ("sync-diloco-uniform", _both(_mode("sync-diloco"), _homogeneous))]),
+}
+DEFAULT_SECONDS, QUICK_SECONDS = 300.0, 40.0
+QUICK_MODEL = {"width": 32, "depth": 1, "heads": 2, "context": 32, "batch": 8}
+
+
+@dataclasses.dataclass
+class RunResult:
+    label: str
+    config: ClusterConfig
+    exit_code: int
+    global_before: float | None
+    global_after: float | None
+    evals: dict[str, list[dict]]  # island -> evaluation events (time, tokens, eval_loss)
+    last: dict[str, dict]  # island -> last step event
+
+
+def _collect(label: str, config: ClusterConfig, run_dir: Path, code: int) -> RunResult:
+    from cluster.report import global_eval
+
+    evals, last = {}, {}
+    for region in config.regions:
+        events = [e for e in read_events(run_dir / "metrics" / f"{region.name}.jsonl") if "step" in e]
+        evals[region.name] = [e for e in events if "eval_loss" in e and e["step"] > 0]
+        last[region.name] = events[-1] if events else {}
+    before, after = global_eval(config, run_dir)
+    return RunResult(label, config, code, before, after, evals, last)
+
+
+def time_to(result: RunResult, target: float) -> float | None:
+    """Seconds until the first island evaluation at or below `target`."""
+    times = [e["time"] for events in result.evals.values() for e in events if e["eval_loss"] <= target]
+    return min(times) if times else None
+
+
+def loss_at_tokens(result: RunResult, tokens: float) -> float:
+    """Mean over islands of the held-out loss at `tokens` (linear interpolation of their evaluations)."""
+    values = []
+    for events in result.evals.values():
+        if events:
+            xs, ys = [e["tokens"] for e in events], [e["eval_loss"] for e in events]
+            values.append(float(np.interp(tokens, xs, ys)))
+    return float(np.mean(values)) if values else float("nan")
+
+
+def bytes_per_token(result: RunResult) -> float:
+    sent = sum(e.get("bytes_sent", 0) + e.get("bytes_received", 0) for e in result.last.values())
+    tokens = sum(e.get("tokens", 0) for e in result.last.values())
+    return sent / tokens if tokens else float("nan")
+
+
+def summarize(name: str, description: str, results: list[RunResult], command: str, seconds: float) -> str:
+    target = max(min(e["eval_loss"] for events in r.evals.values() for e in events) for r in results if any(r.evals.values()))
+    equal_tokens = min(max((e["tokens"] for e in events), default=0) for r in results for events in r.evals.values())
+    lines = [f"## `{name}`", "", description, "", f"Command: `{command}` ({seconds:.0f} s of wall clock for the suite, "
+             f"{results[0].config.duration_s:.0f} s per run, {len(results[0].config.regions)} islands).", "",
+             f"| run | global held-out loss (initial → final) | time to island loss ≤ {target:.3f} | island loss at {equal_tokens:,} tokens "
+             "| compute utilisation per island | bytes on the wire per token | exit |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        reach = time_to(r, target)
+        utils = ", ".join(f"{name} {e.get('compute_util', float('nan')):.2f}" for name, e in r.last.items())
+        after = "n/a" if r.global_after is None else f"{r.global_after:.3f}"
+        lines.append(f"| {r.label} | {r.global_before:.3f} → {after} | {'not reached' if reach is None else f'{reach:.1f} s'} "
+                     f"| {loss_at_tokens(r, equal_tokens):.3f} | {utils} | {bytes_per_token(r):,.0f} | {r.exit_code} |")
+    base = {r.label: r for r in results}
+    if "decoupled" in base and "sync-dp" in base and time_to(base["decoupled"], target) and time_to(base["sync-dp"], target):
+        lines += ["", f"decoupled vs sync-dp: {time_to(base['sync-dp'], target) / time_to(base['decoupled'], target):.1f}x faster to the target; "
+                  f"{bytes_per_token(base['sync-dp']) / bytes_per_token(base['decoupled']):.0f}x fewer bytes per token."]
+    lines += ["", f"![{name}: loss vs tokens](experiments/{name}_loss_vs_tokens.png) ![{name}: loss vs time](experiments/{name}_loss_vs_time.png)", ""]
+    return "\n".join(lines)
+
+
+def plot(name: str, results: list[RunResult], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    made = []
+    for x_key, label in (("tokens", "tokens trained by the island"), ("time", "wall clock (s)")):
+        figure, axes = plt.subplots(figsize=(7, 4))
+        for index, r in enumerate(results):
+            color = f"C{index}"
+            for i, events in enumerate(r.evals.values()):
+                if events:
+                    axes.plot([e[x_key] for e in events], [e["eval_loss"] for e in events], color=color, alpha=0.8,
+                              label=r.label if i == 0 else None)
+        axes.set_xlabel(label)
+        axes.set_ylabel("island held-out loss (nats/byte)")
+        axes.set_title(f"{name}: one line per island, one colour per run")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+        figure.tight_layout()
+        path = out_dir / f"{name}_loss_vs_{'tokens' if x_key == 'tokens' else 'time'}.png"
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        made.append(path)
+    return made
+
+
+def run(name: str, out_dir: Path, quick: bool = False, config_path: Path | None = None, seconds: float | None = None,
+        log=lambda line: print(line, file=sys.stderr, flush=True)) -> str:
+    """Run suite `name`; write OUT/<name>.md and OUT/experiments/*.png; return the Markdown."""
+    from cluster import launcher
+
+    if name not in SUITES:
+        raise ConfigError(f"unknown experiment {name!r}; suites: {', '.join(SUITES)}")
+    description, runs = SUITES[name]
+    base = cluster_config.load(config_path)
+    base = dataclasses.replace(base, duration_s=seconds or (QUICK_SECONDS if quick else DEFAULT_SECONDS), chaos=())
+    if quick:
+        base = dataclasses.replace(base, model={**base.model, **QUICK_MODEL}, eval_every=20)
+    started, results = time.monotonic(), []
+    for index, (label, transform) in enumerate(runs, 1):
+        config = transform(base)
+        run_dir = out_dir / name / label
+        log(f"dloco experiment {name}: run {index}/{len(runs)} {label} ({config.duration_s:.0f} s) -> {run_dir}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "up.out", "w") as out:
+            code = launcher.run(config, run_dir, out=out)
+        results.append(_collect(label, config, run_dir, code))
+    command = f"dloco experiment {name}" + (" --quick" if quick else "") + (f" --seconds {seconds:g}" if seconds else "")
+    text = summarize(name, description, results, command, time.monotonic() - started)
+    plot(name, results, out_dir / "experiments")
+    (out_dir / f"{name}.md").write_text(text)
+    return text
+

@@ -1,0 +1,34 @@
+"""The experiment suites' comparisons (cluster/experiments.py) on hand-made run results; the suites
+themselves are cluster runs (`dloco experiment NAME --quick`, minutes each), recorded in EXPERIMENTS.md."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster import config, experiments
+from cluster.experiments import RunResult
+
+
+def result(label, evals, last, mode="decoupled"):
+    base = config.load()
+    return RunResult(label, base.with_mode(mode), 0, 6.0, 2.0, evals, last)
+
+
+def test_time_to_target_loss_at_equal_tokens_and_bytes_per_token():
+    fast = result("decoupled", {"a": [{"time": 10, "tokens": 100, "eval_loss": 3.0}, {"time": 20, "tokens": 300, "eval_loss": 2.0}],
+                                "b": [{"time": 12, "tokens": 100, "eval_loss": 2.5}]},
+                  {"a": {"tokens": 300, "bytes_sent": 600, "bytes_received": 300, "compute_util": 0.99}, "b": {"tokens": 100, "bytes_sent": 100}})
+    slow = result("sync-dp", {"a": [{"time": 50, "tokens": 100, "eval_loss": 3.5}, {"time": 90, "tokens": 200, "eval_loss": 2.4}]},
+                  {"a": {"tokens": 200, "bytes_sent": 40_000, "bytes_received": 40_000, "compute_util": 0.3}}, "sync-dp")
+    assert experiments.time_to(fast, 2.5) == 12 and experiments.time_to(slow, 2.5) == 90 and experiments.time_to(slow, 1.0) is None
+    assert experiments.loss_at_tokens(fast, 200) == pytest.approx((2.5 + 2.5) / 2)  # a: halfway 3.0 -> 2.0; b: its only point
+    assert experiments.bytes_per_token(fast) == 1000 / 400 and experiments.bytes_per_token(slow) == 400
+    text = experiments.summarize("speedup", "why", [fast, slow], "dloco experiment speedup", 100.0)
+    # target: the worst run's best island evaluation (2.4), reached by decoupled at 20 s (a's 2.0), by sync-dp at 90 s
+    assert "time to island loss ≤ 2.400" in text and "| 20.0 s |" in text and "| 90.0 s |" in text
+    assert "4.5x faster to the target; 160x fewer bytes per token" in text
+
+
+def test_unknown_suites_are_refused(tmp_path):
+    with pytest.raises(experiments.ConfigError, match="unknown experiment 'nope'"):
+        experiments.run("nope", tmp_path)
