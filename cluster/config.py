@@ -41,10 +41,10 @@ class ClusterConfig:
     eval_every: int = 50
     seed: int = 0
     model: dict = dataclasses.field(default_factory=lambda: {"width": 128, "depth": 4, "heads": 4, "context": 128, "batch": 16})
-    sync: dict = dataclasses.field(default_factory=lambda: {"fragments": 4, "interval": 48, "codec": "int4", "alpha": 0.0})
+    sync: dict = dataclasses.field(default_factory=lambda: {"fragments": 4, "interval": 48, "codec": "int4", "alpha": 0.0, "error_feedback": False})
     merger: dict = dataclasses.field(default_factory=lambda: {"max_staleness": 4, "quorum": 1, "grace_cap_s": 1.0, "outer": "nesterov",
                                                               "outer_lr": 0.7, "snapshot_codec": "bf16", "merge": "rda",
-                                                              "quorum_timeout_s": 30.0})
+                                                              "quorum_timeout_s": 30.0, "delay": 4})
     chaos: tuple[ChaosEvent, ...] = ()  # kill -9 / restart schedule (cluster.chaos)
     mode: str = "decoupled"  # or a synchronous baseline: "sync-diloco", "sync-dp" (see MODES)
 
@@ -94,8 +94,8 @@ MODES = {
 }
 
 _SECTIONS = {"run": {"duration_s", "eval_every", "seed", "mode"}, "model": {"width", "depth", "heads", "context", "batch"},
-             "sync": {"fragments", "interval", "codec", "alpha"},
-             "merger": {"max_staleness", "quorum", "grace_cap_s", "outer", "outer_lr", "snapshot_codec", "merge", "quorum_timeout_s"}}
+             "sync": {"fragments", "interval", "codec", "alpha", "error_feedback"},
+             "merger": {"max_staleness", "quorum", "grace_cap_s", "outer", "outer_lr", "snapshot_codec", "merge", "quorum_timeout_s", "delay"}}
 
 
 def load(path: str | Path | None = None) -> ClusterConfig:

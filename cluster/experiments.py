@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from cluster import config as cluster_config
+from cluster.chaos import ChaosEvent
 from cluster.config import ClusterConfig
-from cluster.runinfo import read_events
+from cluster.runinfo import chaos_effects, read_events
 from protocol.errors import ConfigError
 
 Transform = Callable[[ClusterConfig], ClusterConfig]
@@ -45,6 +46,21 @@ def _both(*transforms: Transform) -> Transform:
     return apply
 
 
+def _set(section: str, **values) -> Transform:
+    return lambda c: dataclasses.replace(c, **{section: {**getattr(c, section), **values}})
+
+
+def _islands(count: int) -> Transform:
+    return lambda c: dataclasses.replace(c, regions=c.regions[:count])
+
+
+def _faults(c: ClusterConfig) -> ClusterConfig:
+    """Kill the third island at 35 % of the run and bring it back at 60 %; kill the merger at 75 %, back at 80 %."""
+    d, victim = c.duration_s, c.regions[min(2, len(c.regions) - 1)].name
+    schedule = [(0.35, "kill", victim), (0.60, "restart", victim), (0.75, "kill", "merger"), (0.80, "restart", "merger")]
+    return dataclasses.replace(c, chaos=tuple(ChaosEvent(round(f * d, 1), action, target) for f, action, target in schedule))
+
+
 SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
     "speedup": ("The three modes at the default profile's links (scaled like the seed's 2-5 Gbit/s for a 12B model, "
                 "see cluster/profiles/default.toml): time to a target loss, loss at equal tokens, utilisation, bytes per token.",
@@ -53,8 +69,19 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
                       "do the fast islands wait for the slow ones?",
                       [("decoupled-mixed", _mode("decoupled")), ("decoupled-uniform", _both(_mode("decoupled"), _homogeneous)),
                        ("sync-diloco-mixed", _mode("sync-diloco")), ("sync-diloco-uniform", _both(_mode("sync-diloco"), _homogeneous))]),
+    "faults": ("One island killed -9 for a quarter of the run, then the merger, in decoupled and sync-diloco: the survivors' step "
+               "rate during the island's absence, the time to the next fold after the merger comes back, the loss curve.",
+               [("decoupled", _both(_mode("decoupled"), _faults)), ("sync-diloco", _both(_mode("sync-diloco"), _faults))]),
+    "quantization": ("Delta codecs fp32, bf16, int8, int4, int2, each without and with error feedback (decoupled).",
+                     [(f"{codec}{'-ef' if ef else ''}", _set("sync", codec=codec, error_feedback=ef))
+                      for codec in ("fp32", "bf16", "int8", "int4", "int2") for ef in (False, True)]),
+    "merging": ("Plain weighted average vs RDA at 2 and 4 islands; Nesterov vs Delayed Nesterov (4 islands, RDA).",
+                [(f"{merge}-{n}-islands", _both(_set("merger", merge=merge), _islands(n))) for n in (2, 4) for merge in ("average", "rda")]
+                + [("delayed-nesterov-4-islands", _set("merger", outer="delayed_nesterov"))]),
 }
-DEFAULT_SECONDS, QUICK_SECONDS = 300.0, 40.0
+# Seconds per run by default (a suite stays within 30 minutes on 2 cores), and with --quick.
+DEFAULT_SECONDS = {"speedup": 300.0, "heterogeneous": 300.0, "faults": 300.0, "quantization": 150.0, "merging": 240.0}
+QUICK_SECONDS = 40.0
 QUICK_MODEL = {"width": 32, "depth": 1, "heads": 2, "context": 32, "batch": 8}
 
 
@@ -67,6 +94,7 @@ class RunResult:
     global_after: float | None
     evals: dict[str, list[dict]]  # island -> evaluation events (time, tokens, eval_loss)
     last: dict[str, dict]  # island -> last step event
+    chaos: list[dict] = dataclasses.field(default_factory=list)  # cluster.chaos.effects rows
 
 
 def _collect(label: str, config: ClusterConfig, run_dir: Path, code: int) -> RunResult:
@@ -78,7 +106,7 @@ def _collect(label: str, config: ClusterConfig, run_dir: Path, code: int) -> Run
         evals[region.name] = [e for e in events if "eval_loss" in e and e["step"] > 0]
         last[region.name] = events[-1] if events else {}
     before, after = global_eval(config, run_dir)
-    return RunResult(label, config, code, before, after, evals, last)
+    return RunResult(label, config, code, before, after, evals, last, chaos_effects(run_dir, [r.name for r in config.regions]))
 
 
 def time_to(result: RunResult, target: float) -> float | None:
@@ -120,6 +148,12 @@ def summarize(name: str, description: str, results: list[RunResult], command: st
     if "decoupled" in base and "sync-dp" in base and time_to(base["decoupled"], target) and time_to(base["sync-dp"], target):
         lines += ["", f"decoupled vs sync-dp: {time_to(base['sync-dp'], target) / time_to(base['decoupled'], target):.1f}x faster to the target; "
                   f"{bytes_per_token(base['sync-dp']) / bytes_per_token(base['decoupled']):.0f}x fewer bytes per token."]
+    for r in results:
+        for row in r.chaos:
+            rates = ", ".join(f"{n} {v['ratio']:.2f}" for n, v in row["others"].items() if v["ratio"] is not None) or "-"
+            extra = f"; next fold after {row['first_fold_s']:.1f} s" if row.get("first_fold_s") is not None else ""
+            lines.append(f"- {r.label}, {row['action']} {row['target']} at {row['at_s']:.0f} s: other islands' step rate after/before {rates}; "
+                         f"folds {row['folds_before']} before / {row['folds_after']} after{extra}")
     lines += ["", f"![{name}: loss vs tokens](experiments/{name}_loss_vs_tokens.png) ![{name}: loss vs time](experiments/{name}_loss_vs_time.png)", ""]
     return "\n".join(lines)
 
@@ -162,7 +196,7 @@ def run(name: str, out_dir: Path, quick: bool = False, config_path: Path | None 
         raise ConfigError(f"unknown experiment {name!r}; suites: {', '.join(SUITES)}")
     description, runs = SUITES[name]
     base = cluster_config.load(config_path)
-    base = dataclasses.replace(base, duration_s=seconds or (QUICK_SECONDS if quick else DEFAULT_SECONDS), chaos=())
+    base = dataclasses.replace(base, duration_s=seconds or (QUICK_SECONDS if quick else DEFAULT_SECONDS[name]), chaos=())
     if quick:
         base = dataclasses.replace(base, model={**base.model, **QUICK_MODEL}, eval_every=20)
     started, results = time.monotonic(), []

@@ -44,7 +44,7 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str) -> dict[str, li
                      "--keys", keys, "--allow", f"{run_dir}/allow/merger", "--delta-endpoint", at.broker(1), "--snapshot-endpoint", at.broker(2),
                      "--control-endpoint", f"@tcp://{at.bind_host}:{at.control_port}", "--max-staleness", mc["max_staleness"],
                      "--quorum", mc["quorum"], "--quorum-timeout", mc["quorum_timeout_s"], "--grace-cap", mc["grace_cap_s"],
-                     "--merge", mc["merge"], "--outer", mc["outer"], "--outer-lr", mc["outer_lr"],
+                     "--merge", mc["merge"], "--outer", mc["outer"], "--outer-lr", mc["outer_lr"], "--delay", mc["delay"],
                      "--snapshot-codec", mc["snapshot_codec"]]
     for index, region in enumerate(config.regions):
         links = []
@@ -54,7 +54,7 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str) -> dict[str, li
             "island", "--name", region.name, "--region", region.name, "--islands", len(config.regions), "--island-index", index,
             *model_args(config), "--max-steps", 10**9, "--eval-every", config.eval_every,
             "--fragments", sc["fragments"], "--interval", sc["interval"], "--codec", sc["codec"], "--alpha", sc["alpha"],
-            *(["--blocking"] if sc.get("blocking") else []), "--slowdown", region.slowdown, *links, "--rtt-ms", region.rtt_ms, "--keys", keys,
+            *(["--blocking"] if sc.get("blocking") else []), *(["--error-feedback"] if sc.get("error_feedback") else []), "--slowdown", region.slowdown, *links, "--rtt-ms", region.rtt_ms, "--keys", keys,
             "--delta-endpoint", at.broker(0), "--snapshot-endpoint", at.broker(3), "--control-endpoint", f"tcp://{at.merger_host}:{at.control_port}",
             "--metrics-out", f"{run_dir}/metrics/{region.name}.jsonl", "--join-timeout", 300]
     return {name: [str(arg) for arg in args] for name, args in out.items()}

@@ -32,3 +32,19 @@ def test_time_to_target_loss_at_equal_tokens_and_bytes_per_token():
 def test_unknown_suites_are_refused(tmp_path):
     with pytest.raises(experiments.ConfigError, match="unknown experiment 'nope'"):
         experiments.run("nope", tmp_path)
+
+
+def test_every_suite_builds_valid_cluster_files():
+    base = config.load()
+    for name, (_, runs, *_) in experiments.SUITES.items():
+        configs = {label: transform(base) for label, transform in runs}  # ClusterConfig checks each (modes, chaos targets, codecs)
+        assert len(configs) == len(runs) >= 2, name
+    faults = dict(experiments.SUITES["faults"][1])["sync-diloco"](base)
+    assert faults.mode == "sync-diloco" and [str(e) for e in faults.chaos] == [
+        "kill:eu-older-hw@105", "restart:eu-older-hw@180", "kill:merger@225", "restart:merger@240"]
+    quantization = dict(experiments.SUITES["quantization"][1])
+    assert sorted(quantization) == sorted(f"{c}{s}" for c in ("fp32", "bf16", "int8", "int4", "int2") for s in ("", "-ef"))
+    assert quantization["int2-ef"](base).sync["error_feedback"] is True and quantization["int2"](base).sync["codec"] == "int2"
+    merging = dict(experiments.SUITES["merging"][1])
+    assert len(merging["rda-2-islands"](base).regions) == 2 and merging["delayed-nesterov-4-islands"](base).merger["outer"] == "delayed_nesterov"
+    assert all(len(runs) * experiments.DEFAULT_SECONDS[name] <= 25 * 60 for name, (_, runs) in experiments.SUITES.items())  # <= 30 min each
