@@ -57,11 +57,12 @@ class IslandLoop:
 
     def join(self, timeout_s: float) -> None:
         """Start from the merger's model: wait (once, before training) for a snapshot of every
-        fragment and adopt it.  Raises JoinTimeout if the merger does not answer in time."""
+        fragment and adopt it.  Raises JoinTimeout if the merger does not answer in time; returns
+        early when a stop is requested (run() then stops before its first step)."""
         deadline = time.monotonic() + timeout_s
         waiting = set(range(len(self.progress)))
         theta = self.trainer.params()
-        while waiting:
+        while waiting and not self.stop_requested:
             if time.monotonic() > deadline:
                 raise JoinTimeout(f"no snapshot of fragments {sorted(waiting)} within {timeout_s} s: is the merger running, with the same model?")
             for fragment, version, tensors in self.link.snapshots():

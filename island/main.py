@@ -55,6 +55,9 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
 
 
 def run_island(args: argparse.Namespace) -> int:
+    early_stop = []  # SIGTERM while starting (imports, compiling, joining): stop cleanly, not by the default action
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: early_stop.append(True))
     from cluster.telemetry import configure_logging
     from island import data
     from island.config import ModelConfig, SyncConfig, TrainConfig
@@ -101,6 +104,7 @@ def run_island(args: argparse.Namespace) -> int:
                           link=link, slowdown=args.slowdown, log=log)
         for sig in (signal.SIGTERM, signal.SIGINT):  # stop after the current step, then drain and exit 0
             signal.signal(sig, lambda *_: setattr(loop, "stop_requested", True))
+        loop.stop_requested = bool(early_stop)
         if link is not None:
             loop.join(args.join_timeout)
             log.info("joined", versions=[p.version for p in loop.progress])

@@ -169,3 +169,17 @@ def test_slowdown_stretches_each_step_by_its_factor(tmp_path):
     # the sleep doubles the compute part; batch assembly and bookkeeping are not stretched, and the
     # machine is shared, so the bound is loose but excludes "no slowdown" and "runaway"
     assert 1.5 < statistics.median(times[2.0]) / statistics.median(times[1.0]) < 3.2
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_while_starting_exits_cleanly(tmp_path):
+    """SIGTERM 3 s in (importing JAX, building the model, or waiting for a merger that never answers):
+    exit 0, promptly.  (Within the interpreter's own first ~0.3 s no handler exists yet.)"""
+    ports = free_ports(3)
+    island = subprocess.Popen([sys.executable, "-m", "cluster.cli", "island", "--insecure", *TINY, "--join-timeout", "100",
+                               *[arg for i, flag in enumerate(("--delta-endpoint", "--snapshot-endpoint", "--control-endpoint"))
+                                 for arg in (flag, f"tcp://127.0.0.1:{ports[i]}")]],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(3.0)
+    island.terminate()
+    assert island.wait(timeout=60) == 0, island.stderr.read()[-2000:]
