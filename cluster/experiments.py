@@ -135,7 +135,7 @@ def summarize(name: str, description: str, results: list[RunResult], command: st
     target = max(min(e["eval_loss"] for events in r.evals.values() for e in events) for r in results if any(r.evals.values()))
     equal_tokens = min(max(e["tokens"] for e in events) for r in results for events in r.evals.values() if events)
     lines = [f"## `{name}`", "", description, "", f"Command: `{command}` ({seconds:.0f} s of wall clock for the suite, "
-             f"{results[0].config.duration_s:.0f} s per run, {len(results[0].config.regions)} islands).", "",
+             f"{results[0].config.duration_s:.0f} s per run, {'/'.join(str(n) for n in sorted({len(r.config.regions) for r in results}))} islands).", "",
              f"| run | global held-out loss (initial → final) | time to island loss ≤ {target:.3f} | island loss at {equal_tokens:,} tokens "
              "| compute utilisation per island | bytes on the wire per token | exit |", "|---|---|---|---|---|---|---|"]
     for r in results:
