@@ -164,6 +164,10 @@ def load(path: Path, env: dict[str, str], program: list[str] | None = None) -> d
             require(conditions[other] in _CONDITIONS, f"{path}: service {name}: unknown condition {conditions[other]!r}")
         services[name] = Service(localize(command), {k: interpolate(str(v), env) for k, v in environment.items()}, health, interval, retries,
                                  conditions)
+    for name, service in services.items():
+        for other, condition in service.depends.items():
+            require(condition != "service_healthy" or services[other].health is not None,
+                    f"{path}: service {name} waits for {other} to be healthy, but {other} has no healthcheck")
     for service in list(services.values()):  # what others wait to complete is a one-shot job
         for other, condition in service.depends.items():
             if condition == "service_completed_successfully":

@@ -78,19 +78,19 @@ class Cluster:
             self.processes[name] = subprocess.Popen(service.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.down.discard(name)
 
-    def start_all(self, out=sys.stdout) -> None:
+    def start_all(self) -> None:
         """In dependency order; a dependency's condition (completed, healthy, started) is awaited first."""
         for name in self.order:
             for other, condition in self.services[name].depends.items():
                 if condition == "service_healthy":
-                    self.wait_healthy(other, out)
+                    self.wait_healthy(other)
             self.start(name)
             if self.services[name].one_shot:
                 code = self.processes.pop(name).wait(timeout=600)
                 if code != 0:
                     raise LaunchError(f"{name} exited with {code}; see {self.run_dir / 'logs' / (name + '.log')}")
 
-    def wait_healthy(self, name: str, out) -> None:
+    def wait_healthy(self, name: str) -> None:
         service = self.services[name]
         for _ in range(service.health_retries):
             if self.processes[name].poll() is not None:
@@ -163,7 +163,7 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
         print(f"dloco up: preparing {run_dir} (keys, initial model) ...", file=out, flush=True)
         if compose_file is None:
             prepare(config, run_dir)
-        cluster.start_all(out)
+        cluster.start_all()
         started = time.monotonic()  # the run's clock (duration, chaos times) starts with the processes
         view = LiveView(config, run_dir, out)
         with open(run_dir / "chaos.jsonl", "a") as chaos_log:

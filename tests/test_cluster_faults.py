@@ -13,23 +13,9 @@ import sys
 import pytest
 
 from cluster.runinfo import chaos_effects, read_events
+from tests.cluster_helpers import small_profile
 
-PROFILE = """
-[run]
-duration_s = 110
-eval_every = 25
-
-[model]
-width = 32
-depth = 1
-heads = 2
-context = 32
-batch = 8
-
-[sync]
-fragments = 2
-interval = 10
-
+PROFILE = small_profile(110, 25, """
 [[regions]]
 name = "a"
 uplink_mbps = 8
@@ -45,7 +31,7 @@ name = "c"
 slowdown = 2.0
 uplink_mbps = 4
 rtt_ms = 60
-"""
+""")
 SCHEDULE = "kill:c@30,restart:c@42,kill:merger@55,restart:merger@61,kill:broker@85,restart:broker@90"
 
 

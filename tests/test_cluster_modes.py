@@ -13,26 +13,15 @@ import pytest
 from cluster import config
 from cluster.runinfo import merger_folds, read_events
 from protocol.errors import ConfigError
+from tests.cluster_helpers import small_profile
 
-PROFILE = """
-[run]
-duration_s = 25
-eval_every = 20
-[model]
-width = 32
-depth = 1
-heads = 2
-context = 32
-batch = 8
-[sync]
-fragments = 2
-interval = 10
+PROFILE = small_profile(25, 20, """
 [[regions]]
 name = "fast"
 [[regions]]
 name = "slow"
 slowdown = 2.0
-"""
+""")
 
 
 def test_modes_set_what_synchronisation_means(tmp_path):

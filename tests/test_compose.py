@@ -61,6 +61,10 @@ def test_services_become_local_processes(tmp_path):
     cyclic = {"a": compose.Service(["x"], depends={"b": "service_started"}), "b": compose.Service(["x"], depends={"a": "service_started"})}
     with pytest.raises(ConfigError, match="dependency cycle: a -> b -> a"):
         compose.start_order(cyclic)
+    unhealthy = tmp_path / "unhealthy.yml"
+    unhealthy.write_text("services:\n  a:\n    command: [x]\n  b:\n    command: [y]\n    depends_on:\n      a: {condition: service_healthy}\n")
+    with pytest.raises(ConfigError, match="waits for a to be healthy, but a has no healthcheck"):
+        compose.load(unhealthy, {})
     odd = tmp_path / "odd.yml"
     odd.write_text("services:\n  a:\n    command: [x]\n    privileged: true\n")
     with pytest.raises(ConfigError, match="does not understand: \\['privileged'\\]"):
