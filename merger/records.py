@@ -30,18 +30,24 @@ def params_from_genesis(record: dict) -> dict[str, np.ndarray]:
             for path, entry in record["params"].items()}
 
 
-def delta_record(assembled: Assembled, staleness: int) -> dict:
+def delta_record(assembled: Assembled, staleness: int) -> tuple[dict, list[tuple[memoryview, int | None]]]:
+    """The log record of an admitted delta and its payloads as raw blobs, each with the CRC-32 its
+    frame carried (checked by decode: the log does not compute it again)."""
     first = assembled.header
-    slices, payloads = [], []
+    slices, blobs = [], []
     for chunk in assembled.chunks:
         for item, payload in zip(chunk.slices, chunk.payloads):
             slices.append([item.path, list(item.shape), item.start, item.count])
-            payloads.append(memoryview(payload))
+            blobs.append((memoryview(payload), item.crc32))
     return {
         "type": DELTA, "island": first.sender, "epoch": first.epoch, "delta_id": first.delta_id, "fragment": first.fragment,
         "base_version": first.base_version, "staleness": staleness, "steps": first.steps, "tokens": first.tokens,
-        "codec": first.codec.name, "block": first.codec.block, "slices": slices, "payloads": payloads,
-    }
+        "codec": first.codec.name, "block": first.codec.block, "slices": slices,
+    }, blobs
+
+
+def _payloads(record: dict) -> list:
+    return record["blobs"] if "blobs" in record else record["payloads"]  # logs before blobs kept payloads in the map
 
 
 def coded_tensors(codec: Codec, slices: Sequence[tuple[str, Sequence[int], int]], payloads: Sequence) -> dict[str, CodedTensor]:
@@ -68,10 +74,10 @@ def contribution_from_record(record: dict) -> Contribution:
     """The contribution as the live path admitted it (see `delta_tensors`)."""
     codec = Codec(record["codec"], record["block"])
     if codec.blockwise:
-        coded = coded_tensors(codec, [(path, shape, start) for path, shape, start, _ in record["slices"]], record["payloads"])
+        coded = coded_tensors(codec, [(path, shape, start) for path, shape, start, _ in record["slices"]], _payloads(record))
         return Contribution(record["island"], record["epoch"], record["delta_id"], record["staleness"], record["tokens"], record["steps"], coded)
     tensors: dict[str, np.ndarray] = {}
-    for (path, shape, start, count), payload in zip(record["slices"], record["payloads"]):
+    for (path, shape, start, count), payload in zip(record["slices"], _payloads(record)):
         flat = tensors.setdefault(path, np.empty(int(np.prod(shape, dtype=np.int64)), dtype=np.float32))
         codec.decode(payload, count, out=flat[start : start + count])
     shapes = {path: shape for path, shape, _, _ in record["slices"]}

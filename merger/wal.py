@@ -1,11 +1,21 @@
-"""Segmented write-ahead log: length-prefixed, checksummed msgpack records.
+"""Segmented write-ahead log: length-prefixed, checksummed msgpack records with raw blobs.
 
 On disk, ``DIR/<first-index>.seg`` files (12-digit, zero-padded record index of their first
 record), each a run of records::
 
-    u32 little-endian  payload length
-    u32 little-endian  CRC-32 (zlib) of the payload
-    payload            one msgpack map
+    u32 little-endian  meta length
+    u32 little-endian  CRC-32 (zlib) of the meta
+    meta               one msgpack map; a record with blobs lists them: "blobs": [[nbytes, crc32], ...]
+    blobs              raw bytes, back to back, each checked by its own CRC-32
+
+Blobs are written as they are (no copy into the msgpack) with a CRC the caller may already know:
+the merger logs delta payloads with the CRC-32 their frame carried and decode verified, so a
+payload is checksummed once on its way in, and still verified when the log is read.  A record
+without blobs is the previous format exactly, so older logs read unchanged.
+
+``sync()`` makes everything appended durable; ``sync_async()`` hands the fsync to a background
+thread and returns a ticket for ``wait_durable`` — the merger starts the fsync when it dispatches a
+fold and waits for it only when the fold is computed and about to be announced.
 
 Opening a log for append scans the last segment.  A final record that is cut short, or whose
 checksum fails with nothing after it, is a torn write from a crash: it is truncated away.  Any
@@ -20,8 +30,9 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +58,10 @@ def _segments(directory: Path) -> list[Path]:
 
 
 def _scan(segment: Path, first_index: int) -> Iterator[tuple[int, int, int, Any, str]]:
-    """Yield (index, offset, end, record | None, problem) for each record of one segment file."""
+    """Yield (index, offset, end, record | None, problem) for each record of one segment file.
+    A record's blobs come back as memoryviews under "blobs"."""
     data = segment.read_bytes()
+    view = memoryview(data)
     offset, index = 0, first_index
     while offset < len(data):
         if len(data) - offset < _HEADER.size:
@@ -59,15 +72,30 @@ def _scan(segment: Path, first_index: int) -> Iterator[tuple[int, int, int, Any,
         if end > len(data):
             yield index, offset, len(data), None, "torn: payload cut short"
             return
-        payload = memoryview(data)[offset + _HEADER.size : end]
-        if zlib.crc32(payload) != crc:
+        if zlib.crc32(view[offset + _HEADER.size : end]) != crc:
             yield index, offset, end, None, "torn: checksum mismatch at end of log" if end == len(data) else "checksum mismatch"
             return
         try:
-            record = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-        except (ValueError, msgpack.UnpackException) as error:
+            record = msgpack.unpackb(view[offset + _HEADER.size : end], raw=False, strict_map_key=False)
+            listed = record.get("blobs", ()) if isinstance(record, dict) else ()
+            sizes = [(int(n), int(c)) for n, c in listed]
+        except (ValueError, TypeError, msgpack.UnpackException) as error:
             yield index, offset, end, None, f"undecodable payload: {error}"
             return
+        blobs = []
+        for number, (nbytes, blob_crc) in enumerate(sizes):
+            if end + nbytes > len(data):
+                yield index, offset, len(data), None, "torn: blob cut short"
+                return
+            blob = view[end : end + nbytes]
+            end += nbytes
+            if zlib.crc32(blob) != blob_crc:
+                yield index, offset, end, None, (f"torn: checksum mismatch of blob {number} at end of log" if end == len(data)
+                                                 else f"checksum mismatch of blob {number}")
+                return
+            blobs.append(blob)
+        if sizes:
+            record["blobs"] = blobs
         yield index, offset, end, record, ""
         offset, index = end, index + 1
 
@@ -97,6 +125,10 @@ class WriteAheadLog:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.segment_bytes, self.fsync = segment_bytes, fsync
         self.truncated_bytes = 0
+        self._cond = threading.Condition()  # guards the fields below; fsync runs with it released
+        self._wanted = self._durable = 0  # tickets: record indexes flushed / made durable
+        self._syncer: threading.Thread | None = None
+        self._closing, self._error = False, None
         self.next_index = self._recover()
         self._file = None
         self._open_segment(self.next_index, reuse_last=True)
@@ -130,35 +162,102 @@ class WriteAheadLog:
         segments = _segments(self.directory)
         path = segments[-1] if reuse_last and segments else self.directory / f"{first_index:012d}.seg"
         if self._file is not None:
-            self._file.close()
+            with self._cond:  # not while the syncer holds this file's descriptor (sync() waited for it)
+                self._file.close()
         self._file = open(path, "ab")
         self._segment_size = path.stat().st_size
         _fsync_dir(self.directory)
 
-    def append(self, record: dict) -> int:
-        """Write one record; return its index.  Durable on return when fsync == "always"."""
-        payload = msgpack.packb(record, use_bin_type=True)
-        if len(payload) >= MAX_RECORD_BYTES:
-            raise DlocoError(f"log record of {len(payload)} bytes exceeds {MAX_RECORD_BYTES}")
-        if self._segment_size > 0 and self._segment_size + len(payload) > self.segment_bytes:
+    def append(self, record: dict, blobs: Sequence[tuple[Any, int | None]] = ()) -> int:
+        """Write one record, with raw blobs after it ((buffer, CRC-32 or None to compute it));
+        return its index.  Durable on return when fsync == "always"."""
+        views = [memoryview(buffer).cast("B") for buffer, _ in blobs]
+        if blobs:
+            record = {**record, "blobs": [[v.nbytes, zlib.crc32(v) if crc is None else crc] for v, (_, crc) in zip(views, blobs)]}
+        meta = msgpack.packb(record, use_bin_type=True)
+        size = _HEADER.size + len(meta) + sum(v.nbytes for v in views)
+        if size >= MAX_RECORD_BYTES:
+            raise DlocoError(f"log record of {size} bytes exceeds {MAX_RECORD_BYTES}")
+        if self._segment_size > 0 and self._segment_size + size > self.segment_bytes:
             self.sync()
             self._open_segment(self.next_index)
-        self._file.write(_HEADER.pack(len(payload), zlib.crc32(payload)))
-        self._file.write(payload)
-        self._segment_size += _HEADER.size + len(payload)
+        self._file.write(_HEADER.pack(len(meta), zlib.crc32(meta)) + meta)
+        for view in views:
+            self._file.write(view)  # large writes go straight to the file, no copy
+        self._segment_size += size
         if self.fsync == "always":
             self.sync()
         index, self.next_index = self.next_index, self.next_index + 1
         return index
 
-    def sync(self) -> None:
+    @property
+    def durable(self) -> int:
+        """Ticket (record index) below which every record is known to be on disk."""
+        return self._durable
+
+    def sync_async(self) -> int:
+        """Start making everything appended so far durable; returns the ticket for `wait_durable`."""
         self._file.flush()
-        if self.fsync != "never":
-            os.fsync(self._file.fileno())
+        ticket = self.next_index
+        if self.fsync == "never":
+            self._durable = ticket
+            return ticket
+        with self._cond:
+            self._wanted = max(self._wanted, ticket)
+            if self._syncer is None:
+                self._syncer = threading.Thread(target=self._sync_loop, name="wal-fsync", daemon=True)
+                self._syncer.start()
+            self._cond.notify_all()
+        return ticket
+
+    def wait_durable(self, ticket: int) -> None:
+        """Block until the records before `ticket` are on disk (re-raising an fsync failure)."""
+        with self._cond:
+            while self._durable < ticket and self._error is None:
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+
+    def sync(self) -> None:
+        """Make everything appended durable now (on this thread: cheaper than a hand-off when the
+        caller waits anyway)."""
+        self._file.flush()
+        ticket = self.next_index
+        with self._cond:
+            if self._durable < ticket:
+                if self.fsync != "never":
+                    os.fsync(self._file.fileno())
+                self._durable = ticket
+                self._cond.notify_all()
+
+    def _sync_loop(self) -> None:
+        with self._cond:
+            while not self._closing:
+                if self._wanted <= self._durable:
+                    self._cond.wait()
+                    continue
+                target, fd = self._wanted, self._file.fileno()
+                try:
+                    self._cond.release()
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        self._cond.acquire()
+                except OSError as error:
+                    self._error = DlocoError(f"fsync of the write-ahead log failed: {error}")
+                    self._cond.notify_all()
+                    return
+                self._durable = max(self._durable, target)
+                self._cond.notify_all()
 
     def close(self) -> None:
         if self._file is not None:
             self.sync()
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            if self._syncer is not None:
+                self._syncer.join(timeout=60)
             self._file.close()
             self._file = None
 

@@ -291,7 +291,7 @@ def _read_slice(fields: _FieldReader, payload: memoryview, codec: Codec, limits:
     if zlib.crc32(payload) != crc:
         raise ProtocolError("checksum", f"{fields.where}: crc32 of payload does not match the header")
     codec.validate(payload, count)
-    return TensorSlice(path=path, dtype=dtype, shape=tuple(dims), start=start, count=count)
+    return TensorSlice(path=path, dtype=dtype, shape=tuple(dims), start=start, count=count, crc32=crc)
 
 
 def _read_delta(fields: _FieldReader, payloads: list[memoryview], limits: Limits) -> DeltaChunk:

@@ -45,6 +45,9 @@ class TensorSlice:
     shape: tuple[int, ...]  # the whole tensor's shape
     start: int  # first value carried, a multiple of the codec's granule
     count: int  # values carried, >= 1
+    # CRC-32 of the payload as the frame header carried it (decode checked it): the merger's log
+    # stores it instead of computing a second one.  Not part of a slice's identity.
+    crc32: int | None = dataclasses.field(default=None, compare=False)
 
     @property
     def size(self) -> int:
