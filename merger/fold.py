@@ -78,18 +78,20 @@ def _float(tensor) -> np.ndarray:
 def fold(state: FragmentState, contributions: Sequence[Contribution], config: MergeConfig,
          step: Callable[[Any, Any, Any], tuple[Any, Any]]) -> tuple[FragmentState, FoldReport]:
     """Apply one round; `step` is `outer.make_step(optimizer)`.  A round whose deltas are all coded
-    with one int codec is merged from the codes (merger/coded.py), any other from float32."""
+    with one int codec is merged from the codes, its outer step taken there (merger/coded.py);
+    any other is merged from float32."""
     if not contributions:
         raise ValueError("fold needs at least one contribution")
     ordered = canonical(contributions)
     if coded.mergeable([c.tensors for c in ordered]):
         w = contribution_weights([(c.tokens, c.steps, c.staleness) for c in ordered], config.staleness_power)
-        merged, delta_norms, merged_norm = coded.merge([c.tensors for c in ordered], w, {p: _plain(p, config) for p in ordered[0].tensors})
+        params, opt_state, delta_norms, merged_norm = coded.merge_and_step(
+            step.optimizer, state.params, state.opt_state, [c.tensors for c in ordered], w, {p: _plain(p, config) for p in ordered[0].tensors})
     else:
         merged, w = merge(ordered, config)
         delta_norms = [rda.fragment_norm({p: _float(t) for p, t in c.tensors.items()}) for c in ordered]
         merged_norm = rda.fragment_norm(merged)
-    params, opt_state = step(state.params, state.opt_state, merged)
+        params, opt_state = step(state.params, state.opt_state, merged)
     new_params = dict(params)  # XLA arrays: the next fold starts from them without a copy (np.asarray views them)
     report = FoldReport(
         version=state.version + 1,

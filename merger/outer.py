@@ -14,6 +14,7 @@ With N = 1 it is exactly Nesterov SGD.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -49,7 +50,10 @@ def delayed_nesterov(learning_rate: float, momentum: float, delay: int) -> optax
     return optax.GradientTransformation(init, update)
 
 
+@functools.lru_cache(maxsize=32)
 def outer_optimizer(config: OuterConfig) -> optax.GradientTransformation:
+    """One optimizer object per configuration: compiled fold steps (keyed by it) are shared by every
+    core built from the same configuration — a recovered or benchmarked core never recompiles."""
     if config.kind == "nesterov":
         return optax.sgd(config.lr, momentum=config.momentum, nesterov=True)
     if config.kind == "sgd":
@@ -57,11 +61,13 @@ def outer_optimizer(config: OuterConfig) -> optax.GradientTransformation:
     return delayed_nesterov(config.lr, config.momentum, config.delay)
 
 
+@functools.lru_cache(maxsize=32)
 def make_step(optimizer: optax.GradientTransformation):
     """``(params, opt_state, pseudo_gradient) -> (params, opt_state)`` over path-keyed dicts.
 
     The jitted core sees lists in path order, so fragments whose tensors have the same shapes
-    share one compilation whatever their paths.
+    share one compilation whatever their paths.  Cached per optimizer (and `outer_optimizer` per
+    configuration), so every core of one configuration shares the compiled step.
     """
 
     @jax.jit
@@ -74,4 +80,5 @@ def make_step(optimizer: optax.GradientTransformation):
         new_params, opt_state = flat_step([params[p] for p in paths], opt_state, [pseudo_gradient[p] for p in paths])
         return dict(zip(paths, new_params)), opt_state
 
+    step.optimizer = optimizer  # rounds merged from codes take their outer step in merger/coded.py
     return step
