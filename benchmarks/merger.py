@@ -3,7 +3,7 @@
 A separate sender process publishes every island's delta of every fragment for a few rounds of a
 synthetic model (>= 25 M parameters) over loopback TCP.  The merger side runs the real pipeline
 in-process (SUB, `protocol.decode`, `Reassembler`, `MergerCore` with its write-ahead log, folds of
-`islands` deltas each, log sync) and reports wire bytes per second from the first message to the
+`islands` deltas each dispatched through the service's `FoldPipeline`, log sync) and reports wire bytes per second from the first message to the
 last synced fold, after a warm-up that compiles the fold kernels (a merger does that once).  Reference, same run: the same frames only received from a raw SUB socket.
 """
 
@@ -26,6 +26,7 @@ from benchmarks.timing import gbps, receive_timed
 from merger.config import MergeConfig, MergerConfig, RoundConfig
 from merger.core import MergerCore
 from merger.fold import Contribution
+from merger.pipeline import FoldPipeline
 from merger.wal import WriteAheadLog
 
 END = b"end"
@@ -55,14 +56,15 @@ def expected_messages(params: int, fragments: int, islands: int, rounds: int) ->
     return per_round * islands * rounds
 
 
-def _warm_up(shapes: dict, fragments: int, islands: int) -> float:
-    """Fold one round of every fragment in a throwaway core, so the timed run meets compiled kernels."""
+def _warm_up(config: MergerConfig, shapes: dict, fragments: int, islands: int) -> float:
+    """Compile the folds in a throwaway core, as a merger does at start, so the timed run meets compiled kernels."""
     started = time.perf_counter()
-    codec, rng = protocol.Codec("int4"), np.random.default_rng(1)
     zeros = {path: np.zeros(shape, np.float32) for path, shape in shapes.items()}
-    core = MergerCore(MergerConfig(MergeConfig()), "warm-up", protocol.partition(shapes, fragments), zeros)
-    for fragment, paths in enumerate(core.fragments):
-        members = [Contribution(f"w{m}", 0, fragment, 0, 1, 1, {p: protocol.CodedTensor(
+    core = MergerCore(config, "warm-up", protocol.partition(shapes, fragments), zeros)
+    core.warm_up()
+    codec, rng = protocol.Codec("int4"), np.random.default_rng(1)
+    for fragment, paths in enumerate(core.fragments):  # and every fragment's outer step
+        members = [Contribution(f"w{m}", 0, m, 0, 1, 1, {p: protocol.CodedTensor(
             codec, shapes[p], codec.encode(rng.standard_normal(int(np.prod(shapes[p]))).astype(np.float32)).reshape(-1, codec.record_nbytes))
             for p in paths}) for m in range(islands)]
         core._apply_fold(fragment, members)
@@ -83,19 +85,21 @@ def run(params: int = 25_165_824, fragments: int = 4, islands: int = 4, rounds: 
         sender.wait(timeout=60)
         sub.close()
 
-        warmup_s = _warm_up(shapes, fragments, islands)  # a running merger compiles its fold kernels once
+        config = MergerConfig(MergeConfig(max_staleness=rounds), round=RoundConfig(quorum=islands, grace_cap_s=0.0))
+        warmup_s = _warm_up(config, shapes, fragments, islands)  # a running merger compiles its fold kernels once
         log(f"bench merger: merger pipeline, {total_params:,} parameters, {islands} islands x {fragments} fragments x {rounds} rounds ...")
         stages: collections.Counter[str] = collections.Counter()
         with tempfile.TemporaryDirectory(prefix="dloco-bench-merger-") as tmp:
-            config = MergerConfig(MergeConfig(max_staleness=rounds), round=RoundConfig(quorum=islands, grace_cap_s=0.0))
             zeros = {path: np.zeros(shape, np.float32) for path, shape in shapes.items()}
             wal = WriteAheadLog(Path(tmp) / "wal", fsync="batch")
             core = MergerCore(config, protocol.model_fingerprint(zeros), protocol.partition(shapes, fragments), zeros, log=wal)
             reassembler = protocol.Reassembler(max_bytes=2 << 30, decode=False)
-            folds = 0
+            pipeline = FoldPipeline(core, wal)
+            handled = folds = 0
 
             def handle(frames: list) -> None:
-                nonlocal folds
+                nonlocal handled, folds
+                handled += 1
                 t0 = time.perf_counter()
                 message = protocol.decode(frames)
                 t1 = time.perf_counter()
@@ -103,19 +107,17 @@ def run(params: int = 25_165_824, fragments: int = 4, islands: int = 4, rounds: 
                 t2 = time.perf_counter()
                 stages["decode_s"] += t1 - t0
                 stages["reassemble_s"] += t2 - t1
-                if assembled is None:
-                    return
-                result = core.submit(assembled, now=0.0)
+                if assembled is not None:
+                    result = core.submit(assembled, now=0.0)
+                    assert result is None, result
+                    pipeline.dispatch(now=0.0)  # the fold computes on while the next deltas arrive
                 t3 = time.perf_counter()
-                stages["admit_log_s"] += t3 - t2
-                assert result is None, result
-                for fragment in core.due(now=0.0)[0]:
-                    core.fold(fragment)
-                    folds += 1
-                t4 = time.perf_counter()
-                wal.sync()
-                stages["fold_s"] += t4 - t3
-                stages["sync_s"] += time.perf_counter() - t4
+                folds += len(pipeline.finished())
+                while handled == expected and (pipeline.in_flight or any(core.pending)):  # the last message waits for every fold
+                    folds += len(pipeline.finished(wait=True))
+                    pipeline.dispatch(now=0.0)
+                stages["admit_log_dispatch_s"] += t3 - t2
+                stages["finish_sync_s"] += time.perf_counter() - t3
 
             sub, port = _subscriber(context)
             sender = _sender(port, params, fragments, islands, rounds)

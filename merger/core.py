@@ -12,11 +12,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from merger import records
+from merger import coded, records
 from merger.admission import Candidate, admit
 from merger.config import MergerConfig
 from merger.fold import Contribution, FoldReport, fold, init_state
@@ -34,7 +34,15 @@ class ReplayError(DlocoError):
 class Log(Protocol):
     next_index: int
 
-    def append(self, record: dict) -> int: ...
+    def append(self, record: dict, blobs: Sequence[tuple[Any, int | None]] = ()) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class StartedFold:
+    fragment: int
+    version: int
+    members: list[Contribution]
+    results: list[DeltaResult]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +63,7 @@ class MergerCore:
         self.layouts = [{path: tuple(np.shape(params[path])) for path in paths} for paths in self.fragments]
         self.states = [init_state({path: params[path] for path in paths}, self.optimizer) for paths in self.fragments]
         self.pending: list[list[Pending]] = [[] for _ in self.fragments]
+        self._started: dict[int, int] = {}  # fragment -> version of its latest started fold
         self.history: list[dict[str, ArrivalStats]] = [{} for _ in self.fragments]
         self.settled: collections.OrderedDict[DeltaKey, DeltaResult] = collections.OrderedDict()
         self.rejected: collections.Counter[str] = collections.Counter()
@@ -79,15 +88,14 @@ class MergerCore:
             return None
         if head.fragment >= len(self.fragments):
             return self._reject(key, head.fragment, "unknown_fragment")
-        state = self.states[head.fragment]
         tensors = records.delta_tensors(assembled)
         candidate = Candidate(head.sender, head.epoch, head.delta_id, head.fragment, head.base_version, head.steps, head.tokens,
                               head.model, tensors)
-        verdict = admit(candidate, version=state.version, layout=self.layouts[head.fragment], model=self.model,
+        verdict = admit(candidate, version=self.version(head.fragment), layout=self.layouts[head.fragment], model=self.model,
                         max_staleness=self.config.merge.max_staleness)
         if not verdict.admitted:
             return self._reject(key, head.fragment, f"{verdict.reason}: {verdict.detail}"[:256], verdict.reason)
-        wal_index = self.log.append(records.delta_record(assembled, verdict.staleness)) if self.log is not None else None
+        wal_index = self.log.append(*records.delta_record(assembled, verdict.staleness)) if self.log is not None else None
         contribution = Contribution(head.sender, head.epoch, head.delta_id, verdict.staleness, head.tokens, head.steps, tensors)
         self._enqueue(Pending(contribution, head.fragment, now, wal_index))
         return None
@@ -105,14 +113,32 @@ class MergerCore:
                 wake = decision.wait_until if wake is None else min(wake, decision.wait_until)
         return ready, wake
 
-    def fold(self, fragment: int) -> tuple[FoldReport, list[DeltaResult]]:
-        """Fold every pending delta of `fragment`; log the fold; return the report and results."""
+    def version(self, fragment: int) -> int:
+        """The fragment's version: its latest fold, counting one started and still computing."""
+        return max(self.states[fragment].version, self._started.get(fragment, 0))
+
+    def start_fold(self, fragment: int) -> StartedFold:
+        """Take every pending delta of `fragment` as a round: from now on the fragment is at the
+        round's version (admission counts staleness against it), the fold is logged and its deltas
+        settled.  The parameters come from `finish_fold`, possibly on another thread."""
         queue, self.pending[fragment] = self.pending[fragment], []
-        report = self._apply_fold(fragment, [p.contribution for p in queue])
+        members = [p.contribution for p in queue]
+        version = self._started[fragment] = self.version(fragment) + 1
         if self.log is not None:
-            members = [(c.island, c.epoch, c.delta_id) for c in (p.contribution for p in queue)]
-            self.log.append(records.fold_record(fragment, report.version, members))
-        return report, self._settle_folded(fragment, [p.contribution for p in queue], report.version)
+            self.log.append(records.fold_record(fragment, version, [(c.island, c.epoch, c.delta_id) for c in members]))
+        return StartedFold(fragment, version, members, self._settle_folded(fragment, members, version))
+
+    def finish_fold(self, started: StartedFold) -> FoldReport:
+        """Compute a started round into the fragment's state (rounds of one fragment in start order)."""
+        report = self._apply_fold(started.fragment, started.members)
+        if report.version != started.version:
+            raise ReplayError(f"fold of fragment {started.fragment} produced version {report.version}, expected {started.version}")
+        return report
+
+    def fold(self, fragment: int) -> tuple[FoldReport, list[DeltaResult]]:
+        """Fold every pending delta of `fragment` now; log the fold; return the report and results."""
+        started = self.start_fold(fragment)
+        return self.finish_fold(started), started.results
 
     # ---- replay and recovery -----------------------------------------------------------------
     def apply_record(self, record: dict, index: int) -> FoldReport | None:
@@ -151,6 +177,11 @@ class MergerCore:
         self.cursors.update(changed)
         return True
 
+    def warm_up(self) -> None:
+        """Compile the kernels of folds from int codes (merger/coded.py) for every fragment's size
+        ahead of the first deltas.  Safe on another thread."""
+        coded.warm_up([sum(int(np.prod(shape)) for shape in layout.values()) for layout in self.layouts])
+
     def digest(self) -> str:
         return records.params_digest(self.states)
 
@@ -175,7 +206,7 @@ class MergerCore:
 
     def _reject(self, key: DeltaKey, fragment: int, reason: str, label: str | None = None) -> DeltaResult:
         self.rejected[label or reason] += 1
-        version = self.states[fragment].version if fragment < len(self.states) else 0
+        version = self.version(fragment) if fragment < len(self.states) else 0
         result = DeltaResult(key[0], key[1], key[2], fragment, "rejected", version, reason)
         self._remember(key, result)
         return result

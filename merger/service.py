@@ -9,8 +9,9 @@ Sockets (endpoint strings: ``@tcp://...`` binds, ``tcp://...`` or ``>tcp://...``
 
 Chunks pass a `GapTracker` first (in order, exactly once per island); gaps and heartbeat-revealed
 tails are asked for again every RESEND_S.  Per admitted delta: write-ahead log first, fold when the
-round policy says so, sync the log, then publish the snapshot and the acks — an acknowledged delta
-is always on disk, and cursors are logged before islands see them.  Every receive is behind a poll
+round policy says so (the fold computes while the loop goes on: merger/pipeline.py), and once it is
+computed sync the log, then publish the snapshot and the acks — an acknowledged delta is always on
+disk, and cursors are logged before islands see them.  Every receive is behind a poll
 with a timeout; SIGTERM/SIGINT stop the loop, write a final checkpoint, close the sockets with
 linger 0 and exit 0.
 """
@@ -27,13 +28,13 @@ import numpy as np
 import zmq
 
 import protocol
-from merger import coded
 from broker.security import Security
 from broker.sequencing import GapTracker
 from cluster.telemetry import configure_logging
 from merger import checkpoint
 from merger.config import MergerConfig
 from merger.core import MergerCore
+from merger.pipeline import FoldPipeline
 from merger.recovery import checkpoint_dir, recover, wal_dir
 from merger.wal import WriteAheadLog
 
@@ -83,8 +84,8 @@ class MergerService:
         self.epoch, self.seq, self.folds = time.time_ns(), 0, 0
         # int deltas stay in their records: the fold works on codes (merger/coded.py), whose kernels
         # compile in the background now rather than in the first rounds
-        sizes = [sum(int(np.prod(shape)) for shape in layout.values()) for layout in self.core.layouts]
-        self.warming = threading.Thread(target=coded.warm_up, args=(sizes,), name="warm-up", daemon=True)
+        self.stopping = False
+        self.warming = threading.Thread(target=self.core.warm_up, name="warm-up", daemon=True)
         self.warming.start()
         self.reassembler = protocol.Reassembler(ttl_s=config.reassembly_ttl_s, max_bytes=config.reassembly_bytes, decode=False)
         self.counters: dict[str, int] = {}
@@ -95,6 +96,7 @@ class MergerService:
         self.snapshot_pub = self._socket(zmq.PUB, config.snapshot_endpoint, server="broker")
         self.control = self._socket(zmq.ROUTER, config.control_endpoint, server=config.sender)
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown island is an error we count, not a silent drop
+        self.pipeline = FoldPipeline(self.core, self.wal, self.context)
         self.tracker = GapTracker()
         for island, (epoch, seq) in self.core.cursors.items():  # resume each stream where it was acknowledged
             self.tracker.receive(island, epoch, 0, None)
@@ -102,7 +104,6 @@ class MergerService:
         self.next_resend = self.next_cursor = 0.0
         self.last_seen: dict[str, float] = {}
         self.gone: set[str] = set()
-        self.stopping = False
 
     def _socket(self, kind: int, endpoint: str, server: str) -> zmq.Socket:
         socket = self.context.socket(kind)
@@ -121,6 +122,7 @@ class MergerService:
         poller = zmq.Poller()
         poller.register(self.delta_sub, zmq.POLLIN)
         poller.register(self.control, zmq.POLLIN)
+        poller.register(self.pipeline.signal, zmq.POLLIN)
         for fragment in range(len(self.core.fragments)):
             self.publish_snapshot(fragment)
         wake = None
@@ -132,7 +134,8 @@ class MergerService:
                     self._drain(self.delta_sub, self.on_delta_frames)
                 if self.control in events:
                     self._drain(self.control, self.on_control_frames)
-                wake = self.fold_due()
+                self.announce(self.pipeline.finished())  # first: a fragment whose fold finished may fold again now
+                wake = self.pipeline.dispatch(time.monotonic())
                 self.maintain_streams()
         finally:
             self.shutdown()
@@ -215,22 +218,28 @@ class MergerService:
             self.log.info("hello", peer=message.sender, role=message.role, region=message.region, model_ok=message.model == self.core.model)
 
     # ---- folding and publishing ----------------------------------------------------------------
-    def fold_due(self) -> float | None:
-        ready, wake = self.core.due(time.monotonic())
-        for fragment in ready:
-            started = time.perf_counter()
-            report, results = self.core.fold(fragment)
-            self.wal.sync()  # durable before anyone is told
-            self.folds += 1
-            self.log.info("fold", fragment=fragment, version=report.version, contributors=list(report.contributors),
-                          staleness=list(report.staleness), weights=[round(w, 4) for w in report.weights],
-                          delta_norms=[round(n, 6) for n in report.delta_norms], merged_norm=round(report.merged_norm, 6),
-                          fold_ms=round((time.perf_counter() - started) * 1000, 2))
-            self.publish_snapshot(fragment)
-            self.publish_ack(results)
-            if self.folds % self.config.checkpoint_every == 0:
-                self.write_checkpoint()
-        return wake
+    def announce(self, folds) -> None:
+        """Folds computed and on disk: log each, publish its snapshot and its acks.  Every
+        `checkpoint_every` folds a checkpoint, of computed state only: what is in flight first."""
+        due = False
+        for fold in folds:
+            due |= self._announce(fold)
+        if due:
+            while self.pipeline.in_flight:
+                for fold in self.pipeline.finished(wait=True):
+                    self._announce(fold)
+            self.write_checkpoint()
+
+    def _announce(self, fold) -> bool:
+        report = fold.report
+        self.folds += 1
+        self.log.info("fold", fragment=fold.fragment, version=report.version, contributors=list(report.contributors),
+                      staleness=list(report.staleness), weights=[round(w, 4) for w in report.weights],
+                      delta_norms=[round(n, 6) for n in report.delta_norms], merged_norm=round(report.merged_norm, 6),
+                      fold_ms=round((time.perf_counter() - fold.began) * 1000, 2))
+        self.publish_snapshot(fold.fragment, fold.state)
+        self.publish_ack(fold.results)
+        return self.folds % self.config.checkpoint_every == 0
 
     def seen(self, island: str) -> None:
         self.last_seen[island] = time.monotonic()
@@ -274,10 +283,10 @@ class MergerService:
         self.seq += 1
         return self.seq
 
-    def snapshot_frames(self, fragment: int, on_bus: bool = True):
-        """Frames of the current snapshot of `fragment`.  Point-to-point replies (on_bus False) are
-        not part of the bus stream: they carry the last stream seq instead of a new one."""
-        state = self.core.states[fragment]
+    def snapshot_frames(self, fragment: int, on_bus: bool = True, state=None):
+        """Frames of a snapshot of `fragment` (the current one unless `state` is given).  Point-to-point
+        replies (on_bus False) are not part of the bus stream: they carry the last stream seq instead of a new one."""
+        state = self.core.states[fragment] if state is None else state
         codec = protocol.Codec(self.config.snapshot_codec)
         plans = protocol.split_fragment({p: np.asarray(v) for p, v in state.params.items()}, codec, self.config.max_chunk_bytes)
         for index, plan in enumerate(plans):
@@ -286,8 +295,8 @@ class MergerService:
                 chunk_index=index, chunk_count=len(plans), model=self.core.model, codec=codec,
                 slices=plan.slices, payloads=plan.payloads))
 
-    def publish_snapshot(self, fragment: int) -> None:
-        for frames in self.snapshot_frames(fragment):
+    def publish_snapshot(self, fragment: int, state=None) -> None:
+        for frames in self.snapshot_frames(fragment, state=state):
             self.snapshot_pub.send_multipart(frames, copy=False)
 
     def publish_ack(self, results: list[protocol.DeltaResult]) -> None:
@@ -309,6 +318,7 @@ class MergerService:
 
     def shutdown(self) -> None:
         self.warming.join(timeout=120)  # exiting while XLA compiles on another thread aborts the process
+        self.announce(self.pipeline.close())
         self.write_checkpoint()
         self.wal.close()
         Security.stop(self.context)

@@ -1,0 +1,129 @@
+"""Folds in flight: started on the loop's thread, computed on a worker, announced in order.
+
+`MergerCore.start_fold` is quick and happens on the service's thread: the round's members are
+taken, the fragment moves to the new version (admission counts staleness against it), the fold
+is logged and its deltas settled.  The arithmetic (`MergerCore.finish_fold`: XLA kernels, which
+release the GIL) runs on one worker thread, rounds in start order — so the merger goes on
+receiving, decoding and logging the next deltas on one core while a fold computes on the other.
+(XLA's own asynchronous dispatch is not enough: on CPU it runs many kernels on the calling
+thread.)  The log's fsync is started as the fold starts and runs meanwhile.
+
+Nobody is told about a fold before it is finished: `finished()` hands back, in start order, the
+folds whose parameters and norms are computed, once the log is durable over them; the service
+then logs, publishes the snapshot and acknowledges.  The worker signals each finished fold on an
+inproc socket the service polls, so it is noticed at once without busy polling.  Until then
+`MergerCore.states` holds the fragment's last computed state (what catch-up requests get);
+a checkpoint waits until nothing is in flight.  A fragment has at most one fold in flight, so
+the version islands base their deltas on is never more than one behind the merger's (a stall —
+a kernel compiling — delays folds instead of making deltas stale).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import threading
+import time
+
+import jax
+import zmq
+
+from merger.core import MergerCore, StartedFold
+from merger.fold import FoldReport, FragmentState
+from merger.wal import WriteAheadLog
+
+
+@dataclasses.dataclass
+class Fold:
+    started: StartedFold
+    began: float  # perf_counter when started
+    durable: int  # write-ahead-log ticket covering the fold and its deltas
+    report: FoldReport | None = None  # set by the worker, with state
+    state: FragmentState | None = None  # the fragment after this fold (publish this, not the core's newest)
+    error: BaseException | None = None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    @property
+    def fragment(self) -> int:
+        return self.started.fragment
+
+    @property
+    def results(self):
+        return self.started.results
+
+
+class FoldPipeline:
+    def __init__(self, core: MergerCore, wal: WriteAheadLog | None, context: zmq.Context | None = None) -> None:
+        self.core, self.wal = core, wal
+        self.in_flight: collections.deque[Fold] = collections.deque()
+        self.signal: zmq.Socket | None = None  # readable when a fold has finished computing (poll it)
+        self._notify: zmq.Socket | None = None
+        if context is not None:
+            endpoint = f"inproc://folds-{id(self)}"
+            self.signal = context.socket(zmq.PAIR)
+            self.signal.bind(endpoint)
+            self._notify = context.socket(zmq.PAIR)
+            self._notify.connect(endpoint)
+        self._work: queue.Queue[Fold | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._compute_each, name="fold-worker", daemon=True)
+        self._worker.start()
+
+    def dispatch(self, now: float) -> float | None:
+        """Start every fold the round policy calls for, except for a fragment whose previous fold
+        is still computing (its deltas wait for the next round); return when to decide again."""
+        ready, wake = self.core.due(now)
+        busy = {fold.fragment for fold in self.in_flight}
+        for fragment in ready:
+            if fragment in busy:  # one fold per fragment in flight: versions never run ahead of what is computed
+                continue
+            began = time.perf_counter()
+            started = self.core.start_fold(fragment)
+            fold = Fold(started, began, self.wal.sync_async() if self.wal is not None else 0)
+            self.in_flight.append(fold)
+            self._work.put(fold)
+        return wake
+
+    def finished(self, wait: bool = False) -> list[Fold]:
+        """Folds computed by now (every one in flight with wait=True), oldest first, with the log
+        durable over them: from here on they may be announced.  A fold that failed re-raises."""
+        if self.signal is not None:
+            while self.signal.poll(0):
+                self.signal.recv()
+        done = []
+        while self.in_flight and (wait or self.in_flight[0].done.is_set()):
+            fold = self.in_flight.popleft()
+            fold.done.wait()
+            if fold.error is not None:
+                raise fold.error
+            done.append(fold)
+        if done and self.wal is not None:
+            self.wal.wait_durable(done[-1].durable)  # durable before anyone is told
+        return done
+
+    def close(self) -> list[Fold]:
+        """Finish what is in flight and stop the worker; returns the last finished folds."""
+        try:
+            return self.finished(wait=True)
+        finally:
+            self._work.put(None)
+            self._worker.join(timeout=60)
+            for socket in (self._notify, self.signal):
+                if socket is not None:
+                    socket.close(linger=0)
+            self.signal = self._notify = None
+
+    def _compute_each(self) -> None:
+        while (fold := self._work.get()) is not None:
+            try:
+                fold.report = self.core.finish_fold(fold.started)
+                fold.state = self.core.states[fold.fragment]
+                jax.block_until_ready(list(fold.state.params.values()))
+            except BaseException as error:  # handed to the loop's thread, which raises it
+                fold.error = error
+            fold.done.set()
+            if self._notify is not None:
+                try:
+                    self._notify.send(b"", zmq.NOBLOCK)
+                except zmq.ZMQError:  # signals already queued, or closing: the loop looks anyway
+                    pass

@@ -1,0 +1,98 @@
+"""Folds started on the loop's thread and computed on the pipeline's worker: the same state as
+folding in place, one fold per fragment in flight, announced in order once the log is durable."""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+import protocol
+from merger.config import MergeConfig, MergerConfig, RoundConfig
+from merger.core import MergerCore
+from merger.pipeline import FoldPipeline
+from merger.recovery import replay, wal_dir
+from merger.wal import WriteAheadLog
+from tests.merger_helpers import assemble, delta_chunks, initial_params
+
+CONFIG = MergerConfig(MergeConfig(max_staleness=3), round=RoundConfig(quorum=1, grace_cap_s=0.0))
+
+
+def new_core(run_dir, fsync="never"):
+    params = initial_params()
+    parts = protocol.partition({p: a.shape for p, a in params.items()}, 2)
+    wal = WriteAheadLog(wal_dir(run_dir), fsync=fsync)
+    return MergerCore(CONFIG, protocol.model_fingerprint(params), parts, params, log=wal), wal
+
+
+def deltas(core, count):
+    """Islands a and b alternate deltas of both fragments, each based on the version before it."""
+    out = []
+    for i in range(count):
+        fragment, island = i % 2, "ab"[(i // 2) % 2]
+        out.append((fragment, island, i + 1, max(0, i // 2 - 1)))
+    return out
+
+
+def test_pipelined_folds_reach_the_same_state_as_folding_in_place(tmp_path):
+    in_place, wal_a = new_core(tmp_path / "a")
+    piped, wal_b = new_core(tmp_path / "b", fsync="batch")
+    pipeline = FoldPipeline(piped, wal_b)
+    announced = []
+    for fragment, island, delta_id, base in deltas(in_place, 12):
+        for core in (in_place, piped):
+            chunks = delta_chunks(core.fragments[fragment], island, delta_id, fragment, base, seed=delta_id)
+            assert core.submit(assemble(chunks), now=float(delta_id)) is None
+        for f in in_place.due(now=float(delta_id))[0]:
+            in_place.fold(f)
+        pipeline.dispatch(now=float(delta_id))
+        announced += pipeline.finished(wait=True)
+    assert [f.report.version for f in announced if f.fragment == 0] == list(range(1, 7))
+    assert all(f.state.version == f.report.version for f in announced)
+    assert wal_b.durable >= announced[-1].durable  # nothing announced before it is on disk
+    pipeline.close()
+    wal_a.close()
+    wal_b.close()
+    assert piped.digest() == in_place.digest()
+    folds = []
+    list(replay(tmp_path / "b", on_fold=lambda index, record, report, core: folds.append(core.digest())))
+    assert len(folds) == len(announced) and folds[-1] == piped.digest()  # the log alone gives it too
+
+
+def test_a_fragment_has_one_fold_in_flight_and_admission_counts_it(tmp_path):
+    core, wal = new_core(tmp_path)
+    context = zmq.Context()
+    pipeline = FoldPipeline(core, wal, context)
+    try:
+        core.submit(assemble(delta_chunks(core.fragments[0], "a", 1, 0, 0, seed=1)), now=0.0)
+        pipeline.dispatch(now=0.0)
+        assert len(pipeline.in_flight) == 1 and core.version(0) == 1  # the round's version, computed or not
+        core.submit(assemble(delta_chunks(core.fragments[0], "b", 2, 0, 0, seed=2)), now=0.0)
+        assert core.pending[0][0].contribution.staleness == 1  # counted against the started fold
+        if pipeline.in_flight:  # still computing: the second round waits for it
+            pipeline.dispatch(now=0.0)
+            assert len(pipeline.in_flight) <= 1
+        assert pipeline.signal.poll(10_000)  # the worker says when a fold is done
+        done = pipeline.finished(wait=True)
+        pipeline.dispatch(now=0.0)
+        done += pipeline.finished(wait=True)
+        assert [f.report.version for f in done] == [1, 2] and [f.report.contributors for f in done] == [("a",), ("b",)]
+    finally:
+        pipeline.close()
+        context.destroy(linger=0)
+        wal.close()
+
+
+def test_a_failed_fold_is_raised_on_the_loop_thread(tmp_path, monkeypatch):
+    core, wal = new_core(tmp_path)
+    pipeline = FoldPipeline(core, wal)
+
+    def broken(started):
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(core, "finish_fold", broken)
+    core.submit(assemble(delta_chunks(core.fragments[1], "a", 1, 1, 0, seed=3)), now=0.0)
+    pipeline.dispatch(now=0.0)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        pipeline.finished(wait=True)
+    pipeline.close()
+    wal.close()
