@@ -2,6 +2,8 @@
 
 Runs as its own process (numpy + protocol + zmq, no jax) so the measured merger has the GIL and
 a core to itself.  It builds every frame first, waits for the subscriber to join, then sends.
+Every delta is based on version 0 (the merger may fold a round later than the sender assumes;
+the benchmark's staleness bound is the number of rounds).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def build_frames(params: int, fragments: int, islands: int, rounds: int, codec: 
                     seqs[sender] = seqs.get(sender, 0) + 1
                     message = protocol.DeltaChunk(
                         sender=sender, epoch=1, seq=seqs[sender], delta_id=version * fragments + fragment, fragment=fragment,
-                        base_version=version, chunk_index=index, chunk_count=len(plans), steps=50, tokens=50 * 4096,
+                        base_version=0, chunk_index=index, chunk_count=len(plans), steps=50, tokens=50 * 4096,
                         model=model, codec=protocol.Codec(codec), slices=plan.slices, payloads=plan.payloads)
                     frames.append([bytes(f) for f in protocol.encode(message)])
     return frames
