@@ -40,3 +40,11 @@ def adopt(theta: Mapping[str, np.ndarray], snapshot: Mapping[str, np.ndarray], a
         return {path: np.asarray(snapshot[path], np.float32).copy() for path in snapshot}
     return {path: (alpha * np.asarray(theta[path], np.float32) + (1 - alpha) * np.asarray(snapshot[path], np.float32)).astype(np.float32)
             for path in snapshot}
+
+
+def fold_wait_over(sent: Mapping[int, int], versions: Mapping[int, int], unfolded_before: Mapping[int, int],
+                   unfolded_now: Mapping[int, int]) -> bool:
+    """A blocking island's wait is over when every fragment it just sent (fragment -> the version
+    the delta was based on) is back in a newer version, or had a delta settled without a fold
+    since the send (rejected, or given up on)."""
+    return all(versions[f] > v or unfolded_now.get(f, 0) > unfolded_before.get(f, 0) for f, v in sent.items())

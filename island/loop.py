@@ -118,6 +118,7 @@ class IslandLoop:
         self._adopt(self.link.snapshots())
         due = [p for p in fragments.due_fragments(step, self.sync.fragments, self.sync.interval) if self.progress[p].steps > 0]
         if due:
+            unfolded = dict(self.link.unfolded) if self.sync.blocking else {}  # before sending: a quick rejection counts
             theta = self.trainer.params()
             for fragment in due:
                 progress = self.progress[fragment]
@@ -127,7 +128,7 @@ class IslandLoop:
                 # The next delta counts from here: what was just sent is never sent again.
                 self.progress[fragment] = FragmentProgress(current, progress.version)
             if self.sync.blocking:
-                self._wait_for_fold({fragment: self.progress[fragment].version for fragment in due})
+                self._wait_for_fold({fragment: self.progress[fragment].version for fragment in due}, unfolded)
 
     def _adopt(self, arrived: list) -> None:
         if not arrived:
@@ -140,14 +141,15 @@ class IslandLoop:
             self.trainer.set_params(fragments.adopt(theta, tensors, self.sync.alpha))
             self.progress[fragment] = FragmentProgress({p: np.asarray(v, np.float32) for p, v in tensors.items()}, version)
 
-    def _wait_for_fold(self, sent: dict[int, int]) -> None:
+    def _wait_for_fold(self, sent: dict[int, int], unfolded: dict[int, int]) -> None:
         """The synchronous baselines: training stops until every fragment just sent comes back in a
-        newer version (the merger folds a round once it has every island's delta).  This wait is
-        what `compute_util` shows and what the decoupled mode never does."""
+        newer version (the merger folds a round once it has every island's delta), or its delta is
+        settled without a fold (rejected: no fold will bring it back).  This wait is what
+        `compute_util` shows and what the decoupled mode never does."""
         began = time.perf_counter()
         while not self.stop_requested:
             self._adopt(self.link.snapshots())
-            if all(self.progress[f].version > v for f, v in sent.items()):
+            if fragments.fold_wait_over(sent, {f: self.progress[f].version for f in sent}, unfolded, self.link.unfolded):
                 break
             time.sleep(0.001)
         self.wait_s += time.perf_counter() - began

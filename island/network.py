@@ -49,6 +49,9 @@ class NetworkLink:
         self.bytes_sent = self.bytes_received = 0
         self.deltas_sent = self.rebased = 0
         self.results: collections.Counter[str] = collections.Counter()
+        # fragment -> deltas of it settled without a fold (rejected, or given up on): a blocking
+        # island waiting for such a delta's fold must stop waiting
+        self.unfolded: collections.Counter[int] = collections.Counter()
         self._outbox: dict[int, tuple[int, dict[str, np.ndarray], int, int]] = {}
         self._order: collections.deque[int] = collections.deque()
         self._arrived: collections.deque = collections.deque()
@@ -174,7 +177,7 @@ class NetworkLink:
                 self.deltas_sent += 1
                 with self._lock:
                     if delta_id not in self._settled:
-                        self._unsettled[delta_id] = [self.seq, first, None, None]
+                        self._unsettled[delta_id] = [self.seq, first, None, None, fragment]
             with self._lock:
                 self._lock.notify_all()
         pub.close(linger=0)
@@ -228,7 +231,7 @@ class NetworkLink:
                     entry[2] = entry[3] = now
             expired = [d for d, entry in self._unsettled.items() if entry[3] is not None and now - entry[3] > self.sync.settle_timeout_s]
             for delta_id in expired:  # the merger does not know it (e.g. rejected, then restarted): stop asking
-                del self._unsettled[delta_id]
+                self.unfolded[self._unsettled.pop(delta_id)[4]] += 1
                 self._settled.add(delta_id)  # a late answer is not counted twice
                 self.results["unknown"] += 1
             if expired:
@@ -256,6 +259,8 @@ class NetworkLink:
                             self._settled.add(result.delta_id)
                             self._unsettled.pop(result.delta_id, None)
                             self.results[result.status] += 1
+                            if result.status != "folded":
+                                self.unfolded[result.fragment] += 1
                     for cursor in message.cursors:
                         if cursor.island == self.name and cursor.epoch == self.epoch:
                             self._kept.release(cursor.seq)

@@ -183,3 +183,21 @@ def test_a_stop_while_starting_exits_cleanly(tmp_path):
     time.sleep(3.0)
     island.terminate()
     assert island.wait(timeout=60) == 0, island.stderr.read()[-2000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_delta_settled_without_a_fold_is_counted_per_fragment():
+    """A blocking island waits for the fold of what it sent; a rejection must end that wait."""
+    link = NetworkLink("isl", "m", SyncConfig(fragments=2, interval=2), *(f"tcp://127.0.0.1:{p}" for p in free_ports(3)))
+    try:
+        def ack(seq, *results):
+            message = protocol.Ack(sender="m", epoch=1, seq=seq, cursors=(),
+                                   results=tuple(protocol.DeltaResult("isl", link.epoch, d, f, status, 3, "" if status == "folded" else "stale")
+                                                 for d, f, status in results))
+            link._on_frames([memoryview(f) for f in protocol.encode(message)], protocol.Reassembler())  # as the receiver thread would
+
+        ack(1, (1, 0, "folded"), (2, 1, "rejected"))
+        ack(2, (2, 1, "rejected"), (3, 1, "rejected"), (4, 0, "rejected"))  # delta 2 again: counted once
+        assert link.unfolded == {1: 2, 0: 1} and link.results["folded"] == 1 and link.results["rejected"] == 3
+    finally:
+        link.close()

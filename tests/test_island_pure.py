@@ -46,3 +46,11 @@ def test_pseudo_gradient_and_adoption_by_hand():
 def test_bad_configuration_names_the_value(make):
     with pytest.raises(ConfigError):
         make()
+
+
+def test_a_blocking_wait_ends_on_a_newer_version_or_a_delta_settled_without_a_fold():
+    sent = {0: 4, 1: 4}  # both fragments sent, based on version 4
+    assert not fragments.fold_wait_over(sent, {0: 5, 1: 4}, {}, {})  # fragment 1 not back yet
+    assert fragments.fold_wait_over(sent, {0: 5, 1: 5}, {}, {})
+    assert fragments.fold_wait_over(sent, {0: 5, 1: 4}, {1: 2}, {1: 3})  # fragment 1's delta was rejected since
+    assert not fragments.fold_wait_over(sent, {0: 5, 1: 4}, {1: 3}, {1: 3, 0: 9})  # an older rejection does not count
