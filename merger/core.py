@@ -14,15 +14,17 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+import jax
 import numpy as np
 
 from merger import coded, records
 from merger.admission import Candidate, admit
 from merger.config import MergerConfig
 from merger.fold import Contribution, FoldReport, fold, init_state
+from merger.fold import plain as fold_plain
 from merger.outer import make_step, outer_optimizer
 from merger.round_policy import ArrivalStats, decide, observe
-from protocol import Assembled, DeltaResult, DlocoError
+from protocol import Assembled, Codec, CodedTensor, DeltaResult, DlocoError
 
 DeltaKey = tuple[str, int, int]  # (island, epoch, delta_id)
 
@@ -177,10 +179,17 @@ class MergerCore:
         self.cursors.update(changed)
         return True
 
-    def warm_up(self) -> None:
-        """Compile the kernels of folds from int codes (merger/coded.py) for every fragment's size
-        ahead of the first deltas.  Safe on another thread."""
-        coded.warm_up([sum(int(np.prod(shape)) for shape in layout.values()) for layout in self.layouts])
+    def warm_up(self, codec: Codec = Codec("int4")) -> None:
+        """Compile the kernels of folds from int codes (merger/coded.py) for every fragment's size,
+        and every fragment's outer step, ahead of the first deltas (`codec`: the islands' default).
+        Results are thrown away; safe on another thread."""
+        coded.warm_up([sum(int(np.prod(shape)) for shape in layout.values()) for layout in self.layouts], codec.block, codec.bits)
+        for fragment, state in enumerate(list(self.states)):
+            zero = {path: CodedTensor(codec, shape, np.zeros((-(-int(np.prod(shape)) // codec.block), codec.record_nbytes), np.uint8))
+                    for path, shape in self.layouts[fragment].items()}
+            plain = {path: fold_plain(path, self.config.merge) for path in zero}
+            new, *_ = coded.merge_and_step(self.optimizer, state.params, state.opt_state, [zero], [0.0], plain)
+            jax.block_until_ready(new)
 
     def digest(self) -> str:
         return records.params_digest(self.states)

@@ -55,7 +55,8 @@ def canonical(contributions: Sequence[Contribution]) -> list[Contribution]:
     return sorted(contributions, key=lambda c: (c.island, c.epoch, c.delta_id))
 
 
-def _plain(path: str, config: MergeConfig) -> bool:
+def plain(path: str, config: MergeConfig) -> bool:
+    """Whether `path` is merged by plain weighted average (else RDA)."""
     return config.method == "average" or any(marker in path for marker in config.average_paths)
 
 
@@ -67,7 +68,7 @@ def merge(contributions: Sequence[Contribution], config: MergeConfig) -> tuple[d
     merged = {}
     for path in ordered[0].tensors:
         deltas = [_float(c.tensors[path]) for c in ordered]
-        merged[path] = (rda.weighted_average if _plain(path, config) else rda.radial_directional_average)(deltas, w)
+        merged[path] = (rda.weighted_average if plain(path, config) else rda.radial_directional_average)(deltas, w)
     return merged, w
 
 
@@ -86,7 +87,7 @@ def fold(state: FragmentState, contributions: Sequence[Contribution], config: Me
     if coded.mergeable([c.tensors for c in ordered]):
         w = contribution_weights([(c.tokens, c.steps, c.staleness) for c in ordered], config.staleness_power)
         params, opt_state, delta_norms, merged_norm = coded.merge_and_step(
-            step.optimizer, state.params, state.opt_state, [c.tensors for c in ordered], w, {p: _plain(p, config) for p in ordered[0].tensors})
+            step.optimizer, state.params, state.opt_state, [c.tensors for c in ordered], w, {p: plain(p, config) for p in ordered[0].tensors})
     else:
         merged, w = merge(ordered, config)
         delta_norms = [rda.fragment_norm({p: _float(t) for p, t in c.tensors.items()}) for c in ordered]
