@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from typing import Protocol
 
 import numpy as np
@@ -27,6 +28,7 @@ class Link(Protocol):
 
     bytes_sent: int
     bytes_received: int
+    unfolded: Mapping[int, int]  # fragment -> deltas settled without a fold (blocking mode ends its wait on them)
 
     def publish(self, fragment: int, base_version: int, delta: dict[str, np.ndarray], steps: int, tokens: int) -> None: ...
 

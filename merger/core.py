@@ -20,7 +20,7 @@ import numpy as np
 from merger import coded, records
 from merger.admission import Candidate, admit
 from merger.config import MergerConfig
-from merger.fold import Contribution, FoldReport, fold, init_state
+from merger.fold import Contribution, FoldReport, FragmentState, fold, init_state
 from merger.fold import plain as fold_plain
 from merger.outer import make_step, outer_optimizer
 from merger.round_policy import ArrivalStats, decide, observe
@@ -130,11 +130,22 @@ class MergerCore:
             self.log.append(records.fold_record(fragment, version, [(c.island, c.epoch, c.delta_id) for c in members]))
         return StartedFold(fragment, version, members, self._settle_folded(fragment, members, version))
 
-    def finish_fold(self, started: StartedFold) -> FoldReport:
-        """Compute a started round into the fragment's state (rounds of one fragment in start order)."""
-        report = self._apply_fold(started.fragment, started.members)
+    def compute_fold(self, started: StartedFold) -> tuple[FragmentState, FoldReport]:
+        """The state after a started round, from the fragment's current state, without installing it
+        (any thread; the fragment's previous round must be installed)."""
+        state, report = fold(self.states[started.fragment], started.members, self.config.merge, self._step)
         if report.version != started.version:
             raise ReplayError(f"fold of fragment {started.fragment} produced version {report.version}, expected {started.version}")
+        return state, report
+
+    def install(self, fragment: int, state: FragmentState) -> None:
+        """Make a computed round the fragment's state (what checkpoints and catch-up requests see)."""
+        self.states[fragment] = state
+
+    def finish_fold(self, started: StartedFold) -> FoldReport:
+        """Compute a started round and install it."""
+        state, report = self.compute_fold(started)
+        self.install(started.fragment, state)
         return report
 
     def fold(self, fragment: int) -> tuple[FoldReport, list[DeltaResult]]:

@@ -2,7 +2,7 @@
 
 `MergerCore.start_fold` is quick and happens on the service's thread: the round's members are
 taken, the fragment moves to the new version (admission counts staleness against it), the fold
-is logged and its deltas settled.  The arithmetic (`MergerCore.finish_fold`: XLA kernels, which
+is logged and its deltas settled.  The arithmetic (`MergerCore.compute_fold`: XLA kernels, which
 release the GIL) runs on one worker thread, rounds in start order — so the merger goes on
 receiving, decoding and logging the next deltas on one core while a fold computes on the other.
 (XLA's own asynchronous dispatch is not enough: on CPU it runs many kernels on the calling
@@ -11,9 +11,11 @@ thread.)  The log's fsync is started as the fold starts and runs meanwhile.
 Nobody is told about a fold before it is finished: `finished()` hands back, in start order, the
 folds whose parameters and norms are computed, once the log is durable over them; the service
 then logs, publishes the snapshot and acknowledges.  The worker signals each finished fold on an
-inproc socket the service polls, so it is noticed at once without busy polling.  Until then
-`MergerCore.states` holds the fragment's last computed state (what catch-up requests get);
-a checkpoint waits until nothing is in flight.  A fragment has at most one fold in flight, so
+inproc socket the service polls, so it is noticed at once without busy polling.  The worker never
+writes the core: `finished()` installs a fold's state on the loop's thread once it is durable, so
+`MergerCore.states` (what catch-up requests and checkpoints get) never shows a fold a crash could
+lose; a checkpoint waits until nothing is in flight.  After a failed fold the pipeline stops
+(`failed`): the service must not checkpoint, the log alone says what happened.  A fragment has at most one fold in flight, so
 the version islands base their deltas on is never more than one behind the merger's (a stall —
 a kernel compiling — delays folds instead of making deltas stale).
 """
@@ -65,6 +67,7 @@ class FoldPipeline:
             self.signal.bind(endpoint)
             self._notify = context.socket(zmq.PAIR)
             self._notify.connect(endpoint)
+        self.failed: BaseException | None = None  # a fold raised: nothing more is computed or announced
         self._work: queue.Queue[Fold | None] = queue.Queue()
         self._worker = threading.Thread(target=self._compute_each, name="fold-worker", daemon=True)
         self._worker.start()
@@ -72,6 +75,8 @@ class FoldPipeline:
     def dispatch(self, now: float) -> float | None:
         """Start every fold the round policy calls for, except for a fragment whose previous fold
         is still computing (its deltas wait for the next round); return when to decide again."""
+        if self.failed is not None:
+            raise self.failed
         ready, wake = self.core.due(now)
         busy = {fold.fragment for fold in self.in_flight}
         for fragment in ready:
@@ -90,21 +95,27 @@ class FoldPipeline:
         if self.signal is not None:
             while self.signal.poll(0):
                 self.signal.recv()
+        if self.failed is not None:
+            raise self.failed
         done = []
         while self.in_flight and (wait or self.in_flight[0].done.is_set()):
-            fold = self.in_flight.popleft()
+            fold = self.in_flight[0]
             fold.done.wait()
             if fold.error is not None:
+                self.failed = fold.error
                 raise fold.error
-            done.append(fold)
+            done.append(self.in_flight.popleft())
         if done and self.wal is not None:
             self.wal.wait_durable(done[-1].durable)  # durable before anyone is told
+        for fold in done:
+            self.core.install(fold.fragment, fold.state)
         return done
 
     def close(self) -> list[Fold]:
-        """Finish what is in flight and stop the worker; returns the last finished folds."""
+        """Finish what is in flight and stop the worker; returns the last finished folds (none after
+        a failure)."""
         try:
-            return self.finished(wait=True)
+            return self.finished(wait=True) if self.failed is None else []
         finally:
             self._work.put(None)
             self._worker.join(timeout=60)
@@ -116,8 +127,7 @@ class FoldPipeline:
     def _compute_each(self) -> None:
         while (fold := self._work.get()) is not None:
             try:
-                fold.report = self.core.finish_fold(fold.started)
-                fold.state = self.core.states[fold.fragment]
+                fold.state, fold.report = self.core.compute_fold(fold.started)
                 jax.block_until_ready(list(fold.state.params.values()))
             except BaseException as error:  # handed to the loop's thread, which raises it
                 fold.error = error

@@ -194,7 +194,8 @@ class MergerService:
         if chunk.chunk_index != 0:
             return
         result = self.core.settled.get((chunk.sender, chunk.epoch, chunk.delta_id))
-        if result is not None:
+        computing = any(f.fragment == result.fragment and f.started.version == result.version for f in self.pipeline.in_flight) if result else False
+        if result is not None and not computing:  # a fold still computing announces its acks itself
             self.count("merger/reacked")
             self.publish_ack([result])
 
@@ -318,8 +319,14 @@ class MergerService:
 
     def shutdown(self) -> None:
         self.warming.join(timeout=120)  # exiting while XLA compiles on another thread aborts the process
-        self.announce(self.pipeline.close())
-        self.write_checkpoint()
+        try:
+            self.announce(self.pipeline.close())
+        except Exception as error:  # a fold failed: logged below, the process still shuts down cleanly
+            self.log.error("fold_failed", error=repr(error)[:500])
+        if self.pipeline.failed is None:
+            self.write_checkpoint()
+        else:  # the core may lack a logged fold: only the log is the truth now, a restart replays it
+            self.log.error("no_final_checkpoint", reason=f"a fold failed: {self.pipeline.failed!r}"[:500])
         self.wal.close()
         Security.stop(self.context)
         self.context.destroy(linger=0)

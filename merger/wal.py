@@ -82,16 +82,17 @@ def _scan(segment: Path, first_index: int) -> Iterator[tuple[int, int, int, Any,
         except (ValueError, TypeError, msgpack.UnpackException) as error:
             yield index, offset, end, None, f"undecodable payload: {error}"
             return
+        record_end = end + sum(nbytes for nbytes, _ in sizes)
+        if record_end > len(data):
+            yield index, offset, len(data), None, "torn: blob cut short"
+            return
         blobs = []
         for number, (nbytes, blob_crc) in enumerate(sizes):
-            if end + nbytes > len(data):
-                yield index, offset, len(data), None, "torn: blob cut short"
-                return
             blob = view[end : end + nbytes]
             end += nbytes
-            if zlib.crc32(blob) != blob_crc:
-                yield index, offset, end, None, (f"torn: checksum mismatch of blob {number} at end of log" if end == len(data)
-                                                 else f"checksum mismatch of blob {number}")
+            if zlib.crc32(blob) != blob_crc:  # in the last record of the log: a write the crash cut short
+                yield index, offset, record_end, None, (f"torn: checksum mismatch of blob {number} at end of log" if record_end == len(data)
+                                                        else f"checksum mismatch of blob {number}")
                 return
             blobs.append(blob)
         if sizes:
@@ -162,7 +163,7 @@ class WriteAheadLog:
         segments = _segments(self.directory)
         path = segments[-1] if reuse_last and segments else self.directory / f"{first_index:012d}.seg"
         if self._file is not None:
-            with self._cond:  # not while the syncer holds this file's descriptor (sync() waited for it)
+            with self._cond:  # the syncer fsyncs a duplicate of the descriptor: closing is safe
                 self._file.close()
         self._file = open(path, "ab")
         self._segment_size = path.stat().st_size
@@ -236,12 +237,14 @@ class WriteAheadLog:
                 if self._wanted <= self._durable:
                     self._cond.wait()
                     continue
-                target, fd = self._wanted, self._file.fileno()
+                # a duplicate descriptor: rotation may close the file while this fsync runs
+                target, fd = self._wanted, os.dup(self._file.fileno())
                 try:
                     self._cond.release()
                     try:
                         os.fsync(fd)
                     finally:
+                        os.close(fd)
                         self._cond.acquire()
                 except OSError as error:
                     self._error = DlocoError(f"fsync of the write-ahead log failed: {error}")

@@ -82,17 +82,33 @@ def test_a_fragment_has_one_fold_in_flight_and_admission_counts_it(tmp_path):
         wal.close()
 
 
-def test_a_failed_fold_is_raised_on_the_loop_thread(tmp_path, monkeypatch):
+def test_a_failed_fold_stops_the_pipeline_and_is_raised_on_the_loop_thread(tmp_path, monkeypatch):
     core, wal = new_core(tmp_path)
     pipeline = FoldPipeline(core, wal)
 
     def broken(started):
         raise RuntimeError("kernel failed")
 
-    monkeypatch.setattr(core, "finish_fold", broken)
+    monkeypatch.setattr(core, "compute_fold", broken)
     core.submit(assemble(delta_chunks(core.fragments[1], "a", 1, 1, 0, seed=3)), now=0.0)
+    before = core.states[1]
     pipeline.dispatch(now=0.0)
     with pytest.raises(RuntimeError, match="kernel failed"):
         pipeline.finished(wait=True)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        pipeline.dispatch(now=1.0)  # nothing more is started
+    assert pipeline.close() == [] and core.states[1] is before  # never installed: a checkpoint now would lie
+    wal.close()
+
+
+def test_the_worker_never_installs_a_fold_before_it_is_announced(tmp_path):
+    core, wal = new_core(tmp_path, fsync="batch")
+    pipeline = FoldPipeline(core, wal)
+    core.submit(assemble(delta_chunks(core.fragments[0], "a", 1, 0, 0, seed=4)), now=0.0)
+    pipeline.dispatch(now=0.0)
+    pipeline.in_flight[0].done.wait(60)  # computed, not yet handed over
+    assert core.states[0].version == 0 and core.version(0) == 1  # catch-up requests still get version 0
+    (fold,) = pipeline.finished()
+    assert core.states[0] is fold.state and fold.state.version == 1 and wal.durable >= fold.durable
     pipeline.close()
     wal.close()
