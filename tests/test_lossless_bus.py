@@ -203,8 +203,7 @@ def test_a_lost_result_is_asked_for_again_and_the_drain_completes():
         wait_for(lambda: len(receiver.delivered) == CHUNKS, 30, "the delta did not get through")
         assert not link.drain(1.0)  # admitted (cursor) but unsettled: no result yet
         assert link.drain(15.0), (link.results, link.probes)
-        # asked again (more than once if the machine is slow to answer), always for delta 1, counted once
-        assert receiver.probed[:1] == [1] and set(receiver.probed) == {1} and link.probes >= 1 and link.results["folded"] == 1
+        assert receiver.probed == [1] and link.probes == 1 and link.results["folded"] == 1
     finally:
         link.close()
         receiver.close()
