@@ -10,8 +10,9 @@ so passes over the codes give the merged direction u (up to 8 deltas per XLA cal
 is padded to 1, 2, 4 or 8 so that few shapes are ever compiled), and the radius/length rescaling
 of RDA (merger/rda.py) is one multiply on the way into the outer step.  u is accumulated per
 position in the byte (two arrays for int4) and interleaved into value order only inside the outer
-step (`merge_and_step`), which cuts it into the fragment's tensors in the same XLA computation:
-neither the interleaved u nor the pseudo-gradient is ever written out on its own.  The fold waits
+step (`merge_and_step`), which cuts it into the fragment's tensors in the same XLA computation,
+each tensor from slices of just the tiles it spans (never a concatenation of the whole fragment).
+The fold waits
 on the host twice (norms, then lengths), so the merger runs it on a worker thread
 (merger/pipeline.py).  The
 passes over codes run as XLA kernels; every reduction whose order could vary is either over exact

@@ -122,7 +122,7 @@ class MergerCore:
     def start_fold(self, fragment: int) -> StartedFold:
         """Take every pending delta of `fragment` as a round: from now on the fragment is at the
         round's version (admission counts staleness against it), the fold is logged and its deltas
-        settled.  The parameters come from `finish_fold`, possibly on another thread."""
+        settled.  The parameters come from `compute_fold` (possibly on another thread) and `install`."""
         queue, self.pending[fragment] = self.pending[fragment], []
         members = [p.contribution for p in queue]
         version = self._started[fragment] = self.version(fragment) + 1

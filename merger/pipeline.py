@@ -15,9 +15,9 @@ inproc socket the service polls, so it is noticed at once without busy polling. 
 writes the core: `finished()` installs a fold's state on the loop's thread once it is durable, so
 `MergerCore.states` (what catch-up requests and checkpoints get) never shows a fold a crash could
 lose; a checkpoint waits until nothing is in flight.  After a failed fold the pipeline stops
-(`failed`): the service must not checkpoint, the log alone says what happened.  A fragment has at most one fold in flight, so
-the version islands base their deltas on is never more than one behind the merger's (a stall —
-a kernel compiling — delays folds instead of making deltas stale).
+(`failed`): the service must not checkpoint, the log alone says what happened.  A fragment has
+at most one fold in flight, so the version islands base their deltas on is never more than one
+behind the merger's (a stall — a kernel compiling — delays folds instead of making deltas stale).
 """
 
 from __future__ import annotations
