@@ -237,9 +237,9 @@ class WriteAheadLog:
                 if self._wanted <= self._durable:
                     self._cond.wait()
                     continue
-                # a duplicate descriptor: rotation may close the file while this fsync runs
-                target, fd = self._wanted, os.dup(self._file.fileno())
+                target = self._wanted
                 try:
+                    fd = os.dup(self._file.fileno())  # a duplicate: rotation may close the file while this fsync runs
                     self._cond.release()
                     try:
                         os.fsync(fd)
