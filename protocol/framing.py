@@ -41,6 +41,7 @@ _U64 = 1 << 64
 MAX_TOPIC_BYTES = 64
 _IDENT = re.compile(r"[A-Za-z0-9._:@-]+")
 _PATH = re.compile(r"[A-Za-z0-9._:@/\[\]-]+")
+OPTIONAL_FIELDS = frozenset({"base_version", "digest"})  # of a snapshot: left out of the header when None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +76,7 @@ def encode(message: Message) -> list[bytes | memoryview]:
     payloads: list[memoryview] = []
     for field in dataclasses.fields(message):
         value = getattr(message, field.name)
-        if field.name == "payloads":
+        if field.name == "payloads" or (value is None and field.name in OPTIONAL_FIELDS and isinstance(message, SnapshotChunk)):
             continue
         if field.name == "codec":
             header["codec"], header["block"] = value.name, value.block
@@ -303,9 +304,14 @@ def _read_delta(fields: _FieldReader, payloads: list[memoryview], limits: Limits
 
 
 def _read_snapshot(fields: _FieldReader, payloads: list[memoryview], limits: Limits) -> SnapshotChunk:
+    version = fields.uint("version")
+    base = fields.uint("base_version") if "base_version" in fields.mapping else None
+    digest = fields.uint("digest", below=1 << 32) if "digest" in fields.mapping else None
+    if base is not None and (base >= version or digest is None):
+        raise ProtocolError("field_value", f"snapshot.base_version must be below version ({version}) and come with a digest, got {base}")
     return SnapshotChunk(
-        **_envelope(fields), fragment=fields.uint("fragment"), version=fields.uint("version"),
-        **_read_chunk_common(fields, payloads, limits),
+        **_envelope(fields), fragment=fields.uint("fragment"), version=version,
+        **_read_chunk_common(fields, payloads, limits), base_version=base, digest=digest,
     )
 
 

@@ -17,7 +17,7 @@ from typing import ClassVar, Union
 
 from protocol.quantization import Codec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: snapshots may be diffs (base_version, digest)
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -95,6 +95,10 @@ class SnapshotChunk:
     codec: Codec
     slices: tuple[TensorSlice, ...]
     payloads: tuple[Buffer, ...]
+    # A *diff* snapshot (compressed downlink, protocol/downlink.py) carries the change of the served
+    # value from version `base_version` to `version`; a full one carries the value and no base.
+    base_version: int | None = None
+    digest: int | None = None  # CRC-32 of the served value after this snapshot; required with a base
 
     @property
     def topic(self) -> str:

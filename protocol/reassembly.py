@@ -15,13 +15,14 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-from typing import Union
+from collections.abc import Iterable, Mapping
+from typing import Any, Union
 
 import numpy as np
 
 from protocol.errors import EncodeError, ProtocolError
-from protocol.messages import DeltaChunk, SnapshotChunk
-from protocol.quantization import CodedTensor
+from protocol.messages import DeltaChunk, SnapshotChunk, TensorSlice
+from protocol.quantization import Codec, CodedTensor
 
 Chunk = Union[DeltaChunk, SnapshotChunk]
 # Charged per chunk and per slice on top of payload bytes: measured Python object sizes, rounded up.
@@ -42,10 +43,19 @@ class Assembled:
     chunks: tuple[Chunk, ...]  # the chunks in index order (their payloads: views of received frames)
 
 
+def decode_slices(codec: Codec, shapes: Mapping[str, tuple[int, ...]], pieces: Iterable[tuple[TensorSlice, Any]]) -> dict[str, np.ndarray]:
+    """Float32 tensors of `shapes` from (slice, payload) pairs that together cover them: how every
+    receiver decodes, so a sender that calls it knows bit for bit what its receivers hold."""
+    flats = {path: np.empty(int(np.prod(shape, dtype=np.int64)), dtype=np.float32) for path, shape in shapes.items()}
+    for item, payload in pieces:
+        codec.decode(payload, item.count, out=flats[item.path][item.start : item.start + item.count])
+    return {path: flat.reshape(shapes[path]) for path, flat in flats.items()}
+
+
 def message_key(chunk: Chunk) -> tuple:
     if isinstance(chunk, DeltaChunk):
         return (chunk.sender, chunk.epoch, "delta", chunk.delta_id)
-    return (chunk.sender, chunk.epoch, "snapshot", chunk.fragment, chunk.version)
+    return (chunk.sender, chunk.epoch, "snapshot", chunk.fragment, chunk.version, chunk.base_version)
 
 
 def _identity(chunk: Chunk) -> tuple:
@@ -228,11 +238,8 @@ class Reassembler:
                 data = np.concatenate([np.frombuffer(p, np.uint8) for _, p in sorted(pieces[path], key=lambda piece: piece[0])])
                 tensors[path] = CodedTensor(codec, tuple(shape), data.reshape(-1, codec.record_nbytes))
         else:
-            flats = {path: np.empty(int(np.prod(shape, dtype=np.int64)), dtype=np.float32) for path, (_, shape) in partial.tensors.items()}
-            for chunk in ordered:
-                for item, payload in zip(chunk.slices, chunk.payloads):
-                    chunk.codec.decode(payload, item.count, out=flats[item.path][item.start : item.start + item.count])
-            tensors = {path: flat.reshape(partial.tensors[path][1]) for path, flat in flats.items()}
+            tensors = decode_slices(codec, {path: shape for path, (_, shape) in partial.tensors.items()},
+                                    ((item, payload) for chunk in ordered for item, payload in zip(chunk.slices, chunk.payloads)))
         self.stats.completed += 1
         return Assembled(
             key=key,

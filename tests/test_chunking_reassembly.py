@@ -163,14 +163,14 @@ def test_completed_keys_are_remembered_in_bounded_memory():
     assert len(reassembler._done) == 3
 
 
-def test_snapshots_reassemble_by_fragment_and_version():
+def test_snapshots_reassemble_by_fragment_version_and_base():
     plans = protocol.split_fragment(FRAGMENT, Codec("bf16"), 3000)
     chunks = wire([protocol.SnapshotChunk(sender="merger", epoch=1, seq=i + 1, fragment=1, version=8, chunk_index=i,
                                           chunk_count=len(plans), model="m", codec=Codec("bf16"), slices=p.slices, payloads=p.payloads)
                    for i, p in enumerate(plans)])
     reassembler = Reassembler()
     results = [r for c in reversed(chunks) if (r := reassembler.add(c, 0.0))]
-    assert len(results) == 1 and results[0].key == ("merger", 1, "snapshot", 1, 8)
+    assert len(results) == 1 and results[0].key == ("merger", 1, "snapshot", 1, 8, None)  # a full snapshot: no base
     for path, x in FRAGMENT.items():
         assert np.allclose(results[0].tensors[path], x, rtol=2**-8, atol=0)
 

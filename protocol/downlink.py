@@ -1,0 +1,103 @@
+"""Compressed downlink: snapshots that carry a fragment's *change*, quantized, not its whole value.
+
+The merger keeps, per fragment, the *served value* S: bit for bit what a receiver of every snapshot
+so far holds.  A full snapshot in codec c serves ``S_v = decode_c(encode_c(Theta_v))``.  A diff
+snapshot from version b to v carries ``encode_d(Theta_v - S_b)`` and serves
+``S_v = S_b + decode_d(encode_d(Theta_v - S_b))``, so one diff's quantization error is carried into
+the next diff (error feedback by construction) and S stays within one diff's error of the global
+model instead of drifting.  Every snapshot from a merger that sends diffs carries ``digest(S_v)``;
+a receiver that applied a diff to anything but ``S_b`` (a diff lost on the bus, a restarted merger)
+sees the digest differ and asks for the value again (catch-up, sent exact in fp32).
+
+Both ends decode with `protocol.reassembly.decode_slices` and add in float32 numpy, so the served
+value is the same bytes on every machine.  Pure numpy: no sockets, no clocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Mapping
+
+import numpy as np
+
+from protocol.chunking import ChunkPlan, split_fragment
+from protocol.errors import EncodeError
+from protocol.quantization import Codec
+from protocol.reassembly import decode_slices
+
+# What a receiver makes of a snapshot (`receive`): adopt the value, ignore it, or ask again.
+ADOPT = frozenset({"full", "diff"})
+ASK_AGAIN = frozenset({"missing", "gap", "mismatch"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """The value of one fragment a receiver holds at `version` (float32 tensors, as decoded)."""
+
+    version: int
+    tensors: Mapping[str, np.ndarray]
+    digest: int | None  # None: a full snapshot from a merger that sends no diffs (nothing to check against)
+
+
+def digest(tensors: Mapping[str, np.ndarray]) -> int:
+    """CRC-32 over each tensor's path (UTF-8) and float32 little-endian values, in sorted path order."""
+    crc = 0
+    for path in sorted(tensors):
+        crc = zlib.crc32(path.encode(), crc)
+        crc = zlib.crc32(memoryview(np.ascontiguousarray(tensors[path], dtype="<f4")).cast("B"), crc)
+    return crc
+
+
+def _decoded(plans: list[ChunkPlan], codec: Codec, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    return decode_slices(codec, shapes, ((item, payload) for plan in plans for item, payload in zip(plan.slices, plan.payloads)))
+
+
+def _carried(theta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The tensors a snapshot carries: float32, zero-size ones left out (they carry no values)."""
+    return {path: np.asarray(value, np.float32) for path, value in theta.items() if np.size(value)}
+
+
+def full(theta: Mapping[str, np.ndarray], version: int, codec: Codec, max_chunk_bytes: int) -> tuple[Served, list[ChunkPlan]]:
+    """A full snapshot of `theta` in `codec`: its chunks and the value its receivers will hold."""
+    carried = _carried(theta)
+    plans = split_fragment(carried, codec, max_chunk_bytes)
+    held = _decoded(plans, codec, {path: value.shape for path, value in carried.items()})
+    return Served(version, held, digest(held)), plans
+
+
+def diff(theta: Mapping[str, np.ndarray], served: Served, version: int, codec: Codec, max_chunk_bytes: int) -> tuple[Served, list[ChunkPlan]]:
+    """A diff snapshot taking receivers from `served` to (about) `theta` at `version`."""
+    carried = _carried(theta)
+    if set(carried) != set(served.tensors) or version <= served.version:
+        raise EncodeError(f"a diff needs the served tensors and a newer version (served {served.version}, asked {version})")
+    change = {path: carried[path] - served.tensors[path] for path in carried}
+    plans = split_fragment(change, codec, max_chunk_bytes)
+    held = apply(served.tensors, _decoded(plans, codec, {path: value.shape for path, value in change.items()}))
+    return Served(version, held, digest(held)), plans
+
+
+def apply(held: Mapping[str, np.ndarray], change: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {path: np.add(held[path], change[path], dtype=np.float32) for path in held}
+
+
+def receive(held: Served | None, version: int, base_version: int | None, expected: int | None,
+            tensors: Mapping[str, np.ndarray]) -> tuple[Served | None, str]:
+    """What a receiver holds after a complete snapshot, and what happened:
+    ``full`` / ``diff``: a newer value, adopt it; ``old``: nothing newer, ignore it;
+    ``missing`` (a diff, no value held), ``gap`` (a diff from a version not held), ``mismatch``
+    (applied, but the digest differs): keep what is held and ask for the value again."""
+    if base_version is None:
+        newer = held is None or version > held.version
+        replaced = held is not None and version == held.version and expected is not None and expected != held.digest
+        return (Served(version, dict(tensors), expected), "full") if newer or replaced else (held, "old")
+    if held is not None and version <= held.version:
+        return held, "old"
+    if held is None:
+        return held, "missing"
+    if base_version != held.version or set(tensors) != set(held.tensors):
+        return held, "gap"
+    value = apply(held.tensors, tensors)
+    if digest(value) != expected:
+        return held, "mismatch"
+    return Served(version, value, expected), "diff"

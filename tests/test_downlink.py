@@ -1,0 +1,125 @@
+"""Compressed downlink (protocol/downlink.py): the served value, by hand; receivers rebuild it bit for
+bit through the real framing and reassembly; a diff that does not apply is refused (the island's
+side of that, asking again, is in test_island_network.py)."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+import protocol
+from protocol import downlink
+
+F32 = np.float32
+
+
+def test_digest_by_hand():
+    one = np.array([1.0], F32)  # 0x3f800000, little-endian
+    assert downlink.digest({"a": one}) == zlib.crc32(b"\x00\x00\x80\x3f", zlib.crc32(b"a"))
+    two = {"b": np.array([2.0], F32), "a": one}  # sorted by path, whatever the insertion order
+    assert downlink.digest(two) == zlib.crc32(b"\x00\x00\x00\x40", zlib.crc32(b"b", zlib.crc32(b"\x00\x00\x80\x3f", zlib.crc32(b"a"))))
+    assert downlink.digest({"a": np.array([-0.0], F32)}) != downlink.digest({"a": np.array([0.0], F32)})  # bytes, not values
+
+
+def test_a_full_snapshot_serves_what_its_codec_decodes():
+    theta = {"w": np.array([1.0, 1.0 + 2.0**-10, 3.0], F32), "empty": np.zeros((0, 4), F32)}
+    served, plans = downlink.full(theta, 5, protocol.Codec("bf16"), 1 << 20)
+    assert served.version == 5 and set(served.tensors) == {"w"}  # zero-size tensors carry nothing
+    np.testing.assert_array_equal(served.tensors["w"], [1.0, 1.0, 3.0])  # bf16 keeps 8 significant bits: 1 + 2^-10 -> 1
+    assert served.digest == downlink.digest({"w": np.array([1.0, 1.0, 3.0], F32)})
+    assert sum(p.nbytes for p in plans) == 6
+
+
+def test_a_diff_carries_the_previous_diffs_error():
+    """int4, one block of 8: scale = absmax / 7, q = round(x / scale).  The first diff of
+    [7, 3.4, 0...] decodes to [7, 3, 0...]; the model then stands still, so the second diff is the
+    first one's error [0, 0.4, 0...], which int4 carries exactly up to float32 rounding."""
+    int4 = protocol.Codec("int4", block=8)
+    zero, _ = downlink.full({"w": np.zeros(8, F32)}, 0, protocol.Codec("fp32"), 1 << 20)
+    theta = {"w": np.array([7, 3.4, 0, 0, 0, 0, 0, 0], F32)}
+    first, plans = downlink.diff(theta, zero, 1, int4, 1 << 20)
+    np.testing.assert_array_equal(first.tensors["w"], [7, 3, 0, 0, 0, 0, 0, 0])
+    assert sum(p.nbytes for p in plans) == 4 + 4  # one record: float32 scale + 8 nibbles
+    second, _ = downlink.diff(theta, first, 2, int4, 1 << 20)
+    np.testing.assert_allclose(second.tensors["w"], theta["w"], rtol=0, atol=1e-6)
+    assert (second.version, second.digest) == (2, downlink.digest(second.tensors))
+    with pytest.raises(protocol.EncodeError):
+        downlink.diff(theta, second, 2, int4, 1 << 20)  # not newer
+    with pytest.raises(protocol.EncodeError):
+        downlink.diff({"v": np.ones(8, F32)}, second, 3, int4, 1 << 20)  # other tensors
+
+
+def test_receive_rules_by_hand():
+    a = {"w": np.array([1.0, 2.0], F32)}
+    held = downlink.Served(3, a, downlink.digest(a))
+    change = {"w": np.array([0.5, -0.25], F32)}
+    after = {"w": np.array([1.5, 1.75], F32)}
+    good = downlink.digest(after)
+
+    assert downlink.receive(None, 3, None, None, a)[1] == "full"
+    assert downlink.receive(held, 2, None, 7, a) == (held, "old")
+    assert downlink.receive(held, 3, None, held.digest, a) == (held, "old")  # the value already held
+    replaced, outcome = downlink.receive(held, 3, None, held.digest + 1, after)  # same version, other value: a restarted merger
+    assert outcome == "full" and replaced.digest == held.digest + 1
+
+    value, outcome = downlink.receive(held, 4, 3, good, change)
+    assert outcome == "diff" and value.version == 4 and value.digest == good
+    np.testing.assert_array_equal(value.tensors["w"], after["w"])
+    assert downlink.receive(held, 4, 3, good ^ 1, change) == (held, "mismatch")
+    assert downlink.receive(held, 5, 4, good, change) == (held, "gap")
+    assert downlink.receive(held, 4, 3, good, {"v": change["w"]}) == (held, "gap")
+    assert downlink.receive(None, 4, 3, good, change) == (None, "missing")
+    assert downlink.receive(held, 3, 2, good, change) == (held, "old")
+    assert downlink.ASK_AGAIN == {"missing", "gap", "mismatch"} and downlink.ADOPT == {"full", "diff"}
+
+
+def snapshot_frames(served_plans, version, codec, base=None, digest=None, seq=1):
+    return [protocol.encode(protocol.SnapshotChunk(sender="m", epoch=1, seq=seq + i, fragment=0, version=version, chunk_index=i,
+                                                   chunk_count=len(served_plans), model="m", codec=codec, slices=plan.slices,
+                                                   payloads=plan.payloads, base_version=base, digest=digest))
+            for i, plan in enumerate(served_plans)]
+
+
+def test_receivers_rebuild_the_served_value_bit_for_bit_through_the_wire():
+    """Sender: a full bf16 snapshot, then 20 int4 diffs of a drifting model, cut into small chunks.
+    Receiver: the real decoder and reassembler, chunks in reverse order.  Same bytes every version."""
+    rng = np.random.default_rng(0)
+    theta = {"a": rng.normal(size=(64, 33)).astype(F32), "b": rng.normal(size=(1000,)).astype(F32)}
+    bf16, int4 = protocol.Codec("bf16"), protocol.Codec("int4", block=64)
+    served, plans = downlink.full(theta, 0, bf16, 1 << 20)
+    held, reassembler = None, protocol.Reassembler()
+    frames = snapshot_frames(plans, 0, bf16, digest=served.digest)
+    for version in range(21):
+        if version:
+            theta = {p: v + 0.01 * rng.normal(size=v.shape).astype(F32) for p, v in theta.items()}
+            served, plans = downlink.diff(theta, served, version, int4, 512)
+            frames = snapshot_frames(plans, version, int4, base=version - 1, digest=served.digest, seq=100 * version)
+        assert len(frames) >= (1 if version == 0 else 2)
+        for chunk in reversed(frames):
+            assembled = reassembler.add(protocol.decode(chunk), now=0.0)
+        head = assembled.header
+        held, outcome = downlink.receive(held, head.version, head.base_version, head.digest, assembled.tensors)
+        assert outcome == ("full" if version == 0 else "diff") and held.digest == served.digest
+        for path in theta:
+            np.testing.assert_array_equal(held.tensors[path], served.tensors[path])
+    # error feedback keeps the served value within one diff's error of the model after 20 diffs
+    assert max(float(np.abs(served.tensors[p] - theta[p]).max()) for p in theta) < 0.01
+
+
+def test_a_snapshot_header_carries_base_and_digest_only_for_diffs():
+    plan = protocol.split_fragment({"w": np.ones(8, F32)}, protocol.Codec("fp32"))[0]
+    full = protocol.encode(protocol.SnapshotChunk(sender="m", epoch=1, seq=1, fragment=0, version=2, chunk_index=0, chunk_count=1,
+                                                  model="m", codec=protocol.Codec("fp32"), slices=plan.slices, payloads=plan.payloads))
+    assert b"base_version" not in bytes(full[1]) and b"digest" not in bytes(full[1])  # what peers before diffs sent and accept
+    decoded = protocol.decode(full)
+    assert decoded.base_version is None and decoded.digest is None
+    diff = snapshot_frames([plan], 2, protocol.Codec("fp32"), base=1, digest=123)[0]
+    decoded = protocol.decode(diff)
+    assert (decoded.base_version, decoded.digest) == (1, 123)
+    for base, digest, reason in ((2, 5, "field_value"), (1, None, "field_value"), (1, 1 << 32, "field_value")):
+        bad = snapshot_frames([plan], 2, protocol.Codec("fp32"), base=base, digest=digest)[0]
+        with pytest.raises(protocol.ProtocolError) as error:
+            protocol.decode(bad)
+        assert error.value.reason == reason
