@@ -44,7 +44,8 @@ class ClusterConfig:
     sync: dict = dataclasses.field(default_factory=lambda: {"fragments": 4, "interval": 48, "codec": "int4", "alpha": 0.0, "error_feedback": False})
     merger: dict = dataclasses.field(default_factory=lambda: {"max_staleness": 4, "quorum": 1, "grace_cap_s": 1.0, "outer": "nesterov",
                                                               "outer_lr": 0.7, "snapshot_codec": "bf16", "merge": "rda",
-                                                              "quorum_timeout_s": 30.0, "delay": 4})
+                                                              "quorum_timeout_s": 30.0, "delay": 4,
+                                                              "snapshot_diff_codec": "int4", "snapshot_full_every": 0})
     chaos: tuple[ChaosEvent, ...] = ()  # kill -9 / restart schedule (cluster.chaos)
     mode: str = "decoupled"  # or a synchronous baseline: "sync-diloco", "sync-dp" (see MODES)
 
@@ -56,6 +57,10 @@ class ClusterConfig:
         require(self.sync["codec"] in CODEC_NAMES, f"sync.codec must be one of {CODEC_NAMES}, got {self.sync['codec']!r}")
         check(self.chaos, self.process_names)
         require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
+        diff = self.merger["snapshot_diff_codec"]
+        require(diff == "none" or diff in CODEC_NAMES, f"merger.snapshot_diff_codec must be 'none' or one of {CODEC_NAMES}, got {diff!r}")
+        every = self.merger["snapshot_full_every"]
+        require(type(every) is int and every >= 0, f"merger.snapshot_full_every must be an int >= 0, got {every!r}")
 
     def effective(self) -> tuple[dict, dict]:
         """(sync, merger) settings after the mode's overrides."""
@@ -90,12 +95,14 @@ MODES = {
     "decoupled": {},
     "sync-diloco": {"sync": {"fragments": 1, "blocking": True}, "merger": {"quorum": "all", "grace_cap_s": 0.0}},
     "sync-dp": {"sync": {"fragments": 1, "interval": 1, "codec": "fp32", "blocking": True},
-                "merger": {"quorum": "all", "grace_cap_s": 0.0, "merge": "average", "outer": "sgd", "outer_lr": 1.0, "snapshot_codec": "fp32"}},
+                "merger": {"quorum": "all", "grace_cap_s": 0.0, "merge": "average", "outer": "sgd", "outer_lr": 1.0, "snapshot_codec": "fp32",
+                           "snapshot_diff_codec": "none"}},
 }
 
 _SECTIONS = {"run": {"duration_s", "eval_every", "seed", "mode"}, "model": {"width", "depth", "heads", "context", "batch"},
              "sync": {"fragments", "interval", "codec", "alpha", "error_feedback"},
-             "merger": {"max_staleness", "quorum", "grace_cap_s", "outer", "outer_lr", "snapshot_codec", "merge", "quorum_timeout_s", "delay"}}
+             "merger": {"max_staleness", "quorum", "grace_cap_s", "outer", "outer_lr", "snapshot_codec", "merge", "quorum_timeout_s", "delay",
+                        "snapshot_diff_codec", "snapshot_full_every"}}
 
 
 def load(path: str | Path | None = None) -> ClusterConfig:

@@ -119,7 +119,7 @@ def run_island(args: argparse.Namespace) -> int:
         if link is not None:
             link.close()
     if link is not None:
-        summary.update(deltas_sent=link.deltas_sent, rebased=link.rebased, acks=dict(link.results))
+        summary.update(deltas_sent=link.deltas_sent, rebased=link.rebased, acks=dict(link.results), snapshots=dict(link.downlink_results))
     log.info("done", **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})
     print(json.dumps(summary))
     return 0

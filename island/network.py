@@ -5,8 +5,9 @@ The training loop calls `publish` and `snapshots`; neither waits.  Threads own t
 - publisher: takes deltas from the outbox, quantizes and chunks them, paces them through the
   uplink shaper, sends them on a PUB (connects to the delta bus);
 - receiver: a SUB on the snapshot bus and a DEALER to the merger's ROUTER (catch-up request on
-  start); reassembles snapshots, holds each until the downlink shaper says it has arrived, and
-  queues it for the loop.
+  start); reassembles snapshots, applies diff snapshots to the value it holds (protocol/downlink.py;
+  one that does not apply makes it ask for the fragment's value again), holds each until the
+  downlink shaper says it has arrived, and queues it for the loop.
 
 Outbox: at most one pending delta per fragment.  When the link is slower than deltas are made, a
 newer delta of a fragment whose older one is still unsent is *rebased* onto it: the two are summed
@@ -25,6 +26,7 @@ import numpy as np
 import zmq
 
 import protocol
+from protocol import downlink
 from island.config import SyncConfig
 from broker.security import Security
 from broker.sequencing import RetransmitBuffer
@@ -32,6 +34,7 @@ from island.shaper import LinkShaper
 
 POLL_MS = 50
 HEARTBEAT_S = 0.5  # a heartbeat carries the last seq, so a lost tail is asked for within this
+ASK_AGAIN_S = 1.0  # a fragment whose diff could not be applied is asked for at most this often
 PROBE_AFTER_S = 3.0  # a delta admitted this long ago and still unsettled: its result (an ack) was lost; ask again
 
 
@@ -56,6 +59,11 @@ class NetworkLink:
         self._order: collections.deque[int] = collections.deque()
         self._arrived: collections.deque = collections.deque()
         self._residuals: dict[str, np.ndarray] = {}
+        # fragment -> the merger's value as received (protocol/downlink.py): diff snapshots apply to it
+        self._served: dict[int, downlink.Served] = {}
+        self._asked: dict[int, float] = {}  # fragment -> when its value was last asked for
+        self._asked_all = -ASK_AGAIN_S  # when every fragment was (at start)
+        self.downlink_results: collections.Counter[str] = collections.Counter()  # full, diff, old, gap, mismatch, ...
         self._settled: set[int] = set()  # delta ids acknowledged (an ack can arrive twice)
         # Sent, not yet settled: delta id -> [last seq, first chunk's frames, when admitted (the cursor
         # passed it) or last probed, when admitted]; the times are None until the cursor passes.
@@ -210,6 +218,7 @@ class NetworkLink:
         dealer.connect(self.endpoints[2].removeprefix(">"))
         self._dealer = dealer
         dealer.send_multipart(protocol.encode(protocol.SnapshotRequest(sender=self.name, epoch=self.epoch, seq=0, fragments=())))
+        self._asked_all = time.monotonic()
         reassembler = protocol.Reassembler()
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
@@ -286,5 +295,26 @@ class NetworkLink:
             return
         if assembled is not None:
             head = assembled.header
+            held, outcome = downlink.receive(self._served.get(head.fragment), head.version, head.base_version, head.digest, assembled.tensors)
+            self.downlink_results[outcome] += 1
+            if outcome in downlink.ASK_AGAIN:
+                self._ask_for_value(head.fragment)
+            if outcome not in downlink.ADOPT:
+                return
+            self._served[head.fragment] = held
             with self._lock:
-                self._arrived.append((arrives, (head.fragment, head.version, assembled.tensors)))
+                self._arrived.append((arrives, (head.fragment, head.version, held.tensors)))
+
+    def _ask_for_value(self, fragment: int) -> None:
+        """A diff snapshot could not be applied: ask the merger for the fragment's value (at most
+        once per ASK_AGAIN_S; diffs arriving meanwhile fail the same way and are counted)."""
+        now = time.monotonic()
+        if now - self._asked.get(fragment, self._asked_all) < ASK_AGAIN_S:
+            return
+        self._asked[fragment] = now
+        request = protocol.SnapshotRequest(sender=self.name, epoch=self.epoch, seq=self.seq, fragments=(fragment,))
+        try:
+            self._dealer.send_multipart(protocol.encode(request), flags=zmq.NOBLOCK)
+            self.downlink_results["asked"] += 1
+        except zmq.Again:
+            self.resend_deferred += 1

@@ -9,7 +9,17 @@ from pathlib import Path
 import numpy as np
 
 from merger.config import ConfigError, MergeConfig, MergerConfig, OuterConfig, RoundConfig
-from protocol import DlocoError
+from protocol import CODEC_NAMES, DlocoError
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
 
 
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
@@ -29,7 +39,11 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     merger.add_argument("--quorum", type=positive_int, default=1, help="K: deltas per fold (default 1: nobody waits)")
     merger.add_argument("--quorum-timeout", type=float, default=30.0, help="fold with fewer than K once the oldest pending delta waited this long")
     merger.add_argument("--grace-cap", type=float, default=1.0, help="seconds a round may wait for a predicted late island")
-    merger.add_argument("--snapshot-codec", choices=("fp32", "bf16"), default="fp32")
+    merger.add_argument("--snapshot-codec", choices=("fp32", "bf16"), default="fp32", help="codec of full snapshots")
+    merger.add_argument("--snapshot-diff-codec", choices=("none", *CODEC_NAMES), default="none",
+                        help="publish each fold as the change since the previous snapshot in this codec (default none: full snapshots)")
+    merger.add_argument("--snapshot-full-every", type=non_negative_int, default=0,
+                        help="with diffs: every N-th version of a fragment goes out in full (default 0: never; islands ask when they miss one)")
     merger.add_argument("--fsync", choices=("always", "batch", "never"), default="batch")
     merger.add_argument("--checkpoint-every", type=positive_int, default=50, help="folds between checkpoints")
     merger.add_argument("--peer-timeout", type=float, default=10.0, help="seconds of silence after which an island is logged as gone")
@@ -67,6 +81,8 @@ def run_merger(args: argparse.Namespace) -> int:
         security = security_from_args(args, args.name, "merger")
         service = MergerService(ServiceConfig(args.run_dir, args.delta_endpoint, args.snapshot_endpoint, args.control_endpoint,
                                               sender=args.name, snapshot_codec=args.snapshot_codec, fsync=args.fsync,
+                                              snapshot_diff_codec="" if args.snapshot_diff_codec == "none" else args.snapshot_diff_codec,
+                                              snapshot_full_every=args.snapshot_full_every,
                                               checkpoint_every=args.checkpoint_every, security=security,
                                               peer_timeout_s=args.peer_timeout), core_factory=factory)
     except (DlocoError, OSError, zmq.ZMQError) as error:

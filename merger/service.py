@@ -28,6 +28,7 @@ import numpy as np
 import zmq
 
 import protocol
+from protocol import downlink
 from broker.security import Security
 from broker.sequencing import GapTracker
 from cluster.telemetry import configure_logging
@@ -51,7 +52,9 @@ class ServiceConfig:
     snapshot_endpoint: str  # PUB
     control_endpoint: str  # ROUTER
     sender: str = "merger"
-    snapshot_codec: str = "fp32"  # fp32 | bf16
+    snapshot_codec: str = "fp32"  # fp32 | bf16: full snapshots
+    snapshot_diff_codec: str = ""  # "" (off) or int8 | int4 | ...: publish each fold as a diff (protocol/downlink.py)
+    snapshot_full_every: int = 0  # with diffs: publish every N-th version of a fragment in full (0: never; catch-up covers gaps)
     max_chunk_bytes: int = protocol.DEFAULT_MAX_CHUNK_BYTES
     fsync: str = "batch"
     checkpoint_every: int = 50  # folds between checkpoints
@@ -89,6 +92,7 @@ class MergerService:
         self.warming.start()
         self.reassembler = protocol.Reassembler(ttl_s=config.reassembly_ttl_s, max_bytes=config.reassembly_bytes, decode=False)
         self.counters: dict[str, int] = {}
+        self.served: dict[int, downlink.Served] = {}  # with diff snapshots: what islands hold of each fragment
         self.context = zmq.Context()
         self.delta_sub = self._socket(zmq.SUB, config.delta_endpoint, server="broker")
         self.delta_sub.setsockopt(zmq.SUBSCRIBE, b"delta/")
@@ -284,17 +288,38 @@ class MergerService:
         self.seq += 1
         return self.seq
 
-    def snapshot_frames(self, fragment: int, on_bus: bool = True, state=None):
+    def snapshot_frames(self, fragment: int, on_bus: bool = True, state=None) -> list:
         """Frames of a snapshot of `fragment` (the current one unless `state` is given).  Point-to-point
-        replies (on_bus False) are not part of the bus stream: they carry the last stream seq instead of a new one."""
+        replies (on_bus False) are not part of the bus stream: they carry the last stream seq instead of a new one.
+
+        With a diff codec, a bus snapshot is the change since the previous one (protocol/downlink.py)
+        and a point-to-point reply is the served value itself, exact (fp32), so the receiver can apply
+        the diffs that follow."""
         state = self.core.states[fragment] if state is None else state
-        codec = protocol.Codec(self.config.snapshot_codec)
-        plans = protocol.split_fragment({p: np.asarray(v) for p, v in state.params.items()}, codec, self.config.max_chunk_bytes)
-        for index, plan in enumerate(plans):
-            yield protocol.encode(protocol.SnapshotChunk(
-                sender=self.config.sender, epoch=self.epoch, seq=self.next_seq() if on_bus else self.seq, fragment=fragment, version=state.version,
-                chunk_index=index, chunk_count=len(plans), model=self.core.model, codec=codec,
-                slices=plan.slices, payloads=plan.payloads))
+        params = {p: np.asarray(v) for p, v in state.params.items()}
+        full_codec, limit = protocol.Codec(self.config.snapshot_codec), self.config.max_chunk_bytes
+        version, base, digest = state.version, None, None
+        if not self.config.snapshot_diff_codec:
+            codec, plans = full_codec, protocol.split_fragment(params, full_codec, limit)
+        else:
+            served, every = self.served.get(fragment), self.config.snapshot_full_every
+            if served is None or (on_bus and (state.version <= served.version or (every and state.version % every == 0))):
+                served, plans = downlink.full(params, state.version, full_codec, limit)
+                codec = full_codec
+            elif on_bus:
+                base, codec = served.version, protocol.Codec(self.config.snapshot_diff_codec)
+                served, plans = downlink.diff(params, served, state.version, codec, limit)
+            else:
+                codec = protocol.Codec("fp32")
+                plans = protocol.split_fragment(served.tensors, codec, limit)
+            self.served[fragment] = served
+            version, digest = served.version, served.digest
+            self.count("merger/snapshot_catch_up" if not on_bus else "merger/snapshot_diff" if base is not None else "merger/snapshot_full")
+        return [protocol.encode(protocol.SnapshotChunk(
+                    sender=self.config.sender, epoch=self.epoch, seq=self.next_seq() if on_bus else self.seq, fragment=fragment, version=version,
+                    chunk_index=index, chunk_count=len(plans), model=self.core.model, codec=codec,
+                    slices=plan.slices, payloads=plan.payloads, base_version=base, digest=digest))
+                for index, plan in enumerate(plans)]
 
     def publish_snapshot(self, fragment: int, state=None) -> None:
         for frames in self.snapshot_frames(fragment, state=state):

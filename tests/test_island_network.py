@@ -16,12 +16,14 @@ import zmq
 
 import protocol
 from island import data
+from protocol import downlink
 from island.config import ModelConfig, SyncConfig, TrainConfig
 from island.loop import IslandLoop
 from island.metrics import MetricsWriter
 from island.network import NetworkLink
 from island.shaper import LinkShaper
 from island.train import Trainer
+from tests.test_downlink import F32, snapshot_frames
 from tests.test_merger_process import free_port, free_ports
 
 TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--batch", "8", "--seed", "0"]
@@ -45,7 +47,8 @@ def test_merger_and_two_islands_exchange_and_fold(tmp_path):
     ports = free_ports(3)
     merger = subprocess.Popen([sys.executable, "-m", "cluster.cli", "merger", "--run-dir", str(tmp_path / "m"), "--init-npz", str(init),
                                "--fragments", "2", "--delta-endpoint", f"@tcp://127.0.0.1:{ports[0]}",
-                               "--snapshot-endpoint", f"@tcp://127.0.0.1:{ports[1]}", "--control-endpoint", f"@tcp://127.0.0.1:{ports[2]}", "--insecure"],
+                               "--snapshot-endpoint", f"@tcp://127.0.0.1:{ports[1]}", "--control-endpoint", f"@tcp://127.0.0.1:{ports[2]}", "--insecure",
+                               "--snapshot-diff-codec", "int4"],  # folds go down as int4 diffs (protocol/downlink.py)
                               stdout=open(tmp_path / "merger.log", "wb"), stderr=subprocess.STDOUT)
     islands = []
     try:
@@ -64,6 +67,8 @@ def test_merger_and_two_islands_exchange_and_fold(tmp_path):
                 p.wait(timeout=30)
     for summary in summaries:
         assert summary["deltas_sent"] >= 10 and summary["acks"].get("folded", 0) == summary["deltas_sent"], summary
+        # every diff applied to exactly the value the merger served: a different byte anywhere is a mismatch
+        assert summary["snapshots"].get("diff", 0) >= 10 and summary["snapshots"].get("mismatch", 0) == 0, summary
     folds = [json.loads(line) for line in open(tmp_path / "merger.log") if '"fold"' in line]
     assert {name for fold in folds for name in fold["contributors"]} == {"isl-0", "isl-1"}
     versions = [json.loads(line)["snapshot_version"] for line in open(tmp_path / "isl-0.jsonl") if '"snapshot_version"' in line]
@@ -201,3 +206,73 @@ def test_a_delta_settled_without_a_fold_is_counted_per_fragment():
         assert link.unfolded == {1: 2, 0: 1} and link.results["folded"] == 1 and link.results["rejected"] == 3
     finally:
         link.close()
+
+
+@pytest.mark.timeout(30)
+def test_an_island_asks_again_for_a_fragment_whose_diff_does_not_apply():
+    """A real NetworkLink; the test binds the snapshot bus (XPUB) and a ROUTER standing in for the
+    merger's.  A diff from a version the island does not hold, or whose digest does not match, is not
+    adopted, and the island asks for that fragment's value (at most once per second)."""
+    context = zmq.Context()
+    bus, router = context.socket(zmq.XPUB), context.socket(zmq.ROUTER)
+    snapshot, control = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    bus.bind(snapshot)
+    router.bind(control)
+    link = NetworkLink("isl", "m", SyncConfig(fragments=1, interval=1), f"tcp://127.0.0.1:{free_port()}", snapshot, control)
+    try:
+        assert router.poll(5000) and protocol.decode(router.recv_multipart()[1:]).fragments == ()  # the start-up request: all
+        subscribed = set()
+        while subscribed != {b"\x01snapshot/", b"\x01ack"}:
+            assert bus.poll(5000), "the island never subscribed"
+            subscribed.add(bus.recv())
+        time.sleep(downlink_ask_again())  # past the start-up request's cover
+
+        fp32 = protocol.Codec("fp32")
+        start, plans = downlink.full({"w": np.ones(4, F32)}, 3, fp32, 1 << 20)
+        nxt, diff_plans = downlink.diff({"w": np.full(4, 2.0, F32)}, start, 4, fp32, 1 << 20)
+        later, later_plans = downlink.diff({"w": np.full(4, 3.0, F32)}, nxt, 5, fp32, 1 << 20)  # reused below for other versions
+        send = lambda frames: bus.send_multipart(frames[0])  # noqa: E731
+        send(snapshot_frames(plans, 3, fp32, digest=start.digest))
+        send(snapshot_frames(later_plans, 6, fp32, base=5, digest=later.digest, seq=10))  # versions 4 and 5 not here (yet)
+        assert [r.fragments for r in _requests(router, 1)] == [(0,)]
+        send(snapshot_frames(diff_plans, 4, fp32, base=3, digest=nxt.digest, seq=20))  # a late one: applies
+        send(snapshot_frames(later_plans, 5, fp32, base=4, digest=later.digest ^ 1, seq=30))  # a digest that does not match: refused
+        _wait(lambda: link.downlink_results["mismatch"] == 1)
+        assert link.downlink_results == {"full": 1, "gap": 1, "diff": 1, "mismatch": 1, "asked": 1}  # asked once: within 1 s
+        time.sleep(downlink_ask_again())
+        send(snapshot_frames(later_plans, 7, fp32, base=6, digest=later.digest, seq=40))
+        assert [r.fragments for r in _requests(router, 1)] == [(0,)]
+        _wait(lambda: link.downlink_results["asked"] == 2)
+        caught_up, catch_up_plans = downlink.full({"w": np.full(4, 5.0, F32)}, 7, fp32, 1 << 20)
+        send(snapshot_frames(catch_up_plans, 7, fp32, digest=caught_up.digest, seq=50))  # the answer (point to point in real life)
+        _wait(lambda: link.downlink_results["full"] == 2)
+        got = link.snapshots()
+        assert [(f, v) for f, v, _ in got] == [(0, 3), (0, 4), (0, 7)]
+        np.testing.assert_array_equal(got[1][2]["w"], np.full(4, 2.0, F32))
+        np.testing.assert_array_equal(got[2][2]["w"], np.full(4, 5.0, F32))
+    finally:
+        link.close()
+        bus.close(linger=0)
+        router.close(linger=0)
+        context.term()
+
+
+def _wait(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def downlink_ask_again() -> float:
+    from island.network import ASK_AGAIN_S
+
+    return ASK_AGAIN_S + 0.05
+
+
+def _requests(router: zmq.Socket, count: int) -> list[protocol.SnapshotRequest]:
+    out = []
+    while len(out) < count:
+        assert router.poll(5000), "no snapshot request arrived"
+        out.append(protocol.decode(router.recv_multipart()[1:]))
+    return out
