@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(run=_up)
 
     experiment = commands.add_parser("experiment", help="run a named suite of cluster runs side by side; Markdown + PNG plots")
-    experiment.add_argument("name", choices=("speedup", "heterogeneous", "faults", "quantization", "merging"), help="the suite (cluster/experiments.py says what each measures)")
+    experiment.add_argument("name", choices=("speedup", "heterogeneous", "faults", "quantization", "merging", "downlink"), help="the suite (cluster/experiments.py says what each measures)")
     experiment.add_argument("--quick", action="store_true", help="tiny model, 40 s runs (faults 90 s): checks directions, not magnitudes")
     experiment.add_argument("--seconds", type=float, default=None, help="seconds per run (default: the suite's, 150-300; 40 with --quick)")
     experiment.add_argument("--config", type=Path, default=None, help="cluster file the runs start from (default: the shipped profile)")

@@ -78,9 +78,12 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
     "merging": ("Plain weighted average vs RDA at 2 and 4 islands; Nesterov vs Delayed Nesterov (4 islands, RDA).",
                 [(f"{merge}-{n}-islands", _both(_set("merger", merge=merge), _islands(n))) for n in (2, 4) for merge in ("average", "rda")]
                 + [("delayed-nesterov-4-islands", _set("merger", outer="delayed_nesterov"))]),
+    "downlink": ("Snapshots down as the whole fragment in bf16 after every fold vs int4 diffs of the value islands hold "
+                 "(protocol/downlink.py), decoupled: bytes per token, and whether the loss pays for them.",
+                 [("bf16-full", _set("merger", snapshot_diff_codec="none")), ("int4-diff", _set("merger", snapshot_diff_codec="int4"))]),
 }
 # Seconds per run by default (a suite stays within 30 minutes on 2 cores), and with --quick.
-DEFAULT_SECONDS = {"speedup": 300.0, "heterogeneous": 300.0, "faults": 300.0, "quantization": 150.0, "merging": 240.0}
+DEFAULT_SECONDS = {"speedup": 300.0, "heterogeneous": 300.0, "faults": 300.0, "quantization": 150.0, "merging": 240.0, "downlink": 300.0}
 QUICK_SECONDS = {"faults": 90.0}  # a fault needs islands that are already stepping; the others 40 s
 QUICK_MODEL = {"width": 32, "depth": 1, "heads": 2, "context": 32, "batch": 8}
 
