@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -33,9 +35,11 @@ def one_of_each_kind() -> list[protocol.Message]:
     plan = protocol.split_fragment(fragment, protocol.Codec("bf16"))[0]
     snapshot = protocol.SnapshotChunk(sender="merger", epoch=1, seq=9, fragment=2, version=4, chunk_index=0, chunk_count=1,
                                       model=delta.model, codec=protocol.Codec("bf16"), slices=plan.slices, payloads=plan.payloads)
+    diff = dataclasses.replace(snapshot, version=5, base_version=4, digest=0xDEADBEEF, codec=protocol.Codec("bf16"))  # a diff snapshot
     return [
         delta,
         snapshot,
+        diff,
         protocol.Heartbeat(sender="island-a", epoch=7, seq=12),
         protocol.Hello(sender="island-a", epoch=7, seq=0, role="island", region="us-east", model=delta.model, codecs=("int4", "bf16")),
         protocol.ResendRequest(sender="merger", epoch=1, seq=9, target="island-a", target_epoch=7, ranges=((3, 5), (9, 9))),
