@@ -8,7 +8,10 @@ Each suite is a list of (label, cluster-file transform).  Every run is a plain `
   run reaches it), from the islands' evaluations;
 - the islands' held-out loss at equal tokens (the fewest tokens any run's islands reached);
 - compute utilisation per island and bytes on the wire per trained token.
-`--quick` shortens every run (the tests use it to check directions, not magnitudes).
+`--quick` runs the tiny model, shorter, and only the runs of a suite whose direction shows within
+a minute (QUICK_RUNS): under 3 minutes per suite.  tests/test_experiments_quick.py runs every quick
+suite and checks each result's direction, not its magnitude (`pytest -m experiments`, ~15 minutes,
+outside the default test run).
 """
 
 from __future__ import annotations
@@ -84,7 +87,10 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
 }
 # Seconds per run by default (a suite stays within 30 minutes on 2 cores), and with --quick.
 DEFAULT_SECONDS = {"speedup": 300.0, "heterogeneous": 300.0, "faults": 300.0, "quantization": 150.0, "merging": 240.0, "downlink": 300.0}
-QUICK_SECONDS = {"faults": 90.0}  # a fault needs islands that are already stepping; the others 40 s
+# --quick: the tiny model, a few runs per suite (the ones whose direction shows in a minute), each suite
+# within 3 minutes on 2 cores (about 15 s of start-up per run on top of its seconds).
+QUICK_SECONDS = {"speedup": 35.0, "heterogeneous": 25.0, "faults": 65.0, "quantization": 35.0, "merging": 35.0, "downlink": 40.0}
+QUICK_RUNS = {"quantization": ("fp32", "int4", "int2"), "merging": ("average-4-islands", "rda-4-islands", "delayed-nesterov-4-islands")}
 QUICK_MODEL = {"width": 32, "depth": 1, "heads": 2, "context": 32, "batch": 8}
 
 
@@ -193,15 +199,22 @@ def plot(name: str, results: list[RunResult], out_dir: Path) -> list[Path]:
 def run(name: str, out_dir: Path, quick: bool = False, config_path: Path | None = None, seconds: float | None = None,
         log=lambda line: print(line, file=sys.stderr, flush=True)) -> str:
     """Run suite `name`; write OUT/<name>.md and OUT/experiments/*.png; return the Markdown."""
+    return run_suite(name, out_dir, quick, config_path, seconds, log)[0]
+
+
+def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path | None = None, seconds: float | None = None,
+              log=lambda line: print(line, file=sys.stderr, flush=True)) -> tuple[str, list[RunResult]]:
+    """`run`, also returning each run's results (the tests check their directions)."""
     from cluster import launcher
 
     if name not in SUITES:
         raise ConfigError(f"unknown experiment {name!r}; suites: {', '.join(SUITES)}")
     description, runs = SUITES[name]
     base = cluster_config.load(config_path)
-    base = dataclasses.replace(base, duration_s=seconds or (QUICK_SECONDS.get(name, 40.0) if quick else DEFAULT_SECONDS[name]), chaos=())
+    base = dataclasses.replace(base, duration_s=seconds or (QUICK_SECONDS[name] if quick else DEFAULT_SECONDS[name]), chaos=())
     if quick:
         base = dataclasses.replace(base, model={**base.model, **QUICK_MODEL}, eval_every=20)
+        runs = [(label, transform) for label, transform in runs if label in QUICK_RUNS.get(name, (label,))]
     started, results = time.monotonic(), []
     for index, (label, transform) in enumerate(runs, 1):
         config = transform(base)
@@ -215,5 +228,5 @@ def run(name: str, out_dir: Path, quick: bool = False, config_path: Path | None 
     text = summarize(name, description, results, command, time.monotonic() - started)
     plot(name, results, out_dir / "experiments")
     (out_dir / f"{name}.md").write_text(text)
-    return text
+    return text, results
 

@@ -1,0 +1,76 @@
+"""Every experiment suite's `--quick` variant, end to end, checking the direction of each result
+(issue #7): real clusters of islands, merger and broker on loopback, the tiny model, 2-3 minutes
+per suite.  About 15 minutes in all, so outside the default test run:
+
+    .venv/bin/python -m pytest -m experiments
+
+Only directions that show above the noise of one-minute runs on 2 shared cores are asserted (who
+waits, who keeps stepping, who sends fewer bytes); which codec or merge rule reaches the lower loss
+needs the default-length runs in EXPERIMENTS.md."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from cluster import experiments
+
+pytestmark = [pytest.mark.experiments, pytest.mark.timeout(400)]
+FAST = ("us-east", "us-west")  # the shipped profile's full-speed islands
+
+
+def quick(name: str, tmp_path) -> dict[str, experiments.RunResult]:
+    text, results = experiments.run_suite(name, tmp_path, quick=True, log=lambda line: None)
+    assert f"## `{name}`" in text and (tmp_path / "experiments" / f"{name}_loss_vs_time.png").exists()
+    for r in results:
+        assert r.exit_code == 0, r.label
+        assert r.global_after is not None and r.global_after < r.global_before, f"{r.label} did not train"
+    return {r.label: r for r in results}
+
+
+def utilisation(result: experiments.RunResult, islands=FAST) -> float:
+    return statistics.mean(result.last[i]["compute_util"] for i in islands)
+
+
+def test_speedup_decoupled_beats_data_parallel_in_time_bytes_and_utilisation(tmp_path):
+    runs = quick("speedup", tmp_path)
+    target = max(min(e["eval_loss"] for events in r.evals.values() for e in events) for r in runs.values())
+    assert experiments.time_to(runs["decoupled"], target) < experiments.time_to(runs["sync-dp"], target)
+    assert experiments.bytes_per_token(runs["sync-dp"]) > 20 * experiments.bytes_per_token(runs["decoupled"])
+    islands = tuple(runs["decoupled"].last)
+    assert utilisation(runs["decoupled"], islands) > 2 * utilisation(runs["sync-dp"], islands)
+
+
+def test_heterogeneous_only_sync_diloco_makes_fast_islands_wait_for_slow_ones(tmp_path):
+    runs = quick("heterogeneous", tmp_path)
+    assert utilisation(runs["sync-diloco-mixed"]) < 0.9 * utilisation(runs["sync-diloco-uniform"])
+    assert utilisation(runs["decoupled-mixed"]) > 1.2 * utilisation(runs["sync-diloco-mixed"])
+
+
+def test_faults_survivors_keep_stepping_in_decoupled_and_stall_in_sync_diloco(tmp_path):
+    runs = quick("faults", tmp_path)
+
+    def during_island_kill(label):
+        (row,) = [row for row in runs[label].chaos if row["action"] == "kill" and row["target"] != "merger"]
+        return row["others"]
+
+    decoupled, sync = during_island_kill("decoupled"), during_island_kill("sync-diloco")
+    assert decoupled and all(v["ratio"] >= 0.9 for v in decoupled.values()), decoupled
+    assert all(sync[i]["ratio"] < 0.5 for i in FAST), sync
+
+
+def test_quantization_fewer_bits_fewer_bytes(tmp_path):
+    runs = quick("quantization", tmp_path)
+    per_token = {label: experiments.bytes_per_token(r) for label, r in runs.items()}
+    assert per_token["fp32"] > per_token["int4"] > per_token["int2"], per_token
+
+
+def test_merging_every_rule_trains(tmp_path):
+    runs = quick("merging", tmp_path)  # quick() checks each lowered the global held-out loss
+    assert set(runs) == {"average-4-islands", "rda-4-islands", "delayed-nesterov-4-islands"}
+
+
+def test_downlink_diffs_cut_the_bytes(tmp_path):
+    runs = quick("downlink", tmp_path)
+    assert experiments.bytes_per_token(runs["int4-diff"]) < 0.7 * experiments.bytes_per_token(runs["bf16-full"])
