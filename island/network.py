@@ -63,6 +63,10 @@ class NetworkLink:
         self._served: dict[int, downlink.Served] = {}
         self._asked: dict[int, float] = {}  # fragment -> when its value was last asked for
         self._asked_all = -ASK_AGAIN_S  # when every fragment was (at start)
+        self.ask_again_s = ASK_AGAIN_S
+        self._wanted: dict[int, int] = {}  # fragment -> newest version seen in a diff that could not be applied
+        self._early: dict[int, tuple] = {}  # fragment -> a diff whose base is newer than the value held
+        self._merger_epoch: dict[str, int] = {}  # newest incarnation of each snapshot sender
         self.downlink_results: collections.Counter[str] = collections.Counter()  # full, diff, old, gap, mismatch, ...
         self._settled: set[int] = set()  # delta ids acknowledged (an ack can arrive twice)
         # Sent, not yet settled: delta id -> [last seq, first chunk's frames, when admitted (the cursor
@@ -219,15 +223,18 @@ class NetworkLink:
         self._dealer = dealer
         dealer.send_multipart(protocol.encode(protocol.SnapshotRequest(sender=self.name, epoch=self.epoch, seq=0, fragments=())))
         self._asked_all = time.monotonic()
-        reassembler = protocol.Reassembler()
+        # Bus and point-to-point snapshots reassemble apart: a catch-up reply (fp32) and a bus
+        # snapshot (bf16) of one version share a key, and chunks of one must not meet the other's.
+        reassemblers = {sub: protocol.Reassembler(), dealer: protocol.Reassembler()}
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(dealer, zmq.POLLIN)
         while not self._stop.is_set():
             for socket in dict(poller.poll(POLL_MS)):
                 frames = socket.recv_multipart(copy=False)
-                self._on_frames([f.buffer for f in frames], reassembler)
+                self._on_frames([f.buffer for f in frames], reassemblers[socket])
             self._probe_unsettled()
+            self._ask_for_values()
         sub.close(linger=0)
         dealer.close(linger=0)
 
@@ -294,27 +301,46 @@ class NetworkLink:
             self.results[f"dropped/{error.reason}"] += 1
             return
         if assembled is not None:
-            head = assembled.header
-            held, outcome = downlink.receive(self._served.get(head.fragment), head.version, head.base_version, head.digest, assembled.tensors)
-            self.downlink_results[outcome] += 1
-            if outcome in downlink.ASK_AGAIN:
-                self._ask_for_value(head.fragment)
-            if outcome not in downlink.ADOPT:
-                return
-            self._served[head.fragment] = held
-            with self._lock:
-                self._arrived.append((arrives, (head.fragment, head.version, held.tensors)))
+            self._on_snapshot(assembled.header, assembled.tensors, arrives)
 
-    def _ask_for_value(self, fragment: int) -> None:
-        """A diff snapshot could not be applied: ask the merger for the fragment's value (at most
-        once per ASK_AGAIN_S; diffs arriving meanwhile fail the same way and are counted)."""
-        now = time.monotonic()
-        if now - self._asked.get(fragment, self._asked_all) < ASK_AGAIN_S:
+    def _on_snapshot(self, head: protocol.SnapshotChunk, tensors: dict[str, np.ndarray], arrives: float) -> None:
+        """Hold and queue a newer value of the fragment; a diff that does not apply to the value held
+        is kept (the next full value may be its base) and the fragment's value is asked for."""
+        if head.epoch < self._merger_epoch.get(head.sender, 0):  # a restarted merger's predecessor, delayed
+            self.downlink_results["old_epoch"] += 1
             return
-        self._asked[fragment] = now
-        request = protocol.SnapshotRequest(sender=self.name, epoch=self.epoch, seq=self.seq, fragments=(fragment,))
-        try:
-            self._dealer.send_multipart(protocol.encode(request), flags=zmq.NOBLOCK)
-            self.downlink_results["asked"] += 1
-        except zmq.Again:
-            self.resend_deferred += 1
+        self._merger_epoch[head.sender] = head.epoch
+        fragment = head.fragment
+        held, outcome = downlink.receive(self._served.get(fragment), head.version, head.base_version, head.digest, tensors)
+        self.downlink_results[outcome] += 1
+        if outcome in downlink.ASK_AGAIN:
+            self._wanted[fragment] = max(self._wanted.get(fragment, 0), head.version)
+            if head.base_version is not None and (held is None or head.base_version > held.version):
+                self._early[fragment] = (head, tensors, arrives)
+        if outcome not in downlink.ADOPT:
+            return
+        self._served[fragment] = held
+        with self._lock:
+            self._arrived.append((arrives, (fragment, head.version, held.tensors)))
+        early = self._early.pop(fragment, None)
+        if early is not None and early[0].base_version == held.version:  # the diff that came before its base
+            self._on_snapshot(*early)
+
+    def _ask_for_values(self) -> None:
+        """Ask the merger for the value of every fragment a diff could not be applied to, until a
+        value at least that new is held; at most once per ASK_AGAIN_S per fragment."""
+        now = time.monotonic()
+        for fragment, wanted in list(self._wanted.items()):
+            held = self._served.get(fragment)
+            if held is not None and held.version >= wanted:
+                del self._wanted[fragment]
+                continue
+            if now - self._asked.get(fragment, self._asked_all) < self.ask_again_s:
+                continue
+            request = protocol.SnapshotRequest(sender=self.name, epoch=self.epoch, seq=self.seq, fragments=(fragment,))
+            try:
+                self._dealer.send_multipart(protocol.encode(request), flags=zmq.NOBLOCK)
+                self._asked[fragment] = now
+                self.downlink_results["asked"] += 1
+            except zmq.Again:  # tried again on the next pass
+                self.resend_deferred += 1

@@ -296,19 +296,22 @@ class MergerService:
         and a point-to-point reply is the served value itself, exact (fp32), so the receiver can apply
         the diffs that follow."""
         state = self.core.states[fragment] if state is None else state
-        params = {p: np.asarray(v) for p, v in state.params.items()}
+
+        def params():  # host copies: not needed for a diff merger's catch-up reply
+            return {p: np.asarray(v) for p, v in state.params.items()}
+
         full_codec, limit = protocol.Codec(self.config.snapshot_codec), self.config.max_chunk_bytes
         version, base, digest = state.version, None, None
         if not self.config.snapshot_diff_codec:
-            codec, plans = full_codec, protocol.split_fragment(params, full_codec, limit)
+            codec, plans = full_codec, protocol.split_fragment(params(), full_codec, limit)
         else:
             served, every = self.served.get(fragment), self.config.snapshot_full_every
             if served is None or (on_bus and (state.version <= served.version or (every and state.version % every == 0))):
-                served, plans = downlink.full(params, state.version, full_codec, limit)
+                served, plans = downlink.full(params(), state.version, full_codec, limit)
                 codec = full_codec
             elif on_bus:
                 base, codec = served.version, protocol.Codec(self.config.snapshot_diff_codec)
-                served, plans = downlink.diff(params, served, state.version, codec, limit)
+                served, plans = downlink.diff(params(), served, state.version, codec, limit)
             else:
                 codec = protocol.Codec("fp32")
                 plans = protocol.split_fragment(served.tensors, codec, limit)

@@ -86,11 +86,16 @@ def receive(held: Served | None, version: int, base_version: int | None, expecte
     """What a receiver holds after a complete snapshot, and what happened:
     ``full`` / ``diff``: a newer value, adopt it; ``old``: nothing newer, ignore it;
     ``missing`` (a diff, no value held), ``gap`` (a diff from a version not held), ``mismatch``
-    (applied, but the digest differs): keep what is held and ask for the value again."""
+    (the value, or the diff applied to the value held, does not have the digest the snapshot
+    names): keep what is held and ask for the value again."""
     if base_version is None:
         newer = held is None or version > held.version
         replaced = held is not None and version == held.version and expected is not None and expected != held.digest
-        return (Served(version, dict(tensors), expected), "full") if newer or replaced else (held, "old")
+        if not (newer or replaced):
+            return held, "old"
+        if expected is not None and digest(tensors) != expected:
+            return held, "mismatch"
+        return Served(version, dict(tensors), expected), "full"
     if held is not None and version <= held.version:
         return held, "old"
     if held is None:

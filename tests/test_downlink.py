@@ -61,8 +61,10 @@ def test_receive_rules_by_hand():
     assert downlink.receive(None, 3, None, None, a)[1] == "full"
     assert downlink.receive(held, 2, None, 7, a) == (held, "old")
     assert downlink.receive(held, 3, None, held.digest, a) == (held, "old")  # the value already held
-    replaced, outcome = downlink.receive(held, 3, None, held.digest + 1, after)  # same version, other value: a restarted merger
-    assert outcome == "full" and replaced.digest == held.digest + 1
+    replaced, outcome = downlink.receive(held, 3, None, good, after)  # same version, other value: a restarted merger
+    assert outcome == "full" and replaced.digest == good
+    assert downlink.receive(held, 4, None, good ^ 1, after) == (held, "mismatch")  # a full value is checked too
+    assert downlink.receive(held, 4, None, None, after)[0].digest is None  # a merger without diffs names no digest
 
     value, outcome = downlink.receive(held, 4, 3, good, change)
     assert outcome == "diff" and value.version == 4 and value.digest == good
@@ -75,8 +77,8 @@ def test_receive_rules_by_hand():
     assert downlink.ASK_AGAIN == {"missing", "gap", "mismatch"} and downlink.ADOPT == {"full", "diff"}
 
 
-def snapshot_frames(served_plans, version, codec, base=None, digest=None, seq=1):
-    return [protocol.encode(protocol.SnapshotChunk(sender="m", epoch=1, seq=seq + i, fragment=0, version=version, chunk_index=i,
+def snapshot_frames(served_plans, version, codec, base=None, digest=None, seq=1, epoch=1):
+    return [protocol.encode(protocol.SnapshotChunk(sender="m", epoch=epoch, seq=seq + i, fragment=0, version=version, chunk_index=i,
                                                    chunk_count=len(served_plans), model="m", codec=codec, slices=plan.slices,
                                                    payloads=plan.payloads, base_version=base, digest=digest))
             for i, plan in enumerate(served_plans)]

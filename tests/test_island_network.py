@@ -208,48 +208,63 @@ def test_a_delta_settled_without_a_fold_is_counted_per_fragment():
         link.close()
 
 
-@pytest.mark.timeout(30)
-def test_an_island_asks_again_for_a_fragment_whose_diff_does_not_apply():
+@pytest.mark.timeout(60)
+def test_an_island_applies_diffs_in_order_and_asks_for_what_it_cannot_apply():
     """A real NetworkLink; the test binds the snapshot bus (XPUB) and a ROUTER standing in for the
-    merger's.  A diff from a version the island does not hold, or whose digest does not match, is not
-    adopted, and the island asks for that fragment's value (at most once per second)."""
+    merger's.  A diff that came before its base waits for it; a diff that does not apply is not
+    adopted and the island asks for the fragment's value, again every `ask_again_s` until it holds
+    one that new; the catch-up reply (fp32) completes even while a bus snapshot of the same version
+    (bf16) sits half-assembled; a delayed snapshot of the merger's previous incarnation is ignored."""
     context = zmq.Context()
     bus, router = context.socket(zmq.XPUB), context.socket(zmq.ROUTER)
     snapshot, control = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     bus.bind(snapshot)
     router.bind(control)
     link = NetworkLink("isl", "m", SyncConfig(fragments=1, interval=1), f"tcp://127.0.0.1:{free_port()}", snapshot, control)
+    link.ask_again_s = 2.0
     try:
         assert router.poll(5000) and protocol.decode(router.recv_multipart()[1:]).fragments == ()  # the start-up request: all
         subscribed = set()
         while subscribed != {b"\x01snapshot/", b"\x01ack"}:
             assert bus.poll(5000), "the island never subscribed"
             subscribed.add(bus.recv())
-        time.sleep(downlink_ask_again())  # past the start-up request's cover
+        time.sleep(link.ask_again_s + 0.05)  # past the start-up request's cover
 
-        fp32 = protocol.Codec("fp32")
-        start, plans = downlink.full({"w": np.ones(4, F32)}, 3, fp32, 1 << 20)
-        nxt, diff_plans = downlink.diff({"w": np.full(4, 2.0, F32)}, start, 4, fp32, 1 << 20)
-        later, later_plans = downlink.diff({"w": np.full(4, 3.0, F32)}, nxt, 5, fp32, 1 << 20)  # reused below for other versions
-        send = lambda frames: bus.send_multipart(frames[0])  # noqa: E731
-        send(snapshot_frames(plans, 3, fp32, digest=start.digest))
-        send(snapshot_frames(later_plans, 6, fp32, base=5, digest=later.digest, seq=10))  # versions 4 and 5 not here (yet)
+        fp32, bf16, w = protocol.Codec("fp32"), protocol.Codec("bf16"), lambda value: {"w": np.full(64, value, F32)}
+        v3, plans3 = downlink.full(w(1.0), 3, fp32, 64)
+        v4, plans4 = downlink.diff(w(2.0), v3, 4, fp32, 64)
+        v5, plans5 = downlink.diff(w(3.0), v4, 5, fp32, 64)
+        v6, plans6 = downlink.diff(w(4.0), v5, 6, fp32, 64)
+
+        def send(plans, version, base=None, digest=None, seq=1, codec=fp32, epoch=1, chunks=slice(None)):
+            for frames in snapshot_frames(plans, version, codec, base=base, digest=digest, seq=seq, epoch=epoch)[chunks]:
+                bus.send_multipart(frames)
+
+        send(plans3, 3, digest=v3.digest)
+        send(plans5, 5, base=4, digest=v5.digest, seq=10)  # before its base
         assert [r.fragments for r in _requests(router, 1)] == [(0,)]
-        send(snapshot_frames(diff_plans, 4, fp32, base=3, digest=nxt.digest, seq=20))  # a late one: applies
-        send(snapshot_frames(later_plans, 5, fp32, base=4, digest=later.digest ^ 1, seq=30))  # a digest that does not match: refused
+        send(plans4, 4, base=3, digest=v4.digest, seq=20)  # the base: both apply now
+        send(plans6, 6, base=5, digest=v6.digest ^ 1, seq=30)  # a digest that does not match: refused
         _wait(lambda: link.downlink_results["mismatch"] == 1)
-        assert link.downlink_results == {"full": 1, "gap": 1, "diff": 1, "mismatch": 1, "asked": 1}  # asked once: within 1 s
-        time.sleep(downlink_ask_again())
-        send(snapshot_frames(later_plans, 7, fp32, base=6, digest=later.digest, seq=40))
-        assert [r.fragments for r in _requests(router, 1)] == [(0,)]
-        _wait(lambda: link.downlink_results["asked"] == 2)
-        caught_up, catch_up_plans = downlink.full({"w": np.full(4, 5.0, F32)}, 7, fp32, 1 << 20)
-        send(snapshot_frames(catch_up_plans, 7, fp32, digest=caught_up.digest, seq=50))  # the answer (point to point in real life)
+        assert dict(link.downlink_results) == {"full": 1, "gap": 1, "diff": 2, "mismatch": 1, "asked": 1}  # no second ask within 2 s
+        asked = time.monotonic()
+        assert [r.fragments for r in _requests(router, 1)] == [(0,)]  # asked again with nothing new arriving
+        assert time.monotonic() - asked > 1.0
+
+        answer, answer_plans = downlink.full(w(5.0), 6, bf16, 64)
+        send(answer_plans, 6, digest=answer.digest, seq=40, codec=bf16, chunks=slice(-1, None))  # a bus snapshot's last chunk only
+        exact, exact_plans = downlink.full(answer.tensors, 6, fp32, 64)
+        for frames in snapshot_frames(exact_plans, 6, fp32, digest=exact.digest, seq=40):  # the reply: fp32, same version
+            router.send_multipart([b"isl", *frames])
         _wait(lambda: link.downlink_results["full"] == 2)
+        send(plans3, 7, digest=v3.digest, seq=1, epoch=0)  # the previous merger's, delayed
+        _wait(lambda: link.downlink_results["old_epoch"] == 1)
         got = link.snapshots()
-        assert [(f, v) for f, v, _ in got] == [(0, 3), (0, 4), (0, 7)]
-        np.testing.assert_array_equal(got[1][2]["w"], np.full(4, 2.0, F32))
-        np.testing.assert_array_equal(got[2][2]["w"], np.full(4, 5.0, F32))
+        assert [(f, v) for f, v, _ in got] == [(0, 3), (0, 4), (0, 5), (0, 6)]
+        for (_, _, tensors), value in zip(got, (1.0, 2.0, 3.0, 5.0)):
+            np.testing.assert_array_equal(tensors["w"], np.full(64, value, F32))
+        time.sleep(link.ask_again_s + 0.2)
+        assert link.downlink_results["asked"] == 2 and not router.poll(0)  # it holds version 6: no more asking
     finally:
         link.close()
         bus.close(linger=0)
@@ -262,12 +277,6 @@ def _wait(condition, timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
-
-
-def downlink_ask_again() -> float:
-    from island.network import ASK_AGAIN_S
-
-    return ASK_AGAIN_S + 0.05
 
 
 def _requests(router: zmq.Socket, count: int) -> list[protocol.SnapshotRequest]:

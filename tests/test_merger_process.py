@@ -7,6 +7,7 @@ import dataclasses
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import zmq
 
 import protocol
 from cluster.ports import free_ports
+from protocol import downlink
 from merger import checkpoint
 from merger.recovery import checkpoint_dir, wal_dir
 from tests.merger_helpers import delta_chunks, initial_params
@@ -229,3 +231,110 @@ def test_a_silent_island_is_marked_gone_and_back(tmp_path, init_npz, processes, 
     heartbeat_until("island_gone")  # then silence for more than 1 s
     heartbeat_until("island_back")  # and a heartbeat brings it back
     stop(processes[-1])
+
+
+class SnapshotWatcher:
+    """Test-side receiver of a diff-sending merger: follows PROTOCOL.md §3.3 with the protocol's own
+    functions (bus and catch-up replies reassembled apart; a diff that does not apply: ask)."""
+
+    def __init__(self, island: Island) -> None:
+        self.context = zmq.Context()
+        self.sub = self.context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
+        self.sub.connect(f"tcp://127.0.0.1:{island.snapshot_port}")
+        self.dealer = self.context.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.IDENTITY, b"watcher")
+        self.dealer.connect(f"tcp://127.0.0.1:{island.control_port}")
+        self.reassemblers = {self.sub: protocol.Reassembler(), self.dealer: protocol.Reassembler()}
+        self.held: dict[int, downlink.Served] = {}
+        self.seen: list[tuple[str, int, int, str]] = []  # (bus | reply, fragment, version, outcome)
+
+    def ask(self, fragments=()) -> None:
+        self.dealer.send_multipart(protocol.encode(protocol.SnapshotRequest(sender="watcher", epoch=1, seq=0, fragments=tuple(fragments))))
+
+    def pump(self, until, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not until():
+            assert time.monotonic() < deadline, f"timed out; seen {self.seen[-6:]}"
+            for socket in dict(zmq.Poller.poll(self._poller(), 100)):
+                chunk = protocol.decode(socket.recv_multipart())
+                done = self.reassemblers[socket].add(chunk, time.monotonic())
+                if done is None:
+                    continue
+                head = done.header
+                held, outcome = downlink.receive(self.held.get(head.fragment), head.version, head.base_version, head.digest, done.tensors)
+                self.seen.append(("bus" if socket is self.sub else "reply", head.fragment, head.version, outcome))
+                if outcome in downlink.ADOPT:
+                    self.held[head.fragment] = held
+                elif outcome in downlink.ASK_AGAIN:
+                    self.ask([head.fragment])
+
+    def _poller(self) -> zmq.Poller:
+        poller = zmq.Poller()
+        poller.register(self.sub, zmq.POLLIN)
+        poller.register(self.dealer, zmq.POLLIN)
+        return poller
+
+    def holds(self, versions) -> bool:
+        return all(f in self.held and self.held[f].version >= v for f, v in enumerate(versions))
+
+    def close(self) -> None:
+        self.context.destroy(linger=0)
+
+
+@pytest.mark.timeout(180)
+def test_diff_snapshots_track_the_served_value_through_a_restart(tmp_path, init_npz, processes, islands):
+    """int4 diffs, every 3rd version in full: a receiver that applies them holds exactly what a
+    catch-up reply (fp32) says the merger serves; after kill -9 and a restart (whose start-up full
+    snapshots replace a diff-built value at the same version, or are missed and a mismatch makes the
+    receiver ask) it again holds exactly what the restarted merger serves."""
+    islands.append(island := Island(tmp_path))
+    flags = ("--snapshot-diff-codec", "int4", "--snapshot-full-every", "3")
+    processes.append(start_merger(tmp_path / "m", island, init_npz, *flags))
+    watcher = SnapshotWatcher(island)
+    try:
+        watcher.ask()
+        watcher.pump(lambda: watcher.holds([0, 0]))
+        for delta_id in range(1, 8):  # fragments alternate: fragment 1 to version 4, fragment 0 to 3
+            assert island.send_until_settled(delta_id, island.chunks(delta_id)).status == "folded"
+        watcher.pump(lambda: watcher.holds([3, 4]))
+        bus = [(f, v, outcome) for source, f, v, outcome in watcher.seen if source == "bus" and v > 0]
+        assert sorted(bus) == sorted([(f, v, "full" if v == 3 else "diff") for f in (0, 1) for v in (1, 2, 3)] + [(1, 4, "diff")])
+        assert_catch_up_matches(watcher, [3, 4])
+
+        processes[-1].kill()
+        processes[-1].wait(timeout=10)
+        processes.append(start_merger(tmp_path / "m", island, None, *flags))
+        mark, failed = len(watcher.seen), []
+
+        def follow():  # a SUB re-subscribes after a reconnect only when its thread touches it: keep pumping
+            try:
+                watcher.pump(lambda: watcher.holds([5, 6]), timeout_s=90)
+            except AssertionError as error:
+                failed.append(error)
+
+        follower = threading.Thread(target=follow)
+        follower.start()
+        for delta_id in range(8, 12):  # fragment 0 to 5, fragment 1 to 6
+            assert island.send_until_settled(delta_id, island.chunks(delta_id)).status == "folded"
+        follower.join()
+        assert not failed, failed
+        outcomes = [outcome for *_, outcome in watcher.seen[mark:]]
+        assert "diff" in outcomes and "missing" not in outcomes and "gap" not in outcomes, watcher.seen[mark:]
+        assert_catch_up_matches(watcher, [5, 6])
+    finally:
+        watcher.close()
+
+
+def assert_catch_up_matches(watcher: SnapshotWatcher, versions: list[int]) -> None:
+    """What the watcher built from the bus equals, bit for bit, a fresh catch-up reply."""
+    built, mark = watcher.held, len(watcher.seen)
+    watcher.held = {}
+    watcher.ask()
+    watcher.pump(lambda: watcher.holds(versions))
+    assert [(source, outcome) for source, *_, outcome in watcher.seen[mark:]] == [("reply", "full")] * len(versions)
+    for fragment, version in enumerate(versions):
+        assert watcher.held[fragment].version == built[fragment].version == version
+        assert watcher.held[fragment].digest == built[fragment].digest
+        for path, value in built[fragment].tensors.items():
+            np.testing.assert_array_equal(watcher.held[fragment].tensors[path], value)
