@@ -322,9 +322,11 @@ class NetworkLink:
         self._served[fragment] = held
         with self._lock:
             self._arrived.append((arrives, (fragment, head.version, held.tensors)))
-        early = self._early.pop(fragment, None)
-        if early is not None and early[0].base_version == held.version:  # the diff that came before its base
-            self._on_snapshot(*early)
+        early = self._early.get(fragment)
+        if early is not None and early[0].base_version <= held.version:  # it can apply now, or never will
+            del self._early[fragment]
+            if early[0].base_version == held.version:  # the diff that came before its base
+                self._on_snapshot(*early)
 
     def _ask_for_values(self) -> None:
         """Ask the merger for the value of every fragment a diff could not be applied to, until a
