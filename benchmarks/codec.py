@@ -10,17 +10,21 @@ between the codecs so that noise from other tenants hits both alike.  All rates 
   1 MiB delta chunks, divided by the number of values.
 - ``frame_encode_gbps`` / ``frame_decode_gbps``: wire bytes per second through `protocol.encode`
   (crc32) and `protocol.decode` (all checks, crc32 and finiteness included) of those chunks.
+- ``crc32_gbps`` / ``zlib_crc32_gbps``: `protocol.checksum.crc32` (ISA-L) and zlib's over the same
+  bytes, and their ratio ``crc32_vs_zlib``.
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
+import zlib
 from collections.abc import Callable
 
 import numpy as np
 
 import protocol
+from protocol import checksum
 from benchmarks.timing import gbps, median_seconds
 
 TENSOR_VALUES = 1 << 20  # the data is cut into tensors of 4 MiB, like the layers of a model
@@ -73,6 +77,10 @@ def run(total_mib: int = 100, block: int = protocol.DEFAULT_BLOCK, reps: int = 5
         }
         measure_memcpy()
     result["memcpy_gbps"] = round(statistics.median(memcpy), 3)
+    raw = memoryview(x_N).cast("B")  # the checksum every payload byte passes three times, vs zlib's
+    result["crc32_gbps"] = round(gbps(raw.nbytes, median_seconds(lambda: checksum.crc32(raw), reps)), 3)
+    result["zlib_crc32_gbps"] = round(gbps(raw.nbytes, median_seconds(lambda: zlib.crc32(raw), reps)), 3)
+    result["crc32_vs_zlib"] = round(result["crc32_gbps"] / result["zlib_crc32_gbps"], 2)
     for stats in result["codecs"].values():
         stats["quantize_vs_memcpy"] = round(stats["quantize_gbps"] / result["memcpy_gbps"], 3)
         stats["dequantize_vs_memcpy"] = round(stats["dequantize_gbps"] / result["memcpy_gbps"], 3)
@@ -99,4 +107,6 @@ def summary(result: dict) -> str:
         lines.append(f"{name:6} {s['quantize_gbps']:10.2f} {s['quantize_vs_memcpy']:8.2f} {s['dequantize_gbps']:12.2f} "
                      f"{s['dequantize_vs_memcpy']:8.2f} {s['roundtrip_max_rel_err']:11.2e} {s['wire_bytes_per_param']:12.4f} "
                      f"{s['frame_encode_gbps']:9.2f} {s['frame_decode_gbps']:9.2f}")
+    lines.append(f"crc32 ({checksum.crc32.__module__}) {result['crc32_gbps']:.2f} GB/s, zlib's {result['zlib_crc32_gbps']:.2f} GB/s: "
+                 f"{result['crc32_vs_zlib']:.1f}x")
     return "\n".join(lines)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from pathlib import Path
 
 import jax
@@ -23,6 +22,7 @@ import numpy as np
 from merger.core import MergerCore
 from merger.fold import FragmentState
 from protocol import DeltaResult
+from protocol.checksum import crc32
 
 _HEADER = struct.Struct("<II")
 
@@ -72,7 +72,7 @@ def save(directory: str | Path, core: MergerCore, next_index: int) -> Path:
     final = directory / f"{next_index:012d}.ckpt"
     temporary = final.with_suffix(".tmp")
     with open(temporary, "wb") as handle:
-        handle.write(_HEADER.pack(len(payload), zlib.crc32(payload)))
+        handle.write(_HEADER.pack(len(payload), crc32(payload)))
         handle.write(payload)
         handle.flush()
         os.fsync(handle.fileno())
@@ -92,7 +92,7 @@ def read(path: Path) -> dict | None:
         return None
     length, crc = _HEADER.unpack_from(data)
     payload = memoryview(data)[_HEADER.size :]
-    if len(payload) != length or zlib.crc32(payload) != crc:
+    if len(payload) != length or crc32(payload) != crc:
         return None
     return msgpack.unpackb(payload, raw=False, strict_map_key=False)
 

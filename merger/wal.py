@@ -31,13 +31,13 @@ from __future__ import annotations
 import os
 import struct
 import threading
-import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
+from protocol.checksum import crc32
 from protocol.errors import DlocoError
 
 _HEADER = struct.Struct("<II")
@@ -72,7 +72,7 @@ def _scan(segment: Path, first_index: int) -> Iterator[tuple[int, int, int, Any,
         if end > len(data):
             yield index, offset, len(data), None, "torn: payload cut short"
             return
-        if zlib.crc32(view[offset + _HEADER.size : end]) != crc:
+        if crc32(view[offset + _HEADER.size : end]) != crc:
             yield index, offset, end, None, "torn: checksum mismatch at end of log" if end == len(data) else "checksum mismatch"
             return
         try:
@@ -90,7 +90,7 @@ def _scan(segment: Path, first_index: int) -> Iterator[tuple[int, int, int, Any,
         for number, (nbytes, blob_crc) in enumerate(sizes):
             blob = view[end : end + nbytes]
             end += nbytes
-            if zlib.crc32(blob) != blob_crc:  # in the last record of the log: a write the crash cut short
+            if crc32(blob) != blob_crc:  # in the last record of the log: a write the crash cut short
                 yield index, offset, record_end, None, (f"torn: checksum mismatch of blob {number} at end of log" if record_end == len(data)
                                                         else f"checksum mismatch of blob {number}")
                 return
@@ -174,7 +174,7 @@ class WriteAheadLog:
         return its index.  Durable on return when fsync == "always"."""
         views = [memoryview(buffer).cast("B") for buffer, _ in blobs]
         if blobs:
-            record = {**record, "blobs": [[v.nbytes, zlib.crc32(v) if crc is None else crc] for v, (_, crc) in zip(views, blobs)]}
+            record = {**record, "blobs": [[v.nbytes, crc32(v) if crc is None else crc] for v, (_, crc) in zip(views, blobs)]}
         meta = msgpack.packb(record, use_bin_type=True)
         size = _HEADER.size + len(meta) + sum(v.nbytes for v in views)
         if size >= MAX_RECORD_BYTES:
@@ -182,7 +182,7 @@ class WriteAheadLog:
         if self._segment_size > 0 and self._segment_size + size > self.segment_bytes:
             self.sync()
             self._open_segment(self.next_index)
-        self._file.write(_HEADER.pack(len(meta), zlib.crc32(meta)) + meta)
+        self._file.write(_HEADER.pack(len(meta), crc32(meta)) + meta)
         for view in views:
             self._file.write(view)  # large writes go straight to the file, no copy
         self._segment_size += size

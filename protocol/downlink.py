@@ -16,12 +16,12 @@ value is the same bytes on every machine.  Pure numpy: no sockets, no clocks.
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from collections.abc import Mapping
 
 import numpy as np
 
 from protocol.chunking import ChunkPlan, split_fragment
+from protocol.checksum import crc32
 from protocol.errors import EncodeError
 from protocol.quantization import Codec
 from protocol.reassembly import decode_slices
@@ -44,8 +44,8 @@ def digest(tensors: Mapping[str, np.ndarray]) -> int:
     """CRC-32 over each tensor's path (UTF-8) and float32 little-endian values, in sorted path order."""
     crc = 0
     for path in sorted(tensors):
-        crc = zlib.crc32(path.encode(), crc)
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(tensors[path], dtype="<f4")).cast("B"), crc)
+        crc = crc32(path.encode(), crc)
+        crc = crc32(memoryview(np.ascontiguousarray(tensors[path], dtype="<f4")).cast("B"), crc)
     return crc
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
 
+from protocol.checksum import crc32
 from protocol.errors import EncodeError, ProtocolError
 from protocol.messages import (
     MESSAGE_TYPES,
@@ -113,7 +113,7 @@ def _slice_headers(message: DeltaChunk | SnapshotChunk, payloads: list[memoryvie
             raise EncodeError(f"payload of {item.path} is {payload.nbytes} bytes, {message.codec.name} needs {expected}")
         out.append(
             {"path": item.path, "dtype": item.dtype, "shape": list(item.shape), "start": item.start,
-             "count": item.count, "nbytes": payload.nbytes, "crc32": zlib.crc32(payload)}
+             "count": item.count, "nbytes": payload.nbytes, "crc32": crc32(payload)}
         )
     return out
 
@@ -289,7 +289,7 @@ def _read_slice(fields: _FieldReader, payload: memoryview, codec: Codec, limits:
     fields.finish()
     if nbytes != codec.encoded_nbytes(count) or payload.nbytes != nbytes:
         raise ProtocolError("length", f"{fields.where}: {count} {codec.name} values take {codec.encoded_nbytes(count)} bytes; header says {nbytes}, frame has {payload.nbytes}")
-    if zlib.crc32(payload) != crc:
+    if crc32(payload) != crc:
         raise ProtocolError("checksum", f"{fields.where}: crc32 of payload does not match the header")
     codec.validate(payload, count)
     return TensorSlice(path=path, dtype=dtype, shape=tuple(dims), start=start, count=count, crc32=crc)

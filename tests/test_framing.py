@@ -216,3 +216,16 @@ def test_encode_refuses_inconsistent_messages(delta):
         encode(dataclasses.replace(delta, payloads=(b"x", *delta.payloads[1:])))
     with pytest.raises(protocol.EncodeError):
         encode(dataclasses.replace(delta, seq=1 << 70))
+
+
+def test_the_checksum_is_zlibs_crc32_by_isal():
+    """protocol.checksum.crc32: the same values and chaining as zlib's, from ISA-L (a dependency)."""
+    import zlib
+
+    from protocol import checksum
+
+    data = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    assert checksum.crc32(b"123456789") == 0xCBF43926  # the check value PROTOCOL.md §3.4 names
+    assert checksum.crc32(data) == zlib.crc32(data) and checksum.crc32(data[7:], 12345) == zlib.crc32(data[7:], 12345)
+    assert checksum.crc32(memoryview(data)[3:1000]) == zlib.crc32(data[3:1000])
+    assert "isal" in checksum.crc32.__module__
