@@ -45,7 +45,7 @@ class ClusterConfig:
     merger: dict = dataclasses.field(default_factory=lambda: {"max_staleness": 4, "quorum": 1, "grace_cap_s": 1.0, "outer": "nesterov",
                                                               "outer_lr": 0.7, "snapshot_codec": "bf16", "merge": "rda",
                                                               "quorum_timeout_s": 30.0, "delay": 4,
-                                                              "snapshot_diff_codec": "int4", "snapshot_full_every": 0})
+                                                              "snapshot_diff_codec": "int4", "snapshot_full_every": 0, "share_window": 0})
     chaos: tuple[ChaosEvent, ...] = ()  # kill -9 / restart schedule (cluster.chaos)
     mode: str = "decoupled"  # or a synchronous baseline: "sync-diloco", "sync-dp" (see MODES)
 
@@ -102,7 +102,7 @@ MODES = {
 _SECTIONS = {"run": {"duration_s", "eval_every", "seed", "mode"}, "model": {"width", "depth", "heads", "context", "batch"},
              "sync": {"fragments", "interval", "codec", "alpha", "error_feedback"},
              "merger": {"max_staleness", "quorum", "grace_cap_s", "outer", "outer_lr", "snapshot_codec", "merge", "quorum_timeout_s", "delay",
-                        "snapshot_diff_codec", "snapshot_full_every"}}
+                        "snapshot_diff_codec", "snapshot_full_every", "share_window"}}
 
 
 def load(path: str | Path | None = None) -> ClusterConfig:

@@ -34,6 +34,10 @@ class MergeConfig:
     max_staleness: int = 4  # S: reject deltas whose base is more than S versions behind
     staleness_power: float = 0.0  # weight *= (1 + staleness) ** -power; 0 disables the discount
     average_paths: tuple[str, ...] = ("embed",)  # tensors whose path contains one of these use the plain mean (paper)
+    # 0: every fold takes a whole outer step.  N > 0: a fold's step is scaled by its share of the
+    # weight of a whole round: the islands that contributed to this fragment within the last N
+    # versions (merger/weighting.py fold_share).  Single-delta folds then add up to one step per round.
+    share_window: int = 0
 
     METHODS = ("rda", "average")
 
@@ -41,6 +45,7 @@ class MergeConfig:
         _require(self.method in self.METHODS, f"merge.method must be one of {self.METHODS}, got {self.method!r}")
         _require(isinstance(self.max_staleness, int) and self.max_staleness >= 0, f"merge.max_staleness must be an int >= 0, got {self.max_staleness!r}")
         _require(0 <= self.staleness_power <= 8, f"merge.staleness_power must be in [0, 8], got {self.staleness_power}")
+        _require(isinstance(self.share_window, int) and self.share_window >= 0, f"merge.share_window must be an int >= 0, got {self.share_window!r}")
 
 
 @dataclasses.dataclass(frozen=True)

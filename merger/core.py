@@ -24,6 +24,7 @@ from merger.fold import Contribution, FoldReport, FragmentState, fold, init_stat
 from merger.fold import plain as fold_plain
 from merger.outer import make_step, outer_optimizer
 from merger.round_policy import ArrivalStats, decide, observe
+from merger.weighting import fold_share, raw_weights
 from protocol import Assembled, Codec, CodedTensor, DeltaResult, DlocoError
 
 DeltaKey = tuple[str, int, int]  # (island, epoch, delta_id)
@@ -45,6 +46,7 @@ class StartedFold:
     version: int
     members: list[Contribution]
     results: list[DeltaResult]
+    share: float = 1.0  # of a whole round (weighting.fold_share)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +69,9 @@ class MergerCore:
         self.pending: list[list[Pending]] = [[] for _ in self.fragments]
         self._started: dict[int, int] = {}  # fragment -> version of its latest started fold
         self.history: list[dict[str, ArrivalStats]] = [{} for _ in self.fragments]
+        # per fragment, island -> (version of the fold that took its latest delta, that delta's raw
+        # weight): who makes up a whole round, for merge.share_window (checkpointed; replay rebuilds it)
+        self.recent: list[dict[str, tuple[int, float]]] = [{} for _ in self.fragments]
         self.settled: collections.OrderedDict[DeltaKey, DeltaResult] = collections.OrderedDict()
         self.rejected: collections.Counter[str] = collections.Counter()
         # island -> (epoch, seq): stream messages up to seq are settled and were acknowledged as such
@@ -128,12 +133,13 @@ class MergerCore:
         version = self._started[fragment] = self.version(fragment) + 1
         if self.log is not None:
             self.log.append(records.fold_record(fragment, version, [(c.island, c.epoch, c.delta_id) for c in members]))
-        return StartedFold(fragment, version, members, self._settle_folded(fragment, members, version))
+        share = self._take_share(fragment, members, version)
+        return StartedFold(fragment, version, members, self._settle_folded(fragment, members, version), share)
 
     def compute_fold(self, started: StartedFold) -> tuple[FragmentState, FoldReport]:
         """The state after a started round, from the fragment's current state, without installing it
         (any thread; the fragment's previous round must be installed)."""
-        state, report = fold(self.states[started.fragment], started.members, self.config.merge, self._step)
+        state, report = fold(self.states[started.fragment], started.members, self.config.merge, self._step, started.share)
         if report.version != started.version:
             raise ReplayError(f"fold of fragment {started.fragment} produced version {report.version}, expected {started.version}")
         return state, report
@@ -214,9 +220,27 @@ class MergerCore:
             history[island] = observe(history.get(island), pending.arrived, self.config.round.ema_alpha)
 
     def _apply_fold(self, fragment: int, members: list[Contribution]) -> FoldReport:
-        state, report = fold(self.states[fragment], members, self.config.merge, self._step)
+        share = self._take_share(fragment, members, self.states[fragment].version + 1)
+        state, report = fold(self.states[fragment], members, self.config.merge, self._step, share)
         self.states[fragment] = state
         return report
+
+    def _take_share(self, fragment: int, members: list[Contribution], version: int) -> float:
+        """The share of a round a fold of `members` makes `version` with; note them as recent."""
+        window = self.config.merge.share_window
+        if window == 0:
+            return 1.0
+        raw = raw_weights([(c.tokens, c.steps, c.staleness) for c in members], self.config.merge.staleness_power)
+        pairs = [(c.island, weight) for c, weight in zip(members, raw)]
+        recent = self.recent[fragment]
+        share = fold_share(pairs, recent, version, window)
+        mine: dict[str, float] = {}
+        for island, weight in pairs:
+            mine[island] = mine.get(island, 0.0) + weight
+        recent.update({island: (version, weight) for island, weight in mine.items()})
+        for island in [i for i, (at, _) in recent.items() if version - at > window]:
+            del recent[island]
+        return share
 
     def _settle_folded(self, fragment: int, members: list[Contribution], version: int) -> list[DeltaResult]:
         results = [DeltaResult(c.island, c.epoch, c.delta_id, fragment, "folded", version, "") for c in members]

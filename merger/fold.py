@@ -46,7 +46,7 @@ class FoldReport:
     contributors: tuple[str, ...]
     delta_ids: tuple[int, ...]
     staleness: tuple[int, ...]
-    weights: tuple[float, ...]
+    weights: tuple[float, ...]  # they sum to the fold's share of a round (1 unless merge.share_window is set)
     delta_norms: tuple[float, ...]
     merged_norm: float
 
@@ -60,11 +60,12 @@ def plain(path: str, config: MergeConfig) -> bool:
     return config.method == "average" or any(marker in path for marker in config.average_paths)
 
 
-def merge(contributions: Sequence[Contribution], config: MergeConfig) -> tuple[dict[str, np.ndarray], list[float]]:
-    """The merged pseudo-gradient of a round and the normalised weights used (canonical order).
-    Float tensors; coded ones (CodedTensor) are decoded first (`fold` merges them from codes)."""
+def merge(contributions: Sequence[Contribution], config: MergeConfig, share: float = 1.0) -> tuple[dict[str, np.ndarray], list[float]]:
+    """The merged pseudo-gradient of a round, scaled by `share`, and the weights used (canonical
+    order; normalised to sum to `share`).  Float tensors; coded ones (CodedTensor) are decoded
+    first (`fold` merges them from codes)."""
     ordered = canonical(contributions)
-    w = contribution_weights([(c.tokens, c.steps, c.staleness) for c in ordered], config.staleness_power)
+    w = [x * share for x in contribution_weights([(c.tokens, c.steps, c.staleness) for c in ordered], config.staleness_power)]
     merged = {}
     for path in ordered[0].tensors:
         deltas = [_float(c.tensors[path]) for c in ordered]
@@ -77,19 +78,20 @@ def _float(tensor) -> np.ndarray:
 
 
 def fold(state: FragmentState, contributions: Sequence[Contribution], config: MergeConfig,
-         step: Callable[[Any, Any, Any], tuple[Any, Any]]) -> tuple[FragmentState, FoldReport]:
-    """Apply one round; `step` is `outer.make_step(optimizer)`.  A round whose deltas are all coded
-    with one int codec is merged from the codes, its outer step taken there (merger/coded.py);
-    any other is merged from float32."""
+         step: Callable[[Any, Any, Any], tuple[Any, Any]], share: float = 1.0) -> tuple[FragmentState, FoldReport]:
+    """Apply one round; `step` is `outer.make_step(optimizer)`; the merged delta is scaled by `share`
+    (weighting.fold_share: 1 unless the merger scales folds by their share of a round).  A round
+    whose deltas are all coded with one int codec is merged from the codes, its outer step taken
+    there (merger/coded.py); any other is merged from float32."""
     if not contributions:
         raise ValueError("fold needs at least one contribution")
     ordered = canonical(contributions)
     if coded.mergeable([c.tensors for c in ordered]):
-        w = contribution_weights([(c.tokens, c.steps, c.staleness) for c in ordered], config.staleness_power)
+        w = [x * share for x in contribution_weights([(c.tokens, c.steps, c.staleness) for c in ordered], config.staleness_power)]
         params, opt_state, delta_norms, merged_norm = coded.merge_and_step(
             step.optimizer, state.params, state.opt_state, [c.tensors for c in ordered], w, {p: plain(p, config) for p in ordered[0].tensors})
     else:
-        merged, w = merge(ordered, config)
+        merged, w = merge(ordered, config, share)
         delta_norms = [rda.fragment_norm({p: _float(t) for p, t in c.tensors.items()}) for c in ordered]
         merged_norm = rda.fragment_norm(merged)
         params, opt_state = step(state.params, state.opt_state, merged)

@@ -32,6 +32,8 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     merger.add_argument("--control-endpoint", required=True, help="ROUTER for catch-up requests; '@' binds")
     merger.add_argument("--max-staleness", type=int, default=4, help="S: reject deltas more than S versions behind (default 4)")
     merger.add_argument("--merge", choices=MergeConfig.METHODS, default="rda")
+    merger.add_argument("--share-window", type=non_negative_int, default=0,
+                        help="scale each fold by its share of a round: the islands seen in the fragment's last N versions (default 0: off)")
     merger.add_argument("--outer", choices=OuterConfig.KINDS, default="nesterov")
     merger.add_argument("--outer-lr", type=float, default=0.7)
     merger.add_argument("--outer-momentum", type=float, default=0.9)
@@ -68,7 +70,7 @@ def run_merger(args: argparse.Namespace) -> int:
 
     try:
         config = MergerConfig(
-            MergeConfig(method=args.merge, max_staleness=args.max_staleness),
+            MergeConfig(method=args.merge, max_staleness=args.max_staleness, share_window=args.share_window),
             OuterConfig(kind=args.outer, lr=args.outer_lr, momentum=args.outer_momentum, delay=args.delay),
             RoundConfig(quorum=args.quorum, quorum_timeout_s=args.quorum_timeout, grace_cap_s=args.grace_cap),
         )

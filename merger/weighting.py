@@ -1,4 +1,5 @@
-"""Contribution weights: "quantity x quality" token weighting with an optional staleness discount.
+"""Contribution weights: "quantity x quality" token weighting with an optional staleness discount,
+and the share of a round that one fold stands for.
 
 ``w = tokens**2 / steps``: proportional to tokens (quantity) times tokens per step (quality: an
 island that fit more tokens in each step, i.e. larger batches, gets more say).  A slow island
@@ -7,6 +8,8 @@ that trained fewer tokens is down-weighted on its own.  The optional discount mu
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 
 def token_weight(tokens: int, steps: int) -> float:
@@ -23,8 +26,33 @@ def staleness_discount(staleness: int, power: float) -> float:
 
 def weights(counters: list[tuple[int, int, int]], power: float) -> list[float]:
     """Weights of (tokens, steps, staleness) triples, normalised to sum to 1."""
-    raw = [token_weight(tokens, steps) * staleness_discount(staleness, power) for tokens, steps, staleness in counters]
+    raw = raw_weights(counters, power)
     total = sum(raw)
     if total <= 0:
         return [1.0 / len(raw)] * len(raw)
     return [w / total for w in raw]
+
+
+def raw_weights(counters: list[tuple[int, int, int]], power: float) -> list[float]:
+    """Unnormalised weights of (tokens, steps, staleness) triples."""
+    return [token_weight(tokens, steps) * staleness_discount(staleness, power) for tokens, steps, staleness in counters]
+
+
+def fold_share(members: Sequence[tuple[str, float]], recent: Mapping[str, tuple[int, float]], version: int, window: int) -> float:
+    """The fraction of a whole round's weight that a fold of `members` ((island, raw weight) pairs)
+    carries, when it makes the fragment's `version`.
+
+    A whole round: the fold's members plus every other island that contributed to this fragment
+    within the last `window` versions (`recent`: island -> (version of the fold that took its last
+    delta, that delta's raw weight)).  A fold of every active island's delta (a synchronous round)
+    has share 1; one island's delta out of four equal ones, 1/4; an island gone for more than
+    `window` versions stops counting.  window = 0: always 1 (every fold a whole step).
+    """
+    if window == 0:
+        return 1.0
+    islands = {island for island, _ in members}
+    active = [weight for island, (at, weight) in recent.items() if island not in islands and version - at <= window]
+    own = sum(weight for _, weight in members)
+    if own <= 0:  # weightless deltas (no tokens): count islands instead, as `weights` does
+        return len(islands) / (len(islands) + len(active))
+    return own / (own + sum(active))

@@ -105,3 +105,44 @@ def test_replay_names_a_corrupt_record(tmp_path):
     segment.write_bytes(bytes(data))
     with pytest.raises(LogCorruption, match=r"log record \d+ .* is corrupt"):
         list(replay(tmp_path, lambda *a: None))
+
+
+def test_fold_shares_survive_a_checkpoint_and_replay(tmp_path):
+    """share_window on, one island's delta per fold: the recent-contributor state that sets each
+    fold's share is checkpointed, so recovery (checkpoint + tail) and replay from genesis land on
+    the live digest, and the shares really were below 1."""
+    config = MergerConfig(MergeConfig(max_staleness=4, share_window=6))
+
+    def core_at(run_dir):
+        params = initial_params()
+        parts = protocol.partition({p: a.shape for p, a in params.items()}, 2)
+        wal = WriteAheadLog(wal_dir(run_dir), fsync="never")
+        return MergerCore(config, protocol.model_fingerprint(params), parts, params, log=wal), wal
+
+    def single_folds(core, first, last, checkpoint_at=None, run_dir=None):
+        shares = []
+        for delta_id in range(first, last):
+            fragment, island = delta_id % 2, "abc"[delta_id % 3]
+            chunks = delta_chunks(core.fragments[fragment], island, delta_id, fragment, core.states[fragment].version, delta_id)
+            core.submit(assemble(chunks), now=float(delta_id))
+            started = core.start_fold(fragment)
+            core.finish_fold(started)
+            shares.append(started.share)
+            if delta_id == checkpoint_at:
+                checkpoint.save(checkpoint_dir(run_dir), core, core.log.next_index)
+        return shares
+
+    straight, wal1 = core_at(tmp_path / "straight")
+    shares = single_folds(straight, 1, 19)
+    wal1.close()
+    assert min(shares) < 0.5 and shares[0] == 1.0
+    crashed, wal2 = core_at(tmp_path / "crashed")
+    single_folds(crashed, 1, 11, checkpoint_at=7, run_dir=tmp_path / "crashed")
+    wal2.close()
+    resumed = recover(tmp_path / "crashed", log=WriteAheadLog(wal_dir(tmp_path / "crashed"), fsync="never"))
+    assert resumed.recent == crashed.recent
+    assert single_folds(resumed, 11, 19) == shares[10:]
+    assert resumed.digest() == straight.digest()
+    digests = []
+    list(replay(tmp_path / "straight", lambda index, record, report, c: digests.append(c.digest())))
+    assert digests[-1] == straight.digest()

@@ -205,3 +205,51 @@ def test_observe_updates_the_ema():
 def test_bad_configuration_names_the_value(make):
     with pytest.raises(ConfigError):
         make()
+
+
+def test_fold_share_by_hand():
+    recent = {"b": (5, 1.0), "c": (5, 2.0), "d": (1, 1.0)}  # d last contributed 6 versions before 7: gone for window 4
+    assert weighting.fold_share([("a", 1.0)], recent, version=7, window=4) == 1.0 / (1.0 + 1.0 + 2.0)
+    assert weighting.fold_share([("a", 1.0)], recent, version=7, window=6) == 1.0 / (1.0 + 1.0 + 2.0 + 1.0)
+    assert weighting.fold_share([("a", 1.0), ("b", 3.0), ("c", 1.0)], recent, version=7, window=4) == 1.0  # a whole round
+    assert weighting.fold_share([("a", 1.0), ("a", 1.0)], recent, version=7, window=4) == 2.0 / 5.0  # two of a's deltas
+    assert weighting.fold_share([("a", 0.0)], recent, version=7, window=4) == 1.0 / 3.0  # weightless: count islands
+    assert weighting.fold_share([("a", 1.0)], recent, version=7, window=0) == 1.0  # off
+    assert weighting.fold_share([("a", 1.0)], {}, version=1, window=4) == 1.0  # nobody else known yet
+
+
+def test_a_fold_is_scaled_by_its_share():
+    """Plain SGD, lr 1: the parameters move by exactly share x the merged delta (RDA of one delta: itself)."""
+    config = OuterConfig("sgd", lr=1.0)
+    anchor = {"w": np.array([1.0, 2.0], np.float32)}
+    delta = {"w": np.array([0.5, -0.5], np.float32)}
+    step = outer.make_step(outer.outer_optimizer(config))
+    state = init_state(anchor, outer.outer_optimizer(config))
+    after, report = fold(state, [Contribution("a", 1, 1, 0, 64, 4, delta)], MergeConfig(), step, share=0.25)
+    np.testing.assert_array_equal(after.params["w"], np.array([1.0 - 0.125, 2.0 + 0.125], np.float32))
+    assert report.weights == (0.25,)
+
+
+def test_single_island_folds_add_up_to_a_round():
+    """Four equal islands folding one delta at a time, share_window 8: the first folds take whole
+    steps (nobody else known yet), then each fold a quarter; a whole round in one fold: share 1."""
+    import protocol
+    from merger.config import MergerConfig
+    from merger.core import MergerCore
+    from tests.merger_helpers import assemble, delta_chunks, initial_params
+
+    params = initial_params()
+    parts = protocol.partition({p: a.shape for p, a in params.items()}, 1)
+    core = MergerCore(MergerConfig(MergeConfig(share_window=8)), protocol.model_fingerprint(params), parts, params)
+    shares, delta_id = [], 0
+    for island in ("a", "b", "c", "d", "a", "b"):
+        delta_id += 1
+        core.submit(assemble(delta_chunks(parts[0], island, delta_id, 0, core.states[0].version, 3 * delta_id)), now=0.0)  # equal tokens
+        started = core.start_fold(0)
+        shares.append(started.share)
+        core.finish_fold(started)
+    assert shares == [1.0, 1 / 2, 1 / 3, 1 / 4, 1 / 4, 1 / 4]
+    for island in ("a", "b", "c", "d"):
+        delta_id += 1
+        core.submit(assemble(delta_chunks(parts[0], island, delta_id, 0, core.states[0].version, 3 * delta_id)), now=0.0)
+    assert core.start_fold(0).share == 1.0
