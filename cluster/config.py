@@ -59,8 +59,9 @@ class ClusterConfig:
         require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
         diff = self.merger["snapshot_diff_codec"]
         require(diff == "none" or diff in CODEC_NAMES, f"merger.snapshot_diff_codec must be 'none' or one of {CODEC_NAMES}, got {diff!r}")
-        every = self.merger["snapshot_full_every"]
-        require(type(every) is int and every >= 0, f"merger.snapshot_full_every must be an int >= 0, got {every!r}")
+        for key in ("snapshot_full_every", "share_window"):
+            value = self.merger[key]
+            require(type(value) is int and value >= 0, f"merger.{key} must be an int >= 0, got {value!r}")
 
     def effective(self) -> tuple[dict, dict]:
         """(sync, merger) settings after the mode's overrides."""

@@ -17,7 +17,10 @@ def test_cluster_files_are_checked(tmp_path):
     bad = tmp_path / "bad.toml"
     for text, message in (("[run]\nspeed = 3\n", "unknown keys in \\[run\\]"), ("[[regions]]\nname = 'a'\nslowdown = 0.5\n", "slowdown"),
                           ("[[regions]]\nname = 'a'\ncolor = 'red'\n", "unknown keys in \\[\\[regions\\]\\]"), ("not toml", "cannot read"),
-                          ("[sync]\ncodec = 'int3'\n[[regions]]\nname = 'a'\n", "sync.codec")):
+                          ("[sync]\ncodec = 'int3'\n[[regions]]\nname = 'a'\n", "sync.codec"),
+                          ("[merger]\nsnapshot_diff_codec = 'int3'\n[[regions]]\nname = 'a'\n", "merger.snapshot_diff_codec"),
+                          ("[merger]\nshare_window = -1\n[[regions]]\nname = 'a'\n", "merger.share_window"),
+                          ("[merger]\nsnapshot_full_every = 1.5\n[[regions]]\nname = 'a'\n", "merger.snapshot_full_every")):
         bad.write_text(text)
         with pytest.raises(ConfigError, match=message):
             config.load(bad)
