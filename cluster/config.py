@@ -39,6 +39,7 @@ class ClusterConfig:
     regions: tuple[Region, ...]
     duration_s: float = 300.0
     eval_every: int = 50
+    eval_early: bool = False  # islands also evaluate at steps 1, 2, 4, ... (the experiment suites turn it on)
     seed: int = 0
     model: dict = dataclasses.field(default_factory=lambda: {"width": 128, "depth": 4, "heads": 4, "context": 128, "batch": 16})
     sync: dict = dataclasses.field(default_factory=lambda: {"fragments": 4, "interval": 48, "codec": "int4", "alpha": 0.0, "error_feedback": False})
@@ -54,6 +55,7 @@ class ClusterConfig:
         require(len({r.name for r in self.regions}) == len(self.regions), "region names must be unique")
         require(not {r.name for r in self.regions} & {"merger", "broker"}, "'merger' and 'broker' are not region names")
         require(self.duration_s > 0, f"run.duration_s must be > 0, got {self.duration_s}")
+        require(type(self.eval_early) is bool, f"run.eval_early must be true or false, got {self.eval_early!r}")
         require(self.sync["codec"] in CODEC_NAMES, f"sync.codec must be one of {CODEC_NAMES}, got {self.sync['codec']!r}")
         check(self.chaos, self.process_names)
         require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
@@ -100,7 +102,7 @@ MODES = {
                            "snapshot_diff_codec": "none"}},
 }
 
-_SECTIONS = {"run": {"duration_s", "eval_every", "seed", "mode"}, "model": {"width", "depth", "heads", "context", "batch"},
+_SECTIONS = {"run": {"duration_s", "eval_every", "eval_early", "seed", "mode"}, "model": {"width", "depth", "heads", "context", "batch"},
              "sync": {"fragments", "interval", "codec", "alpha", "error_feedback"},
              "merger": {"max_staleness", "quorum", "grace_cap_s", "outer", "outer_lr", "snapshot_codec", "merge", "quorum_timeout_s", "delay",
                         "snapshot_diff_codec", "snapshot_full_every", "share_window"}}
@@ -137,7 +139,7 @@ def load(path: str | Path | None = None) -> ClusterConfig:
     run = data.get("run", {})
     return ClusterConfig(
         regions=tuple(regions), duration_s=float(run.get("duration_s", defaults.duration_s)),
-        eval_every=int(run.get("eval_every", defaults.eval_every)), seed=int(run.get("seed", defaults.seed)), mode=str(run.get("mode", "decoupled")),
+        eval_every=int(run.get("eval_every", defaults.eval_every)), eval_early=run.get("eval_early", defaults.eval_early), seed=int(run.get("seed", defaults.seed)), mode=str(run.get("mode", "decoupled")),
         model={**defaults.model, **data.get("model", {})}, sync={**defaults.sync, **data.get("sync", {})},
         merger={**defaults.merger, **data.get("merger", {})}, chaos=tuple(sorted(chaos, key=lambda e: e.at_s)),
     )

@@ -39,6 +39,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     clip: float = 1.0  # global gradient-norm clip
     eval_every: int = 100  # steps between evaluations
+    eval_early: bool = False  # also at steps 1, 2, 4, 8, ... below eval_every (when the loss falls fastest)
     eval_batches: int = 8
     seed: int = 0
 

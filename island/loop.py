@@ -101,7 +101,8 @@ class IslandLoop:
                      "wall": time.time(), "compute_util": self.compute_s / (time.perf_counter() - self.started),
                      "bytes_sent": getattr(self.link, "bytes_sent", 0), "bytes_received": getattr(self.link, "bytes_received", 0),
                      "snapshot_version": [p.version for p in self.progress], "wait_s": self.wait_s}
-            if step % self.train.eval_every == 0 or step == max_steps or self.stop_requested:
+            early = self.train.eval_early and step < self.train.eval_every and step & (step - 1) == 0  # a power of two
+            if step % self.train.eval_every == 0 or early or step == max_steps or self.stop_requested:
                 event["eval_loss"] = eval_loss = self.trainer.evaluate(self.eval_batches)
                 if self.log is not None:
                     self.log.info("eval", step=step, loss=round(loss, 4), eval_loss=round(eval_loss, 4), tokens=self.tokens)

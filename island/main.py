@@ -27,6 +27,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     island.add_argument("--warmup", type=int, default=50)
     island.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
     island.add_argument("--eval-every", type=positive_int, default=100)
+    island.add_argument("--eval-early", action="store_true", help="also evaluate at steps 1, 2, 4, 8, ... below --eval-every")
     island.add_argument("--eval-batches", type=positive_int, default=8)
     island.add_argument("--seed", type=int, default=0)
     island.add_argument("--slowdown", type=float, default=1.0, help="each step takes X times its measured compute (an older chip)")
@@ -76,7 +77,7 @@ def run_island(args: argparse.Namespace) -> int:
     try:
         model = ModelConfig(width=args.width, depth=args.depth, heads=args.heads, context=args.context)
         train = TrainConfig(batch=args.batch, lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_steps=args.max_steps,
-                            eval_every=args.eval_every, eval_batches=args.eval_batches, seed=args.seed)
+                            eval_every=args.eval_every, eval_early=args.eval_early, eval_batches=args.eval_batches, seed=args.seed)
         if not 0 <= args.island_index < args.islands:
             raise DlocoError(f"--island-index must be in [0, {args.islands}), got {args.island_index}")
         corpus = data.load(args.corpus)

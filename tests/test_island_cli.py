@@ -17,14 +17,15 @@ def dloco(*args: str) -> subprocess.CompletedProcess:
 
 def test_standalone_trains_and_writes_metrics(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    run = dloco("island", "--standalone", "--max-steps", "40", "--eval-every", "20", "--metrics-out", str(metrics), *TINY)
+    run = dloco("island", "--standalone", "--max-steps", "40", "--eval-every", "20", "--eval-early", "--metrics-out", str(metrics), *TINY)
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     events = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [e["step"] for e in events] == list(range(41))
     assert {"step", "tokens", "loss", "compute_util", "bytes_sent", "bytes_received", "snapshot_version"} <= set(events[-1])
     evals = [e["eval_loss"] for e in events if "eval_loss" in e]
-    assert len(evals) == 3 and evals[-1] < evals[0] - 1.0 and summary["eval_loss"] == evals[-1]
+    assert [e["step"] for e in events if "eval_loss" in e] == [0, 1, 2, 4, 8, 16, 20, 40]  # every 20, and early at powers of two
+    assert evals[-1] < evals[0] - 1.0 and summary["eval_loss"] == evals[-1]
     corpus = next(json.loads(line) for line in run.stdout.splitlines() if '"event": "corpus"' in line)
     assert len(corpus["sha256"]) == 64 and corpus["files"] > 100  # the file list's hash is logged, for comparable runs
 
