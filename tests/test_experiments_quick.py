@@ -44,7 +44,7 @@ def test_speedup_decoupled_beats_data_parallel_in_time_bytes_and_utilisation(tmp
 
 def test_heterogeneous_only_sync_diloco_makes_fast_islands_wait_for_slow_ones(tmp_path):
     runs = quick("heterogeneous", tmp_path)
-    assert utilisation(runs["sync-diloco-mixed"]) < 0.9 * utilisation(runs["sync-diloco-uniform"])
+    assert utilisation(runs["sync-diloco-mixed"]) < 0.95 * utilisation(runs["sync-diloco-uniform"])
     assert utilisation(runs["decoupled-mixed"]) > 1.2 * utilisation(runs["sync-diloco-mixed"])
 
 
