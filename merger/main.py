@@ -12,17 +12,10 @@ from merger.config import ConfigError, MergeConfig, MergerConfig, OuterConfig, R
 from protocol import CODEC_NAMES, DlocoError
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
+    from cluster.cli import int_at_least
+
+    non_negative_int = int_at_least(0)
     merger = commands.add_parser("merger", help="run the merger: fold deltas, publish snapshots, keep the log")
     merger.add_argument("--run-dir", type=Path, required=True, help="write-ahead log and checkpoints live here; an existing one is resumed")
     merger.add_argument("--init-npz", type=Path, help="initial global parameters (.npz, one array per parameter path); needed for a new run")
