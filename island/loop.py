@@ -76,7 +76,7 @@ class IslandLoop:
     def run(self, max_steps: int | None = None) -> dict:
         max_steps = max_steps or self.train.max_steps
         self.started = time.perf_counter()
-        eval_loss = self.trainer.evaluate(self.eval_batches)
+        eval_loss = self._evaluate()
         self.metrics.write({"step": 0, "tokens": 0, "eval_loss": eval_loss, "time": 0.0, "wall": time.time()})
         loss, step = float("nan"), 0
         for step in range(1, max_steps + 1):
@@ -103,7 +103,7 @@ class IslandLoop:
                      "snapshot_version": [p.version for p in self.progress], "wait_s": self.wait_s}
             early = self.train.eval_early and step < self.train.eval_every and step & (step - 1) == 0  # a power of two
             if step % self.train.eval_every == 0 or early or step == max_steps or self.stop_requested:
-                event["eval_loss"] = eval_loss = self.trainer.evaluate(self.eval_batches)
+                event["eval_loss"] = eval_loss = self._evaluate()
                 if self.log is not None:
                     self.log.info("eval", step=step, loss=round(loss, 4), eval_loss=round(eval_loss, 4), tokens=self.tokens)
             self.metrics.write(event)
@@ -143,6 +143,14 @@ class IslandLoop:
                 continue
             self.trainer.set_params(fragments.adopt(theta, tensors, self.sync.alpha))
             self.progress[fragment] = FragmentProgress({p: np.asarray(v, np.float32) for p, v in tensors.items()}, version)
+
+    def _evaluate(self) -> float:
+        """Held-out loss.  Its time counts as compute: `compute_util` is the share of wall time spent
+        on the island's own work (training steps, evaluations), not waiting or bookkeeping."""
+        began = time.perf_counter()
+        loss = self.trainer.evaluate(self.eval_batches)
+        self.compute_s += time.perf_counter() - began
+        return loss
 
     def _wait_for_fold(self, sent: dict[int, int], unfolded: dict[int, int]) -> None:
         """The synchronous baselines: training stops until every fragment just sent comes back in a
