@@ -46,7 +46,7 @@ class ClusterConfig:
     merger: dict = dataclasses.field(default_factory=lambda: {"max_staleness": 4, "quorum": 1, "grace_cap_s": 1.0, "outer": "nesterov",
                                                               "outer_lr": 0.7, "snapshot_codec": "bf16", "merge": "rda",
                                                               "quorum_timeout_s": 30.0, "delay": 4,
-                                                              "snapshot_diff_codec": "int4", "snapshot_full_every": 0, "share_window": 0})
+                                                              "snapshot_diff_codec": "int4", "snapshot_full_every": 0, "share_window": 8})
     chaos: tuple[ChaosEvent, ...] = ()  # kill -9 / restart schedule (cluster.chaos)
     mode: str = "decoupled"  # or a synchronous baseline: "sync-diloco", "sync-dp" (see MODES)
 
@@ -90,16 +90,18 @@ class ClusterConfig:
 # The run modes (issue #7): the same islands, links and corpus; only how they synchronise differs.
 # sync-diloco: classic DiLoCo — the whole model (P = 1) every H steps, every island blocks until the
 #   merger has all N deltas and returns the new global model.
+# Both synchronous modes fold every island's delta at once with a whole outer step (share_window 0),
+# as classic DiLoCo and data parallelism do.
 # sync-dp: a stand-in for data-parallel all-reduce — every step each island sends its full fp32
 #   change and blocks until the merger returns the average (outer SGD, lr 1: the new global model is
 #   the mean of the islands' models), so the bytes and the barrier per step are those of an
 #   all-reduce of fp32 gradients.
 MODES = {
     "decoupled": {},
-    "sync-diloco": {"sync": {"fragments": 1, "blocking": True}, "merger": {"quorum": "all", "grace_cap_s": 0.0}},
+    "sync-diloco": {"sync": {"fragments": 1, "blocking": True}, "merger": {"quorum": "all", "grace_cap_s": 0.0, "share_window": 0}},
     "sync-dp": {"sync": {"fragments": 1, "interval": 1, "codec": "fp32", "blocking": True},
                 "merger": {"quorum": "all", "grace_cap_s": 0.0, "merge": "average", "outer": "sgd", "outer_lr": 1.0, "snapshot_codec": "fp32",
-                           "snapshot_diff_codec": "none"}},
+                           "snapshot_diff_codec": "none", "share_window": 0}},
 }
 
 _SECTIONS = {"run": {"duration_s", "eval_every", "eval_early", "seed", "mode"}, "model": {"width", "depth", "heads", "context", "batch"},

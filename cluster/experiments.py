@@ -78,11 +78,11 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
     "quantization": ("Delta codecs fp32, bf16, int8, int4, int2, each without and with error feedback (decoupled).",
                      [(f"{codec}{'-ef' if ef else ''}", _set("sync", codec=codec, error_feedback=ef))
                       for codec in ("fp32", "bf16", "int8", "int4", "int2") for ef in (False, True)]),
-    "merging": ("Plain weighted average vs RDA at 2 and 4 islands; Nesterov vs Delayed Nesterov vs folds scaled by their share "
-                "of a round (merge.share_window; 4 islands, RDA).",
+    "merging": ("Plain weighted average vs RDA at 2 and 4 islands (folds scaled by their share of a round, the default); "
+                "against a whole Nesterov step per fold, and Delayed Nesterov with whole steps (4 islands, RDA).",
                 [(f"{merge}-{n}-islands", _both(_set("merger", merge=merge), _islands(n))) for n in (2, 4) for merge in ("average", "rda")]
-                + [("delayed-nesterov-4-islands", _set("merger", outer="delayed_nesterov")),
-                   ("share-scaled-4-islands", _set("merger", share_window=8))]),
+                + [("whole-steps-4-islands", _set("merger", share_window=0)),
+                   ("delayed-nesterov-4-islands", _set("merger", outer="delayed_nesterov", share_window=0))]),
     "downlink": ("Snapshots down as the whole fragment in bf16 after every fold vs int4 diffs of the value islands hold "
                  "(protocol/downlink.py), decoupled: bytes per token, and whether the loss pays for them.",
                  [("bf16-full", _set("merger", snapshot_diff_codec="none")), ("int4-diff", _set("merger", snapshot_diff_codec="int4"))]),

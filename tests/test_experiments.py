@@ -49,7 +49,7 @@ def test_every_suite_builds_valid_cluster_files():
     assert quantization["int2-ef"](base).sync["error_feedback"] is True and quantization["int2"](base).sync["codec"] == "int2"
     merging = dict(experiments.SUITES["merging"][1])
     assert len(merging["rda-2-islands"](base).regions) == 2 and merging["delayed-nesterov-4-islands"](base).merger["outer"] == "delayed_nesterov"
-    assert merging["share-scaled-4-islands"](base).merger["share_window"] == 8 and base.merger["share_window"] == 0
+    assert base.merger["share_window"] == 8 and merging["whole-steps-4-islands"](base).merger["share_window"] == 0
     downlink = dict(experiments.SUITES["downlink"][1])
     assert downlink["bf16-full"](base).merger["snapshot_diff_codec"] == "none" and downlink["int4-diff"](base).merger["snapshot_diff_codec"] == "int4"
     for name, (_, runs) in experiments.SUITES.items():  # --quick: each suite's runs exist and fit 3 minutes with ~15 s start-up each
