@@ -52,12 +52,14 @@ def test_faults_survivors_keep_stepping_in_decoupled_and_stall_in_sync_diloco(tm
     runs = quick("faults", tmp_path)
 
     def during_island_kill(label):
+        """Survivors' step rate after / before the kill; an island still starting up (no step in the
+        window before, ratio None: 4 JAX processes compile at once on 2 cores) has none."""
         (row,) = [row for row in runs[label].chaos if row["action"] == "kill" and row["target"] != "merger"]
-        return row["others"]
+        return {island: v["ratio"] for island, v in row["others"].items() if v["ratio"] is not None}
 
     decoupled, sync = during_island_kill("decoupled"), during_island_kill("sync-diloco")
-    assert decoupled and all(v["ratio"] >= 0.9 for v in decoupled.values()), decoupled
-    assert all(sync[i]["ratio"] < 0.5 for i in FAST), sync
+    assert set(FAST) <= set(decoupled) and all(ratio >= 0.9 for ratio in decoupled.values()), decoupled
+    assert all(sync[i] < 0.5 for i in FAST), sync
 
 
 def test_quantization_fewer_bits_fewer_bytes(tmp_path):
