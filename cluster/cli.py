@@ -10,14 +10,21 @@ from pathlib import Path
 
 def int_at_least(low: int):
     """An argparse type: an integer >= low, with a clear message otherwise."""
-    what = "a positive integer" if low == 1 else f"an integer >= {low}"
+    return _at_least(int, low, "a positive integer" if low == 1 else f"an integer >= {low}")
 
-    def parse(text: str) -> int:
+
+def float_at_least(low: float):
+    """An argparse type: a finite number >= low, with a clear message otherwise."""
+    return _at_least(float, low, f"a number >= {low:g}")
+
+
+def _at_least(kind, low, what: str):
+    def parse(text: str):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < low:
+        if not value >= low or value in (float("inf"), float("-inf")):  # NaN fails the first test
             raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
         return value
 

@@ -46,7 +46,8 @@ class ClusterConfig:
     merger: dict = dataclasses.field(default_factory=lambda: {"max_staleness": 4, "quorum": 1, "grace_cap_s": 1.0, "outer": "nesterov",
                                                               "outer_lr": 0.7, "snapshot_codec": "bf16", "merge": "rda",
                                                               "quorum_timeout_s": 30.0, "delay": 4,
-                                                              "snapshot_diff_codec": "int4", "snapshot_full_every": 0, "share_window": 8})
+                                                              "snapshot_diff_codec": "int4", "snapshot_full_every": 0, "share_window": 8,
+                                                              "snapshot_every_round": 0.0})
     chaos: tuple[ChaosEvent, ...] = ()  # kill -9 / restart schedule (cluster.chaos)
     mode: str = "decoupled"  # or a synchronous baseline: "sync-diloco", "sync-dp" (see MODES)
 
@@ -64,6 +65,8 @@ class ClusterConfig:
         for key in ("snapshot_full_every", "share_window"):
             value = self.merger[key]
             require(type(value) is int and value >= 0, f"merger.{key} must be an int >= 0, got {value!r}")
+        every = self.merger["snapshot_every_round"]
+        require(type(every) in (int, float) and 0 <= every < float("inf"), f"merger.snapshot_every_round must be a number >= 0, got {every!r}")
 
     def effective(self) -> tuple[dict, dict]:
         """(sync, merger) settings after the mode's overrides."""
@@ -91,23 +94,25 @@ class ClusterConfig:
 # sync-diloco: classic DiLoCo — the whole model (P = 1) every H steps, every island blocks until the
 #   merger has all N deltas and returns the new global model.
 # Both synchronous modes fold every island's delta at once with a whole outer step (share_window 0),
-# as classic DiLoCo and data parallelism do.
+# as classic DiLoCo and data parallelism do, and publish every fold at once (snapshot_every_round 0):
+# their islands wait for it.
 # sync-dp: a stand-in for data-parallel all-reduce — every step each island sends its full fp32
 #   change and blocks until the merger returns the average (outer SGD, lr 1: the new global model is
 #   the mean of the islands' models), so the bytes and the barrier per step are those of an
 #   all-reduce of fp32 gradients.
 MODES = {
     "decoupled": {},
-    "sync-diloco": {"sync": {"fragments": 1, "blocking": True}, "merger": {"quorum": "all", "grace_cap_s": 0.0, "share_window": 0}},
+    "sync-diloco": {"sync": {"fragments": 1, "blocking": True},
+                    "merger": {"quorum": "all", "grace_cap_s": 0.0, "share_window": 0, "snapshot_every_round": 0.0}},
     "sync-dp": {"sync": {"fragments": 1, "interval": 1, "codec": "fp32", "blocking": True},
                 "merger": {"quorum": "all", "grace_cap_s": 0.0, "merge": "average", "outer": "sgd", "outer_lr": 1.0, "snapshot_codec": "fp32",
-                           "snapshot_diff_codec": "none", "share_window": 0}},
+                           "snapshot_diff_codec": "none", "share_window": 0, "snapshot_every_round": 0.0}},
 }
 
 _SECTIONS = {"run": {"duration_s", "eval_every", "eval_early", "seed", "mode"}, "model": {"width", "depth", "heads", "context", "batch"},
              "sync": {"fragments", "interval", "codec", "alpha", "error_feedback"},
              "merger": {"max_staleness", "quorum", "grace_cap_s", "outer", "outer_lr", "snapshot_codec", "merge", "quorum_timeout_s", "delay",
-                        "snapshot_diff_codec", "snapshot_full_every", "share_window"}}
+                        "snapshot_diff_codec", "snapshot_full_every", "share_window", "snapshot_every_round"}}
 
 
 def load(path: str | Path | None = None) -> ClusterConfig:

@@ -46,7 +46,8 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str) -> dict[str, li
                      "--quorum", mc["quorum"], "--quorum-timeout", mc["quorum_timeout_s"], "--grace-cap", mc["grace_cap_s"],
                      "--merge", mc["merge"], "--outer", mc["outer"], "--outer-lr", mc["outer_lr"], "--delay", mc["delay"],
                      "--snapshot-codec", mc["snapshot_codec"], "--snapshot-diff-codec", mc["snapshot_diff_codec"],
-                     "--snapshot-full-every", mc["snapshot_full_every"], "--share-window", mc["share_window"]]
+                     "--snapshot-full-every", mc["snapshot_full_every"], "--share-window", mc["share_window"],
+                     "--snapshot-every-round", mc["snapshot_every_round"]]
     for index, region in enumerate(config.regions):
         links = []
         for flag, value in (("--uplink-mbps", region.uplink_mbps), ("--downlink-mbps", region.downlink_mbps)):

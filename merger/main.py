@@ -13,7 +13,7 @@ from protocol import CODEC_NAMES, DlocoError
 
 
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
-    from cluster.cli import int_at_least
+    from cluster.cli import float_at_least, int_at_least
 
     non_negative_int = int_at_least(0)
     merger = commands.add_parser("merger", help="run the merger: fold deltas, publish snapshots, keep the log")
@@ -39,6 +39,9 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
                         help="publish each fold as the change since the previous snapshot in this codec (default none: full snapshots)")
     merger.add_argument("--snapshot-full-every", type=non_negative_int, default=0,
                         help="with diffs: every N-th version of a fragment goes out in full (default 0: never; islands ask when they miss one)")
+    merger.add_argument("--snapshot-every-round", type=float_at_least(0.0), default=0.0,
+                        help="publish a fragment at most once per F rounds of its fastest island (EMA of its interval between "
+                             "deltas); the folds in between go out together (default 0: after every fold)")
     merger.add_argument("--fsync", choices=("always", "batch", "never"), default="batch")
     merger.add_argument("--checkpoint-every", type=positive_int, default=50, help="folds between checkpoints")
     merger.add_argument("--peer-timeout", type=float, default=10.0, help="seconds of silence after which an island is logged as gone")
@@ -77,7 +80,7 @@ def run_merger(args: argparse.Namespace) -> int:
         service = MergerService(ServiceConfig(args.run_dir, args.delta_endpoint, args.snapshot_endpoint, args.control_endpoint,
                                               sender=args.name, snapshot_codec=args.snapshot_codec, fsync=args.fsync,
                                               snapshot_diff_codec="" if args.snapshot_diff_codec == "none" else args.snapshot_diff_codec,
-                                              snapshot_full_every=args.snapshot_full_every,
+                                              snapshot_full_every=args.snapshot_full_every, snapshot_every_round=args.snapshot_every_round,
                                               checkpoint_every=args.checkpoint_every, security=security,
                                               peer_timeout_s=args.peer_timeout), core_factory=factory)
     except (DlocoError, OSError, zmq.ZMQError) as error:

@@ -2,8 +2,9 @@
 
 Sockets (endpoint strings: ``@tcp://...`` binds, ``tcp://...`` or ``>tcp://...`` connects):
 - ``delta_sub``  SUB on the delta bus (topics ``delta/``, ``heartbeat``): chunks from islands;
-- ``snapshot_pub`` PUB on the snapshot bus: fragment snapshots after every fold, and acks with
-  results and per-island cursors;
+- ``snapshot_pub`` PUB on the snapshot bus: fragment snapshots after every fold (or at most once
+  per round of the fastest island: ``snapshot_every_round``), and acks with results and
+  per-island cursors;
 - ``control`` ROUTER (binds): catch-up snapshot requests (Clone pattern), resend requests to
   islands (routed by island name) and the chunks they resend, hellos.
 
@@ -19,6 +20,7 @@ linger 0 and exit 0.
 from __future__ import annotations
 
 import dataclasses
+import math
 import signal
 import threading
 import time
@@ -37,6 +39,7 @@ from merger.config import MergerConfig
 from merger.core import MergerCore
 from merger.pipeline import FoldPipeline
 from merger.recovery import checkpoint_dir, recover, wal_dir
+from merger.round_policy import snapshot_due
 from merger.wal import WriteAheadLog
 
 POLL_MS = 50  # longest sleep between checks of the clock-driven round policy
@@ -55,6 +58,7 @@ class ServiceConfig:
     snapshot_codec: str = "fp32"  # fp32 | bf16: full snapshots
     snapshot_diff_codec: str = ""  # "" (off) or int8 | int4 | ...: publish each fold as a diff (protocol/downlink.py)
     snapshot_full_every: int = 0  # with diffs: publish every N-th version of a fragment in full (0: never; catch-up covers gaps)
+    snapshot_every_round: float = 0.0  # a fragment's snapshot at most once per this many rounds of its fastest island (0: after every fold)
     max_chunk_bytes: int = protocol.DEFAULT_MAX_CHUNK_BYTES
     fsync: str = "batch"
     checkpoint_every: int = 50  # folds between checkpoints
@@ -93,6 +97,8 @@ class MergerService:
         self.reassembler = protocol.Reassembler(ttl_s=config.reassembly_ttl_s, max_bytes=config.reassembly_bytes, decode=False)
         self.counters: dict[str, int] = {}
         self.served: dict[int, downlink.Served] = {}  # with diff snapshots: what islands hold of each fragment
+        self.published_at: dict[int, float] = {}  # fragment -> monotonic time of its last snapshot on the bus
+        self.held: set[int] = set()  # fragments with folds not yet on the bus (config.snapshot_every_round)
         self.context = zmq.Context()
         self.delta_sub = self._socket(zmq.SUB, config.delta_endpoint, server="broker")
         self.delta_sub.setsockopt(zmq.SUBSCRIBE, b"delta/")
@@ -140,6 +146,8 @@ class MergerService:
                     self._drain(self.control, self.on_control_frames)
                 self.announce(self.pipeline.finished())  # first: a fragment whose fold finished may fold again now
                 wake = self.pipeline.dispatch(time.monotonic())
+                held = self.publish_held(time.monotonic())
+                wake = held if wake is None else wake if held is None else min(wake, held)
                 self.maintain_streams()
         finally:
             self.shutdown()
@@ -242,7 +250,7 @@ class MergerService:
                       staleness=list(report.staleness), weights=[round(w, 4) for w in report.weights], share=round(sum(report.weights), 4),
                       delta_norms=[round(n, 6) for n in report.delta_norms], merged_norm=round(report.merged_norm, 6),
                       fold_ms=round((time.perf_counter() - fold.began) * 1000, 2))
-        self.publish_snapshot(fold.fragment, fold.state)
+        self.offer_snapshot(fold.fragment, fold.state)
         self.publish_ack(fold.results)
         return self.folds % self.config.checkpoint_every == 0
 
@@ -306,7 +314,7 @@ class MergerService:
             codec, plans = full_codec, protocol.split_fragment(params(), full_codec, limit)
         else:
             served, every = self.served.get(fragment), self.config.snapshot_full_every
-            if served is None or (on_bus and (state.version <= served.version or (every and state.version % every == 0))):
+            if served is None or (on_bus and (state.version <= served.version or (every and state.version // every > served.version // every))):
                 served, plans = downlink.full(params(), state.version, full_codec, limit)
                 codec = full_codec
             elif on_bus:
@@ -327,6 +335,31 @@ class MergerService:
     def publish_snapshot(self, fragment: int, state=None) -> None:
         for frames in self.snapshot_frames(fragment, state=state):
             self.snapshot_pub.send_multipart(frames, copy=False)
+        self.published_at[fragment] = time.monotonic()
+        self.held.discard(fragment)
+
+    def offer_snapshot(self, fragment: int, state) -> None:
+        """A fold's snapshot goes on the bus now, or is held until a round of the fastest island has
+        passed since the fragment's last one (round_policy.snapshot_due): then one snapshot carries
+        every fold in between.  Islands adopt what arrives, so fewer snapshots cost freshness only,
+        and with diff snapshots each island receives one fragment per round instead of one per fold."""
+        if snapshot_due(self.published_at.get(fragment), self.core.history[fragment], self.config.snapshot_every_round) <= time.monotonic():
+            self.publish_snapshot(fragment, state)
+        else:
+            self.held.add(fragment)
+            self.count("merger/snapshot_held")
+
+    def publish_held(self, now: float) -> float | None:
+        """Publish the held snapshots that are due (the fragment as folded by now); return when the
+        next one is."""
+        wake = None
+        for fragment in sorted(self.held):
+            due = snapshot_due(self.published_at.get(fragment), self.core.history[fragment], self.config.snapshot_every_round)
+            if due <= now:
+                self.publish_snapshot(fragment)
+            else:
+                wake = due if wake is None else min(wake, due)
+        return wake
 
     def publish_ack(self, results: list[protocol.DeltaResult]) -> None:
         """Results plus every island's cursor; cursors are logged and synced before anyone sees them."""
@@ -349,6 +382,7 @@ class MergerService:
         self.warming.join(timeout=120)  # exiting while XLA compiles on another thread aborts the process
         try:
             self.announce(self.pipeline.close())
+            self.publish_held(math.inf)  # the last folds go out before the merger does
         except Exception as error:  # a fold failed: logged below, the process still shuts down cleanly
             self.log.error("fold_failed", error=repr(error)[:500])
         if self.pipeline.failed is None:

@@ -20,7 +20,9 @@ def test_cluster_files_are_checked(tmp_path):
                           ("[sync]\ncodec = 'int3'\n[[regions]]\nname = 'a'\n", "sync.codec"),
                           ("[merger]\nsnapshot_diff_codec = 'int3'\n[[regions]]\nname = 'a'\n", "merger.snapshot_diff_codec"),
                           ("[merger]\nshare_window = -1\n[[regions]]\nname = 'a'\n", "merger.share_window"),
-                          ("[merger]\nsnapshot_full_every = 1.5\n[[regions]]\nname = 'a'\n", "merger.snapshot_full_every")):
+                          ("[merger]\nsnapshot_full_every = 1.5\n[[regions]]\nname = 'a'\n", "merger.snapshot_full_every"),
+                          ("[merger]\nsnapshot_every_round = -0.5\n[[regions]]\nname = 'a'\n", "merger.snapshot_every_round"),
+                          ("[merger]\nsnapshot_every_round = 'often'\n[[regions]]\nname = 'a'\n", "merger.snapshot_every_round")):
         bad.write_text(text)
         with pytest.raises(ConfigError, match=message):
             config.load(bad)

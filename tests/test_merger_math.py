@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import jax.numpy as jnp
@@ -198,6 +199,17 @@ def test_observe_updates_the_ema():
     stats = round_policy.observe(stats, 3.0, 0.5)  # first gap 2
     stats = round_policy.observe(stats, 4.0, 0.5)  # 0.5*1 + 0.5*2
     assert stats == round_policy.ArrivalStats(4.0, 1.5)
+
+
+def test_snapshot_due_by_hand():
+    history = {"fast": round_policy.ArrivalStats(last=10.0, interval=4.0), "slow": round_policy.ArrivalStats(last=9.0, interval=8.0),
+               "new": round_policy.ArrivalStats(last=9.5, interval=None)}
+    due = round_policy.snapshot_due
+    assert due(100.0, history, 1.0) == 104.0  # once per round of the fastest island (4 s), the slow one and the newcomer do not count
+    assert due(100.0, history, 0.5) == 102.0
+    assert due(100.0, history, 0.0) == -math.inf  # off: after every fold
+    assert due(None, history, 1.0) == -math.inf  # nothing published yet
+    assert due(100.0, {"new": history["new"]}, 1.0) == -math.inf  # no interval known yet: no reason to hold
 
 
 @pytest.mark.parametrize("make", [lambda: OuterConfig(kind="adam"), lambda: OuterConfig(lr=0), lambda: OuterConfig(delay=0),

@@ -326,6 +326,32 @@ def test_diff_snapshots_track_the_served_value_through_a_restart(tmp_path, init_
         watcher.close()
 
 
+@pytest.mark.timeout(120)
+def test_held_snapshots_carry_every_fold_and_the_last_one_goes_out(tmp_path, init_npz, processes, islands):
+    """--snapshot-every-round 3: after a fragment's first snapshot the next ones wait three of the
+    island's intervals, so the bus carries fewer snapshots than folds; each diff applies (no gap,
+    no mismatch), the last fold reaches the bus by the clock alone (no delta follows it), and what
+    the receiver built equals the merger's catch-up reply bit for bit."""
+    islands.append(island := Island(tmp_path))
+    processes.append(start_merger(tmp_path / "m", island, init_npz, "--snapshot-diff-codec", "int4", "--snapshot-every-round", "3"))
+    watcher = SnapshotWatcher(island)
+    try:
+        watcher.ask()
+        watcher.pump(lambda: watcher.holds([0, 0]))
+        for delta_id in range(1, 8):  # fragment 1 to version 4, fragment 0 to 3
+            assert island.send_until_settled(delta_id, island.chunks(delta_id)).status == "folded"
+        watcher.pump(lambda: watcher.holds([3, 4]), timeout_s=30)
+        bus = [(f, v, outcome) for source, f, v, outcome in watcher.seen if source == "bus" and v > 0]
+        assert len(bus) < 7, bus  # folds were held and went out together
+        assert {outcome for *_, outcome in bus} == {"diff"}, bus
+        assert (0, 3, "diff") in bus and (1, 4, "diff") in bus
+        assert_catch_up_matches(watcher, [3, 4])
+        stop(processes[-1])
+        assert "merger/snapshot_held" in (tmp_path / "m.log").read_text()
+    finally:
+        watcher.close()
+
+
 def assert_catch_up_matches(watcher: SnapshotWatcher, versions: list[int]) -> None:
     """What the watcher built from the bus equals, bit for bit, a fresh catch-up reply."""
     built, mark = watcher.held, len(watcher.seen)
