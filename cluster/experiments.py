@@ -83,9 +83,12 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
                 [(f"{merge}-{n}-islands", _both(_set("merger", merge=merge), _islands(n))) for n in (2, 4) for merge in ("average", "rda")]
                 + [("whole-steps-4-islands", _set("merger", share_window=0)),
                    ("delayed-nesterov-4-islands", _set("merger", outer="delayed_nesterov", share_window=0))]),
-    "downlink": ("Snapshots down as the whole fragment in bf16 after every fold vs int4 diffs of the value islands hold "
-                 "(protocol/downlink.py), decoupled: bytes per token, and whether the loss pays for them.",
-                 [("bf16-full", _set("merger", snapshot_diff_codec="none")), ("int4-diff", _set("merger", snapshot_diff_codec="int4"))]),
+    "downlink": ("Snapshots down as the whole fragment in bf16 after every fold, as int4 diffs of the value islands hold "
+                 "(protocol/downlink.py) after every fold, and as int4 diffs held to one per fragment per round of the fastest "
+                 "island (the default), decoupled: bytes per token, and whether the loss pays for them.",
+                 [("bf16-full", _set("merger", snapshot_diff_codec="none", snapshot_every_round=0.0)),
+                  ("int4-diff", _set("merger", snapshot_diff_codec="int4", snapshot_every_round=0.0)),
+                  ("int4-diff-held", _set("merger", snapshot_diff_codec="int4", snapshot_every_round=1.0))]),
 }
 # Seconds per run by default (a suite stays within 30 minutes on 2 cores), and with --quick.
 DEFAULT_SECONDS = {"speedup": 300.0, "heterogeneous": 300.0, "faults": 300.0, "quantization": 150.0, "merging": 240.0, "downlink": 300.0}

@@ -52,6 +52,7 @@ def test_every_suite_builds_valid_cluster_files():
     assert base.merger["share_window"] == 8 and merging["whole-steps-4-islands"](base).merger["share_window"] == 0
     downlink = dict(experiments.SUITES["downlink"][1])
     assert downlink["bf16-full"](base).merger["snapshot_diff_codec"] == "none" and downlink["int4-diff"](base).merger["snapshot_diff_codec"] == "int4"
+    assert downlink["int4-diff"](base).merger["snapshot_every_round"] == 0 and downlink["int4-diff-held"](base).merger["snapshot_every_round"] == 1
     for name, (_, runs) in experiments.SUITES.items():  # --quick: each suite's runs exist and fit 3 minutes with ~15 s start-up each
         kept = [label for label, _ in runs if label in experiments.QUICK_RUNS.get(name, (label,))]
         assert len(kept) == len(experiments.QUICK_RUNS.get(name, kept)) >= 2 and len(kept) * (experiments.QUICK_SECONDS[name] + 15) <= 180, name

@@ -76,3 +76,4 @@ def test_merging_every_rule_trains(tmp_path):
 def test_downlink_diffs_cut_the_bytes(tmp_path):
     runs = quick("downlink", tmp_path)
     assert experiments.bytes_per_token(runs["int4-diff"]) < 0.7 * experiments.bytes_per_token(runs["bf16-full"])
+    assert experiments.bytes_per_token(runs["int4-diff-held"]) < 0.8 * experiments.bytes_per_token(runs["int4-diff"])
