@@ -41,7 +41,8 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
                         help="with diffs: every N-th version of a fragment goes out in full (default 0: never; islands ask when they miss one)")
     merger.add_argument("--snapshot-every-round", type=float_at_least(0.0), default=0.0,
                         help="publish a fragment at most once per F rounds of its fastest island (EMA of its interval between "
-                             "deltas); the folds in between go out together (default 0: after every fold)")
+                             "deltas); the folds in between go out together (default 0: after every fold). Islands then base "
+                             "their deltas on a version up to F rounds of folds old: keep --max-staleness above that")
     merger.add_argument("--fsync", choices=("always", "batch", "never"), default="batch")
     merger.add_argument("--checkpoint-every", type=positive_int, default=50, help="folds between checkpoints")
     merger.add_argument("--peer-timeout", type=float, default=10.0, help="seconds of silence after which an island is logged as gone")

@@ -138,7 +138,7 @@ class MergerService:
         wake = None
         try:
             while not self.stopping:
-                timeout = POLL_MS if wake is None else max(0, min(POLL_MS, int((wake - time.monotonic()) * 1000)))
+                timeout = POLL_MS if wake is None else int(max(0.0, min(POLL_MS, (wake - time.monotonic()) * 1000)))  # wake may be far off
                 events = dict(poller.poll(timeout))
                 if self.delta_sub in events:
                     self._drain(self.delta_sub, self.on_delta_frames)
@@ -382,7 +382,7 @@ class MergerService:
         self.warming.join(timeout=120)  # exiting while XLA compiles on another thread aborts the process
         try:
             self.announce(self.pipeline.close())
-            self.publish_held(math.inf)  # the last folds go out before the merger does
+            self.publish_held(math.inf)  # queue the last folds too (best effort: the sockets close with linger 0)
         except Exception as error:  # a fold failed: logged below, the process still shuts down cleanly
             self.log.error("fold_failed", error=repr(error)[:500])
         if self.pipeline.failed is None:

@@ -248,6 +248,7 @@ class SnapshotWatcher:
         self.reassemblers = {self.sub: protocol.Reassembler(), self.dealer: protocol.Reassembler()}
         self.held: dict[int, downlink.Served] = {}
         self.seen: list[tuple[str, int, int, str]] = []  # (bus | reply, fragment, version, outcome)
+        self.bases: list[tuple[int, int, int | None]] = []  # bus snapshots: (fragment, version, base_version)
 
     def ask(self, fragments=()) -> None:
         self.dealer.send_multipart(protocol.encode(protocol.SnapshotRequest(sender="watcher", epoch=1, seq=0, fragments=tuple(fragments))))
@@ -264,6 +265,8 @@ class SnapshotWatcher:
                 head = done.header
                 held, outcome = downlink.receive(self.held.get(head.fragment), head.version, head.base_version, head.digest, done.tensors)
                 self.seen.append(("bus" if socket is self.sub else "reply", head.fragment, head.version, outcome))
+                if socket is self.sub:
+                    self.bases.append((head.fragment, head.version, head.base_version))
                 if outcome in downlink.ADOPT:
                     self.held[head.fragment] = held
                 elif outcome in downlink.ASK_AGAIN:
@@ -345,6 +348,7 @@ def test_held_snapshots_carry_every_fold_and_the_last_one_goes_out(tmp_path, ini
         assert len(bus) < 7, bus  # folds were held and went out together
         assert {outcome for *_, outcome in bus} == {"diff"}, bus
         assert (0, 3, "diff") in bus and (1, 4, "diff") in bus
+        assert any(base is not None and base < version - 1 for _, version, base in watcher.bases), watcher.bases  # a diff over several folds
         assert_catch_up_matches(watcher, [3, 4])
         stop(processes[-1])
         assert "merger/snapshot_held" in (tmp_path / "m.log").read_text()
