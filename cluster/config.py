@@ -95,18 +95,24 @@ class ClusterConfig:
 #   merger has all N deltas and returns the new global model.
 # Both synchronous modes fold every island's delta at once with a whole outer step (share_window 0),
 # as classic DiLoCo and data parallelism do, and publish every fold at once (snapshot_every_round 0):
-# their islands wait for it.
+# their islands wait for it.  A round waits for every island (quorum_timeout_s SYNC_QUORUM_TIMEOUT_S,
+# longer than any suite's run): with the default 30 s, a half-speed island finishing its H = 96
+# steps ~50 s after the fast ones would be left out of the round, which is not classic DiLoCo; the
+# stall on a dead island is what the faults suite measures.
 # sync-dp: a stand-in for data-parallel all-reduce — every step each island sends its full fp32
 #   change and blocks until the merger returns the average (outer SGD, lr 1: the new global model is
 #   the mean of the islands' models), so the bytes and the barrier per step are those of an
 #   all-reduce of fp32 gradients.
+SYNC_QUORUM_TIMEOUT_S = 3600.0
 MODES = {
     "decoupled": {},
     "sync-diloco": {"sync": {"fragments": 1, "blocking": True},
-                    "merger": {"quorum": "all", "grace_cap_s": 0.0, "share_window": 0, "snapshot_every_round": 0.0}},
+                    "merger": {"quorum": "all", "grace_cap_s": 0.0, "share_window": 0, "snapshot_every_round": 0.0,
+                               "quorum_timeout_s": SYNC_QUORUM_TIMEOUT_S}},
     "sync-dp": {"sync": {"fragments": 1, "interval": 1, "codec": "fp32", "blocking": True},
                 "merger": {"quorum": "all", "grace_cap_s": 0.0, "merge": "average", "outer": "sgd", "outer_lr": 1.0, "snapshot_codec": "fp32",
-                           "snapshot_diff_codec": "none", "share_window": 0, "snapshot_every_round": 0.0}},
+                           "snapshot_diff_codec": "none", "share_window": 0, "snapshot_every_round": 0.0,
+                           "quorum_timeout_s": SYNC_QUORUM_TIMEOUT_S}},
 }
 
 _SECTIONS = {"run": {"duration_s", "eval_every", "eval_early", "seed", "mode"}, "model": {"width", "depth", "heads", "context", "batch"},
