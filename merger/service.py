@@ -301,8 +301,8 @@ class MergerService:
         replies (on_bus False) are not part of the bus stream: they carry the last stream seq instead of a new one.
 
         With a diff codec, a bus snapshot is the change since the previous one (protocol/downlink.py)
-        and a point-to-point reply is the served value itself, exact (fp32), so the receiver can apply
-        the diffs that follow."""
+        and a point-to-point reply is the served value itself, exact (fp32, or bf16 while it is
+        representable in it), so the receiver can apply the diffs that follow."""
         state = self.core.states[fragment] if state is None else state
 
         def params():  # host copies: not needed for a diff merger's catch-up reply
@@ -320,9 +320,8 @@ class MergerService:
             elif on_bus:
                 base, codec = served.version, protocol.Codec(self.config.snapshot_diff_codec)
                 served, plans = downlink.diff(params(), served, state.version, codec, limit)
-            else:
-                codec = protocol.Codec("fp32")
-                plans = protocol.split_fragment(served.tensors, codec, limit)
+            else:  # exact: fp32, or the full snapshots' codec while S is representable in it (joins at the start)
+                codec, plans = downlink.reply(served, full_codec, limit)
             self.served[fragment] = served
             version, digest = served.version, served.digest
             self.count("merger/snapshot_catch_up" if not on_bus else "merger/snapshot_diff" if base is not None else "merger/snapshot_full")

@@ -7,7 +7,8 @@ snapshot from version b to v carries ``encode_d(Theta_v - S_b)`` and serves
 the next diff (error feedback by construction) and S stays within one diff's error of the global
 model instead of drifting.  Every snapshot from a merger that sends diffs carries ``digest(S_v)``;
 a receiver that applied a diff to anything but ``S_b`` (a diff lost on the bus, a restarted merger)
-sees the digest differ and asks for the value again (catch-up, sent exact in fp32).
+sees the digest differ and asks for the value again (catch-up, sent exact: fp32, or the full
+snapshots' codec while S is exactly representable in it).
 
 Both ends decode with `protocol.reassembly.decode_slices` and add in float32 numpy, so the served
 value is the same bytes on every machine.  Pure numpy: no sockets, no clocks.
@@ -75,6 +76,20 @@ def diff(theta: Mapping[str, np.ndarray], served: Served, version: int, codec: C
     plans = split_fragment(change, codec, max_chunk_bytes)
     held = apply(served.tensors, _decoded(plans, codec, {path: value.shape for path, value in change.items()}))
     return Served(version, held, digest(held)), plans
+
+
+def reply(served: Served, preferred: Codec, max_chunk_bytes: int) -> tuple[Codec, list[ChunkPlan]]:
+    """A point-to-point reply carrying `served` exactly: in `preferred` (the full snapshots' codec)
+    when that gives back S bit for bit — as it does until the first diff after a full snapshot in
+    it, e.g. for every island joining at the start (bf16: half the bytes) — otherwise in fp32."""
+    tensors = dict(served.tensors)
+    if preferred.name != "fp32":
+        plans = split_fragment(tensors, preferred, max_chunk_bytes)
+        decoded = _decoded(plans, preferred, {path: value.shape for path, value in tensors.items()})
+        if all(np.array_equal(decoded[path].view(np.uint32), value.view(np.uint32)) for path, value in tensors.items()):
+            return preferred, plans
+    fp32 = Codec("fp32")
+    return fp32, split_fragment(tensors, fp32, max_chunk_bytes)
 
 
 def apply(held: Mapping[str, np.ndarray], change: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

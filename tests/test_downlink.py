@@ -32,6 +32,24 @@ def test_a_full_snapshot_serves_what_its_codec_decodes():
     assert sum(p.nbytes for p in plans) == 6
 
 
+def test_a_reply_is_bf16_while_the_served_value_is_bf16_and_fp32_after_a_diff():
+    """1 + 2^-10 is not a bf16 value: after a full bf16 snapshot S = [1, 1, 3] is, so a reply in bf16
+    (6 bytes) is exact; a diff then moves w[0] by about 0.001, which bf16 cannot hold next to 1, and
+    the reply falls back to fp32 (12 bytes) — exact either way."""
+    bf16 = protocol.Codec("bf16")
+    theta = {"w": np.array([1.0, 1.0 + 2.0**-10, 3.0], F32)}
+    served, _ = downlink.full(theta, 1, bf16, 1 << 20)
+    codec, plans = downlink.reply(served, bf16, 1 << 20)
+    assert codec.name == "bf16" and sum(p.nbytes for p in plans) == 6
+    served, _ = downlink.diff({"w": np.array([1.001, 1.0, 3.0], F32)}, served, 2, protocol.Codec("int4", block=8), 1 << 20)
+    assert served.tensors["w"][0] != 1.0 and served.tensors["w"][0].astype(np.float32).view(np.uint32) & 0xFFFF  # not a bf16 value
+    codec, plans = downlink.reply(served, bf16, 1 << 20)
+    assert codec.name == "fp32" and sum(p.nbytes for p in plans) == 12
+    for codec_, plans_ in ((codec, plans), downlink.reply(served, protocol.Codec("fp32"), 1 << 20)):
+        decoded = downlink._decoded(plans_, codec_, {"w": (3,)})
+        assert decoded["w"].tobytes() == served.tensors["w"].tobytes()
+
+
 def test_a_diff_carries_the_previous_diffs_error():
     """int4, one block of 8: scale = absmax / 7, q = round(x / scale).  The first diff of
     [7, 3.4, 0...] decodes to [7, 3, 0...]; the model then stands still, so the second diff is the
