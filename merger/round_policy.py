@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from merger.config import RoundConfig
 
@@ -65,12 +65,14 @@ def decide(now: float, pending: Sequence[tuple[str, float]], history: Mapping[st
     return Decision(False, min(min(upcoming) + config.grace_slack_s, deadline))
 
 
-def snapshot_due(last_published: float | None, history: Mapping[str, ArrivalStats], every_round: float) -> float:
-    """When a fragment's next snapshot may go on the bus: `every_round` times the shortest interval
-    between deltas of any island (a round of the fastest island) after its last one.  Folds in
-    between are held and go out together (a diff covers them all).  -inf (publish now) when the
-    policy is off (0), nothing was published yet, or no island's interval is known."""
-    intervals = [stats.interval for stats in history.values() if stats.interval is not None]
-    if every_round <= 0 or last_published is None or not intervals:
+def snapshot_due(last_published: float | None, intervals: Iterable[float | None], every_round: float) -> float:
+    """When a fragment's next snapshot may go on the bus: `every_round` times the shortest of
+    `intervals` (each island's EMA interval between its deltas of one fragment, over every fragment:
+    each island sends every fragment once per round, so the shortest is a round of the fastest
+    island) after its last one.  Folds in between are held and go out together (a diff covers them
+    all).  -inf (publish now) when the policy is off (0), nothing was published yet, or no interval
+    is known."""
+    known = [interval for interval in intervals if interval is not None]
+    if every_round <= 0 or last_published is None or not known:
         return -math.inf
-    return last_published + every_round * min(intervals)
+    return last_published + every_round * min(known)

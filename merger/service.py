@@ -339,21 +339,27 @@ class MergerService:
 
     def offer_snapshot(self, fragment: int, state) -> None:
         """A fold's snapshot goes on the bus now, or is held until a round of the fastest island has
-        passed since the fragment's last one (round_policy.snapshot_due): then one snapshot carries
+        passed since the fragment's last one (round_policy.snapshot_due; the round as measured on any
+        fragment, so holding starts in the first round of later fragments): then one snapshot carries
         every fold in between.  Islands adopt what arrives, so fewer snapshots cost freshness only,
         and with diff snapshots each island receives one fragment per round instead of one per fold."""
-        if snapshot_due(self.published_at.get(fragment), self.core.history[fragment], self.config.snapshot_every_round) <= time.monotonic():
+        if snapshot_due(self.published_at.get(fragment), self.intervals(), self.config.snapshot_every_round) <= time.monotonic():
             self.publish_snapshot(fragment, state)
         else:
             self.held.add(fragment)
             self.count("merger/snapshot_held")
+
+    def intervals(self) -> list[float | None]:
+        """Every island's EMA interval between its deltas of one fragment, over every fragment (a
+        fragment whose second round has not begun is held by what the others know of a round)."""
+        return [stats.interval for history in self.core.history for stats in history.values()]
 
     def publish_held(self, now: float) -> float | None:
         """Publish the held snapshots that are due (the fragment as folded by now); return when the
         next one is."""
         wake = None
         for fragment in sorted(self.held):
-            due = snapshot_due(self.published_at.get(fragment), self.core.history[fragment], self.config.snapshot_every_round)
+            due = snapshot_due(self.published_at.get(fragment), self.intervals(), self.config.snapshot_every_round)
             if due <= now:
                 self.publish_snapshot(fragment)
             else:

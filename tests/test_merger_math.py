@@ -202,14 +202,14 @@ def test_observe_updates_the_ema():
 
 
 def test_snapshot_due_by_hand():
-    history = {"fast": round_policy.ArrivalStats(last=10.0, interval=4.0), "slow": round_policy.ArrivalStats(last=9.0, interval=8.0),
-               "new": round_policy.ArrivalStats(last=9.5, interval=None)}
     due = round_policy.snapshot_due
-    assert due(100.0, history, 1.0) == 104.0  # once per round of the fastest island (4 s), the slow one and the newcomer do not count
-    assert due(100.0, history, 0.5) == 102.0
-    assert due(100.0, history, 0.0) == -math.inf  # off: after every fold
-    assert due(None, history, 1.0) == -math.inf  # nothing published yet
-    assert due(100.0, {"new": history["new"]}, 1.0) == -math.inf  # no interval known yet: no reason to hold
+    intervals = [4.0, 8.0, None]  # a fast island, a slow one, one seen once (no interval yet)
+    assert due(100.0, intervals, 1.0) == 104.0  # once per round of the fastest island (4 s)
+    assert due(100.0, intervals, 0.5) == 102.0
+    assert due(100.0, intervals, 0.0) == -math.inf  # off: after every fold
+    assert due(None, intervals, 1.0) == -math.inf  # nothing published yet
+    assert due(100.0, [None, None], 1.0) == -math.inf  # no interval known yet: no reason to hold
+    assert due(100.0, [], 1.0) == -math.inf
 
 
 @pytest.mark.parametrize("make", [lambda: OuterConfig(kind="adam"), lambda: OuterConfig(lr=0), lambda: OuterConfig(delay=0),
