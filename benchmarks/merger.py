@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -131,15 +132,25 @@ def run(params: int = 25_165_824, fragments: int = 4, islands: int = 4, rounds: 
     finally:
         context.destroy(linger=0)
     ingest, raw = gbps(wire_bytes, seconds), gbps(raw_bytes, raw_seconds)
+    # Where the CPU goes: the loop thread's stages and the fold worker's computing.  On this many
+    # cores, with perfect overlap and nothing else running (no sender, no ZeroMQ I/O threads), the
+    # merger could not ingest faster than wire / max(loop, worker, (loop + worker) / cores).
+    loop_s = sum(v for k, v in stages.items() if k != "finish_sync_s")
+    worker_s = sum(fold.compute_s for fold in done)
+    cores = len(os.sched_getaffinity(0))
+    bound_s = max(loop_s, worker_s, (loop_s + worker_s) / cores)
     return {
         "params": total_params, "islands": islands, "fragments": fragments, "rounds": rounds, "codec": "int4",
         "messages": expected, "wire_bytes": wire_bytes, "folds": folds, "seconds": round(seconds, 3),
         "merger_ingest_gbps": round(ingest, 3), "raw_zmq_recv_gbps": round(raw, 3), "ingest_vs_raw": round(ingest / raw, 3),
         "stages_s": {k: round(v, 3) for k, v in sorted(stages.items())}, "warmup_compile_s": round(warmup_s, 3),
+        "loop_busy_s": round(loop_s, 3), "fold_worker_busy_s": round(worker_s, 3), "cores": cores,
+        "cpu_bound_gbps": round(gbps(wire_bytes, bound_s), 3),
     }
 
 
 def summary(result: dict) -> str:
     return (f"merger ingest {result['merger_ingest_gbps']:.3f} GB/s of int4 wire bytes ({result['params']:,} params, "
             f"{result['islands']} deltas per fold); raw ZeroMQ receive {result['raw_zmq_recv_gbps']:.3f} GB/s; "
-            f"ratio {result['ingest_vs_raw']:.2f}; stages {result['stages_s']}")
+            f"ratio {result['ingest_vs_raw']:.2f}; stages {result['stages_s']}; loop thread busy {result['loop_busy_s']} s, fold "
+            f"worker {result['fold_worker_busy_s']} s: at most {result['cpu_bound_gbps']:.3f} GB/s on {result['cores']} cores with perfect overlap")

@@ -44,6 +44,7 @@ class Fold:
     report: FoldReport | None = None  # set by the worker, with state
     state: FragmentState | None = None  # the fragment after this fold (publish this, not the core's newest)
     error: BaseException | None = None
+    compute_s: float = 0.0  # seconds the worker spent on it
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     @property
@@ -126,11 +127,13 @@ class FoldPipeline:
 
     def _compute_each(self) -> None:
         while (fold := self._work.get()) is not None:
+            began = time.perf_counter()
             try:
                 fold.state, fold.report = self.core.compute_fold(fold.started)
                 jax.block_until_ready(list(fold.state.params.values()))
             except BaseException as error:  # handed to the loop's thread, which raises it
                 fold.error = error
+            fold.compute_s = time.perf_counter() - began
             fold.done.set()
             if self._notify is not None:
                 try:

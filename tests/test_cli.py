@@ -32,6 +32,20 @@ def test_bench_codec_json_has_every_figure():
     assert "bench codec: int4" in run.stderr  # progress goes to stderr, the figures to stdout
 
 
+@pytest.mark.timeout(240)
+def test_bench_merger_json_folds_every_delta_and_says_where_the_time_went():
+    """A small model, one round: the benchmark folds every delta it sent (it raises otherwise) and
+    accounts for the loop thread and the fold worker; its 2-core bound is above what it measured."""
+    run = dloco("bench", "merger", "--json", "--params", "400000", "--rounds", "1", timeout=220)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout)
+    assert result["params"] > 300_000 and result["codec"] == "int4" and result["folds"] >= 1
+    assert result["wire_bytes"] > result["params"] * 4 * 0.5  # four islands' int4 deltas
+    assert result["merger_ingest_gbps"] > 0 and result["raw_zmq_recv_gbps"] > 0
+    assert result["loop_busy_s"] > 0 and result["fold_worker_busy_s"] > 0 and result["cores"] >= 1
+    assert result["cpu_bound_gbps"] >= result["merger_ingest_gbps"]
+
+
 def test_bench_codec_table_is_the_default():
     run = dloco("bench", "codec", "--mib", "4", "--reps", "1")
     assert run.returncode == 0 and "memcpy" in run.stdout and "int4" in run.stdout
