@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 from cluster.chaos import ChaosEvent, check
+from merger.config import FULL_SNAPSHOT_CODECS
 from protocol import CODEC_NAMES
 from protocol.errors import ConfigError, require
 
@@ -60,6 +61,8 @@ class ClusterConfig:
         require(self.sync["codec"] in CODEC_NAMES, f"sync.codec must be one of {CODEC_NAMES}, got {self.sync['codec']!r}")
         check(self.chaos, self.process_names)
         require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
+        require(self.merger["snapshot_codec"] in FULL_SNAPSHOT_CODECS,
+                f"merger.snapshot_codec must be one of {FULL_SNAPSHOT_CODECS}, got {self.merger['snapshot_codec']!r}")
         diff = self.merger["snapshot_diff_codec"]
         require(diff == "none" or diff in CODEC_NAMES, f"merger.snapshot_diff_codec must be 'none' or one of {CODEC_NAMES}, got {diff!r}")
         for key in ("snapshot_full_every", "share_window"):

@@ -7,6 +7,8 @@ import dataclasses
 from protocol.errors import ConfigError as ConfigError  # re-exported: the error these configs raise
 from protocol.errors import require as _require
 
+FULL_SNAPSHOT_CODECS = ("fp32", "bf16", "int8")  # codecs a whole fragment's value may go out in
+
 
 @dataclasses.dataclass(frozen=True)
 class OuterConfig:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from merger.config import ConfigError, MergeConfig, MergerConfig, OuterConfig, RoundConfig
+from merger.config import FULL_SNAPSHOT_CODECS, ConfigError, MergeConfig, MergerConfig, OuterConfig, RoundConfig
 from protocol import CODEC_NAMES, DlocoError
 
 
@@ -34,7 +34,9 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     merger.add_argument("--quorum", type=positive_int, default=1, help="K: deltas per fold (default 1: nobody waits)")
     merger.add_argument("--quorum-timeout", type=float, default=30.0, help="fold with fewer than K once the oldest pending delta waited this long")
     merger.add_argument("--grace-cap", type=float, default=1.0, help="seconds a round may wait for a predicted late island")
-    merger.add_argument("--snapshot-codec", choices=("fp32", "bf16"), default="fp32", help="codec of full snapshots")
+    merger.add_argument("--snapshot-codec", choices=FULL_SNAPSHOT_CODECS, default="fp32",
+                        help="codec of full snapshots (int8: a quarter of fp32's bytes; meant with --snapshot-diff-codec, "
+                             "whose diffs carry its error away)")
     merger.add_argument("--snapshot-diff-codec", choices=("none", *CODEC_NAMES), default="none",
                         help="publish each fold as the change since the previous snapshot in this codec (default none: full snapshots)")
     merger.add_argument("--snapshot-full-every", type=non_negative_int, default=0,

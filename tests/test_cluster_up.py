@@ -22,6 +22,7 @@ def test_cluster_files_are_checked(tmp_path):
                           ("[merger]\nshare_window = -1\n[[regions]]\nname = 'a'\n", "merger.share_window"),
                           ("[merger]\nsnapshot_full_every = 1.5\n[[regions]]\nname = 'a'\n", "merger.snapshot_full_every"),
                           ("[merger]\nsnapshot_every_round = -0.5\n[[regions]]\nname = 'a'\n", "merger.snapshot_every_round"),
+                          ("[merger]\nsnapshot_codec = 'int4'\n[[regions]]\nname = 'a'\n", "merger.snapshot_codec"),
                           ("[merger]\nsnapshot_every_round = 'often'\n[[regions]]\nname = 'a'\n", "merger.snapshot_every_round")):
         bad.write_text(text)
         with pytest.raises(ConfigError, match=message):

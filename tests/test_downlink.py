@@ -50,6 +50,19 @@ def test_a_reply_is_bf16_while_the_served_value_is_bf16_and_fp32_after_a_diff():
         assert decoded["w"].tobytes() == served.tensors["w"].tobytes()
 
 
+def test_an_int8_full_snapshot_is_replied_in_int8_exactly():
+    """The cluster profile's join: S_0 = int8 of the initial model, so a reply re-encodes it in int8
+    (a quarter of fp32) and the receiver decodes S_0 bit for bit."""
+    int8 = protocol.Codec("int8")
+    theta = {"w": (np.random.default_rng(3).standard_normal(5000) * 0.02).astype(F32), "b": np.linspace(-1, 1, 300, dtype=F32)}
+    served, _ = downlink.full(theta, 0, int8, 1 << 20)
+    codec, plans = downlink.reply(served, int8, 1 << 20)
+    assert codec.name == "int8" and sum(p.nbytes for p in plans) == int8.encoded_nbytes(5000) + int8.encoded_nbytes(300)
+    decoded = downlink._decoded(plans, codec, {"w": (5000,), "b": (300,)})
+    assert all(decoded[p].tobytes() == served.tensors[p].tobytes() for p in theta)
+    assert downlink.digest(decoded) == served.digest
+
+
 def test_a_diff_carries_the_previous_diffs_error():
     """int4, one block of 8: scale = absmax / 7, q = round(x / scale).  The first diff of
     [7, 3.4, 0...] decodes to [7, 3, 0...]; the model then stands still, so the second diff is the

@@ -41,14 +41,19 @@ def test_shaper_schedules_by_hand():
 
 
 @pytest.mark.timeout(240)
-def test_merger_and_two_islands_exchange_and_fold(tmp_path):
+@pytest.mark.parametrize("downlink", [
+    ("--snapshot-diff-codec", "int4"),  # every fold goes down as an int4 diff (protocol/downlink.py)
+    # the cluster profile's downlink: int8 full snapshots, diffs held to one per fragment per round
+    ("--snapshot-diff-codec", "int4", "--snapshot-codec", "int8", "--snapshot-every-round", "1", "--max-staleness", "8"),
+], ids=["every-fold", "held-int8-join"])
+def test_merger_and_two_islands_exchange_and_fold(tmp_path, downlink):
     init = tmp_path / "init.npz"
     subprocess.run([sys.executable, "-m", "cluster.cli", "island", "--write-init", str(init), *TINY], check=True, capture_output=True, timeout=120)
     ports = free_ports(3)
     merger = subprocess.Popen([sys.executable, "-m", "cluster.cli", "merger", "--run-dir", str(tmp_path / "m"), "--init-npz", str(init),
                                "--fragments", "2", "--delta-endpoint", f"@tcp://127.0.0.1:{ports[0]}",
                                "--snapshot-endpoint", f"@tcp://127.0.0.1:{ports[1]}", "--control-endpoint", f"@tcp://127.0.0.1:{ports[2]}", "--insecure",
-                               "--snapshot-diff-codec", "int4"],  # folds go down as int4 diffs (protocol/downlink.py)
+                               *downlink],
                               stdout=open(tmp_path / "merger.log", "wb"), stderr=subprocess.STDOUT)
     islands = []
     try:
