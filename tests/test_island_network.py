@@ -43,7 +43,7 @@ def test_shaper_schedules_by_hand():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("downlink", [
     ("--snapshot-diff-codec", "int4"),  # every fold goes down as an int4 diff (protocol/downlink.py)
-    # the cluster profile's downlink: int8 full snapshots, diffs held to one per fragment per round
+    # int8 full snapshots (the cluster profile's), diffs held to one per fragment per round
     ("--snapshot-diff-codec", "int4", "--snapshot-codec", "int8", "--snapshot-every-round", "1", "--max-staleness", "8"),
 ], ids=["every-fold", "held-int8-join"])
 def test_merger_and_two_islands_exchange_and_fold(tmp_path, downlink):
