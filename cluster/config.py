@@ -99,9 +99,9 @@ class ClusterConfig:
 # Both synchronous modes fold every island's delta at once with a whole outer step (share_window 0),
 # as classic DiLoCo and data parallelism do, and publish every fold at once (snapshot_every_round 0):
 # their islands wait for it.  A round waits for every island (quorum_timeout_s SYNC_QUORUM_TIMEOUT_S,
-# longer than any suite's run): with the default 30 s, a half-speed island finishing its H = 96
-# steps ~50 s after the fast ones would be left out of the round, which is not classic DiLoCo; the
-# stall on a dead island is what the faults suite measures.
+# longer than any suite's run): with the default 30 s, a half-speed island finishing its H steps
+# more than 30 s after the fast ones (~50 s at H = 96 here) would be left out of the round, which is
+# not classic DiLoCo; the stall on a dead island is what the faults suite measures.
 # sync-dp: a stand-in for data-parallel all-reduce — every step each island sends its full fp32
 #   change and blocks until the merger returns the average (outer SGD, lr 1: the new global model is
 #   the mean of the islands' models), so the bytes and the barrier per step are those of an
