@@ -86,7 +86,7 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
     "downlink": ("Snapshots down as the whole fragment in bf16 after every fold, as int4 diffs of the value islands hold "
                  "(protocol/downlink.py) after every fold, and as int4 diffs held to one per fragment per round of the fastest "
                  "island (the default), decoupled: bytes per token, and whether the loss pays for them.",
-                 [("bf16-full", _set("merger", snapshot_diff_codec="none", snapshot_every_round=0.0)),
+                 [("bf16-full", _set("merger", snapshot_codec="bf16", snapshot_diff_codec="none", snapshot_every_round=0.0)),
                   ("int4-diff", _set("merger", snapshot_diff_codec="int4", snapshot_every_round=0.0)),
                   ("int4-diff-held", _set("merger", snapshot_diff_codec="int4", snapshot_every_round=1.0))]),
 }

@@ -223,8 +223,9 @@ class NetworkLink:
         self._dealer = dealer
         dealer.send_multipart(protocol.encode(protocol.SnapshotRequest(sender=self.name, epoch=self.epoch, seq=0, fragments=())))
         self._asked_all = time.monotonic()
-        # Bus and point-to-point snapshots reassemble apart: a catch-up reply (fp32) and a bus
-        # snapshot (bf16) of one version share a key, and chunks of one must not meet the other's.
+        # Bus and point-to-point snapshots reassemble apart: a catch-up reply (exact: fp32 or the full
+        # snapshots' codec) and a bus snapshot of one version share a key, and chunks of one must not
+        # meet the other's.
         reassemblers = {sub: protocol.Reassembler(), dealer: protocol.Reassembler()}
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)

@@ -301,8 +301,8 @@ class MergerService:
         replies (on_bus False) are not part of the bus stream: they carry the last stream seq instead of a new one.
 
         With a diff codec, a bus snapshot is the change since the previous one (protocol/downlink.py)
-        and a point-to-point reply is the served value itself, exact (fp32, or bf16 while it is
-        representable in it), so the receiver can apply the diffs that follow."""
+        and a point-to-point reply is the served value itself, exact (fp32, or the full snapshots'
+        codec while the value is representable in it), so the receiver can apply the diffs that follow."""
         state = self.core.states[fragment] if state is None else state
 
         def params():  # host copies: not needed for a diff merger's catch-up reply

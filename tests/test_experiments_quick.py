@@ -77,9 +77,6 @@ def test_downlink_diffs_cut_the_bytes(tmp_path):
     runs = quick("downlink", tmp_path)
     assert experiments.bytes_per_token(runs["int4-diff"]) < 0.7 * experiments.bytes_per_token(runs["bf16-full"])
 
-    def down_per_up(result):  # bytes received per byte sent: the uplink is the same per delta in both runs
-        return sum(e["bytes_received"] for e in result.last.values()) / sum(e["bytes_sent"] for e in result.last.values())
-
-    # held snapshots: fewer diffs down. With the tiny model a round is short and only the slow
-    # islands' folds are held (a 40 s run measured 1.23 vs 1.52, and 167 of 226 folds published)
-    assert down_per_up(runs["int4-diff-held"]) < 0.9 * down_per_up(runs["int4-diff"])
+    # The held run only has to train here: with the tiny model a round lasts about a second and few
+    # folds are held (bytes received per byte sent 1.23 vs 1.52 in one 40 s run, 1.47 vs 1.49 in the
+    # next). Holding is tested in tests/test_merger_process.py and measured at default length.
