@@ -65,8 +65,10 @@ def run_merger(args: argparse.Namespace) -> int:
     import zmq
 
     from broker.security import security_from_args
+    from merger.memory import keep_freed_memory
     from merger.service import MergerService, ServiceConfig, initial_core
 
+    keep_freed_memory()  # folds reuse freed pages instead of faulting in fresh ones (merger/memory.py)
     try:
         config = MergerConfig(
             MergeConfig(method=args.merge, max_staleness=args.max_staleness, share_window=args.share_window),
@@ -93,8 +95,10 @@ def run_merger(args: argparse.Namespace) -> int:
 
 
 def run_replay(args: argparse.Namespace) -> int:
+    from merger.memory import keep_freed_memory
     from merger.recovery import replay
 
+    keep_freed_memory()
     folds = 0
 
     def on_fold(index, record, report, core) -> None:

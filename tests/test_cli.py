@@ -41,7 +41,7 @@ def test_bench_merger_json_folds_every_delta_and_says_where_the_time_went():
     result = json.loads(run.stdout)
     assert result["params"] > 300_000 and result["codec"] == "int4" and result["folds"] >= 1
     assert result["wire_bytes"] > result["params"] * 4 * 0.5  # four islands' int4 deltas
-    assert result["merger_ingest_gbps"] > 0 and result["raw_zmq_recv_gbps"] > 0
+    assert result["merger_ingest_gbps"] > 0 and result["cold_ingest_gbps"] > 0 and result["raw_zmq_recv_gbps"] > 0
     assert result["loop_busy_s"] > 0 and result["fold_worker_busy_s"] > 0 and result["cores"] >= 1
     assert result["cpu_bound_gbps"] >= result["merger_ingest_gbps"]
 
