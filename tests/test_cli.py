@@ -36,12 +36,13 @@ def test_bench_codec_json_has_every_figure():
 def test_bench_merger_json_folds_every_delta_and_says_where_the_time_went():
     """A small model, one round: the benchmark folds every delta it sent (it raises otherwise) and
     accounts for the loop thread and the fold worker; its 2-core bound is above what it measured."""
-    run = dloco("bench", "merger", "--json", "--params", "400000", "--rounds", "1", timeout=220)
+    run = dloco("bench", "merger", "--json", "--params", "400000", "--rounds", "1", "--passes", "2", timeout=220)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout)
     assert result["params"] > 300_000 and result["codec"] == "int4" and result["folds"] >= 1
     assert result["wire_bytes"] > result["params"] * 4 * 0.5  # four islands' int4 deltas
     assert result["merger_ingest_gbps"] > 0 and result["cold_ingest_gbps"] > 0 and result["raw_zmq_recv_gbps"] > 0
+    assert len(result["warm_ingest_gbps_samples"]) == 2 and result["merger_ingest_gbps"] in result["warm_ingest_gbps_samples"]
     assert result["loop_busy_s"] > 0 and result["fold_worker_busy_s"] > 0 and result["cores"] >= 1
     assert result["cpu_bound_gbps"] >= result["merger_ingest_gbps"]
 
