@@ -161,6 +161,30 @@ def warm_up(fragment_values: Sequence[int], block: int = 256, bits: int = 4) -> 
         square_sums(u).block_until_ready()
 
 
+def _code_tiles(deltas: list[list[np.ndarray]], size: int, T: int, n_tiles: int) -> list[jax.Array]:
+    """The codes of a group of deltas (each a list of its tensors' (blocks, C) codes, in fragment
+    order), padded with zero deltas to `size` and with zero blocks to n_tiles * T, as one device
+    array (size, T, C) per tile: built once, with one copy out of the records, and read by both
+    passes over the codes."""
+    C = deltas[0][0].shape[1]
+    buffer = np.empty((n_tiles, size, T, C), np.uint8)
+    buffer[:, len(deltas):] = 0
+    for m, tensors in enumerate(deltas):
+        row = 0
+        for codes in tensors:  # rows [row, row + len(codes)) of this delta, cut at tile boundaries
+            done = 0
+            while done < len(codes):
+                t, r = divmod(row + done, T)
+                k = min(len(codes) - done, T - r)
+                buffer[t, m, r : r + k] = codes[done : done + k]
+                done += k
+            row += len(codes)
+        t, r = divmod(row, T)
+        if t < n_tiles:
+            buffer[t, m, r:] = 0  # the last tile's padding blocks: zero codes (and factor 0)
+    return [jnp.asarray(buffer[i]) for i in range(n_tiles)]
+
+
 def _sum64(x: np.ndarray) -> float:
     return float(np.add.reduce(np.asarray(x, dtype=np.float64)))
 
@@ -192,16 +216,15 @@ def _direction(tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[floa
         start += blocks
     T = tile_blocks(start)
     n_tiles = -(-start // T)
-    padding = np.zeros((n_tiles * T - start, codec.record_nbytes - 4), np.uint8)
-    codes = [np.concatenate([t[p].codes for p in paths] + [padding]) for t in tensors]  # M x (tiles * T, C)
+    plan = groups(len(tensors))
+    codes = [_code_tiles([[t[p].codes for p in paths] for t in tensors[a : a + n]], g, T, n_tiles) for a, n, g in plan]
     scales = [np.concatenate([t[p].scales for p in paths]).astype(np.float64) for t in tensors]
 
     def tile(rows: list[np.ndarray], index: int, size: int) -> np.ndarray:
         return _padded([r[index * T : (index + 1) * T] for r in rows], size)
 
-    plan = groups(len(codes))
     squares = np.concatenate(
-        [np.concatenate([np.asarray(block_square_sums(tile(codes[a : a + n], i, g), codec.bits))[:n] for a, n, g in plan])
+        [np.concatenate([np.asarray(block_square_sums(group[i], codec.bits))[:n] for group, (_, n, _) in zip(codes, plan)])
          for i in range(n_tiles)], axis=1)[:, :start].astype(np.float64)
     norms = [{p: float(np.sqrt(_sum64(scale[b0:b1] ** 2 * sq[b0:b1]))) for p, (b0, b1) in spans.items()} for scale, sq in zip(scales, squares)]
     factors = np.zeros((len(tensors), n_tiles * T), dtype=np.float64)  # padding blocks: factor 0, inert
@@ -215,8 +238,8 @@ def _direction(tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[floa
     tiles, per_byte = [], parts_per_byte(codec.bits)
     for i in range(n_tiles):
         u = [jnp.zeros((T, codec.block // per_byte), jnp.float32) for _ in range(per_byte)]
-        for a, n, g in plan:
-            u = accumulate(u, tile(codes[a : a + n], i, g), tile(factors[a : a + n], i, g), codec.bits)
+        for group, (a, n, g) in zip(codes, plan):
+            u = accumulate(u, group[i], tile(factors[a : a + n], i, g), codec.bits)
         tiles.append(u)
     u_squares = np.concatenate([np.asarray(square_sums(u)) for u in tiles])
     block_scale = np.ones(n_tiles * T, dtype=np.float32)
