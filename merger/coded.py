@@ -32,6 +32,10 @@ import optax
 
 from protocol import CodedTensor
 
+# Bumped whenever a change to these kernels moves results by as much as a rounding unit (logged in
+# the genesis record: `dloco replay` says when a log was written with other kernels or jax).
+KERNELS_VERSION = 1
+
 
 def _parts(codes: jax.Array, bits: int) -> list[jax.Array]:
     """uint8 (..., C) codes -> the int32 levels each byte holds, one array per position in the byte."""
@@ -67,15 +71,27 @@ def block_square_sums(codes: jax.Array, bits: int) -> jax.Array:
     return _halving_sum(sum(q * q for q in _parts(codes, bits)))
 
 
+def _accumulate(u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: int) -> list[jax.Array]:
+    for m in range(codes.shape[0]):
+        f = factors[m][:, None]
+        u = [a + q.astype(jnp.float32) * f for a, q in zip(u, _parts(codes[m], bits))]
+    return u
+
+
 @functools.partial(jax.jit, static_argnames=("bits",), donate_argnums=(0,))
 def accumulate(u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: int) -> list[jax.Array]:
     """u (per position in the byte, (B, C) each) + sum_m factors_m * levels_m over (G, B, C) codes
     and (G, B) factors, m in order.  Kept per position: interleaving once per fold, not once per
     delta, made this 2x faster."""
-    for m in range(codes.shape[0]):
-        f = factors[m][:, None]
-        u = [a + q.astype(jnp.float32) * f for a, q in zip(u, _parts(codes[m], bits))]
-    return u
+    return _accumulate(u, codes, factors, bits)
+
+
+@functools.partial(jax.jit, static_argnames=("bits",))
+def accumulate_first(zero: jax.Array, codes: jax.Array, factors: jax.Array, bits: int) -> list[jax.Array]:
+    """`accumulate` onto u = `zero` (a float32 scalar 0, passed in): a round's first group, without
+    allocating and filling a zero u first.  A zero known at compile time would let XLA drop the
+    additions and contract the first products differently (1 ulp off the sequential order)."""
+    return _accumulate([jnp.broadcast_to(zero, codes.shape[1:])] * parts_per_byte(bits), codes, factors, bits)
 
 
 @jax.jit
@@ -156,8 +172,8 @@ def warm_up(fragment_values: Sequence[int], block: int = 256, bits: int = 4) -> 
         codes = np.zeros((tile, block * bits // 8), np.uint8)
         for size in GROUPS:
             block_square_sums(_padded([codes], size), bits).block_until_ready()
-            u = [jnp.zeros((tile, block // parts_per_byte(bits)), jnp.float32) for _ in range(parts_per_byte(bits))]
-            u = accumulate(u, _padded([codes], size), np.zeros((size, tile), np.float32), bits)
+            u = accumulate_first(np.float32(0), _padded([codes], size), np.zeros((size, tile), np.float32), bits)
+            u = accumulate(u, _padded([codes], size), np.zeros((size, tile), np.float32), bits)  # the groups after it
         square_sums(u).block_until_ready()
 
 
@@ -235,10 +251,10 @@ def _direction(tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[floa
             elif norms[m][path] > 0:  # a zero delta contributes no direction
                 factors[m, b0:b1] = weight / norms[m][path] * scale[b0:b1]
     factors = list(factors.astype(np.float32))
-    tiles, per_byte = [], parts_per_byte(codec.bits)
+    tiles = []
     for i in range(n_tiles):
-        u = [jnp.zeros((T, codec.block // per_byte), jnp.float32) for _ in range(per_byte)]
-        for group, (a, n, g) in zip(codes, plan):
+        u = accumulate_first(np.float32(0), codes[0][i], tile(factors[:plan[0][1]], i, plan[0][2]), codec.bits)
+        for group, (a, n, g) in zip(codes[1:], plan[1:]):
             u = accumulate(u, group[i], tile(factors[a : a + n], i, g), codec.bits)
         tiles.append(u)
     u_squares = np.concatenate([np.asarray(square_sums(u)) for u in tiles])

@@ -96,7 +96,7 @@ def run_merger(args: argparse.Namespace) -> int:
 
 def run_replay(args: argparse.Namespace) -> int:
     from merger.memory import keep_freed_memory
-    from merger.recovery import replay
+    from merger.recovery import replay, software_mismatch
 
     keep_freed_memory()
     folds = 0
@@ -109,6 +109,9 @@ def run_replay(args: argparse.Namespace) -> int:
 
     try:
         mismatches = 0
+        note = software_mismatch(args.logdir)
+        if note is not None:
+            print(f"dloco replay: note: {note}", file=sys.stderr)
         for position, expected, actual in replay(args.logdir, on_fold, strict=args.verify):
             status = "ok" if expected == actual else "MISMATCH"
             mismatches += expected != actual

@@ -10,17 +10,34 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 
+import jax
 import numpy as np
 
+from merger.coded import KERNELS_VERSION
 from merger.fold import Contribution, FragmentState
 from protocol import Assembled, Codec, CodedTensor
 
 GENESIS, DELTA, FOLD, CURSORS = "genesis", "delta", "fold", "cursors"
 
 
+def software() -> dict:
+    """What the fold's bytes depend on besides the log: the fold kernels' version and jax's."""
+    return {"fold_kernels": KERNELS_VERSION, "jax": jax.__version__}
+
+
+def software_mismatch(genesis: dict) -> str | None:
+    """Why a replay of this log may not reproduce its bytes exactly (None: same kernels and jax)."""
+    logged, now = genesis.get("software"), software()
+    if logged == now:
+        return None
+    written = "software not recorded (written before the log kept it)" if logged is None else f"fold kernels v{logged.get('fold_kernels')}, jax {logged.get('jax')}"
+    return (f"log written with {written}; replaying with fold kernels v{now['fold_kernels']}, jax {now['jax']}: "
+            "folds may differ by rounding units and checkpoints may not match")
+
+
 def genesis_record(config: dict, model: str, fragments: Sequence[Sequence[str]], params: Mapping[str, np.ndarray]) -> dict:
     return {
-        "type": GENESIS, "config": config, "model": model, "fragments": [list(f) for f in fragments],
+        "type": GENESIS, "config": config, "model": model, "fragments": [list(f) for f in fragments], "software": software(),
         "params": {path: {"shape": list(a.shape), "data": np.ascontiguousarray(a, dtype="<f4").tobytes()} for path, a in params.items()},
     }
 

@@ -52,6 +52,11 @@ def recover(run_dir: str | Path, log: Log | None = None) -> MergerCore:
     return core
 
 
+def software_mismatch(run_dir: str | Path) -> str | None:
+    """Why replaying this log may not reproduce its bytes (records.software_mismatch)."""
+    return records.software_mismatch(_genesis(Path(run_dir)))
+
+
 def replay(run_dir: str | Path, on_fold: Callable[[int, dict, FoldReport, MergerCore], None], strict: bool = True) -> Iterator[tuple[int, str, str]]:
     """Replay the whole log from genesis.  Calls on_fold after every fold record; yields
     (next_index, checkpoint digest, replayed digest) at every checkpoint position."""

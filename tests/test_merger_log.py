@@ -146,3 +146,22 @@ def test_fold_shares_survive_a_checkpoint_and_replay(tmp_path):
     digests = []
     list(replay(tmp_path / "straight", lambda index, record, report, c: digests.append(c.digest())))
     assert digests[-1] == straight.digest()
+
+
+def test_the_log_says_which_fold_kernels_and_jax_wrote_it(tmp_path):
+    """Replay reproduces bytes only with the same kernels and jax: the genesis record names them, and
+    a log written with others (or before the record named them) gets a note instead of silence."""
+    import jax
+
+    from merger import records
+    from merger.coded import KERNELS_VERSION
+    from merger.recovery import software_mismatch
+
+    core, wal = new_core(tmp_path)
+    wal.close()
+    ((_, genesis),) = list(read_records(wal_dir(tmp_path)))
+    assert genesis["software"] == {"fold_kernels": KERNELS_VERSION, "jax": jax.__version__}
+    assert software_mismatch(tmp_path) is None
+    older = records.software_mismatch({**genesis, "software": {"fold_kernels": 1, "jax": "0.4.30"}})
+    assert "fold kernels v1, jax 0.4.30" in older and f"v{KERNELS_VERSION}, jax {jax.__version__}" in older
+    assert "not recorded" in records.software_mismatch({k: v for k, v in genesis.items() if k != "software"})
