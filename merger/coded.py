@@ -9,12 +9,11 @@ A delta tensor arrives as records (scale_b, codes q_bi) with value d_bi = scale_
 so passes over the codes give the merged direction u (up to 8 deltas per XLA call; a round's size
 is padded to 1, 2, 4 or 8 so that few shapes are ever compiled), and the radius/length rescaling
 of RDA (merger/rda.py) is one multiply on the way into the outer step.  u is accumulated per
-position in the byte (two arrays for int4) and interleaved into value order only inside the outer
-step (`merge_and_step`), which cuts it into the fragment's tensors in the same XLA computation,
-each tensor from slices of just the tiles it spans (never a concatenation of the whole fragment).
-The fold waits
-on the host twice (norms, then lengths), so the merger runs it on a worker thread
-(merger/pipeline.py).  The
+position in the byte (two arrays for int4) and interleaved into value order once, by the round's
+last kernel call, which also sums its squares per block; the outer step (`merge_and_step`) cuts
+it into the fragment's tensors in the same XLA computation, each tensor from slices of just the
+tiles it spans (never a concatenation of the whole fragment).  The fold waits on the host twice
+(norms, then lengths), so the merger runs it on a worker thread (merger/pipeline.py).  The
 passes over codes run as XLA kernels; every reduction whose order could vary is either over exact
 integers or a fixed halving tree, and the float64 sums over blocks are numpy pairwise sums over
 fixed slices, so the same log gives the same bytes (replay feeds the same records to this code).
@@ -71,11 +70,19 @@ def block_square_sums(codes: jax.Array, bits: int) -> jax.Array:
     return _halving_sum(sum(q * q for q in _parts(codes, bits)))
 
 
-def _accumulate(u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: int) -> list[jax.Array]:
+def _accumulate(u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: int, last: bool):
     for m in range(codes.shape[0]):
         f = factors[m][:, None]
         u = [a + q.astype(jnp.float32) * f for a, q in zip(u, _parts(codes[m], bits))]
-    return u
+    if not last:
+        return u
+    # The round's last group: u in value order and its per-block sum of squares (float32, fixed
+    # order: per position, then positions in order), from u still in registers — one pass over u
+    # less, and the outer step reads u without interleaving it (2 ms of 17 a fold).
+    total = _halving_sum(u[0] * u[0])
+    for a in u[1:]:
+        total = total + _halving_sum(a * a)
+    return _interleave(u), total
 
 
 @functools.partial(jax.jit, static_argnames=("bits",), donate_argnums=(0,))
@@ -83,24 +90,21 @@ def accumulate(u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: i
     """u (per position in the byte, (B, C) each) + sum_m factors_m * levels_m over (G, B, C) codes
     and (G, B) factors, m in order.  Kept per position: interleaving once per fold, not once per
     delta, made this 2x faster."""
-    return _accumulate(u, codes, factors, bits)
+    return _accumulate(u, codes, factors, bits, last=False)
 
 
 @functools.partial(jax.jit, static_argnames=("bits",))
-def accumulate_first(zero: jax.Array, codes: jax.Array, factors: jax.Array, bits: int) -> list[jax.Array]:
+def accumulate_last(u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+    """`accumulate` for a round's last group: (u in value order (B, K), per-block sums of u^2)."""
+    return _accumulate(u, codes, factors, bits, last=True)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "last"))
+def accumulate_first(zero: jax.Array, codes: jax.Array, factors: jax.Array, bits: int, last: bool = False):
     """`accumulate` onto u = `zero` (a float32 scalar 0, passed in): a round's first group, without
     allocating and filling a zero u first.  A zero known at compile time would let XLA drop the
     additions and contract the first products differently (1 ulp off the sequential order)."""
-    return _accumulate([jnp.broadcast_to(zero, codes.shape[1:])] * parts_per_byte(bits), codes, factors, bits)
-
-
-@jax.jit
-def square_sums(u: list[jax.Array]) -> jax.Array:
-    """Per-block sum of u^2 (float32, fixed order: per position, then positions in order)."""
-    total = _halving_sum(u[0] * u[0])
-    for a in u[1:]:
-        total = total + _halving_sum(a * a)
-    return total
+    return _accumulate([jnp.broadcast_to(zero, codes.shape[1:])] * parts_per_byte(bits), codes, factors, bits, last)
 
 
 GROUPS = (1, 2, 4, 8)  # deltas per kernel call: a round of any size compiles at most these shapes
@@ -122,18 +126,18 @@ def _padded(arrays: list[np.ndarray], size: int) -> np.ndarray:
     return np.stack(arrays + [np.zeros_like(arrays[0])] * (size - len(arrays)))
 
 
-def _pseudo_gradient(tiles: list[list[jax.Array]], block_scale: jax.Array, layout: tuple) -> list[jax.Array]:
-    """The tiles of u, times block_scale, cut into the fragment's tensors: layout = ((first block, count, shape), ...).
-    Each tensor is assembled from slices of just the tiles it spans (concatenating every tile
-    first made XLA copy the whole fragment twice: 2x slower)."""
-    size = tiles[0][0].shape[0]
+def _pseudo_gradient(tiles: list[jax.Array], block_scale: jax.Array, layout: tuple) -> list[jax.Array]:
+    """The tiles of u (value order, (T, K) each), times block_scale, cut into the fragment's tensors:
+    layout = ((first block, count, shape), ...).  Each tensor is assembled from slices of just the
+    tiles it spans (concatenating every tile first made XLA copy the whole fragment twice: 2x slower)."""
+    size, K = tiles[0].shape
     out = []
     for b0, count, shape in layout:
-        b1 = b0 + -(-count // (tiles[0][0].shape[1] * len(tiles[0])))
+        b1 = b0 + -(-count // K)
         pieces = []
         for t in range(b0 // size, (b1 - 1) // size + 1):
             r0, r1 = max(b0, t * size) - t * size, min(b1, (t + 1) * size) - t * size
-            pieces.append(_interleave([p[r0:r1] for p in tiles[t]]) * block_scale[t * size + r0 : t * size + r1, None])
+            pieces.append(tiles[t][r0:r1] * block_scale[t * size + r0 : t * size + r1, None])
         flat = (pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)).reshape(-1)
         out.append(flat[:count].reshape(shape))
     return out
@@ -170,11 +174,13 @@ def warm_up(fragment_values: Sequence[int], block: int = 256, bits: int = 4) -> 
     codec (int4, block 256 by default: the islands' default)."""
     for tile in sorted({tile_blocks(-(-values // block)) for values in fragment_values}):
         codes = np.zeros((tile, block * bits // 8), np.uint8)
-        for size in GROUPS:
-            block_square_sums(_padded([codes], size), bits).block_until_ready()
-            u = accumulate_first(np.float32(0), _padded([codes], size), np.zeros((size, tile), np.float32), bits)
-            u = accumulate(u, _padded([codes], size), np.zeros((size, tile), np.float32), bits)  # the groups after it
-        square_sums(u).block_until_ready()
+        for size in GROUPS:  # a round's first group, the groups after it; the last one of each
+            group, factors = _padded([codes], size), np.zeros((size, tile), np.float32)
+            block_square_sums(group, bits).block_until_ready()
+            jax.block_until_ready(accumulate_first(np.float32(0), group, factors, bits, last=True))
+            u = accumulate_first(np.float32(0), group, factors, bits)
+            u = accumulate(u, group, factors, bits)
+            jax.block_until_ready(accumulate_last(u, group, factors, bits))
 
 
 def _code_tiles(deltas: list[list[np.ndarray]], size: int, T: int, n_tiles: int) -> list[jax.Array]:
@@ -251,13 +257,15 @@ def _direction(tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[floa
             elif norms[m][path] > 0:  # a zero delta contributes no direction
                 factors[m, b0:b1] = weight / norms[m][path] * scale[b0:b1]
     factors = list(factors.astype(np.float32))
-    tiles = []
+    tiles, sums = [], []
     for i in range(n_tiles):
-        u = accumulate_first(np.float32(0), codes[0][i], tile(factors[:plan[0][1]], i, plan[0][2]), codec.bits)
-        for group, (a, n, g) in zip(codes[1:], plan[1:]):
-            u = accumulate(u, group[i], tile(factors[a : a + n], i, g), codec.bits)
-        tiles.append(u)
-    u_squares = np.concatenate([np.asarray(square_sums(u)) for u in tiles])
+        (_, n, g), single = plan[0], len(plan) == 1
+        u = accumulate_first(np.float32(0), codes[0][i], tile(factors[:n], i, g), codec.bits, last=single)
+        for k, (group, (a, n, g)) in enumerate(zip(codes[1:], plan[1:]), start=2):
+            u = (accumulate_last if k == len(plan) else accumulate)(u, group[i], tile(factors[a : a + n], i, g), codec.bits)
+        tiles.append(u[0])
+        sums.append(u[1])
+    u_squares = np.concatenate([np.asarray(s) for s in sums])
     block_scale = np.ones(n_tiles * T, dtype=np.float32)
     merged_sq = 0.0
     for path, (b0, b1) in spans.items():
