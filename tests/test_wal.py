@@ -91,3 +91,69 @@ def test_a_torn_blob_at_the_end_is_truncated(tmp_path):
         handle.truncate(segment.stat().st_size - 10)
     assert [i for i, _ in read_records(tmp_path)] == [0]
     assert WriteAheadLog(tmp_path, fsync="never").next_index == 1
+
+
+def test_a_full_segment_is_fsynced_by_the_next_sync_not_by_the_append_that_fills_it(tmp_path, monkeypatch):
+    """Rotation does not wait for the disk on the appending thread; the next sync fsyncs the full
+    segments oldest first, then the directory, then the current segment — only then is anything
+    after them durable."""
+    import os
+    from pathlib import Path
+
+    synced = []
+    real_fsync = os.fsync
+
+    def spy(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        real_fsync(fd)
+
+    log = WriteAheadLog(tmp_path, segment_bytes=1000, fsync="batch")
+    monkeypatch.setattr(os, "fsync", spy)
+    for i in range(30):
+        log.append({"i": i, "blob": bytes(100)})
+    segments = sorted(p.name for p in tmp_path.glob("*.seg"))
+    assert len(segments) >= 3 and synced == []  # full segments closed, nothing waited for
+    log.sync()
+    assert synced == [*segments[:-1], tmp_path.name, segments[-1]] and log.durable == 30
+    synced.clear()
+    ticket = log.sync_async()
+    log.wait_durable(ticket)
+    assert synced == []  # nothing new: nothing to do
+    log.append({"i": 30})
+    log.wait_durable(log.sync_async())
+    assert synced == [segments[-1]] and log.durable == 31
+    log.close()
+    assert [r["i"] for _, r in read_records(tmp_path)] == list(range(31))
+
+
+def test_a_torn_record_in_an_earlier_segment_ends_the_log_and_later_segments_are_set_aside(tmp_path):
+    """After a power failure, a full segment's tail may be missing while a later segment reached
+    the disk: those later records were never durable (a sync fsyncs segments in order), so the log
+    ends at the tear; the later segments are kept under discarded/, not deleted."""
+    fill(tmp_path, 40, segment_bytes=1000)
+    segments = sorted(tmp_path.glob("*.seg"))
+    assert len(segments) >= 4
+    torn = segments[1]
+    first_after = int(segments[2].stem)
+    with open(torn, "r+b") as handle:
+        handle.truncate(torn.stat().st_size - 7)  # the last record of segment 1 cut short
+    lost = first_after - 1  # that record's index
+    assert [i for i, _ in read_records(tmp_path)] == list(range(lost))  # readers stop at the tear
+    with pytest.raises(LogCorruption, match=f"record {lost} "):
+        list(read_records(tmp_path, allow_torn_tail=False))
+    log = WriteAheadLog(tmp_path, segment_bytes=1000, fsync="never")
+    assert log.next_index == lost and log.discarded == [p.name for p in segments[2:]]
+    assert sorted(p.name for p in (tmp_path / "discarded" / f"{lost:012d}").iterdir()) == [p.name for p in segments[2:]]
+    assert log.append({"i": "after"}) == lost
+    log.close()
+    assert [r["i"] for _, r in read_records(tmp_path)] == [*range(lost), "after"]
+
+
+def test_a_flipped_byte_in_an_earlier_segment_is_still_corruption(tmp_path):
+    fill(tmp_path, 40, segment_bytes=1000)
+    segment = sorted(tmp_path.glob("*.seg"))[1]
+    data = bytearray(segment.read_bytes())
+    data[20] ^= 0x01  # inside the first record's meta: not at the end of the segment
+    segment.write_bytes(bytes(data))
+    with pytest.raises(LogCorruption, match="checksum mismatch"):
+        WriteAheadLog(tmp_path, segment_bytes=1000, fsync="never")
