@@ -78,6 +78,12 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
     "quantization": ("Delta codecs fp32, bf16, int8, int4, int2, each without and with error feedback (decoupled).",
                      [(f"{codec}{'-ef' if ef else ''}", _set("sync", codec=codec, error_feedback=ef))
                       for codec in ("fp32", "bf16", "int8", "int4", "int2") for ef in (False, True)]),
+    "quantization-sync": ("The delta codecs in sync-diloco, where a run is reproducible (every island waits for every round, "
+                          "folds are canonical: the same configuration gives the same bytes), so the codec is the only difference "
+                          "between two runs' losses at equal tokens — single decoupled runs differ by a few percent from timing alone.",
+                          [(f"{codec}{'-ef' if ef else ''}", _both(_mode("sync-diloco"), _set("sync", codec=codec, error_feedback=ef)))
+                           for codec, ef in (("fp32", False), ("bf16", False), ("int8", False), ("int4", False), ("int4", True),
+                                             ("int2", False), ("int2", True))]),
     "merging": ("Plain weighted average vs RDA at 2 and 4 islands (folds scaled by their share of a round, the default); "
                 "against a whole Nesterov step per fold, and Delayed Nesterov with whole steps (4 islands, RDA).",
                 [(f"{merge}-{n}-islands", _both(_set("merger", merge=merge), _islands(n))) for n in (2, 4) for merge in ("average", "rda")]
@@ -91,11 +97,14 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
                   ("int4-diff-held", _set("merger", snapshot_diff_codec="int4", snapshot_every_round=1.0))]),
 }
 # Seconds per run by default (a suite stays within 30 minutes on 2 cores), and with --quick.
-DEFAULT_SECONDS = {"speedup": 300.0, "heterogeneous": 300.0, "faults": 300.0, "quantization": 150.0, "merging": 240.0, "downlink": 300.0}
+DEFAULT_SECONDS = {"speedup": 300.0, "heterogeneous": 300.0, "faults": 300.0, "quantization": 150.0, "quantization-sync": 150.0,
+                   "merging": 240.0, "downlink": 300.0}
 # --quick: the tiny model, a few runs per suite (the ones whose direction shows in a minute), each suite
 # within 3 minutes on 2 cores (about 15 s of start-up per run on top of its seconds).
-QUICK_SECONDS = {"speedup": 35.0, "heterogeneous": 25.0, "faults": 65.0, "quantization": 35.0, "merging": 35.0, "downlink": 40.0}
-QUICK_RUNS = {"quantization": ("fp32", "int4", "int2"), "merging": ("average-4-islands", "rda-4-islands", "delayed-nesterov-4-islands")}
+QUICK_SECONDS = {"speedup": 35.0, "heterogeneous": 25.0, "faults": 65.0, "quantization": 35.0, "quantization-sync": 40.0, "merging": 35.0,
+                 "downlink": 40.0}
+QUICK_RUNS = {"quantization": ("fp32", "int4", "int2"), "quantization-sync": ("fp32", "int4"),
+              "merging": ("average-4-islands", "rda-4-islands", "delayed-nesterov-4-islands")}
 QUICK_MODEL = {"width": 32, "depth": 1, "heads": 2, "context": 32, "batch": 8}
 
 

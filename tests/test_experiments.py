@@ -47,6 +47,10 @@ def test_every_suite_builds_valid_cluster_files():
     quantization = dict(experiments.SUITES["quantization"][1])
     assert sorted(quantization) == sorted(f"{c}{s}" for c in ("fp32", "bf16", "int8", "int4", "int2") for s in ("", "-ef"))
     assert quantization["int2-ef"](base).sync["error_feedback"] is True and quantization["int2"](base).sync["codec"] == "int2"
+    reproducible = dict(experiments.SUITES["quantization-sync"][1])
+    assert sorted(reproducible) == sorted(["fp32", "bf16", "int8", "int4", "int4-ef", "int2", "int2-ef"])
+    assert {c.mode for c in (t(base) for t in reproducible.values())} == {"sync-diloco"}
+    assert reproducible["int4-ef"](base).sync == {**base.sync, "codec": "int4", "error_feedback": True}
     merging = dict(experiments.SUITES["merging"][1])
     assert len(merging["rda-2-islands"](base).regions) == 2 and merging["delayed-nesterov-4-islands"](base).merger["outer"] == "delayed_nesterov"
     assert base.merger["share_window"] == 8 and merging["whole-steps-4-islands"](base).merger["share_window"] == 0

@@ -68,6 +68,12 @@ def test_quantization_fewer_bits_fewer_bytes(tmp_path):
     assert per_token["fp32"] > per_token["int4"] > per_token["int2"], per_token
 
 
+def test_quantization_sync_int4_sends_fewer_bytes(tmp_path):
+    """sync-diloco: int4 deltas cost less than half of fp32's bytes per token."""
+    runs = quick("quantization-sync", tmp_path)
+    assert experiments.bytes_per_token(runs["int4"]) < 0.5 * experiments.bytes_per_token(runs["fp32"])
+
+
 def test_merging_every_rule_trains(tmp_path):
     runs = quick("merging", tmp_path)  # quick() checks each lowered the global held-out loss
     assert set(runs) == {"average-4-islands", "rda-4-islands", "delayed-nesterov-4-islands"}
