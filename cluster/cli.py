@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(run=_up)
 
     experiment = commands.add_parser("experiment", help="run a named suite of cluster runs side by side; Markdown + PNG plots")
-    experiment.add_argument("name", choices=("speedup", "heterogeneous", "faults", "quantization", "quantization-sync", "merging", "downlink"), help="the suite (cluster/experiments.py says what each measures)")
+    experiment.add_argument("name", choices=("speedup", "heterogeneous", "faults", "quantization", "quantization-sync", "adoption", "merging", "downlink"), help="the suite (cluster/experiments.py says what each measures)")
     experiment.add_argument("--quick", action="store_true", help="tiny model, 25-65 s runs, some suites fewer runs: under 3 min, checks directions, not magnitudes")
     experiment.add_argument("--seconds", type=float, default=None, help="seconds per run (default: the suite's, 150-300; 25-65 with --quick)")
     experiment.add_argument("--config", type=Path, default=None, help="cluster file the runs start from (default: the shipped profile)")

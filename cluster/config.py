@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 from cluster.chaos import ChaosEvent, check
+from island.config import ADOPTIONS
 from merger.config import FULL_SNAPSHOT_CODECS
 from protocol import CODEC_NAMES
 from protocol.errors import ConfigError, require
@@ -43,7 +44,8 @@ class ClusterConfig:
     eval_early: bool = False  # islands also evaluate at steps 1, 2, 4, ... (the experiment suites turn it on)
     seed: int = 0
     model: dict = dataclasses.field(default_factory=lambda: {"width": 128, "depth": 4, "heads": 4, "context": 128, "batch": 16})
-    sync: dict = dataclasses.field(default_factory=lambda: {"fragments": 4, "interval": 48, "codec": "int4", "alpha": 0.0, "error_feedback": False})
+    sync: dict = dataclasses.field(default_factory=lambda: {"fragments": 4, "interval": 48, "codec": "int4", "adoption": "rebase", "alpha": 0.0,
+                                                            "error_feedback": False})
     merger: dict = dataclasses.field(default_factory=lambda: {"max_staleness": 4, "quorum": 1, "grace_cap_s": 1.0, "outer": "nesterov",
                                                               "outer_lr": 0.7, "snapshot_codec": "bf16", "merge": "rda",
                                                               "quorum_timeout_s": 30.0, "delay": 4,
@@ -59,6 +61,9 @@ class ClusterConfig:
         require(self.duration_s > 0, f"run.duration_s must be > 0, got {self.duration_s}")
         require(type(self.eval_early) is bool, f"run.eval_early must be true or false, got {self.eval_early!r}")
         require(self.sync["codec"] in CODEC_NAMES, f"sync.codec must be one of {CODEC_NAMES}, got {self.sync['codec']!r}")
+        adoption = self.sync.get("adoption", "rebase")
+        require(adoption in ADOPTIONS, f"sync.adoption must be one of {ADOPTIONS}, got {adoption!r}")
+        require(self.sync.get("alpha", 0.0) == 0 or adoption == "replace", f"sync.alpha ({self.sync.get('alpha')}) blends only with sync.adoption 'replace'")
         check(self.chaos, self.process_names)
         require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
         require(self.merger["snapshot_codec"] in FULL_SNAPSHOT_CODECS,
@@ -119,7 +124,7 @@ MODES = {
 }
 
 _SECTIONS = {"run": {"duration_s", "eval_every", "eval_early", "seed", "mode"}, "model": {"width", "depth", "heads", "context", "batch"},
-             "sync": {"fragments", "interval", "codec", "alpha", "error_feedback"},
+             "sync": {"fragments", "interval", "codec", "adoption", "alpha", "error_feedback"},
              "merger": {"max_staleness", "quorum", "grace_cap_s", "outer", "outer_lr", "snapshot_codec", "merge", "quorum_timeout_s", "delay",
                         "snapshot_diff_codec", "snapshot_full_every", "share_window", "snapshot_every_round"}}
 

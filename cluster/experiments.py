@@ -84,6 +84,12 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
                           [(f"{codec}{'-ef' if ef else ''}", _both(_mode("sync-diloco"), _set("sync", codec=codec, error_feedback=ef)))
                            for codec, ef in (("fp32", False), ("bf16", False), ("int8", False), ("int4", False), ("int4", True),
                                              ("int2", False), ("int2", True))]),
+    "adoption": ("A global fragment arriving between an island's sends: `rebase` (the default: the island's unsent work on the "
+                 "fragment stays on top and goes out whole in its next delta) against `replace` (DESIGN.md's adopt-on-arrival: "
+                 "that work is overwritten), decoupled, with the profile's mixed speeds and with four equal islands (in phase, "
+                 "so each fragment's snapshots arrive seconds before the other islands send it).",
+                 [(f"{adoption}-{speeds}", _both(_mode("decoupled"), _set("sync", adoption=adoption), *([_homogeneous] if speeds == "uniform" else [])))
+                  for speeds in ("mixed", "uniform") for adoption in ("rebase", "replace")]),
     "merging": ("Plain weighted average vs RDA at 2 and 4 islands (folds scaled by their share of a round, the default); "
                 "against a whole Nesterov step per fold, and Delayed Nesterov with whole steps (4 islands, RDA).",
                 [(f"{merge}-{n}-islands", _both(_set("merger", merge=merge), _islands(n))) for n in (2, 4) for merge in ("average", "rda")]
@@ -98,12 +104,12 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
 }
 # Seconds per run by default (a suite stays within 30 minutes on 2 cores), and with --quick.
 DEFAULT_SECONDS = {"speedup": 300.0, "heterogeneous": 300.0, "faults": 300.0, "quantization": 150.0, "quantization-sync": 150.0,
-                   "merging": 240.0, "downlink": 300.0}
+                   "adoption": 300.0, "merging": 240.0, "downlink": 300.0}
 # --quick: the tiny model, a few runs per suite (the ones whose direction shows in a minute), each suite
 # within 3 minutes on 2 cores (about 15 s of start-up per run on top of its seconds).
-QUICK_SECONDS = {"speedup": 35.0, "heterogeneous": 25.0, "faults": 65.0, "quantization": 35.0, "quantization-sync": 40.0, "merging": 35.0,
-                 "downlink": 40.0}
-QUICK_RUNS = {"quantization": ("fp32", "int4", "int2"), "quantization-sync": ("fp32", "int4"),
+QUICK_SECONDS = {"speedup": 35.0, "heterogeneous": 25.0, "faults": 65.0, "quantization": 35.0, "quantization-sync": 40.0, "adoption": 40.0,
+                 "merging": 35.0, "downlink": 40.0}
+QUICK_RUNS = {"quantization": ("fp32", "int4", "int2"), "quantization-sync": ("fp32", "int4"), "adoption": ("rebase-uniform", "replace-uniform"),
               "merging": ("average-4-islands", "rda-4-islands", "delayed-nesterov-4-islands")}
 QUICK_MODEL = {"width": 32, "depth": 1, "heads": 2, "context": 32, "batch": 8}
 

@@ -56,7 +56,7 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str) -> dict[str, li
             "island", "--name", region.name, "--region", region.name, "--islands", len(config.regions), "--island-index", index,
             *model_args(config), "--max-steps", 10**9, "--eval-every", config.eval_every,
             *(["--eval-early"] if config.eval_early else []),
-            "--fragments", sc["fragments"], "--interval", sc["interval"], "--codec", sc["codec"], "--alpha", sc["alpha"],
+            "--fragments", sc["fragments"], "--interval", sc["interval"], "--codec", sc["codec"], "--adoption", sc.get("adoption", "rebase"), "--alpha", sc["alpha"],
             *(["--blocking"] if sc.get("blocking") else []), *(["--error-feedback"] if sc.get("error_feedback") else []), "--slowdown", region.slowdown, *links, "--rtt-ms", region.rtt_ms, "--keys", keys,
             "--delta-endpoint", at.broker(0), "--snapshot-endpoint", at.broker(3), "--control-endpoint", f"tcp://{at.merger_host}:{at.control_port}",
             "--metrics-out", f"{run_dir}/metrics/{region.name}.jsonl", "--join-timeout", 300]

@@ -8,6 +8,8 @@ from protocol import CODEC_NAMES
 from protocol.errors import ConfigError as ConfigError  # re-exported: the error these configs raise
 from protocol.errors import require as _require
 
+ADOPTIONS = ("rebase", "replace")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -61,7 +63,8 @@ class SyncConfig:
     interval: int = 50  # H: each fragment is due every H inner steps
     codec: str = "int4"
     block: int = 256
-    alpha: float = 0.0  # adoption: theta <- alpha*theta + (1-alpha)*Theta (0: overwrite)
+    adoption: str = "rebase"  # a snapshot arriving between sends: "rebase" keeps the island's unsent work on top, "replace" drops it
+    alpha: float = 0.0  # adoption "replace": theta <- alpha*theta + (1-alpha)*Theta (0: overwrite)
     error_feedback: bool = False
     chunk_bytes: int = 1 << 20  # payload bytes per delta chunk
     retransmit_messages: int = 4096  # chunks kept until the merger's cursor covers them
@@ -75,5 +78,7 @@ class SyncConfig:
         _require(isinstance(self.interval, int) and self.interval >= self.fragments,
                  f"sync.interval (H={self.interval}) must be an int >= sync.fragments (P={self.fragments})")
         _require(self.codec in CODEC_NAMES, f"sync.codec must be one of {CODEC_NAMES}, got {self.codec!r}")
+        _require(self.adoption in ADOPTIONS, f"sync.adoption must be one of {ADOPTIONS}, got {self.adoption!r}")
         _require(0 <= self.alpha < 1, f"sync.alpha must be in [0, 1), got {self.alpha}")
+        _require(self.alpha == 0 or self.adoption == "replace", f"sync.alpha ({self.alpha}) blends only with sync.adoption 'replace'")
         _require(self.settle_timeout_s > 0, f"sync.settle_timeout_s must be > 0, got {self.settle_timeout_s}")

@@ -34,6 +34,14 @@ def pseudo_gradient(anchor: Mapping[str, np.ndarray], theta: Mapping[str, np.nda
     return {path: np.asarray(anchor[path], np.float32) - np.asarray(theta[path], np.float32) for path in anchor}
 
 
+def rebase(theta: Mapping[str, np.ndarray], anchor: Mapping[str, np.ndarray], snapshot: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """theta_p <- Theta_p + (theta_p - anchor_p): a newer global value with the island's own progress
+    since its anchor (its last send or adoption) kept on top, so that the next delta, taken against
+    Theta, still carries all of it."""
+    return {path: (np.asarray(snapshot[path], np.float32) + (np.asarray(theta[path], np.float32) - np.asarray(anchor[path], np.float32)))
+            for path in snapshot}
+
+
 def adopt(theta: Mapping[str, np.ndarray], snapshot: Mapping[str, np.ndarray], alpha: float) -> dict[str, np.ndarray]:
     """theta_p <- alpha * theta_p + (1 - alpha) * Theta_p (alpha 0: take the global value)."""
     if alpha == 0:

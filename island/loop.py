@@ -134,6 +134,10 @@ class IslandLoop:
                 self._wait_for_fold({fragment: self.progress[fragment].version for fragment in due}, unfolded)
 
     def _adopt(self, arrived: list) -> None:
+        """Take newer global fragments.  With adoption "rebase" (the default) the island's progress on
+        the fragment since its last send stays on top of the new value and goes out, whole, in the
+        next delta; "replace" overwrites it (DESIGN.md's adopt-on-arrival: a snapshot arriving just
+        before a send threw away up to H steps of the island's work on that fragment)."""
         if not arrived:
             return
         theta = self.trainer.params()
@@ -141,8 +145,13 @@ class IslandLoop:
             progress = self.progress[fragment]
             if version <= progress.version:
                 continue
-            self.trainer.set_params(fragments.adopt(theta, tensors, self.sync.alpha))
-            self.progress[fragment] = FragmentProgress({p: np.asarray(v, np.float32) for p, v in tensors.items()}, version)
+            anchor = {p: np.asarray(v, np.float32) for p, v in tensors.items()}
+            if self.sync.adoption == "rebase" and progress.steps > 0:
+                self.trainer.set_params(fragments.rebase(theta, progress.anchor, tensors))
+                self.progress[fragment] = FragmentProgress(anchor, version, progress.steps, progress.tokens)
+            else:  # replace, or nothing unsent to keep (a blocking island right after its send): the same
+                self.trainer.set_params(fragments.adopt(theta, tensors, self.sync.alpha))
+                self.progress[fragment] = FragmentProgress(anchor, version)
 
     def _evaluate(self) -> float:
         """Held-out loss.  Its time counts as compute: `compute_util` is the share of wall time spent

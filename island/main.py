@@ -8,6 +8,8 @@ import signal
 import sys
 from pathlib import Path
 
+from island.config import ADOPTIONS
+
 
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     island = commands.add_parser("island", help="run an island: train on its shard and exchange fragments")
@@ -40,7 +42,10 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     network.add_argument("--fragments", type=positive_int, default=4, help="P (must match the merger)")
     network.add_argument("--interval", type=positive_int, default=50, help="H: inner steps between two deltas of a fragment")
     network.add_argument("--codec", default="int4", help="delta codec: fp32, bf16, int8, int4, int2")
-    network.add_argument("--alpha", type=float, default=0.0, help="adoption: theta <- alpha*theta + (1-alpha)*global")
+    network.add_argument("--adoption", choices=ADOPTIONS, default="rebase",
+                         help="a global fragment arriving between sends: rebase (default) keeps the island's unsent progress on top of it, "
+                              "replace overwrites it")
+    network.add_argument("--alpha", type=float, default=0.0, help="with --adoption replace: theta <- alpha*theta + (1-alpha)*global")
     network.add_argument("--error-feedback", action="store_true")
     network.add_argument("--blocking", action="store_true", help="synchronous baselines: after each send, wait for the fold that includes it")
     network.add_argument("--uplink-mbps", type=float, default=None, help="emulated uplink rate (default unlimited)")
@@ -89,7 +94,8 @@ def run_island(args: argparse.Namespace) -> int:
             log.info("wrote_initial_parameters", path=str(args.write_init))
             return 0
         log.info("model", params=sum(v.size for v in trainer.params().values()), devices=[str(d) for d in trainer.devices])
-        sync = SyncConfig(fragments=args.fragments, interval=args.interval, codec=args.codec, alpha=args.alpha, error_feedback=args.error_feedback,
+        sync = SyncConfig(fragments=args.fragments, interval=args.interval, codec=args.codec, adoption=args.adoption, alpha=args.alpha,
+                          error_feedback=args.error_feedback,
                           blocking=args.blocking)
         if not args.standalone:
             if not (args.delta_endpoint and args.snapshot_endpoint and args.control_endpoint):

@@ -46,6 +46,7 @@ class FoldReport:
     contributors: tuple[str, ...]
     delta_ids: tuple[int, ...]
     staleness: tuple[int, ...]
+    steps: tuple[int, ...]  # inner steps of work each delta carries
     weights: tuple[float, ...]  # they sum to the fold's share of a round (1 unless merge.share_window is set)
     delta_norms: tuple[float, ...]
     merged_norm: float
@@ -101,6 +102,7 @@ def fold(state: FragmentState, contributions: Sequence[Contribution], config: Me
         contributors=tuple(c.island for c in ordered),
         delta_ids=tuple(c.delta_id for c in ordered),
         staleness=tuple(c.staleness for c in ordered),
+        steps=tuple(c.steps for c in ordered),
         weights=tuple(w),
         delta_norms=tuple(delta_norms),
         merged_norm=merged_norm,

@@ -247,7 +247,7 @@ class MergerService:
         report = fold.report
         self.folds += 1
         self.log.info("fold", fragment=fold.fragment, version=report.version, contributors=list(report.contributors),
-                      staleness=list(report.staleness), weights=[round(w, 4) for w in report.weights], share=round(sum(report.weights), 4),
+                      staleness=list(report.staleness), steps=list(report.steps), weights=[round(w, 4) for w in report.weights], share=round(sum(report.weights), 4),
                       delta_norms=[round(n, 6) for n in report.delta_norms], merged_norm=round(report.merged_norm, 6),
                       fold_ms=round((time.perf_counter() - fold.began) * 1000, 2))
         self.offer_snapshot(fold.fragment, fold.state)

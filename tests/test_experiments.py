@@ -51,6 +51,9 @@ def test_every_suite_builds_valid_cluster_files():
     assert sorted(reproducible) == sorted(["fp32", "bf16", "int8", "int4", "int4-ef", "int2", "int2-ef"])
     assert {c.mode for c in (t(base) for t in reproducible.values())} == {"sync-diloco"}
     assert reproducible["int4-ef"](base).sync == {**base.sync, "codec": "int4", "error_feedback": True}
+    adoption = dict(experiments.SUITES["adoption"][1])
+    assert adoption["replace-uniform"](base).sync["adoption"] == "replace" and adoption["rebase-mixed"](base).sync["adoption"] == "rebase"
+    assert {r.slowdown for r in adoption["rebase-uniform"](base).regions} == {1.0} < {r.slowdown for r in adoption["rebase-mixed"](base).regions}
     merging = dict(experiments.SUITES["merging"][1])
     assert len(merging["rda-2-islands"](base).regions) == 2 and merging["delayed-nesterov-4-islands"](base).merger["outer"] == "delayed_nesterov"
     assert base.merger["share_window"] == 8 and merging["whole-steps-4-islands"](base).merger["share_window"] == 0

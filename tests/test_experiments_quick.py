@@ -74,6 +74,34 @@ def test_quantization_sync_int4_sends_fewer_bytes(tmp_path):
     assert experiments.bytes_per_token(runs["int4"]) < 0.5 * experiments.bytes_per_token(runs["fp32"])
 
 
+def test_adoption_rebase_keeps_every_step_of_work_and_replace_drops_some(tmp_path):
+    """The merger's fold log says how many inner steps each delta carries.  With rebase every delta
+    after an island's first of a fragment carries a whole interval (H steps, or more when the
+    outbox summed two); with replace, adopting the other islands' folds drops some."""
+    import json
+
+    runs = quick("adoption", tmp_path)
+    interval = runs["rebase-uniform"].config.sync["interval"]
+
+    def later_deltas_short_of_an_interval(label: str) -> tuple[int, int]:
+        seen, later, short = set(), 0, 0
+        for line in open(tmp_path / "adoption" / label / "logs" / "merger.log"):
+            event = json.loads(line) if line.startswith("{") else {}
+            if event.get("event") != "fold":
+                continue
+            for island, steps in zip(event["contributors"], event["steps"]):
+                key = (island, event["fragment"])
+                if key in seen:
+                    later += 1
+                    short += steps < interval
+                seen.add(key)
+        return later, short
+
+    (later, short), (later_replaced, short_replaced) = (later_deltas_short_of_an_interval(label) for label in ("rebase-uniform", "replace-uniform"))
+    assert later >= 8 and short == 0, (later, short)
+    assert later_replaced >= 8 and short_replaced >= 1, (later_replaced, short_replaced)
+
+
 def test_merging_every_rule_trains(tmp_path):
     runs = quick("merging", tmp_path)  # quick() checks each lowered the global held-out loss
     assert set(runs) == {"average-4-islands", "rda-4-islands", "delayed-nesterov-4-islands"}

@@ -38,11 +38,17 @@ def test_pseudo_gradient_and_adoption_by_hand():
     snapshot = {"w": np.array([2.0, 2.0], np.float32)}
     assert fragments.adopt(theta, snapshot, 0.0)["w"].tolist() == [2.0, 2.0]
     assert fragments.adopt(theta, snapshot, 0.5)["w"].tolist() == [1.25, 2.5]  # 0.5*theta + 0.5*Theta
+    # rebase: Theta + (theta - anchor) = [2 + (0.5 - 1), 2 + (3 - 2)]; the next delta against Theta is the
+    # island's whole progress since its anchor, -(theta - anchor)
+    rebased = fragments.rebase(theta, anchor, snapshot)
+    assert rebased["w"].tolist() == [1.5, 3.0] and rebased["w"].dtype == np.float32
+    assert fragments.pseudo_gradient(snapshot, rebased)["w"].tolist() == fragments.pseudo_gradient(anchor, theta)["w"].tolist()
 
 
 @pytest.mark.parametrize("make", [lambda: ModelConfig(width=130, heads=4), lambda: ModelConfig(depth=0), lambda: TrainConfig(lr=0),
                                   lambda: TrainConfig(schedule="linear"), lambda: SyncConfig(fragments=4, interval=3),
-                                  lambda: SyncConfig(codec="int3"), lambda: SyncConfig(alpha=1.0)])
+                                  lambda: SyncConfig(codec="int3"), lambda: SyncConfig(alpha=1.0, adoption="replace"),
+                                  lambda: SyncConfig(adoption="merge"), lambda: SyncConfig(alpha=0.5)])
 def test_bad_configuration_names_the_value(make):
     with pytest.raises(ConfigError):
         make()
