@@ -137,14 +137,19 @@ class IslandLoop:
         """Take newer global fragments.  With adoption "rebase" (the default) the island's progress on
         the fragment since its last send stays on top of the new value and goes out, whole, in the
         next delta; "replace" overwrites it (DESIGN.md's adopt-on-arrival: a snapshot arriving just
-        before a send threw away up to H steps of the island's work on that fragment)."""
-        if not arrived:
+        before a send threw away up to H steps of the island's work on that fragment).  A delta's
+        base_version is then the version its work was last rebased onto: part of that work was done
+        on older versions, which the staleness bound does not see.  Snapshots are full values: of
+        several versions of one fragment only the newest is taken."""
+        newest: dict[int, tuple[int, dict]] = {}
+        for fragment, version, tensors in arrived:
+            if version > max(self.progress[fragment].version, newest.get(fragment, (-1, None))[0]):
+                newest[fragment] = (version, tensors)
+        if not newest:
             return
         theta = self.trainer.params()
-        for fragment, version, tensors in arrived:
+        for fragment, (version, tensors) in newest.items():
             progress = self.progress[fragment]
-            if version <= progress.version:
-                continue
             anchor = {p: np.asarray(v, np.float32) for p, v in tensors.items()}
             if self.sync.adoption == "rebase" and progress.steps > 0:
                 self.trainer.set_params(fragments.rebase(theta, progress.anchor, tensors))

@@ -44,10 +44,14 @@ def recover(run_dir: str | Path, log: Log | None = None) -> MergerCore:
         if core.digest() != saved["digest"]:
             raise ReplayError(f"checkpoint at record {saved['next_index']} does not reproduce its own digest")
         next_index, pending = saved["next_index"], set(saved["pending"])
-    start = min(pending | {next_index})
-    for index, record in read_records(wal_dir(run_dir), start):
+    end = 0  # from the record before the checkpoint's position: the log must reach it
+    for index, record in read_records(wal_dir(run_dir), min(pending | {next_index - 1})):
+        end = index + 1
         if index >= next_index or index in pending:
             core.apply_record(record, index)
+    if end < next_index:  # a checkpoint is written after a sync: those records were durable, and are gone
+        raise ReplayError(f"checkpoint at record {next_index} lies beyond the end of the write-ahead log (its last record is "
+                          f"{end - 1}): records the checkpoint covers are missing")
     core.log = log
     return core
 

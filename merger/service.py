@@ -81,7 +81,7 @@ class MergerService:
         self.log = configure_logging("merger", sender=config.sender)
         self.wal = WriteAheadLog(wal_dir(config.run_dir), fsync=config.fsync)
         if self.wal.truncated_bytes:
-            self.log.warning("wal_torn_tail_truncated", bytes=self.wal.truncated_bytes)
+            self.log.warning("wal_torn_tail_truncated", bytes=self.wal.truncated_bytes, segments_set_aside=self.wal.discarded)
         if self.wal.next_index > 0:
             self.core = recover(config.run_dir, log=self.wal)
             self.log.info("recovered", next_index=self.wal.next_index, versions=[s.version for s in self.core.states], digest=self.core.digest())

@@ -170,11 +170,14 @@ class WriteAheadLog:
         return next_index
 
     def _discard(self, segments: list[Path], torn_index: int) -> None:
-        """Move segments written after a torn record (never durable) to DIR/discarded/<its index>/."""
+        """Move segments written after a torn record (never durable) to DIR/discarded/<its index>[-n]/."""
         if not segments:
             return
-        aside = self.directory / "discarded" / f"{torn_index:012d}"
-        aside.mkdir(parents=True, exist_ok=True)
+        aside, n = self.directory / "discarded" / f"{torn_index:012d}", 1
+        while aside.exists():  # set aside at this index before: keep that too
+            n += 1
+            aside = self.directory / "discarded" / f"{torn_index:012d}-{n}"
+        aside.mkdir(parents=True)
         for segment in segments:
             segment.rename(aside / segment.name)
             self.discarded.append(segment.name)
@@ -186,12 +189,13 @@ class WriteAheadLog:
         path = segments[-1] if reuse_last and segments else self.directory / f"{first_index:012d}.seg"
         if self._file is not None:  # a full segment: the next sync fsyncs it (a duplicate descriptor) first
             self._file.flush()
-            with self._cond:
+            new = open(path, "ab")
+            with self._cond:  # the syncer reads self._file under the lock: it never sees a closed one
                 if self.fsync != "never":
                     self._rotated.append(os.dup(self._file.fileno()))
                     self._directory_dirty = True
                 self._file.close()
-            self._file = open(path, "ab")
+                self._file = new
         else:
             self._file = open(path, "ab")
             _fsync_dir(self.directory)
@@ -213,9 +217,9 @@ class WriteAheadLog:
         for view in views:
             self._file.write(view)  # large writes go straight to the file, no copy
         self._segment_size += size
-        if self.fsync == "always":
-            self.sync()
         index, self.next_index = self.next_index, self.next_index + 1
+        if self.fsync == "always":
+            self.sync()  # covers this record: the ticket is the index after it
         return index
 
     @property
@@ -270,16 +274,22 @@ class WriteAheadLog:
     def _make_durable(self, target: int) -> None:
         """With the lock held: fsync full segments, the directory, then the current segment (the
         lock released meanwhile, one thread at a time), and call records before `target` durable.
-        An fsync failure is final: `_error` is set and every later wait raises it."""
+        Any failure is final: `_error` is set and every later wait or sync raises it."""
         while self._syncing:
             self._cond.wait()
         if self._durable >= target or self._error is not None:
             return
+        try:
+            current = os.dup(self._file.fileno())  # a duplicate: rotation may close the file meanwhile
+        except (OSError, ValueError) as error:
+            self._error = DlocoError(f"fsync of the write-ahead log failed: {error}")
+            self._cond.notify_all()
+            return
         self._syncing = True
         rotated, self._rotated = self._rotated, []
         directory, self._directory_dirty = self._directory_dirty, False
-        current = os.dup(self._file.fileno())  # a duplicate: rotation may close the file meanwhile
         self._cond.release()
+        failure = None
         try:
             for fd in rotated:
                 os.fsync(fd)
@@ -288,29 +298,37 @@ class WriteAheadLog:
             os.fsync(current)
         except OSError as error:
             failure = DlocoError(f"fsync of the write-ahead log failed: {error}")
-        else:
-            failure = None
         finally:
             for fd in (*rotated, current):
-                os.close(fd)
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
             self._cond.acquire()
             self._syncing = False
+            self._cond.notify_all()
         if failure is not None:
             self._error = failure
         else:
             self._durable = max(self._durable, target)
-        self._cond.notify_all()
 
     def close(self) -> None:
-        if self._file is not None:
+        if self._file is None:
+            return
+        try:
             self.sync()
+        finally:
             with self._cond:
                 self._closing = True
                 self._cond.notify_all()
             if self._syncer is not None:
                 self._syncer.join(timeout=60)
-            self._file.close()
-            self._file = None
+            with self._cond:
+                for fd in self._rotated:  # only after a failed sync
+                    os.close(fd)
+                self._rotated = []
+                self._file.close()
+                self._file = None
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -83,3 +83,34 @@ def test_a_snapshot_between_sends_keeps_the_islands_work_with_rebase_and_drops_i
     assert (base2, steps2, tokens2) == (1, 3, 3 * 4 * 32)
     norm = lambda delta: float(np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in delta.values())))  # noqa: E731
     assert norm(delta2) < 0.8 * norm(delta0)  # 0.105 vs 0.165 here (the learning rate is still warming up)
+
+
+def test_rebase_puts_the_unsent_progress_on_the_newest_of_several_arrivals(corpus_parts):
+    """Two versions of a fragment arriving together: the newest is taken, once, and the island's
+    progress since its anchor goes on top of it: theta = Theta_2 + (theta - anchor)."""
+    shard, evaluation = corpus_parts
+    trainer = Trainer(TINY, TRAIN)
+    loop = IslandLoop(trainer, data.Batches(shard, 4, 32, 0, 0), evaluation, TRAIN, SyncConfig(fragments=2, interval=8),
+                      MetricsWriter(None))
+    fragment = 0
+    paths = list(loop.progress[fragment].anchor)
+    anchor = {p: loop.progress[fragment].anchor[p].copy() for p in paths}
+    for _ in range(3):  # progress since the anchor
+        trainer.step(loop.batches.next())
+    loop.progress[fragment].steps, loop.progress[fragment].tokens = 3, 384
+    theta = trainer.params()
+    older = {p: anchor[p] + 1.0 for p in paths}
+    newer = {p: anchor[p] - 2.0 for p in paths}
+    other = {p: v for p, v in theta.items() if p not in paths}
+    loop._adopt([(fragment, 1, older), (fragment, 2, newer), (fragment, 1, older)])
+    after = trainer.params()
+    for p in paths:
+        np.testing.assert_allclose(after[p], newer[p] + (theta[p] - anchor[p]), rtol=0, atol=1e-6)
+    for p, v in other.items():  # the other fragment is untouched
+        np.testing.assert_array_equal(after[p], v)
+    progress = loop.progress[fragment]
+    assert (progress.version, progress.steps, progress.tokens) == (2, 3, 384)
+    assert all(np.array_equal(progress.anchor[p], newer[p]) for p in paths)
+    # an old version arriving late changes nothing
+    loop._adopt([(fragment, 1, older)])
+    assert all(np.array_equal(trainer.params()[p], after[p]) for p in paths)

@@ -10,7 +10,7 @@ import pytest
 import protocol
 from merger import checkpoint
 from merger.config import MergeConfig, MergerConfig
-from merger.core import MergerCore
+from merger.core import MergerCore, ReplayError
 from merger.recovery import checkpoint_dir, recover, replay, wal_dir
 from merger.wal import LogCorruption, WriteAheadLog, read_records
 from tests.merger_helpers import assemble, delta_chunks, initial_params
@@ -165,3 +165,18 @@ def test_the_log_says_which_fold_kernels_and_jax_wrote_it(tmp_path):
     older = records.software_mismatch({**genesis, "software": {"fold_kernels": 1, "jax": "0.4.30"}})
     assert "fold kernels v1, jax 0.4.30" in older and f"v{KERNELS_VERSION}, jax {jax.__version__}" in older
     assert "not recorded" in records.software_mismatch({k: v for k, v in genesis.items() if k != "software"})
+
+
+def test_a_checkpoint_beyond_the_end_of_the_log_is_an_error_not_a_silent_restart(tmp_path):
+    """A checkpoint is written after a sync, so the records it covers were durable: a log that ends
+    before it lost acknowledged records, and recovery says so instead of resuming from the checkpoint."""
+    core, wal = new_core(tmp_path)
+    drive(core, rounds=4)
+    checkpoint.save(checkpoint_dir(tmp_path), core, core.log.next_index)  # at the very end: a clean shutdown
+    wal.close()
+    assert recover(tmp_path).digest() == core.digest()
+    (segment,) = wal_dir(tmp_path).glob("*.seg")
+    with open(segment, "r+b") as handle:
+        handle.truncate(segment.stat().st_size - 5)  # the last record, covered by the checkpoint, damaged
+    with pytest.raises(ReplayError, match=f"checkpoint at record {core.log.next_index} lies beyond the end"):
+        recover(tmp_path)

@@ -157,3 +157,37 @@ def test_a_flipped_byte_in_an_earlier_segment_is_still_corruption(tmp_path):
     segment.write_bytes(bytes(data))
     with pytest.raises(LogCorruption, match="checksum mismatch"):
         WriteAheadLog(tmp_path, segment_bytes=1000, fsync="never")
+
+
+@pytest.mark.timeout(120)
+def test_segments_fill_while_the_syncer_fsyncs_and_every_ticket_comes_due(tmp_path, monkeypatch):
+    """The merger asks for syncs in the background while it keeps appending; full segments are
+    swapped under the syncer's lock, so a slow fsync never meets a closed file (it used to: the
+    syncer died and every later wait hung)."""
+    import os
+    import time
+
+    real_fsync = os.fsync
+
+    def slow(fd):
+        time.sleep(0.002)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow)
+    log = WriteAheadLog(tmp_path, segment_bytes=600, fsync="batch")
+    tickets = []
+    for i in range(300):
+        log.append({"i": i, "blob": bytes(100)})
+        tickets.append(log.sync_async())
+    for ticket in tickets:
+        log.wait_durable(ticket)
+    assert log.durable == 300 and len(list(tmp_path.glob("*.seg"))) > 50
+    log.close()
+    assert [r["i"] for _, r in read_records(tmp_path)] == list(range(300))
+
+
+def test_fsync_always_makes_each_record_durable_before_append_returns(tmp_path):
+    log = WriteAheadLog(tmp_path, fsync="always")
+    for i in range(3):
+        assert log.append({"i": i}) == i and log.durable == i + 1
+    log.close()
