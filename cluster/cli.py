@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_argument("--seconds", type=float, default=None, help="seconds per run (default: the suite's, 150-300; 25-65 with --quick)")
     experiment.add_argument("--config", type=Path, default=None, help="cluster file the runs start from (default: the shipped profile)")
     experiment.add_argument("--out", type=Path, default=None, help="where runs, NAME.md and experiments/*.png go (default runs/experiment-<time>)")
+    experiment.add_argument("--runs", default=None, help="only these runs of the suite, comma-separated labels (e.g. fp32,int4)")
     experiment.set_defaults(run=_experiment)
     prepare = commands.add_parser("prepare", help="write a run directory's CURVE keys, allow-lists and initial model (compose's first service)")
     prepare.add_argument("--config", type=Path, default=None, help="cluster file (TOML); default: the shipped 4-region profile")
@@ -161,7 +162,8 @@ def _experiment(args: argparse.Namespace) -> int:
 
     out = args.out or Path("runs") / f"experiment-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
-        text = experiments.run(args.name, out, quick=args.quick, config_path=args.config, seconds=args.seconds)
+        runs = tuple(label.strip() for label in args.runs.split(",")) if args.runs else None
+        text = experiments.run(args.name, out, quick=args.quick, config_path=args.config, seconds=args.seconds, only=runs)
     except (DlocoError, OSError) as error:
         print(f"dloco experiment: {error}", file=sys.stderr)
         return 2

@@ -221,19 +221,25 @@ def plot(name: str, results: list[RunResult], out_dir: Path) -> list[Path]:
 
 
 def run(name: str, out_dir: Path, quick: bool = False, config_path: Path | None = None, seconds: float | None = None,
-        log=lambda line: print(line, file=sys.stderr, flush=True)) -> str:
-    """Run suite `name`; write OUT/<name>.md and OUT/experiments/*.png; return the Markdown."""
-    return run_suite(name, out_dir, quick, config_path, seconds, log)[0]
+        log=lambda line: print(line, file=sys.stderr, flush=True), only: tuple[str, ...] | None = None) -> str:
+    """Run suite `name` (only the runs labelled in `only`, if given); write OUT/<name>.md and
+    OUT/experiments/*.png; return the Markdown."""
+    return run_suite(name, out_dir, quick, config_path, seconds, log, only)[0]
 
 
 def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path | None = None, seconds: float | None = None,
-              log=lambda line: print(line, file=sys.stderr, flush=True)) -> tuple[str, list[RunResult]]:
+              log=lambda line: print(line, file=sys.stderr, flush=True), only: tuple[str, ...] | None = None) -> tuple[str, list[RunResult]]:
     """`run`, also returning each run's results (the tests check their directions)."""
     from cluster import launcher
 
     if name not in SUITES:
         raise ConfigError(f"unknown experiment {name!r}; suites: {', '.join(SUITES)}")
     description, runs = SUITES[name]
+    if only is not None:
+        unknown = sorted(set(only) - {label for label, _ in runs})
+        if unknown or not only:
+            raise ConfigError(f"experiment {name} has no run {', '.join(unknown) or '(none given)'}; its runs: {', '.join(label for label, _ in runs)}")
+        runs = [(label, transform) for label, transform in runs if label in only]
     base = cluster_config.load(config_path)
     base = dataclasses.replace(base, duration_s=seconds or (QUICK_SECONDS[name] if quick else DEFAULT_SECONDS[name]), chaos=())
     base = dataclasses.replace(base, eval_early=True)  # evaluations at steps 1, 2, 4, ...: when the target is crossed, early
@@ -249,7 +255,8 @@ def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path |
         with open(run_dir / "up.out", "w") as out:
             code = launcher.run(config, run_dir, out=out)
         results.append(_collect(label, config, run_dir, code))
-    command = f"dloco experiment {name}" + (" --quick" if quick else "") + (f" --seconds {seconds:g}" if seconds else "")
+    command = (f"dloco experiment {name}" + (" --quick" if quick else "") + (f" --seconds {seconds:g}" if seconds else "")
+               + (f" --runs {','.join(label for label, _ in runs)}" if only is not None else ""))
     text = summarize(name, description, results, command, time.monotonic() - started)
     plot(name, results, out_dir / "experiments")
     (out_dir / f"{name}.md").write_text(text)

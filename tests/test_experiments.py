@@ -34,6 +34,9 @@ def test_time_to_target_loss_at_equal_tokens_and_bytes_per_token():
 def test_unknown_suites_are_refused(tmp_path):
     with pytest.raises(experiments.ConfigError, match="unknown experiment 'nope'"):
         experiments.run("nope", tmp_path)
+    with pytest.raises(experiments.ConfigError, match="experiment quantization-sync has no run int3; its runs: fp32, bf16"):
+        experiments.run("quantization-sync", tmp_path, only=("fp32", "int3"))
+    assert not list(tmp_path.iterdir())  # refused before anything ran
 
 
 def test_every_suite_builds_valid_cluster_files():
