@@ -80,7 +80,7 @@ class MergerService:
         self.config = config
         self.log = configure_logging("merger", sender=config.sender)
         self.wal = WriteAheadLog(wal_dir(config.run_dir), fsync=config.fsync)
-        if self.wal.truncated_bytes:
+        if self.wal.truncated_bytes or self.wal.discarded:
             self.log.warning("wal_torn_tail_truncated", bytes=self.wal.truncated_bytes, segments_set_aside=self.wal.discarded)
         if self.wal.next_index > 0:
             self.core = recover(config.run_dir, log=self.wal)

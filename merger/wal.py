@@ -24,7 +24,8 @@ the merger's receiving thread cost 30-50 ms per 64 MiB segment.)
 
 Opening a log for append scans every segment.  A record that is cut short, or whose checksum
 fails with nothing after it in its segment, is a torn write from a crash: the log ends there, it
-is truncated away, and any later segments — written after it, so never durable, which only a
+is truncated away, and any later segments (likewise when a segment ends before the next one
+begins: it lost whole records) — written after it, so never durable, which only a
 power failure can leave behind — are moved to ``DIR/discarded/<index of the torn record>/``, not deleted.  Any other bad
 record is corruption and raises `LogCorruption` naming the segment, offset and record index, so
 nothing written and acknowledged is ever silently dropped.
@@ -112,15 +113,22 @@ def read_records(directory: str | Path, start: int = 0, allow_torn_tail: bool = 
     """Every valid record with index >= start, in order.  A torn tail ends the iteration quietly
     (or raises, with allow_torn_tail=False); corruption anywhere else raises LogCorruption."""
     segments = _segments(Path(directory))
+    expected = None  # the index the next segment must start at (segments are named by their first record)
     for position, segment in enumerate(segments):
         first = int(segment.stem)
         if position + 1 < len(segments) and int(segments[position + 1].stem) <= start:
             continue
+        if expected is not None and first != expected:  # records expected..first-1 are missing
+            if allow_torn_tail:  # the earlier segment lost its tail: the log ends there, as after a torn record
+                return
+            raise LogCorruption(segment, 0, expected, f"records {expected}..{first - 1} are missing (the segment starts at {first})")
+        expected = first
         for index, offset, _, record, problem in _scan(segment, first):
             if problem:
                 if allow_torn_tail and problem.startswith("torn"):  # the log ends here (later segments: never durable)
                     return
                 raise LogCorruption(segment, offset, index, problem)
+            expected = index + 1
             if index >= start:
                 yield index, record
 
@@ -150,8 +158,14 @@ class WriteAheadLog:
         segments = _segments(self.directory)
         if not segments:
             return 0
+        if int(segments[0].stem) != 0:
+            raise LogCorruption(segments[0], 0, 0, f"the log's first segment starts at record {int(segments[0].stem)}: records before it are missing")
+        next_index = 0
         for position, segment in enumerate(segments):
-            next_index, good_end = int(segment.stem), 0
+            if int(segment.stem) != next_index:  # the previous segment lost its tail at a record boundary
+                self._discard(segments[position:], next_index)
+                return next_index
+            good_end = 0
             for index, offset, end, _, problem in _scan(segment, int(segment.stem)):
                 if problem:
                     if not problem.startswith("torn"):
@@ -289,7 +303,7 @@ class WriteAheadLog:
         rotated, self._rotated = self._rotated, []
         directory, self._directory_dirty = self._directory_dirty, False
         self._cond.release()
-        failure = None
+        failure, interrupted = None, None
         try:
             for fd in rotated:
                 os.fsync(fd)
@@ -298,6 +312,8 @@ class WriteAheadLog:
             os.fsync(current)
         except OSError as error:
             failure = DlocoError(f"fsync of the write-ahead log failed: {error}")
+        except BaseException as error:  # e.g. KeyboardInterrupt: the taken segments are not known to be on disk
+            failure, interrupted = DlocoError(f"fsync of the write-ahead log was interrupted: {error!r}"), error
         finally:
             for fd in (*rotated, current):
                 try:
@@ -311,6 +327,8 @@ class WriteAheadLog:
             self._error = failure
         else:
             self._durable = max(self._durable, target)
+        if interrupted is not None:
+            raise interrupted
 
     def close(self) -> None:
         if self._file is None:

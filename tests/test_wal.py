@@ -191,3 +191,28 @@ def test_fsync_always_makes_each_record_durable_before_append_returns(tmp_path):
     for i in range(3):
         assert log.append({"i": i}) == i and log.durable == i + 1
     log.close()
+
+
+def test_an_earlier_segment_that_lost_whole_records_ends_the_log_too(tmp_path):
+    """A power failure can also cut a full segment exactly between records: no torn record, but the
+    next segment starts later than this one ends.  The log ends at the gap; readers stop there (or
+    name the missing records), and a log whose first segment is not record 0 is corruption."""
+    import os
+
+    from merger.wal import _scan
+
+    fill(tmp_path, 40, segment_bytes=1000)
+    segments = sorted(tmp_path.glob("*.seg"))
+    (last_index, last_offset, *_), = [row for row in _scan(segments[1], int(segments[1].stem))][-1:]
+    with open(segments[1], "r+b") as handle:
+        handle.truncate(last_offset)  # segment 1 loses its last record, cleanly
+    assert [i for i, _ in read_records(tmp_path)] == list(range(last_index))
+    with pytest.raises(LogCorruption, match=f"records {last_index}..{last_index} are missing"):
+        list(read_records(tmp_path, allow_torn_tail=False))
+    log = WriteAheadLog(tmp_path, segment_bytes=1000, fsync="never")
+    assert log.next_index == last_index and log.truncated_bytes == 0 and log.discarded == [p.name for p in segments[2:]]
+    log.close()
+    first = sorted(tmp_path.glob("*.seg"))[0]
+    os.rename(first, first.with_name("000000000001.seg"))
+    with pytest.raises(LogCorruption, match="first segment starts at record 1"):
+        WriteAheadLog(tmp_path, fsync="never")
