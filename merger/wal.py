@@ -22,13 +22,13 @@ old segment and of the directory happen with the next sync, in order — older s
 directory, then the current one — before anything after them is called durable.  (Waiting on
 the merger's receiving thread cost 30-50 ms per 64 MiB segment.)
 
-Opening a log for append scans every segment.  A record that is cut short, or whose checksum
-fails with nothing after it in its segment, is a torn write from a crash: the log ends there, it
-is truncated away, and any later segments (likewise when a segment ends before the next one
-begins: it lost whole records) — written after it, so never durable, which only a
-power failure can leave behind — are moved to ``DIR/discarded/<index of the torn record>/``, not deleted.  Any other bad
-record is corruption and raises `LogCorruption` naming the segment, offset and record index, so
-nothing written and acknowledged is ever silently dropped.
+Opening a log for append scans every segment.  The log ends at the first torn write: a record
+cut short, or whose checksum fails with nothing after it in its segment, is truncated away; a
+segment that ends before the next one begins lost whole records.  Segments after that point were
+written after it, so never durable (only a power failure leaves them behind): they are moved to
+``DIR/discarded/<index where the log ends>/``, not deleted.  Any other bad record is corruption
+and raises `LogCorruption` naming the segment, offset and record index, so nothing written and
+acknowledged is ever silently dropped.
 
 ``fsync``: "always" (every append is durable before `append` returns), "batch" (durable after
 `sync()`, which the service calls before it acknowledges), "never" (tests, benchmarks).
