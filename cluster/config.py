@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 
 from cluster.chaos import ChaosEvent, check
-from island.config import ADOPTIONS
+from island.config import SyncConfig
 from merger.config import FULL_SNAPSHOT_CODECS
 from protocol import CODEC_NAMES
 from protocol.errors import ConfigError, require
@@ -60,10 +60,7 @@ class ClusterConfig:
         require(not {r.name for r in self.regions} & {"merger", "broker"}, "'merger' and 'broker' are not region names")
         require(self.duration_s > 0, f"run.duration_s must be > 0, got {self.duration_s}")
         require(type(self.eval_early) is bool, f"run.eval_early must be true or false, got {self.eval_early!r}")
-        require(self.sync["codec"] in CODEC_NAMES, f"sync.codec must be one of {CODEC_NAMES}, got {self.sync['codec']!r}")
-        adoption = self.sync.get("adoption", "rebase")
-        require(adoption in ADOPTIONS, f"sync.adoption must be one of {ADOPTIONS}, got {adoption!r}")
-        require(self.sync.get("alpha", 0.0) == 0 or adoption == "replace", f"sync.alpha ({self.sync.get('alpha')}) blends only with sync.adoption 'replace'")
+        SyncConfig(**self.sync)  # the island's own checks (codec, adoption and alpha, H >= P, ...), with its messages
         check(self.chaos, self.process_names)
         require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
         require(self.merger["snapshot_codec"] in FULL_SNAPSHOT_CODECS,
