@@ -41,7 +41,8 @@ class ClusterConfig:
     regions: tuple[Region, ...]
     duration_s: float = 300.0
     eval_every: int = 50
-    eval_early: bool = False  # islands also evaluate at steps 1, 2, 4, ... (the experiment suites turn it on)
+    eval_early: bool = False  # islands also evaluate at steps 1, 2, 4, ...
+    eval_trace: int = 0  # islands evaluate their first N steps after training (island --eval-trace; the experiment suites use it)
     seed: int = 0
     model: dict = dataclasses.field(default_factory=lambda: {"width": 128, "depth": 4, "heads": 4, "context": 128, "batch": 16})
     sync: dict = dataclasses.field(default_factory=lambda: {"fragments": 4, "interval": 48, "codec": "int4", "adoption": "rebase", "alpha": 0.0,
@@ -60,6 +61,7 @@ class ClusterConfig:
         require(not {r.name for r in self.regions} & {"merger", "broker"}, "'merger' and 'broker' are not region names")
         require(self.duration_s > 0, f"run.duration_s must be > 0, got {self.duration_s}")
         require(type(self.eval_early) is bool, f"run.eval_early must be true or false, got {self.eval_early!r}")
+        require(type(self.eval_trace) is int and self.eval_trace >= 0, f"run.eval_trace must be an int >= 0, got {self.eval_trace!r}")
         SyncConfig(**self.sync)  # the island's own checks (codec, adoption and alpha, H >= P, ...), with its messages
         check(self.chaos, self.process_names)
         require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
@@ -120,7 +122,7 @@ MODES = {
                            "snapshot_diff_codec": "none", "share_window": 0, "snapshot_every_round": 0.0}},
 }
 
-_SECTIONS = {"run": {"duration_s", "eval_every", "eval_early", "seed", "mode"}, "model": {"width", "depth", "heads", "context", "batch"},
+_SECTIONS = {"run": {"duration_s", "eval_every", "eval_early", "eval_trace", "seed", "mode"}, "model": {"width", "depth", "heads", "context", "batch"},
              "sync": {"fragments", "interval", "codec", "adoption", "alpha", "error_feedback"},
              "merger": {"max_staleness", "quorum", "grace_cap_s", "outer", "outer_lr", "snapshot_codec", "merge", "quorum_timeout_s", "delay",
                         "snapshot_diff_codec", "snapshot_full_every", "share_window", "snapshot_every_round"}}
@@ -157,7 +159,8 @@ def load(path: str | Path | None = None) -> ClusterConfig:
     run = data.get("run", {})
     return ClusterConfig(
         regions=tuple(regions), duration_s=float(run.get("duration_s", defaults.duration_s)),
-        eval_every=int(run.get("eval_every", defaults.eval_every)), eval_early=run.get("eval_early", defaults.eval_early), seed=int(run.get("seed", defaults.seed)), mode=str(run.get("mode", "decoupled")),
+        eval_every=int(run.get("eval_every", defaults.eval_every)), eval_early=run.get("eval_early", defaults.eval_early),
+        eval_trace=run.get("eval_trace", defaults.eval_trace), seed=int(run.get("seed", defaults.seed)), mode=str(run.get("mode", "decoupled")),
         model={**defaults.model, **data.get("model", {})}, sync={**defaults.sync, **data.get("sync", {})},
         merger={**defaults.merger, **data.get("merger", {})}, chaos=tuple(sorted(chaos, key=lambda e: e.at_s)),
     )

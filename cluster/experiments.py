@@ -5,7 +5,8 @@ Each suite is a list of (label, cluster-file transform).  Every run is a plain `
 `OUT/<label>/` (its own report.md there); the suite then compares them:
 - held-out loss of the merger's final global model;
 - time to a target held-out loss (the target: the worst run's best island evaluation, so every
-  run reaches it), from the islands' evaluations;
+  run reaches it), from the islands' evaluations: every one of the first EVAL_TRACE steps
+  (evaluated after training, from copies of the parameters), then every eval_every;
 - the islands' held-out loss at equal tokens (the fewest tokens any run's islands reached);
 - compute utilisation per island and bytes on the wire per trained token.
 `--quick` runs the tiny model, shorter, and only the runs of a suite whose direction shows within
@@ -27,7 +28,7 @@ import numpy as np
 from cluster import config as cluster_config
 from cluster.chaos import ChaosEvent
 from cluster.config import ClusterConfig
-from cluster.runinfo import chaos_effects, read_events
+from cluster.runinfo import chaos_effects, read_metrics
 from protocol.errors import ConfigError
 
 Transform = Callable[[ClusterConfig], ClusterConfig]
@@ -112,6 +113,9 @@ QUICK_SECONDS = {"speedup": 35.0, "heterogeneous": 25.0, "faults": 65.0, "quanti
 QUICK_RUNS = {"quantization": ("fp32", "int4", "int2"), "quantization-sync": ("fp32", "int4"), "adoption": ("rebase-uniform", "replace-uniform"),
               "merging": ("average-4-islands", "rda-4-islands", "delayed-nesterov-4-islands")}
 QUICK_MODEL = {"width": 32, "depth": 1, "heads": 2, "context": 32, "batch": 8}
+# Islands evaluate each of their first N steps after training (below eval_every, 50 and 20 in quick
+# runs): ~0.27 s per evaluation of the default model, ~13 s per island at the end of a run.
+EVAL_TRACE, QUICK_EVAL_TRACE = 48, 19
 
 
 @dataclasses.dataclass
@@ -124,26 +128,38 @@ class RunResult:
     evals: dict[str, list[dict]]  # island -> evaluation events (time, tokens, eval_loss)
     last: dict[str, dict]  # island -> last step event
     chaos: list[dict] = dataclasses.field(default_factory=list)  # cluster.chaos.effects rows
-    started: dict[str, float] = dataclasses.field(default_factory=dict)  # island -> time of its first training step
+    started: dict[str, float] = dataclasses.field(default_factory=dict)  # island -> the cluster's first training step, on its clock
 
 
 def _collect(label: str, config: ClusterConfig, run_dir: Path, code: int) -> RunResult:
     from cluster.report import global_eval
 
-    evals, last, started = {}, {}, {}
+    evals, last, ones = {}, {}, {}
     for region in config.regions:
-        events = [e for e in read_events(run_dir / "metrics" / f"{region.name}.jsonl") if "step" in e]
+        events = [e for e in read_metrics(run_dir / "metrics" / f"{region.name}.jsonl") if "step" in e]
         evals[region.name] = [e for e in events if "eval_loss" in e and e["step"] > 0]
         last[region.name] = events[-1] if events else {}
-        started[region.name] = next((e["time"] for e in events if e["step"] == 1), 0.0)
+        ones[region.name] = next((e for e in events if e["step"] == 1), None)
+    started = first_step({name: e for name, e in ones.items() if e is not None})
     before, after = global_eval(config, run_dir)
     return RunResult(label, config, code, before, after, evals, last, chaos_effects(run_dir, [r.name for r in config.regions]), started)
 
 
+def first_step(ones: dict[str, dict]) -> dict[str, float]:
+    """When the cluster's first training step ended (the earliest of the islands' step-1 events
+    `ones`, by wall clock), on each island's own clock (its events' `time`).  Measuring from there,
+    not from each island's own first step, gives a late-joining island no head start: it joins a
+    model the others have trained."""
+    if not ones:
+        return {}
+    began = min(e["wall"] for e in ones.values())
+    return {name: began - (e["wall"] - e["time"]) for name, e in ones.items()}
+
+
 def time_to(result: RunResult, target: float) -> float | None:
-    """Seconds from an island's first training step to its first evaluation at or below `target`,
-    for the earliest island.  Start-up (JAX import, compilation, joining: ~10-15 s here) is left out:
-    it is the same in every mode and does not grow with the length of a run."""
+    """Seconds from the cluster's first training step to the first island evaluation at or below
+    `target`.  Start-up (JAX import, compilation, joining: ~10-15 s here) is left out: it is the
+    same in every mode and does not grow with the length of a run."""
     times = [e["time"] - result.started.get(island, 0.0) for island, events in result.evals.items() for e in events if e["eval_loss"] <= target]
     return min(times) if times else None
 
@@ -242,9 +258,11 @@ def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path |
         runs = [(label, transform) for label, transform in runs if label in only]
     base = cluster_config.load(config_path)
     base = dataclasses.replace(base, duration_s=seconds or (QUICK_SECONDS[name] if quick else DEFAULT_SECONDS[name]), chaos=())
-    base = dataclasses.replace(base, eval_early=True)  # evaluations at steps 1, 2, 4, ...: when the target is crossed, early
+    # The held-out loss at every early step, evaluated after training (island --eval-trace): time to
+    # a target crossed early is then measured to the step, and no evaluation slows the steps it measures.
+    base = dataclasses.replace(base, eval_trace=EVAL_TRACE)
     if quick:
-        base = dataclasses.replace(base, model={**base.model, **QUICK_MODEL}, eval_every=20)
+        base = dataclasses.replace(base, model={**base.model, **QUICK_MODEL}, eval_every=20, eval_trace=QUICK_EVAL_TRACE)
         runs = [(label, transform) for label, transform in runs if label in QUICK_RUNS.get(name, (label,))]
     started, results = time.monotonic(), []
     for index, (label, transform) in enumerate(runs, 1):

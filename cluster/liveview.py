@@ -31,7 +31,7 @@ class LiveView:
         self.last_plain = time.monotonic()
         lines = [self.header(elapsed), f"{'region':16} {'step':>6} {'tok/s':>8} {'util':>5} {'eval':>6} {'snapshot versions':>18} {'sent':>8} {'recv':>8}"]
         for region in self.config.regions:
-            events = last_events(self.run_dir / "metrics" / f"{region.name}.jsonl")
+            events = [e for e in last_events(self.run_dir / "metrics" / f"{region.name}.jsonl") if not e.get("deferred")]  # not: after training
             if not events:
                 lines.append(f"{region.name:16} {'(joining)':>6}")
                 continue

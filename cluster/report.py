@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster.config import ClusterConfig
-from cluster.runinfo import chaos_effects, merger_folds, read_events
+from cluster.runinfo import chaos_effects, merger_folds, read_metrics
 
 
 def global_eval(config: ClusterConfig, run_dir: Path) -> tuple[float | None, float | None]:
@@ -96,7 +96,7 @@ def _chaos_section(rows: list[dict]) -> list[str]:
 
 
 def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int]) -> Path:
-    metrics = {r.name: read_events(run_dir / "metrics" / f"{r.name}.jsonl") for r in config.regions}
+    metrics = {r.name: read_metrics(run_dir / "metrics" / f"{r.name}.jsonl") for r in config.regions}
     folds = merger_folds(run_dir)
     folded_by = collections.Counter(name for fold in folds for name in fold["contributors"])
     before, after = global_eval(config, run_dir)

@@ -19,6 +19,18 @@ def read_events(path: Path) -> list[dict]:
     return events
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """An island's metrics in the order written, with the evaluations it made after training (`deferred`:
+    island --eval-trace) put back on the steps they measured, as `eval_loss` and `eval_deferred`.
+    A step is found by its step number and wall time (a restarted island counts steps from 1 again)."""
+    events = read_events(path)
+    steps = {(e.get("step"), e.get("wall")): e for e in events if not e.get("deferred")}
+    for event in events:
+        if event.get("deferred") and (step := steps.get((event.get("step"), event.get("wall")))) is not None:
+            step.update(eval_loss=event["eval_loss"], eval_deferred=True)
+    return [e for e in events if not e.get("deferred")]
+
+
 def last_events(path: Path, tail_bytes: int = 16384) -> list[dict]:
     """The complete JSON lines among the last `tail_bytes` of a file (cheap for a live view)."""
     if not path.exists():
@@ -56,7 +68,7 @@ def chaos_effects(run_dir: Path, regions: list[str]) -> list[dict]:
         return []
     steps, joins = {}, {}
     for region in regions:
-        events = [e for e in read_events(run_dir / "metrics" / f"{region}.jsonl") if "wall" in e]
+        events = [e for e in read_metrics(run_dir / "metrics" / f"{region}.jsonl") if "wall" in e]
         steps[region] = [e["wall"] for e in events if e.get("step", 0) > 0]
         joins[region] = [e["wall"] for e in events if e.get("step") == 0]
     folds = [(wall(e), tuple(e["contributors"])) for e in merger_folds(run_dir)]

@@ -42,6 +42,7 @@ class TrainConfig:
     clip: float = 1.0  # global gradient-norm clip
     eval_every: int = 100  # steps between evaluations
     eval_early: bool = False  # also at steps 1, 2, 4, 8, ... below eval_every (when the loss falls fastest)
+    eval_trace: int = 0  # copy the parameters after each of the first N steps; evaluate them once training is over
     eval_batches: int = 8
     seed: int = 0
 
@@ -53,6 +54,7 @@ class TrainConfig:
         _require(isinstance(self.warmup, int) and 0 <= self.warmup, f"train.warmup must be an int >= 0, got {self.warmup!r}")
         _require(self.clip > 0, f"train.clip must be > 0, got {self.clip}")
         _require(isinstance(self.eval_every, int) and self.eval_every >= 1, f"train.eval_every must be a positive int, got {self.eval_every!r}")
+        _require(isinstance(self.eval_trace, int) and self.eval_trace >= 0, f"train.eval_trace must be an int >= 0, got {self.eval_trace!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,6 +56,7 @@ class IslandLoop:
         self.tokens, self.compute_s, self.started = 0, 0.0, None
         self.wait_s = 0.0  # time spent blocked on the merger (synchronous modes only)
         self.stop_requested = False  # set from a signal handler: finish the current step, then stop
+        self.trace: list[tuple[dict, dict[str, np.ndarray]]] = []  # (step event, parameters after it): train.eval_trace
 
     def join(self, timeout_s: float) -> None:
         """Start from the merger's model: wait (once, before training) for a snapshot of every
@@ -106,6 +107,8 @@ class IslandLoop:
                 event["eval_loss"] = eval_loss = self._evaluate()
                 if self.log is not None:
                     self.log.info("eval", step=step, loss=round(loss, 4), eval_loss=round(eval_loss, 4), tokens=self.tokens)
+            elif step <= self.train.eval_trace:
+                self.trace.append(({k: event[k] for k in ("step", "tokens", "time", "wall")}, {p: v.copy() for p, v in self.trainer.params().items()}))
             self.metrics.write(event)
         wall = time.perf_counter() - self.started
         return {"steps": step, "tokens": self.tokens, "loss": loss, "eval_loss": eval_loss, "seconds": wall,
@@ -157,6 +160,23 @@ class IslandLoop:
             else:  # replace, or nothing unsent to keep (a blocking island right after its send): the same
                 self.trainer.set_params(fragments.adopt(theta, tensors, self.sync.alpha))
                 self.progress[fragment] = FragmentProgress(anchor, version)
+
+    def evaluate_trace(self) -> int:
+        """Evaluate the parameters copied after each of the first `train.eval_trace` steps, now that
+        training is over.  An evaluation costs about two training steps here, so evaluating at every
+        early step would slow the early steps it measures; the copy costs milliseconds.  The result
+        is exactly what an evaluation at that step would have measured (tested), written as an event
+        with that step's time and tokens and `deferred: true`.  The final parameters are restored.
+        Returns how many were evaluated."""
+        if not self.trace:
+            return 0
+        final = self.trainer.params()
+        for event, params in self.trace:
+            self.trainer.set_params(params)
+            self.metrics.write({**event, "eval_loss": self.trainer.evaluate(self.eval_batches), "deferred": True})
+        self.trainer.set_params(final)
+        count, self.trace = len(self.trace), []
+        return count
 
     def _evaluate(self) -> float:
         """Held-out loss.  Its time counts as compute: `compute_util` is the share of wall time spent

@@ -30,6 +30,9 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     island.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
     island.add_argument("--eval-every", type=positive_int, default=100)
     island.add_argument("--eval-early", action="store_true", help="also evaluate at steps 1, 2, 4, 8, ... below --eval-every")
+    island.add_argument("--eval-trace", type=int, default=0, metavar="N",
+                        help="copy the parameters after each of the first N steps and evaluate them once training is over "
+                             "(the loss at every early step, without spending training time on evaluations)")
     island.add_argument("--eval-batches", type=positive_int, default=8)
     island.add_argument("--seed", type=int, default=0)
     island.add_argument("--slowdown", type=float, default=1.0, help="each step takes X times its measured compute (an older chip)")
@@ -82,7 +85,7 @@ def run_island(args: argparse.Namespace) -> int:
     try:
         model = ModelConfig(width=args.width, depth=args.depth, heads=args.heads, context=args.context)
         train = TrainConfig(batch=args.batch, lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_steps=args.max_steps,
-                            eval_every=args.eval_every, eval_early=args.eval_early, eval_batches=args.eval_batches, seed=args.seed)
+                            eval_every=args.eval_every, eval_early=args.eval_early, eval_trace=args.eval_trace, eval_batches=args.eval_batches, seed=args.seed)
         if not 0 <= args.island_index < args.islands:
             raise DlocoError(f"--island-index must be in [0, {args.islands}), got {args.island_index}")
         corpus = data.load(args.corpus)
@@ -116,17 +119,22 @@ def run_island(args: argparse.Namespace) -> int:
             loop.join(args.join_timeout)
             log.info("joined", versions=[p.version for p in loop.progress])
         summary = loop.run()
+        if link is not None:
+            if not link.drain(args.drain_timeout):
+                log.warning("drain_incomplete", deltas_sent=link.deltas_sent, settled=dict(link.results))
+            summary.update(deltas_sent=link.deltas_sent, rebased=link.rebased, acks=dict(link.results), snapshots=dict(link.downlink_results))
+            link, closing = None, link
+            closing.close()  # the merger has all it will get: evaluating the trace keeps no one waiting
+        if loop.trace:
+            log.info("evaluating_trace", steps=len(loop.trace))
+            summary["traced_evaluations"] = loop.evaluate_trace()
         metrics.close()
-        if link is not None and not link.drain(args.drain_timeout):
-            log.warning("drain_incomplete", deltas_sent=link.deltas_sent, settled=dict(link.results))
     except (DlocoError, ValueError, OSError) as error:
         print(f"dloco island: {error}", file=sys.stderr)
         return 2
     finally:
         if link is not None:
             link.close()
-    if link is not None:
-        summary.update(deltas_sent=link.deltas_sent, rebased=link.rebased, acks=dict(link.results), snapshots=dict(link.downlink_results))
     log.info("done", **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})
     print(json.dumps(summary))
     return 0

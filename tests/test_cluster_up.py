@@ -27,7 +27,9 @@ def test_cluster_files_are_checked(tmp_path):
                           ("[merger]\nsnapshot_every_round = -0.5\n[[regions]]\nname = 'a'\n", "merger.snapshot_every_round"),
                           ("[merger]\nsnapshot_codec = 'int4'\n[[regions]]\nname = 'a'\n", "merger.snapshot_codec"),
                           ("[merger]\nsnapshot_codec = 'int8'\nsnapshot_diff_codec = 'none'\n[[regions]]\nname = 'a'\n", "needs merger.snapshot_diff_codec"),
-                          ("[merger]\nsnapshot_every_round = 'often'\n[[regions]]\nname = 'a'\n", "merger.snapshot_every_round")):
+                          ("[merger]\nsnapshot_every_round = 'often'\n[[regions]]\nname = 'a'\n", "merger.snapshot_every_round"),
+                          ("[run]\neval_trace = -1\n[[regions]]\nname = 'a'\n", "run.eval_trace"),
+                          ("[run]\neval_trace = 4.5\n[[regions]]\nname = 'a'\n", "run.eval_trace")):
         bad.write_text(text)
         with pytest.raises(ConfigError, match=message):
             config.load(bad)

@@ -27,8 +27,12 @@ def test_time_to_target_loss_at_equal_tokens_and_bytes_per_token():
     # target: the worst run's best island evaluation (2.4), reached by decoupled at 20 s (a's 2.0), by sync-dp at 90 s
     assert "time to island loss ≤ 2.400" in text and "| 20.0 s |" in text and "| 90.0 s |" in text
     assert "4.5x faster to the target; 160x fewer bytes per token" in text
-    started = RunResult(**{**fast.__dict__, "started": {"a": 4.0, "b": 10.0}})  # time counts from each island's first step
+    started = RunResult(**{**fast.__dict__, "started": {"a": 4.0, "b": 10.0}})  # time counts from the cluster's first step, on each clock
     assert experiments.time_to(started, 2.5) == 2.0 and experiments.time_to(started, 2.0) == 16.0
+    # a's step 1 ended at wall 104 (4 s on its clock), b's at wall 108 (10 s on its clock, which began at wall 98): the cluster's
+    # first step is a's, at 4 s on a's clock and 6 s on b's; b joining late gains nothing
+    assert experiments.first_step({"a": {"time": 4.0, "wall": 104.0}, "b": {"time": 10.0, "wall": 108.0}}) == {"a": 4.0, "b": 6.0}
+    assert experiments.first_step({}) == {}
 
 
 def test_unknown_suites_are_refused(tmp_path):

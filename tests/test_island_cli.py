@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from cluster.runinfo import read_metrics
+
 TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--batch", "8"]
 
 
@@ -30,12 +32,44 @@ def test_standalone_trains_and_writes_metrics(tmp_path):
     assert len(corpus["sha256"]) == 64 and corpus["files"] > 100  # the file list's hash is logged, for comparable runs
 
 
+def test_traced_evaluations_measure_what_an_evaluation_at_the_step_would(tmp_path):
+    """--eval-trace evaluates copies of the parameters after training; the same run evaluating at
+    every step gives the same losses (a standalone island is deterministic)."""
+    inline, traced = tmp_path / "inline.jsonl", tmp_path / "traced.jsonl"
+    for metrics, flags in ((inline, ["--eval-every", "1"]), (traced, ["--eval-every", "100", "--eval-trace", "12"])):
+        run = dloco("island", "--standalone", "--max-steps", "12", "--metrics-out", str(metrics), *flags, *TINY)
+        assert run.returncode == 0, run.stderr
+    written = [json.loads(line) for line in traced.read_text().splitlines()]
+    assert [e["step"] for e in written if e.get("deferred")] == list(range(1, 12))  # step 12, the last, is evaluated in the loop
+    assert json.loads(run.stdout.strip().splitlines()[-1])["traced_evaluations"] == 11
+    expected = {e["step"]: e["eval_loss"] for e in read_metrics(inline)}
+    merged = read_metrics(traced)
+    assert [e["step"] for e in merged] == list(range(13))  # the deferred events are folded back onto their steps
+    assert {e["step"]: e["eval_loss"] for e in merged if "eval_loss" in e} == expected
+    assert [e["step"] for e in merged if e.get("eval_deferred")] == list(range(1, 12))
+    assert expected[11] < expected[1] - 0.5  # they measure training
+
+
+def test_read_metrics_places_each_deferred_evaluation_on_its_own_step(tmp_path):
+    """A restarted island counts steps from 1 again: step and wall time together name the step."""
+    path = tmp_path / "m.jsonl"
+    rows = [{"step": 0, "wall": 1.0, "eval_loss": 6.0}, {"step": 1, "wall": 2.0, "loss": 5.0}, {"step": 2, "wall": 3.0, "loss": 4.0},
+            {"step": 0, "wall": 9.0, "eval_loss": 5.5}, {"step": 1, "wall": 10.0, "loss": 4.5},
+            {"step": 1, "wall": 10.0, "eval_loss": 4.4, "deferred": True}, {"step": 1, "wall": 2.0, "eval_loss": 4.9, "deferred": True},
+            {"step": 7, "wall": 99.0, "eval_loss": 1.0, "deferred": True}]  # no such step: left out
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n{\"step\": 3, \"wa")  # and a line being written
+    merged = read_metrics(path)
+    assert [(e["step"], e["wall"], e.get("eval_loss")) for e in merged] == [(0, 1.0, 6.0), (1, 2.0, 4.9), (2, 3.0, None), (0, 9.0, 5.5), (1, 10.0, 4.4)]
+    assert [e.get("eval_deferred", False) for e in merged] == [False, True, False, False, True]
+
+
 @pytest.mark.parametrize("args,message", [
     (("island", "--standalone", "--width", "30", "--heads", "4"), "multiple of model.heads"),
     (("island", "--standalone", "--island-index", "3", "--islands", "2", *TINY), "--island-index"),
     (("island", "--standalone", "--corpus", "/nonexistent", *TINY), "does not exist"),
     (("island", *TINY), "needs --delta-endpoint"),
     (("island", "--standalone", "--max-steps", "0"), "positive integer"),
+    (("island", "--standalone", "--eval-trace", "-1", *TINY), "eval_trace must be an int >= 0"),
 ])
 def test_bad_arguments_are_clear_errors(args, message):
     run = dloco(*args)
