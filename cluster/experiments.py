@@ -65,10 +65,16 @@ def _faults(c: ClusterConfig) -> ClusterConfig:
     return dataclasses.replace(c, chaos=tuple(ChaosEvent(round(f * d, 1), action, target) for f, action, target in schedule))
 
 
+# Fewer bytes down: H = 96, and a fragment's snapshot on the bus at most once per round of its fastest
+# island (an island's base is then up to a round of folds behind: max_staleness 8).  See default.toml.
+LEAN = _both(_set("sync", interval=96), _set("merger", snapshot_every_round=1.0, max_staleness=8))
+
 SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
     "speedup": ("The three modes at the default profile's links (scaled like the seed's 2-5 Gbit/s for a 12B model, "
-                "see cluster/profiles/default.toml): time to a target loss, loss at equal tokens, utilisation, bytes per token.",
-                [("decoupled", _mode("decoupled")), ("sync-diloco", _mode("sync-diloco")), ("sync-dp", _mode("sync-dp"))]),
+                "see cluster/profiles/default.toml), and decoupled in its lean-downlink configuration (H = 96, a fragment's "
+                "snapshot at most once per round): time to a target loss, loss at equal tokens, utilisation, bytes per token.",
+                [("decoupled", _mode("decoupled")), ("decoupled-h96-held", _both(_mode("decoupled"), LEAN)),
+                 ("sync-diloco", _mode("sync-diloco")), ("sync-dp", _mode("sync-dp"))]),
     "heterogeneous": ("Four islands, two at half speed, against four at full speed, in decoupled and sync-diloco: "
                       "do the fast islands wait for the slow ones?",
                       [("decoupled-mixed", _mode("decoupled")), ("decoupled-uniform", _both(_mode("decoupled"), _homogeneous)),
@@ -110,7 +116,7 @@ DEFAULT_SECONDS = {"speedup": 300.0, "heterogeneous": 300.0, "faults": 300.0, "q
 # within 3 minutes on 2 cores (about 15 s of start-up per run on top of its seconds).
 QUICK_SECONDS = {"speedup": 35.0, "heterogeneous": 25.0, "faults": 65.0, "quantization": 35.0, "quantization-sync": 40.0, "adoption": 40.0,
                  "merging": 35.0, "downlink": 40.0}
-QUICK_RUNS = {"quantization": ("fp32", "int4", "int2"), "quantization-sync": ("fp32", "int4"), "adoption": ("rebase-uniform", "replace-uniform"),
+QUICK_RUNS = {"speedup": ("decoupled", "sync-diloco", "sync-dp"), "quantization": ("fp32", "int4", "int2"), "quantization-sync": ("fp32", "int4"), "adoption": ("rebase-uniform", "replace-uniform"),
               "merging": ("average-4-islands", "rda-4-islands", "delayed-nesterov-4-islands")}
 QUICK_MODEL = {"width": 32, "depth": 1, "heads": 2, "context": 32, "batch": 8}
 # Islands evaluate each of their first N steps after training (below eval_every, 50 and 20 in quick
@@ -185,7 +191,7 @@ def summarize(name: str, description: str, results: list[RunResult], command: st
     equal_tokens = min(max(e["tokens"] for e in events) for r in results for events in r.evals.values() if events)
     lines = [f"## `{name}`", "", description, "", f"Command: `{command}` ({seconds:.0f} s of wall clock for the suite, "
              f"{results[0].config.duration_s:.0f} s per run, {'/'.join(str(n) for n in sorted({len(r.config.regions) for r in results}))} islands).", "",
-             f"| run | global held-out loss (initial → final) | time to island loss ≤ {target:.3f} (from the first step) | island loss at {equal_tokens:,} tokens "
+             f"| run | global held-out loss (initial → final) | time to island loss ≤ {target:.3f} (from the cluster's first step) | island loss at {equal_tokens:,} tokens "
              "| compute utilisation per island | bytes on the wire per token | exit |", "|---|---|---|---|---|---|---|"]
     for r in results:
         reach = time_to(r, target)
@@ -193,10 +199,12 @@ def summarize(name: str, description: str, results: list[RunResult], command: st
         after = "n/a" if r.global_after is None else f"{r.global_after:.3f}"
         lines.append(f"| {r.label} | {r.global_before:.3f} → {after} | {'not reached' if reach is None else f'{reach:.1f} s'} "
                      f"| {loss_at_tokens(r, equal_tokens):.3f} | {utils} | {bytes_per_token(r):,.0f} | {r.exit_code} |")
-    base = {r.label: r for r in results}
-    if "decoupled" in base and "sync-dp" in base and time_to(base["decoupled"], target) and time_to(base["sync-dp"], target):
-        lines += ["", f"decoupled vs sync-dp: {time_to(base['sync-dp'], target) / time_to(base['decoupled'], target):.1f}x faster to the target; "
-                  f"{bytes_per_token(base['sync-dp']) / bytes_per_token(base['decoupled']):.0f}x fewer bytes per token."]
+    dp = next((r for r in results if r.label == "sync-dp"), None)
+    for r in results:
+        if dp is not None and r.label.startswith("decoupled") and time_to(r, target) and time_to(dp, target):
+            lines += ["", f"{r.label} vs sync-dp: {time_to(dp, target) / time_to(r, target):.1f}x faster to the target; "
+                      f"{bytes_per_token(dp) / bytes_per_token(r):.0f}x fewer bytes per token; "
+                      f"loss at equal tokens {100 * (loss_at_tokens(r, equal_tokens) / loss_at_tokens(dp, equal_tokens) - 1):+.1f} %."]
     for r in results:
         for row in r.chaos:
             rates = ", ".join(f"{n} {v['ratio']:.2f}" for n, v in row["others"].items() if v["ratio"] is not None) or "-"

@@ -125,16 +125,31 @@ class IslandLoop:
         due = [p for p in fragments.due_fragments(step, self.sync.fragments, self.sync.interval) if self.progress[p].steps > 0]
         if due:
             unfolded = dict(self.link.unfolded) if self.sync.blocking else {}  # before sending: a quick rejection counts
-            theta = self.trainer.params()
-            for fragment in due:
-                progress = self.progress[fragment]
-                current = {p: theta[p] for p in progress.anchor}
-                delta = fragments.pseudo_gradient(progress.anchor, current)
-                self.link.publish(fragment, progress.version, delta, progress.steps, progress.tokens)
-                # The next delta counts from here: what was just sent is never sent again.
-                self.progress[fragment] = FragmentProgress(current, progress.version)
+            self._send(due)
             if self.sync.blocking:
                 self._wait_for_fold({fragment: self.progress[fragment].version for fragment in due}, unfolded)
+
+    def flush(self) -> int:
+        """Leaving: send every fragment's unsent work (what the island trained since its last send
+        of it, up to H steps each), so that the global model keeps it.  A delta of fewer than H steps
+        weighs its share in the fold (merge.share_window), as any other.  Nothing is awaited here: the
+        caller drains the link.  Returns how many deltas were sent."""
+        if self.link is None:
+            return 0
+        self._adopt(self.link.snapshots())  # the work goes out on the newest global value, as a timely send would
+        unsent = [p for p, progress in enumerate(self.progress) if progress.steps > 0]
+        self._send(unsent)
+        return len(unsent)
+
+    def _send(self, due: list[int]) -> None:
+        theta = self.trainer.params()
+        for fragment in due:
+            progress = self.progress[fragment]
+            current = {p: theta[p] for p in progress.anchor}
+            delta = fragments.pseudo_gradient(progress.anchor, current)
+            self.link.publish(fragment, progress.version, delta, progress.steps, progress.tokens)
+            # The next delta counts from here: what was just sent is never sent again.
+            self.progress[fragment] = FragmentProgress(current, progress.version)
 
     def _adopt(self, arrived: list) -> None:
         """Take newer global fragments.  With adoption "rebase" (the default) the island's progress on

@@ -120,6 +120,7 @@ def run_island(args: argparse.Namespace) -> int:
             log.info("joined", versions=[p.version for p in loop.progress])
         summary = loop.run()
         if link is not None:
+            summary["flushed"] = loop.flush()
             if not link.drain(args.drain_timeout):
                 log.warning("drain_incomplete", deltas_sent=link.deltas_sent, settled=dict(link.results))
             summary.update(deltas_sent=link.deltas_sent, rebased=link.rebased, acks=dict(link.results), snapshots=dict(link.downlink_results))

@@ -48,6 +48,8 @@ def test_every_suite_builds_valid_cluster_files():
     for name, (_, runs, *_) in experiments.SUITES.items():
         configs = {label: transform(base) for label, transform in runs}  # ClusterConfig checks each (modes, chaos targets, codecs)
         assert len(configs) == len(runs) >= 2, name
+    lean = dict(experiments.SUITES["speedup"][1])["decoupled-h96-held"](base)
+    assert (lean.mode, lean.sync["interval"], lean.merger["snapshot_every_round"], lean.merger["max_staleness"]) == ("decoupled", 96, 1.0, 8)
     faults = dict(experiments.SUITES["faults"][1])["sync-diloco"](base)
     assert faults.mode == "sync-diloco" and [str(e) for e in faults.chaos] == [
         "kill:eu-older-hw@105", "restart:eu-older-hw@180", "kill:merger@225", "restart:merger@240"]

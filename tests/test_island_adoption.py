@@ -114,3 +114,23 @@ def test_rebase_puts_the_unsent_progress_on_the_newest_of_several_arrivals(corpu
     # an old version arriving late changes nothing
     loop._adopt([(fragment, 1, older)])
     assert all(np.array_equal(trainer.params()[p], after[p]) for p in paths)
+
+
+def test_a_leaving_island_sends_every_fragments_unsent_work_once(corpus_parts):
+    """P = 2, H = 8: fragment 0 goes out at step 4 (and would at 12), fragment 1 at step 8.  Stopping
+    after step 10, the flush sends fragment 0's 6 steps and fragment 1's 2, each from its last send."""
+    shard, evaluation = corpus_parts
+    trainer = Trainer(TINY, TRAIN)
+    link = ScriptedLink([0], at_step=10**9)
+    loop = IslandLoop(trainer, data.Batches(shard, 4, 32, 0, 0), evaluation, TRAIN, SyncConfig(fragments=2, interval=8),
+                      MetricsWriter(None), link=link)
+    loop.run(10)
+    assert [(f, steps) for f, _, _, steps, _ in link.published] == [(0, 4), (1, 8)]
+    anchors = {f: {p: v.copy() for p, v in loop.progress[f].anchor.items()} for f in (0, 1)}
+    theta = trainer.params()
+    assert loop.flush() == 2
+    assert [(f, steps, tokens) for f, _, _, steps, tokens in link.published[2:]] == [(0, 6, 6 * 4 * 32), (1, 2, 2 * 4 * 32)]
+    for fragment, _, delta, _, _ in link.published[2:]:
+        for p, v in delta.items():
+            np.testing.assert_array_equal(v, anchors[fragment][p] - theta[p])
+    assert loop.flush() == 0 and len(link.published) == 4  # nothing is sent twice
