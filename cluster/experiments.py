@@ -131,51 +131,62 @@ class RunResult:
     exit_code: int
     global_before: float | None
     global_after: float | None
-    evals: dict[str, list[dict]]  # island -> evaluation events (time, tokens, eval_loss)
+    evals: dict[str, list[dict]]  # island -> evaluation events (since_start: seconds from the cluster's first step, tokens, eval_loss)
     last: dict[str, dict]  # island -> last step event
     chaos: list[dict] = dataclasses.field(default_factory=list)  # cluster.chaos.effects rows
-    started: dict[str, float] = dataclasses.field(default_factory=dict)  # island -> the cluster's first training step, on its clock
 
 
 def _collect(label: str, config: ClusterConfig, run_dir: Path, code: int) -> RunResult:
     from cluster.report import global_eval
 
-    evals, last, ones = {}, {}, {}
-    for region in config.regions:
-        events = [e for e in read_metrics(run_dir / "metrics" / f"{region.name}.jsonl") if "step" in e]
-        evals[region.name] = [e for e in events if "eval_loss" in e and e["step"] > 0]
-        last[region.name] = events[-1] if events else {}
-        ones[region.name] = next((e for e in events if e["step"] == 1), None)
-    started = first_step({name: e for name, e in ones.items() if e is not None})
+    evals, last = read_islands([r.name for r in config.regions], run_dir)
     before, after = global_eval(config, run_dir)
-    return RunResult(label, config, code, before, after, evals, last, chaos_effects(run_dir, [r.name for r in config.regions]), started)
+    return RunResult(label, config, code, before, after, evals, last, chaos_effects(run_dir, [r.name for r in config.regions]))
 
 
-def first_step(ones: dict[str, dict]) -> dict[str, float]:
-    """When the cluster's first training step ended (the earliest of the islands' step-1 events
-    `ones`, by wall clock), on each island's own clock (its events' `time`).  Measuring from there,
-    not from each island's own first step, gives a late-joining island no head start: it joins a
-    model the others have trained."""
-    if not ones:
-        return {}
-    began = min(e["wall"] for e in ones.values())
-    return {name: began - (e["wall"] - e["time"]) for name, e in ones.items()}
+def read_islands(names: list[str], run_dir: Path) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+    """Each island's evaluations, on one clock (`since_start`: seconds since the cluster's first
+    training step), and its last step event (tokens and bytes summed over its lives)."""
+    lives = {name: _lives([e for e in read_metrics(run_dir / "metrics" / f"{name}.jsonl") if "step" in e]) for name in names}
+    began = min((e["wall"] for runs in lives.values() for life in runs for e in life if e["step"] == 1), default=None)
+    evals, last = {}, {}
+    for name, runs in lives.items():
+        evals[name] = [{**e, "since_start": e["wall"] - began, "life": i} for i, life in enumerate(runs) for e in life
+                       if "eval_loss" in e and e["step"] > 0] if began else []
+        ends = [life[-1] for life in runs if life]
+        # utilisation: the last life's; tokens and bytes: every life's (a restarted island counts from 0 again)
+        last[name] = {**ends[-1], **{k: sum(e.get(k, 0) for e in ends) for k in ("tokens", "bytes_sent", "bytes_received")}} if ends else {}
+    return evals, last
+
+
+def _lives(events: list[dict]) -> list[list[dict]]:
+    """An island's events split where it (re)started: each start writes a step-0 evaluation."""
+    lives: list[list[dict]] = []
+    for event in events:
+        if event["step"] == 0 or not lives:
+            lives.append([])
+        lives[-1].append(event)
+    return lives
 
 
 def time_to(result: RunResult, target: float) -> float | None:
-    """Seconds from the cluster's first training step to the first island evaluation at or below
-    `target`.  Start-up (JAX import, compilation, joining: ~10-15 s here) is left out: it is the
-    same in every mode and does not grow with the length of a run."""
-    times = [e["time"] - result.started.get(island, 0.0) for island, events in result.evals.items() for e in events if e["eval_loss"] <= target]
+    """Seconds from the cluster's first training step (the earliest island's step 1, by wall clock)
+    to the first island evaluation at or below `target` (`since_start`).  Start-up (JAX import,
+    compilation, joining: ~10-15 s here) is left out: it is the same in every mode and does not grow
+    with the length of a run.  One clock for every island: a late-joining or restarted island, which
+    starts from a model the others have trained, gets no head start."""
+    times = [e["since_start"] for events in result.evals.values() for e in events if e["eval_loss"] <= target]
     return min(times) if times else None
 
 
 def loss_at_tokens(result: RunResult, tokens: float) -> float:
-    """Mean over islands of the held-out loss at `tokens` (linear interpolation of their evaluations)."""
+    """Mean over islands of the held-out loss at `tokens` (linear interpolation of their evaluations;
+    a restarted island's first life only: its token count starts again from 0)."""
     values = []
     for events in result.evals.values():
-        if events:
-            xs, ys = [e["tokens"] for e in events], [e["eval_loss"] for e in events]
+        first = [e for e in events if e.get("life", 0) == 0]
+        if first:
+            xs, ys = [e["tokens"] for e in first], [e["eval_loss"] for e in first]
             values.append(float(np.interp(tokens, xs, ys)))
     return float(np.mean(values)) if values else float("nan")
 
@@ -223,7 +234,7 @@ def plot(name: str, results: list[RunResult], out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     made = []
-    for x_key, label in (("tokens", "tokens trained by the island"), ("time", "wall clock (s)")):
+    for x_key, label in (("tokens", "tokens trained by the island"), ("since_start", "seconds since the cluster's first step")):
         figure, axes = plt.subplots(figsize=(7, 4))
         for index, r in enumerate(results):
             color = f"C{index}"

@@ -136,7 +136,8 @@ class IslandLoop:
         caller drains the link.  Returns how many deltas were sent."""
         if self.link is None:
             return 0
-        self._adopt(self.link.snapshots())  # the work goes out on the newest global value, as a timely send would
+        if self.sync.adoption == "rebase":  # the work goes out on the newest global value ("replace" would drop it)
+            self._adopt(self.link.snapshots())
         unsent = [p for p, progress in enumerate(self.progress) if progress.steps > 0]
         self._send(unsent)
         return len(unsent)
@@ -176,21 +177,25 @@ class IslandLoop:
                 self.trainer.set_params(fragments.adopt(theta, tensors, self.sync.alpha))
                 self.progress[fragment] = FragmentProgress(anchor, version)
 
-    def evaluate_trace(self) -> int:
+    def evaluate_trace(self, budget_s: float = 30.0) -> int:
         """Evaluate the parameters copied after each of the first `train.eval_trace` steps, now that
         training is over.  An evaluation costs about two training steps here, so evaluating at every
         early step would slow the early steps it measures; the copy costs milliseconds.  The result
         is exactly what an evaluation at that step would have measured (tested), written as an event
         with that step's time and tokens and `deferred: true`.  The final parameters are restored.
-        Returns how many were evaluated."""
-        if not self.trace:
-            return 0
-        final = self.trainer.params()
+        Stops after `budget_s` seconds or when a stop is requested (the caller clears the first one):
+        a launcher waits for islands to exit.  Returns how many were evaluated."""
+        deadline, count = time.monotonic() + budget_s, 0
+        final = self.trainer.params() if self.trace else None
         for event, params in self.trace:
+            if self.stop_requested or time.monotonic() > deadline:
+                break
             self.trainer.set_params(params)
             self.metrics.write({**event, "eval_loss": self.trainer.evaluate(self.eval_batches), "deferred": True})
-        self.trainer.set_params(final)
-        count, self.trace = len(self.trace), []
+            count += 1
+        if final is not None:
+            self.trainer.set_params(final)
+        self.trace = []
         return count
 
     def _evaluate(self) -> float:

@@ -126,9 +126,10 @@ def run_island(args: argparse.Namespace) -> int:
             summary.update(deltas_sent=link.deltas_sent, rebased=link.rebased, acks=dict(link.results), snapshots=dict(link.downlink_results))
             link, closing = None, link
             closing.close()  # the merger has all it will get: evaluating the trace keeps no one waiting
-        if loop.trace:
+        if loop.trace:  # after training, within 30 s; a second SIGTERM or Ctrl-C cuts it short
             log.info("evaluating_trace", steps=len(loop.trace))
-            summary["traced_evaluations"] = loop.evaluate_trace()
+            loop.stop_requested = False
+            summary["traced_evaluations"] = loop.evaluate_trace(budget_s=30.0)
         metrics.close()
     except (DlocoError, ValueError, OSError) as error:
         print(f"dloco island: {error}", file=sys.stderr)

@@ -57,6 +57,7 @@ class NetworkLink:
         self.unfolded: collections.Counter[int] = collections.Counter()
         self._outbox: dict[int, tuple[int, dict[str, np.ndarray], int, int]] = {}
         self._order: collections.deque[int] = collections.deque()
+        self._in_flight = False  # the publisher has taken a delta off the outbox and not finished sending it
         self._arrived: collections.deque = collections.deque()
         self._residuals: dict[str, np.ndarray] = {}
         # fragment -> the merger's value as received (protocol/downlink.py): diff snapshots apply to it
@@ -116,7 +117,7 @@ class NetworkLink:
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while time.monotonic() < deadline:
-                if not self._order and self.results["folded"] + self.results["rejected"] + self.results["unknown"] >= self.deltas_sent:
+                if not self._order and not self._in_flight and self.results["folded"] + self.results["rejected"] + self.results["unknown"] >= self.deltas_sent:
                     return True
                 self._lock.wait(timeout=POLL_MS / 1000)
         return False
@@ -155,6 +156,7 @@ class NetworkLink:
                 if self._order:
                     fragment = self._order.popleft()
                     job = (fragment, *self._outbox.pop(fragment))
+                    self._in_flight = True
             if time.monotonic() >= next_heartbeat:  # tells receivers our last seq: tail loss shows up
                 pub.send_multipart(protocol.encode(protocol.Heartbeat(sender=self.name, epoch=self.epoch, seq=self.seq)))
                 next_heartbeat = time.monotonic() + HEARTBEAT_S
@@ -191,6 +193,7 @@ class NetworkLink:
                     if delta_id not in self._settled:
                         self._unsettled[delta_id] = [self.seq, first, None, None, fragment]
             with self._lock:
+                self._in_flight = False
                 self._lock.notify_all()
         pub.close(linger=0)
 

@@ -3,6 +3,8 @@ themselves are cluster runs (`dloco experiment NAME --quick`, minutes each), rec
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cluster import config, experiments
@@ -15,10 +17,10 @@ def result(label, evals, last, mode="decoupled"):
 
 
 def test_time_to_target_loss_at_equal_tokens_and_bytes_per_token():
-    fast = result("decoupled", {"a": [{"time": 10, "tokens": 100, "eval_loss": 3.0}, {"time": 20, "tokens": 300, "eval_loss": 2.0}],
-                                "b": [{"time": 12, "tokens": 100, "eval_loss": 2.5}]},
+    fast = result("decoupled", {"a": [{"since_start": 10, "tokens": 100, "eval_loss": 3.0}, {"since_start": 20, "tokens": 300, "eval_loss": 2.0}],
+                                "b": [{"since_start": 12, "tokens": 100, "eval_loss": 2.5}]},
                   {"a": {"tokens": 300, "bytes_sent": 600, "bytes_received": 300, "compute_util": 0.99}, "b": {"tokens": 100, "bytes_sent": 100}})
-    slow = result("sync-dp", {"a": [{"time": 50, "tokens": 100, "eval_loss": 3.5}, {"time": 90, "tokens": 200, "eval_loss": 2.4}]},
+    slow = result("sync-dp", {"a": [{"since_start": 50, "tokens": 100, "eval_loss": 3.5}, {"since_start": 90, "tokens": 200, "eval_loss": 2.4}]},
                   {"a": {"tokens": 200, "bytes_sent": 40_000, "bytes_received": 40_000, "compute_util": 0.3}}, "sync-dp")
     assert experiments.time_to(fast, 2.5) == 12 and experiments.time_to(slow, 2.5) == 90 and experiments.time_to(slow, 1.0) is None
     assert experiments.loss_at_tokens(fast, 200) == pytest.approx((2.5 + 2.5) / 2)  # a: halfway 3.0 -> 2.0; b: its only point
@@ -27,12 +29,32 @@ def test_time_to_target_loss_at_equal_tokens_and_bytes_per_token():
     # target: the worst run's best island evaluation (2.4), reached by decoupled at 20 s (a's 2.0), by sync-dp at 90 s
     assert "time to island loss ≤ 2.400" in text and "| 20.0 s |" in text and "| 90.0 s |" in text
     assert "4.5x faster to the target; 160x fewer bytes per token" in text
-    started = RunResult(**{**fast.__dict__, "started": {"a": 4.0, "b": 10.0}})  # time counts from the cluster's first step, on each clock
-    assert experiments.time_to(started, 2.5) == 2.0 and experiments.time_to(started, 2.0) == 16.0
-    # a's step 1 ended at wall 104 (4 s on its clock), b's at wall 108 (10 s on its clock, which began at wall 98): the cluster's
-    # first step is a's, at 4 s on a's clock and 6 s on b's; b joining late gains nothing
-    assert experiments.first_step({"a": {"time": 4.0, "wall": 104.0}, "b": {"time": 10.0, "wall": 108.0}}) == {"a": 4.0, "b": 6.0}
-    assert experiments.first_step({}) == {}
+
+
+def test_one_clock_for_every_island_and_a_restarted_islands_lives(tmp_path):
+    """Time to target counts from the cluster's first step by wall clock: an island that joins late
+    or is restarted (its own clock and token count start again) gets no head start; its tokens and
+    bytes are summed over its lives."""
+    import json
+
+    base = config.load()
+    two = dataclasses.replace(base, regions=base.regions[:2])
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    def line(step, time, wall, **extra):  # noqa: E306
+        return json.dumps({"step": step, "time": time, "wall": wall, "tokens": 100 * step, **extra})
+    a, b = two.regions[0].name, two.regions[1].name
+    (metrics / f"{a}.jsonl").write_text("\n".join([
+        line(0, 0.0, 100.0, eval_loss=6.0), line(1, 4.0, 104.0, bytes_sent=10, compute_util=0.9, eval_loss=5.0),
+        line(2, 5.0, 105.0, bytes_sent=20, compute_util=0.9, eval_loss=4.0)]) + "\n")
+    (metrics / f"{b}.jsonl").write_text("\n".join([  # joins late, killed, restarted at wall 200 from a trained model
+        line(0, 0.0, 98.0, eval_loss=6.0), line(1, 10.0, 108.0, bytes_sent=5, eval_loss=3.5),
+        line(0, 0.0, 200.0, eval_loss=2.5), line(1, 2.0, 202.0, bytes_sent=7, compute_util=0.5, eval_loss=2.0)]) + "\n")
+    evals, last = experiments.read_islands([a, b], tmp_path)
+    r = RunResult("decoupled", two, 0, 6.0, 2.0, evals, last)
+    assert experiments.time_to(r, 4.0) == 1.0 and experiments.time_to(r, 3.5) == 4.0 and experiments.time_to(r, 2.0) == 98.0
+    assert r.last[b]["tokens"] == 200 and r.last[b]["bytes_sent"] == 12 and r.last[b]["compute_util"] == 0.5
+    assert experiments.loss_at_tokens(r, 100) == pytest.approx((5.0 + 3.5) / 2)  # b's first life only
 
 
 def test_unknown_suites_are_refused(tmp_path):

@@ -76,6 +76,9 @@ def test_merger_and_two_islands_exchange_and_fold(tmp_path, downlink):
         assert summary["snapshots"].get("diff", 0) >= 10 and summary["snapshots"].get("mismatch", 0) == 0, summary
     folds = [json.loads(line) for line in open(tmp_path / "merger.log") if '"fold"' in line]
     assert {name for fold in folds for name in fold["contributors"]} == {"isl-0", "isl-1"}
+    # stopping after step 120, fragment 0 (sent at 5, 15, ..., 115) has 5 unsent steps: sent on leaving, and folded
+    assert all(summary["flushed"] == 1 for summary in summaries)
+    assert {name for fold in folds if fold["fragment"] == 0 for name, steps in zip(fold["contributors"], fold["steps"]) if steps == 5} == {"isl-0", "isl-1"}
     versions = [json.loads(line)["snapshot_version"] for line in open(tmp_path / "isl-0.jsonl") if '"snapshot_version"' in line]
     assert max(max(v) for v in versions) >= 2  # the island adopted fresh global snapshots while training
 

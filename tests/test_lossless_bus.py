@@ -19,6 +19,7 @@ import protocol
 from broker.sequencing import GapTracker
 from island.config import SyncConfig
 from island.network import NetworkLink
+from island.shaper import LinkShaper
 from tests.test_broker import BrokerProcess
 from tests.test_merger_process import free_ports
 
@@ -204,6 +205,27 @@ def test_a_lost_result_is_asked_for_again_and_the_drain_completes():
         assert not link.drain(1.0)  # admitted (cursor) but unsettled: no result yet
         assert link.drain(15.0), (link.results, link.probes)
         assert receiver.probed == [1] and link.probes == 1 and link.results["folded"] == 1
+    finally:
+        link.close()
+        receiver.close()
+
+
+def test_the_drain_waits_for_a_delta_still_on_its_way_out():
+    """A leaving island's last delta is taken off the outbox and is still crossing a slow uplink
+    (200 KiB at 1 Mbit/s, ~1.7 s): the drain is not complete until it is sent and settled — else
+    the link is closed under it and the island's last work is lost."""
+    data_port, control_port, cursor_port = free_ports(3)
+    receiver = SlowReceiver(f"@tcp://127.0.0.1:{data_port}", control_port, cursor_port, read_delay_s=0)
+    sync = SyncConfig(fragments=1, interval=1, codec="fp32", chunk_bytes=1024)
+    link = NetworkLink("island-a", "m", sync, f"tcp://127.0.0.1:{data_port}", f"tcp://127.0.0.1:{cursor_port}",
+                       f"tcp://127.0.0.1:{control_port}", uplink=LinkShaper.from_mbps(1.0))
+    try:
+        time.sleep(0.5)
+        link.publish(0, 0, DELTA, 1, 1)
+        wait_for(lambda: link.bytes_sent > 0, 10, "the delta did not start")  # off the outbox, on the wire
+        assert not link.drain(0.3) and link.deltas_sent == 0
+        assert link.drain(30.0), (link.results, link.deltas_sent)
+        assert link.deltas_sent == 1 and link.results["folded"] == 1 and len(receiver.delivered) == CHUNKS
     finally:
         link.close()
         receiver.close()
