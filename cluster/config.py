@@ -123,7 +123,7 @@ MODES = {
 }
 
 _SECTIONS = {"run": {"duration_s", "eval_every", "eval_early", "eval_trace", "seed", "mode"}, "model": {"width", "depth", "heads", "context", "batch"},
-             "sync": {"fragments", "interval", "codec", "adoption", "alpha", "error_feedback"},
+             "sync": {"fragments", "interval", "codec", "adoption", "alpha", "error_feedback", "flush_on_leave"},
              "merger": {"max_staleness", "quorum", "grace_cap_s", "outer", "outer_lr", "snapshot_codec", "merge", "quorum_timeout_s", "delay",
                         "snapshot_diff_codec", "snapshot_full_every", "share_window", "snapshot_every_round"}}
 

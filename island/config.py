@@ -74,6 +74,9 @@ class SyncConfig:
     send_hwm: int = 1000  # chunks queued per subscriber before PUB drops (recovered by resend)
     blocking: bool = False  # synchronous baselines: after sending a delta, wait for the fold that includes it
     settle_timeout_s: float = 60.0  # stop asking for the result of a delta after this (the merger does not know it)
+    # Leaving, send every fragment's unsent work.  Off by default: each arrives as a fold of its own,
+    # and with a momentum outer optimizer a burst of small folds overshoots (EXPERIMENTS.md, speedup).
+    flush_on_leave: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.fragments, int) and self.fragments >= 1, f"sync.fragments must be a positive int, got {self.fragments!r}")
@@ -81,6 +84,7 @@ class SyncConfig:
                  f"sync.interval (H={self.interval}) must be an int >= sync.fragments (P={self.fragments})")
         _require(self.codec in CODEC_NAMES, f"sync.codec must be one of {CODEC_NAMES}, got {self.codec!r}")
         _require(self.adoption in ADOPTIONS, f"sync.adoption must be one of {ADOPTIONS}, got {self.adoption!r}")
+        _require(type(self.flush_on_leave) is bool, f"sync.flush_on_leave must be true or false, got {self.flush_on_leave!r}")
         _require(0 <= self.alpha < 1, f"sync.alpha must be in [0, 1), got {self.alpha}")
         _require(self.alpha == 0 or self.adoption == "replace", f"sync.alpha ({self.alpha}) blends only with sync.adoption 'replace'")
         _require(self.settle_timeout_s > 0, f"sync.settle_timeout_s must be > 0, got {self.settle_timeout_s}")

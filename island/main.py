@@ -50,6 +50,9 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
                               "replace overwrites it")
     network.add_argument("--alpha", type=float, default=0.0, help="with --adoption replace: theta <- alpha*theta + (1-alpha)*global")
     network.add_argument("--error-feedback", action="store_true")
+    network.add_argument("--flush-on-leave", action="store_true",
+                         help="when stopping, send every fragment's unsent work (up to H steps each) before draining; off by default: "
+                              "with a momentum outer optimizer the burst of small folds made the global model worse (EXPERIMENTS.md)")
     network.add_argument("--blocking", action="store_true", help="synchronous baselines: after each send, wait for the fold that includes it")
     network.add_argument("--uplink-mbps", type=float, default=None, help="emulated uplink rate (default unlimited)")
     network.add_argument("--downlink-mbps", type=float, default=None, help="emulated downlink rate (default unlimited)")
@@ -98,7 +101,7 @@ def run_island(args: argparse.Namespace) -> int:
             return 0
         log.info("model", params=sum(v.size for v in trainer.params().values()), devices=[str(d) for d in trainer.devices])
         sync = SyncConfig(fragments=args.fragments, interval=args.interval, codec=args.codec, adoption=args.adoption, alpha=args.alpha,
-                          error_feedback=args.error_feedback,
+                          error_feedback=args.error_feedback, flush_on_leave=args.flush_on_leave,
                           blocking=args.blocking)
         if not args.standalone:
             if not (args.delta_endpoint and args.snapshot_endpoint and args.control_endpoint):
@@ -120,7 +123,8 @@ def run_island(args: argparse.Namespace) -> int:
             log.info("joined", versions=[p.version for p in loop.progress])
         summary = loop.run()
         if link is not None:
-            summary["flushed"] = loop.flush()
+            if sync.flush_on_leave:
+                summary["flushed"] = loop.flush()
             if not link.drain(args.drain_timeout):
                 log.warning("drain_incomplete", deltas_sent=link.deltas_sent, settled=dict(link.results))
             summary.update(deltas_sent=link.deltas_sent, rebased=link.rebased, acks=dict(link.results), snapshots=dict(link.downlink_results))

@@ -29,9 +29,21 @@ def test_cluster_files_are_checked(tmp_path):
                           ("[merger]\nsnapshot_codec = 'int8'\nsnapshot_diff_codec = 'none'\n[[regions]]\nname = 'a'\n", "needs merger.snapshot_diff_codec"),
                           ("[merger]\nsnapshot_every_round = 'often'\n[[regions]]\nname = 'a'\n", "merger.snapshot_every_round"),
                           ("[run]\neval_trace = -1\n[[regions]]\nname = 'a'\n", "run.eval_trace"),
+                          ("[sync]\nflush_on_leave = 'yes'\n[[regions]]\nname = 'a'\n", "sync.flush_on_leave"),
                           ("[run]\neval_trace = 4.5\n[[regions]]\nname = 'a'\n", "run.eval_trace")):
         bad.write_text(text)
         with pytest.raises(ConfigError, match=message):
             config.load(bad)
     with pytest.raises(ConfigError, match="duration_s"):
         default.with_duration(-1)
+
+
+def test_flush_on_leave_and_eval_trace_reach_the_islands(tmp_path):
+    from cluster import topology
+
+    path = tmp_path / "c.toml"
+    path.write_text("[run]\neval_trace = 12\n[sync]\nflush_on_leave = true\n[[regions]]\nname = 'a'\n")
+    command = [str(a) for a in topology.commands(config.load(path), topology.Addresses(("1", "2", "3", "4"), "5"), str(tmp_path))["a"]]
+    assert "--flush-on-leave" in command and command[command.index("--eval-trace") + 1] == "12"
+    default = [str(a) for a in topology.commands(config.load(), topology.Addresses(("1", "2", "3", "4"), "5"), str(tmp_path))["us-east"]]
+    assert "--flush-on-leave" not in default and "--eval-trace" not in default

@@ -60,7 +60,7 @@ def test_merger_and_two_islands_exchange_and_fold(tmp_path, downlink):
         for i in range(2):
             islands.append(subprocess.Popen(
                 [sys.executable, "-m", "cluster.cli", "island", "--name", f"isl-{i}", "--island-index", str(i), "--islands", "2", *TINY,
-                 "--max-steps", "120", "--eval-every", "60", "--fragments", "2", "--interval", "10",
+                 "--max-steps", "120", "--eval-every", "60", "--fragments", "2", "--interval", "10", *(["--flush-on-leave"] if i == 0 else []),
                  "--delta-endpoint", f"tcp://127.0.0.1:{ports[0]}", "--snapshot-endpoint", f"tcp://127.0.0.1:{ports[1]}",
                  "--control-endpoint", f"tcp://127.0.0.1:{ports[2]}", "--metrics-out", str(tmp_path / f"isl-{i}.jsonl"), "--insecure"],
                 stdout=subprocess.PIPE, stderr=open(tmp_path / f"isl-{i}.err", "wb")))
@@ -76,9 +76,11 @@ def test_merger_and_two_islands_exchange_and_fold(tmp_path, downlink):
         assert summary["snapshots"].get("diff", 0) >= 10 and summary["snapshots"].get("mismatch", 0) == 0, summary
     folds = [json.loads(line) for line in open(tmp_path / "merger.log") if '"fold"' in line]
     assert {name for fold in folds for name in fold["contributors"]} == {"isl-0", "isl-1"}
-    # stopping after step 120, fragment 0 (sent at 5, 15, ..., 115) has 5 unsent steps: sent on leaving, and folded
-    assert all(summary["flushed"] == 1 for summary in summaries)
-    assert {name for fold in folds if fold["fragment"] == 0 for name, steps in zip(fold["contributors"], fold["steps"]) if steps == 5} == {"isl-0", "isl-1"}
+    # stopping after step 120, fragment 0 (sent at 5, 15, ..., 115) has 5 unsent steps: with --flush-on-leave (isl-0) they are
+    # sent on leaving, and folded; without (isl-1, the default) they stay with the island
+    assert summaries[0]["flushed"] == 1 and "flushed" not in summaries[1]
+    last = {name: steps for fold in folds if fold["fragment"] == 0 for name, steps in zip(fold["contributors"], fold["steps"])}
+    assert last == {"isl-0": 5, "isl-1": 10}  # each island's last delta of fragment 0 (its first, at step 5, has 5 steps too)
     versions = [json.loads(line)["snapshot_version"] for line in open(tmp_path / "isl-0.jsonl") if '"snapshot_version"' in line]
     assert max(max(v) for v in versions) >= 2  # the island adopted fresh global snapshots while training
 
