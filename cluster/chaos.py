@@ -73,7 +73,9 @@ def effects(executed: list[dict], steps: dict[str, list[float]], joins: dict[str
 
     steps: per island, the wall time of every training step; joins: per island, when a process of it
     joined (got the merger's model); folds: (wall time, contributors) of every fold.
-    The "after" window ends early at the next event, so two faults are not mixed up."""
+    The "after" window ends early at the next event, so two faults are not mixed up.  A kill that is
+    followed by a restart of the same process also gets `during_absence`: each other island's steps
+    over the whole absence / its steps over as long a stretch just before the kill (None without any)."""
     rows = []
     ordered = sorted(executed, key=lambda e: e["wall"])
     for index, event in enumerate(ordered):
@@ -90,6 +92,12 @@ def effects(executed: list[dict], steps: dict[str, list[float]], joins: dict[str
         row = {**event, "others": rates, "window_s": (t - before_start, after_end - t),
                "folds_before": sum(before_start <= w < t for w, _ in folds), "folds_after": sum(t <= w < after_end for w, _ in folds),
                "contributors_after": sorted({c for w, cs in folds if t <= w < after_end for c in cs})}
+        back = next((e["wall"] for e in ordered[index + 1:] if e["target"] == event["target"] and e["action"] == "restart"), None)
+        if event["action"] == "kill" and back is not None:  # the whole absence against as long a stretch just before it
+            length = back - t
+            row["absence_s"] = length
+            row["during_absence"] = {island: _count(times, t, back) / _count(times, t - length, t) if _count(times, t - length, t) else None
+                                     for island, times in steps.items() if island != event["target"]}
         if event["action"] == "restart":
             if event["target"] in steps:  # an island: when did it rejoin, and when was its first delta folded?
                 rejoined = [w for w in joins.get(event["target"], []) if w >= t]

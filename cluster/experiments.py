@@ -6,7 +6,8 @@ Each suite is a list of (label, cluster-file transform).  Every run is a plain `
 - held-out loss of the merger's final global model;
 - time to a target held-out loss (the target: the worst run's best island evaluation, so every
   run reaches it), from the islands' evaluations: every one of the first EVAL_TRACE steps
-  (evaluated after training, from copies of the parameters), then every eval_every;
+  (evaluated after training, from copies of the parameters; UNTRACED suites: steps 1, 2, 4, ...),
+  then every eval_every;
 - the islands' held-out loss at equal tokens (the fewest tokens any run's islands reached);
 - compute utilisation per island and bytes on the wire per trained token.
 `--quick` runs the tiny model, shorter, and only the runs of a suite whose direction shows within
@@ -28,7 +29,7 @@ import numpy as np
 from cluster import config as cluster_config
 from cluster.chaos import ChaosEvent
 from cluster.config import ClusterConfig
-from cluster.runinfo import chaos_effects, read_metrics
+from cluster.runinfo import chaos_effects, last_step, lives, read_metrics
 from protocol.errors import ConfigError
 
 Transform = Callable[[ClusterConfig], ClusterConfig]
@@ -120,8 +121,11 @@ QUICK_RUNS = {"speedup": ("decoupled", "sync-diloco", "sync-dp"), "quantization"
               "merging": ("average-4-islands", "rda-4-islands", "delayed-nesterov-4-islands")}
 QUICK_MODEL = {"width": 32, "depth": 1, "heads": 2, "context": 32, "batch": 8}
 # Islands evaluate each of their first N steps after training (below eval_every, 50 and 20 in quick
-# runs): ~0.27 s per evaluation of the default model, ~13 s per island at the end of a run.
+# runs): 47-50 s at the end of a default run (four islands on two cores).  Suites of many runs,
+# whose bars are not times, evaluate at steps 1, 2, 4, ... 32 in the loop instead, to stay within 30
+# minutes (quantization: 10 runs, merging: 6).
 EVAL_TRACE, QUICK_EVAL_TRACE = 48, 19
+UNTRACED = {"quantization", "merging"}
 
 
 @dataclasses.dataclass
@@ -147,26 +151,14 @@ def _collect(label: str, config: ClusterConfig, run_dir: Path, code: int) -> Run
 def read_islands(names: list[str], run_dir: Path) -> tuple[dict[str, list[dict]], dict[str, dict]]:
     """Each island's evaluations, on one clock (`since_start`: seconds since the cluster's first
     training step), and its last step event (tokens and bytes summed over its lives)."""
-    lives = {name: _lives([e for e in read_metrics(run_dir / "metrics" / f"{name}.jsonl") if "step" in e]) for name in names}
-    began = min((e["wall"] for runs in lives.values() for life in runs for e in life if e["step"] == 1), default=None)
+    by_island = {name: lives([e for e in read_metrics(run_dir / "metrics" / f"{name}.jsonl") if "step" in e]) for name in names}
+    began = min((e["wall"] for runs in by_island.values() for life in runs for e in life if e["step"] == 1), default=None)
     evals, last = {}, {}
-    for name, runs in lives.items():
+    for name, runs in by_island.items():
         evals[name] = [{**e, "since_start": e["wall"] - began, "life": i} for i, life in enumerate(runs) for e in life
                        if "eval_loss" in e and e["step"] > 0] if began else []
-        ends = [life[-1] for life in runs if life]
-        # utilisation: the last life's; tokens and bytes: every life's (a restarted island counts from 0 again)
-        last[name] = {**ends[-1], **{k: sum(e.get(k, 0) for e in ends) for k in ("tokens", "bytes_sent", "bytes_received")}} if ends else {}
+        last[name] = last_step(runs)
     return evals, last
-
-
-def _lives(events: list[dict]) -> list[list[dict]]:
-    """An island's events split where it (re)started: each start writes a step-0 evaluation."""
-    lives: list[list[dict]] = []
-    for event in events:
-        if event["step"] == 0 or not lives:
-            lives.append([])
-        lives[-1].append(event)
-    return lives
 
 
 def time_to(result: RunResult, target: float) -> float | None:
@@ -179,12 +171,16 @@ def time_to(result: RunResult, target: float) -> float | None:
     return min(times) if times else None
 
 
+def _first_life(events: list[dict]) -> list[dict]:
+    return [e for e in events if e.get("life", 0) == 0]
+
+
 def loss_at_tokens(result: RunResult, tokens: float) -> float:
     """Mean over islands of the held-out loss at `tokens` (linear interpolation of their evaluations;
     a restarted island's first life only: its token count starts again from 0)."""
     values = []
     for events in result.evals.values():
-        first = [e for e in events if e.get("life", 0) == 0]
+        first = _first_life(events)
         if first:
             xs, ys = [e["tokens"] for e in first], [e["eval_loss"] for e in first]
             values.append(float(np.interp(tokens, xs, ys)))
@@ -199,7 +195,7 @@ def bytes_per_token(result: RunResult) -> float:
 
 def summarize(name: str, description: str, results: list[RunResult], command: str, seconds: float) -> str:
     target = max(min(e["eval_loss"] for events in r.evals.values() for e in events) for r in results if any(r.evals.values()))
-    equal_tokens = min(max(e["tokens"] for e in events) for r in results for events in r.evals.values() if events)
+    equal_tokens = min(max(e["tokens"] for e in first) for r in results for events in r.evals.values() if (first := _first_life(events)))
     lines = [f"## `{name}`", "", description, "", f"Command: `{command}` ({seconds:.0f} s of wall clock for the suite, "
              f"{results[0].config.duration_s:.0f} s per run, {'/'.join(str(n) for n in sorted({len(r.config.regions) for r in results}))} islands).", "",
              f"| run | global held-out loss (initial → final) | time to island loss ≤ {target:.3f} (from the cluster's first step) | island loss at {equal_tokens:,} tokens "
@@ -220,6 +216,9 @@ def summarize(name: str, description: str, results: list[RunResult], command: st
         for row in r.chaos:
             rates = ", ".join(f"{n} {v['ratio']:.2f}" for n, v in row["others"].items() if v["ratio"] is not None) or "-"
             extra = f"; next fold after {row['first_fold_s']:.1f} s" if row.get("first_fold_s") is not None else ""
+            if row.get("during_absence"):
+                extra += (f"; over its whole {row['absence_s']:.0f} s absence vs as long before: "
+                          + ", ".join(f"{n} {v:.2f}" for n, v in row["during_absence"].items() if v is not None))
             lines.append(f"- {r.label}, {row['action']} {row['target']} at {row['at_s']:.0f} s: other islands' step rate after/before {rates}; "
                          f"folds {row['folds_before']} before / {row['folds_after']} after{extra}")
     lines += ["", f"![{name}: loss vs tokens](experiments/{name}_loss_vs_tokens.png) ![{name}: loss vs time](experiments/{name}_loss_vs_time.png)", ""]
@@ -238,10 +237,9 @@ def plot(name: str, results: list[RunResult], out_dir: Path) -> list[Path]:
         figure, axes = plt.subplots(figsize=(7, 4))
         for index, r in enumerate(results):
             color = f"C{index}"
-            for i, events in enumerate(r.evals.values()):
-                if events:
-                    axes.plot([e[x_key] for e in events], [e["eval_loss"] for e in events], color=color, alpha=0.8,
-                              label=r.label if i == 0 else None)
+            segments = [[e for e in events if e.get("life", 0) == life] for events in r.evals.values() for life in sorted({e.get("life", 0) for e in events})]
+            for i, segment in enumerate(segments):  # one line per island and life (a restarted island's tokens start at 0 again)
+                axes.plot([e[x_key] for e in segment], [e["eval_loss"] for e in segment], color=color, alpha=0.8, label=r.label if i == 0 else None)
         axes.set_xlabel(label)
         axes.set_ylabel("island held-out loss (nats/byte)")
         axes.set_title(f"{name}: one line per island, one colour per run")
@@ -279,9 +277,10 @@ def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path |
     base = dataclasses.replace(base, duration_s=seconds or (QUICK_SECONDS[name] if quick else DEFAULT_SECONDS[name]), chaos=())
     # The held-out loss at every early step, evaluated after training (island --eval-trace): time to
     # a target crossed early is then measured to the step, and no evaluation slows the steps it measures.
-    base = dataclasses.replace(base, eval_trace=EVAL_TRACE)
+    untraced = name in UNTRACED
+    base = dataclasses.replace(base, eval_trace=0 if untraced else EVAL_TRACE, eval_early=untraced)
     if quick:
-        base = dataclasses.replace(base, model={**base.model, **QUICK_MODEL}, eval_every=20, eval_trace=QUICK_EVAL_TRACE)
+        base = dataclasses.replace(base, model={**base.model, **QUICK_MODEL}, eval_every=20, eval_trace=0 if untraced else QUICK_EVAL_TRACE)
         runs = [(label, transform) for label, transform in runs if label in QUICK_RUNS.get(name, (label,))]
     started, results = time.monotonic(), []
     for index, (label, transform) in enumerate(runs, 1):

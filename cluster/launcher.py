@@ -29,7 +29,7 @@ from cluster.liveview import LiveView
 from cluster.ports import free_ports
 from protocol.errors import DlocoError
 
-STOP_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 120.0  # an island drains (10 s), then may evaluate its --eval-trace (up to 90 s)
 
 
 class LaunchError(DlocoError):

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster.config import ClusterConfig
-from cluster.runinfo import chaos_effects, merger_folds, read_metrics
+from cluster.runinfo import chaos_effects, last_step, lives, merger_folds, read_metrics
 
 
 def global_eval(config: ClusterConfig, run_dir: Path) -> tuple[float | None, float | None]:
@@ -106,7 +106,7 @@ def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for region in config.regions:
         events = [e for e in metrics[region.name] if "step" in e]
-        last = events[-1] if events else {}
+        last = last_step(lives(events))  # a restarted island: its last life's step and rate, every life's tokens and bytes
         evals = [e["eval_loss"] for e in events if "eval_loss" in e]
         seconds = last.get("time", 0) or float("nan")
         lines.append(f"| {region.name} | {region.slowdown} | {region.uplink_mbps or '∞'}/{region.downlink_mbps or '∞'}, {region.rtt_ms:.0f} ms "

@@ -31,6 +31,23 @@ def read_metrics(path: Path) -> list[dict]:
     return [e for e in events if not e.get("deferred")]
 
 
+def lives(events: list[dict]) -> list[list[dict]]:
+    """An island's step events split where it (re)started: each start writes a step-0 evaluation."""
+    split: list[list[dict]] = []
+    for event in events:
+        if event.get("step") == 0 or not split:
+            split.append([])
+        split[-1].append(event)
+    return split
+
+
+def last_step(split: list[list[dict]]) -> dict:
+    """An island's last step event (its last life's: step, rate, utilisation) with tokens and bytes
+    summed over its lives (a restarted island counts from 0 again)."""
+    ends = [life[-1] for life in split if life]
+    return {**ends[-1], **{k: sum(e.get(k, 0) for e in ends) for k in ("tokens", "bytes_sent", "bytes_received")}} if ends else {}
+
+
 def last_events(path: Path, tail_bytes: int = 16384) -> list[dict]:
     """The complete JSON lines among the last `tail_bytes` of a file (cheap for a live view)."""
     if not path.exists():

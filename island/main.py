@@ -10,6 +10,10 @@ from pathlib import Path
 
 from island.config import ADOPTIONS
 
+# --eval-trace after training: 48 evaluations took 47-50 s with four islands on two cores; a
+# launcher waits 120 s for a stopped island (cluster/launcher.py STOP_TIMEOUT_S).
+TRACE_BUDGET_S = 90.0
+
 
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     island = commands.add_parser("island", help="run an island: train on its shard and exchange fragments")
@@ -115,8 +119,9 @@ def run_island(args: argparse.Namespace) -> int:
         loop = IslandLoop(trainer, data.Batches(shards[args.island_index], args.batch, args.context, args.seed, args.island_index),
                           data.eval_batches(evaluation, args.batch, args.context, args.eval_batches), train, sync, metrics,
                           link=link, slowdown=args.slowdown, log=log)
+        signals = []
         for sig in (signal.SIGTERM, signal.SIGINT):  # stop after the current step, then drain and exit 0
-            signal.signal(sig, lambda *_: setattr(loop, "stop_requested", True))
+            signal.signal(sig, lambda *_: (signals.append(True), setattr(loop, "stop_requested", True)))
         loop.stop_requested = bool(early_stop)
         if link is not None:
             loop.join(args.join_timeout)
@@ -130,10 +135,10 @@ def run_island(args: argparse.Namespace) -> int:
             summary.update(deltas_sent=link.deltas_sent, rebased=link.rebased, acks=dict(link.results), snapshots=dict(link.downlink_results))
             link, closing = None, link
             closing.close()  # the merger has all it will get: evaluating the trace keeps no one waiting
-        if loop.trace:  # after training, within 30 s; a second SIGTERM or Ctrl-C cuts it short
+        if loop.trace and len(signals) <= 1:  # after training, within TRACE_BUDGET_S; a second SIGTERM or Ctrl-C skips or cuts it
             log.info("evaluating_trace", steps=len(loop.trace))
             loop.stop_requested = False
-            summary["traced_evaluations"] = loop.evaluate_trace(budget_s=30.0)
+            summary["traced_evaluations"] = loop.evaluate_trace(budget_s=TRACE_BUDGET_S)
         metrics.close()
     except (DlocoError, ValueError, OSError) as error:
         print(f"dloco island: {error}", file=sys.stderr)

@@ -49,6 +49,9 @@ def test_effects_compare_rates_and_folds_around_each_event():
     assert kill["others"]["b"] == {"before": 2.0, "after": 2.0, "ratio": 1.0}
     assert kill["others"]["c"] == {"before": 1.0, "after": 0.5, "ratio": 0.5}
     assert "a" not in kill["others"]
+    # the whole absence, [100, 120), against [80, 100): b 40 steps in each, c 10 against 20
+    assert kill["absence_s"] == 20.0 and kill["during_absence"] == {"b": 1.0, "c": 0.5}
+    assert "during_absence" not in restart
     assert (kill["folds_before"], kill["folds_after"], kill["contributors_after"]) == (2, 1, ["b", "c"])
     # restart at 120: before window starts at the kill (100) only if closer than 10 s: [110, 120); after [120, 130)
     assert restart["window_s"] == (10.0, 10.0)
