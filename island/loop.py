@@ -177,7 +177,7 @@ class IslandLoop:
                 self.trainer.set_params(fragments.adopt(theta, tensors, self.sync.alpha))
                 self.progress[fragment] = FragmentProgress(anchor, version)
 
-    def evaluate_trace(self, budget_s: float = 30.0) -> int:
+    def evaluate_trace(self, budget_s: float) -> int:
         """Evaluate the parameters copied after each of the first `train.eval_trace` steps, now that
         training is over.  An evaluation costs about two training steps here, so evaluating at every
         early step would slow the early steps it measures; the copy costs milliseconds.  The result
