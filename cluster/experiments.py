@@ -3,7 +3,10 @@ written up as Markdown (ready for EXPERIMENTS.md) with PNG plots.
 
 Each suite is a list of (label, cluster-file transform).  Every run is a plain `dloco up` into
 `OUT/<label>/` (its own report.md there); the suite then compares them:
-- held-out loss of the merger's final global model;
+- held-out loss of the merger's final global model, and of the merger's model when the whole
+  cluster had trained the suite's equal cluster tokens (the fewest any run trained: the same
+  compute in every run) and at GLOBAL_POINTS moments of each run (rebuilt by replaying the
+  merger's log, cluster/globalmodel.py; the `_global.png` plot);
 - time to a target held-out loss (the target: the worst run's best island evaluation, so every
   run reaches it), from the islands' evaluations: every one of the first EVAL_TRACE steps
   (evaluated after training, from copies of the parameters; UNTRACED suites: steps 1, 2, 4, ...),
@@ -125,6 +128,9 @@ QUICK_MODEL = {"width": 32, "depth": 1, "heads": 2, "context": 32, "batch": 8}
 # whose bars are not times, evaluate at steps 1, 2, 4, ... 32 in the loop instead, to stay within 30
 # minutes (quantization: 10 runs, merging: 6).
 EVAL_TRACE, QUICK_EVAL_TRACE = 48, 19
+# The merger's model is evaluated at this many moments of each run, and at equal cluster tokens
+# (measure_global: one replay of the merger's log and ~1 s per evaluation, after the runs).
+GLOBAL_POINTS = 6
 UNTRACED = {"quantization", "merging"}
 
 
@@ -138,6 +144,9 @@ class RunResult:
     evals: dict[str, list[dict]]  # island -> evaluation events (since_start: seconds from the cluster's first step, tokens, eval_loss)
     last: dict[str, dict]  # island -> last step event
     chaos: list[dict] = dataclasses.field(default_factory=list)  # cluster.chaos.effects rows
+    run_dir: Path | None = None
+    global_curve: list[dict] = dataclasses.field(default_factory=list)  # the merger's model: since_start, cluster_tokens, eval_loss
+    global_equal: float | None = None  # the merger's model when the cluster had trained the suite's equal cluster tokens
 
 
 def _collect(label: str, config: ClusterConfig, run_dir: Path, code: int) -> RunResult:
@@ -145,7 +154,39 @@ def _collect(label: str, config: ClusterConfig, run_dir: Path, code: int) -> Run
 
     evals, last = read_islands([r.name for r in config.regions], run_dir)
     before, after = global_eval(config, run_dir)
-    return RunResult(label, config, code, before, after, evals, last, chaos_effects(run_dir, [r.name for r in config.regions]))
+    return RunResult(label, config, code, before, after, evals, last, chaos_effects(run_dir, [r.name for r in config.regions]), run_dir)
+
+
+def cluster_tokens(result: RunResult) -> int:
+    """Tokens the whole cluster trained in the run (every island, every life)."""
+    return sum(e.get("tokens", 0) for e in result.last.values())
+
+
+def measure_global(results: list[RunResult], points: int = GLOBAL_POINTS) -> int:
+    """The merger's model during each run, rebuilt from its log: at `points` evenly spaced moments
+    from the cluster's first step to its last, and when the cluster had trained the suite's equal
+    cluster tokens (the fewest any run trained, which is therefore the same compute in every run).
+    Fills each result's global_curve and global_equal; returns the equal cluster tokens."""
+    from cluster.globalmodel import Evaluator, cluster_tokens as tokens_at, states_at, when_cluster_reached
+
+    equal = min(cluster_tokens(r) for r in results)
+    for r in results:
+        if r.run_dir is None or not (r.run_dir / "merger").exists():
+            continue
+        steps = {name: lives([e for e in read_metrics(r.run_dir / "metrics" / f"{name}.jsonl") if "step" in e and "wall" in e])
+                 for name in r.last}
+        walls = sorted(e["wall"] for runs in steps.values() for life in runs for e in life if e["step"] > 0)
+        if not walls:
+            continue
+        began, ended = walls[0], walls[-1]
+        moments = [began + (ended - began) * k / points for k in range(1, points + 1)]
+        reached = when_cluster_reached(steps, equal)
+        evaluator = Evaluator(r.config, r.run_dir)
+        params = states_at(r.run_dir, moments + [reached if reached is not None else ended])
+        r.global_curve = [{"since_start": at - began, "cluster_tokens": tokens_at(steps, at), "eval_loss": evaluator.loss(p)}
+                          for at, p in zip(moments, params) if p is not None]
+        r.global_equal = evaluator.loss(params[-1]) if reached is not None and params[-1] is not None else None
+    return equal
 
 
 def read_islands(names: list[str], run_dir: Path) -> tuple[dict[str, list[dict]], dict[str, dict]]:
@@ -198,13 +239,14 @@ def summarize(name: str, description: str, results: list[RunResult], command: st
     equal_tokens = min(max(e["tokens"] for e in first) for r in results for events in r.evals.values() if (first := _first_life(events)))
     lines = [f"## `{name}`", "", description, "", f"Command: `{command}` ({seconds:.0f} s of wall clock for the suite, "
              f"{results[0].config.duration_s:.0f} s per run, {'/'.join(str(n) for n in sorted({len(r.config.regions) for r in results}))} islands).", "",
-             f"| run | global held-out loss (initial → final) | time to island loss ≤ {target:.3f} (from the cluster's first step) | island loss at {equal_tokens:,} tokens "
-             "| compute utilisation per island | bytes on the wire per token | exit |", "|---|---|---|---|---|---|---|"]
+             f"| run | global held-out loss (initial → final) | global loss at {min(cluster_tokens(r) for r in results):,} cluster tokens | time to island loss ≤ {target:.3f} (from the cluster's first step) | island loss at {equal_tokens:,} tokens "
+             "| compute utilisation per island | bytes on the wire per token | exit |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         reach = time_to(r, target)
         utils = ", ".join(f"{name} {e.get('compute_util', float('nan')):.2f}" for name, e in r.last.items())
         after = "n/a" if r.global_after is None else f"{r.global_after:.3f}"
-        lines.append(f"| {r.label} | {r.global_before:.3f} → {after} | {'not reached' if reach is None else f'{reach:.1f} s'} "
+        at_equal = "n/a" if r.global_equal is None else f"{r.global_equal:.3f}"
+        lines.append(f"| {r.label} | {r.global_before:.3f} → {after} | {at_equal} | {'not reached' if reach is None else f'{reach:.1f} s'} "
                      f"| {loss_at_tokens(r, equal_tokens):.3f} | {utils} | {bytes_per_token(r):,.0f} | {r.exit_code} |")
     dp = next((r for r in results if r.label == "sync-dp"), None)
     for r in results:
@@ -221,7 +263,8 @@ def summarize(name: str, description: str, results: list[RunResult], command: st
                           + ", ".join(f"{n} {v:.2f}" for n, v in row["during_absence"].items() if v is not None))
             lines.append(f"- {r.label}, {row['action']} {row['target']} at {row['at_s']:.0f} s: other islands' step rate after/before {rates}; "
                          f"folds {row['folds_before']} before / {row['folds_after']} after{extra}")
-    lines += ["", f"![{name}: loss vs tokens](experiments/{name}_loss_vs_tokens.png) ![{name}: loss vs time](experiments/{name}_loss_vs_time.png)", ""]
+    lines += ["", f"![{name}: loss vs tokens](experiments/{name}_loss_vs_tokens.png) ![{name}: loss vs time](experiments/{name}_loss_vs_time.png)"
+              + (f" ![{name}: the merger's model](experiments/{name}_global.png)" if any(r.global_curve for r in results) else ""), ""]
     return "\n".join(lines)
 
 
@@ -247,6 +290,23 @@ def plot(name: str, results: list[RunResult], out_dir: Path) -> list[Path]:
         axes.legend(fontsize=8)
         figure.tight_layout()
         path = out_dir / f"{name}_loss_vs_{'tokens' if x_key == 'tokens' else 'time'}.png"
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        made.append(path)
+    if any(r.global_curve for r in results):
+        figure, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        for index, r in enumerate(results):
+            for axes, x_key in ((by_tokens, "cluster_tokens"), (by_time, "since_start")):
+                axes.plot([p[x_key] for p in r.global_curve], [p["eval_loss"] for p in r.global_curve], marker="o", color=f"C{index}", label=r.label)
+        by_tokens.set_xlabel("tokens trained by the whole cluster")
+        by_time.set_xlabel("seconds since the cluster's first step")
+        by_tokens.set_ylabel("held-out loss of the merger's model (nats/byte)")
+        figure.suptitle(f"{name}: the merger's global model, rebuilt from its log (initial loss {results[0].global_before:.2f})")
+        for axes in (by_tokens, by_time):
+            axes.grid(alpha=0.3)
+        by_tokens.legend(fontsize=8)
+        figure.tight_layout()
+        path = out_dir / f"{name}_global.png"
         figure.savefig(path, dpi=100)
         plt.close(figure)
         made.append(path)
@@ -293,6 +353,8 @@ def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path |
         results.append(_collect(label, config, run_dir, code))
     command = (f"dloco experiment {name}" + (" --quick" if quick else "") + (f" --seconds {seconds:g}" if seconds else "")
                + (f" --runs {','.join(label for label, _ in runs)}" if only is not None else ""))
+    log(f"dloco experiment {name}: evaluating the merger's model during each run (replaying its log)")
+    measure_global(results)
     text = summarize(name, description, results, command, time.monotonic() - started)
     plot(name, results, out_dir / "experiments")
     (out_dir / f"{name}.md").write_text(text)

@@ -6,37 +6,15 @@ from __future__ import annotations
 import collections
 from pathlib import Path
 
-import numpy as np
-
 from cluster.config import ClusterConfig
+from cluster.globalmodel import Evaluator
 from cluster.runinfo import chaos_effects, last_step, lives, merger_folds, read_metrics
 
 
 def global_eval(config: ClusterConfig, run_dir: Path) -> tuple[float | None, float | None]:
     """Held-out loss of the initial model and of the merger's final global model (same eval bytes as the islands)."""
-    from island import data
-    from island.config import ModelConfig, TrainConfig
-    from island.train import Trainer
-    from merger import checkpoint
-    from merger.recovery import checkpoint_dir
-
-    m = config.model
-    model = ModelConfig(width=m["width"], depth=m["depth"], heads=m["heads"], context=m["context"])
-    trainer = Trainer(model, TrainConfig(batch=m["batch"], seed=config.seed))
-    _, evaluation = data.split(data.load(), len(config.regions))
-    batches = data.eval_batches(evaluation, m["batch"], m["context"], 8)
-    with np.load(run_dir / "init.npz") as initial:
-        trainer.set_params({k: initial[k] for k in initial.files})
-    before = trainer.evaluate(batches)
-    saved = checkpoint.latest(checkpoint_dir(run_dir / "merger"))
-    if saved is None:
-        return before, None
-    params = {}
-    for fragment in saved["fragments"]:
-        for path, entry in fragment["params"].items():
-            params[path] = np.frombuffer(entry["data"], dtype=np.dtype(entry["dtype"])).reshape(entry["shape"])
-    trainer.set_params(params)
-    return before, trainer.evaluate(batches)
+    evaluator = Evaluator(config, run_dir)
+    return evaluator.initial(), evaluator.final()
 
 
 def _plots(config: ClusterConfig, run_dir: Path, metrics: dict[str, list[dict]]) -> list[str]:

@@ -29,6 +29,7 @@ def test_time_to_target_loss_at_equal_tokens_and_bytes_per_token():
     # target: the worst run's best island evaluation (2.4), reached by decoupled at 20 s (a's 2.0), by sync-dp at 90 s
     assert "time to island loss ≤ 2.400" in text and "| 20.0 s |" in text and "| 90.0 s |" in text
     assert "4.5x faster to the target; 160x fewer bytes per token" in text
+    assert "global loss at 200 cluster tokens" in text  # the fewest any run's cluster trained (sync-dp's 200; decoupled's 300 + 100)
 
 
 def test_one_clock_for_every_island_and_a_restarted_islands_lives(tmp_path):

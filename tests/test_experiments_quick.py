@@ -26,6 +26,10 @@ def quick(name: str, tmp_path) -> dict[str, experiments.RunResult]:
     for r in results:
         assert r.exit_code == 0, r.label
         assert r.global_after is not None and r.global_after < r.global_before, f"{r.label} did not train"
+        # the merger's model rebuilt from its log during the run, and at the suite's equal cluster tokens
+        assert len(r.global_curve) >= experiments.GLOBAL_POINTS - 1 and r.global_equal is not None and r.global_equal < r.global_before, r.label
+        assert [p["since_start"] for p in r.global_curve] == sorted(p["since_start"] for p in r.global_curve), r.label
+    assert (tmp_path / "experiments" / f"{name}_global.png").exists()
     return {r.label: r for r in results}
 
 

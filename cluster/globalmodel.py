@@ -1,0 +1,111 @@
+"""The merger's global model, evaluated: at the end of a run, and at chosen moments during it,
+rebuilt from the merger's write-ahead log (merger.recovery.replay: the same bytes the merger held).
+
+The islands' evaluations measure each island's own parameters; this measures the one model the
+cluster trains, against the wall clock and against the tokens the whole cluster had trained by then
+(`cluster_tokens`: every island, every life), which is the compute spent.
+"""
+
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+
+import numpy as np
+
+from cluster.config import ClusterConfig
+from cluster.runinfo import merger_folds, wall
+
+
+class Evaluator:
+    """The islands' held-out bytes and a trainer to evaluate parameters on them (same model, same batches)."""
+
+    def __init__(self, config: ClusterConfig, run_dir: Path) -> None:
+        from island import data
+        from island.config import ModelConfig, TrainConfig
+        from island.train import Trainer
+
+        m = config.model
+        self.trainer = Trainer(ModelConfig(width=m["width"], depth=m["depth"], heads=m["heads"], context=m["context"]),
+                               TrainConfig(batch=m["batch"], seed=config.seed))
+        _, evaluation = data.split(data.load(), len(config.regions))
+        self.batches = data.eval_batches(evaluation, m["batch"], m["context"], 8)
+        self.run_dir = run_dir
+
+    def loss(self, params: dict[str, np.ndarray]) -> float:
+        self.trainer.set_params(params)
+        return self.trainer.evaluate(self.batches)
+
+    def initial(self) -> float:
+        with np.load(self.run_dir / "init.npz") as initial:
+            return self.loss({k: initial[k] for k in initial.files})
+
+    def final(self) -> float | None:
+        """The merger's last checkpoint (written when it stops), or None without one."""
+        from merger import checkpoint
+        from merger.recovery import checkpoint_dir
+
+        saved = checkpoint.latest(checkpoint_dir(self.run_dir / "merger"))
+        if saved is None:
+            return None
+        return self.loss({path: np.frombuffer(entry["data"], dtype=np.dtype(entry["dtype"])).reshape(entry["shape"])
+                          for fragment in saved["fragments"] for path, entry in fragment["params"].items()})
+
+
+def cluster_tokens(lives_by_island: dict[str, list[list[dict]]], at: float) -> int:
+    """Tokens the whole cluster had trained by wall time `at`: each island's last step event at or
+    before it, summed over the island's lives (a restarted island counts from 0 again)."""
+    total = 0
+    for runs in lives_by_island.values():
+        for life in runs:
+            walls = [e["wall"] for e in life if "wall" in e]
+            i = bisect.bisect_right(walls, at)
+            if i:
+                total += life[i - 1].get("tokens", 0)
+    return total
+
+
+def when_cluster_reached(lives_by_island: dict[str, list[list[dict]]], tokens: int) -> float | None:
+    """The first wall time at which the cluster had trained `tokens` (None: never)."""
+    steps = sorted((e["wall"], (name, i), e.get("tokens", 0)) for name, runs in lives_by_island.items()
+                   for i, life in enumerate(runs) for e in life if "wall" in e and e.get("step", 0) > 0)
+    current: dict[tuple[str, int], int] = {}
+    for at, life, trained in steps:
+        current[life] = trained
+        if sum(current.values()) >= tokens:
+            return at
+    return None
+
+
+def states_at(run_dir: Path, walls: list[float]) -> list[dict[str, np.ndarray] | None]:
+    """The global model's parameters at each wall time: every fold the merger had made by then
+    (its fold log lines give each fold's time), rebuilt by replaying its log.  None before the
+    first fold.  A fold whose log line is missing (a merger killed between the two writes) takes
+    the time of the fold before it."""
+    from merger.recovery import replay
+
+    folded_at: dict[tuple[int, int], float] = {}
+    for event in merger_folds(run_dir):
+        folded_at.setdefault((event["fragment"], event["version"]), wall(event))
+    order = sorted(range(len(walls)), key=lambda i: walls[i])
+    found: list[dict[str, np.ndarray] | None] = [None] * len(walls)
+    progress = {"next": 0, "time": float("-inf"), "states": None}
+
+    def on_fold(index, record, report, core) -> None:
+        at = max(progress["time"], folded_at.get((record["fragment"], record["version"]), progress["time"]))
+        while progress["next"] < len(order) and walls[order[progress["next"]]] < at:
+            found[order[progress["next"]]] = _params(progress["states"])
+            progress["next"] += 1
+        progress["time"], progress["states"] = at, list(core.states)  # states are replaced on a fold, never changed
+
+    for _ in replay(run_dir / "merger", on_fold, strict=False):
+        pass
+    for i in order[progress["next"]:]:
+        found[i] = _params(progress["states"])
+    return found
+
+
+def _params(states) -> dict[str, np.ndarray] | None:
+    if states is None:
+        return None
+    return {path: np.asarray(value) for state in states for path, value in state.params.items()}

@@ -1,0 +1,62 @@
+"""The merger's model during a run: rebuilt from its log at chosen wall times, and the whole
+cluster's tokens at a wall time (hand-derived)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import numpy as np
+
+import protocol
+from cluster.globalmodel import cluster_tokens, states_at, when_cluster_reached
+from merger.config import MergeConfig, MergerConfig
+from merger.core import MergerCore
+from merger.recovery import wal_dir
+from merger.wal import WriteAheadLog
+from tests.merger_helpers import assemble, delta_chunks, initial_params
+
+
+def _iso(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def test_the_model_at_a_moment_is_every_fold_made_by_then(tmp_path):
+    params = initial_params()
+    parts = protocol.partition({p: a.shape for p, a in params.items()}, 2)
+    wal = WriteAheadLog(wal_dir(tmp_path / "merger"), fsync="never")
+    core = MergerCore(MergerConfig(MergeConfig(max_staleness=4)), protocol.model_fingerprint(params), parts, params, log=wal)
+    after, lines = [], []
+    for k in range(4):  # fold k at wall time 1000 + 10 k
+        fragment = k % 2
+        core.submit(assemble(delta_chunks(core.fragments[fragment], "a", k + 1, fragment, core.states[fragment].version, k)), now=float(k))
+        report, _ = core.fold(fragment)
+        after.append({path: np.asarray(v) for state in core.states for path, v in state.params.items()})
+        lines.append({"event": "fold", "fragment": fragment, "version": report.version, "timestamp": _iso(1000 + 10 * k)})
+    lines.pop(2)  # a fold whose log line was lost takes the time of the fold before it
+    wal.close()
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "merger.log").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    found = states_at(tmp_path, [1005.0, 999.0, 1030.0, 1015.0, 1012.0])
+    assert found[1] is None  # before the first fold
+    expected = [after[0], None, after[3], after[2], after[2]]  # fold 2 is dated 1010 (fold 1's time), fold 3 at 1030
+    for got, want in zip(found, expected):
+        if want is not None:
+            assert got.keys() == want.keys() and all(np.array_equal(got[p], want[p]) for p in want)
+    assert any(not np.array_equal(after[0][p], after[2][p]) for p in after[0])  # the moments are told apart
+
+
+def test_cluster_tokens_sum_every_island_and_life_at_a_moment():
+    steps = {
+        "a": [[{"step": 0, "wall": 0.0, "tokens": 0}, {"step": 1, "wall": 1.0, "tokens": 100}, {"step": 2, "wall": 3.0, "tokens": 200}],
+              [{"step": 0, "wall": 5.0, "tokens": 0}, {"step": 1, "wall": 6.0, "tokens": 100}]],  # a restarted: counts from 0 again
+        "b": [[{"step": 0, "wall": 0.5, "tokens": 0}, {"step": 1, "wall": 2.0, "tokens": 50}, {"step": 2, "wall": 4.0, "tokens": 100}]],
+    }
+    assert cluster_tokens(steps, 0.9) == 0
+    assert cluster_tokens(steps, 2.0) == 150
+    assert cluster_tokens(steps, 4.0) == 300
+    assert cluster_tokens(steps, 10.0) == 400
+    assert when_cluster_reached(steps, 150) == 2.0
+    assert when_cluster_reached(steps, 301) == 6.0
+    assert when_cluster_reached(steps, 401) is None
