@@ -26,19 +26,30 @@ def _plots(config: ClusterConfig, run_dir: Path, metrics: dict[str, list[dict]])
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)
     made = []
-    specs = [("eval_loss_vs_time.png", "time", "eval_loss", "wall clock (s)", "held-out loss (nats/byte)"),
-             ("eval_loss_vs_tokens.png", "tokens", "eval_loss", "tokens trained by the island", "held-out loss (nats/byte)"),
-             ("bytes_on_wire.png", "time", "bytes_sent", "wall clock (s)", "bytes sent (solid) / received (dashed)"),
-             ("compute_util.png", "time", "compute_util", "wall clock (s)", "compute utilisation")]
+    clock = "seconds since the cluster's first step"
+    specs = [("eval_loss_vs_time.png", "time", "eval_loss", clock, "held-out loss (nats/byte)"),
+             ("eval_loss_vs_tokens.png", "tokens", "eval_loss", "tokens trained by the island (each life from 0)", "held-out loss (nats/byte)"),
+             ("bytes_on_wire.png", "time", "bytes_sent", clock, "bytes sent (solid) / received (dashed)"),
+             ("compute_util.png", "time", "compute_util", clock, "compute utilisation")]
+    # One clock for every island (wall time from the cluster's first step), one line per island and
+    # life: a restarted island's own clock, tokens and byte counters start again from 0.
+    split = {name: lives([e for e in events if "step" in e and "wall" in e]) for name, events in metrics.items()}
+    began = min((e["wall"] for runs in split.values() for life in runs for e in life if e["step"] > 0), default=0.0)
+
+    def x(event: dict, key: str) -> float:
+        return event["wall"] - began if key == "time" else event[key]
+
     for filename, x_key, y_key, x_label, y_label in specs:
         figure, axes = plt.subplots(figsize=(7, 4))
-        for name, events in metrics.items():
-            points = [(e[x_key], e[y_key]) for e in events if y_key in e and x_key in e]
-            if points:
-                line, = axes.plot(*zip(*points), label=name)
-                if y_key == "bytes_sent":
-                    received = [(e["time"], e["bytes_received"]) for e in events if "bytes_received" in e]
-                    axes.plot(*zip(*received), linestyle="--", color=line.get_color())
+        for index, (name, runs) in enumerate(split.items()):
+            labelled = False
+            for life in runs:
+                points = [(x(e, x_key), e[y_key]) for e in life if y_key in e]
+                if points:
+                    axes.plot(*zip(*points), color=f"C{index}", label=None if labelled else name)
+                    labelled = True
+                if y_key == "bytes_sent" and (received := [(x(e, "time"), e["bytes_received"]) for e in life if "bytes_received" in e]):
+                    axes.plot(*zip(*received), linestyle="--", color=f"C{index}")
         axes.set_xlabel(x_label)
         axes.set_ylabel(y_label)
         axes.grid(alpha=0.3)
