@@ -107,8 +107,9 @@ class ClusterConfig:
 # their islands wait for it.  A round waits for every island up to the quorum timeout (30 s): at
 # H = 48 the half-speed islands finish ~25 s after the fast ones, inside it; at H = 96 (~50 s) a
 # round would go on without them, so H = 96 in a synchronous mode is not classic DiLoCo here.  (A
-# longer timeout alone does not help: an island gives up waiting for its delta's fold after 60 s,
-# sends its next delta, and the merger's quorum counts deltas, not islands.)
+# longer timeout alone does not help: an island gives up waiting for its delta's fold after 60 s and
+# trains on; the quorum counts islands, so its next delta does not complete a round without the
+# slow ones, but the round still waits only up to the timeout.)
 # sync-dp: a stand-in for data-parallel all-reduce — every step each island sends its full fp32
 #   change and blocks until the merger returns the average (outer SGD, lr 1: the new global model is
 #   the mean of the islands' models), so the bytes and the barrier per step are those of an

@@ -54,7 +54,7 @@ class MergeConfig:
 class RoundConfig:
     """When to fold: a minimum quorum, then an adaptive grace window."""
 
-    quorum: int = 1  # K: deltas needed before a fold; 1 = nobody is ever held back by others
+    quorum: int = 1  # K: islands with a delta pending before a fold; 1 = nobody is ever held back by others
     quorum_timeout_s: float = 30.0  # fold with fewer than K once the oldest pending delta waited this long
     grace_cap_s: float = 1.0  # never wait longer than this past the moment the quorum was met
     grace_slack_s: float = 0.05  # wait this much past an island's predicted arrival

@@ -1,8 +1,10 @@
 """When to fold: a pure function of the pending arrivals, the clock reading and arrival history.
 
 Rule (per fragment):
-1. Fewer than K deltas pending: wait for more, but never past ``oldest + quorum_timeout`` (a dead
-   island must not stall the run; K = 1 folds on the first arrival).
+1. Fewer than K islands with a delta pending: wait for more, but never past ``oldest +
+   quorum_timeout`` (a dead island must not stall the run; K = 1 folds on the first arrival).  The
+   quorum counts islands, not deltas: two deltas of one island (it gave up waiting for a fold and
+   sent its next) do not stand in for an island that has not arrived.
 2. Quorum met at time q: fold now unless some island not yet pending is *predicted* (last arrival
    + EMA of its inter-arrival time) to arrive before ``q + grace_cap``; then wait until the
    earliest such prediction plus a small slack.  A prediction that has passed no longer counts,
@@ -46,10 +48,13 @@ def decide(now: float, pending: Sequence[tuple[str, float]], history: Mapping[st
     if not pending:
         return Decision(False, None)
     oldest = min(t for _, t in pending)
-    if len(pending) < config.quorum:
+    first: dict[str, float] = {}  # each island's earliest pending arrival
+    for island, at in pending:
+        first[island] = min(at, first.get(island, at))
+    if len(first) < config.quorum:
         deadline = oldest + config.quorum_timeout_s
         return Decision(True, None) if now >= deadline else Decision(False, deadline)
-    quorum_met = sorted(t for _, t in pending)[config.quorum - 1]
+    quorum_met = sorted(first.values())[config.quorum - 1]
     deadline = quorum_met + config.grace_cap_s
     if now >= deadline:
         return Decision(True, None)

@@ -164,6 +164,19 @@ def test_quorum_waits_but_never_past_the_timeout():
     assert round_policy.decide(30.0, [("a", 0.0)], {}, config).fold
 
 
+def test_the_quorum_counts_islands_not_deltas():
+    config = RoundConfig(quorum=2, quorum_timeout_s=30)
+    # a's second delta (it gave up waiting for a fold and sent its next) does not stand in for b
+    assert round_policy.decide(5.0, [("a", 0.0), ("a", 4.0)], {}, config) == round_policy.Decision(False, 30.0)
+    assert round_policy.decide(30.0, [("a", 0.0), ("a", 4.0)], {}, config).fold  # the timeout still holds
+    # b arrives: quorum met at b's arrival, and with no grace window the round folds
+    assert round_policy.decide(6.0, [("a", 0.0), ("a", 4.0), ("b", 6.0)], {}, RoundConfig(quorum=2, grace_cap_s=0.0)).fold
+    # the grace cap counts from the moment the K-th island arrived (6.0), not the K-th delta (4.0)
+    history = {"c": round_policy.ArrivalStats(0.0, 6.5)}  # c due at 6.5
+    decision = round_policy.decide(6.0, [("a", 0.0), ("a", 4.0), ("b", 6.0)], history, RoundConfig(quorum=2, grace_cap_s=1.0, grace_slack_s=0.05))
+    assert decision == round_policy.Decision(False, pytest.approx(6.55))
+
+
 def test_a_late_island_within_the_grace_window_is_waited_for():
     config = RoundConfig(quorum=1, grace_cap_s=1.0, grace_slack_s=0.05)
     history = {"a": round_policy.ArrivalStats(10.0, 1.0), "b": round_policy.ArrivalStats(9.5, 0.8)}  # b due at 10.3
