@@ -151,11 +151,13 @@ def _outer_step(optimizer: optax.GradientTransformation):
     """The outer step taking the pseudo-gradient as tiles: one XLA computation per fragment layout
     (as `outer.make_step`, whose optimizer-state layout — a path-ordered list — it shares)."""
 
+    optimizer = optax.with_extra_args_support(optimizer)
+
     @functools.partial(jax.jit, static_argnames=("layout",))
-    def step(params: list, opt_state, tiles: list, block_scale: jax.Array, layout: tuple):
+    def step(params: list, opt_state, tiles: list, block_scale: jax.Array, share: jax.Array, layout: tuple):
         # the barrier: computed once, not again inside each use the optimizer makes of it (slower)
         pseudo = jax.lax.optimization_barrier(_pseudo_gradient(tiles, block_scale, layout))
-        updates, opt_state = optimizer.update(pseudo, opt_state, params)
+        updates, opt_state = optimizer.update(pseudo, opt_state, params, share=share)
         return optax.apply_updates(params, updates), opt_state
 
     return step
@@ -229,11 +231,12 @@ def merge(tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[float], p
 
 
 def merge_and_step(optimizer: optax.GradientTransformation, params: dict, opt_state, tensors: Sequence[dict[str, CodedTensor]],
-                   weights: Sequence[float], plain: dict[str, bool]) -> tuple[dict, object, list[float], float]:
-    """`merge` and the outer step (optimizer state over the path-ordered params, as `outer.make_step`),
-    the pseudo-gradient built inside the step: (new params, new optimizer state, delta norms, merged norm)."""
+                   weights: Sequence[float], plain: dict[str, bool], share: float = 1.0) -> tuple[dict, object, list[float], float]:
+    """`merge` and the outer step (optimizer state over the path-ordered params, as `outer.make_step`;
+    `share`: the fold's share of a round, for the optimizer), the pseudo-gradient built inside the
+    step: (new params, new optimizer state, delta norms, merged norm)."""
     paths, tiles, block_scale, layout, delta_norms, merged_norm = _direction(tensors, weights, plain)
-    new, opt_state = _outer_step(optimizer)([params[p] for p in paths], opt_state, tiles, block_scale, layout)
+    new, opt_state = _outer_step(optimizer)([params[p] for p in paths], opt_state, tiles, block_scale, np.float32(share), layout)
     return dict(zip(paths, new)), opt_state, delta_norms, merged_norm
 
 

@@ -14,12 +14,12 @@ FULL_SNAPSHOT_CODECS = ("fp32", "bf16", "int8")  # codecs a whole fragment's val
 class OuterConfig:
     """Outer optimizer (DiLoCo: SGD with Nesterov momentum, lr 0.7, momentum 0.9)."""
 
-    kind: str = "nesterov"  # "nesterov" | "delayed_nesterov" | "sgd"
+    kind: str = "nesterov"  # "nesterov" | "round_nesterov" | "delayed_nesterov" | "sgd" (merger/outer.py)
     lr: float = 0.7
     momentum: float = 0.9
     delay: int = 4  # delayed_nesterov: momentum applied once per `delay` folds (Liu et al. 2024: N)
 
-    KINDS = ("nesterov", "delayed_nesterov", "sgd")
+    KINDS = ("nesterov", "round_nesterov", "delayed_nesterov", "sgd")
 
     def __post_init__(self) -> None:
         _require(self.kind in self.KINDS, f"outer.kind must be one of {self.KINDS}, got {self.kind!r}")

@@ -90,12 +90,12 @@ def fold(state: FragmentState, contributions: Sequence[Contribution], config: Me
     if coded.mergeable([c.tensors for c in ordered]):
         w = [x * share for x in contribution_weights([(c.tokens, c.steps, c.staleness) for c in ordered], config.staleness_power)]
         params, opt_state, delta_norms, merged_norm = coded.merge_and_step(
-            step.optimizer, state.params, state.opt_state, [c.tensors for c in ordered], w, {p: plain(p, config) for p in ordered[0].tensors})
+            step.optimizer, state.params, state.opt_state, [c.tensors for c in ordered], w, {p: plain(p, config) for p in ordered[0].tensors}, share)
     else:
         merged, w = merge(ordered, config, share)
         delta_norms = [rda.fragment_norm({p: _float(t) for p, t in c.tensors.items()}) for c in ordered]
         merged_norm = rda.fragment_norm(merged)
-        params, opt_state = step(state.params, state.opt_state, merged)
+        params, opt_state = step(state.params, state.opt_state, merged, share)
     new_params = dict(params)  # XLA arrays: the next fold starts from them without a copy (np.asarray views them)
     report = FoldReport(
         version=state.version + 1,

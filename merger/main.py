@@ -31,7 +31,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     merger.add_argument("--outer-lr", type=float, default=0.7)
     merger.add_argument("--outer-momentum", type=float, default=0.9)
     merger.add_argument("--delay", type=positive_int, default=4, help="delayed_nesterov: momentum once per N folds")
-    merger.add_argument("--quorum", type=positive_int, default=1, help="K: deltas per fold (default 1: nobody waits)")
+    merger.add_argument("--quorum", type=positive_int, default=1, help="K: islands with a delta pending before a fold (default 1: nobody waits)")
     merger.add_argument("--quorum-timeout", type=float, default=30.0, help="fold with fewer than K once the oldest pending delta waited this long")
     merger.add_argument("--grace-cap", type=float, default=1.0, help="seconds a round may wait for a predicted late island")
     merger.add_argument("--snapshot-codec", choices=FULL_SNAPSHOT_CODECS, default="fp32",

@@ -10,6 +10,16 @@ arXiv:2401.09135, with their c = 0): asynchronous folds each take a plain step o
 every N-th fold the momentum buffer absorbs the mean of the last N pseudo-gradients,
 ``m <- beta * m + mean(g)``, and the parameters take the extra momentum step ``lr * beta * m``.
 With N = 1 it is exactly Nesterov SGD.
+
+Round Nesterov: Delayed Nesterov whose N is a round rather than a count of folds, for folds scaled
+by their share of a round (`merge.share_window`).  Each fold takes the plain step ``lr * g`` (g is
+already scaled by its share); when the shares folded since the momentum's last update reach a whole
+round (1), the momentum absorbs their sum, ``m <- beta * m + sum(g)``, and the parameters take the
+extra step ``lr * beta * m``.  Four folds of a quarter each then move the model as one synchronous
+Nesterov step on their mean does, and the momentum decays once per round, as DiLoCo's does, not
+once per fold (which, with four one-island folds per round, is ``beta ** 4`` a round).  A fold of a
+whole round (share 1: the synchronous modes, or share_window 0) is exactly Nesterov SGD.  Every
+optimizer's update takes the fold's share (optax extra args); the others ignore it.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from merger.config import OuterConfig
@@ -50,34 +61,63 @@ def delayed_nesterov(learning_rate: float, momentum: float, delay: int) -> optax
     return optax.GradientTransformation(init, update)
 
 
+class RoundNesterovState(NamedTuple):
+    credit: jax.Array  # share of a round folded since the momentum's last update, float32
+    momentum: optax.Updates
+    accumulated: optax.Updates  # sum of pseudo-gradients since the momentum's last update
+
+
+def round_nesterov(learning_rate: float, momentum: float) -> optax.GradientTransformationExtraArgs:
+    def init(params: optax.Params) -> RoundNesterovState:
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        return RoundNesterovState(jnp.zeros([], jnp.float32), zeros, zeros)
+
+    def update(grads: optax.Updates, state: RoundNesterovState, params: optax.Params | None = None, *, share=1.0, **extra):
+        del params, extra
+        credit = state.credit + jnp.asarray(share, jnp.float32)
+        accumulated = jax.tree_util.tree_map(jnp.add, state.accumulated, grads)
+        due = credit >= 1.0 - 1e-6  # a whole round folded (float sums of quarters, thirds)
+        new_momentum = jax.tree_util.tree_map(lambda m, a: jnp.where(due, momentum * m + a, m), state.momentum, accumulated)
+        updates = jax.tree_util.tree_map(lambda g, m: -learning_rate * (g + jnp.where(due, momentum * m, jnp.zeros_like(m))), grads, new_momentum)
+        accumulated = jax.tree_util.tree_map(lambda a: jnp.where(due, jnp.zeros_like(a), a), accumulated)
+        return updates, RoundNesterovState(jnp.where(due, credit - 1.0, credit), new_momentum, accumulated)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
 @functools.lru_cache(maxsize=32)
-def outer_optimizer(config: OuterConfig) -> optax.GradientTransformation:
+def outer_optimizer(config: OuterConfig) -> optax.GradientTransformationExtraArgs:
     """One optimizer object per configuration: compiled fold steps (keyed by it) are shared by every
     core built from the same configuration — a recovered or benchmarked core never recompiles."""
     if config.kind == "nesterov":
-        return optax.sgd(config.lr, momentum=config.momentum, nesterov=True)
+        return optax.with_extra_args_support(optax.sgd(config.lr, momentum=config.momentum, nesterov=True))
     if config.kind == "sgd":
-        return optax.sgd(config.lr)
-    return delayed_nesterov(config.lr, config.momentum, config.delay)
+        return optax.with_extra_args_support(optax.sgd(config.lr))
+    if config.kind == "round_nesterov":
+        return round_nesterov(config.lr, config.momentum)
+    return optax.with_extra_args_support(delayed_nesterov(config.lr, config.momentum, config.delay))
 
 
 @functools.lru_cache(maxsize=32)
 def make_step(optimizer: optax.GradientTransformation):
-    """``(params, opt_state, pseudo_gradient) -> (params, opt_state)`` over path-keyed dicts.
+    """``(params, opt_state, pseudo_gradient, share=1.0) -> (params, opt_state)`` over path-keyed
+    dicts; `share` is the fold's share of a round (a traced argument: one compilation for every value).
 
     The jitted core sees lists in path order, so fragments whose tensors have the same shapes
     share one compilation whatever their paths.  Cached per optimizer (and `outer_optimizer` per
     configuration), so every core of one configuration shares the compiled step.
     """
 
+    optimizer = optax.with_extra_args_support(optimizer)  # the same object for one that takes them
+
     @jax.jit
-    def flat_step(params, opt_state, pseudo_gradient):
-        updates, opt_state = optimizer.update(pseudo_gradient, opt_state, params)
+    def flat_step(params, opt_state, pseudo_gradient, share):
+        updates, opt_state = optimizer.update(pseudo_gradient, opt_state, params, share=share)
         return optax.apply_updates(params, updates), opt_state
 
-    def step(params, opt_state, pseudo_gradient):
+    def step(params, opt_state, pseudo_gradient, share: float = 1.0):
         paths = sorted(params)
-        new_params, opt_state = flat_step([params[p] for p in paths], opt_state, [pseudo_gradient[p] for p in paths])
+        new_params, opt_state = flat_step([params[p] for p in paths], opt_state, [pseudo_gradient[p] for p in paths], np.float32(share))
         return dict(zip(paths, new_params)), opt_state
 
     step.optimizer = optimizer  # rounds merged from codes take their outer step in merger/coded.py

@@ -3,15 +3,16 @@ float32 path on the decoded deltas; live and replay take the same path (tests/te
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import protocol
 from merger import coded, rda
-from merger.config import MergeConfig
+from merger.config import MergeConfig, OuterConfig
 from merger.fold import Contribution, fold, init_state, merge
 from merger.outer import make_step, outer_optimizer
-from merger.config import OuterConfig
 from protocol import Codec, CodedTensor
 
 INT4_8 = Codec("int4", 8)
@@ -100,3 +101,28 @@ def test_rounds_of_any_size_use_few_kernel_shapes_and_the_same_order(monkeypatch
     monkeypatch.setattr(coded, "GROUPS", (1,))  # one delta per kernel call: the same sequential sum, bit for bit
     single, _, _ = coded.merge(deltas, weights, {"w": True})
     assert np.asarray(single["w"]).tobytes() == np.asarray(grouped["w"]).tobytes()
+
+
+def test_the_fold_share_reaches_the_outer_optimizer_on_both_paths():
+    """round_nesterov folds from codes and from the decoded floats alike, the share passed on: with
+    halves, the momentum moves every second fold only."""
+    codec, rng = Codec("int4"), np.random.default_rng(6)
+    shapes = {"w": (64, 8), "embed/v": (9,)}
+    params = {p: rng.standard_normal(s).astype(np.float32) for p, s in shapes.items()}
+    optimizer = outer_optimizer(OuterConfig("round_nesterov"))
+    step = make_step(optimizer)
+    coded_members = [[Contribution("a", 1, k, 0, 50, 5, {p: CodedTensor(codec, s, codec.encode((rng.standard_normal(s) * 1e-2).astype(np.float32)
+                                                                                               .reshape(-1)).reshape(-1, codec.record_nbytes)) for p, s in shapes.items()})]
+                     for k in range(4)]
+    float_members = [[dataclasses.replace(m, tensors={p: t.decode() for p, t in m.tensors.items()}) for m in members] for members in coded_members]
+    ends = []
+    for rounds in (coded_members, float_members):
+        state, momenta = init_state(params, optimizer), []
+        for members in rounds:
+            state, _ = fold(state, members, MergeConfig(), step, share=0.5)
+            momenta.append(np.asarray(state.opt_state.momentum[0]).copy())
+        ends.append(state)
+        assert np.array_equal(momenta[0], np.zeros_like(momenta[0])) and not np.array_equal(momenta[1], momenta[0])
+        assert np.array_equal(momenta[2], momenta[1]) and not np.array_equal(momenta[3], momenta[2])
+    for path in shapes:
+        np.testing.assert_allclose(np.asarray(ends[0].params[path]), np.asarray(ends[1].params[path]), rtol=1e-5, atol=1e-6)

@@ -9,7 +9,7 @@ import pytest
 
 import protocol
 from merger import checkpoint
-from merger.config import MergeConfig, MergerConfig
+from merger.config import MergeConfig, MergerConfig, OuterConfig
 from merger.core import MergerCore, ReplayError
 from merger.recovery import checkpoint_dir, recover, replay, wal_dir
 from merger.wal import LogCorruption, WriteAheadLog, read_records
@@ -107,11 +107,13 @@ def test_replay_names_a_corrupt_record(tmp_path):
         list(replay(tmp_path, lambda *a: None))
 
 
-def test_fold_shares_survive_a_checkpoint_and_replay(tmp_path):
+@pytest.mark.parametrize("outer", ["nesterov", "round_nesterov"])
+def test_fold_shares_survive_a_checkpoint_and_replay(tmp_path, outer):
     """share_window on, one island's delta per fold: the recent-contributor state that sets each
     fold's share is checkpointed, so recovery (checkpoint + tail) and replay from genesis land on
-    the live digest, and the shares really were below 1."""
-    config = MergerConfig(MergeConfig(max_staleness=4, share_window=6))
+    the live digest, and the shares really were below 1.  round_nesterov: its share credit and
+    pending sum are optimizer state, checkpointed and replayed with the rest."""
+    config = MergerConfig(MergeConfig(max_staleness=4, share_window=6), outer=OuterConfig(outer))
 
     def core_at(run_dir):
         params = initial_params()

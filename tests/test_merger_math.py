@@ -110,6 +110,31 @@ def test_delayed_nesterov_with_delay_1_is_optax_nesterov():
     assert np.allclose(results[0], results[1], rtol=1e-6, atol=1e-6)
 
 
+def run_outer_shares(config: OuterConfig, grads: list[float], shares: list[float]) -> list[float]:
+    step = outer.make_step(outer.outer_optimizer(config))
+    params = {"p": jnp.zeros(())}
+    state = outer.outer_optimizer(config).init([params["p"]])
+    trace = []
+    for g, share in zip(grads, shares):
+        params, state = step(params, state, {"p": jnp.asarray(g, jnp.float32)}, share)
+        trace.append(float(params["p"]))
+    return trace
+
+
+def test_round_nesterov_by_hand():
+    # halves: fold 1 a plain step -0.7; fold 2 completes a round: m = 0.9*0 + (1 + 1) = 2, step -0.7 (1 + 0.9*2)
+    # -> -2.66; fold 3 -0.7 -> -3.36; fold 4: m = 0.9*2 + 2 = 3.8, step -0.7 (1 + 0.9*3.8) -> -6.454
+    config = OuterConfig("round_nesterov", lr=0.7, momentum=0.9)
+    assert run_outer_shares(config, [1, 1, 1, 1], [0.5] * 4) == pytest.approx([-0.7, -2.66, -3.36, -6.454], rel=1e-6)
+    # at each round's end, where Nesterov takes one step on the round's sum (2): -2.66, -6.454
+    assert run_outer(OuterConfig("nesterov", lr=0.7, momentum=0.9), [2, 2]) == pytest.approx([-2.66, -6.454], rel=1e-6)
+    # thirds add up to a round despite float rounding; a whole round (share 1) at once is Nesterov itself
+    assert run_outer_shares(config, [1, 1, 1], [1 / 3] * 3)[-1] == pytest.approx(-0.7 * 2 - 0.7 * (1 + 0.9 * 3), rel=1e-6)
+    assert run_outer_shares(config, [1, 1], [1.0, 1.0]) == pytest.approx([-1.33, -3.227], rel=1e-6)
+    # the other optimizers take the share and ignore it
+    assert run_outer_shares(OuterConfig("nesterov", lr=0.7, momentum=0.9), [1, 1], [0.25, 0.25]) == pytest.approx([-1.33, -3.227], rel=1e-6)
+
+
 def test_outer_step_matches_a_direct_optax_reference():
     rng = np.random.default_rng(2)
     params = {"w": rng.standard_normal((5, 3)).astype(np.float32)}
