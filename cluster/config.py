@@ -48,7 +48,7 @@ class ClusterConfig:
     sync: dict = dataclasses.field(default_factory=lambda: {"fragments": 4, "interval": 48, "codec": "int4", "adoption": "rebase", "alpha": 0.0,
                                                             "error_feedback": False})
     merger: dict = dataclasses.field(default_factory=lambda: {"max_staleness": 4, "quorum": 1, "grace_cap_s": 1.0, "outer": "nesterov",
-                                                              "outer_lr": 0.7, "snapshot_codec": "bf16", "merge": "rda",
+                                                              "outer_lr": 0.35, "snapshot_codec": "bf16", "merge": "rda",
                                                               "quorum_timeout_s": 30.0, "delay": 4,
                                                               "snapshot_diff_codec": "int4", "snapshot_full_every": 0, "share_window": 8,
                                                               "snapshot_every_round": 0.0})
@@ -103,7 +103,8 @@ class ClusterConfig:
 # sync-diloco: classic DiLoCo — the whole model (P = 1) every H steps, every island blocks until the
 #   merger has all N deltas and returns the new global model.
 # Both synchronous modes fold every island's delta at once with a whole outer step (share_window 0),
-# as classic DiLoCo and data parallelism do, and publish every fold at once (snapshot_every_round 0):
+# as classic DiLoCo and data parallelism do (sync-diloco with DiLoCo's Nesterov at lr 0.7, whatever
+# the profile sets for decoupled folds), and publish every fold at once (snapshot_every_round 0):
 # their islands wait for it.  A round waits for every island up to the quorum timeout (30 s): at
 # H = 48 the half-speed islands finish ~25 s after the fast ones, inside it; at H = 96 (~50 s) a
 # round would go on without them, so H = 96 in a synchronous mode is not classic DiLoCo here.  (A
@@ -117,7 +118,7 @@ class ClusterConfig:
 MODES = {
     "decoupled": {},
     "sync-diloco": {"sync": {"fragments": 1, "blocking": True},
-                    "merger": {"quorum": "all", "grace_cap_s": 0.0, "share_window": 0, "snapshot_every_round": 0.0}},
+                    "merger": {"quorum": "all", "grace_cap_s": 0.0, "share_window": 0, "snapshot_every_round": 0.0, "outer": "nesterov", "outer_lr": 0.7}},
     "sync-dp": {"sync": {"fragments": 1, "interval": 1, "codec": "fp32", "blocking": True},
                 "merger": {"quorum": "all", "grace_cap_s": 0.0, "merge": "average", "outer": "sgd", "outer_lr": 1.0, "snapshot_codec": "fp32",
                            "snapshot_diff_codec": "none", "share_window": 0, "snapshot_every_round": 0.0}},

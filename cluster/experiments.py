@@ -101,11 +101,13 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
                  "so each fragment's snapshots arrive seconds before the other islands send it).",
                  [(f"{adoption}-{speeds}", _both(_mode("decoupled"), _set("sync", adoption=adoption), *([_homogeneous] if speeds == "uniform" else [])))
                   for speeds in ("mixed", "uniform") for adoption in ("rebase", "replace")]),
-    "merging": ("Plain weighted average vs RDA at 2 and 4 islands (folds scaled by their share of a round, the default); "
-                "against a whole Nesterov step per fold, and Delayed Nesterov with whole steps (4 islands, RDA).",
+    "merging": ("Plain weighted average vs RDA at 2 and 4 islands (the profile's outer step: Nesterov at lr 0.35 on folds scaled "
+                "by their share of a round); against the outer steps at DiLoCo's lr 0.7 (4 islands, RDA): Nesterov on the same "
+                "share-scaled folds, Round Nesterov (momentum once per round of shares), Delayed Nesterov with a whole step per fold.",
                 [(f"{merge}-{n}-islands", _both(_set("merger", merge=merge), _islands(n))) for n in (2, 4) for merge in ("average", "rda")]
-                + [("whole-steps-4-islands", _set("merger", share_window=0)),
-                   ("delayed-nesterov-4-islands", _set("merger", outer="delayed_nesterov", share_window=0))]),
+                + [("nesterov-lr0.7-4-islands", _set("merger", outer_lr=0.7)),
+                   ("round-nesterov-lr0.7-4-islands", _set("merger", outer="round_nesterov", outer_lr=0.7)),
+                   ("delayed-nesterov-lr0.7-4-islands", _set("merger", outer="delayed_nesterov", outer_lr=0.7, share_window=0))]),
     "downlink": ("Snapshots down as the whole fragment in bf16 after every fold, as int4 diffs of the value islands hold "
                  "(protocol/downlink.py) after every fold, and as int4 diffs held to one per fragment per round of the fastest "
                  "island (the default), decoupled: bytes per token, and whether the loss pays for them.",
@@ -115,18 +117,18 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
 }
 # Seconds per run by default (a suite stays within 30 minutes on 2 cores), and with --quick.
 DEFAULT_SECONDS = {"speedup": 300.0, "heterogeneous": 300.0, "faults": 300.0, "quantization": 150.0, "quantization-sync": 150.0,
-                   "adoption": 300.0, "merging": 240.0, "downlink": 300.0}
+                   "adoption": 300.0, "merging": 210.0, "downlink": 300.0}
 # --quick: the tiny model, a few runs per suite (the ones whose direction shows in a minute), each suite
 # within 3 minutes on 2 cores (about 15 s of start-up per run on top of its seconds).
 QUICK_SECONDS = {"speedup": 35.0, "heterogeneous": 25.0, "faults": 65.0, "quantization": 35.0, "quantization-sync": 40.0, "adoption": 40.0,
                  "merging": 35.0, "downlink": 40.0}
 QUICK_RUNS = {"speedup": ("decoupled", "sync-diloco", "sync-dp"), "quantization": ("fp32", "int4", "int2"), "quantization-sync": ("fp32", "int4"), "adoption": ("rebase-uniform", "replace-uniform"),
-              "merging": ("average-4-islands", "rda-4-islands", "delayed-nesterov-4-islands")}
+              "merging": ("average-4-islands", "rda-4-islands", "round-nesterov-lr0.7-4-islands")}
 QUICK_MODEL = {"width": 32, "depth": 1, "heads": 2, "context": 32, "batch": 8}
 # Islands evaluate each of their first N steps after training (below eval_every, 50 and 20 in quick
 # runs): 47-50 s at the end of a default run (four islands on two cores).  Suites of many runs,
 # whose bars are not times, evaluate at steps 1, 2, 4, ... 32 in the loop instead, to stay within 30
-# minutes (quantization: 10 runs, merging: 6).
+# minutes (quantization: 10 runs, merging: 7).
 EVAL_TRACE, QUICK_EVAL_TRACE = 48, 19
 # The merger's model is evaluated at this many moments of each run, and at equal cluster tokens
 # (measure_global: one replay of the merger's log and ~1 s per evaluation, after the runs).

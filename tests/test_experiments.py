@@ -87,8 +87,11 @@ def test_every_suite_builds_valid_cluster_files():
     assert adoption["replace-uniform"](base).sync["adoption"] == "replace" and adoption["rebase-mixed"](base).sync["adoption"] == "rebase"
     assert {r.slowdown for r in adoption["rebase-uniform"](base).regions} == {1.0} < {r.slowdown for r in adoption["rebase-mixed"](base).regions}
     merging = dict(experiments.SUITES["merging"][1])
-    assert len(merging["rda-2-islands"](base).regions) == 2 and merging["delayed-nesterov-4-islands"](base).merger["outer"] == "delayed_nesterov"
-    assert base.merger["share_window"] == 8 and merging["whole-steps-4-islands"](base).merger["share_window"] == 0
+    assert len(merging["rda-2-islands"](base).regions) == 2 and merging["delayed-nesterov-lr0.7-4-islands"](base).merger["outer"] == "delayed_nesterov"
+    assert base.merger["share_window"] == 8 and merging["delayed-nesterov-lr0.7-4-islands"](base).merger["share_window"] == 0
+    assert base.merger["outer_lr"] == 0.35 and merging["round-nesterov-lr0.7-4-islands"](base).merger == {**base.merger, "outer": "round_nesterov", "outer_lr": 0.7}
+    assert merging["nesterov-lr0.7-4-islands"](base).merger == {**base.merger, "outer_lr": 0.7}
+    assert base.with_mode("sync-diloco").effective()[1]["outer_lr"] == 0.7  # classic DiLoCo's step, whatever the profile sets for decoupled
     downlink = dict(experiments.SUITES["downlink"][1])
     assert downlink["bf16-full"](base).merger["snapshot_diff_codec"] == "none" and downlink["int4-diff"](base).merger["snapshot_diff_codec"] == "int4"
     assert downlink["int4-diff"](base).merger["snapshot_every_round"] == 0 and downlink["int4-diff-held"](base).merger["snapshot_every_round"] == 1

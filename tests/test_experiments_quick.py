@@ -108,7 +108,7 @@ def test_adoption_rebase_keeps_every_step_of_work_and_replace_drops_some(tmp_pat
 
 def test_merging_every_rule_trains(tmp_path):
     runs = quick("merging", tmp_path)  # quick() checks each lowered the global held-out loss
-    assert set(runs) == {"average-4-islands", "rda-4-islands", "delayed-nesterov-4-islands"}
+    assert set(runs) == {"average-4-islands", "rda-4-islands", "round-nesterov-lr0.7-4-islands"}
 
 
 def test_downlink_diffs_cut_the_bytes(tmp_path):
