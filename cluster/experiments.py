@@ -185,9 +185,10 @@ def measure_global(results: list[RunResult], points: int = GLOBAL_POINTS) -> int
         reached = when_cluster_reached(steps, equal)
         evaluator = Evaluator(r.config, r.run_dir)
         params = states_at(r.run_dir, moments + [reached if reached is not None else ended])
-        r.global_curve = [{"since_start": at - began, "cluster_tokens": tokens_at(steps, at), "eval_loss": evaluator.loss(p)}
-                          for at, p in zip(moments, params) if p is not None]
-        r.global_equal = evaluator.loss(params[-1]) if reached is not None and params[-1] is not None else None
+        # before the merger's first fold its model is the initial one (global_before)
+        losses = [r.global_before if p is None else evaluator.loss(p) for p in params]
+        r.global_curve = [{"since_start": at - began, "cluster_tokens": tokens_at(steps, at), "eval_loss": loss} for at, loss in zip(moments, losses)]
+        r.global_equal = losses[-1] if reached is not None else None
     return equal
 
 
