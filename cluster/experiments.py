@@ -33,7 +33,7 @@ from cluster import config as cluster_config
 from cluster.chaos import ChaosEvent
 from cluster.config import ClusterConfig
 from cluster.runinfo import chaos_effects, last_step, lives, read_metrics
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, DlocoError
 
 Transform = Callable[[ClusterConfig], ClusterConfig]
 
@@ -164,32 +164,43 @@ def cluster_tokens(result: RunResult) -> int:
     return sum(e.get("tokens", 0) for e in result.last.values())
 
 
-def measure_global(results: list[RunResult], points: int = GLOBAL_POINTS) -> int:
+def measure_global(results: list[RunResult], points: int = GLOBAL_POINTS, log=lambda line: None) -> int:
     """The merger's model during each run, rebuilt from its log: at `points` evenly spaced moments
     from the cluster's first step to its last, and when the cluster had trained the suite's equal
     cluster tokens (the fewest any run trained, which is therefore the same compute in every run).
-    Fills each result's global_curve and global_equal; returns the equal cluster tokens."""
-    from cluster.globalmodel import Evaluator, cluster_tokens as tokens_at, states_at, when_cluster_reached
-
+    Fills each result's global_curve and global_equal; returns the equal cluster tokens.  A run
+    whose log cannot be replayed faithfully keeps n/a (and is named through `log`): one broken
+    run never costs a suite the others' table."""
     equal = min(cluster_tokens(r) for r in results)
     for r in results:
         if r.run_dir is None or not (r.run_dir / "merger").exists():
             continue
-        steps = {name: lives([e for e in read_metrics(r.run_dir / "metrics" / f"{name}.jsonl") if "step" in e and "wall" in e])
-                 for name in r.last}
-        walls = sorted(e["wall"] for runs in steps.values() for life in runs for e in life if e["step"] > 0)
-        if not walls:
-            continue
-        began, ended = walls[0], walls[-1]
-        moments = [began + (ended - began) * k / points for k in range(1, points + 1)]
-        reached = when_cluster_reached(steps, equal)
-        evaluator = Evaluator(r.config, r.run_dir)
-        params = states_at(r.run_dir, moments + [reached if reached is not None else ended])
-        # before the merger's first fold its model is the initial one (global_before)
-        losses = [r.global_before if p is None else evaluator.loss(p) for p in params]
-        r.global_curve = [{"since_start": at - began, "cluster_tokens": tokens_at(steps, at), "eval_loss": loss} for at, loss in zip(moments, losses)]
-        r.global_equal = losses[-1] if reached is not None else None
+        try:
+            _measure_global_run(r, equal, points)
+        except (DlocoError, OSError, ValueError) as error:
+            r.global_curve, r.global_equal = [], None
+            log(f"dloco experiment: {r.label}: the merger's model was not rebuilt ({error}); its global columns say n/a")
     return equal
+
+
+def _measure_global_run(r: RunResult, equal: int, points: int) -> None:
+    """measure_global for one run (raises when its merger's log cannot be replayed faithfully)."""
+    from cluster.globalmodel import Evaluator, cluster_tokens as tokens_at, states_at, when_cluster_reached
+
+    steps = {name: lives([e for e in read_metrics(r.run_dir / "metrics" / f"{name}.jsonl") if "step" in e and "wall" in e])
+             for name in r.last}
+    walls = sorted(e["wall"] for runs in steps.values() for life in runs for e in life if e["step"] > 0)
+    if not walls:
+        return
+    began, ended = walls[0], walls[-1]
+    moments = [began + (ended - began) * k / points for k in range(1, points + 1)]
+    reached = when_cluster_reached(steps, equal)
+    evaluator = Evaluator(r.config, r.run_dir)
+    params = states_at(r.run_dir, moments + [reached if reached is not None else ended])
+    # before the merger's first fold its model is the initial one (global_before)
+    losses = [r.global_before if p is None else evaluator.loss(p) for p in params]
+    r.global_curve = [{"since_start": at - began, "cluster_tokens": tokens_at(steps, at), "eval_loss": loss} for at, loss in zip(moments, losses)]
+    r.global_equal = losses[-1] if reached is not None else None
 
 
 def read_islands(names: list[str], run_dir: Path) -> tuple[dict[str, list[dict]], dict[str, dict]]:
@@ -357,7 +368,7 @@ def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path |
     command = (f"dloco experiment {name}" + (" --quick" if quick else "") + (f" --seconds {seconds:g}" if seconds else "")
                + (f" --runs {','.join(label for label, _ in runs)}" if only is not None else ""))
     log(f"dloco experiment {name}: evaluating the merger's model during each run (replaying its log)")
-    measure_global(results)
+    measure_global(results, log=log)
     text = summarize(name, description, results, command, time.monotonic() - started)
     plot(name, results, out_dir / "experiments")
     (out_dir / f"{name}.md").write_text(text)

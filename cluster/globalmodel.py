@@ -81,7 +81,10 @@ def states_at(run_dir: Path, walls: list[float]) -> list[dict[str, np.ndarray] |
     """The global model's parameters at each wall time: every fold the merger had made by then
     (its fold log lines give each fold's time), rebuilt by replaying its log.  None before the
     first fold.  A fold whose log line is missing (a merger killed between the two writes) takes
-    the time of the fold before it."""
+    the time of the fold before it (the first fold: the earliest logged).  Raises ReplayError when
+    the rebuilt model is not the one the merger held: a checkpoint's digest differs (other fold
+    kernels or jax than the log's), or the log has folds and merger.log none."""
+    from merger.core import ReplayError
     from merger.recovery import replay
 
     folded_at: dict[tuple[int, int], float] = {}
@@ -89,7 +92,7 @@ def states_at(run_dir: Path, walls: list[float]) -> list[dict[str, np.ndarray] |
         folded_at.setdefault((event["fragment"], event["version"]), wall(event))
     order = sorted(range(len(walls)), key=lambda i: walls[i])
     found: list[dict[str, np.ndarray] | None] = [None] * len(walls)
-    progress = {"next": 0, "time": float("-inf"), "states": None}
+    progress = {"next": 0, "time": min(folded_at.values(), default=float("-inf")), "states": None}
 
     def on_fold(index, record, report, core) -> None:
         at = max(progress["time"], folded_at.get((record["fragment"], record["version"]), progress["time"]))
@@ -98,8 +101,11 @@ def states_at(run_dir: Path, walls: list[float]) -> list[dict[str, np.ndarray] |
             progress["next"] += 1
         progress["time"], progress["states"] = at, list(core.states)  # states are replaced on a fold, never changed
 
-    for _ in replay(run_dir / "merger", on_fold, strict=False):
-        pass
+    for position, expected, rebuilt in replay(run_dir / "merger", on_fold, strict=False):
+        if expected != rebuilt:
+            raise ReplayError(f"{run_dir}: the model rebuilt from the log differs from the merger's checkpoint at record {position}")
+    if progress["states"] is not None and not folded_at:
+        raise ReplayError(f"{run_dir}: the log has folds but logs/merger.log dates none of them")
     for i in order[progress["next"]:]:
         found[i] = _params(progress["states"])
     return found

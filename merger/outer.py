@@ -16,8 +16,11 @@ by their share of a round (`merge.share_window`).  Each fold takes the plain ste
 already scaled by its share); when the shares folded since the momentum's last update reach a whole
 round (1), the momentum absorbs their sum, ``m <- beta * m + sum(g)``, and the parameters take the
 extra step ``lr * beta * m``.  Four folds of a quarter each then move the model as one synchronous
-Nesterov step on their mean does, and the momentum decays once per round, as DiLoCo's does, not
-once per fold (which, with four one-island folds per round, is ``beta ** 4`` a round).  A fold of a
+Nesterov step on their mean does, and the momentum decays once per round of shares, as DiLoCo's
+does once per round, not once per fold (which, with four one-island folds per round, is
+``beta ** 4`` a round).  With unequal speeds a round of shares is not a round of the fastest
+island: shares are token weights, so two half-speed islands' deltas count as much as the fast
+ones' but come half as often (with two of each, about 4/3 of a fast island's round).  A fold of a
 whole round (share 1: the synchronous modes, or share_window 0) is exactly Nesterov SGD.  Every
 optimizer's update takes the fold's share (optax extra args); the others ignore it.
 """

@@ -7,12 +7,14 @@ import datetime
 import json
 
 import numpy as np
+import pytest
 
 import protocol
 from cluster.globalmodel import cluster_tokens, states_at, when_cluster_reached
 from merger.config import MergeConfig, MergerConfig
-from merger.core import MergerCore
-from merger.recovery import wal_dir
+from merger import checkpoint
+from merger.core import MergerCore, ReplayError
+from merger.recovery import checkpoint_dir, wal_dir
 from merger.wal import WriteAheadLog
 from tests.merger_helpers import assemble, delta_chunks, initial_params
 
@@ -45,6 +47,23 @@ def test_the_model_at_a_moment_is_every_fold_made_by_then(tmp_path):
         if want is not None:
             assert got.keys() == want.keys() and all(np.array_equal(got[p], want[p]) for p in want)
     assert any(not np.array_equal(after[0][p], after[2][p]) for p in after[0])  # the moments are told apart
+
+    # the first fold's line lost too: it takes the earliest logged time (fold 1's, 1010), as fold 2 does
+    (tmp_path / "logs" / "merger.log").write_text("".join(json.dumps(line) + "\n" for line in lines[1:]))
+    early, at_1010 = states_at(tmp_path, [1005.0, 1010.0])
+    assert early is None and all(np.array_equal(at_1010[p], after[2][p]) for p in after[2])
+    # no fold dated at all: the moments cannot be placed, which is an error, not the final model everywhere
+    (tmp_path / "logs" / "merger.log").write_text("")
+    with pytest.raises(ReplayError, match="dates none"):
+        states_at(tmp_path, [1005.0])
+    # a checkpoint the replay does not reproduce (another model than the log's): an error
+    (tmp_path / "logs" / "merger.log").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    forged = MergerCore(MergerConfig(MergeConfig(max_staleness=4)), protocol.model_fingerprint(params), parts, initial_params(seed=1))
+    for state_index, state in enumerate(forged.states):
+        forged.states[state_index] = state._replace(version=core.states[state_index].version)
+    checkpoint.save(checkpoint_dir(tmp_path / "merger"), forged, 3)
+    with pytest.raises(ReplayError, match="differs from the merger's checkpoint"):
+        states_at(tmp_path, [1005.0])
 
 
 def test_cluster_tokens_sum_every_island_and_life_at_a_moment():
