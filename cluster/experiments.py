@@ -302,11 +302,7 @@ def plot(name: str, results: list[RunResult], out_dir: Path) -> list[Path]:
         axes.set_title(f"{name}: one line per island, one colour per run")
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
-        figure.tight_layout()
-        path = out_dir / f"{name}_loss_vs_{'tokens' if x_key == 'tokens' else 'time'}.png"
-        figure.savefig(path, dpi=100)
-        plt.close(figure)
-        made.append(path)
+        made.append(_save(plt, figure, out_dir / f"{name}_loss_vs_{'tokens' if x_key == 'tokens' else 'time'}.png"))
     if any(r.global_curve for r in results):
         figure, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
         for index, r in enumerate(results):
@@ -319,12 +315,15 @@ def plot(name: str, results: list[RunResult], out_dir: Path) -> list[Path]:
         for axes in (by_tokens, by_time):
             axes.grid(alpha=0.3)
         by_tokens.legend(fontsize=8)
-        figure.tight_layout()
-        path = out_dir / f"{name}_global.png"
-        figure.savefig(path, dpi=100)
-        plt.close(figure)
-        made.append(path)
+        made.append(_save(plt, figure, out_dir / f"{name}_global.png"))
     return made
+
+
+def _save(plt, figure, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
 
 
 def run(name: str, out_dir: Path, quick: bool = False, config_path: Path | None = None, seconds: float | None = None,
