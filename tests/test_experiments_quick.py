@@ -27,7 +27,9 @@ def quick(name: str, tmp_path) -> dict[str, experiments.RunResult]:
         assert r.exit_code == 0, r.label
         assert r.global_after is not None and r.global_after < r.global_before, f"{r.label} did not train"
         # the merger's model rebuilt from its log during the run, and at the suite's equal cluster tokens
-        assert len(r.global_curve) == experiments.GLOBAL_POINTS and r.global_equal is not None and r.global_equal < r.global_before, r.label
+        assert len(r.global_curve) == experiments.GLOBAL_POINTS and r.global_curve[-1]["eval_loss"] < r.global_before, r.label
+        # at equal cluster tokens a synchronous run may not have folded yet (its model is then the initial one)
+        assert r.global_equal is not None and r.global_equal <= r.global_before, r.label
         # two accountings agree: the cluster's tokens at its last step are the islands' totals (every life)
         tokens = [p["cluster_tokens"] for p in r.global_curve]
         assert tokens == sorted(tokens) and tokens[-1] == experiments.cluster_tokens(r) > tokens[0], r.label
