@@ -185,7 +185,7 @@ def measure_global(results: list[RunResult], points: int = GLOBAL_POINTS, log=la
 
 def _measure_global_run(r: RunResult, equal: int, points: int) -> None:
     """measure_global for one run (raises when its merger's log cannot be replayed faithfully)."""
-    from cluster.globalmodel import Evaluator, cluster_tokens as tokens_at, states_at, when_cluster_reached
+    from cluster.globalmodel import Evaluator, cluster_tokens_at, states_at, when_cluster_reached
 
     steps = {name: lives([e for e in read_metrics(r.run_dir / "metrics" / f"{name}.jsonl") if "step" in e and "wall" in e])
              for name in r.last}
@@ -199,7 +199,7 @@ def _measure_global_run(r: RunResult, equal: int, points: int) -> None:
     params = states_at(r.run_dir, moments + [reached if reached is not None else ended])
     # before the merger's first fold its model is the initial one (global_before)
     losses = [r.global_before if p is None else evaluator.loss(p) for p in params]
-    r.global_curve = [{"since_start": at - began, "cluster_tokens": tokens_at(steps, at), "eval_loss": loss} for at, loss in zip(moments, losses)]
+    r.global_curve = [{"since_start": at - began, "cluster_tokens": cluster_tokens_at(steps, at), "eval_loss": loss} for at, loss in zip(moments, losses)]
     r.global_equal = losses[-1] if reached is not None else None
 
 

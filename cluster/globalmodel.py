@@ -52,7 +52,7 @@ class Evaluator:
                           for fragment in saved["fragments"] for path, entry in fragment["params"].items()})
 
 
-def cluster_tokens(lives_by_island: dict[str, list[list[dict]]], at: float) -> int:
+def cluster_tokens_at(lives_by_island: dict[str, list[list[dict]]], at: float) -> int:
     """Tokens the whole cluster had trained by wall time `at`: each island's last step event at or
     before it, summed over the island's lives (a restarted island counts from 0 again)."""
     total = 0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import protocol
-from cluster.globalmodel import cluster_tokens, states_at, when_cluster_reached
+from cluster.globalmodel import cluster_tokens_at, states_at, when_cluster_reached
 from merger.config import MergeConfig, MergerConfig
 from merger import checkpoint
 from merger.core import MergerCore, ReplayError
@@ -72,10 +72,10 @@ def test_cluster_tokens_sum_every_island_and_life_at_a_moment():
               [{"step": 0, "wall": 5.0, "tokens": 0}, {"step": 1, "wall": 6.0, "tokens": 100}]],  # a restarted: counts from 0 again
         "b": [[{"step": 0, "wall": 0.5, "tokens": 0}, {"step": 1, "wall": 2.0, "tokens": 50}, {"step": 2, "wall": 4.0, "tokens": 100}]],
     }
-    assert cluster_tokens(steps, 0.9) == 0
-    assert cluster_tokens(steps, 2.0) == 150
-    assert cluster_tokens(steps, 4.0) == 300
-    assert cluster_tokens(steps, 10.0) == 400
+    assert cluster_tokens_at(steps, 0.9) == 0
+    assert cluster_tokens_at(steps, 2.0) == 150
+    assert cluster_tokens_at(steps, 4.0) == 300
+    assert cluster_tokens_at(steps, 10.0) == 400
     assert when_cluster_reached(steps, 150) == 2.0
     assert when_cluster_reached(steps, 301) == 6.0
     assert when_cluster_reached(steps, 401) is None
