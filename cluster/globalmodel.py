@@ -3,7 +3,7 @@ rebuilt from the merger's write-ahead log (merger.recovery.replay: the same byte
 
 The islands' evaluations measure each island's own parameters; this measures the one model the
 cluster trains, against the wall clock and against the tokens the whole cluster had trained by then
-(`cluster_tokens`: every island, every life), which is the compute spent.
+(`cluster_tokens_at`: every island, every life), which is the compute spent.
 """
 
 from __future__ import annotations
