@@ -65,8 +65,9 @@ def render(config: ClusterConfig, profile: str) -> str:
                 "merger": service(commands["merger"], [f"tcp://127.0.0.1:{_port('DLOCO_CONTROL_PORT')}"],
                                   {"broker": "service_healthy"}, stop_grace_period="60s")}
     for region in config.regions:  # healthy while its metrics keep coming
+        cpus = {"cpus": round(config.cpus_of(region), 4)} if config.island_cpus else {}  # docker's CPU quota, as dloco up sets it
         services[region.name] = service(commands[region.name], [f"{RUN}/metrics/{region.name}.jsonl", "--max-age", "120"],
-                                        {"merger": "service_healthy"}, stop_grace_period="60s")
+                                        {"merger": "service_healthy"}, stop_grace_period="60s", **cpus)
     return HEADER.format(profile=profile) + yaml.safe_dump({"name": "dloco", "services": services}, sort_keys=False, default_flow_style=None, width=120)
 
 
@@ -95,9 +96,10 @@ class Service:
     health_retries: int = 60
     depends: dict[str, str] = dataclasses.field(default_factory=dict)  # service -> condition
     one_shot: bool = False  # runs to completion before its dependents start (prepare)
+    cpus: float | None = None  # a CPU quota in cores (compose's `cpus`; cluster.cpuquota)
 
 
-_KNOWN = {"image", "build", "command", "environment", "volumes", "depends_on", "healthcheck", "stop_grace_period"}
+_KNOWN = {"image", "build", "command", "environment", "volumes", "depends_on", "healthcheck", "stop_grace_period", "cpus"}
 _CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 
 
@@ -105,6 +107,20 @@ def _seconds(text: str) -> float:
     match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m)?", str(text))
     require(match is not None, f"compose duration {text!r}: expected e.g. 2s")
     return float(match.group(1)) * {"ms": 0.001, "s": 1, None: 1, "m": 60}[match.group(2)]
+
+
+def _cpus(value, command: list, where: str) -> float | None:
+    """compose's `cpus` (a number or a numeric string) as cores, or None when absent.  Run locally,
+    a quota applies to islands only (they enter it after compiling: island/cpugroup.py)."""
+    if value is None:
+        return None
+    require(command[:2] == ["dloco", "island"], f"{where}: cpus is applied to `dloco island` services only when run locally")
+    try:
+        cores = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: cpus must be a number of cores, got {value!r}") from None
+    require(0 < cores < float("inf"), f"{where}: cpus must be > 0, got {value!r}")
+    return cores
 
 
 def _localize(args: list, env: dict[str, str], mounts: list[tuple[str, str]], hosts: list[str], program: list[str]) -> list[str]:
@@ -163,7 +179,7 @@ def load(path: Path, env: dict[str, str], program: list[str] | None = None) -> d
             conditions[other] = rule.get("condition", "service_started")
             require(conditions[other] in _CONDITIONS, f"{path}: service {name}: unknown condition {conditions[other]!r}")
         services[name] = Service(localize(command), {k: interpolate(str(v), env) for k, v in environment.items()}, health, interval, retries,
-                                 conditions)
+                                 conditions, cpus=_cpus(spec.get("cpus"), command, f"{path}: service {name}"))
     for name, service in services.items():
         for other, condition in service.depends.items():
             require(condition != "service_healthy" or services[other].health is not None,

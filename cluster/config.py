@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 from cluster.chaos import ChaosEvent, check
+from cluster.cpuquota import quota_us
 from island.config import SyncConfig
 from merger.config import FULL_SNAPSHOT_CODECS
 from protocol import CODEC_NAMES
@@ -54,6 +55,10 @@ class ClusterConfig:
                                                               "snapshot_every_round": 0.0})
     chaos: tuple[ChaosEvent, ...] = ()  # kill -9 / restart schedule (cluster.chaos)
     mode: str = "decoupled"  # or a synchronous baseline: "sync-diloco", "sync-dp" (see MODES)
+    # Cores a full-speed island may use (a CPU quota, cluster/cpuquota.py); a region's slowdown then
+    # divides its quota instead of making it sleep.  0: no quota, slow regions sleep (their CPU goes
+    # to the other processes of the machine).
+    island_cpus: float = 0.0
 
     def __post_init__(self) -> None:
         require(len(self.regions) >= 1, "a cluster needs at least one region")
@@ -65,6 +70,13 @@ class ClusterConfig:
         SyncConfig(**self.sync)  # the island's own checks (codec, adoption and alpha, H >= P, ...), with its messages
         check(self.chaos, self.process_names)
         require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
+        cpus = self.island_cpus
+        require(type(cpus) in (int, float) and 0 <= cpus < float("inf"), f"run.island_cpus must be a number of cores >= 0, got {cpus!r}")
+        for region in self.regions if cpus else ():
+            try:
+                quota_us(self.cpus_of(region))
+            except ValueError as error:
+                raise ConfigError(f"run.island_cpus = {cpus} for region {region.name} (slowdown {region.slowdown}): {error}") from None
         require(self.merger["snapshot_codec"] in FULL_SNAPSHOT_CODECS,
                 f"merger.snapshot_codec must be one of {FULL_SNAPSHOT_CODECS}, got {self.merger['snapshot_codec']!r}")
         require(self.merger["snapshot_codec"] != "int8" or self.merger["snapshot_diff_codec"] != "none",
@@ -84,6 +96,10 @@ class ClusterConfig:
         sync.update(overrides.get("sync", {}))
         merger.update({k: (len(self.regions) if v == "all" else v) for k, v in overrides.get("merger", {}).items()})
         return sync, merger
+
+    def cpus_of(self, region: Region) -> float | None:
+        """The cores `region`'s island may use (None: no quota)."""
+        return self.island_cpus / region.slowdown if self.island_cpus else None
 
     @property
     def process_names(self) -> list[str]:
@@ -124,7 +140,7 @@ MODES = {
                            "snapshot_diff_codec": "none", "share_window": 0, "snapshot_every_round": 0.0}},
 }
 
-_SECTIONS = {"run": {"duration_s", "eval_every", "eval_early", "eval_trace", "seed", "mode"}, "model": {"width", "depth", "heads", "context", "batch"},
+_SECTIONS = {"run": {"duration_s", "eval_every", "eval_early", "eval_trace", "seed", "mode", "island_cpus"}, "model": {"width", "depth", "heads", "context", "batch"},
              "sync": {"fragments", "interval", "codec", "adoption", "alpha", "error_feedback", "flush_on_leave"},
              "merger": {"max_staleness", "quorum", "grace_cap_s", "outer", "outer_lr", "snapshot_codec", "merge", "quorum_timeout_s", "delay",
                         "snapshot_diff_codec", "snapshot_full_every", "share_window", "snapshot_every_round"}}
@@ -163,6 +179,7 @@ def load(path: str | Path | None = None) -> ClusterConfig:
         regions=tuple(regions), duration_s=float(run.get("duration_s", defaults.duration_s)),
         eval_every=int(run.get("eval_every", defaults.eval_every)), eval_early=run.get("eval_early", defaults.eval_early),
         eval_trace=run.get("eval_trace", defaults.eval_trace), seed=int(run.get("seed", defaults.seed)), mode=str(run.get("mode", "decoupled")),
+        island_cpus=run.get("island_cpus", defaults.island_cpus),
         model={**defaults.model, **data.get("model", {})}, sync={**defaults.sync, **data.get("sync", {})},
         merger={**defaults.merger, **data.get("merger", {})}, chaos=tuple(sorted(chaos, key=lambda e: e.at_s)),
     )

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster import config as cluster_config
+from cluster import cpuquota
 from cluster.chaos import ChaosEvent
 from cluster.config import ClusterConfig
 from cluster.runinfo import chaos_effects, last_step, lives, read_metrics
@@ -69,6 +70,17 @@ def _faults(c: ClusterConfig) -> ClusterConfig:
     return dataclasses.replace(c, chaos=tuple(ChaosEvent(round(f * d, 1), action, target) for f, action, target in schedule))
 
 
+# Speed emulated by CPU quotas (cluster/cpuquota.py): a full-speed island may use 0.45 cores, a
+# half-speed one 0.225, whatever its peers do; four full-speed islands take 1.8 of this machine's 2
+# cores and leave the rest to the merger and the broker.  With sleeps instead, the half-speed
+# islands' CPU went to the fast ones (587 steps against 396-410 in a uniform cluster, eighth session).
+CAPPED_CPUS = 0.45
+
+
+def _capped(c: ClusterConfig) -> ClusterConfig:
+    return dataclasses.replace(c, island_cpus=CAPPED_CPUS)
+
+
 # Fewer bytes down: H = 96, and a fragment's snapshot on the bus at most once per round of its fastest
 # island (an island's base is then up to a round of folds behind: max_staleness 8).  See default.toml.
 LEAN = _both(_set("sync", interval=96), _set("merger", snapshot_every_round=1.0, max_staleness=8))
@@ -80,9 +92,11 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
                 [("decoupled", _mode("decoupled")), ("decoupled-h96-held", _both(_mode("decoupled"), LEAN)),
                  ("sync-diloco", _mode("sync-diloco")), ("sync-dp", _mode("sync-dp"))]),
     "heterogeneous": ("Four islands, two at half speed, against four at full speed, in decoupled and sync-diloco: "
-                      "do the fast islands wait for the slow ones?",
-                      [("decoupled-mixed", _mode("decoupled")), ("decoupled-uniform", _both(_mode("decoupled"), _homogeneous)),
-                       ("sync-diloco-mixed", _mode("sync-diloco")), ("sync-diloco-uniform", _both(_mode("sync-diloco"), _homogeneous))]),
+                      "do the fast islands wait for the slow ones, and does the slow hardware cost the model anything? Speeds are "
+                      "CPU quotas (0.45 cores per full-speed island), so a slow island's cycles go to nobody else.",
+                      [("decoupled-mixed", _both(_mode("decoupled"), _capped)), ("decoupled-uniform", _both(_mode("decoupled"), _homogeneous, _capped)),
+                       ("sync-diloco-mixed", _both(_mode("sync-diloco"), _capped)),
+                       ("sync-diloco-uniform", _both(_mode("sync-diloco"), _homogeneous, _capped))]),
     "faults": ("One island killed -9 for a quarter of the run, then the merger, in decoupled and sync-diloco: the survivors' step "
                "rate during the island's absence, the time to the next fold after the merger comes back, the loss curve.",
                [("decoupled", _both(_mode("decoupled"), _faults)), ("sync-diloco", _both(_mode("sync-diloco"), _faults))]),
@@ -252,7 +266,8 @@ def summarize(name: str, description: str, results: list[RunResult], command: st
     target = max(min(e["eval_loss"] for events in r.evals.values() for e in events) for r in results if any(r.evals.values()))
     equal_tokens = min(max(e["tokens"] for e in first) for r in results for events in r.evals.values() if (first := _first_life(events)))
     lines = [f"## `{name}`", "", description, "", f"Command: `{command}` ({seconds:.0f} s of wall clock for the suite, "
-             f"{results[0].config.duration_s:.0f} s per run, {'/'.join(str(n) for n in sorted({len(r.config.regions) for r in results}))} islands).", "",
+             f"{results[0].config.duration_s:.0f} s per run, {'/'.join(str(n) for n in sorted({len(r.config.regions) for r in results}))} islands; "
+             f"{_speeds(results)}).", "",
              f"| run | global held-out loss (initial → final) | global loss at {min(cluster_tokens(r) for r in results):,} cluster tokens | time to island loss ≤ {target:.3f} (from the cluster's first step) | island loss at {equal_tokens:,} tokens "
              "| compute utilisation per island | bytes on the wire per token | exit |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -280,6 +295,14 @@ def summarize(name: str, description: str, results: list[RunResult], command: st
     lines += ["", f"![{name}: loss vs tokens](experiments/{name}_loss_vs_tokens.png) ![{name}: loss vs time](experiments/{name}_loss_vs_time.png)"
               + (f" ![{name}: the merger's model](experiments/{name}_global.png)" if any(r.global_curve for r in results) else ""), ""]
     return "\n".join(lines)
+
+
+def _speeds(results: list[RunResult]) -> str:
+    """How the runs emulated slow hardware: CPU quotas (their cores) or sleeps."""
+    cores = sorted({r.config.island_cpus for r in results})
+    if cores == [0.0]:
+        return "a slow region sleeps its slowdown, its CPU free for the others"
+    return f"CPU quotas: {'/'.join(f'{c:g}' for c in cores)} cores per full-speed island, divided by a region's slowdown"
 
 
 def plot(name: str, results: list[RunResult], out_dir: Path) -> list[Path]:
@@ -355,9 +378,12 @@ def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path |
     if quick:
         base = dataclasses.replace(base, model={**base.model, **QUICK_MODEL}, eval_every=20, eval_trace=0 if untraced else QUICK_EVAL_TRACE)
         runs = [(label, transform) for label, transform in runs if label in QUICK_RUNS.get(name, (label,))]
+    configs = [(label, transform(base)) for label, transform in runs]
+    if any(config.island_cpus for _, config in configs) and (reason := cpuquota.unavailable()) is not None:
+        log(f"dloco experiment {name}: no CPU quotas here ({reason}); slow regions sleep instead, and a sleeping island's CPU goes to the others")
+        configs = [(label, dataclasses.replace(config, island_cpus=0.0)) for label, config in configs]
     started, results = time.monotonic(), []
-    for index, (label, transform) in enumerate(runs, 1):
-        config = transform(base)
+    for index, (label, config) in enumerate(configs, 1):
         run_dir = out_dir / name / label
         log(f"dloco experiment {name}: run {index}/{len(runs)} {label} ({config.duration_s:.0f} s) -> {run_dir}")
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from broker.security import create_keys
-from cluster import compose, topology
+from cluster import compose, cpuquota, topology
 from cluster.compose import Service
 from cluster.config import ClusterConfig
 from cluster.liveview import LiveView
@@ -60,7 +60,8 @@ def native_services(config: ClusterConfig, run_dir: Path) -> dict[str, Service]:
     """Broker, merger and islands as processes of this Python on 127.0.0.1, free ports."""
     ports = [str(p) for p in free_ports(5)]
     commands = topology.commands(config, topology.Addresses(broker_ports=tuple(ports[:4]), control_port=ports[4]), str(run_dir))
-    return {name: Service(dloco(*args)) for name, args in commands.items()}
+    cpus = {r.name: config.cpus_of(r) for r in config.regions}
+    return {name: Service(dloco(*args), cpus=cpus.get(name)) for name, args in commands.items()}
 
 
 class Cluster:
@@ -68,14 +69,26 @@ class Cluster:
         self.config, self.run_dir, self.services, self.order = config, run_dir, services, order
         self.processes: dict[str, subprocess.Popen] = {}
         self.down: set[str] = set()  # killed on purpose (chaos), not yet restarted
+        capped = {name: service.cpus for name, service in services.items() if service.cpus}
+        self.quotas = None
+        if capped:  # before anything starts: a machine without the controller fails here, with the reason
+            self.quotas = cpuquota.CpuQuotas(cpuquota.detect(), f"dloco-{os.getpid()}")
+            try:
+                for name, cores in capped.items():
+                    self.quotas.create(name, cores)
+            except cpuquota.CpuQuotaError:
+                self.quotas.close()
+                raise
 
     # ---- processes -----------------------------------------------------------------------------
     def start(self, name: str) -> None:
         service = self.services[name]
         env = {**os.environ, **service.env} if service.env else None
+        # A capped island enters its quota's group itself, after compiling (island/cpugroup.py).
+        command = [*service.command, "--cpu-cgroup", str(self.quotas.groups[name])] if service.cpus else service.command
         with open(self.run_dir / "logs" / f"{name}.log", "ab") as log:
             # A session of its own: a terminal's Ctrl-C reaches only the launcher, which stops the rest in order.
-            self.processes[name] = subprocess.Popen(service.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.down.discard(name)
 
     def start_all(self) -> None:
@@ -110,6 +123,19 @@ class Cluster:
 
     def restart(self, name: str) -> None:
         self.start(name)
+
+    def quota_summary(self) -> str | None:
+        """One line on the CPU quotas (None without), with a warning when they add up to more than
+        the cores this launcher may use: then they do not keep the islands from slowing each other."""
+        if self.quotas is None:
+            return None
+        cores = {name: s.cpus for name, s in self.services.items() if s.cpus}
+        total, machine = sum(cores.values()), len(os.sched_getaffinity(0))
+        line = (f"dloco up: CPU quotas (cgroup v{self.quotas.controller.version}, {self.quotas.root}): "
+                + ", ".join(f"{name} {value:g}" for name, value in cores.items()) + f" cores; {total:g} of {machine}")
+        if total > machine:
+            line += f"; WARNING: more than the machine's {machine} cores, so the islands still compete for CPU"
+        return line
 
     def unexpectedly_dead(self) -> list[str]:
         return [n for n, p in self.processes.items() if n not in self.down and p.poll() is not None]
@@ -161,6 +187,8 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
     pending = list(config.chaos)
     try:
         print(f"dloco up: preparing {run_dir} (keys, initial model) ...", file=out, flush=True)
+        if (quotas := cluster.quota_summary()) is not None:
+            print(quotas, file=out, flush=True)
         if compose_file is None:
             prepare(config, run_dir)
         cluster.start_all()
@@ -184,6 +212,9 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
     finally:
         print("dloco up: stopping (islands, then merger, then broker) ...", file=out, flush=True)
         codes = cluster.stop_all()
+        if cluster.quotas is not None:
+            for group in cluster.quotas.close():
+                print(f"dloco up: could not remove the cgroup {group}", file=out, flush=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     from cluster.report import write_report

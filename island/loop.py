@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -45,11 +45,13 @@ class FragmentProgress:
 
 class IslandLoop:
     def __init__(self, trainer: Trainer, batches: Batches, eval_batches: list[np.ndarray], train: TrainConfig, sync: SyncConfig,
-                 metrics: MetricsWriter, link: Link | None = None, slowdown: float = 1.0, log=None) -> None:
+                 metrics: MetricsWriter, link: Link | None = None, slowdown: float = 1.0, log=None,
+                 on_compiled: Callable[[], None] | None = None) -> None:
         if slowdown < 1:
             raise ValueError(f"slowdown must be >= 1, got {slowdown}")
         self.trainer, self.batches, self.eval_batches = trainer, batches, eval_batches
         self.train, self.sync, self.metrics, self.link, self.slowdown, self.log = train, sync, metrics, link, slowdown, log
+        self.on_compiled = on_compiled  # called once after step 1 (mostly compiling): a CPU quota starts there (island/cpugroup.py)
         params = trainer.params()
         self.parts = fragments.partition({p: v.shape for p, v in params.items()}, sync.fragments)
         self.progress = [FragmentProgress({p: params[p] for p in paths}) for paths in self.parts]
@@ -91,6 +93,8 @@ class IslandLoop:
             if self.slowdown > 1 and step > 1:  # an older chip: the same work takes `slowdown` times as long (step 1 is mostly compiling)
                 time.sleep(compute * (self.slowdown - 1))
             self.compute_s += compute * self.slowdown if step > 1 else compute  # step 1: compiling, not slowed down
+            if step == 1 and self.on_compiled is not None:
+                self.on_compiled()
             step_tokens = batch.shape[0] * (batch.shape[1] - 1)
             self.tokens += step_tokens
             for progress in self.progress:

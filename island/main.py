@@ -40,6 +40,9 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     island.add_argument("--eval-batches", type=positive_int, default=8)
     island.add_argument("--seed", type=int, default=0)
     island.add_argument("--slowdown", type=float, default=1.0, help="each step takes X times its measured compute (an older chip)")
+    island.add_argument("--cpu-cgroup", type=Path, default=None, metavar="DIR",
+                        help="a cgroup with a CPU quota (made by dloco up for run.island_cpus): the island trains in it from its "
+                             "second step and leaves it when training ends (an older chip, without sleeping)")
     island.add_argument("--metrics-out", type=Path, default=None, help="JSON lines, one object per step")
     island.add_argument("--write-init", type=Path, default=None, help="write the initial parameters (.npz, for `dloco merger --init-npz`) and exit")
     network = island.add_argument_group("network (all connect: islands only dial out)")
@@ -77,6 +80,7 @@ def run_island(args: argparse.Namespace) -> int:
     from cluster.telemetry import configure_logging
     from island import data
     from island.config import ModelConfig, SyncConfig, TrainConfig
+    from island.cpugroup import CpuGroup
     from island.loop import IslandLoop
     from island.metrics import MetricsWriter
     from broker.security import security_from_args
@@ -115,10 +119,11 @@ def run_island(args: argparse.Namespace) -> int:
                                args.control_endpoint, LinkShaper.from_mbps(args.uplink_mbps, args.rtt_ms),
                                LinkShaper.from_mbps(args.downlink_mbps, args.rtt_ms), log=log, security=security,
                                bus_server=args.bus_server, control_server=args.control_server)
+        cpu_group = CpuGroup(args.cpu_cgroup) if args.cpu_cgroup is not None else None
         metrics = MetricsWriter(args.metrics_out)
         loop = IslandLoop(trainer, data.Batches(shards[args.island_index], args.batch, args.context, args.seed, args.island_index),
                           data.eval_batches(evaluation, args.batch, args.context, args.eval_batches), train, sync, metrics,
-                          link=link, slowdown=args.slowdown, log=log)
+                          link=link, slowdown=args.slowdown, log=log, on_compiled=cpu_group.join if cpu_group else None)
         signals = []
         for sig in (signal.SIGTERM, signal.SIGINT):  # stop after the current step, then drain and exit 0
             signal.signal(sig, lambda *_: (signals.append(True), setattr(loop, "stop_requested", True)))
@@ -127,6 +132,8 @@ def run_island(args: argparse.Namespace) -> int:
             loop.join(args.join_timeout)
             log.info("joined", versions=[p.version for p in loop.progress])
         summary = loop.run()
+        if cpu_group is not None:
+            cpu_group.leave()  # sending the last deltas and evaluating the trace are not the emulated chip's work
         if link is not None:
             if sync.flush_on_leave:
                 summary["flushed"] = loop.flush()
