@@ -134,9 +134,9 @@ DEFAULT_SECONDS = {"speedup": 300.0, "heterogeneous": 300.0, "faults": 300.0, "q
                    "adoption": 300.0, "merging": 210.0, "downlink": 300.0}
 # --quick: the tiny model, a few runs per suite (the ones whose direction shows in a minute), each suite
 # within 3 minutes on 2 cores (about 15 s of start-up per run on top of its seconds).
-QUICK_SECONDS = {"speedup": 35.0, "heterogeneous": 25.0, "faults": 65.0, "quantization": 35.0, "quantization-sync": 40.0, "adoption": 40.0,
+QUICK_SECONDS = {"speedup": 35.0, "heterogeneous": 40.0, "faults": 65.0, "quantization": 35.0, "quantization-sync": 40.0, "adoption": 40.0,
                  "merging": 35.0, "downlink": 40.0}
-QUICK_RUNS = {"speedup": ("decoupled", "sync-diloco", "sync-dp"), "quantization": ("fp32", "int4", "int2"), "quantization-sync": ("fp32", "int4"), "adoption": ("rebase-uniform", "replace-uniform"),
+QUICK_RUNS = {"speedup": ("decoupled", "sync-diloco", "sync-dp"), "heterogeneous": ("decoupled-mixed", "sync-diloco-mixed", "sync-diloco-uniform"), "quantization": ("fp32", "int4", "int2"), "quantization-sync": ("fp32", "int4"), "adoption": ("rebase-uniform", "replace-uniform"),
               "merging": ("average-4-islands", "rda-4-islands", "round-nesterov-lr0.7-4-islands")}
 QUICK_MODEL = {"width": 32, "depth": 1, "heads": 2, "context": 32, "batch": 8}
 # Islands evaluate each of their first N steps after training (below eval_every, 50 and 20 in quick

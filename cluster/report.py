@@ -98,7 +98,8 @@ def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int
         last = last_step(lives(events))  # a restarted island: its last life's step and rate, every life's tokens and bytes
         evals = [e["eval_loss"] for e in events if "eval_loss" in e]
         seconds = last.get("time", 0) or float("nan")
-        lines.append(f"| {region.name} | {region.slowdown} | {region.uplink_mbps or '∞'}/{region.downlink_mbps or '∞'}, {region.rtt_ms:.0f} ms "
+        speed = f"{region.slowdown} ({config.cpus_of(region):g}-core quota)" if config.island_cpus else region.slowdown
+        lines.append(f"| {region.name} | {speed} | {region.uplink_mbps or '∞'}/{region.downlink_mbps or '∞'}, {region.rtt_ms:.0f} ms "
                      f"| {last.get('step', 0)} | {last.get('tokens', 0):,} | {last.get('step', 0) / seconds:.2f} | {last.get('compute_util', float('nan')):.3f} "
                      f"| {last.get('loss', float('nan')):.3f} | {evals[-1] if evals else float('nan'):.3f} | {last.get('bytes_sent', 0):,} "
                      f"| {last.get('bytes_received', 0):,} | {folded_by.get(region.name, 0)} | {exit_codes.get(region.name)} |")

@@ -83,6 +83,11 @@ def test_every_suite_builds_valid_cluster_files():
     assert sorted(reproducible) == sorted(["fp32", "bf16", "int8", "int4", "int4-ef", "int2", "int2-ef"])
     assert {c.mode for c in (t(base) for t in reproducible.values())} == {"sync-diloco"}
     assert reproducible["int4-ef"](base).sync == {**base.sync, "codec": "int4", "error_feedback": True}
+    heterogeneous = {label: t(base) for label, t in experiments.SUITES["heterogeneous"][1]}
+    assert {c.island_cpus for c in heterogeneous.values()} == {experiments.CAPPED_CPUS}  # speeds as CPU quotas in every run of the pair
+    cores = {label: [c.cpus_of(r) for r in c.regions] for label, c in heterogeneous.items()}
+    assert cores["decoupled-mixed"] == cores["sync-diloco-mixed"] == [0.45, 0.45, 0.225, 0.225]
+    assert cores["decoupled-uniform"] == cores["sync-diloco-uniform"] == [0.45] * 4  # 1.8 cores: within this machine's 2, so quotas bind
     adoption = dict(experiments.SUITES["adoption"][1])
     assert adoption["replace-uniform"](base).sync["adoption"] == "replace" and adoption["rebase-mixed"](base).sync["adoption"] == "rebase"
     assert {r.slowdown for r in adoption["rebase-uniform"](base).regions} == {1.0} < {r.slowdown for r in adoption["rebase-mixed"](base).regions}
