@@ -70,6 +70,11 @@ class ClusterConfig:
         SyncConfig(**self.sync)  # the island's own checks (codec, adoption and alpha, H >= P, ...), with its messages
         check(self.chaos, self.process_names)
         require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
+        sync, merger = self.effective()
+        settle = sync.get("settle_timeout_s", SyncConfig.settle_timeout_s)
+        require(not sync.get("blocking") or settle > merger["quorum_timeout_s"],
+                f"sync.settle_timeout_s ({settle}) must exceed merger.quorum_timeout_s ({merger['quorum_timeout_s']}) "
+                f"in mode {self.mode}: an island would stop waiting for a round the merger still waits to complete")
         cpus = self.island_cpus
         require(type(cpus) in (int, float) and 0 <= cpus < float("inf"), f"run.island_cpus must be a number of cores >= 0, got {cpus!r}")
         for region in self.regions if cpus else ():
@@ -141,7 +146,7 @@ MODES = {
 }
 
 _SECTIONS = {"run": {"duration_s", "eval_every", "eval_early", "eval_trace", "seed", "mode", "island_cpus"}, "model": {"width", "depth", "heads", "context", "batch"},
-             "sync": {"fragments", "interval", "codec", "adoption", "alpha", "error_feedback", "flush_on_leave"},
+             "sync": {"fragments", "interval", "codec", "adoption", "alpha", "error_feedback", "flush_on_leave", "settle_timeout_s"},
              "merger": {"max_staleness", "quorum", "grace_cap_s", "outer", "outer_lr", "snapshot_codec", "merge", "quorum_timeout_s", "delay",
                         "snapshot_diff_codec", "snapshot_full_every", "share_window", "snapshot_every_round"}}
 

@@ -81,6 +81,12 @@ def _capped(c: ClusterConfig) -> ClusterConfig:
     return dataclasses.replace(c, island_cpus=CAPPED_CPUS)
 
 
+# sync-diloco with quotas: a half-speed island (0.225 cores, ~0.47 steps/s) finishes its H = 48 steps
+# ~50 s after the fast ones, past the profile's 30 s quorum timeout, which then folded the fast pair
+# alone and split every round in two (first run, 2026-12-01).  Classic DiLoCo waits for everyone.
+WAIT_FOR_SLOW = _both(_set("sync", settle_timeout_s=180.0), _set("merger", quorum_timeout_s=150.0))  # settle first: it must exceed the quorum timeout
+
+
 # Fewer bytes down: H = 96, and a fragment's snapshot on the bus at most once per round of its fastest
 # island (an island's base is then up to a round of folds behind: max_staleness 8).  See default.toml.
 LEAN = _both(_set("sync", interval=96), _set("merger", snapshot_every_round=1.0, max_staleness=8))
@@ -95,8 +101,8 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
                       "do the fast islands wait for the slow ones, and does the slow hardware cost the model anything? Speeds are "
                       "CPU quotas (0.45 cores per full-speed island), so a slow island's cycles go to nobody else.",
                       [("decoupled-mixed", _both(_mode("decoupled"), _capped)), ("decoupled-uniform", _both(_mode("decoupled"), _homogeneous, _capped)),
-                       ("sync-diloco-mixed", _both(_mode("sync-diloco"), _capped)),
-                       ("sync-diloco-uniform", _both(_mode("sync-diloco"), _homogeneous, _capped))]),
+                       ("sync-diloco-mixed", _both(_mode("sync-diloco"), _capped, WAIT_FOR_SLOW)),
+                       ("sync-diloco-uniform", _both(_mode("sync-diloco"), _homogeneous, _capped, WAIT_FOR_SLOW))]),
     "faults": ("One island killed -9 for a quarter of the run, then the merger, in decoupled and sync-diloco: the survivors' step "
                "rate during the island's absence, the time to the next fold after the merger comes back, the loss curve.",
                [("decoupled", _both(_mode("decoupled"), _faults)), ("sync-diloco", _both(_mode("sync-diloco"), _faults))]),

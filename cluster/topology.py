@@ -57,7 +57,7 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str) -> dict[str, li
             *model_args(config), "--max-steps", 10**9, "--eval-every", config.eval_every,
             *(["--eval-early"] if config.eval_early else []), *(["--eval-trace", config.eval_trace] if config.eval_trace else []),
             "--fragments", sc["fragments"], "--interval", sc["interval"], "--codec", sc["codec"], "--adoption", sc.get("adoption", "rebase"), "--alpha", sc["alpha"],
-            *(["--blocking"] if sc.get("blocking") else []), *(["--error-feedback"] if sc.get("error_feedback") else []), *(["--flush-on-leave"] if sc.get("flush_on_leave") else []), "--slowdown", 1.0 if config.island_cpus else region.slowdown, *links, "--rtt-ms", region.rtt_ms, "--keys", keys,
+            *(["--blocking"] if sc.get("blocking") else []), *(["--error-feedback"] if sc.get("error_feedback") else []), *(["--flush-on-leave"] if sc.get("flush_on_leave") else []), *(["--settle-timeout", sc["settle_timeout_s"]] if "settle_timeout_s" in sc else []), "--slowdown", 1.0 if config.island_cpus else region.slowdown, *links, "--rtt-ms", region.rtt_ms, "--keys", keys,
             "--delta-endpoint", at.broker(0), "--snapshot-endpoint", at.broker(3), "--control-endpoint", f"tcp://{at.merger_host}:{at.control_port}",
             "--metrics-out", f"{run_dir}/metrics/{region.name}.jsonl", "--join-timeout", 300]
     return {name: [str(arg) for arg in args] for name, args in out.items()}

@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from island.config import ADOPTIONS
+from island.config import ADOPTIONS, SyncConfig
 
 # --eval-trace after training: 48 evaluations took 47-50 s with four islands on two cores; a
 # launcher waits 120 s for a stopped island (cluster/launcher.py STOP_TIMEOUT_S).
@@ -69,6 +69,8 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     network.add_argument("--insecure", action="store_true", help="plaintext, no authentication (prints a warning)")
     network.add_argument("--bus-server", default="broker", help="key name of what the bus endpoints reach (broker, or merger when direct)")
     network.add_argument("--control-server", default="merger", help="key name of the control endpoint's server")
+    network.add_argument("--settle-timeout", type=float, default=SyncConfig.settle_timeout_s,
+                         help="seconds after which the island stops asking what became of a delta (with --blocking: stops waiting for its fold)")
     network.add_argument("--drain-timeout", type=float, default=10.0, help="at the end, seconds to wait for the last deltas to be sent and acknowledged")
     island.set_defaults(run=run_island)
 
@@ -79,7 +81,7 @@ def run_island(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: early_stop.append(True))
     from cluster.telemetry import configure_logging
     from island import data
-    from island.config import ModelConfig, SyncConfig, TrainConfig
+    from island.config import ModelConfig, TrainConfig
     from island.cpugroup import CpuGroup
     from island.loop import IslandLoop
     from island.metrics import MetricsWriter
@@ -110,7 +112,7 @@ def run_island(args: argparse.Namespace) -> int:
         log.info("model", params=sum(v.size for v in trainer.params().values()), devices=[str(d) for d in trainer.devices])
         sync = SyncConfig(fragments=args.fragments, interval=args.interval, codec=args.codec, adoption=args.adoption, alpha=args.alpha,
                           error_feedback=args.error_feedback, flush_on_leave=args.flush_on_leave,
-                          blocking=args.blocking)
+                          blocking=args.blocking, settle_timeout_s=args.settle_timeout)
         if not args.standalone:
             if not (args.delta_endpoint and args.snapshot_endpoint and args.control_endpoint):
                 raise DlocoError("a networked island needs --delta-endpoint, --snapshot-endpoint and --control-endpoint (or --standalone)")
@@ -120,10 +122,14 @@ def run_island(args: argparse.Namespace) -> int:
                                LinkShaper.from_mbps(args.downlink_mbps, args.rtt_ms), log=log, security=security,
                                bus_server=args.bus_server, control_server=args.control_server)
         cpu_group = CpuGroup(args.cpu_cgroup) if args.cpu_cgroup is not None else None
+
+        def enter_quota() -> None:
+            cpu_group.join()
+            log.info("cpu_quota", group=str(cpu_group.path))
         metrics = MetricsWriter(args.metrics_out)
         loop = IslandLoop(trainer, data.Batches(shards[args.island_index], args.batch, args.context, args.seed, args.island_index),
                           data.eval_batches(evaluation, args.batch, args.context, args.eval_batches), train, sync, metrics,
-                          link=link, slowdown=args.slowdown, log=log, on_compiled=cpu_group.join if cpu_group else None)
+                          link=link, slowdown=args.slowdown, log=log, on_compiled=enter_quota if cpu_group else None)
         signals = []
         for sig in (signal.SIGTERM, signal.SIGINT):  # stop after the current step, then drain and exit 0
             signal.signal(sig, lambda *_: (signals.append(True), setattr(loop, "stop_requested", True)))

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from cluster import config
+from cluster import config, topology
 from cluster.runinfo import merger_folds, read_events
 from protocol.errors import ConfigError
 from tests.cluster_helpers import small_profile
@@ -37,6 +37,18 @@ def test_modes_set_what_synchronisation_means(tmp_path):
     path.write_text(PROFILE.replace("eval_every = 20", "eval_every = 20\nmode = 'lockstep'"))
     with pytest.raises(ConfigError, match="run.mode must be one of"):
         config.load(path)
+
+
+def test_a_synchronous_island_waits_for_its_round_as_long_as_the_merger_does(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(PROFILE + "\n[merger]\nquorum_timeout_s = 90.0\n")
+    assert config.load(path).mode == "decoupled"  # islands never wait for a fold there
+    with pytest.raises(ConfigError, match=r"sync.settle_timeout_s \(60.0\) must exceed merger.quorum_timeout_s \(90.0\) in mode sync-diloco"):
+        config.load(path).with_mode("sync-diloco")
+    path.write_text(PROFILE.replace("interval = 10", "interval = 10\nsettle_timeout_s = 120.0") + "\n[merger]\nquorum_timeout_s = 90.0\n")
+    waiting = config.load(path).with_mode("sync-diloco")
+    island = topology.commands(waiting, topology.Addresses(("1", "2", "3", "4"), "5"), "/run")["slow"]
+    assert island[island.index("--settle-timeout") + 1] == "120.0"
 
 
 @pytest.mark.timeout(400)

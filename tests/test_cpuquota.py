@@ -1,0 +1,177 @@
+"""CPU quotas for islands (run.island_cpus): the quota arithmetic and the mount table by hand, the
+kernel's enforcement with real processes in real cgroups (where this process may create them: root
+with a cgroup CPU controller, as on the project's machines and CI), and the cluster file, topology
+and compose rendering that carry the setting."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster import compose, config, cpuquota, topology
+from cluster.runinfo import read_events
+from cluster.cpuquota import Controller, CpuQuotaError, find_controller, quota_us
+from island.cpugroup import CpuGroup, CpuGroupError
+from protocol.errors import ConfigError
+from tests.cluster_helpers import small_profile
+
+V1 = """\
+25 30 0:22 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755
+26 25 0:23 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+27 25 0:24 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct
+28 25 0:25 / /sys/fs/cgroup/cpuset rw,relatime - cgroup cgroup rw,cpuset
+"""
+V2 = """\
+22 1 0:5 / /proc rw - proc proc rw
+30 22 0:26 / /sys/fs/cgroup rw,nosuid,nodev - cgroup2 cgroup2 rw,nsdelegate
+"""
+
+
+def test_quota_is_cores_times_the_period():
+    assert [quota_us(c) for c in (0.45, 0.225, 1, 2.5)] == [45_000, 22_500, 100_000, 250_000]
+    assert quota_us(0.5, period_us=200_000) == 100_000
+    assert quota_us(0.01) == cpuquota.MIN_QUOTA_US
+    for bad in (0, -1, float("nan"), float("inf"), 0.005):
+        with pytest.raises(ValueError, match="cores"):
+            quota_us(bad)
+
+
+def test_the_cpu_controller_is_found_in_the_mount_table():
+    # v1: the hierarchy whose options name cpu (here co-mounted with cpuacct); groups nest under this process's own
+    assert find_controller(V1, "12:cpuset:/\n4:cpu,cpuacct:/docker/abc\n0::/docker/abc\n", {"/sys/fs/cgroup/unified": ""}) == \
+        Controller(1, Path("/sys/fs/cgroup/cpu,cpuacct"), "docker/abc")
+    # v1 holds cpu, so the v2 mount lists no controllers; even if it did, v1 wins
+    assert find_controller(V1, "4:cpu,cpuacct:/\n", {"/sys/fs/cgroup/unified": "cpu io"}).version == 1
+    # v2 only: the mount root, where cgroup.controllers lists cpu (no v2 group with processes may hand it on)
+    assert find_controller(V2, "0::/user.slice/session-1.scope\n", {"/sys/fs/cgroup": "cpuset cpu io memory pids\n"}) == \
+        Controller(2, Path("/sys/fs/cgroup"), "")
+    assert find_controller(V2, "0::/\n", {"/sys/fs/cgroup": "memory pids"}) is None  # no CPU controller
+    assert find_controller("", "", {}) is None
+    spaced = "27 25 0:24 / /mnt/my\\040cgroups rw - cgroup cgroup rw,cpu\n"  # mountinfo escapes a space as \040
+    assert find_controller(spaced, "", {}).mount == Path("/mnt/my cgroups")
+
+
+def test_no_controller_is_a_clear_error():
+    with pytest.raises(CpuQuotaError, match="island_cpus = 0"):
+        cpuquota.CpuQuotas(None, "dloco-test")
+
+
+def test_a_directory_that_is_not_a_cgroup_is_refused(tmp_path):
+    with pytest.raises(CpuGroupError, match="not a cgroup"):
+        CpuGroup(tmp_path)
+
+
+def test_island_cpus_in_the_cluster_file(tmp_path):
+    regions = '[[regions]]\nname = "fast"\n[[regions]]\nname = "slow"\nslowdown = 2.0\n'
+    path = tmp_path / "c.toml"
+    path.write_text(small_profile(20, 10, regions).replace("eval_every = 10", "eval_every = 10\nisland_cpus = 0.45"))
+    capped = config.load(path)
+    assert [capped.cpus_of(r) for r in capped.regions] == [0.45, 0.225]
+    uncapped = config.load()  # the shipped profile: slow regions sleep
+    assert uncapped.island_cpus == 0 and {uncapped.cpus_of(r) for r in uncapped.regions} == {None}
+    for value, message in (("-1", "island_cpus must be a number of cores >= 0"), ("'half'", "island_cpus must be"),
+                           ("true", "island_cpus must be"), ("0.015", "region slow .*kernel's minimum")):
+        path.write_text(small_profile(20, 10, regions).replace("eval_every = 10", f"eval_every = 10\nisland_cpus = {value}"))
+        with pytest.raises(ConfigError, match=message):
+            config.load(path)
+
+
+def test_a_capped_island_is_slowed_by_its_quota_not_by_sleeping():
+    regions = (config.Region("fast"), config.Region("slow", slowdown=2.0))
+    at = topology.Addresses(("1", "2", "3", "4"), "5")
+
+    def slowdowns(cluster):
+        commands = topology.commands(cluster, at, "/run")
+        return [commands[r.name][commands[r.name].index("--slowdown") + 1] for r in regions]
+
+    assert slowdowns(config.ClusterConfig(regions)) == ["1.0", "2.0"]
+    assert slowdowns(config.ClusterConfig(regions, island_cpus=0.5)) == ["1.0", "1.0"]
+
+
+def test_compose_carries_the_quota_as_cpus(tmp_path):
+    cluster = config.ClusterConfig((config.Region("fast"), config.Region("slow", slowdown=2.0)), island_cpus=0.5)
+    path = tmp_path / "docker-compose.yml"
+    path.write_text(compose.render(cluster, "cluster.toml"))
+    services = compose.load(path, {})
+    assert {name: s.cpus for name, s in services.items()} == {"prepare": None, "broker": None, "merger": None, "fast": 0.5, "slow": 0.25}
+    assert "cpus" not in compose.render(config.ClusterConfig(cluster.regions), "cluster.toml")
+    text = path.read_text()
+    for broken, message in ((text.replace("cpus: 0.25", "cpus: lots"), "cpus must be a number"),
+                            (text.replace("cpus: 0.25", "cpus: 0"), "cpus must be > 0"),
+                            (text.replace("    stop_grace_period: 60s\n  fast:", "    stop_grace_period: 60s\n    cpus: 1\n  fast:", 1),
+                             "island` services only")):
+        assert broken != text
+        path.write_text(broken)
+        with pytest.raises(ConfigError, match=message):
+            compose.load(path, {})
+
+
+# ---- the kernel's enforcement ---------------------------------------------------------------------
+UNAVAILABLE = cpuquota.unavailable()
+needs_cgroups = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no CPU quotas here: {UNAVAILABLE}")
+
+BURNER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from island.cpugroup import CpuGroup
+    group = CpuGroup(Path(sys.argv[1]))
+    group.join()
+    began_cpu, began = time.process_time(), time.monotonic()
+    while time.monotonic() - began < 2.0:
+        pass
+    inside = (time.process_time() - began_cpu) / (time.monotonic() - began)
+    group.leave()
+    print(inside, Path("/proc/self/cgroup").read_text().count(sys.argv[2]))
+""")
+
+
+@needs_cgroups
+@pytest.mark.timeout(60)
+def test_the_kernel_holds_each_process_to_its_quota_and_the_groups_are_removed():
+    quotas = cpuquota.CpuQuotas(cpuquota.detect(), f"dloco-test-{time.monotonic_ns()}")
+    try:
+        quotas.create("fast", 0.5)
+        quotas.create("slow", 0.25)
+        assert (quotas.root / "fast").is_dir() and (quotas.root / "slow").is_dir()
+        burners = {name: subprocess.Popen([sys.executable, "-c", BURNER, str(quotas.groups[name]), quotas.root.name],
+                                          stdout=subprocess.PIPE, text=True) for name in ("fast", "slow")}
+        results = {name: p.communicate(timeout=30)[0].split() for name, p in burners.items()}
+        assert all(p.returncode == 0 for p in burners.values()), results
+        share = {name: float(r[0]) for name, r in results.items()}
+        # a busy loop alone would take a whole core; its quota holds it to 0.5 and 0.25 (the machine has 2 cores: no contention)
+        assert 0.38 < share["fast"] < 0.56 and 0.18 < share["slow"] < 0.29, share
+        assert {r[1] for r in results.values()} == {"0"}, results  # left the group again (back where the launcher was)
+    finally:
+        assert quotas.close() == []
+    assert not quotas.root.exists()
+
+
+@needs_cgroups
+@pytest.mark.timeout(300)
+def test_dloco_up_runs_each_island_inside_its_quota(tmp_path):
+    """A fast and a half-speed island with island_cpus = 0.5: each trains inside its own quota
+    group (0.5 and 0.25 cores), the slow one at about half the fast one's rate, and the launcher
+    removes the groups when the run ends."""
+    profile = small_profile(25, 20, '[[regions]]\nname = "fast"\n[[regions]]\nname = "slow"\nslowdown = 2.0\n')
+    (tmp_path / "c.toml").write_text(profile.replace("eval_every = 20", "eval_every = 20\nisland_cpus = 0.5"))
+    run = tmp_path / "run"
+    up = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run)],
+                        capture_output=True, text=True, timeout=240)
+    assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
+    line = next(line for line in up.stdout.splitlines() if "CPU quotas (cgroup" in line)
+    assert "fast 0.5, slow 0.25 cores; 0.75 of" in line and "WARNING" not in line, line
+    root = Path(line.split(", ", 1)[1].split("):", 1)[0])
+    assert not root.exists(), root  # removed at the end
+    rate = {}
+    for name in ("fast", "slow"):
+        joined = [json.loads(x) for x in (run / "logs" / f"{name}.log").read_text().splitlines() if '"cpu_quota"' in x]
+        assert [e["group"] for e in joined] == [str(root / name)], name
+        steps = [e for e in read_events(run / "metrics" / f"{name}.jsonl") if e.get("step", 0) >= 1 and "deferred" not in e]
+        rate[name] = (steps[-1]["step"] - steps[0]["step"]) / (steps[-1]["time"] - steps[0]["time"])
+    assert 0.3 < rate["slow"] / rate["fast"] < 0.75, rate  # half the cores, about half the steps per second
