@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_argument("--config", type=Path, default=None, help="cluster file the runs start from (default: the shipped profile)")
     experiment.add_argument("--out", type=Path, default=None, help="where runs, NAME.md and experiments/*.png go (default runs/experiment-<time>)")
     experiment.add_argument("--runs", default=None, help="only these runs of the suite, comma-separated labels (e.g. fp32,int4)")
+    experiment.add_argument("--from", dest="reuse", type=Path, action="append", default=[], metavar="DIR",
+                            help="run nothing: tabulate the runs in an earlier --out folder (repeat --from to put repeats in one table)")
     experiment.set_defaults(run=_experiment)
     prepare = commands.add_parser("prepare", help="write a run directory's CURVE keys, allow-lists and initial model (compose's first service)")
     prepare.add_argument("--config", type=Path, default=None, help="cluster file (TOML); default: the shipped 4-region profile")
@@ -163,7 +165,7 @@ def _experiment(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / f"experiment-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         runs = tuple(label.strip() for label in args.runs.split(",")) if args.runs else None
-        text = experiments.run(args.name, out, quick=args.quick, config_path=args.config, seconds=args.seconds, only=runs)
+        text = experiments.run(args.name, out, quick=args.quick, config_path=args.config, seconds=args.seconds, only=runs, reuse=tuple(args.reuse))
     except (DlocoError, OSError) as error:
         print(f"dloco experiment: {error}", file=sys.stderr)
         return 2

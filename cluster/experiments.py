@@ -99,8 +99,11 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
                  ("sync-diloco", _mode("sync-diloco")), ("sync-dp", _mode("sync-dp"))]),
     "heterogeneous": ("Four islands, two at half speed, against four at full speed, in decoupled and sync-diloco: "
                       "do the fast islands wait for the slow ones, and does the slow hardware cost the model anything? Speeds are "
-                      "CPU quotas (0.45 cores per full-speed island), so a slow island's cycles go to nobody else.",
+                      "CPU quotas (0.45 cores per full-speed island), so a slow island's cycles go to nobody else. Three full-speed "
+                      "islands have the mixed cluster's compute per second on fewer replicas.",
                       [("decoupled-mixed", _both(_mode("decoupled"), _capped)), ("decoupled-uniform", _both(_mode("decoupled"), _homogeneous, _capped)),
+                       # three full-speed islands: the mixed cluster's compute per second (2 x 1 + 2 x 1/2), on as many replicas
+                       ("decoupled-uniform-3-islands", _both(_mode("decoupled"), _homogeneous, _islands(3), _capped)),
                        ("sync-diloco-mixed", _both(_mode("sync-diloco"), _capped, WAIT_FOR_SLOW)),
                        ("sync-diloco-uniform", _both(_mode("sync-diloco"), _homogeneous, _capped, WAIT_FOR_SLOW))]),
     "faults": ("One island killed -9 for a quarter of the run, then the merger, in decoupled and sync-diloco: the survivors' step "
@@ -311,59 +314,17 @@ def _speeds(results: list[RunResult]) -> str:
     return f"CPU quotas: {'/'.join(f'{c:g}' for c in cores)} cores per full-speed island, divided by a region's slowdown"
 
 
-def plot(name: str, results: list[RunResult], out_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    made = []
-    for x_key, label in (("tokens", "tokens trained by the island"), ("since_start", "seconds since the cluster's first step")):
-        figure, axes = plt.subplots(figsize=(7, 4))
-        for index, r in enumerate(results):
-            color = f"C{index}"
-            segments = [[e for e in events if e.get("life", 0) == life] for events in r.evals.values() for life in sorted({e.get("life", 0) for e in events})]
-            for i, segment in enumerate(segments):  # one line per island and life (a restarted island's tokens start at 0 again)
-                axes.plot([e[x_key] for e in segment], [e["eval_loss"] for e in segment], color=color, alpha=0.8, label=r.label if i == 0 else None)
-        axes.set_xlabel(label)
-        axes.set_ylabel("island held-out loss (nats/byte)")
-        axes.set_title(f"{name}: one line per island, one colour per run")
-        axes.grid(alpha=0.3)
-        axes.legend(fontsize=8)
-        made.append(_save(plt, figure, out_dir / f"{name}_loss_vs_{'tokens' if x_key == 'tokens' else 'time'}.png"))
-    if any(r.global_curve for r in results):
-        figure, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-        for index, r in enumerate(results):
-            for axes, x_key in ((by_tokens, "cluster_tokens"), (by_time, "since_start")):
-                axes.plot([p[x_key] for p in r.global_curve], [p["eval_loss"] for p in r.global_curve], marker="o", color=f"C{index}", label=r.label)
-        by_tokens.set_xlabel("tokens trained by the whole cluster")
-        by_time.set_xlabel("seconds since the cluster's first step")
-        by_tokens.set_ylabel("held-out loss of the merger's model (nats/byte)")
-        figure.suptitle(f"{name}: the merger's global model, rebuilt from its log (initial loss {results[0].global_before:.2f})")
-        for axes in (by_tokens, by_time):
-            axes.grid(alpha=0.3)
-        by_tokens.legend(fontsize=8)
-        made.append(_save(plt, figure, out_dir / f"{name}_global.png"))
-    return made
-
-
-def _save(plt, figure, path: Path) -> Path:
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
-
-
 def run(name: str, out_dir: Path, quick: bool = False, config_path: Path | None = None, seconds: float | None = None,
-        log=lambda line: print(line, file=sys.stderr, flush=True), only: tuple[str, ...] | None = None) -> str:
+        log=lambda line: print(line, file=sys.stderr, flush=True), only: tuple[str, ...] | None = None, reuse: tuple[Path, ...] = ()) -> str:
     """Run suite `name` (only the runs labelled in `only`, if given); write OUT/<name>.md and
-    OUT/experiments/*.png; return the Markdown."""
-    return run_suite(name, out_dir, quick, config_path, seconds, log, only)[0]
+    OUT/experiments/*.png; return the Markdown.  With `reuse` (earlier suites' OUT folders), run
+    nothing: tabulate the runs found there, one table (repeats labelled #1, #2, ... by folder)."""
+    return run_suite(name, out_dir, quick, config_path, seconds, log, only, reuse)[0]
 
 
 def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path | None = None, seconds: float | None = None,
-              log=lambda line: print(line, file=sys.stderr, flush=True), only: tuple[str, ...] | None = None) -> tuple[str, list[RunResult]]:
+              log=lambda line: print(line, file=sys.stderr, flush=True), only: tuple[str, ...] | None = None,
+              reuse: tuple[Path, ...] = ()) -> tuple[str, list[RunResult]]:
     """`run`, also returning each run's results (the tests check their directions)."""
     from cluster import launcher
 
@@ -385,6 +346,8 @@ def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path |
         base = dataclasses.replace(base, model={**base.model, **QUICK_MODEL}, eval_every=20, eval_trace=0 if untraced else QUICK_EVAL_TRACE)
         runs = [(label, transform) for label, transform in runs if label in QUICK_RUNS.get(name, (label,))]
     configs = [(label, transform(base)) for label, transform in runs]
+    if reuse:
+        return _tabulate(name, description, configs, reuse, out_dir, log)
     if any(config.island_cpus for _, config in configs) and (reason := cpuquota.unavailable()) is not None:
         log(f"dloco experiment {name}: no CPU quotas here ({reason}); slow regions sleep instead, and a sleeping island's CPU goes to the others")
         configs = [(label, dataclasses.replace(config, island_cpus=0.0)) for label, config in configs]
@@ -398,10 +361,37 @@ def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path |
         results.append(_collect(label, config, run_dir, code))
     command = (f"dloco experiment {name}" + (" --quick" if quick else "") + (f" --seconds {seconds:g}" if seconds else "")
                + (f" --runs {','.join(label for label, _ in runs)}" if only is not None else ""))
+    return _write_up(name, description, results, command, time.monotonic() - started, out_dir, log), results
+
+
+def _tabulate(name: str, description: str, configs: list[tuple[str, ClusterConfig]], reuse: tuple[Path, ...], out_dir: Path,
+              log) -> tuple[str, list[RunResult]]:
+    """run_suite over earlier runs: OUT/<name>/<label> of each folder in `reuse`, for each run of the
+    suite found there (their exit status: report.md's, 0 when every process exited 0)."""
+    from cluster.report import read_exit_codes
+
+    results = []
+    for k, folder in enumerate(reuse, 1):
+        for label, config in configs:
+            run_dir = folder / name / label
+            if (run_dir / "report.md").exists():
+                codes = read_exit_codes(run_dir)
+                results.append(_collect(label + (f" #{k}" if len(reuse) > 1 else ""), config, run_dir, 0 if all(c == 0 for c in codes.values()) else 1))
+    if not results:
+        raise ConfigError(f"no run of experiment {name} (a {name}/<run>/report.md) in {', '.join(map(str, reuse))}")
+    command = f"dloco experiment {name} " + " ".join(f"--from {folder}" for folder in reuse)
+    return _write_up(name, description, results, command, 0.0, out_dir, log), results
+
+
+def _write_up(name: str, description: str, results: list[RunResult], command: str, seconds: float, out_dir: Path, log) -> str:
+    """The suite's Markdown (OUT/<name>.md) and plots (OUT/experiments/), after the merger's model is measured."""
+    from cluster.experimentplots import plot
+
     log(f"dloco experiment {name}: evaluating the merger's model during each run (replaying its log)")
     measure_global(results, log=log)
-    text = summarize(name, description, results, command, time.monotonic() - started)
+    text = summarize(name, description, results, command, seconds)
     plot(name, results, out_dir / "experiments")
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.md").write_text(text)
-    return text, results
+    return text
 

@@ -84,6 +84,26 @@ def _chaos_section(rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def read_exit_codes(run_dir: Path) -> dict[str, int | None]:
+    """Each process's exit status as write_report put it in report.md (the islands' table and the
+    global model's): {name: code}, None where the report says None (never started or stopped)."""
+    codes, section = {}, None
+    for line in (run_dir / "report.md").read_text().splitlines():
+        if line.startswith("## "):
+            section = line
+        elif line.startswith("| ") and not line.startswith(("| region", "| folds", "|---")):
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            if section == "## Islands":
+                codes[cells[0]] = _code(cells[-1])
+            elif section and section.startswith("## Global model"):
+                codes["merger"], codes["broker"] = _code(cells[-2]), _code(cells[-1])
+    return codes
+
+
+def _code(cell: str) -> int | None:
+    return None if cell == "None" else int(cell)
+
+
 def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int]) -> Path:
     metrics = {r.name: read_metrics(run_dir / "metrics" / f"{r.name}.jsonl") for r in config.regions}
     folds = merger_folds(run_dir)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from cluster import compose, config, cpuquota, topology
+from cluster.report import read_exit_codes
 from cluster.runinfo import read_events
 from cluster.cpuquota import Controller, CpuQuotaError, find_controller, quota_us
 from island.cpugroup import CpuGroup, CpuGroupError
@@ -168,6 +169,8 @@ def test_dloco_up_runs_each_island_inside_its_quota(tmp_path):
     assert "fast 0.5, slow 0.25 cores; 0.75 of" in line and "WARNING" not in line, line
     root = Path(line.split(", ", 1)[1].split("):", 1)[0])
     assert not root.exists(), root  # removed at the end
+    assert read_exit_codes(run) == {"fast": 0, "slow": 0, "merger": 0, "broker": 0}  # what `dloco experiment --from` reads back
+    assert "| slow | 2.0 (0.25-core quota) |" in (run / "report.md").read_text()
     rate = {}
     for name in ("fast", "slow"):
         joined = [json.loads(x) for x in (run / "logs" / f"{name}.log").read_text().splitlines() if '"cpu_quota"' in x]

@@ -64,6 +64,8 @@ def test_unknown_suites_are_refused(tmp_path):
     with pytest.raises(experiments.ConfigError, match="experiment quantization-sync has no run int3; its runs: fp32, bf16"):
         experiments.run("quantization-sync", tmp_path, only=("fp32", "int3"))
     assert not list(tmp_path.iterdir())  # refused before anything ran
+    with pytest.raises(experiments.ConfigError, match="no run of experiment heterogeneous"):
+        experiments.run("heterogeneous", tmp_path / "out", reuse=(tmp_path,))  # nothing to tabulate there
 
 
 def test_every_suite_builds_valid_cluster_files():

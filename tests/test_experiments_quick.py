@@ -52,6 +52,10 @@ def test_speedup_decoupled_beats_data_parallel_in_time_bytes_and_utilisation(tmp
 
 def test_heterogeneous_only_sync_diloco_makes_fast_islands_wait_for_slow_ones(tmp_path):
     runs = quick("heterogeneous", tmp_path)
+    # tabulating the suite's runs again (dloco experiment --from) gives the same table
+    again, _ = experiments.run_suite("heterogeneous", tmp_path / "again", quick=True, log=lambda line: None, reuse=(tmp_path,))
+    rows = lambda text: [line for line in text.splitlines() if line.startswith("| ")]  # noqa: E731
+    assert rows(again) == rows((tmp_path / "heterogeneous.md").read_text()) and len(rows(again)) == 2 + len(runs)
     assert utilisation(runs["sync-diloco-mixed"]) < 0.95 * utilisation(runs["sync-diloco-uniform"])
     assert utilisation(runs["decoupled-mixed"]) > 1.2 * utilisation(runs["sync-diloco-mixed"])
 
