@@ -116,6 +116,8 @@ def _cpus(value, command: list, where: str) -> float | None:
         return None
     require(command[:2] == ["dloco", "island"], f"{where}: cpus is applied to `dloco island` services only when run locally")
     try:
+        if isinstance(value, bool):
+            raise TypeError(value)
         cores = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{where}: cpus must be a number of cores, got {value!r}") from None

@@ -71,6 +71,8 @@ class ClusterConfig:
         check(self.chaos, self.process_names)
         require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
         sync, merger = self.effective()
+        quorum = merger["quorum_timeout_s"]
+        require(type(quorum) in (int, float) and 0 < quorum < float("inf"), f"merger.quorum_timeout_s must be a number of seconds > 0, got {quorum!r}")
         settle = sync.get("settle_timeout_s", SyncConfig.settle_timeout_s)
         require(not sync.get("blocking") or settle > merger["quorum_timeout_s"],
                 f"sync.settle_timeout_s ({settle}) must exceed merger.quorum_timeout_s ({merger['quorum_timeout_s']}) "

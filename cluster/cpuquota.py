@@ -12,7 +12,7 @@ the machine's cores a full-speed island gets the same cycles next to slow peers 
 How.  Linux CFS bandwidth control: `cpu.max` ("QUOTA PERIOD") in cgroup v2, `cpu.cfs_quota_us` and
 `cpu.cfs_period_us` in cgroup v1, on a group per island under one group per launcher; the same
 mechanism as docker's `--cpus` (and compose's `cpus:`, which `dloco compose` writes).  It needs
-permission to create cgroups (root, or a delegated subtree).  The quota arithmetic and the mount
+permission to create cgroups (root).  The quota arithmetic and the mount
 table parsing are pure; `CpuQuotas` does the file I/O.
 """
 
@@ -57,26 +57,30 @@ def find_controller(mountinfo: str, own_cgroups: str, v2_controllers: dict[str, 
     """The CPU controller from the text of /proc/self/mountinfo and /proc/self/cgroup, and the
     `cgroup.controllers` text of each cgroup2 mount point.  v1 (a `cgroup` mount whose options name
     `cpu`) wins when both exist: a controller is bound to one hierarchy only, and where v1 holds it
-    the v2 mount lists none.  New v1 groups nest under this process's own group; v2 groups go
-    under the mount's root (in v2 a group holding processes cannot hand controllers to children)."""
+    the v2 mount lists none.  New v1 groups nest under this process's own group (its path made
+    relative to the mounted subtree); v2 groups go under the mount's root (in v2 a group holding
+    processes cannot hand controllers to children), so v2 needs root, not a delegated subtree."""
     mounts = []
     for line in mountinfo.splitlines():
         fields = line.split()
         if " - " not in line or len(fields) < 5:
             continue
         after = line.split(" - ", 1)[1].split()
-        if len(after) >= 3:
-            mounts.append((after[0], Path(_unescape(fields[4])), after[2].split(",")))
+        if len(after) >= 3:  # the hierarchy's path mounted (field 4) and where (field 5)
+            mounts.append((after[0], _unescape(fields[3]).strip("/"), Path(_unescape(fields[4])), after[2].split(",")))
     own = {}
     for line in own_cgroups.splitlines():
         parts = line.split(":", 2)
         if len(parts) == 3:
             for name in parts[1].split(",") if parts[1] else ["(v2)"]:
                 own[name] = parts[2].strip("/")
-    for kind, mount, options in mounts:
+    for kind, root, mount, options in mounts:
         if kind == "cgroup" and "cpu" in options:
-            return Controller(1, mount, own.get("cpu", ""))
-    for kind, mount, _ in mounts:
+            path = own.get("cpu", "")  # relative to the hierarchy's root; the mount may show only a subtree of it
+            if root and (path == root or path.startswith(root + "/")):
+                path = path[len(root):].strip("/")
+            return Controller(1, mount, path)
+    for kind, _, mount, _ in mounts:
         if kind == "cgroup2" and "cpu" in v2_controllers.get(str(mount), "").split():
             return Controller(2, mount, "")
     return None
@@ -125,12 +129,16 @@ class CpuQuotas:
             if controller.version == 2:
                 _enable_cpu(self.root)
         except OSError as error:
-            raise CpuQuotaError(f"cannot create the cgroup {self.root}: {error.strerror} (CPU quotas need root or a delegated "
-                                "cgroup; run.island_cpus = 0 emulates slow regions by sleeping instead)") from None
+            self.close()
+            raise CpuQuotaError(f"cannot create the cgroup {self.root}: {error.strerror} (CPU quotas need root; "
+                                "run.island_cpus = 0 emulates slow regions by sleeping instead)") from None
 
     def create(self, name: str, cores: float) -> None:
         """A group for process `name` with `cores` cores of CPU bandwidth."""
-        quota = quota_us(cores)
+        try:
+            quota = quota_us(cores)
+        except ValueError as error:
+            raise CpuQuotaError(f"{name}: {error}") from None
         group = self.root / name
         try:
             group.mkdir(exist_ok=True)

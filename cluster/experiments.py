@@ -33,7 +33,7 @@ from cluster import config as cluster_config
 from cluster import cpuquota
 from cluster.chaos import ChaosEvent
 from cluster.config import ClusterConfig
-from cluster.runinfo import chaos_effects, last_step, lives, read_metrics
+from cluster.runinfo import chaos_effects, last_step, lives, read_events, read_metrics
 from protocol.errors import ConfigError, DlocoError
 
 Transform = Callable[[ClusterConfig], ClusterConfig]
@@ -368,7 +368,8 @@ def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path |
 def _tabulate(name: str, description: str, configs: list[tuple[str, ClusterConfig]], reuse: tuple[Path, ...], out_dir: Path,
               log) -> tuple[str, list[RunResult]]:
     """run_suite over earlier runs: OUT/<name>/<label> of each folder in `reuse`, for each run of the
-    suite found there (their exit status: report.md's, 0 when every process exited 0)."""
+    suite found there (their exit status and length: report.md's; 0 when every process exited 0).
+    The model comes from the suite's configuration: tabulate --quick runs with --quick."""
     from cluster.report import read_exit_codes
 
     results = []
@@ -376,8 +377,15 @@ def _tabulate(name: str, description: str, configs: list[tuple[str, ClusterConfi
         for label, config in configs:
             run_dir = folder / name / label
             if (run_dir / "report.md").exists():
-                codes = read_exit_codes(run_dir)
-                results.append(_collect(label + (f" #{k}" if len(reuse) > 1 else ""), config, run_dir, 0 if all(c == 0 for c in codes.values()) else 1))
+                planned, codes = read_exit_codes(run_dir)
+                missing = sorted(set(config.process_names) - set(codes))
+                if missing:
+                    raise ConfigError(f"{run_dir / 'report.md'} has no exit status for {', '.join(missing)}: not a run of {name} {label}")
+                last_action = {e["target"]: e["action"] for e in read_events(run_dir / "chaos.jsonl")}  # killed on purpose, not restarted:
+                code = 0 if all(c == 0 or last_action.get(p) == "kill" for p, c in codes.items()) else 1  # as the launcher counts a run
+                quotas = "-core quota)" in (run_dir / "report.md").read_text()  # a machine without cgroups slept instead
+                as_run = dataclasses.replace(config, duration_s=planned or config.duration_s, island_cpus=config.island_cpus if quotas else 0.0)
+                results.append(_collect(label + (f" #{k}" if len(reuse) > 1 else ""), as_run, run_dir, code))
     if not results:
         raise ConfigError(f"no run of experiment {name} (a {name}/<run>/report.md) in {', '.join(map(str, reuse))}")
     command = f"dloco experiment {name} " + " ".join(f"--from {folder}" for folder in reuse)

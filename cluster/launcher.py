@@ -69,7 +69,7 @@ class Cluster:
         self.config, self.run_dir, self.services, self.order = config, run_dir, services, order
         self.processes: dict[str, subprocess.Popen] = {}
         self.down: set[str] = set()  # killed on purpose (chaos), not yet restarted
-        capped = {name: service.cpus for name, service in services.items() if service.cpus}
+        capped = {name: services[name].cpus for name in order if services[name].cpus}  # what this run starts
         self.quotas = None
         if capped:  # before anything starts: a machine without the controller fails here, with the reason
             self.quotas = cpuquota.CpuQuotas(cpuquota.detect(), f"dloco-{os.getpid()}")
@@ -129,7 +129,7 @@ class Cluster:
         the cores this launcher may use: then they do not keep the islands from slowing each other."""
         if self.quotas is None:
             return None
-        cores = {name: s.cpus for name, s in self.services.items() if s.cpus}
+        cores = {name: self.services[name].cpus for name in self.order if self.services[name].cpus}
         total, machine = sum(cores.values()), len(os.sched_getaffinity(0))
         line = (f"dloco up: CPU quotas (cgroup v{self.quotas.controller.version}, {self.quotas.root}): "
                 + ", ".join(f"{name} {value:g}" for name, value in cores.items()) + f" cores; {total:g} of {machine}")

@@ -4,9 +4,11 @@ PNG plots (held-out loss against wall clock and tokens, bytes on the wire, compu
 from __future__ import annotations
 
 import collections
+import re
 from pathlib import Path
 
 from cluster.config import ClusterConfig
+from protocol.errors import ConfigError
 from cluster.globalmodel import Evaluator
 from cluster.runinfo import chaos_effects, last_step, lives, merger_folds, read_metrics
 
@@ -84,24 +86,38 @@ def _chaos_section(rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def read_exit_codes(run_dir: Path) -> dict[str, int | None]:
-    """Each process's exit status as write_report put it in report.md (the islands' table and the
-    global model's): {name: code}, None where the report says None (never started or stopped)."""
-    codes, section = {}, None
+def read_exit_codes(run_dir: Path) -> tuple[float | None, dict[str, int | None]]:
+    """The planned length (seconds) and each process's exit status as write_report put them in
+    report.md (its first line, the islands' table, the global model's): (seconds, {name: code}),
+    None where the report says None (a process never started or stopped).  Raises ConfigError
+    when a status cell is not one."""
+    codes, section, planned, header = {}, None, None, False
     for line in (run_dir / "report.md").read_text().splitlines():
+        if planned is None and (match := re.search(r"planned length (\d+(?:\.\d+)?) s", line)):
+            planned = float(match.group(1))
         if line.startswith("## "):
-            section = line
-        elif line.startswith("| ") and not line.startswith(("| region", "| folds", "|---")):
+            section, header = line, True
+        elif line.startswith("|---"):
+            continue
+        elif line.startswith("| "):
+            if header:  # a table's first row names its columns
+                header = False
+                continue
             cells = [cell.strip() for cell in line.strip("|").split("|")]
             if section == "## Islands":
-                codes[cells[0]] = _code(cells[-1])
+                codes[cells[0]] = _code(cells[-1], run_dir)
             elif section and section.startswith("## Global model"):
-                codes["merger"], codes["broker"] = _code(cells[-2]), _code(cells[-1])
-    return codes
+                codes["merger"], codes["broker"] = _code(cells[-2], run_dir), _code(cells[-1], run_dir)
+    return planned, codes
 
 
-def _code(cell: str) -> int | None:
-    return None if cell == "None" else int(cell)
+def _code(cell: str, run_dir: Path) -> int | None:
+    if cell == "None":
+        return None
+    try:
+        return int(cell)
+    except ValueError:
+        raise ConfigError(f"{run_dir / 'report.md'}: {cell!r} is not an exit status") from None
 
 
 def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int]) -> Path:

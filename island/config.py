@@ -88,4 +88,5 @@ class SyncConfig:
         _require(type(self.flush_on_leave) is bool, f"sync.flush_on_leave must be true or false, got {self.flush_on_leave!r}")
         _require(0 <= self.alpha < 1, f"sync.alpha must be in [0, 1), got {self.alpha}")
         _require(self.alpha == 0 or self.adoption == "replace", f"sync.alpha ({self.alpha}) blends only with sync.adoption 'replace'")
-        _require(self.settle_timeout_s > 0, f"sync.settle_timeout_s must be > 0, got {self.settle_timeout_s}")
+        _require(type(self.settle_timeout_s) in (int, float) and 0 < self.settle_timeout_s < float("inf"),
+                 f"sync.settle_timeout_s must be a number of seconds > 0, got {self.settle_timeout_s!r}")

@@ -5,7 +5,10 @@ cores); the island moves itself in after its first step and out again when train
 start-up (imports, compiling, joining: several CPU-seconds, which at a quarter of a core would
 take most of a short run) and the evaluations of `--eval-trace` after training (a measurement,
 not the island's work) run at the machine's speed, as the sleep-based `--slowdown` leaves step 1
-and those evaluations alone.  Writing a process id to a group's `cgroup.procs` moves all of the
+alone.  Unlike the sleep, the quota also slows what the island does between steps (its held-out
+evaluations, its network threads): all of it runs on the emulated chip.  Leaving goes back to the
+group the launcher made the island's group in: its own group under cgroup v1, the hierarchy's
+root under v2 (cluster/cpuquota.py).  Writing a process id to a group's `cgroup.procs` moves all of the
 process's threads, and the threads it starts later are born there.
 """
 

@@ -82,7 +82,7 @@ def run_island(args: argparse.Namespace) -> int:
     from cluster.telemetry import configure_logging
     from island import data
     from island.config import ModelConfig, TrainConfig
-    from island.cpugroup import CpuGroup
+    from island.cpugroup import CpuGroup, CpuGroupError
     from island.loop import IslandLoop
     from island.metrics import MetricsWriter
     from broker.security import security_from_args
@@ -138,8 +138,11 @@ def run_island(args: argparse.Namespace) -> int:
             loop.join(args.join_timeout)
             log.info("joined", versions=[p.version for p in loop.progress])
         summary = loop.run()
-        if cpu_group is not None:
-            cpu_group.leave()  # sending the last deltas and evaluating the trace are not the emulated chip's work
+        if cpu_group is not None:  # sending the last deltas and evaluating the trace are not the emulated chip's work
+            try:
+                cpu_group.leave()
+            except CpuGroupError as error:  # the work is done: drain and exit at the quota's speed
+                log.warning("cpu_quota_not_left", error=str(error))
         if link is not None:
             if sync.flush_on_leave:
                 summary["flushed"] = loop.flush()

@@ -47,6 +47,10 @@ def test_a_synchronous_island_waits_for_its_round_as_long_as_the_merger_does(tmp
         config.load(path).with_mode("sync-diloco")
     path.write_text(PROFILE.replace("interval = 10", "interval = 10\nsettle_timeout_s = 120.0") + "\n[merger]\nquorum_timeout_s = 90.0\n")
     waiting = config.load(path).with_mode("sync-diloco")
+    for bad in ("true", "'60'", "-1.0"):
+        path.write_text(PROFILE.replace("interval = 10", f"interval = 10\nsettle_timeout_s = {bad}"))
+        with pytest.raises(ConfigError, match="sync.settle_timeout_s must be a number of seconds > 0"):
+            config.load(path)
     island = topology.commands(waiting, topology.Addresses(("1", "2", "3", "4"), "5"), "/run")["slow"]
     assert island[island.index("--settle-timeout") + 1] == "120.0"
 

@@ -54,6 +54,10 @@ def test_the_cpu_controller_is_found_in_the_mount_table():
         Controller(2, Path("/sys/fs/cgroup"), "")
     assert find_controller(V2, "0::/\n", {"/sys/fs/cgroup": "memory pids"}) is None  # no CPU controller
     assert find_controller("", "", {}) is None
+    # a container's view of v1: the mount shows only the container's subtree of the hierarchy
+    inside = "27 25 0:24 /docker/abc /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"
+    assert find_controller(inside, "4:cpu,cpuacct:/docker/abc\n", {}) == Controller(1, Path("/sys/fs/cgroup/cpu"), "")
+    assert find_controller(inside, "4:cpu,cpuacct:/docker/abc/job\n", {}).parent == "job"
     spaced = "27 25 0:24 / /mnt/my\\040cgroups rw - cgroup cgroup rw,cpu\n"  # mountinfo escapes a space as \040
     assert find_controller(spaced, "", {}).mount == Path("/mnt/my cgroups")
 
@@ -61,6 +65,19 @@ def test_the_cpu_controller_is_found_in_the_mount_table():
 def test_no_controller_is_a_clear_error():
     with pytest.raises(CpuQuotaError, match="island_cpus = 0"):
         cpuquota.CpuQuotas(None, "dloco-test")
+
+
+def test_exit_codes_are_read_back_from_the_report(tmp_path):
+    """report.md's tables as write_report lays them out; region names may look like column names."""
+    (tmp_path / "report.md").write_text("\n".join([
+        "# dloco run report", "", "Run directory: `x`; mode `decoupled`; 2 regions; planned length 240 s.", "", "## Islands", "",
+        "| region | slowdown | exit |", "|---|---|---|", "| region-a | 1.0 | 0 |", "| folds1 | 2.0 (0.225-core quota) | -9 |", "",
+        "## Global model (the merger's)", "", "| folds | fragment versions | merger exit | broker exit |", "|---|---|---|---|",
+        "| 3 | {0: 3} | 0 | None |", "", "## Chaos", "", "| at | action | target |", "|---|---|---|", "| 60 | kill | folds1 |"]))
+    assert read_exit_codes(tmp_path) == (240.0, {"region-a": 0, "folds1": -9, "merger": 0, "broker": None})
+    (tmp_path / "report.md").write_text("## Islands\n\n| region | exit |\n|---|---|\n| a | zero |\n")
+    with pytest.raises(ConfigError, match="'zero' is not an exit status"):
+        read_exit_codes(tmp_path)
 
 
 def test_a_directory_that_is_not_a_cgroup_is_refused(tmp_path):
@@ -105,6 +122,7 @@ def test_compose_carries_the_quota_as_cpus(tmp_path):
     text = path.read_text()
     for broken, message in ((text.replace("cpus: 0.25", "cpus: lots"), "cpus must be a number"),
                             (text.replace("cpus: 0.25", "cpus: 0"), "cpus must be > 0"),
+                            (text.replace("cpus: 0.25", "cpus: true"), "cpus must be a number"),
                             (text.replace("    stop_grace_period: 60s\n  fast:", "    stop_grace_period: 60s\n    cpus: 1\n  fast:", 1),
                              "island` services only")):
         assert broken != text
@@ -136,21 +154,28 @@ BURNER = textwrap.dedent("""
 @pytest.mark.timeout(60)
 def test_the_kernel_holds_each_process_to_its_quota_and_the_groups_are_removed():
     quotas = cpuquota.CpuQuotas(cpuquota.detect(), f"dloco-test-{time.monotonic_ns()}")
+    burners = {}
     try:
         quotas.create("fast", 0.5)
         quotas.create("slow", 0.25)
         assert (quotas.root / "fast").is_dir() and (quotas.root / "slow").is_dir()
+        with pytest.raises(CpuQuotaError, match="kernel's minimum"):
+            quotas.create("tiny", 0.005)
         burners = {name: subprocess.Popen([sys.executable, "-c", BURNER, str(quotas.groups[name]), quotas.root.name],
                                           stdout=subprocess.PIPE, text=True) for name in ("fast", "slow")}
         results = {name: p.communicate(timeout=30)[0].split() for name, p in burners.items()}
-        assert all(p.returncode == 0 for p in burners.values()), results
-        share = {name: float(r[0]) for name, r in results.items()}
-        # a busy loop alone would take a whole core; its quota holds it to 0.5 and 0.25 (the machine has 2 cores: no contention)
-        assert 0.38 < share["fast"] < 0.56 and 0.18 < share["slow"] < 0.29, share
-        assert {r[1] for r in results.values()} == {"0"}, results  # left the group again (back where the launcher was)
     finally:
-        assert quotas.close() == []
-    assert not quotas.root.exists()
+        for burner in burners.values():
+            if burner.poll() is None:
+                burner.kill()
+                burner.wait()
+        left = quotas.close()
+    assert left == [] and not quotas.root.exists(), left
+    assert all(p.returncode == 0 for p in burners.values()), results
+    share = {name: float(r[0]) for name, r in results.items()}
+    # a busy loop alone would take a whole core; its quota holds it to 0.5 and 0.25 (the machine has 2 cores: no contention)
+    assert 0.38 < share["fast"] < 0.56 and 0.18 < share["slow"] < 0.29, share
+    assert {r[1] for r in results.values()} == {"0"}, results  # left the group again (back where the launcher was)
 
 
 @needs_cgroups
@@ -169,7 +194,7 @@ def test_dloco_up_runs_each_island_inside_its_quota(tmp_path):
     assert "fast 0.5, slow 0.25 cores; 0.75 of" in line and "WARNING" not in line, line
     root = Path(line.split(", ", 1)[1].split("):", 1)[0])
     assert not root.exists(), root  # removed at the end
-    assert read_exit_codes(run) == {"fast": 0, "slow": 0, "merger": 0, "broker": 0}  # what `dloco experiment --from` reads back
+    assert read_exit_codes(run) == (25.0, {"fast": 0, "slow": 0, "merger": 0, "broker": 0})  # what `dloco experiment --from` reads back
     assert "| slow | 2.0 (0.25-core quota) |" in (run / "report.md").read_text()
     rate = {}
     for name in ("fast", "slow"):
