@@ -383,7 +383,8 @@ def _tabulate(name: str, description: str, configs: list[tuple[str, ClusterConfi
                     raise ConfigError(f"{run_dir / 'report.md'} has no exit status for {', '.join(missing)}: not a run of {name} {label}")
                 last_action = {e["target"]: e["action"] for e in read_events(run_dir / "chaos.jsonl")}  # killed on purpose, not restarted:
                 code = 0 if all(c == 0 or last_action.get(p) == "kill" for p, c in codes.items()) else 1  # as the launcher counts a run
-                quotas = "-core quota)" in (run_dir / "report.md").read_text()  # a machine without cgroups slept instead
+                launched = (run_dir / "up.out").read_text() if (run_dir / "up.out").exists() else ""
+                quotas = "CPU quotas (cgroup" in launched or "-core quota)" in (run_dir / "report.md").read_text()  # else it slept
                 as_run = dataclasses.replace(config, duration_s=planned or config.duration_s, island_cpus=config.island_cpus if quotas else 0.0)
                 results.append(_collect(label + (f" #{k}" if len(reuse) > 1 else ""), as_run, run_dir, code))
     if not results:
