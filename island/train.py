@@ -41,6 +41,9 @@ class Trainer:
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.model = ByteLM(model_config, nnx.Rngs(train_config.seed if seed is None else seed))
         self.optimizer = nnx.Optimizer(self.model, inner_optimizer(train_config), wrt=nnx.Param)
+        # Parameters and optimizer state replicated from the start, as every step returns them: the
+        # second step then reuses the first one's compilation instead of compiling again.
+        nnx.update(self.model, jax.device_put(nnx.state(self.model), self.replicated))
         nnx.update(self.optimizer, jax.device_put(nnx.state(self.optimizer), self.replicated))
         self._step = nnx.jit(_train_step)
         self._eval = nnx.jit(loss_fn)
