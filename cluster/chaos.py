@@ -1,66 +1,143 @@
-"""Chaos: kill -9 and restart processes of a running cluster at given times, and what that did to
-the others.
+"""Chaos: kill -9 and restart processes of a running cluster when the run reaches a point, and what
+that did to the others.
 
-A schedule is a list of events `ACTION:TARGET@SECONDS` — comma-separated after `dloco up --chaos`,
-or `[[chaos]]` tables (`at_s`, `action`, `target`) in the cluster file — with seconds counted from
-the moment the processes are started.  ACTION is `kill` (SIGKILL, no warning, no cleanup) or
-`restart` (the same command again); TARGET is a region, `merger` or `broker`.
+A schedule is a list of events `ACTION:TARGET@WHEN` — comma-separated after `dloco up --chaos`,
+or `[[chaos]]` tables in the cluster file.  ACTION is `kill` (SIGKILL, no warning, no cleanup) or
+`restart` (the same command again); TARGET is a region, `merger` or `broker`.  WHEN is a point of
+the run, by work done or by the clock:
+- `step=N`: once the target island has made N training steps (`[[chaos]]`: `at_step = N`);
+- `REGION.step=N`: once island REGION has made N steps (`at_step = N`, `island = "REGION"`);
+- `folds=N`: once the merger has made N folds (`at_folds = N`);
+- `SECONDS`: that many seconds after the processes started (`at_s = SECONDS`).
+With a `+` (`step=+N`, `REGION.step=+N`, `folds=+N`, `+SECONDS`; `relative = true`) the point is
+counted from the moment the event before it fired: "restart c once a has made 60 more steps".
+Steps and folds count every life of a process (a restarted island goes on counting).  Events fire
+in the order given (a schedule of absolute seconds alone is put in time order), each once its point
+is reached and the one before it has fired.
 
-`effects` is pure: from the executed events, the islands' step times and the merger's fold times it
-derives one row per event (step rates of the other islands before and after, folds before and
-after, time to rejoin and to the next fold).  The launcher logs; the report prints the rows.
+`due` decides when an event fires and `effects` derives, from the executed events, the islands'
+step times and the merger's fold times, one row per event (step rates of the other islands before
+and after, folds before and after, time to rejoin and to the next fold).  Both are pure; the
+launcher watches the run and fires, the report prints the rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Mapping
 
 from protocol.errors import ConfigError, require
 
 ACTIONS = ("kill", "restart")
 WINDOW_S = 15.0  # seconds before / after an event over which step rates and folds are compared
+_WHEN = re.compile(r"^(?:(?P<island>[A-Za-z0-9_-]+)\.)?step=(?P<step>\+?\d+)$|^folds=(?P<folds>\+?\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
 class ChaosEvent:
-    at_s: float
+    at_s: float | None  # seconds after the processes started, or None: a point of progress below
     action: str
     target: str
+    at_step: int | None = None  # once `island` has made this many training steps (every life)
+    island: str | None = None  # whose steps: the target's when None
+    at_folds: int | None = None  # once the merger has made this many folds (every life)
+    relative: bool = False  # counted from when the event before it fired (the run's start for the first)
 
     def __post_init__(self) -> None:
         require(self.action in ACTIONS, f"chaos action must be one of {ACTIONS}, got {self.action!r}")
-        require(self.at_s >= 0, f"chaos time must be >= 0 seconds, got {self.at_s}")
         require(bool(self.target), "chaos event without a target")
+        points = [p for p in (self.at_s, self.at_step, self.at_folds) if p is not None]
+        require(len(points) == 1, f"chaos event {self.action}:{self.target} needs exactly one of a time, a step or a fold count")
+        require(self.at_s is None or self.at_s >= 0, f"chaos time must be >= 0 seconds, got {self.at_s}")
+        for name in ("at_step", "at_folds"):
+            value = getattr(self, name)
+            require(value is None or (type(value) is int and value >= 1), f"chaos {name} must be an int >= 1, got {value!r}")
+        require(self.island is None or self.at_step is not None, "a chaos event's island names whose steps count: it needs a step")
+        require(type(self.relative) is bool, f"chaos relative must be true or false, got {self.relative!r}")
+
+    @property
+    def stepper(self) -> str | None:
+        """The island whose steps this event waits for (None: it waits for time or folds)."""
+        return None if self.at_step is None else (self.island or self.target)
 
     def __str__(self) -> str:
-        return f"{self.action}:{self.target}@{self.at_s:g}"
+        plus = "+" if self.relative else ""
+        if self.at_s is not None:
+            when = f"{plus}{self.at_s:g}"
+        elif self.at_folds is not None:
+            when = f"folds={plus}{self.at_folds}"
+        else:
+            when = f"{self.island}.step={plus}{self.at_step}" if self.island not in (None, self.target) else f"step={plus}{self.at_step}"
+        return f"{self.action}:{self.target}@{when}"
 
 
 def parse(text: str) -> tuple[ChaosEvent, ...]:
-    """`kill:us-east@60,restart:us-east@90` → events in time order."""
+    """`kill:us-east@step=60,restart:us-east@us-west.step=200` → events in the order given
+    (a schedule of seconds alone: in time order)."""
     events = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         try:
-            head, at = item.rsplit("@", 1)
-            action, target = head.split(":", 1)
-            seconds = float(at)
+            head, when = item.rsplit("@", 1)
+            action, target = (part.strip() for part in head.split(":", 1))
+            when = when.strip()
+            if (point := _WHEN.match(when)) is None:
+                if not when or when[-1] not in "0123456789s":  # float() takes "inf" and "nan"
+                    raise ValueError(when)
+                at = {"at_s": float(when.removesuffix("s")), "relative": when.startswith("+")}
+            elif point["folds"] is not None:
+                at = {"at_s": None, "at_folds": int(point["folds"]), "relative": point["folds"].startswith("+")}
+            else:
+                at = {"at_s": None, "at_step": int(point["step"]), "island": point["island"], "relative": point["step"].startswith("+")}
         except ValueError:
-            raise ConfigError(f"chaos event {item!r}: expected ACTION:TARGET@SECONDS, e.g. kill:merger@60") from None
-        events.append(ChaosEvent(seconds, action.strip(), target.strip()))
-    return tuple(sorted(events, key=lambda e: e.at_s))
+            raise ConfigError(f"chaos event {item!r}: expected ACTION:TARGET@WHEN with WHEN one of SECONDS, step=N, REGION.step=N, "
+                              "folds=N, e.g. kill:merger@folds=10") from None
+        events.append(ChaosEvent(action=action, target=target, **at))
+    return in_order(events)
 
 
-def check(schedule: tuple[ChaosEvent, ...], processes: list[str]) -> None:
-    """Every target exists; a process is killed only while running and restarted only after a kill."""
+def in_order(events: list[ChaosEvent]) -> tuple[ChaosEvent, ...]:
+    """The firing order: as given, except that a schedule of absolute seconds alone is sorted by time."""
+    return tuple(sorted(events, key=lambda e: e.at_s)) if all(e.at_s is not None and not e.relative for e in events) else tuple(events)
+
+
+def check(schedule: tuple[ChaosEvent, ...], processes: list[str], islands: list[str] | None = None) -> None:
+    """Every target exists; in firing order, a process is killed only while running and restarted
+    only after a kill; an event waits only for the steps of an island that is running then."""
+    islands = [p for p in processes if p not in ("merger", "broker")] if islands is None else islands
     down: set[str] = set()
-    for event in sorted(schedule, key=lambda e: e.at_s):
+    for event in schedule:
         require(event.target in processes, f"chaos event {event}: unknown process {event.target!r}; known: {', '.join(processes)}")
+        if event.stepper is not None:
+            require(event.stepper in islands, f"chaos event {event}: {event.stepper!r} makes no training steps; islands: {', '.join(islands)}")
+            require(event.stepper not in down, f"chaos event {event}: it waits for the steps of {event.stepper}, which is down then")
         if event.action == "kill":
             require(event.target not in down, f"chaos event {event}: {event.target} is already down")
             down.add(event.target)
         else:
             require(event.target in down, f"chaos event {event}: {event.target} was not killed before")
             down.discard(event.target)
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """Where a run is: seconds since the processes started, training steps per island (every life),
+    the merger's folds (every life)."""
+
+    elapsed_s: float
+    steps: Mapping[str, int]
+    folds: int
+
+
+def due(event: ChaosEvent, now: Progress, armed: Progress) -> bool:
+    """Has the run reached `event`'s point?  `armed`: where the run was when the event before it
+    fired (the start for the first event), from which a relative point counts."""
+    base = armed if event.relative else Progress(0.0, {}, 0)
+    if event.at_s is not None:
+        return now.elapsed_s - base.elapsed_s >= event.at_s
+    if event.at_folds is not None:
+        return now.folds - base.folds >= event.at_folds
+    return now.steps.get(event.stepper, 0) - base.steps.get(event.stepper, 0) >= event.at_step
 
 
 def _count(times: list[float], start: float, end: float) -> int:

@@ -11,9 +11,11 @@ from protocol.errors import ConfigError
 
 def test_schedules_parse_in_time_order_and_bad_ones_name_the_event():
     assert chaos.parse("restart:a@20, kill:a@5") == (ChaosEvent(5.0, "kill", "a"), ChaosEvent(20.0, "restart", "a"))
+    assert chaos.parse("kill:a@7.5s") == (ChaosEvent(7.5, "kill", "a"),)
     assert chaos.parse("") == ()
-    for text, message in (("kill:a", "ACTION:TARGET@SECONDS"), ("kill@3", "ACTION:TARGET@SECONDS"), ("kill:a@soon", "ACTION:TARGET@SECONDS"),
-                          ("nuke:a@3", "action must be one of"), ("kill:a@-1", ">= 0")):
+    for text, message in (("kill:a", "ACTION:TARGET@WHEN"), ("kill@3", "ACTION:TARGET@WHEN"), ("kill:a@soon", "ACTION:TARGET@WHEN"),
+                          ("kill:a@step=x", "ACTION:TARGET@WHEN"), ("kill:a@b.folds=3", "ACTION:TARGET@WHEN"),
+                          ("nuke:a@3", "action must be one of"), ("kill:a@-1", ">= 0"), ("kill:a@step=0", "at_step must be an int >= 1")):
         with pytest.raises(ConfigError, match=message):
             chaos.parse(text)
     processes = ["a", "b", "merger", "broker"]
@@ -23,14 +25,63 @@ def test_schedules_parse_in_time_order_and_bad_ones_name_the_event():
             chaos.check(chaos.parse(text), processes)
 
 
+def test_schedules_by_progress_keep_their_order_and_wait_only_for_running_islands():
+    schedule = chaos.parse("kill:c@step=40, restart:c@a.step=120, kill:merger@folds=12, restart:merger@30")
+    assert schedule == (ChaosEvent(None, "kill", "c", at_step=40), ChaosEvent(None, "restart", "c", at_step=120, island="a"),
+                        ChaosEvent(None, "kill", "merger", at_folds=12), ChaosEvent(30.0, "restart", "merger"))  # as given, not sorted
+    assert [str(e) for e in schedule] == ["kill:c@step=40", "restart:c@a.step=120", "kill:merger@folds=12", "restart:merger@30"]
+    assert [e.stepper for e in schedule] == ["c", "a", None, None]
+    processes = ["a", "c", "merger", "broker"]
+    chaos.check(schedule, processes)
+    for text, message in (("kill:c@step=5,restart:c@step=9", "waits for the steps of c, which is down"),
+                          ("kill:merger@step=5", "'merger' makes no training steps"), ("kill:c@broker.step=5", "'broker' makes no training steps")):
+        with pytest.raises(ConfigError, match=message):
+            chaos.check(chaos.parse(text), processes)
+    with pytest.raises(ConfigError, match="exactly one of"):
+        ChaosEvent(3.0, "kill", "a", at_step=4)
+    with pytest.raises(ConfigError, match="island names whose steps count"):
+        ChaosEvent(None, "kill", "a", at_folds=4, island="b")
+
+
+def test_an_event_is_due_once_the_run_reaches_its_point():
+    P, start = chaos.Progress, chaos.Progress(0.0, {}, 0)
+    kill_c, restart_c, kill_merger, restart_merger = chaos.parse("kill:c@step=40,restart:c@a.step=120,kill:merger@folds=12,restart:merger@30")
+    assert not chaos.due(kill_c, P(1000.0, {"a": 500, "c": 39}, 99), start)  # c's own steps, whatever the clock and the others
+    assert chaos.due(kill_c, P(0.0, {"a": 0, "c": 40}, 0), start)
+    assert not chaos.due(restart_c, P(0.0, {"a": 119, "c": 400}, 0), start) and chaos.due(restart_c, P(0.0, {"a": 121}, 0), start)
+    assert not chaos.due(kill_merger, P(500.0, {"a": 999}, 11), start) and chaos.due(kill_merger, P(0.0, {}, 12), start)
+    assert not chaos.due(restart_merger, P(29.9, {"a": 999}, 99), start) and chaos.due(restart_merger, P(30.0, {}, 0), start)
+    # relative points count from where the run was when the event before fired (`armed`), absolute ones ignore it
+    armed = P(100.0, {"a": 300, "c": 40}, 20)
+    restart_c, kill_merger, restart_merger = chaos.parse("restart:c@a.step=+60,kill:merger@folds=+5,restart:merger@+4.5")
+    assert [str(e) for e in (restart_c, kill_merger, restart_merger)] == ["restart:c@a.step=+60", "kill:merger@folds=+5", "restart:merger@+4.5"]
+    assert not chaos.due(restart_c, P(999.0, {"a": 359}, 99), armed) and chaos.due(restart_c, P(0.0, {"a": 360}, 0), armed)
+    assert not chaos.due(kill_merger, P(0.0, {}, 24), armed) and chaos.due(kill_merger, P(0.0, {}, 25), armed)
+    assert not chaos.due(restart_merger, P(104.4, {}, 0), armed) and chaos.due(restart_merger, P(104.5, {}, 0), armed)
+    assert chaos.due(chaos.parse("kill:c@step=40")[0], P(0.0, {"c": 40}, 0), armed)  # absolute: c's 40th step, not 40 more
+    for text in ("kill:c@inf", "kill:c@nan", "kill:c@+", "kill:c@step=+"):
+        with pytest.raises(ConfigError, match="ACTION:TARGET@WHEN"):
+            chaos.parse(text)
+
+
 def test_cluster_files_carry_a_checked_schedule(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[[regions]]\nname = 'a'\n[[chaos]]\nat_s = 9\naction = 'restart'\ntarget = 'a'\n"
                     "[[chaos]]\nat_s = 3\naction = 'kill'\ntarget = 'a'\n")
     assert config.load(path).chaos == (ChaosEvent(3.0, "kill", "a"), ChaosEvent(9.0, "restart", "a"))
-    path.write_text("[[regions]]\nname = 'a'\n[[chaos]]\nat_s = 3\naction = 'kill'\n")
-    with pytest.raises(ConfigError, match="needs exactly at_s, action and target"):
-        config.load(path)
+    path.write_text("[[regions]]\nname = 'a'\n[[regions]]\nname = 'b'\n"
+                    "[[chaos]]\nat_step = 20\naction = 'kill'\ntarget = 'a'\n[[chaos]]\nat_step = 50\nisland = 'b'\naction = 'restart'\ntarget = 'a'\n"
+                    "[[chaos]]\nat_folds = 7\naction = 'kill'\ntarget = 'merger'\n[[chaos]]\nat_s = 2.5\nrelative = true\naction = 'restart'\ntarget = 'merger'\n")
+    assert [str(e) for e in config.load(path).chaos] == ["kill:a@step=20", "restart:a@b.step=50", "kill:merger@folds=7", "restart:merger@+2.5"]
+    for entry, message in (("at_s = 3\naction = 'kill'\n", "needs action, target and one of at_s, at_step"),
+                           ("at_s = 3\nat_step = 4\naction = 'kill'\ntarget = 'a'\n", "needs action, target and one of"),
+                           ("at_folds = 3\nisland = 'a'\naction = 'kill'\ntarget = 'merger'\n", "needs action, target and one of"),
+                           ("at_step = 2.5\naction = 'kill'\ntarget = 'a'\n", "at_step must be an int"),
+                           ("at_s = 'soon'\naction = 'kill'\ntarget = 'a'\n", "at_s must be a number of seconds"),
+                           ("at_s = 3\nrelative = 'yes'\naction = 'kill'\ntarget = 'a'\n", "relative must be true or false")):
+        path.write_text("[[regions]]\nname = 'a'\n[[chaos]]\n" + entry)
+        with pytest.raises(ConfigError, match=message):
+            config.load(path)
     path.write_text("[[regions]]\nname = 'merger'\n")
     with pytest.raises(ConfigError, match="not region names"):
         config.load(path)
