@@ -77,21 +77,30 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="the main job: broker, merger and one island per region on this machine, with a live view and a report")
     up.add_argument("--config", type=Path, default=None, help="cluster file (TOML); default: the shipped 4-region profile")
     up.add_argument("--run-dir", type=Path, default=None, help="where logs, metrics, the merger's log and the report go (default runs/<time>)")
-    up.add_argument("--duration", type=float, default=None, help="seconds to run (overrides the cluster file)")
+    up.add_argument("--duration", type=float, default=None,
+                    help="seconds to run (overrides the cluster file); with --steps, the limit after which the run has failed")
+    up.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+                    help="the run ends once every island has trained N steps (every life) and the chaos schedule has run "
+                         "(overrides the cluster file's run.max_steps): runs bounded by work, --duration their limit")
     up.add_argument("--mode", choices=("decoupled", "sync-diloco", "sync-dp"), default=None,
                     help="how the islands synchronise (overrides the cluster file): this project, or a synchronous baseline")
     up.add_argument("--compose", type=Path, default=None, metavar="FILE",
                     help="run this docker-compose file's services as local processes instead (service name -> 127.0.0.1)")
     up.add_argument("--services", default=None, help="with --compose: comma-separated services to run (and what they depend on)")
     up.add_argument("--chaos", default=None, metavar="SCHEDULE",
-                    help="kill -9 / restart processes at given seconds, e.g. 'kill:us-east@60,restart:us-east@90,kill:merger@120,restart:merger@125' "
-                         "(overrides the cluster file's [[chaos]])")
+                    help="kill -9 / restart processes when the run reaches a point: an island's steps, the merger's folds or seconds, "
+                         "e.g. 'kill:us-east@step=60,restart:us-east@us-west.step=150,kill:merger@folds=20,restart:merger@us-west.step=250' "
+                         "(overrides the cluster file's [[chaos]]; cluster/chaos.py)")
     up.set_defaults(run=_up)
 
     experiment = commands.add_parser("experiment", help="run a named suite of cluster runs side by side; Markdown + PNG plots")
     experiment.add_argument("name", choices=("speedup", "heterogeneous", "faults", "quantization", "quantization-sync", "adoption", "merging", "downlink"), help="the suite (cluster/experiments.py says what each measures)")
-    experiment.add_argument("--quick", action="store_true", help="tiny model, 25-65 s runs, some suites fewer runs: under 3 min, checks directions, not magnitudes")
-    experiment.add_argument("--seconds", type=float, default=None, help="seconds per run (default: the suite's, 150-300; 25-65 with --quick)")
+    experiment.add_argument("--quick", action="store_true",
+                            help="tiny model, some suites fewer runs, each bounded by work (96-192 steps per island): checks directions, not magnitudes")
+    experiment.add_argument("--seconds", type=float, default=None,
+                            help="seconds per run (default: the suite's, 150-300); with --steps or --quick, the limit of a run")
+    experiment.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+                            help="bound every run by work: it ends once every island has trained N steps")
     experiment.add_argument("--config", type=Path, default=None, help="cluster file the runs start from (default: the shipped profile)")
     experiment.add_argument("--out", type=Path, default=None, help="where runs, NAME.md and experiments/*.png go (default runs/experiment-<time>)")
     experiment.add_argument("--runs", default=None, help="only these runs of the suite, comma-separated labels (e.g. fp32,int4)")
@@ -141,7 +150,7 @@ def _up(args: argparse.Namespace) -> int:
 
     try:
         schedule = chaos.parse(args.chaos) if args.chaos is not None else None
-        cluster = config.load(args.config).with_duration(args.duration).with_chaos(schedule).with_mode(args.mode)
+        cluster = config.load(args.config).with_duration(args.duration).with_mode(args.mode).with_steps(args.steps).with_chaos(schedule)
         if args.services is not None and args.compose is None:
             raise config.ConfigError("--services needs --compose")
     except DlocoError as error:
@@ -165,7 +174,8 @@ def _experiment(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / f"experiment-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         runs = tuple(label.strip() for label in args.runs.split(",")) if args.runs else None
-        text = experiments.run(args.name, out, quick=args.quick, config_path=args.config, seconds=args.seconds, only=runs, reuse=tuple(args.reuse))
+        text = experiments.run(args.name, out, quick=args.quick, config_path=args.config, seconds=args.seconds, only=runs, reuse=tuple(args.reuse),
+                               steps=args.steps)
     except (DlocoError, OSError) as error:
         print(f"dloco experiment: {error}", file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
-from cluster.chaos import ChaosEvent, check
+from cluster.chaos import ChaosEvent, check, in_order
 from cluster.cpuquota import quota_us
 from island.config import SyncConfig
 from merger.config import FULL_SNAPSHOT_CODECS
@@ -40,7 +40,8 @@ class Region:
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
     regions: tuple[Region, ...]
-    duration_s: float = 300.0
+    duration_s: float = 300.0  # the run's length; with max_steps, a limit: a run still going then has failed
+    max_steps: int = 0  # the run ends once every island has trained this many steps (every life) and the chaos has run (0: after duration_s)
     eval_every: int = 50
     eval_early: bool = False  # islands also evaluate at steps 1, 2, 4, ...
     eval_trace: int = 0  # islands evaluate their first N steps after training (island --eval-trace; the experiment suites use it)
@@ -65,12 +66,16 @@ class ClusterConfig:
         require(len({r.name for r in self.regions}) == len(self.regions), "region names must be unique")
         require(not {r.name for r in self.regions} & {"merger", "broker"}, "'merger' and 'broker' are not region names")
         require(self.duration_s > 0, f"run.duration_s must be > 0, got {self.duration_s}")
+        require(type(self.max_steps) is int and self.max_steps >= 0, f"run.max_steps must be an int >= 0, got {self.max_steps!r}")
         require(type(self.eval_early) is bool, f"run.eval_early must be true or false, got {self.eval_early!r}")
         require(type(self.eval_trace) is int and self.eval_trace >= 0, f"run.eval_trace must be an int >= 0, got {self.eval_trace!r}")
         SyncConfig(**self.sync)  # the island's own checks (codec, adoption and alpha, H >= P, ...), with its messages
-        check(self.chaos, self.process_names)
+        check(self.chaos, self.process_names, [r.name for r in self.regions])
         require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
         sync, merger = self.effective()
+        require(not self.max_steps or self.max_steps >= sync["interval"],
+                f"run.max_steps ({self.max_steps}) must be at least sync.interval (H = {sync['interval']} in mode {self.mode}): "
+                "an island that stops sooner never sends every fragment")
         quorum = merger["quorum_timeout_s"]
         require(type(quorum) in (int, float) and 0 < quorum < float("inf"), f"merger.quorum_timeout_s must be a number of seconds > 0, got {quorum!r}")
         settle = sync.get("settle_timeout_s", SyncConfig.settle_timeout_s)
@@ -115,6 +120,9 @@ class ClusterConfig:
     def with_duration(self, seconds: float | None) -> ClusterConfig:
         return self if seconds is None else dataclasses.replace(self, duration_s=seconds)
 
+    def with_steps(self, steps: int | None) -> ClusterConfig:
+        return self if steps is None else dataclasses.replace(self, max_steps=steps)
+
     def with_mode(self, mode: str | None) -> ClusterConfig:
         return self if mode is None else dataclasses.replace(self, mode=mode)
 
@@ -122,7 +130,7 @@ class ClusterConfig:
         return self if schedule is None else dataclasses.replace(self, chaos=schedule)
 
 
-# The run modes (issue #7): the same islands, links and corpus; only how they synchronise differs.
+# The run modes: the same islands, links and corpus; only how they synchronise differs.
 # sync-diloco: classic DiLoCo — the whole model (P = 1) every H steps, every island blocks until the
 #   merger has all N deltas and returns the new global model.
 # Both synchronous modes fold every island's delta at once with a whole outer step (share_window 0),
@@ -147,7 +155,7 @@ MODES = {
                            "snapshot_diff_codec": "none", "share_window": 0, "snapshot_every_round": 0.0}},
 }
 
-_SECTIONS = {"run": {"duration_s", "eval_every", "eval_early", "eval_trace", "seed", "mode", "island_cpus"}, "model": {"width", "depth", "heads", "context", "batch"},
+_SECTIONS = {"run": {"duration_s", "max_steps", "eval_every", "eval_early", "eval_trace", "seed", "mode", "island_cpus"}, "model": {"width", "depth", "heads", "context", "batch"},
              "sync": {"fragments", "interval", "codec", "adoption", "alpha", "error_feedback", "flush_on_leave", "settle_timeout_s"},
              "merger": {"max_staleness", "quorum", "grace_cap_s", "outer", "outer_lr", "snapshot_codec", "merge", "quorum_timeout_s", "delay",
                         "snapshot_diff_codec", "snapshot_full_every", "share_window", "snapshot_every_round"}}
@@ -173,20 +181,36 @@ def load(path: str | Path | None = None) -> ClusterConfig:
             regions.append(Region(**entry))
         except TypeError as error:
             raise ConfigError(f"{path}: bad [[regions]] entry {entry}: {error}") from None
-    chaos = []
-    for entry in data.get("chaos", []):
-        require(set(entry) == {"at_s", "action", "target"}, f"{path}: a [[chaos]] entry needs exactly at_s, action and target, got {sorted(entry)}")
-        try:
-            chaos.append(ChaosEvent(float(entry["at_s"]), str(entry["action"]), str(entry["target"])))
-        except (TypeError, ValueError):
-            raise ConfigError(f"{path}: [[chaos]] at_s must be a number of seconds, got {entry['at_s']!r}") from None
+    chaos = [_chaos_event(path, entry) for entry in data.get("chaos", [])]
     defaults = ClusterConfig(regions=(Region("x"),))
     run = data.get("run", {})
     return ClusterConfig(
-        regions=tuple(regions), duration_s=float(run.get("duration_s", defaults.duration_s)),
+        regions=tuple(regions), duration_s=float(run.get("duration_s", defaults.duration_s)), max_steps=run.get("max_steps", defaults.max_steps),
         eval_every=int(run.get("eval_every", defaults.eval_every)), eval_early=run.get("eval_early", defaults.eval_early),
         eval_trace=run.get("eval_trace", defaults.eval_trace), seed=int(run.get("seed", defaults.seed)), mode=str(run.get("mode", "decoupled")),
         island_cpus=run.get("island_cpus", defaults.island_cpus),
         model={**defaults.model, **data.get("model", {})}, sync={**defaults.sync, **data.get("sync", {})},
-        merger={**defaults.merger, **data.get("merger", {})}, chaos=tuple(sorted(chaos, key=lambda e: e.at_s)),
+        merger={**defaults.merger, **data.get("merger", {})}, chaos=in_order(chaos),
     )
+
+
+_CHAOS_POINTS = {"at_s", "at_step", "at_folds"}
+
+
+def _chaos_event(path: Path, entry: dict) -> ChaosEvent:
+    """A [[chaos]] table: action, target and one point (at_s, at_step with an optional island, or at_folds),
+    `relative = true` to count it from the event before."""
+    points = _CHAOS_POINTS & set(entry)
+    allowed = {"action", "target", *_CHAOS_POINTS, "island", "relative"}
+    require({"action", "target"} <= set(entry) and len(points) == 1 and set(entry) <= allowed and ("island" not in entry or "at_step" in entry),
+            f"{path}: a [[chaos]] entry needs action, target and one of at_s, at_step (with an optional island) or at_folds "
+            f"(and optionally relative), got {sorted(entry)}")
+    relative = entry.get("relative", False)
+    (point,) = points
+    value = entry[point]
+    if point == "at_s":
+        require(type(value) in (int, float), f"{path}: [[chaos]] at_s must be a number of seconds, got {value!r}")
+        return ChaosEvent(float(value), str(entry["action"]), str(entry["target"]), relative=relative)
+    require(type(value) is int, f"{path}: [[chaos]] {point} must be an int, got {value!r}")
+    return ChaosEvent(None, str(entry["action"]), str(entry["target"]), **{point: value},
+                      island=str(entry["island"]) if "island" in entry else None, relative=relative)

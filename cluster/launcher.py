@@ -5,6 +5,12 @@ then the report.  `--chaos` kills and restarts processes on a schedule (cluster.
 `--compose FILE` takes the processes from a docker-compose file instead (cluster.compose), started
 in dependency order with their health checks awaited.
 
+A run lasts `duration_s`, or, with `max_steps`, until every island has trained that many steps
+(every life) and the chaos schedule has run, and every island has trained two intervals (2 H) since
+its last event, so that the recovery from it is part of the run; then `duration_s` is a limit: a run
+still going then has failed, and the launcher says which island was where.  A run whose islands did not train an interval, or whose merger never folded, fails too
+(cluster.verdict): the exit status is 0 only for a run that did its work.
+
 Run directory: keys/, allow/{broker,merger}/, init.npz, logs/<process>.log,
 metrics/<region>.jsonl, merger/ (write-ahead log, checkpoints), report.md, plots/*.png.
 """
@@ -22,18 +28,42 @@ import time
 from pathlib import Path
 
 from broker.security import create_keys
-from cluster import compose, cpuquota, topology
+from cluster import chaos, compose, cpuquota, topology, verdict
 from cluster.compose import Service
 from cluster.config import ClusterConfig
 from cluster.liveview import LiveView
 from cluster.ports import free_ports
+from cluster.runinfo import RunProgress, island_stage
 from protocol.errors import DlocoError
 
-STOP_TIMEOUT_S = 120.0  # an island drains (10 s), then may evaluate its --eval-trace (up to 90 s)
+STOP_TIMEOUT_S = 150.0  # an island drains (up to 30 s), then may evaluate its --eval-trace (up to 90 s)
+EXIT_FAILED, EXIT_INTERRUPTED = 1, 130  # a run that failed or did not train; one stopped by Ctrl-C or SIGTERM
 
 
 class LaunchError(DlocoError):
     """The cluster could not be prepared or started."""
+
+
+def _stop_with_launcher() -> None:
+    """In a started process, before it runs: SIGTERM it when the launcher dies, however it dies (a
+    SIGKILLed launcher must not leave islands training for ever).  Linux only; elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def share_compilations() -> Path:
+    """Every process this launcher starts (and the report, in this one) keeps JAX's compiled programs
+    in one persistent cache, unless JAX_COMPILATION_CACHE_DIR is set already: an island restarted by
+    hand or by chaos, and the next run of the same model, start without compiling again (seconds
+    instead of tens of seconds on 2 cores).  Returns the cache folder."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dloco" / "jax"
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the model's many small initialisers too
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 def dloco(*args: str) -> list[str]:
@@ -88,7 +118,8 @@ class Cluster:
         command = [*service.command, "--cpu-cgroup", str(self.quotas.groups[name])] if service.cpus else service.command
         with open(self.run_dir / "logs" / f"{name}.log", "ab") as log:
             # A session of its own: a terminal's Ctrl-C reaches only the launcher, which stops the rest in order.
-            self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                                    preexec_fn=_stop_with_launcher)  # noqa: PLW1509 (the launcher runs no threads)
         self.down.discard(name)
 
     def start_all(self) -> None:
@@ -159,12 +190,15 @@ class Cluster:
 
 
 def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path | None = None, wanted: list[str] | None = None) -> int:
-    """Start, watch, stop, report.  Returns the exit status (0 when every process stopped cleanly).
+    """Start, watch, stop, report.  Returns the exit status: 0 when the run did its work and every
+    process stopped cleanly, EXIT_FAILED with the reasons printed, EXIT_INTERRUPTED after Ctrl-C.
 
     With `compose_file`, the processes are that file's services (`wanted` and what they depend on),
-    run locally; `config` then only names the regions and the model for the live view and report."""
+    run locally; `config` then only names the regions, the model and the run's bounds for the live
+    view and report."""
     run_dir = run_dir.resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    share_compilations()
     if compose_file is None:
         services = native_services(config, run_dir)
         order = ["broker", "merger", *(r.name for r in config.regions)]
@@ -177,7 +211,10 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
             raise LaunchError(f"{compose_file}: services {unknown} are not regions of the cluster file")
         config = dataclasses.replace(config, regions=tuple(r for r in config.regions if r.name in order))
     cluster = Cluster(config, run_dir, services, order)
-    interrupted = False
+    islands = [r.name for r in config.regions]
+    interval = config.effective()[0]["interval"]
+    progress = RunProgress(run_dir, islands)
+    interrupted, problems = False, []
 
     def on_interrupt(*_) -> None:
         nonlocal interrupted
@@ -195,20 +232,36 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
         started = time.monotonic()  # the run's clock (duration, chaos times) starts with the processes
         view = LiveView(config, run_dir, out)
         with open(run_dir / "chaos.jsonl", "a") as chaos_log:
-            while not interrupted and time.monotonic() - started < config.duration_s:
-                while pending and time.monotonic() - started >= pending[0].at_s:
+            armed = chaos.Progress(0.0, dict(progress.steps), 0)  # where the run was when the last event fired
+            while not interrupted:
+                progress.update()
+                now = chaos.Progress(time.monotonic() - started, dict(progress.steps), progress.folds)
+                while pending and chaos.due(pending[0], now, armed):
                     event = pending.pop(0)
                     getattr(cluster, event.action)(event.target)
-                    chaos_log.write(json.dumps({"at_s": round(time.monotonic() - started, 3), "wall": time.time(),
-                                                "action": event.action, "target": event.target}) + "\n")
+                    chaos_log.write(json.dumps({"at_s": round(now.elapsed_s, 3), "wall": time.time(), "action": event.action,
+                                                "target": event.target, "when": str(event)}) + "\n")
                     chaos_log.flush()
                     print(f"dloco up: chaos {event} done", file=out, flush=True)
+                    armed = now
                 dead = cluster.unexpectedly_dead()
                 if dead:
                     print(f"dloco up: {', '.join(dead)} exited early; see {run_dir / 'logs'}", file=out, flush=True)
+                    problems.append(f"{', '.join(dead)} exited early")
                     break
-                view.refresh(time.monotonic() - started)
-                time.sleep(0.25 if pending else 1.0)
+                # Bounded by work: every island up has its steps, and, once chaos has run, two more intervals each (its recovery shows).
+                after_chaos = {n: armed.steps.get(n, 0) + 2 * interval for n in islands} if config.chaos else {}
+                short = [n for n in islands if n not in cluster.down and progress.steps[n] < max(config.max_steps, after_chaos.get(n, 0))]
+                if config.max_steps and not short and not pending:
+                    break
+                if now.elapsed_s >= config.duration_s:
+                    if config.max_steps:
+                        stages = {name: island_stage(run_dir / "logs" / f"{name}.log", progress.last_step[name], progress.steps[name], config.max_steps) for name in short}
+                        problems += verdict.unfinished(stages, config.duration_s, config.max_steps)
+                        problems += verdict.unreached([str(e) for e in pending], progress.steps, progress.folds)
+                    break
+                view.refresh(now.elapsed_s)
+                time.sleep(0.25 if pending or config.max_steps else 1.0)
     finally:
         print("dloco up: stopping (islands, then merger, then broker) ...", file=out, flush=True)
         codes = cluster.stop_all()
@@ -219,6 +272,16 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
             signal.signal(sig, handler)
     from cluster.report import write_report
 
-    report = write_report(config, run_dir, codes)
+    progress.update()
+    failed = {name: code for name, code in codes.items() if code != 0 and name not in cluster.down}
+    if failed:
+        problems.append("exit status " + ", ".join(f"{name} {code}" for name, code in failed.items()))
+    if not interrupted and not problems:
+        problems += verdict.untrained(progress.steps, progress.folds, interval)
+    report = write_report(config, run_dir, codes, problems)
+    for problem in problems:
+        print(f"dloco up: FAILED: {problem}", file=out, flush=True)
     print(f"dloco up: report at {report}", file=out, flush=True)
-    return 0 if all(code == 0 or name in cluster.down for name, code in codes.items()) else 1
+    if interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if problems else 0

@@ -57,6 +57,16 @@ class LiveView:
 
     def header(self, elapsed: float) -> str:
         total = self.config.duration_s
-        done = min(1.0, elapsed / total)
+        if self.config.max_steps:  # bounded by work: the bar is the islands' steps, the seconds a limit
+            steps = [self._last_step(region.name) for region in self.config.regions]
+            done = min(1.0, min(steps, default=0) / self.config.max_steps)
+            bound = f"{min(steps, default=0)}/{self.config.max_steps} steps (slowest island), {elapsed:5.0f} s of at most {total:.0f}"
+        else:
+            done = min(1.0, elapsed / total)
+            bound = f"{elapsed:5.0f}/{total:.0f} s"
         bar = "#" * int(done * 30) + "-" * (30 - int(done * 30))
-        return f"dloco up ({self.config.mode}): {len(self.config.regions)} regions  [{bar}] {elapsed:5.0f}/{total:.0f} s"
+        return f"dloco up ({self.config.mode}): {len(self.config.regions)} regions  [{bar}] {bound}"
+
+    def _last_step(self, region: str) -> int:
+        events = [e for e in last_events(self.run_dir / "metrics" / f"{region}.jsonl", tail_bytes=4096) if "step" in e and not e.get("deferred")]
+        return events[-1]["step"] if events else 0

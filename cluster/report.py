@@ -55,7 +55,8 @@ def _plots(config: ClusterConfig, run_dir: Path, metrics: dict[str, list[dict]])
         axes.set_xlabel(x_label)
         axes.set_ylabel(y_label)
         axes.grid(alpha=0.3)
-        axes.legend(fontsize=8)
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend(fontsize=8)
         figure.tight_layout()
         figure.savefig(plots / filename, dpi=100)
         plt.close(figure)
@@ -120,13 +121,17 @@ def _code(cell: str, run_dir: Path) -> int | None:
         raise ConfigError(f"{run_dir / 'report.md'}: {cell!r} is not an exit status") from None
 
 
-def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int]) -> Path:
+def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int], problems: list[str] = ()) -> Path:
+    """report.md and plots/.  `problems`: why the run failed (cluster.verdict), listed first."""
     metrics = {r.name: read_metrics(run_dir / "metrics" / f"{r.name}.jsonl") for r in config.regions}
     folds = merger_folds(run_dir)
     folded_by = collections.Counter(name for fold in folds for name in fold["contributors"])
     before, after = global_eval(config, run_dir)
-    lines = ["# dloco run report", "", f"Run directory: `{run_dir}`; mode `{config.mode}`; {len(config.regions)} regions; planned length {config.duration_s:.0f} s.", "",
-             "## Islands", "",
+    lines = ["# dloco run report", "", f"Run directory: `{run_dir}`; mode `{config.mode}`; {len(config.regions)} regions; planned length {config.duration_s:.0f} s"
+             + (f" at most, {config.max_steps} steps per island." if config.max_steps else "."), ""]
+    if problems:
+        lines += ["## FAILED", "", *(f"- {problem}" for problem in problems), ""]
+    lines += ["## Islands", "",
              "| region | slowdown | link up/down Mbit/s, RTT | steps | tokens | steps/s | compute util | last loss | last held-out loss | bytes sent | bytes received | deltas folded | exit |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for region in config.regions:

@@ -90,3 +90,62 @@ def chaos_effects(run_dir: Path, regions: list[str]) -> list[dict]:
         joins[region] = [e["wall"] for e in events if e.get("step") == 0]
     folds = [(wall(e), tuple(e["contributors"])) for e in merger_folds(run_dir)]
     return effects(executed, steps, joins, folds)
+
+
+class RunProgress:
+    """A running cluster's progress, read from its files as they grow: every island's training steps
+    (all its lives, from metrics/<island>.jsonl) and the merger's folds (logs/merger.log).  `update`
+    reads only what was appended since the last call."""
+
+    def __init__(self, run_dir: Path, islands: list[str]) -> None:
+        self.run_dir = run_dir
+        self.steps = {name: 0 for name in islands}  # steps made, every life
+        self.last_step = {name: 0 for name in islands}  # the step number of the current life
+        self.folds = 0
+        self._offsets: dict[Path, int] = {}
+
+    def update(self) -> None:
+        for name in self.steps:
+            for event in self._new_events(self.run_dir / "metrics" / f"{name}.jsonl"):
+                if event.get("deferred") or "step" not in event:
+                    continue
+                self.last_step[name] = event["step"]
+                self.steps[name] += event["step"] > 0
+        self.folds += sum(e.get("event") == "fold" for e in self._new_events(self.run_dir / "logs" / "merger.log"))
+
+    def _new_events(self, path: Path) -> list[dict]:
+        """The complete JSON lines appended to `path` since the last call (a line being written waits)."""
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(self._offsets.get(path, 0))
+                data = handle.read()
+        except OSError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]
+        self._offsets[path] = self._offsets.get(path, 0) + len(complete)
+        events = []
+        for line in complete.decode("utf-8", "replace").splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(event, dict):
+                events.append(event)
+        return events
+
+
+def island_stage(log_path: Path, life_step: int, made: int, max_steps: int) -> str:
+    """Where an island's current life is, from its log: starting, joining, compiling or stepping.
+    life_step: the step number of its current life; made: its steps in every life."""
+    stage = "starting (importing JAX, reading the corpus, building the model)"
+    for event in read_events(log_path):
+        name = event.get("event")
+        if name == "corpus":  # the first line of every life
+            stage = "starting (importing JAX, reading the corpus, building the model)"
+        elif name == "model":
+            stage = "joining (waiting for the merger's model)"
+        elif name == "joined":
+            stage = "compiling (its first step)"
+    if stage.startswith("compiling") and life_step > 0:
+        stage = f"stepping ({made} of {max_steps} steps made)"
+    return stage

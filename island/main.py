@@ -71,7 +71,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     network.add_argument("--control-server", default="merger", help="key name of the control endpoint's server")
     network.add_argument("--settle-timeout", type=float, default=SyncConfig.settle_timeout_s,
                          help="seconds after which the island stops asking what became of a delta (with --blocking: stops waiting for its fold)")
-    network.add_argument("--drain-timeout", type=float, default=10.0, help="at the end, seconds to wait for the last deltas to be sent and acknowledged")
+    network.add_argument("--drain-timeout", type=float, default=30.0, help="at the end, seconds to wait for the last deltas to be sent and acknowledged")
     island.set_defaults(run=run_island)
 
 

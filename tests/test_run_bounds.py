@@ -1,0 +1,103 @@
+"""Runs bounded by work: the verdict on a finished run (pure, hand-made counts), the progress a
+launcher reads from a run directory as it grows, and where a slow island was."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster import config, verdict
+from cluster.runinfo import RunProgress, island_stage
+from protocol.errors import ConfigError
+
+
+def test_a_run_that_did_not_train_says_why():
+    assert verdict.untrained({"a": 48, "b": 300}, folds=1, interval=48) == []
+    assert verdict.untrained({"a": 1, "b": 47}, folds=0, interval=48) == [
+        "island a made 1 training step, fewer than one interval (H = 48)",
+        "island b made 47 training steps, fewer than one interval (H = 48)",
+        "the merger never folded a delta: the global model did not change"]
+
+
+def test_a_run_past_its_time_limit_names_each_slow_island_and_its_stage():
+    assert verdict.unfinished({}, 600, 200) == []
+    (line,) = verdict.unfinished({"c": "stepping (120 of 200 steps made)", "d": "joining (waiting for the merger's model)"}, 600, 200)
+    assert line == ("the time limit (600 s) passed before every island made 200 steps: "
+                    "c stepping (120 of 200 steps made); d joining (waiting for the merger's model)")
+    assert verdict.unreached([], {"a": 3}, 0) == []
+    assert verdict.unreached(["kill:merger@folds=9"], {"a": 30}, 4) == ["chaos events never reached: kill:merger@folds=9 (steps made: a 30; folds: 4)"]
+
+
+def _append(path, *events, partial: str = ""):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        handle.write("".join(json.dumps(e) + "\n" for e in events) + partial)
+
+
+def test_progress_counts_every_life_and_reads_only_what_was_appended(tmp_path):
+    metrics, log = tmp_path / "metrics" / "a.jsonl", tmp_path / "logs" / "merger.log"
+    progress = RunProgress(tmp_path, ["a", "b"])
+    progress.update()  # nothing written yet
+    assert (progress.steps, progress.folds) == ({"a": 0, "b": 0}, 0)
+    _append(metrics, {"step": 0, "eval_loss": 5.0}, {"step": 1}, {"step": 2}, partial='{"step": 3')
+    _append(log, {"event": "fold"}, {"event": "admitted"}, {"event": "fold"})
+    progress.update()
+    assert (progress.steps["a"], progress.last_step["a"], progress.folds) == (2, 2, 2)
+    _append(metrics, partial="}\n")  # the line being written is complete now: counted once
+    progress.update()
+    progress.update()
+    assert (progress.steps["a"], progress.last_step["a"]) == (3, 3)
+    # a restart: the new life starts at step 0 again, the count goes on; evaluations after training are not steps
+    _append(metrics, {"step": 0, "eval_loss": 4.0}, {"step": 1}, {"step": 1, "deferred": True, "eval_loss": 3.0})
+    _append(log, {"event": "fold"})
+    progress.update()
+    assert (progress.steps["a"], progress.last_step["a"], progress.folds) == (4, 1, 3)
+
+
+def test_an_island_stage_comes_from_its_log(tmp_path):
+    log = tmp_path / "a.log"
+    assert island_stage(log, 0, 0, 100).startswith("starting")
+    _append(log, {"event": "corpus"})
+    assert island_stage(log, 0, 0, 100).startswith("starting")
+    _append(log, {"event": "model"})
+    assert island_stage(log, 0, 0, 100) == "joining (waiting for the merger's model)"
+    _append(log, {"event": "joined"})
+    assert island_stage(log, 0, 0, 100) == "compiling (its first step)"
+    assert island_stage(log, 7, 7, 100) == "stepping (7 of 100 steps made)"
+    _append(log, {"event": "corpus"})  # restarted: a new life, the steps of the last one still count
+    assert island_stage(log, 7, 7, 100).startswith("starting")
+    _append(log, {"event": "model"}, {"event": "joined"})
+    assert island_stage(log, 0, 7, 100) == "compiling (its first step)" and island_stage(log, 2, 9, 100) == "stepping (9 of 100 steps made)"
+
+
+def test_max_steps_must_cover_an_interval(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[run]\nmax_steps = 60\n[sync]\nfragments = 2\ninterval = 10\n[[regions]]\nname = 'a'\n")
+    bounded = config.load(path)
+    assert bounded.max_steps == 60 and config.load().max_steps == 0
+    assert bounded.with_steps(None) is bounded and bounded.with_steps(10).max_steps == 10
+    with pytest.raises(ConfigError, match=r"run.max_steps \(9\) must be at least sync.interval \(H = 10 in mode decoupled\)"):
+        bounded.with_steps(9)
+    assert bounded.with_mode("sync-dp").with_steps(1).max_steps == 1  # sync-dp exchanges every step
+    for bad in ("-1", "2.5", "'10'"):
+        path.write_text(f"[run]\nmax_steps = {bad}\n[[regions]]\nname = 'a'\n")
+        with pytest.raises(ConfigError, match="run.max_steps must be an int >= 0"):
+            config.load(path)
+
+
+@pytest.mark.timeout(300)
+def test_a_suite_whose_run_did_not_get_its_steps_done_exits_non_zero_and_says_why(tmp_path):
+    """A run bounded by work that hits its time limit (3 s: the islands are still starting) fails;
+    the suite stops there, names the island and where it was, and writes no table."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    suite = subprocess.run([sys.executable, "-m", "cluster.cli", "experiment", "merging", "--quick", "--runs", "rda-2-islands", "--seconds", "3",
+                            "--out", str(out)], capture_output=True, text=True, timeout=280)
+    assert suite.returncode == 2, (suite.stdout[-2000:], suite.stderr[-2000:])
+    assert "merging: run rda-2-islands failed (exit 1: the time limit (3 s) passed before every island made 96 steps: us-east " in suite.stderr
+    assert "Nothing is tabulated" in suite.stderr and not (out / "merging.md").exists()
+    report = (out / "merging" / "rda-2-islands" / "report.md").read_text()
+    assert "## FAILED" in report and "us-west" in report.split("## Islands")[0]  # both islands are named, with their stage
