@@ -1,5 +1,6 @@
-"""The experiment suites' comparisons (cluster/experiments.py) on hand-made run results; the suites
-themselves are cluster runs (`dloco experiment NAME --quick`, minutes each), recorded in EXPERIMENTS.md."""
+"""The experiment suites' comparisons (cluster/suiteresults.py) on hand-made run results, and the
+suites' definitions (cluster/experiments.py); the suites themselves are cluster runs (`dloco
+experiment NAME --quick`, minutes each, tests/test_experiments_quick.py), recorded in EXPERIMENTS.md."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from cluster import config, experiments
-from cluster.experiments import RunResult
+from cluster import config, experiments, suiteresults
+from cluster.suiteresults import RunResult
 
 
 def result(label, evals, last, mode="decoupled"):
@@ -22,10 +23,10 @@ def test_time_to_target_loss_at_equal_tokens_and_bytes_per_token():
                   {"a": {"tokens": 300, "bytes_sent": 600, "bytes_received": 300, "compute_util": 0.99}, "b": {"tokens": 100, "bytes_sent": 100}})
     slow = result("sync-dp", {"a": [{"since_start": 50, "tokens": 100, "eval_loss": 3.5}, {"since_start": 90, "tokens": 200, "eval_loss": 2.4}]},
                   {"a": {"tokens": 200, "bytes_sent": 40_000, "bytes_received": 40_000, "compute_util": 0.3}}, "sync-dp")
-    assert experiments.time_to(fast, 2.5) == 12 and experiments.time_to(slow, 2.5) == 90 and experiments.time_to(slow, 1.0) is None
-    assert experiments.loss_at_tokens(fast, 200) == pytest.approx((2.5 + 2.5) / 2)  # a: halfway 3.0 -> 2.0; b: its only point
-    assert experiments.bytes_per_token(fast) == 1000 / 400 and experiments.bytes_per_token(slow) == 400
-    text = experiments.summarize("speedup", "why", [fast, slow], "dloco experiment speedup", 100.0)
+    assert suiteresults.time_to(fast, 2.5) == 12 and suiteresults.time_to(slow, 2.5) == 90 and suiteresults.time_to(slow, 1.0) is None
+    assert suiteresults.loss_at_tokens(fast, 200) == pytest.approx((2.5 + 2.5) / 2)  # a: halfway 3.0 -> 2.0; b: its only point
+    assert suiteresults.bytes_per_token(fast) == 1000 / 400 and suiteresults.bytes_per_token(slow) == 400
+    text = suiteresults.summarize("speedup", "why", [fast, slow], "dloco experiment speedup", 100.0)
     # target: the worst run's best island evaluation (2.4), reached by decoupled at 20 s (a's 2.0), by sync-dp at 90 s
     assert "time to island loss ≤ 2.400" in text and "| 20.0 s |" in text and "| 90.0 s |" in text
     assert "4.5x faster to the target; 160x fewer bytes per token" in text
@@ -51,11 +52,11 @@ def test_one_clock_for_every_island_and_a_restarted_islands_lives(tmp_path):
     (metrics / f"{b}.jsonl").write_text("\n".join([  # joins late, killed, restarted at wall 200 from a trained model
         line(0, 0.0, 98.0, eval_loss=6.0), line(1, 10.0, 108.0, bytes_sent=5, eval_loss=3.5),
         line(0, 0.0, 200.0, eval_loss=2.5), line(1, 2.0, 202.0, bytes_sent=7, compute_util=0.5, eval_loss=2.0)]) + "\n")
-    evals, last = experiments.read_islands([a, b], tmp_path)
+    evals, last = suiteresults.read_islands([a, b], tmp_path)
     r = RunResult("decoupled", two, 0, 6.0, 2.0, evals, last)
-    assert experiments.time_to(r, 4.0) == 1.0 and experiments.time_to(r, 3.5) == 4.0 and experiments.time_to(r, 2.0) == 98.0
+    assert suiteresults.time_to(r, 4.0) == 1.0 and suiteresults.time_to(r, 3.5) == 4.0 and suiteresults.time_to(r, 2.0) == 98.0
     assert r.last[b]["tokens"] == 200 and r.last[b]["bytes_sent"] == 12 and r.last[b]["compute_util"] == 0.5
-    assert experiments.loss_at_tokens(r, 100) == pytest.approx((5.0 + 3.5) / 2)  # b's first life only
+    assert suiteresults.loss_at_tokens(r, 100) == pytest.approx((5.0 + 3.5) / 2)  # b's first life only
 
 
 def test_unknown_suites_are_refused(tmp_path):
@@ -78,6 +79,9 @@ def test_every_suite_builds_valid_cluster_files():
     faults = dict(experiments.SUITES["faults"][1])["sync-diloco"](base)
     assert faults.mode == "sync-diloco" and [str(e) for e in faults.chaos] == [
         "kill:eu-older-hw@105", "restart:eu-older-hw@180", "kill:merger@225", "restart:merger@240"]
+    bounded = dict(experiments.SUITES["faults"][1])["decoupled"](base.with_steps(200))  # a run bounded by work: keyed to progress
+    assert [str(e) for e in bounded.chaos] == ["kill:eu-older-hw@us-east.step=70", "restart:eu-older-hw@us-east.step=+50",
+                                               "kill:merger@eu-older-hw.step=+48", "restart:merger@+5"]
     quantization = dict(experiments.SUITES["quantization"][1])
     assert sorted(quantization) == sorted(f"{c}{s}" for c in ("fp32", "bf16", "int8", "int4", "int2") for s in ("", "-ef"))
     assert quantization["int2-ef"](base).sync["error_feedback"] is True and quantization["int2"](base).sync["codec"] == "int2"
@@ -102,7 +106,9 @@ def test_every_suite_builds_valid_cluster_files():
     downlink = dict(experiments.SUITES["downlink"][1])
     assert downlink["bf16-full"](base).merger["snapshot_diff_codec"] == "none" and downlink["int4-diff"](base).merger["snapshot_diff_codec"] == "int4"
     assert downlink["int4-diff"](base).merger["snapshot_every_round"] == 0 and downlink["int4-diff-held"](base).merger["snapshot_every_round"] == 1
-    for name, (_, runs) in experiments.SUITES.items():  # --quick: each suite's runs exist and fit 3 minutes with ~15 s start-up each
+    for name, (_, runs) in experiments.SUITES.items():  # --quick: each suite's runs exist, bounded by work
         kept = [label for label, _ in runs if label in experiments.QUICK_RUNS.get(name, (label,))]
-        assert len(kept) == len(experiments.QUICK_RUNS.get(name, kept)) >= 2 and len(kept) * (experiments.QUICK_SECONDS[name] + 15) <= 180, name
+        assert len(kept) == len(experiments.QUICK_RUNS.get(name, kept)) >= 2, name
+        quick = base.with_steps(experiments.QUICK_STEPS[name])  # at least an interval: every fragment is sent
+        assert all(transform(quick).max_steps == experiments.QUICK_STEPS[name] for label, transform in runs if label in kept), name
     assert all(len(runs) * experiments.DEFAULT_SECONDS[name] <= 25 * 60 for name, (_, runs) in experiments.SUITES.items())  # <= 30 min each
