@@ -54,3 +54,23 @@ def one_of_each_kind() -> list[protocol.Message]:
 @pytest.fixture
 def fragment() -> dict[str, np.ndarray]:
     return make_fragment()
+
+
+def pytest_configure(config) -> None:
+    """One JAX compilation cache for the whole test session, in this process and every process a test
+    starts (islands, mergers, `dloco up`): the same tiny models are compiled once, not once per process.
+    A fresh folder per session, so a run never depends on what an earlier one left.  Set before the
+    test modules are collected, so that this process's JAX reads it too."""
+    import os
+    import tempfile
+
+    config._jax_cache = tempfile.mkdtemp(prefix="dloco-test-jax-cache-")
+    os.environ.update({"JAX_COMPILATION_CACHE_DIR": config._jax_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                       "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
+
+
+def pytest_unconfigure(config) -> None:
+    import shutil
+
+    if getattr(config, "_jax_cache", None):
+        shutil.rmtree(config._jax_cache, ignore_errors=True)
