@@ -19,6 +19,7 @@ import msgpack
 
 from protocol.checksum import crc32
 from protocol.errors import EncodeError, ProtocolError
+from protocol.limits import DEFAULT_LIMITS, IDENT, MAX_TOPIC_BYTES, PATH, REASON, Limits
 from protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -38,35 +39,7 @@ from protocol.messages import (
 from protocol.quantization import CODEC_NAMES, Codec
 
 _U64 = 1 << 64
-MAX_TOPIC_BYTES = 64
-_IDENT = re.compile(r"[A-Za-z0-9._:@-]+")
-_PATH = re.compile(r"[A-Za-z0-9._:@/\[\]-]+")
 OPTIONAL_FIELDS = frozenset({"base_version", "digest"})  # of a snapshot: left out of the header when None
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """Bounds a decoder enforces before trusting any size in a header."""
-
-    max_header_bytes: int = 64 * 1024
-    max_payload_bytes: int = 64 * 1024 * 1024  # per message, all payload frames together
-    max_slices: int = 1024  # per chunk
-    max_chunks: int = 1 << 20  # chunk_count of one delta or snapshot
-    max_tensor_values: int = 1 << 34  # values in one tensor
-    max_ndim: int = 8
-    max_ident_len: int = 64  # sender, region, model, role, codec names
-    max_path_len: int = 256
-    max_list_len: int = 1024  # ranges, cursors, results, fragments, codecs
-    max_reason_len: int = 256
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise EncodeError(f"Limits.{field.name} must be a positive int, got {value!r}")
-
-
-DEFAULT_LIMITS = Limits()
 
 
 # ---- encode --------------------------------------------------------------------------------------
@@ -209,7 +182,7 @@ class _FieldReader:
             raise ProtocolError("field_value", f"{self.where}.{key} must be an int in [0, {below}), got {_show(value)}")
         return value
 
-    def text(self, key: str, pattern: re.Pattern = _IDENT, max_len: int | None = None, allow_empty: bool = False) -> str:
+    def text(self, key: str, pattern: re.Pattern = IDENT, max_len: int | None = None, allow_empty: bool = False) -> str:
         value = self._get(key)
         max_len = max_len or self.limits.max_ident_len
         if not isinstance(value, str) or len(value) > max_len:
@@ -272,7 +245,7 @@ def _read_chunk_common(fields: _FieldReader, payloads: list[memoryview], limits:
 
 
 def _read_slice(fields: _FieldReader, payload: memoryview, codec: Codec, limits: Limits) -> TensorSlice:
-    path = fields.text("path", pattern=_PATH, max_len=limits.max_path_len)
+    path = fields.text("path", pattern=PATH, max_len=limits.max_path_len)
     dtype = fields.text("dtype")
     if dtype not in TENSOR_DTYPES:
         raise ProtocolError("field_value", f"{fields.where}.dtype {dtype!r} is not one of {TENSOR_DTYPES}")
@@ -346,7 +319,7 @@ def _read_ack(fields: _FieldReader, payloads: list[memoryview], limits: Limits) 
         results.append(DeltaResult(
             island=f.text("island"), epoch=f.uint("epoch"), delta_id=f.uint("delta_id"), fragment=f.uint("fragment"),
             status=status, version=f.uint("version"),
-            reason=f.text("reason", pattern=re.compile(r"[ -~]+"), max_len=limits.max_reason_len, allow_empty=True),
+            reason=f.text("reason", pattern=REASON, max_len=limits.max_reason_len, allow_empty=True),
         ))
         f.finish()
     return Ack(**_envelope(fields), cursors=tuple(cursors), results=tuple(results))
