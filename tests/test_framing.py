@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import protocol
-from protocol import Codec, ProtocolError, decode, encode
+from protocol import Codec, decode, encode
 from tests.conftest import delta_messages, header_of, make_fragment, one_of_each_kind, reason_of, with_header
 
 
