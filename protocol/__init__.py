@@ -11,7 +11,8 @@ from protocol.chunking import DEFAULT_MAX_CHUNK_BYTES, ChunkPlan, model_fingerpr
 from protocol.error_feedback import compensate, quantize_with_feedback
 from protocol.errors import DlocoError, EncodeError, ProtocolError
 from protocol.fragments import partition
-from protocol.framing import DEFAULT_LIMITS, Limits, decode, encode
+from protocol.framing import decode, encode
+from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,

@@ -2,25 +2,44 @@
 fingerprint both ends compare.
 
 Each tensor is encoded once with the codec; a chunk is a list of (slice, payload) pairs whose
-payloads are zero-copy views of those encodings, at most ``max_chunk_bytes`` in all.  Tensors are
-taken in sorted path order and may span chunks; slice boundaries fall on the codec's granule
-(a whole block for the int codecs), so every slice decodes on its own.  Zero-size tensors carry no
-values and are left out.
+payloads are zero-copy views of those encodings.  Tensors are taken in sorted path order and may
+span chunks; slice boundaries fall on the codec's granule (a whole block for the int codecs), so
+every slice decodes on its own.  Zero-size tensors carry no values and are left out.
+
+Greedy fill (PROTOCOL.md §7): each slice takes as many granules as the chunk has payload room for,
+up to the rest of its tensor; a new chunk begins when the current one has less room than one
+granule, holds `Limits.max_slices` slices, or has no header room left for the next slice map.
+Header room is counted with an upper bound per slice map (`slice_header_bound`) against the header
+limit less `HEADER_RESERVE_BYTES` for the other fields, so no chunk is ever refused by a decoder
+with the default limits: not for its slice count, nor its header size, nor its payload size.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections.abc import Mapping
 
 import numpy as np
 
 from protocol.errors import EncodeError
+from protocol.limits import DEFAULT_LIMITS, PATH, Limits
 from protocol.messages import TENSOR_DTYPES, TensorSlice
 from protocol.quantization import Codec
 
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20
+# Header bytes kept for every field but `slices`: at their largest (identifiers of 64 characters,
+# uint64 values) a delta's or a snapshot's other fields and the slices array's own length prefix
+# take under 500 bytes.
+HEADER_RESERVE_BYTES = 1024
+
+
+def slice_header_bound(path: str, ndim: int) -> int:
+    """Most bytes one slice map can take in a msgpack header: 88 plus the path's bytes plus 9 per
+    dimension.  88 = map prefix 1, the seven keys 43, path string prefix 3, dtype string 9, shape
+    array prefix 1, start, count and nbytes as uint64 27, crc32 as uint32 5."""
+    return 88 + len(path.encode()) + 9 * ndim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,37 +61,57 @@ def dtype_name(array: np.ndarray) -> str:
     return name
 
 
-def split_fragment(tensors: Mapping[str, np.ndarray], codec: Codec, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> list[ChunkPlan]:
-    """Encode every tensor with `codec` and pack the encodings into chunks of ≤ max_chunk_bytes."""
+def split_fragment(tensors: Mapping[str, np.ndarray], codec: Codec, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                   limits: Limits = DEFAULT_LIMITS) -> list[ChunkPlan]:
+    """Encode every tensor with `codec` and pack the encodings into chunks of ≤ max_chunk_bytes
+    payload bytes that a decoder with `limits` accepts (the greedy fill of the module docstring)."""
     if max_chunk_bytes < codec.record_nbytes:
         raise EncodeError(f"max_chunk_bytes={max_chunk_bytes} is smaller than one {codec.name} record ({codec.record_nbytes} bytes)")
+    if max_chunk_bytes > limits.max_payload_bytes:
+        raise EncodeError(f"max_chunk_bytes={max_chunk_bytes} exceeds the decoders' payload limit of {limits.max_payload_bytes}")
+    header_room = limits.max_header_bytes - HEADER_RESERVE_BYTES
     unit_values = codec.granule  # values per indivisible unit
     unit_bytes = codec.encoded_nbytes(unit_values)
     chunks: list[ChunkPlan] = []
     slices: list[TensorSlice] = []
     payloads: list[memoryview] = []
-    room = max_chunk_bytes
+    room, header_used = max_chunk_bytes, 0
     for path in sorted(tensors):
         array = np.asarray(tensors[path])
         if array.size == 0:
             continue
         dtype, shape = dtype_name(array), tuple(int(d) for d in array.shape)
+        _check_tensor(path, shape, limits)
+        bound = slice_header_bound(path, len(shape))
+        if bound > header_room:
+            raise EncodeError(f"a slice map of {path} may take {bound} header bytes, more than the {header_room} a chunk has for slices")
         encoded_U = memoryview(codec.encode(np.asarray(array, dtype=np.float32).reshape(-1)))
         start = 0
         while start < array.size:
-            if room < unit_bytes:
+            if room < unit_bytes or len(slices) == limits.max_slices or header_used + bound > header_room:
                 chunks.append(ChunkPlan(tuple(slices), tuple(payloads)))
-                slices, payloads, room = [], [], max_chunk_bytes
+                slices, payloads, room, header_used = [], [], max_chunk_bytes, 0
             count = min((room // unit_bytes) * unit_values, array.size - start)
             offset = (start // unit_values) * unit_bytes
             nbytes = codec.encoded_nbytes(count)
             slices.append(TensorSlice(path=path, dtype=dtype, shape=shape, start=start, count=count))
             payloads.append(encoded_U[offset : offset + nbytes])
             room -= nbytes
+            header_used += bound
             start += count
     if slices:
         chunks.append(ChunkPlan(tuple(slices), tuple(payloads)))
+    if len(chunks) > limits.max_chunks:
+        raise EncodeError(f"{len(chunks)} chunks exceed the decoders' limit of {limits.max_chunks}")
     return chunks
+
+
+def _check_tensor(path: str, shape: tuple[int, ...], limits: Limits) -> None:
+    """Refuse a tensor that no decoder with `limits` would accept in a slice map."""
+    if len(path) > limits.max_path_len or not PATH.fullmatch(path):
+        raise EncodeError(f"tensor path {path[:80]!r} must match {PATH.pattern} and be at most {limits.max_path_len} characters")
+    if len(shape) > limits.max_ndim or math.prod(shape) > limits.max_tensor_values:
+        raise EncodeError(f"tensor {path} of shape {shape} has more than {limits.max_ndim} dimensions or {limits.max_tensor_values} values")
 
 
 def model_fingerprint(tensors: Mapping[str, np.ndarray | tuple[tuple[int, ...], str]]) -> str:

@@ -1,9 +1,9 @@
-"""Partition of a model's parameters into P fragments, balanced by bytes.
+"""Partition of a model's parameters into P fragments, balanced by value count.
 
 Both ends compute it from the model structure alone (paths and shapes) and P, so an island and
 the merger agree on which tensor belongs to which fragment without exchanging the assignment.
 Greedy longest-processing-time: tensors in decreasing size (ties by path), each to the fragment
-with the fewest bytes so far (ties by lowest index).  PROTOCOL.md §8 specifies it.
+with the fewest values so far (ties by lowest index).  PROTOCOL.md §10 specifies it.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import msgpack
 
 from protocol.checksum import crc32
 from protocol.errors import EncodeError, ProtocolError
+from protocol.limits import DEFAULT_LIMITS, IDENT, MAX_TOPIC_BYTES, PATH, REASON, Limits
 from protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -38,35 +39,7 @@ from protocol.messages import (
 from protocol.quantization import CODEC_NAMES, Codec
 
 _U64 = 1 << 64
-MAX_TOPIC_BYTES = 64
-_IDENT = re.compile(r"[A-Za-z0-9._:@-]+")
-_PATH = re.compile(r"[A-Za-z0-9._:@/\[\]-]+")
 OPTIONAL_FIELDS = frozenset({"base_version", "digest"})  # of a snapshot: left out of the header when None
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """Bounds a decoder enforces before trusting any size in a header."""
-
-    max_header_bytes: int = 64 * 1024
-    max_payload_bytes: int = 64 * 1024 * 1024  # per message, all payload frames together
-    max_slices: int = 1024  # per chunk
-    max_chunks: int = 1 << 20  # chunk_count of one delta or snapshot
-    max_tensor_values: int = 1 << 34  # values in one tensor
-    max_ndim: int = 8
-    max_ident_len: int = 64  # sender, region, model, role, codec names
-    max_path_len: int = 256
-    max_list_len: int = 1024  # ranges, cursors, results, fragments, codecs
-    max_reason_len: int = 256
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise EncodeError(f"Limits.{field.name} must be a positive int, got {value!r}")
-
-
-DEFAULT_LIMITS = Limits()
 
 
 # ---- encode --------------------------------------------------------------------------------------
@@ -120,7 +93,12 @@ def _slice_headers(message: DeltaChunk | SnapshotChunk, payloads: list[memoryvie
 
 # ---- decode --------------------------------------------------------------------------------------
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
-    """Parse and fully validate frames; raise ProtocolError (only) if they are not a valid message."""
+    """Parse and fully validate frames; raise ProtocolError (only) if they are not a valid message.
+
+    Checks run in the order of PROTOCOL.md §4.1, and the first that fails names the reason: the
+    frame list, the header's bytes, `v` and `kind`, the fields in the order of the kind's table
+    (unknown fields after them), the topic, then the payload frames one by one.
+    """
     try:
         return _decode(frames, limits)
     except ProtocolError:
@@ -145,13 +123,16 @@ def _decode(frames: Sequence[Any], limits: Limits) -> Message:
     except ValueError:
         raise ProtocolError("unknown_kind", f"unknown message kind {kind_name!r}") from None
     fields = _FieldReader(header, f"{kind} header", limits)
-    message = _READERS[kind](fields, views[2:], limits)
+    payloads = tuple(views[2:])
+    message = _READERS[kind](fields, payloads, limits)
     fields.finish(extra_allowed={"v", "kind"})
     topic = bytes(views[0][:MAX_TOPIC_BYTES + 1])
     if topic != message.topic.encode("ascii"):
         raise ProtocolError("topic", f"topic {topic[:80]!r} does not match {message.topic!r}")
-    if kind not in (Kind.DELTA, Kind.SNAPSHOT) and len(views) != 2:
-        raise ProtocolError("frame_count", f"{kind} has no payload frames, got {len(views) - 2}")
+    if isinstance(message, (DeltaChunk, SnapshotChunk)):
+        _check_payloads(message.codec, message.slices, payloads, limits)
+    elif payloads:
+        raise ProtocolError("frame_count", f"{kind} has no payload frames, got {len(payloads)}")
     return message
 
 
@@ -182,11 +163,29 @@ def _unpack_header(view: memoryview, limits: Limits) -> dict:
 
 
 def _unique_keys(pairs: list[tuple[Any, Any]]) -> dict:
-    """msgpack maps with a repeated key are ambiguous (which value wins?): refuse them."""
+    """Every map in a header has string keys, each once (with a repeated key, which value wins?)."""
+    if not all(type(key) is str for key, _ in pairs):
+        raise ProtocolError("header_msgpack", "a map in the header has a key that is not a string")
     result = dict(pairs)
     if len(result) != len(pairs):
         raise ProtocolError("header_msgpack", "a map in the header repeats a key")
     return result
+
+
+def _check_payloads(codec: Codec, slices: tuple[TensorSlice, ...], payloads: tuple[memoryview, ...], limits: Limits) -> None:
+    """The payload frames of a chunk whose header was valid: count, total size, then frame by frame
+    length, checksum and values."""
+    if len(payloads) != len(slices):
+        raise ProtocolError("frame_count", f"{len(slices)} slices need {len(slices)} payload frames, got {len(payloads)}")
+    total = sum(p.nbytes for p in payloads)
+    if total > limits.max_payload_bytes:
+        raise ProtocolError("payload_too_large", f"payload of {total} bytes exceeds {limits.max_payload_bytes}")
+    for index, (item, payload) in enumerate(zip(slices, payloads)):
+        if payload.nbytes != codec.encoded_nbytes(item.count):
+            raise ProtocolError("length", f"payload frame {index} has {payload.nbytes} bytes, its slice says {codec.encoded_nbytes(item.count)}")
+        if crc32(payload) != item.crc32:
+            raise ProtocolError("checksum", f"crc32 of payload frame {index} does not match its slice")
+        codec.validate(payload, item.count)
 
 
 class _FieldReader:
@@ -197,20 +196,20 @@ class _FieldReader:
             raise ProtocolError("field_type", f"{where} must be a map, got {type(mapping).__name__}")
         self.mapping, self.where, self.limits, self.seen = mapping, where, limits, set()
 
-    def _get(self, key: str) -> Any:
+    def get(self, key: str) -> Any:
         if key not in self.mapping:
             raise ProtocolError("missing_field", f"{self.where} lacks {key!r}")
         self.seen.add(key)
         return self.mapping[key]
 
     def uint(self, key: str, below: int = _U64) -> int:
-        value = self._get(key)
+        value = self.get(key)
         if type(value) is not int or not 0 <= value < below:
             raise ProtocolError("field_value", f"{self.where}.{key} must be an int in [0, {below}), got {_show(value)}")
         return value
 
-    def text(self, key: str, pattern: re.Pattern = _IDENT, max_len: int | None = None, allow_empty: bool = False) -> str:
-        value = self._get(key)
+    def text(self, key: str, pattern: re.Pattern = IDENT, max_len: int | None = None, allow_empty: bool = False) -> str:
+        value = self.get(key)
         max_len = max_len or self.limits.max_ident_len
         if not isinstance(value, str) or len(value) > max_len:
             raise ProtocolError("field_value", f"{self.where}.{key} must be a string of at most {max_len} chars, got {_show(value)}")
@@ -218,10 +217,11 @@ class _FieldReader:
             raise ProtocolError("field_value", f"{self.where}.{key} has characters outside {pattern.pattern}: {_show(value)}")
         return value
 
-    def items(self, key: str) -> list:
-        value = self._get(key)
-        if not isinstance(value, list) or len(value) > self.limits.max_list_len:
-            raise ProtocolError("field_value", f"{self.where}.{key} must be a list of at most {self.limits.max_list_len}, got {_show(value)}")
+    def items(self, key: str, min_len: int = 0, max_len: int | None = None) -> list:
+        value = self.get(key)
+        max_len = max_len or self.limits.max_list_len
+        if not isinstance(value, list) or not min_len <= len(value) <= max_len:
+            raise ProtocolError("field_value", f"{self.where}.{key} must be a list of {min_len} to {max_len} entries, got {_show(value)}")
         return value
 
     def nested(self, key: str, index: int, item: Any) -> _FieldReader:
@@ -238,45 +238,48 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+# Each reader checks its fields in the order of the kind's table in PROTOCOL.md §3 (a call's
+# arguments are evaluated left to right), so the first faulty field names the reason.
 def _envelope(fields: _FieldReader) -> dict[str, Any]:
     return {"sender": fields.text("sender"), "epoch": fields.uint("epoch"), "seq": fields.uint("seq")}
 
 
+def _read_position(fields: _FieldReader, limits: Limits) -> dict[str, int]:
+    chunk_index = fields.uint("chunk_index")
+    chunk_count = fields.uint("chunk_count", below=limits.max_chunks + 1)
+    if chunk_count < 1 or chunk_index >= chunk_count:
+        raise ProtocolError("chunk_index", f"chunk {chunk_index} of {chunk_count} is out of range")
+    return {"chunk_index": chunk_index, "chunk_count": chunk_count}
+
+
 def _read_codec(fields: _FieldReader) -> Codec:
-    name, block = fields.text("codec"), fields.uint("block")
+    name = fields.text("codec")
     if name not in CODEC_NAMES:
         raise ProtocolError("codec", f"unknown codec {name!r}; expected one of {CODEC_NAMES}")
+    block = fields.uint("block")
     try:
         return Codec(name, block)
     except EncodeError as error:
         raise ProtocolError("codec", str(error)) from None
 
 
-def _read_chunk_common(fields: _FieldReader, payloads: list[memoryview], limits: Limits) -> dict[str, Any]:
-    chunk_count = fields.uint("chunk_count", below=limits.max_chunks + 1)
-    chunk_index = fields.uint("chunk_index")
-    if chunk_count < 1 or chunk_index >= chunk_count:
-        raise ProtocolError("chunk_index", f"chunk {chunk_index} of {chunk_count} is out of range")
+def _read_content(fields: _FieldReader, limits: Limits) -> dict[str, Any]:
+    """`model`, `codec`, `block` and `slices` of a chunk (its payloads are checked after the topic)."""
+    model = fields.text("model")
     codec = _read_codec(fields)
-    entries = fields.items("slices")
-    if not entries or len(entries) > limits.max_slices:
-        raise ProtocolError("frame_count", f"a chunk carries 1..{limits.max_slices} slices, got {len(entries)}")
-    if len(payloads) != len(entries):
-        raise ProtocolError("frame_count", f"{len(entries)} slices need {len(entries)} payload frames, got {len(payloads)}")
-    total = sum(p.nbytes for p in payloads)
-    if total > limits.max_payload_bytes:
-        raise ProtocolError("payload_too_large", f"payload of {total} bytes exceeds {limits.max_payload_bytes}")
-    slices = tuple(_read_slice(fields.nested("slices", i, e), payloads[i], codec, limits) for i, e in enumerate(entries))
-    return {"chunk_index": chunk_index, "chunk_count": chunk_count, "codec": codec, "slices": slices,
-            "payloads": tuple(payloads), "model": fields.text("model")}
+    entries = fields.items("slices", min_len=1, max_len=limits.max_slices)
+    slices = tuple(_read_slice(fields.nested("slices", i, entry), codec, limits) for i, entry in enumerate(entries))
+    return {"model": model, "codec": codec, "slices": slices}
 
 
-def _read_slice(fields: _FieldReader, payload: memoryview, codec: Codec, limits: Limits) -> TensorSlice:
-    path = fields.text("path", pattern=_PATH, max_len=limits.max_path_len)
+def _read_slice(fields: _FieldReader, codec: Codec, limits: Limits) -> TensorSlice:
+    path = fields.text("path", pattern=PATH, max_len=limits.max_path_len)
     dtype = fields.text("dtype")
     if dtype not in TENSOR_DTYPES:
         raise ProtocolError("field_value", f"{fields.where}.dtype {dtype!r} is not one of {TENSOR_DTYPES}")
-    dims = fields.items("shape")
+    dims = fields.get("shape")
+    if not isinstance(dims, list):
+        raise ProtocolError("field_value", f"{fields.where}.shape must be a list, got {_show(dims)}")
     if len(dims) > limits.max_ndim or any(type(d) is not int or d < 1 for d in dims):
         raise ProtocolError("shape", f"{fields.where}.shape must be at most {limits.max_ndim} positive ints, got {_show(dims)}")
     size = math.prod(dims)  # exact (Python ints): no overflow, no allocation
@@ -285,81 +288,77 @@ def _read_slice(fields: _FieldReader, payload: memoryview, codec: Codec, limits:
     start, count = fields.uint("start"), fields.uint("count")
     if count < 1 or start + count > size or start % codec.granule:
         raise ProtocolError("slice_bounds", f"{fields.where}: values [{start}, {start + count}) do not fit a tensor of {size} aligned to {codec.granule}")
-    nbytes, crc = fields.uint("nbytes"), fields.uint("crc32", below=1 << 32)
+    nbytes = fields.uint("nbytes")
+    if nbytes != codec.encoded_nbytes(count):
+        raise ProtocolError("length", f"{fields.where}: {count} {codec.name} values take {codec.encoded_nbytes(count)} bytes, header says {nbytes}")
+    crc = fields.uint("crc32", below=1 << 32)
     fields.finish()
-    if nbytes != codec.encoded_nbytes(count) or payload.nbytes != nbytes:
-        raise ProtocolError("length", f"{fields.where}: {count} {codec.name} values take {codec.encoded_nbytes(count)} bytes; header says {nbytes}, frame has {payload.nbytes}")
-    if crc32(payload) != crc:
-        raise ProtocolError("checksum", f"{fields.where}: crc32 of payload does not match the header")
-    codec.validate(payload, count)
     return TensorSlice(path=path, dtype=dtype, shape=tuple(dims), start=start, count=count, crc32=crc)
 
 
-def _read_delta(fields: _FieldReader, payloads: list[memoryview], limits: Limits) -> DeltaChunk:
+def _read_delta(fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Limits) -> DeltaChunk:
     return DeltaChunk(
         **_envelope(fields), delta_id=fields.uint("delta_id"), fragment=fields.uint("fragment"),
-        base_version=fields.uint("base_version"), steps=fields.uint("steps"), tokens=fields.uint("tokens"),
-        **_read_chunk_common(fields, payloads, limits),
+        base_version=fields.uint("base_version"), **_read_position(fields, limits), steps=fields.uint("steps"),
+        tokens=fields.uint("tokens"), **_read_content(fields, limits), payloads=payloads,
     )
 
 
-def _read_snapshot(fields: _FieldReader, payloads: list[memoryview], limits: Limits) -> SnapshotChunk:
+def _read_snapshot(fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Limits) -> SnapshotChunk:
+    head = {**_envelope(fields), "fragment": fields.uint("fragment")}
     version = fields.uint("version")
+    head.update(_read_position(fields, limits), **_read_content(fields, limits))
     base = fields.uint("base_version") if "base_version" in fields.mapping else None
     digest = fields.uint("digest", below=1 << 32) if "digest" in fields.mapping else None
     if base is not None and (base >= version or digest is None):
         raise ProtocolError("field_value", f"snapshot.base_version must be below version ({version}) and come with a digest, got {base}")
-    return SnapshotChunk(
-        **_envelope(fields), fragment=fields.uint("fragment"), version=version,
-        **_read_chunk_common(fields, payloads, limits), base_version=base, digest=digest,
-    )
+    return SnapshotChunk(**head, version=version, payloads=payloads, base_version=base, digest=digest)
 
 
-def _read_hello(fields: _FieldReader, payloads: list[memoryview], limits: Limits) -> Hello:
+def _read_hello(fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Limits) -> Hello:
+    head = {**_envelope(fields), "role": fields.text("role"), "region": fields.text("region"), "model": fields.text("model")}
     codecs = fields.items("codecs")
     if any(c not in CODEC_NAMES for c in codecs):
         raise ProtocolError("codec", f"hello lists unknown codecs {_show(codecs)}")
-    return Hello(**_envelope(fields), role=fields.text("role"), region=fields.text("region"),
-                 model=fields.text("model"), codecs=tuple(codecs))
+    return Hello(**head, codecs=tuple(codecs))
 
 
-def _read_resend(fields: _FieldReader, payloads: list[memoryview], limits: Limits) -> ResendRequest:
+def _read_resend(fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Limits) -> ResendRequest:
+    head = {**_envelope(fields), "target": fields.text("target"), "target_epoch": fields.uint("target_epoch")}
     ranges = fields.items("ranges")
     for pair in ranges:
         if not (isinstance(pair, list) and len(pair) == 2 and all(type(s) is int and 0 < s < _U64 for s in pair) and pair[0] <= pair[1]):
             raise ProtocolError("field_value", f"resend range must be [first, last] with 0 < first <= last, got {_show(pair)}")
-    return ResendRequest(**_envelope(fields), target=fields.text("target"), target_epoch=fields.uint("target_epoch"),
-                         ranges=tuple((a, b) for a, b in ranges))
+    return ResendRequest(**head, ranges=tuple((a, b) for a, b in ranges))
 
 
-def _read_ack(fields: _FieldReader, payloads: list[memoryview], limits: Limits) -> Ack:
-    cursors, results = [], []
+def _read_ack(fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Limits) -> Ack:
+    envelope, cursors, results = _envelope(fields), [], []
     for i, entry in enumerate(fields.items("cursors")):
         f = fields.nested("cursors", i, entry)
         cursors.append(Cursor(island=f.text("island"), epoch=f.uint("epoch"), seq=f.uint("seq")))
         f.finish()
     for i, entry in enumerate(fields.items("results")):
         f = fields.nested("results", i, entry)
+        head = {"island": f.text("island"), "epoch": f.uint("epoch"), "delta_id": f.uint("delta_id"), "fragment": f.uint("fragment")}
         status = f.text("status")
         if status not in DeltaResult.STATUSES:
             raise ProtocolError("field_value", f"{f.where}.status must be one of {DeltaResult.STATUSES}, got {_show(status)}")
-        results.append(DeltaResult(
-            island=f.text("island"), epoch=f.uint("epoch"), delta_id=f.uint("delta_id"), fragment=f.uint("fragment"),
-            status=status, version=f.uint("version"),
-            reason=f.text("reason", pattern=re.compile(r"[ -~]+"), max_len=limits.max_reason_len, allow_empty=True),
-        ))
+        results.append(DeltaResult(**head, status=status, version=f.uint("version"),
+                                   reason=f.text("reason", pattern=REASON, max_len=limits.max_reason_len, allow_empty=True)))
         f.finish()
-    return Ack(**_envelope(fields), cursors=tuple(cursors), results=tuple(results))
+    return Ack(**envelope, cursors=tuple(cursors), results=tuple(results))
 
 
-def _read_snapshot_request(fields: _FieldReader, payloads: list[memoryview], limits: Limits) -> SnapshotRequest:
+def _read_snapshot_request(fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Limits) -> SnapshotRequest:
+    envelope = _envelope(fields)
     fragments = fields.items("fragments")
     if any(type(f) is not int or not 0 <= f < _U64 for f in fragments):
         raise ProtocolError("field_value", f"snapshot_request.fragments must be ints >= 0, got {_show(fragments)}")
-    return SnapshotRequest(**_envelope(fields), fragments=tuple(fragments))
+    return SnapshotRequest(**envelope, fragments=tuple(fragments))
 
 
-_READERS: dict[Kind, Callable[[_FieldReader, list[memoryview], Limits], Message]] = {
+_READERS: dict[Kind, Callable[[_FieldReader, tuple[memoryview, ...], Limits], Message]] = {
     Kind.DELTA: _read_delta,
     Kind.SNAPSHOT: _read_snapshot,
     Kind.HEARTBEAT: lambda fields, payloads, limits: MESSAGE_TYPES[Kind.HEARTBEAT](**_envelope(fields)),

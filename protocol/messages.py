@@ -127,7 +127,7 @@ class Hello:
     sender: str
     epoch: int
     seq: int
-    role: str  # "island", "merger", "broker", "observer"
+    role: str  # what the process is, any identifier (e.g. "island", "merger", "observer"); informative only
     region: str
     model: str
     codecs: tuple[str, ...]

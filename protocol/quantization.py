@@ -7,14 +7,15 @@ The byte layouts are specified in PROTOCOL.md §Codecs; in short:
 - ``bf16``: the upper 16 bits of the binary32 value after round-to-nearest-even, little-endian.
   Relative error ≤ 2**-8 for normal values (8 significant bits, round to nearest even).
 - ``int8`` / ``int4`` / ``int2``: the vector is cut into blocks of ``block`` values (the last block
-  zero-padded).  Each block is one *record*: a float32 ``scale`` (little-endian) followed by the
+  padded with the value 0, so its padding codes are those of q = 0: int8 0, int4 8, int2 1).  Each block is one *record*: a float32 ``scale`` (little-endian) followed by the
   block's codes.  With ``L`` = 127, 7, 1 levels: ``scale = absmax / L`` and
   ``q = round_half_even(x / scale)`` in ``[-L, L]``; the decoded value is ``q * scale``, so every
   value is off by at most ``scale / 2`` (plus float32 rounding, ≤ 4·L·scale·2**-23).
   Blocks whose absmax is below 2**-120 (zero, subnormal, or so small that L/absmax would
   overflow float32) are flushed to zero: scale 0, all codes 0 (error ≤ 2**-120).  Encoders refuse
-  blocks whose scale would exceed `Codec.max_scale` (absmax above about 1.7e38 for int2, 3e38
-  for int4, 3.37e38 for int8), since no decoder may accept such a scale.
+  a block whose scale (absmax / L in float32) is above `Codec.max_scale`, FLT_MAX / c with c the
+  largest code magnitude (absmax above about 1.7e38 for int2, 2.98e38 for int4, 3.37e38 for int8):
+  exactly the scales a decoder refuses, so whatever encodes, decodes.
   Code storage: int8 two's complement, one byte per value; int4 ``q + 8`` in a nibble, value 2j in
   the low nibble of byte j; int2 ``q + 1`` in two bits, value 4j+k in bits 2k..2k+1 of byte j.
 
@@ -59,8 +60,8 @@ _LEVELS = {"int8": 127, "int4": 7, "int2": 1}
 _BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}
 # Largest code magnitude a decoder may meet: int8 -128, int4 nibble 0 = -8, int2 code 3 = +2.
 _LARGEST_CODE = {"int8": 128, "int4": 8, "int2": 2}
-# Largest absmax an encoder accepts, by bits: absmax / L must not exceed FLT_MAX / largest code.
-_MAX_ABSMAX = {_BITS[n]: float(np.float32(float(np.finfo(np.float32).max) / _LARGEST_CODE[n] * _LEVELS[n] * (1 - 2**-20))) for n in _LEVELS}
+# Largest valid scale, by bits: FLT_MAX / largest code (exact in float32: c is a power of two).
+_MAX_SCALE = {_BITS[n]: np.float32(np.finfo(np.float32).max) / np.float32(_LARGEST_CODE[n]) for n in _LEVELS}
 
 
 def _unpack_table(bits: int) -> np.ndarray:
@@ -114,7 +115,7 @@ class Codec:
     @property
     def max_scale(self) -> float:
         """Largest valid block scale: every code times it is finite in float32."""
-        return float(np.finfo(np.float32).max) / _LARGEST_CODE[self.name]
+        return float(_MAX_SCALE[self.bits])
 
     def encoded_nbytes(self, count: int) -> int:
         """Exact payload length of `count` values."""
@@ -150,8 +151,9 @@ class Codec:
         if self.blockwise:
             scale_B = data_U.reshape(-1, self.record_nbytes)[:, :_SCALE_BYTES].view("<f4")
             # The largest code magnitude (int8 -128, int4 -8, int2 +2) times the scale must stay finite.
-            if not (np.isfinite(scale_B).all() and (scale_B >= 0).all() and (scale_B <= self.max_scale).all()):
-                raise ProtocolError("non_finite", f"{self.name} block scale is negative, NaN, Inf, or so large that decoded values overflow")
+            # The sign bit must be clear: -0.0 is refused too (encoders write +0.0 for a flushed block).
+            if not (np.isfinite(scale_B).all() and (scale_B <= _MAX_SCALE[self.bits]).all() and not np.signbit(scale_B).any()):
+                raise ProtocolError("non_finite", f"{self.name} block scale is negative (or -0.0), NaN, Inf, or so large that decoded values overflow")
         elif self.name == "fp32":
             if not np.isfinite(data_U.view("<f4")).all():
                 raise ProtocolError("non_finite", "fp32 payload holds NaN or Inf")
@@ -284,10 +286,10 @@ def _quantize_rows(x_RxK, scale_R, codes_RxC, levels: int, bits: int, work: _Wor
     np.max(t_RxK, axis=1, out=absmax_R)
     if not np.isfinite(absmax_R).all():
         raise EncodeError("cannot encode non-finite values (NaN/Inf in a block)")
-    if (absmax_R > np.float32(_MAX_ABSMAX[bits])).any():
-        raise EncodeError(f"values too large for int{bits}: |x| above {_MAX_ABSMAX[bits]:.3g} would need a scale no decoder accepts")
     normal_R = absmax_R >= _FLUSH_BELOW
     scale_R[:] = np.where(normal_R, absmax_R / np.float32(levels), np.float32(0))
+    if (scale_R > _MAX_SCALE[bits]).any():
+        raise EncodeError(f"values too large for int{bits}: |x| of {absmax_R.max():.4g} needs a scale above {_MAX_SCALE[bits]:.4g}, which no decoder accepts")
     inverse_R = np.divide(np.float32(levels), absmax_R, out=np.zeros_like(absmax_R), where=normal_R)
     np.multiply(x_RxK, inverse_R[:, None], out=t_RxK)
     np.rint(t_RxK, out=t_RxK)  # round half to even; |q| <= levels since |x| <= absmax

@@ -7,7 +7,9 @@ chunk and per slice (the Python objects that describe it), the total stays under
 (least recently extended partials are evicted first; a message that alone would exceed the budget
 is refused), and a partial that receives nothing for ``ttl_s`` is dropped.  The last ``remember``
 completed keys are kept, so late duplicates of a finished message are ignored rather than
-assembled again; older duplicates are the sequencing layer's to filter (PROTOCOL.md §6).
+assembled again; older duplicates are the sequencing layer's to filter (PROTOCOL.md §6).  A
+message whose slices do not tile its tensors is dropped whole and not remembered, like an evicted
+one: its chunks, sent again, are reassembled afresh.  PROTOCOL.md §7 gives the order of the checks.
 """
 
 from __future__ import annotations
@@ -104,8 +106,10 @@ class Reassembler:
         """Take one decoded chunk; return the whole message when this chunk completes it.
 
         Raises ProtocolError("inconsistent", ...) when the chunk contradicts earlier chunks of its
-        message (or, at completion, the slices do not tile every tensor exactly); the state held
-        for other messages is untouched.
+        message: the chunk is dropped and the earlier ones kept; or, at completion, when the slices
+        do not tile every tensor exactly: the whole message is dropped and forgotten.  Raises
+        ProtocolError("reassembly_budget", ...) when the message alone needs more than `max_bytes`:
+        it is dropped.  The state held for other messages is untouched.
         """
         self.evict(now)
         key = message_key(chunk)
@@ -173,7 +177,8 @@ class Reassembler:
             self._reject(f"chunk {chunk.chunk_index} of {message_key(chunk)} disagrees with earlier chunks on whole-message fields")
 
     def _check_duplicate(self, earlier: Chunk, chunk: Chunk) -> None:
-        if earlier.slices != chunk.slices:
+        """A repeat of a held index is ignored only if it is the same chunk: same slices, same payload checksums."""
+        if earlier.slices != chunk.slices or [s.crc32 for s in earlier.slices] != [s.crc32 for s in chunk.slices]:
             self._reject(f"two different chunks claim index {chunk.chunk_index} of {message_key(chunk)}")
 
     def _check_slices(self, partial: _Partial, chunk: Chunk) -> dict[str, list[tuple[int, int]]]:
@@ -220,12 +225,13 @@ class Reassembler:
             self._done.popitem(last=False)
 
     def _complete(self, key: tuple, partial: _Partial) -> Assembled:
-        self._finish(key)
         for path, (_, shape) in partial.tensors.items():
             covered = sum(hi - lo for lo, hi in partial.spans[path])
             size = int(np.prod(shape, dtype=np.int64))
             if covered != size:
+                self._drop(key)  # not remembered: the message was never delivered
                 self._reject(f"tensor {path} of {key} has {covered} of {size} values after all chunks arrived")
+        self._finish(key)
         ordered = [partial.chunks[i] for i in sorted(partial.chunks)]
         codec = partial.first.codec
         if not self.decode and codec.blockwise:  # keep the records; block-aligned slices concatenate

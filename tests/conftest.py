@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -49,6 +50,23 @@ def one_of_each_kind() -> list[protocol.Message]:
                               protocol.DeltaResult(island="island-b", epoch=3, delta_id=4, fragment=2, status="rejected", version=5, reason="stale: 9 > 8"))),
         protocol.SnapshotRequest(sender="island-a", epoch=7, seq=12, fragments=(0, 2)),
     ]
+
+
+def header_of(message) -> tuple[list, dict]:
+    """A message's frames (as bytes) and its header unpacked, to make faulty variants from."""
+    frames = [bytes(f) for f in protocol.encode(message)]
+    return frames, msgpack.unpackb(frames[1])
+
+
+def with_header(frames, header) -> list:
+    return [frames[0], msgpack.packb(header), *frames[2:]]
+
+
+def reason_of(frames, limits=protocol.DEFAULT_LIMITS) -> str:
+    """The reason `decode` gives for refusing `frames` (it must refuse them)."""
+    with pytest.raises(protocol.ProtocolError) as info:
+        protocol.decode(frames, limits)
+    return info.value.reason
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import protocol
-from protocol import Codec, ProtocolError, Reassembler, decode, encode
+from protocol import Codec, ProtocolError, Reassembler, decode, encode, message_key
 from protocol.reassembly import CHUNK_OVERHEAD_BYTES, SLICE_OVERHEAD_BYTES
 from tests.conftest import delta_messages, make_fragment
 
@@ -91,9 +91,61 @@ def test_a_chunk_count_that_lies_is_caught_at_completion():
     short = [dataclasses.replace(c, chunk_count=2) for c in chunks[:2]]
     reassembler = Reassembler()
     reassembler.add(short[0], 0.0)
-    with pytest.raises(ProtocolError, match="values after all chunks arrived"):
+    with pytest.raises(ProtocolError, match="values after all chunks arrived") as info:
         reassembler.add(short[1], 0.0)
-    assert reassembler.add(short[0], 0.0) is None  # the failed message is settled: no second attempt
+    assert info.value.reason == "inconsistent"
+
+
+def test_a_failed_tiling_check_forgets_the_message_so_chunks_sent_again_are_reassembled_afresh():
+    """§7: a message that fails the tiling check is dropped whole and not remembered as delivered."""
+    chunks = wire(delta_messages(FRAGMENT, Codec("fp32"), max_chunk_bytes=4000))
+    short = [dataclasses.replace(c, chunk_count=2) for c in chunks[:2]]
+    reassembler = Reassembler()
+    for attempt in (1, 2):  # sent again, the same faulty chunks are refused again, never silently dropped
+        assert reassembler.add(short[0], 0.0) is None
+        with pytest.raises(ProtocolError):
+            reassembler.add(short[1], 0.0)
+        assert reassembler.stats.inconsistent == attempt and reassembler.stats.duplicates == 0
+        assert not reassembler.delivered(message_key(short[0])) and len(reassembler) == 0 and reassembler.held_bytes == 0
+    completed = [r for chunk in chunks if (r := reassembler.add(chunk, 0.0))]  # the whole message, resent
+    assert len(completed) == 1 and reassembler.delivered(completed[0].key)
+
+
+def test_a_repeated_chunk_index_is_ignored_only_when_it_is_the_same_chunk():
+    """§7: same index, same slices (checksums included): a duplicate; anything else: inconsistent."""
+    chunks = wire(delta_messages(FRAGMENT, Codec("int8"), max_chunk_bytes=2000))
+    reassembler = Reassembler()
+    reassembler.add(chunks[0], 0.0)
+    assert reassembler.add(chunks[0], 0.0) is None and reassembler.stats.duplicates == 1
+    other_slices = dataclasses.replace(chunks[1], chunk_index=0)
+    first = chunks[0].slices[0]
+    other_bytes = dataclasses.replace(chunks[0], slices=(dataclasses.replace(first, crc32=first.crc32 ^ 1), *chunks[0].slices[1:]))
+    for bad in (other_slices, other_bytes):
+        with pytest.raises(ProtocolError) as info:
+            reassembler.add(bad, 0.0)
+        assert info.value.reason == "inconsistent"
+    assert reassembler.stats.inconsistent == 2 and reassembler.stats.duplicates == 1
+    completed = [r for chunk in chunks[1:] if (r := reassembler.add(chunk, 0.0))]
+    assert len(completed) == 1  # the chunk held first stands
+
+
+def test_checks_run_in_the_written_order():
+    """§7: delivered key, whole-message fields, repeated index, budget, then slices."""
+    chunks = wire(delta_messages(FRAGMENT, Codec("fp32"), max_chunk_bytes=4000))
+    reassembler = Reassembler(max_bytes=cost(chunks[0]) + cost(chunks[1]) - 1)
+    reassembler.add(chunks[0], 0.0)
+    overlapping_other_base = dataclasses.replace(chunks[1], base_version=99, slices=chunks[0].slices, payloads=chunks[0].payloads)
+    with pytest.raises(ProtocolError, match="whole-message fields"):
+        reassembler.add(overlapping_other_base, 0.0)
+    with pytest.raises(ProtocolError, match="claim index"):  # the index is held: not a budget matter
+        reassembler.add(dataclasses.replace(chunks[1], chunk_index=0), 0.0)
+    with pytest.raises(ProtocolError) as info:  # over the budget and overlapping: the budget first
+        reassembler.add(dataclasses.replace(chunks[1], slices=chunks[0].slices, payloads=chunks[1].payloads), 0.0)
+    assert info.value.reason == "reassembly_budget"
+    done = Reassembler()
+    (small,) = wire(delta_messages({"w": np.ones(4, np.float32)}, Codec("fp32")))
+    done.add(small, 0.0)
+    assert done.add(dataclasses.replace(small, base_version=99), 0.0) is None  # a delivered key: ignored, unchecked
 
 
 def test_incomplete_messages_are_evicted_after_the_ttl():

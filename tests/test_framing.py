@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import protocol
-from protocol import Codec, ProtocolError, decode, encode
-from tests.conftest import delta_messages, make_fragment, one_of_each_kind
+from protocol import Codec, decode, encode
+from tests.conftest import delta_messages, header_of, make_fragment, one_of_each_kind, reason_of, with_header
 
 
 def same(a, b) -> bool:
@@ -71,21 +71,6 @@ def test_protocol_imports_neither_zmq_nor_jax():
 
 
 # ---- one rejection per reason ----------------------------------------------------------------
-def header_of(message) -> tuple[list, dict]:
-    frames = [bytes(f) for f in encode(message)]
-    return frames, msgpack.unpackb(frames[1])
-
-
-def with_header(frames, header) -> list:
-    return [frames[0], msgpack.packb(header), *frames[2:]]
-
-
-def reason_of(frames, limits=protocol.DEFAULT_LIMITS) -> str:
-    with pytest.raises(ProtocolError) as info:
-        decode(frames, limits)
-    return info.value.reason
-
-
 @pytest.fixture
 def delta():
     return delta_messages(make_fragment(), Codec("int8"), max_chunk_bytes=1 << 20)[0]

@@ -101,17 +101,57 @@ def test_non_finite_input_refuses_to_encode(name, bad):
         Codec(name).encode(x)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
-def test_largest_encodable_values_round_trip_and_larger_ones_are_refused(name):
-    from protocol.quantization import _BITS, _MAX_ABSMAX
+FLT_MAX = np.float32(np.finfo(np.float32).max)
+LARGEST_CODE = {"int8": 128, "int4": 8, "int2": 2}
 
-    largest = np.float32(_MAX_ABSMAX[_BITS[name]])
-    codec = Codec(name, 8)
-    encoded = codec.encode(np.array([largest, -largest / 2, 0, 1, 2, 3, 4, 5], dtype=np.float32))
-    codec.validate(encoded, 8)  # what an encoder emits, a decoder accepts
-    assert np.isfinite(codec.decode(encoded, 8)).all()
-    with pytest.raises(EncodeError, match="too large"):
-        codec.encode(np.full(8, np.nextafter(largest, np.float32(np.inf)), dtype=np.float32))
+
+def scale_of(absmax: np.float32, name: str) -> np.float32:
+    return np.float32(absmax) / np.float32(LEVELS[name])  # float32 division, as PROTOCOL.md §5 says
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_the_encoder_refuses_exactly_the_scales_the_decoder_refuses(name):
+    """§5: a block is refused iff its float32 scale a / L is above FLT_MAX / c, the decoder's bound."""
+    codec, bound = Codec(name, 8), FLT_MAX / np.float32(LARGEST_CODE[name])
+    largest = np.float32(float(bound) * LEVELS[name])
+    while scale_of(largest, name) > bound:
+        largest = np.nextafter(largest, np.float32(0))
+    while scale_of(np.nextafter(largest, FLT_MAX), name) <= bound:
+        largest = np.nextafter(largest, FLT_MAX)
+    below = largest
+    for _ in range(20):  # the 20 largest encodable absmax values all encode, and decode finite
+        encoded = codec.encode(np.array([below, -below / 2, 0, 1, 2, 3, 4, 5], dtype=np.float32))
+        codec.validate(encoded, 8)
+        assert np.isfinite(codec.decode(encoded, 8)).all()
+        below = np.nextafter(below, np.float32(0))
+    above = np.nextafter(largest, np.float32(np.inf))
+    for _ in range(20):  # the next 20 are refused, and the scale they would need is one decoders refuse
+        with pytest.raises(EncodeError, match="too large"):
+            codec.encode(np.full(8, -above, dtype=np.float32))
+        record = np.frombuffer(struct.pack("<f", scale_of(above, name)) + bytes(codec.record_nbytes - 4), dtype=np.uint8)
+        with pytest.raises(ProtocolError, match="non_finite"):
+            codec.validate(record, 8)
+        if above == FLT_MAX:
+            break
+        above = np.nextafter(above, np.float32(np.inf))
+    assert f"{float(largest):.3g}" == {"int8": "3.38e+38", "int4": "2.98e+38", "int2": "1.7e+38"}[name]
+
+
+@pytest.mark.parametrize("name,padded_from,pad", [("int8", 3, 0x00), ("int4", 2, 0x88), ("int2", 1, 0x55)])
+def test_the_last_block_is_padded_with_the_value_zero(name, padded_from, pad):
+    """§5: padding is the value 0, so its codes are those of q = 0 (int8 0, int4 8, int2 1)."""
+    codec = Codec(name, 16)
+    x = np.array([0.5, -1.0, 0.25], dtype=np.float32)  # 3 of 16 values
+    record = codec.encode(x)
+    codes = record[4:]
+    assert record.size == codec.record_nbytes and np.all(codes[padded_from:] == pad)
+    if name == "int4":
+        assert codes[1] >> 4 == 8  # value 3, the first padding value, in the high nibble of byte 1
+    if name == "int2":
+        assert codes[0] >> 6 == 1  # value 3 in bits 6..7 of byte 0
+    changed = record.copy()
+    changed[4 + padded_from :] = 0xFF - pad  # decoders ignore the padding codes, whatever they are
+    assert np.array_equal(codec.decode(changed, 3), codec.decode(record, 3))
 
 
 def test_bf16_overflow_refuses_to_encode():
@@ -142,7 +182,7 @@ def test_every_code_decodes_even_those_encoders_never_emit():
     assert Codec("int2", 8).decode(record2, 8).tolist() == [1, 1, 1, 1, -0.5, -0.5, -0.5, -0.5]
 
 
-@pytest.mark.parametrize("scale", [-1.0, float("nan"), float("inf"), 3e38])
+@pytest.mark.parametrize("scale", [-1.0, -0.0, -1e-45, float("nan"), float("-nan"), float("inf"), 3e38])
 def test_validate_rejects_bad_scales(scale):
     record = np.frombuffer(struct.pack("<f", scale) + bytes(4), dtype=np.uint8)
     with pytest.raises(ProtocolError) as info:

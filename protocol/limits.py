@@ -1,0 +1,40 @@
+"""What a decoder accepts: the bounds on every size in a message, and the character rules for
+identifiers and tensor paths (PROTOCOL.md §3, §4).  Senders honour the same bounds, so that
+nothing they emit is refused (`chunking.split_fragment` sizes its chunks by them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from protocol.errors import EncodeError
+
+IDENT = re.compile(r"[A-Za-z0-9._:@-]+")  # sender, region, role, model, target, island, codec, dtype
+PATH = re.compile(r"[A-Za-z0-9._:@/\[\]-]+")  # tensor paths
+REASON = re.compile(r"[ -~]+")  # a result's reason: printable ASCII
+MAX_TOPIC_BYTES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds a decoder enforces before trusting any size in a header."""
+
+    max_header_bytes: int = 64 * 1024
+    max_payload_bytes: int = 64 * 1024 * 1024  # per message, all payload frames together
+    max_slices: int = 1024  # per chunk
+    max_chunks: int = 1 << 20  # chunk_count of one delta or snapshot
+    max_tensor_values: int = 1 << 34  # values in one tensor
+    max_ndim: int = 8
+    max_ident_len: int = 64  # sender, region, model, role, codec names
+    max_path_len: int = 256
+    max_list_len: int = 1024  # ranges, cursors, results, fragments, codecs
+    max_reason_len: int = 256
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise EncodeError(f"Limits.{field.name} must be a positive int, got {value!r}")
+
+
+DEFAULT_LIMITS = Limits()
