@@ -31,7 +31,7 @@ def run_broker(args: argparse.Namespace) -> int:
     import zmq
 
     from broker.proxy import Broker, BrokerConfig, BusEndpoints
-    from broker.security import Identity
+    from bus.security import Identity
     from cluster.telemetry import configure_logging
     from protocol import DlocoError
 
@@ -59,7 +59,7 @@ def run_broker(args: argparse.Namespace) -> int:
 
 
 def run_keys(args: argparse.Namespace) -> int:
-    from broker.security import create_keys
+    from bus.security import create_keys
     from protocol import DlocoError
 
     try:

@@ -17,7 +17,7 @@ import time
 
 import zmq
 
-from broker.security import Identity, make_server, start_authenticator
+from bus.security import Identity, make_server, start_authenticator
 
 POLL_MS = 100
 KERNEL_BUFFER_BYTES = 4 << 20  # larger TCP buffers: fewer wake-ups per MiB forwarded

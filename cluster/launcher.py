@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from broker.security import create_keys
+from bus.security import create_keys
 from cluster import compose, cpuquota, topology
 from cluster.compose import Service
 from cluster.config import ClusterConfig

@@ -85,7 +85,7 @@ def run_island(args: argparse.Namespace) -> int:
     from island.cpugroup import CpuGroup, CpuGroupError
     from island.loop import IslandLoop
     from island.metrics import MetricsWriter
-    from broker.security import security_from_args
+    from bus.security import security_from_args
     from island.network import NetworkLink
     from island.shaper import LinkShaper
     from island.train import Trainer

@@ -28,8 +28,8 @@ import zmq
 import protocol
 from protocol import downlink
 from island.config import SyncConfig
-from broker.security import Security
-from broker.sequencing import RetransmitBuffer
+from bus.security import Security
+from bus.sequencing import RetransmitBuffer
 from island.shaper import LinkShaper
 
 POLL_MS = 50

@@ -64,7 +64,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
 def run_merger(args: argparse.Namespace) -> int:
     import zmq
 
-    from broker.security import security_from_args
+    from bus.security import security_from_args
     from merger.memory import keep_freed_memory
     from merger.service import MergerService, ServiceConfig, initial_core
 

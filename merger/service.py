@@ -31,8 +31,8 @@ import zmq
 
 import protocol
 from protocol import downlink
-from broker.security import Security
-from broker.sequencing import GapTracker
+from bus.security import Security
+from bus.sequencing import GapTracker
 from cluster.telemetry import configure_logging
 from merger import checkpoint
 from merger.config import MergerConfig

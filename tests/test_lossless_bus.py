@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 import protocol
-from broker.sequencing import GapTracker
+from bus.sequencing import GapTracker
 from island.config import SyncConfig
 from island.network import NetworkLink
 from island.shaper import LinkShaper
