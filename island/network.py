@@ -30,6 +30,7 @@ from protocol import downlink
 from island.config import SyncConfig
 from bus.security import Security
 from bus.sequencing import RetransmitBuffer
+from bus.sockets import open_socket
 from island.shaper import LinkShaper
 
 POLL_MS = 50
@@ -131,18 +132,8 @@ class NetworkLink:
         self._context.destroy(linger=0)
 
     # ---- publisher thread ----------------------------------------------------------------------
-    def _socket(self, kind: int, endpoint: str, server: str) -> zmq.Socket:
-        socket = self._context.socket(kind)
-        socket.setsockopt(zmq.LINGER, 0)
-        self.security.secure(self._context, socket, endpoint, server)
-        socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-        socket.connect(endpoint.removeprefix(">"))
-        return socket
-
     def _publisher(self) -> None:
-        pub = self._socket(zmq.PUB, self.endpoints[0], self.servers[0])
-        pub.setsockopt(zmq.SNDHWM, self.sync.send_hwm)
+        pub = open_socket(self._context, zmq.PUB, self.endpoints[0], self.security, self.servers[0], send_hwm=self.sync.send_hwm)
         delta_id, next_heartbeat = 0, time.monotonic() + HEARTBEAT_S
         while not self._stop.is_set():
             with self._lock:
@@ -213,16 +204,11 @@ class NetworkLink:
 
     # ---- receiver thread -----------------------------------------------------------------------
     def _receiver(self) -> None:
-        sub = self._socket(zmq.SUB, self.endpoints[1], self.servers[1])
+        sub = open_socket(self._context, zmq.SUB, self.endpoints[1], self.security, self.servers[1])
         sub.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
         sub.setsockopt(zmq.SUBSCRIBE, b"ack")
-        dealer = self._context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.IDENTITY, self.name.encode())  # the merger routes resend requests to us by name
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-        self.security.secure(self._context, dealer, self.endpoints[2], self.servers[2])
-        dealer.connect(self.endpoints[2].removeprefix(">"))
+        # the merger routes resend requests to us by name
+        dealer = open_socket(self._context, zmq.DEALER, self.endpoints[2], self.security, self.servers[2], identity=self.name)
         self._dealer = dealer
         dealer.send_multipart(protocol.encode(protocol.SnapshotRequest(sender=self.name, epoch=self.epoch, seq=0, fragments=())))
         self._asked_all = time.monotonic()

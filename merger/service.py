@@ -33,6 +33,7 @@ import protocol
 from protocol import downlink
 from bus.security import Security
 from bus.sequencing import GapTracker
+from bus.sockets import open_socket
 from cluster.telemetry import configure_logging
 from merger import checkpoint
 from merger.config import MergerConfig
@@ -66,13 +67,6 @@ class ServiceConfig:
     reassembly_bytes: int = 512 << 20
     peer_timeout_s: float = 10.0  # an island silent this long (no chunk, no heartbeat) is logged as gone
     security: Security = Security(None, "merger")  # plaintext unless keys are given
-
-
-def attach(socket: zmq.Socket, endpoint: str) -> None:
-    if endpoint.startswith("@"):
-        socket.bind(endpoint[1:])
-    else:
-        socket.connect(endpoint.removeprefix(">"))
 
 
 class MergerService:
@@ -116,14 +110,8 @@ class MergerService:
         self.gone: set[str] = set()
 
     def _socket(self, kind: int, endpoint: str, server: str) -> zmq.Socket:
-        socket = self.context.socket(kind)
-        socket.setsockopt(zmq.LINGER, 0)
-        self.config.security.secure(self.context, socket, endpoint, server,
-                                    report=lambda message: self.log.warning("auth_refused", detail=message))
-        for option, value in ((zmq.HEARTBEAT_IVL, 1000), (zmq.HEARTBEAT_TIMEOUT, 5000), (zmq.HEARTBEAT_TTL, 5000)):
-            socket.setsockopt(option, value)
-        attach(socket, endpoint)
-        return socket
+        return open_socket(self.context, kind, endpoint, self.config.security, server,
+                           report=lambda message: self.log.warning("auth_refused", detail=message))
 
     # ---- loop ------------------------------------------------------------------------------------
     def run(self) -> int:
