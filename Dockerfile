@@ -5,6 +5,8 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY protocol ./protocol
 COPY bus ./bus
+COPY telemetry ./telemetry
+COPY cliargs ./cliargs
 COPY broker ./broker
 COPY merger ./merger
 COPY island ./island

@@ -32,7 +32,7 @@ def run_broker(args: argparse.Namespace) -> int:
 
     from broker.proxy import Broker, BrokerConfig, BusEndpoints
     from bus.security import Security
-    from cluster.telemetry import configure_logging
+    from telemetry.logs import configure_logging
     from protocol import DlocoError
 
     log = configure_logging("broker")

@@ -79,7 +79,7 @@ def run_island(args: argparse.Namespace) -> int:
     early_stop = []  # SIGTERM while starting (imports, compiling, joining): stop cleanly, not by the default action
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: early_stop.append(True))
-    from cluster.telemetry import configure_logging
+    from telemetry.logs import configure_logging
     from island import data
     from island.config import ModelConfig, TrainConfig
     from island.cpugroup import CpuGroup, CpuGroupError

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
+from cliargs import float_at_least, int_at_least
 from merger.config import FULL_SNAPSHOT_CODECS, ConfigError, MergeConfig, MergerConfig, OuterConfig, RoundConfig
 from protocol import CODEC_NAMES, DlocoError
 
 
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
-    from cluster.cli import float_at_least, int_at_least
-
     non_negative_int = int_at_least(0)
     merger = commands.add_parser("merger", help="run the merger: fold deltas, publish snapshots, keep the log")
     merger.add_argument("--run-dir", type=Path, required=True, help="write-ahead log and checkpoints live here; an existing one is resumed")

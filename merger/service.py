@@ -34,7 +34,6 @@ from protocol import downlink
 from bus.security import Security
 from bus.sequencing import GapTracker
 from bus.sockets import open_socket
-from cluster.telemetry import configure_logging
 from merger import checkpoint
 from merger.config import MergerConfig
 from merger.core import MergerCore
@@ -42,6 +41,7 @@ from merger.pipeline import FoldPipeline
 from merger.recovery import checkpoint_dir, recover, wal_dir
 from merger.round_policy import snapshot_due
 from merger.wal import WriteAheadLog
+from telemetry.logs import configure_logging
 
 POLL_MS = 50  # longest sleep between checks of the clock-driven round policy
 RESEND_S = 0.2  # how often missing stream messages are asked for again
