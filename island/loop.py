@@ -159,8 +159,8 @@ class IslandLoop:
     def _adopt(self, arrived: list) -> None:
         """Take newer global fragments.  With adoption "rebase" (the default) the island's progress on
         the fragment since its last send stays on top of the new value and goes out, whole, in the
-        next delta; "replace" overwrites it (DESIGN.md's adopt-on-arrival: a snapshot arriving just
-        before a send threw away up to H steps of the island's work on that fragment).  A delta's
+        next delta; "replace" overwrites it (adopt-on-arrival: a snapshot arriving just before a
+        send throws away up to H steps of the island's work on that fragment).  A delta's
         base_version is then the version its work was last rebased onto: part of that work was done
         on older versions, which the staleness bound does not see.  Snapshots are full values: of
         several versions of one fragment only the newest is taken."""
@@ -185,7 +185,7 @@ class IslandLoop:
         """Evaluate the parameters copied after each of the first `train.eval_trace` steps, now that
         training is over.  An evaluation costs about two training steps here, so evaluating at every
         early step would slow the early steps it measures; the copy costs milliseconds.  The result
-        is exactly what an evaluation at that step would have measured (tested), written as an event
+        is exactly what an evaluation at that step would give (tested), written as an event
         with that step's time and tokens and `deferred: true`.  The final parameters are restored.
         Stops after `budget_s` seconds or when a stop is requested (the caller clears the first one):
         a launcher waits for islands to exit.  Returns how many were evaluated."""

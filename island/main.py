@@ -10,7 +10,7 @@ from pathlib import Path
 
 from island.config import ADOPTIONS, SyncConfig
 
-# --eval-trace after training: 48 evaluations took 47-50 s with four islands on two cores; a
+# --eval-trace after training: 48 evaluations take about 50 s with four islands on two cores; a
 # launcher waits 120 s for a stopped island (cluster/launcher.py STOP_TIMEOUT_S).
 TRACE_BUDGET_S = 90.0
 
@@ -39,7 +39,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
                              "(the loss at every early step, without spending training time on evaluations)")
     island.add_argument("--eval-batches", type=positive_int, default=8)
     island.add_argument("--seed", type=int, default=0)
-    island.add_argument("--slowdown", type=float, default=1.0, help="each step takes X times its measured compute (an older chip)")
+    island.add_argument("--slowdown", type=float, default=1.0, help="each step takes X times its own compute time (an older chip)")
     island.add_argument("--cpu-cgroup", type=Path, default=None, metavar="DIR",
                         help="a cgroup with a CPU quota (made by dloco up for run.island_cpus): the island trains in it from its "
                              "second step and leaves it when training ends (an older chip, without sleeping)")
@@ -59,7 +59,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     network.add_argument("--error-feedback", action="store_true")
     network.add_argument("--flush-on-leave", action="store_true",
                          help="when stopping, send every fragment's unsent work (up to H steps each) before draining; off by default: "
-                              "in the one run measured, the burst of small folds left the merger's model worse (EXPERIMENTS.md)")
+                              "each arrives as a small fold of its own, and such a burst can leave the merger's model worse (EXPERIMENTS.md)")
     network.add_argument("--blocking", action="store_true", help="synchronous baselines: after each send, wait for the fold that includes it")
     network.add_argument("--uplink-mbps", type=float, default=None, help="emulated uplink rate (default unlimited)")
     network.add_argument("--downlink-mbps", type=float, default=None, help="emulated downlink rate (default unlimited)")

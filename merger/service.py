@@ -329,7 +329,7 @@ class MergerService:
 
     def offer_snapshot(self, fragment: int, state) -> None:
         """A fold's snapshot goes on the bus now, or is held until a round of the fastest island has
-        passed since the fragment's last one (round_policy.snapshot_due; the round as measured on any
+        passed since the fragment's last one (round_policy.snapshot_due; the round as seen on any
         fragment, so holding starts in the first round of later fragments): then one snapshot carries
         every fold in between.  Islands adopt what arrives, so fewer snapshots cost freshness only,
         and with diff snapshots each island receives one fragment per round instead of one per fold."""
