@@ -39,11 +39,12 @@ def open_socket(context: zmq.Context, kind: int, endpoint: str, security: Securi
     socket.setsockopt(zmq.LINGER, 0)
     if identity is not None:
         socket.setsockopt(zmq.IDENTITY, identity.encode())
-    for option, value in ((zmq.SNDHWM, send_hwm), (zmq.RCVHWM, receive_hwm), (zmq.SNDBUF, kernel_buffer_bytes), (zmq.RCVBUF, kernel_buffer_bytes)):
+    sizes = ((zmq.SNDHWM, send_hwm), (zmq.RCVHWM, receive_hwm), (zmq.SNDBUF, kernel_buffer_bytes), (zmq.RCVBUF, kernel_buffer_bytes))
+    heartbeats = ((zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS), (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
+                  (zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS))
+    for option, value in (*sizes, *heartbeats):
         if value is not None:
             socket.setsockopt(option, value)
-    for option, value in ((zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS), (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS), (zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)):
-        socket.setsockopt(option, value)
     security.secure(context, socket, endpoint, server, report=report)
     attach(socket, endpoint)
     return socket

@@ -192,7 +192,8 @@ class Uplink:
             for sent in self.unsettled.values():
                 if sent.admitted_at is None and sent.last_seq <= self.cursor:  # admitted (logged) now: its result is due soon
                     sent.admitted_at = sent.probed_at = now
-            expired = [d for d, sent in self.unsettled.items() if sent.admitted_at is not None and now - sent.admitted_at > self.sync.settle_timeout_s]
+            timeout_s = self.sync.settle_timeout_s
+            expired = [d for d, sent in self.unsettled.items() if sent.admitted_at is not None and now - sent.admitted_at > timeout_s]
             for delta_id in expired:  # the merger does not know it (e.g. rejected, then restarted): stop asking
                 self.unfolded[self.unsettled.pop(delta_id).fragment] += 1
                 self.settled.add(delta_id)  # a late answer is not counted twice
