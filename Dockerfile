@@ -4,6 +4,9 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY protocol ./protocol
+COPY bus ./bus
+COPY telemetry ./telemetry
+COPY cliargs ./cliargs
 COPY broker ./broker
 COPY merger ./merger
 COPY island ./island

@@ -29,7 +29,7 @@ def _measure(endpoint_out: str, endpoint_in: str, count: int, keys: Path | None,
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     if keys is not None:
-        from broker.security import Identity, make_client
+        from bus.security import Identity, make_client
 
         make_client(sub, Identity.load(keys, "merger", server="broker"))
     (sub.bind if bind_sub else sub.connect)(endpoint_out)
@@ -63,7 +63,7 @@ def run(count: int = 400, repeats: int = 3, log: Callable[[str], None] = lambda 
     samples: dict[str, list[float]] = {"raw_pubsub_gbps": [], "broker_gbps": [], "broker_curve_gbps": []}
     with tempfile.TemporaryDirectory(prefix="dloco-bench-bus-") as tmp:
         keys = Path(tmp)
-        from broker.security import create_keys
+        from bus.security import create_keys
 
         create_keys(keys, ["broker", "island-0", "merger"])
         (keys / "allow").mkdir()
@@ -98,7 +98,7 @@ def _send(endpoint: str, count: int, keys: str | None) -> None:
     pub.setsockopt(zmq.SNDHWM, 0)
     pub.setsockopt(zmq.LINGER, -1)
     if keys:
-        from broker.security import Identity, make_client
+        from bus.security import Identity, make_client
 
         make_client(pub, Identity.load(keys, "island-0", server="broker"))
     pub.connect(endpoint)

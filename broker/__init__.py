@@ -1,3 +1,3 @@
 """The broker: XSUB/XPUB proxies for the delta bus and the snapshot bus; never decodes payloads.
 
-`security` holds the CURVE key handling shared by every process (keys, ZAP allowlist)."""
+May import: bus, protocol, telemetry, zmq and the standard library; nothing from island, merger, cluster or benchmarks."""

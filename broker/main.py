@@ -31,13 +31,13 @@ def run_broker(args: argparse.Namespace) -> int:
     import zmq
 
     from broker.proxy import Broker, BrokerConfig, BusEndpoints
-    from broker.security import Identity
-    from cluster.telemetry import configure_logging
+    from bus.security import Security
+    from telemetry.logs import configure_logging
     from protocol import DlocoError
 
     log = configure_logging("broker")
     try:
-        identity = None
+        security = Security(None, "broker")
         if args.insecure:
             if args.keys or args.allow:
                 raise DlocoError("--insecure contradicts --keys/--allow")
@@ -45,9 +45,9 @@ def run_broker(args: argparse.Namespace) -> int:
         else:
             if not (args.keys and args.allow):
                 raise DlocoError("CURVE is on by default: give --keys DIR (with broker.key_secret) and --allow DIR, or --insecure")
-            identity = Identity.load(args.keys, "broker", allow_dir=args.allow)
+            security = Security(Path(args.keys), "broker", Path(args.allow))
         config = BrokerConfig((BusEndpoints("delta", args.delta_in, args.delta_out), BusEndpoints("snapshot", args.snapshot_in, args.snapshot_out)),
-                              memory_bytes=args.memory_mib << 20, chunk_bytes=args.chunk_bytes, identity=identity, stats_every_s=args.stats_every)
+                              memory_bytes=args.memory_mib << 20, chunk_bytes=args.chunk_bytes, security=security, stats_every_s=args.stats_every)
         broker = Broker(config, log)
     except (DlocoError, OSError) as error:
         print(f"dloco broker: {error}", file=sys.stderr)
@@ -59,7 +59,7 @@ def run_broker(args: argparse.Namespace) -> int:
 
 
 def run_keys(args: argparse.Namespace) -> int:
-    from broker.security import create_keys
+    from bus.security import create_keys
     from protocol import DlocoError
 
     try:

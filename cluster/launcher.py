@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from broker.security import create_keys
+from bus.security import create_keys
 from cluster import chaos, compose, cpuquota, topology, verdict
 from cluster.compose import Service
 from cluster.config import ClusterConfig

@@ -1,5 +1,3 @@
-"""An island: one region's training process (JAX/Flax NNX/Optax).
+"""An island: one region's training process (JAX/Flax NNX/Optax) and its network side (outbox, uplink, downlink).
 
-Pure parts: `fragments` (partition, schedule, pseudo-gradient, adoption).  Model and data:
-`model`, `data`.  Training: `train` (inner optimizer, sharded step).  The loop: `loop`.
-"""
+May import: protocol, bus, telemetry, cliargs and third-party libraries; nothing from merger, broker, cluster or benchmarks."""

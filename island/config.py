@@ -75,8 +75,8 @@ class SyncConfig:
     blocking: bool = False  # synchronous baselines: after sending a delta, wait for the fold that includes it
     settle_timeout_s: float = 60.0  # stop asking for the result of a delta after this (the merger does not know it)
     # Leaving, send every fragment's unsent work.  Off by default: each arrives as a fold of its own,
-    # and in the one run measured the merger's model ended worse, much worse at H = 96 (a burst of
-    # small Nesterov folds overshooting, presumably; EXPERIMENTS.md, speedup).
+    # and such a burst of small Nesterov folds can leave the merger's model worse, much worse at
+    # H = 96 (EXPERIMENTS.md, speedup).
     flush_on_leave: bool = False
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from island import fragments
+from island import exchange
 from island.config import SyncConfig, TrainConfig
 from island.data import Batches
 from island.metrics import MetricsWriter
@@ -53,7 +53,7 @@ class IslandLoop:
         self.train, self.sync, self.metrics, self.link, self.slowdown, self.log = train, sync, metrics, link, slowdown, log
         self.on_compiled = on_compiled  # called once after step 1 (mostly compiling): a CPU quota starts there (island/cpugroup.py)
         params = trainer.params()
-        self.parts = fragments.partition({p: v.shape for p, v in params.items()}, sync.fragments)
+        self.parts = exchange.partition({p: v.shape for p, v in params.items()}, sync.fragments)
         self.progress = [FragmentProgress({p: params[p] for p in paths}) for paths in self.parts]
         self.tokens, self.compute_s, self.started = 0, 0.0, None
         self.wait_s = 0.0  # time spent blocked on the merger (synchronous modes only)
@@ -71,7 +71,7 @@ class IslandLoop:
             if time.monotonic() > deadline:
                 raise JoinTimeout(f"no snapshot of fragments {sorted(waiting)} within {timeout_s} s: is the merger running, with the same model?")
             for fragment, version, tensors in self.link.snapshots():
-                self.trainer.set_params(fragments.adopt(theta, tensors, 0.0))
+                self.trainer.set_params(exchange.adopt(theta, tensors, 0.0))
                 self.progress[fragment] = FragmentProgress({p: np.asarray(v, np.float32) for p, v in tensors.items()}, version)
                 waiting.discard(fragment)
             time.sleep(0.01)
@@ -126,7 +126,7 @@ class IslandLoop:
         which the anchor moves to theta.  So two sends between adoptions carry disjoint work and
         the merger never counts a step twice.  Adoption resets the anchor to the global value."""
         self._adopt(self.link.snapshots())
-        due = [p for p in fragments.due_fragments(step, self.sync.fragments, self.sync.interval) if self.progress[p].steps > 0]
+        due = [p for p in exchange.due_fragments(step, self.sync.fragments, self.sync.interval) if self.progress[p].steps > 0]
         if due:
             unfolded = dict(self.link.unfolded) if self.sync.blocking else {}  # before sending: a quick rejection counts
             self._send(due)
@@ -151,7 +151,7 @@ class IslandLoop:
         for fragment in due:
             progress = self.progress[fragment]
             current = {p: theta[p] for p in progress.anchor}
-            delta = fragments.pseudo_gradient(progress.anchor, current)
+            delta = exchange.pseudo_gradient(progress.anchor, current)
             self.link.publish(fragment, progress.version, delta, progress.steps, progress.tokens)
             # The next delta counts from here: what was just sent is never sent again.
             self.progress[fragment] = FragmentProgress(current, progress.version)
@@ -159,8 +159,8 @@ class IslandLoop:
     def _adopt(self, arrived: list) -> None:
         """Take newer global fragments.  With adoption "rebase" (the default) the island's progress on
         the fragment since its last send stays on top of the new value and goes out, whole, in the
-        next delta; "replace" overwrites it (DESIGN.md's adopt-on-arrival: a snapshot arriving just
-        before a send threw away up to H steps of the island's work on that fragment).  A delta's
+        next delta; "replace" overwrites it (adopt-on-arrival: a snapshot arriving just before a
+        send throws away up to H steps of the island's work on that fragment).  A delta's
         base_version is then the version its work was last rebased onto: part of that work was done
         on older versions, which the staleness bound does not see.  Snapshots are full values: of
         several versions of one fragment only the newest is taken."""
@@ -175,17 +175,17 @@ class IslandLoop:
             progress = self.progress[fragment]
             anchor = {p: np.asarray(v, np.float32) for p, v in tensors.items()}
             if self.sync.adoption == "rebase" and progress.steps > 0:
-                self.trainer.set_params(fragments.rebase(theta, progress.anchor, tensors))
+                self.trainer.set_params(exchange.rebase(theta, progress.anchor, tensors))
                 self.progress[fragment] = FragmentProgress(anchor, version, progress.steps, progress.tokens)
             else:  # replace, or nothing unsent to keep (a blocking island right after its send): the same
-                self.trainer.set_params(fragments.adopt(theta, tensors, self.sync.alpha))
+                self.trainer.set_params(exchange.adopt(theta, tensors, self.sync.alpha))
                 self.progress[fragment] = FragmentProgress(anchor, version)
 
     def evaluate_trace(self, budget_s: float) -> int:
         """Evaluate the parameters copied after each of the first `train.eval_trace` steps, now that
         training is over.  An evaluation costs about two training steps here, so evaluating at every
         early step would slow the early steps it measures; the copy costs milliseconds.  The result
-        is exactly what an evaluation at that step would have measured (tested), written as an event
+        is exactly what an evaluation at that step would give (tested), written as an event
         with that step's time and tokens and `deferred: true`.  The final parameters are restored.
         Stops after `budget_s` seconds or when a stop is requested (the caller clears the first one):
         a launcher waits for islands to exit.  Returns how many were evaluated."""
@@ -218,7 +218,7 @@ class IslandLoop:
         began = time.perf_counter()
         while not self.stop_requested:
             self._adopt(self.link.snapshots())
-            if fragments.fold_wait_over(sent, {f: self.progress[f].version for f in sent}, unfolded, self.link.unfolded):
+            if exchange.fold_wait_over(sent, {f: self.progress[f].version for f in sent}, unfolded, self.link.unfolded):
                 break
             time.sleep(0.001)
         self.wait_s += time.perf_counter() - began

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from island.config import ADOPTIONS, SyncConfig
 
-# --eval-trace after training: 48 evaluations took 47-50 s with four islands on two cores; a
+# --eval-trace after training: 48 evaluations take about 50 s with four islands on two cores; a
 # launcher waits 120 s for a stopped island (cluster/launcher.py STOP_TIMEOUT_S).
 TRACE_BUDGET_S = 90.0
 
@@ -39,7 +39,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
                              "(the loss at every early step, without spending training time on evaluations)")
     island.add_argument("--eval-batches", type=positive_int, default=8)
     island.add_argument("--seed", type=int, default=0)
-    island.add_argument("--slowdown", type=float, default=1.0, help="each step takes X times its measured compute (an older chip)")
+    island.add_argument("--slowdown", type=float, default=1.0, help="each step takes X times its own compute time (an older chip)")
     island.add_argument("--cpu-cgroup", type=Path, default=None, metavar="DIR",
                         help="a cgroup with a CPU quota (made by dloco up for run.island_cpus): the island trains in it from its "
                              "second step and leaves it when training ends (an older chip, without sleeping)")
@@ -59,7 +59,8 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     network.add_argument("--error-feedback", action="store_true")
     network.add_argument("--flush-on-leave", action="store_true",
                          help="when stopping, send every fragment's unsent work (up to H steps each) before draining; off by default: "
-                              "in the one run measured, the burst of small folds left the merger's model worse (EXPERIMENTS.md)")
+                              "each arrives as a small fold of its own, and a burst of them can leave the merger's model worse "
+                              "(EXPERIMENTS.md)")
     network.add_argument("--blocking", action="store_true", help="synchronous baselines: after each send, wait for the fold that includes it")
     network.add_argument("--uplink-mbps", type=float, default=None, help="emulated uplink rate (default unlimited)")
     network.add_argument("--downlink-mbps", type=float, default=None, help="emulated downlink rate (default unlimited)")
@@ -79,13 +80,13 @@ def run_island(args: argparse.Namespace) -> int:
     early_stop = []  # SIGTERM while starting (imports, compiling, joining): stop cleanly, not by the default action
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: early_stop.append(True))
-    from cluster.telemetry import configure_logging
+    from telemetry.logs import configure_logging
     from island import data
     from island.config import ModelConfig, TrainConfig
     from island.cpugroup import CpuGroup, CpuGroupError
     from island.loop import IslandLoop
     from island.metrics import MetricsWriter
-    from broker.security import security_from_args
+    from bus.security import security_from_args
     from island.network import NetworkLink
     from island.shaper import LinkShaper
     from island.train import Trainer
@@ -148,7 +149,7 @@ def run_island(args: argparse.Namespace) -> int:
                 summary["flushed"] = loop.flush()
             if not link.drain(args.drain_timeout):
                 log.warning("drain_incomplete", deltas_sent=link.deltas_sent, settled=dict(link.results))
-            summary.update(deltas_sent=link.deltas_sent, rebased=link.rebased, acks=dict(link.results), snapshots=dict(link.downlink_results))
+            summary.update(deltas_sent=link.deltas_sent, summed=link.summed, acks=dict(link.results), snapshots=dict(link.downlink_results))
             link, closing = None, link
             closing.close()  # the merger has all it will get: evaluating the trace keeps no one waiting
         if loop.trace and len(signals) <= 1:  # after training, within TRACE_BUDGET_S; a second SIGTERM or Ctrl-C skips or cuts it

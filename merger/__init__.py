@@ -1,5 +1,3 @@
-"""The merger: the single writer of the global model.
+"""The merger: the single writer of the global model; a pure core (fold, outer, rda, ...) inside a socket and disk shell.
 
-Pure core (no sockets, clocks or logging): `admission`, `weighting`, `rda`, `outer`,
-`round_policy`, `fold`.  The service, write-ahead log and replay are built around it.
-"""
+May import: protocol, bus, telemetry, cliargs and third-party libraries; nothing from island, broker, cluster or benchmarks."""

@@ -48,7 +48,8 @@ def export_state(core: MergerCore, next_index: int) -> dict:
         "pending": [p.wal_index for queue in core.pending for p in queue],
         "settled": [[r.island, r.epoch, r.delta_id, r.fragment, r.status, r.version, r.reason] for r in core.settled.values()],
         "cursors": [[island, epoch, seq] for island, (epoch, seq) in sorted(core.cursors.items())],
-        "recent": [[fragment, island, at, weight] for fragment, recent in enumerate(core.recent) for island, (at, weight) in sorted(recent.items())],
+        "recent": [[fragment, island, at, weight] for fragment, contributions in enumerate(core.last_contributions)
+                   for island, (at, weight) in sorted(contributions.items())],
     }
 
 
@@ -61,9 +62,9 @@ def import_state(core: MergerCore, data: dict) -> None:
         opt_state = jax.tree_util.tree_unflatten(treedef, [jax.numpy.asarray(_array(leaf)) for leaf in entry["opt_leaves"]])
         core.states[fragment] = FragmentState(entry["version"], params, opt_state)
     core.cursors = {island: (epoch, seq) for island, epoch, seq in data.get("cursors", [])}
-    core.recent = [{} for _ in core.fragments]
-    for fragment, island, at, weight in data.get("recent", []):  # absent from checkpoints written before merge.share_window
-        core.recent[fragment][island] = (at, weight)
+    core.last_contributions = [{} for _ in core.fragments]
+    for fragment, island, at, weight in data.get("recent", []):  # the key on disk; absent from older checkpoints
+        core.last_contributions[fragment][island] = (at, weight)
     core.settled.clear()
     for island, epoch, delta_id, fragment, status, version, reason in data["settled"]:
         core.settled[(island, epoch, delta_id)] = DeltaResult(island, epoch, delta_id, fragment, status, version, reason)

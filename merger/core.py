@@ -71,7 +71,7 @@ class MergerCore:
         self.history: list[dict[str, ArrivalStats]] = [{} for _ in self.fragments]
         # per fragment, island -> (version of the fold that took its latest delta, that delta's raw
         # weight): who makes up a whole round, for merge.share_window (checkpointed; replay rebuilds it)
-        self.recent: list[dict[str, tuple[int, float]]] = [{} for _ in self.fragments]
+        self.last_contributions: list[dict[str, tuple[int, float]]] = [{} for _ in self.fragments]
         self.settled: collections.OrderedDict[DeltaKey, DeltaResult] = collections.OrderedDict()
         self.rejected: collections.Counter[str] = collections.Counter()
         # island -> (epoch, seq): stream messages up to seq are settled and were acknowledged as such
@@ -226,20 +226,20 @@ class MergerCore:
         return report
 
     def _take_share(self, fragment: int, members: list[Contribution], version: int) -> float:
-        """The share of a round a fold of `members` makes `version` with; note them as recent."""
+        """The share of a round a fold of `members` makes `version` with; note their contributions."""
         window = self.config.merge.share_window
         if window == 0:
             return 1.0
         raw = raw_weights([(c.tokens, c.steps, c.staleness) for c in members], self.config.merge.staleness_power)
         pairs = [(c.island, weight) for c, weight in zip(members, raw)]
-        recent = self.recent[fragment]
-        share = fold_share(pairs, recent, version, window)
+        contributions = self.last_contributions[fragment]
+        share = fold_share(pairs, contributions, version, window)
         mine: dict[str, float] = {}
         for island, weight in pairs:
             mine[island] = mine.get(island, 0.0) + weight
-        recent.update({island: (version, weight) for island, weight in mine.items()})
-        for island in [i for i, (at, _) in recent.items() if version - at > window]:
-            del recent[island]
+        contributions.update({island: (version, weight) for island, weight in mine.items()})
+        for island in [i for i, (at, _) in contributions.items() if version - at > window]:
+            del contributions[island]
         return share
 
     def _settle_folded(self, fragment: int, members: list[Contribution], version: int) -> list[DeltaResult]:

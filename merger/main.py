@@ -8,13 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
+from cliargs import float_at_least, int_at_least
 from merger.config import FULL_SNAPSHOT_CODECS, ConfigError, MergeConfig, MergerConfig, OuterConfig, RoundConfig
 from protocol import CODEC_NAMES, DlocoError
 
 
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
-    from cluster.cli import float_at_least, int_at_least
-
     non_negative_int = int_at_least(0)
     merger = commands.add_parser("merger", help="run the merger: fold deltas, publish snapshots, keep the log")
     merger.add_argument("--run-dir", type=Path, required=True, help="write-ahead log and checkpoints live here; an existing one is resumed")
@@ -64,7 +63,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
 def run_merger(args: argparse.Namespace) -> int:
     import zmq
 
-    from broker.security import security_from_args
+    from bus.security import security_from_args
     from merger.memory import keep_freed_memory
     from merger.service import MergerService, ServiceConfig, initial_core
 

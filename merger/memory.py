@@ -3,9 +3,9 @@
 A fold allocates the fragment's new parameters and momentum (two float32 copies of the fragment)
 and frees the previous ones; reassembly allocates a buffer per delta.  glibc's malloc serves
 blocks above its mmap threshold (128 KiB, rising dynamically to at most 32 MiB) with a fresh
-mmap and trims freed heap tops back to the kernel, so every fold touched tens of megabytes of new
-pages: one minor page fault per 4 KiB.  Measured on the ingest benchmark's fragment (4 int4
-deltas x 6.3 M parameters, one core): a fold took 37-45 ms with glibc's defaults and 26-29 ms with
+mmap and trims freed heap tops back to the kernel, so with its defaults every fold touches tens of
+megabytes of new pages: one minor page fault per 4 KiB.  On the ingest benchmark's fragment (4 int4
+deltas x 6.3 M parameters, one core) a fold takes 37-45 ms with glibc's defaults and 26-29 ms with
 these settings (BENCHMARKS.md).
 
 `keep_freed_memory` raises the mmap threshold to glibc's maximum (32 MiB: larger blocks are still

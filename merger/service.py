@@ -31,16 +31,18 @@ import zmq
 
 import protocol
 from protocol import downlink
-from broker.security import Security
-from broker.sequencing import GapTracker
-from cluster.telemetry import configure_logging
+from bus.security import Security
+from bus.sequencing import GapTracker
+from bus.sockets import open_socket
 from merger import checkpoint
 from merger.config import MergerConfig
 from merger.core import MergerCore
 from merger.pipeline import FoldPipeline
 from merger.recovery import checkpoint_dir, recover, wal_dir
 from merger.round_policy import snapshot_due
+from merger.snapshot_form import DIFF, FULL, snapshot_form
 from merger.wal import WriteAheadLog
+from telemetry.logs import configure_logging
 
 POLL_MS = 50  # longest sleep between checks of the clock-driven round policy
 RESEND_S = 0.2  # how often missing stream messages are asked for again
@@ -68,13 +70,6 @@ class ServiceConfig:
     security: Security = Security(None, "merger")  # plaintext unless keys are given
 
 
-def attach(socket: zmq.Socket, endpoint: str) -> None:
-    if endpoint.startswith("@"):
-        socket.bind(endpoint[1:])
-    else:
-        socket.connect(endpoint.removeprefix(">"))
-
-
 class MergerService:
     def __init__(self, config: ServiceConfig, core_factory=None) -> None:
         self.config = config
@@ -98,7 +93,7 @@ class MergerService:
         self.counters: dict[str, int] = {}
         self.served: dict[int, downlink.Served] = {}  # with diff snapshots: what islands hold of each fragment
         self.published_at: dict[int, float] = {}  # fragment -> monotonic time of its last snapshot on the bus
-        self.held: set[int] = set()  # fragments with folds not yet on the bus (config.snapshot_every_round)
+        self.unpublished: set[int] = set()  # fragments with folds not yet on the bus (config.snapshot_every_round)
         self.context = zmq.Context()
         self.delta_sub = self._socket(zmq.SUB, config.delta_endpoint, server="broker")
         self.delta_sub.setsockopt(zmq.SUBSCRIBE, b"delta/")
@@ -116,14 +111,8 @@ class MergerService:
         self.gone: set[str] = set()
 
     def _socket(self, kind: int, endpoint: str, server: str) -> zmq.Socket:
-        socket = self.context.socket(kind)
-        socket.setsockopt(zmq.LINGER, 0)
-        self.config.security.secure(self.context, socket, endpoint, server,
-                                    report=lambda message: self.log.warning("auth_refused", detail=message))
-        for option, value in ((zmq.HEARTBEAT_IVL, 1000), (zmq.HEARTBEAT_TIMEOUT, 5000), (zmq.HEARTBEAT_TTL, 5000)):
-            socket.setsockopt(option, value)
-        attach(socket, endpoint)
-        return socket
+        return open_socket(self.context, kind, endpoint, self.config.security, server,
+                           report=lambda message: self.log.warning("auth_refused", detail=message))
 
     # ---- loop ------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -146,8 +135,8 @@ class MergerService:
                     self._drain(self.control, self.on_control_frames)
                 self.announce(self.pipeline.finished())  # first: a fragment whose fold finished may fold again now
                 wake = self.pipeline.dispatch(time.monotonic())
-                held = self.publish_held(time.monotonic())
-                wake = held if wake is None else wake if held is None else min(wake, held)
+                next_snapshot = self.publish_due(time.monotonic())
+                wake = next_snapshot if wake is None else wake if next_snapshot is None else min(wake, next_snapshot)
                 self.maintain_streams()
         finally:
             self.shutdown()
@@ -288,8 +277,8 @@ class MergerService:
     def settled_cursors(self) -> dict[str, tuple[int, int]]:
         cursors = {}
         for island, stream in self.tracker.streams.items():
-            held = self.reassembler.lowest_seq(island, stream.epoch)
-            cursors[island] = (stream.epoch, stream.delivered if held is None else min(stream.delivered, held - 1))
+            assembling = self.reassembler.lowest_seq(island, stream.epoch)  # a delta still in reassembly is not settled
+            cursors[island] = (stream.epoch, stream.delivered if assembling is None else min(stream.delivered, assembling - 1))
         return cursors
 
     def next_seq(self) -> int:
@@ -300,9 +289,9 @@ class MergerService:
         """Frames of a snapshot of `fragment` (the current one unless `state` is given).  Point-to-point
         replies (on_bus False) are not part of the bus stream: they carry the last stream seq instead of a new one.
 
-        With a diff codec, a bus snapshot is the change since the previous one (protocol/downlink.py)
-        and a point-to-point reply is the served value itself, exact (fp32, or the full snapshots'
-        codec while the value is representable in it), so the receiver can apply the diffs that follow."""
+        With a diff codec, `snapshot_form` chooses: a full snapshot, on the bus the change since the
+        served value (protocol/downlink.py), or point to point the served value itself, exact (fp32, or
+        the full snapshots' codec while the value is representable in it)."""
         state = self.core.states[fragment] if state is None else state
 
         def params():  # host copies: not needed for a diff merger's catch-up reply
@@ -313,18 +302,19 @@ class MergerService:
         if not self.config.snapshot_diff_codec:
             codec, plans = full_codec, protocol.split_fragment(params(), full_codec, limit)
         else:
-            served, every = self.served.get(fragment), self.config.snapshot_full_every
-            if served is None or (on_bus and (state.version <= served.version or (every and state.version // every > served.version // every))):
-                served, plans = downlink.full(params(), state.version, full_codec, limit)
+            served = self.served.get(fragment)
+            form = snapshot_form(state.version, None if served is None else served.version, on_bus, self.config.snapshot_full_every)
+            if form == FULL:
                 codec = full_codec
-            elif on_bus:
+                served, plans = downlink.full(params(), state.version, full_codec, limit)
+            elif form == DIFF:
                 base, codec = served.version, protocol.Codec(self.config.snapshot_diff_codec)
                 served, plans = downlink.diff(params(), served, state.version, codec, limit)
             else:  # exact: fp32, or the full snapshots' codec while S is representable in it (joins at the start)
                 codec, plans = downlink.reply(served, full_codec, limit)
             self.served[fragment] = served
             version, digest = served.version, served.digest
-            self.count("merger/snapshot_catch_up" if not on_bus else "merger/snapshot_diff" if base is not None else "merger/snapshot_full")
+            self.count("merger/snapshot_catch_up" if not on_bus else f"merger/snapshot_{form}")
         return [protocol.encode(protocol.SnapshotChunk(
                     sender=self.config.sender, epoch=self.epoch, seq=self.next_seq() if on_bus else self.seq, fragment=fragment, version=version,
                     chunk_index=index, chunk_count=len(plans), model=self.core.model, codec=codec,
@@ -335,18 +325,18 @@ class MergerService:
         for frames in self.snapshot_frames(fragment, state=state):
             self.snapshot_pub.send_multipart(frames, copy=False)
         self.published_at[fragment] = time.monotonic()
-        self.held.discard(fragment)
+        self.unpublished.discard(fragment)
 
     def offer_snapshot(self, fragment: int, state) -> None:
         """A fold's snapshot goes on the bus now, or is held until a round of the fastest island has
-        passed since the fragment's last one (round_policy.snapshot_due; the round as measured on any
+        passed since the fragment's last one (round_policy.snapshot_due; the round as seen on any
         fragment, so holding starts in the first round of later fragments): then one snapshot carries
         every fold in between.  Islands adopt what arrives, so fewer snapshots cost freshness only,
         and with diff snapshots each island receives one fragment per round instead of one per fold."""
         if snapshot_due(self.published_at.get(fragment), self.intervals(), self.config.snapshot_every_round) <= time.monotonic():
             self.publish_snapshot(fragment, state)
         else:
-            self.held.add(fragment)
+            self.unpublished.add(fragment)
             self.count("merger/snapshot_held")
 
     def intervals(self) -> list[float | None]:
@@ -354,11 +344,11 @@ class MergerService:
         fragment whose second round has not begun is held by what the others know of a round)."""
         return [stats.interval for history in self.core.history for stats in history.values()]
 
-    def publish_held(self, now: float) -> float | None:
-        """Publish the held snapshots that are due (the fragment as folded by now); return when the
-        next one is."""
+    def publish_due(self, now: float) -> float | None:
+        """Publish the held-back snapshots that are due (the fragment as folded by now); return when
+        the next one is."""
         wake = None
-        for fragment in sorted(self.held):
+        for fragment in sorted(self.unpublished):
             due = snapshot_due(self.published_at.get(fragment), self.intervals(), self.config.snapshot_every_round)
             if due <= now:
                 self.publish_snapshot(fragment)
@@ -387,7 +377,7 @@ class MergerService:
         self.warming.join(timeout=120)  # exiting while XLA compiles on another thread aborts the process
         try:
             self.announce(self.pipeline.close())
-            self.publish_held(math.inf)  # queue the last folds too (best effort: the sockets close with linger 0)
+            self.publish_due(math.inf)  # queue the last folds too (best effort: the sockets close with linger 0)
         except Exception as error:  # a fold failed: logged below, the process still shuts down cleanly
             self.log.error("fold_failed", error=repr(error)[:500])
         if self.pipeline.failed is None:

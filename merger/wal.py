@@ -20,7 +20,7 @@ fold and waits for it only when the fold is computed and about to be announced.
 A full segment is closed and the next one opened without waiting for the disk: the fsync of the
 old segment and of the directory happen with the next sync, in order — older segments, the
 directory, then the current one — before anything after them is called durable.  (Waiting on
-the merger's receiving thread cost 30-50 ms per 64 MiB segment.)
+the merger's receiving thread would cost 30-50 ms per 64 MiB segment.)
 
 Opening a log for append scans every segment.  The log ends at the first torn write: a record
 cut short, or whose checksum fails with nothing after it in its segment, is truncated away; a

@@ -38,12 +38,12 @@ def raw_weights(counters: list[tuple[int, int, int]], power: float) -> list[floa
     return [token_weight(tokens, steps) * staleness_discount(staleness, power) for tokens, steps, staleness in counters]
 
 
-def fold_share(members: Sequence[tuple[str, float]], recent: Mapping[str, tuple[int, float]], version: int, window: int) -> float:
+def fold_share(members: Sequence[tuple[str, float]], last_contributions: Mapping[str, tuple[int, float]], version: int, window: int) -> float:
     """The fraction of a whole round's weight that a fold of `members` ((island, raw weight) pairs)
     carries, when it makes the fragment's `version`.
 
     A whole round: the fold's members plus every other island that contributed to this fragment
-    within the last `window` versions (`recent`: island -> (version of the fold that took its last
+    within the last `window` versions (`last_contributions`: island -> (version of the fold that took its last
     delta, that delta's raw weight)).  A fold of every active island's delta (a synchronous round)
     has share 1; one island's delta out of four equal ones, 1/4; an island gone for more than
     `window` versions stops counting.  window = 0: always 1 (every fold a whole step).
@@ -51,7 +51,7 @@ def fold_share(members: Sequence[tuple[str, float]], recent: Mapping[str, tuple[
     if window == 0:
         return 1.0
     islands = {island for island, _ in members}
-    active = [weight for island, (at, weight) in recent.items() if island not in islands and version - at <= window]
+    active = [weight for island, (at, weight) in last_contributions.items() if island not in islands and version - at <= window]
     own = sum(weight for _, weight in members)
     if own <= 0:  # weightless deltas (no tokens): count islands instead, as `weights` does
         return len(islands) / (len(islands) + len(active))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from broker.security import Identity, create_keys, make_client
+from bus.security import Identity, create_keys, make_client
 from tests.test_merger_process import free_ports
 
 

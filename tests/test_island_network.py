@@ -115,7 +115,7 @@ def test_the_loop_never_waits_for_a_trickling_uplink(tmp_path):
                 link.close()
     # the trickle publisher is stuck in its first delta, yet every later delta is kept (summed), none dropped
     assert all(link.deltas_sent > 0 for link in links["free"])
-    assert all(link.deltas_sent == 0 and link.rebased >= 50 for link in links["trickle"])
+    assert all(link.deltas_sent == 0 and link.summed >= 50 for link in links["trickle"])
     # One-sided: a free publisher competes with training for the 2 cores (it quantizes and sends),
     # a stuck one sleeps, so the trickle run may well be faster; it must never be slower.
     ratio = statistics.median(runs["trickle"]) / statistics.median(runs["free"])
@@ -231,14 +231,14 @@ def test_an_island_applies_diffs_in_order_and_asks_for_what_it_cannot_apply():
     bus.bind(snapshot)
     router.bind(control)
     link = NetworkLink("isl", "m", SyncConfig(fragments=1, interval=1), f"tcp://127.0.0.1:{free_port()}", snapshot, control)
-    link.ask_again_s = 2.0
+    link.downlink.ask_again_s = 2.0
     try:
         assert router.poll(5000) and protocol.decode(router.recv_multipart()[1:]).fragments == ()  # the start-up request: all
         subscribed = set()
         while subscribed != {b"\x01snapshot/", b"\x01ack"}:
             assert bus.poll(5000), "the island never subscribed"
             subscribed.add(bus.recv())
-        time.sleep(link.ask_again_s + 0.05)  # past the start-up request's cover
+        time.sleep(link.downlink.ask_again_s + 0.05)  # past the start-up request's cover
 
         fp32, bf16, w = protocol.Codec("fp32"), protocol.Codec("bf16"), lambda value: {"w": np.full(64, value, F32)}
         v3, plans3 = downlink.full(w(1.0), 3, fp32, 64)
@@ -273,7 +273,7 @@ def test_an_island_applies_diffs_in_order_and_asks_for_what_it_cannot_apply():
         assert [(f, v) for f, v, _ in got] == [(0, 3), (0, 4), (0, 5), (0, 6)]
         for (_, _, tensors), value in zip(got, (1.0, 2.0, 3.0, 5.0)):
             np.testing.assert_array_equal(tensors["w"], np.full(64, value, F32))
-        time.sleep(link.ask_again_s + 0.2)
+        time.sleep(link.downlink.ask_again_s + 0.2)
         assert link.downlink_results["asked"] == 2 and not router.poll(0)  # it holds version 6: no more asking
     finally:
         link.close()

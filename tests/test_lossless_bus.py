@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 import protocol
-from broker.sequencing import GapTracker
+from bus.sequencing import GapTracker
 from island.config import SyncConfig
 from island.network import NetworkLink
 from island.shaper import LinkShaper
@@ -119,8 +119,8 @@ def test_overflowing_a_slow_subscriber_loses_nothing():
         wait_for(lambda: len(receiver.delivered) >= CHUNKS, 60, f"delivered {len(receiver.delivered)} of {CHUNKS}")
         time.sleep(0.5)
         assert receiver.delivered == list(range(1, CHUNKS + 1))  # each once, in order
-        assert link.resent > 0  # the loss was real and the resend path filled it
-        wait_for(lambda: len(link._kept) == 0, 10, "retransmit buffer not released by cursors")
+        assert link.uplink.resent > 0  # the loss was real and the resend path filled it
+        wait_for(lambda: len(link.uplink.kept) == 0, 10, "retransmit buffer not released by cursors")
     finally:
         link.close()
         receiver.close()
@@ -132,11 +132,11 @@ def test_messages_sent_before_the_subscriber_exists_are_recovered():
     link = sender(f"tcp://127.0.0.1:{data_port}", control_port, cursor_port)
     try:
         link.publish(0, 0, DELTA, 1, 1)
-        wait_for(lambda: link.seq == CHUNKS, 30, "sender did not send")  # all 200 went out to nobody
+        wait_for(lambda: link.uplink.seq == CHUNKS, 30, "sender did not send")  # all 200 went out to nobody
         receiver = SlowReceiver(f"@tcp://127.0.0.1:{data_port}", control_port, cursor_port, read_delay_s=0)
         try:
             wait_for(lambda: len(receiver.delivered) >= CHUNKS, 60, f"delivered {len(receiver.delivered)} of {CHUNKS}")
-            assert receiver.delivered == list(range(1, CHUNKS + 1)) and link.resent >= CHUNKS - 4
+            assert receiver.delivered == list(range(1, CHUNKS + 1)) and link.uplink.resent >= CHUNKS - 4
         finally:
             receiver.close()
     finally:
@@ -162,7 +162,7 @@ def test_kill_9_of_the_broker_mid_stream_loses_nothing(tmp_path):
         wait_for(lambda: len(receiver.delivered) >= 2 * CHUNKS, 90, f"delivered {len(receiver.delivered)} of {2 * CHUNKS}")
         time.sleep(0.5)
         assert receiver.delivered == list(range(1, 2 * CHUNKS + 1))  # before, during and after: each once, in order
-        assert link.resent > 0  # what the dead broker swallowed came back point to point
+        assert link.uplink.resent > 0  # what the dead broker swallowed came back point to point
     finally:
         link.close()
         receiver.close()
@@ -184,9 +184,9 @@ def test_a_full_retransmit_buffer_stops_the_publisher_not_the_loop():
         for _ in range(5):
             link.publish(0, 0, DELTA, 1, 1)  # returns at once every time
         assert time.monotonic() - started < 0.5
-        wait_for(lambda: link.backpressure_waits > 0, 10, "publisher never waited")
-        assert link.seq == 10 and len(link._kept) == 10  # stopped at the bound; nothing discarded
-        assert link.rebased >= 3  # later deltas wait in the outbox, summed
+        wait_for(lambda: link.uplink.backpressure_waits > 0, 10, "publisher never waited")
+        assert link.uplink.seq == 10 and len(link.uplink.kept) == 10  # stopped at the bound; nothing discarded
+        assert link.summed >= 3  # later deltas wait in the outbox, summed
     finally:
         link.close()
 
@@ -203,8 +203,8 @@ def test_a_lost_result_is_asked_for_again_and_the_drain_completes():
         link.publish(0, 0, DELTA, 1, 1)
         wait_for(lambda: len(receiver.delivered) == CHUNKS, 30, "the delta did not get through")
         assert not link.drain(1.0)  # admitted (cursor) but unsettled: no result yet
-        assert link.drain(15.0), (link.results, link.probes)
-        assert receiver.probed == [1] and link.probes == 1 and link.results["folded"] == 1
+        assert link.drain(15.0), (link.results, link.uplink.probes)
+        assert receiver.probed == [1] and link.uplink.probes == 1 and link.results["folded"] == 1
     finally:
         link.close()
         receiver.close()

@@ -142,7 +142,7 @@ def test_fold_shares_survive_a_checkpoint_and_replay(tmp_path, outer):
     single_folds(crashed, 1, 11, checkpoint_at=7, run_dir=tmp_path / "crashed")
     wal2.close()
     resumed = recover(tmp_path / "crashed", log=WriteAheadLog(wal_dir(tmp_path / "crashed"), fsync="never"))
-    assert resumed.recent == crashed.recent
+    assert resumed.last_contributions == crashed.last_contributions
     assert single_folds(resumed, 11, 19) == shares[10:]
     assert resumed.digest() == straight.digest()
     digests = []

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from broker.security import create_keys
+from bus.security import create_keys
 from tests.test_broker import BrokerProcess
 from tests.test_merger_process import free_port
 

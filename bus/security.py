@@ -123,7 +123,7 @@ class Security:
     def insecure(self) -> bool:
         return self.keys is None
 
-    def secure(self, context: zmq.Context, socket: zmq.Socket, endpoint: str, server: str, report=lambda message: None) -> None:
+    def secure(self, context: zmq.Context, socket: zmq.Socket, endpoint: str, server: str | None, report=lambda message: None) -> None:
         if self.keys is None:
             return
         if endpoint.startswith("@"):
@@ -134,6 +134,12 @@ class Security:
             make_server(socket, Identity.load(self.keys, self.name))
         else:
             make_client(socket, Identity.load(self.keys, self.name, server=server))
+
+    @staticmethod
+    def refused(context: zmq.Context) -> int:
+        """How many clients the ZAP handler of `context` has refused (0 without one)."""
+        started = _authenticators.get(id(context))
+        return 0 if started is None else started[1].count
 
     @staticmethod
     def stop(context: zmq.Context) -> None:

@@ -1,4 +1,4 @@
-"""Pure fragment arithmetic: partition, schedule, pseudo-gradient, adoption.  Values in, values out.
+"""The pure math of exchanging fragments: partition, schedule, pseudo-gradient, adoption.  Values in, values out.
 
 Schedule (staggered, Streaming DiLoCo): counting inner steps from 1, fragment p is due after step
 t when ``t mod H == ((p + 1) * H // P) mod H``.  Each fragment is due every H steps and one falls

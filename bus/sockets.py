@@ -1,0 +1,50 @@
+"""Socket setup, written once for every process.
+
+Endpoint strings: ``@tcp://...`` binds, ``tcp://...`` or ``>tcp://...`` connects.  Every socket gets
+linger 0 (closing never waits for unsent messages), ZMTP heartbeats (a peer silent for
+HEARTBEAT_TIMEOUT_MS is disconnected and ZeroMQ reconnects), and CURVE as `Security` says: a
+bound socket is a CURVE server, a connecting one a client of the named server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import zmq
+
+from bus.security import Security
+
+HEARTBEAT_IVL_MS = 1000  # a ZMTP ping on every connection this often
+HEARTBEAT_TIMEOUT_MS = 5000  # no traffic from the peer this long after a ping: the connection is dropped
+HEARTBEAT_TTL_MS = 5000  # the peer drops the connection when it hears nothing from us this long
+
+
+def attach(socket: zmq.Socket, endpoint: str) -> None:
+    """Bind (``@...``) or connect (``tcp://...``, ``>tcp://...``)."""
+    if endpoint.startswith("@"):
+        socket.bind(endpoint[1:])
+    else:
+        socket.connect(endpoint.removeprefix(">"))
+
+
+def open_socket(context: zmq.Context, kind: int, endpoint: str, security: Security, server: str | None = None, *,
+                report: Callable[[str], None] = lambda message: None, identity: str | None = None,
+                send_hwm: int | None = None, receive_hwm: int | None = None, kernel_buffer_bytes: int | None = None) -> zmq.Socket:
+    """A socket of `kind`, set up and attached to `endpoint`.
+
+    `server` names the key of what a connecting socket reaches (CURVE client); `report` receives
+    the ZAP handler's refusals (CURVE server).  `identity` is a DEALER's routing id; the high-water
+    marks (messages) and kernel buffers (bytes) keep ZeroMQ's defaults when None."""
+    socket = context.socket(kind)
+    socket.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        socket.setsockopt(zmq.IDENTITY, identity.encode())
+    sizes = ((zmq.SNDHWM, send_hwm), (zmq.RCVHWM, receive_hwm), (zmq.SNDBUF, kernel_buffer_bytes), (zmq.RCVBUF, kernel_buffer_bytes))
+    heartbeats = ((zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS), (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
+                  (zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS))
+    for option, value in (*sizes, *heartbeats):
+        if value is not None:
+            socket.setsockopt(option, value)
+    security.secure(context, socket, endpoint, server, report=report)
+    attach(socket, endpoint)
+    return socket

@@ -1,0 +1,30 @@
+"""Argument types shared by every process's command line (`int_at_least`, `float_at_least`).
+
+May import: the standard library only."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def int_at_least(low: int):
+    """An argparse type: an integer >= low, with a clear message otherwise."""
+    return _at_least(int, low, "a positive integer" if low == 1 else f"an integer >= {low}")
+
+
+def float_at_least(low: float):
+    """An argparse type: a finite number >= low, with a clear message otherwise."""
+    return _at_least(float, low, f"a number >= {low:g}")
+
+
+def _at_least(kind, low, what: str):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not value >= low or value in (float("inf"), float("-inf")):  # NaN fails the first test
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse

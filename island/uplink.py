@@ -1,0 +1,213 @@
+"""The uplink: deltas from the outbox onto the delta bus, kept until the merger has them.
+
+Sending (`run`, the publisher thread): take the oldest pending delta, quantize it (with error
+feedback if configured), chunk it, pace each chunk through the uplink shaper and send it on the
+PUB under the next stream seq.  A heartbeat every HEARTBEAT_S carries the last seq, so a lost tail
+shows up at the merger.  Every chunk stays in a bounded `RetransmitBuffer` until the merger's
+cursor covers it, and is resent point to point when the merger asks; a full buffer stops the
+publisher (backpressure) while the outbox keeps summing.
+
+Settling: a sent delta is settled by its result in an ack (folded or rejected).  Once the cursor
+passes its last seq it is admitted (on the merger's disk); if its result has not come
+PROBE_AFTER_S later (the ack went out while the bus was down), its first chunk is sent again
+point to point, and the merger says the result again (a repeat of a settled delta is re-acked,
+never refolded).  A delta still unsettled `settle_timeout_s` after admission counts as "unknown".
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import zmq
+
+import protocol
+from bus.sequencing import RetransmitBuffer
+from island.config import SyncConfig
+from island.outbox import Outbox, PendingDelta
+from island.shaper import LinkShaper
+
+POLL_MS = 50
+HEARTBEAT_S = 0.5  # a heartbeat carries the last seq, so a lost tail is asked for within this
+PROBE_AFTER_S = 3.0  # a delta admitted this long ago and still unsettled: its result (an ack) was lost; ask again
+
+@dataclasses.dataclass
+class SentDelta:
+    """A delta sent in full, not yet settled."""
+
+    fragment: int
+    last_seq: int  # stream seq of its last chunk
+    first_chunk: list  # frames of its first chunk: sent again as a probe
+    admitted_at: float | None = None  # monotonic time the merger's cursor was seen past last_seq; None: not yet
+    probed_at: float | None = None  # monotonic time of the last probe (or of admission)
+
+
+class Uplink:
+    """Shared by three threads: the loop (`publish`, `drain`), the publisher (`run`) and the
+    receiver (`on_ack`, `resend`, `probe`).  `lock` guards everything they share."""
+
+    def __init__(self, name: str, model: str, epoch: int, sync: SyncConfig, shaper: LinkShaper, stop: threading.Event) -> None:
+        self.name, self.model, self.epoch, self.sync, self.shaper, self.stop = name, model, epoch, sync, shaper, stop
+        self.codec = protocol.Codec(sync.codec, sync.block)
+        self.lock = threading.Condition()
+        self.outbox = Outbox()
+        self.in_flight = False  # the publisher has taken a delta off the outbox and not finished sending it
+        self.residuals: dict[str, np.ndarray] = {}  # error feedback: what quantization left out, added to the next delta
+        self.kept = RetransmitBuffer(max_messages=sync.retransmit_messages, max_bytes=sync.retransmit_bytes)
+        self.seq = 0  # last stream seq sent (delta chunks)
+        self.cursor = 0  # highest seq the merger's cursor covered
+        self.unsettled: dict[int, SentDelta] = {}  # by delta id
+        self.settled: set[int] = set()  # delta ids with a result (an ack can arrive twice)
+        self.results: collections.Counter[str] = collections.Counter()  # folded, rejected, unknown, dropped/<reason>
+        # fragment -> deltas of it settled without a fold (rejected, or given up on): a blocking
+        # island waiting for such a delta's fold must stop waiting
+        self.unfolded: collections.Counter[int] = collections.Counter()
+        self.bytes_sent = self.deltas_sent = self.summed = 0
+        self.resent = self.probes = self.backpressure_waits = 0
+
+    # ---- the loop's thread ----------------------------------------------------------------------
+    def publish(self, delta: PendingDelta) -> None:
+        with self.lock:
+            self.summed += self.outbox.put(delta)
+            self.lock.notify()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every delta is sent and settled (folded, rejected or given up on), at most
+        `timeout_s`.  Returns whether everything was."""
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            while time.monotonic() < deadline:
+                settled = self.results["folded"] + self.results["rejected"] + self.results["unknown"]
+                if not self.outbox and not self.in_flight and settled >= self.deltas_sent:
+                    return True
+                self.lock.wait(timeout=POLL_MS / 1000)
+        return False
+
+    def wake(self) -> None:
+        with self.lock:
+            self.lock.notify_all()
+
+    # ---- the publisher thread --------------------------------------------------------------------
+    def run(self, pub: zmq.Socket) -> None:
+        """Send pending deltas and heartbeats on `pub` until `stop` is set."""
+        delta_id, next_heartbeat = 0, time.monotonic() + HEARTBEAT_S
+        while not self.stop.is_set():
+            with self.lock:
+                while not self.outbox and not self.stop.is_set() and time.monotonic() < next_heartbeat:
+                    self.lock.wait(timeout=POLL_MS / 1000)
+                if self.stop.is_set():
+                    break
+                pending = self.outbox.take()
+                self.in_flight = pending is not None
+            if time.monotonic() >= next_heartbeat:  # tells receivers our last seq: tail loss shows up
+                pub.send_multipart(protocol.encode(protocol.Heartbeat(sender=self.name, epoch=self.epoch, seq=self.seq)))
+                next_heartbeat = time.monotonic() + HEARTBEAT_S
+            if pending is None:
+                continue
+            delta_id += 1
+            self._send(pub, delta_id, pending)
+            with self.lock:
+                self.in_flight = False
+                self.lock.notify_all()
+
+    def _send(self, pub: zmq.Socket, delta_id: int, pending: PendingDelta) -> None:
+        delta = pending.delta
+        if self.sync.error_feedback:
+            delta, kept = protocol.compensate(delta, self.residuals, self.codec)
+            self.residuals.update(kept)
+        plans = protocol.split_fragment(delta, self.codec, self.sync.chunk_bytes)
+        first = None
+        for index, plan in enumerate(plans):
+            frames = protocol.encode(protocol.DeltaChunk(
+                sender=self.name, epoch=self.epoch, seq=self.seq + 1, delta_id=delta_id, fragment=pending.fragment,
+                base_version=pending.base_version, chunk_index=index, chunk_count=len(plans), steps=pending.steps, tokens=pending.tokens,
+                model=self.model, codec=self.codec, slices=plan.slices, payloads=plan.payloads))
+            nbytes = sum(memoryview(f).nbytes for f in frames)
+            if not self._wait_for_room(nbytes):
+                return
+            _, arrives = self.shaper.schedule(nbytes, time.monotonic())
+            self._sleep_until(arrives)  # this thread waits for the emulated wire, never the loop
+            if self.stop.is_set():
+                return
+            with self.lock:
+                self.seq += 1
+                self.kept.add(self.seq, frames, nbytes)  # until the merger's cursor covers it
+            pub.send_multipart(frames, copy=False)
+            self.bytes_sent += nbytes
+            first = first or frames
+        self.deltas_sent += 1
+        with self.lock:
+            if delta_id not in self.settled:
+                self.unsettled[delta_id] = SentDelta(pending.fragment, self.seq, first)
+
+    def _wait_for_room(self, nbytes: int) -> bool:
+        """Backpressure: a full retransmit buffer stops this thread (the loop's outbox keeps summing)."""
+        with self.lock:
+            while not self.kept.has_room(nbytes):
+                if self.stop.is_set():
+                    return False
+                self.backpressure_waits += 1
+                self.lock.wait(timeout=POLL_MS / 1000)
+        return True
+
+    def _sleep_until(self, when: float) -> None:
+        while not self.stop.is_set() and (left := when - time.monotonic()) > 0:
+            time.sleep(min(left, POLL_MS / 1000))
+
+    # ---- the receiver thread ---------------------------------------------------------------------
+    def on_ack(self, ack: protocol.Ack) -> None:
+        """Results settle deltas; cursors release the retransmit buffer and admit deltas."""
+        with self.lock:
+            for result in ack.results:
+                if result.island == self.name and result.epoch == self.epoch and result.delta_id not in self.settled:
+                    self.settled.add(result.delta_id)
+                    self.unsettled.pop(result.delta_id, None)
+                    self.results[result.status] += 1
+                    if result.status != "folded":
+                        self.unfolded[result.fragment] += 1
+            for cursor in ack.cursors:
+                if cursor.island == self.name and cursor.epoch == self.epoch:
+                    self.kept.release(cursor.seq)
+                    self.cursor = max(self.cursor, cursor.seq)
+            self.lock.notify_all()
+
+    def resend(self, request: protocol.ResendRequest, send: Callable[[list], bool]) -> None:
+        """The kept chunks a receiver asks for, point to point (not on the bus).  `send` never blocks;
+        what it cannot send now the receiver asks for again."""
+        if request.target != self.name or request.target_epoch != self.epoch:
+            return
+        with self.lock:
+            again = self.kept.get(list(request.ranges))
+        for _, frames in again:
+            if send(frames):
+                self.resent += 1
+
+    def probe(self, now: float, send: Callable[[list], bool]) -> None:
+        """Admitted deltas whose result never came: send their first chunk again, point to point."""
+        with self.lock:
+            for sent in self.unsettled.values():
+                if sent.admitted_at is None and sent.last_seq <= self.cursor:  # admitted (logged) now: its result is due soon
+                    sent.admitted_at = sent.probed_at = now
+            timeout_s = self.sync.settle_timeout_s
+            expired = [d for d, sent in self.unsettled.items() if sent.admitted_at is not None and now - sent.admitted_at > timeout_s]
+            for delta_id in expired:  # the merger does not know it (e.g. rejected, then restarted): stop asking
+                self.unfolded[self.unsettled.pop(delta_id).fragment] += 1
+                self.settled.add(delta_id)  # a late answer is not counted twice
+                self.results["unknown"] += 1
+            if expired:
+                self.lock.notify_all()
+            due = [sent for sent in self.unsettled.values() if sent.probed_at is not None and now - sent.probed_at >= PROBE_AFTER_S]
+            for sent in due:
+                sent.probed_at = now
+        for sent in due:
+            if send(sent.first_chunk):
+                self.probes += 1
+
+    def count_dropped(self, reason: str) -> None:
+        """A message from the merger that failed to decode."""
+        with self.lock:
+            self.results[f"dropped/{reason}"] += 1

@@ -1,0 +1,3 @@
+"""Structured logging that every process sets up the same way (`logs.configure_logging`).
+
+May import: structlog and the standard library only."""
