@@ -9,7 +9,6 @@ from pathlib import Path
 
 from cliargs import int_at_least
 
-
 _positive_int = int_at_least(1)
 
 
