@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import sysconfig
 from pathlib import Path
 
@@ -47,8 +48,11 @@ def load(path: str | Path | None = None) -> Corpus:
         files = [root]
     else:
         suffixes = {".py"} if path is None else TEXT_SUFFIXES
-        files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes
-                       and not (_SKIP_DIRS & set(p.relative_to(root).parts[:-1])))
+        files = []
+        for folder, subfolders, names in os.walk(root):  # skipped folders are never entered (site-packages is large)
+            subfolders[:] = [name for name in subfolders if name not in _SKIP_DIRS]
+            files += [Path(folder) / name for name in names if Path(name).suffix in suffixes and (Path(folder) / name).is_file()]
+        files.sort()
     listing, chunks = hashlib.sha256(), []
     for file in files:
         data = file.read_bytes()
