@@ -80,43 +80,48 @@ def run_island(args: argparse.Namespace) -> int:
     early_stop = []  # SIGTERM while starting (imports, compiling, joining): stop cleanly, not by the default action
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: early_stop.append(True))
-    from telemetry.logs import configure_logging
     from island import data
     from island.config import ModelConfig, TrainConfig
-    from island.cpugroup import CpuGroup, CpuGroupError
-    from island.loop import IslandLoop
-    from island.metrics import MetricsWriter
-    from bus.security import security_from_args
-    from island.network import NetworkLink
-    from island.shaper import LinkShaper
-    from island.train import Trainer
-    import numpy as np
-    import protocol
     from protocol import DlocoError
+    from telemetry.logs import configure_logging
 
     log = configure_logging("island", island=args.name, region=args.region)
     link = None
     try:
+        # Everything that can be checked without JAX first: a bad argument fails in a second, not after the import.
         model = ModelConfig(width=args.width, depth=args.depth, heads=args.heads, context=args.context)
         train = TrainConfig(batch=args.batch, lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_steps=args.max_steps,
                             eval_every=args.eval_every, eval_early=args.eval_early, eval_trace=args.eval_trace, eval_batches=args.eval_batches, seed=args.seed)
+        sync = SyncConfig(fragments=args.fragments, interval=args.interval, codec=args.codec, adoption=args.adoption, alpha=args.alpha,
+                          error_feedback=args.error_feedback, flush_on_leave=args.flush_on_leave,
+                          blocking=args.blocking, settle_timeout_s=args.settle_timeout)
         if not 0 <= args.island_index < args.islands:
             raise DlocoError(f"--island-index must be in [0, {args.islands}), got {args.island_index}")
+        networked = not args.standalone and args.write_init is None
+        if networked and not (args.delta_endpoint and args.snapshot_endpoint and args.control_endpoint):
+            raise DlocoError("a networked island needs --delta-endpoint, --snapshot-endpoint and --control-endpoint (or --standalone)")
         corpus = data.load(args.corpus)
         shards, evaluation = data.split(corpus, args.islands)
         log.info("corpus", root=corpus.root, files=corpus.files, bytes=int(corpus.tokens_N.size), sha256=corpus.digest)
+
+        import numpy as np
+
+        import protocol
+        from bus.security import security_from_args
+        from island.cpugroup import CpuGroup, CpuGroupError
+        from island.loop import IslandLoop
+        from island.metrics import MetricsWriter
+        from island.network import NetworkLink
+        from island.shaper import LinkShaper
+        from island.train import Trainer
+
         trainer = Trainer(model, train)
         if args.write_init is not None:
             np.savez(args.write_init, **trainer.params())
             log.info("wrote_initial_parameters", path=str(args.write_init))
             return 0
         log.info("model", params=sum(v.size for v in trainer.params().values()), devices=[str(d) for d in trainer.devices])
-        sync = SyncConfig(fragments=args.fragments, interval=args.interval, codec=args.codec, adoption=args.adoption, alpha=args.alpha,
-                          error_feedback=args.error_feedback, flush_on_leave=args.flush_on_leave,
-                          blocking=args.blocking, settle_timeout_s=args.settle_timeout)
-        if not args.standalone:
-            if not (args.delta_endpoint and args.snapshot_endpoint and args.control_endpoint):
-                raise DlocoError("a networked island needs --delta-endpoint, --snapshot-endpoint and --control-endpoint (or --standalone)")
+        if networked:
             security = security_from_args(args, args.name, "island")
             link = NetworkLink(args.name, protocol.model_fingerprint(trainer.params()), sync, args.delta_endpoint, args.snapshot_endpoint,
                                args.control_endpoint, LinkShaper.from_mbps(args.uplink_mbps, args.rtt_ms),

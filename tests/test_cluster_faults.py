@@ -55,6 +55,7 @@ def _steps_between(run, island, start, end):
     return sum(1 for e in read_metrics(run / "metrics" / f"{island}.jsonl") if e.get("step", 0) > 0 and start <= e["wall"] < end)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_island_merger_and_broker_crashes_are_survived(tmp_path):
     (tmp_path / "faults.toml").write_text(PROFILE)

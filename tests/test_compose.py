@@ -82,6 +82,7 @@ def test_probe_reports_what_is_unhealthy(tmp_path):
     assert closed.returncode == 1 and "refused" in closed.stderr.lower() and "missing" in closed.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_the_compose_services_run_as_local_processes(tmp_path):
     """Two of the file's regions and what they depend on (prepare, broker, merger), 48 steps each."""

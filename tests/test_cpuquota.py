@@ -178,6 +178,7 @@ def test_the_kernel_holds_each_process_to_its_quota_and_the_groups_are_removed()
     assert {r[1] for r in results.values()} == {"0"}, results  # left the group again (back where the launcher was)
 
 
+@pytest.mark.e2e
 @needs_cgroups
 @pytest.mark.timeout(600)
 def test_dloco_up_runs_each_island_inside_its_quota(tmp_path):

@@ -86,6 +86,7 @@ def test_max_steps_must_cover_an_interval(tmp_path):
             config.load(path)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_suite_whose_run_did_not_get_its_steps_done_exits_non_zero_and_says_why(tmp_path):
     """A run bounded by work that hits its time limit (1 s: the islands are still starting) fails;
