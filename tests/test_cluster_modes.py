@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+from analysis.runinfo import merger_folds, read_events
 from cluster import config, topology
-from cluster.runinfo import merger_folds, read_events
 from protocol.errors import ConfigError
 from tests.cluster_helpers import small_profile
 
@@ -62,7 +62,7 @@ def test_a_synchronous_mode_holds_every_island_at_the_barrier(tmp_path, mode):
     # The barrier waits as long as it takes (a slow start on a busy machine must not split a round).
     (tmp_path / "c.toml").write_text(PROFILE.replace("interval = 10", "interval = 10\nsettle_timeout_s = 500.0") + "\n[merger]\nquorum_timeout_s = 400.0\n")
     run = tmp_path / "run"
-    up = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run), "--mode", mode,
+    up = subprocess.run([sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run), "--mode", mode,
                          "--steps", str(STEPS), "--duration", "500"], capture_output=True, text=True, timeout=560)
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
     interval = 1 if mode == "sync-dp" else 10

@@ -1,5 +1,5 @@
-"""The experiment suites' comparisons (cluster/suiteresults.py) on hand-made run results, and the
-suites' definitions (cluster/experiments.py); the suites themselves are cluster runs (`dloco
+"""The experiment suites' comparisons (suites/suiteresults.py) on hand-made run results, and the
+suites' definitions (suites/experiments.py); the suites themselves are cluster runs (`dloco
 experiment NAME --quick`, minutes each, tests/test_experiments_quick.py), recorded in EXPERIMENTS.md."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import dataclasses
 
 import pytest
 
-from cluster import config, experiments, suiteresults
-from cluster.suiteresults import RunResult
+from cluster import config
+from suites import experiments, suiteresults
+from suites.suiteresults import RunResult
 
 
 def result(label, evals, last, mode="decoupled"):

@@ -15,8 +15,8 @@ import statistics
 
 import pytest
 
-from cluster import experiments, suiteresults
-from cluster.runinfo import read_events, read_metrics
+from analysis.runinfo import read_events, read_metrics
+from suites import experiments, suiteresults
 
 pytestmark = [pytest.mark.experiments, pytest.mark.timeout(1800)]
 FAST = ("us-east", "us-west")  # the shipped profile's full-speed islands

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from analysis.runinfo import merger_folds, wall
 from cluster.config import ClusterConfig
-from cluster.runinfo import merger_folds, wall
 
 
 class Evaluator:

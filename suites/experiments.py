@@ -6,7 +6,7 @@ Each suite is a list of (label, cluster-file transform).  Every run is a plain `
 - held-out loss of the merger's final global model, and of the merger's model when the whole
   cluster had trained the suite's equal cluster tokens (the fewest any run trained: the same
   compute in every run) and at GLOBAL_POINTS moments of each run (rebuilt by replaying the
-  merger's log, cluster/globalmodel.py; the `_global.png` plot);
+  merger's log, analysis/globalmodel.py; the `_global.png` plot);
 - time to a target held-out loss (the target: the worst run's best island evaluation, so every
   run reaches it), from the islands' evaluations: every one of the first EVAL_TRACE steps
   (evaluated after training, from copies of the parameters; UNTRACED suites: steps 1, 2, 4, ...),
@@ -17,7 +17,7 @@ Each suite is a list of (label, cluster-file transform).  Every run is a plain `
 (QUICK_RUNS), each bounded by work (QUICK_STEPS steps per island), not by seconds.
 tests/test_experiments_quick.py runs every quick suite and checks each result's direction, not its
 magnitude (`pytest -m experiments`, outside the default test run).  A run that failed or did not
-train (cluster.verdict) stops the suite with the reason: it is never tabulated.
+train (analysis.verdict) stops the suite with the reason: it is never tabulated.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from analysis.runinfo import read_events
 from cluster import config as cluster_config
 from cluster import cpuquota
 from cluster.chaos import ChaosEvent
 from cluster.config import ClusterConfig
-from cluster.runinfo import read_events
-from cluster.suiteresults import RunResult, collect, measure_global, summarize
 from protocol.errors import ConfigError, DlocoError
+from suites.suiteresults import RunResult, collect, measure_global, summarize
 
 Transform = Callable[[ClusterConfig], ClusterConfig]
 
@@ -236,7 +236,7 @@ def _tabulate(name: str, description: str, configs: list[tuple[str, ClusterConfi
     """run_suite over earlier runs: OUT/<name>/<label> of each folder in `reuse`, for each run of the
     suite found there (their exit status and length: report.md's; 0 when every process exited 0).
     The model comes from the suite's configuration: tabulate --quick runs with --quick."""
-    from cluster.report import read_exit_codes
+    from analysis.report import read_exit_codes
 
     results = []
     for k, folder in enumerate(reuse, 1):
@@ -261,7 +261,7 @@ def _tabulate(name: str, description: str, configs: list[tuple[str, ClusterConfi
 
 def _write_up(name: str, description: str, results: list[RunResult], command: str, seconds: float, out_dir: Path, log) -> str:
     """The suite's Markdown (OUT/<name>.md) and plots (OUT/experiments/), after the merger's model is measured."""
-    from cluster.experimentplots import plot
+    from suites.experimentplots import plot
 
     log(f"dloco experiment {name}: evaluating the merger's model during each run (replaying its log)")
     measure_global(results, log=log)
