@@ -118,7 +118,7 @@ class Cluster:
         # A capped island enters its quota's group itself, after compiling (island/cpugroup.py).
         command = [*service.command, "--cpu-cgroup", str(self.quotas.groups[name])] if service.cpus else service.command
         with open(self.run_dir / "logs" / f"{name}.log", "ab") as log:
-            # A session of its own: a terminal's Ctrl-C reaches only the launcher, which stops the rest in order.
+            # A POSIX session of its own: a terminal's Ctrl-C reaches only the launcher, which stops the rest in order.
             self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                                     preexec_fn=_stop_with_launcher)  # noqa: PLW1509 (the launcher runs no threads)
         self.down.discard(name)

@@ -130,7 +130,7 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
                            for codec, ef in (("fp32", False), ("bf16", False), ("int8", False), ("int4", False), ("int4", True),
                                              ("int2", False), ("int2", True))]),
     "adoption": ("A global fragment arriving between an island's sends: `rebase` (the default: the island's unsent work on the "
-                 "fragment stays on top and goes out whole in its next delta) against `replace` (DESIGN.md's adopt-on-arrival: "
+                 "fragment stays on top and goes out whole in its next delta) against `replace` (docs/design.md's adopt-on-arrival: "
                  "that work is overwritten), decoupled, with the profile's mixed speeds and with four equal islands (in phase, "
                  "so each fragment's snapshots arrive seconds before the other islands send it).",
                  [(f"{adoption}-{speeds}", _both(_mode("decoupled"), _set("sync", adoption=adoption), *([_homogeneous] if speeds == "uniform" else [])))
@@ -143,14 +143,14 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
                    ("round-nesterov-lr0.7-4-islands", _set("merger", outer="round_nesterov", outer_lr=0.7)),
                    ("delayed-nesterov-lr0.7-4-islands", _set("merger", outer="delayed_nesterov", outer_lr=0.7, share_window=0))]),
     "downlink": ("Snapshots down as the whole fragment in bf16 after every fold, as int4 diffs of the value islands hold "
-                 "(protocol/downlink.py) after every fold, and as int4 diffs held to one per fragment per round of the fastest "
-                 "island (the default), decoupled: bytes per token, and whether the loss pays for them.",
+                 "(protocol/downlink.py) after every fold (the profile's default), and as int4 diffs held to one per fragment "
+                 "per round of the fastest island, decoupled: bytes per token, and whether the loss pays for them.",
                  [("bf16-full", _set("merger", snapshot_codec="bf16", snapshot_diff_codec="none", snapshot_every_round=0.0)),
                   ("int4-diff", _set("merger", snapshot_diff_codec="int4", snapshot_every_round=0.0)),
                   ("int4-diff-held", _set("merger", snapshot_diff_codec="int4", snapshot_every_round=1.0))]),
 }
 # Seconds per run by default (a suite stays within 30 minutes on 2 cores).  heterogeneous: five
-# runs; four of 300 s took 1576 s with start-up, stop and trace evaluations (~95 s a run), so 240 s.
+# runs, each ~95 s longer than its length (start-up, stop, trace evaluations), so 240 s.
 DEFAULT_SECONDS = {"speedup": 300.0, "heterogeneous": 240.0, "faults": 300.0, "quantization": 150.0, "quantization-sync": 150.0,
                    "adoption": 300.0, "merging": 210.0, "downlink": 300.0}
 # --quick: the tiny model and a few runs per suite (the ones whose direction shows in a short run),
