@@ -11,5 +11,8 @@ COPY broker ./broker
 COPY merger ./merger
 COPY island ./island
 COPY cluster ./cluster
+COPY analysis ./analysis
+COPY suites ./suites
+COPY dloco ./dloco
 COPY benchmarks ./benchmarks
 RUN pip install --no-cache-dir .

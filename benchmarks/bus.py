@@ -47,7 +47,7 @@ def _measure(endpoint_out: str, endpoint_in: str, count: int, keys: Path | None,
 
 def _broker(secure_keys: Path | None) -> tuple[subprocess.Popen, list[int]]:
     ports = free_ports(4)
-    args = [sys.executable, "-m", "cluster.cli", "broker", "--stats-every", "3600",
+    args = [sys.executable, "-m", "dloco", "broker", "--stats-every", "3600",
             "--delta-in", f"tcp://127.0.0.1:{ports[0]}", "--delta-out", f"tcp://127.0.0.1:{ports[1]}",
             "--snapshot-in", f"tcp://127.0.0.1:{ports[2]}", "--snapshot-out", f"tcp://127.0.0.1:{ports[3]}"]
     args += ["--keys", str(secure_keys), "--allow", str(secure_keys / "allow")] if secure_keys else ["--insecure"]

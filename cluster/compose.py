@@ -140,9 +140,9 @@ def _localize(args: list, env: dict[str, str], mounts: list[tuple[str, str]], ho
 
 
 def load(path: Path, env: dict[str, str], program: list[str] | None = None) -> dict[str, Service]:
-    """The compose file's services as local processes: `dloco` becomes this Python's `-m cluster.cli`,
+    """The compose file's services as local processes: `dloco` becomes this Python's `-m dloco`,
     container paths of volumes become their host paths, service names and `*` become 127.0.0.1."""
-    program = program or [sys.executable, "-m", "cluster.cli"]
+    program = program or [sys.executable, "-m", "dloco"]
     env = {**os.environ, **env}
     try:
         data = yaml.safe_load(path.read_text())

@@ -1,20 +1,23 @@
 """The cluster file (TOML): regions with their hardware and links, model, sync and merger settings.
 
-Typed and frozen; unknown keys and out-of-range values are errors that name the key.  The shipped
-default is `cluster/profiles/default.toml` (its comments document the link scaling).
+Typed and frozen; unknown keys and out-of-range values are errors that name the key.  The sections
+are the processes' own configurations: [sync] is the island's SyncConfig, [model] and [merger] take
+their defaults and checks from the island's ModelConfig/TrainConfig and the merger's MergerConfig and
+SnapshotConfig, so each default lives in one place.  The shipped profile,
+`cluster/profiles/default.toml`, overrides them visibly (its comments document the link scaling).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import tomllib
 from pathlib import Path
 
 from cluster.chaos import ChaosEvent, check, in_order
 from cluster.cpuquota import quota_us
-from island.config import SyncConfig
-from merger.config import FULL_SNAPSHOT_CODECS
-from protocol import CODEC_NAMES
+from island.config import ModelConfig, SyncConfig, TrainConfig
+from merger.config import MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
 from protocol.errors import ConfigError, require
 
 DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "default.toml"
@@ -37,6 +40,65 @@ class Region:
         require(self.rtt_ms >= 0, f"region {self.name}: rtt_ms must be >= 0, got {self.rtt_ms}")
 
 
+@contextlib.contextmanager
+def _section_named(section: str):
+    """A process config's error names its own key (`round.quorum`): say which section of the cluster file set it."""
+    try:
+        yield
+    except ConfigError as error:
+        raise ConfigError(f"[{section}] {error}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """[model]: the islands' Transformer and batch; defaults and checks are the island's (ModelConfig, TrainConfig)."""
+
+    width: int = ModelConfig.width
+    depth: int = ModelConfig.depth
+    heads: int = ModelConfig.heads
+    context: int = ModelConfig.context  # tokens (bytes) per sequence
+    batch: int = TrainConfig.batch  # sequences per step
+
+    def __post_init__(self) -> None:
+        with _section_named("model"):
+            ModelConfig(width=self.width, depth=self.depth, heads=self.heads, context=self.context)
+            TrainConfig(batch=self.batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class MergerSection:
+    """[merger]: the merger's command line, one flat section.  Defaults and checks are the merger's own:
+    MergerConfig's merge, outer and round parts, and SnapshotConfig."""
+
+    max_staleness: int = MergeConfig.max_staleness  # S, in versions
+    merge: str = MergeConfig.method
+    share_window: int = MergeConfig.share_window
+    outer: str = OuterConfig.kind
+    outer_lr: float = OuterConfig.lr
+    delay: int = OuterConfig.delay  # delayed_nesterov: momentum once per N folds
+    quorum: int = RoundConfig.quorum  # K: islands
+    quorum_timeout_s: float = RoundConfig.quorum_timeout_s
+    grace_cap_s: float = RoundConfig.grace_cap_s
+    snapshot_codec: str = SnapshotConfig.snapshot_codec
+    snapshot_diff_codec: str = SnapshotConfig.snapshot_diff_codec
+    snapshot_full_every: int = SnapshotConfig.snapshot_full_every
+    snapshot_every_round: float = SnapshotConfig.snapshot_every_round
+
+    def __post_init__(self) -> None:
+        timeout = self.quorum_timeout_s
+        require(type(timeout) in (int, float) and 0 < timeout < float("inf"),
+                f"merger.quorum_timeout_s must be a number of seconds > 0, got {timeout!r}")
+        with _section_named("merger"):
+            self.math()
+        SnapshotConfig(self.snapshot_codec, self.snapshot_diff_codec, self.snapshot_full_every, self.snapshot_every_round)
+
+    def math(self) -> MergerConfig:
+        """The merger's MergerConfig these settings give (the outer momentum is the merger's default)."""
+        return MergerConfig(MergeConfig(method=self.merge, max_staleness=self.max_staleness, share_window=self.share_window),
+                            OuterConfig(kind=self.outer, lr=self.outer_lr, delay=self.delay),
+                            RoundConfig(quorum=self.quorum, quorum_timeout_s=self.quorum_timeout_s, grace_cap_s=self.grace_cap_s))
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
     regions: tuple[Region, ...]
@@ -46,14 +108,9 @@ class ClusterConfig:
     eval_early: bool = False  # islands also evaluate at steps 1, 2, 4, ...
     eval_trace: int = 0  # islands evaluate their first N steps after training (island --eval-trace; the experiment suites use it)
     seed: int = 0
-    model: dict = dataclasses.field(default_factory=lambda: {"width": 128, "depth": 4, "heads": 4, "context": 128, "batch": 16})
-    sync: dict = dataclasses.field(default_factory=lambda: {"fragments": 4, "interval": 48, "codec": "int4", "adoption": "rebase", "alpha": 0.0,
-                                                            "error_feedback": False})
-    merger: dict = dataclasses.field(default_factory=lambda: {"max_staleness": 4, "quorum": 1, "grace_cap_s": 1.0, "outer": "nesterov",
-                                                              "outer_lr": 0.35, "snapshot_codec": "bf16", "merge": "rda",
-                                                              "quorum_timeout_s": 30.0, "delay": 4,
-                                                              "snapshot_diff_codec": "int4", "snapshot_full_every": 0, "share_window": 8,
-                                                              "snapshot_every_round": 0.0})
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)  # the island's own
+    merger: MergerSection = dataclasses.field(default_factory=MergerSection)
     chaos: tuple[ChaosEvent, ...] = ()  # kill -9 / restart schedule (cluster.chaos)
     mode: str = "decoupled"  # or a synchronous baseline: "sync-diloco", "sync-dp" (see MODES)
     # Cores a full-speed island may use (a CPU quota, cluster/cpuquota.py); a region's slowdown then
@@ -69,18 +126,16 @@ class ClusterConfig:
         require(type(self.max_steps) is int and self.max_steps >= 0, f"run.max_steps must be an int >= 0, got {self.max_steps!r}")
         require(type(self.eval_early) is bool, f"run.eval_early must be true or false, got {self.eval_early!r}")
         require(type(self.eval_trace) is int and self.eval_trace >= 0, f"run.eval_trace must be an int >= 0, got {self.eval_trace!r}")
-        SyncConfig(**self.sync)  # the island's own checks (codec, adoption and alpha, H >= P, ...), with its messages
+        for name, kind in (("model", ModelSection), ("sync", SyncConfig), ("merger", MergerSection)):
+            require(type(getattr(self, name)) is kind, f"ClusterConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         check(self.chaos, self.process_names, [r.name for r in self.regions])
         require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
         sync, merger = self.effective()
-        require(not self.max_steps or self.max_steps >= sync["interval"],
-                f"run.max_steps ({self.max_steps}) must be at least sync.interval (H = {sync['interval']} in mode {self.mode}): "
+        require(not self.max_steps or self.max_steps >= sync.interval,
+                f"run.max_steps ({self.max_steps}) must be at least sync.interval (H = {sync.interval} in mode {self.mode}): "
                 "an island that stops sooner never sends every fragment")
-        quorum = merger["quorum_timeout_s"]
-        require(type(quorum) in (int, float) and 0 < quorum < float("inf"), f"merger.quorum_timeout_s must be a number of seconds > 0, got {quorum!r}")
-        settle = sync.get("settle_timeout_s", SyncConfig.settle_timeout_s)
-        require(not sync.get("blocking") or settle > merger["quorum_timeout_s"],
-                f"sync.settle_timeout_s ({settle}) must exceed merger.quorum_timeout_s ({merger['quorum_timeout_s']}) "
+        require(not sync.blocking or sync.settle_timeout_s > merger.quorum_timeout_s,
+                f"sync.settle_timeout_s ({sync.settle_timeout_s}) must exceed merger.quorum_timeout_s ({merger.quorum_timeout_s}) "
                 f"in mode {self.mode}: an island would stop waiting for a round the merger still waits to complete")
         cpus = self.island_cpus
         require(type(cpus) in (int, float) and 0 <= cpus < float("inf"), f"run.island_cpus must be a number of cores >= 0, got {cpus!r}")
@@ -89,25 +144,12 @@ class ClusterConfig:
                 quota_us(self.cpus_of(region))
             except ValueError as error:
                 raise ConfigError(f"run.island_cpus = {cpus} for region {region.name} (slowdown {region.slowdown}): {error}") from None
-        require(self.merger["snapshot_codec"] in FULL_SNAPSHOT_CODECS,
-                f"merger.snapshot_codec must be one of {FULL_SNAPSHOT_CODECS}, got {self.merger['snapshot_codec']!r}")
-        require(self.merger["snapshot_codec"] != "int8" or self.merger["snapshot_diff_codec"] != "none",
-                "merger.snapshot_codec = 'int8' needs merger.snapshot_diff_codec: without diffs nothing carries its error away")
-        diff = self.merger["snapshot_diff_codec"]
-        require(diff == "none" or diff in CODEC_NAMES, f"merger.snapshot_diff_codec must be 'none' or one of {CODEC_NAMES}, got {diff!r}")
-        for key in ("snapshot_full_every", "share_window"):
-            value = self.merger[key]
-            require(type(value) is int and value >= 0, f"merger.{key} must be an int >= 0, got {value!r}")
-        every = self.merger["snapshot_every_round"]
-        require(type(every) in (int, float) and 0 <= every < float("inf"), f"merger.snapshot_every_round must be a number >= 0, got {every!r}")
 
-    def effective(self) -> tuple[dict, dict]:
-        """(sync, merger) settings after the mode's overrides."""
-        sync, merger = dict(self.sync), dict(self.merger)
-        overrides = MODES[self.mode]
-        sync.update(overrides.get("sync", {}))
-        merger.update({k: (len(self.regions) if v == "all" else v) for k, v in overrides.get("merger", {}).items()})
-        return sync, merger
+    def effective(self) -> tuple[SyncConfig, MergerSection]:
+        """(sync, merger) settings after the mode's overrides (MODES)."""
+        mode = MODES[self.mode]
+        merger = {key: len(self.regions) if value == ALL_ISLANDS else value for key, value in mode.merger.items()}
+        return dataclasses.replace(self.sync, **mode.sync), dataclasses.replace(self.merger, **merger)
 
     def cpus_of(self, region: Region) -> float | None:
         """The cores `region`'s island may use (None: no quota)."""
@@ -146,19 +188,30 @@ class ClusterConfig:
 #   change and blocks until the merger returns the average (outer SGD, lr 1: the new global model is
 #   the mean of the islands' models), so the bytes and the barrier per step are those of an
 #   all-reduce of fp32 gradients.
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """A run mode's overrides of the [sync] and [merger] sections (dataclasses.replace arguments)."""
+
+    sync: dict = dataclasses.field(default_factory=dict)
+    merger: dict = dataclasses.field(default_factory=dict)  # quorum ALL_ISLANDS: the cluster's number of islands
+
+
+ALL_ISLANDS = "all"
 MODES = {
-    "decoupled": {},
-    "sync-diloco": {"sync": {"fragments": 1, "blocking": True},
-                    "merger": {"quorum": "all", "grace_cap_s": 0.0, "share_window": 0, "snapshot_every_round": 0.0, "outer": "nesterov", "outer_lr": 0.7}},
-    "sync-dp": {"sync": {"fragments": 1, "interval": 1, "codec": "fp32", "blocking": True},
-                "merger": {"quorum": "all", "grace_cap_s": 0.0, "merge": "average", "outer": "sgd", "outer_lr": 1.0, "snapshot_codec": "fp32",
-                           "snapshot_diff_codec": "none", "share_window": 0, "snapshot_every_round": 0.0}},
+    "decoupled": Mode(),
+    "sync-diloco": Mode(sync={"fragments": 1, "blocking": True},
+                        merger={"quorum": ALL_ISLANDS, "grace_cap_s": 0.0, "share_window": 0, "snapshot_every_round": 0.0, "outer": "nesterov",
+                                "outer_lr": 0.7}),
+    "sync-dp": Mode(sync={"fragments": 1, "interval": 1, "codec": "fp32", "blocking": True},
+                    merger={"quorum": ALL_ISLANDS, "grace_cap_s": 0.0, "merge": "average", "outer": "sgd", "outer_lr": 1.0, "snapshot_codec": "fp32",
+                            "snapshot_diff_codec": "none", "share_window": 0, "snapshot_every_round": 0.0}),
 }
 
-_SECTIONS = {"run": {"duration_s", "max_steps", "eval_every", "eval_early", "eval_trace", "seed", "mode", "island_cpus"}, "model": {"width", "depth", "heads", "context", "batch"},
-             "sync": {"fragments", "interval", "codec", "adoption", "alpha", "error_feedback", "flush_on_leave", "settle_timeout_s"},
-             "merger": {"max_staleness", "quorum", "grace_cap_s", "outer", "outer_lr", "snapshot_codec", "merge", "quorum_timeout_s", "delay",
-                        "snapshot_diff_codec", "snapshot_full_every", "share_window", "snapshot_every_round"}}
+# The keys a cluster file may set: those that reach the processes' command lines (cluster/topology.py).
+_RUN_KEYS = {"duration_s", "max_steps", "eval_every", "eval_early", "eval_trace", "seed", "mode", "island_cpus"}
+SYNC_KEYS = {"fragments", "interval", "codec", "adoption", "alpha", "error_feedback", "flush_on_leave", "settle_timeout_s"}
+_SECTIONS = {"run": _RUN_KEYS, "model": {f.name for f in dataclasses.fields(ModelSection)}, "sync": SYNC_KEYS,
+             "merger": {f.name for f in dataclasses.fields(MergerSection)}}
 
 
 def load(path: str | Path | None = None) -> ClusterConfig:
@@ -189,9 +242,25 @@ def load(path: str | Path | None = None) -> ClusterConfig:
         eval_every=int(run.get("eval_every", defaults.eval_every)), eval_early=run.get("eval_early", defaults.eval_early),
         eval_trace=run.get("eval_trace", defaults.eval_trace), seed=int(run.get("seed", defaults.seed)), mode=str(run.get("mode", "decoupled")),
         island_cpus=run.get("island_cpus", defaults.island_cpus),
-        model={**defaults.model, **data.get("model", {})}, sync={**defaults.sync, **data.get("sync", {})},
-        merger={**defaults.merger, **data.get("merger", {})}, chaos=in_order(chaos),
+        model=_section(path, "model", ModelSection, data), sync=_section(path, "sync", SyncConfig, data),
+        merger=_section(path, "merger", MergerSection, data), chaos=in_order(chaos),
     )
+
+
+_KINDS = {bool: ((bool,), "true or false"), int: ((int,), "an int"), float: ((int, float), "a number"), str: ((str,), "a string")}
+
+
+def _section(path: Path, name: str, kind: type, data: dict):
+    """A section of the cluster file as its dataclass: the keys it sets over the dataclass's defaults,
+    checked by the dataclass; a value of a type its checks cannot compare is named here."""
+    values = data.get(name, {})
+    try:
+        return kind(**values)
+    except TypeError:
+        for key, value in values.items():
+            types, what = _KINDS[type(getattr(kind, key))]
+            require(type(value) in types, f"{path}: {name}.{key} must be {what}, got {value!r}")
+        raise
 
 
 _CHAOS_POINTS = {"at_s", "at_step", "at_folds"}

@@ -3,9 +3,9 @@ the other processes of the machine are doing.
 
 Why.  A region's `slowdown` alone makes an island sleep `slowdown - 1` times each step's compute.
 On a shared machine (four islands on two cores) the sleeping island hands its CPU to the others, so
-the full-speed islands of a mixed cluster run faster than those of a uniform one: 587 steps against
-396-410 in `heterogeneous` (EXPERIMENTS.md, eighth session).  Real islands own their chips; a slow
-region's slowness gives nobody else a cycle.  With a quota, each island gets at most
+the full-speed islands of a mixed cluster run faster than those of a uniform one, and a comparison
+of the two (the `heterogeneous` suite) measures the shared machine.  Real islands own their chips; a
+slow region's slowness gives nobody else a cycle.  With a quota, each island gets at most
 `island_cpus / slowdown` cores whatever its peers do, and while the quotas add up to no more than
 the machine's cores a full-speed island gets the same cycles next to slow peers as next to fast ones.
 

@@ -9,7 +9,7 @@ A run lasts `duration_s`, or, with `max_steps`, until every island has trained t
 (every life) and the chaos schedule has run, and every island has trained two intervals (2 H) since
 its last event, so that the recovery from it is part of the run; then `duration_s` is a limit: a run
 still going then has failed, and the launcher says which island was where.  A run whose islands did not train an interval, or whose merger never folded, fails too
-(cluster.verdict): the exit status is 0 only for a run that did its work.
+(analysis.verdict): the exit status is 0 only for a run that did its work.
 
 Run directory: keys/, allow/{broker,merger}/, init.npz, logs/<process>.log,
 metrics/<region>.jsonl, merger/ (write-ahead log, checkpoints), report.md, plots/*.png.
@@ -27,13 +27,14 @@ import sys
 import time
 from pathlib import Path
 
+from analysis import verdict
+from analysis.runinfo import RunProgress, island_stage
 from bus.security import create_keys
-from cluster import chaos, compose, cpuquota, topology, verdict
+from cluster import chaos, compose, cpuquota, topology
 from cluster.compose import Service
 from cluster.config import ClusterConfig
 from cluster.liveview import LiveView
 from cluster.ports import free_ports
-from cluster.runinfo import RunProgress, island_stage
 from protocol.errors import DlocoError
 
 STOP_TIMEOUT_S = 150.0  # an island drains (up to 30 s), then may evaluate its --eval-trace (up to 90 s)
@@ -67,7 +68,7 @@ def share_compilations() -> Path:
 
 
 def dloco(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cluster.cli", *map(str, args)]
+    return [sys.executable, "-m", "dloco", *map(str, args)]
 
 
 def prepare(config: ClusterConfig, run_dir: Path) -> None:
@@ -117,7 +118,7 @@ class Cluster:
         # A capped island enters its quota's group itself, after compiling (island/cpugroup.py).
         command = [*service.command, "--cpu-cgroup", str(self.quotas.groups[name])] if service.cpus else service.command
         with open(self.run_dir / "logs" / f"{name}.log", "ab") as log:
-            # A session of its own: a terminal's Ctrl-C reaches only the launcher, which stops the rest in order.
+            # A POSIX session of its own: a terminal's Ctrl-C reaches only the launcher, which stops the rest in order.
             self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                                     preexec_fn=_stop_with_launcher)  # noqa: PLW1509 (the launcher runs no threads)
         self.down.discard(name)
@@ -212,7 +213,7 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
         config = dataclasses.replace(config, regions=tuple(r for r in config.regions if r.name in order))
     cluster = Cluster(config, run_dir, services, order)
     islands = [r.name for r in config.regions]
-    interval = config.effective()[0]["interval"]
+    interval = config.effective()[0].interval
     progress = RunProgress(run_dir, islands)
     interrupted, problems = False, []
 
@@ -270,7 +271,7 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
                 print(f"dloco up: could not remove the cgroup {group}", file=out, flush=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    from cluster.report import write_report
+    from analysis.report import write_report
 
     progress.update()
     failed = {name: code for name, code in codes.items() if code != 0 and name not in cluster.down}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 import time
 
+from analysis.runinfo import last_events
 from cluster.config import ClusterConfig
-from cluster.runinfo import last_events
 
 
 def _bytes(n: float) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from cluster.config import ClusterConfig
+from island.config import SyncConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +26,7 @@ class Addresses:
 
 def model_args(config: ClusterConfig) -> list[str]:
     m = config.model
-    return ["--width", m["width"], "--depth", m["depth"], "--heads", m["heads"], "--context", m["context"],
-            "--batch", m["batch"], "--seed", config.seed]
+    return ["--width", m.width, "--depth", m.depth, "--heads", m.heads, "--context", m.context, "--batch", m.batch, "--seed", config.seed]
 
 
 def prepare_command(config_path: str, run_dir: str) -> list[str]:
@@ -40,14 +40,15 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str) -> dict[str, li
                       "--delta-out", f"tcp://{at.bind_host}:{b[1]}", "--snapshot-in", f"tcp://{at.bind_host}:{b[2]}",
                       "--snapshot-out", f"tcp://{at.bind_host}:{b[3]}", "--stats-every", 5]}
     sc, mc = config.effective()
-    out["merger"] = ["merger", "--run-dir", f"{run_dir}/merger", "--init-npz", f"{run_dir}/init.npz", "--fragments", sc["fragments"],
+    settle = ["--settle-timeout", sc.settle_timeout_s] if sc.settle_timeout_s != SyncConfig.settle_timeout_s else []  # else the island's default
+    out["merger"] = ["merger", "--run-dir", f"{run_dir}/merger", "--init-npz", f"{run_dir}/init.npz", "--fragments", sc.fragments,
                      "--keys", keys, "--allow", f"{run_dir}/allow/merger", "--delta-endpoint", at.broker(1), "--snapshot-endpoint", at.broker(2),
-                     "--control-endpoint", f"@tcp://{at.bind_host}:{at.control_port}", "--max-staleness", mc["max_staleness"],
-                     "--quorum", mc["quorum"], "--quorum-timeout", mc["quorum_timeout_s"], "--grace-cap", mc["grace_cap_s"],
-                     "--merge", mc["merge"], "--outer", mc["outer"], "--outer-lr", mc["outer_lr"], "--delay", mc["delay"],
-                     "--snapshot-codec", mc["snapshot_codec"], "--snapshot-diff-codec", mc["snapshot_diff_codec"],
-                     "--snapshot-full-every", mc["snapshot_full_every"], "--share-window", mc["share_window"],
-                     "--snapshot-every-round", mc["snapshot_every_round"]]
+                     "--control-endpoint", f"@tcp://{at.bind_host}:{at.control_port}", "--max-staleness", mc.max_staleness,
+                     "--quorum", mc.quorum, "--quorum-timeout", mc.quorum_timeout_s, "--grace-cap", mc.grace_cap_s,
+                     "--merge", mc.merge, "--outer", mc.outer, "--outer-lr", mc.outer_lr, "--delay", mc.delay,
+                     "--snapshot-codec", mc.snapshot_codec, "--snapshot-diff-codec", mc.snapshot_diff_codec,
+                     "--snapshot-full-every", mc.snapshot_full_every, "--share-window", mc.share_window,
+                     "--snapshot-every-round", mc.snapshot_every_round]
     for index, region in enumerate(config.regions):  # with island_cpus the quota slows a region down, not a sleep
         links = []
         for flag, value in (("--uplink-mbps", region.uplink_mbps), ("--downlink-mbps", region.downlink_mbps)):
@@ -56,8 +57,10 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str) -> dict[str, li
             "island", "--name", region.name, "--region", region.name, "--islands", len(config.regions), "--island-index", index,
             *model_args(config), "--max-steps", 10**9, "--eval-every", config.eval_every,
             *(["--eval-early"] if config.eval_early else []), *(["--eval-trace", config.eval_trace] if config.eval_trace else []),
-            "--fragments", sc["fragments"], "--interval", sc["interval"], "--codec", sc["codec"], "--adoption", sc.get("adoption", "rebase"), "--alpha", sc["alpha"],
-            *(["--blocking"] if sc.get("blocking") else []), *(["--error-feedback"] if sc.get("error_feedback") else []), *(["--flush-on-leave"] if sc.get("flush_on_leave") else []), *(["--settle-timeout", sc["settle_timeout_s"]] if "settle_timeout_s" in sc else []), "--slowdown", 1.0 if config.island_cpus else region.slowdown, *links, "--rtt-ms", region.rtt_ms, "--keys", keys,
+            "--fragments", sc.fragments, "--interval", sc.interval, "--codec", sc.codec, "--adoption", sc.adoption, "--alpha", sc.alpha,
+            *(["--blocking"] if sc.blocking else []), *(["--error-feedback"] if sc.error_feedback else []),
+            *(["--flush-on-leave"] if sc.flush_on_leave else []), *settle,
+            "--slowdown", 1.0 if config.island_cpus else region.slowdown, *links, "--rtt-ms", region.rtt_ms, "--keys", keys,
             "--delta-endpoint", at.broker(0), "--snapshot-endpoint", at.broker(3), "--control-endpoint", f"tcp://{at.merger_host}:{at.control_port}",
             "--metrics-out", f"{run_dir}/metrics/{region.name}.jsonl", "--join-timeout", 300]
     return {name: [str(arg) for arg in args] for name, args in out.items()}

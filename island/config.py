@@ -76,7 +76,7 @@ class SyncConfig:
     settle_timeout_s: float = 60.0  # stop asking for the result of a delta after this (the merger does not know it)
     # Leaving, send every fragment's unsent work.  Off by default: each arrives as a fold of its own,
     # and such a burst of small Nesterov folds can leave the merger's model worse, much worse at
-    # H = 96 (EXPERIMENTS.md, speedup).
+    # H = 96 (docs/experiments-archive.md, "Flushing on leave").
     flush_on_leave: bool = False
 
     def __post_init__(self) -> None:

@@ -60,7 +60,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     network.add_argument("--flush-on-leave", action="store_true",
                          help="when stopping, send every fragment's unsent work (up to H steps each) before draining; off by default: "
                               "each arrives as a small fold of its own, and a burst of them can leave the merger's model worse "
-                              "(EXPERIMENTS.md)")
+                              "(docs/experiments-archive.md)")
     network.add_argument("--blocking", action="store_true", help="synchronous baselines: after each send, wait for the fold that includes it")
     network.add_argument("--uplink-mbps", type=float, default=None, help="emulated uplink rate (default unlimited)")
     network.add_argument("--downlink-mbps", type=float, default=None, help="emulated downlink rate (default unlimited)")

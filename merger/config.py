@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from protocol import CODEC_NAMES
 from protocol.errors import ConfigError as ConfigError  # re-exported: the error these configs raise
 from protocol.errors import require as _require
 
@@ -66,6 +67,28 @@ class RoundConfig:
         _require(self.grace_cap_s >= 0, f"round.grace_cap_s must be >= 0, got {self.grace_cap_s}")
         _require(self.grace_slack_s >= 0, f"round.grace_slack_s must be >= 0, got {self.grace_slack_s}")
         _require(0 < self.ema_alpha <= 1, f"round.ema_alpha must be in (0, 1], got {self.ema_alpha}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotConfig:
+    """How the merger publishes fragments to the islands (the service's choice; no effect on the folds)."""
+
+    snapshot_codec: str = "fp32"  # full snapshots: one of FULL_SNAPSHOT_CODECS
+    snapshot_diff_codec: str = "none"  # "none", or publish each fold as the change since the last snapshot in this codec (protocol/downlink.py)
+    snapshot_full_every: int = 0  # with diffs: every N-th version of a fragment in full too (0: never; an island that misses a diff asks)
+    snapshot_every_round: float = 0.0  # a fragment's snapshot at most once per this many rounds of its fastest island (0: every fold)
+
+    def __post_init__(self) -> None:
+        _require(self.snapshot_codec in FULL_SNAPSHOT_CODECS,
+                 f"merger.snapshot_codec must be one of {FULL_SNAPSHOT_CODECS}, got {self.snapshot_codec!r}")
+        diff = self.snapshot_diff_codec
+        _require(diff == "none" or diff in CODEC_NAMES, f"merger.snapshot_diff_codec must be 'none' or one of {CODEC_NAMES}, got {diff!r}")
+        _require(self.snapshot_codec != "int8" or diff != "none",
+                 "merger.snapshot_codec = 'int8' needs merger.snapshot_diff_codec: without diffs nothing carries its error away")
+        _require(type(self.snapshot_full_every) is int and self.snapshot_full_every >= 0,
+                 f"merger.snapshot_full_every must be an int >= 0, got {self.snapshot_full_every!r}")
+        every = self.snapshot_every_round
+        _require(type(every) in (int, float) and 0 <= every < float("inf"), f"merger.snapshot_every_round must be a number >= 0, got {every!r}")
 
 
 @dataclasses.dataclass(frozen=True)

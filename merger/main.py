@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from cliargs import float_at_least, int_at_least
-from merger.config import FULL_SNAPSHOT_CODECS, ConfigError, MergeConfig, MergerConfig, OuterConfig, RoundConfig
+from merger.config import FULL_SNAPSHOT_CODECS, ConfigError, MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
 from protocol import CODEC_NAMES, DlocoError
 
 
@@ -33,14 +33,14 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     merger.add_argument("--quorum", type=positive_int, default=1, help="K: islands with a delta pending before a fold (default 1: nobody waits)")
     merger.add_argument("--quorum-timeout", type=float, default=30.0, help="fold with fewer than K once the oldest pending delta waited this long")
     merger.add_argument("--grace-cap", type=float, default=1.0, help="seconds a round may wait for a predicted late island")
-    merger.add_argument("--snapshot-codec", choices=FULL_SNAPSHOT_CODECS, default="fp32",
+    merger.add_argument("--snapshot-codec", choices=FULL_SNAPSHOT_CODECS, default=SnapshotConfig.snapshot_codec,
                         help="codec of full snapshots (int8: a quarter of fp32's bytes; meant with --snapshot-diff-codec, "
                              "whose diffs carry its error away)")
-    merger.add_argument("--snapshot-diff-codec", choices=("none", *CODEC_NAMES), default="none",
+    merger.add_argument("--snapshot-diff-codec", choices=("none", *CODEC_NAMES), default=SnapshotConfig.snapshot_diff_codec,
                         help="publish each fold as the change since the previous snapshot in this codec (default none: full snapshots)")
-    merger.add_argument("--snapshot-full-every", type=non_negative_int, default=0,
+    merger.add_argument("--snapshot-full-every", type=non_negative_int, default=SnapshotConfig.snapshot_full_every,
                         help="with diffs: every N-th version of a fragment goes out in full (default 0: never; islands ask when they miss one)")
-    merger.add_argument("--snapshot-every-round", type=float_at_least(0.0), default=0.0,
+    merger.add_argument("--snapshot-every-round", type=float_at_least(0.0), default=SnapshotConfig.snapshot_every_round,
                         help="publish a fragment at most once per F rounds of its fastest island (EMA of its interval between "
                              "deltas); the folds in between go out together (default 0: after every fold). Islands then base "
                              "their deltas on a version up to F rounds of folds old: keep --max-staleness above that")

@@ -6,7 +6,7 @@ blocks above its mmap threshold (128 KiB, rising dynamically to at most 32 MiB) 
 mmap and trims freed heap tops back to the kernel, so with its defaults every fold touches tens of
 megabytes of new pages: one minor page fault per 4 KiB.  On the ingest benchmark's fragment (4 int4
 deltas x 6.3 M parameters, one core) a fold takes 37-45 ms with glibc's defaults and 26-29 ms with
-these settings (BENCHMARKS.md).
+these settings (docs/benchmarks-archive.md).
 
 `keep_freed_memory` raises the mmap threshold to glibc's maximum (32 MiB: larger blocks are still
 mapped fresh — a fragment tensor above 8 M parameters pays the faults anyway) and lets the heap

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 def small_profile(duration_s: float, eval_every: int, regions: str, max_steps: int = 0) -> str:
-    """TOML with the tests' tiny model and sync settings; `regions` holds the [[regions]] tables.
+    """TOML with the tests' tiny model, sync and merger settings; `regions` holds the [[regions]] tables.
     With max_steps the run is bounded by work and duration_s is only its limit."""
     return f"""
 [run]
@@ -23,4 +23,10 @@ batch = 8
 [sync]
 fragments = 2
 interval = 10
+
+[merger]
+outer_lr = 0.35
+snapshot_codec = "bf16"
+snapshot_diff_codec = "int4"
+share_window = 8
 {regions}"""

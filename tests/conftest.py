@@ -75,9 +75,9 @@ def fragment() -> dict[str, np.ndarray]:
 
 
 def pytest_configure(config) -> None:
-    """One JAX compilation cache for the whole test session, in this process and every process a test
+    """One JAX compilation cache for the whole pytest run, in this process and every process a test
     starts (islands, mergers, `dloco up`): the same tiny models are compiled once, not once per process.
-    A fresh folder per session, so a run never depends on what an earlier one left.  Set before the
+    A fresh folder per pytest run, so a run never depends on what an earlier one left.  Set before the
     test modules are collected, so that this process's JAX reads it too."""
     import os
     import tempfile

@@ -24,7 +24,7 @@ class BrokerProcess:
         names = ("--delta-in", "--delta-out", "--snapshot-in", "--snapshot-out")
         args = [a for name, port in zip(names, self.ports) for a in (name, f"tcp://127.0.0.1:{port}")]
         self.log = tmp / f"broker-{self.ports[0]}.log"
-        self.process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "broker", *args, "--stats-every", "1", *extra],
+        self.process = subprocess.Popen([sys.executable, "-m", "dloco", "broker", *args, "--stats-every", "1", *extra],
                                         stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while "broker_started" not in self.log.read_text():
@@ -125,7 +125,7 @@ def test_curve_admits_listed_keys_only_and_logs_refusals(tmp_path, context):
 def test_keys_are_private_and_bad_invocations_are_clear(tmp_path):
     for path in create_keys(tmp_path / "k", ["broker"]):
         assert path.stat().st_mode & 0o777 == 0o600
-    run = subprocess.run([sys.executable, "-m", "cluster.cli", "broker"], capture_output=True, text=True, timeout=60)
+    run = subprocess.run([sys.executable, "-m", "dloco", "broker"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "CURVE is on by default" in run.stderr
-    run = subprocess.run([sys.executable, "-m", "cluster.cli", "broker", "--insecure", "--delta-in", "nonsense://x"], capture_output=True, text=True, timeout=60)
+    run = subprocess.run([sys.executable, "-m", "dloco", "broker", "--insecure", "--delta-in", "nonsense://x"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "cannot bind" in run.stderr and "Traceback" not in run.stderr

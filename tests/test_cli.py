@@ -12,7 +12,7 @@ import protocol
 
 
 def dloco(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "dloco", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_bench_codec_json_has_every_figure():

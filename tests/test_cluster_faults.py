@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from cluster.runinfo import chaos_effects, merger_folds, read_events, read_metrics, wall
+from analysis.runinfo import chaos_effects, merger_folds, read_events, read_metrics, wall
 from tests.cluster_helpers import small_profile
 
 STEPS = 200
@@ -60,7 +60,7 @@ def _steps_between(run, island, start, end):
 def test_island_merger_and_broker_crashes_are_survived(tmp_path):
     (tmp_path / "faults.toml").write_text(PROFILE)
     run = tmp_path / "run"
-    up = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--config", str(tmp_path / "faults.toml"), "--run-dir", str(run),
+    up = subprocess.run([sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "faults.toml"), "--run-dir", str(run),
                          "--chaos", SCHEDULE], capture_output=True, text=True, timeout=800)
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
     assert "exited early" not in up.stdout
@@ -93,7 +93,7 @@ def test_island_merger_and_broker_crashes_are_survived(tmp_path):
         done = _events(run / "logs" / f"{island}.log", "done")[-1]
         assert done["acks"].get("folded", 0) + done["acks"].get("rejected", 0) == done["deltas_sent"] > 0, done
     # ... and replaying the log rebuilds exactly the state the restarted merger ended with.
-    replay = subprocess.run([sys.executable, "-m", "cluster.cli", "replay", str(run / "merger"), "--verify", "--every", "1000000"],
+    replay = subprocess.run([sys.executable, "-m", "dloco", "replay", str(run / "merger"), "--verify", "--every", "1000000"],
                             capture_output=True, text=True, timeout=300)
     assert replay.returncode == 0, replay.stderr
     final = _events(run / "logs" / "merger.log", "checkpoint")[-1]["digest"]

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+from analysis.runinfo import merger_folds, read_events
 from cluster import config, topology
-from cluster.runinfo import merger_folds, read_events
 from protocol.errors import ConfigError
 from tests.cluster_helpers import small_profile
 
@@ -31,10 +31,10 @@ def test_modes_set_what_synchronisation_means(tmp_path):
     decoupled = config.load(path)
     assert decoupled.effective() == (decoupled.sync, decoupled.merger)
     sync, merger = decoupled.with_mode("sync-dp").effective()
-    assert (sync["fragments"], sync["interval"], sync["codec"], sync["blocking"]) == (1, 1, "fp32", True)
-    assert (merger["quorum"], merger["merge"], merger["outer"], merger["outer_lr"]) == (2, "average", "sgd", 1.0)
+    assert (sync.fragments, sync.interval, sync.codec, sync.blocking) == (1, 1, "fp32", True)
+    assert (merger.quorum, merger.merge, merger.outer, merger.outer_lr) == (2, "average", "sgd", 1.0)
     sync, merger = decoupled.with_mode("sync-diloco").effective()
-    assert (sync["fragments"], sync["interval"], sync["blocking"], merger["quorum"]) == (1, 10, True, 2)
+    assert (sync.fragments, sync.interval, sync.blocking, merger.quorum) == (1, 10, True, 2)
     path.write_text(PROFILE.replace("eval_every = 20", "eval_every = 20\nmode = 'lockstep'"))
     with pytest.raises(ConfigError, match="run.mode must be one of"):
         config.load(path)
@@ -42,11 +42,11 @@ def test_modes_set_what_synchronisation_means(tmp_path):
 
 def test_a_synchronous_island_waits_for_its_round_as_long_as_the_merger_does(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text(PROFILE + "\n[merger]\nquorum_timeout_s = 90.0\n")
+    path.write_text(PROFILE.replace("[merger]\n", "[merger]\nquorum_timeout_s = 90.0\n"))
     assert config.load(path).mode == "decoupled"  # islands never wait for a fold there
     with pytest.raises(ConfigError, match=r"sync.settle_timeout_s \(60.0\) must exceed merger.quorum_timeout_s \(90.0\) in mode sync-diloco"):
         config.load(path).with_mode("sync-diloco")
-    path.write_text(PROFILE.replace("interval = 10", "interval = 10\nsettle_timeout_s = 120.0") + "\n[merger]\nquorum_timeout_s = 90.0\n")
+    path.write_text(PROFILE.replace("interval = 10", "interval = 10\nsettle_timeout_s = 120.0").replace("[merger]\n", "[merger]\nquorum_timeout_s = 90.0\n"))
     waiting = config.load(path).with_mode("sync-diloco")
     for bad in ("true", "'60'", "-1.0"):
         path.write_text(PROFILE.replace("interval = 10", f"interval = 10\nsettle_timeout_s = {bad}"))
@@ -61,9 +61,9 @@ def test_a_synchronous_island_waits_for_its_round_as_long_as_the_merger_does(tmp
 @pytest.mark.parametrize("mode", ["sync-diloco", "sync-dp"])
 def test_a_synchronous_mode_holds_every_island_at_the_barrier(tmp_path, mode):
     # The barrier waits as long as it takes (a slow start on a busy machine must not split a round).
-    (tmp_path / "c.toml").write_text(PROFILE.replace("interval = 10", "interval = 10\nsettle_timeout_s = 500.0") + "\n[merger]\nquorum_timeout_s = 400.0\n")
+    (tmp_path / "c.toml").write_text(PROFILE.replace("interval = 10", "interval = 10\nsettle_timeout_s = 500.0").replace("[merger]\n", "[merger]\nquorum_timeout_s = 400.0\n"))
     run = tmp_path / "run"
-    up = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run), "--mode", mode,
+    up = subprocess.run([sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run), "--mode", mode,
                          "--steps", str(STEPS), "--duration", "500"], capture_output=True, text=True, timeout=560)
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
     interval = 1 if mode == "sync-dp" else 10

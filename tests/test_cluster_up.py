@@ -22,7 +22,9 @@ def test_cluster_files_are_checked(tmp_path):
                           ("[sync]\nalpha = 0.5\n[[regions]]\nname = 'a'\n", "sync.alpha"),
                           ("[sync]\ninterval = 2\n[[regions]]\nname = 'a'\n", "sync.interval"),
                           ("[merger]\nsnapshot_diff_codec = 'int3'\n[[regions]]\nname = 'a'\n", "merger.snapshot_diff_codec"),
-                          ("[merger]\nshare_window = -1\n[[regions]]\nname = 'a'\n", "merger.share_window"),
+                          ("[merger]\nshare_window = -1\n[[regions]]\nname = 'a'\n", "\\[merger\\] merge.share_window must be an int >= 0"),
+                          ("[merger]\nouter_lr = 'fast'\n[[regions]]\nname = 'a'\n", "merger.outer_lr must be a number"),
+                          ("[model]\nwidth = 30\n[[regions]]\nname = 'a'\n", "\\[model\\] model.width 30 must be a multiple of model.heads 4"),
                           ("[merger]\nsnapshot_full_every = 1.5\n[[regions]]\nname = 'a'\n", "merger.snapshot_full_every"),
                           ("[merger]\nsnapshot_every_round = -0.5\n[[regions]]\nname = 'a'\n", "merger.snapshot_every_round"),
                           ("[merger]\nsnapshot_codec = 'int4'\n[[regions]]\nname = 'a'\n", "merger.snapshot_codec"),
@@ -47,3 +49,30 @@ def test_flush_on_leave_and_eval_trace_reach_the_islands(tmp_path):
     assert "--flush-on-leave" in command and command[command.index("--eval-trace") + 1] == "12"
     default = [str(a) for a in topology.commands(config.load(), topology.Addresses(("1", "2", "3", "4"), "5"), str(tmp_path))["us-east"]]
     assert "--flush-on-leave" not in default and "--eval-trace" not in default
+
+
+def test_every_setting_of_the_cluster_file_reaches_the_processes():
+    """The typed sections, after the mode's overrides, are what the merger's and the islands' own command
+    lines parse from topology's arguments: for the shipped profile, each mode and every suite's runs."""
+    import dataclasses
+
+    from cluster import topology
+    from dloco.cli import build_parser
+    from suites import experiments
+
+    parser, default = build_parser(), config.load()
+    clusters = [default.with_mode(mode) for mode in config.MODES]
+    clusters += [transform(default) for _, runs in experiments.SUITES.values() for _, transform in runs]
+    renamed = {"quorum_timeout_s": "quorum_timeout", "grace_cap_s": "grace_cap", "settle_timeout_s": "settle_timeout"}
+    for cluster in clusters:
+        sync, merger = cluster.effective()
+        commands = topology.commands(cluster, topology.Addresses(("1", "2", "3", "4"), "5"), "/run")
+        merger_args = parser.parse_args(commands["merger"])
+        for field in dataclasses.fields(merger):
+            assert getattr(merger_args, renamed.get(field.name, field.name)) == getattr(merger, field.name), (cluster.mode, field.name)
+        assert merger_args.fragments == sync.fragments
+        island_args = parser.parse_args(commands[cluster.regions[0].name])
+        for key in (*config.SYNC_KEYS, "blocking"):
+            assert getattr(island_args, renamed.get(key, key)) == getattr(sync, key), (cluster.mode, key)
+        for field in dataclasses.fields(cluster.model):
+            assert getattr(island_args, field.name) == getattr(cluster.model, field.name), field.name

@@ -76,7 +76,7 @@ def test_probe_reports_what_is_unhealthy(tmp_path):
 
     fresh = tmp_path / "metrics.jsonl"
     fresh.write_text("{}\n")
-    probe = [sys.executable, "-m", "cluster.cli", "probe"]
+    probe = [sys.executable, "-m", "dloco", "probe"]
     assert subprocess.run([*probe, str(fresh)], timeout=60).returncode == 0
     closed = subprocess.run([*probe, f"tcp://127.0.0.1:{free_ports(1)[0]}", str(tmp_path / "missing")], capture_output=True, text=True, timeout=60)
     assert closed.returncode == 1 and "refused" in closed.stderr.lower() and "missing" in closed.stderr
@@ -87,7 +87,7 @@ def test_probe_reports_what_is_unhealthy(tmp_path):
 def test_the_compose_services_run_as_local_processes(tmp_path):
     """Two of the file's regions and what they depend on (prepare, broker, merger), 48 steps each."""
     run = tmp_path / "run"
-    up = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--compose", str(COMPOSE_FILE), "--services", "us-east,us-west",
+    up = subprocess.run([sys.executable, "-m", "dloco", "up", "--compose", str(COMPOSE_FILE), "--services", "us-east,us-west",
                          "--steps", "48", "--duration", "600", "--run-dir", str(run)], capture_output=True, text=True, timeout=800)
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
     assert sorted(p.stem for p in (run / "logs").glob("*.log")) == ["broker", "merger", "prepare", "us-east", "us-west"]

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from analysis.report import read_exit_codes
+from analysis.runinfo import read_events
 from cluster import compose, config, cpuquota, topology
-from cluster.report import read_exit_codes
-from cluster.runinfo import read_events
 from cluster.cpuquota import Controller, CpuQuotaError, find_controller, quota_us
 from island.cpugroup import CpuGroup, CpuGroupError
 from protocol.errors import ConfigError
@@ -188,7 +188,7 @@ def test_dloco_up_runs_each_island_inside_its_quota(tmp_path):
     profile = small_profile(500, 20, '[[regions]]\nname = "fast"\n[[regions]]\nname = "slow"\nslowdown = 2.0\n', max_steps=100)
     (tmp_path / "c.toml").write_text(profile.replace("eval_every = 20", "eval_every = 20\nisland_cpus = 0.5"))
     run = tmp_path / "run"
-    up = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run)],
+    up = subprocess.run([sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run)],
                         capture_output=True, text=True, timeout=540)
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
     line = next(line for line in up.stdout.splitlines() if "CPU quotas (cgroup" in line)

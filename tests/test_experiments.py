@@ -1,5 +1,5 @@
-"""The experiment suites' comparisons (cluster/suiteresults.py) on hand-made run results, and the
-suites' definitions (cluster/experiments.py); the suites themselves are cluster runs (`dloco
+"""The experiment suites' comparisons (suites/suiteresults.py) on hand-made run results, and the
+suites' definitions (suites/experiments.py); the suites themselves are cluster runs (`dloco
 experiment NAME --quick`, minutes each, tests/test_experiments_quick.py), recorded in EXPERIMENTS.md."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import dataclasses
 
 import pytest
 
-from cluster import config, experiments, suiteresults
-from cluster.suiteresults import RunResult
+from cluster import config
+from suites import experiments, suiteresults
+from suites.suiteresults import RunResult
 
 
 def result(label, evals, last, mode="decoupled"):
@@ -75,7 +76,7 @@ def test_every_suite_builds_valid_cluster_files():
         configs = {label: transform(base) for label, transform in runs}  # ClusterConfig checks each (modes, chaos targets, codecs)
         assert len(configs) == len(runs) >= 2, name
     lean = dict(experiments.SUITES["speedup"][1])["decoupled-h96-held"](base)
-    assert (lean.mode, lean.sync["interval"], lean.merger["snapshot_every_round"], lean.merger["max_staleness"]) == ("decoupled", 96, 1.0, 8)
+    assert (lean.mode, lean.sync.interval, lean.merger.snapshot_every_round, lean.merger.max_staleness) == ("decoupled", 96, 1.0, 8)
     faults = dict(experiments.SUITES["faults"][1])["sync-diloco"](base)
     assert faults.mode == "sync-diloco" and [str(e) for e in faults.chaos] == [
         "kill:eu-older-hw@105", "restart:eu-older-hw@180", "kill:merger@225", "restart:merger@240"]
@@ -84,28 +85,28 @@ def test_every_suite_builds_valid_cluster_files():
                                                "kill:merger@eu-older-hw.step=+48", "restart:merger@+5"]
     quantization = dict(experiments.SUITES["quantization"][1])
     assert sorted(quantization) == sorted(f"{c}{s}" for c in ("fp32", "bf16", "int8", "int4", "int2") for s in ("", "-ef"))
-    assert quantization["int2-ef"](base).sync["error_feedback"] is True and quantization["int2"](base).sync["codec"] == "int2"
+    assert quantization["int2-ef"](base).sync.error_feedback is True and quantization["int2"](base).sync.codec == "int2"
     reproducible = dict(experiments.SUITES["quantization-sync"][1])
     assert sorted(reproducible) == sorted(["fp32", "bf16", "int8", "int4", "int4-ef", "int2", "int2-ef"])
     assert {c.mode for c in (t(base) for t in reproducible.values())} == {"sync-diloco"}
-    assert reproducible["int4-ef"](base).sync == {**base.sync, "codec": "int4", "error_feedback": True}
+    assert reproducible["int4-ef"](base).sync == dataclasses.replace(base.sync, codec="int4", error_feedback=True)
     heterogeneous = {label: t(base) for label, t in experiments.SUITES["heterogeneous"][1]}
     assert {c.island_cpus for c in heterogeneous.values()} == {experiments.CAPPED_CPUS}  # speeds as CPU quotas in every run of the pair
     cores = {label: [c.cpus_of(r) for r in c.regions] for label, c in heterogeneous.items()}
     assert cores["decoupled-mixed"] == cores["sync-diloco-mixed"] == [0.45, 0.45, 0.225, 0.225]
     assert cores["decoupled-uniform"] == cores["sync-diloco-uniform"] == [0.45] * 4  # 1.8 cores: within this machine's 2, so quotas bind
     adoption = dict(experiments.SUITES["adoption"][1])
-    assert adoption["replace-uniform"](base).sync["adoption"] == "replace" and adoption["rebase-mixed"](base).sync["adoption"] == "rebase"
+    assert adoption["replace-uniform"](base).sync.adoption == "replace" and adoption["rebase-mixed"](base).sync.adoption == "rebase"
     assert {r.slowdown for r in adoption["rebase-uniform"](base).regions} == {1.0} < {r.slowdown for r in adoption["rebase-mixed"](base).regions}
     merging = dict(experiments.SUITES["merging"][1])
-    assert len(merging["rda-2-islands"](base).regions) == 2 and merging["delayed-nesterov-lr0.7-4-islands"](base).merger["outer"] == "delayed_nesterov"
-    assert base.merger["share_window"] == 8 and merging["delayed-nesterov-lr0.7-4-islands"](base).merger["share_window"] == 0
-    assert base.merger["outer_lr"] == 0.35 and merging["round-nesterov-lr0.7-4-islands"](base).merger == {**base.merger, "outer": "round_nesterov", "outer_lr": 0.7}
-    assert merging["nesterov-lr0.7-4-islands"](base).merger == {**base.merger, "outer_lr": 0.7}
-    assert base.with_mode("sync-diloco").effective()[1]["outer_lr"] == 0.7  # classic DiLoCo's step, whatever the profile sets for decoupled
+    assert len(merging["rda-2-islands"](base).regions) == 2 and merging["delayed-nesterov-lr0.7-4-islands"](base).merger.outer == "delayed_nesterov"
+    assert base.merger.share_window == 8 and merging["delayed-nesterov-lr0.7-4-islands"](base).merger.share_window == 0
+    assert base.merger.outer_lr == 0.35 and merging["round-nesterov-lr0.7-4-islands"](base).merger == dataclasses.replace(base.merger, outer="round_nesterov", outer_lr=0.7)
+    assert merging["nesterov-lr0.7-4-islands"](base).merger == dataclasses.replace(base.merger, outer_lr=0.7)
+    assert base.with_mode("sync-diloco").effective()[1].outer_lr == 0.7  # classic DiLoCo's step, whatever the profile sets for decoupled
     downlink = dict(experiments.SUITES["downlink"][1])
-    assert downlink["bf16-full"](base).merger["snapshot_diff_codec"] == "none" and downlink["int4-diff"](base).merger["snapshot_diff_codec"] == "int4"
-    assert downlink["int4-diff"](base).merger["snapshot_every_round"] == 0 and downlink["int4-diff-held"](base).merger["snapshot_every_round"] == 1
+    assert downlink["bf16-full"](base).merger.snapshot_diff_codec == "none" and downlink["int4-diff"](base).merger.snapshot_diff_codec == "int4"
+    assert downlink["int4-diff"](base).merger.snapshot_every_round == 0 and downlink["int4-diff-held"](base).merger.snapshot_every_round == 1
     for name, (_, runs) in experiments.SUITES.items():  # --quick: each suite's runs exist, bounded by work
         kept = [label for label, _ in runs if label in experiments.QUICK_RUNS.get(name, (label,))]
         assert len(kept) == len(experiments.QUICK_RUNS.get(name, kept)) >= 2, name

@@ -15,8 +15,8 @@ import statistics
 
 import pytest
 
-from cluster import experiments, suiteresults
-from cluster.runinfo import read_events, read_metrics
+from analysis.runinfo import read_events, read_metrics
+from suites import experiments, suiteresults
 
 pytestmark = [pytest.mark.experiments, pytest.mark.timeout(1800)]
 FAST = ("us-east", "us-west")  # the shipped profile's full-speed islands
@@ -66,7 +66,7 @@ def test_heterogeneous_only_sync_diloco_makes_fast_islands_wait_for_slow_ones(tm
     again, _ = experiments.run_suite("heterogeneous", tmp_path / "again", quick=True, log=lambda line: None, reuse=(tmp_path,))
     rows = lambda text: [line for line in text.splitlines() if line.startswith("| ")]  # noqa: E731
     assert rows(again) == rows((tmp_path / "heterogeneous.md").read_text()) and len(rows(again)) == 1 + len(runs)  # the header and a row per run
-    interval = runs["sync-diloco-mixed"].config.effective()[0]["interval"]
+    interval = runs["sync-diloco-mixed"].config.effective()[0].interval
     # sync-diloco: every island at the barrier, and after the first round (which also waits out compilation) the fast ones wait for the slow ones
     sync = {island: _steps(runs["sync-diloco-mixed"], island) for island in FAST + SLOW}
     assert max(len(s) for s in sync.values()) - min(len(s) for s in sync.values()) <= interval, {i: len(s) for i, s in sync.items()}
@@ -101,7 +101,7 @@ def test_faults_survivors_keep_stepping_in_decoupled_and_stall_in_sync_diloco(tm
     # decoupled: the schedule waited for us-east's steps; us-west, as fast, kept stepping too, and neither ever waited
     assert all(steps >= 10 and waited == 0 for steps, waited in decoupled.values()), decoupled
     # sync-diloco: a round without the killed island waits for the merger's quorum timeout before it folds
-    timeout = runs["sync-diloco"].config.effective()[1]["quorum_timeout_s"]
+    timeout = runs["sync-diloco"].config.effective()[1].quorum_timeout_s
     assert all(waited >= 0.5 * timeout for _, waited in sync.values()), sync
 
 
@@ -124,7 +124,7 @@ def test_adoption_rebase_keeps_every_step_of_work_and_replace_drops_some(tmp_pat
     import json
 
     runs = quick("adoption", tmp_path)
-    interval = runs["rebase-uniform"].config.sync["interval"]
+    interval = runs["rebase-uniform"].config.sync.interval
 
     def later_deltas_short_of_an_interval(label: str) -> tuple[int, int]:
         seen, later, short = set(), 0, 0

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import protocol
-from cluster.globalmodel import cluster_tokens_at, states_at, when_cluster_reached
-from merger.config import MergeConfig, MergerConfig
+from analysis.globalmodel import cluster_tokens_at, states_at, when_cluster_reached
 from merger import checkpoint
+from merger.config import MergeConfig, MergerConfig
 from merger.core import MergerCore, ReplayError
 from merger.recovery import checkpoint_dir, wal_dir
 from merger.wal import WriteAheadLog

@@ -1,6 +1,6 @@
 """The island loop's adoption of global fragments that arrive between its sends, with real JAX
-training on the real corpus and an in-process link that plays the merger's part (DESIGN.md's
-"simulate before you network"): which work the next delta carries."""
+training on the real corpus and an in-process link that plays the merger's part (no sockets):
+which work the next delta carries."""
 
 from __future__ import annotations
 

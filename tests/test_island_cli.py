@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from cluster.runinfo import read_metrics
+from analysis.runinfo import read_metrics
 
 TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--batch", "8"]
 
 
 def dloco(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=180)
+    return subprocess.run([sys.executable, "-m", "dloco", *args], capture_output=True, text=True, timeout=180)
 
 
 def test_standalone_trains_and_writes_metrics(tmp_path):

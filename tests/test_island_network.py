@@ -48,9 +48,9 @@ def test_shaper_schedules_by_hand():
 ], ids=["every-fold", "held-int8-join"])
 def test_merger_and_two_islands_exchange_and_fold(tmp_path, downlink):
     init = tmp_path / "init.npz"
-    subprocess.run([sys.executable, "-m", "cluster.cli", "island", "--write-init", str(init), *TINY], check=True, capture_output=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "dloco", "island", "--write-init", str(init), *TINY], check=True, capture_output=True, timeout=120)
     ports = free_ports(3)
-    merger = subprocess.Popen([sys.executable, "-m", "cluster.cli", "merger", "--run-dir", str(tmp_path / "m"), "--init-npz", str(init),
+    merger = subprocess.Popen([sys.executable, "-m", "dloco", "merger", "--run-dir", str(tmp_path / "m"), "--init-npz", str(init),
                                "--fragments", "2", "--delta-endpoint", f"@tcp://127.0.0.1:{ports[0]}",
                                "--snapshot-endpoint", f"@tcp://127.0.0.1:{ports[1]}", "--control-endpoint", f"@tcp://127.0.0.1:{ports[2]}", "--insecure",
                                *downlink],
@@ -59,7 +59,7 @@ def test_merger_and_two_islands_exchange_and_fold(tmp_path, downlink):
     try:
         for i in range(2):
             islands.append(subprocess.Popen(
-                [sys.executable, "-m", "cluster.cli", "island", "--name", f"isl-{i}", "--island-index", str(i), "--islands", "2", *TINY,
+                [sys.executable, "-m", "dloco", "island", "--name", f"isl-{i}", "--island-index", str(i), "--islands", "2", *TINY,
                  "--max-steps", "120", "--eval-every", "60", "--fragments", "2", "--interval", "10", *(["--flush-on-leave"] if i == 0 else []),
                  "--delta-endpoint", f"tcp://127.0.0.1:{ports[0]}", "--snapshot-endpoint", f"tcp://127.0.0.1:{ports[1]}",
                  "--control-endpoint", f"tcp://127.0.0.1:{ports[2]}", "--metrics-out", str(tmp_path / f"isl-{i}.jsonl"), "--insecure"],
@@ -193,7 +193,7 @@ def test_a_stop_while_starting_exits_cleanly(tmp_path):
     """SIGTERM 3 s in (importing JAX, building the model, or waiting for a merger that never answers):
     exit 0, promptly.  (Within the interpreter's own first ~0.3 s no handler exists yet.)"""
     ports = free_ports(3)
-    island = subprocess.Popen([sys.executable, "-m", "cluster.cli", "island", "--insecure", *TINY, "--join-timeout", "100",
+    island = subprocess.Popen([sys.executable, "-m", "dloco", "island", "--insecure", *TINY, "--join-timeout", "100",
                                *[arg for i, flag in enumerate(("--delta-endpoint", "--snapshot-endpoint", "--control-endpoint"))
                                  for arg in (flag, f"tcp://127.0.0.1:{ports[i]}")]],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

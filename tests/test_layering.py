@@ -2,7 +2,9 @@
 functions alike), parsed with `ast`, nothing imported or run.
 
 - no import cycles between the project's modules;
-- the process packages import nothing from the orchestrator (cluster) or the benchmarks;
+- the process packages import nothing from the launcher (cluster), the analysis, the suites, the CLI
+  (dloco) or the benchmarks;
+- the launcher and the analysis import neither the suites nor the CLI, and the suites not the CLI;
 - protocol imports no zmq, jax, flax or optax (it is pure numpy + msgpack);
 - no .py file is over 400 lines.
 """
@@ -17,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = sorted(name.rstrip("*") for name in tomllib.loads((ROOT / "pyproject.toml").read_text())
                   ["tool"]["setuptools"]["packages"]["find"]["include"])
 PROCESS_PACKAGES = ("island", "merger", "broker", "bus", "protocol", "telemetry", "cliargs")
-NOT_FOR_PROCESSES = ("cluster", "benchmarks")  # the launcher, the CLI, the analysis, the suites, the benchmarks
+NOT_FOR_PROCESSES = ("cluster", "analysis", "suites", "dloco", "benchmarks")  # launcher, analysis, suites, CLI, benchmarks
+NOT_FOR = {"cluster": ("suites", "dloco"), "analysis": ("suites", "dloco"), "suites": ("dloco",)}  # package -> what it may not import
 NOT_FOR_PROTOCOL = ("zmq", "jax", "jaxlib", "flax", "optax")
 MAX_LINES = 400
 
@@ -127,6 +130,12 @@ def test_process_packages_import_nothing_from_the_orchestrator_or_the_benchmarks
     assert not offending, offending
 
 
+def test_the_launcher_and_the_analysis_import_neither_the_suites_nor_the_cli():
+    offending = [f"{path.relative_to(ROOT)}: {module}" for path in source_files() if path.relative_to(ROOT).parts[0] in NOT_FOR
+                 for module, _ in imported_names(path) if module.split(".")[0] in NOT_FOR[path.relative_to(ROOT).parts[0]]]
+    assert not offending, offending
+
+
 def test_protocol_imports_no_zmq_or_jax():
     offending = [f"{path.relative_to(ROOT)}: {module}" for path in source_files() if path.relative_to(ROOT).parts[0] == "protocol"
                  for module, _ in imported_names(path) if module.split(".")[0] in NOT_FOR_PROTOCOL]
@@ -140,7 +149,7 @@ def test_no_source_file_is_over_400_lines():
 
 def test_the_rules_see_the_whole_project():
     """Guards the guards: every process package is scanned, and a function-level import counts."""
-    assert set(PROCESS_PACKAGES) <= set(PACKAGES)
+    assert set(PROCESS_PACKAGES) <= set(PACKAGES) and set(NOT_FOR_PROCESSES) <= set(PACKAGES) and set(NOT_FOR) <= set(PACKAGES)
     edges = graph()
     assert "merger.service" in edges["merger.main"]  # imported inside run_merger, not at module level
     assert "bus.security" in edges["island.network"] and "protocol.downlink" in edges["island.snapshots"]

@@ -111,7 +111,7 @@ PARTS = protocol.partition({p: a.shape for p, a in PARAMS.items()}, 2)
 
 
 def start_merger(run_dir: Path, island: Island, init: Path | None, *extra: str) -> subprocess.Popen:
-    args = [sys.executable, "-m", "cluster.cli", "merger", "--run-dir", str(run_dir), "--fragments", "2",
+    args = [sys.executable, "-m", "dloco", "merger", "--run-dir", str(run_dir), "--fragments", "2",
             "--delta-endpoint", f"tcp://127.0.0.1:{island.delta_port}",
             "--snapshot-endpoint", f"@tcp://127.0.0.1:{island.snapshot_port}",
             "--control-endpoint", f"@tcp://127.0.0.1:{island.control_port}",
@@ -200,7 +200,7 @@ def test_kill_9_at_several_points_ends_where_an_uninterrupted_run_ends(tmp_path,
     stop(process)
     assert final_digest(crashed) == final_digest(straight)
 
-    verify = subprocess.run([sys.executable, "-m", "cluster.cli", "replay", str(crashed), "--verify"], capture_output=True, text=True, timeout=120)
+    verify = subprocess.run([sys.executable, "-m", "dloco", "replay", str(crashed), "--verify"], capture_output=True, text=True, timeout=120)
     assert verify.returncode == 0, verify.stderr
     assert verify.stdout.count("fold") == DELTAS and "MISMATCH" not in verify.stdout
     assert final_digest(crashed) in verify.stdout
@@ -209,7 +209,7 @@ def test_kill_9_at_several_points_ends_where_an_uninterrupted_run_ends(tmp_path,
     data = bytearray(segment.read_bytes())
     data[len(data) // 3] ^= 0x01
     segment.write_bytes(bytes(data))
-    broken = subprocess.run([sys.executable, "-m", "cluster.cli", "replay", str(crashed), "--verify"], capture_output=True, text=True, timeout=120)
+    broken = subprocess.run([sys.executable, "-m", "dloco", "replay", str(crashed), "--verify"], capture_output=True, text=True, timeout=120)
     assert broken.returncode == 1 and "log record" in broken.stderr and "corrupt" in broken.stderr
 
 

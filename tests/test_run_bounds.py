@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from cluster import config, verdict
-from cluster.runinfo import RunProgress, island_stage
+from analysis import verdict
+from analysis.runinfo import RunProgress, island_stage
+from cluster import config
 from protocol.errors import ConfigError
 
 
@@ -95,7 +96,7 @@ def test_a_suite_whose_run_did_not_get_its_steps_done_exits_non_zero_and_says_wh
     import sys
 
     out = tmp_path / "out"
-    suite = subprocess.run([sys.executable, "-m", "cluster.cli", "experiment", "merging", "--quick", "--runs", "rda-2-islands", "--seconds", "1",
+    suite = subprocess.run([sys.executable, "-m", "dloco", "experiment", "merging", "--quick", "--runs", "rda-2-islands", "--seconds", "1",
                             "--out", str(out)], capture_output=True, text=True, timeout=280)
     assert suite.returncode == 2, (suite.stdout[-2000:], suite.stderr[-2000:])
     assert "merging: run rda-2-islands failed (exit 1: the time limit (1 s) passed before every island made 96 steps: us-east " in suite.stderr

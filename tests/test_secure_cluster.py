@@ -18,7 +18,7 @@ TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--b
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cluster.cli", *args]
+    return [sys.executable, "-m", "dloco", *args]
 
 
 @pytest.mark.timeout(300)

@@ -162,8 +162,8 @@ def test_a_flipped_byte_in_an_earlier_segment_is_still_corruption(tmp_path):
 @pytest.mark.timeout(120)
 def test_segments_fill_while_the_syncer_fsyncs_and_every_ticket_comes_due(tmp_path, monkeypatch):
     """The merger asks for syncs in the background while it keeps appending; full segments are
-    swapped under the syncer's lock, so a slow fsync never meets a closed file (it used to: the
-    syncer died and every later wait hung)."""
+    swapped under the syncer's lock, so a slow fsync never meets a closed file (were it to, the
+    syncer would die and every later wait would hang)."""
     import os
     import time
 

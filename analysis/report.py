@@ -7,10 +7,10 @@ import collections
 import re
 from pathlib import Path
 
+from analysis.globalmodel import Evaluator
+from analysis.runinfo import chaos_effects, last_step, lives, merger_folds, read_metrics
 from cluster.config import ClusterConfig
 from protocol.errors import ConfigError
-from cluster.globalmodel import Evaluator
-from cluster.runinfo import chaos_effects, last_step, lives, merger_folds, read_metrics
 
 
 def global_eval(config: ClusterConfig, run_dir: Path) -> tuple[float | None, float | None]:
@@ -122,7 +122,7 @@ def _code(cell: str, run_dir: Path) -> int | None:
 
 
 def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int], problems: list[str] = ()) -> Path:
-    """report.md and plots/.  `problems`: why the run failed (cluster.verdict), listed first."""
+    """report.md and plots/.  `problems`: why the run failed (analysis.verdict), listed first."""
     metrics = {r.name: read_metrics(run_dir / "metrics" / f"{r.name}.jsonl") for r in config.regions}
     folds = merger_folds(run_dir)
     folded_by = collections.Counter(name for fold in folds for name in fold["contributors"])

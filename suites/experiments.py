@@ -6,7 +6,7 @@ Each suite is a list of (label, cluster-file transform).  Every run is a plain `
 - held-out loss of the merger's final global model, and of the merger's model when the whole
   cluster had trained the suite's equal cluster tokens (the fewest any run trained: the same
   compute in every run) and at GLOBAL_POINTS moments of each run (rebuilt by replaying the
-  merger's log, cluster/globalmodel.py; the `_global.png` plot);
+  merger's log, analysis/globalmodel.py; the `_global.png` plot);
 - time to a target held-out loss (the target: the worst run's best island evaluation, so every
   run reaches it), from the islands' evaluations: every one of the first EVAL_TRACE steps
   (evaluated after training, from copies of the parameters; UNTRACED suites: steps 1, 2, 4, ...),
@@ -17,7 +17,7 @@ Each suite is a list of (label, cluster-file transform).  Every run is a plain `
 (QUICK_RUNS), each bounded by work (QUICK_STEPS steps per island), not by seconds.
 tests/test_experiments_quick.py runs every quick suite and checks each result's direction, not its
 magnitude (`pytest -m experiments`, outside the default test run).  A run that failed or did not
-train (cluster.verdict) stops the suite with the reason: it is never tabulated.
+train (analysis.verdict) stops the suite with the reason: it is never tabulated.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from analysis.runinfo import read_events
 from cluster import config as cluster_config
 from cluster import cpuquota
 from cluster.chaos import ChaosEvent
-from cluster.config import ClusterConfig
-from cluster.runinfo import read_events
-from cluster.suiteresults import RunResult, collect, measure_global, summarize
+from cluster.config import ClusterConfig, ModelSection
 from protocol.errors import ConfigError, DlocoError
+from suites.suiteresults import RunResult, collect, measure_global, summarize
 
 Transform = Callable[[ClusterConfig], ClusterConfig]
 
@@ -47,7 +47,8 @@ def _homogeneous(c: ClusterConfig) -> ClusterConfig:
     return dataclasses.replace(c, regions=tuple(dataclasses.replace(r, slowdown=1.0) for r in c.regions))
 
 
-def _both(*transforms: Transform) -> Transform:
+def _chain(*transforms: Transform) -> Transform:
+    """The transforms applied in order."""
     def apply(c: ClusterConfig) -> ClusterConfig:
         for transform in transforms:
             c = transform(c)
@@ -55,8 +56,14 @@ def _both(*transforms: Transform) -> Transform:
     return apply
 
 
-def _set(section: str, **values) -> Transform:
-    return lambda c: dataclasses.replace(c, **{section: {**getattr(c, section), **values}})
+def _sync(**values) -> Transform:
+    """These [sync] settings (island.config.SyncConfig fields) over the run's."""
+    return lambda c: dataclasses.replace(c, sync=dataclasses.replace(c.sync, **values))
+
+
+def _merger(**values) -> Transform:
+    """These [merger] settings (cluster.config.MergerSection fields) over the run's."""
+    return lambda c: dataclasses.replace(c, merger=dataclasses.replace(c.merger, **values))
 
 
 def _islands(count: int) -> Transform:
@@ -70,7 +77,7 @@ def _faults(c: ClusterConfig) -> ClusterConfig:
     interval, its restart 5 s later.  A run of fixed length: at 35 %, 60 %, 75 % and 80 % of it."""
     victim, first = c.regions[min(2, len(c.regions) - 1)].name, c.regions[0].name
     if c.max_steps:
-        n, interval = c.max_steps, c.effective()[0]["interval"]
+        n, interval = c.max_steps, c.effective()[0].interval
         schedule = (ChaosEvent(None, "kill", victim, at_step=max(1, round(0.35 * n)), island=first),
                     ChaosEvent(None, "restart", victim, at_step=max(1, round(0.25 * n)), island=first, relative=True),
                     ChaosEvent(None, "kill", "merger", at_step=interval, island=victim, relative=True),
@@ -95,62 +102,62 @@ def _capped(c: ClusterConfig) -> ClusterConfig:
 # sync-diloco with quotas: a half-speed island (0.225 cores, ~0.47 steps/s) finishes its H = 48 steps
 # ~50 s after the fast ones, past the profile's 30 s quorum timeout, which would fold the fast pair
 # alone and split every round in two.  Classic DiLoCo waits for everyone.
-WAIT_FOR_SLOW = _both(_set("sync", settle_timeout_s=180.0), _set("merger", quorum_timeout_s=150.0))  # settle first: it must exceed the quorum timeout
+WAIT_FOR_SLOW = _chain(_sync(settle_timeout_s=180.0), _merger(quorum_timeout_s=150.0))  # settle first: it must exceed the quorum timeout
 
 
 # Fewer bytes down: H = 96, and a fragment's snapshot on the bus at most once per round of its fastest
 # island (an island's base is then up to a round of folds behind: max_staleness 8).  See default.toml.
-LEAN = _both(_set("sync", interval=96), _set("merger", snapshot_every_round=1.0, max_staleness=8))
+LEAN = _chain(_sync(interval=96), _merger(snapshot_every_round=1.0, max_staleness=8))
 
 SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
     "speedup": ("The three modes at the default profile's links (scaled like the seed's 2-5 Gbit/s for a 12B model, "
                 "see cluster/profiles/default.toml), and decoupled in its lean-downlink configuration (H = 96, a fragment's "
                 "snapshot at most once per round): time to a target loss, loss at equal tokens, utilisation, bytes per token.",
-                [("decoupled", _mode("decoupled")), ("decoupled-h96-held", _both(_mode("decoupled"), LEAN)),
+                [("decoupled", _mode("decoupled")), ("decoupled-h96-held", _chain(_mode("decoupled"), LEAN)),
                  ("sync-diloco", _mode("sync-diloco")), ("sync-dp", _mode("sync-dp"))]),
     "heterogeneous": ("Four islands, two at half speed, against four at full speed, in decoupled and sync-diloco: "
                       "do the fast islands wait for the slow ones, and does the slow hardware cost the model anything? Speeds are "
                       "CPU quotas (0.45 cores per full-speed island), so a slow island's cycles go to nobody else. Three full-speed "
                       "islands have the mixed cluster's compute per second on fewer replicas.",
-                      [("decoupled-mixed", _both(_mode("decoupled"), _capped)), ("decoupled-uniform", _both(_mode("decoupled"), _homogeneous, _capped)),
+                      [("decoupled-mixed", _chain(_mode("decoupled"), _capped)), ("decoupled-uniform", _chain(_mode("decoupled"), _homogeneous, _capped)),
                        # three full-speed islands: the mixed cluster's compute per second (2 x 1 + 2 x 1/2), on as many replicas
-                       ("decoupled-uniform-3-islands", _both(_mode("decoupled"), _homogeneous, _islands(3), _capped)),
-                       ("sync-diloco-mixed", _both(_mode("sync-diloco"), _capped, WAIT_FOR_SLOW)),
-                       ("sync-diloco-uniform", _both(_mode("sync-diloco"), _homogeneous, _capped, WAIT_FOR_SLOW))]),
+                       ("decoupled-uniform-3-islands", _chain(_mode("decoupled"), _homogeneous, _islands(3), _capped)),
+                       ("sync-diloco-mixed", _chain(_mode("sync-diloco"), _capped, WAIT_FOR_SLOW)),
+                       ("sync-diloco-uniform", _chain(_mode("sync-diloco"), _homogeneous, _capped, WAIT_FOR_SLOW))]),
     "faults": ("One island killed -9 for a quarter of the run, then the merger, in decoupled and sync-diloco: the survivors' step "
                "rate during the island's absence, the time to the next fold after the merger comes back, the loss curve.",
-               [("decoupled", _both(_mode("decoupled"), _faults)), ("sync-diloco", _both(_mode("sync-diloco"), _faults))]),
+               [("decoupled", _chain(_mode("decoupled"), _faults)), ("sync-diloco", _chain(_mode("sync-diloco"), _faults))]),
     "quantization": ("Delta codecs fp32, bf16, int8, int4, int2, each without and with error feedback (decoupled).",
-                     [(f"{codec}{'-ef' if ef else ''}", _set("sync", codec=codec, error_feedback=ef))
+                     [(f"{codec}{'-ef' if ef else ''}", _sync(codec=codec, error_feedback=ef))
                       for codec in ("fp32", "bf16", "int8", "int4", "int2") for ef in (False, True)]),
     "quantization-sync": ("The delta codecs in sync-diloco, where a run is reproducible (every island waits for every round, "
                           "folds are canonical: the same configuration gives the same bytes), so the codec is the only difference "
                           "between two runs' losses at equal tokens — single decoupled runs differ by a few percent from timing alone.",
-                          [(f"{codec}{'-ef' if ef else ''}", _both(_mode("sync-diloco"), _set("sync", codec=codec, error_feedback=ef)))
+                          [(f"{codec}{'-ef' if ef else ''}", _chain(_mode("sync-diloco"), _sync(codec=codec, error_feedback=ef)))
                            for codec, ef in (("fp32", False), ("bf16", False), ("int8", False), ("int4", False), ("int4", True),
                                              ("int2", False), ("int2", True))]),
     "adoption": ("A global fragment arriving between an island's sends: `rebase` (the default: the island's unsent work on the "
-                 "fragment stays on top and goes out whole in its next delta) against `replace` (DESIGN.md's adopt-on-arrival: "
+                 "fragment stays on top and goes out whole in its next delta) against `replace` (docs/design.md's adopt-on-arrival: "
                  "that work is overwritten), decoupled, with the profile's mixed speeds and with four equal islands (in phase, "
                  "so each fragment's snapshots arrive seconds before the other islands send it).",
-                 [(f"{adoption}-{speeds}", _both(_mode("decoupled"), _set("sync", adoption=adoption), *([_homogeneous] if speeds == "uniform" else [])))
+                 [(f"{adoption}-{speeds}", _chain(_mode("decoupled"), _sync(adoption=adoption), *([_homogeneous] if speeds == "uniform" else [])))
                   for speeds in ("mixed", "uniform") for adoption in ("rebase", "replace")]),
     "merging": ("Plain weighted average vs RDA at 2 and 4 islands (the profile's outer step: Nesterov at lr 0.35 on folds scaled "
                 "by their share of a round); against the outer steps at DiLoCo's lr 0.7 (4 islands, RDA): Nesterov on the same "
                 "share-scaled folds, Round Nesterov (momentum once per round of shares), Delayed Nesterov with a whole step per fold.",
-                [(f"{merge}-{n}-islands", _both(_set("merger", merge=merge), _islands(n))) for n in (2, 4) for merge in ("average", "rda")]
-                + [("nesterov-lr0.7-4-islands", _set("merger", outer_lr=0.7)),
-                   ("round-nesterov-lr0.7-4-islands", _set("merger", outer="round_nesterov", outer_lr=0.7)),
-                   ("delayed-nesterov-lr0.7-4-islands", _set("merger", outer="delayed_nesterov", outer_lr=0.7, share_window=0))]),
+                [(f"{merge}-{n}-islands", _chain(_merger(merge=merge), _islands(n))) for n in (2, 4) for merge in ("average", "rda")]
+                + [("nesterov-lr0.7-4-islands", _merger(outer_lr=0.7)),
+                   ("round-nesterov-lr0.7-4-islands", _merger(outer="round_nesterov", outer_lr=0.7)),
+                   ("delayed-nesterov-lr0.7-4-islands", _merger(outer="delayed_nesterov", outer_lr=0.7, share_window=0))]),
     "downlink": ("Snapshots down as the whole fragment in bf16 after every fold, as int4 diffs of the value islands hold "
-                 "(protocol/downlink.py) after every fold, and as int4 diffs held to one per fragment per round of the fastest "
-                 "island (the default), decoupled: bytes per token, and whether the loss pays for them.",
-                 [("bf16-full", _set("merger", snapshot_codec="bf16", snapshot_diff_codec="none", snapshot_every_round=0.0)),
-                  ("int4-diff", _set("merger", snapshot_diff_codec="int4", snapshot_every_round=0.0)),
-                  ("int4-diff-held", _set("merger", snapshot_diff_codec="int4", snapshot_every_round=1.0))]),
+                 "(protocol/downlink.py) after every fold (the profile's default), and as int4 diffs held to one per fragment "
+                 "per round of the fastest island, decoupled: bytes per token, and whether the loss pays for them.",
+                 [("bf16-full", _merger(snapshot_codec="bf16", snapshot_diff_codec="none", snapshot_every_round=0.0)),
+                  ("int4-diff", _merger(snapshot_diff_codec="int4", snapshot_every_round=0.0)),
+                  ("int4-diff-held", _merger(snapshot_diff_codec="int4", snapshot_every_round=1.0))]),
 }
 # Seconds per run by default (a suite stays within 30 minutes on 2 cores).  heterogeneous: five
-# runs; four of 300 s took 1576 s with start-up, stop and trace evaluations (~95 s a run), so 240 s.
+# runs, each ~95 s longer than its length (start-up, stop, trace evaluations), so 240 s.
 DEFAULT_SECONDS = {"speedup": 300.0, "heterogeneous": 240.0, "faults": 300.0, "quantization": 150.0, "quantization-sync": 150.0,
                    "adoption": 300.0, "merging": 210.0, "downlink": 300.0}
 # --quick: the tiny model and a few runs per suite (the ones whose direction shows in a short run),
@@ -161,7 +168,7 @@ QUICK_STEPS = {"speedup": 96, "heterogeneous": 144, "faults": 192, "quantization
 QUICK_LIMIT_S = 900.0
 QUICK_RUNS = {"speedup": ("decoupled", "sync-diloco", "sync-dp"), "heterogeneous": ("decoupled-mixed", "sync-diloco-mixed", "sync-diloco-uniform"), "quantization": ("fp32", "int4", "int2"), "quantization-sync": ("fp32", "int4"), "adoption": ("rebase-uniform", "replace-uniform"),
               "merging": ("average-4-islands", "rda-4-islands", "round-nesterov-lr0.7-4-islands")}
-QUICK_MODEL = {"width": 32, "depth": 1, "heads": 2, "context": 32, "batch": 8}
+QUICK_MODEL = ModelSection(width=32, depth=1, heads=2, context=32, batch=8)
 # Islands evaluate each of their first N steps after training (below eval_every, 50 and 20 in quick
 # runs): 47-50 s at the end of a default run (four islands on two cores).  Suites of many runs,
 # whose bars are not times, evaluate at steps 1, 2, 4, ... 32 in the loop instead, to stay within 30
@@ -204,7 +211,7 @@ def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path |
     untraced = name in UNTRACED
     base = dataclasses.replace(base, eval_trace=0 if untraced else EVAL_TRACE, eval_early=untraced)
     if quick:
-        base = dataclasses.replace(base, model={**base.model, **QUICK_MODEL}, eval_every=20, eval_trace=0 if untraced else QUICK_EVAL_TRACE)
+        base = dataclasses.replace(base, model=QUICK_MODEL, eval_every=20, eval_trace=0 if untraced else QUICK_EVAL_TRACE)
         if only is None:  # the runs whose direction shows in a short run, unless the caller named its own
             runs = [(label, transform) for label, transform in runs if label in QUICK_RUNS.get(name, (label,))]
     configs = [(label, transform(base)) for label, transform in runs]
@@ -236,7 +243,7 @@ def _tabulate(name: str, description: str, configs: list[tuple[str, ClusterConfi
     """run_suite over earlier runs: OUT/<name>/<label> of each folder in `reuse`, for each run of the
     suite found there (their exit status and length: report.md's; 0 when every process exited 0).
     The model comes from the suite's configuration: tabulate --quick runs with --quick."""
-    from cluster.report import read_exit_codes
+    from analysis.report import read_exit_codes
 
     results = []
     for k, folder in enumerate(reuse, 1):
@@ -261,7 +268,7 @@ def _tabulate(name: str, description: str, configs: list[tuple[str, ClusterConfi
 
 def _write_up(name: str, description: str, results: list[RunResult], command: str, seconds: float, out_dir: Path, log) -> str:
     """The suite's Markdown (OUT/<name>.md) and plots (OUT/experiments/), after the merger's model is measured."""
-    from cluster.experimentplots import plot
+    from suites.experimentplots import plot
 
     log(f"dloco experiment {name}: evaluating the merger's model during each run (replaying its log)")
     measure_global(results, log=log)

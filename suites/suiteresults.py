@@ -1,4 +1,4 @@
-"""What a suite's runs measured (cluster/experiments.py runs them, cluster/experimentplots.py draws
+"""What a suite's runs measured (suites/experiments.py runs them, suites/experimentplots.py draws
 them): each run's results read back from its directory, the comparisons between runs (time to a
 target loss, loss at equal tokens, bytes per token, the merger's model at equal cluster tokens) and
 the suite's Markdown table."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from analysis.runinfo import chaos_effects, last_step, lives, read_metrics
 from cluster.config import ClusterConfig
-from cluster.runinfo import chaos_effects, last_step, lives, read_metrics
 from protocol.errors import DlocoError
 
 # The merger's model is evaluated at this many moments of each run, and at equal cluster tokens
@@ -36,7 +36,7 @@ class RunResult:
 
 def collect(label: str, config: ClusterConfig, run_dir: Path, code: int) -> RunResult:
     """A finished run's results, read from its directory."""
-    from cluster.report import global_eval
+    from analysis.report import global_eval
 
     evals, last = read_islands([r.name for r in config.regions], run_dir)
     before, after = global_eval(config, run_dir)
@@ -69,7 +69,7 @@ def measure_global(results: list[RunResult], points: int = GLOBAL_POINTS, log=la
 
 def _measure_global_run(r: RunResult, equal: int, points: int) -> None:
     """measure_global for one run (raises when its merger's log cannot be replayed faithfully)."""
-    from cluster.globalmodel import Evaluator, cluster_tokens_at, states_at, when_cluster_reached
+    from analysis.globalmodel import Evaluator, cluster_tokens_at, states_at, when_cluster_reached
 
     steps = {name: lives([e for e in read_metrics(r.run_dir / "metrics" / f"{name}.jsonl") if "step" in e and "wall" in e])
              for name in r.last}

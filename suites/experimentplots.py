@@ -1,4 +1,4 @@
-"""The plots of an experiment suite (cluster/experiments.py, results from cluster/suiteresults.py): the islands' held-out loss against
+"""The plots of an experiment suite (suites/experiments.py, results from suites/suiteresults.py): the islands' held-out loss against
 tokens and against time, one colour per run and one line per island life, and the merger's model
 rebuilt from its log (`<suite>_global.png`)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cluster.suiteresults import RunResult
+from suites.suiteresults import RunResult
 
 
 def plot(name: str, results: list[RunResult], out_dir: Path) -> list[Path]:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from analysis.runinfo import merger_folds, wall
 from cluster.config import ClusterConfig
-from cluster.runinfo import merger_folds, wall
 
 
 class Evaluator:
@@ -26,10 +26,9 @@ class Evaluator:
         from island.train import Trainer
 
         m = config.model
-        self.trainer = Trainer(ModelConfig(width=m["width"], depth=m["depth"], heads=m["heads"], context=m["context"]),
-                               TrainConfig(batch=m["batch"], seed=config.seed))
+        self.trainer = Trainer(ModelConfig(width=m.width, depth=m.depth, heads=m.heads, context=m.context), TrainConfig(batch=m.batch, seed=config.seed))
         _, evaluation = data.split(data.load(), len(config.regions))
-        self.batches = data.eval_batches(evaluation, m["batch"], m["context"], 8)
+        self.batches = data.eval_batches(evaluation, m.batch, m.context, 8)
         self.run_dir = run_dir
 
     def loss(self, params: dict[str, np.ndarray]) -> float:
