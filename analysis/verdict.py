@@ -18,12 +18,25 @@ def untrained(steps: Mapping[str, int], folds: int, interval: int) -> list[str]:
     return reasons
 
 
-def unfinished(stages: Mapping[str, str], limit_s: float, max_steps: int) -> list[str]:
+def targets(islands: list[str], down: set[str], max_steps: int, interval: int, after_chaos: Mapping[str, int] | None) -> dict[str, int]:
+    """When a run bounded by steps may end: the steps (every life) each island that is up must have
+    made.  max_steps each, and, once a chaos schedule has run, two intervals (2 H) more than each had
+    when its last event fired (`after_chaos`; None without chaos), so that the recovery is part of
+    the run.  An island that is down (killed, not to be restarted) has no target."""
+    return {name: max(max_steps, after_chaos[name] + 2 * interval if after_chaos is not None else 0) for name in islands if name not in down}
+
+
+def short(steps: Mapping[str, int], wanted: Mapping[str, int]) -> dict[str, int]:
+    """The islands still short of their targets, with the target."""
+    return {name: target for name, target in wanted.items() if steps.get(name, 0) < target}
+
+
+def unfinished(stages: Mapping[str, str], limit_s: float) -> list[str]:
     """A run bounded by steps that hit its time limit: which islands were short of their steps, and
-    where they were (stages: island -> what it was doing)."""
+    where they were (stages: island -> what it was doing, with its steps made and wanted)."""
     if not stages:
         return []
-    return [f"the time limit ({limit_s:g} s) passed before every island made {max_steps} steps: "
+    return [f"the time limit ({limit_s:g} s) passed before every island had made its steps: "
             + "; ".join(f"{name} {stage}" for name, stage in stages.items())]
 
 

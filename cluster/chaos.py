@@ -8,7 +8,7 @@ the run, by work done or by the clock:
 - `step=N`: once the target island has made N training steps (`[[chaos]]`: `at_step = N`);
 - `REGION.step=N`: once island REGION has made N steps (`at_step = N`, `island = "REGION"`);
 - `folds=N`: once the merger has made N folds (`at_folds = N`);
-- `SECONDS`: that many seconds after the processes started (`at_s = SECONDS`).
+- `SECONDS` or `SECONDSs`: that many seconds after the processes started (`at_s = SECONDS`).
 With a `+` (`step=+N`, `REGION.step=+N`, `folds=+N`, `+SECONDS`; `relative = true`) the point is
 counted from the moment the event before it fired: "restart c once a has made 60 more steps".
 Steps and folds count every life of a process (a restarted island goes on counting).  Events fire
@@ -24,6 +24,7 @@ launcher watches the run and fires, the report prints the rows.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 
@@ -82,9 +83,10 @@ def parse(text: str) -> tuple[ChaosEvent, ...]:
             action, target = (part.strip() for part in head.split(":", 1))
             when = when.strip()
             if (point := _WHEN.match(when)) is None:
-                if not when or when[-1] not in "0123456789s":  # float() takes "inf" and "nan"
+                seconds = float(when.removesuffix("s"))
+                if not math.isfinite(seconds):
                     raise ValueError(when)
-                at = {"at_s": float(when.removesuffix("s")), "relative": when.startswith("+")}
+                at = {"at_s": seconds, "relative": when.startswith("+")}
             elif point["folds"] is not None:
                 at = {"at_s": None, "at_folds": int(point["folds"]), "relative": point["folds"].startswith("+")}
             else:

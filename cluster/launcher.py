@@ -5,10 +5,11 @@ then the report.  `--chaos` kills and restarts processes on a schedule (cluster.
 `--compose FILE` takes the processes from a docker-compose file instead (cluster.compose), started
 in dependency order with their health checks awaited.
 
-A run lasts `duration_s`, or, with `max_steps`, until every island has trained that many steps
-(every life) and the chaos schedule has run, and every island has trained two intervals (2 H) since
-its last event, so that the recovery from it is part of the run; then `duration_s` is a limit: a run
-still going then has failed, and the launcher says which island was where.  A run whose islands did not train an interval, or whose merger never folded, fails too
+A run lasts `duration_s`, or, with `max_steps`, until every island that is up has trained that
+many steps (every life), the chaos schedule has run, and every island has trained two intervals
+(2 H) since the schedule's last event, so that the recovery is part of the run (analysis.verdict.
+targets); then `duration_s` is a limit: a run still going then has failed, and the launcher says
+which island was where.  A run whose islands did not train an interval, or whose merger never folded, fails too
 (analysis.verdict): the exit status is 0 only for a run that did its work.
 
 Run directory: keys/, allow/{broker,merger}/, init.npz, logs/<process>.log,
@@ -39,32 +40,11 @@ from protocol.errors import DlocoError
 
 STOP_TIMEOUT_S = 150.0  # an island drains (up to 30 s), then may evaluate its --eval-trace (up to 90 s)
 EXIT_FAILED, EXIT_INTERRUPTED = 1, 130  # a run that failed or did not train; one stopped by Ctrl-C or SIGTERM
+LAUNCHER_PID = "DLOCO_LAUNCHER_PID"  # in a started process's environment: the launcher it dies with
 
 
 class LaunchError(DlocoError):
     """The cluster could not be prepared or started."""
-
-
-def _stop_with_launcher() -> None:
-    """In a started process, before it runs: SIGTERM it when the launcher dies, however it dies (a
-    SIGKILLed launcher must not leave islands training for ever).  Linux only; elsewhere a no-op."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def share_compilations() -> Path:
-    """Every process this launcher starts (and the report, in this one) keeps JAX's compiled programs
-    in one persistent cache, unless JAX_COMPILATION_CACHE_DIR is set already: an island restarted by
-    hand or by chaos, and the next run of the same model, start without compiling again (seconds
-    instead of tens of seconds on 2 cores).  Returns the cache folder."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dloco" / "jax"
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the model's many small initialisers too
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 def dloco(*args: str) -> list[str]:
@@ -114,13 +94,13 @@ class Cluster:
     # ---- processes -----------------------------------------------------------------------------
     def start(self, name: str) -> None:
         service = self.services[name]
-        env = {**os.environ, **service.env} if service.env else None
+        # The process stops itself if this launcher dies, however it dies (dloco/cli.py: stop_with_launcher).
+        env = {**os.environ, **service.env, LAUNCHER_PID: str(os.getpid())}
         # A capped island enters its quota's group itself, after compiling (island/cpugroup.py).
         command = [*service.command, "--cpu-cgroup", str(self.quotas.groups[name])] if service.cpus else service.command
         with open(self.run_dir / "logs" / f"{name}.log", "ab") as log:
             # A POSIX session of its own: a terminal's Ctrl-C reaches only the launcher, which stops the rest in order.
-            self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                                    preexec_fn=_stop_with_launcher)  # noqa: PLW1509 (the launcher runs no threads)
+            self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.down.discard(name)
 
     def start_all(self) -> None:
@@ -145,13 +125,16 @@ class Cluster:
             time.sleep(service.health_interval_s)
         raise LaunchError(f"{name} did not become healthy: {' '.join(service.health)}")
 
-    def kill(self, name: str) -> None:
-        """kill -9: no signal handler runs, nothing is flushed or drained."""
+    def kill(self, name: str) -> int | None:
+        """kill -9: no signal handler runs, nothing is flushed or drained.  Returns the exit status of
+        a process that had already ended by itself (None when it was running)."""
         process = self.processes[name]
-        if process.poll() is None:
+        ended = process.poll()
+        if ended is None:
             process.kill()
         process.wait(timeout=30)
         self.down.add(name)
+        return ended
 
     def restart(self, name: str) -> None:
         self.start(name)
@@ -215,7 +198,7 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
     islands = [r.name for r in config.regions]
     interval = config.effective()[0].interval
     progress = RunProgress(run_dir, islands)
-    interrupted, problems = False, []
+    interrupted, problems, dead = False, [], []
 
     def on_interrupt(*_) -> None:
         nonlocal interrupted
@@ -237,28 +220,30 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
             while not interrupted:
                 progress.update()
                 now = chaos.Progress(time.monotonic() - started, dict(progress.steps), progress.folds)
-                while pending and chaos.due(pending[0], now, armed):
+                dead = cluster.unexpectedly_dead()  # before any kill: a crash must not pass for a chaos kill
+                while not dead and pending and chaos.due(pending[0], now, armed):
                     event = pending.pop(0)
-                    getattr(cluster, event.action)(event.target)
+                    if getattr(cluster, event.action)(event.target) is not None:  # it had ended by itself
+                        dead = [event.target]
+                        break
                     chaos_log.write(json.dumps({"at_s": round(now.elapsed_s, 3), "wall": time.time(), "action": event.action,
                                                 "target": event.target, "when": str(event)}) + "\n")
                     chaos_log.flush()
                     print(f"dloco up: chaos {event} done", file=out, flush=True)
                     armed = now
-                dead = cluster.unexpectedly_dead()
                 if dead:
                     print(f"dloco up: {', '.join(dead)} exited early; see {run_dir / 'logs'}", file=out, flush=True)
-                    problems.append(f"{', '.join(dead)} exited early")
+                    problems.append(f"{', '.join(dead)} exited early ({', '.join(f'{n} {cluster.processes[n].returncode}' for n in dead)})")
                     break
-                # Bounded by work: every island up has its steps, and, once chaos has run, two more intervals each (its recovery shows).
-                after_chaos = {n: armed.steps.get(n, 0) + 2 * interval for n in islands} if config.chaos else {}
-                short = [n for n in islands if n not in cluster.down and progress.steps[n] < max(config.max_steps, after_chaos.get(n, 0))]
-                if config.max_steps and not short and not pending:
+                wanted = verdict.targets(islands, cluster.down, config.max_steps, interval, armed.steps if config.chaos and not pending else None)
+                left = verdict.short(progress.steps, wanted)
+                if config.max_steps and not left and not pending:
                     break
                 if now.elapsed_s >= config.duration_s:
                     if config.max_steps:
-                        stages = {name: island_stage(run_dir / "logs" / f"{name}.log", progress.last_step[name], progress.steps[name], config.max_steps) for name in short}
-                        problems += verdict.unfinished(stages, config.duration_s, config.max_steps)
+                        stages = {name: island_stage(run_dir / "logs" / f"{name}.log", progress.last_step[name], progress.steps[name], target)
+                                  for name, target in left.items()}
+                        problems += verdict.unfinished(stages, config.duration_s)
                         problems += verdict.unreached([str(e) for e in pending], progress.steps, progress.folds)
                     break
                 view.refresh(now.elapsed_s)
@@ -274,7 +259,7 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
     from analysis.report import write_report
 
     progress.update()
-    failed = {name: code for name, code in codes.items() if code != 0 and name not in cluster.down}
+    failed = {name: code for name, code in codes.items() if code != 0 and name not in cluster.down and name not in dead}
     if failed:
         problems.append("exit status " + ", ".join(f"{name} {code}" for name, code in failed.items()))
     if not interrupted and not problems:

@@ -156,7 +156,7 @@ def _experiment(args: argparse.Namespace) -> int:
                                steps=args.steps)
     except (DlocoError, OSError) as error:
         print(f"dloco experiment: {error}", file=sys.stderr)
-        return 2
+        return 130 if getattr(error, "interrupted", False) else 2
     print(text)
     print(f"dloco experiment: written {out / (args.name + '.md')} and {out / 'experiments'}/", file=sys.stderr)
     return 0
@@ -218,7 +218,27 @@ def _probe(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def stop_with_launcher() -> bool:
+    """A process that `dloco up` started (DLOCO_LAUNCHER_PID in its environment) asks the kernel for a
+    SIGTERM when that launcher dies, however it dies: a SIGKILLed launcher must not leave islands
+    training for ever.  Returns False when the launcher is gone already.  Linux only; elsewhere True."""
+    import os
+
+    launcher = os.environ.get("DLOCO_LAUNCHER_PID")
+    if launcher is None or not sys.platform.startswith("linux"):
+        return True
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    return str(os.getppid()) == launcher  # checked after the request: a launcher dying in between is seen here
+
+
 def main(argv: list[str] | None = None) -> int:
+    if not stop_with_launcher():
+        print("dloco: the dloco up that started this process is gone; not starting", file=sys.stderr)
+        return 1
     args = build_parser().parse_args(argv)
     return args.run(args)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from island.config import ADOPTIONS, SyncConfig
 
 # --eval-trace after training: 48 evaluations take about 50 s with four islands on two cores; a
-# launcher waits 120 s for a stopped island (cluster/launcher.py STOP_TIMEOUT_S).
+# launcher waits 150 s for a stopped island (cluster/launcher.py STOP_TIMEOUT_S): draining first, up to 30 s.
 TRACE_BUDGET_S = 90.0
 
 

@@ -178,7 +178,11 @@ UNTRACED = {"quantization", "merging"}
 
 
 class ExperimentError(DlocoError):
-    """A run of the suite failed or did not train: the suite stops and tabulates nothing."""
+    """A run of the suite failed, did not train or was interrupted: the suite stops and tabulates nothing."""
+
+    def __init__(self, message: str, interrupted: bool = False) -> None:
+        super().__init__(message)
+        self.interrupted = interrupted
 
 
 def run(name: str, out_dir: Path, **options) -> str:
@@ -230,8 +234,10 @@ def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path |
             code = launcher.run(config, run_dir, out=out)
         if code != 0:
             why = [line.removeprefix("dloco up: FAILED: ") for line in (run_dir / "up.out").read_text().splitlines() if line.startswith("dloco up: FAILED: ")]
-            raise ExperimentError(f"{name}: run {label} {'was interrupted' if code == launcher.EXIT_INTERRUPTED else 'failed'} "
-                                  f"(exit {code}{': ' + '; '.join(why) if why else ''}); see {run_dir / 'report.md'}. Nothing is tabulated.")
+            interrupted = code == launcher.EXIT_INTERRUPTED
+            raise ExperimentError(f"{name}: run {label} {'was interrupted' if interrupted else 'failed'} "
+                                  f"(exit {code}{': ' + '; '.join(why) if why else ''}); see {run_dir / 'report.md'}. Nothing is tabulated.",
+                                  interrupted=interrupted)
         results.append(collect(label, config, run_dir, code))
     command = (f"dloco experiment {name}" + (" --quick" if quick else "") + (f" --steps {steps}" if steps and not quick else "")
                + (f" --seconds {seconds:g}" if seconds else "") + (f" --runs {','.join(label for label, _ in runs)}" if only is not None else ""))
@@ -250,6 +256,8 @@ def _tabulate(name: str, description: str, configs: list[tuple[str, ClusterConfi
         for label, config in configs:
             run_dir = folder / name / label
             if (run_dir / "report.md").exists():
+                if "\n## FAILED\n" in (run_dir / "report.md").read_text():  # it failed or did not train: never tabulated
+                    raise ExperimentError(f"{name}: run {label} in {folder} failed (its report.md says why): nothing is tabulated")
                 planned, codes = read_exit_codes(run_dir)
                 missing = sorted(set(config.process_names) - set(codes))
                 if missing:

@@ -59,7 +59,7 @@ def test_an_event_is_due_once_the_run_reaches_its_point():
     assert not chaos.due(kill_merger, P(0.0, {}, 24), armed) and chaos.due(kill_merger, P(0.0, {}, 25), armed)
     assert not chaos.due(restart_merger, P(104.4, {}, 0), armed) and chaos.due(restart_merger, P(104.5, {}, 0), armed)
     assert chaos.due(chaos.parse("kill:c@step=40")[0], P(0.0, {"c": 40}, 0), armed)  # absolute: c's 40th step, not 40 more
-    for text in ("kill:c@inf", "kill:c@nan", "kill:c@+", "kill:c@step=+"):
+    for text in ("kill:c@inf", "kill:c@nan", "kill:c@infs", "kill:c@+", "kill:c@step=+"):
         with pytest.raises(ConfigError, match="ACTION:TARGET@WHEN"):
             chaos.parse(text)
 

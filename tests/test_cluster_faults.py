@@ -20,7 +20,7 @@ from tests.cluster_helpers import small_profile
 STEPS = 200
 # Islands on older hardware (they sleep their slowdown), each fragment every 10 steps: the tiny model
 # alone steps ~40 times a second here, and three islands of it flood a merger that shares 2 cores.
-PROFILE = small_profile(600, 25, """
+PROFILE = small_profile(400, 25, """
 [[regions]]
 name = "a"
 slowdown = 2.0

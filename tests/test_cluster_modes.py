@@ -64,7 +64,7 @@ def test_a_synchronous_mode_holds_every_island_at_the_barrier(tmp_path, mode):
     (tmp_path / "c.toml").write_text(PROFILE.replace("interval = 10", "interval = 10\nsettle_timeout_s = 500.0").replace("[merger]\n", "[merger]\nquorum_timeout_s = 400.0\n"))
     run = tmp_path / "run"
     up = subprocess.run([sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run), "--mode", mode,
-                         "--steps", str(STEPS), "--duration", "500"], capture_output=True, text=True, timeout=560)
+                         "--steps", str(STEPS), "--duration", "300"], capture_output=True, text=True, timeout=560)
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
     interval = 1 if mode == "sync-dp" else 10
     folds = merger_folds(run)
@@ -76,7 +76,7 @@ def test_a_synchronous_mode_holds_every_island_at_the_barrier(tmp_path, mode):
     assert abs(last["fast"]["step"] - last["slow"]["step"]) <= interval, last  # lockstep
     # Who waits on whom, after the first round (which also waits out the other's compilation): the fast island for the slow one.
     waited = {name: last[name]["wait_s"] - next(e for e in events if e["step"] == interval)["wait_s"] for name, events in steps.items()}
-    assert waited["fast"] > waited["slow"] >= 0, waited
+    assert waited["fast"] > waited["slow"], waited
     with np.load(run / "init.npz") as init:
         params = sum(init[name].size for name in init.files)
     if mode == "sync-dp":  # a full fp32 model up every step, as an all-reduce of gradients would move (the stop may cut a later step)

@@ -88,7 +88,7 @@ def test_the_compose_services_run_as_local_processes(tmp_path):
     """Two of the file's regions and what they depend on (prepare, broker, merger), 48 steps each."""
     run = tmp_path / "run"
     up = subprocess.run([sys.executable, "-m", "dloco", "up", "--compose", str(COMPOSE_FILE), "--services", "us-east,us-west",
-                         "--steps", "48", "--duration", "600", "--run-dir", str(run)], capture_output=True, text=True, timeout=800)
+                         "--steps", "48", "--duration", "400", "--run-dir", str(run)], capture_output=True, text=True, timeout=800)
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
     assert sorted(p.stem for p in (run / "logs").glob("*.log")) == ["broker", "merger", "prepare", "us-east", "us-west"]
     folds = [json.loads(line) for line in (run / "logs" / "merger.log").read_text().splitlines() if '"event": "fold"' in line]

@@ -167,7 +167,7 @@ def test_the_downlink_holds_snapshots_until_they_would_have_arrived():
         waited = time.monotonic() - handed
         nbytes = sum(memoryview(f).nbytes for f in frames)
         # never handed over before it would have arrived; later only by what a busy machine adds
-        assert 0.9 * (nbytes / 1e6 + 0.1) <= waited < nbytes / 1e6 + 0.1 + 2.0 and ready[0][:2] == (0, 3)
+        assert 0.9 * (nbytes / 1e6 + 0.1) <= waited < nbytes / 1e6 + 0.1 + 10.0 and ready[0][:2] == (0, 3)
     finally:
         link.close()
 

@@ -183,7 +183,7 @@ def test_a_full_retransmit_buffer_stops_the_publisher_not_the_loop():
         started = time.monotonic()
         for _ in range(5):
             link.publish(0, 0, DELTA, 1, 1)  # returns at once every time
-        assert time.monotonic() - started < 0.5
+        assert time.monotonic() - started < 5.0  # a blocking publish would never return: nobody acknowledges
         wait_for(lambda: link.uplink.backpressure_waits > 0, 10, "publisher never waited")
         assert link.uplink.seq == 10 and len(link.uplink.kept) == 10  # stopped at the bound; nothing discarded
         assert link.summed >= 3  # later deltas wait in the outbox, summed

@@ -22,12 +22,23 @@ def test_a_run_that_did_not_train_says_why():
 
 
 def test_a_run_past_its_time_limit_names_each_slow_island_and_its_stage():
-    assert verdict.unfinished({}, 600, 200) == []
-    (line,) = verdict.unfinished({"c": "stepping (120 of 200 steps made)", "d": "joining (waiting for the merger's model)"}, 600, 200)
-    assert line == ("the time limit (600 s) passed before every island made 200 steps: "
+    assert verdict.unfinished({}, 600) == []
+    (line,) = verdict.unfinished({"c": "stepping (120 of 200 steps made)", "d": "joining (waiting for the merger's model)"}, 600)
+    assert line == ("the time limit (600 s) passed before every island had made its steps: "
                     "c stepping (120 of 200 steps made); d joining (waiting for the merger's model)")
     assert verdict.unreached([], {"a": 3}, 0) == []
     assert verdict.unreached(["kill:merger@folds=9"], {"a": 30}, 4) == ["chaos events never reached: kill:merger@folds=9 (steps made: a 30; folds: 4)"]
+
+
+def test_a_bounded_run_ends_when_every_island_up_has_its_steps_and_two_intervals_after_the_chaos():
+    islands = ["a", "b", "c"]
+    assert verdict.targets(islands, set(), 200, 20, None) == {"a": 200, "b": 200, "c": 200}  # no chaos: max_steps each
+    # after the schedule's last event each island needs two intervals more than it had then, or max_steps if that is more
+    assert verdict.targets(islands, set(), 200, 20, {"a": 900, "b": 150, "c": 170}) == {"a": 940, "b": 200, "c": 210}
+    assert verdict.targets(islands, {"c"}, 200, 20, {"a": 0, "b": 0, "c": 0}) == {"a": 200, "b": 200}  # killed for good: no target
+    wanted = verdict.targets(islands, set(), 200, 20, {"a": 900, "b": 150, "c": 170})
+    assert verdict.short({"a": 939, "b": 200, "c": 300}, wanted) == {"a": 940}
+    assert verdict.short({"a": 940, "b": 200, "c": 210}, wanted) == {}
 
 
 def _append(path, *events, partial: str = ""):
