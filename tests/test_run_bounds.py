@@ -114,3 +114,35 @@ def test_a_suite_whose_run_did_not_get_its_steps_done_exits_non_zero_and_says_wh
     assert "Nothing is tabulated" in suite.stderr and not (out / "merging.md").exists()
     report = (out / "merging" / "rda-2-islands" / "report.md").read_text()
     assert "## FAILED" in report and "us-west" in report.split("## Islands")[0]  # both islands are named, with their stage
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_killed_launcher_takes_its_processes_with_it(tmp_path):
+    """SIGKILL to `dloco up` (a test's timeout, an OOM kill) runs no handler: the broker, the merger
+    and the islands it started stop by themselves instead of training for ever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.cluster_helpers import small_profile
+
+    (tmp_path / "c.toml").write_text(small_profile(600, 20, '[[regions]]\nname = "a"\n[[regions]]\nname = "b"\n', max_steps=10**6))
+    run = tmp_path / "run"
+    up = subprocess.Popen([sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started = run / "metrics" / "b.jsonl"
+    deadline = time.monotonic() + 240
+    while not (started.exists() and started.stat().st_size > 0) and up.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert started.exists(), "the islands never started"
+    children = [int(p) for p in subprocess.run(["pgrep", "-f", str(run)], capture_output=True, text=True).stdout.split()]
+    assert len(children) >= 4, children  # broker, merger, a, b (and the launcher's own command line)
+    up.send_signal(signal.SIGKILL)
+    up.wait(timeout=30)
+    deadline = time.monotonic() + 120  # islands stop after their step and drain (up to 30 s) without a merger
+    while (alive := [pid for pid in children if os.path.exists(f"/proc/{pid}") and pid != up.pid]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive, alive
