@@ -148,3 +148,12 @@ def test_the_checker_reports_missing_files_escapes_and_headings(tmp_path: Path):
 def test_the_dating_pattern():
     assert DATED.search(f"in the eighth {_PERIOD}") and DATED.search("see issue " + "#7") and DATED.search(f"{_PERIOD.title()} 3")
     assert not DATED.search(f"{_PERIOD}s of training") and not DATED.search("an issue number")
+
+
+def test_no_source_file_dates_itself_by_a_work_period_or_an_issue_number():
+    """Code comments explain the code as it is: the ordinal form and issue numbers never appear in
+    .py or .toml files (the bare word is fine there: a POSIX session, a pytest session)."""
+    dated = re.compile(rf"({_ORDINALS}) {_PERIOD}|issue #[0-9]+", re.IGNORECASE)
+    found = [f"{path}:{n}: {line.strip()[:120]}" for path in shipped_files() or () if path.suffix in (".py", ".toml")
+             for n, line in enumerate((ROOT / path).read_text(encoding="utf-8").splitlines(), 1) if dated.search(line)]
+    assert found == []
