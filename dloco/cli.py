@@ -224,7 +224,7 @@ def stop_with_launcher() -> bool:
     training for ever.  Returns False when the launcher is gone already.  Linux only; elsewhere True."""
     import os
 
-    launcher = os.environ.get("DLOCO_LAUNCHER_PID")
+    launcher = os.environ.pop("DLOCO_LAUNCHER_PID", None)  # not for this process's own children (prepare runs one)
     if launcher is None or not sys.platform.startswith("linux"):
         return True
     import ctypes

@@ -146,3 +146,21 @@ def test_a_killed_launcher_takes_its_processes_with_it(tmp_path):
     while (alive := [pid for pid in children if os.path.exists(f"/proc/{pid}") and pid != up.pid]) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not alive, alive
+
+
+def test_a_started_process_checks_its_launcher_and_keeps_the_mark_from_its_own_children():
+    """DLOCO_LAUNCHER_PID names the `dloco up` a process must die with: it starts only while that is
+    its parent, and its own children (prepare runs `dloco island --write-init`) do not inherit it."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import os; from dloco.cli import stop_with_launcher; "
+             "print(stop_with_launcher(), 'DLOCO_LAUNCHER_PID' in os.environ)")
+    for launcher, expected in ((str(os.getpid()), "True False"), ("1", "False False")):
+        run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "DLOCO_LAUNCHER_PID": launcher})
+        assert run.stdout.split() == expected.split(), (launcher, run.stdout, run.stderr)
+    bare = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if k != "DLOCO_LAUNCHER_PID"})
+    assert bare.stdout.split() == ["True", "False"], bare.stderr
