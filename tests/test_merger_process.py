@@ -293,8 +293,8 @@ def test_diff_snapshots_track_the_served_value_through_a_restart(tmp_path, init_
     receiver ask) it again holds exactly what the restarted merger serves."""
     islands.append(island := Island(tmp_path))
     flags = ("--snapshot-diff-codec", "int4", "--snapshot-full-every", "3")
+    watcher = SnapshotWatcher(island)  # subscribed before the merger binds: the first folds' snapshots cannot outrun it
     processes.append(start_merger(tmp_path / "m", island, init_npz, *flags))
-    watcher = SnapshotWatcher(island)
     try:
         watcher.ask()
         watcher.pump(lambda: watcher.holds([0, 0]))
@@ -336,8 +336,8 @@ def test_held_snapshots_carry_every_fold_and_the_last_one_goes_out(tmp_path, ini
     no mismatch), the last fold reaches the bus by the clock alone (no delta follows it), and what
     the receiver built equals the merger's catch-up reply bit for bit."""
     islands.append(island := Island(tmp_path))
+    watcher = SnapshotWatcher(island)  # subscribed before the merger binds
     processes.append(start_merger(tmp_path / "m", island, init_npz, "--snapshot-diff-codec", "int4", "--snapshot-every-round", "3"))
-    watcher = SnapshotWatcher(island)
     try:
         watcher.ask()
         watcher.pump(lambda: watcher.holds([0, 0]))
