@@ -1,0 +1,149 @@
+"""The task plug-in: what an island trains, given by one function.
+
+`dloco island --task SPEC` (and `[model] task = SPEC` in a cluster file) names a function as
+``PATH.py:FUNCTION`` or ``MODULE:FUNCTION``.  dloco calls it once per process with a TaskContext
+and trains what it returns; the built-in byte LM is such a function (``island.bytelm:task``, the
+default).  The merger never sees the task: it folds named float32 tensors.
+
+    def task(ctx: TaskContext) -> Task:
+        model = MyModel(rngs=nnx.Rngs(ctx.seed))          # a Flax NNX module
+        return Task(model=model, loss=my_loss,              # loss(model, batch) -> scalar
+                    batches=my_shard(ctx.island_index, ctx.islands, ctx.batch, ctx.seed),  # endless iterator
+                    eval_batches=my_held_out(ctx.batch))   # the same list on every island
+
+A batch is an array or a pytree of arrays whose leading axis is the batch (split over the local
+devices).  Every island must build the same parameters (paths and shapes) from the same seed: an
+island whose model differs from the merger's is refused at join, naming the first differing path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from protocol.errors import DlocoError
+
+BUILTIN = "island.bytelm:task"
+
+
+class TaskError(DlocoError):
+    """The task cannot be loaded, or what it returned breaks the contract."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskContext:
+    """What dloco tells the task function about this process."""
+
+    island_index: int  # which shard of the training data this island trains on, in [0, islands)
+    islands: int  # how many shards the training data is cut into
+    seed: int  # the model's initialisation seed: the same on every island and in `dloco prepare`
+    batch: int  # examples (sequences) per training step, over all local devices
+    max_steps: int  # inner steps this island plans to train (schedules may use it)
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # --task-option KEY=VALUE / the cluster file's [task]
+
+
+@dataclasses.dataclass
+class Task:
+    """What an island trains.  `loss` and `metrics` are traced by `nnx.jit`: pure JAX on (model, batch)."""
+
+    model: Any  # a flax.nnx.Module; its nnx.Param leaves are what the islands exchange
+    loss: Callable[[Any, Any], Any]  # (model, batch) -> scalar loss to minimise
+    batches: Iterator[Any]  # this island's training batches, endless
+    eval_batches: Sequence[Any]  # held-out batches, identical on every island (the global model is evaluated on them too)
+    optimizer: Any = None  # an optax.GradientTransformation; None: dloco's AdamW chain from the training settings
+    metrics: Callable[[Any, Any], Mapping[str, Any]] | None = None  # (model, batch) -> {name: scalar}, held-out extras (e.g. accuracy)
+    count: Callable[[Any], int] | None = None  # what one batch counts as "tokens" in the metrics; None: its leading dimension
+    name: str = ""  # shown in logs and reports
+
+    def tokens_in(self, batch) -> int:
+        if self.count is not None:
+            return int(self.count(batch))
+        import jax
+
+        return int(jax.tree.leaves(batch)[0].shape[0])
+
+
+def resolve(spec: str) -> Callable[[TaskContext], Task]:
+    """The task function named by ``PATH.py:FUNCTION`` or ``MODULE:FUNCTION``."""
+    where, sep, function = spec.rpartition(":")
+    if not sep or not where or not function.isidentifier():
+        raise TaskError(f"--task must be PATH.py:FUNCTION or MODULE:FUNCTION, got {spec!r}")
+    if where.endswith(".py"):
+        path = Path(where).expanduser().resolve()
+        if not path.is_file():
+            raise TaskError(f"task file {where} does not exist")
+        name = f"dloco_task_{path.stem}_{abs(hash(str(path)))}"
+        loader = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(loader)
+        sys.modules[name] = module  # dataclasses and pickling look the module up by name
+        try:
+            loader.loader.exec_module(module)
+        except Exception as error:  # the user's file: any error in it is a task error, with its own message
+            del sys.modules[name]
+            raise TaskError(f"task file {where} failed to import: {type(error).__name__}: {error}") from error
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as error:
+            raise TaskError(f"task module {where!r} cannot be imported: {error}") from error
+    found = getattr(module, function, None)
+    if not callable(found):
+        raise TaskError(f"{where} has no function {function!r}")
+    return found
+
+
+def build(spec: str, context: TaskContext) -> Task:
+    """Call the task function and check what it returned."""
+    task = resolve(spec)(context)
+    if not isinstance(task, Task):
+        raise TaskError(f"task {spec} returned {type(task).__name__}, not island.task.Task")
+    from flax import nnx
+
+    if not isinstance(task.model, nnx.Module):
+        raise TaskError(f"task {spec}: model is a {type(task.model).__name__}, not a flax.nnx.Module")
+    if not callable(task.loss):
+        raise TaskError(f"task {spec}: loss is not callable")
+    if len(task.eval_batches) == 0:
+        raise TaskError(f"task {spec}: eval_batches is empty (the held-out loss needs at least one batch)")
+    if not hasattr(task.batches, "__next__"):
+        raise TaskError(f"task {spec}: batches must be an iterator (it has no __next__); wrap a list in iter() or write a generator")
+    return task
+
+
+def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; a value is read as an int, a float, true/false, or else kept as a string."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise TaskError(f"--task-option must be KEY=VALUE with KEY an identifier, got {pair!r}")
+        options[key] = _literal(value)
+    return options
+
+
+def _literal(text: str):
+    if text in ("true", "false"):
+        return text == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def first_difference(theirs: Mapping[str, tuple[int, ...]], ours: Mapping[str, tuple[int, ...]]) -> str | None:
+    """The first path (in sorted order) where two models' {path: shape} differ, said for a person; None if equal."""
+    for path in sorted(set(theirs) | set(ours)):
+        if path not in ours:
+            return f"the merger's model has {path} {tuple(theirs[path])}, this task's has no such parameter"
+        if path not in theirs:
+            return f"this task's model has {path} {tuple(ours[path])}, the merger's has no such parameter"
+        if tuple(theirs[path]) != tuple(ours[path]):
+            return f"{path} is {tuple(theirs[path])} in the merger's model and {tuple(ours[path])} in this task's"
+    return None
