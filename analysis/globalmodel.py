@@ -18,37 +18,47 @@ from cluster.config import ClusterConfig
 
 
 class Evaluator:
-    """The islands' held-out bytes and a trainer to evaluate parameters on them (same model, same batches)."""
+    """The islands' task, built as an island builds it, to evaluate parameters on its held-out batches."""
 
     def __init__(self, config: ClusterConfig, run_dir: Path) -> None:
-        from island import data
-        from island.config import ModelConfig, TrainConfig
+        from island.config import TrainConfig
+        from island.task import TaskContext, build
         from island.train import Trainer
 
-        m = config.model
-        self.trainer = Trainer(ModelConfig(width=m.width, depth=m.depth, heads=m.heads, context=m.context), TrainConfig(batch=m.batch, seed=config.seed))
-        _, evaluation = data.split(data.load(), len(config.regions))
-        self.batches = data.eval_batches(evaluation, m.batch, m.context, 8)
+        context = TaskContext(island_index=0, islands=len(config.regions), seed=config.seed, batch=config.model.batch, max_steps=1,
+                              options=task_options(config))
+        task = build(config.model.task, context)
+        self.trainer = Trainer(task.model, task.loss, TrainConfig(batch=config.model.batch, seed=config.seed), task.optimizer, task.metrics)
+        self.batches = task.eval_batches
         self.run_dir = run_dir
 
     def loss(self, params: dict[str, np.ndarray]) -> float:
+        return self.metrics(params)["loss"]
+
+    def metrics(self, params: dict[str, np.ndarray]) -> dict[str, float]:
+        """Held-out loss and the task's metrics ({"loss": ..., name: ...})."""
         self.trainer.set_params(params)
-        return self.trainer.evaluate(self.batches)
+        return self.trainer.evaluate_all(self.batches)
 
-    def initial(self) -> float:
+    def initial(self) -> dict[str, float]:
         with np.load(self.run_dir / "init.npz") as initial:
-            return self.loss({k: initial[k] for k in initial.files})
+            return self.metrics({k: initial[k] for k in initial.files})
 
-    def final(self) -> float | None:
-        """The merger's last checkpoint (written when it stops), or None without one."""
+    def final(self) -> dict[str, float] | None:
+        """The merger's last checkpoint (written when it stops), evaluated; None without one."""
         from merger import checkpoint
         from merger.recovery import checkpoint_dir
 
         saved = checkpoint.latest(checkpoint_dir(self.run_dir / "merger"))
         if saved is None:
             return None
-        return self.loss({path: np.frombuffer(entry["data"], dtype=np.dtype(entry["dtype"])).reshape(entry["shape"])
+        return self.metrics({path: np.frombuffer(entry["data"], dtype=np.dtype(entry["dtype"])).reshape(entry["shape"])
                           for fragment in saved["fragments"] for path, entry in fragment["params"].items()})
+
+
+def task_options(config: ClusterConfig) -> dict:
+    """What an island of this cluster passes its task function as options (cluster/topology.model_args)."""
+    return {**config.model.lm_options(), **dict(config.task_options)}
 
 
 def cluster_tokens_at(lives_by_island: dict[str, list[list[dict]]], at: float) -> int:

@@ -13,8 +13,9 @@ from cluster.config import ClusterConfig
 from protocol.errors import ConfigError
 
 
-def global_eval(config: ClusterConfig, run_dir: Path) -> tuple[float | None, float | None]:
-    """Held-out loss of the initial model and of the merger's final global model (same eval bytes as the islands)."""
+def global_eval(config: ClusterConfig, run_dir: Path) -> tuple[dict[str, float], dict[str, float] | None]:
+    """Held-out loss and metrics ({"loss": ..., name: ...}) of the initial model and of the merger's
+    final global model (None without a checkpoint), on the islands' held-out batches."""
     evaluator = Evaluator(config, run_dir)
     return evaluator.initial(), evaluator.final()
 
@@ -149,8 +150,11 @@ def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int
         versions[fold["fragment"]] = max(versions[fold["fragment"]], fold["version"])
     lines += ["", "## Global model (the merger's)", "",
               "| folds | fragment versions | held-out loss, initial | held-out loss, final | merger exit | broker exit |", "|---|---|---|---|---|---|",
-              f"| {len(folds)} | {dict(sorted(versions.items()))} | {before:.3f} | {after if after is None else round(after, 3)} "
+              f"| {len(folds)} | {dict(sorted(versions.items()))} | {before['loss']:.3f} | {after if after is None else round(after['loss'], 3)} "
               f"| {exit_codes.get('merger')} | {exit_codes.get('broker')} |", ""]
+    if extra := [name for name in before if name != "loss"]:
+        lines += [f"Held-out {', '.join(f'{name} {before[name]:.4g} → {after[name]:.4g}' if after else f'{name} {before[name]:.4g} (initial)' for name in extra)}"
+                  " (initial → final global model).", ""]
     lines += _chaos_section(chaos_effects(run_dir, [r.name for r in config.regions]))
     lines += ["## Plots", ""] + [f"![{p}]({p})" for p in _plots(config, run_dir, metrics)]
     lines += ["", "Logs: `logs/<process>.log` (JSON lines); island metrics: `metrics/<region>.jsonl`; "

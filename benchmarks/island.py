@@ -11,13 +11,13 @@ from collections.abc import Callable
 
 import zmq
 
-from island import data
+from island import bytelm, data
 from island.config import ModelConfig, SyncConfig, TrainConfig
 from island.loop import IslandLoop
 from island.metrics import MetricsWriter
 from island.network import NetworkLink
 from island.shaper import LinkShaper
-from island.train import Trainer
+
 
 
 def _sink(context: zmq.Context, stop: threading.Event) -> tuple[int, threading.Thread]:
@@ -55,8 +55,8 @@ def run(steps: int = 300, rounds: int = 3, log: Callable[[str], None] = lambda l
                 if mode == "publishing":
                     link = NetworkLink("bench", "bench", sync, f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:9", "tcp://127.0.0.1:9",
                                        uplink=LinkShaper(None))
-                loop = IslandLoop(Trainer(model, train), data.Batches(shards[0], train.batch, model.context, round_, 0),
-                                  data.eval_batches(evaluation, train.batch, model.context, 1), train, sync, MetricsWriter(None), link=link)
+                loop = IslandLoop(bytelm.trainer(model, train), data.Batches(shards[0], train.batch, model.context, round_, 0),
+                                  data.eval_batches(evaluation, train.batch, model.context, 1), train, sync, MetricsWriter(None), link=link, count=bytelm.count_tokens)
                 loop.run(20)  # compile and warm up
                 rates[mode].append(loop.run(steps)["steps_per_s"])
                 if link is not None:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from cluster.chaos import ChaosEvent, check, in_order
 from cluster.cpuquota import quota_us
-from island.config import ModelConfig, SyncConfig, TrainConfig
+from island.config import MODEL_SIZES, ModelConfig, SyncConfig, TrainConfig
+from island.task import BUILTIN
 from merger.config import MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
 from protocol.errors import ConfigError, require
 
@@ -40,6 +41,9 @@ class Region:
         require(self.rtt_ms >= 0, f"region {self.name}: rtt_ms must be >= 0, got {self.rtt_ms}")
 
 
+_MODEL_FIELDS = {field.name for field in dataclasses.fields(ModelConfig)}
+
+
 @contextlib.contextmanager
 def _section_named(section: str):
     """A process config's error names its own key (`round.quorum`): say which section of the cluster file set it."""
@@ -51,18 +55,43 @@ def _section_named(section: str):
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-    """[model]: the islands' Transformer and batch; defaults and checks are the island's (ModelConfig, TrainConfig)."""
+    """[model]: what the islands train and their batch.  `task` names the task function (island/task.py;
+    a relative PATH.py is the cluster file's neighbour); size, width, ... corpus and tokens are the
+    built-in LM's options (island/bytelm.py), unset: the preset's or the data's.  Other tasks take
+    their options from [task]."""
 
-    width: int = ModelConfig.width
-    depth: int = ModelConfig.depth
-    heads: int = ModelConfig.heads
-    context: int = ModelConfig.context  # tokens (bytes) per sequence
-    batch: int = TrainConfig.batch  # sequences per step
+    task: str = BUILTIN
+    size: str | None = None
+    width: int | None = None
+    depth: int | None = None
+    heads: int | None = None
+    context: int | None = None  # tokens (bytes) per sequence
+    vocab: int | None = None
+    corpus: str | None = None
+    tokens: str | None = None
+    batch: int = TrainConfig.batch  # sequences (examples) per step
 
     def __post_init__(self) -> None:
+        require(type(self.task) is str and ":" in self.task, f"model.task must be 'PATH.py:FUNCTION' or 'MODULE:FUNCTION', got {self.task!r}")
+        for key in ("size", "corpus", "tokens"):
+            require(getattr(self, key) is None or type(getattr(self, key)) is str, f"model.{key} must be a string, got {getattr(self, key)!r}")
+        for key in ("width", "depth", "heads", "context", "vocab", "batch"):
+            value = getattr(self, key)
+            require(value is None or (type(value) is int and value >= 1), f"model.{key} must be a positive int, got {value!r}")
+        require(self.size is None or self.size in MODEL_SIZES, f"model.size must be one of {sorted(MODEL_SIZES)}, got {self.size!r}")
+        require(not (self.corpus and self.tokens), "model: give corpus (text) or tokens (a token file), not both")
+        require(self.task == BUILTIN or not self.lm_options(), f"model: {sorted(self.lm_options())} are the built-in LM's options; "
+                f"task {self.task} takes its options from [task]")
         with _section_named("model"):
-            ModelConfig(width=self.width, depth=self.depth, heads=self.heads, context=self.context)
+            if self.task == BUILTIN:  # the shape alone (the data's vocabulary is checked when an island loads it)
+                preset = {**MODEL_SIZES[self.size or "tiny"], **{k: v for k, v in self.lm_options().items() if k in _MODEL_FIELDS}}
+                ModelConfig(**preset)
             TrainConfig(batch=self.batch)
+
+    def lm_options(self) -> dict:
+        """The built-in LM's options that are set."""
+        return {key: getattr(self, key) for key in ("size", "width", "depth", "heads", "context", "vocab", "corpus", "tokens")
+                if getattr(self, key) is not None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +138,7 @@ class ClusterConfig:
     eval_trace: int = 0  # islands evaluate their first N steps after training (island --eval-trace; the experiment suites use it)
     seed: int = 0
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    task_options: tuple[tuple[str, str | int | float | bool], ...] = ()  # [task]: the task function's options, KEY = VALUE
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)  # the island's own
     merger: MergerSection = dataclasses.field(default_factory=MergerSection)
     chaos: tuple[ChaosEvent, ...] = ()  # kill -9 / restart schedule (cluster.chaos)
@@ -126,6 +156,8 @@ class ClusterConfig:
         require(type(self.max_steps) is int and self.max_steps >= 0, f"run.max_steps must be an int >= 0, got {self.max_steps!r}")
         require(type(self.eval_early) is bool, f"run.eval_early must be true or false, got {self.eval_early!r}")
         require(type(self.eval_trace) is int and self.eval_trace >= 0, f"run.eval_trace must be an int >= 0, got {self.eval_trace!r}")
+        require(all(type(k) is str and k.isidentifier() and type(v) in (str, int, float, bool) for k, v in self.task_options),
+                f"[task] values must be strings, numbers or booleans under identifier keys, got {dict(self.task_options)!r}")
         for name, kind in (("model", ModelSection), ("sync", SyncConfig), ("merger", MergerSection)):
             require(type(getattr(self, name)) is kind, f"ClusterConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         check(self.chaos, self.process_names, [r.name for r in self.regions])
@@ -220,7 +252,7 @@ def load(path: str | Path | None = None) -> ClusterConfig:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise ConfigError(f"cannot read cluster file {path}: {error}") from None
-    unknown = set(data) - set(_SECTIONS) - {"regions", "chaos"}
+    unknown = set(data) - set(_SECTIONS) - {"regions", "chaos", "task"}
     require(not unknown, f"{path}: unknown sections {sorted(unknown)}")
     for section, keys in _SECTIONS.items():
         extra = set(data.get(section, {})) - keys
@@ -242,9 +274,20 @@ def load(path: str | Path | None = None) -> ClusterConfig:
         eval_every=int(run.get("eval_every", defaults.eval_every)), eval_early=run.get("eval_early", defaults.eval_early),
         eval_trace=run.get("eval_trace", defaults.eval_trace), seed=int(run.get("seed", defaults.seed)), mode=str(run.get("mode", "decoupled")),
         island_cpus=run.get("island_cpus", defaults.island_cpus),
-        model=_section(path, "model", ModelSection, data), sync=_section(path, "sync", SyncConfig, data),
+        model=_near(path, _section(path, "model", ModelSection, data)), task_options=tuple(sorted(data.get("task", {}).items())),
+        sync=_section(path, "sync", SyncConfig, data),
         merger=_section(path, "merger", MergerSection, data), chaos=in_order(chaos),
     )
+
+
+def _near(path: Path, model: ModelSection) -> ModelSection:
+    """Relative paths in [model] (a task file, corpus, tokens) are the cluster file's neighbours."""
+    def near(value: str) -> str:
+        return value if Path(value).is_absolute() else str((path.parent / value).resolve())
+
+    where, sep, function = model.task.rpartition(":")
+    task = f"{near(where)}:{function}" if where.endswith(".py") else model.task
+    return dataclasses.replace(model, task=task, corpus=model.corpus and near(model.corpus), tokens=model.tokens and near(model.tokens))
 
 
 _KINDS = {bool: ((bool,), "true or false"), int: ((int,), "an int"), float: ((int, float), "a number"), str: ((str,), "a string")}

@@ -24,9 +24,16 @@ class Addresses:
         return f"tcp://{self.broker_host}:{self.broker_ports[index]}"
 
 
-def model_args(config: ClusterConfig) -> list[str]:
+def model_args(config: ClusterConfig, place=lambda path: path) -> list[str]:
+    """The island's task arguments; `place` maps a host path (task file, corpus, tokens) to where the process sees it."""
     m = config.model
-    return ["--width", m.width, "--depth", m.depth, "--heads", m.heads, "--context", m.context, "--batch", m.batch, "--seed", config.seed]
+    where, _, function = m.task.rpartition(":")
+    args = ["--task", f"{place(where)}:{function}" if where.endswith(".py") else m.task]
+    for key, value in m.lm_options().items():
+        args += [f"--{'model-size' if key == 'size' else key}", place(value) if key in ("corpus", "tokens") else value]
+    for key, value in config.task_options:
+        args += ["--task-option", f"{key}={str(value).lower() if type(value) is bool else value}"]
+    return args + ["--batch", m.batch, "--seed", config.seed]
 
 
 def prepare_command(config_path: str, run_dir: str) -> list[str]:

@@ -21,12 +21,25 @@ class ModelConfig:
     heads: int = 4
     context: int = 128  # tokens (bytes) per sequence
     mlp_ratio: int = 4
+    tie_embeddings: bool = False  # the output head reuses the token embedding (GPT-2 does)
 
     def __post_init__(self) -> None:
         for name in ("vocab", "width", "depth", "heads", "context", "mlp_ratio"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1, f"model.{name} must be a positive int, got {value!r}")
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"model.{name} must be a positive int, got {value!r}")
         _require(self.width % self.heads == 0, f"model.width {self.width} must be a multiple of model.heads {self.heads}")
+        _require(type(self.tie_embeddings) is bool, f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
+
+
+# The built-in LM's sizes (`--model-size`, `[model] size`).  tiny is the default; 124m and 350m are
+# GPT-2 small and medium in shape (a BPE vocabulary of 50,257 ids, tied embeddings, 1,024 positions).
+MODEL_SIZES: dict[str, dict] = {
+    "tiny": dict(width=128, depth=4, heads=4, context=128),  # 0.87 M parameters with bytes
+    "small": dict(width=256, depth=6, heads=8, context=256),  # 4.9 M
+    "base": dict(width=512, depth=8, heads=8, context=512),  # 25.6 M
+    "124m": dict(vocab=50257, width=768, depth=12, heads=12, context=1024, tie_embeddings=True),  # 124.4 M
+    "350m": dict(vocab=50257, width=1024, depth=24, heads=16, context=1024, tie_embeddings=True),  # 354.8 M
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +56,6 @@ class TrainConfig:
     eval_every: int = 100  # steps between evaluations
     eval_early: bool = False  # also at steps 1, 2, 4, 8, ... below eval_every (when the loss falls fastest)
     eval_trace: int = 0  # copy the parameters after each of the first N steps; evaluate them once training is over
-    eval_batches: int = 8
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -83,6 +83,12 @@ class Batches:
         self.shard, self.batch, self.context = shard, batch, context
         self.rng = np.random.default_rng([seed, island])
 
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        return self.next()
+
     def next(self) -> np.ndarray:
         starts = self.rng.integers(0, self.shard.size - self.context - 1, size=self.batch)
         return np.stack([self.shard[s : s + self.context + 1] for s in starts]).astype(np.int32)

@@ -6,21 +6,25 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
-from typing import Protocol
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
 from island import exchange
 from island.config import SyncConfig, TrainConfig
-from island.data import Batches
 from island.metrics import MetricsWriter
+from island.task import first_difference
 from island.train import Trainer
 from protocol.errors import DlocoError
 
 
 class JoinTimeout(DlocoError):
     """The merger's initial snapshot did not arrive."""
+
+
+class ModelMismatch(DlocoError):
+    """The merger's model (parameter paths and shapes) is not the one this island's task builds."""
 
 
 class Link(Protocol):
@@ -44,12 +48,13 @@ class FragmentProgress:
 
 
 class IslandLoop:
-    def __init__(self, trainer: Trainer, batches: Batches, eval_batches: list[np.ndarray], train: TrainConfig, sync: SyncConfig,
+    def __init__(self, trainer: Trainer, batches: Iterator[Any], eval_batches: Sequence[Any], train: TrainConfig, sync: SyncConfig,
                  metrics: MetricsWriter, link: Link | None = None, slowdown: float = 1.0, log=None,
-                 on_compiled: Callable[[], None] | None = None) -> None:
+                 on_compiled: Callable[[], None] | None = None, count: Callable[[Any], int] | None = None) -> None:
         if slowdown < 1:
             raise ValueError(f"slowdown must be >= 1, got {slowdown}")
         self.trainer, self.batches, self.eval_batches = trainer, batches, eval_batches
+        self.count = count if count is not None else (lambda batch: len(batch))  # what a batch adds to "tokens" (the task's Task.count)
         self.train, self.sync, self.metrics, self.link, self.slowdown, self.log = train, sync, metrics, link, slowdown, log
         self.on_compiled = on_compiled  # called once after step 1 (mostly compiling): a CPU quota starts there (island/cpugroup.py)
         params = trainer.params()
@@ -62,31 +67,39 @@ class IslandLoop:
 
     def join(self, timeout_s: float) -> None:
         """Start from the merger's model: wait (once, before training) for a snapshot of every
-        fragment and adopt it.  Raises JoinTimeout if the merger does not answer in time; returns
+        fragment and adopt it.  Raises JoinTimeout if the merger does not answer in time, and
+        ModelMismatch (naming the first differing parameter) if its model is not this task's; returns
         early when a stop is requested (run() then stops before its first step)."""
         deadline = time.monotonic() + timeout_s
         waiting = set(range(len(self.progress)))
         theta = self.trainer.params()
+        ours, theirs = {p: v.shape for p, v in theta.items()}, {}
         while waiting and not self.stop_requested:
             if time.monotonic() > deadline:
                 raise JoinTimeout(f"no snapshot of fragments {sorted(waiting)} within {timeout_s} s: is the merger running, with the same model?")
             for fragment, version, tensors in self.link.snapshots():
+                theirs.update({p: np.shape(v) for p, v in tensors.items()})
+                if (difference := first_difference(theirs, {p: ours[p] for p in theirs if p in ours})) is not None:  # so far: what arrived
+                    raise ModelMismatch(f"the merger trains another model than this task: {difference}")
                 self.trainer.set_params(exchange.adopt(theta, tensors, 0.0))
                 self.progress[fragment] = FragmentProgress({p: np.asarray(v, np.float32) for p, v in tensors.items()}, version)
                 waiting.discard(fragment)
             time.sleep(0.01)
+        if not waiting and (difference := first_difference(theirs, ours)) is not None:
+            raise ModelMismatch(f"the merger trains another model than this task: {difference}")
 
     def run(self, max_steps: int | None = None) -> dict:
         max_steps = max_steps or self.train.max_steps
         self.started = time.perf_counter()
-        eval_loss = self._evaluate()
-        self.metrics.write({"step": 0, "tokens": 0, "eval_loss": eval_loss, "time": 0.0, "wall": time.time()})
+        held_out = self._evaluate()
+        eval_loss = held_out["eval_loss"]
+        self.metrics.write({"step": 0, "tokens": 0, **held_out, "time": 0.0, "wall": time.time()})
         loss, step = float("nan"), 0
         for step in range(1, max_steps + 1):
             if self.stop_requested:
                 step -= 1
                 break
-            batch = self.batches.next()
+            batch = next(self.batches)
             began = time.perf_counter()
             loss, grad_norm = self.trainer.step(batch)
             compute = time.perf_counter() - began
@@ -95,7 +108,7 @@ class IslandLoop:
             self.compute_s += compute * self.slowdown if step > 1 else compute  # step 1: compiling, not slowed down
             if step == 1 and self.on_compiled is not None:
                 self.on_compiled()
-            step_tokens = batch.shape[0] * (batch.shape[1] - 1)
+            step_tokens = self.count(batch)
             self.tokens += step_tokens
             for progress in self.progress:
                 progress.steps += 1
@@ -108,7 +121,8 @@ class IslandLoop:
                      "snapshot_version": [p.version for p in self.progress], "wait_s": self.wait_s}
             early = self.train.eval_early and step < self.train.eval_every and step & (step - 1) == 0  # a power of two
             if step % self.train.eval_every == 0 or early or step == max_steps or self.stop_requested:
-                event["eval_loss"] = eval_loss = self._evaluate()
+                event.update(self._evaluate())
+                eval_loss = event["eval_loss"]
                 if self.log is not None:
                     self.log.info("eval", step=step, loss=round(loss, 4), eval_loss=round(eval_loss, 4), tokens=self.tokens)
             elif step <= self.train.eval_trace:
@@ -195,20 +209,21 @@ class IslandLoop:
             if self.stop_requested or time.monotonic() > deadline:
                 break
             self.trainer.set_params(params)
-            self.metrics.write({**event, "eval_loss": self.trainer.evaluate(self.eval_batches), "deferred": True})
+            self.metrics.write({**event, **_held_out(self.trainer.evaluate_all(self.eval_batches)), "deferred": True})
             count += 1
         if final is not None:
             self.trainer.set_params(final)
         self.trace = []
         return count
 
-    def _evaluate(self) -> float:
-        """Held-out loss.  Its time counts as compute: `compute_util` is the share of wall time spent
-        on the island's own work (training steps, evaluations), not waiting or bookkeeping."""
+    def _evaluate(self) -> dict[str, float]:
+        """Held-out loss and the task's metrics, as metric fields (eval_loss, eval_<name>).  Its time
+        counts as compute: `compute_util` is the share of wall time spent on the island's own work
+        (training steps, evaluations), not waiting or bookkeeping."""
         began = time.perf_counter()
-        loss = self.trainer.evaluate(self.eval_batches)
+        results = self.trainer.evaluate_all(self.eval_batches)
         self.compute_s += time.perf_counter() - began
-        return loss
+        return _held_out(results)
 
     def _wait_for_fold(self, sent: dict[int, int], unfolded: dict[int, int]) -> None:
         """The synchronous baselines: training stops until every fragment just sent comes back in a
@@ -222,3 +237,8 @@ class IslandLoop:
                 break
             time.sleep(0.001)
         self.wait_s += time.perf_counter() - began
+
+
+def _held_out(results: Mapping[str, float]) -> dict[str, float]:
+    return {f"eval_{name}": value for name, value in results.items()}
+

@@ -8,7 +8,8 @@ import signal
 import sys
 from pathlib import Path
 
-from island.config import ADOPTIONS, SyncConfig
+from island.config import ADOPTIONS, MODEL_SIZES, SyncConfig
+from island.task import BUILTIN
 
 # --eval-trace after training: 48 evaluations take about 50 s with four islands on two cores; a
 # launcher waits 150 s for a stopped island (cluster/launcher.py STOP_TIMEOUT_S): draining first, up to 30 s.
@@ -19,15 +20,21 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     island = commands.add_parser("island", help="run an island: train on its shard and exchange fragments")
     island.add_argument("--standalone", action="store_true", help="no broker, no merger: the single-island baseline")
     island.add_argument("--max-steps", type=positive_int, default=600)
-    island.add_argument("--corpus", type=Path, default=None, help="file or folder of text (default: this Python's standard library sources)")
+    island.add_argument("--task", default=None, metavar="PATH.py:FUNCTION",
+                        help="what to train: a function returning island.task.Task, as PATH.py:FUNCTION or MODULE:FUNCTION "
+                             f"(default: the built-in LM, {BUILTIN})")
+    island.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE", help="an option for the task function (repeatable)")
     island.add_argument("--island-index", type=int, default=0, help="which shard this island trains on")
-    island.add_argument("--islands", type=positive_int, default=1, help="how many shards the corpus is cut into")
+    island.add_argument("--islands", type=positive_int, default=1, help="how many shards the data is cut into")
     island.add_argument("--name", default="island-0")
     island.add_argument("--region", default="local")
-    island.add_argument("--width", type=positive_int, default=128)
-    island.add_argument("--depth", type=positive_int, default=4)
-    island.add_argument("--heads", type=positive_int, default=4)
-    island.add_argument("--context", type=positive_int, default=128)
+    lm = island.add_argument_group("the built-in LM's options (shorthand for --task-option KEY=VALUE)")
+    lm.add_argument("--model-size", dest="size", choices=MODEL_SIZES, default=None, help="a preset (default tiny: 0.87 M parameters)")
+    for flag in ("width", "depth", "heads", "context", "vocab"):
+        lm.add_argument(f"--{flag}", type=positive_int, default=None, help="override the preset's")
+    lm.add_argument("--corpus", type=Path, default=None, help="file or folder of text (default: this Python's standard library sources)")
+    lm.add_argument("--tokens", type=Path, default=None, help="a token file from dloco tokenize (.bin or .npy of uint16/uint32 ids)")
+    lm.add_argument("--eval-batches", type=positive_int, default=None, help="held-out batches (default 8)")
     island.add_argument("--batch", type=positive_int, default=16)
     island.add_argument("--lr", type=float, default=3e-3)
     island.add_argument("--warmup", type=int, default=50)
@@ -37,7 +44,6 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     island.add_argument("--eval-trace", type=int, default=0, metavar="N",
                         help="copy the parameters after each of the first N steps and evaluate them once training is over "
                              "(the loss at every early step, without spending training time on evaluations)")
-    island.add_argument("--eval-batches", type=positive_int, default=8)
     island.add_argument("--seed", type=int, default=0)
     island.add_argument("--slowdown", type=float, default=1.0, help="each step takes X times its own compute time (an older chip)")
     island.add_argument("--cpu-cgroup", type=Path, default=None, metavar="DIR",
@@ -80,8 +86,8 @@ def run_island(args: argparse.Namespace) -> int:
     early_stop = []  # SIGTERM while starting (imports, compiling, joining): stop cleanly, not by the default action
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: early_stop.append(True))
-    from island import data
-    from island.config import ModelConfig, TrainConfig
+    from island import task as tasks
+    from island.config import TrainConfig
     from protocol import DlocoError
     from telemetry.logs import configure_logging
 
@@ -89,9 +95,9 @@ def run_island(args: argparse.Namespace) -> int:
     link = None
     try:
         # Everything that can be checked without JAX first: a bad argument fails in a second, not after the import.
-        model = ModelConfig(width=args.width, depth=args.depth, heads=args.heads, context=args.context)
         train = TrainConfig(batch=args.batch, lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_steps=args.max_steps,
-                            eval_every=args.eval_every, eval_early=args.eval_early, eval_trace=args.eval_trace, eval_batches=args.eval_batches, seed=args.seed)
+                            eval_every=args.eval_every, eval_early=args.eval_early, eval_trace=args.eval_trace, seed=args.seed)
+        context = tasks.TaskContext(args.island_index, args.islands, args.seed, args.batch, args.max_steps, task_options(args))
         sync = SyncConfig(fragments=args.fragments, interval=args.interval, codec=args.codec, adoption=args.adoption, alpha=args.alpha,
                           error_feedback=args.error_feedback, flush_on_leave=args.flush_on_leave,
                           blocking=args.blocking, settle_timeout_s=args.settle_timeout)
@@ -100,9 +106,6 @@ def run_island(args: argparse.Namespace) -> int:
         networked = not args.standalone and args.write_init is None
         if networked and not (args.delta_endpoint and args.snapshot_endpoint and args.control_endpoint):
             raise DlocoError("a networked island needs --delta-endpoint, --snapshot-endpoint and --control-endpoint (or --standalone)")
-        corpus = data.load(args.corpus)
-        shards, evaluation = data.split(corpus, args.islands)
-        log.info("corpus", root=corpus.root, files=corpus.files, bytes=int(corpus.tokens_N.size), sha256=corpus.digest)
 
         import numpy as np
 
@@ -115,7 +118,9 @@ def run_island(args: argparse.Namespace) -> int:
         from island.shaper import LinkShaper
         from island.train import Trainer
 
-        trainer = Trainer(model, train)
+        task = tasks.build(args.task or BUILTIN, context)
+        log.info("task", spec=args.task or BUILTIN, name=task.name)
+        trainer = Trainer(task.model, task.loss, train, task.optimizer, task.metrics)
         if args.write_init is not None:
             np.savez(args.write_init, **trainer.params())
             log.info("wrote_initial_parameters", path=str(args.write_init))
@@ -133,9 +138,8 @@ def run_island(args: argparse.Namespace) -> int:
             cpu_group.join()
             log.info("cpu_quota", group=str(cpu_group.path))
         metrics = MetricsWriter(args.metrics_out)
-        loop = IslandLoop(trainer, data.Batches(shards[args.island_index], args.batch, args.context, args.seed, args.island_index),
-                          data.eval_batches(evaluation, args.batch, args.context, args.eval_batches), train, sync, metrics,
-                          link=link, slowdown=args.slowdown, log=log, on_compiled=enter_quota if cpu_group else None)
+        loop = IslandLoop(trainer, task.batches, task.eval_batches, train, sync, metrics, link=link, slowdown=args.slowdown, log=log,
+                          on_compiled=enter_quota if cpu_group else None, count=task.tokens_in)
         signals = []
         for sig in (signal.SIGTERM, signal.SIGINT):  # stop after the current step, then drain and exit 0
             signal.signal(sig, lambda *_: (signals.append(True), setattr(loop, "stop_requested", True)))
@@ -171,3 +175,14 @@ def run_island(args: argparse.Namespace) -> int:
     log.info("done", **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})
     print(json.dumps(summary))
     return 0
+
+
+def task_options(args: argparse.Namespace) -> dict:
+    """--task-option pairs, then the built-in LM's shorthand flags that were given."""
+    from island.task import parse_options
+
+    options = parse_options(args.task_option)
+    for key in ("size", "width", "depth", "heads", "context", "vocab", "corpus", "tokens", "eval_batches"):
+        if getattr(args, key) is not None:
+            options[key] = str(getattr(args, key)) if isinstance(getattr(args, key), Path) else getattr(args, key)
+    return options

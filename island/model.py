@@ -1,4 +1,4 @@
-"""A decoder-only byte-level Transformer language model in Flax NNX (pre-norm, learned positions)."""
+"""A decoder-only Transformer language model in Flax NNX (pre-norm, learned positions): the built-in task's."""
 
 from __future__ import annotations
 
@@ -34,13 +34,14 @@ class ByteLM(nnx.Module):
         self.position = nnx.Param(jax.random.normal(rngs.params(), (config.context, config.width)) * 0.02)
         self.blocks = nnx.List([Block(config, rngs) for _ in range(config.depth)])
         self.final_norm = nnx.LayerNorm(config.width, rngs=rngs)
-        self.head = nnx.Linear(config.width, config.vocab, use_bias=False, rngs=rngs)
+        self.head = None if config.tie_embeddings else nnx.Linear(config.width, config.vocab, use_bias=False, rngs=rngs)
 
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
         x = self.embed(tokens_BxT) + self.position[: tokens_BxT.shape[1]]
         for block in self.blocks:
             x = block(x)
-        return self.head(self.final_norm(x))
+        x = self.final_norm(x)
+        return self.embed.attend(x) if self.head is None else self.head(x)
 
 
 def loss_fn(model: ByteLM, batch_BxT1: jax.Array) -> jax.Array:

@@ -1,5 +1,5 @@
-"""Inner optimization: AdamW with warmup + cosine/constant schedule and clipping; a jitted train
-step data-parallel over every local JAX device; a clear stop on NaN/Inf."""
+"""Inner optimization of any task's model: by default AdamW with warmup + cosine/constant schedule
+and clipping; a jitted train step data-parallel over every local JAX device; a clear stop on NaN/Inf."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from flax import nnx
 from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from island.config import ModelConfig, TrainConfig
-from island.model import ByteLM, loss_fn
+from island.config import TrainConfig
 from protocol.errors import DlocoError
 
 
@@ -30,34 +29,55 @@ def inner_optimizer(config: TrainConfig) -> optax.GradientTransformation:
 
 
 class Trainer:
-    """Model + optimizer + mesh.  Batches are split over the local devices along the batch axis."""
+    """Model + optimizer + mesh.  Batches (arrays or pytrees of arrays) are split over the local
+    devices along their leading axis.  `loss(model, batch)` is the task's; `metrics(model, batch)`,
+    optional, gives held-out extras ({name: scalar}) averaged over the eval batches like the loss."""
 
-    def __init__(self, model_config: ModelConfig, train_config: TrainConfig, seed: int | None = None) -> None:
+    def __init__(self, model: nnx.Module, loss, train_config: TrainConfig, optimizer: optax.GradientTransformation | None = None,
+                 metrics=None) -> None:
         self.devices = jax.devices()
         if train_config.batch % len(self.devices):
             raise DlocoError(f"batch {train_config.batch} must be divisible by the {len(self.devices)} local devices")
         self.mesh = Mesh(np.array(self.devices), ("data",))
-        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data", None))
+        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.model = ByteLM(model_config, nnx.Rngs(train_config.seed if seed is None else seed))
-        self.optimizer = nnx.Optimizer(self.model, inner_optimizer(train_config), wrt=nnx.Param)
+        self.model = model
+        self.optimizer = nnx.Optimizer(self.model, optimizer if optimizer is not None else inner_optimizer(train_config), wrt=nnx.Param)
         # Parameters and optimizer state replicated from the start, as every step returns them: the
         # second step then reuses the first one's compilation instead of compiling again.
         nnx.update(self.model, jax.device_put(nnx.state(self.model), self.replicated))
         nnx.update(self.optimizer, jax.device_put(nnx.state(self.optimizer), self.replicated))
-        self._step = nnx.jit(_train_step)
-        self._eval = nnx.jit(loss_fn)
 
-    def step(self, batch_BxT1: np.ndarray) -> tuple[float, float]:
+        def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch):
+            value, grads = nnx.value_and_grad(loss)(model, batch)
+            optimizer.update(model, grads)
+            return value, optax.tree.norm(grads)
+
+        def evaluate(model: nnx.Module, batch):
+            return {"loss": loss(model, batch), **(metrics(model, batch) if metrics is not None else {})}
+
+        self._step = nnx.jit(train_step)
+        self._eval = nnx.jit(evaluate)
+
+    def _put(self, batch):
+        return jax.tree.map(lambda leaf: jax.device_put(leaf, self.batch_sharding), batch)
+
+    def step(self, batch) -> tuple[float, float]:
         """One inner step; returns (loss, gradient norm).  Raises DivergedError on NaN/Inf."""
-        loss, grad_norm = self._step(self.model, self.optimizer, jax.device_put(batch_BxT1, self.batch_sharding))
+        loss, grad_norm = self._step(self.model, self.optimizer, self._put(batch))
         loss, grad_norm = float(loss), float(grad_norm)
         if not (np.isfinite(loss) and np.isfinite(grad_norm)):
             raise DivergedError(f"inner step produced loss={loss}, grad_norm={grad_norm}: stopping; nothing from this state is published")
         return loss, grad_norm
 
-    def evaluate(self, batches: list[np.ndarray]) -> float:
-        return float(np.mean([float(self._eval(self.model, jax.device_put(b, self.batch_sharding))) for b in batches]))
+    def evaluate(self, batches) -> float:
+        """The mean held-out loss."""
+        return self.evaluate_all(batches)["loss"]
+
+    def evaluate_all(self, batches) -> dict[str, float]:
+        """The mean held-out loss and the task's metrics, each averaged over the batches."""
+        results = [self._eval(self.model, self._put(b)) for b in batches]
+        return {name: float(np.mean([float(r[name]) for r in results])) for name in results[0]}
 
     def params(self) -> dict[str, np.ndarray]:
         """Flat {path: float32 array} view of the parameters (a host copy)."""
@@ -75,8 +95,3 @@ class Trainer:
         nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(flat))
         nnx.update(self.model, state)
 
-
-def _train_step(model: ByteLM, optimizer: nnx.Optimizer, batch_BxT1: jax.Array):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, batch_BxT1)
-    optimizer.update(model, grads)
-    return loss, optax.tree.norm(grads)

@@ -40,7 +40,7 @@ def collect(label: str, config: ClusterConfig, run_dir: Path, code: int) -> RunR
 
     evals, last = read_islands([r.name for r in config.regions], run_dir)
     before, after = global_eval(config, run_dir)
-    return RunResult(label, config, code, before, after, evals, last, chaos_effects(run_dir, [r.name for r in config.regions]), run_dir)
+    return RunResult(label, config, code, before["loss"], after and after["loss"], evals, last, chaos_effects(run_dir, [r.name for r in config.regions]), run_dir)
 
 
 def cluster_tokens(result: RunResult) -> int:

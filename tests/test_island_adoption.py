@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from island import data
+from island import bytelm, data
 from island.config import ModelConfig, SyncConfig, TrainConfig
 from island.loop import IslandLoop
 from island.metrics import MetricsWriter
-from island.train import Trainer
+
 
 TINY = ModelConfig(width=32, depth=1, heads=2, context=32)
 TRAIN = TrainConfig(batch=4, eval_every=10_000, max_steps=8)
@@ -47,14 +47,14 @@ def run(corpus_parts, adoption: str, snapshot_of_start: bool) -> ScriptedLink:
     """P = 1, H = 8: fragment 0 (the whole model) is sent after step 8.  After step 5 the link
     delivers version 1 of it, equal to the model the island started from (nothing folded yet)."""
     shard, evaluation = corpus_parts
-    trainer = Trainer(TINY, TRAIN)
+    trainer = bytelm.trainer(TINY, TRAIN)
     start = trainer.params()
     steps = [0]
     link = ScriptedLink(steps, at_step=5)
     if snapshot_of_start:
         link.snapshot = {p: v.copy() for p, v in start.items()}
     loop = IslandLoop(trainer, data.Batches(shard, 4, 32, 0, 0), evaluation, TRAIN,
-                      SyncConfig(fragments=1, interval=8, adoption=adoption), MetricsWriter(None), link=link)
+                      SyncConfig(fragments=1, interval=8, adoption=adoption), MetricsWriter(None), link=link, count=bytelm.count_tokens)
     exchange = loop._exchange
 
     def counting(step: int) -> None:
@@ -89,9 +89,9 @@ def test_rebase_puts_the_unsent_progress_on_the_newest_of_several_arrivals(corpu
     """Two versions of a fragment arriving together: the newest is taken, once, and the island's
     progress since its anchor goes on top of it: theta = Theta_2 + (theta - anchor)."""
     shard, evaluation = corpus_parts
-    trainer = Trainer(TINY, TRAIN)
+    trainer = bytelm.trainer(TINY, TRAIN)
     loop = IslandLoop(trainer, data.Batches(shard, 4, 32, 0, 0), evaluation, TRAIN, SyncConfig(fragments=2, interval=8),
-                      MetricsWriter(None))
+                      MetricsWriter(None), count=bytelm.count_tokens)
     fragment = 0
     paths = list(loop.progress[fragment].anchor)
     anchor = {p: loop.progress[fragment].anchor[p].copy() for p in paths}
@@ -120,10 +120,10 @@ def test_a_leaving_island_sends_every_fragments_unsent_work_once(corpus_parts):
     """P = 2, H = 8: fragment 0 goes out at step 4 (and would at 12), fragment 1 at step 8.  Stopping
     after step 10, the flush sends fragment 0's 6 steps and fragment 1's 2, each from its last send."""
     shard, evaluation = corpus_parts
-    trainer = Trainer(TINY, TRAIN)
+    trainer = bytelm.trainer(TINY, TRAIN)
     link = ScriptedLink([0], at_step=10**9)
     loop = IslandLoop(trainer, data.Batches(shard, 4, 32, 0, 0), evaluation, TRAIN, SyncConfig(fragments=2, interval=8),
-                      MetricsWriter(None), link=link)
+                      MetricsWriter(None), link=link, count=bytelm.count_tokens)
     loop.run(10)
     assert [(f, steps) for f, _, _, steps, _ in link.published] == [(0, 4), (1, 8)]
     anchors = {f: {p: v.copy() for p, v in loop.progress[f].anchor.items()} for f in (0, 1)}

@@ -15,14 +15,14 @@ import pytest
 import zmq
 
 import protocol
-from island import data
+from island import bytelm, data
 from protocol import downlink
 from island.config import ModelConfig, SyncConfig, TrainConfig
 from island.loop import IslandLoop
 from island.metrics import MetricsWriter
 from island.network import NetworkLink
 from island.shaper import LinkShaper
-from island.train import Trainer
+
 from tests.test_downlink import F32, snapshot_frames
 from tests.test_merger_process import free_port, free_ports
 
@@ -103,12 +103,12 @@ def test_the_loop_never_waits_for_a_trickling_uplink(tmp_path):
     links: dict[str, list[NetworkLink]] = {"free": [], "trickle": []}
     for round_ in range(2):  # alternate, so both modes see the same machine load
         for mode, mbps in (("free", None), ("trickle", 0.001)):
-            trainer = Trainer(model, train)
+            trainer = bytelm.trainer(model, train)
             link = NetworkLink("isl", "m", sync, *(f"tcp://127.0.0.1:{p}" for p in free_ports(3)), uplink=LinkShaper.from_mbps(mbps))
             links[mode].append(link)
             metrics = tmp_path / f"{mode}-{round_}.jsonl"
             loop = IslandLoop(trainer, data.Batches(shards[0], 8, 64, 0, 0), data.eval_batches(evaluation, 8, 64, 1), train, sync,
-                              MetricsWriter(metrics), link=link)
+                              MetricsWriter(metrics), link=link, count=bytelm.count_tokens)
             try:
                 runs[mode] += step_times(loop, metrics, 120)[20:]  # after compilation
             finally:
@@ -180,8 +180,8 @@ def test_slowdown_stretches_each_step_by_its_factor(tmp_path):
     for round_ in range(2):  # alternate, so both factors see the same machine load
         for slowdown in (1.0, 2.0):
             metrics = tmp_path / f"{slowdown}-{round_}.jsonl"
-            loop = IslandLoop(Trainer(model, train), data.Batches(shards[0], 8, 64, 0, 0), data.eval_batches(evaluation, 8, 64, 1), train,
-                              SyncConfig(), MetricsWriter(metrics), slowdown=slowdown)
+            loop = IslandLoop(bytelm.trainer(model, train), data.Batches(shards[0], 8, 64, 0, 0), data.eval_batches(evaluation, 8, 64, 1), train,
+                              SyncConfig(), MetricsWriter(metrics), slowdown=slowdown, count=bytelm.count_tokens)
             times[slowdown] += step_times(loop, metrics, 50)[10:]
     # the sleep doubles the compute part; batch assembly and bookkeeping are not stretched, and the
     # machine is shared, so the bound is loose but excludes "no slowdown" and "runaway"

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from island import data
+from island import bytelm, data
 from island.config import ModelConfig, TrainConfig
-from island.train import DivergedError, Trainer
+from island.train import DivergedError
 
 TINY = ModelConfig(width=32, depth=1, heads=2, context=32)
 
@@ -50,7 +50,7 @@ def test_any_folder_of_text_is_a_corpus_and_tiny_ones_are_refused(tmp_path):
 
 def test_training_lowers_the_held_out_loss(corpus):
     shards, evaluation = data.split(corpus, 1)
-    trainer = Trainer(TINY, TrainConfig(batch=8, lr=1e-2, warmup=5, max_steps=60))
+    trainer = bytelm.trainer(TINY, TrainConfig(batch=8, lr=1e-2, warmup=5, max_steps=60))
     batches, held_out = data.Batches(shards[0], 8, 32, 0, 0), data.eval_batches(evaluation, 8, 32, 4)
     before = trainer.evaluate(held_out)
     for _ in range(60):
@@ -61,7 +61,7 @@ def test_training_lowers_the_held_out_loss(corpus):
 
 def test_nan_stops_the_island_with_a_clear_error(corpus):
     shards, _ = data.split(corpus, 1)
-    trainer = Trainer(TINY, TrainConfig(batch=4))
+    trainer = bytelm.trainer(TINY, TrainConfig(batch=4))
     params = trainer.params()
     trainer.set_params({"head/kernel": np.full(params["head/kernel"].shape, np.nan, np.float32)})
     with pytest.raises(DivergedError, match="nothing from this state is published"):
@@ -71,11 +71,11 @@ def test_nan_stops_the_island_with_a_clear_error(corpus):
 RUN_STEPS = """
 import json, sys
 import jax
-from island import data
+from island import bytelm, data
 from island.config import ModelConfig, TrainConfig
-from island.train import Trainer
+
 corpus = data.load(); shards, _ = data.split(corpus, 1)
-trainer = Trainer(ModelConfig(width=32, depth=1, heads=2, context=32), TrainConfig(batch=8, lr=1e-2, warmup=2))
+trainer = bytelm.trainer(ModelConfig(width=32, depth=1, heads=2, context=32), TrainConfig(batch=8, lr=1e-2, warmup=2))
 batches = data.Batches(shards[0], 8, 32, 0, 0)
 print(json.dumps({"devices": len(jax.devices()), "losses": [trainer.step(batches.next())[0] for _ in range(5)]}))
 """
