@@ -19,7 +19,11 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     island = commands.add_parser("island", help="run an island: train on its shard and exchange fragments")
     island.add_argument("--standalone", action="store_true", help="no broker, no merger: the single-island baseline")
     island.add_argument("--max-steps", type=positive_int, default=600)
-    island.add_argument("--corpus", type=Path, default=None, help="file or folder of text (default: this Python's standard library sources)")
+    source = island.add_mutually_exclusive_group()
+    source.add_argument("--corpus", type=Path, default=None,
+                        help="file or folder of text (default: this Python's standard library sources)")
+    source.add_argument("--tokens", type=Path, default=None, metavar="FILE",
+                        help="a token file (.bin or .npy; `dloco tokenize` writes one)")
     island.add_argument("--island-index", type=int, default=0, help="which shard this island trains on")
     island.add_argument("--islands", type=positive_int, default=1, help="how many shards the corpus is cut into")
     island.add_argument("--name", default="island-0")
@@ -100,9 +104,10 @@ def run_island(args: argparse.Namespace) -> int:
         networked = not args.standalone and args.write_init is None
         if networked and not (args.delta_endpoint and args.snapshot_endpoint and args.control_endpoint):
             raise DlocoError("a networked island needs --delta-endpoint, --snapshot-endpoint and --control-endpoint (or --standalone)")
-        corpus = data.load(args.corpus)
+        corpus = data.load_tokens(args.tokens) if args.tokens is not None else data.load(args.corpus)
         shards, evaluation = data.split(corpus, args.islands)
-        log.info("corpus", root=corpus.root, files=corpus.files, bytes=int(corpus.tokens_N.size), sha256=corpus.digest)
+        log.info("corpus", root=corpus.root, files=corpus.files, tokens=int(corpus.tokens_N.size), vocab=corpus.vocab,
+                 token_file=args.tokens is not None, sha256=corpus.digest)
 
         import numpy as np
 
