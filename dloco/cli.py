@@ -97,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("targets", nargs="+", help="tcp://HOST:PORT or a file path")
     probe.add_argument("--max-age", type=float, default=120.0, help="seconds since a file's last change (default 120)")
     probe.set_defaults(run=_probe)
+    tokenize = commands.add_parser("tokenize", help="text to a token file (FILE.bin + FILE.json) that `dloco island --tokens` trains on")
+    tokenize.add_argument("src", nargs="?", type=Path, default=None,
+                          help="file or folder of text (default: this Python's standard library sources)")
+    tokenize.add_argument("--out", type=Path, required=True, metavar="FILE.bin",
+                          help="the token ids; FILE.json (and, for bpe, FILE.tokenizer.json) are written beside it")
+    tokenize.add_argument("--tokenizer", choices=("bytes", "bpe"), default="bytes",
+                          help="bytes: each byte is a token (vocab 256); bpe: a byte-level BPE trained here on SRC")
+    tokenize.add_argument("--vocab", type=_positive_int, default=None, help="bpe: the vocabulary to train (default 4096)")
+    tokenize.set_defaults(run=_tokenize)
 
     from broker.main import add_commands as add_broker_commands
 
@@ -216,6 +225,22 @@ def _probe(args: argparse.Namespace) -> int:
     for line in failed:
         print(f"dloco probe: {line}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _tokenize(args: argparse.Namespace) -> int:
+    from island import tokenizing
+    from protocol import DlocoError
+
+    def progress(line: str) -> None:
+        print(f"dloco tokenize: {line}", file=sys.stderr, flush=True)
+
+    try:
+        report = tokenizing.tokenize(args.src, args.out, tokenizing.TokenizeConfig(args.tokenizer, args.vocab), progress)
+    except (DlocoError, OSError) as error:
+        print(f"dloco tokenize: {error}", file=sys.stderr)
+        return 2
+    print(f"dloco tokenize: {report.summary()}")
+    return 0
 
 
 def stop_with_launcher() -> bool:

@@ -57,13 +57,14 @@ def task(ctx: TaskContext) -> Task:
     if unknown:
         raise TaskError(f"the built-in LM has no options {sorted(unknown)}; it takes {sorted(OPTIONS)}")
     corpus = load_data(ctx.options)
-    config = model_config(ctx.options, getattr(corpus, "vocab", 256))
+    config = model_config(ctx.options, corpus.vocab)
     shards, evaluation = data.split(corpus, ctx.islands)
     return Task(model=ByteLM(config, nnx.Rngs(ctx.seed)), loss=loss_fn,
                 batches=data.Batches(shards[ctx.island_index], ctx.batch, config.context, ctx.seed, ctx.island_index),
                 eval_batches=data.eval_batches(evaluation, ctx.batch, config.context, int(ctx.options.get("eval_batches", 8))),
                 count=count_tokens, metrics=_metrics,
-                name=f"byte LM ({ctx.options.get('size', 'tiny')}, {dataclasses.asdict(config)}) on {corpus.root} ({corpus.files} files)")
+                name=f"byte LM ({ctx.options.get('size', 'tiny')}, {dataclasses.asdict(config)}) on {corpus.root} ({corpus.files} files, {corpus.tokens_N.size:,} tokens, "
+                     f"vocabulary {corpus.vocab}, listing sha256 {corpus.digest[:16]})")
 
 
 def count_tokens(batch_BxT1: np.ndarray) -> int:

@@ -32,8 +32,9 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     lm.add_argument("--model-size", dest="size", choices=MODEL_SIZES, default=None, help="a preset (default tiny: 0.87 M parameters)")
     for flag in ("width", "depth", "heads", "context", "vocab"):
         lm.add_argument(f"--{flag}", type=positive_int, default=None, help="override the preset's")
-    lm.add_argument("--corpus", type=Path, default=None, help="file or folder of text (default: this Python's standard library sources)")
-    lm.add_argument("--tokens", type=Path, default=None, help="a token file from dloco tokenize (.bin or .npy of uint16/uint32 ids)")
+    source = lm.add_mutually_exclusive_group()
+    source.add_argument("--corpus", type=Path, default=None, help="file or folder of text (default: this Python's standard library sources)")
+    source.add_argument("--tokens", type=Path, default=None, metavar="FILE", help="a token file (.bin or .npy of uint16/uint32 ids; dloco tokenize writes one)")
     lm.add_argument("--eval-batches", type=positive_int, default=None, help="held-out batches (default 8)")
     island.add_argument("--batch", type=positive_int, default=16)
     island.add_argument("--lr", type=float, default=3e-3)
