@@ -25,6 +25,7 @@ from protocol.errors import ConfigError, require
 
 RUN = "/dloco/run"  # the run directory inside every container (a volume)
 PROFILE = "/dloco/cluster.toml"  # the cluster file inside the prepare container
+INPUTS = "/dloco/config"  # with a task file, corpus or token file: the cluster file's folder, read-only, in prepare and every island
 PORTS = {"DLOCO_DELTA_IN_PORT": 5551, "DLOCO_DELTA_OUT_PORT": 5552, "DLOCO_SNAPSHOT_IN_PORT": 5553,
          "DLOCO_SNAPSHOT_OUT_PORT": 5554, "DLOCO_CONTROL_PORT": 5560}
 ENVIRONMENT = {"PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
@@ -42,15 +43,33 @@ def _port(name: str) -> str:
     return f"${{{name}:-{PORTS[name]}}}"
 
 
-def render(config: ClusterConfig, profile: str) -> str:
-    """The compose file for `config`; `profile` is the cluster file's path relative to the compose file."""
+def render(config: ClusterConfig, profile: str, config_dir: Path | None = None) -> str:
+    """The compose file for `config`; `profile` is the cluster file's path relative to the compose file,
+    `config_dir` the cluster file's folder on this machine (default: profile's, from here).  A task
+    file, corpus or token file must lie in that folder: it is mounted read-only into the containers."""
     at = topology.Addresses(broker_ports=tuple(_port(n) for n in list(PORTS)[:4]), control_port=_port("DLOCO_CONTROL_PORT"),
                             broker_host="broker", merger_host="merger", bind_host="*")
-    commands = topology.commands(config, at, RUN)
+    config_dir = (config_dir or Path(profile).parent).resolve()
+    inputs = _inputs(config)
+
+    def place(path: str) -> str:
+        try:
+            return f"{INPUTS}/{Path(path).resolve().relative_to(config_dir).as_posix()}"
+        except ValueError:
+            raise ConfigError(f"{path} is outside the cluster file's folder {config_dir}: compose mounts only that folder "
+                              "into the containers; move it there") from None
+
+    commands = topology.commands(config, at, RUN, place)
+    for path in inputs:
+        place(path)
     run_volume = f"${{DLOCO_RUN_DIR:-./run}}:{RUN}"
+    folder = Path(profile).parent.as_posix()
+    input_volumes = [f"{folder if folder.startswith(('/', '.')) else './' + folder}:{INPUTS}:ro"] if inputs else []
 
     def service(command: list[str], health: list[str] | None, after: dict[str, str], **extra) -> dict:
         spec = {"image": "dloco:latest", "build": ".", "command": ["dloco", *command], "environment": dict(ENVIRONMENT), "volumes": [run_volume]}
+        if command[0] == "island":
+            spec["volumes"] += input_volumes
         if after:
             spec["depends_on"] = {name: {"condition": condition} for name, condition in after.items()}
         if health:
@@ -59,7 +78,8 @@ def render(config: ClusterConfig, profile: str) -> str:
 
     if not profile.startswith(("/", "./", "../")):
         profile = f"./{profile}"  # a bind mount, not a named volume
-    services = {"prepare": service(topology.prepare_command(PROFILE, RUN), None, {}, volumes=[run_volume, f"{profile}:{PROFILE}:ro"]),
+    prepare = ([run_volume, *input_volumes], f"{INPUTS}/{Path(profile).name}") if inputs else ([run_volume, f"{profile}:{PROFILE}:ro"], PROFILE)
+    services = {"prepare": service(topology.prepare_command(prepare[1], RUN), None, {}, volumes=prepare[0]),
                 "broker": service(commands["broker"], [f"tcp://127.0.0.1:{_port('DLOCO_DELTA_IN_PORT')}"],
                                   {"prepare": "service_completed_successfully"}),
                 "merger": service(commands["merger"], [f"tcp://127.0.0.1:{_port('DLOCO_CONTROL_PORT')}"],
@@ -69,6 +89,12 @@ def render(config: ClusterConfig, profile: str) -> str:
         services[region.name] = service(commands[region.name], [f"{RUN}/metrics/{region.name}.jsonl", "--max-age", "120"],
                                         {"merger": "service_healthy"}, stop_grace_period="60s", **cpus)
     return HEADER.format(profile=profile) + yaml.safe_dump({"name": "dloco", "services": services}, sort_keys=False, default_flow_style=None, width=120)
+
+
+def _inputs(config: ClusterConfig) -> list[str]:
+    """The host files the islands read: a task file, a corpus, a token file."""
+    where = config.model.task.rpartition(":")[0]
+    return [path for path in (where if where.endswith(".py") else None, config.model.corpus, config.model.tokens) if path]
 
 
 # ---- reading a compose file back ----------------------------------------------------------------

@@ -40,8 +40,9 @@ def prepare_command(config_path: str, run_dir: str) -> list[str]:
     return ["prepare", "--config", config_path, "--run-dir", run_dir]
 
 
-def commands(config: ClusterConfig, at: Addresses, run_dir: str) -> dict[str, list[str]]:
-    """`dloco` arguments (without the program) of the broker, the merger and every island."""
+def commands(config: ClusterConfig, at: Addresses, run_dir: str, place=lambda path: path) -> dict[str, list[str]]:
+    """`dloco` arguments (without the program) of the broker, the merger and every island; `place`
+    maps the task's host paths to the islands' (model_args)."""
     keys, b = f"{run_dir}/keys", at.broker_ports
     out = {"broker": ["broker", "--keys", keys, "--allow", f"{run_dir}/allow/broker", "--delta-in", f"tcp://{at.bind_host}:{b[0]}",
                       "--delta-out", f"tcp://{at.bind_host}:{b[1]}", "--snapshot-in", f"tcp://{at.bind_host}:{b[2]}",
@@ -62,7 +63,7 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str) -> dict[str, li
             links += [flag, value] if value else []
         out[region.name] = [
             "island", "--name", region.name, "--region", region.name, "--islands", len(config.regions), "--island-index", index,
-            *model_args(config), "--max-steps", 10**9, "--eval-every", config.eval_every,
+            *model_args(config, place), "--max-steps", 10**9, "--eval-every", config.eval_every,
             *(["--eval-early"] if config.eval_early else []), *(["--eval-trace", config.eval_trace] if config.eval_trace else []),
             "--fragments", sc.fragments, "--interval", sc.interval, "--codec", sc.codec, "--adoption", sc.adoption, "--alpha", sc.alpha,
             *(["--blocking"] if sc.blocking else []), *(["--error-feedback"] if sc.error_feedback else []),

@@ -196,7 +196,11 @@ def _compose(args: argparse.Namespace) -> int:
         print(f"dloco compose: {error}", file=sys.stderr)
         return 2
     profile = args.profile_path or (os.path.relpath(args.config) if args.config else "cluster/profiles/default.toml")
-    sys.stdout.write(compose.render(cluster, profile))
+    try:
+        sys.stdout.write(compose.render(cluster, profile, args.config.parent if args.config else None))
+    except DlocoError as error:
+        print(f"dloco compose: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -76,3 +76,44 @@ def test_every_setting_of_the_cluster_file_reaches_the_processes():
             assert getattr(island_args, renamed.get(key, key)) == getattr(sync, key), (cluster.mode, key)
         for field in dataclasses.fields(cluster.model):
             assert getattr(island_args, field.name) == getattr(cluster.model, field.name), field.name
+
+
+def test_the_model_section_names_a_task_and_its_options_reach_the_islands(tmp_path):
+    """[model] task: a relative PATH.py is the cluster file's neighbour; [task] pairs become
+    --task-option; the built-in LM's keys are refused for another task; sizes are checked."""
+    from cluster import topology
+    from dloco.cli import build_parser
+    from island.main import task_options
+
+    (tmp_path / "sub").mkdir()
+    path = tmp_path / "sub" / "c.toml"
+    path.write_text("[model]\ntask = 'mine.py:build'\nbatch = 4\n[task]\nhidden = 32\nrate = 0.5\nwide = true\nname = 'x'\n[[regions]]\nname = 'a'\n")
+    cluster = config.load(path)
+    assert cluster.model.task == f"{tmp_path / 'sub' / 'mine.py'}:build"
+    island = topology.commands(cluster, topology.Addresses(("1", "2", "3", "4"), "5"), "/run")["a"]
+    args = build_parser().parse_args(island)
+    assert args.task == cluster.model.task and args.batch == 4
+    assert task_options(args) == {"hidden": 32, "name": "x", "rate": 0.5, "wide": True}
+
+    path.write_text("[model]\nsize = '124m'\ncontext = 256\ncorpus = 'text'\n[[regions]]\nname = 'a'\n")
+    args = build_parser().parse_args(topology.commands(config.load(path), topology.Addresses(("1", "2", "3", "4"), "5"), "/run")["a"])
+    assert task_options(args) == {"size": "124m", "context": 256, "corpus": str(tmp_path / "sub" / "text")}
+    for text, message in (("[model]\ntask = 'mine.py:build'\nwidth = 64\n", "are the built-in LM's options"),
+                          ("[model]\nsize = 'huge'\n", "model.size must be one of"), ("[model]\ntask = 'nothing'\n", "model.task must be"),
+                          ("[model]\ncorpus = 'a'\ntokens = 'b'\n", "not both"), ("[model]\nsize = 'small'\nheads = 7\n", "multiple of model.heads 7"),
+                          ("[task]\nbad = [1, 2]\n", "\\[task\\] values must be")):
+        path.write_text(text + "[[regions]]\nname = 'a'\n")
+        with pytest.raises(ConfigError, match=message):
+            config.load(path)
+
+
+def test_compose_mounts_the_task_file_from_the_cluster_files_folder(tmp_path):
+    from cluster import compose
+
+    (tmp_path / "c.toml").write_text("[model]\ntask = 'mine.py:build'\n[[regions]]\nname = 'a'\n")
+    rendered = compose.render(config.load(tmp_path / "c.toml"), "conf/c.toml", tmp_path)
+    assert "--task, '/dloco/config/mine.py:build'" in rendered and "'./conf:/dloco/config:ro'" in rendered
+    assert "[dloco, prepare, --config, /dloco/config/c.toml" in rendered
+    (tmp_path / "c.toml").write_text(f"[model]\ntask = '{tmp_path.parent / 'elsewhere.py'}:build'\n[[regions]]\nname = 'a'\n")
+    with pytest.raises(ConfigError, match="outside the cluster file's folder"):
+        compose.render(config.load(tmp_path / "c.toml"), "conf/c.toml", tmp_path)
