@@ -36,9 +36,9 @@ class ModelConfig:
 MODEL_SIZES: dict[str, dict] = {
     "tiny": dict(width=128, depth=4, heads=4, context=128),  # 0.87 M parameters with bytes
     "small": dict(width=256, depth=6, heads=8, context=256),  # 4.9 M
-    "base": dict(width=512, depth=8, heads=8, context=512),  # 25.6 M
+    "base": dict(width=512, depth=8, heads=8, context=512),  # 25.7 M
     "124m": dict(vocab=50257, width=768, depth=12, heads=12, context=1024, tie_embeddings=True),  # 124.4 M
-    "350m": dict(vocab=50257, width=1024, depth=24, heads=16, context=1024, tie_embeddings=True),  # 354.8 M
+    "350m": dict(vocab=50257, width=1024, depth=24, heads=16, context=1024, tie_embeddings=True),  # 354.7 M
 }
 
 

@@ -1,0 +1,54 @@
+"""The built-in LM as a task: its size presets have the parameter counts they claim (GPT-2 small and
+medium in shape), options override a preset, and data the model has no embedding for is refused."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from island import bytelm
+from island.config import MODEL_SIZES, ModelConfig
+from island.model import ByteLM
+from island.task import TaskContext, TaskError, build
+
+
+def parameters(config: ModelConfig) -> tuple[int, int]:
+    """(scalars, tensors) of the LM, from shapes alone (nothing allocated)."""
+    leaves = jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: ByteLM(config, nnx.Rngs(0))), nnx.Param))
+    return sum(int(np.prod(leaf.shape)) for leaf in leaves), len(leaves)
+
+
+def test_presets_have_the_sizes_they_claim():
+    # GPT-2 small by hand: 50,257 x 768 tied embeddings, 1,024 x 768 positions, per block 2 layer norms
+    # (2 x 2 x 768), qkv 768 x 2,304 and out 768 x 768 without bias, MLP 768 x 3,072 + 3,072 and
+    # 3,072 x 768 + 768; a final layer norm.
+    block = 4 * 768 + 768 * 2304 + 768 * 768 + 768 * 3072 + 3072 + 3072 * 768 + 768
+    assert parameters(bytelm.model_config({"size": "124m"})) == (50257 * 768 + 1024 * 768 + 12 * block + 2 * 768, 2 + 12 * 10 + 2)
+    assert parameters(bytelm.model_config({"size": "tiny"}))[0] == 873_216  # the 0.87 M default, bytes
+    counts = [parameters(bytelm.model_config({"size": size}))[0] for size in MODEL_SIZES]
+    assert counts == sorted(counts) and 354e6 < counts[-1] < 355e6
+
+
+def test_options_override_a_preset_and_the_data_sets_the_vocabulary():
+    config = bytelm.model_config({"size": "124m", "context": 128})
+    assert (config.width, config.depth, config.context, config.vocab, config.tie_embeddings) == (768, 12, 128, 50257, True)
+    assert bytelm.model_config({}, data_vocab=4096).vocab == 4096  # tiny takes the data's vocabulary
+    with pytest.raises(TaskError, match="token ids up to 4095, the model's vocabulary only 256"):
+        bytelm.model_config({"vocab": 256}, data_vocab=4096)
+    with pytest.raises(TaskError, match="model size must be one of"):
+        bytelm.model_config({"size": "xl"})
+
+
+@pytest.mark.timeout(120)
+def test_the_builtin_task_refuses_unknown_options_and_gives_what_the_contract_asks(tmp_path):
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+    context = TaskContext(island_index=1, islands=2, seed=0, batch=4, max_steps=10,
+                          options={"corpus": str(tmp_path / "text.txt"), "width": 16, "depth": 1, "heads": 2, "context": 8, "eval_batches": 2})
+    task = build("island.bytelm:task", context)
+    batch = next(task.batches)
+    assert batch.shape == (4, 9) and len(task.eval_batches) == 2 and task.tokens_in(batch) == 32
+    assert set(task.metrics(task.model, batch)) == {"accuracy"}
+    with pytest.raises(TaskError, match="has no options \\['colour'\\]"):
+        build("island.bytelm:task", TaskContext(0, 1, 0, 4, 10, {"colour": "red"}))
