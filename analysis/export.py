@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +24,13 @@ import numpy as np
 from analysis.runinfo import RUN_TASK, RunDirError, RunTask
 from merger import checkpoint
 from merger.recovery import checkpoint_dir
+from protocol.errors import DlocoError
 
 FORMAT = "dloco-global-model/1"  # the metadata's "format": what wrote the file, and how to read it
+
+
+class ExportError(DlocoError):
+    """The file cannot be written where --out says."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +86,8 @@ def load(run_dir: Path, record: int | None = None) -> GlobalModel:
         saved = checkpoint.read(found[record])
         if saved is None:
             raise RunDirError(f"checkpoint {found[record]} is unreadable (its length or checksum is wrong)")
-    return GlobalModel(params_of(saved), int(saved["next_index"]), tuple(int(f["version"]) for f in saved["fragments"]), str(saved["digest"]))
+    versions = tuple(int(f["version"]) for f in saved["fragments"])
+    return GlobalModel(params_of(saved), int(saved["next_index"]), versions, str(saved["digest"]))
 
 
 def metadata(run_dir: Path, model: GlobalModel, run: RunTask) -> dict[str, str]:
@@ -99,20 +104,22 @@ def write(params: dict[str, np.ndarray], meta: dict[str, str], out: Path) -> Non
 
     out = Path(out)
     if out.is_dir():
-        raise RunDirError(f"--out {out} is a directory; name the file to write (e.g. {out / 'model.safetensors'})")
+        raise ExportError(f"--out {out} is a directory; name the file to write (e.g. {out / 'model.safetensors'})")
+    if not out.parent.is_dir():
+        raise ExportError(f"cannot write {out}: the folder {out.parent} does not exist")
+    temporary = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        handle, temporary = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    except OSError as error:
-        raise RunDirError(f"cannot write {out}: {error.strerror} ({out.parent})") from None
-    os.close(handle)
-    try:
-        save_file({path: np.ascontiguousarray(value, dtype=np.float32) for path, value in sorted(params.items())}, temporary, metadata=meta)
+        save_file({path: np.ascontiguousarray(value, dtype=np.float32) for path, value in sorted(params.items())}, str(temporary), metadata=meta)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)  # safetensors creates its file 0600; an exported model is for sharing, like any new file
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())  # on disk before the rename, or a crash could leave an empty file under the name
         os.replace(temporary, out)
     except (OSError, SafetensorError) as error:
-        raise RunDirError(f"cannot write {out}: {getattr(error, 'strerror', None) or error}") from None
+        raise ExportError(f"cannot write {out}: {getattr(error, 'strerror', None) or error}") from None
     finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+        temporary.unlink(missing_ok=True)
 
 
 def export(run_dir: Path, out: Path, record: int | None = None, run: RunTask | None = None) -> tuple[GlobalModel, dict[str, str]]:

@@ -57,7 +57,8 @@ def build_task(run: RunTask):
     """The run's task (island.task.Task), built as island 0 builds it: its model holds the initial parameters."""
     from island.task import TaskContext, build
 
-    return build(run.task, TaskContext(island_index=0, islands=run.islands, seed=run.seed, batch=run.batch, max_steps=1, options=run.options))
+    context = TaskContext(island_index=0, islands=run.islands, seed=run.seed, batch=run.batch, max_steps=1, options=run.options)
+    return build(run.task, context)
 
 
 def cluster_tokens_at(lives_by_island: dict[str, list[list[dict]]], at: float) -> int:

@@ -82,9 +82,11 @@ def model_for(run: RunTask, params: dict):
     from island.train import assign, flat_params
 
     model = build_task(run).model
-    difference = first_difference({p: tuple(a.shape) for p, a in params.items()}, {p: tuple(a.shape) for p, a in flat_params(model).items()})
-    if difference is not None:
-        raise SampleError(f"the checkpoint's model is not the one the run's task builds: {difference.replace('merger', 'checkpoint')}")
+    ours = {p: tuple(a.shape) for p, a in flat_params(model).items()}
+    difference = first_difference({p: tuple(a.shape) for p, a in params.items()}, ours)
+    if difference is not None:  # first_difference speaks of the merger's model: here it is the checkpoint's
+        said = difference.replace("the merger's", "the checkpoint's")
+        raise SampleError(f"the checkpoint's model is not the one the run's task builds: {said}")
     assign(model, params)
     return model
 
@@ -151,11 +153,12 @@ def report_lines(run: RunTask, run_dir: Path, trainer) -> list[str]:
         global_model = export.load(run_dir)
         codec = codec_for(run.options)
         trainer.set_params(global_model.params)
-        got = continue_text(trainer.model, codec, REPORT_PROMPT, REPORT_LENGTH, REPORT_TEMPERATURE, REPORT_TOP_K, REPORT_SEED, REPORT_BUDGET_S)
+        got = continue_text(trainer.model, codec, REPORT_PROMPT, REPORT_LENGTH, REPORT_TEMPERATURE, REPORT_TOP_K, REPORT_SEED,
+                            REPORT_BUDGET_S)
     except Exception as error:  # the report is the run's record; a sample is an extra, and any failure of it is reported in it
         return head + [f"No sample: {type(error).__name__}: {error}", ""]
     unit = "bytes" if codec is BYTES else "tokens"
     cut = f" (cut at {len(got.ids)} {unit}: the sample may take {REPORT_BUDGET_S:.0f} s)" if got.cut else ""
-    return head + [f"The final global model (checkpoint at record {global_model.record}) continuing `{REPORT_PROMPT}`: {len(got.ids)} {unit}, "
-                   f"temperature {REPORT_TEMPERATURE}, top-k {REPORT_TOP_K}, seed {REPORT_SEED}{cut}; `dloco sample {run_dir} --prompt TEXT` makes more.",
-                   "", *fenced(got.text), ""]
+    return head + [f"The final global model (checkpoint at record {global_model.record}) continuing `{REPORT_PROMPT}`: "
+                   f"{len(got.ids)} {unit}, temperature {REPORT_TEMPERATURE}, top-k {REPORT_TOP_K}, seed {REPORT_SEED}{cut}; "
+                   f"`dloco sample {run_dir} --prompt TEXT` makes more.", "", *fenced(got.text), ""]

@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(run=_export)
     sample.add_argument("--prompt", required=True, help="the text to continue (UTF-8; the run's tokenizer's ids for a BPE token file)")
     sample.add_argument("--length", type=_positive_int, default=200, help="tokens (bytes for the byte LM) to generate (default 200)")
-    sample.add_argument("--temperature", type=float_at_least(0), default=0.8, help="softmax temperature; 0: always the likeliest (default 0.8)")
+    sample.add_argument("--temperature", type=float_at_least(0), default=0.8,
+                        help="softmax temperature; 0: always the likeliest (default 0.8)")
     sample.add_argument("--top-k", type=int_at_least(0), default=40, help="sample among the K likeliest; 0: among all (default 40)")
     sample.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default 0)")
     sample.set_defaults(run=_sample)

@@ -14,7 +14,8 @@ def initial_params(seed: int = 0) -> dict[str, np.ndarray]:
     return {path: (rng.standard_normal(shape) * 0.1).astype(np.float32) for path, shape in SHAPES.items()}
 
 
-def delta_chunks(paths, island, delta_id, fragment, base_version, seed, codec="int4", epoch=1, first_seq=1, max_chunk_bytes=2048, params=None):
+def delta_chunks(paths, island, delta_id, fragment, base_version, seed, codec="int4", epoch=1, first_seq=1, max_chunk_bytes=2048,
+                 params=None):
     """Chunks of one pseudo-random delta of the tensors `paths` of `params` (default: initial_params())."""
     params = initial_params() if params is None else params
     rng = np.random.default_rng(seed)

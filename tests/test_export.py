@@ -9,6 +9,7 @@ after folds of pseudo-random deltas."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -193,6 +194,9 @@ def test_export_writes_the_latest_checkpoint_bit_for_bit_with_its_metadata(run, 
     assert meta["task"] == "island.bytelm:task" and json.loads(meta["task_options"])["width"] == 32
     assert meta["parameters"] == str(sum(a.size for a in run.init.values())) and meta["run_dir"] == str(run.dir.resolve())
     assert not [p for p in tmp_path.iterdir() if p.name != "model.safetensors"]  # no temporary file left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as any new file, not safetensors' 0600
 
 
 def test_export_picks_a_checkpoint_by_its_record_and_names_the_ones_there(run, tmp_path, capsys):
@@ -243,6 +247,9 @@ def test_sample_needs_the_built_in_lm_and_a_run_directory(run, tmp_path, capsys)
     assert "dloco sample: sampling needs the built-in LM" in capsys.readouterr().err
     assert main(["sample", str(tmp_path / "nowhere"), "--prompt", "x"]) == 2
     assert "is not a directory" in capsys.readouterr().err
+    first, *rest = sorted(run.init)
+    with pytest.raises(sampling.SampleError, match=f"builds: this task's model has {first} "):
+        sampling.model_for(run.task, {path: run.init[path] for path in rest})
 
 
 def test_the_report_ends_with_a_sample_or_says_why_there_is_none(run):
@@ -255,3 +262,30 @@ def test_the_report_ends_with_a_sample_or_says_why_there_is_none(run):
     assert sampling.report_lines(broken, run.dir, trainer)[2].startswith("No sample: SampleError: the run trained on the token file")
     assert sampling.report_lines(RunTask("x.py:task", {}, 0, 8, 2), run.dir, trainer) == []
 
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_a_real_run_ends_its_report_with_a_sample_and_exports_its_final_model(tmp_path):
+    """`dloco up` (two islands, 20 steps each), then the commands a user runs on its directory."""
+    import subprocess
+    import sys
+
+    from tests.cluster_helpers import small_profile
+
+    (tmp_path / "c.toml").write_text(small_profile(400, 10, '[[regions]]\nname = "a"\n[[regions]]\nname = "b"\n', max_steps=20))
+    run_dir = tmp_path / "run"
+
+    def dloco(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dloco", *args], capture_output=True, text=True, timeout=500)
+
+    up = dloco("up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run_dir))
+    assert up.returncode == 0, up.stdout[-2000:]
+    report = (run_dir / "report.md").read_text()
+    sample = report[report.index("## Sample"):].splitlines()
+    assert "checkpoint at record" in sample[2] and sample[4] == "```text" and sample[5].startswith("def ") and sample[-1] == "```"
+    assert dloco("export", str(run_dir), "--out", str(tmp_path / "m.safetensors")).returncode == 0
+    with np.load(run_dir / "init.npz") as init:
+        assert sorted(load_file(str(tmp_path / "m.safetensors"))) == sorted(init.files)
+    twice = [dloco("sample", str(run_dir), "--prompt", "import ", "--length", "40", "--seed", "1") for _ in range(2)]
+    assert twice[0].returncode == 0 and twice[0].stdout == twice[1].stdout and twice[0].stdout.startswith("import ")
