@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.runinfo import merger_folds, wall
+from analysis.runinfo import RunTask, merger_folds, wall
 from cluster.config import ClusterConfig
 
 
@@ -22,12 +22,9 @@ class Evaluator:
 
     def __init__(self, config: ClusterConfig, run_dir: Path) -> None:
         from island.config import TrainConfig
-        from island.task import TaskContext, build
         from island.train import Trainer
 
-        context = TaskContext(island_index=0, islands=len(config.regions), seed=config.seed, batch=config.model.batch, max_steps=1,
-                              options=task_options(config))
-        task = build(config.model.task, context)
+        task = build_task(RunTask.of(config))
         self.trainer = Trainer(task.model, task.loss, TrainConfig(batch=config.model.batch, seed=config.seed), task.optimizer, task.metrics)
         self.batches = task.eval_batches
         self.run_dir = run_dir
@@ -46,19 +43,22 @@ class Evaluator:
 
     def final(self) -> dict[str, float] | None:
         """The merger's last checkpoint (written when it stops), evaluated; None without one."""
+        from analysis.export import params_of
         from merger import checkpoint
         from merger.recovery import checkpoint_dir
 
         saved = checkpoint.latest(checkpoint_dir(self.run_dir / "merger"))
         if saved is None:
             return None
-        return self.metrics({path: np.frombuffer(entry["data"], dtype=np.dtype(entry["dtype"])).reshape(entry["shape"])
-                          for fragment in saved["fragments"] for path, entry in fragment["params"].items()})
+        return self.metrics(params_of(saved))
 
 
-def task_options(config: ClusterConfig) -> dict:
-    """What an island of this cluster passes its task function as options (cluster/topology.model_args)."""
-    return {**config.model.lm_options(), **dict(config.task_options)}
+def build_task(run: RunTask):
+    """The run's task (island.task.Task), built as island 0 builds it: its model holds the initial parameters."""
+    from island.task import TaskContext, build
+
+    context = TaskContext(island_index=0, islands=run.islands, seed=run.seed, batch=run.batch, max_steps=1, options=run.options)
+    return build(run.task, context)
 
 
 def cluster_tokens_at(lives_by_island: dict[str, list[list[dict]]], at: float) -> int:

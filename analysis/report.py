@@ -7,8 +7,9 @@ import collections
 import re
 from pathlib import Path
 
+from analysis import sampling
 from analysis.globalmodel import Evaluator
-from analysis.runinfo import chaos_effects, last_step, lives, merger_folds, read_metrics
+from analysis.runinfo import RunTask, chaos_effects, last_step, lives, merger_folds, read_metrics
 from cluster.config import ClusterConfig
 from protocol.errors import ConfigError
 
@@ -93,8 +94,14 @@ def read_exit_codes(run_dir: Path) -> tuple[float | None, dict[str, int | None]]
     report.md (its first line, the islands' table, the global model's): (seconds, {name: code}),
     None where the report says None (a process never started or stopped).  Raises ConfigError
     when a status cell is not one."""
-    codes, section, planned, header = {}, None, None, False
+    codes, section, planned, header, fence = {}, None, None, False, None
     for line in (run_dir / "report.md").read_text().splitlines():
+        if fence is not None:  # a code block (the closing sample) is text, never a heading or a table
+            fence = None if line.strip() == fence else fence
+            continue
+        if match := re.match(r"(`{3,}|~{3,})", line):
+            fence = match.group(1)
+            continue
         if planned is None and (match := re.search(r"planned length (\d+(?:\.\d+)?) s", line)):
             planned = float(match.group(1))
         if line.startswith("## "):
@@ -127,7 +134,8 @@ def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int
     metrics = {r.name: read_metrics(run_dir / "metrics" / f"{r.name}.jsonl") for r in config.regions}
     folds = merger_folds(run_dir)
     folded_by = collections.Counter(name for fold in folds for name in fold["contributors"])
-    before, after = global_eval(config, run_dir)
+    evaluator = Evaluator(config, run_dir)
+    before, after = evaluator.initial(), evaluator.final()
     lines = ["# dloco run report", "", f"Run directory: `{run_dir}`; mode `{config.mode}`; {len(config.regions)} regions; planned length {config.duration_s:.0f} s"
              + (f" at most, {config.max_steps} steps per island." if config.max_steps else "."), ""]
     if problems:
@@ -158,7 +166,10 @@ def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int
     lines += _chaos_section(chaos_effects(run_dir, [r.name for r in config.regions]))
     lines += ["## Plots", ""] + [f"![{p}]({p})" for p in _plots(config, run_dir, metrics)]
     lines += ["", "Logs: `logs/<process>.log` (JSON lines); island metrics: `metrics/<region>.jsonl`; "
-              "the merger's write-ahead log and checkpoints: `merger/` (`dloco replay` rebuilds the model from it).", ""]
+              "the merger's write-ahead log and checkpoints: `merger/` (`dloco replay` rebuilds the model from it; "
+              "`dloco export` writes it as safetensors).", ""]
+    if after is not None:  # last: the sample's text may be anything, and the tables above are read back (read_exit_codes)
+        lines += sampling.report_lines(RunTask.of(config), run_dir, evaluator.trainer)
     report = run_dir / "report.md"
     report.write_text("\n".join(lines))
     return report

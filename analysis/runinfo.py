@@ -1,10 +1,64 @@
-"""Reading a run directory: island metrics (JSON lines) and the merger's fold log lines."""
+"""Reading a run directory: island metrics (JSON lines), the merger's fold log lines, and the task
+its islands trained (task.json)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+from protocol.errors import DlocoError
+
+RUN_TASK = "task.json"  # in a run directory: what its islands trained (RunTask)
+
+
+class RunDirError(DlocoError):
+    """A folder is not a run directory, or a run directory lacks what was asked of it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunTask:
+    """What a run's islands trained, recorded by `dloco up` / `dloco prepare` as RUN_DIR/task.json, so
+    that its model can be built again (`dloco sample`, `dloco export`) without the cluster file: the
+    task plug-in's spec and options as an island receives them, the seed the parameters start from,
+    and the batch and island count the task's data split depends on."""
+
+    task: str  # island/task.py: PATH.py:FUNCTION or MODULE:FUNCTION
+    options: Mapping[str, Any]  # the task function's options (the built-in LM's size, corpus, tokens, ...)
+    seed: int
+    batch: int
+    islands: int
+
+    @classmethod
+    def of(cls, config) -> RunTask:
+        """The task of a cluster (a cluster.config.ClusterConfig), as its islands build it (cluster/topology.model_args)."""
+        return cls(config.model.task, {**config.model.lm_options(), **dict(config.task_options)}, config.seed, config.model.batch,
+                   len(config.regions))
+
+    def write(self, run_dir: Path) -> Path:
+        path = Path(run_dir) / RUN_TASK
+        path.write_text(json.dumps(dataclasses.asdict(self) | {"options": dict(self.options)}, indent=2, sort_keys=True) + "\n")
+        return path
+
+    @classmethod
+    def read(cls, run_dir: Path) -> RunTask:
+        """RUN_DIR/task.json; RunDirError naming the file when it is missing or not one."""
+        path = Path(run_dir) / RUN_TASK
+        try:
+            fields = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise RunDirError(f"{run_dir} has no {RUN_TASK} (a run directory made before runs recorded their task?): "
+                              "give --config the cluster file it ran") from None
+        except (OSError, json.JSONDecodeError) as error:
+            raise RunDirError(f"cannot read {path}: {error}") from None
+        kinds = {"task": str, "options": dict, "seed": int, "batch": int, "islands": int}
+        if not isinstance(fields, dict) or set(fields) != set(kinds) or not all(type(fields[k]) is kind for k, kind in kinds.items()):
+            raise RunDirError(f"{path} must be an object with {', '.join(f'{k} ({kind.__name__})' for k, kind in kinds.items())}, "
+                              f"got {json.dumps(fields)[:200]}")
+        return cls(**fields)
 
 
 def read_events(path: Path) -> list[dict]:

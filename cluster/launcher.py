@@ -12,8 +12,9 @@ targets); then `duration_s` is a limit: a run still going then has failed, and t
 which island was where.  A run whose islands did not train an interval, or whose merger never folded, fails too
 (analysis.verdict): the exit status is 0 only for a run that did its work.
 
-Run directory: keys/, allow/{broker,merger}/, init.npz, logs/<process>.log,
-metrics/<region>.jsonl, merger/ (write-ahead log, checkpoints), report.md, plots/*.png.
+Run directory: keys/, allow/{broker,merger}/, init.npz, task.json (what the islands train: `dloco
+sample` and `dloco export` build the model from it), logs/<process>.log, metrics/<region>.jsonl,
+merger/ (write-ahead log, checkpoints), report.md, plots/*.png.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 from analysis import verdict
-from analysis.runinfo import RunProgress, island_stage
+from analysis.runinfo import RunProgress, RunTask, island_stage
 from bus.security import create_keys
 from cluster import chaos, compose, cpuquota, topology
 from cluster.compose import Service
@@ -64,9 +65,11 @@ def dloco(*args: str) -> list[str]:
 
 
 def prepare(config: ClusterConfig, run_dir: Path) -> None:
-    """What every process needs before it starts: CURVE keys, allow-lists, the initial model."""
+    """What every process needs before it starts: CURVE keys, allow-lists, the initial model; and
+    the record of the task, for whoever reads the run directory later."""
     for folder in ("logs", "metrics", "allow/broker", "allow/merger"):
         (run_dir / folder).mkdir(parents=True, exist_ok=True)
+    RunTask.of(config).write(run_dir)
     names = [r.name for r in config.regions]
     create_keys(run_dir / "keys", ["broker", "merger", *names])
     for name in ["merger", *names]:

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from cliargs import int_at_least
+from cliargs import float_at_least, int_at_least
 
 _positive_int = int_at_least(1)
 
@@ -106,6 +106,24 @@ def build_parser() -> argparse.ArgumentParser:
                           help="bytes: each byte is a token (vocab 256); bpe: a byte-level BPE trained here on SRC")
     tokenize.add_argument("--vocab", type=_positive_int, default=None, help="bpe: the vocabulary to train (default 4096)")
     tokenize.set_defaults(run=_tokenize)
+    export = commands.add_parser("export", help="write a run's global model (the merger's checkpoint) as a safetensors file")
+    sample = commands.add_parser("sample", help="text from a run's global model (the built-in LM)")
+    for tool in (export, sample):
+        tool.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory `dloco up` wrote")
+        tool.add_argument("--checkpoint", type=int_at_least(0), default=None, metavar="N",
+                          help="the merger's checkpoint at log record N (merger/checkpoints/N.ckpt, as `dloco replay --verify` "
+                               "numbers them); default: the newest, after a clean stop the final model")
+        tool.add_argument("--config", type=Path, default=None,
+                          help="the cluster file the run ran, for a run directory without task.json (made before runs recorded it)")
+    export.add_argument("--out", type=Path, required=True, metavar="FILE.safetensors")
+    export.set_defaults(run=_export)
+    sample.add_argument("--prompt", required=True, help="the text to continue (UTF-8; the run's tokenizer's ids for a BPE token file)")
+    sample.add_argument("--length", type=_positive_int, default=200, help="tokens (bytes for the byte LM) to generate (default 200)")
+    sample.add_argument("--temperature", type=float_at_least(0), default=0.8,
+                        help="softmax temperature; 0: always the likeliest (default 0.8)")
+    sample.add_argument("--top-k", type=int_at_least(0), default=40, help="sample among the K likeliest; 0: among all (default 40)")
+    sample.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default 0)")
+    sample.set_defaults(run=_sample)
 
     from broker.main import add_commands as add_broker_commands
 
@@ -244,6 +262,45 @@ def _tokenize(args: argparse.Namespace) -> int:
         print(f"dloco tokenize: {error}", file=sys.stderr)
         return 2
     print(f"dloco tokenize: {report.summary()}")
+    return 0
+
+
+def _run_task(args: argparse.Namespace):
+    """The run's task from --config when given, else from the run directory (None: read there)."""
+    from analysis.runinfo import RunTask
+    from cluster import config
+
+    return RunTask.of(config.load(args.config)) if args.config is not None else None
+
+
+def _export(args: argparse.Namespace) -> int:
+    from analysis import export
+    from protocol import DlocoError
+
+    try:
+        model, meta = export.export(args.run_dir, args.out, args.checkpoint, _run_task(args))
+    except DlocoError as error:
+        print(f"dloco export: {error}", file=sys.stderr)
+        return 2
+    print(f"dloco export: wrote {args.out}: {len(model.params)} tensors, {model.count:,} parameters, checkpoint at record {model.record}, "
+          f"fragment versions {list(model.versions)}, task {meta['task']}")
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from analysis import sampling
+    from protocol import DlocoError
+
+    try:
+        got, model = sampling.sample(args.run_dir, args.prompt, args.length, args.temperature, args.top_k or None, args.seed,
+                                     args.checkpoint, _run_task(args))
+    except DlocoError as error:
+        print(f"dloco sample: {error}", file=sys.stderr)
+        return 2
+    print(got.text)
+    print(f"dloco sample: {len(got.ids)} tokens after a {len(got.prompt_ids)}-token prompt, checkpoint at record {model.record} "
+          f"(fragment versions {list(model.versions)}), temperature {args.temperature:g}, top-k {args.top_k or 'all'}, seed {args.seed}",
+          file=sys.stderr)
     return 0
 
 

@@ -15,8 +15,10 @@ token file's own); data with an id the model has no embedding for is refused.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+from collections.abc import Iterator
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -89,30 +91,54 @@ def trainer(config: ModelConfig, train: TrainConfig, seed: int | None = None):
 
 
 def sample(model, prompt: np.ndarray, length: int, temperature: float = 1.0, top_k: int | None = None, seed: int = 0) -> np.ndarray:
-    """`length` tokens generated after `prompt` (1-D ids), deterministic in `seed`: each next token
-    from the softmax of the last position's logits at `temperature`, among the `top_k` likeliest
-    (None: all; temperature 0: the likeliest).  The window slides once the context is full."""
-    from flax import nnx
+    """`length` tokens generated after `prompt` (1-D ids), deterministic in `seed` (see `generate`)."""
+    return np.fromiter(itertools.islice(generate(model, prompt, temperature, top_k, seed), length), dtype=np.int64, count=length)
 
-    context = model.position.value.shape[0]
+
+def generate(model, prompt: np.ndarray, temperature: float = 1.0, top_k: int | None = None, seed: int = 0) -> Iterator[int]:
+    """Token after token after `prompt` (1-D ids), endless, deterministic in `seed`: each next token
+    from the softmax of the last position's logits at `temperature`, among the `top_k` likeliest
+    (None: all; temperature 0: the likeliest).  The window slides once the context is full.  An
+    iterator, so that a caller can stop on a clock (a big model on a CPU makes about a token a second).
+    The arguments are checked here, before the first token is asked for."""
+    context, vocab = model.position[...].shape[0], model.embed.num_embeddings
     tokens = [int(t) for t in prompt]
     if not tokens:
         raise TaskError("sampling needs a prompt of at least one token")
-    if temperature < 0 or (top_k is not None and top_k < 1):
+    if not all(0 <= t < vocab for t in tokens):  # an embedding lookup would clamp such an id silently
+        raise TaskError(f"the prompt has token id {next(t for t in tokens if not 0 <= t < vocab)}; the model's vocabulary is {vocab} ids")
+    if not temperature >= 0 or (top_k is not None and top_k < 1):
         raise TaskError(f"temperature must be >= 0 and top_k >= 1, got {temperature} and {top_k}")
-    # A fixed-length window (zeros after the tokens: causal attention does not look ahead) compiles once.
-    next_logits = nnx.jit(lambda model, window_T, last: model(window_T[None])[0, last])
-    key = jax.random.PRNGKey(seed)
-    for _ in range(length):
+    return _tokens(model, tokens, context, temperature, top_k, seed)
+
+
+@functools.cache
+def _next_logits():
+    """The logits after position `last` of a fixed-length window (zeros after the tokens: causal
+    attention does not look ahead), so that a model compiles once, for every sample of it."""
+    from flax import nnx
+
+    return nnx.jit(lambda model, window_T, last: model(window_T[None])[0, last])
+
+
+def _tokens(model, tokens: list[int], context: int, temperature: float, top_k: int | None, seed: int) -> Iterator[int]:
+    next_logits = _next_logits()
+    rng = np.random.default_rng(seed)  # numpy's, not jax's: no random op to compile in every process that samples
+    while True:
         window = np.zeros(context, dtype=np.int32)
         recent = tokens[-context:]
         window[: len(recent)] = recent
-        logits = np.asarray(next_logits(model, jnp.asarray(window), len(recent) - 1), dtype=np.float32)
+        # A writable copy: np.asarray of a jax array is a read-only view.
+        logits = np.array(next_logits(model, jnp.asarray(window), len(recent) - 1), dtype=np.float64)
+        if not np.isfinite(logits).all():
+            raise TaskError(f"the model's logits after {len(tokens)} tokens are not finite (NaN or Inf): its parameters are broken")
         if temperature == 0:
-            tokens.append(int(np.argmax(logits)))
-            continue
-        if top_k is not None and top_k < logits.size:
-            logits[logits < np.sort(logits)[-top_k]] = -np.inf
-        key, sub = jax.random.split(key)
-        tokens.append(int(jax.random.categorical(sub, jnp.asarray(logits / temperature))))
-    return np.asarray(tokens[len(prompt):], dtype=np.int64)
+            token = int(np.argmax(logits))
+        else:
+            if top_k is not None and top_k < logits.size:
+                # Exactly top_k kept, ties broken towards the lower id as argmax does: top_k = 1 is greedy.
+                logits[np.argsort(-logits, kind="stable")[top_k:]] = -np.inf
+            weights = np.exp((logits - logits.max()) / temperature)  # softmax at temperature; a dropped id weighs 0
+            token = int(rng.choice(weights.size, p=weights / weights.sum()))
+        tokens.append(token)
+        yield token

@@ -81,17 +81,27 @@ class Trainer:
 
     def params(self) -> dict[str, np.ndarray]:
         """Flat {path: float32 array} view of the parameters (a host copy)."""
-        flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(self.model, nnx.Param)))
-        return {"/".join(str(k) for k in key): np.asarray(value, dtype=np.float32) for key, value in flat.items()}
+        return flat_params(self.model)
 
     def set_params(self, values: dict[str, np.ndarray]) -> None:
         """Overwrite the named parameters (a subset is fine), keeping the replicated placement."""
-        pure = nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
-        flat = traverse_util.flatten_dict(pure)
-        by_path = {"/".join(str(k) for k in key): key for key in flat}
-        for path, value in values.items():
-            flat[by_path[path]] = jax.device_put(np.asarray(value, dtype=np.float32), self.replicated)
-        state = nnx.state(self.model, nnx.Param)
-        nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(flat))
-        nnx.update(self.model, state)
+        assign(self.model, values, self.replicated)
 
+
+def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
+    """A model's parameters as {"a/b/c": float32 host array}: the names the islands and the merger exchange."""
+    flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    return {"/".join(str(k) for k in key): np.asarray(value, dtype=np.float32) for key, value in flat.items()}
+
+
+def assign(model: nnx.Module, values: dict[str, np.ndarray], placement=None) -> None:
+    """Overwrite the named parameters of `model` in place (a subset is fine); `placement`: a sharding
+    to put them with (None: the default device).  A Trainer and a model loaded outside one share it."""
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    flat = traverse_util.flatten_dict(pure)
+    by_path = {"/".join(str(k) for k in key): key for key in flat}
+    for path, value in values.items():
+        flat[by_path[path]] = jax.device_put(np.asarray(value, dtype=np.float32), placement)
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(flat))
+    nnx.update(model, state)
