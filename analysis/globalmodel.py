@@ -57,8 +57,14 @@ class Evaluator:
 
 
 def task_options(config: ClusterConfig) -> dict:
-    """What an island of this cluster passes its task function as options (cluster/topology.model_args)."""
-    return {**config.model.lm_options(), **dict(config.task_options)}
+    """What an island of this cluster passes its task function as options (island/main.py task_options):
+    [task] read back from the --task-option pairs it is given (cluster/topology.model_args), then the
+    built-in LM's [model] keys over them, as its flags go over them.  So a TOML string "64" is the int
+    64 here as it is there, and the task evaluated is the task trained."""
+    from cluster.topology import task_option_pairs
+    from island.task import parse_options
+
+    return {**parse_options(task_option_pairs(config)), **config.model.lm_options()}
 
 
 def cluster_tokens_at(lives_by_island: dict[str, list[list[dict]]], at: float) -> int:
