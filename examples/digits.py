@@ -116,7 +116,8 @@ def task(ctx: TaskContext) -> Task:
     eval_batches = [{"image": images_NxP[held[i:i + ctx.batch]], "label": labels_N[held[i:i + ctx.batch]]}
                     for i in range(0, len(held) - ctx.batch + 1, ctx.batch)]
     if not eval_batches:
-        raise TaskError(f"the held-out set has {len(held)} examples, fewer than one batch of {ctx.batch}: lower the batch or raise held_out")
+        raise TaskError(f"the held-out set has {len(held)} examples, fewer than one batch of {ctx.batch}: "
+                        "lower the batch or raise held_out")
     model = Classifier(chosen["hidden"], chosen["layers"], nnx.Rngs(ctx.seed))
     # optimizer=None: dloco's AdamW chain (island --lr, --warmup, --schedule, clipping), the one the
     # built-in LM trains with; it fits this small MLP as it is, and keeps those flags meaningful.

@@ -146,7 +146,8 @@ def test_digits_options_are_checked_by_name():
     digits = resolve(f"{DIGITS}:task")
     assert digits(context(hidden=16, layers=1, held_out=0.5)).model.out.kernel.shape == (16, 10)
     for options, message in (({"width": 3}, r"no options \['width'\]"), ({"hidden": 0}, "hidden must be a positive int"),
-                             ({"layers": True}, "layers must be a positive int"), ({"held_out": 1.5}, r"held_out must be a fraction in \(0, 1\)")):
+                             ({"layers": True}, "layers must be a positive int"),
+                             ({"held_out": 1.5}, r"held_out must be a fraction in \(0, 1\)")):
         with pytest.raises(TaskError, match=message):
             digits(context(**options))
     with pytest.raises(TaskError, match="fewer than one batch of 512"):
@@ -180,7 +181,8 @@ def test_a_task_file_outside_the_package_trains(tmp_path):
     shutil.copy(DIGITS, tmp_path / "my_digits.py")
     task = build(f"{tmp_path / 'my_digits.py'}:task", context(hidden=32))
     assert "(2 x 32 hidden)" in task.name and sys.modules[task.loss.__module__].__file__ == str(tmp_path / "my_digits.py")
-    trainer = Trainer(task.model, task.loss, TrainConfig(batch=32, lr=1e-2, warmup=5, schedule="constant", max_steps=100), task.optimizer, task.metrics)
+    train = TrainConfig(batch=32, lr=1e-2, warmup=5, schedule="constant", max_steps=100)
+    trainer = Trainer(task.model, task.loss, train, task.optimizer, task.metrics)
     before = trainer.evaluate_all(task.eval_batches)
     for _ in range(100):
         trainer.step(next(task.batches))
@@ -277,9 +279,11 @@ def test_the_report_evaluates_the_task_the_islands_were_given(tmp_path):
     from dloco.cli import build_parser
 
     path = tmp_path / "c.toml"
-    path.write_text('[model]\ntask = "digits.py:task"\n[task]\nhidden = "32"\nlayers = 1\nflag = true\nrate = 0.5\n[[regions]]\nname = "a"\n')
+    path.write_text('[model]\ntask = "digits.py:task"\n[task]\nhidden = "32"\nlayers = 1\nflag = true\nrate = 0.5\n'
+                    '[[regions]]\nname = "a"\n')
     cluster = config.load(path)
-    island = build_parser().parse_args([str(a) for a in topology.commands(cluster, topology.Addresses(("1", "2", "3", "4"), "5"), "/r")["a"]])
+    command = topology.commands(cluster, topology.Addresses(("1", "2", "3", "4"), "5"), "/r")["a"]
+    island = build_parser().parse_args([str(a) for a in command])
     from island.main import task_options as island_options
 
     assert task_options(cluster) == island_options(island) == {"hidden": 32, "layers": 1, "flag": True, "rate": 0.5}
@@ -339,5 +343,5 @@ def test_a_task_file_outside_the_package_trains_a_cluster(tmp_path):
     assert final < initial - 0.5, row  # from ln 10 = 2.3 nats
     folded = {name for fold in merger_folds(run) for name in fold["contributors"]}
     assert folded == {"a", "b"}, folded
-    islands = [line for line in report.split("## Islands")[1].split("## ")[0].splitlines() if line.startswith("| a ") or line.startswith("| b ")]
+    islands = [line for line in report.split("## Islands")[1].split("## ")[0].splitlines() if line.startswith(("| a ", "| b "))]
     assert len(islands) == 2 and all(int(line.strip("|").split("|")[-2]) > 0 for line in islands), islands
