@@ -34,9 +34,14 @@ class RunTask:
 
     @classmethod
     def of(cls, config) -> RunTask:
-        """The task of a cluster (a cluster.config.ClusterConfig), as its islands build it (cluster/topology.model_args)."""
-        return cls(config.model.task, {**config.model.lm_options(), **dict(config.task_options)}, config.seed, config.model.batch,
-                   len(config.regions))
+        """The task of a cluster (a cluster.config.ClusterConfig), as its islands build it: [task] read back from
+        the --task-option pairs they are given (cluster/topology.model_args), the built-in LM's [model] keys
+        over them as its flags go over them.  So a TOML string "64" is the int 64 here as it is there."""
+        from cluster.topology import task_option_pairs
+        from island.task import parse_options
+
+        options = {**parse_options(task_option_pairs(config)), **config.model.lm_options()}
+        return cls(config.model.task, options, config.seed, config.model.batch, len(config.regions))
 
     def write(self, run_dir: Path) -> Path:
         path = Path(run_dir) / RUN_TASK

@@ -31,9 +31,14 @@ def model_args(config: ClusterConfig, place=lambda path: path) -> list[str]:
     args = ["--task", f"{place(where)}:{function}" if where.endswith(".py") else m.task]
     for key, value in m.lm_options().items():
         args += [f"--{'model-size' if key == 'size' else key}", place(value) if key in ("corpus", "tokens") else value]
-    for key, value in config.task_options:
-        args += ["--task-option", f"{key}={str(value).lower() if type(value) is bool else value}"]
+    for pair in task_option_pairs(config):
+        args += ["--task-option", pair]
     return args + ["--batch", m.batch, "--seed", config.seed]
+
+
+def task_option_pairs(config: ClusterConfig) -> list[str]:
+    """[task] as the islands' --task-option KEY=VALUE pairs (TOML's true/false as the island reads them)."""
+    return [f"{key}={str(value).lower() if type(value) is bool else value}" for key, value in config.task_options]
 
 
 def prepare_command(config_path: str, run_dir: str) -> list[str]:

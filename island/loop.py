@@ -33,6 +33,7 @@ class Link(Protocol):
     bytes_sent: int
     bytes_received: int
     unfolded: Mapping[int, int]  # fragment -> deltas settled without a fold (blocking mode ends its wait on them)
+    foreign: Mapping[int, Mapping[str, tuple[int, ...]]]  # fragment -> {path: shape} of snapshots of another model (never adopted)
 
     def publish(self, fragment: int, base_version: int, delta: dict[str, np.ndarray], steps: int, tokens: int) -> None: ...
 
@@ -76,6 +77,7 @@ class IslandLoop:
         ours, theirs = {p: v.shape for p, v in theta.items()}, {}
         while waiting and not self.stop_requested:
             if time.monotonic() > deadline:
+                self._refuse_foreign(ours, final=True)
                 raise JoinTimeout(f"no snapshot of fragments {sorted(waiting)} within {timeout_s} s: is the merger running, with the same model?")
             for fragment, version, tensors in self.link.snapshots():
                 theirs.update({p: np.shape(v) for p, v in tensors.items()})
@@ -84,8 +86,22 @@ class IslandLoop:
                 self.trainer.set_params(exchange.adopt(theta, tensors, 0.0))
                 self.progress[fragment] = FragmentProgress({p: np.asarray(v, np.float32) for p, v in tensors.items()}, version)
                 waiting.discard(fragment)
+            self._refuse_foreign(ours)
             time.sleep(0.01)
         if not waiting and (difference := first_difference(theirs, ours)) is not None:
+            raise ModelMismatch(f"the merger trains another model than this task: {difference}")
+
+    def _refuse_foreign(self, ours: Mapping[str, tuple[int, ...]], final: bool = False) -> None:
+        """The link drops snapshots of another model (their fingerprint is not this task's) and keeps
+        only their layout.  Once every fragment's has arrived (they come together, answering the
+        join's request), raise ModelMismatch naming the first differing path of the whole model; at
+        the join's deadline (`final`), the first one in what has arrived."""
+        foreign = getattr(self.link, "foreign", {})
+        if not foreign or (len(foreign) < len(self.progress) and not final):
+            return
+        theirs = {p: shape for layout in foreign.values() for p, shape in layout.items()}
+        compared = ours if len(foreign) >= len(self.progress) else {p: ours[p] for p in theirs if p in ours}
+        if (difference := first_difference(theirs, compared)) is not None:
             raise ModelMismatch(f"the merger trains another model than this task: {difference}")
 
     def run(self, max_steps: int | None = None) -> dict:

@@ -5,7 +5,9 @@ sockets are not thread-safe):
 - publisher: the uplink's loop (island/uplink.py) on a PUB to the delta bus;
 - receiver: a SUB on the snapshot bus (snapshots, acks) and a DEALER to the merger's ROUTER
   (requests for values, resends, probes).  It hands acks and resend requests to the uplink and
-  reassembled snapshots to the downlink (island/snapshots.py), and sends what they ask for.
+  reassembled snapshots to the downlink (island/snapshots.py), and sends what they ask for.  A
+  snapshot of another model than the island's is not adopted: its layout is kept (`foreign`), for
+  the join to refuse that merger by name.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class NetworkLink:
         self._downlink_shaper = downlink or LinkShaper(None)
         self.bytes_received = 0
         self.sends_deferred = 0  # point-to-point sends refused by a full queue (each is tried again later)
+        # Snapshots of another model than this island's (a merger started from another task): never
+        # adopted; fragment -> {path: shape}, so that joining refuses it by name (IslandLoop.join).
+        # Replaced whole by the receiver thread, never changed in place: the loop reads a consistent value.
+        self.foreign: dict[int, dict[str, tuple[int, ...]]] = {}
         self._context = zmq.Context()
         self._threads = [threading.Thread(target=self._publisher, name=f"{name}-publisher", daemon=True),
                          threading.Thread(target=self._receiver, name=f"{name}-receiver", daemon=True)]
@@ -159,11 +165,13 @@ class NetworkLink:
             if isinstance(message, protocol.ResendRequest):
                 self.uplink.resend(message, self._send_direct)
                 return
-            if not isinstance(message, protocol.SnapshotChunk) or message.model != self.model:
+            if not isinstance(message, protocol.SnapshotChunk):
                 return
             assembled = reassembler.add(message, time.monotonic())
         except protocol.ProtocolError as error:
             self.uplink.count_dropped(error.reason)
             return
-        if assembled is not None:
+        if assembled is not None and assembled.header.model != self.model:
+            self.foreign = {**self.foreign, assembled.header.fragment: {p: tuple(np.shape(v)) for p, v in assembled.tensors.items()}}
+        elif assembled is not None:
             self.downlink.on_snapshot(assembled.header, assembled.tensors, arrives)
