@@ -221,8 +221,8 @@ def test_an_island_trains_on_a_token_file(tmp_path):
     assert report.tokens == report.bytes_in > 10_000
     run = dloco("island", "--standalone", "--tokens", str(out), "--max-steps", "3", "--eval-every", "3", *TINY)
     assert run.returncode == 0, run.stderr[-2000:]
-    corpus = next(json.loads(line) for line in run.stdout.splitlines() if '"event": "corpus"' in line)
-    assert corpus["root"] == str(out) and corpus["tokens"] == report.tokens and corpus["vocab"] == 256 and corpus["token_file"] is True
+    task = next(json.loads(line) for line in run.stdout.splitlines() if '"event": "task"' in line)
+    assert f"on {out} (" in task["name"] and f" files, {report.tokens:,} tokens, vocabulary 256," in task["name"], task
     assert np.isfinite(json.loads(run.stdout.strip().splitlines()[-1])["eval_loss"])
     both = dloco("island", "--standalone", "--tokens", str(out), "--corpus", str(tmp_path), *TINY)
     assert both.returncode == 2 and "--tokens" in both.stderr and "--corpus" in both.stderr
