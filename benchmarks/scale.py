@@ -13,12 +13,14 @@ state (benchmarks/scale_island.py), per parameter.
 Goals, judged at the largest size: the summed per-parameter cost within 1.5x of the smallest
 size's (linear growth); the merger at most 20 bytes per parameter; the island's exchange state at
 most 12.  A missed goal names the stage, phase or structure that misses it.  The computations on
-the figures are pure functions, tested against hand-derived values.
+the figures are pure functions, tested against hand-derived values.  A size whose pipeline would
+not fit in the memory available is refused before anything runs (the machine may be shared).
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import multiprocessing
 import os
 import statistics
@@ -28,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 
 from benchmarks.scale_island import island_state_process
-from benchmarks.scale_model import bytes_per_param, count, depth_for, model_shapes, parse_sizes
+from benchmarks.scale_model import available_bytes, bytes_per_param, count, depth_for, model_shapes, parse_sizes
 from benchmarks.scale_pipeline import WAIT_S, ScaleBenchError, measure
 from benchmarks.timing import gbps, memcpy_seconds
 
@@ -37,6 +39,10 @@ FRAGMENTS = 4
 LINEAR_LIMIT = 1.5  # per-parameter cost at the largest size over that at the smallest
 MERGER_LIMIT = 20.0  # bytes of resident memory per parameter
 ISLAND_LIMIT = 12.0  # bytes of exchange state per parameter
+# What a size needs at once: the merger's process (~35 B/param) beside this one's island side (~15),
+# measured at 200 M (BENCHMARKS.md), and the runtimes; a size that would not fit is refused up front.
+NEED_BYTES_PER_PARAM = 50
+NEED_FIXED_BYTES = 1 << 30
 # What raises the merger's peak in each phase (benchmarks/scale_merger.py), for a missed goal's reason.
 MERGER_PHASES = {
     "model": "the initial model, as `dloco merger` loads it (4 B/param)",
@@ -55,6 +61,11 @@ ISLAND_STRUCTURES = {
     "error_feedback": "what quantization left out, carried into the next delta",
     "retransmit": "int4 chunks kept until the merger's cursor covers them",
 }
+
+
+def memory_needed(params: int) -> int:
+    """Bytes of memory a size's pipeline holds at its peak, both processes together (an estimate)."""
+    return NEED_FIXED_BYTES + NEED_BYTES_PER_PARAM * params
 
 
 def stage_figures(samples: dict[str, list[float]], params: int, memcpy_s: float) -> dict[str, dict]:
@@ -94,14 +105,17 @@ def linear_goal(sizes: list[dict]) -> dict:
 
 
 def merger_goal(largest: dict) -> dict:
-    """The merger's bytes per parameter at the largest size; a miss names the phase that added most to the peak."""
+    """The merger's bytes per parameter at the largest size.  A miss names the phase that set the
+    peak (the last that raised it), the state the merger holds, and the peak after each phase."""
     value = largest["merger"]["bytes_per_param"]
     goal = {"limit": MERGER_LIMIT, "bytes_per_param": value, "met": value <= MERGER_LIMIT, "size": largest["label"]}
     if not goal["met"]:
-        rises = largest["merger"]["rise_bytes_per_param"]
-        phase = max(rises, key=rises.get)
-        goal["why"] = (f"phase {phase} added most to the peak ({rises[phase]:.1f} B/param): {MERGER_PHASES.get(phase, phase)}; "
-                       + ", ".join(f"{name} {b:.1f}" for name, b in rises.items()))
+        rises, held = largest["merger"]["rise_bytes_per_param"], largest["merger"]["held_bytes_per_param"]
+        phase = [name for name, rise in rises.items() if rise > 0.05][-1]
+        peaks = itertools.accumulate(rises.values())
+        goal["why"] = (f"the peak is set in phase {phase}: {MERGER_PHASES.get(phase, phase)}. The state itself holds "
+                       f"{sum(held.values()):.1f} B/param (" + ", ".join(f"{name} {b:.1f}" for name, b in held.items() if b) + "); "
+                       "peak after each phase: " + ", ".join(f"{name} {b:.1f}" for name, b in zip(rises, peaks)))
     return goal
 
 
@@ -116,8 +130,13 @@ def island_goal(largest: dict) -> dict:
 
 
 def run(sizes: str = "10M,50M,125M,350M", reps: int = 3, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
+    wanted_sizes, available = parse_sizes(sizes), available_bytes()
+    for label, wanted in wanted_sizes:  # a shared machine must not run out of memory halfway through
+        if available is not None and memory_needed(wanted) > available:
+            raise ScaleBenchError(f"{label} needs about {memory_needed(wanted) / 1e9:.1f} GB at once ({NEED_BYTES_PER_PARAM} B/param: "
+                                  f"the merger and the island side), {available / 1e9:.1f} GB are available: give smaller --sizes")
     results = []
-    for label, wanted in parse_sizes(sizes):
+    for label, wanted in wanted_sizes:
         shapes = model_shapes(wanted)
         params = count(shapes)
 

@@ -103,6 +103,16 @@ def _status_kib(field: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def available_bytes() -> int | None:
+    """Memory the kernel could give without swapping (MemAvailable, Linux); None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            match = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
+
+
 def _ru_maxrss_kib() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak // 1024 if sys.platform == "darwin" else peak  # bytes on macOS, KiB on Linux
@@ -130,15 +140,16 @@ def peak_rss_kib() -> int:
 
 
 class PeakRises:
-    """How much each phase raised the peak resident set (KiB), summed over its occurrences: the
-    phases add up to the peak above the baseline, so the largest is what the peak is made of."""
+    """How much each phase raised the peak resident set (KiB), summed over its occurrences, in the
+    order they first ran: the rises add up to the peak above the baseline, and the last phase that
+    rose is the one that set the peak."""
 
     def __init__(self) -> None:
         self.baseline = self.last = restart_peak_rss()
         self.kib: dict[str, int] = {}
 
     def after(self, phase: str) -> None:
-        peak = peak_rss_kib()
+        peak = max(self.last, peak_rss_kib())  # the kernel's per-thread counters lag by a few pages: never a fall
         self.kib[phase] = self.kib.get(phase, 0) + peak - self.last
         self.last = peak
 
