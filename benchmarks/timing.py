@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 
 def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
@@ -18,6 +20,19 @@ def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 1) -> floa
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def memcpy_seconds(arrays: Sequence[np.ndarray], reps: int) -> float:
+    """The reference of every rate: median time of `np.copyto` of each array in turn into one
+    scratch buffer as large as the largest (the same bytes as the arrays, without a second copy of
+    them all in memory)."""
+    scratch = np.empty(max(a.size for a in arrays), dtype=arrays[0].dtype)
+
+    def copy_all() -> None:
+        for array in arrays:
+            np.copyto(scratch[: array.size].reshape(array.shape), array)
+
+    return median_seconds(copy_all, reps)
 
 
 def gbps(nbytes: int, seconds: float) -> float:

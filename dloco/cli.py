@@ -43,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     bus.add_argument("--messages", type=_positive_int, default=400)
     bus.add_argument("--repeats", type=_positive_int, default=3, help="interleaved measurements per path; medians reported")
     bus.set_defaults(run=_bench, bench_params={"count": "messages", "repeats": "repeats"})
+    scale = suites.add_parser("scale", help="the cost of model size: each stage of a delta's trip (island, broker, merger, snapshot, "
+                                            "island) in GB/s and x memcpy, and merger and island memory per parameter")
+    scale.add_argument("--json", action="store_true", help="print one JSON object")
+    scale.add_argument("--sizes", default="10M,50M,125M,350M",
+                       help="model sizes in parameters, comma-separated, K/M/G decimal (default 10M,50M,125M,350M)")
+    scale.add_argument("--reps", type=_positive_int, default=3, help="timed rounds per size after a warm-up one; medians (default 3)")
+    scale.set_defaults(run=_bench, bench_params={"sizes": "sizes", "reps": "reps"})
 
     from merger.main import add_commands as add_merger_commands
 

@@ -1,0 +1,104 @@
+"""The island's exchange state at one model size, measured in a process of its own.
+
+Spawned fresh; the training state (theta, and the change a step makes) is made first and is the
+baseline.  Then the exchange state is built by the island's own code, as a run builds it:
+
+- join: a full fp32 snapshot of every fragment, as frames, reassembled and handed to
+  `Downlink.on_snapshot` (the served value, which diffs apply to); the anchors are those values
+  (IslandLoop.join: no copy);
+- a round of sends: per fragment a step of training, the pseudo-gradient into the uplink's outbox,
+  a host copy of theta as the new anchor (`trainer.params()` makes one), and `Uplink._send` with
+  error feedback on (its residuals) onto a PUB with no subscriber, its chunks kept in the
+  retransmit buffer (no merger acknowledges them here).
+
+Reported: the resident memory at the baseline, its peak and what each phase added to the peak, and
+the bytes each structure holds at the end (arrays counted once however many structures share them).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import threading
+import time
+import traceback
+
+import numpy as np
+import zmq
+
+import protocol
+from benchmarks.scale_model import PeakRises, init_params
+from island import exchange
+from island.config import SyncConfig
+from island.outbox import PendingDelta
+from island.shaper import LinkShaper
+from island.snapshots import Downlink
+from island.uplink import Uplink
+from protocol import downlink
+
+
+def unique_nbytes(arrays: list[np.ndarray]) -> int:
+    """Bytes of the arrays behind `arrays`, each counted once: a view or an alias adds nothing."""
+    bases: dict[int, int] = {}
+    for array in arrays:
+        while isinstance(array.base, np.ndarray):
+            array = array.base
+        bases[id(array)] = array.nbytes
+    return sum(bases.values())
+
+
+def island_state_process(conn, shapes: dict, fragments: int) -> None:
+    """Entry point of the spawned process: ("island", figures) or ("error", traceback) up the pipe."""
+    try:
+        conn.send(("island", _measure(shapes, fragments)))
+    except BaseException:  # reported to the conductor, which raises it there
+        conn.send(("error", traceback.format_exc()))
+
+
+def _measure(shapes: dict, fragments: int) -> dict:
+    theta = init_params(shapes, seed=1)  # the training state: not counted
+    change = {shape: init_params({"x": shape}, seed=2)["x"] * np.float32(0.05) for shape in set(shapes.values())}
+    parts = protocol.partition(shapes, fragments)
+    model, epoch, fp32 = protocol.model_fingerprint(theta), time.time_ns(), protocol.Codec("fp32")
+    sync = SyncConfig(fragments=fragments, error_feedback=True)
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind_to_random_port("tcp://127.0.0.1")  # no subscriber: ZeroMQ drops what is sent, as before a broker is reached
+    uplink = Uplink("island-0", model, epoch, sync, LinkShaper(None), threading.Event())
+    receiver = Downlink("island-0", epoch)
+    reassembler = protocol.Reassembler(max_bytes=1 << 40)  # the join's budget is the pipeline's concern, not this one's
+    gc.collect()
+    rises = PeakRises()
+
+    for fragment, paths in enumerate(parts):  # the merger's full snapshots, as received
+        value = {p: theta[p] for p in paths}
+        plans = protocol.split_fragment(value, fp32)
+        for index, plan in enumerate(plans):
+            chunk = protocol.SnapshotChunk(sender="merger", epoch=1, seq=index + 1, fragment=fragment, version=0, chunk_index=index,
+                                           chunk_count=len(plans), model=model, codec=fp32, slices=plan.slices, payloads=plan.payloads,
+                                           base_version=None, digest=downlink.digest(value))
+            assembled = reassembler.add(protocol.decode(protocol.encode(chunk)), 0.0)
+        del plans, plan, chunk
+        receiver.on_snapshot(assembled.header, assembled.tensors, 0.0)
+        del assembled
+    anchors = {fragment: {p: np.asarray(v, np.float32) for p, v in tensors.items()} for fragment, _, tensors in receiver.ready(math.inf)}
+    gc.collect()
+    rises.after("join")
+
+    for fragment, paths in enumerate(parts):
+        for path in paths:
+            theta[path] += change[theta[path].shape]
+        current = {p: theta[p] for p in paths}
+        uplink.publish(PendingDelta(fragment, 0, exchange.pseudo_gradient(anchors[fragment], current), 50, 50 * 16 * 128))
+        anchors[fragment] = {p: value.copy() for p, value in current.items()}
+        uplink._send(pub, fragment + 1, uplink.outbox.take())
+    gc.collect()
+    rises.after("sends")
+
+    served = [t for held in receiver.served.values() for t in held.tensors.values()]
+    anchored = [a for values in anchors.values() for a in values.values()]
+    held = {"served": unique_nbytes(served), "anchors": unique_nbytes(served + anchored) - unique_nbytes(served),
+            "error_feedback": unique_nbytes(list(uplink.residuals.values())), "retransmit": uplink.kept.nbytes}
+    context.destroy(linger=0)
+    return {"memory_kib": rises.figures(), "held_bytes": held, "outbox_pending": len(uplink.outbox)}

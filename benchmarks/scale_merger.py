@@ -1,0 +1,140 @@
+"""The merger's half of `dloco bench scale`: the real `MergerService` in a process of its own.
+
+Spawned fresh for each model size, so that its peak resident memory is the merger's alone: the
+imports are its baseline, then it makes the model, starts the service (genesis record in the
+write-ahead log, fold kernels compiled), and serves the conductor's commands on a pipe:
+
+- ``listen``: until a message comes in on the delta bus (the broker's XPUB), then until the bus is
+  quiet: subscriptions have propagated (ZeroMQ's slow joiner) and nothing stale is left;
+- ``call``: probe the snapshot bus with empty acks until the conductor hears one;
+- ``join``: publish every fragment in full, as `MergerService.run` does at start;
+- ``round``: take `expected` delta chunks (`on_delta_frames`, then the fold pipeline: reassemble,
+  admit, log, fold) and announce the folds (`announce`: the snapshot diff, its frames, the acks);
+- ``finish``: the resident memory at the start, its peak, what each phase added to the peak, and
+  the service's counters.
+
+Its stdout goes to /dev/null: the service logs a JSON line per fold there, and the benchmark's own
+stdout is its result.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+
+import protocol
+from benchmarks.scale_model import PeakRises, init_params
+from benchmarks.timing import receive_timed
+from merger.config import MergerConfig, RoundConfig
+from merger.memory import keep_freed_memory
+from merger.service import MergerService, ServiceConfig, initial_core
+
+PROBE_S = 0.02  # between probes of a bus whose subscriptions may not have arrived yet
+QUIET_MS = 300  # a bus silent this long after its last probe holds nothing stale
+
+
+def merger_process(conn, shapes: dict, fragments: int, delta_endpoint: str, snapshot_endpoint: str, control_endpoint: str,
+                   run_dir: str) -> None:
+    """Entry point of the spawned process; any failure goes back up the pipe as ("error", traceback)."""
+    sys.stdout = open(os.devnull, "w")
+    try:
+        _serve(conn, shapes, fragments, ServiceConfig(
+            run_dir=Path(run_dir), delta_endpoint=delta_endpoint, snapshot_endpoint=snapshot_endpoint, control_endpoint=control_endpoint,
+            snapshot_codec="fp32", snapshot_diff_codec="int4", checkpoint_every=1 << 30))  # the default profile's downlink; no checkpoint
+    except BaseException:  # reported to the conductor, which raises it there
+        conn.send(("error", traceback.format_exc()))
+
+
+def _serve(conn, shapes: dict, fragments: int, config: ServiceConfig) -> None:
+    keep_freed_memory()  # as `dloco merger` does
+    rises = PeakRises()
+    params = init_params(shapes, seed=0)
+    rises.after("model")
+    factory = initial_core(MergerConfig(round=RoundConfig(quorum=1, grace_cap_s=0.0)), params, fragments)  # one island: fold each delta
+    service = MergerService(config, factory)
+    del params, factory  # the core holds the model now
+    rises.after("genesis")
+    service.warming.join()
+    rises.after("warm_up")
+    conn.send(("ready",))
+    try:
+        while True:
+            command, *args = conn.recv()
+            if command == "listen":
+                _listen(conn, service)
+            elif command == "call":
+                _call(conn, service)
+            elif command == "join":
+                seq = service.seq
+                for fragment in range(len(service.core.fragments)):
+                    service.publish_snapshot(fragment)
+                rises.after("join")
+                conn.send(("published", service.seq - seq))
+            elif command == "round":
+                conn.send(("round", *_round(service, rises, *args)))
+            elif command == "finish":
+                conn.send(("finished", {**rises.figures(), "held": _held(service)}, dict(service.counters)))
+                return
+    finally:
+        service.pipeline.close()
+        service.wal.close()
+        service.context.destroy(linger=0)
+
+
+def _held(service: MergerService) -> dict[str, int]:
+    """Bytes the merger's state holds (each array once): what its resident set would be with no
+    allocator slack, no runtime and nothing in flight."""
+    state = {id(leaf): leaf.nbytes for fragment in service.core.states for leaf in jax.tree_util.tree_leaves(fragment.opt_state)}
+    params = {id(value): value.nbytes for fragment in service.core.states for value in fragment.params.values()}
+    other = sum(array.nbytes for array in jax.live_arrays() if id(array) not in state and id(array) not in params)
+    return {"parameters": sum(params.values()), "optimizer": sum(state.values()), "other_jax_arrays": other,
+            "served": sum(value.nbytes for held in service.served.values() for value in held.tensors.values())}
+
+
+def _listen(conn, service: MergerService) -> None:
+    if not service.delta_sub.poll(60_000):
+        raise TimeoutError("no probe arrived on the delta bus within 60 s")
+    conn.send(("heard",))
+    while service.delta_sub.poll(QUIET_MS):
+        service.on_delta_frames([frame.buffer for frame in service.delta_sub.recv_multipart(copy=False)])
+    conn.send(("quiet",))
+
+
+def _call(conn, service: MergerService) -> None:
+    probe = protocol.encode(protocol.Ack(sender=service.config.sender, epoch=service.epoch, seq=service.seq, cursors=(), results=()))
+    deadline = time.monotonic() + 60
+    while not conn.poll(PROBE_S):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the island heard no probe on the snapshot bus within 60 s")
+        service.snapshot_pub.send_multipart(probe)
+    conn.recv()
+    conn.send(("stopped",))
+
+
+def _round(service: MergerService, rises: PeakRises, expected: int) -> tuple[float, float, int, int]:
+    """Ingest `expected` chunks and fold; announce.  Returns (ingest s, announce s, messages
+    published, folds).  Ingest runs from the first chunk taken off the socket to the last fold
+    computed and durable; the announcement is the snapshot diffs and the acks."""
+
+    def handle(frames: list) -> None:
+        service.on_delta_frames(frames)
+        service.pipeline.dispatch(time.monotonic())  # the fold computes on while the next chunks are taken
+
+    _, receive_s = receive_timed(service.delta_sub, expected, handle)
+    began, folds = time.perf_counter(), []
+    while service.pipeline.in_flight or any(service.core.pending):
+        folds.extend(service.pipeline.finished(wait=True))
+        service.pipeline.dispatch(math.inf)  # nothing more is coming: every pending delta folds now
+    ingest_s = receive_s + time.perf_counter() - began
+    rises.after("ingest")
+    seq, began = service.seq, time.perf_counter()
+    service.announce(folds)
+    announce_s = time.perf_counter() - began
+    rises.after("announce")
+    return ingest_s, announce_s, service.seq - seq, len(folds)
