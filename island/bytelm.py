@@ -66,7 +66,7 @@ def task(ctx: TaskContext) -> Task:
                 eval_batches=data.eval_batches(evaluation, ctx.batch, config.context, int(ctx.options.get("eval_batches", 8))),
                 count=count_tokens, metrics=_metrics,
                 name=f"byte LM ({ctx.options.get('size', 'tiny')}, {dataclasses.asdict(config)}) on {corpus.root} ({corpus.files} files, {corpus.tokens_N.size:,} tokens, "
-                     f"vocabulary {corpus.vocab}, listing sha256 {corpus.digest[:16]})")
+                     f"vocabulary {corpus.vocab}, listing sha256 {corpus.digest})")
 
 
 def count_tokens(batch_BxT1: np.ndarray) -> int:

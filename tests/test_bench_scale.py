@@ -121,6 +121,7 @@ def test_a_size_too_large_for_this_machine_is_refused_before_any_work():
     assert run.returncode == 2 and "1000G needs about 50001.1 GB" in run.stderr and "give smaller --sizes" in run.stderr
 
 
+@pytest.mark.e2e  # a merger process, an island process and the broker's sockets: -m e2e
 @pytest.mark.timeout(300)
 def test_bench_scale_json_has_every_stage_and_the_memory_figures():
     run = dloco("bench", "scale", "--json", "--sizes", "1M", "--reps", "1", timeout=280)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -28,8 +29,9 @@ def test_standalone_trains_and_writes_metrics(tmp_path):
     evals = [e["eval_loss"] for e in events if "eval_loss" in e]
     assert [e["step"] for e in events if "eval_loss" in e] == [0, 1, 2, 4, 8, 16, 20, 40]  # every 20, and early at powers of two
     assert evals[-1] < evals[0] - 1.0 and summary["eval_loss"] == evals[-1]
-    corpus = next(json.loads(line) for line in run.stdout.splitlines() if '"event": "corpus"' in line)
-    assert len(corpus["sha256"]) == 64 and corpus["files"] > 100  # the file list's hash is logged, for comparable runs
+    task = next(json.loads(line) for line in run.stdout.splitlines() if '"event": "task"' in line)["name"]
+    corpus = re.search(r"\(([\d,]+) files, [\d,]+ tokens, vocabulary 256, listing sha256 ([0-9a-f]{64})\)", task)
+    assert corpus and int(corpus[1].replace(",", "")) > 100, task  # the file list's hash is logged, for comparable runs
 
 
 def test_traced_evaluations_measure_what_an_evaluation_at_the_step_would(tmp_path):

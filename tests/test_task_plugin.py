@@ -230,6 +230,7 @@ def test_join_refuses_another_model_once_what_arrived_shows_the_difference():
         loop.join(0.2)
 
 
+@pytest.mark.e2e  # a merger, a broker and an island process: -m e2e
 @pytest.mark.timeout(300)
 def test_an_island_whose_task_differs_from_the_merger_model_is_refused_at_join(tmp_path):
     """The merger starts from the digits model with 64 hidden units; an island given hidden=32 is
