@@ -31,8 +31,8 @@ def _plots(config: ClusterConfig, run_dir: Path, metrics: dict[str, list[dict]])
     plots.mkdir(exist_ok=True)
     made = []
     clock = "seconds since the cluster's first step"
-    specs = [("eval_loss_vs_time.png", "time", "eval_loss", clock, "held-out loss (nats/byte)"),
-             ("eval_loss_vs_tokens.png", "tokens", "eval_loss", "tokens trained by the island (each life from 0)", "held-out loss (nats/byte)"),
+    specs = [("eval_loss_vs_time.png", "time", "eval_loss", clock, "held-out loss (the task's)"),
+             ("eval_loss_vs_tokens.png", "tokens", "eval_loss", "tokens trained by the island (each life from 0)", "held-out loss (the task's)"),
              ("bytes_on_wire.png", "time", "bytes_sent", clock, "bytes sent (solid) / received (dashed)"),
              ("compute_util.png", "time", "compute_util", clock, "compute utilisation")]
     # One clock for every island (wall time from the cluster's first step), one line per island and

@@ -14,7 +14,7 @@ import numpy as np
 from island import exchange
 from island.config import SyncConfig, TrainConfig
 from island.metrics import MetricsWriter
-from island.task import first_difference
+from island.task import examples_in, first_difference
 from island.train import Trainer
 from protocol.errors import DlocoError
 
@@ -55,7 +55,7 @@ class IslandLoop:
         if slowdown < 1:
             raise ValueError(f"slowdown must be >= 1, got {slowdown}")
         self.trainer, self.batches, self.eval_batches = trainer, batches, eval_batches
-        self.count = count if count is not None else (lambda batch: len(batch))  # what a batch adds to "tokens" (the task's Task.count)
+        self.count = count if count is not None else examples_in  # what a batch adds to "tokens" (the task's Task.tokens_in)
         self.train, self.sync, self.metrics, self.link, self.slowdown, self.log = train, sync, metrics, link, slowdown, log
         self.on_compiled = on_compiled  # called once after step 1 (mostly compiling): a CPU quota starts there (island/cpugroup.py)
         params = trainer.params()

@@ -61,11 +61,14 @@ class Task:
     name: str = ""  # shown in logs and reports
 
     def tokens_in(self, batch) -> int:
-        if self.count is not None:
-            return int(self.count(batch))
-        import jax
+        return int(self.count(batch)) if self.count is not None else examples_in(batch)
 
-        return int(jax.tree.leaves(batch)[0].shape[0])
+
+def examples_in(batch) -> int:
+    """A batch's leading dimension (its first leaf's, for a pytree): the default count."""
+    import jax
+
+    return int(jax.tree.leaves(batch)[0].shape[0])
 
 
 def resolve(spec: str) -> Callable[[TaskContext], Task]:
