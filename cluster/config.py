@@ -253,6 +253,7 @@ def load(path: str | Path | None = None) -> ClusterConfig:
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise ConfigError(f"cannot read cluster file {path}: {error}") from None
     unknown = set(data) - set(_SECTIONS) - {"regions", "chaos", "task"}
+    require(isinstance(data.get("task", {}), dict), f"{path}: [task] must be a table of KEY = VALUE (the task itself is [model] task)")
     require(not unknown, f"{path}: unknown sections {sorted(unknown)}")
     for section, keys in _SECTIONS.items():
         extra = set(data.get(section, {})) - keys

@@ -45,6 +45,9 @@ def model_config(options, data_vocab: int = 256) -> ModelConfig:
 def load_data(options) -> data.Corpus:
     if "tokens" in options and "corpus" in options:
         raise TaskError("give the built-in LM either a corpus (text) or tokens (a token file), not both")
+    for key in ("tokens", "corpus"):
+        if key in options and not isinstance(options[key], str):
+            raise TaskError(f"the built-in LM's {key} must be a path, got {options[key]!r}")
     if "tokens" in options:
         return data.load_tokens(options["tokens"])
     return data.load(options.get("corpus"))
@@ -63,10 +66,16 @@ def task(ctx: TaskContext) -> Task:
     shards, evaluation = data.split(corpus, ctx.islands)
     return Task(model=ByteLM(config, nnx.Rngs(ctx.seed)), loss=loss_fn,
                 batches=data.Batches(shards[ctx.island_index], ctx.batch, config.context, ctx.seed, ctx.island_index),
-                eval_batches=data.eval_batches(evaluation, ctx.batch, config.context, int(ctx.options.get("eval_batches", 8))),
+                eval_batches=data.eval_batches(evaluation, ctx.batch, config.context, _count(ctx.options.get("eval_batches", 8))),
                 count=count_tokens, metrics=_metrics,
                 name=f"byte LM ({ctx.options.get('size', 'tiny')}, {dataclasses.asdict(config)}) on {corpus.root} ({corpus.files} files, {corpus.tokens_N.size:,} tokens, "
                      f"vocabulary {corpus.vocab}, listing sha256 {corpus.digest})")
+
+
+def _count(value) -> int:
+    if type(value) is not int or value < 1:
+        raise TaskError(f"the built-in LM's eval_batches must be a positive int, got {value!r}")
+    return value
 
 
 def count_tokens(batch_BxT1: np.ndarray) -> int:

@@ -218,6 +218,11 @@ class Batches:
 
 def eval_batches(evaluation: np.ndarray, batch: int, context: int, count: int) -> list[np.ndarray]:
     """Fixed, evenly spaced windows of the eval split: every island evaluates on the same tokens."""
+    if count < 1:
+        raise CorpusError(f"eval_batches must be at least 1, got {count}")
+    if evaluation.size < context + 2:
+        raise CorpusError(f"the eval split holds {evaluation.size} tokens, fewer than one sequence of {context + 1}: "
+                          "use more data or a shorter context")
     total = batch * count
     starts = np.linspace(0, evaluation.size - context - 2, total).astype(np.int64)
     windows = np.stack([evaluation[s : s + context + 1] for s in starts]).astype(np.int32)

@@ -126,13 +126,15 @@ def run_island(args: argparse.Namespace) -> int:
             np.savez(args.write_init, **trainer.params())
             log.info("wrote_initial_parameters", path=str(args.write_init))
             return 0
-        log.info("model", params=sum(v.size for v in trainer.params().values()), devices=[str(d) for d in trainer.devices])
+        parameters = sum(v.size for v in trainer.params().values())
+        log.info("model", params=parameters, devices=[str(d) for d in trainer.devices])
         if networked:
             security = security_from_args(args, args.name, "island")
             link = NetworkLink(args.name, protocol.model_fingerprint(trainer.params()), sync, args.delta_endpoint, args.snapshot_endpoint,
                                args.control_endpoint, LinkShaper.from_mbps(args.uplink_mbps, args.rtt_ms),
                                LinkShaper.from_mbps(args.downlink_mbps, args.rtt_ms), log=log, security=security,
-                               bus_server=args.bus_server, control_server=args.control_server)
+                               bus_server=args.bus_server, control_server=args.control_server,
+                               model_bytes=4 * parameters)
         cpu_group = CpuGroup(args.cpu_cgroup) if args.cpu_cgroup is not None else None
 
         def enter_quota() -> None:

@@ -45,8 +45,12 @@ class NetworkLink:
 
     def __init__(self, name: str, model: str, sync: SyncConfig, delta_endpoint: str, snapshot_endpoint: str, control_endpoint: str,
                  uplink: LinkShaper | None = None, downlink: LinkShaper | None = None, log=None,
-                 security: Security | None = None, bus_server: str = "broker", control_server: str = "merger") -> None:
+                 security: Security | None = None, bus_server: str = "broker", control_server: str = "merger",
+                 model_bytes: int = 0) -> None:
         self.name, self.model, self.log = name, model, log
+        # Snapshots being reassembled may hold up to the whole model in fp32 (every fragment's catch-up
+        # reply at join): the bound grows with the model beyond the reassembler's default 256 MiB.
+        self._reassembly_bytes = max(256 << 20, model_bytes + (64 << 20))
         self.security = security or Security(None, name)
         self.delta_route, self.snapshot_route = Route(delta_endpoint, bus_server), Route(snapshot_endpoint, bus_server)
         self.control_route = Route(control_endpoint, control_server)
@@ -130,7 +134,7 @@ class NetworkLink:
         # Bus and point-to-point snapshots reassemble apart: a catch-up reply (exact: fp32 or the full
         # snapshots' codec) and a bus snapshot of one version share a key, and chunks of one must not
         # meet the other's.
-        reassemblers = {sub: protocol.Reassembler(), self._dealer: protocol.Reassembler()}
+        reassemblers = {socket: protocol.Reassembler(max_bytes=self._reassembly_bytes) for socket in (sub, self._dealer)}
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(self._dealer, zmq.POLLIN)

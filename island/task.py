@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -80,6 +81,8 @@ def resolve(spec: str) -> Callable[[TaskContext], Task]:
         path = Path(where).expanduser().resolve()
         if not path.is_file():
             raise TaskError(f"task file {where} does not exist")
+        if str(path.parent) not in sys.path:  # a task file may import the modules beside it
+            sys.path.insert(0, str(path.parent))
         name = f"dloco_task_{path.stem}_{abs(hash(str(path)))}"
         loader = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(loader)
@@ -92,8 +95,8 @@ def resolve(spec: str) -> Callable[[TaskContext], Task]:
     else:
         try:
             module = importlib.import_module(where)
-        except ImportError as error:
-            raise TaskError(f"task module {where!r} cannot be imported: {error}") from error
+        except Exception as error:  # the user's module: any error in it is a task error, with its own message
+            raise TaskError(f"task module {where!r} cannot be imported: {type(error).__name__}: {error}") from error
     found = getattr(module, function, None)
     if not callable(found):
         raise TaskError(f"{where} has no function {function!r}")
@@ -102,7 +105,13 @@ def resolve(spec: str) -> Callable[[TaskContext], Task]:
 
 def build(spec: str, context: TaskContext) -> Task:
     """Call the task function and check what it returned."""
-    task = resolve(spec)(context)
+    function = resolve(spec)
+    try:
+        task = function(context)
+    except DlocoError:
+        raise
+    except Exception as error:  # the user's code: say whose error it is, with its own message
+        raise TaskError(f"task {spec} raised {type(error).__name__}: {error}") from error
     if not isinstance(task, Task):
         raise TaskError(f"task {spec} returned {type(task).__name__}, not island.task.Task")
     from flax import nnx
@@ -111,6 +120,8 @@ def build(spec: str, context: TaskContext) -> Task:
         raise TaskError(f"task {spec}: model is a {type(task.model).__name__}, not a flax.nnx.Module")
     if not callable(task.loss):
         raise TaskError(f"task {spec}: loss is not callable")
+    if not isinstance(task.eval_batches, Sequence):
+        raise TaskError(f"task {spec}: eval_batches must be a list (it is read at every evaluation), got {type(task.eval_batches).__name__}")
     if len(task.eval_batches) == 0:
         raise TaskError(f"task {spec}: eval_batches is empty (the held-out loss needs at least one batch)")
     if not hasattr(task.batches, "__next__"):
@@ -129,14 +140,19 @@ def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
     return options
 
 
+_INT = re.compile(r"-?\d+")
+_FLOAT = re.compile(r"-?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?")
+
+
 def _literal(text: str):
+    """true/false, a plain int, a plain decimal float (an exponent allowed); anything else stays the
+    string it is ("1_000", "nan" and "Infinity" are not numbers written plainly: kept as text)."""
     if text in ("true", "false"):
         return text == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
+    if _INT.fullmatch(text):
+        return int(text)
+    if _FLOAT.fullmatch(text):
+        return float(text)
     return text
 
 

@@ -116,6 +116,9 @@ def tokenize(src: str | Path | None, out: str | Path, config: TokenizeConfig,
     total = sum(file.stat().st_size + 1 for file in files)
     progress(f"{len(files)} files, {total / 1e6:.1f} MB of text under {root}")
     out.parent.mkdir(parents=True, exist_ok=True)
+    sidecar = data.sidecar_path(out)
+    # First: a crash later leaves a token file without a sidecar, never an old sidecar (or old ids) beside a new tokenizer.
+    sidecar.unlink(missing_ok=True)
     encoder = None
     if config.tokenizer == "bpe":
         encoder = _train_bpe(files, config.target_vocab, progress)
@@ -134,8 +137,6 @@ def tokenize(src: str | Path | None, out: str | Path, config: TokenizeConfig,
                 megabytes = f"{counts['bytes'] / 1e6:.1f}/{total / 1e6:.1f} MB"
                 progress(f"encoded {index}/{len(files)} files, {megabytes}, {counts['tokens']:,} tokens")
 
-    sidecar = data.sidecar_path(out)
-    sidecar.unlink(missing_ok=True)  # a crash before the new sidecar leaves a token file without one, never with the old one
     _replace(out, write_ids)
     info = data.TokenFileInfo(dtype=dtype, vocab=vocab, tokens=counts["tokens"], tokenizer=config.tokenizer,
                               source_digest=listing.hexdigest(), files=len(files), bytes=counts["bytes"],

@@ -11,6 +11,7 @@ from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from island.config import TrainConfig
+from island.task import TaskError
 from protocol.errors import DlocoError
 
 
@@ -54,7 +55,10 @@ class Trainer:
             return value, optax.tree.norm(grads)
 
         def evaluate(model: nnx.Module, batch):
-            return {"loss": loss(model, batch), **(metrics(model, batch) if metrics is not None else {})}
+            extra = metrics(model, batch) if metrics is not None else {}
+            if "loss" in extra:
+                raise TaskError("a task's metrics may not be named 'loss' (the held-out loss is the task's loss)")
+            return {"loss": loss(model, batch), **extra}
 
         self._step = nnx.jit(train_step)
         self._eval = nnx.jit(evaluate)
@@ -76,7 +80,11 @@ class Trainer:
 
     def evaluate_all(self, batches) -> dict[str, float]:
         """The mean held-out loss and the task's metrics, each averaged over the batches."""
-        results = [self._eval(self.model, self._put(b)) for b in batches]
+        self.model.eval()  # Dropout off, BatchNorm on its running statistics (modules that have neither ignore it)
+        try:
+            results = [self._eval(self.model, self._put(b)) for b in batches]
+        finally:
+            self.model.train()
         return {name: float(np.mean([float(r[name]) for r in results])) for name in results[0]}
 
     def params(self) -> dict[str, np.ndarray]:
@@ -100,8 +108,8 @@ def assign(model: nnx.Module, values: dict[str, np.ndarray], placement=None) -> 
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     flat = traverse_util.flatten_dict(pure)
     by_path = {"/".join(str(k) for k in key): key for key in flat}
-    for path, value in values.items():
-        flat[by_path[path]] = jax.device_put(np.asarray(value, dtype=np.float32), placement)
+    for path, value in values.items():  # float32 on the wire; each parameter keeps its own dtype (bf16 stays bf16)
+        flat[by_path[path]] = jax.device_put(np.asarray(value, dtype=flat[by_path[path]].dtype), placement)
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(flat))
     nnx.update(model, state)

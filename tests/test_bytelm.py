@@ -52,3 +52,29 @@ def test_the_builtin_task_refuses_unknown_options_and_gives_what_the_contract_as
     assert set(task.metrics(task.model, batch)) == {"accuracy"}
     with pytest.raises(TaskError, match="has no options \\['colour'\\]"):
         build("island.bytelm:task", TaskContext(0, 1, 0, 4, 10, {"colour": "red"}))
+
+
+def test_too_little_held_out_data_and_bad_counts_are_refused_by_name(tmp_path):
+    from island import data
+
+    (tmp_path / "small.txt").write_text("x" * 12_000)  # 12,001 tokens with the newline after the file; 5 % held out: 601
+    with pytest.raises(data.CorpusError, match="the eval split holds 601 tokens, fewer than one sequence of 1025"):
+        build("island.bytelm:task", TaskContext(0, 1, 0, 2, 10, {"corpus": str(tmp_path / "small.txt"), "context": 1024, "width": 16,
+                                                                  "depth": 1, "heads": 2}))
+    for options, message in (({"eval_batches": 0}, "eval_batches must be a positive int"), ({"corpus": 2024}, "corpus must be a path")):
+        with pytest.raises(TaskError, match=message):
+            build("island.bytelm:task", TaskContext(0, 1, 0, 2, 10, {"corpus": str(tmp_path / "small.txt"), "context": 8, **options}))
+
+
+def test_parameters_keep_their_dtype_when_the_merger_sets_them():
+    """float32 on the wire; a bf16 parameter stays bf16 in the model (no silent doubling, no recompiling)."""
+    import jax.numpy as jnp
+
+    from island.config import TrainConfig
+    from island.train import Trainer
+
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+    trainer = Trainer(model, lambda m, b: (m(b) ** 2).mean(), TrainConfig(batch=2))
+    trainer.set_params({"kernel": np.full((4, 2), 0.5, np.float32)})
+    assert model.kernel.get_value().dtype == jnp.bfloat16 and trainer.params()["kernel"].dtype == np.float32
+    np.testing.assert_array_equal(trainer.params()["kernel"], np.full((4, 2), 0.5, np.float32))

@@ -101,7 +101,7 @@ def test_the_model_section_names_a_task_and_its_options_reach_the_islands(tmp_pa
     for text, message in (("[model]\ntask = 'mine.py:build'\nwidth = 64\n", "are the built-in LM's options"),
                           ("[model]\nsize = 'huge'\n", "model.size must be one of"), ("[model]\ntask = 'nothing'\n", "model.task must be"),
                           ("[model]\ncorpus = 'a'\ntokens = 'b'\n", "not both"), ("[model]\nsize = 'small'\nheads = 7\n", "multiple of model.heads 7"),
-                          ("[task]\nbad = [1, 2]\n", "\\[task\\] values must be")):
+                          ("[task]\nbad = [1, 2]\n", "\\[task\\] values must be"), ("task = 'x.py:f'\n", "\\[task\\] must be a table")):
         path.write_text(text + "[[regions]]\nname = 'a'\n")
         with pytest.raises(ConfigError, match=message):
             config.load(path)

@@ -35,6 +35,21 @@ def test_options_are_read_as_int_float_bool_or_string():
             parse_options([bad])
 
 
+def test_numbers_not_written_plainly_stay_text_and_a_metric_may_not_be_called_loss():
+    import numpy as np
+
+    from island.config import TrainConfig
+    from island.train import Trainer
+
+    assert parse_options(["a=nan", "b=Infinity", "c=1_000", "d=1e-3", "e=-.5"]) == {"a": "nan", "b": "Infinity", "c": "1_000", "d": 0.001, "e": -0.5}
+    from flax import nnx
+
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    trainer = Trainer(model, lambda m, b: (m(b) ** 2).mean(), TrainConfig(batch=2), metrics=lambda m, b: {"loss": (m(b) ** 2).mean()})
+    with pytest.raises(TaskError, match="may not be named 'loss'"):
+        trainer.evaluate([np.zeros((2, 2), np.float32)])
+
+
 def test_first_difference_names_the_first_path_in_sorted_order():
     assert first_difference({"a": (2, 3), "b": (4,)}, {"b": (4,), "a": (2, 3)}) is None
     assert first_difference({"a": [2, 3]}, {"a": (2, 3)}) is None  # shapes as lists (msgpack) or tuples alike
@@ -96,6 +111,12 @@ def no_eval_batches(ctx):
 def batches_a_list(ctx):
     return _task(batches=[[[0.0, 0.0]]])
 
+def eval_batches_a_generator(ctx):
+    return _task(eval_batches=(b for b in [[[0.0, 0.0]]]))
+
+def raises(ctx):
+    return {}["missing"]
+
 def fine(ctx):
     return _task()
 """
@@ -107,6 +128,8 @@ def fine(ctx):
     ("loss_not_callable", "loss is not callable"),
     ("no_eval_batches", "eval_batches is empty"),
     ("batches_a_list", "batches must be an iterator"),
+    ("eval_batches_a_generator", "eval_batches must be a list"),
+    ("raises", "raised KeyError: 'missing'"),
 ])
 def test_build_refuses_what_breaks_the_contract(tmp_path, function, message):
     (tmp_path / "broken.py").write_text(BROKEN)
