@@ -38,6 +38,8 @@ def parse_sizes(text: str) -> list[tuple[str, int]]:
         sizes.append((label, params))
     if not sizes:
         raise ConfigError("no model size given")
+    if len({params for _, params in sizes}) < len(sizes):
+        raise ConfigError(f"model sizes must differ (a fit over sizes needs distinct ones), got {text!r}")
     return sizes
 
 
