@@ -241,6 +241,7 @@ class SnapshotWatcher:
         self.context = zmq.Context()
         self.sub = self.context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
+        self.monitor = self.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)  # before connecting: the event is not missed
         self.sub.connect(f"tcp://127.0.0.1:{island.snapshot_port}")
         self.dealer = self.context.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.IDENTITY, b"watcher")
@@ -249,6 +250,13 @@ class SnapshotWatcher:
         self.held: dict[int, downlink.Served] = {}
         self.seen: list[tuple[str, int, int, str]] = []  # (bus | reply, fragment, version, outcome)
         self.bases: list[tuple[int, int, int | None]] = []  # bus snapshots: (fragment, version, base_version)
+
+    def wait_connected(self, timeout_s: float = 60.0) -> None:
+        """Until the SUB has connected to the merger's PUB (its subscription then goes out at once).
+        The catch-up reply on the DEALER does not show it: the two sockets reconnect on their own
+        timers, and a PUB drops what it publishes before a subscriber is there."""
+        assert self.monitor.poll(int(timeout_s * 1000)), "the watcher's SUB never connected"
+        self.monitor.recv_multipart()
 
     def ask(self, fragments=()) -> None:
         self.dealer.send_multipart(protocol.encode(protocol.SnapshotRequest(sender="watcher", epoch=1, seq=0, fragments=tuple(fragments))))
@@ -293,11 +301,12 @@ def test_diff_snapshots_track_the_served_value_through_a_restart(tmp_path, init_
     receiver ask) it again holds exactly what the restarted merger serves."""
     islands.append(island := Island(tmp_path))
     flags = ("--snapshot-diff-codec", "int4", "--snapshot-full-every", "3")
-    watcher = SnapshotWatcher(island)  # subscribed before the merger binds: the first folds' snapshots cannot outrun it
+    watcher = SnapshotWatcher(island)
     processes.append(start_merger(tmp_path / "m", island, init_npz, *flags))
     try:
         watcher.ask()
         watcher.pump(lambda: watcher.holds([0, 0]))
+        watcher.wait_connected()
         for delta_id in range(1, 8):  # fragments alternate: fragment 1 to version 4, fragment 0 to 3
             assert island.send_until_settled(delta_id, island.chunks(delta_id)).status == "folded"
         watcher.pump(lambda: watcher.holds([3, 4]))
@@ -348,11 +357,12 @@ def test_held_snapshots_carry_every_fold_and_the_last_one_goes_out(tmp_path, ini
     no mismatch), the last fold reaches the bus by the clock alone (no delta follows it), and what
     the receiver built equals the merger's catch-up reply bit for bit."""
     islands.append(island := Island(tmp_path))
-    watcher = SnapshotWatcher(island)  # subscribed before the merger binds
+    watcher = SnapshotWatcher(island)
     processes.append(start_merger(tmp_path / "m", island, init_npz, "--snapshot-diff-codec", "int4", "--snapshot-every-round", "3"))
     try:
         watcher.ask()
         watcher.pump(lambda: watcher.holds([0, 0]))
+        watcher.wait_connected()
         for delta_id in range(1, 8):  # fragment 1 to version 4, fragment 0 to 3
             assert island.send_until_settled(delta_id, island.chunks(delta_id)).status == "folded"
         watcher.pump(lambda: watcher.holds([3, 4]), timeout_s=30)
