@@ -40,6 +40,7 @@ def test_shaper_schedules_by_hand():
         LinkShaper(rate_bytes_s=0)
 
 
+@pytest.mark.e2e  # a merger process and two training islands: -m e2e
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("downlink", [
     ("--snapshot-diff-codec", "int4"),  # every fold goes down as an int4 diff (protocol/downlink.py)

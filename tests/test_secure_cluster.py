@@ -21,6 +21,7 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "dloco", *args]
 
 
+@pytest.mark.e2e  # a broker, a merger and two training islands over CURVE: -m e2e
 @pytest.mark.timeout(300)
 def test_training_through_a_curve_broker(tmp_path):
     keys, broker_allow, merger_allow = tmp_path / "keys", tmp_path / "broker-allow", tmp_path / "merger-allow"
