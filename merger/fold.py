@@ -3,6 +3,11 @@
 ``FragmentState`` is a named pytree replaced, never mutated.  Contributions are put in a canonical
 order (island, epoch, delta_id) first, so a round's result does not depend on arrival order and a
 replay of the same log reproduces the same bytes.
+
+Several deltas of one island (one epoch) in a round are consecutive, disjoint pieces of one
+trajectory (an island's anchor moves on every send), so they are summed into one before weighting:
+a merger that fell behind and folds a backlog keeps all of each island's work, as if the island had
+sent one delta over the longer span, instead of averaging the pieces (which would keep ~1/n of it).
 """
 
 from __future__ import annotations
@@ -56,6 +61,45 @@ def canonical(contributions: Sequence[Contribution]) -> list[Contribution]:
     return sorted(contributions, key=lambda c: (c.island, c.epoch, c.delta_id))
 
 
+def per_island(ordered: Sequence[Contribution]) -> list[list[Contribution]]:
+    """Canonically ordered contributions grouped by (island, epoch), in that order."""
+    groups: list[list[Contribution]] = []
+    for c in ordered:
+        if groups and (groups[-1][0].island, groups[-1][0].epoch) == (c.island, c.epoch):
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return groups
+
+
+def counters(group: Sequence[Contribution]) -> tuple[int, int, int]:
+    """(tokens, steps, staleness) of one island's deltas taken as one (see `combined`)."""
+    return sum(c.tokens for c in group), sum(c.steps for c in group), max(c.staleness for c in group)
+
+
+def combined(group: Sequence[Contribution]) -> Contribution:
+    """One island's deltas of a round as one: their float32 sum (in canonical order), their tokens
+    and steps added up, and the staleness of the oldest (the largest).  A single delta is returned
+    as it is (coded tensors stay coded)."""
+    if len(group) == 1:
+        return group[0]
+    tensors = {}
+    for path in group[0].tensors:
+        total = np.array(_float(group[0].tensors[path]), dtype=np.float32, copy=True)
+        for c in group[1:]:
+            total += _float(c.tensors[path])
+        tensors[path] = total
+    tokens, steps, staleness = counters(group)
+    return Contribution(group[0].island, group[0].epoch, group[0].delta_id, staleness, tokens, steps, tensors)
+
+
+def split_weight(group: Sequence[Contribution], weight: float) -> list[float]:
+    """A combined delta's weight shared among its pieces by tokens (evenly without tokens): what the
+    fold report gives each delta; the pieces' weights add up to the combined one's."""
+    tokens = sum(c.tokens for c in group)
+    return [weight * (c.tokens / tokens if tokens > 0 else 1.0 / len(group)) for c in group]
+
+
 def plain(path: str, config: MergeConfig) -> bool:
     """Whether `path` is merged by plain weighted average (else RDA)."""
     return config.method == "average" or any(marker in path for marker in config.average_paths)
@@ -63,9 +107,9 @@ def plain(path: str, config: MergeConfig) -> bool:
 
 def merge(contributions: Sequence[Contribution], config: MergeConfig, share: float = 1.0) -> tuple[dict[str, np.ndarray], list[float]]:
     """The merged pseudo-gradient of a round, scaled by `share`, and the weights used (canonical
-    order; normalised to sum to `share`).  Float tensors; coded ones (CodedTensor) are decoded
-    first (`fold` merges them from codes)."""
-    ordered = canonical(contributions)
+    order, one per island: see `combined`; normalised to sum to `share`).  Float tensors; coded
+    ones (CodedTensor) are decoded first (`fold` merges them from codes)."""
+    ordered = [combined(group) for group in per_island(canonical(contributions))]
     w = [x * share for x in contribution_weights([(c.tokens, c.steps, c.staleness) for c in ordered], config.staleness_power)]
     merged = {}
     for path in ordered[0].tensors:
@@ -87,23 +131,25 @@ def fold(state: FragmentState, contributions: Sequence[Contribution], config: Me
     if not contributions:
         raise ValueError("fold needs at least one contribution")
     ordered = canonical(contributions)
-    if coded.mergeable([c.tensors for c in ordered]):
-        w = [x * share for x in contribution_weights([(c.tokens, c.steps, c.staleness) for c in ordered], config.staleness_power)]
+    groups = per_island(ordered)
+    members = [combined(group) for group in groups]
+    if coded.mergeable([c.tensors for c in members]):
+        w = [x * share for x in contribution_weights([(c.tokens, c.steps, c.staleness) for c in members], config.staleness_power)]
         params, opt_state, delta_norms, merged_norm = coded.merge_and_step(
-            step.optimizer, state.params, state.opt_state, [c.tensors for c in ordered], w, {p: plain(p, config) for p in ordered[0].tensors}, share)
+            step.optimizer, state.params, state.opt_state, [c.tensors for c in members], w, {p: plain(p, config) for p in members[0].tensors}, share)
     else:
-        merged, w = merge(ordered, config, share)
+        merged, w = merge(members, config, share)
         delta_norms = [rda.fragment_norm({p: _float(t) for p, t in c.tensors.items()}) for c in ordered]
         merged_norm = rda.fragment_norm(merged)
         params, opt_state = step(state.params, state.opt_state, merged, share)
     new_params = dict(params)  # XLA arrays: the next fold starts from them without a copy (np.asarray views them)
-    report = FoldReport(
+    report = FoldReport(  # one entry per delta (an island's combined deltas share its weight: split_weight)
         version=state.version + 1,
         contributors=tuple(c.island for c in ordered),
         delta_ids=tuple(c.delta_id for c in ordered),
         staleness=tuple(c.staleness for c in ordered),
         steps=tuple(c.steps for c in ordered),
-        weights=tuple(w),
+        weights=tuple(x for group, weight in zip(groups, w) for x in split_weight(group, weight)),
         delta_norms=tuple(delta_norms),
         merged_norm=merged_norm,
     )

@@ -178,6 +178,31 @@ def test_fold_is_order_independent_and_deterministic():
     assert report.contributors == ("i0", "i1", "i2", "i3", "i4") and sum(report.weights) == pytest.approx(1.0)
 
 
+def test_an_islands_deltas_in_one_fold_are_summed_before_weighting():
+    """A merger folding a backlog: island a's two consecutive deltas (10 + 30 steps, 100 + 300
+    tokens) count as one delta of their sum (400 tokens, 40 steps: weight 400**2/40 = 4000) beside
+    b's (200 tokens, 20 steps: 2000).  Plain average, SGD lr 1: the parameters move by
+    -(2/3 (a1 + a2) + 1/3 b); the report gives each delta its part of a's weight by tokens."""
+    a1, a2, b = np.array([3.0, 0.0], np.float32), np.array([0.0, 6.0], np.float32), np.array([-3.0, 3.0], np.float32)
+    config = OuterConfig("sgd", lr=1.0)
+    step = outer.make_step(outer.outer_optimizer(config))
+    state = init_state({"w": np.zeros(2, np.float32)}, outer.outer_optimizer(config))
+    members = [Contribution("b", 1, 7, 0, 200, 20, {"w": b}), Contribution("a", 1, 2, 1, 300, 30, {"w": a2}),
+               Contribution("a", 1, 1, 2, 100, 10, {"w": a1})]
+    after, report = fold(state, members, MergeConfig(method="average"), step)
+    np.testing.assert_allclose(after.params["w"], -np.array([2 / 3 * 3 + 1 / 3 * -3, 2 / 3 * 6 + 1 / 3 * 3], np.float32), rtol=1e-6)
+    assert report.contributors == ("a", "a", "b") and report.delta_ids == (1, 2, 7) and report.steps == (10, 30, 20)
+    assert report.weights == pytest.approx((2 / 3 * 1 / 4, 2 / 3 * 3 / 4, 1 / 3))
+    # the same fold with a's deltas sent as one (the staleness of its older piece) lands on the same bytes
+    one, _ = fold(state, [Contribution("a", 1, 1, 2, 400, 40, {"w": a1 + a2}), members[0]], MergeConfig(method="average"), step)
+    assert one.params["w"].tobytes() == after.params["w"].tobytes()
+    # deltas of another epoch (a restarted island: another trajectory) are not summed with them
+    # (weights 3000 : 1000 : 2000, a plain weighted mean: -(1/2 a2 + 1/6 a1 + 1/3 b))
+    restarted = [members[0], members[1], Contribution("a", 2, 1, 0, 100, 10, {"w": a1})]
+    apart, report = fold(state, restarted, MergeConfig(method="average"), step)
+    np.testing.assert_allclose(apart.params["w"], np.array([0.5, -4.0], np.float32), rtol=1e-6)
+
+
 # ---- rounds ----------------------------------------------------------------------------------
 def test_quorum_one_folds_immediately():
     assert round_policy.decide(5.0, [("a", 5.0)], {}, RoundConfig(quorum=1)) == round_policy.Decision(True, None)
