@@ -33,7 +33,8 @@ from benchmarks.scale_model import PeakRises, init_params
 from benchmarks.timing import receive_timed
 from merger.config import MergerConfig, RoundConfig
 from merger.memory import keep_freed_memory
-from merger.service import MergerService, ServiceConfig, initial_core
+from merger.core import initial_core
+from merger.service import MergerService, ServiceConfig
 
 PROBE_S = 0.02  # between probes of a bus whose subscriptions may not have arrived yet
 QUIET_MS = 300  # a bus silent this long after its last probe holds nothing stale

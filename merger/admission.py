@@ -2,7 +2,9 @@
 
 Staleness ``s = version_p - base_version`` counts the folds of fragment p the island has not seen;
 a delta with ``s > S`` is rejected (bounded staleness).  A delta must also match the model
-(fingerprint, paths, shapes), carry positive counters (its weight divides by steps) and be finite.
+(fingerprint, paths, shapes), carry positive counters (its weight divides by steps) and be finite,
+its norm too: a norm past sqrt(float32 max) would overflow the fold's float32 arithmetic.  Given a
+limit (merger/outliers.py: a multiple of recent norms), a delta whose norm is past it is an outlier.
 """
 
 from __future__ import annotations
@@ -36,10 +38,28 @@ class Verdict:
     reason: str  # "" when admitted; a stable label otherwise (metric key merger/rejected/<label>)
     detail: str
     staleness: int
+    norm: float = 0.0  # the delta's Euclidean norm (float64), once the checks got that far
 
 
-def admit(candidate: Candidate, *, version: int, layout: Mapping[str, tuple[int, ...]], model: str, max_staleness: int) -> Verdict:
-    """Judge `candidate` against fragment state `version` whose tensors have shapes `layout`."""
+FLOAT32_SAFE_NORM = float(np.sqrt(np.finfo(np.float32).max))  # ~1.8e19: squares of larger values overflow float32
+
+
+def delta_norm(tensors: Mapping[str, np.ndarray | CodedTensor]) -> float:
+    """The Euclidean norm of a delta's values, in float64; coded tensors from scales and codes."""
+    total = 0.0
+    for tensor in tensors.values():
+        if isinstance(tensor, CodedTensor):
+            total += tensor.squared_norm()
+        else:
+            flat = np.asarray(tensor).reshape(-1)
+            total += float(np.dot(flat.astype(np.float64), flat.astype(np.float64)))
+    return float(np.sqrt(total))
+
+
+def admit(candidate: Candidate, *, version: int, layout: Mapping[str, tuple[int, ...]], model: str, max_staleness: int,
+          norm_limit: float | None = None) -> Verdict:
+    """Judge `candidate` against fragment state `version` whose tensors have shapes `layout`, and
+    its norm against `norm_limit` (None: not judged)."""
     staleness = version - candidate.base_version
 
     def reject(reason: str, detail: str) -> Verdict:
@@ -64,4 +84,9 @@ def admit(candidate: Candidate, *, version: int, layout: Mapping[str, tuple[int,
             continue  # int records: scales were checked finite and bounded when decoded from the wire
         if not np.isfinite(delta).all():
             return reject("non_finite", f"{path} holds NaN or Inf")
-    return Verdict(True, "", "", staleness)
+    norm = delta_norm(candidate.tensors)
+    if not np.isfinite(norm) or norm >= FLOAT32_SAFE_NORM:
+        return Verdict(False, "non_finite", f"norm {norm:.4g} overflows float32 arithmetic", staleness, norm)
+    if norm_limit is not None and norm > norm_limit:
+        return Verdict(False, "outlier_norm", f"norm {norm:.4g} > limit {norm_limit:.4g} (outlier_factor x recent norms)", staleness, norm)
+    return Verdict(True, "", "", staleness, norm)

@@ -21,6 +21,7 @@ import numpy as np
 
 from merger.core import MergerCore
 from merger.fold import FragmentState
+from merger.wal import StorageError
 from protocol import DeltaResult
 from protocol.checksum import crc32
 
@@ -76,17 +77,21 @@ def save(directory: str | Path, core: MergerCore, next_index: int) -> Path:
     payload = msgpack.packb(export_state(core, next_index), use_bin_type=True)
     final = directory / f"{next_index:012d}.ckpt"
     temporary = final.with_suffix(".tmp")
-    with open(temporary, "wb") as handle:
-        handle.write(_HEADER.pack(len(payload), crc32(payload)))
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, final)
-    fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        with open(temporary, "wb") as handle:
+            handle.write(_HEADER.pack(len(payload), crc32(payload)))
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, final)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as error:  # a full disk: no half-written file stays behind (the log holds everything)
+        temporary.unlink(missing_ok=True)
+        raise StorageError(f"cannot write checkpoint {final}: {error.strerror or error}") from error
     return final
 
 

@@ -41,6 +41,9 @@ class MergeConfig:
     # weight of a whole round: the islands that contributed to this fragment within the last N
     # versions (merger/weighting.py fold_share).  Single-delta folds then add up to one step per round.
     share_window: int = 0
+    # A delta whose norm is more than this many times its sender's and its fragment's recent median
+    # is rejected as an outlier (merger/outliers.py); 0 turns the check off.
+    outlier_factor: float = 20.0
 
     METHODS = ("rda", "average")
 
@@ -49,6 +52,7 @@ class MergeConfig:
         _require(isinstance(self.max_staleness, int) and self.max_staleness >= 0, f"merge.max_staleness must be an int >= 0, got {self.max_staleness!r}")
         _require(0 <= self.staleness_power <= 8, f"merge.staleness_power must be in [0, 8], got {self.staleness_power}")
         _require(isinstance(self.share_window, int) and self.share_window >= 0, f"merge.share_window must be an int >= 0, got {self.share_window!r}")
+        _require(self.outlier_factor == 0 or self.outlier_factor >= 2, f"merge.outlier_factor must be 0 (off) or >= 2, got {self.outlier_factor}")
 
 
 @dataclasses.dataclass(frozen=True)

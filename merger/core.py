@@ -20,12 +20,13 @@ import numpy as np
 from merger import coded, records
 from merger.admission import Candidate, admit
 from merger.config import MergerConfig
-from merger.fold import Contribution, FoldReport, FragmentState, fold, init_state
+from merger.fold import Contribution, FoldReport, FragmentState, canonical, counters, fold, init_state, per_island
 from merger.fold import plain as fold_plain
 from merger.outer import make_step, outer_optimizer
+from merger.outliers import NormHistory, Quarantine
 from merger.round_policy import ArrivalStats, decide, observe
 from merger.weighting import fold_share, raw_weights
-from protocol import Assembled, Codec, CodedTensor, DeltaResult, DlocoError
+from protocol import Assembled, Codec, CodedTensor, DeltaResult, DlocoError, model_fingerprint, partition
 
 DeltaKey = tuple[str, int, int]  # (island, epoch, delta_id)
 
@@ -74,6 +75,9 @@ class MergerCore:
         self.last_contributions: list[dict[str, tuple[int, float]]] = [{} for _ in self.fragments]
         self.settled: collections.OrderedDict[DeltaKey, DeltaResult] = collections.OrderedDict()
         self.rejected: collections.Counter[str] = collections.Counter()
+        self.norms = [NormHistory() for _ in self.fragments]  # recent admitted delta norms: the outlier check's reference
+        self.quarantine = Quarantine()
+        self.quarantined: list[tuple[str, str, float]] = []  # (island, last reason, seconds): newly quarantined, for the caller to log
         # island -> (epoch, seq): stream messages up to seq are settled and were acknowledged as such
         self.cursors: dict[str, tuple[int, int]] = {}
         if log is not None and log.next_index == 0:
@@ -95,13 +99,20 @@ class MergerCore:
             return None
         if head.fragment >= len(self.fragments):
             return self._reject(key, head.fragment, "unknown_fragment")
+        if (left := self.quarantine.held(head.sender, now)) > 0:
+            return self._reject(key, head.fragment, f"quarantined: {head.sender} is refused for {left:.0f} s more after repeated hostile deltas",
+                                "quarantined")
         tensors = records.delta_tensors(assembled)
         candidate = Candidate(head.sender, head.epoch, head.delta_id, head.fragment, head.base_version, head.steps, head.tokens,
                               head.model, tensors)
+        history = self.norms[head.fragment]
         verdict = admit(candidate, version=self.version(head.fragment), layout=self.layouts[head.fragment], model=self.model,
-                        max_staleness=self.config.merge.max_staleness)
+                        max_staleness=self.config.merge.max_staleness, norm_limit=history.limit(head.sender, self.config.merge.outlier_factor))
+        if self.quarantine.judge(head.sender, verdict.reason, now):
+            self.quarantined.append((head.sender, verdict.reason, self.quarantine.seconds))
         if not verdict.admitted:
             return self._reject(key, head.fragment, f"{verdict.reason}: {verdict.detail}"[:256], verdict.reason)
+        history.record(head.sender, verdict.norm)
         wal_index = self.log.append(*records.delta_record(assembled, verdict.staleness)) if self.log is not None else None
         contribution = Contribution(head.sender, head.epoch, head.delta_id, verdict.staleness, head.tokens, head.steps, tensors)
         self._enqueue(Pending(contribution, head.fragment, now, wal_index))
@@ -230,8 +241,9 @@ class MergerCore:
         window = self.config.merge.share_window
         if window == 0:
             return 1.0
-        raw = raw_weights([(c.tokens, c.steps, c.staleness) for c in members], self.config.merge.staleness_power)
-        pairs = [(c.island, weight) for c, weight in zip(members, raw)]
+        groups = per_island(canonical(members))  # an island's deltas weigh as one, as the fold weighs them
+        raw = raw_weights([counters(group) for group in groups], self.config.merge.staleness_power)
+        pairs = [(group[0].island, weight) for group, weight in zip(groups, raw)]
         contributions = self.last_contributions[fragment]
         share = fold_share(pairs, contributions, version, window)
         mine: dict[str, float] = {}
@@ -259,3 +271,11 @@ class MergerCore:
         self.settled[key] = result
         while len(self.settled) > self.remember:
             self.settled.popitem(last=False)
+
+
+def initial_core(config: MergerConfig, params: dict[str, np.ndarray], fragments: int):
+    """A factory for a fresh core: partition by bytes, fingerprint, genesis logged on creation."""
+    shapes = {path: tuple(a.shape) for path, a in params.items()}
+    parts = partition(shapes, fragments)
+    model = model_fingerprint(params)
+    return lambda wal: MergerCore(config, model, parts, params, log=wal)

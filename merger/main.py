@@ -65,7 +65,8 @@ def run_merger(args: argparse.Namespace) -> int:
 
     from bus.security import security_from_args
     from merger.memory import keep_freed_memory
-    from merger.service import MergerService, ServiceConfig, initial_core
+    from merger.core import initial_core
+    from merger.service import MergerService, ServiceConfig
 
     keep_freed_memory()  # folds reuse freed pages instead of faulting in fresh ones (merger/memory.py)
     try:
@@ -90,7 +91,10 @@ def run_merger(args: argparse.Namespace) -> int:
     except (DlocoError, OSError, zmq.ZMQError) as error:
         print(f"dloco merger: {error}", file=sys.stderr)
         return 2
-    return service.run()
+    code = service.run()
+    if service.storage_failed is not None:
+        print(f"dloco merger: stopped: {service.storage_failed}; free space in {args.run_dir} and restart (the log resumes)", file=sys.stderr)
+    return code
 
 
 def run_replay(args: argparse.Namespace) -> int:

@@ -19,61 +19,41 @@ linger 0 and exit 0.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import signal
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import zmq
 
 import protocol
 from protocol import downlink
-from bus.security import Security
+from bus.security import Security, impostor, peer_of
 from bus.sequencing import GapTracker
 from bus.sockets import open_socket
 from merger import checkpoint
-from merger.config import MergerConfig
-from merger.core import MergerCore
 from merger.pipeline import FoldPipeline
 from merger.recovery import checkpoint_dir, recover, wal_dir
 from merger.round_policy import snapshot_due
+from merger.settings import ServiceConfig as ServiceConfig  # re-exported: the service's settings
+from merger.rundir import RunDirLock
 from merger.snapshot_form import DIFF, FULL, snapshot_form
-from merger.wal import WriteAheadLog
+from merger.wal import StorageError, WriteAheadLog
 from telemetry.logs import configure_logging
 
 POLL_MS = 50  # longest sleep between checks of the clock-driven round policy
 RESEND_S = 0.2  # how often missing stream messages are asked for again
 CURSOR_S = 1.0  # how often settled cursors are published even without a fold
 DRAIN_LIMIT = 256  # messages taken from one socket before the loop looks at the others
-
-
-@dataclasses.dataclass(frozen=True)
-class ServiceConfig:
-    run_dir: Path
-    delta_endpoint: str  # SUB
-    snapshot_endpoint: str  # PUB
-    control_endpoint: str  # ROUTER
-    sender: str = "merger"
-    snapshot_codec: str = "fp32"  # fp32 | bf16 | int8: full snapshots
-    snapshot_diff_codec: str = ""  # "" (off) or int8 | int4 | ...: publish each fold as a diff (protocol/downlink.py)
-    snapshot_full_every: int = 0  # with diffs: publish every N-th version of a fragment in full (0: never; catch-up covers gaps)
-    snapshot_every_round: float = 0.0  # a fragment's snapshot at most once per this many rounds of its fastest island (0: after every fold)
-    max_chunk_bytes: int = protocol.DEFAULT_MAX_CHUNK_BYTES
-    fsync: str = "batch"
-    checkpoint_every: int = 50  # folds between checkpoints
-    reassembly_ttl_s: float = 60.0
-    reassembly_bytes: int = 512 << 20
-    peer_timeout_s: float = 10.0  # an island silent this long (no chunk, no heartbeat) is logged as gone
-    security: Security = Security(None, "merger")  # plaintext unless keys are given
+EXIT_STORAGE = 3  # the exit code of a merger stopped by its disk (full, read-only, failing)
 
 
 class MergerService:
     def __init__(self, config: ServiceConfig, core_factory=None) -> None:
         self.config = config
         self.log = configure_logging("merger", sender=config.sender)
+        self.lock = RunDirLock(config.run_dir)  # before the log opens: RunDirInUse if another merger runs here
         self.wal = WriteAheadLog(wal_dir(config.run_dir), fsync=config.fsync)
         if self.wal.truncated_bytes or self.wal.discarded:
             self.log.warning("wal_torn_tail_truncated", bytes=self.wal.truncated_bytes, segments_set_aside=self.wal.discarded)
@@ -86,7 +66,7 @@ class MergerService:
         self.epoch, self.seq, self.folds = time.time_ns(), 0, 0
         # int deltas stay in their records: the fold works on codes (merger/coded.py), whose kernels
         # compile in the background now rather than in the first rounds
-        self.stopping = False
+        self.stopping, self.storage_failed = False, None
         self.warming = threading.Thread(target=self.core.warm_up, name="warm-up", daemon=True)
         self.warming.start()
         self.reassembler = protocol.Reassembler(ttl_s=config.reassembly_ttl_s, max_bytes=config.reassembly_bytes, decode=False)
@@ -95,11 +75,11 @@ class MergerService:
         self.published_at: dict[int, float] = {}  # fragment -> monotonic time of its last snapshot on the bus
         self.unpublished: set[int] = set()  # fragments with folds not yet on the bus (config.snapshot_every_round)
         self.context = zmq.Context()
-        self.delta_sub = self._socket(zmq.SUB, config.delta_endpoint, server="broker")
+        self.delta_sub = self._socket(zmq.SUB, config.delta_endpoint, server="broker", domain="delta-in")  # domains: bound without a broker
         self.delta_sub.setsockopt(zmq.SUBSCRIBE, b"delta/")
         self.delta_sub.setsockopt(zmq.SUBSCRIBE, b"heartbeat")
-        self.snapshot_pub = self._socket(zmq.PUB, config.snapshot_endpoint, server="broker")
-        self.control = self._socket(zmq.ROUTER, config.control_endpoint, server=config.sender)
+        self.snapshot_pub = self._socket(zmq.PUB, config.snapshot_endpoint, server="broker", domain="snapshot-out")
+        self.control = self._socket(zmq.ROUTER, config.control_endpoint, server=config.sender, domain="control")
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown island is an error we count, not a silent drop
         self.pipeline = FoldPipeline(self.core, self.wal, self.context)
         self.tracker = GapTracker()
@@ -110,8 +90,8 @@ class MergerService:
         self.last_seen: dict[str, float] = {}
         self.gone: set[str] = set()
 
-    def _socket(self, kind: int, endpoint: str, server: str) -> zmq.Socket:
-        return open_socket(self.context, kind, endpoint, self.config.security, server,
+    def _socket(self, kind: int, endpoint: str, server: str, domain: str) -> zmq.Socket:
+        return open_socket(self.context, kind, endpoint, self.config.security, server, domain=domain,
                            report=lambda message: self.log.warning("auth_refused", detail=message))
 
     # ---- loop ------------------------------------------------------------------------------------
@@ -138,9 +118,11 @@ class MergerService:
                 next_snapshot = self.publish_due(time.monotonic())
                 wake = next_snapshot if wake is None else wake if next_snapshot is None else min(wake, next_snapshot)
                 self.maintain_streams()
+        except StorageError as error:  # a full disk: stop; the log on disk is valid up to its last whole record
+            self.storage_failed = error
         finally:
             self.shutdown()
-        return 0
+        return 0 if self.storage_failed is None else EXIT_STORAGE
 
     def _drain(self, socket: zmq.Socket, handle) -> None:
         for _ in range(DRAIN_LIMIT):
@@ -148,18 +130,21 @@ class MergerService:
                 frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            handle([frame.buffer for frame in frames])
+            handle([frame.buffer for frame in frames], peer_of(frames[-1]))
 
     def count(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1
 
     # ---- handlers ------------------------------------------------------------------------------
-    def on_delta_frames(self, frames: list) -> None:
+    def on_delta_frames(self, frames: list, peer: str | None = None) -> None:
+        """A message of the delta bus (or a resend); `peer`: who sent it, where CURVE told us (bound sockets)."""
         try:
             message = protocol.decode(frames)
         except protocol.ProtocolError as error:
             self.count(f"merger/rejected/{error.reason}")
             self.log.warning("message_rejected", reason=error.reason, detail=error.detail[:200])
+            return
+        if not self.speaks_for_itself(message, peer):
             return
         self.seen(message.sender)
         if isinstance(message, protocol.Heartbeat):
@@ -188,6 +173,10 @@ class MergerService:
             if result.status == "rejected":
                 self.log.warning("delta_rejected", island=result.island, delta_id=result.delta_id, reason=result.reason)
             self.publish_ack([result])
+        for island, reason, seconds in self.core.quarantined:
+            self.count("merger/quarantined")
+            self.log.warning("island_quarantined", island=island, last_reason=reason, seconds=seconds)
+        self.core.quarantined.clear()
 
     def reack_resend(self, chunk: protocol.DeltaChunk) -> None:
         """A chunk of a delta settled before means its sender missed our ack: say it again (once
@@ -200,12 +189,14 @@ class MergerService:
             self.count("merger/reacked")
             self.publish_ack([result])
 
-    def on_control_frames(self, frames: list) -> None:
+    def on_control_frames(self, frames: list, peer: str | None = None) -> None:
         identity, body = bytes(frames[0]), frames[1:]
         try:
             message = protocol.decode(body)
         except protocol.ProtocolError as error:
             self.count(f"merger/rejected/{error.reason}")
+            return
+        if not self.speaks_for_itself(message, peer, identity):
             return
         if isinstance(message, protocol.DeltaChunk):  # a resend, point to point
             self.count("merger/resent_chunks")
@@ -218,6 +209,14 @@ class MergerService:
                         self.control.send_multipart([identity, *frames_out], copy=False)
         elif isinstance(message, protocol.Hello):
             self.log.info("hello", peer=message.sender, role=message.role, region=message.region, model_ok=message.model == self.core.model)
+
+    def speaks_for_itself(self, message, peer: str | None, routing_id: bytes | None = None) -> bool:
+        """False (counted, logged) for a message whose sender is not the key that sent it (bus.security.impostor)."""
+        if (claim := impostor(message.sender, peer, routing_id)) is None:
+            return True
+        self.count("merger/rejected/sender_mismatch")
+        self.log.warning("message_rejected", reason="sender_mismatch", peer=peer, claimed=claim)
+        return False
 
     # ---- folding and publishing ----------------------------------------------------------------
     def announce(self, folds) -> None:
@@ -378,21 +377,22 @@ class MergerService:
         try:
             self.announce(self.pipeline.close())
             self.publish_due(math.inf)  # queue the last folds too (best effort: the sockets close with linger 0)
+        except StorageError as error:
+            self.storage_failed = self.storage_failed or error
         except Exception as error:  # a fold failed: logged below, the process still shuts down cleanly
             self.log.error("fold_failed", error=repr(error)[:500])
-        if self.pipeline.failed is None:
-            self.write_checkpoint()
-        else:  # the core may lack a logged fold: only the log is the truth now, a restart replays it
-            self.log.error("no_final_checkpoint", reason=f"a fold failed: {self.pipeline.failed!r}"[:500])
-        self.wal.close()
+        try:
+            if self.pipeline.failed is None and self.storage_failed is None:
+                self.write_checkpoint()
+            elif self.storage_failed is None:  # the core may lack a logged fold: only the log is the truth now, a restart replays it
+                self.log.error("no_final_checkpoint", reason=f"a fold failed: {self.pipeline.failed!r}"[:500])
+            self.wal.close()
+        except StorageError as error:
+            self.storage_failed = self.storage_failed or error
+        if self.storage_failed is not None:
+            self.log.error("storage_failed", error=str(self.storage_failed), hint="free space in the run directory and restart: the log resumes")
+        self.lock.release()
         Security.stop(self.context)
         self.context.destroy(linger=0)
         self.log.info("stopped", folds=self.folds, counters=self.counters, rejected=dict(self.core.rejected))
 
-
-def initial_core(config: MergerConfig, params: dict[str, np.ndarray], fragments: int):
-    """A factory for a fresh core: partition by bytes, fingerprint, genesis logged on creation."""
-    shapes = {path: tuple(a.shape) for path, a in params.items()}
-    parts = protocol.partition(shapes, fragments)
-    model = protocol.model_fingerprint(params)
-    return lambda wal: MergerCore(config, model, parts, params, log=wal)

@@ -53,6 +53,11 @@ MAX_RECORD_BYTES = 1 << 31
 FSYNC_POLICIES = ("always", "batch", "never")
 
 
+class StorageError(DlocoError):
+    """The run directory's disk refused a write or an fsync (full, read-only, failing).  What is on
+    disk stays valid: a record cut short is a torn tail, which a restart truncates."""
+
+
 class LogCorruption(DlocoError):
     """A record in the middle of the log is unreadable."""
 
@@ -225,11 +230,14 @@ class WriteAheadLog:
         size = _HEADER.size + len(meta) + sum(v.nbytes for v in views)
         if size >= MAX_RECORD_BYTES:
             raise DlocoError(f"log record of {size} bytes exceeds {MAX_RECORD_BYTES}")
-        if self._segment_size > 0 and self._segment_size + size > self.segment_bytes:
-            self._open_segment(self.next_index)
-        self._file.write(_HEADER.pack(len(meta), crc32(meta)) + meta)
-        for view in views:
-            self._file.write(view)  # large writes go straight to the file, no copy
+        try:
+            if self._segment_size > 0 and self._segment_size + size > self.segment_bytes:
+                self._open_segment(self.next_index)
+            self._file.write(_HEADER.pack(len(meta), crc32(meta)) + meta)
+            for view in views:
+                self._file.write(view)  # large writes go straight to the file, no copy
+        except OSError as error:
+            raise StorageError(f"cannot append to the write-ahead log in {self.directory}: {error.strerror or error}") from error
         self._segment_size += size
         index, self.next_index = self.next_index, self.next_index + 1
         if self.fsync == "always":
@@ -241,9 +249,15 @@ class WriteAheadLog:
         """Ticket (record index) below which every record is known to be on disk."""
         return self._durable
 
+    def _flush(self) -> None:
+        try:
+            self._file.flush()
+        except OSError as error:
+            raise StorageError(f"cannot write the write-ahead log in {self.directory}: {error.strerror or error}") from error
+
     def sync_async(self) -> int:
         """Start making everything appended so far durable; returns the ticket for `wait_durable`."""
-        self._file.flush()
+        self._flush()
         ticket = self.next_index
         if self.fsync == "never":
             self._durable = ticket
@@ -267,7 +281,7 @@ class WriteAheadLog:
     def sync(self) -> None:
         """Make everything appended durable now (on this thread: cheaper than a hand-off when the
         caller waits anyway)."""
-        self._file.flush()
+        self._flush()
         ticket = self.next_index
         with self._cond:
             if self.fsync == "never":
@@ -296,7 +310,7 @@ class WriteAheadLog:
         try:
             current = os.dup(self._file.fileno())  # a duplicate: rotation may close the file meanwhile
         except (OSError, ValueError) as error:
-            self._error = DlocoError(f"fsync of the write-ahead log failed: {error}")
+            self._error = StorageError(f"fsync of the write-ahead log failed: {error}")
             self._cond.notify_all()
             return
         self._syncing = True
@@ -311,7 +325,7 @@ class WriteAheadLog:
                 _fsync_dir(self.directory)
             os.fsync(current)
         except OSError as error:
-            failure = DlocoError(f"fsync of the write-ahead log failed: {error}")
+            failure = StorageError(f"fsync of the write-ahead log failed: {error}")
         except BaseException as error:  # e.g. KeyboardInterrupt: the taken segments are not known to be on disk
             failure, interrupted = DlocoError(f"fsync of the write-ahead log was interrupted: {error!r}"), error
         finally:
@@ -345,7 +359,10 @@ class WriteAheadLog:
                 for fd in self._rotated:  # only after a failed sync
                     os.close(fd)
                 self._rotated = []
-                self._file.close()
+                try:
+                    self._file.close()
+                except OSError:  # a full disk: the sync above raised already; what did not reach it is a torn tail
+                    pass
                 self._file = None
 
 

@@ -1,0 +1,30 @@
+"""The merger process's settings: endpoints, run directory, snapshot forms, disk and security (the
+math's settings are merger/config.py's, logged in the genesis record)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import protocol
+from bus.security import Security
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceConfig:
+    run_dir: Path
+    delta_endpoint: str  # SUB
+    snapshot_endpoint: str  # PUB
+    control_endpoint: str  # ROUTER
+    sender: str = "merger"
+    snapshot_codec: str = "fp32"  # fp32 | bf16 | int8: full snapshots
+    snapshot_diff_codec: str = ""  # "" (off) or int8 | int4 | ...: publish each fold as a diff (protocol/downlink.py)
+    snapshot_full_every: int = 0  # with diffs: publish every N-th version of a fragment in full (0: never; catch-up covers gaps)
+    snapshot_every_round: float = 0.0  # a fragment's snapshot at most once per this many rounds of its fastest island (0: after every fold)
+    max_chunk_bytes: int = protocol.DEFAULT_MAX_CHUNK_BYTES
+    fsync: str = "batch"
+    checkpoint_every: int = 50  # folds between checkpoints
+    reassembly_ttl_s: float = 60.0
+    reassembly_bytes: int = 512 << 20
+    peer_timeout_s: float = 10.0  # an island silent this long (no chunk, no heartbeat) is logged as gone
+    security: Security = Security(None, "merger")  # plaintext unless keys are given

@@ -1,0 +1,115 @@
+"""Poisoning defence against hand-derived values: delta norms (float and coded), the norm limit,
+the outlier and overflow verdicts, quarantine; and the merger core refusing a poisoned delta."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import protocol
+from merger import admission
+from merger.config import ConfigError, MergeConfig, MergerConfig
+from merger.core import MergerCore
+from merger.outliers import NormHistory, Quarantine
+
+LAYOUT = {"w": (2, 2), "b": (2,)}
+
+
+def candidate(w, b=(0.0, 0.0)) -> admission.Candidate:
+    return admission.Candidate("a", 1, 1, 0, 5, 10, 1000, "m", {"w": np.asarray(w, np.float32).reshape(2, 2), "b": np.asarray(b, np.float32)})
+
+
+def judge(c, limit=None) -> admission.Verdict:
+    return admission.admit(c, version=5, layout=LAYOUT, model="m", max_staleness=2, norm_limit=limit)
+
+
+def test_the_norm_is_that_of_all_values_in_float64():
+    verdict = judge(candidate([3.0, 0.0, 0.0, 0.0], (0.0, 4.0)))
+    assert verdict.admitted and verdict.norm == 5.0
+    # the norm limit: 5 is within 5, not within 4.99
+    assert judge(candidate([3.0, 0.0, 0.0, 0.0], (0.0, 4.0)), limit=5.0).admitted
+    rejected = judge(candidate([3.0, 0.0, 0.0, 0.0], (0.0, 4.0)), limit=4.99)
+    assert (rejected.admitted, rejected.reason, rejected.norm) == (False, "outlier_norm", 5.0)
+
+
+def test_finite_values_whose_squares_overflow_float32_are_non_finite():
+    """3e38 is a finite float32, but its square is not: the fold's float32 norms would be Infinity."""
+    verdict = judge(candidate([3e38, 0.0, 0.0, 0.0]))
+    assert (verdict.admitted, verdict.reason) == (False, "non_finite") and "overflows" in verdict.detail
+    assert judge(candidate([1.85e19, 0.0, 0.0, 0.0])).reason == "non_finite"  # past sqrt(float32 max) = 1.8447e19
+    assert judge(candidate([1.84e19, 0.0, 0.0, 0.0])).admitted
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+def test_a_coded_deltas_norm_comes_from_its_codes(codec):
+    values = (np.random.default_rng(1).standard_normal(1000) * 0.01).astype(np.float32)  # 1000: the last block is padded
+    c = protocol.Codec(codec)
+    tensor = protocol.CodedTensor(c, (1000,), c.encode(values).reshape(-1, c.record_nbytes))
+    decoded = tensor.decode().astype(np.float64)
+    assert admission.delta_norm({"x": tensor}) == pytest.approx(float(np.sqrt(decoded @ decoded)), rel=1e-9)
+
+
+def test_the_limit_is_factor_times_the_larger_of_own_and_fragment_medians():
+    history = NormHistory(window=4, min_own=2, min_fragment=4)
+    assert history.limit("a", 10.0) is None  # no history: nothing is judged
+    for island, norm in [("a", 1.0), ("a", 3.0), ("b", 2.0)]:
+        history.record(island, norm)
+    assert history.limit("a", 10.0) is None  # 3 norms < min_fragment 4
+    history.record("c", 6.0)
+    # per-island medians: a 2.0 (of 1, 3), b 2.0, c 6.0 -> fragment median 2.0; a's own 2.0
+    assert history.limit("a", 10.0) == 20.0
+    assert history.limit("c", 10.0) == 20.0  # c's own history (1 norm) is below min_own 2
+    history.record("c", 8.0)  # c's own median 7.0 > the fragment's 2.0 (medians 2, 2, 7)
+    assert history.limit("c", 10.0) == 70.0 and history.limit("b", 10.0) == 20.0
+    for _ in range(4):
+        history.record("a", 0.001)  # the window keeps a's last 4: its median falls to 0.001
+    assert history.limit("b", 10.0) == 20.0  # medians 0.001, 2, 7: one island cannot drag the reference down
+    assert history.limit("a", 0.0) is None  # factor 0: off
+
+
+def test_quarantine_after_consecutive_hostile_rejections():
+    quarantine = Quarantine(strikes=3, seconds=60.0)
+    assert not quarantine.judge("x", "outlier_norm", 0.0) and not quarantine.judge("x", "non_finite", 1.0)
+    assert not quarantine.judge("x", "", 2.0)  # an admitted delta clears the strikes
+    assert not quarantine.judge("x", "stale", 3.0)  # a stale delta is no sign of hostility
+    assert not quarantine.judge("x", "outlier_norm", 4.0) and not quarantine.judge("x", "layout_mismatch", 5.0)
+    assert quarantine.judge("x", "future_base", 6.0)  # the third in a row
+    assert quarantine.held("x", 6.0) == 60.0 and quarantine.held("x", 65.0) == 1.0 and quarantine.held("y", 6.0) == 0.0
+    assert quarantine.held("x", 66.0) == 0.0 and "x" not in quarantine.until
+
+
+def test_the_outlier_factor_is_validated():
+    assert MergeConfig(outlier_factor=0).outlier_factor == 0
+    with pytest.raises(ConfigError, match="outlier_factor"):
+        MergeConfig(outlier_factor=1.5)
+
+
+def test_the_core_rejects_a_poisoned_delta_and_quarantines_its_sender():
+    """Honest deltas of norm ~0.45 build the history; a 1e6x delta is rejected as outlier_norm and the
+    global model does not move; five in a row quarantine the island, whose next honest delta is
+    refused until the quarantine ends, then admitted again.  Another island is unaffected."""
+    from tests.merger_helpers import assemble, delta_chunks, initial_params
+
+    params = initial_params()
+    parts = protocol.partition({p: a.shape for p, a in params.items()}, 1)
+    core = MergerCore(MergerConfig(), protocol.model_fingerprint(params), parts, params)
+
+    def send(island, delta_id, scale=1.0, now=0.0):
+        chunks = delta_chunks(parts[0], island, delta_id, 0, core.states[0].version, seed=delta_id, codec="fp32")
+        if scale != 1.0:
+            chunks = [protocol.DeltaChunk(**{**c.__dict__, "payloads": tuple(
+                (np.frombuffer(p, np.float32) * np.float32(scale)).tobytes() for p in c.payloads)}) for c in chunks]
+        return core.submit(assemble(chunks), now)
+
+    for delta_id in range(1, 9):
+        assert send("a" if delta_id % 2 else "b", delta_id) is None
+        core.fold(0)
+    before = core.digest()
+    result = send("a", 100, scale=1e6)
+    assert (result.status, result.reason.split(":")[0]) == ("rejected", "outlier_norm") and core.digest() == before
+    for delta_id in range(101, 105):
+        send("a", delta_id, scale=1e6, now=1.0)
+    assert core.quarantined == [("a", "outlier_norm", 60.0)] and core.rejected["outlier_norm"] == 5
+    assert send("a", 200, now=30.0).reason.startswith("quarantined") and core.rejected["quarantined"] == 1
+    assert send("b", 201, now=30.0) is None  # b is unaffected
+    assert send("a", 202, now=61.5) is None  # the quarantine is over
