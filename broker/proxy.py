@@ -1,8 +1,12 @@
 """The broker process: two XSUB/XPUB proxies (delta bus, snapshot bus) in one poll loop.
 
 Publishers connect to a bus's XSUB side, subscribers to its XPUB side; subscriptions flow back
-from XPUB to XSUB.  Messages are forwarded frame for frame without decoding (only the topic frame
-is read, for the per-topic counters).  High-water marks are sized in messages from a memory budget
+from XPUB to XSUB.  With CURVE each side admits its roles only (bus.security.SOCKET_ROLES: islands
+publish deltas, the merger snapshots and acks), and every message's header must name the peer
+that sent it (its key's name, ZAP's User-Id): one whose `sender` is another's is dropped, counted
+as `sender_mismatch` and logged with both names (at most once a second per peer), so no peer can
+speak for another.  Messages are otherwise forwarded frame for frame without decoding (the topic
+frame is read for the per-topic counters, the header's sender and epoch for the check).  High-water marks are sized in messages from a memory budget
 and the chunk size; XPUB_NODROP makes a full subscriber visible (the send fails with EAGAIN, the
 message is counted as `dropped`, never silently lost).  SIGTERM/SIGINT end the loop; sockets close
 with linger 0; exit 0.
@@ -19,6 +23,7 @@ import zmq
 
 from bus.security import Security
 from bus.sockets import open_socket
+from protocol import ProtocolError, peek_sender
 
 POLL_MS = 100
 KERNEL_BUFFER_BYTES = 4 << 20  # larger TCP buffers: fewer wake-ups per MiB forwarded
@@ -57,8 +62,8 @@ class Broker:
         self.pairs = []
         try:
             for bus in config.buses:
-                inbound = self._socket(zmq.XSUB, bus.inbound)
-                outbound = self._socket(zmq.XPUB, bus.outbound)
+                inbound = self._socket(zmq.XSUB, bus.inbound, f"{bus.name}-in")
+                outbound = self._socket(zmq.XPUB, bus.outbound, f"{bus.name}-out")
                 outbound.setsockopt(zmq.XPUB_NODROP, 1)
                 self.pairs.append((bus.name, inbound, outbound))
         except BaseException:  # a missing key or allowlist, a busy port: nothing keeps running
@@ -68,11 +73,14 @@ class Broker:
         self.messages = collections.Counter()
         self.bytes = collections.Counter()
         self.dropped = collections.Counter()
+        self.refused = collections.Counter()  # messages not forwarded: sender_mismatch, unreadable header
+        self.last_warned: dict[str, float] = {}
         self.stopping = False
 
-    def _socket(self, kind: int, endpoint: str) -> zmq.Socket:
+    def _socket(self, kind: int, endpoint: str, domain: str) -> zmq.Socket:
         return open_socket(self.context, kind, f"@{endpoint}", self.config.security, send_hwm=self.config.hwm, receive_hwm=self.config.hwm,
-                           kernel_buffer_bytes=KERNEL_BUFFER_BYTES, report=lambda message: self.log.warning("auth_refused", detail=message))
+                           kernel_buffer_bytes=KERNEL_BUFFER_BYTES, report=lambda message: self.log.warning("auth_refused", detail=message),
+                           domain=domain)
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -111,6 +119,8 @@ class Broker:
                 target.send_multipart(frames, copy=False)
                 continue
             key = f"{bus}/{topic_key(bytes(frames[0].buffer[:64]))}"
+            if not self.config.security.insecure and not self._from_its_sender(frames, bus):
+                continue
             try:
                 target.send_multipart(frames, zmq.NOBLOCK, copy=False)
             except zmq.Again:  # XPUB_NODROP: a subscriber is full; the sender's resend path recovers it
@@ -119,6 +129,25 @@ class Broker:
             self.messages[key] += 1
             self.bytes[key] += sum(len(f) for f in frames)
 
+    def _from_its_sender(self, frames: list[zmq.Frame], bus: str) -> bool:
+        """Whether the header's sender is the peer whose key sent the message (else counted, logged)."""
+        peer = frames[0].get("User-Id")
+        try:
+            sender, epoch = peek_sender([frame.buffer for frame in frames[:2]])
+        except ProtocolError as error:
+            sender, epoch, reason = None, None, f"header_{error.reason}"
+        else:
+            if sender == peer:
+                return True
+            reason = "sender_mismatch"
+        self.refused[f"{bus}/{reason}"] += 1
+        now = time.monotonic()
+        if now - self.last_warned.get(peer, -1.0) >= 1.0:  # a flood does not flood the log
+            self.last_warned[peer] = now
+            self.log.warning("message_refused", reason=reason, bus=bus, peer=peer, claimed_sender=sender, claimed_epoch=epoch,
+                             refused=self.refused[f"{bus}/{reason}"])
+        return False
+
     def stats(self) -> dict:
         return {"messages": dict(self.messages), "bytes": dict(self.bytes), "dropped": dict(self.dropped),
-                "auth_refused": Security.refused(self.context)}
+                "refused": dict(self.refused), "auth_refused": Security.refused(self.context)}

@@ -1,9 +1,14 @@
-"""CURVE encryption and authentication for every socket.
+"""CURVE encryption, authentication and roles for every socket.
 
 `dloco keys DIR NAME...` writes one key pair per component: ``NAME.key`` (public) and
 ``NAME.key_secret`` (public + secret), both mode 0600.  A server (the broker, the merger's ROUTER)
-accepts only clients whose public key file is in its allowlist directory; the check is ZeroMQ's
-ZAP handler running in a thread.  Refusals are counted and logged.  Plaintext needs the explicit
+admits a client only if its public key is on the allow-list, a directory with one folder per role:
+``island/``, ``merger/`` and ``observer/``, each holding ``NAME.key`` files.  The file's stem is the
+peer's name and its folder its role; each server socket admits the roles of `SOCKET_ROLES` only
+(islands publish deltas and read snapshots; the merger reads deltas and publishes snapshots and
+acks; an observer may read both buses).  ZeroMQ's ZAP handler, in a thread, checks this and hands
+the peer's name to every message it sends as the ``User-Id`` property, so a receiver knows who sent
+a message whatever its header says.  Refusals are counted and logged.  Plaintext needs the explicit
 ``--insecure`` flag, which warns.
 """
 
@@ -11,12 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
+import shutil
+import threading
+import time
 from pathlib import Path
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from protocol.errors import ConfigError
 
@@ -76,35 +86,173 @@ def make_client(socket: zmq.Socket, identity: Identity) -> None:
 
 
 class _Refusals(logging.Handler):
-    """Counts and reports ZAP denials (pyzmq logs them on the 'zmq.auth' logger)."""
+    """Counts refused connections: ZAP denials (pyzmq logs them on the 'zmq.auth' logger) and
+    handshakes that fail before authentication (`HandshakeWatcher`).  Each is counted; reports go
+    out at most once per REPORT_EVERY_S, saying how many were not reported since, so a flood of
+    attempts cannot flood the log."""
+
+    REPORT_EVERY_S = 1.0
 
     def __init__(self, report) -> None:
         super().__init__(level=logging.DEBUG)
         self.count, self.report = 0, report
+        self.counting = threading.Lock()  # not `lock`: logging.Handler holds its own while emitting
+        self.last_report, self.unreported = -math.inf, 0
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
         if "DENIED" in message:
+            self.refuse(message)
+
+    def refuse(self, message: str) -> None:
+        with self.counting:
             self.count += 1
-            self.report(message)
+            now = time.monotonic()
+            if now - self.last_report < self.REPORT_EVERY_S:
+                self.unreported += 1
+                return
+            message += f" ({self.unreported} more refused since the last report)" if self.unreported else ""
+            self.last_report, self.unreported = now, 0
+        self.report(message)
 
 
-def start_authenticator(context: zmq.Context, allow_dir: Path, report) -> tuple[ThreadAuthenticator, _Refusals]:
-    """ZAP for every CURVE server socket of `context`: only keys found in `allow_dir` get in."""
+class HandshakeWatcher:
+    """Connections refused before authentication reaches ZAP (a plaintext client on a CURVE socket,
+    another protocol): ZeroMQ's socket monitors, read on a thread, counted as refusals."""
+
+    EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+
+    def __init__(self, refusals: _Refusals) -> None:
+        self.refusals, self.monitors, self.lock = refusals, [], threading.Lock()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="handshake-watcher", daemon=True)
+        self.thread.start()
+
+    def watch(self, socket: zmq.Socket) -> None:
+        monitor = socket.get_monitor_socket(self.EVENTS)
+        with self.lock:
+            self.monitors.append(monitor)
+
+    def _run(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while not self.stopping.is_set():
+            with self.lock:
+                monitors = list(self.monitors)
+            poller = zmq.Poller()
+            for monitor in monitors:
+                poller.register(monitor, zmq.POLLIN)
+            try:
+                for monitor, _ in poller.poll(100) if monitors else []:
+                    event = recv_monitor_message(monitor, zmq.NOBLOCK)
+                    self.refusals.refuse(f"DENIED (handshake) endpoint={event['endpoint'].decode('ascii', 'replace')}: "
+                                         f"{zmq.Event(event['event']).name} {getattr(event['value'], 'name', event['value'])}")
+            except zmq.ZMQError:  # the context is going away
+                return
+            if not monitors:
+                self.stopping.wait(0.1)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=5)
+        with self.lock:
+            for monitor in self.monitors:
+                monitor.close(linger=0)
+
+
+ROLES = ("island", "merger", "observer")
+# The roles each server socket admits, by the socket's ZAP domain.
+SOCKET_ROLES = {
+    "delta-in": frozenset({"island"}),  # the broker's delta bus, publishers' side
+    "delta-out": frozenset({"merger", "observer"}),  # ... subscribers' side: no island reads another's deltas
+    "snapshot-in": frozenset({"merger"}),  # the snapshot bus (snapshots, acks), publishers' side
+    "snapshot-out": frozenset({"island", "observer"}),
+    "control": frozenset({"island"}),  # the merger's ROUTER: catch-up and resend requests
+}
+
+
+def write_allow_list(keys_dir: Path, allow_dir: Path, roles: dict[str, list[str]]) -> None:
+    """Copy the public keys of `roles` (role -> names) from `keys_dir` into `allow_dir`/ROLE/."""
+    for role, names in roles.items():
+        if role not in ROLES:
+            raise ConfigError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+        (allow_dir / role).mkdir(parents=True, exist_ok=True)
+        for name in names:
+            shutil.copy(keys_dir / f"{name}.key", allow_dir / role / f"{name}.key")
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    role: str
+    name: str
+
+
+def load_allow_list(allow_dir: Path) -> dict[bytes, Peer]:
+    """z85 public key -> Peer, from `allow_dir`/ROLE/NAME.key.  A key listed twice, a name used
+    twice, a key file directly in `allow_dir` (no role) or an unknown folder is a ConfigError."""
     if not allow_dir.is_dir():
-        raise ConfigError(f"allowlist directory {allow_dir} does not exist")
+        raise ConfigError(f"allow-list directory {allow_dir} does not exist")
+    loose = sorted(p.name for p in allow_dir.glob("*.key"))
+    if loose:
+        raise ConfigError(f"{allow_dir} holds keys without a role ({', '.join(loose[:3])}): put each in a role folder, "
+                          f"{'/, '.join(ROLES)}/ (`dloco prepare` writes them so)")
+    unknown = sorted(p.name for p in allow_dir.iterdir() if p.is_dir() and p.name not in ROLES)
+    if unknown:
+        raise ConfigError(f"{allow_dir} has folders that are not roles: {unknown} (roles: {', '.join(ROLES)})")
+    peers: dict[bytes, Peer] = {}
+    names: dict[str, str] = {}
+    for role in ROLES:
+        for path in sorted((allow_dir / role).glob("*.key")) if (allow_dir / role).is_dir() else []:
+            try:
+                public, _ = zmq.auth.load_certificate(path)
+            except (OSError, ValueError) as error:
+                raise ConfigError(f"{path} is not a public key file: {error}") from None
+            if public in peers:
+                raise ConfigError(f"{path}: the same key is also listed as {peers[public].role}/{peers[public].name}")
+            if path.stem in names:
+                raise ConfigError(f"{path}: the name {path.stem!r} is also listed under {names[path.stem]}/")
+            peers[public], names[path.stem] = Peer(role, path.stem), role
+    return peers
+
+
+class RoleAuthenticator(ThreadAuthenticator):
+    """ZAP for CURVE: a client gets in if its key is on the allow-list with a role the socket's domain
+    admits (SOCKET_ROLES; a socket without a domain admits every listed role); its User-Id is its name."""
+
+    def configure_roles(self, peers: dict[bytes, Peer]) -> None:
+        self.peers = peers
+        self.certs["*"] = {key: True for key in peers}  # what pyzmq's own checks look at
+
+    async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
+        peer = self.peers.get(z85.encode(client_key))
+        if peer is None:
+            self.log.debug("DENIED (CURVE) domain=%s client_key=%s: not on the allow-list", domain, z85.encode(client_key))
+            return False, b"Unknown key"
+        if domain and peer.role not in SOCKET_ROLES.get(domain, frozenset()):
+            self.log.debug("DENIED (role) domain=%s name=%s role=%s: this socket admits %s", domain, peer.name, peer.role,
+                           sorted(SOCKET_ROLES.get(domain, ())))
+            return False, b"Role not admitted"
+        return True, b"OK"
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return self.peers[z85.encode(client_public_key)].name
+
+
+def start_authenticator(context: zmq.Context, allow_dir: Path, report) -> tuple[ThreadAuthenticator, _Refusals, HandshakeWatcher]:
+    """ZAP for every CURVE server socket of `context`: keys of `allow_dir`'s role folders, by role."""
+    peers = load_allow_list(allow_dir)
     logger = logging.getLogger("zmq.auth")
     logger.setLevel(logging.DEBUG)
     refusals = _Refusals(report)
     logger.addHandler(refusals)
-    authenticator = ThreadAuthenticator(context, log=logger)
+    authenticator = RoleAuthenticator(context, log=logger)
     authenticator.start()
-    authenticator.configure_curve(domain="*", location=str(allow_dir))
-    return authenticator, refusals
+    authenticator.configure_roles(peers)
+    return authenticator, refusals, HandshakeWatcher(refusals)
 
 
 # The ZAP handler of each context that has CURVE server sockets (one per context), by id(context).
-_authenticators: dict[int, tuple[ThreadAuthenticator, _Refusals]] = {}
+_authenticators: dict[int, tuple[ThreadAuthenticator, _Refusals, HandshakeWatcher]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,21 +271,29 @@ class Security:
     def insecure(self) -> bool:
         return self.keys is None
 
-    def secure(self, context: zmq.Context, socket: zmq.Socket, endpoint: str, server: str | None, report=lambda message: None) -> None:
+    def secure(self, context: zmq.Context, socket: zmq.Socket, endpoint: str, server: str | None, report=lambda message: None,
+               domain: str | None = None) -> None:
+        """Make `socket` a CURVE server (bound: admitting the roles of SOCKET_ROLES[domain]) or a
+        client of `server`; nothing when insecure."""
         if self.keys is None:
             return
         if endpoint.startswith("@"):
             if self.allow is None:
                 raise ConfigError(f"{self.name} binds {endpoint[1:]} with CURVE on: give --allow DIR (accepted client keys)")
+            if domain is not None and domain not in SOCKET_ROLES:
+                raise ConfigError(f"unknown socket domain {domain!r}: one of {sorted(SOCKET_ROLES)}")
             if id(context) not in _authenticators:
                 _authenticators[id(context)] = start_authenticator(context, self.allow, report)
+            if domain is not None:
+                socket.zap_domain = domain.encode()
             make_server(socket, Identity.load(self.keys, self.name))
+            _authenticators[id(context)][2].watch(socket)
         else:
             make_client(socket, Identity.load(self.keys, self.name, server=server))
 
     @staticmethod
     def refused(context: zmq.Context) -> int:
-        """How many clients the ZAP handler of `context` has refused (0 without one)."""
+        """How many connections the CURVE servers of `context` refused: by ZAP (key, role) or in the handshake."""
         started = _authenticators.get(id(context))
         return 0 if started is None else started[1].count
 
@@ -145,7 +301,27 @@ class Security:
     def stop(context: zmq.Context) -> None:
         started = _authenticators.pop(id(context), None)
         if started is not None:
+            started[2].stop()
             started[0].stop()
+
+
+def peer_of(frame: zmq.Frame) -> str | None:
+    """The name of the CURVE peer that sent `frame` (ZAP's User-Id), on a socket that authenticated
+    it (a CURVE server); None elsewhere (plaintext, or a message from the server we dialled)."""
+    try:
+        return frame.get("User-Id") or None
+    except zmq.ZMQError:
+        return None
+
+
+def impostor(sender: str, peer: str | None, routing_id: bytes | None = None) -> str | None:
+    """What a message claims beyond its key, or None when it speaks for itself.  With CURVE, a
+    message's sender (and a DEALER's routing id) must be the name of the key that sent it
+    (`peer`): otherwise one island could lock another out with a higher epoch, or replay another's
+    deltas as its own.  `peer` None: not known here (plaintext, or the broker checked)."""
+    if peer is None or (sender == peer and routing_id in (None, peer.encode())):
+        return None
+    return f"sender {sender!r}" + (f", routing id {routing_id.decode('ascii', 'replace')!r}" if routing_id is not None else "")
 
 
 def security_from_args(args, name: str, component: str) -> Security:

@@ -29,12 +29,14 @@ def attach(socket: zmq.Socket, endpoint: str) -> None:
 
 def open_socket(context: zmq.Context, kind: int, endpoint: str, security: Security, server: str | None = None, *,
                 report: Callable[[str], None] = lambda message: None, identity: str | None = None,
-                send_hwm: int | None = None, receive_hwm: int | None = None, kernel_buffer_bytes: int | None = None) -> zmq.Socket:
+                send_hwm: int | None = None, receive_hwm: int | None = None, kernel_buffer_bytes: int | None = None,
+                domain: str | None = None) -> zmq.Socket:
     """A socket of `kind`, set up and attached to `endpoint`.
 
     `server` names the key of what a connecting socket reaches (CURVE client); `report` receives
     the ZAP handler's refusals (CURVE server).  `identity` is a DEALER's routing id; the high-water
-    marks (messages) and kernel buffers (bytes) keep ZeroMQ's defaults when None."""
+    marks (messages) and kernel buffers (bytes) keep ZeroMQ's defaults when None.  `domain` names a
+    bound socket's place (bus.security.SOCKET_ROLES): the roles it admits."""
     socket = context.socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
     if identity is not None:
@@ -45,6 +47,6 @@ def open_socket(context: zmq.Context, kind: int, endpoint: str, security: Securi
     for option, value in (*sizes, *heartbeats):
         if value is not None:
             socket.setsockopt(option, value)
-    security.secure(context, socket, endpoint, server, report=report)
+    security.secure(context, socket, endpoint, server, report=report, domain=domain)
     attach(socket, endpoint)
     return socket

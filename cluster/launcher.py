@@ -12,7 +12,7 @@ targets); then `duration_s` is a limit: a run still going then has failed, and t
 which island was where.  A run whose islands did not train an interval, or whose merger never folded, fails too
 (analysis.verdict): the exit status is 0 only for a run that did its work.
 
-Run directory: keys/, allow/{broker,merger}/, init.npz, task.json (what the islands train: `dloco
+Run directory: keys/, allow/{island,merger}/ (the allow-list, by role), init.npz, task.json (what the islands train: `dloco
 sample` and `dloco export` build the model from it), logs/<process>.log, metrics/<region>.jsonl,
 merger/ (write-ahead log, checkpoints), report.md, plots/*.png.
 """
@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 
 from analysis import verdict
 from analysis.runinfo import RunProgress, RunTask, island_stage
-from bus.security import create_keys
+from bus.security import create_keys, write_allow_list
 from cluster import chaos, compose, cpuquota, topology
 from cluster.compose import Service
 from cluster.config import ClusterConfig
@@ -67,15 +66,12 @@ def dloco(*args: str) -> list[str]:
 def prepare(config: ClusterConfig, run_dir: Path) -> None:
     """What every process needs before it starts: CURVE keys, allow-lists, the initial model; and
     the record of the task, for whoever reads the run directory later."""
-    for folder in ("logs", "metrics", "allow/broker", "allow/merger"):
+    for folder in ("logs", "metrics"):
         (run_dir / folder).mkdir(parents=True, exist_ok=True)
     RunTask.of(config).write(run_dir)
     names = [r.name for r in config.regions]
     create_keys(run_dir / "keys", ["broker", "merger", *names])
-    for name in ["merger", *names]:
-        shutil.copy(run_dir / "keys" / f"{name}.key", run_dir / "allow" / "broker")
-    for name in names:
-        shutil.copy(run_dir / "keys" / f"{name}.key", run_dir / "allow" / "merger")
+    write_allow_list(run_dir / "keys", run_dir / "allow", {"merger": ["merger"], "island": names})
     init = subprocess.run(dloco("island", "--write-init", run_dir / "init.npz", *topology.model_args(config)),
                           capture_output=True, text=True, timeout=300)
     if init.returncode != 0:

@@ -49,13 +49,13 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str, place=lambda pa
     """`dloco` arguments (without the program) of the broker, the merger and every island; `place`
     maps the task's host paths to the islands' (model_args)."""
     keys, b = f"{run_dir}/keys", at.broker_ports
-    out = {"broker": ["broker", "--keys", keys, "--allow", f"{run_dir}/allow/broker", "--delta-in", f"tcp://{at.bind_host}:{b[0]}",
+    out = {"broker": ["broker", "--keys", keys, "--allow", f"{run_dir}/allow", "--delta-in", f"tcp://{at.bind_host}:{b[0]}",
                       "--delta-out", f"tcp://{at.bind_host}:{b[1]}", "--snapshot-in", f"tcp://{at.bind_host}:{b[2]}",
                       "--snapshot-out", f"tcp://{at.bind_host}:{b[3]}", "--stats-every", 5]}
     sc, mc = config.effective()
     settle = ["--settle-timeout", sc.settle_timeout_s] if sc.settle_timeout_s != SyncConfig.settle_timeout_s else []  # else the island's default
     out["merger"] = ["merger", "--run-dir", f"{run_dir}/merger", "--init-npz", f"{run_dir}/init.npz", "--fragments", sc.fragments,
-                     "--keys", keys, "--allow", f"{run_dir}/allow/merger", "--delta-endpoint", at.broker(1), "--snapshot-endpoint", at.broker(2),
+                     "--keys", keys, "--allow", f"{run_dir}/allow", "--delta-endpoint", at.broker(1), "--snapshot-endpoint", at.broker(2),
                      "--control-endpoint", f"@tcp://{at.bind_host}:{at.control_port}", "--max-staleness", mc.max_staleness,
                      "--quorum", mc.quorum, "--quorum-timeout", mc.quorum_timeout_s, "--grace-cap", mc.grace_cap_s,
                      "--merge", mc.merge, "--outer", mc.outer, "--outer-lr", mc.outer_lr, "--delay", mc.delay,

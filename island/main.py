@@ -76,7 +76,8 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     network.add_argument("--keys", type=Path, help="CURVE key directory (NAME.key_secret and the servers' .key); CURVE is the default")
     network.add_argument("--insecure", action="store_true", help="plaintext, no authentication (prints a warning)")
     network.add_argument("--bus-server", default="broker", help="key name of what the bus endpoints reach (broker, or merger when direct)")
-    network.add_argument("--control-server", default="merger", help="key name of the control endpoint's server")
+    network.add_argument("--control-server", default="merger",
+                         help="key name of the merger (the control endpoint's server); snapshots and acks from any other sender are dropped")
     network.add_argument("--settle-timeout", type=float, default=SyncConfig.settle_timeout_s,
                          help="seconds after which the island stops asking what became of a delta (with --blocking: stops waiting for its fold)")
     network.add_argument("--drain-timeout", type=float, default=30.0, help="at the end, seconds to wait for the last deltas to be sent and acknowledged")

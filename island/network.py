@@ -163,6 +163,9 @@ class NetworkLink:
         _, arrives = self._downlink_shaper.schedule(nbytes, time.monotonic())
         try:
             message = protocol.decode(frames)
+            if message.sender != self.control_route.server:  # only the merger speaks to islands (the broker admits no other publisher)
+                self.uplink.count_dropped("foreign_sender")
+                return
             if isinstance(message, protocol.Ack):
                 self.uplink.on_ack(message)
                 return

@@ -11,7 +11,7 @@ from protocol.chunking import DEFAULT_MAX_CHUNK_BYTES, ChunkPlan, model_fingerpr
 from protocol.error_feedback import compensate, quantize_with_feedback
 from protocol.errors import DlocoError, EncodeError, ProtocolError
 from protocol.fragments import partition
-from protocol.framing import decode, encode
+from protocol.framing import decode, encode, peek_sender
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
     MESSAGE_TYPES,
@@ -40,5 +40,5 @@ __all__ = [
     "DeltaChunk", "DeltaResult", "DlocoError", "EncodeError", "Heartbeat", "Hello", "Kind",
     "Limits", "Message", "ProtocolError", "Reassembler", "ResendRequest", "SnapshotChunk",
     "SnapshotRequest", "TensorSlice", "compensate", "decode", "encode", "message_key",
-    "model_fingerprint", "partition", "quantize_with_feedback", "split_fragment",
+    "model_fingerprint", "partition", "peek_sender", "quantize_with_feedback", "split_fragment",
 ]

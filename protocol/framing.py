@@ -146,6 +146,18 @@ def _view(frame: Any, index: int) -> memoryview:
         raise ProtocolError("frame_type", f"frame {index} ({type(frame).__name__}) is not a readable byte buffer") from None
 
 
+def peek_sender(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> tuple[str, int]:
+    """(sender, epoch) from a message's header, without validating the rest (the broker checks who
+    sent what it forwards; receivers decode it whole).  ProtocolError if they cannot be read."""
+    if len(frames) < 2:
+        raise ProtocolError("frame_count", f"a message has at least 2 frames (topic, header), got {len(frames)}")
+    header = _unpack_header(_view(frames[1], 1), limits)
+    sender, epoch = header.get("sender"), header.get("epoch")
+    if type(sender) is not str or type(epoch) is not int:
+        raise ProtocolError("field_type", "the header's sender and epoch must be a string and an int")
+    return sender, epoch
+
+
 def _unpack_header(view: memoryview, limits: Limits) -> dict:
     if view.nbytes > limits.max_header_bytes:
         raise ProtocolError("header_too_large", f"header of {view.nbytes} bytes exceeds {limits.max_header_bytes}")

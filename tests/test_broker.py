@@ -4,7 +4,6 @@ with an allowlist; unknown keys and plaintext clients get nothing."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +13,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from bus.security import Identity, create_keys, make_client
+import protocol
+from bus.security import Identity, create_keys, make_client, write_allow_list
 from tests.test_merger_process import free_ports
 
 
@@ -69,11 +69,16 @@ def pair(context, broker: BrokerProcess, bus: int, pub_identity=None, sub_identi
     return pub, sub
 
 
-def received(pub, sub, count: int = 20, wait_s: float = 3.0) -> int:
-    """Publish `count` messages for up to `wait_s` (until the subscription is through); count arrivals."""
+def heartbeat(sender: str, epoch: int = 1) -> list:
+    return protocol.encode(protocol.Heartbeat(sender=sender, epoch=epoch, seq=0))
+
+
+def received(pub, sub, count: int = 20, wait_s: float = 3.0, frames=None) -> int:
+    """Publish `count` messages (`frames`, by default an undecodable one) for up to `wait_s` (until
+    the subscription is through); count arrivals."""
     got, deadline = 0, time.monotonic() + wait_s
     while time.monotonic() < deadline and got < count:
-        pub.send_multipart([b"delta/0", b"header", b"x" * 1000])
+        pub.send_multipart(frames or [b"delta/0", b"header", b"x" * 1000])
         if sub.poll(50):
             while sub.poll(0):
                 sub.recv_multipart()
@@ -102,24 +107,22 @@ def test_insecure_broker_forwards_both_buses_counts_and_stops_cleanly(tmp_path, 
 def test_curve_admits_listed_keys_only_and_logs_refusals(tmp_path, context):
     keys, allow = tmp_path / "keys", tmp_path / "allow"
     create_keys(keys, ["broker", "island-0", "merger", "stranger"])
-    allow.mkdir()
-    for name in ("island-0", "merger"):
-        shutil.copy(keys / f"{name}.key", allow)
+    write_allow_list(keys, allow, {"island": ["island-0"], "merger": ["merger"]})
     broker = BrokerProcess(tmp_path, "--keys", str(keys), "--allow", str(allow))
     try:
         island = Identity.load(keys, "island-0", server="broker")
         merger = Identity.load(keys, "merger", server="broker")
         stranger = Identity.load(keys, "stranger", server="broker")
         pub, sub = pair(context, broker, 0, island, merger)
-        assert received(pub, sub) >= 20  # both listed: traffic flows, encrypted
+        assert received(pub, sub, frames=heartbeat("island-0")) >= 20  # both listed: traffic flows, encrypted
         pub, sub = pair(context, broker, 0, stranger, merger)
-        assert received(pub, sub, wait_s=2.0) == 0  # unknown publisher: refused
+        assert received(pub, sub, wait_s=2.0, frames=heartbeat("stranger")) == 0  # unknown publisher: refused
         pub, sub = pair(context, broker, 0, island, None)
-        assert received(pub, sub, wait_s=2.0) == 0  # plaintext subscriber cannot talk to a secure broker
+        assert received(pub, sub, wait_s=2.0, frames=heartbeat("island-0")) == 0  # plaintext subscriber cannot talk to a secure broker
     finally:
         code = broker.stop()
     assert code == 0
-    assert broker.events("auth_refused") and broker.events("broker_stopped")[-1]["auth_refused"] >= 1
+    assert broker.events("auth_refused") and broker.events("broker_stopped")[-1]["auth_refused"] >= 2
 
 
 def test_keys_are_private_and_bad_invocations_are_clear(tmp_path):

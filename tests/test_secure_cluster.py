@@ -4,13 +4,12 @@ the broker and is folded; an island whose key is not allowed cannot even join.""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from bus.security import create_keys
+from bus.security import create_keys, write_allow_list
 from tests.test_broker import BrokerProcess
 from tests.test_merger_process import free_port
 
@@ -24,19 +23,16 @@ def cli(*args: str) -> list[str]:
 @pytest.mark.e2e  # a broker, a merger and two training islands over CURVE: -m e2e
 @pytest.mark.timeout(300)
 def test_training_through_a_curve_broker(tmp_path):
-    keys, broker_allow, merger_allow = tmp_path / "keys", tmp_path / "broker-allow", tmp_path / "merger-allow"
+    keys, allow = tmp_path / "keys", tmp_path / "allow"
     create_keys(keys, ["broker", "merger", "island-0", "stranger"])
-    for folder, names in ((broker_allow, ["merger", "island-0"]), (merger_allow, ["island-0"])):
-        folder.mkdir()
-        for name in names:
-            shutil.copy(keys / f"{name}.key", folder)
+    write_allow_list(keys, allow, {"merger": ["merger"], "island": ["island-0"]})
     init = tmp_path / "init.npz"
     subprocess.run(cli("island", "--write-init", str(init), *TINY), check=True, capture_output=True, timeout=120)
-    broker = BrokerProcess(tmp_path, "--keys", str(keys), "--allow", str(broker_allow))
+    broker = BrokerProcess(tmp_path, "--keys", str(keys), "--allow", str(allow))
     control = free_port()
     merger = subprocess.Popen(cli("merger", "--run-dir", str(tmp_path / "m"), "--init-npz", str(init), "--fragments", "2",
                                   "--delta-endpoint", broker.endpoint(1), "--snapshot-endpoint", broker.endpoint(2),
-                                  "--control-endpoint", f"@tcp://127.0.0.1:{control}", "--keys", str(keys), "--allow", str(merger_allow)),
+                                  "--control-endpoint", f"@tcp://127.0.0.1:{control}", "--keys", str(keys), "--allow", str(allow)),
                               stdout=open(tmp_path / "merger.log", "wb"), stderr=subprocess.STDOUT)
 
     def island(name: str, join_timeout: str) -> subprocess.CompletedProcess:
