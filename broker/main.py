@@ -24,6 +24,8 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     keys = commands.add_parser("keys", help="create CURVE key pairs (mode 0600), one per component")
     keys.add_argument("directory", type=Path)
     keys.add_argument("names", nargs="+", help="e.g. broker merger island-0 island-1")
+    keys.add_argument("--allow", type=Path, help="also list the new public keys in this allow-list directory, under --role")
+    keys.add_argument("--role", choices=("island", "merger", "observer"), help="the role the keys get in --allow (bus/security.py SOCKET_ROLES)")
     keys.set_defaults(run=run_keys)
 
 
@@ -59,12 +61,17 @@ def run_broker(args: argparse.Namespace) -> int:
 
 
 def run_keys(args: argparse.Namespace) -> int:
-    from bus.security import create_keys
+    from bus.security import create_keys, write_allow_list
     from protocol import DlocoError
 
     try:
+        if (args.allow is None) != (args.role is None):
+            raise DlocoError("--allow and --role go together: the allow-list folder and the role the keys get in it")
         for path in create_keys(args.directory, args.names):
             print(path)
+        if args.allow is not None:
+            write_allow_list(args.directory, args.allow, {args.role: args.names})
+            print(f"listed {', '.join(args.names)} as {args.role} in {args.allow / args.role}")
     except (DlocoError, OSError) as error:
         print(f"dloco keys: {error}", file=sys.stderr)
         return 2

@@ -145,8 +145,10 @@ class HandshakeWatcher:
             try:
                 for monitor, _ in poller.poll(100) if monitors else []:
                     event = recv_monitor_message(monitor, zmq.NOBLOCK)
+                    why = (zmq.Event(event["value"]).name if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL  # e.g. a plaintext peer
+                           else f"errno {int(event['value'])}: {os.strerror(int(event['value']))}")
                     self.refusals.refuse(f"DENIED (handshake) endpoint={event['endpoint'].decode('ascii', 'replace')}: "
-                                         f"{zmq.Event(event['event']).name} {getattr(event['value'], 'name', event['value'])}")
+                                         f"{zmq.Event(event['event']).name} {why}")
             except zmq.ZMQError:  # the context is going away
                 return
             if not monitors:

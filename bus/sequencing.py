@@ -22,42 +22,65 @@ class _Stream:
     epoch: int
     delivered: int = 0  # every seq <= delivered has been handed out
     known_last: int = 0  # highest seq the sender says (or shows) it has sent
-    held: dict[int, Any] = dataclasses.field(default_factory=dict)  # seq -> message waiting for a gap
+    held: dict[int, tuple[Any, int]] = dataclasses.field(default_factory=dict)  # seq -> (message waiting for a gap, its bytes)
+    held_bytes: int = 0
 
 
 class GapTracker:
-    def __init__(self, max_held: int = 65_536) -> None:
-        self.max_held = max_held  # bound on out-of-order messages held per sender
+    """Out-of-order messages are held within bounds: `max_held` messages and `max_sender_bytes` per
+    sender, `max_held_bytes` in all.  One beyond them is dropped (counted in `overflow`) and asked
+    for again with its gap, so a sender that skips a seq cannot make the receiver hold more.  At most
+    `max_senders` streams are tracked: a sender beyond them is refused (`refused_senders`)."""
+
+    def __init__(self, max_held: int = 65_536, max_held_bytes: int = 256 << 20, max_sender_bytes: int | None = None,
+                 max_senders: int = 1024) -> None:
+        self.max_held, self.max_held_bytes, self.max_senders = max_held, max_held_bytes, max_senders
+        self.max_sender_bytes = max_held_bytes // 2 if max_sender_bytes is None else max_sender_bytes
         self.streams: dict[str, _Stream] = {}
-        self.duplicates = self.stale = self.overflow = 0
+        self.held_bytes = 0
+        self.duplicates = self.stale = self.overflow = self.refused_senders = 0
 
     def _stream(self, sender: str, epoch: int) -> _Stream | None:
         stream = self.streams.get(sender)
+        if stream is None and len(self.streams) >= self.max_senders:
+            return None
         if stream is None or epoch > stream.epoch:  # first contact, or the sender restarted
+            if stream is not None:
+                self.held_bytes -= stream.held_bytes  # the old incarnation's held messages go with it
             stream = self.streams[sender] = _Stream(epoch)
         return stream if epoch == stream.epoch else None
 
-    def receive(self, sender: str, epoch: int, seq: int, message: Any) -> list[Any]:
-        """Messages now deliverable in order (possibly none, possibly several)."""
+    def receive(self, sender: str, epoch: int, seq: int, message: Any, nbytes: int = 0) -> list[Any]:
+        """Messages now deliverable in order (possibly none, possibly several); `nbytes`: the
+        message's size, charged while it is held."""
         stream = self._stream(sender, epoch)
         if stream is None:
-            self.stale += 1
+            if sender not in self.streams:
+                self.refused_senders += 1
+            else:
+                self.stale += 1
             return []
         if seq <= stream.delivered or seq in stream.held:
             self.duplicates += 1
             return []
         stream.known_last = max(stream.known_last, seq)
         if seq != stream.delivered + 1:
-            if len(stream.held) >= self.max_held:
+            if (len(stream.held) >= self.max_held or stream.held_bytes + nbytes > self.max_sender_bytes
+                    or self.held_bytes + nbytes > self.max_held_bytes):
                 self.overflow += 1  # dropped here; it will be asked for again as part of the gap
                 return []
-            stream.held[seq] = message
+            stream.held[seq] = (message, nbytes)
+            stream.held_bytes += nbytes
+            self.held_bytes += nbytes
             return []
         ready = [message]
         stream.delivered = seq
         while stream.delivered + 1 in stream.held:
             stream.delivered += 1
-            ready.append(stream.held.pop(stream.delivered))
+            held, nbytes = stream.held.pop(stream.delivered)
+            stream.held_bytes -= nbytes
+            self.held_bytes -= nbytes
+            ready.append(held)
         return ready
 
     def heartbeat(self, sender: str, epoch: int, last_seq: int) -> None:

@@ -46,6 +46,9 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
                              "their deltas on a version up to F rounds of folds old: keep --max-staleness above that")
     merger.add_argument("--fsync", choices=("always", "batch", "never"), default="batch")
     merger.add_argument("--checkpoint-every", type=positive_int, default=50, help="folds between checkpoints")
+    merger.add_argument("--receive-mib", type=positive_int, default=768,
+                        help="memory for islands' messages not yet whole or in order: 2/3 for partial deltas, 1/3 for messages "
+                             "beyond a gap; one island may hold half of each (default 768)")
     merger.add_argument("--peer-timeout", type=float, default=10.0, help="seconds of silence after which an island is logged as gone")
     merger.add_argument("--name", default="merger", help="sender id and key name (default merger)")
     merger.add_argument("--keys", type=Path, help="CURVE key directory (NAME.key_secret, broker.key); CURVE is the default")
@@ -87,6 +90,7 @@ def run_merger(args: argparse.Namespace) -> int:
                                               snapshot_diff_codec="" if args.snapshot_diff_codec == "none" else args.snapshot_diff_codec,
                                               snapshot_full_every=args.snapshot_full_every, snapshot_every_round=args.snapshot_every_round,
                                               checkpoint_every=args.checkpoint_every, security=security,
+                                              reassembly_bytes=(args.receive_mib << 20) * 2 // 3, held_bytes=(args.receive_mib << 20) // 3,
                                               peer_timeout_s=args.peer_timeout), core_factory=factory)
     except (DlocoError, OSError, zmq.ZMQError) as error:
         print(f"dloco merger: {error}", file=sys.stderr)

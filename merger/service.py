@@ -24,7 +24,6 @@ import signal
 import threading
 import time
 
-import numpy as np
 import zmq
 
 import protocol
@@ -34,11 +33,10 @@ from bus.sequencing import GapTracker
 from bus.sockets import open_socket
 from merger import checkpoint
 from merger.pipeline import FoldPipeline
+from merger.publishing import SnapshotPublishing
 from merger.recovery import checkpoint_dir, recover, wal_dir
-from merger.round_policy import snapshot_due
-from merger.settings import ServiceConfig as ServiceConfig  # re-exported: the service's settings
 from merger.rundir import RunDirLock
-from merger.snapshot_form import DIFF, FULL, snapshot_form
+from merger.settings import ServiceConfig as ServiceConfig  # re-exported: the service's settings
 from merger.wal import StorageError, WriteAheadLog
 from telemetry.logs import configure_logging
 
@@ -46,10 +44,11 @@ POLL_MS = 50  # longest sleep between checks of the clock-driven round policy
 RESEND_S = 0.2  # how often missing stream messages are asked for again
 CURSOR_S = 1.0  # how often settled cursors are published even without a fold
 DRAIN_LIMIT = 256  # messages taken from one socket before the loop looks at the others
+EPOCH_AHEAD_NS = 24 * 3600 * 10**9  # an island's epoch (its start time, ns) may be this far ahead of our clock
 EXIT_STORAGE = 3  # the exit code of a merger stopped by its disk (full, read-only, failing)
 
 
-class MergerService:
+class MergerService(SnapshotPublishing):
     def __init__(self, config: ServiceConfig, core_factory=None) -> None:
         self.config = config
         self.log = configure_logging("merger", sender=config.sender)
@@ -69,20 +68,25 @@ class MergerService:
         self.stopping, self.storage_failed = False, None
         self.warming = threading.Thread(target=self.core.warm_up, name="warm-up", daemon=True)
         self.warming.start()
-        self.reassembler = protocol.Reassembler(ttl_s=config.reassembly_ttl_s, max_bytes=config.reassembly_bytes, decode=False)
+        # what islands' messages may hold here, per sender (half) and in all: partial deltas, and stream messages beyond a gap
+        self.reassembler = protocol.Reassembler(ttl_s=config.reassembly_ttl_s, max_bytes=config.reassembly_bytes, decode=False,
+                                                max_sender_bytes=config.reassembly_bytes // 2)
         self.counters: dict[str, int] = {}
         self.served: dict[int, downlink.Served] = {}  # with diff snapshots: what islands hold of each fragment
         self.published_at: dict[int, float] = {}  # fragment -> monotonic time of its last snapshot on the bus
         self.unpublished: set[int] = set()  # fragments with folds not yet on the bus (config.snapshot_every_round)
         self.context = zmq.Context()
-        self.delta_sub = self._socket(zmq.SUB, config.delta_endpoint, server="broker", domain="delta-in")  # domains: bound without a broker
+        # ZeroMQ's queue of arrived deltas is part of the receive budget: beyond it they are dropped and asked for again
+        self.delta_sub = self._socket(zmq.SUB, config.delta_endpoint, server="broker", domain="delta-in",  # domain: bound without a broker
+                                      receive_hwm=max(16, config.held_bytes // config.max_chunk_bytes))
         self.delta_sub.setsockopt(zmq.SUBSCRIBE, b"delta/")
         self.delta_sub.setsockopt(zmq.SUBSCRIBE, b"heartbeat")
         self.snapshot_pub = self._socket(zmq.PUB, config.snapshot_endpoint, server="broker", domain="snapshot-out")
         self.control = self._socket(zmq.ROUTER, config.control_endpoint, server=config.sender, domain="control")
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown island is an error we count, not a silent drop
         self.pipeline = FoldPipeline(self.core, self.wal, self.context)
-        self.tracker = GapTracker()
+        self.tracker = GapTracker(max_held_bytes=config.held_bytes)
+        self.evictions, self.evictions_logged_at = 0, -math.inf  # partials and held messages dropped for memory or age
         for island, (epoch, seq) in self.core.cursors.items():  # resume each stream where it was acknowledged
             self.tracker.receive(island, epoch, 0, None)
             self.tracker.streams[island].delivered = self.tracker.streams[island].known_last = seq
@@ -90,8 +94,8 @@ class MergerService:
         self.last_seen: dict[str, float] = {}
         self.gone: set[str] = set()
 
-    def _socket(self, kind: int, endpoint: str, server: str, domain: str) -> zmq.Socket:
-        return open_socket(self.context, kind, endpoint, self.config.security, server, domain=domain,
+    def _socket(self, kind: int, endpoint: str, server: str, domain: str, receive_hwm: int | None = None) -> zmq.Socket:
+        return open_socket(self.context, kind, endpoint, self.config.security, server, domain=domain, receive_hwm=receive_hwm,
                            report=lambda message: self.log.warning("auth_refused", detail=message))
 
     # ---- loop ------------------------------------------------------------------------------------
@@ -146,11 +150,15 @@ class MergerService:
             return
         if not self.speaks_for_itself(message, peer):
             return
+        if message.epoch > time.time_ns() + EPOCH_AHEAD_NS:  # epochs are start times: one far ahead would outrank every later restart
+            self.count("merger/rejected/epoch_ahead")
+            self.log.warning("message_rejected", reason="epoch_ahead", sender=message.sender, epoch=message.epoch)
+            return
         self.seen(message.sender)
         if isinstance(message, protocol.Heartbeat):
             self.tracker.heartbeat(message.sender, message.epoch, message.seq)
         elif isinstance(message, protocol.DeltaChunk):
-            ready = self.tracker.receive(message.sender, message.epoch, message.seq, message)
+            ready = self.tracker.receive(message.sender, message.epoch, message.seq, message, sum(f.nbytes for f in frames))
             stream = self.tracker.streams.get(message.sender)
             if not ready and stream is not None and stream.epoch == message.epoch and message.seq <= stream.delivered:
                 self.reack_resend(message)  # a repeat of something settled: its sender may have missed our answer
@@ -272,6 +280,13 @@ class MergerService:
         if now >= self.next_cursor:
             self.next_cursor = now + CURSOR_S
             self.publish_ack([])
+        stats = self.reassembler.stats
+        evictions = stats.evicted_memory + stats.evicted_ttl + self.tracker.overflow + self.tracker.refused_senders
+        if evictions > self.evictions and now - self.evictions_logged_at >= 1.0:  # a flood does not flood the log
+            self.evictions, self.evictions_logged_at = evictions, now
+            self.log.warning("receive_evicted", partial_memory=stats.evicted_memory, partial_ttl=stats.evicted_ttl,
+                             held_overflow=self.tracker.overflow, refused_senders=self.tracker.refused_senders,
+                             partial_bytes=self.reassembler.held_bytes, held_bytes=self.tracker.held_bytes)
 
     def settled_cursors(self) -> dict[str, tuple[int, int]]:
         cursors = {}
@@ -283,77 +298,6 @@ class MergerService:
     def next_seq(self) -> int:
         self.seq += 1
         return self.seq
-
-    def snapshot_frames(self, fragment: int, on_bus: bool = True, state=None) -> list:
-        """Frames of a snapshot of `fragment` (the current one unless `state` is given).  Point-to-point
-        replies (on_bus False) are not part of the bus stream: they carry the last stream seq instead of a new one.
-
-        With a diff codec, `snapshot_form` chooses: a full snapshot, on the bus the change since the
-        served value (protocol/downlink.py), or point to point the served value itself, exact (fp32, or
-        the full snapshots' codec while the value is representable in it)."""
-        state = self.core.states[fragment] if state is None else state
-
-        def params():  # host copies: not needed for a diff merger's catch-up reply
-            return {p: np.asarray(v) for p, v in state.params.items()}
-
-        full_codec, limit = protocol.Codec(self.config.snapshot_codec), self.config.max_chunk_bytes
-        version, base, digest = state.version, None, None
-        if not self.config.snapshot_diff_codec:
-            codec, plans = full_codec, protocol.split_fragment(params(), full_codec, limit)
-        else:
-            served = self.served.get(fragment)
-            form = snapshot_form(state.version, None if served is None else served.version, on_bus, self.config.snapshot_full_every)
-            if form == FULL:
-                codec = full_codec
-                served, plans = downlink.full(params(), state.version, full_codec, limit)
-            elif form == DIFF:
-                base, codec = served.version, protocol.Codec(self.config.snapshot_diff_codec)
-                served, plans = downlink.diff(params(), served, state.version, codec, limit)
-            else:  # exact: fp32, or the full snapshots' codec while S is representable in it (joins at the start)
-                codec, plans = downlink.reply(served, full_codec, limit)
-            self.served[fragment] = served
-            version, digest = served.version, served.digest
-            self.count("merger/snapshot_catch_up" if not on_bus else f"merger/snapshot_{form}")
-        return [protocol.encode(protocol.SnapshotChunk(
-                    sender=self.config.sender, epoch=self.epoch, seq=self.next_seq() if on_bus else self.seq, fragment=fragment, version=version,
-                    chunk_index=index, chunk_count=len(plans), model=self.core.model, codec=codec,
-                    slices=plan.slices, payloads=plan.payloads, base_version=base, digest=digest))
-                for index, plan in enumerate(plans)]
-
-    def publish_snapshot(self, fragment: int, state=None) -> None:
-        for frames in self.snapshot_frames(fragment, state=state):
-            self.snapshot_pub.send_multipart(frames, copy=False)
-        self.published_at[fragment] = time.monotonic()
-        self.unpublished.discard(fragment)
-
-    def offer_snapshot(self, fragment: int, state) -> None:
-        """A fold's snapshot goes on the bus now, or is held until a round of the fastest island has
-        passed since the fragment's last one (round_policy.snapshot_due; the round as seen on any
-        fragment, so holding starts in the first round of later fragments): then one snapshot carries
-        every fold in between.  Islands adopt what arrives, so fewer snapshots cost freshness only,
-        and with diff snapshots each island receives one fragment per round instead of one per fold."""
-        if snapshot_due(self.published_at.get(fragment), self.intervals(), self.config.snapshot_every_round) <= time.monotonic():
-            self.publish_snapshot(fragment, state)
-        else:
-            self.unpublished.add(fragment)
-            self.count("merger/snapshot_held")
-
-    def intervals(self) -> list[float | None]:
-        """Every island's EMA interval between its deltas of one fragment, over every fragment (a
-        fragment whose second round has not begun is held by what the others know of a round)."""
-        return [stats.interval for history in self.core.history for stats in history.values()]
-
-    def publish_due(self, now: float) -> float | None:
-        """Publish the held-back snapshots that are due (the fragment as folded by now); return when
-        the next one is."""
-        wake = None
-        for fragment in sorted(self.unpublished):
-            due = snapshot_due(self.published_at.get(fragment), self.intervals(), self.config.snapshot_every_round)
-            if due <= now:
-                self.publish_snapshot(fragment)
-            else:
-                wake = due if wake is None else min(wake, due)
-        return wake
 
     def publish_ack(self, results: list[protocol.DeltaResult]) -> None:
         """Results plus every island's cursor; cursors are logged and synced before anyone sees them."""
@@ -394,5 +338,7 @@ class MergerService:
         self.lock.release()
         Security.stop(self.context)
         self.context.destroy(linger=0)
-        self.log.info("stopped", folds=self.folds, counters=self.counters, rejected=dict(self.core.rejected))
+        self.log.info("stopped", folds=self.folds, counters=self.counters, rejected=dict(self.core.rejected),
+                      evicted={"partial_memory": self.reassembler.stats.evicted_memory, "partial_ttl": self.reassembler.stats.evicted_ttl,
+                               "held_overflow": self.tracker.overflow, "refused_senders": self.tracker.refused_senders})
 

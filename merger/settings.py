@@ -25,6 +25,7 @@ class ServiceConfig:
     fsync: str = "batch"
     checkpoint_every: int = 50  # folds between checkpoints
     reassembly_ttl_s: float = 60.0
-    reassembly_bytes: int = 512 << 20
+    reassembly_bytes: int = 512 << 20  # partial deltas, in all (each island: half of it)
+    held_bytes: int = 256 << 20  # stream messages held beyond a gap, in all (each island: half of it)
     peer_timeout_s: float = 10.0  # an island silent this long (no chunk, no heartbeat) is logged as gone
     security: Security = Security(None, "merger")  # plaintext unless keys are given

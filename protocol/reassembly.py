@@ -3,9 +3,9 @@
 A `Reassembler` holds partial messages keyed by sender, incarnation and message identity.  It has
 no clock: callers pass ``now`` (seconds, any monotonic origin), so it is deterministic and
 testable.  Memory is bounded: every chunk is charged its payload bytes plus a fixed overhead per
-chunk and per slice (the Python objects that describe it), the total stays under ``max_bytes``
-(least recently extended partials are evicted first; a message that alone would exceed the budget
-is refused), and a partial that receives nothing for ``ttl_s`` is dropped.  The last ``remember``
+chunk and per slice (the Python objects that describe it), the total stays under ``max_bytes`` and
+each sender's under ``max_sender_bytes`` (least recently extended partials are evicted first, the
+sender's own first; a message that alone would exceed its sender's budget is refused), and a partial that receives nothing for ``ttl_s`` is dropped.  The last ``remember``
 completed keys are kept, so late duplicates of a finished message are ignored rather than
 assembled again; older duplicates are the sequencing layer's to filter (PROTOCOL.md §6).  A
 message whose slices do not tile its tensors is dropped whole and not remembered, like an evicted
@@ -87,16 +87,21 @@ class ReassemblyStats:
 
 class Reassembler:
     def __init__(self, ttl_s: float = 60.0, max_bytes: int = 256 << 20, max_partials: int = 1024, remember: int = 4096,
-                 decode: bool = True) -> None:
+                 decode: bool = True, max_sender_bytes: int | None = None) -> None:
         """decode=False: tensors of a blockwise (int) codec come out as `CodedTensor` (their records),
-        others decoded as usual."""
+        others decoded as usual.  `max_sender_bytes` (default: `max_bytes`) bounds what one sender's
+        partials hold: past it, that sender's own least recently extended partials go first."""
         self.decode = decode
-        if not (ttl_s > 0 and max_bytes > 0 and max_partials > 0 and remember > 0):
-            raise EncodeError(f"Reassembler bounds must be positive: ttl_s={ttl_s}, max_bytes={max_bytes}, max_partials={max_partials}, remember={remember}")
+        max_sender_bytes = max_bytes if max_sender_bytes is None else max_sender_bytes
+        if not (ttl_s > 0 and max_bytes > 0 and max_partials > 0 and remember > 0 and max_sender_bytes > 0):
+            raise EncodeError(f"Reassembler bounds must be positive: ttl_s={ttl_s}, max_bytes={max_bytes}, max_partials={max_partials}, "
+                              f"remember={remember}, max_sender_bytes={max_sender_bytes}")
         self.ttl_s, self.max_bytes, self.max_partials, self.remember = ttl_s, max_bytes, max_partials, remember
+        self.max_sender_bytes = min(max_sender_bytes, max_bytes)
         self._partials: collections.OrderedDict[tuple, _Partial] = collections.OrderedDict()  # oldest first
         self._done: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self.held_bytes = 0
+        self.sender_bytes: collections.Counter[str] = collections.Counter()
         self.stats = ReassemblyStats()
 
     def __len__(self) -> int:
@@ -127,10 +132,10 @@ class Reassembler:
                 self._check_duplicate(partial.chunks[chunk.chunk_index], chunk)
                 self.stats.duplicates += 1
                 return None
-        if partial.charged + cost > self.max_bytes:
+        if partial.charged + cost > self.max_sender_bytes:
             if key in self._partials:
                 self._drop(key)
-            self._reject(f"message {key} needs more than the reassembly budget of {self.max_bytes} bytes", "reassembly_budget")
+            self._reject(f"message {key} needs more than the reassembly budget of {self.max_sender_bytes} bytes", "reassembly_budget")
         new_spans = self._check_slices(partial, chunk)
         self._make_room(cost, keep=key, new=key not in self._partials)
         self._partials[key] = partial
@@ -143,6 +148,7 @@ class Reassembler:
         partial.nbytes += size
         partial.charged += cost
         self.held_bytes += cost
+        self.sender_bytes[key[0]] += cost
         if len(partial.chunks) < chunk.chunk_count:
             return None
         return self._complete(key, partial)
@@ -207,6 +213,13 @@ class Reassembler:
         return updated
 
     def _make_room(self, cost: int, keep: tuple, new: bool) -> None:
+        sender = keep[0]
+        while self.sender_bytes[sender] + cost > self.max_sender_bytes:  # the sender's own partials first
+            oldest = next((k for k in self._partials if k[0] == sender and k != keep), None)
+            if oldest is None:
+                break
+            self._drop(oldest)
+            self.stats.evicted_memory += 1
         while self._partials and (self.held_bytes + cost > self.max_bytes or (new and len(self._partials) >= self.max_partials)):
             oldest = next((k for k in self._partials if k != keep), None)
             if oldest is None:
@@ -217,6 +230,9 @@ class Reassembler:
     def _drop(self, key: tuple) -> None:
         partial = self._partials.pop(key)
         self.held_bytes -= partial.charged
+        self.sender_bytes[key[0]] -= partial.charged
+        if not self.sender_bytes[key[0]]:
+            del self.sender_bytes[key[0]]
 
     def _finish(self, key: tuple) -> None:
         self._drop(key)

@@ -74,6 +74,36 @@ def fragment() -> dict[str, np.ndarray]:
     return make_fragment()
 
 
+@pytest.fixture
+def init_npz(tmp_path):
+    """The initial parameters of tests/merger_helpers.py's model, as a merger's --init-npz."""
+    from tests.merger_helpers import initial_params
+
+    path = tmp_path / "init.npz"
+    np.savez(path, **initial_params())
+    return path
+
+
+@pytest.fixture
+def processes():
+    """Every merger a test starts; whatever happens, none outlives the test."""
+    started = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+
+
+@pytest.fixture
+def islands():
+    """Every test-side island (tests/test_merger_process.py Island) a test makes, closed after it."""
+    made = []
+    yield made
+    for island in made:
+        island.close()
+
+
 def pytest_configure(config) -> None:
     """One JAX compilation cache for the whole pytest run, in this process and every process a test
     starts (islands, mergers, `dloco up`): the same tiny models are compiled once, not once per process.

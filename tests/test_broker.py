@@ -125,6 +125,30 @@ def test_curve_admits_listed_keys_only_and_logs_refusals(tmp_path, context):
     assert broker.events("auth_refused") and broker.events("broker_stopped")[-1]["auth_refused"] >= 2
 
 
+def test_the_allow_list_is_read_by_role_and_its_mistakes_are_named(tmp_path):
+    from bus.security import ConfigError, load_allow_list
+
+    keys, allow = tmp_path / "keys", tmp_path / "allow"
+    made = subprocess.run([sys.executable, "-m", "dloco", "keys", str(keys), "island-0", "island-1", "--allow", str(allow), "--role", "island"],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0 and "listed island-0, island-1 as island" in made.stdout
+    create_keys(keys, ["merger"])
+    write_allow_list(keys, allow, {"merger": ["merger"]})
+    peers = load_allow_list(allow)
+    assert sorted((p.role, p.name) for p in peers.values()) == [("island", "island-0"), ("island", "island-1"), ("merger", "merger")]
+    (allow / "merger" / "island-0.key").write_bytes((keys / "island-0.key").read_bytes())
+    with pytest.raises(ConfigError, match="also listed as island/island-0"):
+        load_allow_list(allow)
+    (allow / "merger" / "island-0.key").unlink()
+    (allow / "stray.key").write_bytes((keys / "merger.key").read_bytes())
+    with pytest.raises(ConfigError, match="keys without a role"):
+        load_allow_list(allow)
+    (allow / "stray.key").unlink()
+    (allow / "admins").mkdir()
+    with pytest.raises(ConfigError, match="not roles"):
+        load_allow_list(allow)
+
+
 def test_keys_are_private_and_bad_invocations_are_clear(tmp_path):
     for path in create_keys(tmp_path / "k", ["broker"]):
         assert path.stat().st_mode & 0o777 == 0o600

@@ -173,6 +173,22 @@ def test_memory_budget_evicts_the_least_recently_extended_partial():
     assert reassembler.held_bytes == cost(second[0]) + cost(second[1]) <= reassembler.max_bytes
 
 
+def test_a_sender_past_its_share_evicts_its_own_partials_not_others():
+    """Budget for three first chunks in all, two per sender: a's third partial evicts a's oldest,
+    and b's partial, older than both, stays."""
+    chunk = lambda sender, delta_id: wire(delta_messages(FRAGMENT, Codec("fp32"), max_chunk_bytes=4000, sender=sender, delta_id=delta_id))[0]
+    one = cost(chunk("a", 1))
+    reassembler = Reassembler(max_bytes=3 * one, max_sender_bytes=2 * one)
+    reassembler.add(chunk("b", 1), 0.0)
+    for delta_id in (1, 2, 3):
+        reassembler.add(chunk("a", delta_id), 1.0 + delta_id)
+    assert [(key[0], key[3]) for key in reassembler._partials] == [("b", 1), ("a", 2), ("a", 3)]
+    assert reassembler.stats.evicted_memory == 1 and reassembler.sender_bytes == {"a": 2 * one, "b": one}
+    with pytest.raises(ProtocolError) as info:  # a message alone past the sender's share is refused
+        Reassembler(max_bytes=3 * one, max_sender_bytes=one - 1).add(chunk("a", 1), 0.0)
+    assert info.value.reason == "reassembly_budget"
+
+
 def test_a_message_larger_than_the_budget_is_refused_not_held():
     chunks = wire(delta_messages(FRAGMENT, Codec("fp32"), max_chunk_bytes=4000))
     reassembler = Reassembler(max_bytes=cost(chunks[0]) + cost(chunks[1]) - 1)

@@ -109,7 +109,7 @@ def test_receive_rules_by_hand():
 
 
 def snapshot_frames(served_plans, version, codec, base=None, digest=None, seq=1, epoch=1):
-    return [protocol.encode(protocol.SnapshotChunk(sender="m", epoch=epoch, seq=seq + i, fragment=0, version=version, chunk_index=i,
+    return [protocol.encode(protocol.SnapshotChunk(sender="merger", epoch=epoch, seq=seq + i, fragment=0, version=version, chunk_index=i,
                                                    chunk_count=len(served_plans), model="m", codec=codec, slices=plan.slices,
                                                    payloads=plan.payloads, base_version=base, digest=digest))
             for i, plan in enumerate(served_plans)]

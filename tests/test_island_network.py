@@ -156,7 +156,7 @@ def test_the_downlink_holds_snapshots_until_they_would_have_arrived():
     try:
         x = np.ones(250_000, np.float32)  # 1 MB of fp32 snapshot
         plan = protocol.split_fragment({"w": x}, protocol.Codec("fp32"), 1 << 20)[0]
-        frames = protocol.encode(protocol.SnapshotChunk(sender="m", epoch=1, seq=1, fragment=0, version=3, chunk_index=0, chunk_count=1,
+        frames = protocol.encode(protocol.SnapshotChunk(sender="merger", epoch=1, seq=1, fragment=0, version=3, chunk_index=0, chunk_count=1,
                                                         model="m", codec=protocol.Codec("fp32"), slices=plan.slices, payloads=plan.payloads))
         handed = time.monotonic()
         link._on_frames([memoryview(f) for f in frames], protocol.Reassembler())  # as the receiver thread would
@@ -207,7 +207,7 @@ def test_a_delta_settled_without_a_fold_is_counted_per_fragment():
     link = NetworkLink("isl", "m", SyncConfig(fragments=2, interval=2), *(f"tcp://127.0.0.1:{p}" for p in free_ports(3)))
     try:
         def ack(seq, *results):
-            message = protocol.Ack(sender="m", epoch=1, seq=seq, cursors=(),
+            message = protocol.Ack(sender="merger", epoch=1, seq=seq, cursors=(),
                                    results=tuple(protocol.DeltaResult("isl", link.epoch, d, f, status, 3, "" if status == "folded" else "stale")
                                                  for d, f, status in results))
             link._on_frames([memoryview(f) for f in protocol.encode(message)], protocol.Reassembler())  # as the receiver thread would

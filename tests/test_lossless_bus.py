@@ -75,17 +75,17 @@ class SlowReceiver:
                     if not self.answer_probes:
                         continue  # a repeat of a delivered delta: say its result (the merger's re-ack)
                     result = protocol.DeltaResult(message.sender, message.epoch, message.delta_id, message.fragment, "folded", 1, "")
-                    self.cursor_pub.send_multipart(protocol.encode(protocol.Ack(sender="rx", epoch=1, seq=1, cursors=(), results=(result,))))
+                    self.cursor_pub.send_multipart(protocol.encode(protocol.Ack(sender="merger", epoch=1, seq=1, cursors=(), results=(result,))))
                 elif message.kind == protocol.Kind.DELTA:
                     self.on_frames(body)
             if time.monotonic() >= next_round:
                 next_round = time.monotonic() + 0.2
                 for island, stream in self.tracker.streams.items():
                     if ranges := self.tracker.missing(island):
-                        request = protocol.ResendRequest(sender="rx", epoch=1, seq=0, target=island, target_epoch=stream.epoch, ranges=tuple(ranges))
+                        request = protocol.ResendRequest(sender="merger", epoch=1, seq=0, target=island, target_epoch=stream.epoch, ranges=tuple(ranges))
                         self.router.send_multipart([island.encode(), *protocol.encode(request)])
                     cursor = protocol.Cursor(island, stream.epoch, stream.delivered)
-                    self.cursor_pub.send_multipart(protocol.encode(protocol.Ack(sender="rx", epoch=1, seq=1, cursors=(cursor,), results=())))
+                    self.cursor_pub.send_multipart(protocol.encode(protocol.Ack(sender="merger", epoch=1, seq=1, cursors=(cursor,), results=())))
 
     def close(self) -> None:
         self.stop.set()

@@ -42,6 +42,22 @@ def test_held_messages_are_bounded():
     assert tracker.overflow == 1 and tracker.missing("a") == [(1, 2), (5, 5)]
 
 
+def test_held_bytes_are_bounded_per_sender_and_in_all_and_senders_in_number():
+    """A sender that skips seq 1 and streams on cannot make the receiver hold more than its share:
+    500 bytes per sender, 800 in all; what is dropped is asked for again with its gap."""
+    tracker = GapTracker(max_held_bytes=800, max_sender_bytes=500, max_senders=2)
+    for seq in range(2, 10):
+        tracker.receive("a", 1, seq, f"a{seq}", nbytes=200)
+    assert tracker.streams["a"].held_bytes == 400 and tracker.overflow == 6 and tracker.missing("a") == [(1, 1), (4, 9)]
+    for seq in range(2, 5):
+        tracker.receive("b", 1, seq, f"b{seq}", nbytes=200)  # b holds 2 (total 800), its third is past the total
+    assert tracker.held_bytes == 800 and tracker.overflow == 7
+    assert tracker.receive("c", 1, 1, "c1") == [] and tracker.refused_senders == 1  # a third sender name: refused
+    assert tracker.receive("a", 1, 1, "a1", nbytes=200) == ["a1", "a2", "a3"] and tracker.held_bytes == 400
+    tracker.receive("b", 2, 1, "b-new")  # b restarted: its old incarnation's held bytes are freed
+    assert tracker.held_bytes == 0 and tracker.streams["b"].held_bytes == 0
+
+
 def test_retransmit_buffer_keeps_until_released_and_pushes_back_when_full():
     buffer = RetransmitBuffer(max_messages=3, max_bytes=1000)
     for seq in (1, 2, 3):

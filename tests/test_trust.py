@@ -100,13 +100,18 @@ def test_no_peer_speaks_for_another(secure_broker):
 def test_plaintext_attempts_are_counted_and_logged_at_a_bounded_rate(secure_broker):
     """Attack: plaintext connections to the CURVE broker.  Before, they were refused unseen."""
     broker, context, _ = secure_broker
+    began = time.monotonic()
     plain = [client(context, zmq.PUB, None, broker.endpoint(0)) for _ in range(4)]  # each retries every 100 ms
-    time.sleep(3.0)  # attempts go on; what is asserted holds for any number of them
+    deadline = time.monotonic() + 60
+    while not [e for e in broker.events("broker_stats") if e["auth_refused"] >= 8]:  # attempts go on meanwhile
+        assert time.monotonic() < deadline, broker.events("broker_stats")[-1:]
+        time.sleep(0.1)
     assert broker.stop() == 0 and plain
-    refused = broker.events("broker_stopped")[-1]["auth_refused"]
-    lines = [e["detail"] for e in broker.events("auth_refused") if "DENIED (handshake)" in e["detail"]]
-    assert refused >= 4 and lines and "MECHANISM_MISMATCH" in lines[0], (refused, lines)
-    assert len(broker.events("auth_refused")) <= 4 + 2  # at most one line a second (~3 s), however many attempts
+    elapsed = time.monotonic() - began
+    lines = [e["detail"] for e in broker.events("auth_refused")]
+    assert lines and all("DENIED (handshake)" in line for line in lines), lines
+    assert any("MECHANISM_MISMATCH" in line for line in lines) or any("HANDSHAKE_FAILED_NO_DETAIL" in line for line in lines), lines
+    assert len(lines) <= elapsed + 1  # at most one line a second, however many attempts
 
 
 @pytest.mark.timeout(180)
@@ -157,7 +162,8 @@ def test_the_merger_checks_who_sends_on_the_sockets_it_binds(tmp_path):
 def test_poisoned_deltas_are_rejected_and_the_next_honest_one_folds(tmp_path):
     """Attacks on a real merger (plaintext, direct): after eight honest deltas, one of 1e6 x their
     norm (before: folded, the fragment's norm went 5.0 -> 343,086) and one of 3e38 values (before:
-    "folded" with a norm of Infinity).  Both are rejected with their reason; an honest one folds."""
+    "folded" with a norm of Infinity).  Both are rejected with their reason; an honest one folds.
+    Then the island's own heartbeat with epoch 2**64-1 is refused, and its stream goes on."""
     island = Island(tmp_path)
     init = tmp_path / "init.npz"
     np.savez(init, **initial_params())
@@ -178,8 +184,57 @@ def test_poisoned_deltas_are_rejected_and_the_next_honest_one_folds(tmp_path):
         huge = island.send_until_settled(102, scaled(102, 1e42))  # values up to 3e38: finite float32s, whose squares are not
         assert (huge.status, huge.reason.split(":")[0]) == ("rejected", "non_finite"), huge
         assert island.send_until_settled(104, island.chunks(104)).status == "folded"
+        for _ in range(3):  # its own epoch far ahead (before: the stream reset, every later message of epoch 1 stale)
+            island.pub.send_multipart(protocol.encode(protocol.Heartbeat(sender="a", epoch=2 ** 64 - 1, seq=0)))
+        assert island.send_until_settled(106, island.chunks(106)).status == "folded"
+        stop(merger)
+        assert '"epoch_ahead"' in (tmp_path / "run.log").read_text()
+    finally:
+        if merger.poll() is None:
+            merger.kill()
+        island.close()
+
+
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    line = next(line for line in open(f"/proc/{pid}/status") if line.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.timeout(240)
+def test_partial_and_out_of_order_floods_stay_within_the_receive_budget(tmp_path, init_npz):
+    """Attacks: 200 deltas of 1 MiB of which only the first chunk ever comes (before: RSS +410 MB),
+    then 200 chunks of 1 MiB after a seq that never comes (before: held outside any budget, +410 MB).
+    With --receive-mib 96 the merger's peak RSS grows by at most the budget plus ZeroMQ's queue
+    and a margin; evictions are logged; an honest delta still folds."""
+    island = Island(tmp_path)
+    merger = start_merger(tmp_path / "run", island, init_npz, "--receive-mib", "96")
+    try:
+        assert island.send_until_settled(1, island.chunks(1)).status == "folded"
+        before = rss_mib(merger.pid)
+        half = np.zeros(1 << 18, np.float32)  # 1 MiB
+        plans = protocol.split_fragment({"x": np.concatenate([half, half])}, protocol.Codec("fp32"), 1 << 20)
+        model = protocol.model_fingerprint(initial_params())
+
+        def chunk(seq: int, delta_id: int) -> list:
+            return protocol.encode(protocol.DeltaChunk(
+                sender="evil", epoch=1, seq=seq, delta_id=delta_id, fragment=0, base_version=0, chunk_index=0, chunk_count=len(plans),
+                steps=1, tokens=1, model=model, codec=protocol.Codec("fp32"), slices=plans[0].slices, payloads=plans[0].payloads))
+
+        seqs = [*range(1, 201), *range(202, 402)]  # seq 201 never comes
+        for seq in seqs:
+            island.pub.send_multipart(chunk(seq, delta_id=seq))
+            island.pub.send_multipart(protocol.encode(protocol.Heartbeat(sender="evil", epoch=1, seq=seq)))
+            time.sleep(0.002)
+        assert island.send_until_settled(2, island.chunks(2)).status == "folded"  # processed after the flood: all of it was seen
+        peak = rss_mib(merger.pid, "VmHWM")
+        print(f"merger RSS before the flood {before:.0f} MiB, peak {peak:.0f} MiB")
         stop(merger)
     finally:
         if merger.poll() is None:
             merger.kill()
         island.close()
+    budget, queue, margin = 96, 32, 64  # MiB: --receive-mib, ZeroMQ's queue (held budget / 1 MiB chunks), allocator and copies
+    assert peak - before <= budget + queue + margin, (before, peak)
+    events = [json.loads(line) for line in (tmp_path / "run.log").read_text().splitlines() if line.startswith("{")]
+    evicted = next(e for e in events if e.get("event") == "stopped")["evicted"]
+    assert evicted["partial_memory"] + evicted["held_overflow"] > 0 and any(e.get("event") == "receive_evicted" for e in events), evicted

@@ -1,0 +1,88 @@
+"""How the merger process puts fragments on the snapshot bus and answers catch-up requests: full
+snapshots or diffs (merger/snapshot_form.py, protocol/downlink.py), now or held until a round of
+the fastest island has passed (round_policy.snapshot_due).  A part of `MergerService`, which owns the
+sockets and the state it reads (core, config, served, published_at, unpublished, epoch, seq)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+import protocol
+from merger.round_policy import snapshot_due
+from merger.snapshot_form import DIFF, FULL, snapshot_form
+from protocol import downlink
+
+
+class SnapshotPublishing:
+    def snapshot_frames(self, fragment: int, on_bus: bool = True, state=None) -> list:
+        """Frames of a snapshot of `fragment` (the current one unless `state` is given).  Point-to-point
+        replies (on_bus False) are not part of the bus stream: they carry the last stream seq instead of a new one.
+
+        With a diff codec, `snapshot_form` chooses: a full snapshot, on the bus the change since the
+        served value (protocol/downlink.py), or point to point the served value itself, exact (fp32, or
+        the full snapshots' codec while the value is representable in it)."""
+        state = self.core.states[fragment] if state is None else state
+
+        def params():  # host copies: not needed for a diff merger's catch-up reply
+            return {p: np.asarray(v) for p, v in state.params.items()}
+
+        full_codec, limit = protocol.Codec(self.config.snapshot_codec), self.config.max_chunk_bytes
+        version, base, digest = state.version, None, None
+        if not self.config.snapshot_diff_codec:
+            codec, plans = full_codec, protocol.split_fragment(params(), full_codec, limit)
+        else:
+            served = self.served.get(fragment)
+            form = snapshot_form(state.version, None if served is None else served.version, on_bus, self.config.snapshot_full_every)
+            if form == FULL:
+                codec = full_codec
+                served, plans = downlink.full(params(), state.version, full_codec, limit)
+            elif form == DIFF:
+                base, codec = served.version, protocol.Codec(self.config.snapshot_diff_codec)
+                served, plans = downlink.diff(params(), served, state.version, codec, limit)
+            else:  # exact: fp32, or the full snapshots' codec while S is representable in it (joins at the start)
+                codec, plans = downlink.reply(served, full_codec, limit)
+            self.served[fragment] = served
+            version, digest = served.version, served.digest
+            self.count("merger/snapshot_catch_up" if not on_bus else f"merger/snapshot_{form}")
+        return [protocol.encode(protocol.SnapshotChunk(
+                    sender=self.config.sender, epoch=self.epoch, seq=self.next_seq() if on_bus else self.seq, fragment=fragment, version=version,
+                    chunk_index=index, chunk_count=len(plans), model=self.core.model, codec=codec,
+                    slices=plan.slices, payloads=plan.payloads, base_version=base, digest=digest))
+                for index, plan in enumerate(plans)]
+
+    def publish_snapshot(self, fragment: int, state=None) -> None:
+        for frames in self.snapshot_frames(fragment, state=state):
+            self.snapshot_pub.send_multipart(frames, copy=False)
+        self.published_at[fragment] = time.monotonic()
+        self.unpublished.discard(fragment)
+
+    def offer_snapshot(self, fragment: int, state) -> None:
+        """A fold's snapshot goes on the bus now, or is held until a round of the fastest island has
+        passed since the fragment's last one (round_policy.snapshot_due; the round as seen on any
+        fragment, so holding starts in the first round of later fragments): then one snapshot carries
+        every fold in between.  Islands adopt what arrives, so fewer snapshots cost freshness only,
+        and with diff snapshots each island receives one fragment per round instead of one per fold."""
+        if snapshot_due(self.published_at.get(fragment), self.intervals(), self.config.snapshot_every_round) <= time.monotonic():
+            self.publish_snapshot(fragment, state)
+        else:
+            self.unpublished.add(fragment)
+            self.count("merger/snapshot_held")
+
+    def intervals(self) -> list[float | None]:
+        """Every island's EMA interval between its deltas of one fragment, over every fragment (a
+        fragment whose second round has not begun is held by what the others know of a round)."""
+        return [stats.interval for history in self.core.history for stats in history.values()]
+
+    def publish_due(self, now: float) -> float | None:
+        """Publish the held-back snapshots that are due (the fragment as folded by now); return when
+        the next one is."""
+        wake = None
+        for fragment in sorted(self.unpublished):
+            due = snapshot_due(self.published_at.get(fragment), self.intervals(), self.config.snapshot_every_round)
+            if due <= now:
+                self.publish_snapshot(fragment)
+            else:
+                wake = due if wake is None else min(wake, due)
+        return wake
