@@ -5,7 +5,6 @@ broker and receiver are separate processes (the sender is this module run as a s
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgpack
 import zmq
 
 from benchmarks.timing import gbps, receive_timed
@@ -63,12 +63,10 @@ def run(count: int = 400, repeats: int = 3, log: Callable[[str], None] = lambda 
     samples: dict[str, list[float]] = {"raw_pubsub_gbps": [], "broker_gbps": [], "broker_curve_gbps": []}
     with tempfile.TemporaryDirectory(prefix="dloco-bench-bus-") as tmp:
         keys = Path(tmp)
-        from bus.security import create_keys
+        from bus.security import create_keys, write_allow_list
 
         create_keys(keys, ["broker", "island-0", "merger"])
-        (keys / "allow").mkdir()
-        for name in ("island-0", "merger"):
-            shutil.copy(keys / f"{name}.key", keys / "allow")
+        write_allow_list(keys, keys / "allow", {"island": ["island-0"], "merger": ["merger"]})
         for round_ in range(repeats):
             log(f"bench bus: round {round_ + 1}/{repeats}: raw PUB->SUB, broker, broker+CURVE, {count} x 1 MiB each ...")
             (port,) = free_ports(1)
@@ -104,8 +102,9 @@ def _send(endpoint: str, count: int, keys: str | None) -> None:
     pub.connect(endpoint)
     time.sleep(1.0)  # subscriptions propagate (slow joiner)
     payload = b"\x00" * MESSAGE_BYTES
+    header = msgpack.packb({"v": 2, "kind": "delta", "sender": "island-0", "epoch": 1})  # what the secure broker checks: its key's name
     for _ in range(count):
-        pub.send_multipart([b"delta/0", payload], copy=False)
+        pub.send_multipart([b"delta/0", header, payload], copy=False)
     pub.close()
     context.term()
 

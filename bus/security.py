@@ -143,16 +143,31 @@ class HandshakeWatcher:
             for monitor in monitors:
                 poller.register(monitor, zmq.POLLIN)
             try:
-                for monitor, _ in poller.poll(100) if monitors else []:
-                    event = recv_monitor_message(monitor, zmq.NOBLOCK)
-                    why = (zmq.Event(event["value"]).name if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL  # e.g. a plaintext peer
-                           else f"errno {int(event['value'])}: {os.strerror(int(event['value']))}")
-                    self.refusals.refuse(f"DENIED (handshake) endpoint={event['endpoint'].decode('ascii', 'replace')}: "
-                                         f"{zmq.Event(event['event']).name} {why}")
+                ready = poller.poll(100) if monitors else []
             except zmq.ZMQError:  # the context is going away
                 return
+            for monitor, _ in ready:
+                try:
+                    event = recv_monitor_message(monitor, zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                except zmq.ZMQError:  # closed under us: stopping
+                    return
+                except ValueError as error:  # a monitor message this pyzmq cannot parse: still a refusal
+                    event = {"unparsed": str(error)}
+                self.refusals.refuse(f"DENIED (handshake) {self.describe(event)}")
             if not monitors:
                 self.stopping.wait(0.1)
+
+    @staticmethod
+    def describe(event: dict) -> str:
+        """endpoint, event and why: a protocol error's name (a plaintext peer: ZMTP_MECHANISM_MISMATCH) or an errno."""
+        try:
+            kind, value = int(event["event"]), int(event["value"])
+            why = zmq.Event(value).name if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL else f"errno {value} ({os.strerror(value)})"
+            return f"endpoint={bytes(event['endpoint']).decode('ascii', 'replace')}: {zmq.Event(kind).name} {why}"
+        except (KeyError, TypeError, ValueError):  # a value this pyzmq has no name for: still a refusal
+            return f"{event!r}"[:200]
 
     def stop(self) -> None:
         self.stopping.set()

@@ -44,6 +44,9 @@ class MergeConfig:
     # A delta whose norm is more than this many times its sender's and its fragment's recent median
     # is rejected as an outlier (merger/outliers.py); 0 turns the check off.
     outlier_factor: float = 20.0
+    # No island's weight in a fold (tokens**2 / steps, as it claims them) exceeds this many times the
+    # heaviest other island's, in the fold or among the fragment's recent contributors; 0: no cap.
+    max_weight_ratio: float = 8.0
 
     METHODS = ("rda", "average")
 
@@ -52,6 +55,7 @@ class MergeConfig:
         _require(isinstance(self.max_staleness, int) and self.max_staleness >= 0, f"merge.max_staleness must be an int >= 0, got {self.max_staleness!r}")
         _require(0 <= self.staleness_power <= 8, f"merge.staleness_power must be in [0, 8], got {self.staleness_power}")
         _require(isinstance(self.share_window, int) and self.share_window >= 0, f"merge.share_window must be an int >= 0, got {self.share_window!r}")
+        _require(self.max_weight_ratio == 0 or self.max_weight_ratio >= 1, f"merge.max_weight_ratio must be 0 (off) or >= 1, got {self.max_weight_ratio}")
         _require(self.outlier_factor == 0 or self.outlier_factor >= 2, f"merge.outlier_factor must be 0 (off) or >= 2, got {self.outlier_factor}")
 
 

@@ -25,7 +25,7 @@ from merger.fold import plain as fold_plain
 from merger.outer import make_step, outer_optimizer
 from merger.outliers import NormHistory, Quarantine
 from merger.round_policy import ArrivalStats, decide, observe
-from merger.weighting import fold_share, raw_weights
+from merger.weighting import capped, fold_share, raw_weights, recent_others
 from protocol import Assembled, Codec, CodedTensor, DeltaResult, DlocoError, model_fingerprint, partition
 
 DeltaKey = tuple[str, int, int]  # (island, epoch, delta_id)
@@ -242,9 +242,11 @@ class MergerCore:
         if window == 0:
             return 1.0
         groups = per_island(canonical(members))  # an island's deltas weigh as one, as the fold weighs them
-        raw = raw_weights([counters(group) for group in groups], self.config.merge.staleness_power)
-        pairs = [(group[0].island, weight) for group, weight in zip(groups, raw)]
         contributions = self.last_contributions[fragment]
+        others = recent_others(contributions, {group[0].island for group in groups}, version, window)
+        raw = capped(raw_weights([counters(group) for group in groups], self.config.merge.staleness_power), others,
+                     self.config.merge.max_weight_ratio)  # noted capped: one island's claims do not shrink the others' shares
+        pairs = [(group[0].island, weight) for group, weight in zip(groups, raw)]
         share = fold_share(pairs, contributions, version, window)
         mine: dict[str, float] = {}
         for island, weight in pairs:

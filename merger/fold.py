@@ -110,7 +110,8 @@ def merge(contributions: Sequence[Contribution], config: MergeConfig, share: flo
     order, one per island: see `combined`; normalised to sum to `share`).  Float tensors; coded
     ones (CodedTensor) are decoded first (`fold` merges them from codes)."""
     ordered = [combined(group) for group in per_island(canonical(contributions))]
-    w = [x * share for x in contribution_weights([(c.tokens, c.steps, c.staleness) for c in ordered], config.staleness_power)]
+    w = [x * share for x in contribution_weights([(c.tokens, c.steps, c.staleness) for c in ordered], config.staleness_power,
+                                                 config.max_weight_ratio)]
     merged = {}
     for path in ordered[0].tensors:
         deltas = [_float(c.tensors[path]) for c in ordered]
@@ -134,7 +135,8 @@ def fold(state: FragmentState, contributions: Sequence[Contribution], config: Me
     groups = per_island(ordered)
     members = [combined(group) for group in groups]
     if coded.mergeable([c.tensors for c in members]):
-        w = [x * share for x in contribution_weights([(c.tokens, c.steps, c.staleness) for c in members], config.staleness_power)]
+        w = [x * share for x in contribution_weights([(c.tokens, c.steps, c.staleness) for c in members], config.staleness_power,
+                                                     config.max_weight_ratio)]
         params, opt_state, delta_norms, merged_norm = coded.merge_and_step(
             step.optimizer, state.params, state.opt_state, [c.tensors for c in members], w, {p: plain(p, config) for p in members[0].tensors}, share)
     else:

@@ -24,9 +24,23 @@ def staleness_discount(staleness: int, power: float) -> float:
     return (1.0 + staleness) ** -power
 
 
-def weights(counters: list[tuple[int, int, int]], power: float) -> list[float]:
-    """Weights of (tokens, steps, staleness) triples, normalised to sum to 1."""
-    raw = raw_weights(counters, power)
+def capped(weights: Sequence[float], others: Sequence[float], ratio: float) -> list[float]:
+    """Each weight at most `ratio` times the largest of the rest (the other entries and `others`, the
+    recent weights of islands not in the list): an island's weight is what it claims (tokens,
+    steps), so no island may outweigh the heaviest other one more than `ratio` times.  Unchanged
+    with ratio 0, or with nobody else to compare to."""
+    if ratio <= 0:
+        return list(weights)
+    out = []
+    for i, weight in enumerate(weights):
+        rest = [x for j, x in enumerate(weights) if j != i] + list(others)
+        out.append(min(weight, ratio * max(rest)) if rest and max(rest) > 0 else weight)
+    return out
+
+
+def weights(counters: list[tuple[int, int, int]], power: float, max_ratio: float = 0.0) -> list[float]:
+    """Weights of (tokens, steps, staleness) triples, capped (`capped`, within the list), normalised to sum to 1."""
+    raw = capped(raw_weights(counters, power), (), max_ratio)
     total = sum(raw)
     if total <= 0:
         return [1.0 / len(raw)] * len(raw)
@@ -51,8 +65,13 @@ def fold_share(members: Sequence[tuple[str, float]], last_contributions: Mapping
     if window == 0:
         return 1.0
     islands = {island for island, _ in members}
-    active = [weight for island, (at, weight) in last_contributions.items() if island not in islands and version - at <= window]
+    active = recent_others(last_contributions, islands, version, window)
     own = sum(weight for _, weight in members)
     if own <= 0:  # weightless deltas (no tokens): count islands instead, as `weights` does
         return len(islands) / (len(islands) + len(active))
     return own / (own + sum(active))
+
+
+def recent_others(last_contributions: Mapping[str, tuple[int, float]], islands: set[str], version: int, window: int) -> list[float]:
+    """The last raw weights of the islands not in `islands` that contributed within `window` versions."""
+    return [weight for island, (at, weight) in last_contributions.items() if island not in islands and version - at <= window]

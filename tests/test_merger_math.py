@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -291,6 +292,40 @@ def test_fold_share_by_hand():
     assert weighting.fold_share([("a", 0.0)], recent, version=7, window=4) == 1.0 / 3.0  # weightless: count islands
     assert weighting.fold_share([("a", 1.0)], recent, version=7, window=0) == 1.0  # off
     assert weighting.fold_share([("a", 1.0)], {}, version=1, window=4) == 1.0  # nobody else known yet
+
+
+def test_no_islands_claimed_weight_outweighs_the_heaviest_other_more_than_the_ratio():
+    assert weighting.capped([1.0, 100.0], [], 8) == [1.0, 8.0]  # 100 > 8 x 1
+    assert weighting.capped([100.0], [2.0, 5.0], 8) == [40.0]  # against the recent others: 8 x 5
+    assert weighting.capped([3.0, 4.0], [], 8) == [3.0, 4.0] and weighting.capped([1.0, 100.0], [], 0) == [1.0, 100.0]
+    assert weighting.capped([5.0], [], 8) == [5.0]  # nobody to compare to
+    # a fold of an island claiming 1000x the tokens beside an honest one: 8/9 of it, not 1e6/(1e6 + 1)
+    assert weighting.weights([(1000 * 640, 20, 0), (640, 20, 0)], power=0, max_ratio=8) == pytest.approx([8 / 9, 1 / 9])
+
+
+def test_a_forged_token_count_does_not_take_over_the_fragment():
+    """Share-scaled folds: after b's honest delta (640 tokens, 20 steps), island a claims 1000 x the
+    tokens.  Its fold's share is 8 / (8 + 1), its weight noted capped, and b's next fold still gets
+    1 / (1 + 8) of a round, not ~1e-6."""
+    import protocol
+    from merger.config import MergerConfig
+    from merger.core import MergerCore
+    from tests.merger_helpers import assemble, delta_chunks, initial_params
+
+    params = initial_params()
+    parts = protocol.partition({p: a.shape for p, a in params.items()}, 1)
+    core = MergerCore(MergerConfig(MergeConfig(share_window=8)), protocol.model_fingerprint(params), parts, params)
+
+    def fold(island, delta_id, tokens):
+        chunks = [dataclasses.replace(c, tokens=tokens) for c in delta_chunks(parts[0], island, delta_id, 0, core.states[0].version, delta_id)]
+        assert core.submit(assemble(chunks), now=0.0) is None
+        started = core.start_fold(0)
+        core.finish_fold(started)
+        return started.share
+
+    assert fold("b", 1, 640) == 1.0
+    assert fold("a", 2, 640_000) == pytest.approx(8 / 9)
+    assert fold("b", 3, 640) == pytest.approx(1 / 9)
 
 
 def test_a_fold_is_scaled_by_its_share():

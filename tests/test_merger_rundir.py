@@ -12,6 +12,7 @@ from merger.recovery import wal_dir
 from tests.test_merger_process import Island, free_port, start_merger, stop
 
 
+@pytest.mark.e2e  # merger processes on one run directory: -m e2e
 @pytest.mark.timeout(180)
 def test_a_second_merger_on_a_run_dir_in_use_exits_at_once(tmp_path, init_npz, processes, islands):
     """A second merger on a live merger's run directory exits with code 2, naming the holder's PID,
@@ -35,6 +36,7 @@ def test_a_second_merger_on_a_run_dir_in_use_exits_at_once(tmp_path, init_npz, p
     stop(processes[-1])
 
 
+@pytest.mark.e2e  # a merger process on a full disk: -m e2e
 @pytest.mark.timeout(300)
 def test_a_full_disk_stops_the_merger_cleanly_and_a_restart_resumes(tmp_path, init_npz, processes, islands):
     """The run directory on a 128 KiB tmpfs: the merger folds until the disk is full, then stops
