@@ -6,10 +6,10 @@ publish deltas, the merger snapshots and acks), and every message's header must 
 that sent it (its key's name, ZAP's User-Id): one whose `sender` is another's is dropped, counted
 as `sender_mismatch` and logged with both names (at most once a second per peer), so no peer can
 speak for another.  Messages are otherwise forwarded frame for frame without decoding (the topic
-frame is read for the per-topic counters, the header's sender and epoch for the check).  High-water marks are sized in messages from a memory budget
-and the chunk size; XPUB_NODROP makes a full subscriber visible (the send fails with EAGAIN, the
-message is counted as `dropped`, never silently lost).  SIGTERM/SIGINT end the loop; sockets close
-with linger 0; exit 0.
+frame is read for the per-topic counters, the header's sender and epoch for the check).
+High-water marks are sized in messages from a memory budget and the chunk size; XPUB_NODROP makes
+a full subscriber visible (the send fails with EAGAIN, the message is counted as `dropped`, never
+silently lost).  SIGTERM/SIGINT end the loop; sockets close with linger 0; exit 0.
 """
 
 from __future__ import annotations
