@@ -54,6 +54,7 @@ def forged_snapshot() -> list:
         model=protocol.model_fingerprint(initial_params()), codec=protocol.Codec("fp32"), slices=plan.slices, payloads=plan.payloads))
 
 
+@pytest.mark.e2e  # a CURVE broker process under attack: -m e2e
 @pytest.mark.timeout(120)
 def test_an_island_key_can_neither_publish_snapshots_nor_read_deltas(secure_broker):
     """Attack: island-0's key publishes a forged snapshot on the snapshot bus, in the merger's name,
@@ -75,6 +76,7 @@ def test_an_island_key_can_neither_publish_snapshots_nor_read_deltas(secure_brok
     assert broker.events("broker_stopped")[-1]["auth_refused"] >= 2
 
 
+@pytest.mark.e2e  # a CURVE broker process under attack: -m e2e
 @pytest.mark.timeout(120)
 def test_no_peer_speaks_for_another(secure_broker):
     """Attacks: island-0's key sends a heartbeat as island-1 with epoch 2**64-1 (before: island-1
@@ -96,6 +98,7 @@ def test_no_peer_speaks_for_another(secure_broker):
     assert {("island-0", "island-1"), ("island-1", "island-0")} <= logged, logged
 
 
+@pytest.mark.e2e  # a CURVE broker process under attack: -m e2e
 @pytest.mark.timeout(120)
 def test_plaintext_attempts_are_counted_and_logged_at_a_bounded_rate(secure_broker):
     """Attack: plaintext connections to the CURVE broker.  Before, they were refused unseen."""
