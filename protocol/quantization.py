@@ -375,13 +375,12 @@ class CodedTensor:
     def decode(self) -> np.ndarray:
         return self.codec.decode(self.records.reshape(-1), self.count).reshape(self.shape)
 
-    def squared_norm(self) -> float:
-        """The sum of the decoded values' squares, in float64, from scales and codes (no float32
-        copy; the last block's padding codes zero)."""
-        scales, codes, total = self.scales.astype(np.float64), self.codes, 0.0
-        squares = (np.arange(-128, 128, dtype=np.float64) ** 2).take(np.arange(256) ^ 128) if self.codec.bits == 8 else \
-            np.square(Codec._tables[self.codec.bits].astype(np.float64)).sum(axis=1)  # byte -> sum of its levels' squares
-        for start in range(0, len(scales), 4096):  # in pieces: float64 temporaries stay a few MB
-            per_block = squares[codes[start : start + 4096]].sum(axis=1)
-            total += float(np.dot(per_block, np.square(scales[start : start + 4096])))
-        return total
+    def squared_norm_bound(self) -> float:
+        """An upper bound of the sum of the decoded values' squares, from the scales alone: every
+        value of a block is at most its largest level (int8 128, int4 8, int2 2) times the block's
+        scale.  One pass over the blocks, not the values (the merger judges every delta by it)."""
+        largest = float(1 << (self.codec.bits - 1))
+        scales = self.scales.astype(np.float64) * largest
+        counts = np.full(len(scales), float(self.codec.block))
+        counts[-1] = self.count - self.codec.block * (len(scales) - 1)
+        return float(np.dot(counts, scales * scales))

@@ -1,4 +1,4 @@
-"""Poisoning defence against hand-derived values: delta norms (float and coded), the norm limit,
+"""Poisoning defence against hand-derived values: delta norms (float, and bounds for coded), the norm limit,
 the outlier and overflow verdicts, quarantine; and the merger core refusing a poisoned delta."""
 
 from __future__ import annotations
@@ -40,13 +40,17 @@ def test_finite_values_whose_squares_overflow_float32_are_non_finite():
     assert judge(candidate([1.84e19, 0.0, 0.0, 0.0])).admitted
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
-def test_a_coded_deltas_norm_comes_from_its_codes(codec):
-    values = (np.random.default_rng(1).standard_normal(1000) * 0.01).astype(np.float32)  # 1000: the last block is padded
+@pytest.mark.parametrize("codec,largest", [("int8", 128), ("int4", 8), ("int2", 2)])
+def test_a_coded_deltas_norm_is_bounded_from_its_scales(codec, largest):
+    """Each block's values count as its largest level times its scale: 1000 values are three full
+    blocks of 256 and one of 232; the bound is at least the decoded values' norm."""
+    values = (np.random.default_rng(1).standard_normal(1000) * 0.01).astype(np.float32)
     c = protocol.Codec(codec)
     tensor = protocol.CodedTensor(c, (1000,), c.encode(values).reshape(-1, c.record_nbytes))
+    by_hand = sum(n * (largest * float(s)) ** 2 for n, s in zip([256, 256, 256, 232], tensor.scales))
+    assert admission.delta_norm({"x": tensor}) == pytest.approx(by_hand ** 0.5, rel=1e-12)
     decoded = tensor.decode().astype(np.float64)
-    assert admission.delta_norm({"x": tensor}) == pytest.approx(float(np.sqrt(decoded @ decoded)), rel=1e-9)
+    assert float(np.sqrt(decoded @ decoded)) <= admission.delta_norm({"x": tensor})
 
 
 def test_the_limit_is_factor_times_the_larger_of_own_and_fragment_medians():
