@@ -68,6 +68,7 @@ class MergerCore:
         self.layouts = [{path: tuple(np.shape(params[path])) for path in paths} for paths in self.fragments]
         self.states = [init_state({path: params[path] for path in paths}, self.optimizer) for paths in self.fragments]
         self.pending: list[list[Pending]] = [[] for _ in self.fragments]
+        self._pending_keys: set[DeltaKey] = set()  # of every delta in `pending`
         self._started: dict[int, int] = {}  # fragment -> version of its latest started fold
         self.history: list[dict[str, ArrivalStats]] = [{} for _ in self.fragments]
         # per fragment, island -> (version of the fold that took its latest delta, that delta's raw
@@ -93,30 +94,44 @@ class MergerCore:
         (rejected now, or a duplicate of a settled delta); None when it waits for a fold."""
         head = assembled.header
         key = (head.sender, head.epoch, head.delta_id)
+        settled = (key in self.settled or self._is_pending(key) or head.fragment >= len(self.fragments)
+                   or self.quarantine.held(head.sender, now) > 0)  # decided before its tensors are looked at
+        candidate = Candidate(head.sender, head.epoch, head.delta_id, head.fragment, head.base_version, head.steps, head.tokens,
+                              head.model, {} if settled else records.delta_tensors(assembled))
+        return self.offer(candidate, now, lambda staleness: records.delta_record(assembled, staleness))
+
+    def offer(self, candidate: Candidate, now: float, record=None) -> DeltaResult | None:
+        """`submit` for a delta already decoded: the merger's whole decision about one delta (duplicate,
+        quarantine, admission, outlier history, queueing for the round policy), which the simulator
+        (sim/) drives with tiny tensors.  `record(staleness)`: the log record of an admitted delta
+        (None: nothing is logged)."""
+        key = (candidate.island, candidate.epoch, candidate.delta_id)
         if key in self.settled:
             return self.settled[key]
-        if any((p.contribution.island, p.contribution.epoch, p.contribution.delta_id) == key for q in self.pending for p in q):
+        if self._is_pending(key):
             return None
-        if head.fragment >= len(self.fragments):
-            return self._reject(key, head.fragment, "unknown_fragment")
-        if (left := self.quarantine.held(head.sender, now)) > 0:
-            return self._reject(key, head.fragment, f"quarantined: {head.sender} is refused for {left:.0f} s more after repeated hostile deltas",
-                                "quarantined")
-        tensors = records.delta_tensors(assembled)
-        candidate = Candidate(head.sender, head.epoch, head.delta_id, head.fragment, head.base_version, head.steps, head.tokens,
-                              head.model, tensors)
-        history = self.norms[head.fragment]
-        verdict = admit(candidate, version=self.version(head.fragment), layout=self.layouts[head.fragment], model=self.model,
-                        max_staleness=self.config.merge.max_staleness, norm_limit=history.limit(head.sender, self.config.merge.outlier_factor))
-        if self.quarantine.judge(head.sender, verdict.reason, now):
-            self.quarantined.append((head.sender, verdict.reason, self.quarantine.seconds))
+        if candidate.fragment >= len(self.fragments):
+            return self._reject(key, candidate.fragment, "unknown_fragment")
+        if (left := self.quarantine.held(candidate.island, now)) > 0:
+            return self._reject(key, candidate.fragment,
+                                f"quarantined: {candidate.island} is refused for {left:.0f} s more after repeated hostile deltas", "quarantined")
+        history = self.norms[candidate.fragment]
+        verdict = admit(candidate, version=self.version(candidate.fragment), layout=self.layouts[candidate.fragment], model=self.model,
+                        max_staleness=self.config.merge.max_staleness,
+                        norm_limit=history.limit(candidate.island, self.config.merge.outlier_factor))
+        if self.quarantine.judge(candidate.island, verdict.reason, now):
+            self.quarantined.append((candidate.island, verdict.reason, self.quarantine.seconds))
         if not verdict.admitted:
-            return self._reject(key, head.fragment, f"{verdict.reason}: {verdict.detail}"[:256], verdict.reason)
-        history.record(head.sender, verdict.norm)
-        wal_index = self.log.append(*records.delta_record(assembled, verdict.staleness)) if self.log is not None else None
-        contribution = Contribution(head.sender, head.epoch, head.delta_id, verdict.staleness, head.tokens, head.steps, tensors)
-        self._enqueue(Pending(contribution, head.fragment, now, wal_index))
+            return self._reject(key, candidate.fragment, f"{verdict.reason}: {verdict.detail}"[:256], verdict.reason)
+        history.record(candidate.island, verdict.norm)
+        wal_index = self.log.append(*record(verdict.staleness)) if self.log is not None and record is not None else None
+        contribution = Contribution(candidate.island, candidate.epoch, candidate.delta_id, verdict.staleness, candidate.tokens,
+                                    candidate.steps, candidate.tensors)
+        self._enqueue(Pending(contribution, candidate.fragment, now, wal_index))
         return None
+
+    def _is_pending(self, key: DeltaKey) -> bool:
+        return key in self._pending_keys
 
     def due(self, now: float) -> tuple[list[int], float | None]:
         """Fragments to fold now, and the earliest time a waiting fragment must be decided again."""
@@ -131,6 +146,12 @@ class MergerCore:
                 wake = decision.wait_until if wake is None else min(wake, decision.wait_until)
         return ready, wake
 
+    def arrival_intervals(self) -> list[float | None]:
+        """Every island's EMA interval between its deltas of one fragment, over every fragment: what
+        holds snapshots (round_policy.snapshot_due; a fragment whose second round has not begun is
+        held by what the others know of a round)."""
+        return [stats.interval for history in self.history for stats in history.values()]
+
     def version(self, fragment: int) -> int:
         """The fragment's version: its latest fold, counting one started and still computing."""
         return max(self.states[fragment].version, self._started.get(fragment, 0))
@@ -141,6 +162,7 @@ class MergerCore:
         settled.  The parameters come from `compute_fold` (possibly on another thread) and `install`."""
         queue, self.pending[fragment] = self.pending[fragment], []
         members = [p.contribution for p in queue]
+        self._pending_keys -= {_key(c) for c in members}
         version = self._started[fragment] = self.version(fragment) + 1
         if self.log is not None:
             self.log.append(records.fold_record(fragment, version, [(c.island, c.epoch, c.delta_id) for c in members]))
@@ -190,6 +212,7 @@ class MergerCore:
             raise ReplayError(f"log record {index}: fold of fragment {fragment} names deltas not in the log: {missing[:3]}")
         self.pending[fragment] = [p for key, p in by_key.items() if key not in set(wanted)]
         members = [by_key[key].contribution for key in wanted]
+        self._pending_keys -= set(wanted)
         report = self._apply_fold(fragment, members)
         if report.version != record["version"]:
             raise ReplayError(f"log record {index}: fold produced version {report.version}, log says {record['version']}")
@@ -225,6 +248,7 @@ class MergerCore:
     # ---- internals ---------------------------------------------------------------------------
     def _enqueue(self, pending: Pending, observe_arrival: bool = True) -> None:
         self.pending[pending.fragment].append(pending)
+        self._pending_keys.add(_key(pending.contribution))
         if observe_arrival:
             island = pending.contribution.island
             history = self.history[pending.fragment]
@@ -273,6 +297,10 @@ class MergerCore:
         self.settled[key] = result
         while len(self.settled) > self.remember:
             self.settled.popitem(last=False)
+
+
+def _key(contribution: Contribution) -> DeltaKey:
+    return contribution.island, contribution.epoch, contribution.delta_id
 
 
 def initial_core(config: MergerConfig, params: dict[str, np.ndarray], fragments: int):

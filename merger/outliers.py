@@ -14,6 +14,7 @@ values, shapes or bases that no honest island sends) is quarantined: its deltas 
 
 from __future__ import annotations
 
+import bisect
 import collections
 import statistics
 
@@ -21,24 +22,36 @@ HOSTILE = frozenset({"outlier_norm", "non_finite", "layout_mismatch", "future_ba
 
 
 class NormHistory:
-    """Recent admitted delta norms of one fragment, per island."""
+    """Recent admitted delta norms of one fragment, per island.  Each island's median and the sorted
+    list of them are kept up to date on `record`, so judging a delta does not re-sort every island's
+    history (hundreds of islands: the merger's receive path, and the simulator's)."""
 
     def __init__(self, window: int = 16, min_own: int = 4, min_fragment: int = 8) -> None:
         self.window, self.min_own, self.min_fragment = window, min_own, min_fragment
         self.norms: dict[str, collections.deque[float]] = {}
+        self.medians: dict[str, float] = {}
+        self._sorted: list[float] = []  # every island's median, sorted
+        self._count = 0  # norms held, over every island
 
     def limit(self, island: str, factor: float) -> float | None:
         """The largest norm `island`'s next delta may have; None: no judgement (factor 0, or too little history)."""
-        if factor <= 0 or sum(len(d) for d in self.norms.values()) < self.min_fragment:
+        if factor <= 0 or self._count < self.min_fragment:
             return None
-        reference = statistics.median(statistics.median(d) for d in self.norms.values() if d)
+        middle = len(self._sorted) // 2
+        reference = self._sorted[middle] if len(self._sorted) % 2 else (self._sorted[middle - 1] + self._sorted[middle]) / 2
         own = self.norms.get(island)
         if own is not None and len(own) >= self.min_own:
-            reference = max(reference, statistics.median(own))
+            reference = max(reference, self.medians[island])
         return factor * reference if reference > 0 else None
 
     def record(self, island: str, norm: float) -> None:
-        self.norms.setdefault(island, collections.deque(maxlen=self.window)).append(norm)
+        own = self.norms.setdefault(island, collections.deque(maxlen=self.window))
+        self._count += len(own) < self.window
+        own.append(norm)
+        if island in self.medians:
+            del self._sorted[bisect.bisect_left(self._sorted, self.medians[island])]
+        self.medians[island] = statistics.median(own)
+        bisect.insort(self._sorted, self.medians[island])
 
 
 class Quarantine:

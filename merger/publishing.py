@@ -64,23 +64,18 @@ class SnapshotPublishing:
         fragment, so holding starts in the first round of later fragments): then one snapshot carries
         every fold in between.  Islands adopt what arrives, so fewer snapshots cost freshness only,
         and with diff snapshots each island receives one fragment per round instead of one per fold."""
-        if snapshot_due(self.published_at.get(fragment), self.intervals(), self.config.snapshot_every_round) <= time.monotonic():
+        if snapshot_due(self.published_at.get(fragment), self.core.arrival_intervals(), self.config.snapshot_every_round) <= time.monotonic():
             self.publish_snapshot(fragment, state)
         else:
             self.unpublished.add(fragment)
             self.count("merger/snapshot_held")
 
-    def intervals(self) -> list[float | None]:
-        """Every island's EMA interval between its deltas of one fragment, over every fragment (a
-        fragment whose second round has not begun is held by what the others know of a round)."""
-        return [stats.interval for history in self.core.history for stats in history.values()]
-
     def publish_due(self, now: float) -> float | None:
         """Publish the held-back snapshots that are due (the fragment as folded by now); return when
         the next one is."""
-        wake = None
+        wake, intervals = None, self.core.arrival_intervals()
         for fragment in sorted(self.unpublished):
-            due = snapshot_due(self.published_at.get(fragment), self.intervals(), self.config.snapshot_every_round)
+            due = snapshot_due(self.published_at.get(fragment), intervals, self.config.snapshot_every_round)
             if due <= now:
                 self.publish_snapshot(fragment)
             else:
