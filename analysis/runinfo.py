@@ -13,6 +13,7 @@ from typing import Any
 from protocol.errors import DlocoError
 
 RUN_TASK = "task.json"  # in a run directory: what its islands trained (RunTask)
+RUN_CLUSTER = "cluster.json"  # in a run directory: its regions and their links, and the exchange's and merger's settings (RunCluster)
 
 
 class RunDirError(DlocoError):
@@ -64,6 +65,44 @@ class RunTask:
             raise RunDirError(f"{path} must be an object with {', '.join(f'{k} ({kind.__name__})' for k, kind in kinds.items())}, "
                               f"got {json.dumps(fields)[:200]}")
         return cls(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCluster:
+    """How a run's processes were set up, as they ran (the mode's overrides applied): the regions and
+    their emulated links, the islands' [sync] and the merger's [merger] settings.  `dloco plan
+    --calibrate` simulates a run from it."""
+
+    mode: str
+    regions: tuple  # cluster.config.Region
+    sync: Any  # island.config.SyncConfig
+    merger: Any  # cluster.config.MergerSection
+
+    @classmethod
+    def of(cls, config) -> RunCluster:
+        sync, merger = config.effective()
+        return cls(config.mode, tuple(config.regions), sync, merger)
+
+    def write(self, run_dir: Path) -> Path:
+        path = Path(run_dir) / RUN_CLUSTER
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n")
+        return path
+
+    @classmethod
+    def read(cls, run_dir: Path) -> RunCluster:
+        from cluster.config import MergerSection, Region
+        from island.config import SyncConfig
+
+        path = Path(run_dir) / RUN_CLUSTER
+        try:
+            fields = json.loads(path.read_text())
+            return cls(fields["mode"], tuple(Region(**r) for r in fields["regions"]), SyncConfig(**fields["sync"]),
+                       MergerSection(**fields["merger"]))
+        except FileNotFoundError:
+            raise RunDirError(f"{run_dir} has no {RUN_CLUSTER} (a run directory made before runs recorded it): "
+                              "give --config the cluster file it ran") from None
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
+            raise RunDirError(f"cannot read {path}: {error}") from None
 
 
 def read_events(path: Path) -> list[dict]:

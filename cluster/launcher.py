@@ -13,7 +13,7 @@ which island was where.  A run whose islands did not train an interval, or whose
 (analysis.verdict): the exit status is 0 only for a run that did its work.
 
 Run directory: keys/, allow/{island,merger}/ (the allow-list, by role), init.npz, task.json (what the islands train: `dloco
-sample` and `dloco export` build the model from it), logs/<process>.log, metrics/<region>.jsonl,
+sample` and `dloco export` build the model from it), cluster.json (regions, links and settings: `dloco plan --calibrate`), logs/<process>.log, metrics/<region>.jsonl,
 merger/ (write-ahead log, checkpoints), report.md, plots/*.png.
 """
 
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from analysis import verdict
-from analysis.runinfo import RunProgress, RunTask, island_stage
+from analysis.runinfo import RunCluster, RunProgress, RunTask, island_stage
 from bus.security import create_keys, write_allow_list
 from cluster import chaos, compose, cpuquota, topology
 from cluster.compose import Service
@@ -69,6 +69,7 @@ def prepare(config: ClusterConfig, run_dir: Path) -> None:
     for folder in ("logs", "metrics"):
         (run_dir / folder).mkdir(parents=True, exist_ok=True)
     RunTask.of(config).write(run_dir)
+    RunCluster.of(config).write(run_dir)
     names = [r.name for r in config.regions]
     create_keys(run_dir / "keys", ["broker", "merger", *names])
     write_allow_list(run_dir / "keys", run_dir / "allow", {"merger": ["merger"], "island": names})

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from cliargs import float_at_least, int_at_least
+from sim import cli as plan
 
 _positive_int = int_at_least(1)
 
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     compose.add_argument("--config", type=Path, default=None, help="cluster file (TOML); default: the shipped 4-region profile")
     compose.add_argument("--profile-path", default=None, help="the cluster file's path as the compose file sees it (default: --config, relative)")
     compose.set_defaults(run=_compose)
+    plan.add_parser(commands)
     probe = commands.add_parser("probe", help="health check: exit 0 when every TCP endpoint accepts and every file is fresh")
     probe.add_argument("targets", nargs="+", help="tcp://HOST:PORT or a file path")
     probe.add_argument("--max-age", type=float, default=120.0, help="seconds since a file's last change (default 120)")

@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = sorted(name.rstrip("*") for name in tomllib.loads((ROOT / "pyproject.toml").read_text())
                   ["tool"]["setuptools"]["packages"]["find"]["include"])
 PROCESS_PACKAGES = ("island", "merger", "broker", "bus", "protocol", "telemetry", "cliargs")
-NOT_FOR_PROCESSES = ("cluster", "analysis", "suites", "dloco", "benchmarks")  # launcher, analysis, suites, CLI, benchmarks
-NOT_FOR = {"cluster": ("suites", "dloco"), "analysis": ("suites", "dloco"), "suites": ("dloco",)}  # package -> what it may not import
+NOT_FOR_PROCESSES = ("cluster", "analysis", "suites", "dloco", "benchmarks", "sim")  # launcher, analysis, suites, CLI, benchmarks, simulator
+NOT_FOR = {"cluster": ("suites", "dloco", "sim"), "analysis": ("suites", "dloco", "sim"), "suites": ("dloco",), "sim": ("suites", "dloco")}  # package -> what it may not import
 NOT_FOR_PROTOCOL = ("zmq", "jax", "jaxlib", "flax", "optax")
 MAX_LINES = 400
 

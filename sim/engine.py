@@ -1,0 +1,381 @@
+"""A decoupled run in virtual time: the real decision code against simulated clocks, links and compute.
+
+What is real (imported, not restated): the merger's `MergerCore` (admission and the staleness
+bound, duplicates, the outlier history, the round policy's quorum and adaptive grace, token weights
+and shares, versions) driven through `MergerCore.offer` with one-value tensors; the fold
+pipeline's rule of one fold in flight per fragment; `round_policy.snapshot_due` holding snapshots;
+the island's fragment schedule (`exchange.due_offset`: P staggered fragments every H steps), its
+`Outbox` (a fragment's unsent deltas summed) and the uplink's `LinkShaper`.
+
+What is modelled: a step takes `step_s` (with `step_cv`, k steps take a normal k step_s, standard
+deviation sqrt(k) step_cv step_s, seeded per island: real islands drift apart); a delta is its codec's encoded size plus a chunk header;
+links are FIFO pipes (rate, one-way latency = RTT / 2; the next message starts when the previous
+one's last byte left); one fold worker folds `merger_bytes_s` of coded deltas per second plus a
+fixed overhead; an island adopts (rebases onto) every snapshot that has arrived when it sends, so a
+delta's base version is the newest one arrived by then.  A failed island loses its unsent work
+(what it trained since its last send, its outbox, a delta half on the wire) and comes back after
+`down_s`, joining again: a full snapshot of every fragment down, and `restart_s` to compile.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import heapq
+import math
+import random
+
+import numpy as np
+
+from island.exchange import due_offset
+from island.outbox import Outbox, PendingDelta
+from island.shaper import LinkShaper
+from merger.admission import Candidate
+from merger.core import MergerCore
+from merger.round_policy import snapshot_due
+from protocol import Codec, model_fingerprint
+from sim.scenario import Scenario
+
+CHUNK_HEADER_BYTES = 300  # msgpack header and frame overhead per chunk (measured: protocol.encode of a delta chunk)
+CHUNK_BYTES = 1 << 20  # payload bytes per chunk (SyncConfig.chunk_bytes, protocol.DEFAULT_MAX_CHUNK_BYTES)
+
+
+def wire_bytes(values: int, codec: Codec) -> int:
+    """Bytes on the wire of `values` values in `codec`, chunked."""
+    payload = codec.encoded_nbytes(values)
+    return payload + CHUNK_HEADER_BYTES * max(1, math.ceil(payload / CHUNK_BYTES))
+
+
+def fragment_sizes(params: int, fragments: int) -> list[int]:
+    """Values per fragment: the model cut into P nearly equal parts (protocol.partition balances by bytes)."""
+    return [params // fragments + (1 if p < params % fragments else 0) for p in range(fragments)]
+
+
+@dataclasses.dataclass
+class IslandRun:
+    """What happened to one island."""
+
+    name: str
+    trained_tokens: int = 0
+    lost_tokens: float = 0.0  # trained but never folded (killed before sending, or rejected), per fragment / P
+    rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> deltas
+    compute_s: float = 0.0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    deltas_sent: int = 0
+    deltas_summed: int = 0
+    failures: int = 0
+
+
+@dataclasses.dataclass
+class SimResult:
+    scenario: Scenario
+    islands: list[IslandRun]
+    folds: list[int]  # per fragment
+    staleness: collections.Counter  # staleness -> deltas folded with it
+    folded_tokens: int
+    fold_busy_s: float  # the fold worker's busy time
+    peak_pending_bytes: int  # coded delta bytes admitted and waiting for (or in) a fold, at most
+    events: int
+
+    @property
+    def duration_s(self) -> float:
+        return self.scenario.duration_s
+
+    def utilisation(self, run: IslandRun) -> float:
+        """Compute utilisation that counts: the island's busy share of the run times the share of its
+        trained work that was not lost (rejected, or killed before it was sent; per fragment: a
+        rejected delta of one fragment of P loses 1/P of its tokens' work)."""
+        kept = 1.0 - run.lost_tokens / run.trained_tokens if run.trained_tokens else 0.0
+        return run.compute_s / self.duration_s * kept
+
+    @property
+    def useful_tokens_s(self) -> float:
+        return sum(run.trained_tokens - run.lost_tokens for run in self.islands) / self.duration_s
+
+    @property
+    def goodput(self) -> float:
+        """Useful tokens over what every island's chips could train in the run at full speed."""
+        return self.useful_tokens_s / self.scenario.peak_tokens_s
+
+
+class _Island:
+    def __init__(self, index: int, spec, scenario: Scenario) -> None:
+        self.index, self.spec, self.run = index, spec, IslandRun(spec.name)
+        self.alive, self.epoch, self.delta_id = False, 0, 0
+        self.died_at: dict[int, float] = {}  # epoch -> when that life ended
+        self.rng = random.Random(scenario.seed * 1_000_003 + index)  # its step times' noise (spec.step_cv)
+        self.fragments = scenario.fragments
+        self.new_life(scenario)
+
+    def new_life(self, scenario: Scenario) -> None:
+        self.epoch += 1
+        self.step, self.clock = 0, math.inf  # steps of this life, and when the last of them ended (set when it joins)
+        self.unsent_steps = [0] * self.fragments  # per fragment, since its last send
+        self.outbox = Outbox()
+        link = self.spec.link
+        self.uplink = LinkShaper(None if link.up_bps is None else link.up_bps / 8, link.rtt_s / 2)
+        self.wire: tuple[PendingDelta, float] | None = None  # the delta being sent, and when its last byte leaves
+
+
+class Simulation:
+    def __init__(self, scenario: Scenario) -> None:
+        self.s = scenario
+        self.sizes = fragment_sizes(scenario.params, scenario.fragments)
+        self.codec = Codec(scenario.codec, scenario.block)
+        snapshots = self.snapshots = scenario.snapshots
+        if scenario.wire is not None:
+            self.delta_bytes, self.snapshot_bytes, self.full_bytes = (list(column) for column in zip(*scenario.wire))
+        else:
+            self.delta_bytes = [wire_bytes(n, self.codec) for n in self.sizes]
+            self.full_bytes = [wire_bytes(n, Codec(snapshots.snapshot_codec, scenario.block)) for n in self.sizes]
+            diff = snapshots.snapshot_diff_codec
+            self.snapshot_bytes = self.full_bytes if diff == "none" else [wire_bytes(n, Codec(diff, scenario.block)) for n in self.sizes]
+        params = {f"fragment{p}": np.zeros(1, np.float32) for p in range(scenario.fragments)}
+        self.core = MergerCore(scenario.math, model_fingerprint(params), [[path] for path in params], params)
+        self.islands = [_Island(i, spec, scenario) for i, spec in enumerate(scenario.islands)]
+        self.by_name = {island.spec.name: island for island in self.islands}
+        n = len(self.islands)
+        self.down_rate = np.array([np.inf if i.link.down_bps is None else i.link.down_bps / 8 for i in scenario.islands])
+        self.down_latency = np.array([i.link.rtt_s / 2 for i in scenario.islands])
+        self.down_free = np.zeros(n)
+        self.down_bytes = np.zeros(n, np.int64)
+        self.receiving = np.zeros(n, bool)
+        # per fragment: published versions and when each reached each island (inf: never); per
+        # island and fragment the index of the newest one it has (arrivals are FIFO per island)
+        self.published: list[list[tuple[int, np.ndarray]]] = [[] for _ in self.sizes]
+        self.seen = np.full((n, scenario.fragments), -1, np.int64)
+        self.installed = [0] * scenario.fragments
+        self.published_at: dict[int, float] = {}
+        self.held: set[int] = set()
+        self.folding: set[int] = set()
+        self.worker_free, self.fold_busy_s = 0.0, 0.0
+        self.pending_bytes = self.peak_pending_bytes = 0
+        self.folds = [0] * scenario.fragments
+        self.staleness: collections.Counter = collections.Counter()
+        self.folded_tokens = 0
+        self.queue: list = []
+        self.counter = 0
+        self.wake: float | None = None
+        self.publish_at = math.inf  # when publish_due is next called
+
+    # ---- the event queue -------------------------------------------------------------------------
+    def at(self, when: float, kind: str, *data) -> None:
+        self.counter += 1
+        heapq.heappush(self.queue, (when, self.counter, kind, data))
+
+    def run(self) -> SimResult:
+        for island in self.islands:
+            self.at(island.spec.start_s, "join", island)
+        for failure in self.s.failures:
+            self.at(failure.at_s, "fail", self.by_name[failure.island], failure.down_s)
+        events = 0
+        while self.queue and self.queue[0][0] <= self.s.duration_s:
+            now, _, kind, data = heapq.heappop(self.queue)
+            events += 1
+            getattr(self, f"_on_{kind}")(now, *data)
+        for island in self.islands:  # the steps of the last stretch, up to the end
+            if island.alive:
+                self._train_until(island, self._steps_by(island, self.s.duration_s), self.s.duration_s)
+            island.run.bytes_down = int(self.down_bytes[island.index])
+        return SimResult(self.s, [island.run for island in self.islands], self.folds, self.staleness, self.folded_tokens,
+                         self.fold_busy_s, self.peak_pending_bytes, events)
+
+    # ---- islands ---------------------------------------------------------------------------------
+    def _on_join(self, now: float, island: _Island) -> None:
+        """(Re)start: every fragment's current value down in full, then the first step."""
+        island.alive, self.receiving[island.index] = True, True
+        arrived = now
+        mask = np.arange(len(self.islands)) == island.index
+        for fragment, nbytes in enumerate(self.full_bytes):
+            arrived = float(self._send_down(mask, nbytes, now)[island.index])
+            self.seen[island.index, fragment] = len(self.published[fragment]) - 1
+        island.joined_versions = list(self.installed)
+        island.clock = max(arrived, now + (self.s.restart_s if island.run.failures else 0.0))
+        self._next_due(island)
+
+    def _steps_by(self, island: _Island, when: float) -> int:
+        """Steps of this life done by `when` (before its next due step, which has its own event)."""
+        return island.step + max(0, int((when - island.clock) / island.spec.step_s + 1e-9))
+
+    def _train_until(self, island: _Island, step: int, now: float) -> None:
+        """The island trained from its clock until `now` (busy all along), completing steps up to `step`."""
+        island.run.compute_s += max(0.0, now - island.clock)
+        island.clock = max(island.clock, now)
+        done = step - island.step
+        if done <= 0:
+            return
+        island.step = step
+        island.run.trained_tokens += done * island.spec.tokens_per_step
+        island.unsent_steps = [n + done for n in island.unsent_steps]
+
+    def _next_due(self, island: _Island) -> None:
+        """The island's next step after which a fragment is due (exchange.due_offset)."""
+        h, p = self.s.interval, self.s.fragments
+        step = island.step + 1
+        nxt = min(step + (due_offset(f, p, h) - step) % h for f in range(p))
+        steps, spec = nxt - island.step, island.spec
+        seconds = steps * spec.step_s
+        if spec.step_cv > 0:
+            seconds = max(0.1 * seconds, island.rng.gauss(seconds, math.sqrt(steps) * spec.step_cv * spec.step_s))
+        self.at(island.clock + seconds, "due", island, island.epoch, nxt)
+
+    def _on_due(self, now: float, island: _Island, epoch: int, step: int) -> None:
+        if not island.alive or epoch != island.epoch:
+            return
+        self._train_until(island, step, now)
+        h, p = self.s.interval, self.s.fragments
+        for fragment in (f for f in range(p) if step % h == due_offset(f, p, h)):
+            steps = island.unsent_steps[fragment]
+            if steps <= 0:
+                continue
+            island.unsent_steps[fragment] = 0
+            delta = PendingDelta(fragment, self._version_at(island, fragment, now), {}, steps, steps * island.spec.tokens_per_step)
+            island.run.deltas_summed += island.outbox.put(delta)
+        self._send_next(island, now)
+        self._next_due(island)
+
+    def _version_at(self, island: _Island, fragment: int, now: float) -> int:
+        """The newest version of `fragment` that has reached `island` by `now` (it joined with one)."""
+        published, i = self.published[fragment], island.index
+        lo = self.seen[i, fragment] + 1
+        hi = bisect.bisect_right(published, now, lo=lo, key=lambda entry: entry[1][i])
+        self.seen[i, fragment] = hi - 1
+        return max(island.joined_versions[fragment], published[hi - 1][0] if hi > 0 else 0)
+
+    def _send_next(self, island: _Island, now: float) -> None:
+        if island.wire is not None or not island.outbox:
+            return
+        delta = island.outbox.take()
+        nbytes = self.delta_bytes[delta.fragment]
+        sent, arrives = island.uplink.schedule(nbytes, now)
+        island.wire = (delta, sent)
+        island.run.bytes_up += nbytes
+        self.at(sent, "sent", island, island.epoch)
+        self.at(arrives, "arrive", island, island.epoch, delta, sent)
+
+    def _on_sent(self, now: float, island: _Island, epoch: int) -> None:
+        if epoch == island.epoch:
+            island.wire = None
+            self._send_next(island, now)
+
+    def _on_fail(self, now: float, island: _Island, down_s: float) -> None:
+        if not island.alive:
+            return
+        self._train_until(island, self._steps_by(island, now), now)
+        run, p = island.run, self.s.fragments
+        run.failures += 1
+        lost = sum(island.unsent_steps) * island.spec.tokens_per_step  # each fragment's work since its last send
+        while (delta := island.outbox.take()) is not None:
+            lost += delta.tokens
+        if island.wire is not None and island.wire[1] > now:  # half on the wire: the merger never gets it whole
+            lost += island.wire[0].tokens
+        run.lost_tokens += lost / p
+        island.died_at[island.epoch] = now
+        island.alive, self.receiving[island.index] = False, False
+        island.new_life(self.s)
+        self.at(now + down_s, "join", island)
+
+    # ---- the merger ------------------------------------------------------------------------------
+    def _on_arrive(self, now: float, island: _Island, epoch: int, delta: PendingDelta, sent: float) -> None:
+        if sent > island.died_at.get(epoch, math.inf):  # its sender died before the last byte left
+            return
+        island.delta_id += 1
+        island.run.deltas_sent += 1
+        candidate = Candidate(island.spec.name, epoch, island.delta_id, delta.fragment, delta.base_version, delta.steps, delta.tokens,
+                              self.core.model, {f"fragment{delta.fragment}": np.ones(1, np.float32)})
+        result = self.core.offer(candidate, now)
+        if result is not None and result.status == "rejected":
+            island.run.lost_tokens += delta.tokens / self.s.fragments
+            island.run.rejected[result.reason.split(":")[0]] += 1
+        elif result is None:
+            self.pending_bytes += self.delta_bytes[delta.fragment]
+            self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
+        if self.held:
+            self._publish_held(now)
+        self._dispatch(now)
+
+    def _dispatch(self, now: float) -> None:
+        """FoldPipeline.dispatch: every fold the round policy calls for, one in flight per fragment."""
+        ready, wake = self.core.due(now)
+        for fragment in ready:
+            if fragment in self.folding:
+                continue
+            started = self.core.start_fold(fragment)
+            nbytes = self.delta_bytes[fragment] * len(started.members)
+            began = max(now, self.worker_free)
+            seconds = self.s.fold_overhead_s + nbytes / self.s.merger_bytes_s
+            self.worker_free, self.fold_busy_s = began + seconds, self.fold_busy_s + seconds
+            self.folding.add(fragment)
+            self.at(self.worker_free, "folded", started, nbytes)
+        if wake is not None and (self.wake is None or wake < self.wake or self.wake <= now):
+            self.wake = wake
+            self.at(wake, "wake")
+
+    def _on_wake(self, now: float) -> None:
+        self._dispatch(now)
+
+    def _on_folded(self, now: float, started, nbytes: int) -> None:
+        fragment = started.fragment
+        self.folding.discard(fragment)
+        self.installed[fragment] = started.version
+        self.folds[fragment] += 1
+        self.pending_bytes -= nbytes
+        for member in started.members:
+            self.staleness[member.staleness] += 1
+            self.folded_tokens += member.tokens
+        due = snapshot_due(self.published_at.get(fragment), self.core.arrival_intervals(), self.snapshots.snapshot_every_round)
+        if due <= now:
+            self._publish(fragment, now)
+        else:  # SnapshotPublishing.offer_snapshot: held, then published by publish_due
+            self.held.add(fragment)
+            self._publish_wake(due)
+        self._dispatch(now)
+
+    def _on_publish_due(self, now: float) -> None:
+        if now >= self.publish_at:  # else superseded by an earlier call
+            self._publish_held(now)
+
+    def _publish_held(self, now: float) -> None:
+        """SnapshotPublishing.publish_due: the held snapshots that are due go out (an arrival may have
+        shortened a round, so this runs on arrivals too)."""
+        intervals, wake = _shortest(self.core.arrival_intervals()), math.inf
+        for fragment in sorted(self.held):
+            due = snapshot_due(self.published_at.get(fragment), intervals, self.snapshots.snapshot_every_round)
+            if due <= now:
+                self._publish(fragment, now)
+            else:
+                wake = min(wake, due)
+        self.publish_at = math.inf
+        self._publish_wake(wake)
+
+    def _publish_wake(self, when: float) -> None:
+        if when < self.publish_at:
+            self.publish_at = when
+            self.at(when, "publish_due")
+
+    def _publish(self, fragment: int, now: float) -> None:
+        """A snapshot (a diff, or the whole fragment) to every island that is up, each over its downlink."""
+        arrival = self._send_down(self.receiving, self.snapshot_bytes[fragment], now)
+        self.published[fragment].append((self.installed[fragment], arrival))
+        self.published_at[fragment] = now
+        self.held.discard(fragment)
+
+    def _send_down(self, mask: np.ndarray, nbytes: int, now: float) -> np.ndarray:
+        """FIFO downlinks (LinkShaper's arithmetic over many islands at once): when `nbytes` handed
+        over at `now` reaches each island in `mask` (inf for the others)."""
+        sent = np.maximum(now, self.down_free) + nbytes / self.down_rate
+        self.down_free = np.where(mask, sent, self.down_free)
+        self.down_bytes += np.where(mask, nbytes, 0)
+        return np.where(mask, sent + self.down_latency, np.inf)
+
+
+def _shortest(intervals: list[float | None]) -> list[float]:
+    """What snapshot_due reads of the intervals (their shortest), once for many fragments."""
+    known = [interval for interval in intervals if interval is not None]
+    return [min(known)] if known else []
+
+
+def simulate(scenario: Scenario) -> SimResult:
+    return Simulation(scenario).run()

@@ -1,0 +1,187 @@
+"""What the simulator is asked: islands (compute and links), the model's size, the exchange's and the
+merger's settings, and failures.  Typed and validated, the offender named; read from TOML or built
+from presets (sim/presets.py).
+
+Units: seconds, bits per second for links (as links are sold), bytes on the wire, parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import tomllib
+from pathlib import Path
+
+from cluster.config import MergerSection
+from merger.config import MergerConfig, SnapshotConfig
+from protocol import CODEC_NAMES
+from sim.chips import CHIPS
+from protocol.errors import ConfigError, require
+
+# The merger's fold throughput when nothing better is known: coded delta bytes folded per second by
+# one fold worker, as `dloco bench merger` measures it on a 2-core CPU machine (BENCHMARKS.md).
+DEFAULT_MERGER_BYTES_S = 0.13e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    up_bps: float | None = None  # None: unlimited
+    down_bps: float | None = None
+    rtt_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("up_bps", "down_bps"):
+            value = getattr(self, name)
+            require(value is None or value > 0, f"link {name} must be > 0 bits/s or unlimited, got {value}")
+        require(self.rtt_s >= 0, f"link rtt_s must be >= 0, got {self.rtt_s}")
+
+    def scaled(self, bps: float) -> Link:
+        return dataclasses.replace(self, up_bps=bps, down_bps=bps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Island:
+    name: str
+    step_s: float  # one inner step, on this island's chips
+    tokens_per_step: int
+    link: Link = Link()
+    start_s: float = 0.0  # when its first step starts (joining, compiling)
+    step_cv: float = 0.0  # the coefficient of variation of one step's time (0: every step exactly step_s)
+
+    def __post_init__(self) -> None:
+        require(bool(self.name), "an island needs a name")
+        require(self.step_s > 0, f"island {self.name}: step_s must be > 0, got {self.step_s}")
+        require(self.tokens_per_step >= 1, f"island {self.name}: tokens_per_step must be >= 1, got {self.tokens_per_step}")
+        require(self.start_s >= 0, f"island {self.name}: start_s must be >= 0, got {self.start_s}")
+        require(0 <= self.step_cv <= 10, f"island {self.name}: step_cv must be in [0, 10], got {self.step_cv}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    island: str
+    at_s: float  # the island dies (kill -9: unsent work is lost)
+    down_s: float  # and is back this long after, joining again (a full snapshot down, restart_s to compile)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    islands: tuple[Island, ...]
+    params: int  # model parameters
+    fragments: int = 4  # P
+    interval: int = 48  # H
+    codec: str = "int4"  # the deltas' codec (uplink)
+    block: int = 256
+    merger: MergerSection = MergerSection()  # the merger's settings, as a cluster file's [merger] gives them
+    merger_bytes_s: float = DEFAULT_MERGER_BYTES_S  # coded delta bytes one fold worker folds per second
+    fold_overhead_s: float = 0.002  # per fold, whatever its size (bookkeeping, the outer step's dispatch)
+    duration_s: float = 3600.0
+    restart_s: float = 60.0  # a restarted island's time from process start to its first step (with the join's transfer on top)
+    failures: tuple[Failure, ...] = ()
+    # per fragment, (delta, snapshot on the bus, full snapshot) bytes on the wire when known exactly
+    # (calibration encodes the run's real model); None: from `params` and the codecs (sim/engine.py)
+    wire: tuple[tuple[int, int, int], ...] | None = None
+    seed: int = 0  # of the step times' noise
+
+    def __post_init__(self) -> None:
+        require(len(self.islands) >= 1, "a scenario needs at least one island")
+        names = [island.name for island in self.islands]
+        require(len(set(names)) == len(names), f"island names must be unique, got duplicates in {names[:8]}")
+        require(self.params >= self.fragments >= 1, f"params ({self.params}) must be >= fragments ({self.fragments}) >= 1")
+        require(self.interval >= self.fragments, f"interval H ({self.interval}) must be >= fragments P ({self.fragments})")
+        require(self.codec in CODEC_NAMES, f"codec must be one of {CODEC_NAMES}, got {self.codec!r}")
+        require(self.merger_bytes_s > 0 and self.fold_overhead_s >= 0, "merger_bytes_s must be > 0 and fold_overhead_s >= 0")
+        require(self.duration_s > 0 and self.restart_s >= 0, "duration_s must be > 0 and restart_s >= 0")
+        require(self.wire is None or len(self.wire) == self.fragments, f"wire needs one entry per fragment ({self.fragments})")
+        for failure in self.failures:
+            require(failure.island in names, f"failure names unknown island {failure.island!r}")
+            require(failure.at_s >= 0 and failure.down_s >= 0, f"failure of {failure.island}: at_s and down_s must be >= 0")
+
+    @property
+    def math(self) -> MergerConfig:
+        return self.merger.math()
+
+    @property
+    def snapshots(self) -> SnapshotConfig:
+        m = self.merger
+        return SnapshotConfig(m.snapshot_codec, m.snapshot_diff_codec, m.snapshot_full_every, m.snapshot_every_round)
+
+    @property
+    def peak_tokens_s(self) -> float:
+        return sum(island.tokens_per_step / island.step_s for island in self.islands)
+
+    def with_links(self, bps: float, only: str | None = None) -> Scenario:
+        """Every island's links (or only island `only`'s) at `bps` both ways, RTTs kept."""
+        islands = tuple(dataclasses.replace(i, link=i.link.scaled(bps)) if only in (None, i.name) else i for i in self.islands)
+        return dataclasses.replace(self, islands=islands)
+
+    def with_mtbf(self, mtbf_s: float, down_s: float, seed: int = 0) -> Scenario:
+        """Failures drawn per island from an exponential time between failures (mean `mtbf_s`),
+        each down `down_s`; reproducible from `seed`.  mtbf_s = inf: none."""
+        failures = []
+        for index, island in enumerate(self.islands):
+            rng, at = random.Random(seed * 1_000_003 + index), 0.0
+            while math.isfinite(mtbf_s):
+                at += rng.expovariate(1.0 / mtbf_s)
+                if at >= self.duration_s:
+                    break
+                failures.append(Failure(island.name, at, down_s))
+                at += down_s + self.restart_s
+        return dataclasses.replace(self, failures=tuple(failures))
+
+
+def step_seconds(params: float, tokens_per_step: float, chips: int, peak_flops: float, mfu: float) -> float:
+    """One step's time from its FLOPs: 6 N D (forward and backward of a dense Transformer) over the
+    chips' peak times MFU."""
+    require(chips >= 1 and peak_flops > 0 and 0 < mfu <= 1, f"chips ({chips}) >= 1, peak_flops > 0 and mfu in (0, 1], got mfu {mfu}")
+    return 6.0 * params * tokens_per_step / (chips * peak_flops * mfu)
+
+
+def load(path: str | Path) -> Scenario:
+    """A scenario file (TOML): [model] params, [sync] fragments/interval/codec, [merger] the merger's
+    keys (merger/config.py), [sim] duration_s/restart_s/merger_gbps/mtbf_s/down_s, and [[islands]]
+    name, count, step_s or chip/chips/mfu, tokens_per_step, up_gbps, down_gbps, rtt_ms."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise ConfigError(f"cannot read scenario {path}: {error}") from None
+    unknown = set(data) - {"model", "sync", "merger", "sim", "islands"}
+    require(not unknown, f"{path}: unknown sections {sorted(unknown)}")
+    params = data.get("model", {}).get("params")
+    require(isinstance(params, (int, float)) and params >= 1, f"{path}: [model] params must be a number >= 1, got {params!r}")
+    islands = []
+    for entry in data.get("islands", []):
+        extra = set(entry) - {"name", "count", "step_s", "chip", "chips", "mfu", "tokens_per_step", "up_gbps", "down_gbps", "rtt_ms"}
+        require(not extra, f"{path}: unknown keys in [[islands]]: {sorted(extra)}")
+        tokens = entry.get("tokens_per_step", 0)
+        if "step_s" in entry:
+            step = float(entry["step_s"])
+        else:
+            chip = entry.get("chip")
+            require(chip in CHIPS, f"{path}: island {entry.get('name')!r} needs step_s, or chip (one of {sorted(CHIPS)}) and chips")
+            step = step_seconds(params, tokens, int(entry.get("chips", 1)), CHIPS[chip].bf16_flops, float(entry.get("mfu", 0.4)))
+        link = Link(_bps(entry.get("up_gbps")), _bps(entry.get("down_gbps")), float(entry.get("rtt_ms", 0.0)) / 1000)
+        count = int(entry.get("count", 1))
+        for k in range(count):
+            name = entry["name"] if count == 1 else f"{entry['name']}-{k}"
+            islands.append(Island(name, step, int(tokens), link))
+    sync, sim, merger = data.get("sync", {}), data.get("sim", {}), data.get("merger", {})
+    scenario = Scenario(tuple(islands), int(params), int(sync.get("fragments", 4)), int(sync.get("interval", 48)), sync.get("codec", "int4"),
+                        merger=_merger_section(path, merger),
+                        merger_bytes_s=float(sim.get("merger_gbps", DEFAULT_MERGER_BYTES_S * 8 / 1e9)) * 1e9 / 8,
+                        duration_s=float(sim.get("duration_s", 3600.0)), restart_s=float(sim.get("restart_s", 60.0)))
+    if "mtbf_s" in sim:
+        scenario = scenario.with_mtbf(float(sim["mtbf_s"]), float(sim.get("down_s", 600.0)), int(sim.get("seed", 0)))
+    return scenario
+
+
+def _merger_section(path: Path, keys: dict) -> MergerSection:
+    try:
+        return MergerSection(**keys)
+    except TypeError as error:
+        raise ConfigError(f"{path}: [merger]: {error}") from None
+
+
+def _bps(gbps) -> float | None:
+    return None if gbps in (None, 0) else float(gbps) * 1e9

@@ -1,0 +1,185 @@
+"""The simulator (sim/) against hand-derived cases, the synchronous baselines' closed forms, the
+--target-util inversion, scenario files and `dloco plan` itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cluster.config import MergerSection
+from protocol.errors import ConfigError
+from sim import baselines, plan, presets
+from sim.chips import CHIPS
+from sim.engine import simulate, wire_bytes
+from protocol import Codec
+from sim.scenario import Failure, Island, Link, Scenario, load, step_seconds
+
+NO_GRACE = MergerSection(grace_cap_s=0.0, share_window=0)
+
+
+def two_islands(merger=NO_GRACE, **kwargs) -> Scenario:
+    """Two islands in lockstep (1 s steps, 100 tokens each), P = 2, H = 10, unlimited links, 100 steps."""
+    return Scenario((Island("a", 1.0, 100), Island("b", 1.0, 100)), params=1000, fragments=2, interval=10, duration_s=100.5,
+                    restart_s=0, merger=merger, **kwargs)
+
+
+def test_two_lockstep_islands_with_infinite_bandwidth_fold_each_delta_alone_the_second_one_stale_by_one():
+    """Fragment 0 is due after steps 5, 15, ..., 95 and fragment 1 after 10, ..., 100: 10 deltas of
+    each per island.  Both islands' deltas arrive at once; with quorum 1 and no grace the first folds
+    alone (the fragment is then at the new version) and the second waits for that fold: 20 folds per
+    fragment, half the deltas with staleness 0 and half with 1.  Tokens: fragment 0's first delta
+    carries 5 steps, every other 10: (500 + 9 x 1000 + 10 x 1000) x 2 islands.  Bytes up: 20 deltas of
+    500 int4 values (2 blocks of 4 + 128 bytes) and a 300-byte header; down: the join (2 fp32
+    fragments of 2,000 bytes + header) and every one of the 40 folds as a full fp32 fragment."""
+    result = simulate(two_islands())
+    assert result.folds == [20, 20]
+    assert result.staleness == {0: 20, 1: 20}
+    assert result.folded_tokens == 2 * (500 + 9 * 1000 + 10 * 1000)
+    assert wire_bytes(500, Codec("int4")) == 2 * (4 + 128) + 300
+    for run in result.islands:
+        assert (run.trained_tokens, run.lost_tokens, run.deltas_sent) == (10_000, 0, 20)
+        assert run.bytes_up == 20 * 564
+        assert run.bytes_down == 2 * 2300 + 40 * 2300
+        assert result.utilisation(run) == pytest.approx(1.0)  # busy throughout (the last half step too), nothing lost
+
+
+def test_a_quorum_of_two_folds_both_islands_deltas_together():
+    result = simulate(two_islands(MergerSection(quorum=2, grace_cap_s=0.0, share_window=0)))
+    assert result.folds == [10, 10]
+    assert result.staleness == {0: 40}
+
+
+def test_the_adaptive_grace_waits_for_an_island_predicted_within_it():
+    """With the default 1 s grace, once each island's interval is known the merger waits for the other
+    lockstep island and folds both deltas at once: fewer folds than deltas, fewer stale ones."""
+    result = simulate(two_islands(MergerSection(share_window=0)))
+    assert sum(result.folds) < 40 and sum(result.staleness.values()) == 40
+    assert result.staleness[0] > 20
+
+
+def test_a_failed_island_loses_its_unsent_work_and_trains_again_after_its_downtime():
+    """One island, P = 1, H = 10, 1 s steps: it sends after steps 10 and 20, dies at 25 s (5 steps
+    unsent: 500 tokens lost), is back at 35 s and sends after its new life's steps 10..60 (at 45..95 s):
+    8 folds; 25 + 65 steps trained; utilisation 0.9 busy x (1 - 500 / 9000) kept."""
+    s = Scenario((Island("a", 1.0, 100),), params=1000, fragments=1, interval=10, duration_s=100.0, restart_s=0, merger=NO_GRACE,
+                 failures=(Failure("a", 25.0, 10.0),))
+    result = simulate(s)
+    run = result.islands[0]
+    assert result.folds == [8]
+    assert (run.trained_tokens, run.lost_tokens, run.failures) == (9000, 500, 1)
+    assert result.utilisation(run) == pytest.approx(0.9 * (1 - 500 / 9000))
+
+
+def test_a_thin_uplink_sums_deltas_in_the_outbox():
+    """A delta of 500 int4 values (564 bytes) takes 4.5 s on a 1 kbit/s uplink, while a fragment falls
+    due every 5 steps of 0.1 s: the outbox sums a fragment's unsent deltas (Outbox.put), and far fewer
+    deltas go out than fell due."""
+    slow = Link(up_bps=1000.0)
+    s = Scenario((Island("a", 0.1, 100, slow),), params=1000, fragments=2, interval=10, duration_s=60.0, merger=NO_GRACE)
+    run = simulate(s).islands[0]
+    assert run.deltas_summed > 0
+    assert run.bytes_up < 60 / 0.5 * 564  # far fewer deltas than fell due
+
+
+def test_the_simulator_runs_the_mergers_admission_a_stale_delta_is_rejected_and_its_work_lost():
+    """b's link adds 30 s of latency each way, a's none: by the time b's delta arrives a has moved the
+    fragment on by more than max_staleness = 1 versions, so b's work is lost (rejected 'stale')."""
+    far = Link(rtt_s=60.0)
+    s = Scenario((Island("a", 1.0, 100), Island("b", 1.0, 100, far)), params=1000, fragments=1, interval=5, duration_s=300.0,
+                 merger=MergerSection(max_staleness=1, grace_cap_s=0.0, share_window=0))
+    result = simulate(s)
+    a, b = result.islands
+    assert b.rejected["stale"] > 0 and a.rejected == {}
+    assert result.utilisation(b) < 0.2 < 0.9 < result.utilisation(a)
+
+
+def test_sync_dp_is_a_ring_all_reduce_of_bf16_gradients_every_step():
+    """4 islands, 1e9 parameters, 1 Gbit/s, no latency: each moves 2 x 3/4 x 2e9 bytes = 3e9 bytes
+    (24 s) per step; a 1 s step then leaves utilisation 1 / 25."""
+    s = Scenario(tuple(Island(f"i{k}", 1.0, 1000, Link(1e9, 1e9)) for k in range(4)), params=10**9)
+    dp = baselines.sync_dp(s)
+    assert dp.exchange_s == pytest.approx(24.0)
+    assert dp.utilisation["i0"] == pytest.approx(1 / 25)
+    assert dp.tokens_s == pytest.approx(4000 / 25)
+    assert dp.bytes_up_per_token == pytest.approx(3e9 / 1000)
+
+
+def test_sync_rounds_are_paced_by_the_slowest_island():
+    s = Scenario((Island("fast", 1.0, 100), Island("slow", 2.0, 100)), params=10**6, interval=10)
+    diloco = baselines.sync_diloco(s)
+    assert diloco.utilisation["fast"] == pytest.approx(diloco.utilisation["slow"] / 2)
+
+
+def test_target_util_inverts_utilisation_to_a_link_speed():
+    """The speed --target-util finds gives at least the target, and 10 % less does not (the bisection
+    stops within 5 %)."""
+    s = Scenario((Island("a", 0.5, 100), Island("b", 0.5, 100)), params=200_000, fragments=2, interval=10, duration_s=200.0,
+                 merger=MergerSection(max_staleness=1, grace_cap_s=0.0, share_window=0))
+    target = plan.target_util(s, 0.9)
+    bps = target["decoupled_gbps"]["a"] * 1e9
+
+    def util(speed: float) -> float:
+        result = simulate(s.with_links(speed, only="a"))
+        return result.utilisation(result.islands[0])
+
+    assert util(bps) >= 0.9 > util(bps / 1.1)
+
+
+def test_sync_target_util_is_the_closed_form_inverse():
+    s = Scenario(tuple(Island(f"i{k}", 1.0, 1000, Link(1e9, 1e9)) for k in range(4)), params=10**9)
+    bps = baselines.needed_bps("sync-dp", s, 0.5)  # the all-reduce may take 1 s: 3e9 bytes in 1 s = 24 Gbit/s
+    assert bps == pytest.approx(24e9, rel=1e-3)
+    assert baselines.needed_bps("sync-dp", s.with_links(1e9), 0.5) == pytest.approx(bps, rel=1e-3)
+
+
+def test_step_time_comes_from_flops_and_the_chip_presets():
+    """6 N D / (chips x peak x MFU): 12e9 x 2^20 tokens x 6 over 256 v6e chips at 40 %."""
+    assert step_seconds(12e9, 2**20, 256, CHIPS["tpu-v6e"].bf16_flops, 0.4) == pytest.approx(6 * 12e9 * 2**20 / (256 * 918e12 * 0.4))
+    seed = presets.seed()
+    assert len(seed.islands) == 4 and seed.params == 12 * 10**9
+    assert seed.islands[2].step_s == pytest.approx(2 * seed.islands[0].step_s)  # v5p: half v6e's peak
+
+
+def test_a_scenario_file_is_read_and_its_mistakes_named(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text('[model]\nparams = 1e9\n[sync]\nfragments = 4\ninterval = 32\n[sim]\nduration_s = 600\nmtbf_s = 300\ndown_s = 30\n'
+                    '[merger]\nmax_staleness = 6\n'
+                    '[[islands]]\nname = "x"\ncount = 3\nchip = "h100"\nchips = 8\ntokens_per_step = 65536\nup_gbps = 1\nrtt_ms = 30\n')
+    s = load(path)
+    assert [i.name for i in s.islands] == ["x-0", "x-1", "x-2"]
+    assert s.islands[0].step_s == pytest.approx(6e9 * 65536 / (8 * 989e12 * 0.4))
+    assert s.islands[0].link == Link(1e9, None, 0.03)
+    assert s.merger.max_staleness == 6 and s.failures
+    path.write_text("[model]\nparams = 1e9\n[[islands]]\nname = 'x'\nchip = 'tpu-v9'\ntokens_per_step = 1\n")
+    with pytest.raises(ConfigError, match="chip"):
+        load(path)
+    path.write_text("[model]\nparams = 1e9\n[merger]\nmax_stalenes = 3\n")
+    with pytest.raises(ConfigError, match="max_stalenes"):
+        load(path)
+    with pytest.raises(ConfigError, match="interval"):
+        Scenario((Island("a", 1.0, 1),), params=100, fragments=8, interval=4)
+
+
+def test_dloco_plan_prints_json_and_refuses_a_bad_target():
+    got = subprocess.run([sys.executable, "-m", "dloco", "plan", "--hours", "0.1", "--json"], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    report = json.loads(got.stdout)
+    assert {i["name"] for i in report["islands"]} == {i.name for i in presets.seed().islands}
+    assert report["cluster"]["speedup_vs_sync_dp"] > 1 and report["merger"]["folds"] > 0
+    bad = subprocess.run([sys.executable, "-m", "dloco", "plan", "--target-util", "1.5"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--target-util must be in (0, 1)" in bad.stderr
+
+
+def test_plots_are_written(tmp_path):
+    """Utilisation against link speed and goodput against failure rate, as PNGs (a small scenario:
+    10 s steps, so 12 simulated hours are a few thousand events)."""
+    s = Scenario((Island("a", 10.0, 100, Link(1e6, 1e6)), Island("b", 20.0, 100, Link(1e6, 1e6))), params=100_000, fragments=2, interval=10,
+                 duration_s=3600.0)
+    from sim import plots
+
+    paths = plots.write(s, tmp_path)
+    assert [p.name for p in paths] == ["utilisation_vs_bandwidth.png", "goodput_vs_failures.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
