@@ -38,6 +38,7 @@ from protocol import Codec, model_fingerprint
 from sim.scenario import Scenario
 
 CHUNK_HEADER_BYTES = 300  # msgpack header and frame overhead per chunk (measured: protocol.encode of a delta chunk)
+PRUNE_EVERY = 4096  # published snapshots per fragment between prunings of those every island has seen
 CHUNK_BYTES = 1 << 20  # payload bytes per chunk (SyncConfig.chunk_bytes, protocol.DEFAULT_MAX_CHUNK_BYTES)
 
 
@@ -197,7 +198,7 @@ class Simulation:
 
     def _steps_by(self, island: _Island, when: float) -> int:
         """Steps of this life done by `when` (before its next due step, which has its own event)."""
-        return island.step + max(0, int((when - island.clock) / island.spec.step_s + 1e-9))
+        return min(island.next_due - 1, island.step + max(0, int((when - island.clock) / island.spec.step_s + 1e-9)))
 
     def _train_until(self, island: _Island, step: int, now: float) -> None:
         """The island trained from its clock until `now` (busy all along), completing steps up to `step`."""
@@ -215,6 +216,7 @@ class Simulation:
         h, p = self.s.interval, self.s.fragments
         step = island.step + 1
         nxt = min(step + (due_offset(f, p, h) - step) % h for f in range(p))
+        island.next_due = nxt
         steps, spec = nxt - island.step, island.spec
         seconds = steps * spec.step_s
         if spec.step_cv > 0:
@@ -358,7 +360,13 @@ class Simulation:
     def _publish(self, fragment: int, now: float) -> None:
         """A snapshot (a diff, or the whole fragment) to every island that is up, each over its downlink."""
         arrival = self._send_down(self.receiving, self.snapshot_bytes[fragment], now)
-        self.published[fragment].append((self.installed[fragment], arrival))
+        published = self.published[fragment]
+        published.append((self.installed[fragment], arrival))
+        if len(published) % PRUNE_EVERY == 0:  # what every island that is up has seen is looked up no more
+            done = int(self.seen[self.receiving, fragment].min(initial=len(published) - 1))
+            if done > 0:
+                del published[:done]
+                self.seen[:, fragment] = np.maximum(self.seen[:, fragment] - done, -1)
         self.published_at[fragment] = now
         self.held.discard(fragment)
 

@@ -183,3 +183,17 @@ def test_plots_are_written(tmp_path):
     paths = plots.write(s, tmp_path)
     assert [p.name for p in paths] == ["utilisation_vs_bandwidth.png", "goodput_vs_failures.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_forgetting_snapshots_every_island_has_seen_changes_nothing(monkeypatch):
+    """The simulator drops published snapshots that every island that is up has looked past (memory
+    for long runs); a run pruning every 8 publishes gives what one that never prunes gives."""
+    from sim import engine
+
+    s = Scenario((Island("a", 1.0, 100, Link(1e5, 1e5, 0.05), step_cv=0.2), Island("b", 1.7, 100, Link(1e5, 5e4, 0.2), step_cv=0.2)),
+                 params=20_000, fragments=2, interval=10, duration_s=2000.0, failures=(Failure("b", 700.0, 100.0),))
+    kept = simulate(s)
+    monkeypatch.setattr(engine, "PRUNE_EVERY", 8)
+    pruned = simulate(s)
+    assert (pruned.folds, pruned.staleness, pruned.islands) == (kept.folds, kept.staleness, kept.islands)
+    assert sum(kept.folds) > 100 and kept.islands[1].failures == 1
