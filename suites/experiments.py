@@ -23,6 +23,7 @@ train (analysis.verdict) stops the suite with the reason: it is never tabulated.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +35,8 @@ from cluster import cpuquota
 from cluster.chaos import ChaosEvent
 from cluster.config import ClusterConfig, ModelSection
 from protocol.errors import ConfigError, DlocoError
-from suites.suiteresults import RunResult, collect, measure_global, summarize
+from suites import speedup
+from suites.suiteresults import RunResult, cluster_tokens, collect, measure_global, summarize
 
 Transform = Callable[[ClusterConfig], ClusterConfig]
 
@@ -68,6 +70,11 @@ def _merger(**values) -> Transform:
 
 def _islands(count: int) -> Transform:
     return lambda c: dataclasses.replace(c, regions=c.regions[:count])
+
+
+def _unlinked(c: ClusterConfig) -> ClusterConfig:
+    """No link emulation: every region's links unlimited, no latency."""
+    return dataclasses.replace(c, regions=tuple(dataclasses.replace(r, uplink_mbps=None, downlink_mbps=None, rtt_ms=0.0) for r in c.regions))
 
 
 def _faults(c: ClusterConfig) -> ClusterConfig:
@@ -112,9 +119,12 @@ LEAN = _chain(_sync(interval=96), _merger(snapshot_every_round=1.0, max_stalenes
 SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
     "speedup": ("The three modes at the default profile's links (scaled like the seed's 2-5 Gbit/s for a 12B model, "
                 "see cluster/profiles/default.toml), and decoupled in its lean-downlink configuration (H = 96, a fragment's "
-                "snapshot at most once per round): time to a target loss, loss at equal tokens, utilisation, bytes per token.",
+                "snapshot at most once per round): time to a target loss, loss at equal tokens, utilisation, bytes per token. "
+                f"`{speedup.FULL_SPEED}` is sync-dp without link emulation, for as many steps as the decoupled runs' cluster "
+                "tokens: its loss per step, with sync-dp's measured time per step, gives sync-dp's time to the decoupled runs' "
+                "final loss (suites/speedup.py).",
                 [("decoupled", _mode("decoupled")), ("decoupled-h96-held", _chain(_mode("decoupled"), LEAN)),
-                 ("sync-diloco", _mode("sync-diloco")), ("sync-dp", _mode("sync-dp"))]),
+                 ("sync-diloco", _mode("sync-diloco")), ("sync-dp", _mode("sync-dp")), (speedup.FULL_SPEED, _chain(_mode("sync-dp"), _unlinked))]),
     "heterogeneous": ("Four islands, two at half speed, against four at full speed, in decoupled and sync-diloco: "
                       "do the fast islands wait for the slow ones, and does the slow hardware cost the model anything? Speeds are "
                       "CPU quotas (0.45 cores per full-speed island), so a slow island's cycles go to nobody else. Three full-speed "
@@ -166,6 +176,7 @@ DEFAULT_SECONDS = {"speedup": 300.0, "heterogeneous": 240.0, "faults": 300.0, "q
 QUICK_STEPS = {"speedup": 96, "heterogeneous": 144, "faults": 192, "quantization": 96, "quantization-sync": 96, "adoption": 144,
                "merging": 96, "downlink": 144}
 QUICK_LIMIT_S = 900.0
+FULL_SPEED_LIMIT_S = 1800.0  # the limit of the speedup suite's sync-dp-full-speed run (bounded by steps)
 QUICK_RUNS = {"speedup": ("decoupled", "sync-diloco", "sync-dp"), "heterogeneous": ("decoupled-mixed", "sync-diloco-mixed", "sync-diloco-uniform"), "quantization": ("fp32", "int4", "int2"), "quantization-sync": ("fp32", "int4"), "adoption": ("rebase-uniform", "replace-uniform"),
               "merging": ("average-4-islands", "rda-4-islands", "round-nesterov-lr0.7-4-islands")}
 QUICK_MODEL = ModelSection(width=32, depth=1, heads=2, context=32, batch=8)
@@ -226,6 +237,8 @@ def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path |
         configs = [(label, dataclasses.replace(config, island_cpus=0.0)) for label, config in configs]
     started, results = time.monotonic(), []
     for index, (label, config) in enumerate(configs, 1):
+        if label == speedup.FULL_SPEED and not config.max_steps:
+            config = _as_many_tokens(config, [r for r in results if r.label.startswith("decoupled")])
         run_dir = out_dir / name / label
         bound = f"{config.max_steps} steps per island, at most {config.duration_s:.0f} s" if config.max_steps else f"{config.duration_s:.0f} s"
         log(f"dloco experiment {name}: run {index}/{len(runs)} {label} ({bound}) -> {run_dir}")
@@ -242,6 +255,16 @@ def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path |
     command = (f"dloco experiment {name}" + (" --quick" if quick else "") + (f" --steps {steps}" if steps and not quick else "")
                + (f" --seconds {seconds:g}" if seconds else "") + (f" --runs {','.join(label for label, _ in runs)}" if only is not None else ""))
     return _write_up(name, description, results, command, time.monotonic() - started, out_dir, log), results
+
+
+def _as_many_tokens(config: ClusterConfig, decoupled: list[RunResult]) -> ClusterConfig:
+    """`config` bounded by steps: as many as its islands need to train the decoupled runs' cluster
+    tokens (the most of them), its length only a limit.  Unchanged without a decoupled run."""
+    if not decoupled:
+        return config
+    per_step = max(e["tokens"] / e["step"] for r in decoupled for e in r.last.values() if e.get("step"))  # an island's tokens per step
+    steps = math.ceil(max(cluster_tokens(r) for r in decoupled) / (per_step * len(config.regions)))
+    return dataclasses.replace(config, max_steps=steps, duration_s=max(config.duration_s, FULL_SPEED_LIMIT_S))
 
 
 def _tabulate(name: str, description: str, configs: list[tuple[str, ClusterConfig]], reuse: tuple[Path, ...], out_dir: Path,

@@ -13,6 +13,7 @@ import numpy as np
 from analysis.runinfo import chaos_effects, last_step, lives, read_metrics
 from cluster.config import ClusterConfig
 from protocol.errors import DlocoError
+from suites import speedup
 
 # The merger's model is evaluated at this many moments of each run, and at equal cluster tokens
 # (measure_global: one replay of the merger's log and ~1 s per evaluation, after the runs).
@@ -154,6 +155,9 @@ def summarize(name: str, description: str, results: list[RunResult], command: st
             lines += ["", f"{r.label} vs sync-dp: {time_to(dp, target) / time_to(r, target):.1f}x faster to the target; "
                       f"{bytes_per_token(dp) / bytes_per_token(r):.0f}x fewer bytes per token; "
                       f"loss at equal tokens {100 * (loss_at_tokens(r, equal_tokens) / loss_at_tokens(dp, equal_tokens) - 1):+.1f} %."]
+    full = next((r for r in results if r.label == speedup.FULL_SPEED), None)
+    if dp is not None and full is not None:
+        lines += [""] + _extrapolated(results, dp, full, target)
     for r in results:
         for row in r.chaos:
             rates = ", ".join(f"{n} {v['ratio']:.2f}" for n, v in row["others"].items() if v["ratio"] is not None) or "-"
@@ -166,6 +170,35 @@ def summarize(name: str, description: str, results: list[RunResult], command: st
     lines += ["", f"![{name}: loss vs tokens](experiments/{name}_loss_vs_tokens.png) ![{name}: loss vs time](experiments/{name}_loss_vs_time.png)"
               + (f" ![{name}: the merger's model](experiments/{name}_global.png)" if any(r.global_curve for r in results) else ""), ""]
     return "\n".join(lines)
+
+
+def _extrapolated(results: list[RunResult], dp: RunResult, full: RunResult, target: float) -> list[str]:
+    """sync-dp's time to each decoupled run's final loss, from its loss per step at full speed and
+    its time per step over the emulated links (suites/speedup.py)."""
+    per_step, curve = speedup.seconds_per_step(dp.evals), speedup.mean_curve(full.evals)
+    if per_step is None or not curve:
+        return [f"{speedup.FULL_SPEED}: too few evaluations to extrapolate sync-dp"]
+    check = speedup.extrapolated_seconds(full.evals, dp.evals, target)
+    lines = [f"sync-dp extrapolated: {speedup.FULL_SPEED}'s loss per step ({curve[-1][0]} steps, mean island loss "
+             f"{curve[0][1]:.3f} → {curve[-1][1]:.3f}) at sync-dp's {per_step:.2f} s per step over the emulated links. Check: "
+             f"to the target above {'never' if check is None else f'{check:.1f} s'} extrapolated, "
+             f"{_seconds_or(time_to(dp, target))} measured."]
+    for r in results:
+        final = speedup.final_loss(r.evals) if r.label.startswith("decoupled") else None
+        if final is None:
+            continue
+        own, theirs = time_to(r, final), speedup.extrapolated_seconds(full.evals, dp.evals, final)
+        if own and theirs:
+            ratio = f"{theirs / own:.1f}x"
+        else:  # sync-dp did not get there in the steps it ran: at least that long
+            ratio = f"more than {curve[-1][0] * per_step / own:.1f}x" if own else "n/a"
+        lines.append(f"{r.label} vs sync-dp to {r.label}'s final loss {final:.3f}: {_seconds_or(own)} vs "
+                     f"{_seconds_or(theirs, f'not within {curve[-1][0]} steps')} extrapolated: {ratio}.")
+    return lines
+
+
+def _seconds_or(seconds: float | None, otherwise: str = "not reached") -> str:
+    return otherwise if seconds is None else f"{seconds:.1f} s"
 
 
 def _speeds(results: list[RunResult]) -> str:

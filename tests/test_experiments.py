@@ -113,3 +113,40 @@ def test_every_suite_builds_valid_cluster_files():
         quick = base.with_steps(experiments.QUICK_STEPS[name])  # at least an interval: every fragment is sent
         assert all(transform(quick).max_steps == experiments.QUICK_STEPS[name] for label, transform in runs if label in kept), name
     assert all(len(runs) * experiments.DEFAULT_SECONDS[name] <= 25 * 60 for name, (_, runs) in experiments.SUITES.items())  # <= 30 min each
+
+
+def test_sync_dp_is_extrapolated_from_its_loss_per_step_at_full_speed_and_its_time_per_step_over_the_links():
+    """sync-dp over the emulated links: steps 1 and 3 at 0 and 20 s (10 s per step).  At full speed its
+    mean island loss is 4.0, 3.0, 2.0 at steps 10, 20, 30 (islands a and b: 4.2/3.8, 3.0/3.0, 2.1/1.9).
+    The decoupled run's final loss is its best island's last evaluation, 2.5 (a's 2.5 at 40 s; b ends at
+    2.8), reached at 40 s; sync-dp gets there at step 25 (halfway from 3.0 to 2.0): 250 s, 6.2x."""
+    from suites import speedup
+
+    emulated = {"a": [{"step": 1, "since_start": 0.0, "eval_loss": 5.0}, {"step": 3, "since_start": 20.0, "eval_loss": 4.5}]}
+    full = {"a": [{"step": s, "since_start": s / 10, "eval_loss": x} for s, x in ((10, 4.2), (20, 3.0), (30, 2.1))],
+            "b": [{"step": s, "since_start": s / 10, "eval_loss": x} for s, x in ((10, 3.8), (20, 3.0), (30, 1.9))]}
+    assert speedup.seconds_per_step(emulated) == 10.0
+    assert speedup.mean_curve(full) == [(10, pytest.approx(4.0)), (20, 3.0), (30, pytest.approx(2.0))]
+    assert speedup.steps_to(speedup.mean_curve(full), 2.5) == pytest.approx(25.0)
+    assert speedup.steps_to(speedup.mean_curve(full), 5.0) == 10.0 and speedup.steps_to(speedup.mean_curve(full), 1.0) is None
+    assert speedup.extrapolated_seconds(full, emulated, 2.5) == pytest.approx(250.0)
+    decoupled = result("decoupled", {"a": [{"step": 10, "since_start": 15.0, "tokens": 100, "eval_loss": 3.2},
+                                           {"step": 30, "since_start": 40.0, "tokens": 300, "eval_loss": 2.5}],
+                                     "b": [{"step": 20, "since_start": 38.0, "tokens": 200, "eval_loss": 2.8}]},
+                       {"a": {"tokens": 300, "bytes_sent": 30}, "b": {"tokens": 200, "bytes_sent": 20}})
+    assert speedup.final_loss(decoupled.evals) == 2.5
+    dp = result("sync-dp", {"a": [{**e, "tokens": 10 * e["step"]} for e in emulated["a"]]}, {"a": {"tokens": 30, "bytes_sent": 3000}}, "sync-dp")
+    fast = result(speedup.FULL_SPEED, {k: [{**e, "tokens": 10 * e["step"]} for e in v] for k, v in full.items()},
+                  {"a": {"tokens": 300, "bytes_sent": 30000}, "b": {"tokens": 300, "bytes_sent": 30000}}, "sync-dp")
+    text = suiteresults.summarize("speedup", "why", [decoupled, dp, fast], "dloco experiment speedup", 100.0)
+    assert "decoupled vs sync-dp to decoupled's final loss 2.500: 40.0 s vs 250.0 s extrapolated: 6.2x." in text
+    assert "at sync-dp's 10.00 s per step over the emulated links" in text
+
+
+def test_the_full_speed_sync_dp_run_trains_the_decoupled_runs_cluster_tokens():
+    base = config.load()
+    full = dict(experiments.SUITES["speedup"][1])[experiments.speedup.FULL_SPEED](base)
+    assert full.mode == "sync-dp" and all(r.uplink_mbps is None and r.rtt_ms == 0 for r in full.regions)
+    decoupled = result("decoupled", {}, {r.name: {"tokens": 2048 * 100, "step": 100} for r in base.regions})
+    bounded = experiments._as_many_tokens(full, [decoupled])
+    assert bounded.max_steps == 100 and bounded.duration_s == experiments.FULL_SPEED_LIMIT_S  # 4 islands x 100 steps of 2,048 tokens
