@@ -105,6 +105,8 @@ class MergerCore:
         quarantine, admission, outlier history, queueing for the round policy), which the simulator
         (sim/) drives with tiny tensors.  `record(staleness)`: the log record of an admitted delta
         (None: nothing is logged)."""
+        if self.log is not None and record is None:
+            raise ValueError("a merger with a log needs each admitted delta's log record: replay folds from the log alone")
         key = (candidate.island, candidate.epoch, candidate.delta_id)
         if key in self.settled:
             return self.settled[key]

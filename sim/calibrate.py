@@ -40,7 +40,10 @@ def load_run(run_dir: Path, config: Path | None = None) -> tuple[Scenario, dict]
     islands, measured, reference = [], {"islands": {}}, None
     series = {}
     for region in cluster.regions:
-        steps = [e for e in read_events(run_dir / "metrics" / f"{region.name}.jsonl") if e.get("step", 0) >= 1 and "wall" in e]
+        events = read_events(run_dir / "metrics" / f"{region.name}.jsonl")
+        if any(e.get("life", 0) for e in events):
+            raise RunDirError(f"{run_dir}: island {region.name} restarted; calibration simulates runs without chaos")
+        steps = [e for e in events if e.get("step", 0) >= 1 and "wall" in e and not e.get("deferred")]  # deferred: evaluated after training
         if len(steps) < 3:
             raise RunDirError(f"{run_dir}: island {region.name} has {len(steps)} steps in its metrics; calibration needs a finished run")
         series[region.name] = steps

@@ -133,6 +133,9 @@ class Simulation:
             self.full_bytes = [wire_bytes(n, Codec(snapshots.snapshot_codec, scenario.block)) for n in self.sizes]
             diff = snapshots.snapshot_diff_codec
             self.snapshot_bytes = self.full_bytes if diff == "none" else [wire_bytes(n, Codec(diff, scenario.block)) for n in self.sizes]
+        # a rejoining island gets the served value exactly: fp32 once diffs have moved it off the full codec (downlink.reply)
+        fp32 = [wire_bytes(n, Codec("fp32")) for n in self.sizes]
+        self.rejoin_bytes = self.full_bytes if snapshots.snapshot_diff_codec == "none" else fp32
         params = {f"fragment{p}": np.zeros(1, np.float32) for p in range(scenario.fragments)}
         self.core = MergerCore(scenario.math, model_fingerprint(params), [[path] for path in params], params)
         self.islands = [_Island(i, spec, scenario) for i, spec in enumerate(scenario.islands)]
@@ -189,11 +192,11 @@ class Simulation:
         island.alive, self.receiving[island.index] = True, True
         arrived = now
         mask = np.arange(len(self.islands)) == island.index
-        for fragment, nbytes in enumerate(self.full_bytes):
+        for fragment, nbytes in enumerate(self.rejoin_bytes if island.run.failures else self.full_bytes):
             arrived = float(self._send_down(mask, nbytes, now)[island.index])
             self.seen[island.index, fragment] = len(self.published[fragment]) - 1
         island.joined_versions = list(self.installed)
-        island.clock = max(arrived, now + (self.s.restart_s if island.run.failures else 0.0))
+        island.clock = arrived + (self.s.restart_s if island.run.failures else 0.0)  # a restart: the download, then compiling
         self._next_due(island)
 
     def _steps_by(self, island: _Island, when: float) -> int:

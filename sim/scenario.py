@@ -76,7 +76,7 @@ class Scenario:
     merger_bytes_s: float = DEFAULT_MERGER_BYTES_S  # coded delta bytes one fold worker folds per second
     fold_overhead_s: float = 0.002  # per fold, whatever its size (bookkeeping, the outer step's dispatch)
     duration_s: float = 3600.0
-    restart_s: float = 60.0  # a restarted island's time from process start to its first step (with the join's transfer on top)
+    restart_s: float = 60.0  # a restarted island's start-up (compiling), on top of downloading the model again
     failures: tuple[Failure, ...] = ()
     # per fragment, (delta, snapshot on the bus, full snapshot) bytes on the wire when known exactly
     # (calibration encodes the run's real model); None: from `params` and the codecs (sim/engine.py)
@@ -167,7 +167,12 @@ def load(path: str | Path) -> Scenario:
             name = entry["name"] if count == 1 else f"{entry['name']}-{k}"
             islands.append(Island(name, step, int(tokens), link))
     sync, sim, merger = data.get("sync", {}), data.get("sim", {}), data.get("merger", {})
+    for section, keys in (("model", {"params"}), ("sync", {"fragments", "interval", "codec", "block"}),
+                          ("sim", {"duration_s", "restart_s", "merger_gbps", "mtbf_s", "down_s", "seed"})):
+        extra = set(data.get(section, {})) - keys
+        require(not extra, f"{path}: unknown keys in [{section}]: {sorted(extra)}")
     scenario = Scenario(tuple(islands), int(params), int(sync.get("fragments", 4)), int(sync.get("interval", 48)), sync.get("codec", "int4"),
+                        int(sync.get("block", 256)), seed=int(sim.get("seed", 0)),
                         merger=_merger_section(path, merger),
                         merger_bytes_s=float(sim.get("merger_gbps", DEFAULT_MERGER_BYTES_S * 8 / 1e9)) * 1e9 / 8,
                         duration_s=float(sim.get("duration_s", 3600.0)), restart_s=float(sim.get("restart_s", 60.0)))
