@@ -9,9 +9,10 @@ log alone determines the model: replay and crash recovery feed the same records 
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -71,6 +72,9 @@ class MergerCore:
         self._pending_keys: set[DeltaKey] = set()  # of every delta in `pending`
         self._started: dict[int, int] = {}  # fragment -> version of its latest started fold
         self.history: list[dict[str, ArrivalStats]] = [{} for _ in self.fragments]
+        # per fragment, (predicted next arrival, island) sorted: the round policy looks only at islands
+        # predicted near `now`, not at every island's history (thousands of islands)
+        self._predicted: list[list[tuple[float, str]]] = [[] for _ in self.fragments]
         # per fragment, island -> (version of the fold that took its latest delta, that delta's raw
         # weight): who makes up a whole round, for merge.share_window (checkpointed; replay rebuilds it)
         self.last_contributions: list[dict[str, tuple[int, float]]] = [{} for _ in self.fragments]
@@ -135,13 +139,15 @@ class MergerCore:
     def _is_pending(self, key: DeltaKey) -> bool:
         return key in self._pending_keys
 
-    def due(self, now: float) -> tuple[list[int], float | None]:
-        """Fragments to fold now, and the earliest time a waiting fragment must be decided again."""
+    def due(self, now: float, busy: Collection[int] = ()) -> tuple[list[int], float | None]:
+        """Fragments to fold now, and the earliest time a waiting fragment must be decided again.
+        Fragments in `busy` (a fold of theirs still computing: their deltas wait for the next round,
+        decided when it is done) are not looked at: with many islands their queues are long."""
         ready, wake = [], None
         for fragment, queue in enumerate(self.pending):
-            if not queue:
+            if not queue or fragment in busy:
                 continue
-            decision = decide(now, [(p.contribution.island, p.arrived) for p in queue], self.history[fragment], self.config.round)
+            decision = decide(now, [(p.contribution.island, p.arrived) for p in queue], self._predicted_near(fragment, now), self.config.round)
             if decision.fold:
                 ready.append(fragment)
             elif decision.wait_until is not None:
@@ -253,8 +259,22 @@ class MergerCore:
         self._pending_keys.add(_key(pending.contribution))
         if observe_arrival:
             island = pending.contribution.island
-            history = self.history[pending.fragment]
-            history[island] = observe(history.get(island), pending.arrived, self.config.round.ema_alpha)
+            history, predicted = self.history[pending.fragment], self._predicted[pending.fragment]
+            old = history.get(island)
+            new = history[island] = observe(old, pending.arrived, self.config.round.ema_alpha)
+            if old is not None and old.interval is not None:
+                del predicted[bisect.bisect_left(predicted, (old.last + old.interval, island))]
+            if new.interval is not None:
+                bisect.insort(predicted, (new.last + new.interval, island))
+
+    def _predicted_near(self, fragment: int, now: float) -> dict[str, ArrivalStats]:
+        """The arrival history of the islands whose next delta is predicted within (now - grace_slack,
+        now + grace_cap]: the only ones `decide` can wait for (its deadline is at most now + grace_cap,
+        and it drops predictions older than the slack), so its decision is the one over every island."""
+        predicted, config, history = self._predicted[fragment], self.config.round, self.history[fragment]
+        lo = bisect.bisect_left(predicted, (now - config.grace_slack_s,))
+        hi = bisect.bisect_right(predicted, (now + config.grace_cap_s, "\U0010ffff"))
+        return {island: history[island] for _, island in predicted[lo:hi]}
 
     def _apply_fold(self, fragment: int, members: list[Contribution]) -> FoldReport:
         share = self._take_share(fragment, members, self.states[fragment].version + 1)

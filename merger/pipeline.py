@@ -78,11 +78,9 @@ class FoldPipeline:
         is still computing (its deltas wait for the next round); return when to decide again."""
         if self.failed is not None:
             raise self.failed
-        ready, wake = self.core.due(now)
-        busy = {fold.fragment for fold in self.in_flight}
+        busy = {fold.fragment for fold in self.in_flight}  # one fold per fragment in flight: versions never run ahead of what is computed
+        ready, wake = self.core.due(now, busy)
         for fragment in ready:
-            if fragment in busy:  # one fold per fragment in flight: versions never run ahead of what is computed
-                continue
             began = time.perf_counter()
             started = self.core.start_fold(fragment)
             fold = Fold(started, began, self.wal.sync_async() if self.wal is not None else 0)

@@ -303,10 +303,8 @@ class Simulation:
 
     def _dispatch(self, now: float) -> None:
         """FoldPipeline.dispatch: every fold the round policy calls for, one in flight per fragment."""
-        ready, wake = self.core.due(now)
+        ready, wake = self.core.due(now, self.folding)
         for fragment in ready:
-            if fragment in self.folding:
-                continue
             started = self.core.start_fold(fragment)
             nbytes = self.delta_bytes[fragment] * len(started.members)
             began = max(now, self.worker_free)
@@ -330,7 +328,8 @@ class Simulation:
         for member in started.members:
             self.staleness[member.staleness] += 1
             self.folded_tokens += member.tokens
-        due = snapshot_due(self.published_at.get(fragment), self.core.arrival_intervals(), self.snapshots.snapshot_every_round)
+        every = self.snapshots.snapshot_every_round
+        due = snapshot_due(self.published_at.get(fragment), self.core.arrival_intervals() if every > 0 else [], every)  # 0: -inf, now
         if due <= now:
             self._publish(fragment, now)
         else:  # SnapshotPublishing.offer_snapshot: held, then published by publish_due

@@ -138,7 +138,7 @@ def markdown(p: dict, target: dict | None = None) -> str:
               f"- ingest: {mg['ingest_bytes_s'] * 8 / 1e9:.3g} Gbit/s of deltas; the fold worker busy {mg['fold_worker_busy']:.1%} of the time "
               f"at {sc['merger_gbps']:.3g} Gbit/s folded",
               f"- memory: {mg['memory_bytes'] / 2**30:.3g} GiB (value, momentum and served value in fp32, plus at most "
-              f"{mg['peak_pending_bytes'] / 2**20:.3g} MiB of deltas waiting for a fold)"]
+              f"{mg['peak_pending_bytes'] / 2**30:.3g} GiB of deltas waiting for a fold)"]
     if target is not None:
         lines += ["", f"## Link speed for utilisation {target['target']}", "",
                   "| island | decoupled: its own link, Gbit/s |", "|---|---|"]

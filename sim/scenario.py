@@ -140,7 +140,7 @@ def step_seconds(params: float, tokens_per_step: float, chips: int, peak_flops: 
 def load(path: str | Path) -> Scenario:
     """A scenario file (TOML): [model] params, [sync] fragments/interval/codec, [merger] the merger's
     keys (merger/config.py), [sim] duration_s/restart_s/merger_gbps/mtbf_s/down_s, and [[islands]]
-    name, count, step_s or chip/chips/mfu, tokens_per_step, up_gbps, down_gbps, rtt_ms."""
+    name, count, step_s or chip/chips/mfu, tokens_per_step, up_gbps, down_gbps, rtt_ms, step_cv."""
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
@@ -152,7 +152,7 @@ def load(path: str | Path) -> Scenario:
     require(isinstance(params, (int, float)) and params >= 1, f"{path}: [model] params must be a number >= 1, got {params!r}")
     islands = []
     for entry in data.get("islands", []):
-        extra = set(entry) - {"name", "count", "step_s", "chip", "chips", "mfu", "tokens_per_step", "up_gbps", "down_gbps", "rtt_ms"}
+        extra = set(entry) - {"name", "count", "step_s", "chip", "chips", "mfu", "tokens_per_step", "up_gbps", "down_gbps", "rtt_ms", "step_cv"}
         require(not extra, f"{path}: unknown keys in [[islands]]: {sorted(extra)}")
         tokens = entry.get("tokens_per_step", 0)
         if "step_s" in entry:
@@ -165,7 +165,7 @@ def load(path: str | Path) -> Scenario:
         count = int(entry.get("count", 1))
         for k in range(count):
             name = entry["name"] if count == 1 else f"{entry['name']}-{k}"
-            islands.append(Island(name, step, int(tokens), link))
+            islands.append(Island(name, step, int(tokens), link, step_cv=float(entry.get("step_cv", 0.0))))
     sync, sim, merger = data.get("sync", {}), data.get("sim", {}), data.get("merger", {})
     for section, keys in (("model", {"params"}), ("sync", {"fragments", "interval", "codec", "block"}),
                           ("sim", {"duration_s", "restart_s", "merger_gbps", "mtbf_s", "down_s", "seed"})):

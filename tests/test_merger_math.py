@@ -363,3 +363,30 @@ def test_single_island_folds_add_up_to_a_round():
         delta_id += 1
         core.submit(assemble(delta_chunks(parts[0], island, delta_id, 0, core.states[0].version, 3 * delta_id)), now=0.0)
     assert core.start_fold(0).share == 1.0
+
+
+def test_the_merger_asks_the_round_policy_about_nearby_islands_only_and_decides_as_over_all():
+    """MergerCore keeps the islands' predicted arrivals sorted and gives `decide` only those within
+    (now - slack, now + grace_cap]; over random arrivals of 40 islands its decisions are those of
+    `decide` over every island's history."""
+    from merger.core import MergerCore
+    from merger.config import MergerConfig
+    from protocol import model_fingerprint
+
+    rng = random.Random(7)
+    params = {"w": np.zeros(1, np.float32)}
+    for quorum, cap in ((1, 1.0), (3, 2.5), (2, 0.0)):
+        core = MergerCore(MergerConfig(round=RoundConfig(quorum=quorum, grace_cap_s=cap)), model_fingerprint(params), [["w"]], params)
+        now, delta_id = 0.0, 0
+        for _ in range(600):
+            now += rng.expovariate(4.0)
+            island = f"i{rng.randrange(40)}"
+            delta_id += 1
+            core.offer(admission.Candidate(island, 1, delta_id, 0, core.version(0), 10, 100, core.model, {"w": np.ones(1, np.float32)}), now)
+            for probe in (now, now + rng.uniform(0, 3)):
+                pending = [(p.contribution.island, p.arrived) for p in core.pending[0]]
+                full = round_policy.decide(probe, pending, core.history[0], core.config.round)
+                ready, wake = core.due(probe)
+                assert (bool(ready), wake) == (full.fold, full.wait_until)
+            if rng.random() < 0.3:
+                core.start_fold(0)
