@@ -40,7 +40,10 @@ def goodput_sweep(s: Scenario, mtbf_s: list[float], down_s: float) -> dict[str, 
     return out
 
 
-def write(s: Scenario, folder: Path, progress: Callable[[str], None] = lambda line: None) -> list[Path]:
+def write(s: Scenario, folder: Path, progress: Callable[[str], None] = lambda line: None, speeds: int = 12,
+          failure_rates: int = 6) -> list[Path]:
+    """Both plots into `folder`: `speeds` link speeds from 1/20 to 100x the islands' median, and
+    `failure_rates` of the mean times between failures 1,000, 300, 100, 30, 10 and 3 h per island."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,13 +53,13 @@ def write(s: Scenario, folder: Path, progress: Callable[[str], None] = lambda li
     folder.mkdir(parents=True, exist_ok=True)
     links = [i.link.up_bps for i in s.islands if i.link.up_bps is not None] or [1e9]
     middle = float(np.median(links))
-    speeds = [middle * f for f in np.geomspace(0.05, 100, 12)]
+    speeds = [middle * f for f in np.geomspace(0.05, 100, speeds)]
     progress(f"utilisation at {len(speeds)} link speeds ...")
     sweep = utilisation_sweep(s, speeds)
     paths = [_plot(plt, np.array(speeds) / 1e9, sweep, "link speed per island, both ways (Gbit/s)", "mean compute utilisation",
                    f"{len(s.islands)} islands, {s.params:.3g} parameters, H = {s.interval}, P = {s.fragments}, {s.codec}",
                    folder / "utilisation_vs_bandwidth.png")]
-    hours = [1000, 300, 100, 30, 10, 3]
+    hours = [1000, 300, 100, 30, 10, 3][:failure_rates]
     long = dataclasses.replace(s, duration_s=max(s.duration_s, 12 * 3600.0))
     progress(f"goodput at {len(hours)} failure rates over {long.duration_s / 3600:.0f} h ...")
     good = goodput_sweep(long, [h * 3600 for h in hours], DOWN_S)

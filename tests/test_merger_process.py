@@ -133,6 +133,7 @@ def final_digest(run_dir: Path) -> str:
     return checkpoint.latest(checkpoint_dir(run_dir))["digest"]
 
 
+@pytest.mark.e2e  # kill -9 and restart of a merger process, several times: with the other failover checks
 @pytest.mark.timeout(300)
 def test_kill_9_at_several_points_ends_where_an_uninterrupted_run_ends(tmp_path, init_npz, processes, islands):
     def launch(run_dir, island, init):
