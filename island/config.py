@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from protocol import CODEC_NAMES
+from protocol.sparse import MIN_SPARSE_BLOCK, SPARSE_BITS
 from protocol.errors import ConfigError as ConfigError  # re-exported: the error these configs raise
 from protocol.errors import require as _require
 
@@ -96,6 +97,9 @@ class SyncConfig:
         _require(isinstance(self.interval, int) and self.interval >= self.fragments,
                  f"sync.interval (H={self.interval}) must be an int >= sync.fragments (P={self.fragments})")
         _require(self.codec in CODEC_NAMES, f"sync.codec must be one of {CODEC_NAMES}, got {self.codec!r}")
+        _require(self.error_feedback or self.codec not in SPARSE_BITS,
+                 f"sync.codec = {self.codec!r} keeps 1/32 of each block: it needs sync.error_feedback = true, which carries the rest into later deltas")
+        _require(self.codec not in SPARSE_BITS or self.block >= MIN_SPARSE_BLOCK, f"sync.codec = {self.codec!r} needs sync.block >= {MIN_SPARSE_BLOCK}, got {self.block}")
         _require(self.adoption in ADOPTIONS, f"sync.adoption must be one of {ADOPTIONS}, got {self.adoption!r}")
         _require(type(self.flush_on_leave) is bool, f"sync.flush_on_leave must be true or false, got {self.flush_on_leave!r}")
         _require(0 <= self.alpha < 1, f"sync.alpha must be in [0, 1), got {self.alpha}")

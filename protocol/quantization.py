@@ -1,4 +1,5 @@
-"""Wire codecs for parameter deltas and snapshots: fp32, bf16 and blockwise absmax int8/int4/int2.
+"""Wire codecs for parameter deltas and snapshots: fp32, bf16, blockwise absmax int8/int4/int2, and
+the sparse blockwise topk2/topk4 (protocol/sparse.py: top 1/32 of each block, 2- or 4-bit levels).
 
 Pure numpy; no I/O.  Every codec turns a flat float32 vector into a flat uint8 buffer and back.
 The byte layouts are specified in PROTOCOL.md §Codecs; in short:
@@ -6,25 +7,19 @@ The byte layouts are specified in PROTOCOL.md §Codecs; in short:
 - ``fp32``: IEEE-754 binary32, little-endian.  Lossless.
 - ``bf16``: the upper 16 bits of the binary32 value after round-to-nearest-even, little-endian.
   Relative error ≤ 2**-8 for normal values (8 significant bits, round to nearest even).
-- ``int8`` / ``int4`` / ``int2``: the vector is cut into blocks of ``block`` values (the last block
-  padded with the value 0, so its padding codes are those of q = 0: int8 0, int4 8, int2 1).  Each block is one *record*: a float32 ``scale`` (little-endian) followed by the
-  block's codes.  With ``L`` = 127, 7, 1 levels: ``scale = absmax / L`` and
-  ``q = round_half_even(x / scale)`` in ``[-L, L]``; the decoded value is ``q * scale``, so every
-  value is off by at most ``scale / 2`` (plus float32 rounding, ≤ 4·L·scale·2**-23).
-  Blocks whose absmax is below 2**-120 (zero, subnormal, or so small that L/absmax would
-  overflow float32) are flushed to zero: scale 0, all codes 0 (error ≤ 2**-120).  Encoders refuse
-  a block whose scale (absmax / L in float32) is above `Codec.max_scale`, FLT_MAX / c with c the
-  largest code magnitude (absmax above about 1.7e38 for int2, 2.98e38 for int4, 3.37e38 for int8):
-  exactly the scales a decoder refuses, so whatever encodes, decodes.
-  Code storage: int8 two's complement, one byte per value; int4 ``q + 8`` in a nibble, value 2j in
-  the low nibble of byte j; int2 ``q + 1`` in two bits, value 4j+k in bits 2k..2k+1 of byte j.
+- ``int8`` / ``int4`` / ``int2``: blocks of ``block`` values (the last padded with 0), each one
+  *record*: a float32 ``scale = absmax / L`` (L = 127, 7, 1) followed by the block's codes
+  ``q = round_half_even(x / scale)`` in ``[-L, L]``, so every value is off by at most ``scale / 2``
+  (plus float32 rounding).  Blocks with absmax below 2**-120 are flushed to zero (scale 0).
+  Encoders refuse exactly the scales decoders refuse (above FLT_MAX / largest code), so whatever
+  encodes, decodes.  Code packing: int8 one byte; int4 ``q + 8`` in nibbles, low first; int2
+  ``q + 1`` in two bits, value 4j+k in bits 2k..2k+1 of byte j.  PROTOCOL.md §5 has the details.
 
 Records make any block-aligned slice of an encoded tensor a contiguous byte range, so a tensor is
 quantized once and its chunks are zero-copy views (see `chunking.py`).
 
-Speed: the blockwise codecs work through the input in cache-sized pieces (``_PASS_BYTES``) so that
-their several numpy passes touch L2, not DRAM; the bound is then one DRAM read of the input plus
-the slowest in-cache pass (the float→int cast).  See BENCHMARKS.md.
+Speed: the int codecs work through the input in cache-sized pieces (``_PASS_BYTES``) so that their
+numpy passes touch L2, not DRAM (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -38,9 +33,10 @@ from typing import ClassVar
 
 import numpy as np
 
+from protocol import sparse
 from protocol.errors import EncodeError, ProtocolError
 
-CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "int2")
+CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "int2", *sparse.SPARSE_BITS)
 DEFAULT_BLOCK = 256
 MIN_BLOCK, MAX_BLOCK = 8, 1 << 16
 
@@ -57,7 +53,7 @@ MAX_THREADS = 64
 _THREAD_PREFIX = "dloco-codec"
 
 _LEVELS = {"int8": 127, "int4": 7, "int2": 1}
-_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}
+_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int2": 2, **sparse.SPARSE_BITS}
 # Largest code magnitude a decoder may meet: int8 -128, int4 nibble 0 = -8, int2 code 3 = +2.
 _LARGEST_CODE = {"int8": 128, "int4": 8, "int2": 2}
 # Largest valid scale, by bits: FLT_MAX / largest code (exact in float32: c is a power of two).
@@ -90,6 +86,8 @@ class Codec:
             raise EncodeError(f"codec block must be an int, got {block!r}")
         if not MIN_BLOCK <= block <= MAX_BLOCK or block & (block - 1):
             raise EncodeError(f"codec block must be a power of two in [{MIN_BLOCK}, {MAX_BLOCK}], got {block}")
+        if self.sparse:
+            sparse.check_block(self.name, block)
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -98,7 +96,12 @@ class Codec:
 
     @property
     def blockwise(self) -> bool:
-        return self.name in _LEVELS
+        """Records of scale and codes per block (the int codecs and the sparse ones)."""
+        return self.name in _LEVELS or self.sparse
+
+    @property
+    def sparse(self) -> bool:
+        return self.name in sparse.SPARSE_BITS
 
     @property
     def granule(self) -> int:
@@ -108,6 +111,8 @@ class Codec:
     @property
     def record_nbytes(self) -> int:
         """Bytes per block record (blockwise) or per value (fp32, bf16)."""
+        if self.sparse:
+            return sparse.record_nbytes(self.block, self.bits)
         if self.blockwise:
             return _SCALE_BYTES + self.block * self.bits // 8
         return self.bits // 8
@@ -139,6 +144,8 @@ class Codec:
             return x_N.astype("<f4", copy=False).view(np.uint8)
         if self.name == "bf16":
             return _encode_bf16(x_N, threads).view(np.uint8)
+        if self.sparse:
+            return sparse.encode(x_N, self.block, self.bits).reshape(-1)
         return _encode_blocks(x_N, self.name, self.block, threads).reshape(-1)
 
     # ---- decode ------------------------------------------------------------------------------
@@ -148,7 +155,9 @@ class Codec:
         expected = self.encoded_nbytes(count)
         if data_U.size != expected:
             raise ProtocolError("length", f"{self.name} payload of {count} values must be {expected} bytes, got {data_U.size}")
-        if self.blockwise:
+        if self.sparse:
+            sparse.validate(data_U, self.block, self.bits, self.name)
+        elif self.blockwise:
             scale_B = data_U.reshape(-1, self.record_nbytes)[:, :_SCALE_BYTES].view("<f4")
             # The largest code magnitude (int8 -128, int4 -8, int2 +2) times the scale must stay finite.
             # The sign bit must be clear: -0.0 is refused too (encoders write +0.0 for a flushed block).
@@ -181,6 +190,8 @@ class Codec:
                 np.left_shift(half_N[lo:hi], 16, out=out_bits_N[lo:hi], dtype=np.uint32)
 
             _run_pieces(widen, count, _PASS_BYTES // 4, threads)
+        elif self.sparse:
+            sparse.decode(data_U, self.block, self.bits, count, out)
         else:
             _decode_blocks(data_U, self, count, out, threads)
         return out
@@ -378,7 +389,10 @@ class CodedTensor:
     def squared_norm_bound(self) -> float:
         """An upper bound of the sum of the decoded values' squares, from the scales alone: every
         value of a block is at most its largest level (int8 128, int4 8, int2 2) times the block's
-        scale.  One pass over the blocks, not the values (the merger judges every delta by it)."""
+        scale.  One pass over the blocks, not the values (the merger judges every delta by it).
+        Sparse codecs: the exact value (their levels are few)."""
+        if self.codec.sparse:
+            return sparse.squared_norm(self.records, self.codec.block, self.codec.bits, self.count)
         largest = float(1 << (self.codec.bits - 1))
         scales = self.scales.astype(np.float64) * largest
         counts = np.full(len(scales), float(self.codec.block))

@@ -37,6 +37,8 @@ def one_of_each_kind() -> list[protocol.Message]:
     snapshot = protocol.SnapshotChunk(sender="merger", epoch=1, seq=9, fragment=2, version=4, chunk_index=0, chunk_count=1,
                                       model=delta.model, codec=protocol.Codec("bf16"), slices=plan.slices, payloads=plan.payloads)
     diff = dataclasses.replace(snapshot, version=5, base_version=4, digest=0xDEADBEEF, codec=protocol.Codec("bf16"))  # a diff snapshot
+    sparse_codec = protocol.Codec("topk4", 512)
+    sparse_plan = protocol.split_fragment(fragment, sparse_codec)[0]
     return [
         delta,
         snapshot,
@@ -49,6 +51,8 @@ def one_of_each_kind() -> list[protocol.Message]:
                      results=(protocol.DeltaResult(island="island-a", epoch=7, delta_id=1, fragment=2, status="folded", version=5, reason=""),
                               protocol.DeltaResult(island="island-b", epoch=3, delta_id=4, fragment=2, status="rejected", version=5, reason="stale: 9 > 8"))),
         protocol.SnapshotRequest(sender="island-a", epoch=7, seq=12, fragments=(0, 2)),
+        delta_messages(fragment, protocol.Codec("topk2"), max_chunk_bytes=1 << 20)[0],  # sparse payloads: indices to validate
+        dataclasses.replace(diff, codec=sparse_codec, slices=sparse_plan.slices, payloads=sparse_plan.payloads),
     ]
 
 

@@ -44,7 +44,7 @@ def test_chunks_respect_the_budget_and_tile_every_tensor(name, max_chunk_bytes):
 @pytest.mark.parametrize("name", protocol.CODEC_NAMES)
 def test_reassembly_equals_whole_tensor_decode(name):
     codec = Codec(name)
-    chunks = wire(delta_messages(FRAGMENT, codec, max_chunk_bytes=700))
+    chunks = wire(delta_messages(FRAGMENT, codec, max_chunk_bytes=100 if codec.sparse else 700))  # several chunks
     reassembler = Reassembler()
     results = [r for m in chunks if (r := reassembler.add(m, 0.0))]
     assert len(chunks) > 1 and len(results) == 1
