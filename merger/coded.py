@@ -6,7 +6,9 @@ A delta tensor arrives as records (scale_b, codes q_bi) with value d_bi = scale_
     u       = sum_m f_mb * q_mbi,  f_mb = c_m * scale_mb
               (RDA: c_m = w_m / ||d_m||; weighted average: c_m = w_m)
 
-so passes over the codes give the merged direction u (up to 8 deltas per XLA call; a round's size
+(sparse codecs: d_bj = scale_b * level_bj at the block's kept indices only, so u is a scatter-add
+of f_mb * level_mbj, one delta after another; each delta's indices are distinct, so the order of
+the additions is fixed too), so passes over the codes give the merged direction u (up to 8 deltas per XLA call; a round's size
 is padded to 1, 2, 4 or 8 so that few shapes are ever compiled), and the radius/length rescaling
 of RDA (merger/rda.py) is one multiply on the way into the outer step.  u is accumulated per
 position in the byte (two arrays for int4) and interleaved into value order once, by the round's
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from protocol import CodedTensor
+from protocol import CodedTensor, sparse
 
 # Bumped whenever a change to these kernels moves results by as much as a rounding unit (logged in
 # the genesis record: `dloco replay` says when a log was written with other kernels or jax).
@@ -105,6 +107,23 @@ def accumulate_first(zero: jax.Array, codes: jax.Array, factors: jax.Array, bits
     allocating and filling a zero u first.  A zero known at compile time would let XLA drop the
     additions and contract the first products differently (1 ulp off the sequential order)."""
     return _accumulate([jnp.broadcast_to(zero, codes.shape[1:])] * parts_per_byte(bits), codes, factors, bits, last)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def sparse_accumulate(u: jax.Array, index: jax.Array, levels: jax.Array, factors: jax.Array) -> jax.Array:
+    """u (T, K) plus, for each of G deltas in order, factors (G, T) times levels (G, T, k) at the
+    kept positions index (G, T, k) of each block: distinct per delta and block, so each addition
+    lands once per delta and the order of the sums is fixed."""
+    rows = jnp.arange(u.shape[0])[:, None]
+    for m in range(index.shape[0]):
+        u = u.at[rows, index[m]].add(levels[m].astype(jnp.float32) * factors[m][:, None], indices_are_sorted=True, unique_indices=True)
+    return u
+
+
+@jax.jit
+def block_squares(u: jax.Array) -> jax.Array:
+    """(T, K) -> (T,) sums of squares per block, in a fixed order."""
+    return _halving_sum(u * u)
 
 
 GROUPS = (1, 2, 4, 8)  # deltas per kernel call: a round of any size compiles at most these shapes
@@ -252,15 +271,20 @@ def _direction(tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[floa
     T = tile_blocks(start)
     n_tiles = -(-start // T)
     plan = groups(len(tensors))
-    codes = [_code_tiles([[t[p].codes for p in paths] for t in tensors[a : a + n]], g, T, n_tiles) for a, n, g in plan]
-    scales = [np.concatenate([t[p].scales for p in paths]).astype(np.float64) for t in tensors]
 
     def tile(rows: list[np.ndarray], index: int, size: int) -> np.ndarray:
         return _padded([r[index * T : (index + 1) * T] for r in rows], size)
 
-    squares = np.concatenate(
-        [np.concatenate([np.asarray(block_square_sums(group[i], codec.bits))[:n] for group, (_, n, _) in zip(codes, plan)])
-         for i in range(n_tiles)], axis=1)[:, :start].astype(np.float64)
+    if codec.sparse:
+        kept = [_sparse_levels([t[p] for p in paths], n_tiles * T) for t in tensors]
+        scales = [s.astype(np.float64) for s, _, _ in kept]
+        squares = np.stack([(levels.astype(np.int64) ** 2).sum(axis=1)[:start] for _, _, levels in kept]).astype(np.float64)
+    else:
+        codes = [_code_tiles([[t[p].codes for p in paths] for t in tensors[a : a + n]], g, T, n_tiles) for a, n, g in plan]
+        scales = [np.concatenate([t[p].scales for p in paths]).astype(np.float64) for t in tensors]
+        squares = np.concatenate(
+            [np.concatenate([np.asarray(block_square_sums(group[i], codec.bits))[:n] for group, (_, n, _) in zip(codes, plan)])
+             for i in range(n_tiles)], axis=1)[:, :start].astype(np.float64)
     norms = [{p: float(np.sqrt(_sum64(scale[b0:b1] ** 2 * sq[b0:b1]))) for p, (b0, b1) in spans.items()} for scale, sq in zip(scales, squares)]
     factors = np.zeros((len(tensors), n_tiles * T), dtype=np.float64)  # padding blocks: factor 0, inert
     for m, (weight, scale) in enumerate(zip(weights, scales)):
@@ -272,6 +296,15 @@ def _direction(tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[floa
     factors = list(factors.astype(np.float32))
     tiles, sums = [], []
     for i in range(n_tiles):
+        if codec.sparse:
+            u = jnp.zeros((T, codec.block), jnp.float32)
+            for a, n, g in plan:
+                index = tile([k[1] for k in kept[a : a + n]], i, g)
+                index[n:] = np.arange(index.shape[-1], dtype=np.int32)  # padding deltas: distinct positions, level 0
+                u = sparse_accumulate(u, index, tile([k[2] for k in kept[a : a + n]], i, g), tile(factors[a : a + n], i, g))
+            tiles.append(u)
+            sums.append(block_squares(u))
+            continue
         (_, n, g), single = plan[0], len(plan) == 1
         u = accumulate_first(np.float32(0), codes[0][i], tile(factors[:n], i, g), codec.bits, last=single)
         for k, (group, (a, n, g)) in enumerate(zip(codes[1:], plan[1:]), start=2):
@@ -292,6 +325,20 @@ def _direction(tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[floa
         merged_sq += (factor * length) ** 2
     delta_norms = [float(np.sqrt(sum(n[p] ** 2 for p in paths))) for n in norms]
     return paths, tiles, block_scale, tuple(layout), delta_norms, float(np.sqrt(merged_sq))
+
+
+def _sparse_levels(tensors: Sequence[CodedTensor], blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A sparse delta's (scales, indices int32, levels int8) over its tensors in order, padded with
+    empty blocks (distinct positions, level 0) to `blocks`; a tensor's padding values get level 0."""
+    parts = []
+    for t in tensors:
+        scale, index, levels = sparse.unpack(t.records, t.codec.block, t.codec.bits)
+        levels[-1][index[-1] >= t.count - t.codec.block * (len(scale) - 1)] = 0
+        parts.append((scale, index, levels))
+    pad = blocks - sum(len(p[0]) for p in parts)
+    k = parts[0][1].shape[1]
+    parts.append((np.zeros(pad, np.float32), np.broadcast_to(np.arange(k, dtype=np.int32), (pad, k)), np.zeros((pad, k), np.int8)))
+    return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
 
 
 def mergeable(contributions_tensors: Sequence[dict]) -> bool:

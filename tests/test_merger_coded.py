@@ -48,12 +48,29 @@ def test_a_zero_delta_gives_no_direction_and_one_delta_comes_back_unchanged():
     assert merged_norm == 0.0 and not np.asarray(nothing["w"]).any()
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
-def test_codes_merge_like_the_decoded_floats(name):
-    codec, rng = Codec(name, 64), np.random.default_rng(3)
+def test_two_hand_made_sparse_deltas():
+    # topk2, block 128: keep 4 per block; code = (m - 1) | sign << 1, four codes per byte, first in bits 0-1.
+    # A: scale 0.5, +2 at 3, -1 at 9, +1 at 20, -2 at 127 -> codes 1, 2, 0, 3 = 0b11_00_10_01
+    # B: scale 1.0, +1 at 3, +1 at 4, +1 at 5, +1 at 6 -> codes 0, 0, 0, 0
+    topk2 = Codec("topk2", 128)
+    a = CodedTensor(topk2, (128,), np.concatenate([record(0.5, []), np.array([3, 9, 20, 127, 0b11001001], np.uint8)])[None, :])
+    b = CodedTensor(topk2, (128,), np.concatenate([record(1.0, []), np.array([3, 4, 5, 6, 0], np.uint8)])[None, :])
+    da, db = a.decode(), b.decode()
+    assert {i: da[i] for i in np.flatnonzero(da)} == {3: 1.0, 9: -0.5, 20: 0.5, 127: -1.0}
+    assert {i: db[i] for i in np.flatnonzero(db)} == {3: 1.0, 4: 1.0, 5: 1.0, 6: 1.0}
+    merged, norms, merged_norm = coded.merge([{"w": a}, {"w": b}], [0.5, 0.5], {"w": True})  # weighted average
+    expected = 0.5 * da + 0.5 * db
+    np.testing.assert_array_equal(np.asarray(merged["w"]), expected)
+    assert norms == [pytest.approx(np.sqrt(1 + 0.25 + 0.25 + 1)), 2.0] and merged_norm == pytest.approx(np.linalg.norm(expected))
+    assert a.squared_norm_bound() == pytest.approx(2.5)  # sparse: the exact value
+
+
+@pytest.mark.parametrize("name,block", [("int8", 64), ("int4", 64), ("int2", 64), ("topk2", 128), ("topk4", 128)])
+def test_codes_merge_like_the_decoded_floats(name, block):
+    codec, rng = Codec(name, block), np.random.default_rng(3)
     shapes = {"a/kernel": (13, 17), "b/bias": (5,), "c/kernel": (64, 3)}  # padded last blocks, a tensor smaller than a block
     deltas = [{p: CodedTensor(codec, s, codec.encode((rng.standard_normal(s) * 10.0**-m).astype(np.float32).reshape(-1)).reshape(-1, codec.record_nbytes))
-               for p, s in shapes.items()} for m in range(3)]
+               for p, s in shapes.items()} for m in range(10 if codec.sparse else 3)]  # sparse: groups of 8 and 2
     contributions = [Contribution(f"i{m}", 1, 1, 0, 100 * (m + 1), 10, d) for m, d in enumerate(deltas)]
     for method in ("rda", "average"):
         config = MergeConfig(method=method, average_paths=("bias",))
