@@ -25,7 +25,7 @@ def new_core(run_dir):
     return MergerCore(CONFIG, protocol.model_fingerprint(params), parts, params, log=wal), wal
 
 
-def drive(core, rounds, seed=0, checkpoint_at=None, run_dir=None):
+def drive(core, rounds, seed=0, checkpoint_at=None, run_dir=None, codec="int4"):
     """Islands a, b, c send a delta of a fragment each round, based on the version they last saw."""
     delta_id = 0
     for r in range(rounds):
@@ -33,7 +33,7 @@ def drive(core, rounds, seed=0, checkpoint_at=None, run_dir=None):
         for island in ("a", "b", "c"):
             delta_id += 1
             base = max(0, core.states[fragment].version - (delta_id % 3))
-            chunks = delta_chunks(core.fragments[fragment], island, delta_id, fragment, base, seed + delta_id)
+            chunks = delta_chunks(core.fragments[fragment], island, delta_id, fragment, base, seed + delta_id, codec=codec)
             core.submit(assemble(chunks), now=float(r))
         ready, _ = core.due(now=float(r) + 100)
         for f in ready:
@@ -42,9 +42,10 @@ def drive(core, rounds, seed=0, checkpoint_at=None, run_dir=None):
             checkpoint.save(checkpoint_dir(run_dir), core, core.log.next_index)
 
 
-def test_recovery_and_replay_reproduce_the_live_state(tmp_path):
+@pytest.mark.parametrize("codec", ["int4", "topk2"])  # folds from int codes, from sparse ones
+def test_recovery_and_replay_reproduce_the_live_state(tmp_path, codec):
     core, wal = new_core(tmp_path)
-    drive(core, rounds=6, checkpoint_at=3, run_dir=tmp_path)
+    drive(core, rounds=6, checkpoint_at=3, run_dir=tmp_path, codec=codec)
     # one more admitted delta that is logged but not folded when the "crash" happens
     core.submit(assemble(delta_chunks(core.fragments[0], "d", 99, 0, core.states[0].version, 7)), now=50.0)
     wal.close()
