@@ -84,7 +84,7 @@ class SnapshotConfig:
     snapshot_codec: str = "fp32"  # full snapshots: one of FULL_SNAPSHOT_CODECS
     snapshot_diff_codec: str = "none"  # "none", or publish each fold as the change since the last snapshot in this codec (protocol/downlink.py)
     snapshot_full_every: int = 0  # with diffs: every N-th version of a fragment in full too (0: never; an island that misses a diff asks)
-    snapshot_every_round: float = 0.0  # a fragment's snapshot at most once per this many rounds of its fastest island (0: every fold)
+    snapshot_every_round: float = 0.0  # a fragment's snapshot at most once per this many mean rounds of the islands (0: every fold)
 
     def __post_init__(self) -> None:
         _require(self.snapshot_codec in FULL_SNAPSHOT_CODECS,

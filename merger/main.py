@@ -41,8 +41,8 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     merger.add_argument("--snapshot-full-every", type=non_negative_int, default=SnapshotConfig.snapshot_full_every,
                         help="with diffs: every N-th version of a fragment goes out in full (default 0: never; islands ask when they miss one)")
     merger.add_argument("--snapshot-every-round", type=float_at_least(0.0), default=SnapshotConfig.snapshot_every_round,
-                        help="publish a fragment at most once per F rounds of its fastest island (EMA of its interval between "
-                             "deltas); the folds in between go out together (default 0: after every fold). Islands then base "
+                        help="publish a fragment at most once per F mean rounds of the islands (the mean of their EMA intervals between "
+                             "deltas of a fragment); the folds in between go out together (default 0: after every fold). Islands then base "
                              "their deltas on a version up to F rounds of folds old: keep --max-staleness above that")
     merger.add_argument("--fsync", choices=("always", "batch", "never"), default="batch")
     merger.add_argument("--checkpoint-every", type=positive_int, default=50, help="folds between checkpoints")

@@ -1,6 +1,6 @@
 """How the merger process puts fragments on the snapshot bus and answers catch-up requests: full
-snapshots or diffs (merger/snapshot_form.py, protocol/downlink.py), now or held until a round of
-the fastest island has passed (round_policy.snapshot_due).  A part of `MergerService`, which owns the
+snapshots or diffs (merger/snapshot_form.py, protocol/downlink.py), now or held until the islands'
+mean round has passed (round_policy.snapshot_due).  A part of `MergerService`, which owns the
 sockets and the state it reads (core, config, served, published_at, unpublished, epoch, seq)."""
 
 from __future__ import annotations
@@ -59,11 +59,11 @@ class SnapshotPublishing:
         self.unpublished.discard(fragment)
 
     def offer_snapshot(self, fragment: int, state) -> None:
-        """A fold's snapshot goes on the bus now, or is held until a round of the fastest island has
+        """A fold's snapshot goes on the bus now, or is held until the islands' mean round has
         passed since the fragment's last one (round_policy.snapshot_due; the round as seen on any
         fragment, so holding starts in the first round of later fragments): then one snapshot carries
         every fold in between.  Islands adopt what arrives, so fewer snapshots cost freshness only,
-        and with diff snapshots each island receives one fragment per round instead of one per fold."""
+        and with diff snapshots the islands together receive what they send instead of N times it."""
         if snapshot_due(self.published_at.get(fragment), self.core.arrival_intervals(), self.config.snapshot_every_round) <= time.monotonic():
             self.publish_snapshot(fragment, state)
         else:

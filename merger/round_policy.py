@@ -71,13 +71,15 @@ def decide(now: float, pending: Sequence[tuple[str, float]], history: Mapping[st
 
 
 def snapshot_due(last_published: float | None, intervals: Iterable[float | None], every_round: float) -> float:
-    """When a fragment's next snapshot may go on the bus: `every_round` times the shortest of
+    """When a fragment's next snapshot may go on the bus: `every_round` times the mean of
     `intervals` (each island's EMA interval between its deltas of one fragment, over every fragment:
-    each island sends every fragment once per round, so the shortest is a round of the fastest
-    island) after its last one.  Folds in between are held and go out together (a diff covers them
-    all).  -inf (publish now) when the policy is off (0), nothing was published yet, or no interval
-    is known."""
+    each island sends every fragment once per round, so the mean is the islands' mean round) after
+    its last one.  Folds in between are held and go out together (a diff covers them all).  Every
+    island receives each fragment once per mean round and sends it once per round of its own, so
+    the downlink equals the uplink summed over the islands (at most: the harmonic mean is at most
+    the mean), and an island's ratio is its round over the mean.  -inf (publish now) when the policy
+    is off (0), nothing was published yet, or no interval is known."""
     known = [interval for interval in intervals if interval is not None]
     if every_round <= 0 or last_published is None or not known:
         return -math.inf
-    return last_published + every_round * min(known)
+    return last_published + every_round * math.fsum(known) / len(known)

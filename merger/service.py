@@ -3,7 +3,7 @@
 Sockets (endpoint strings: ``@tcp://...`` binds, ``tcp://...`` or ``>tcp://...`` connects):
 - ``delta_sub``  SUB on the delta bus (topics ``delta/``, ``heartbeat``): chunks from islands;
 - ``snapshot_pub`` PUB on the snapshot bus: fragment snapshots after every fold (or at most once
-  per round of the fastest island: ``snapshot_every_round``), and acks with results and
+  per mean round of the islands: ``snapshot_every_round``), and acks with results and
   per-island cursors;
 - ``control`` ROUTER (binds): catch-up snapshot requests (Clone pattern), resend requests to
   islands (routed by island name) and the chunks they resend, hellos.

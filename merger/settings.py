@@ -20,7 +20,7 @@ class ServiceConfig:
     snapshot_codec: str = "fp32"  # fp32 | bf16 | int8: full snapshots
     snapshot_diff_codec: str = ""  # "" (off) or int8 | int4 | ...: publish each fold as a diff (protocol/downlink.py)
     snapshot_full_every: int = 0  # with diffs: publish every N-th version of a fragment in full (0: never; catch-up covers gaps)
-    snapshot_every_round: float = 0.0  # a fragment's snapshot at most once per this many rounds of its fastest island (0: after every fold)
+    snapshot_every_round: float = 0.0  # a fragment's snapshot at most once per this many mean rounds of the islands (0: after every fold)
     max_chunk_bytes: int = protocol.DEFAULT_MAX_CHUNK_BYTES
     fsync: str = "batch"
     checkpoint_every: int = 50  # folds between checkpoints

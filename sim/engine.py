@@ -344,7 +344,7 @@ class Simulation:
     def _publish_held(self, now: float) -> None:
         """SnapshotPublishing.publish_due: the held snapshots that are due go out (an arrival may have
         shortened a round, so this runs on arrivals too)."""
-        intervals, wake = _shortest(self.core.arrival_intervals()), math.inf
+        intervals, wake = _mean_round(self.core.arrival_intervals()), math.inf
         for fragment in sorted(self.held):
             due = snapshot_due(self.published_at.get(fragment), intervals, self.snapshots.snapshot_every_round)
             if due <= now:
@@ -381,10 +381,10 @@ class Simulation:
         return np.where(mask, sent + self.down_latency, np.inf)
 
 
-def _shortest(intervals: list[float | None]) -> list[float]:
-    """What snapshot_due reads of the intervals (their shortest), once for many fragments."""
+def _mean_round(intervals: list[float | None]) -> list[float]:
+    """What snapshot_due reads of the intervals (their mean), once for many fragments."""
     known = [interval for interval in intervals if interval is not None]
-    return [min(known)] if known else []
+    return [math.fsum(known) / len(known)] if known else []
 
 
 def simulate(scenario: Scenario) -> SimResult:

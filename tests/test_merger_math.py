@@ -268,8 +268,8 @@ def test_observe_updates_the_ema():
 def test_snapshot_due_by_hand():
     due = round_policy.snapshot_due
     intervals = [4.0, 8.0, None]  # a fast island, a slow one, one seen once (no interval yet)
-    assert due(100.0, intervals, 1.0) == 104.0  # once per round of the fastest island (4 s)
-    assert due(100.0, intervals, 0.5) == 102.0
+    assert due(100.0, intervals, 1.0) == 106.0  # once per mean round of the islands ((4 + 8) / 2 s)
+    assert due(100.0, intervals, 0.5) == 103.0
     assert due(100.0, intervals, 0.0) == -math.inf  # off: after every fold
     assert due(None, intervals, 1.0) == -math.inf  # nothing published yet
     assert due(100.0, [None, None], 1.0) == -math.inf  # no interval known yet: no reason to hold
