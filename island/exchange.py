@@ -34,12 +34,19 @@ def pseudo_gradient(anchor: Mapping[str, np.ndarray], theta: Mapping[str, np.nda
     return {path: np.asarray(anchor[path], np.float32) - np.asarray(theta[path], np.float32) for path in anchor}
 
 
-def rebase(theta: Mapping[str, np.ndarray], anchor: Mapping[str, np.ndarray], snapshot: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """theta_p <- Theta_p + (theta_p - anchor_p): a newer global value with the island's own progress
-    since its anchor (its last send or adoption) kept on top, so that the next delta, taken against
-    Theta, still carries all of it."""
-    return {path: (np.asarray(snapshot[path], np.float32) + (np.asarray(theta[path], np.float32) - np.asarray(anchor[path], np.float32)))
-            for path in snapshot}
+def rebase(theta: Mapping[str, np.ndarray], anchor: Mapping[str, np.ndarray], snapshot: Mapping[str, np.ndarray],
+           residual: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """theta_p <- Theta_p + (theta_p - anchor_p) - r_p: a newer global value with the island's own
+    progress since its anchor (its last send or adoption) kept on top, so that the next delta, taken
+    against Theta, still carries all of it; and with error feedback the part of earlier deltas the
+    codec has not delivered yet (the residual r, in delta units: anchor - theta), which the next
+    delta then carries too instead of the island losing it until it arrives."""
+    residual = residual or {}
+    out = {}
+    for path in snapshot:
+        value = np.asarray(snapshot[path], np.float32) + (np.asarray(theta[path], np.float32) - np.asarray(anchor[path], np.float32))
+        out[path] = value - np.asarray(residual[path], np.float32).reshape(value.shape) if path in residual else value
+    return out
 
 
 def adopt(theta: Mapping[str, np.ndarray], snapshot: Mapping[str, np.ndarray], alpha: float) -> dict[str, np.ndarray]:

@@ -39,6 +39,8 @@ class Link(Protocol):
 
     def snapshots(self) -> list[tuple[int, int, dict[str, np.ndarray]]]: ...  # (fragment, version, tensors)
 
+    def take_residuals(self, paths) -> dict[str, np.ndarray]: ...  # error feedback's undelivered part, handed to the loop
+
 
 @dataclasses.dataclass
 class FragmentProgress:
@@ -134,6 +136,7 @@ class IslandLoop:
             event = {"step": step, "tokens": self.tokens, "loss": loss, "grad_norm": grad_norm, "time": time.perf_counter() - self.started,
                      "wall": time.time(), "compute_util": self.compute_s / (time.perf_counter() - self.started),
                      "bytes_sent": getattr(self.link, "bytes_sent", 0), "bytes_received": getattr(self.link, "bytes_received", 0),
+                     "bytes_received_values": getattr(self.link, "bytes_received_values", 0),
                      "snapshot_version": [p.version for p in self.progress], "wait_s": self.wait_s}
             early = self.train.eval_early and step < self.train.eval_every and step & (step - 1) == 0  # a power of two
             if step % self.train.eval_every == 0 or early or step == max_steps or self.stop_requested:
@@ -205,7 +208,8 @@ class IslandLoop:
             progress = self.progress[fragment]
             anchor = {p: np.asarray(v, np.float32) for p, v in tensors.items()}
             if self.sync.adoption == "rebase" and progress.steps > 0:
-                self.trainer.set_params(exchange.rebase(theta, progress.anchor, tensors))
+                residual = self.link.take_residuals(tensors) if self.sync.error_feedback else {}
+                self.trainer.set_params(exchange.rebase(theta, progress.anchor, tensors, residual))
                 self.progress[fragment] = FragmentProgress(anchor, version, progress.steps, progress.tokens)
             else:  # replace, or nothing unsent to keep (a blocking island right after its send): the same
                 self.trainer.set_params(exchange.adopt(theta, tensors, self.sync.alpha))

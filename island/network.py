@@ -60,6 +60,7 @@ class NetworkLink:
         self.downlink = Downlink(name, self.epoch)
         self._downlink_shaper = downlink or LinkShaper(None)
         self.bytes_received = 0
+        self.bytes_received_values = 0  # of which full values (the model at the start, catch-ups): not a diff of one
         self.sends_deferred = 0  # point-to-point sends refused by a full queue (each is tried again later)
         # Snapshots of another model than this island's (a merger started from another task): never
         # adopted; fragment -> {path: shape}, so that joining refuses it by name (IslandLoop.join).
@@ -74,6 +75,9 @@ class NetworkLink:
     # ---- called by the training loop (never blocks) -------------------------------------------
     def publish(self, fragment: int, base_version: int, delta: dict[str, np.ndarray], steps: int, tokens: int) -> None:
         self.uplink.publish(PendingDelta(fragment, base_version, delta, steps, tokens))
+
+    def take_residuals(self, paths) -> dict[str, np.ndarray]:
+        return self.uplink.take_residuals(paths)
 
     def snapshots(self) -> list[tuple[int, int, dict[str, np.ndarray]]]:
         """Snapshots that have fully arrived (by the downlink's clock), oldest first: (fragment, version, tensors)."""
@@ -174,6 +178,8 @@ class NetworkLink:
                 return
             if not isinstance(message, protocol.SnapshotChunk):
                 return
+            if message.base_version is None:
+                self.bytes_received_values += nbytes
             assembled = reassembler.add(message, time.monotonic())
         except protocol.ProtocolError as error:
             self.uplink.count_dropped(error.reason)

@@ -91,6 +91,13 @@ class Uplink:
         with self.lock:
             self.lock.notify_all()
 
+    def take_residuals(self, paths) -> dict[str, np.ndarray]:
+        """The error-feedback residuals of `paths` (what quantization has not delivered yet), removed
+        from here: the loop keeps them in the island's own parameters from now on (a rebase), and
+        its next delta, taken against the new anchor, carries them."""
+        with self.lock:
+            return {path: self.residuals.pop(path) for path in paths if path in self.residuals}
+
     # ---- the publisher thread --------------------------------------------------------------------
     def run(self, pub: zmq.Socket) -> None:
         """Send pending deltas and heartbeats on `pub` until `stop` is set."""
@@ -117,8 +124,9 @@ class Uplink:
     def _send(self, pub: zmq.Socket, delta_id: int, pending: PendingDelta) -> None:
         delta = pending.delta
         if self.sync.error_feedback:
-            delta, kept = protocol.compensate(delta, self.residuals, self.codec)
-            self.residuals.update(kept)
+            with self.lock:  # the loop may take residuals (take_residuals) meanwhile
+                delta, kept = protocol.compensate(delta, self.residuals, self.codec)
+                self.residuals.update(kept)
         plans = protocol.split_fragment(delta, self.codec, self.sync.chunk_bytes)
         first = None
         for index, plan in enumerate(plans):

@@ -43,6 +43,11 @@ def test_pseudo_gradient_and_adoption_by_hand():
     rebased = exchange.rebase(theta, anchor, snapshot)
     assert rebased["w"].tolist() == [1.5, 3.0] and rebased["w"].dtype == np.float32
     assert exchange.pseudo_gradient(snapshot, rebased)["w"].tolist() == exchange.pseudo_gradient(anchor, theta)["w"].tolist()
+    # with error feedback's residual r (delta units, not delivered yet): Theta + (theta - anchor) - r, and the
+    # next delta is the progress plus r: [0.5 + 0.25, -1.0 - 0.5]
+    residual = {"w": np.array([0.25, -0.5], np.float32)}
+    carried = exchange.rebase(theta, anchor, snapshot, residual)
+    assert carried["w"].tolist() == [1.25, 3.5] and exchange.pseudo_gradient(snapshot, carried)["w"].tolist() == [0.75, -1.5]
 
 
 @pytest.mark.parametrize("make", [lambda: ModelConfig(width=130, heads=4), lambda: ModelConfig(depth=0), lambda: TrainConfig(lr=0),
