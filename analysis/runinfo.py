@@ -143,7 +143,7 @@ def last_step(split: list[list[dict]]) -> dict:
     """An island's last step event (its last life's: step, rate, utilisation) with tokens and bytes
     summed over its lives (a restarted island counts from 0 again)."""
     ends = [life[-1] for life in split if life]
-    return {**ends[-1], **{k: sum(e.get(k, 0) for e in ends) for k in ("tokens", "bytes_sent", "bytes_received")}} if ends else {}
+    return {**ends[-1], **{k: sum(e.get(k, 0) for e in ends) for k in ("tokens", "bytes_sent", "bytes_received", "bytes_received_values")}} if ends else {}
 
 
 def last_events(path: Path, tail_bytes: int = 16384) -> list[dict]:

@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(run=_up)
 
     experiment = commands.add_parser("experiment", help="run a named suite of cluster runs side by side; Markdown + PNG plots")
-    experiment.add_argument("name", choices=("speedup", "heterogeneous", "faults", "quantization", "quantization-sync", "adoption", "merging", "downlink"), help="the suite (suites/experiments.py says what each measures)")
+    experiment.add_argument("name", choices=("speedup", "heterogeneous", "faults", "quantization", "quantization-sync", "adoption", "merging", "downlink", "bytes"), help="the suite (suites/experiments.py says what each measures)")
     experiment.add_argument("--quick", action="store_true",
                             help="tiny model, some suites fewer runs, each bounded by work (96-192 steps per island): checks directions, not magnitudes")
     experiment.add_argument("--seconds", type=float, default=None,

@@ -35,7 +35,7 @@ from cluster import cpuquota
 from cluster.chaos import ChaosEvent
 from cluster.config import ClusterConfig, ModelSection
 from protocol.errors import ConfigError, DlocoError
-from suites import speedup
+from suites import speedup, wirebytes
 from suites.suiteresults import RunResult, cluster_tokens, collect, measure_global, summarize
 
 Transform = Callable[[ClusterConfig], ClusterConfig]
@@ -116,6 +116,13 @@ WAIT_FOR_SLOW = _chain(_sync(settle_timeout_s=180.0), _merger(quorum_timeout_s=1
 # island (an island's base is then up to a round of folds behind: max_staleness 8).  See default.toml.
 LEAN = _chain(_sync(interval=96), _merger(snapshot_every_round=1.0, max_staleness=8))
 
+# The bytes suite's configurations, spelled out so that they stay what they are when the profile
+# changes: the default before held snapshots (every fold down as an int4 diff, int4 deltas up), and
+# the lean one (suites/wirebytes.py has the goals).
+EVERY_FOLD_INT4 = _chain(_sync(codec="int4", error_feedback=False), _merger(snapshot_diff_codec="int4", snapshot_every_round=0.0, max_staleness=4))
+HELD_INT4 = _chain(_sync(codec="int4", error_feedback=False), _merger(snapshot_diff_codec="int4", snapshot_every_round=1.0, max_staleness=8))
+LEAN_BYTES = _chain(_sync(codec="topk2", error_feedback=True), _merger(snapshot_diff_codec="topk2", snapshot_every_round=1.0, max_staleness=8))
+
 SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
     "speedup": ("The three modes at the default profile's links (scaled like the seed's 2-5 Gbit/s for a 12B model, "
                 "see cluster/profiles/default.toml), and decoupled in its lean-downlink configuration (H = 96, a fragment's "
@@ -161,20 +168,28 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
                    ("delayed-nesterov-lr0.7-4-islands", _merger(outer="delayed_nesterov", outer_lr=0.7, share_window=0))]),
     "downlink": ("Snapshots down as the whole fragment in bf16 after every fold, as int4 diffs of the value islands hold "
                  "(protocol/downlink.py) after every fold (the profile's default), and as int4 diffs held to one per fragment "
-                 "per round of the fastest island, decoupled: bytes per token, and whether the loss pays for them.",
+                 "per mean round of the islands, decoupled: bytes per token, and whether the loss pays for them.",
                  [("bf16-full", _merger(snapshot_codec="bf16", snapshot_diff_codec="none", snapshot_every_round=0.0)),
                   ("int4-diff", _merger(snapshot_diff_codec="int4", snapshot_every_round=0.0)),
-                  ("int4-diff-held", _merger(snapshot_diff_codec="int4", snapshot_every_round=1.0))]),
+                  ("int4-diff-held", _merger(snapshot_diff_codec="int4", snapshot_every_round=1.0, max_staleness=8))]),
+    "bytes": ("Bytes on the wire per trained token, up and down: sync-dp, the former default (every fold down as an int4 diff, "
+              "int4 deltas up), the same with one int4 diff per fragment per mean round of the islands down (staleness bound 8), "
+              "and the lean configuration (topk2 deltas with error feedback up; one topk2 diff per fragment per "
+              "mean round of the islands down, staleness bound 8): the ratio to sync-dp, "
+              "the merger's model at equal cluster tokens and at equal time, the islands' utilisation, and the goals "
+              "(suites/wirebytes.py).",
+              [(wirebytes.SYNC_DP, _mode("sync-dp")), (wirebytes.REFERENCE, EVERY_FOLD_INT4), ("held-int4", HELD_INT4), ("lean", LEAN_BYTES)]),
 }
 # Seconds per run by default (a suite stays within 30 minutes on 2 cores).  heterogeneous: five
 # runs, each ~95 s longer than its length (start-up, stop, trace evaluations), so 240 s.
 DEFAULT_SECONDS = {"speedup": 300.0, "heterogeneous": 240.0, "faults": 300.0, "quantization": 150.0, "quantization-sync": 150.0,
-                   "adoption": 300.0, "merging": 210.0, "downlink": 300.0}
+                   "adoption": 300.0, "merging": 210.0, "downlink": 300.0,
+                   "bytes": 300.0}
 # --quick: the tiny model and a few runs per suite (the ones whose direction shows in a short run),
 # each bounded by work: every island trains this many steps (at least one interval, H = 48, and for
 # sync-diloco whole rounds).  QUICK_LIMIT_S is only the limit of a run that cannot get there.
 QUICK_STEPS = {"speedup": 96, "heterogeneous": 144, "faults": 192, "quantization": 96, "quantization-sync": 96, "adoption": 144,
-               "merging": 96, "downlink": 144}
+               "merging": 96, "downlink": 144, "bytes": 144}
 QUICK_LIMIT_S = 900.0
 FULL_SPEED_LIMIT_S = 1800.0  # the limit of the speedup suite's sync-dp-full-speed run (bounded by steps)
 QUICK_RUNS = {"speedup": ("decoupled", "sync-diloco", "sync-dp"), "heterogeneous": ("decoupled-mixed", "sync-diloco-mixed", "sync-diloco-uniform"), "quantization": ("fp32", "int4", "int2"), "quantization-sync": ("fp32", "int4"), "adoption": ("rebase-uniform", "replace-uniform"),

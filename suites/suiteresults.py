@@ -13,7 +13,7 @@ import numpy as np
 from analysis.runinfo import chaos_effects, last_step, lives, read_metrics
 from cluster.config import ClusterConfig
 from protocol.errors import DlocoError
-from suites import speedup
+from suites import speedup, wirebytes
 
 # The merger's model is evaluated at this many moments of each run, and at equal cluster tokens
 # (measure_global: one replay of the merger's log and ~1 s per evaluation, after the runs).
@@ -158,6 +158,8 @@ def summarize(name: str, description: str, results: list[RunResult], command: st
     full = next((r for r in results if r.label == speedup.FULL_SPEED), None)
     if dp is not None and full is not None:
         lines += [""] + _extrapolated(results, dp, full, target)
+    if name == "bytes":
+        lines += wirebytes.lines(results)
     for r in results:
         for row in r.chaos:
             rates = ", ".join(f"{n} {v['ratio']:.2f}" for n, v in row["others"].items() if v["ratio"] is not None) or "-"

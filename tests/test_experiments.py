@@ -150,3 +150,28 @@ def test_the_full_speed_sync_dp_run_trains_the_decoupled_runs_cluster_tokens():
     decoupled = result("decoupled", {}, {r.name: {"tokens": 2048 * 100, "step": 100} for r in base.regions})
     bounded = experiments._as_many_tokens(full, [decoupled])
     assert bounded.max_steps == 100 and bounded.duration_s == experiments.FULL_SPEED_LIMIT_S  # 4 islands x 100 steps of 2,048 tokens
+
+
+def test_the_bytes_suite_tabulates_up_down_quality_and_its_goals():
+    from suites import wirebytes
+
+    def run(label, up, down, values, loss_equal, curve, util):
+        r = result(label, {"a": [{"since_start": 1, "tokens": 1000, "eval_loss": 3.0}]},
+                   {"a": {"tokens": 1000, "bytes_sent": up, "bytes_received": down, "bytes_received_values": values, "compute_util": util}})
+        r.global_equal, r.global_curve = loss_equal, [{"since_start": t, "cluster_tokens": 0, "eval_loss": v} for t, v in curve]
+        return r
+
+    dp = run("sync-dp", 2_000_000, 2_000_000, 0, 3.0, [(100, 3.0)], 0.05)
+    ref = run("every-fold-int4", 5_000, 20_000, 1_000, 2.0, [(50, 2.5), (100, 2.0)], 0.99)
+    lean = run("lean", 1_000, 3_000, 1_500, 2.02, [(40, 2.4), (80, 2.1)], 0.98)
+    assert wirebytes.per_token(lean) == (1.0, 3.0) and wirebytes.down_over_up(lean) == {"a": (3.0, 1.5)}
+    assert wirebytes.global_at_time(lean, 20) == pytest.approx((6.0 + 2.4) / 2)  # from the initial model (6.0) at 0 s
+    assert wirebytes.global_at_time(lean, 90) is None  # past its last measured moment
+    lines = "\n".join(wirebytes.lines([dp, ref, lean]))
+    # common time: the earliest last moment, 80 s; ref there: 2.5 + (2.0 - 2.5) * 30 / 50 = 2.2; lean 2.1: -4.5 %
+    assert "| lean | 1.00 | 3.00 | 1,000x | 3.00 (1.50) | 2.020 | 2.100 | +1.0 %, -4.5 % | 0.98 |" in lines
+    assert "| every-fold-int4 | 5.00 | 20.00 | 160x |" in lines
+    assert "- lean: met: 1,000x fewer bytes than sync-dp (goal 800x); met: merger's model +1.0 % against every-fold-int4" in lines
+    worse = run("lean", 4_000, 3_000, 0, 2.1, [(80, 2.1)], 0.9)
+    assert ("NOT met: 571x fewer bytes" in (text := "\n".join(wirebytes.goals([dp, ref, worse], 4000.0, ref)))
+            and "NOT met: merger's model +5.0 %" in text and "NOT met: least busy island 0.90" in text)

@@ -1,0 +1,87 @@
+"""The `bytes` suite's comparison: bytes per token up and down against `sync-dp`, the merger's model
+at equal cluster tokens and at equal time against the former default, the islands' utilisation,
+and the suite's goals — each met, or how far off.  Pure functions of the runs' results
+(suites/suiteresults.RunResult: each island's last step event, the merger's model over the run)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+SYNC_DP, REFERENCE = "sync-dp", "every-fold-int4"  # the suite's labels of the baseline and of the former default
+GOAL_RATIO, GOAL_QUALITY, GOAL_BUSY = 800.0, 0.015, 0.97  # fewer bytes than sync-dp; within 1.5 % at equal tokens; busy
+
+
+def per_token(result) -> tuple[float, float]:
+    """(bytes up, bytes down) per token the cluster trained."""
+    tokens = sum(e.get("tokens", 0) for e in result.last.values())
+    up = sum(e.get("bytes_sent", 0) for e in result.last.values())
+    down = sum(e.get("bytes_received", 0) for e in result.last.values())
+    return (up / tokens, down / tokens) if tokens else (float("nan"), float("nan"))
+
+
+def down_over_up(result) -> dict[str, tuple[float, float]]:
+    """Each island's bytes received over bytes sent: in all, and past the full values it received
+    (the model at the start, a catch-up): what the downlink costs for as long as the run goes on."""
+    return {name: (e["bytes_received"] / e["bytes_sent"], (e["bytes_received"] - e.get("bytes_received_values", 0)) / e["bytes_sent"])
+            for name, e in result.last.items() if e.get("bytes_sent")}
+
+
+def global_at_time(result, seconds: float) -> float | None:
+    """The merger's model's loss `seconds` after the cluster's first step (linear between the measured moments)."""
+    curve = result.global_curve
+    if not curve or seconds > curve[-1]["since_start"] + 1e-9:
+        return None
+    xs = [0.0] + [p["since_start"] for p in curve]
+    ys = [result.global_before] + [p["eval_loss"] for p in curve]
+    return float(np.interp(seconds, xs, ys))
+
+
+def _gap(value: float | None, reference: float | None) -> float | None:
+    return None if value is None or reference is None else value / reference - 1
+
+
+def lines(results: list) -> list[str]:
+    """The suite's table of bytes and quality and its goals, as Markdown lines."""
+    by_label = {r.label: r for r in results}
+    dp, ref = by_label.get(SYNC_DP), by_label.get(REFERENCE)
+    dp_total = sum(per_token(dp)) if dp else None
+    common = min((r.global_curve[-1]["since_start"] for r in results if r.global_curve), default=None)
+    out = ["", f"| run | bytes up / token | bytes down / token | vs {SYNC_DP} | down / up per island (past full values) | merger's model at equal tokens | "
+                f"at {common or 0:.0f} s | vs {REFERENCE} (tokens, time) | least busy island |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        up, down = per_token(r)
+        ratio = f"{dp_total / (up + down):,.0f}x" if dp_total else "n/a"
+        at_time = None if common is None else global_at_time(r, common)
+        gaps = [_gap(r.global_equal, ref and ref.global_equal), _gap(at_time, None if ref is None or common is None else global_at_time(ref, common))]
+        busy = min((e.get("compute_util", float("nan")) for e in r.last.values()), default=float("nan"))
+        out.append(f"| {r.label} | {up:.2f} | {down:.2f} | {ratio} | {', '.join(f'{a:.2f} ({b:.2f})' for a, b in down_over_up(r).values())} "
+                   f"| {_num(r.global_equal)} | {_num(at_time)} | {', '.join(_pct(g) for g in gaps)} | {busy:.2f} |")
+    return out + [""] + goals(results, dp_total, ref)
+
+
+def goals(results: list, dp_total: float | None, ref) -> list[str]:
+    """For each run other than the two references: the three goals, met or by how much not."""
+    out = []
+    for r in results:
+        if r.label in (SYNC_DP, REFERENCE):
+            continue
+        ratio = dp_total / sum(per_token(r)) if dp_total else None
+        gap = _gap(r.global_equal, ref and ref.global_equal)
+        busy = min(e.get("compute_util", 0.0) for e in r.last.values())
+        checks = [("bytes", ratio is not None and ratio >= GOAL_RATIO, f"{_x(ratio)} fewer bytes than {SYNC_DP} (goal {GOAL_RATIO:.0f}x)"),
+                  ("quality", gap is not None and gap <= GOAL_QUALITY, f"merger's model {_pct(gap)} against {REFERENCE} at equal tokens (goal ≤ +{100 * GOAL_QUALITY:.1f} %)"),
+                  ("busy", busy >= GOAL_BUSY, f"least busy island {busy:.2f} (goal ≥ {GOAL_BUSY})")]
+        out.append(f"- {r.label}: " + "; ".join(f"{'met' if ok else 'NOT met'}: {what}" for _, ok, what in checks) + ".")
+    return out
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:+.1f} %"
+
+
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.0f}x"
