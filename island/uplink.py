@@ -123,9 +123,11 @@ class Uplink:
 
     def _send(self, pub: zmq.Socket, delta_id: int, pending: PendingDelta) -> None:
         delta = pending.delta
-        if self.sync.error_feedback:
-            with self.lock:  # the loop may take residuals (take_residuals) meanwhile
-                delta, kept = protocol.compensate(delta, self.residuals, self.codec)
+        if self.sync.error_feedback:  # the loop may take residuals meanwhile (take_residuals): hand them over whole
+            with self.lock:
+                residuals = {path: self.residuals.pop(path) for path in delta if path in self.residuals}
+            delta, kept = protocol.compensate(delta, residuals, self.codec)
+            with self.lock:
                 self.residuals.update(kept)
         plans = protocol.split_fragment(delta, self.codec, self.sync.chunk_bytes)
         first = None

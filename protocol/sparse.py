@@ -5,7 +5,8 @@ Pure numpy; no I/O.  `quantization.Codec` dispatches here; the layout is PROTOCO
 
     scale (float32) ‖ indices (keep × uint8, or × uint16 little-endian when block > 256) ‖ codes
 
-Indices are strictly increasing and below ``block``.  With ``M = 2**(bits - 1)`` magnitudes a code
+Indices are strictly increasing and below ``block``; of equal magnitudes the higher index is kept
+(the tail block's padding before its values).  With ``M = 2**(bits - 1)`` magnitudes a code
 holds ``m - 1`` (m in 1..M) in its low ``bits - 1`` bits and the sign in its top bit; the value is
 ``±m × scale`` with ``scale = absmax(kept) / M`` and ``m = clip(round_half_even(|x| / scale), 1, M)``.
 Codes are packed like int4/int2: code j of the block in bits ``bits·(j mod per_byte)`` of byte
@@ -83,7 +84,11 @@ def encode(x_N: np.ndarray, block: int, bits: int) -> np.ndarray:
     x_BxK = np.zeros(n_blocks * block, np.float32)
     x_BxK[: x_N.size] = x_N
     x_BxK = x_BxK.reshape(n_blocks, block)
-    index_BxK = np.sort(np.argpartition(np.abs(x_BxK), block - k, axis=1)[:, block - k :], axis=1)
+    # The k largest magnitudes, ties to the higher index (padding first): the float32 bits of |x|
+    # order like the values, so (bits, index) is a unique key and the choice never depends on the
+    # sort.  A decoded block then encodes to the same bytes, tail blocks included.
+    key = (np.abs(x_BxK).view(np.uint32).astype(np.uint64) << np.uint64(32)) | np.arange(block, dtype=np.uint64)
+    index_BxK = np.sort(np.argpartition(key, block - k, axis=1)[:, block - k :], axis=1)
     kept_BxK = np.take_along_axis(x_BxK, index_BxK, axis=1)
     absmax_B = np.abs(kept_BxK).max(axis=1)
     top = 1 << (bits - 1)

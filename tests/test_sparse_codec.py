@@ -8,7 +8,7 @@ import pytest
 
 from island.config import ConfigError, SyncConfig
 from protocol import Codec, EncodeError, ProtocolError
-from protocol.error_feedback import quantize_with_feedback
+from protocol.error_feedback import compensate, quantize_with_feedback
 
 
 def test_the_worked_example_of_protocol_md():
@@ -103,3 +103,18 @@ def test_with_error_feedback_nothing_is_lost_for_good():
         gaps.append(np.linalg.norm(meant - sent))
     assert max(gaps[30:]) < 1.5 * max(gaps[:30])  # bounded
     assert np.linalg.norm(meant - plain) > 3 * gaps[-1]
+
+
+def test_ties_go_to_the_higher_index_so_a_tail_block_with_zeros_encodes_again_to_the_same_bytes():
+    """127 values, two of them nonzero, block 128 (keep 4): the padding value (index 127) and the
+    highest zero in range (126) fill the other two places; a decoded vector encodes to the same bytes."""
+    codec = Codec("topk2", 128)
+    d = np.zeros(127, np.float32)
+    d[16], d[92] = -3.0, 1.0
+    encoded = codec.encode(d)
+    assert list(encoded[4:8]) == [16, 92, 126, 127]
+    decoded = codec.decode(encoded, 127)
+    assert sorted(np.flatnonzero(decoded)) == [16, 92, 126]  # the kept zero decodes to +scale (error feedback carries it)
+    np.testing.assert_array_equal(codec.encode(decoded), encoded)
+    sent, kept = compensate({"w": d}, {}, codec)
+    np.testing.assert_array_equal(codec.decode(codec.encode(sent["w"]), 127), sent["w"])  # what goes out is what feedback counted
