@@ -154,11 +154,13 @@ class MergerCore:
                 wake = decision.wait_until if wake is None else min(wake, decision.wait_until)
         return ready, wake
 
-    def arrival_intervals(self) -> list[float | None]:
+    def arrival_intervals(self, now: float | None = None) -> list[float | None]:
         """Every island's EMA interval between its deltas of one fragment, over every fragment: what
         holds snapshots (round_policy.snapshot_due; a fragment whose second round has not begun is
-        held by what the others know of a round)."""
-        return [stats.interval for history in self.history for stats in history.values()]
+        held by what the others know of a round).  With `now`, an island silent on a fragment for
+        more than two of its intervals has left (or stalled): its interval no longer counts."""
+        return [stats.interval for history in self.history for stats in history.values()
+                if now is None or stats.interval is None or now - stats.last <= 2 * stats.interval]
 
     def version(self, fragment: int) -> int:
         """The fragment's version: its latest fold, counting one started and still computing."""

@@ -64,7 +64,8 @@ class SnapshotPublishing:
         fragment, so holding starts in the first round of later fragments): then one snapshot carries
         every fold in between.  Islands adopt what arrives, so fewer snapshots cost freshness only,
         and with diff snapshots the islands together receive what they send instead of N times it."""
-        if snapshot_due(self.published_at.get(fragment), self.core.arrival_intervals(), self.config.snapshot_every_round) <= time.monotonic():
+        now = time.monotonic()
+        if snapshot_due(self.published_at.get(fragment), self.core.arrival_intervals(now), self.config.snapshot_every_round) <= now:
             self.publish_snapshot(fragment, state)
         else:
             self.unpublished.add(fragment)
@@ -73,7 +74,7 @@ class SnapshotPublishing:
     def publish_due(self, now: float) -> float | None:
         """Publish the held-back snapshots that are due (the fragment as folded by now); return when
         the next one is."""
-        wake, intervals = None, self.core.arrival_intervals()
+        wake, intervals = None, self.core.arrival_intervals(now)
         for fragment in sorted(self.unpublished):
             due = snapshot_due(self.published_at.get(fragment), intervals, self.config.snapshot_every_round)
             if due <= now:

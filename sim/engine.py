@@ -329,7 +329,7 @@ class Simulation:
             self.staleness[member.staleness] += 1
             self.folded_tokens += member.tokens
         every = self.snapshots.snapshot_every_round
-        due = snapshot_due(self.published_at.get(fragment), self.core.arrival_intervals() if every > 0 else [], every)  # 0: -inf, now
+        due = snapshot_due(self.published_at.get(fragment), self.core.arrival_intervals(now) if every > 0 else [], every)  # 0: -inf, now
         if due <= now:
             self._publish(fragment, now)
         else:  # SnapshotPublishing.offer_snapshot: held, then published by publish_due
@@ -344,7 +344,7 @@ class Simulation:
     def _publish_held(self, now: float) -> None:
         """SnapshotPublishing.publish_due: the held snapshots that are due go out (an arrival may have
         shortened a round, so this runs on arrivals too)."""
-        intervals, wake = _mean_round(self.core.arrival_intervals()), math.inf
+        intervals, wake = _mean_round(self.core.arrival_intervals(now)), math.inf
         for fragment in sorted(self.held):
             due = snapshot_due(self.published_at.get(fragment), intervals, self.snapshots.snapshot_every_round)
             if due <= now:
