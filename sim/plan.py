@@ -144,9 +144,14 @@ def markdown(p: dict, target: dict | None = None) -> str:
                   "| island | decoupled: its own link, Gbit/s |", "|---|---|"]
         lines += [f"| {name} | {_g(gbps, 'unreachable')} |" for name, gbps in target["decoupled_gbps"].items()]
         lines += ["", f"For the slowest island (which paces every round) to be {target['target']} busy, every link needs: "
-                  f"sync-DP {_g(target['sync_dp_gbps'], 'unreachable at any speed (latency, or the merger)')} Gbit/s, sync-DiLoCo {_g(target['sync_diloco_gbps'], 'unreachable at any speed')} Gbit/s "
+                  f"sync-DP {_speed(target['sync_dp_gbps'], 'unreachable at any speed (latency, or the merger)')}, "
+                  f"sync-DiLoCo {_speed(target['sync_diloco_gbps'], 'unreachable at any speed')} "
                   "(faster islands wait for it whatever the link)."]
     return "\n".join(lines) + "\n"
+
+
+def _speed(gbps: float | None, none: str) -> str:
+    return none if gbps is None else f"{gbps:.3g} Gbit/s"
 
 
 def _g(value: float | None, none: str = "unlimited") -> str:

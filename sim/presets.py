@@ -18,7 +18,7 @@ def seed(held: bool = True, mtbf_s: float = float("inf"), down_s: float = 600.0,
     of TPU v6e and two of v5p; P = 24 fragments, each every H = 24 steps (so one fragment goes out
     after every step); int4 deltas.  Assumed (written out in EXPERIMENTS.md): 256 chips per region at
     40 % MFU, 1 Mi tokens per island step, RTTs 20-70 ms, the merger's outer settings as the shipped
-    profile's, snapshots held to one per fragment per round (`held`; else every fold goes down), a
+    profile's, snapshots held to one per fragment per mean round of the islands (`held`; else every fold goes down), a
     merger folding 10 GB/s (one fold worker per fragment on a server; `dloco bench merger` gives
     this machine's).  Failures: exponential, mean `mtbf_s` per island, each down `down_s`."""
     regions = [("us-east-v6e", "tpu-v6e", 5.0, 0.020), ("us-central-v6e", "tpu-v6e", 4.0, 0.035),
