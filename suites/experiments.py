@@ -120,8 +120,8 @@ LEAN = _chain(_sync(interval=96), _merger(snapshot_every_round=1.0, max_stalenes
 # changes: the default before held snapshots (every fold down as an int4 diff, int4 deltas up), and
 # the lean one (suites/wirebytes.py has the goals).
 EVERY_FOLD_INT4 = _chain(_sync(codec="int4", error_feedback=False), _merger(snapshot_diff_codec="int4", snapshot_every_round=0.0, max_staleness=4))
-HELD_INT4 = _chain(_sync(codec="int4", error_feedback=False), _merger(snapshot_diff_codec="int4", snapshot_every_round=1.0, max_staleness=8))
-LEAN_BYTES = _chain(_sync(codec="topk2", error_feedback=True), _merger(snapshot_diff_codec="topk2", snapshot_every_round=1.0, max_staleness=8))
+HELD_INT2 = _chain(_sync(codec="int4", error_feedback=False), _merger(snapshot_diff_codec="int2", snapshot_every_round=0.5, max_staleness=6))
+LEAN_BYTES = _chain(_sync(codec="topk2", error_feedback=True), _merger(snapshot_diff_codec="int2", snapshot_every_round=0.5, max_staleness=6))
 
 SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
     "speedup": ("The three modes at the default profile's links (scaled like the seed's 2-5 Gbit/s for a 12B model, "
@@ -173,12 +173,11 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
                   ("int4-diff", _merger(snapshot_diff_codec="int4", snapshot_every_round=0.0)),
                   ("int4-diff-held", _merger(snapshot_diff_codec="int4", snapshot_every_round=1.0, max_staleness=8))]),
     "bytes": ("Bytes on the wire per trained token, up and down: sync-dp, the former default (every fold down as an int4 diff, "
-              "int4 deltas up), the same with one int4 diff per fragment per mean round of the islands down (staleness bound 8), "
-              "and the lean configuration (topk2 deltas with error feedback up; one topk2 diff per fragment per "
-              "mean round of the islands down, staleness bound 8): the ratio to sync-dp, "
+              "int4 deltas up), the same with int2 diffs down held to two per fragment per mean round of the islands (staleness "
+              "bound 6), and the lean configuration (those int2 diffs down, topk2 deltas with error feedback up): the ratio to sync-dp, "
               "the merger's model at equal cluster tokens and at equal time, the islands' utilisation, and the goals "
               "(suites/wirebytes.py).",
-              [(wirebytes.SYNC_DP, _mode("sync-dp")), (wirebytes.REFERENCE, EVERY_FOLD_INT4), ("held-int4", HELD_INT4), ("lean", LEAN_BYTES)]),
+              [(wirebytes.SYNC_DP, _mode("sync-dp")), (wirebytes.REFERENCE, EVERY_FOLD_INT4), ("held-int2", HELD_INT2), ("lean", LEAN_BYTES)]),
 }
 # Seconds per run by default (a suite stays within 30 minutes on 2 cores).  heterogeneous: five
 # runs, each ~95 s longer than its length (start-up, stop, trace evaluations), so 240 s.

@@ -46,32 +46,48 @@ def _gap(value: float | None, reference: float | None) -> float | None:
     return None if value is None or reference is None else value / reference - 1
 
 
+def _base(label: str) -> tuple[str, str]:
+    """A label and its repeat suffix (`--from` several folders labels runs "name #k")."""
+    name, _, k = label.partition(" #")
+    return name, f" #{k}" if k else ""
+
+
+def _peer(results: list, run, name: str):
+    """The run called `name` of the same repeat as `run` (else of any repeat), or None."""
+    same = [r for r in results if r.label == name + _base(run.label)[1]]
+    return (same or [r for r in results if _base(r.label)[0] == name] or [None])[0]
+
+
+def _dp_total(results: list, run) -> float | None:
+    dp = _peer(results, run, SYNC_DP)
+    return sum(per_token(dp)) if dp else None
+
+
 def lines(results: list) -> list[str]:
-    """The suite's table of bytes and quality and its goals, as Markdown lines."""
-    by_label = {r.label: r for r in results}
-    dp, ref = by_label.get(SYNC_DP), by_label.get(REFERENCE)
-    dp_total = sum(per_token(dp)) if dp else None
+    """The suite's table of bytes and quality and its goals, as Markdown lines; each run against
+    the references of its own repeat."""
     common = min((r.global_curve[-1]["since_start"] for r in results if r.global_curve), default=None)
     out = ["", f"| run | bytes up / token | bytes down / token (full values) | vs {SYNC_DP} (past full values) | down / up per island (past full values) | merger's model at equal tokens | "
                 f"at {common or 0:.0f} s | vs {REFERENCE} (tokens, time) | least busy island |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         up, down = per_token(r)
-        values = values_per_token(r)
+        values, dp_total, ref = values_per_token(r), _dp_total(results, r), _peer(results, r, REFERENCE)
         ratio = f"{_x(_over(dp_total, up + down))} ({_x(_over(dp_total, up + down - values))})"
         at_time = None if common is None else global_at_time(r, common)
         gaps = [_gap(r.global_equal, ref and ref.global_equal), _gap(at_time, None if ref is None or common is None else global_at_time(ref, common))]
         busy = min((e.get("compute_util", float("nan")) for e in r.last.values()), default=float("nan"))
         out.append(f"| {r.label} | {up:.2f} | {down:.2f} ({values:.2f}) | {ratio} | {', '.join(f'{a:.2f} ({b:.2f})' for a, b in down_over_up(r).values())} "
                    f"| {_num(r.global_equal)} | {_num(at_time)} | {', '.join(_pct(g) for g in gaps)} | {busy:.2f} |")
-    return out + [""] + goals(results, dp_total, ref)
+    return out + [""] + goals(results)
 
 
-def goals(results: list, dp_total: float | None, ref) -> list[str]:
+def goals(results: list) -> list[str]:
     """For each run other than the two references: the three goals, met or by how much not."""
     out = []
     for r in results:
-        if r.label in (SYNC_DP, REFERENCE):
+        if _base(r.label)[0] in (SYNC_DP, REFERENCE):
             continue
+        dp_total, ref = _dp_total(results, r), _peer(results, r, REFERENCE)
         ratio, lasting = _over(dp_total, sum(per_token(r))), _over(dp_total, sum(per_token(r)) - values_per_token(r))
         gap = _gap(r.global_equal, ref and ref.global_equal)
         busy = min((e.get("compute_util", 0.0) for e in r.last.values()), default=0.0)

@@ -175,5 +175,11 @@ def test_the_bytes_suite_tabulates_up_down_quality_and_its_goals():
     assert "- lean: met: 1,000x fewer bytes than sync-dp (goal 800x; 1,600x past the full values" in lines
     assert "met: merger's model +1.0 % against every-fold-int4" in lines
     worse = run("lean", 4_000, 3_000, 0, 2.1, [(80, 2.1)], 0.9)
-    assert ("NOT met: 571x fewer bytes" in (text := "\n".join(wirebytes.goals([dp, ref, worse], 4000.0, ref)))
+    assert ("NOT met: 571x fewer bytes" in (text := "\n".join(wirebytes.goals([dp, ref, worse])))
             and "NOT met: merger's model +5.0 %" in text and "NOT met: least busy island 0.90" in text)
+    # repeats ("--from" two folders): each run against its own repeat's references
+    ref2, lean2 = run("every-fold-int4 #2", 5_000, 20_000, 1_000, 2.1, [(100, 2.1)], 0.99), run("lean #2", 1_000, 3_000, 1_500, 2.1, [(80, 2.1)], 0.98)
+    for r, k in ((dp, " #1"), (ref, " #1"), (lean, " #1")):
+        r.label += k
+    text = "\n".join(wirebytes.goals([dp, ref, lean, ref2, lean2]))
+    assert "- lean #1: met: 1,000x" in text and "+1.0 % against" in text and "- lean #2: met: 1,000x" in text and "+0.0 % against" in text
