@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from protocol import CODEC_NAMES
+from protocol.sparse import SPARSE_BITS
 from protocol.errors import ConfigError as ConfigError  # re-exported: the error these configs raise
 from protocol.errors import require as _require
 
@@ -91,6 +92,9 @@ class SnapshotConfig:
                  f"merger.snapshot_codec must be one of {FULL_SNAPSHOT_CODECS}, got {self.snapshot_codec!r}")
         diff = self.snapshot_diff_codec
         _require(diff == "none" or diff in CODEC_NAMES, f"merger.snapshot_diff_codec must be 'none' or one of {CODEC_NAMES}, got {diff!r}")
+        _require(diff not in SPARSE_BITS, f"merger.snapshot_diff_codec = {diff!r}: a sparse diff moves 1/32 of the value islands hold, which "
+                 "falls behind the global model while their deltas keep pushing it (the merger's model diverged in a measured run, "
+                 "EXPERIMENTS.md 'Bytes'); use int2 or int4")
         _require(self.snapshot_codec != "int8" or diff != "none",
                  "merger.snapshot_codec = 'int8' needs merger.snapshot_diff_codec: without diffs nothing carries its error away")
         _require(type(self.snapshot_full_every) is int and self.snapshot_full_every >= 0,

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from island.config import ConfigError, SyncConfig
+from merger.config import SnapshotConfig
 from protocol import Codec, EncodeError, ProtocolError
 from protocol.error_feedback import compensate, quantize_with_feedback
 
@@ -85,6 +86,8 @@ def test_bad_configuration_is_a_clear_error():
     with pytest.raises(ConfigError, match="block >= 128"):
         SyncConfig(codec="topk4", error_feedback=True, block=64)
     SyncConfig(codec="topk2", error_feedback=True)
+    with pytest.raises(ConfigError, match="diverged"):
+        SnapshotConfig(snapshot_diff_codec="topk2")
 
 
 def test_with_error_feedback_nothing_is_lost_for_good():
