@@ -42,6 +42,20 @@ def global_at_time(result, seconds: float) -> float | None:
     return float(np.interp(seconds, xs, ys))
 
 
+def global_at_tokens(result, tokens: float) -> float | None:
+    """The merger's model's loss when the cluster had trained `tokens` (linear between the measured moments)."""
+    curve = result.global_curve
+    if not curve or tokens > curve[-1]["cluster_tokens"]:
+        return None
+    return float(np.interp(tokens, [0] + [p["cluster_tokens"] for p in curve], [result.global_before] + [p["eval_loss"] for p in curve]))
+
+
+def equal_tokens(results: list) -> int | None:
+    """The fewest cluster tokens any decoupled run trained (sync-dp, far behind, is left out: the
+    suite's own equal-tokens column is at its few tokens)."""
+    return min((r.global_curve[-1]["cluster_tokens"] for r in results if r.global_curve and _base(r.label)[0] != SYNC_DP), default=None)
+
+
 def _gap(value: float | None, reference: float | None) -> float | None:
     return None if value is None or reference is None else value / reference - 1
 
@@ -67,29 +81,32 @@ def lines(results: list) -> list[str]:
     """The suite's table of bytes and quality and its goals, as Markdown lines; each run against
     the references of its own repeat."""
     common = min((r.global_curve[-1]["since_start"] for r in results if r.global_curve), default=None)
-    out = ["", f"| run | bytes up / token | bytes down / token (full values) | vs {SYNC_DP} (past full values) | down / up per island (past full values) | merger's model at equal tokens | "
+    tokens = equal_tokens(results)
+    out = ["", f"| run | bytes up / token | bytes down / token (full values) | vs {SYNC_DP} (past full values) | down / up per island (past full values) | merger's model at {tokens or 0:,} cluster tokens | "
                 f"at {common or 0:.0f} s | vs {REFERENCE} (tokens, time) | least busy island |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         up, down = per_token(r)
         values, dp_total, ref = values_per_token(r), _dp_total(results, r), _peer(results, r, REFERENCE)
         ratio = f"{_x(_over(dp_total, up + down))} ({_x(_over(dp_total, up + down - values))})"
         at_time = None if common is None else global_at_time(r, common)
-        gaps = [_gap(r.global_equal, ref and ref.global_equal), _gap(at_time, None if ref is None or common is None else global_at_time(ref, common))]
+        at_tokens = None if tokens is None else global_at_tokens(r, tokens)
+        gaps = [_gap(at_tokens, None if ref is None or tokens is None else global_at_tokens(ref, tokens)),
+                _gap(at_time, None if ref is None or common is None else global_at_time(ref, common))]
         busy = min((e.get("compute_util", float("nan")) for e in r.last.values()), default=float("nan"))
         out.append(f"| {r.label} | {up:.2f} | {down:.2f} ({values:.2f}) | {ratio} | {', '.join(f'{a:.2f} ({b:.2f})' for a, b in down_over_up(r).values())} "
-                   f"| {_num(r.global_equal)} | {_num(at_time)} | {', '.join(_pct(g) for g in gaps)} | {busy:.2f} |")
+                   f"| {_num(at_tokens)} | {_num(at_time)} | {', '.join(_pct(g) for g in gaps)} | {busy:.2f} |")
     return out + [""] + goals(results)
 
 
 def goals(results: list) -> list[str]:
     """For each run other than the two references: the three goals, met or by how much not."""
-    out = []
+    out, tokens = [], equal_tokens(results)
     for r in results:
-        if _base(r.label)[0] in (SYNC_DP, REFERENCE):
+        if _base(r.label)[0] in (SYNC_DP, REFERENCE) or tokens is None:
             continue
         dp_total, ref = _dp_total(results, r), _peer(results, r, REFERENCE)
         ratio, lasting = _over(dp_total, sum(per_token(r))), _over(dp_total, sum(per_token(r)) - values_per_token(r))
-        gap = _gap(r.global_equal, ref and ref.global_equal)
+        gap = _gap(global_at_tokens(r, tokens), ref and global_at_tokens(ref, tokens))
         busy = min((e.get("compute_util", 0.0) for e in r.last.values()), default=0.0)
         checks = [("bytes", ratio is not None and ratio >= GOAL_RATIO, f"{_x(ratio)} fewer bytes than {SYNC_DP} (goal {GOAL_RATIO:.0f}x; "
                    f"{_x(lasting)} past the full values, which a longer run spreads over more tokens)"),

@@ -155,31 +155,33 @@ def test_the_full_speed_sync_dp_run_trains_the_decoupled_runs_cluster_tokens():
 def test_the_bytes_suite_tabulates_up_down_quality_and_its_goals():
     from suites import wirebytes
 
-    def run(label, up, down, values, loss_equal, curve, util):
+    def run(label, up, down, values, curve, util):
         r = result(label, {"a": [{"since_start": 1, "tokens": 1000, "eval_loss": 3.0}]},
                    {"a": {"tokens": 1000, "bytes_sent": up, "bytes_received": down, "bytes_received_values": values, "compute_util": util}})
-        r.global_equal, r.global_curve = loss_equal, [{"since_start": t, "cluster_tokens": 0, "eval_loss": v} for t, v in curve]
+        r.global_curve = [{"since_start": t, "cluster_tokens": n, "eval_loss": v} for t, n, v in curve]
         return r
 
-    dp = run("sync-dp", 2_000_000, 2_000_000, 0, 3.0, [(100, 3.0)], 0.05)
-    ref = run("every-fold-int4", 5_000, 20_000, 1_000, 2.0, [(50, 2.5), (100, 2.0)], 0.99)
-    lean = run("lean", 1_000, 3_000, 1_500, 2.02, [(40, 2.4), (80, 2.1)], 0.98)
+    dp = run("sync-dp", 2_000_000, 2_000_000, 0, [(100, 150, 3.0)], 0.05)
+    ref = run("every-fold-int4", 5_000, 20_000, 1_000, [(50, 500, 2.5), (100, 1000, 2.0)], 0.99)
+    lean = run("lean", 1_000, 3_000, 1_500, [(40, 300, 2.4), (80, 700, 2.1)], 0.98)
     assert wirebytes.per_token(lean) == (1.0, 3.0) and wirebytes.down_over_up(lean) == {"a": (3.0, 1.5)}
     assert wirebytes.global_at_time(lean, 20) == pytest.approx((6.0 + 2.4) / 2)  # from the initial model (6.0) at 0 s
-    assert wirebytes.global_at_time(lean, 90) is None  # past its last measured moment
+    assert wirebytes.global_at_time(lean, 90) is None and wirebytes.global_at_tokens(lean, 800) is None  # past its last moment
+    assert wirebytes.equal_tokens([dp, ref, lean]) == 700  # sync-dp's 150 left out
     lines = "\n".join(wirebytes.lines([dp, ref, lean]))
-    # common time: the earliest last moment, 80 s; ref there: 2.5 + (2.0 - 2.5) * 30 / 50 = 2.2; lean 2.1: -4.5 %
-    # past full values: 4,000 / (4 - 1.5) = 1,600x
-    assert "| lean | 1.00 | 3.00 (1.50) | 1,000x (1,600x) | 3.00 (1.50) | 2.020 | 2.100 | +1.0 %, -4.5 % | 0.98 |" in lines
-    assert "| every-fold-int4 | 5.00 | 20.00 (1.00) | 160x (167x) |" in lines
+    # at 700 cluster tokens ref is 2.5 - 0.5 * 200 / 500 = 2.3, lean 2.1: -8.7 %; at 80 s (the earliest last
+    # moment) ref is 2.5 - 0.5 * 30 / 50 = 2.2: -4.5 %; past full values 4,000 / (4 - 1.5) = 1,600x
+    assert "merger's model at 700 cluster tokens" in lines
+    assert "| lean | 1.00 | 3.00 (1.50) | 1,000x (1,600x) | 3.00 (1.50) | 2.100 | 2.100 | -8.7 %, -4.5 % | 0.98 |" in lines
+    assert "| every-fold-int4 | 5.00 | 20.00 (1.00) | 160x (167x) | 4.00 (3.80) | 2.300 |" in lines
     assert "- lean: met: 1,000x fewer bytes than sync-dp (goal 800x; 1,600x past the full values" in lines
-    assert "met: merger's model +1.0 % against every-fold-int4" in lines
-    worse = run("lean", 4_000, 3_000, 0, 2.1, [(80, 2.1)], 0.9)
+    assert "met: merger's model -8.7 % against every-fold-int4" in lines
+    worse = run("lean", 4_000, 3_000, 0, [(80, 700, 2.415)], 0.9)
     assert ("NOT met: 571x fewer bytes" in (text := "\n".join(wirebytes.goals([dp, ref, worse])))
             and "NOT met: merger's model +5.0 %" in text and "NOT met: least busy island 0.90" in text)
     # repeats ("--from" two folders): each run against its own repeat's references
-    ref2, lean2 = run("every-fold-int4 #2", 5_000, 20_000, 1_000, 2.1, [(100, 2.1)], 0.99), run("lean #2", 1_000, 3_000, 1_500, 2.1, [(80, 2.1)], 0.98)
+    ref2, lean2 = run("every-fold-int4 #2", 5_000, 20_000, 1_000, [(50, 700, 2.1), (100, 1000, 2.0)], 0.99), run("lean #2", 1_000, 3_000, 1_500, [(80, 700, 2.1)], 0.98)
     for r, k in ((dp, " #1"), (ref, " #1"), (lean, " #1")):
         r.label += k
     text = "\n".join(wirebytes.goals([dp, ref, lean, ref2, lean2]))
-    assert "- lean #1: met: 1,000x" in text and "+1.0 % against" in text and "- lean #2: met: 1,000x" in text and "+0.0 % against" in text
+    assert "- lean #1: met: 1,000x" in text and "-8.7 % against" in text and "- lean #2: met: 1,000x" in text and "+0.0 % against" in text
