@@ -1,9 +1,13 @@
-"""The merger's choice between a full snapshot, a diff and a reply, against hand-derived cases."""
+"""The merger's choice between a full snapshot, a diff and a reply, and when a held snapshot is due, against hand-derived cases."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 
+from merger import round_policy
 from merger.snapshot_form import DIFF, FULL, REPLY, snapshot_form
 
 
@@ -28,3 +32,20 @@ from merger.snapshot_form import DIFF, FULL, REPLY, snapshot_form
 ])
 def test_snapshot_form(version, served, on_bus, every, form):
     assert snapshot_form(version, served, on_bus, every) == form
+
+
+def test_an_island_silent_for_two_of_its_intervals_no_longer_holds_snapshots():
+    from merger.config import MergerConfig
+    from merger.core import MergerCore
+    from protocol import model_fingerprint
+
+    params = {"w": np.zeros(1, np.float32)}
+    core = MergerCore(MergerConfig(), model_fingerprint(params), [["w"]], params)
+    core.history[0]["fast"] = round_policy.ArrivalStats(last=100.0, interval=4.0)
+    core.history[0]["slow"] = round_policy.ArrivalStats(last=95.0, interval=12.0)
+    core.history[0]["new"] = round_policy.ArrivalStats(last=99.0, interval=None)
+    assert sorted(core.arrival_intervals(), key=str) == sorted([4.0, 12.0, None], key=str)
+    assert sorted(core.arrival_intervals(now=105.0), key=str) == sorted([4.0, 12.0, None], key=str)  # slow: 10 s <= 24
+    assert sorted(core.arrival_intervals(now=115.0), key=str) == sorted([12.0, None], key=str)  # fast: silent 15 s > 8; slow 20 s <= 24
+    assert core.arrival_intervals(now=200.0) == [None]  # both gone: snapshot_due publishes at once
+    assert round_policy.snapshot_due(150.0, core.arrival_intervals(now=200.0), 1.0) == -math.inf
