@@ -87,7 +87,7 @@ def lines(results: list) -> list[str]:
     for r in results:
         up, down = per_token(r)
         values, dp_total, ref = values_per_token(r), _dp_total(results, r), _peer(results, r, REFERENCE)
-        ratio = f"{_x(_over(dp_total, up + down))} ({_x(_over(dp_total, up + down - values))})"
+        ratio = f"{_x(_over(dp_total, up + down))} ({_x(_over(dp_total, up + down - values))})" if _base(r.label)[0] != SYNC_DP else "1x"
         at_time = None if common is None else global_at_time(r, common)
         at_tokens = None if tokens is None else global_at_tokens(r, tokens)
         gaps = [_gap(at_tokens, None if ref is None or tokens is None else global_at_tokens(ref, tokens)),
