@@ -8,9 +8,10 @@ A delta tensor arrives as records (scale_b, codes q_bi) with value d_bi = scale_
 
 (sparse codecs: d_bj = scale_b * level_bj at the block's kept indices only, so u is a scatter-add
 of f_mb * level_mbj, one delta after another; each delta's indices are distinct, so the order of
-the additions is fixed too), so passes over the codes give the merged direction u (up to 8 deltas per XLA call; a round's size
-is padded to 1, 2, 4 or 8 so that few shapes are ever compiled), and the radius/length rescaling
-of RDA (merger/rda.py) is one multiply on the way into the outer step.  u is accumulated per
+the additions is fixed too), so passes over the codes give the merged direction u (up to 8
+deltas per XLA call; a round's size is padded to 1, 2, 4 or 8 so that few shapes are ever
+compiled), and the radius/length rescaling of RDA (merger/rda.py) is one multiply on the way into
+the outer step.  u is accumulated per
 position in the byte (two arrays for int4) and interleaved into value order once, by the round's
 last kernel call, which also sums its squares per block; the outer step (`merge_and_step`) cuts
 it into the fragment's tensors in the same XLA computation, each tensor from slices of just the
