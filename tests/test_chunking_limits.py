@@ -31,7 +31,7 @@ def round_trip(fragment, codec, limits=protocol.DEFAULT_LIMITS) -> tuple[list[li
     return frames, done[0].tensors
 
 
-@pytest.mark.parametrize("name", protocol.CODEC_NAMES)
+@pytest.mark.parametrize("name", [n for n in protocol.CODEC_NAMES if n != "topk4"])  # topk4's records are topk2's, wider
 @pytest.mark.parametrize("max_header_bytes,per_chunk", [(65536, 64512 // 101), (1 << 20, 1024)])
 def test_5000_scalar_tensors_round_trip(name, max_header_bytes, per_chunk):
     """Scalars are cut by header room (101 bytes per slice map: 638 a chunk) under the default
