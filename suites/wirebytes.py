@@ -11,18 +11,19 @@ SYNC_DP, REFERENCE = "sync-dp", "every-fold-int4"  # the suite's labels of the b
 GOAL_RATIO, GOAL_QUALITY, GOAL_BUSY = 800.0, 0.015, 0.97  # fewer bytes than sync-dp; within 1.5 % at equal tokens; busy
 
 
+def _per_token(result, key: str) -> float:
+    tokens = sum(e.get("tokens", 0) for e in result.last.values())
+    return sum(e.get(key, 0) for e in result.last.values()) / tokens if tokens else float("nan")
+
+
 def per_token(result) -> tuple[float, float]:
     """(bytes up, bytes down) per token the cluster trained."""
-    tokens = sum(e.get("tokens", 0) for e in result.last.values())
-    up = sum(e.get("bytes_sent", 0) for e in result.last.values())
-    down = sum(e.get("bytes_received", 0) for e in result.last.values())
-    return (up / tokens, down / tokens) if tokens else (float("nan"), float("nan"))
+    return _per_token(result, "bytes_sent"), _per_token(result, "bytes_received")
 
 
 def values_per_token(result) -> float:
     """Bytes per token of the full values the islands received (the model at the start, catch-ups)."""
-    tokens = sum(e.get("tokens", 0) for e in result.last.values())
-    return sum(e.get("bytes_received_values", 0) for e in result.last.values()) / tokens if tokens else float("nan")
+    return _per_token(result, "bytes_received_values")
 
 
 def down_over_up(result) -> dict[str, tuple[float, float]]:
@@ -32,22 +33,23 @@ def down_over_up(result) -> dict[str, tuple[float, float]]:
             for name, e in result.last.items() if e.get("bytes_sent")}
 
 
-def global_at_time(result, seconds: float) -> float | None:
-    """The merger's model's loss `seconds` after the cluster's first step (linear between the measured moments)."""
+def _global_at(result, key: str, x: float) -> float | None:
+    """The merger's model's loss at `x` of `key` (since_start or cluster_tokens), linear between the
+    measured moments and from the initial model at 0; None past the last moment."""
     curve = result.global_curve
-    if not curve or seconds > curve[-1]["since_start"] + 1e-9:
+    if not curve or x > curve[-1][key] + 1e-9:
         return None
-    xs = [0.0] + [p["since_start"] for p in curve]
-    ys = [result.global_before] + [p["eval_loss"] for p in curve]
-    return float(np.interp(seconds, xs, ys))
+    return float(np.interp(x, [0.0] + [p[key] for p in curve], [result.global_before] + [p["eval_loss"] for p in curve]))
+
+
+def global_at_time(result, seconds: float) -> float | None:
+    """The merger's model's loss `seconds` after the cluster's first step."""
+    return _global_at(result, "since_start", seconds)
 
 
 def global_at_tokens(result, tokens: float) -> float | None:
-    """The merger's model's loss when the cluster had trained `tokens` (linear between the measured moments)."""
-    curve = result.global_curve
-    if not curve or tokens > curve[-1]["cluster_tokens"]:
-        return None
-    return float(np.interp(tokens, [0] + [p["cluster_tokens"] for p in curve], [result.global_before] + [p["eval_loss"] for p in curve]))
+    """The merger's model's loss when the cluster had trained `tokens`."""
+    return _global_at(result, "cluster_tokens", tokens)
 
 
 def equal_tokens(results: list) -> int | None:
