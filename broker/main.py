@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from cliargs import add_metrics_flags
+
 
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     broker = commands.add_parser("broker", help="run the broker: XSUB/XPUB proxies for the delta and snapshot buses")
@@ -19,6 +21,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     broker.add_argument("--memory-mib", type=positive_int, default=512, help="queue budget per socket, MiB")
     broker.add_argument("--chunk-bytes", type=positive_int, default=1 << 20, help="typical message size, to size high-water marks")
     broker.add_argument("--stats-every", type=float, default=10.0, help="seconds between counter log lines")
+    add_metrics_flags(broker)
     broker.set_defaults(run=run_broker)
 
     keys = commands.add_parser("keys", help="create CURVE key pairs (mode 0600), one per component")
@@ -49,7 +52,8 @@ def run_broker(args: argparse.Namespace) -> int:
                 raise DlocoError("CURVE is on by default: give --keys DIR (with broker.key_secret) and --allow DIR, or --insecure")
             security = Security(Path(args.keys), "broker", Path(args.allow))
         config = BrokerConfig((BusEndpoints("delta", args.delta_in, args.delta_out), BusEndpoints("snapshot", args.snapshot_in, args.snapshot_out)),
-                              memory_bytes=args.memory_mib << 20, chunk_bytes=args.chunk_bytes, security=security, stats_every_s=args.stats_every)
+                              memory_bytes=args.memory_mib << 20, chunk_bytes=args.chunk_bytes, security=security, stats_every_s=args.stats_every,
+                              metrics_port=args.metrics_port, metrics_host=args.metrics_host)
         broker = Broker(config, log)
     except (DlocoError, OSError) as error:
         print(f"dloco broker: {error}", file=sys.stderr)

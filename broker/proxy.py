@@ -44,6 +44,8 @@ class BrokerConfig:
     chunk_bytes: int = 1 << 20  # typical message size, to turn the budget into a high-water mark
     security: Security = Security(None, "broker")  # CURVE server with an allowlist, or plaintext (--insecure)
     stats_every_s: float = 10.0
+    metrics_port: int | None = None  # Prometheus metrics served on this port (telemetry/prom.py); None: off
+    metrics_host: str = "127.0.0.1"
 
     @property
     def hwm(self) -> int:
@@ -76,6 +78,16 @@ class Broker:
         self.refused = collections.Counter()  # messages not forwarded: sender_mismatch, unreadable header
         self.last_warned: dict[str, float] = {}
         self.stopping = False
+        self.metrics_server = None
+        if config.metrics_port is not None:
+            from telemetry import prom
+
+            try:
+                self.metrics_server = prom.serve(config.metrics_port, config.metrics_host, prom.registry_of(lambda: prom.broker_families(self.stats())))
+            except BaseException:
+                Security.stop(self.context)
+                self.context.destroy(linger=0)
+                raise
 
     def _socket(self, kind: int, endpoint: str, domain: str) -> zmq.Socket:
         return open_socket(self.context, kind, f"@{endpoint}", self.config.security, send_hwm=self.config.hwm, receive_hwm=self.config.hwm,
@@ -105,6 +117,8 @@ class Broker:
                     next_stats = time.monotonic() + self.config.stats_every_s
         finally:
             self.log.info("broker_stopped", **self.stats())
+            if self.metrics_server is not None:
+                self.metrics_server.shutdown()
             Security.stop(self.context)
             self.context.destroy(linger=0)
         return 0

@@ -1,4 +1,5 @@
-"""Argument types shared by every process's command line (`int_at_least`, `float_at_least`).
+"""Argument types and flags shared by every process's command line (`int_at_least`, `float_at_least`,
+`add_metrics_flags`).
 
 May import: the standard library only."""
 
@@ -28,3 +29,9 @@ def _at_least(kind, low, what: str):
         return value
 
     return parse
+
+
+def add_metrics_flags(parser: argparse.ArgumentParser) -> None:
+    """--metrics-port and --metrics-host: Prometheus metrics (telemetry/prom.py), off unless a port is given."""
+    parser.add_argument("--metrics-port", type=int_at_least(1), default=None, help="serve Prometheus metrics on this port (default: off)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="the address the metrics port binds (0.0.0.0 in a container)")

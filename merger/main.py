@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cliargs import float_at_least, int_at_least
+from cliargs import add_metrics_flags, float_at_least, int_at_least
 from merger.config import FULL_SNAPSHOT_CODECS, ConfigError, MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
 from protocol import CODEC_NAMES, DlocoError
 
@@ -50,6 +50,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
                         help="memory for islands' messages not yet whole or in order: 2/3 for partial deltas, 1/3 for messages "
                              "beyond a gap; one island may hold half of each (default 768)")
     merger.add_argument("--peer-timeout", type=float, default=10.0, help="seconds of silence after which an island is logged as gone")
+    add_metrics_flags(merger)
     merger.add_argument("--name", default="merger", help="sender id and key name (default merger)")
     merger.add_argument("--keys", type=Path, help="CURVE key directory (NAME.key_secret, broker.key); CURVE is the default")
     merger.add_argument("--allow", type=Path, help="accepted client public keys, for the sockets this merger binds")
@@ -91,7 +92,8 @@ def run_merger(args: argparse.Namespace) -> int:
                                               snapshot_full_every=args.snapshot_full_every, snapshot_every_round=args.snapshot_every_round,
                                               checkpoint_every=args.checkpoint_every, security=security,
                                               reassembly_bytes=(args.receive_mib << 20) * 2 // 3, held_bytes=(args.receive_mib << 20) // 3,
-                                              peer_timeout_s=args.peer_timeout), core_factory=factory)
+                                              peer_timeout_s=args.peer_timeout, metrics_port=args.metrics_port,
+                                              metrics_host=args.metrics_host), core_factory=factory)
     except (DlocoError, OSError, zmq.ZMQError) as error:
         print(f"dloco merger: {error}", file=sys.stderr)
         return 2

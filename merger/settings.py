@@ -29,3 +29,5 @@ class ServiceConfig:
     held_bytes: int = 256 << 20  # stream messages held beyond a gap, in all (each island: half of it)
     peer_timeout_s: float = 10.0  # an island silent this long (no chunk, no heartbeat) is logged as gone
     security: Security = Security(None, "merger")  # plaintext unless keys are given
+    metrics_port: int | None = None  # Prometheus metrics served on this port (telemetry/prom.py); None: off
+    metrics_host: str = "127.0.0.1"

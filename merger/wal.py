@@ -39,6 +39,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,8 @@ class WriteAheadLog:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.segment_bytes, self.fsync = segment_bytes, fsync
+        self.bytes_appended = 0  # by this process (metrics)
+        self.on_fsync = None  # called with each fsync's seconds (metrics), outside the lock
         self.truncated_bytes = 0
         self.discarded: list[str] = []  # segments set aside after a torn record (see the module docstring)
         self._cond = threading.Condition()  # guards the fields below; fsync runs with it released
@@ -239,6 +242,7 @@ class WriteAheadLog:
         except OSError as error:
             raise StorageError(f"cannot append to the write-ahead log in {self.directory}: {error.strerror or error}") from error
         self._segment_size += size
+        self.bytes_appended += size
         index, self.next_index = self.next_index, self.next_index + 1
         if self.fsync == "always":
             self.sync()  # covers this record: the ticket is the index after it
@@ -319,11 +323,14 @@ class WriteAheadLog:
         self._cond.release()
         failure, interrupted = None, None
         try:
+            began = time.perf_counter()
             for fd in rotated:
                 os.fsync(fd)
             if directory:
                 _fsync_dir(self.directory)
             os.fsync(current)
+            if self.on_fsync is not None:
+                self.on_fsync(time.perf_counter() - began)
         except OSError as error:
             failure = StorageError(f"fsync of the write-ahead log failed: {error}")
         except BaseException as error:  # e.g. KeyboardInterrupt: the taken segments are not known to be on disk
