@@ -184,7 +184,7 @@ SOCKET_ROLES = {
     "delta-out": frozenset({"merger", "observer"}),  # ... subscribers' side: no island reads another's deltas
     "snapshot-in": frozenset({"merger"}),  # the snapshot bus (snapshots, acks), publishers' side
     "snapshot-out": frozenset({"island", "observer"}),
-    "control": frozenset({"island"}),  # the merger's ROUTER: catch-up and resend requests
+    "control": frozenset({"island", "observer"}),  # the merger's ROUTER: catch-up and resend requests (an observer's deltas are refused there)
 }
 
 
@@ -307,6 +307,12 @@ class Security:
             _authenticators[id(context)][2].watch(socket)
         else:
             make_client(socket, Identity.load(self.keys, self.name, server=server))
+
+    def names_with_role(self, role: str) -> frozenset[str]:
+        """The names the allow-list gives `role` (empty when insecure or without one)."""
+        if self.keys is None or self.allow is None:
+            return frozenset()
+        return frozenset(peer.name for peer in load_allow_list(self.allow).values() if peer.role == role)
 
     @staticmethod
     def refused(context: zmq.Context) -> int:

@@ -151,7 +151,7 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         require(len(self.regions) >= 1, "a cluster needs at least one region")
         require(len({r.name for r in self.regions}) == len(self.regions), "region names must be unique")
-        require(not {r.name for r in self.regions} & {"merger", "broker"}, "'merger' and 'broker' are not region names")
+        require(not {r.name for r in self.regions} & {"merger", "broker", "evaluator"}, "'merger', 'broker' and 'evaluator' are not region names")
         require(self.duration_s > 0, f"run.duration_s must be > 0, got {self.duration_s}")
         require(type(self.max_steps) is int and self.max_steps >= 0, f"run.max_steps must be an int >= 0, got {self.max_steps!r}")
         require(type(self.eval_early) is bool, f"run.eval_early must be true or false, got {self.eval_early!r}")

@@ -19,6 +19,13 @@ class Addresses:
     broker_host: str = "127.0.0.1"  # as dialled by the merger and the islands
     merger_host: str = "127.0.0.1"
     bind_host: str = "127.0.0.1"  # what the broker and the merger bind ("*" in a container)
+    metrics_ports: dict[str, str] | None = None  # process name -> its Prometheus port (None: no metrics)
+
+    def metrics(self, name: str) -> list[str]:
+        """A process's --metrics-port/--metrics-host flags (none without a port)."""
+        if not self.metrics_ports or name not in self.metrics_ports:
+            return []
+        return ["--metrics-port", self.metrics_ports[name], "--metrics-host", "0.0.0.0" if self.bind_host == "*" else self.bind_host]
 
     def broker(self, index: int) -> str:
         return f"tcp://{self.broker_host}:{self.broker_ports[index]}"
@@ -46,8 +53,9 @@ def prepare_command(config_path: str, run_dir: str) -> list[str]:
 
 
 def commands(config: ClusterConfig, at: Addresses, run_dir: str, place=lambda path: path) -> dict[str, list[str]]:
-    """`dloco` arguments (without the program) of the broker, the merger and every island; `place`
-    maps the task's host paths to the islands' (model_args)."""
+    """`dloco` arguments (without the program) of the broker, the merger, the evaluator (the global
+    model during the run, island/evaluator.py) and every island; `place` maps the task's host paths
+    to the islands' (model_args)."""
     keys, b = f"{run_dir}/keys", at.broker_ports
     out = {"broker": ["broker", "--keys", keys, "--allow", f"{run_dir}/allow", "--delta-in", f"tcp://{at.bind_host}:{b[0]}",
                       "--delta-out", f"tcp://{at.bind_host}:{b[1]}", "--snapshot-in", f"tcp://{at.bind_host}:{b[2]}",
@@ -62,6 +70,9 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str, place=lambda pa
                      "--snapshot-codec", mc.snapshot_codec, "--snapshot-diff-codec", mc.snapshot_diff_codec,
                      "--snapshot-full-every", mc.snapshot_full_every, "--share-window", mc.share_window,
                      "--snapshot-every-round", mc.snapshot_every_round]
+    out["evaluator"] = ["evaluator", "--name", "evaluator", "--islands", len(config.regions), *model_args(config, place), "--fragments", sc.fragments,
+                        "--keys", keys, "--snapshot-endpoint", at.broker(3), "--control-endpoint", f"tcp://{at.merger_host}:{at.control_port}",
+                        "--metrics-out", f"{run_dir}/global.jsonl"]
     for index, region in enumerate(config.regions):  # with island_cpus the quota slows a region down, not a sleep
         links = []
         for flag, value in (("--uplink-mbps", region.uplink_mbps), ("--downlink-mbps", region.downlink_mbps)):
@@ -76,4 +87,4 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str, place=lambda pa
             "--slowdown", 1.0 if config.island_cpus else region.slowdown, *links, "--rtt-ms", region.rtt_ms, "--keys", keys,
             "--delta-endpoint", at.broker(0), "--snapshot-endpoint", at.broker(3), "--control-endpoint", f"tcp://{at.merger_host}:{at.control_port}",
             "--metrics-out", f"{run_dir}/metrics/{region.name}.jsonl", "--join-timeout", 300]
-    return {name: [str(arg) for arg in args] for name, args in out.items()}
+    return {name: [str(arg) for arg in [*args, *at.metrics(name)]] for name, args in out.items()}

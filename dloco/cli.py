@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_island_commands(commands, _positive_int)
 
+    from island.evaluator_main import add_commands as add_evaluator_commands
+
+    add_evaluator_commands(commands)
+
     up = commands.add_parser("up", help="the main job: broker, merger and one island per region on this machine, with a live view and a report")
     up.add_argument("--config", type=Path, default=None, help="cluster file (TOML); default: the shipped 4-region profile")
     up.add_argument("--run-dir", type=Path, default=None, help="where logs, metrics, the merger's log and the report go (default runs/<time>)")
@@ -77,7 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kill -9 / restart processes when the run reaches a point: an island's steps, the merger's folds or seconds, "
                          "e.g. 'kill:us-east@step=60,restart:us-east@us-west.step=150,kill:merger@folds=20,restart:merger@us-west.step=250' "
                          "(overrides the cluster file's [[chaos]]; cluster/chaos.py)")
+    up.add_argument("--status-port", type=int, default=0, metavar="PORT",
+                    help="serve the live status page at http://127.0.0.1:PORT/ (default 0: a free port, printed at start; -1: no page)")
     up.set_defaults(run=_up)
+
+    status = commands.add_parser("status", help="serve the live status page of a run directory (a running or a finished run)")
+    status.add_argument("run_dir", type=Path)
+    status.add_argument("--port", type=int, default=8080, help="http://HOST:PORT/ (default 8080; 0: a free port)")
+    status.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only)")
+    status.set_defaults(run=_status)
 
     experiment = commands.add_parser("experiment", help="run a named suite of cluster runs side by side; Markdown + PNG plots")
     experiment.add_argument("name", choices=("speedup", "heterogeneous", "faults", "quantization", "quantization-sync", "adoption", "merging", "downlink", "bytes"), help="the suite (suites/experiments.py says what each measures)")
@@ -173,10 +185,32 @@ def _up(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     wanted = [s.strip() for s in args.services.split(",") if s.strip()] if args.services else None
     try:
-        return launcher.run(cluster, run_dir, compose_file=args.compose, wanted=wanted)
+        return launcher.run(cluster, run_dir, compose_file=args.compose, wanted=wanted, status_port=None if args.status_port < 0 else args.status_port)
     except (launcher.LaunchError, DlocoError, OSError) as error:
         print(f"dloco up: {error}", file=sys.stderr)
         return 2
+
+
+def _status(args: argparse.Namespace) -> int:
+    import time
+
+    from analysis.runinfo import RunCluster
+    from cluster import status
+    from protocol import DlocoError
+
+    try:
+        regions = [region.name for region in RunCluster.read(args.run_dir).regions]
+        server = status.serve(args.run_dir, regions, args.port, args.host)
+    except (DlocoError, OSError) as error:
+        print(f"dloco status: {error}", file=sys.stderr)
+        return 2
+    print(f"dloco status: http://{args.host}:{server.server_address[1]}/ (Ctrl-C stops)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.shutdown()
+    return 0
 
 
 def _experiment(args: argparse.Namespace) -> int:

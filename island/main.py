@@ -8,6 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
+from cliargs import add_metrics_flags, int_at_least
 from island.config import ADOPTIONS, MODEL_SIZES, SyncConfig
 from island.task import BUILTIN
 
@@ -20,23 +21,9 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     island = commands.add_parser("island", help="run an island: train on its shard and exchange fragments")
     island.add_argument("--standalone", action="store_true", help="no broker, no merger: the single-island baseline")
     island.add_argument("--max-steps", type=positive_int, default=600)
-    island.add_argument("--task", default=None, metavar="PATH.py:FUNCTION",
-                        help="what to train: a function returning island.task.Task, as PATH.py:FUNCTION or MODULE:FUNCTION "
-                             f"(default: the built-in LM, {BUILTIN})")
-    island.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE", help="an option for the task function (repeatable)")
-    island.add_argument("--island-index", type=int, default=0, help="which shard this island trains on")
-    island.add_argument("--islands", type=positive_int, default=1, help="how many shards the data is cut into")
+    add_task_flags(island)
     island.add_argument("--name", default="island-0")
     island.add_argument("--region", default="local")
-    lm = island.add_argument_group("the built-in LM's options (shorthand for --task-option KEY=VALUE)")
-    lm.add_argument("--model-size", dest="size", choices=MODEL_SIZES, default=None, help="a preset (default tiny: 0.87 M parameters)")
-    for flag in ("width", "depth", "heads", "context", "vocab"):
-        lm.add_argument(f"--{flag}", type=positive_int, default=None, help="override the preset's")
-    source = lm.add_mutually_exclusive_group()
-    source.add_argument("--corpus", type=Path, default=None, help="file or folder of text (default: this Python's standard library sources)")
-    source.add_argument("--tokens", type=Path, default=None, metavar="FILE", help="a token file (.bin or .npy of uint16/uint32 ids; dloco tokenize writes one)")
-    lm.add_argument("--eval-batches", type=positive_int, default=None, help="held-out batches (default 8)")
-    island.add_argument("--batch", type=positive_int, default=16)
     island.add_argument("--lr", type=float, default=3e-3)
     island.add_argument("--warmup", type=int, default=50)
     island.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
@@ -45,12 +32,12 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     island.add_argument("--eval-trace", type=int, default=0, metavar="N",
                         help="copy the parameters after each of the first N steps and evaluate them once training is over "
                              "(the loss at every early step, without spending training time on evaluations)")
-    island.add_argument("--seed", type=int, default=0)
     island.add_argument("--slowdown", type=float, default=1.0, help="each step takes X times its own compute time (an older chip)")
     island.add_argument("--cpu-cgroup", type=Path, default=None, metavar="DIR",
                         help="a cgroup with a CPU quota (made by dloco up for run.island_cpus): the island trains in it from its "
                              "second step and leaves it when training ends (an older chip, without sleeping)")
     island.add_argument("--metrics-out", type=Path, default=None, help="JSON lines, one object per step")
+    add_metrics_flags(island)
     island.add_argument("--write-init", type=Path, default=None, help="write the initial parameters (.npz, for `dloco merger --init-npz`) and exit")
     network = island.add_argument_group("network (all connect: islands only dial out)")
     network.add_argument("--delta-endpoint", help="PUB for deltas, e.g. tcp://127.0.0.1:5555")
@@ -84,6 +71,27 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     island.set_defaults(run=run_island)
 
 
+def add_task_flags(parser: argparse.ArgumentParser) -> None:
+    """What to train and on what: the task, its options, the shard, the batch and the seed (islands and the evaluator)."""
+    positive_int = int_at_least(1)
+    parser.add_argument("--task", default=None, metavar="PATH.py:FUNCTION",
+                        help="what to train: a function returning island.task.Task, as PATH.py:FUNCTION or MODULE:FUNCTION "
+                             f"(default: the built-in LM, {BUILTIN})")
+    parser.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE", help="an option for the task function (repeatable)")
+    parser.add_argument("--island-index", type=int, default=0, help="which shard this island trains on")
+    parser.add_argument("--islands", type=positive_int, default=1, help="how many shards the data is cut into")
+    lm = parser.add_argument_group("the built-in LM's options (shorthand for --task-option KEY=VALUE)")
+    lm.add_argument("--model-size", dest="size", choices=MODEL_SIZES, default=None, help="a preset (default tiny: 0.87 M parameters)")
+    for flag in ("width", "depth", "heads", "context", "vocab"):
+        lm.add_argument(f"--{flag}", type=positive_int, default=None, help="override the preset's")
+    source = lm.add_mutually_exclusive_group()
+    source.add_argument("--corpus", type=Path, default=None, help="file or folder of text (default: this Python's standard library sources)")
+    source.add_argument("--tokens", type=Path, default=None, metavar="FILE", help="a token file (.bin or .npy of uint16/uint32 ids; dloco tokenize writes one)")
+    lm.add_argument("--eval-batches", type=positive_int, default=None, help="held-out batches (default 8)")
+    parser.add_argument("--batch", type=positive_int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def run_island(args: argparse.Namespace) -> int:
     early_stop = []  # SIGTERM while starting (imports, compiling, joining): stop cleanly, not by the default action
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -94,7 +102,7 @@ def run_island(args: argparse.Namespace) -> int:
     from telemetry.logs import configure_logging
 
     log = configure_logging("island", island=args.name, region=args.region)
-    link = None
+    link = metrics_server = None
     try:
         # Everything that can be checked without JAX first: a bad argument fails in a second, not after the import.
         train = TrainConfig(batch=args.batch, lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_steps=args.max_steps,
@@ -142,6 +150,8 @@ def run_island(args: argparse.Namespace) -> int:
             cpu_group.join()
             log.info("cpu_quota", group=str(cpu_group.path))
         metrics = MetricsWriter(args.metrics_out)
+        if args.metrics_port is not None:
+            metrics_server = serve_metrics(args, metrics, link)
         loop = IslandLoop(trainer, task.batches, task.eval_batches, train, sync, metrics, link=link, slowdown=args.slowdown, log=log,
                           on_compiled=enter_quota if cpu_group else None, count=task.tokens_in)
         signals = []
@@ -176,9 +186,21 @@ def run_island(args: argparse.Namespace) -> int:
     finally:
         if link is not None:
             link.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
     log.info("done", **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})
     print(json.dumps(summary))
     return 0
+
+
+def serve_metrics(args: argparse.Namespace, metrics, link):
+    """Prometheus metrics from the island's last step event and its link (telemetry/prom.py)."""
+    from telemetry import prom
+
+    def read():
+        received = {f: held.version for f, held in dict(link.downlink.served).items()} if link is not None else {}
+        return prom.island_families(metrics.latest, len(link.uplink.outbox) if link is not None else 0, received)
+    return prom.serve(args.metrics_port, args.metrics_host, prom.registry_of(read))
 
 
 def task_options(args: argparse.Namespace) -> dict:

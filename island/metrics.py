@@ -13,12 +13,17 @@ class MetricsWriter:
         self.path = Path(path) if path is not None else None
         self._queue: queue.Queue = queue.Queue()
         self._thread = None
+        self.written = 0
+        self.latest: dict = {}  # each key's last value (Prometheus reads it: telemetry/prom.py)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._thread = threading.Thread(target=self._drain, name="metrics", daemon=True)
             self._thread.start()
 
     def write(self, event: dict) -> None:
+        self.written += 1
+        if not event.get("deferred"):  # (a trace's evaluation after training is of an earlier step)
+            self.latest = {**self.latest, **event}
         if self._thread is not None:
             self._queue.put(event)
 

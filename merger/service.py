@@ -19,6 +19,7 @@ linger 0 and exit 0.
 
 from __future__ import annotations
 
+import collections
 import math
 import signal
 import threading
@@ -93,6 +94,19 @@ class MergerService(SnapshotPublishing):
         self.next_resend = self.next_cursor = 0.0
         self.last_seen: dict[str, float] = {}
         self.gone: set[str] = set()
+        self.ingest_bytes, self.folds_by_fragment = 0, collections.Counter()
+        self.observers = config.security.names_with_role("observer")  # CURVE peers that may ask for snapshots, never send deltas
+        self.metrics_server, self.histograms = self._serve_metrics() if config.metrics_port is not None else (None, None)
+
+    def _serve_metrics(self):
+        from telemetry import prom
+
+        registry = prom.registry_of(lambda: prom.merger_families(
+            dict(self.counters), dict(self.core.rejected), dict(self.folds_by_fragment), [s.version for s in self.core.states],
+            self.ingest_bytes, self.wal.bytes_appended))
+        histograms = prom.merger_histograms(registry)
+        self.wal.on_fsync = histograms[2].observe
+        return prom.serve(self.config.metrics_port, self.config.metrics_host, registry), histograms
 
     def _socket(self, kind: int, endpoint: str, server: str, domain: str, receive_hwm: int | None = None) -> zmq.Socket:
         return open_socket(self.context, kind, endpoint, self.config.security, server, domain=domain, receive_hwm=receive_hwm,
@@ -142,6 +156,7 @@ class MergerService(SnapshotPublishing):
     # ---- handlers ------------------------------------------------------------------------------
     def on_delta_frames(self, frames: list, peer: str | None = None) -> None:
         """A message of the delta bus (or a resend); `peer`: who sent it, where CURVE told us (bound sockets)."""
+        self.ingest_bytes += sum(f.nbytes for f in frames)
         try:
             message = protocol.decode(frames)
         except protocol.ProtocolError as error:
@@ -206,7 +221,10 @@ class MergerService(SnapshotPublishing):
             return
         if not self.speaks_for_itself(message, peer, identity):
             return
-        if isinstance(message, protocol.DeltaChunk):  # a resend, point to point
+        if isinstance(message, protocol.DeltaChunk) and peer in self.observers:  # it may read, never train
+            self.count("merger/rejected/observer_delta")
+            self.log.warning("message_rejected", reason="observer_delta", peer=peer)
+        elif isinstance(message, protocol.DeltaChunk):  # a resend, point to point
             self.count("merger/resent_chunks")
             self.on_delta_frames(body)
         elif isinstance(message, protocol.SnapshotRequest):
@@ -242,10 +260,16 @@ class MergerService(SnapshotPublishing):
     def _announce(self, fold) -> bool:
         report = fold.report
         self.folds += 1
+        self.folds_by_fragment[fold.fragment] += 1
+        seconds = time.perf_counter() - fold.began
+        if self.histograms is not None:
+            for staleness in report.staleness:
+                self.histograms[0].observe(staleness)
+            self.histograms[1].observe(seconds)
         self.log.info("fold", fragment=fold.fragment, version=report.version, contributors=list(report.contributors),
                       staleness=list(report.staleness), steps=list(report.steps), weights=[round(w, 4) for w in report.weights], share=round(sum(report.weights), 4),
                       delta_norms=[round(n, 6) for n in report.delta_norms], merged_norm=round(report.merged_norm, 6),
-                      fold_ms=round((time.perf_counter() - fold.began) * 1000, 2))
+                      fold_ms=round(seconds * 1000, 2))
         self.offer_snapshot(fold.fragment, fold.state)
         self.publish_ack(fold.results)
         return self.folds % self.config.checkpoint_every == 0
@@ -336,6 +360,8 @@ class MergerService(SnapshotPublishing):
         if self.storage_failed is not None:
             self.log.error("storage_failed", error=str(self.storage_failed), hint="free space in the run directory and restart: the log resumes")
         self.lock.release()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         Security.stop(self.context)
         self.context.destroy(linger=0)
         self.log.info("stopped", folds=self.folds, counters=self.counters, rejected=dict(self.core.rejected),

@@ -244,3 +244,49 @@ def test_partial_and_out_of_order_floods_stay_within_the_receive_budget(tmp_path
     events = [json.loads(line) for line in (tmp_path / "run.log").read_text().splitlines() if line.startswith("{")]
     evicted = next(e for e in events if e.get("event") == "stopped")["evicted"]
     assert evicted["partial_memory"] + evicted["held_overflow"] > 0 and any(e.get("event") == "receive_evicted" for e in events), evicted
+
+
+@pytest.mark.e2e  # a merger process under attack: -m e2e
+@pytest.mark.timeout(120)
+def test_an_observer_may_ask_for_snapshots_but_never_send_a_delta(tmp_path):
+    """The evaluator's role: an observer key on the merger's control socket gets its catch-up
+    snapshots, and a delta it sends there in its own name is refused as observer_delta, counted
+    and never folded."""
+    keys, allow = tmp_path / "keys", tmp_path / "allow"
+    create_keys(keys, ["merger", "watcher"])
+    write_allow_list(keys, allow, {"observer": ["watcher"]})
+    init = tmp_path / "init.npz"
+    np.savez(init, **initial_params())
+    delta, snapshot, control = free_port(), free_port(), free_port()
+    log = tmp_path / "merger.log"
+    merger = subprocess.Popen([sys.executable, "-m", "dloco", "merger", "--run-dir", str(tmp_path / "run"), "--init-npz", str(init),
+                               "--fragments", "2", "--delta-endpoint", f"@tcp://127.0.0.1:{delta}",
+                               "--snapshot-endpoint", f"@tcp://127.0.0.1:{snapshot}", "--control-endpoint", f"@tcp://127.0.0.1:{control}",
+                               "--keys", str(keys), "--allow", str(allow)], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    context = zmq.Context()
+    replies = 0
+    try:
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.IDENTITY, b"watcher")
+        make_client(dealer, Identity.load(keys, "watcher", server="merger"))
+        dealer.connect(f"tcp://127.0.0.1:{control}")
+        forged = protocol.encode(delta_chunks(PARTS[0], "watcher", 1, 0, 0, seed=1)[0])
+        ask = protocol.encode(protocol.SnapshotRequest(sender="watcher", epoch=1, seq=0, fragments=(0,)))
+        deadline = time.monotonic() + 60
+        while not (replies and '"observer_delta"' in log.read_text()):
+            assert time.monotonic() < deadline and merger.poll() is None, log.read_text()[-2000:]
+            dealer.send_multipart(forged)
+            dealer.send_multipart(ask)
+            while dealer.poll(200):
+                message = protocol.decode(dealer.recv_multipart())
+                replies += isinstance(message, protocol.SnapshotChunk) and message.fragment == 0
+    finally:
+        context.destroy(linger=0)
+        merger.terminate()
+        code = merger.wait(timeout=60)
+    assert code == 0 and replies >= 1
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    stopped = next(e for e in events if e.get("event") == "stopped")
+    assert stopped["counters"]["merger/rejected/observer_delta"] >= 1 and stopped["folds"] == 0
+    assert not any(e.get("event") == "fold" for e in events)

@@ -1,0 +1,82 @@
+"""`dloco evaluator`: argument parsing and wiring only (the schedule: island/evaluator.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from cliargs import add_metrics_flags, float_at_least, int_at_least
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    from island.main import add_task_flags
+
+    evaluator = commands.add_parser("evaluator", help="evaluate the merger's model during a run: follow the snapshot bus, never train")
+    add_task_flags(evaluator)
+    evaluator.add_argument("--name", default="evaluator", help="sender id and key name (an observer key with CURVE)")
+    evaluator.add_argument("--snapshot-endpoint", required=True, help="SUB for snapshots")
+    evaluator.add_argument("--control-endpoint", required=True, help="DEALER to the merger's ROUTER (catch-up)")
+    evaluator.add_argument("--fragments", type=int_at_least(1), default=4, help="P (must match the merger)")
+    evaluator.add_argument("--every", type=float_at_least(0.0), default=10.0, help="seconds between evaluations at least (default 10)")
+    evaluator.add_argument("--budget", type=float_at_least(0.001), default=0.1,
+                           help="most of its wall time spent evaluating (default 0.1; it also runs at the lowest CPU priority)")
+    evaluator.add_argument("--metrics-out", type=Path, required=True, help="JSON lines, one per evaluation")
+    evaluator.add_argument("--keys", type=Path, help="CURVE key directory (NAME.key_secret and the servers' .key); CURVE is the default")
+    evaluator.add_argument("--insecure", action="store_true", help="plaintext, no authentication (prints a warning)")
+    add_metrics_flags(evaluator)
+    evaluator.set_defaults(run=run_evaluator)
+
+
+def run_evaluator(args: argparse.Namespace) -> int:
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.append(True))
+    os.nice(19)  # the islands and the merger get the cores first
+    from bus.security import security_from_args
+    from island import evaluator, task as tasks
+    from island.config import TrainConfig
+    from island.follower import SnapshotFollower
+    from island.main import task_options
+    from island.metrics import MetricsWriter
+    from island.train import Trainer
+    from protocol import DlocoError, model_fingerprint
+    from telemetry.logs import configure_logging
+
+    log = configure_logging("evaluator", name=args.name)
+    follower = server = None
+    try:
+        context = tasks.TaskContext(args.island_index, args.islands, args.seed, args.batch, 1, task_options(args))
+        task = tasks.build(args.task or tasks.BUILTIN, context)
+        trainer = Trainer(task.model, task.loss, TrainConfig(batch=args.batch, seed=args.seed), task.optimizer, task.metrics)
+        params = trainer.params()
+        follower = SnapshotFollower(args.name, model_fingerprint(params), args.snapshot_endpoint, args.control_endpoint,
+                                    security_from_args(args, args.name, "evaluator"), model_bytes=4 * sum(v.size for v in params.values()))
+        metrics = MetricsWriter(args.metrics_out)
+        if args.metrics_port is not None:
+            from telemetry import prom
+
+            server = prom.serve(args.metrics_port, args.metrics_host, prom.registry_of(lambda: prom.evaluator_families(metrics.latest, metrics.written)))
+
+        def evaluate(values: dict) -> dict[str, float]:
+            trainer.set_params(values)
+            return trainer.evaluate_all(task.eval_batches)
+
+        evaluate(params)  # compiled now, so the budget measures evaluations, not the compiler
+        log.info("following", fragments=args.fragments, every_s=args.every, budget=args.budget)
+        count = evaluator.follow(follower.current, evaluate, metrics.write, args.fragments, args.every, args.budget, lambda: bool(stop))
+        metrics.close()
+    except (DlocoError, ValueError, OSError) as error:
+        print(f"dloco evaluator: {error}", file=sys.stderr)
+        return 2
+    finally:
+        if follower is not None:
+            follower.close()
+        if server is not None:
+            server.shutdown()
+    log.info("done", evaluations=count, dropped=follower.dropped, snapshots=dict(follower.downlink.results))
+    print(json.dumps({"evaluations": count}))
+    return 0

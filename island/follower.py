@@ -1,0 +1,101 @@
+"""Following the global model without training: the merger's snapshots as an island receives them
+(the snapshot bus, diffs applied, catch-up requests point to point when one does not apply), for a
+process that only reads the model, such as the evaluator (`dloco evaluator`).
+
+It holds an `observer` key: the broker lets it read the snapshot bus, the merger answers its
+catch-up requests and refuses any delta from it.  It never publishes on the delta bus, so the
+merger does not count it among the islands.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import zmq
+
+import protocol
+from bus.security import Security
+from bus.sockets import open_socket
+from island.snapshots import Downlink
+
+POLL_MS = 100
+
+
+class SnapshotFollower:
+    def __init__(self, name: str, model: str, snapshot_endpoint: str, control_endpoint: str, security: Security | None = None,
+                 bus_server: str = "broker", control_server: str = "merger", model_bytes: int = 0) -> None:
+        self.name, self.model, self.control_server = name, model, control_server
+        self.security = security or Security(None, name)
+        self.downlink = Downlink(name, time.time_ns())
+        self.held: dict[int, tuple[int, dict[str, np.ndarray]]] = {}  # fragment -> (version, tensors), as taken by `current`
+        self.dropped: dict[str, int] = {}  # messages not used, by reason
+        self.bytes_received = 0
+        self._reassembly_bytes = max(256 << 20, model_bytes + (64 << 20))
+        self._stop = threading.Event()
+        self._context = zmq.Context()
+        self._endpoints = (snapshot_endpoint, bus_server, control_endpoint)
+        self._thread = threading.Thread(target=self._receive, name=f"{name}-receiver", daemon=True)
+        self._thread.start()
+
+    def current(self) -> dict[int, tuple[int, dict[str, np.ndarray]]]:
+        """The newest value of every fragment received so far: fragment -> (version, tensors)."""
+        for fragment, version, tensors in self.downlink.ready(time.monotonic()):
+            if version >= self.held.get(fragment, (-1, None))[0]:
+                self.held[fragment] = (version, tensors)
+        return dict(self.held)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._context.destroy(linger=0)
+
+    def _receive(self) -> None:
+        snapshot_endpoint, bus_server, control_endpoint = self._endpoints
+        sub = open_socket(self._context, zmq.SUB, snapshot_endpoint, self.security, bus_server)
+        sub.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
+        dealer = open_socket(self._context, zmq.DEALER, control_endpoint, self.security, self.control_server, identity=self.name)
+        dealer.send_multipart(protocol.encode(self.downlink.ask_for_all(time.monotonic())))
+        reassemblers = {socket: protocol.Reassembler(max_bytes=self._reassembly_bytes) for socket in (sub, dealer)}  # as island/network.py
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(dealer, zmq.POLLIN)
+
+        def send(frames: list) -> bool:
+            try:
+                dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                return False
+
+        while not self._stop.is_set():
+            for socket in dict(poller.poll(POLL_MS)):
+                frames = socket.recv_multipart(copy=False)
+                self._on_frames([f.buffer for f in frames], reassemblers[socket])
+            self.downlink.ask_for_values(time.monotonic(), 0, send)
+        sub.close(linger=0)
+        dealer.close(linger=0)
+
+    def _drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def _on_frames(self, frames: list, reassembler: protocol.Reassembler) -> None:
+        self.bytes_received += sum(f.nbytes for f in frames)
+        try:
+            message = protocol.decode(frames)
+            if message.sender != self.control_server:
+                self._drop("foreign_sender")
+                return
+            if not isinstance(message, protocol.SnapshotChunk):
+                return
+            assembled = reassembler.add(message, time.monotonic())
+        except protocol.ProtocolError as error:
+            self._drop(error.reason)
+            return
+        if assembled is None:
+            return
+        if assembled.header.model != self.model:
+            self._drop("foreign_model")
+            return
+        self.downlink.on_snapshot(assembled.header, assembled.tensors, time.monotonic())
