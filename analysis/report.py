@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 from analysis import sampling
-from analysis.globalmodel import Evaluator
-from analysis.runinfo import RunTask, chaos_effects, last_step, lives, merger_folds, read_metrics
+from analysis.globalmodel import Evaluator, cluster_tokens_at
+from analysis.runinfo import RunTask, chaos_effects, last_step, lives, merger_folds, read_events, read_metrics
 from cluster.config import ClusterConfig
 from protocol.errors import ConfigError
 
@@ -21,7 +21,8 @@ def global_eval(config: ClusterConfig, run_dir: Path) -> tuple[dict[str, float],
     return evaluator.initial(), evaluator.final()
 
 
-def _plots(config: ClusterConfig, run_dir: Path, metrics: dict[str, list[dict]]) -> list[str]:
+def _plots(config: ClusterConfig, run_dir: Path, metrics: dict[str, list[dict]], global_curve: list[dict]) -> list[str]:
+    """The islands' curves, with `global_curve` (the evaluator's lines: wall, eval_loss) on the loss over time and on its own plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -54,6 +55,9 @@ def _plots(config: ClusterConfig, run_dir: Path, metrics: dict[str, list[dict]])
                     labelled = True
                 if y_key == "bytes_sent" and (received := [(x(e, "time"), e["bytes_received"]) for e in life if "bytes_received" in e]):
                     axes.plot(*zip(*received), linestyle="--", color=f"C{index}")
+        if filename == "eval_loss_vs_time.png" and global_curve:
+            axes.plot([p["wall"] - began for p in global_curve], [p["eval_loss"] for p in global_curve], color="black", linewidth=2.5,
+                      marker=".", label="global model (merger's)")
         axes.set_xlabel(x_label)
         axes.set_ylabel(y_label)
         axes.grid(alpha=0.3)
@@ -63,6 +67,16 @@ def _plots(config: ClusterConfig, run_dir: Path, metrics: dict[str, list[dict]])
         figure.savefig(plots / filename, dpi=100)
         plt.close(figure)
         made.append(f"plots/{filename}")
+    if global_curve:  # the one model the cluster trains, against the compute the whole cluster spent
+        figure, axes = plt.subplots(figsize=(7, 4))
+        axes.plot([cluster_tokens_at(split, p["wall"]) for p in global_curve], [p["eval_loss"] for p in global_curve], color="black", marker=".")
+        axes.set_xlabel("tokens trained by the whole cluster (every island, every life)")
+        axes.set_ylabel("held-out loss of the global model")
+        axes.grid(alpha=0.3)
+        figure.tight_layout()
+        figure.savefig(plots / "global_loss_vs_cluster_tokens.png", dpi=100)
+        plt.close(figure)
+        made.append("plots/global_loss_vs_cluster_tokens.png")
     return made
 
 
@@ -164,7 +178,11 @@ def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int
         lines += [f"Held-out {', '.join(f'{name} {before[name]:.4g} → {after[name]:.4g}' if after else f'{name} {before[name]:.4g} (initial)' for name in extra)}"
                   " (initial → final global model).", ""]
     lines += _chaos_section(chaos_effects(run_dir, [r.name for r in config.regions]))
-    lines += ["## Plots", ""] + [f"![{p}]({p})" for p in _plots(config, run_dir, metrics)]
+    global_curve = [e for e in read_events(run_dir / "global.jsonl") if "eval_loss" in e and "wall" in e]
+    if global_curve:
+        lines += [f"The global model during the run: {len(global_curve)} evaluations by the evaluator (it follows the snapshot bus), "
+                  f"held-out loss {global_curve[0]['eval_loss']:.3f} → {global_curve[-1]['eval_loss']:.3f} at versions {global_curve[-1].get('versions')}.", ""]
+    lines += ["## Plots", ""] + [f"![{p}]({p})" for p in _plots(config, run_dir, metrics, global_curve)]
     lines += ["", "Logs: `logs/<process>.log` (JSON lines); island metrics: `metrics/<region>.jsonl`; "
               "the merger's write-ahead log and checkpoints: `merger/` (`dloco replay` rebuilds the model from it; "
               "`dloco export` writes it as safetensors).", ""]

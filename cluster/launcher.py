@@ -31,13 +31,14 @@ from pathlib import Path
 from analysis import verdict
 from analysis.runinfo import RunCluster, RunProgress, RunTask, island_stage
 from bus.security import create_keys, write_allow_list
-from cluster import chaos, compose, cpuquota, topology
+from cluster import chaos, compose, cpuquota, status, topology
 from cluster.compose import Service
 from cluster.config import ClusterConfig
 from cluster.liveview import LiveView
 from cluster.ports import free_ports
 from protocol.errors import DlocoError
 
+ENDPOINTS = "endpoints.json"  # in a run directory: where each process serves its Prometheus metrics
 STOP_TIMEOUT_S = 150.0  # an island drains (up to 30 s), then may evaluate its --eval-trace (up to 90 s)
 EXIT_FAILED, EXIT_INTERRUPTED = 1, 130  # a run that failed or did not train; one stopped by Ctrl-C or SIGTERM
 LAUNCHER_PID = "DLOCO_LAUNCHER_PID"  # in a started process's environment: the launcher it dies with
@@ -71,8 +72,8 @@ def prepare(config: ClusterConfig, run_dir: Path) -> None:
     RunTask.of(config).write(run_dir)
     RunCluster.of(config).write(run_dir)
     names = [r.name for r in config.regions]
-    create_keys(run_dir / "keys", ["broker", "merger", *names])
-    write_allow_list(run_dir / "keys", run_dir / "allow", {"merger": ["merger"], "island": names})
+    create_keys(run_dir / "keys", ["broker", "merger", "evaluator", *names])
+    write_allow_list(run_dir / "keys", run_dir / "allow", {"merger": ["merger"], "island": names, "observer": ["evaluator"]})
     init = subprocess.run(dloco("island", "--write-init", run_dir / "init.npz", *topology.model_args(config)),
                           capture_output=True, text=True, timeout=300)
     if init.returncode != 0:
@@ -81,8 +82,12 @@ def prepare(config: ClusterConfig, run_dir: Path) -> None:
 
 def native_services(config: ClusterConfig, run_dir: Path) -> dict[str, Service]:
     """Broker, merger and islands as processes of this Python on 127.0.0.1, free ports."""
-    ports = [str(p) for p in free_ports(5)]
-    commands = topology.commands(config, topology.Addresses(broker_ports=tuple(ports[:4]), control_port=ports[4]), str(run_dir))
+    names = ["broker", "merger", "evaluator", *(r.name for r in config.regions)]
+    ports = [str(p) for p in free_ports(5 + len(names))]
+    at = topology.Addresses(broker_ports=tuple(ports[:4]), control_port=ports[4], metrics_ports=dict(zip(names, ports[5:], strict=True)))
+    commands = topology.commands(config, at, str(run_dir))
+    (run_dir / ENDPOINTS).write_text(json.dumps({"metrics": {name: f"http://127.0.0.1:{port}/metrics" for name, port in at.metrics_ports.items()}},
+                                                indent=2) + "\n")
     cpus = {r.name: config.cpus_of(r) for r in config.regions}
     return {name: Service(dloco(*args), cpus=cpus.get(name)) for name, args in commands.items()}
 
@@ -185,19 +190,21 @@ class Cluster:
         return codes
 
 
-def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path | None = None, wanted: list[str] | None = None) -> int:
+def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path | None = None, wanted: list[str] | None = None,
+        status_port: int | None = None) -> int:
     """Start, watch, stop, report.  Returns the exit status: 0 when the run did its work and every
     process stopped cleanly, EXIT_FAILED with the reasons printed, EXIT_INTERRUPTED after Ctrl-C.
 
     With `compose_file`, the processes are that file's services (`wanted` and what they depend on),
     run locally; `config` then only names the regions, the model and the run's bounds for the live
-    view and report."""
+    view and report.  `status_port`: serve the status page there while the run lasts (0: a free
+    port; None: no page)."""
     run_dir = run_dir.resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     share_compilations()
     if compose_file is None:
         services = native_services(config, run_dir)
-        order = ["broker", "merger", *(r.name for r in config.regions)]
+        order = ["broker", "merger", "evaluator", *(r.name for r in config.regions)]
     else:
         ports = dict(zip(compose.PORTS, map(str, free_ports(len(compose.PORTS))), strict=True))
         services = compose.load(compose_file, {"DLOCO_RUN_DIR": str(run_dir), **ports})
@@ -218,7 +225,11 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
 
     previous = {sig: signal.signal(sig, on_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     pending = list(config.chaos)
+    page = None
     try:
+        if status_port is not None:  # cluster/status.py: the live page, from the run directory's files
+            page = status.serve(run_dir, islands, status_port)
+            print(f"dloco up: status page at http://127.0.0.1:{page.server_address[1]}/", file=out, flush=True)
         print(f"dloco up: preparing {run_dir} (keys, initial model) ...", file=out, flush=True)
         if (quotas := cluster.quota_summary()) is not None:
             print(quotas, file=out, flush=True)
@@ -268,6 +279,8 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
                 print(f"dloco up: could not remove the cgroup {group}", file=out, flush=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if page is not None:
+            page.shutdown()
     from analysis.report import write_report
 
     progress.update()

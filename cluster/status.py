@@ -1,0 +1,173 @@
+"""The live status page: `dloco up` serves it while the cluster runs, `dloco status RUN_DIR` for any
+run directory, at http://127.0.0.1:PORT/.
+
+The page (cluster/static/status.html: HTML, CSS and script in one file, nothing fetched from
+elsewhere) polls `/api/state`, a JSON view of the run directory: the islands' metrics, the
+merger's fold log lines, the evaluator's global-model evaluations (global.jsonl) and the chaos
+events.  `RunFiles` reads each file incrementally (only the bytes added since the last poll), so a
+long run costs the same per refresh as a short one.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+from importlib import resources
+from pathlib import Path
+
+from analysis.globalmodel import cluster_tokens_at
+from analysis.runinfo import lives, wall
+
+RECENT_FOLDS = 12
+CURVE_POINTS = 400  # a curve longer than this is thinned to it (every k-th point, the last kept)
+
+
+class JsonLines:
+    """A JSON-lines file read incrementally: `new()` returns the complete lines added since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def new(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        events = []
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:  # a process's non-JSON output (a traceback) in its log
+                continue
+            if isinstance(event, dict):
+                events.append(event)
+        return events
+
+
+def thin(points: list, limit: int = CURVE_POINTS) -> list:
+    """At most about `limit` points: every k-th, and always the last."""
+    if len(points) <= limit:
+        return points
+    step = -(-len(points) // limit)
+    return points[::step] + ([points[-1]] if (len(points) - 1) % step else [])
+
+
+class RunFiles:
+    """What the page shows, kept up to date from the run directory's files."""
+
+    def __init__(self, run_dir: Path, regions: list[str]) -> None:
+        self.run_dir, self.regions = Path(run_dir), list(regions)
+        self.islands = {name: JsonLines(self.run_dir / "metrics" / f"{name}.jsonl") for name in regions}
+        self.merger = JsonLines(self.run_dir / "logs" / "merger.log")
+        self.global_file = JsonLines(self.run_dir / "global.jsonl")
+        self.chaos_file = JsonLines(self.run_dir / "chaos.jsonl")
+        self.steps: dict[str, list[dict]] = {name: [] for name in regions}  # compact step events: step, tokens, wall
+        self.last: dict[str, dict] = {name: {} for name in regions}
+        self.evals: dict[str, list[dict]] = {name: [] for name in regions}
+        self.folds: list[dict] = []
+        self.fold_count = 0
+        self.global_evals: list[dict] = []
+        self.chaos: list[dict] = []
+        self.lock = threading.Lock()
+
+    def update(self) -> None:
+        with self.lock:
+            for name, source in self.islands.items():
+                for event in source.new():
+                    if event.get("deferred") or "step" not in event:
+                        continue
+                    self.steps[name].append({"step": event["step"], "tokens": event.get("tokens", 0), "wall": event.get("wall", 0.0)})
+                    self.last[name] = event
+                    if "eval_loss" in event:
+                        self.evals[name].append({"wall": event.get("wall", 0.0), "tokens": event.get("tokens", 0), "loss": event["eval_loss"]})
+            for event in self.merger.new():
+                if event.get("event") == "fold":
+                    self.fold_count += 1
+                    self.folds = (self.folds + [event])[-RECENT_FOLDS:]
+            self.global_evals += [e for e in self.global_file.new() if "eval_loss" in e]
+            self.chaos += self.chaos_file.new()
+
+    def state(self, now: float | None = None) -> dict:
+        """The page's data; times in seconds since the cluster's first step (wall clock)."""
+        now = time.time() if now is None else now
+        with self.lock:
+            walls = [e["wall"] for events in self.steps.values() for e in events if e["step"] > 0]
+            began = min(walls, default=now)
+            split = {name: lives(events) for name, events in self.steps.items()}
+            islands = []
+            for name in self.regions:
+                last = self.last[name]
+                seconds = last.get("time") or 0.0
+                islands.append({"name": name, "step": last.get("step"), "tokens": last.get("tokens"),
+                                "tokens_per_s": last.get("tokens", 0) / seconds if seconds > 0 else None,
+                                "compute_util": last.get("compute_util"), "eval_loss": self.evals[name][-1]["loss"] if self.evals[name] else None,
+                                "last_seen_s": now - last["wall"] if "wall" in last else None, "versions": last.get("snapshot_version", []),
+                                "bytes_sent": last.get("bytes_sent"), "bytes_received": last.get("bytes_received")})
+            curves = {name: thin([{"t": e["wall"] - began, "tokens": e["tokens"], "loss": e["loss"]} for e in evals])
+                      for name, evals in self.evals.items()}
+            global_curve = thin([{"t": e["wall"] - began, "tokens": cluster_tokens_at(split, e["wall"]), "loss": e["eval_loss"],
+                                  "versions": e.get("versions")} for e in self.global_evals])
+            folds = [{"t": wall(e) - began, "fragment": e.get("fragment"), "version": e.get("version"), "contributors": e.get("contributors", []),
+                      "staleness": e.get("staleness", []), "weights": e.get("weights", [])} for e in reversed(self.folds)]
+            chaos = [{"t": e.get("wall", began) - began, "action": e.get("action"), "target": e.get("target")} for e in self.chaos]
+            try:
+                metrics = json.loads((self.run_dir / "endpoints.json").read_text()).get("metrics", {})
+            except (OSError, ValueError):
+                metrics = {}
+            return {"run_dir": str(self.run_dir), "elapsed_s": now - began, "metrics": metrics, "islands": islands, "folds": folds, "fold_count": self.fold_count,
+                    "curves": curves, "global": global_curve, "chaos": chaos}
+
+
+def finite(value):
+    """`value` with every NaN or infinity replaced by None (JSON has neither)."""
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def page() -> bytes:
+    return resources.files("cluster").joinpath("static/status.html").read_bytes()
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    files: RunFiles  # set on the class made per server
+
+    def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+        path = self.path.split("?", 1)[0]
+        if path == "/":
+            body, kind = page(), "text/html; charset=utf-8"
+        elif path == "/api/state":
+            self.files.update()
+            body, kind = json.dumps(finite(self.files.state()), allow_nan=False, default=str).encode(), "application/json"
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:  # requests are not the run's log
+        pass
+
+
+def serve(run_dir: Path, regions: list[str], port: int = 0, host: str = "127.0.0.1") -> http.server.ThreadingHTTPServer:
+    """Serve the page from a daemon thread; `server.server_address` tells the port (0: any free one)."""
+    handler = type("StatusHandler", (_Handler,), {"files": RunFiles(run_dir, regions)})
+    server = http.server.ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="status-page", daemon=True).start()
+    return server
