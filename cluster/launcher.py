@@ -206,10 +206,11 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
         services = native_services(config, run_dir)
         order = ["broker", "merger", "evaluator", *(r.name for r in config.regions)]
     else:
-        ports = dict(zip(compose.PORTS, map(str, free_ports(len(compose.PORTS))), strict=True))
+        variables = compose.port_variables(compose_file.read_text())
+        ports = dict(zip(variables, map(str, free_ports(len(variables))), strict=True))
         services = compose.load(compose_file, {"DLOCO_RUN_DIR": str(run_dir), **ports})
         order = compose.start_order(services, wanted)
-        unknown = [n for n in order if n not in ("prepare", "broker", "merger") and n not in {r.name for r in config.regions}]
+        unknown = [n for n in order if n not in ("prepare", "broker", "merger", "evaluator", "status") and n not in {r.name for r in config.regions}]
         if unknown:
             raise LaunchError(f"{compose_file}: services {unknown} are not regions of the cluster file")
         config = dataclasses.replace(config, regions=tuple(r for r in config.regions if r.name in order))

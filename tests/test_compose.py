@@ -5,11 +5,13 @@ environment, health checks and dependency conditions."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cluster import compose, config
 from protocol.errors import ConfigError
@@ -34,11 +36,44 @@ def test_docker_compose_validates_the_file_and_refuses_a_broken_copy(tmp_path):
     ok = subprocess.run([binary, "-f", COMPOSE_FILE, "config", "-q"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert ok.returncode == 0, ok.stderr
     services = subprocess.run([binary, "-f", COMPOSE_FILE, "config", "--services"], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert sorted(services.stdout.split()) == sorted(["prepare", "broker", "merger", "us-east", "us-west", "eu-older-hw", "asia-older-hw"])
+    dloco_services = ["prepare", "broker", "merger", "evaluator", "status", "us-east", "us-west", "eu-older-hw", "asia-older-hw"]
+    assert sorted(services.stdout.split()) == sorted(dloco_services)
+    monitored = subprocess.run([binary, "-f", COMPOSE_FILE, "--profile", "monitoring", "config", "--services"], capture_output=True, text=True,
+                               timeout=60, cwd=ROOT)
+    assert sorted(monitored.stdout.split()) == sorted([*dloco_services, "prometheus", "grafana"]), monitored.stderr
     broken = tmp_path / "docker-compose.yml"
     broken.write_text(COMPOSE_FILE.read_text().replace("    stop_grace_period: 60s\n", "    stop_grace_period: 60s\n    colour: red\n", 1))
     bad = subprocess.run([binary, "-f", broken, "config", "-q"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode != 0 and "colour" in bad.stderr
+
+
+def test_the_monitoring_profile_scrapes_every_process_and_charts_only_metrics_that_exist():
+    """Prometheus has one job per dloco process, at the port that process's command serves; every
+    metric the Grafana dashboard queries is one telemetry/prom.py produces."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from telemetry import prom
+
+    data = yaml.safe_load(COMPOSE_FILE.read_text())
+    scrape = yaml.safe_load(data["configs"]["prometheus"]["content"])["scrape_configs"]
+    targets = {job["job_name"]: job["static_configs"][0]["targets"][0] for job in scrape}
+    served = {}
+    for name, spec in data["services"].items():
+        command = spec.get("command", [])
+        if "--metrics-port" in command:
+            served[name] = f"{name}:{compose.interpolate(command[command.index('--metrics-port') + 1], {})}"
+    assert targets == served and set(served) == {"broker", "merger", "evaluator", "us-east", "us-west", "eu-older-hw", "asia-older-hw"}
+    broker = {key: {"delta/delta": 1} for key in ("messages", "bytes", "dropped", "refused")}
+    registry = prom.registry_of(lambda: [*prom.island_families({"loss": 1.0, "eval_loss": 1.0, "snapshot_version": [1]}, 0, {}),
+                                         *prom.broker_families(broker), *prom.merger_families({"merger/delta/folded": 1}, {"stale": 1}, {0: 1}, [1], 0, 0),
+                                         *prom.evaluator_families({"eval_loss": 1.0, "versions": [1]}, 0)])
+    prom.merger_histograms(registry)
+    names = {s.name for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    board = json.loads(data["configs"]["grafana-dashboard"]["content"])
+    queried = {name for panel in board["panels"] for target in panel["targets"] for name in re.findall(r"dloco_[a-z_]+", target["expr"])}
+    assert len(board["panels"]) >= 10 and queried and queried <= names, queried - names
+    assert yaml.safe_load(data["configs"]["grafana-datasource"]["content"])["datasources"][0]["uid"] == board["panels"][0]["datasource"]["uid"]
 
 
 def test_interpolation_follows_compose_rules():
@@ -66,7 +101,7 @@ def test_services_become_local_processes(tmp_path):
     with pytest.raises(ConfigError, match="waits for a to be healthy, but a has no healthcheck"):
         compose.load(unhealthy, {})
     odd = tmp_path / "odd.yml"
-    odd.write_text("services:\n  a:\n    command: [x]\n    privileged: true\n")
+    odd.write_text("services:\n  a:\n    command: [x]\n    privileged: true\n  watch:\n    image: x\n    profiles: [monitoring]\n    odd: 1\n")
     with pytest.raises(ConfigError, match="does not understand: \\['privileged'\\]"):
         compose.load(odd, {})
 
@@ -90,7 +125,7 @@ def test_the_compose_services_run_as_local_processes(tmp_path):
     up = subprocess.run([sys.executable, "-m", "dloco", "up", "--compose", str(COMPOSE_FILE), "--services", "us-east,us-west",
                          "--steps", "48", "--duration", "400", "--run-dir", str(run)], capture_output=True, text=True, timeout=800)
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
-    assert sorted(p.stem for p in (run / "logs").glob("*.log")) == ["broker", "merger", "prepare", "us-east", "us-west"]
+    assert sorted(p.stem for p in (run / "logs").glob("*.log")) == ["broker", "merger", "prepare", "us-east", "us-west"]  # no evaluator, status: not asked for
     folds = [json.loads(line) for line in (run / "logs" / "merger.log").read_text().splitlines() if '"event": "fold"' in line]
     assert {name for fold in folds for name in fold["contributors"]} == {"us-east", "us-west"}
     assert (run / "report.md").exists() and "asia-older-hw" not in (run / "report.md").read_text()
