@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--config", type=Path, default=None, help="cluster file (TOML); default: the shipped 4-region profile")
     prepare.add_argument("--run-dir", type=Path, required=True)
     prepare.set_defaults(run=_prepare)
+    report = commands.add_parser("report", help="write RUN_DIR/report.md and its plots (dloco up does at the end; for compose runs)")
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    report.add_argument("--config", type=Path, default=None, help="the cluster file it ran (default: the shipped 4-region profile)")
+    report.set_defaults(run=_report)
     compose = commands.add_parser("compose", help="print the docker-compose file for a cluster file")
     compose.add_argument("--config", type=Path, default=None, help="cluster file (TOML); default: the shipped 4-region profile")
     compose.add_argument("--profile-path", default=None, help="the cluster file's path as the compose file sees it (default: --config, relative)")
@@ -242,6 +246,22 @@ def _prepare(args: argparse.Namespace) -> int:
         print(f"dloco prepare: {error}", file=sys.stderr)
         return 2
     print(f"dloco prepare: {args.run_dir} has keys, allow-lists and init.npz")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from analysis.report import write_report
+    from cluster import config
+    from protocol import DlocoError
+
+    try:
+        if not (args.run_dir / "merger").is_dir():
+            raise DlocoError(f"{args.run_dir} is not a run directory (no merger/ in it)")
+        path = write_report(config.load(args.config), args.run_dir, {})
+    except (DlocoError, OSError) as error:
+        print(f"dloco report: {error}", file=sys.stderr)
+        return 2
+    print(f"dloco report: {path}")
     return 0
 
 
