@@ -24,6 +24,7 @@ import zmq
 from bus.security import Security
 from bus.sockets import open_socket
 from protocol import ProtocolError, peek_sender
+from telemetry import prom
 
 POLL_MS = 100
 KERNEL_BUFFER_BYTES = 4 << 20  # larger TCP buffers: fewer wake-ups per MiB forwarded
@@ -80,8 +81,6 @@ class Broker:
         self.stopping = False
         self.metrics_server = None
         if config.metrics_port is not None:
-            from telemetry import prom
-
             try:
                 self.metrics_server = prom.serve(config.metrics_port, config.metrics_host, prom.registry_of(lambda: prom.broker_families(self.stats())))
             except BaseException:
@@ -118,7 +117,7 @@ class Broker:
         finally:
             self.log.info("broker_stopped", **self.stats())
             if self.metrics_server is not None:
-                self.metrics_server.shutdown()
+                prom.stop(self.metrics_server)
             Security.stop(self.context)
             self.context.destroy(linger=0)
         return 0

@@ -35,8 +35,8 @@ HEADER = """\
 # `prepare` (CURVE keys, allow-lists, the initial model) into the run volume, the broker, the
 # merger, the evaluator (the global model's held-out loss during the run), one island per region,
 # and the status page (http://localhost:8080/). Every dloco process serves Prometheus metrics
-# (9100 and up); `--profile monitoring` adds Prometheus (:9090) and Grafana (:3000) with a
-# dashboard. Ports can be moved with DLOCO_*_PORT* (the metrics ports: edit the prometheus config
+# (9100 and up, on the compose network); `--profile monitoring` adds Prometheus (:9090), which
+# scrapes them, and Grafana (:3000) with a dashboard. Ports can be moved with DLOCO_*_PORT* (the metrics ports: edit the prometheus config
 # below too), the run volume with DLOCO_RUN_DIR. `docker compose up --build`; without a Docker
 # engine, `dloco up --compose docker-compose.yml` runs the dloco services as local processes
 # (service name -> 127.0.0.1).
@@ -66,6 +66,9 @@ def render(config: ClusterConfig, profile: str, config_dir: Path | None = None) 
     `config_dir` the cluster file's folder on this machine (default: profile's, from here).  A task
     file, corpus or token file must lie in that folder: it is mounted read-only into the containers."""
     metered = ["broker", "merger", "evaluator", *(r.name for r in config.regions)]
+    variables = [metrics_variable(name) for name in metered]
+    require(len(set(variables)) == len(variables), f"regions {[r.name for r in config.regions]}: two names give one port variable "
+            f"({', '.join(sorted(v for v in variables if variables.count(v) > 1))}); rename one")
     metrics_ports = {name: _port(metrics_variable(name), METRICS_BASE_PORT + i) for i, name in enumerate(metered)}
     at = topology.Addresses(broker_ports=tuple(_port(n) for n in list(PORTS)[:4]), control_port=_port("DLOCO_CONTROL_PORT"),
                             broker_host="broker", merger_host="merger", bind_host="*", metrics_ports=metrics_ports)
@@ -88,7 +91,7 @@ def render(config: ClusterConfig, profile: str, config_dir: Path | None = None) 
 
     def service(command: list[str], health: list[str] | None, after: dict[str, str], **extra) -> dict:
         spec = {"image": "dloco:latest", "build": ".", "command": ["dloco", *command], "environment": dict(ENVIRONMENT), "volumes": [run_volume]}
-        if command[0] == "island":
+        if command[0] in ("island", "evaluator"):  # they build the task
             spec["volumes"] += input_volumes
         if after:
             spec["depends_on"] = {name: {"condition": condition} for name, condition in after.items()}

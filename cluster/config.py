@@ -24,6 +24,8 @@ from protocol.errors import ConfigError, require
 DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "default.toml"
 
 
+RESERVED_NAMES = frozenset({"merger", "broker", "evaluator", "prepare", "status", "prometheus", "grafana"})  # processes and compose services
+
 @dataclasses.dataclass(frozen=True)
 class Region:
     name: str
@@ -151,7 +153,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         require(len(self.regions) >= 1, "a cluster needs at least one region")
         require(len({r.name for r in self.regions}) == len(self.regions), "region names must be unique")
-        require(not {r.name for r in self.regions} & {"merger", "broker", "evaluator"}, "'merger', 'broker' and 'evaluator' are not region names")
+        taken = sorted({r.name for r in self.regions} & RESERVED_NAMES)
+        require(not taken, f"{', '.join(map(repr, taken))}: not a region name (the cluster's other processes and services: {', '.join(sorted(RESERVED_NAMES))})")
         require(self.duration_s > 0, f"run.duration_s must be > 0, got {self.duration_s}")
         require(type(self.max_steps) is int and self.max_steps >= 0, f"run.max_steps must be an int >= 0, got {self.max_steps!r}")
         require(type(self.eval_early) is bool, f"run.eval_early must be true or false, got {self.eval_early!r}")

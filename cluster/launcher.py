@@ -39,6 +39,7 @@ from cluster.ports import free_ports
 from protocol.errors import DlocoError
 
 ENDPOINTS = "endpoints.json"  # in a run directory: where each process serves its Prometheus metrics
+AUXILIARY = ("evaluator", "status")  # their end is reported, never a run's failure: the islands and the merger train without them
 STOP_TIMEOUT_S = 150.0  # an island drains (up to 30 s), then may evaluate its --eval-trace (up to 90 s)
 EXIT_FAILED, EXIT_INTERRUPTED = 1, 130  # a run that failed or did not train; one stopped by Ctrl-C or SIGTERM
 LAUNCHER_PID = "DLOCO_LAUNCHER_PID"  # in a started process's environment: the launcher it dies with
@@ -170,13 +171,19 @@ class Cluster:
         return line
 
     def unexpectedly_dead(self) -> list[str]:
-        return [n for n, p in self.processes.items() if n not in self.down and p.poll() is not None]
+        """Processes the run needs that ended by themselves (not killed on purpose)."""
+        return [n for n, p in self.processes.items() if n not in self.down and n not in AUXILIARY and p.poll() is not None]
+
+    def auxiliary_ended(self) -> dict[str, int]:
+        """Auxiliary processes (AUXILIARY) that ended by themselves: name -> exit status."""
+        return {n: p.returncode for n, p in self.processes.items() if n in AUXILIARY and p.poll() is not None}
 
     def stop_all(self) -> dict[str, int]:
-        """Islands first (they finish the step, send and drain), then the merger (final checkpoint), then the broker."""
+        """Islands first (they finish the step, send and drain), then the evaluator and the status
+        page, then the merger (final checkpoint), then the broker."""
         codes = {}
-        islands = [n for n in self.processes if n not in ("merger", "broker")]
-        for group in (islands, ["merger"], ["broker"]):
+        islands = [n for n in self.processes if n not in ("merger", "broker", *AUXILIARY)]
+        for group in (islands, [n for n in self.processes if n in AUXILIARY], ["merger"], ["broker"]):
             for name in group:
                 if name in self.processes and self.processes[name].poll() is None:
                     self.processes[name].send_signal(signal.SIGTERM)
@@ -226,7 +233,7 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
 
     previous = {sig: signal.signal(sig, on_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     pending = list(config.chaos)
-    page = None
+    page, warned = None, set()
     try:
         if status_port is not None:  # cluster/status.py: the live page, from the run directory's files
             page = status.serve(run_dir, islands, status_port)
@@ -245,6 +252,11 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
                 progress.update()
                 now = chaos.Progress(time.monotonic() - started, dict(progress.steps), progress.folds)
                 dead = cluster.unexpectedly_dead()  # before any kill: a crash must not pass for a chaos kill
+                for name, code in cluster.auxiliary_ended().items():
+                    if name not in warned:
+                        warned.add(name)
+                        print(f"dloco up: WARNING: {name} exited with {code} (see {run_dir / 'logs' / name}.log); the run goes on without it",
+                              file=out, flush=True)
                 while not dead and pending and chaos.due(pending[0], now, armed):
                     event = pending.pop(0)
                     if getattr(cluster, event.action)(event.target) is not None:  # it had ended by itself
@@ -282,10 +294,14 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
             signal.signal(sig, handler)
         if page is not None:
             page.shutdown()
+            page.server_close()
     from analysis.report import write_report
 
     progress.update()
-    failed = {name: code for name, code in codes.items() if code != 0 and name not in cluster.down and name not in dead}
+    failed = {name: code for name, code in codes.items() if code != 0 and name not in cluster.down and name not in dead and name not in AUXILIARY}
+    for name in sorted(set(codes) & set(AUXILIARY) - warned):
+        if codes[name] != 0:
+            print(f"dloco up: WARNING: {name} exited with {codes[name]} (see {run_dir / 'logs' / name}.log)", file=out, flush=True)
     if failed:
         problems.append("exit status " + ", ".join(f"{name} {code}" for name, code in failed.items()))
     if not interrupted and not problems:

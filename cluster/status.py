@@ -10,6 +10,7 @@ long run costs the same per refresh as a short one.
 
 from __future__ import annotations
 
+import bisect
 import http.server
 import json
 import threading
@@ -17,8 +18,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from analysis.globalmodel import cluster_tokens_at
-from analysis.runinfo import lives, wall
+from analysis.runinfo import wall
 
 RECENT_FOLDS = 12
 CURVE_POINTS = 400  # a curve longer than this is thinned to it (every k-th point, the last kept)
@@ -68,7 +68,9 @@ class RunFiles:
         self.merger = JsonLines(self.run_dir / "logs" / "merger.log")
         self.global_file = JsonLines(self.run_dir / "global.jsonl")
         self.chaos_file = JsonLines(self.run_dir / "chaos.jsonl")
-        self.steps: dict[str, list[dict]] = {name: [] for name in regions}  # compact step events: step, tokens, wall
+        # each island's lives (a restart starts one at its step-0 evaluation): (walls, tokens) of every step
+        self.lives: dict[str, list[tuple[list[float], list[int]]]] = {name: [] for name in regions}
+        self.began = float("inf")  # the cluster's first step (wall)
         self.last: dict[str, dict] = {name: {} for name in regions}
         self.evals: dict[str, list[dict]] = {name: [] for name in regions}
         self.folds: list[dict] = []
@@ -83,7 +85,13 @@ class RunFiles:
                 for event in source.new():
                     if event.get("deferred") or "step" not in event:
                         continue
-                    self.steps[name].append({"step": event["step"], "tokens": event.get("tokens", 0), "wall": event.get("wall", 0.0)})
+                    if event["step"] == 0 or not self.lives[name]:
+                        self.lives[name].append(([], []))
+                    walls, tokens = self.lives[name][-1]
+                    walls.append(event.get("wall", 0.0))
+                    tokens.append(event.get("tokens", 0))
+                    if event["step"] > 0:
+                        self.began = min(self.began, walls[-1])
                     self.last[name] = event
                     if "eval_loss" in event:
                         self.evals[name].append({"wall": event.get("wall", 0.0), "tokens": event.get("tokens", 0), "loss": event["eval_loss"]})
@@ -91,16 +99,24 @@ class RunFiles:
                 if event.get("event") == "fold":
                     self.fold_count += 1
                     self.folds = (self.folds + [event])[-RECENT_FOLDS:]
-            self.global_evals += [e for e in self.global_file.new() if "eval_loss" in e]
+            self.global_evals += [e for e in self.global_file.new() if "eval_loss" in e and "wall" in e]
             self.chaos += self.chaos_file.new()
+
+    def cluster_tokens_at(self, at: float) -> int:
+        """Tokens the whole cluster had trained by wall time `at` (analysis.globalmodel.cluster_tokens_at,
+        by bisection in each life: a poll costs the same however long the run)."""
+        total = 0
+        for runs in self.lives.values():
+            for walls, tokens in runs:
+                if (i := bisect.bisect_right(walls, at)):
+                    total += tokens[i - 1]
+        return total
 
     def state(self, now: float | None = None) -> dict:
         """The page's data; times in seconds since the cluster's first step (wall clock)."""
         now = time.time() if now is None else now
         with self.lock:
-            walls = [e["wall"] for events in self.steps.values() for e in events if e["step"] > 0]
-            began = min(walls, default=now)
-            split = {name: lives(events) for name, events in self.steps.items()}
+            began = self.began if self.began < float("inf") else now
             islands = []
             for name in self.regions:
                 last = self.last[name]
@@ -112,8 +128,8 @@ class RunFiles:
                                 "bytes_sent": last.get("bytes_sent"), "bytes_received": last.get("bytes_received")})
             curves = {name: thin([{"t": e["wall"] - began, "tokens": e["tokens"], "loss": e["loss"]} for e in evals])
                       for name, evals in self.evals.items()}
-            global_curve = thin([{"t": e["wall"] - began, "tokens": cluster_tokens_at(split, e["wall"]), "loss": e["eval_loss"],
-                                  "versions": e.get("versions")} for e in self.global_evals])
+            global_curve = [{"t": e["wall"] - began, "tokens": self.cluster_tokens_at(e["wall"]), "loss": e["eval_loss"],
+                             "versions": e.get("versions")} for e in thin(self.global_evals)]
             folds = [{"t": wall(e) - began, "fragment": e.get("fragment"), "version": e.get("version"), "contributors": e.get("contributors", []),
                       "staleness": e.get("staleness", []), "weights": e.get("weights", [])} for e in reversed(self.folds)]
             chaos = [{"t": e.get("wall", began) - began, "action": e.get("action"), "target": e.get("target")} for e in self.chaos]

@@ -70,8 +70,8 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str, place=lambda pa
                      "--snapshot-codec", mc.snapshot_codec, "--snapshot-diff-codec", mc.snapshot_diff_codec,
                      "--snapshot-full-every", mc.snapshot_full_every, "--share-window", mc.share_window,
                      "--snapshot-every-round", mc.snapshot_every_round]
-    out["evaluator"] = ["evaluator", "--name", "evaluator", "--islands", len(config.regions), *model_args(config, place), "--fragments", sc.fragments,
-                        "--keys", keys, "--snapshot-endpoint", at.broker(3), "--control-endpoint", f"tcp://{at.merger_host}:{at.control_port}",
+    out["evaluator"] = ["evaluator", "--name", "evaluator", "--islands", len(config.regions), *model_args(config, place), "--keys", keys,
+                        "--snapshot-endpoint", at.broker(3), "--control-endpoint", f"tcp://{at.merger_host}:{at.control_port}",
                         "--metrics-out", f"{run_dir}/global.jsonl"]
     for index, region in enumerate(config.regions):  # with island_cpus the quota slows a region down, not a sleep
         links = []

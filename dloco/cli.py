@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from cliargs import float_at_least, int_at_least
+from cliargs import float_at_least, int_at_least, port_number
 from sim import cli as plan
 
 _positive_int = int_at_least(1)
@@ -81,13 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kill -9 / restart processes when the run reaches a point: an island's steps, the merger's folds or seconds, "
                          "e.g. 'kill:us-east@step=60,restart:us-east@us-west.step=150,kill:merger@folds=20,restart:merger@us-west.step=250' "
                          "(overrides the cluster file's [[chaos]]; cluster/chaos.py)")
-    up.add_argument("--status-port", type=int, default=0, metavar="PORT",
+    up.add_argument("--status-port", type=port_number(-1), default=0, metavar="PORT",
                     help="serve the live status page at http://127.0.0.1:PORT/ (default 0: a free port, printed at start; -1: no page)")
     up.set_defaults(run=_up)
 
     status = commands.add_parser("status", help="serve the live status page of a run directory (a running or a finished run)")
     status.add_argument("run_dir", type=Path)
-    status.add_argument("--port", type=int, default=8080, help="http://HOST:PORT/ (default 8080; 0: a free port)")
+    status.add_argument("--port", type=port_number(0), default=8080, help="http://HOST:PORT/ (default 8080; 0: a free port)")
     status.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only)")
     status.set_defaults(run=_status)
 
@@ -196,6 +196,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    import signal
     import time
 
     from analysis.runinfo import RunCluster
@@ -209,11 +210,13 @@ def _status(args: argparse.Namespace) -> int:
         print(f"dloco status: {error}", file=sys.stderr)
         return 2
     print(f"dloco status: http://{args.host}:{server.server_address[1]}/ (Ctrl-C stops)", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        server.shutdown()
+    stopping = []
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a container's stop, a launcher's, a terminal's Ctrl-C: exit 0
+        signal.signal(sig, lambda *_: stopping.append(True))
+    while not stopping:
+        time.sleep(0.2)
+    server.shutdown()
+    server.server_close()
     return 0
 
 

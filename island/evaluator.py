@@ -22,20 +22,22 @@ def next_wait(spent_s: float, every_s: float, budget: float) -> float:
     return max(every_s, spent_s / budget)
 
 
-def whole_model(held: dict[int, tuple[int, dict]], fragments: int) -> tuple[list[int], dict] | None:
-    """(versions, parameters) once every fragment's value is held; None before."""
-    if any(fragment not in held for fragment in range(fragments)):
+def whole_model(held: dict[int, tuple[int, dict]], paths: set[str]) -> tuple[list[int], dict] | None:
+    """(versions by fragment, parameters) once the fragments held cover every parameter in `paths`
+    (the merger's fragments, however many it has); None before."""
+    params = {path: value for fragment in sorted(held) for path, value in held[fragment][1].items()}
+    if not paths <= params.keys():
         return None
-    return [held[f][0] for f in range(fragments)], {path: value for f in range(fragments) for path, value in held[f][1].items()}
+    return [held[fragment][0] for fragment in sorted(held)], params
 
 
 def follow(current: Callable[[], dict], evaluate: Callable[[dict], dict[str, float]], write: Callable[[dict], None],
-           fragments: int, every_s: float, budget: float, stopped: Callable[[], bool]) -> int:
+           paths: set[str], every_s: float, budget: float, stopped: Callable[[], bool]) -> int:
     """Evaluate each new whole model `current()` offers, on the schedule of `next_wait`, until
     `stopped()`; returns how many evaluations were written."""
     evaluated, due, count = None, 0.0, 0
     while not stopped():
-        model = whole_model(current(), fragments)
+        model = whole_model(current(), paths)
         now = time.monotonic()
         if model is None or model[0] == evaluated or now < due:
             time.sleep(IDLE_S)

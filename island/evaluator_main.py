@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from cliargs import add_metrics_flags, float_at_least, int_at_least
+from cliargs import add_metrics_flags, float_at_least
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -20,7 +20,6 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     evaluator.add_argument("--name", default="evaluator", help="sender id and key name (an observer key with CURVE)")
     evaluator.add_argument("--snapshot-endpoint", required=True, help="SUB for snapshots")
     evaluator.add_argument("--control-endpoint", required=True, help="DEALER to the merger's ROUTER (catch-up)")
-    evaluator.add_argument("--fragments", type=int_at_least(1), default=4, help="P (must match the merger)")
     evaluator.add_argument("--every", type=float_at_least(0.0), default=10.0, help="seconds between evaluations at least (default 10)")
     evaluator.add_argument("--budget", type=float_at_least(0.001), default=0.1,
                            help="most of its wall time spent evaluating (default 0.1; it also runs at the lowest CPU priority)")
@@ -31,11 +30,31 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     evaluator.set_defaults(run=run_evaluator)
 
 
+def lower_priority(keep: set[int]) -> None:
+    """nice 19 for every thread of this process (and those it starts later) but `keep` (native
+    thread ids) and ZeroMQ's I/O threads: evaluations get the cores the islands and the merger
+    leave, while snapshots are still read at once (a slow subscriber would make the broker drop
+    messages for every island).  Linux threads have their own nice value; elsewhere the whole process."""
+    try:
+        threads = os.listdir("/proc/self/task")
+    except OSError:
+        os.nice(19)
+        return
+    for thread in threads:
+        try:
+            if int(thread) in keep or open(f"/proc/self/task/{thread}/comm").read().startswith("ZMQbg"):
+                continue
+            os.setpriority(os.PRIO_PROCESS, int(thread), 19)
+        except (OSError, ValueError):  # a thread that has just ended
+            continue
+
+
 def run_evaluator(args: argparse.Namespace) -> int:
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.append(True))
-    os.nice(19)  # the islands and the merger get the cores first
+    import optax
+
     from bus.security import security_from_args
     from island import evaluator, task as tasks
     from island.config import TrainConfig
@@ -48,13 +67,16 @@ def run_evaluator(args: argparse.Namespace) -> int:
 
     log = configure_logging("evaluator", name=args.name)
     follower = server = None
+    count = 0
     try:
         context = tasks.TaskContext(args.island_index, args.islands, args.seed, args.batch, 1, task_options(args))
         task = tasks.build(args.task or tasks.BUILTIN, context)
-        trainer = Trainer(task.model, task.loss, TrainConfig(batch=args.batch, seed=args.seed), task.optimizer, task.metrics)
+        # never trains: an optimizer without state (AdamW's would double the memory for nothing)
+        trainer = Trainer(task.model, task.loss, TrainConfig(batch=args.batch, seed=args.seed), optax.set_to_zero(), task.metrics)
         params = trainer.params()
         follower = SnapshotFollower(args.name, model_fingerprint(params), args.snapshot_endpoint, args.control_endpoint,
                                     security_from_args(args, args.name, "evaluator"), model_bytes=4 * sum(v.size for v in params.values()))
+        lower_priority(keep={follower.receiver_id})
         metrics = MetricsWriter(args.metrics_out)
         if args.metrics_port is not None:
             from telemetry import prom
@@ -66,8 +88,8 @@ def run_evaluator(args: argparse.Namespace) -> int:
             return trainer.evaluate_all(task.eval_batches)
 
         evaluate(params)  # compiled now, so the budget measures evaluations, not the compiler
-        log.info("following", fragments=args.fragments, every_s=args.every, budget=args.budget)
-        count = evaluator.follow(follower.current, evaluate, metrics.write, args.fragments, args.every, args.budget, lambda: bool(stop))
+        log.info("following", every_s=args.every, budget=args.budget)
+        count = evaluator.follow(follower.current, evaluate, metrics.write, set(params), args.every, args.budget, lambda: bool(stop))
         metrics.close()
     except (DlocoError, ValueError, OSError) as error:
         print(f"dloco evaluator: {error}", file=sys.stderr)
@@ -76,7 +98,7 @@ def run_evaluator(args: argparse.Namespace) -> int:
         if follower is not None:
             follower.close()
         if server is not None:
-            server.shutdown()
+            prom.stop(server)
     log.info("done", evaluations=count, dropped=follower.dropped, snapshots=dict(follower.downlink.results))
     print(json.dumps({"evaluations": count}))
     return 0

@@ -34,17 +34,25 @@ class SnapshotFollower:
         self.bytes_received = 0
         self._reassembly_bytes = max(256 << 20, model_bytes + (64 << 20))
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards `held` between the receiver and `current`
         self._context = zmq.Context()
         self._endpoints = (snapshot_endpoint, bus_server, control_endpoint)
         self._thread = threading.Thread(target=self._receive, name=f"{name}-receiver", daemon=True)
         self._thread.start()
-
+        self.receiver_id = self._thread.native_id
     def current(self) -> dict[int, tuple[int, dict[str, np.ndarray]]]:
         """The newest value of every fragment received so far: fragment -> (version, tensors)."""
-        for fragment, version, tensors in self.downlink.ready(time.monotonic()):
-            if version >= self.held.get(fragment, (-1, None))[0]:
-                self.held[fragment] = (version, tensors)
-        return dict(self.held)
+        with self._lock:
+            return dict(self.held)
+
+    def _take(self) -> None:
+        """Keep only the newest value of each fragment (the downlink queues every one)."""
+        arrived = self.downlink.ready(time.monotonic())
+        if arrived:
+            with self._lock:
+                for fragment, version, tensors in arrived:
+                    if version >= self.held.get(fragment, (-1, None))[0]:
+                        self.held[fragment] = (version, tensors)
 
     def close(self) -> None:
         self._stop.set()
@@ -73,6 +81,7 @@ class SnapshotFollower:
             for socket in dict(poller.poll(POLL_MS)):
                 frames = socket.recv_multipart(copy=False)
                 self._on_frames([f.buffer for f in frames], reassemblers[socket])
+            self._take()
             self.downlink.ask_for_values(time.monotonic(), 0, send)
         sub.close(linger=0)
         dealer.close(linger=0)

@@ -187,7 +187,9 @@ def run_island(args: argparse.Namespace) -> int:
         if link is not None:
             link.close()
         if metrics_server is not None:
-            metrics_server.shutdown()
+            from telemetry import prom
+
+            prom.stop(metrics_server)
     log.info("done", **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})
     print(json.dumps(summary))
     return 0

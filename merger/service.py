@@ -39,6 +39,7 @@ from merger.recovery import checkpoint_dir, recover, wal_dir
 from merger.rundir import RunDirLock
 from merger.settings import ServiceConfig as ServiceConfig  # re-exported: the service's settings
 from merger.wal import StorageError, WriteAheadLog
+from telemetry import prom
 from telemetry.logs import configure_logging
 
 POLL_MS = 50  # longest sleep between checks of the clock-driven round policy
@@ -46,6 +47,7 @@ RESEND_S = 0.2  # how often missing stream messages are asked for again
 CURSOR_S = 1.0  # how often settled cursors are published even without a fold
 DRAIN_LIMIT = 256  # messages taken from one socket before the loop looks at the others
 EPOCH_AHEAD_NS = 24 * 3600 * 10**9  # an island's epoch (its start time, ns) may be this far ahead of our clock
+CATCH_UP_MIN_S = 0.25  # a peer's requests for one fragment are answered at most this often (islands ask at most once a second)
 EXIT_STORAGE = 3  # the exit code of a merger stopped by its disk (full, read-only, failing)
 
 
@@ -53,8 +55,12 @@ class MergerService(SnapshotPublishing):
     def __init__(self, config: ServiceConfig, core_factory=None) -> None:
         self.config = config
         self.log = configure_logging("merger", sender=config.sender)
+        # first: a busy port fails here, before any thread or file is opened
+        self.metrics_server, self.histograms = self._serve_metrics() if config.metrics_port is not None else (None, None)
         self.lock = RunDirLock(config.run_dir)  # before the log opens: RunDirInUse if another merger runs here
         self.wal = WriteAheadLog(wal_dir(config.run_dir), fsync=config.fsync)
+        if self.histograms is not None:
+            self.wal.on_fsync = self.histograms[2].observe
         if self.wal.truncated_bytes or self.wal.discarded:
             self.log.warning("wal_torn_tail_truncated", bytes=self.wal.truncated_bytes, segments_set_aside=self.wal.discarded)
         if self.wal.next_index > 0:
@@ -96,16 +102,18 @@ class MergerService(SnapshotPublishing):
         self.gone: set[str] = set()
         self.ingest_bytes, self.folds_by_fragment = 0, collections.Counter()
         self.observers = config.security.names_with_role("observer")  # CURVE peers that may ask for snapshots, never send deltas
-        self.metrics_server, self.histograms = self._serve_metrics() if config.metrics_port is not None else (None, None)
+        self.answered: dict[tuple[bytes, int], float] = {}  # (peer, fragment) -> when its value was last sent to it
+        self.started = True  # (metrics: the counters above exist)
 
     def _serve_metrics(self):
-        from telemetry import prom
+        def read():
+            if not getattr(self, "started", False):  # still starting (recovering the log, opening sockets)
+                return []
+            return prom.merger_families(dict(self.counters), dict(self.core.rejected), dict(self.folds_by_fragment),
+                                        [s.version for s in self.core.states], self.ingest_bytes, self.wal.bytes_appended)
 
-        registry = prom.registry_of(lambda: prom.merger_families(
-            dict(self.counters), dict(self.core.rejected), dict(self.folds_by_fragment), [s.version for s in self.core.states],
-            self.ingest_bytes, self.wal.bytes_appended))
+        registry = prom.registry_of(read)
         histograms = prom.merger_histograms(registry)
-        self.wal.on_fsync = histograms[2].observe
         return prom.serve(self.config.metrics_port, self.config.metrics_host, registry), histograms
 
     def _socket(self, kind: int, endpoint: str, server: str, domain: str, receive_hwm: int | None = None) -> zmq.Socket:
@@ -228,13 +236,27 @@ class MergerService(SnapshotPublishing):
             self.count("merger/resent_chunks")
             self.on_delta_frames(body)
         elif isinstance(message, protocol.SnapshotRequest):
-            wanted = message.fragments or tuple(range(len(self.core.fragments)))
-            for fragment in wanted:
-                if fragment < len(self.core.fragments):
-                    for frames_out in self.snapshot_frames(fragment, on_bus=False):
-                        self.control.send_multipart([identity, *frames_out], copy=False)
+            self.answer_catch_up(identity, message.fragments or tuple(range(len(self.core.fragments))))
         elif isinstance(message, protocol.Hello):
             self.log.info("hello", peer=message.sender, role=message.role, region=message.region, model_ok=message.model == self.core.model)
+
+    def answer_catch_up(self, identity: bytes, fragments) -> None:
+        """Each fragment's value, point to point, never blocking: a peer that does not read (its queue
+        full) loses the reply and asks again; one that asks for a fragment again within
+        CATCH_UP_MIN_S is refused (counted), so no peer keeps the loop encoding whole fragments."""
+        now = time.monotonic()
+        for fragment in fragments:
+            if fragment >= len(self.core.fragments):
+                continue
+            if now - self.answered.get((identity, fragment), -math.inf) < CATCH_UP_MIN_S:
+                self.count("merger/rejected/catch_up_rate")
+                continue
+            self.answered[(identity, fragment)] = now
+            try:
+                for frames_out in self.snapshot_frames(fragment, on_bus=False):
+                    self.control.send_multipart([identity, *frames_out], zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:  # Again: its queue is full; EHOSTUNREACH: it has gone meanwhile
+                self.count("merger/catch_up_dropped")
 
     def speaks_for_itself(self, message, peer: str | None, routing_id: bytes | None = None) -> bool:
         """False (counted, logged) for a message whose sender is not the key that sent it (bus.security.impostor)."""
@@ -361,7 +383,7 @@ class MergerService(SnapshotPublishing):
             self.log.error("storage_failed", error=str(self.storage_failed), hint="free space in the run directory and restart: the log resumes")
         self.lock.release()
         if self.metrics_server is not None:
-            self.metrics_server.shutdown()
+            prom.stop(self.metrics_server)
         Security.stop(self.context)
         self.context.destroy(linger=0)
         self.log.info("stopped", folds=self.folds, counters=self.counters, rejected=dict(self.core.rejected),

@@ -147,7 +147,7 @@ class WriteAheadLog:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.segment_bytes, self.fsync = segment_bytes, fsync
         self.bytes_appended = 0  # by this process (metrics)
-        self.on_fsync = None  # called with each fsync's seconds (metrics), outside the lock
+        self.on_fsync = None  # called with each fsync's seconds (metrics)
         self.truncated_bytes = 0
         self.discarded: list[str] = []  # segments set aside after a torn record (see the module docstring)
         self._cond = threading.Condition()  # guards the fields below; fsync runs with it released
@@ -329,8 +329,7 @@ class WriteAheadLog:
             if directory:
                 _fsync_dir(self.directory)
             os.fsync(current)
-            if self.on_fsync is not None:
-                self.on_fsync(time.perf_counter() - began)
+            seconds = time.perf_counter() - began
         except OSError as error:
             failure = StorageError(f"fsync of the write-ahead log failed: {error}")
         except BaseException as error:  # e.g. KeyboardInterrupt: the taken segments are not known to be on disk
@@ -348,6 +347,8 @@ class WriteAheadLog:
             self._error = failure
         else:
             self._durable = max(self._durable, target)
+            if self.on_fsync is not None:
+                self.on_fsync(seconds)
         if interrupted is not None:
             raise interrupted
 

@@ -39,9 +39,15 @@ def registry_of(read: Callable[[], Iterable]) -> CollectorRegistry:
 
 
 def serve(port: int, host: str, registry: CollectorRegistry):
-    """Serve `registry` at http://HOST:PORT/metrics from a daemon thread; returns the server (shutdown() stops it)."""
+    """Serve `registry` at http://HOST:PORT/metrics from a daemon thread; returns the server (`stop` it)."""
     server, _ = start_http_server(port, addr=host, registry=registry)
     return server
+
+
+def stop(server) -> None:
+    """Stop serving and release the port."""
+    server.shutdown()
+    server.server_close()
 
 
 def _gauge(name: str, doc: str, value: float | None, labels: Mapping[str, Mapping[str, float]] | None = None) -> GaugeMetricFamily:

@@ -129,3 +129,19 @@ def test_the_compose_services_run_as_local_processes(tmp_path):
     folds = [json.loads(line) for line in (run / "logs" / "merger.log").read_text().splitlines() if '"event": "fold"' in line]
     assert {name for fold in folds for name in fold["contributors"]} == {"us-east", "us-west"}
     assert (run / "report.md").exists() and "asia-older-hw" not in (run / "report.md").read_text()
+
+
+def test_the_evaluator_mounts_what_the_islands_read_and_names_stay_apart(tmp_path):
+    cluster = config.load(ROOT / "examples" / "digits.toml")
+    services = yaml.safe_load(compose.render(cluster, "examples/digits.toml", ROOT / "examples"))["services"]
+    region = cluster.regions[0].name
+    assert services["evaluator"]["volumes"] == services[region]["volumes"] and len(services[region]["volumes"]) == 2  # the task file's folder
+    assert any(arg.startswith(f"{compose.INPUTS}/digits.py") for arg in services["evaluator"]["command"])
+    for name in ("status", "grafana", "evaluator"):
+        text = (ROOT / "cluster/profiles/default.toml").read_text().replace('name = "us-east"', f'name = "{name}"')
+        (tmp_path / "c.toml").write_text(text)
+        with pytest.raises(ConfigError, match=f"'{name}': not a region name"):
+            config.load(tmp_path / "c.toml")
+    (tmp_path / "c.toml").write_text((ROOT / "cluster/profiles/default.toml").read_text().replace('name = "us-west"', 'name = "us_east"'))
+    with pytest.raises(ConfigError, match="DLOCO_METRICS_PORT_US_EAST"):
+        compose.render(config.load(tmp_path / "c.toml"), "c.toml", tmp_path)

@@ -88,8 +88,9 @@ def test_metrics_are_served_over_http():
 def test_the_evaluators_schedule_keeps_its_budget():
     assert evaluator.next_wait(0.5, every_s=10, budget=0.1) == 10  # 0.5 s of every 10: 5 %
     assert evaluator.next_wait(2.0, every_s=10, budget=0.1) == 20  # 2 s of every 20: 10 %
-    assert evaluator.whole_model({0: (3, {"a": 1})}, fragments=2) is None
-    assert evaluator.whole_model({1: (2, {"b": 2}), 0: (3, {"a": 1})}, fragments=2) == ([3, 2], {"a": 1, "b": 2})
+    assert evaluator.whole_model({0: (3, {"a": 1})}, paths={"a", "b"}) is None
+    assert evaluator.whole_model({1: (2, {"b": 2}), 0: (3, {"a": 1})}, paths={"a", "b"}) == ([3, 2], {"a": 1, "b": 2})
+    assert evaluator.whole_model({0: (3, {"a": 1, "b": 2})}, paths={"a", "b"}) == ([3], {"a": 1, "b": 2})  # however the merger cuts it
 
 
 def test_the_evaluator_evaluates_each_new_whole_model_once():
@@ -102,7 +103,7 @@ def test_the_evaluator_evaluates_each_new_whole_model_once():
         return calls[0] > 5
 
     count = evaluator.follow(lambda: next(offers), lambda params: evaluated.append(dict(params)) or {"loss": 1.5},
-                             written.append, fragments=2, every_s=0.0, budget=1.0, stopped=stopped)
+                             written.append, paths={"a", "b"}, every_s=0.0, budget=1.0, stopped=stopped)
     assert count == 2 and evaluated == [{"a": 1, "b": 1}, {"a": 2, "b": 1}]
     assert [w["versions"] for w in written] == [[1, 1], [2, 1]] and written[0]["eval_loss"] == 1.5
 
