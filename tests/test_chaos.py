@@ -83,7 +83,7 @@ def test_cluster_files_carry_a_checked_schedule(tmp_path):
         with pytest.raises(ConfigError, match=message):
             config.load(path)
     path.write_text("[[regions]]\nname = 'merger'\n")
-    with pytest.raises(ConfigError, match="not region names"):
+    with pytest.raises(ConfigError, match="'merger': not a region name"):
         config.load(path)
 
 

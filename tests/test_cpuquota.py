@@ -117,7 +117,8 @@ def test_compose_carries_the_quota_as_cpus(tmp_path):
     path = tmp_path / "docker-compose.yml"
     path.write_text(compose.render(cluster, "cluster.toml"))
     services = compose.load(path, {})
-    assert {name: s.cpus for name, s in services.items()} == {"prepare": None, "broker": None, "merger": None, "fast": 0.5, "slow": 0.25}
+    assert {name: s.cpus for name, s in services.items()} == {"prepare": None, "broker": None, "merger": None, "fast": 0.5, "slow": 0.25,
+                                                             "evaluator": None, "status": None}
     assert "cpus" not in compose.render(config.ClusterConfig(cluster.regions), "cluster.toml")
     text = path.read_text()
     for broken, message in ((text.replace("cpus: 0.25", "cpus: lots"), "cpus must be a number"),
