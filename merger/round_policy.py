@@ -9,6 +9,9 @@ Rule (per fragment):
    + EMA of its inter-arrival time) to arrive before ``q + grace_cap``; then wait until the
    earliest such prediction plus a small slack.  A prediction that has passed no longer counts,
    so each wait ends in a fold or a shorter wait; no wait goes past ``q + grace_cap``.
+
+Also here, as pure clock arithmetic: when snapshots are due (`snapshot_due`) and how many catch-up
+replies a peer may still have (`CatchUpBudget`).
 """
 
 from __future__ import annotations
@@ -83,3 +86,23 @@ def snapshot_due(last_published: float | None, intervals: Iterable[float | None]
     if every_round <= 0 or last_published is None or not known:
         return -math.inf
     return last_published + every_round * math.fsum(known) / len(known)
+
+
+class CatchUpBudget:
+    """How many catch-up replies one peer may still have: a token bucket holding 2 * fragments + 8
+    replies, refilled at `fragments` a second.  A joining island asks for every fragment once, and
+    one that misses diffs asks for a fragment at most once a second: both stay well within it."""
+
+    def __init__(self, fragments: int) -> None:
+        self.capacity, self.rate = 2 * fragments + 8, float(fragments)
+        self.tokens, self.at = float(self.capacity), None
+
+    def take(self, now: float) -> bool:
+        """Spend one reply at time `now`; False when none is left."""
+        if self.at is not None:
+            self.tokens = min(self.capacity, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True

@@ -36,6 +36,7 @@ from merger import checkpoint
 from merger.pipeline import FoldPipeline
 from merger.publishing import SnapshotPublishing
 from merger.recovery import checkpoint_dir, recover, wal_dir
+from merger.round_policy import CatchUpBudget
 from merger.rundir import RunDirLock
 from merger.settings import ServiceConfig as ServiceConfig  # re-exported: the service's settings
 from merger.wal import StorageError, WriteAheadLog
@@ -47,7 +48,6 @@ RESEND_S = 0.2  # how often missing stream messages are asked for again
 CURSOR_S = 1.0  # how often settled cursors are published even without a fold
 DRAIN_LIMIT = 256  # messages taken from one socket before the loop looks at the others
 EPOCH_AHEAD_NS = 24 * 3600 * 10**9  # an island's epoch (its start time, ns) may be this far ahead of our clock
-CATCH_UP_MIN_S = 0.25  # a peer's requests for one fragment are answered at most this often (islands ask at most once a second)
 EXIT_STORAGE = 3  # the exit code of a merger stopped by its disk (full, read-only, failing)
 
 
@@ -102,7 +102,7 @@ class MergerService(SnapshotPublishing):
         self.gone: set[str] = set()
         self.ingest_bytes, self.folds_by_fragment = 0, collections.Counter()
         self.observers = config.security.names_with_role("observer")  # CURVE peers that may ask for snapshots, never send deltas
-        self.answered: dict[tuple[bytes, int], float] = {}  # (peer, fragment) -> when its value was last sent to it
+        self.catch_up_budgets: dict[bytes, CatchUpBudget] = {}  # per peer
         self.started = True  # (metrics: the counters above exist)
 
     def _serve_metrics(self):
@@ -242,16 +242,16 @@ class MergerService(SnapshotPublishing):
 
     def answer_catch_up(self, identity: bytes, fragments) -> None:
         """Each fragment's value, point to point, never blocking: a peer that does not read (its queue
-        full) loses the reply and asks again; one that asks for a fragment again within
-        CATCH_UP_MIN_S is refused (counted), so no peer keeps the loop encoding whole fragments."""
-        now = time.monotonic()
+        full) loses the reply and asks again.  Each peer has a budget of replies (round_policy.
+        CatchUpBudget: the whole model twice, refilled at the whole model a second); a request beyond
+        it is refused (counted), so no peer keeps the loop encoding whole fragments."""
+        budget = self.catch_up_budgets.setdefault(identity, CatchUpBudget(len(self.core.fragments)))
         for fragment in fragments:
             if fragment >= len(self.core.fragments):
                 continue
-            if now - self.answered.get((identity, fragment), -math.inf) < CATCH_UP_MIN_S:
+            if not budget.take(time.monotonic()):
                 self.count("merger/rejected/catch_up_rate")
                 continue
-            self.answered[(identity, fragment)] = now
             try:
                 for frames_out in self.snapshot_frames(fragment, on_bus=False):
                     self.control.send_multipart([identity, *frames_out], zmq.NOBLOCK, copy=False)

@@ -93,6 +93,7 @@ def step_times(loop: IslandLoop, metrics: Path, steps: int) -> list[float]:
     return [b - a for a, b in zip(times[1:], times[2:])]
 
 
+@pytest.mark.e2e  # a networked island for 20 s: -m e2e keeps the default run within its budget
 @pytest.mark.timeout(240)
 def test_the_loop_never_waits_for_a_trickling_uplink(tmp_path):
     """Same loop, same delta work; only the uplink differs: unlimited vs 0.001 Mbit/s, where one

@@ -87,6 +87,7 @@ def run_with_devices(count: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.e2e  # two training processes of 20 s: -m e2e keeps the default run within its budget
 def test_four_devices_give_the_loss_of_one_for_the_same_global_batch():
     one, four = run_with_devices(1), run_with_devices(4)
     assert (one["devices"], four["devices"]) == (1, 4)

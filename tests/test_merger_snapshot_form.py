@@ -49,3 +49,14 @@ def test_an_island_silent_for_two_of_its_intervals_no_longer_holds_snapshots():
     assert sorted(core.arrival_intervals(now=115.0), key=str) == sorted([12.0, None], key=str)  # fast: silent 15 s > 8; slow 20 s <= 24
     assert core.arrival_intervals(now=200.0) == [None]  # both gone: snapshot_due publishes at once
     assert round_policy.snapshot_due(150.0, core.arrival_intervals(now=200.0), 1.0) == -math.inf
+
+
+def test_a_peers_catch_up_replies_are_budgeted():
+    """2 fragments: 12 replies at once, then 2 a second."""
+    from merger.round_policy import CatchUpBudget
+
+    budget = CatchUpBudget(2)
+    assert [budget.take(10.0) for _ in range(13)] == [True] * 12 + [False]
+    assert budget.take(10.25) is False  # half a reply earned
+    assert budget.take(10.5) is True and budget.take(10.5) is False
+    assert [budget.take(100.0) for _ in range(13)] == [True] * 12 + [False]  # refilled to the brim, not beyond
