@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,6 +118,20 @@ def test_plaintext_attempts_are_counted_and_logged_at_a_bounded_rate(secure_brok
     assert len(lines) <= elapsed + 1  # at most one line a second, however many attempts
 
 
+def bound_merger(tmp_path, keys, allow) -> tuple[subprocess.Popen, Path, tuple[int, int, int]]:
+    """A CURVE merger without a broker (it binds its delta SUB, snapshot PUB and control ROUTER):
+    the process, its log file and the three ports."""
+    init = tmp_path / "init.npz"
+    np.savez(init, **initial_params())
+    ports = free_port(), free_port(), free_port()
+    log = tmp_path / "merger.log"
+    merger = subprocess.Popen([sys.executable, "-m", "dloco", "merger", "--run-dir", str(tmp_path / "run"), "--init-npz", str(init),
+                               "--fragments", "2", "--delta-endpoint", f"@tcp://127.0.0.1:{ports[0]}",
+                               "--snapshot-endpoint", f"@tcp://127.0.0.1:{ports[1]}", "--control-endpoint", f"@tcp://127.0.0.1:{ports[2]}",
+                               "--keys", str(keys), "--allow", str(allow)], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    return merger, log, ports
+
+
 @pytest.mark.e2e  # a merger process under attack: -m e2e
 @pytest.mark.timeout(180)
 def test_the_merger_checks_who_sends_on_the_sockets_it_binds(tmp_path):
@@ -126,14 +141,7 @@ def test_the_merger_checks_who_sends_on_the_sockets_it_binds(tmp_path):
     keys, allow = tmp_path / "keys", tmp_path / "allow"
     create_keys(keys, ["merger", *ISLANDS])
     write_allow_list(keys, allow, {"island": ISLANDS})
-    init = tmp_path / "init.npz"
-    np.savez(init, **initial_params())
-    delta, snapshot, control = free_port(), free_port(), free_port()
-    log = tmp_path / "merger.log"
-    merger = subprocess.Popen([sys.executable, "-m", "dloco", "merger", "--run-dir", str(tmp_path / "run"), "--init-npz", str(init),
-                               "--fragments", "2", "--delta-endpoint", f"@tcp://127.0.0.1:{delta}",
-                               "--snapshot-endpoint", f"@tcp://127.0.0.1:{snapshot}", "--control-endpoint", f"@tcp://127.0.0.1:{control}",
-                               "--keys", str(keys), "--allow", str(allow)], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    merger, log, (delta, snapshot, control) = bound_merger(tmp_path, keys, allow)
     context = zmq.Context()
     try:
         attacker = Identity.load(keys, "island-1", server="merger")
@@ -255,14 +263,7 @@ def test_an_observer_may_ask_for_snapshots_but_never_send_a_delta(tmp_path):
     keys, allow = tmp_path / "keys", tmp_path / "allow"
     create_keys(keys, ["merger", "watcher"])
     write_allow_list(keys, allow, {"observer": ["watcher"]})
-    init = tmp_path / "init.npz"
-    np.savez(init, **initial_params())
-    delta, snapshot, control = free_port(), free_port(), free_port()
-    log = tmp_path / "merger.log"
-    merger = subprocess.Popen([sys.executable, "-m", "dloco", "merger", "--run-dir", str(tmp_path / "run"), "--init-npz", str(init),
-                               "--fragments", "2", "--delta-endpoint", f"@tcp://127.0.0.1:{delta}",
-                               "--snapshot-endpoint", f"@tcp://127.0.0.1:{snapshot}", "--control-endpoint", f"@tcp://127.0.0.1:{control}",
-                               "--keys", str(keys), "--allow", str(allow)], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    merger, log, (_, _, control) = bound_merger(tmp_path, keys, allow)
     context = zmq.Context()
     replies = 0
     try:
