@@ -28,6 +28,7 @@ from telemetry import prom
 
 POLL_MS = 100
 KERNEL_BUFFER_BYTES = 4 << 20  # larger TCP buffers: fewer wake-ups per MiB forwarded
+FENCED_BUS = "snapshot"  # where a sender's older epochs are dropped
 IO_THREADS = 2  # one per direction of heavy traffic; faster than 1 with 1 MiB messages (dloco bench bus)
 
 
@@ -78,6 +79,7 @@ class Broker:
         self.dropped = collections.Counter()
         self.refused = collections.Counter()  # messages not forwarded: sender_mismatch, unreadable header
         self.last_warned: dict[str, float] = {}
+        self.newest_epoch: dict[str, int] = {}  # snapshot bus: sender -> newest epoch (a lower one is a replaced merger)
         self.stopping = False
         self.metrics_server = None
         if config.metrics_port is not None:
@@ -132,7 +134,7 @@ class Broker:
                 target.send_multipart(frames, copy=False)
                 continue
             key = f"{bus}/{topic_key(bytes(frames[0].buffer[:64]))}"
-            if not self.config.security.insecure and not self._from_its_sender(frames, bus):
+            if not self._admitted(frames, bus):
                 continue
             try:
                 target.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -142,17 +144,29 @@ class Broker:
             self.messages[key] += 1
             self.bytes[key] += sum(len(f) for f in frames)
 
-    def _from_its_sender(self, frames: list[zmq.Frame], bus: str) -> bool:
-        """Whether the header's sender is the peer whose key sent the message (else counted, logged)."""
-        peer = frames[0].get("User-Id")
+    def _admitted(self, frames: list[zmq.Frame], bus: str) -> bool:
+        """Whether to forward: with CURVE, the header's sender must be the peer whose key sent it; on
+        the snapshot bus, its epoch must not be older than the newest seen from that sender (a
+        merger that a standby has replaced is fenced here: PROTOCOL.md §13).  Else counted, logged."""
+        secure, fenced = not self.config.security.insecure, bus == FENCED_BUS
+        if not secure and not fenced:
+            return True
+        peer = frames[0].get("User-Id") if secure else None
         try:
             sender, epoch = peek_sender([frame.buffer for frame in frames[:2]])
         except ProtocolError as error:
+            if not secure:  # plaintext: the broker forwards what it cannot read, as it always has
+                return True
             sender, epoch, reason = None, None, f"header_{error.reason}"
         else:
-            if sender == peer:
+            if secure and sender != peer:
+                reason = "sender_mismatch"
+            elif fenced and epoch < self.newest_epoch.get(sender, 0):
+                reason = "old_epoch"
+            else:
+                if fenced:
+                    self.newest_epoch[sender] = epoch
                 return True
-            reason = "sender_mismatch"
         self.refused[f"{bus}/{reason}"] += 1
         now = time.monotonic()
         if now - self.last_warned.get(peer, -1.0) >= 1.0:  # a flood does not flood the log

@@ -184,7 +184,8 @@ SOCKET_ROLES = {
     "delta-out": frozenset({"merger", "observer"}),  # ... subscribers' side: no island reads another's deltas
     "snapshot-in": frozenset({"merger"}),  # the snapshot bus (snapshots, acks), publishers' side
     "snapshot-out": frozenset({"island", "observer"}),
-    "control": frozenset({"island", "observer"}),  # the merger's ROUTER: catch-up and resend requests (an observer's deltas are refused there)
+    "control": frozenset({"island", "observer"}),
+    "replication": frozenset({"merger"}),  # a primary merger's log stream: its standby only  # the merger's ROUTER: catch-up and resend requests (an observer's deltas are refused there)
 }
 
 

@@ -20,27 +20,31 @@ HEARTBEAT_TTL_MS = 5000  # the peer drops the connection when it hears nothing f
 
 
 def attach(socket: zmq.Socket, endpoint: str) -> None:
-    """Bind (``@...``) or connect (``tcp://...``, ``>tcp://...``)."""
+    """Bind (``@...``) or connect (``tcp://...``, ``>tcp://...``); ``A,B`` connects to both."""
     if endpoint.startswith("@"):
         socket.bind(endpoint[1:])
     else:
-        socket.connect(endpoint.removeprefix(">"))
+        for part in endpoint.split(","):
+            socket.connect(part.strip().removeprefix(">"))
 
 
 def open_socket(context: zmq.Context, kind: int, endpoint: str, security: Security, server: str | None = None, *,
                 report: Callable[[str], None] = lambda message: None, identity: str | None = None,
                 send_hwm: int | None = None, receive_hwm: int | None = None, kernel_buffer_bytes: int | None = None,
-                domain: str | None = None) -> zmq.Socket:
+                domain: str | None = None, immediate: bool = False) -> zmq.Socket:
     """A socket of `kind`, set up and attached to `endpoint`.
 
     `server` names the key of what a connecting socket reaches (CURVE client); `report` receives
     the ZAP handler's refusals (CURVE server).  `identity` is a DEALER's routing id; the high-water
     marks (messages) and kernel buffers (bytes) keep ZeroMQ's defaults when None.  `domain` names a
-    bound socket's place (bus.security.SOCKET_ROLES): the roles it admits."""
+    bound socket's place (bus.security.SOCKET_ROLES): the roles it admits.  `immediate`: queue
+    messages only to completed connections (a connecting socket with no peer up refuses sends)."""
     socket = context.socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
     if identity is not None:
         socket.setsockopt(zmq.IDENTITY, identity.encode())
+    if immediate:
+        socket.setsockopt(zmq.IMMEDIATE, 1)
     sizes = ((zmq.SNDHWM, send_hwm), (zmq.RCVHWM, receive_hwm), (zmq.SNDBUF, kernel_buffer_bytes), (zmq.RCVBUF, kernel_buffer_bytes))
     heartbeats = ((zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS), (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
                   (zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS))

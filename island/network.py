@@ -131,10 +131,11 @@ class NetworkLink:
         sub = open_socket(self._context, zmq.SUB, self.snapshot_route.endpoint, self.security, self.snapshot_route.server)
         sub.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
         sub.setsockopt(zmq.SUBSCRIBE, b"ack")
-        # the merger routes resend requests to us by name
+        # the merger routes resend requests to us by name; with a standby, to both mergers' control
+        # sockets ("A,B"), queueing only to one that is up (the primary binds its own, a standby none)
         self._dealer = open_socket(self._context, zmq.DEALER, self.control_route.endpoint, self.security, self.control_route.server,
-                                   identity=self.name)
-        self._dealer.send_multipart(protocol.encode(self.downlink.ask_for_all(time.monotonic())))
+                                   identity=self.name, immediate="," in self.control_route.endpoint)
+        ask_all = protocol.encode(self.downlink.ask_for_all(time.monotonic()))
         # Bus and point-to-point snapshots reassemble apart: a catch-up reply (exact: fp32 or the full
         # snapshots' codec) and a bus snapshot of one version share a key, and chunks of one must not
         # meet the other's.
@@ -143,6 +144,8 @@ class NetworkLink:
         poller.register(sub, zmq.POLLIN)
         poller.register(self._dealer, zmq.POLLIN)
         while not self._stop.is_set():
+            if ask_all is not None and self._send_direct(ask_all):
+                ask_all = None
             for socket in dict(poller.poll(POLL_MS)):
                 frames = socket.recv_multipart(copy=False)
                 self._on_frames([f.buffer for f in frames], reassemblers[socket])

@@ -63,6 +63,7 @@ class Uplink:
         self.unsettled: dict[int, SentDelta] = {}  # by delta id
         self.settled: set[int] = set()  # delta ids with a result (an ack can arrive twice)
         self.results: collections.Counter[str] = collections.Counter()  # folded, rejected, unknown, dropped/<reason>
+        self.merger_epochs: dict[str, int] = {}  # newest epoch of each ack sender: a replaced merger's acks are ignored
         # fragment -> deltas of it settled without a fold (rejected, or given up on): a blocking
         # island waiting for such a delta's fold must stop waiting
         self.unfolded: collections.Counter[int] = collections.Counter()
@@ -170,8 +171,13 @@ class Uplink:
 
     # ---- the receiver thread ---------------------------------------------------------------------
     def on_ack(self, ack: protocol.Ack) -> None:
-        """Results settle deltas; cursors release the retransmit buffer and admit deltas."""
+        """Results settle deltas; cursors release the retransmit buffer and admit deltas.  An ack
+        from an older epoch of its sender (a merger since restarted or replaced) is ignored."""
         with self.lock:
+            if ack.epoch < self.merger_epochs.get(ack.sender, 0):
+                self.results["dropped/old_epoch"] += 1
+                return
+            self.merger_epochs[ack.sender] = ack.epoch
             for result in ack.results:
                 if result.island == self.name and result.epoch == self.epoch and result.delta_id not in self.settled:
                     self.settled.add(result.delta_id)

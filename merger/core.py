@@ -208,6 +208,8 @@ class MergerCore:
         if record["type"] == records.CURSORS:
             self.cursors.update({island: (epoch, seq) for island, epoch, seq in record["cursors"]})
             return None
+        if record["type"] == records.TERM:
+            return None
         if record["type"] == records.DELTA:
             contribution = records.contribution_from_record(record)
             self._enqueue(Pending(contribution, record["fragment"], 0.0, index), observe_arrival=False)

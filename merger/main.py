@@ -10,6 +10,7 @@ import numpy as np
 
 from cliargs import add_metrics_flags, float_at_least, int_at_least
 from merger.config import FULL_SNAPSHOT_CODECS, ConfigError, MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
+from merger.replication import MODES, ReplicationConfig
 from protocol import CODEC_NAMES, DlocoError
 
 
@@ -51,6 +52,18 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
                              "beyond a gap; one island may hold half of each (default 768)")
     merger.add_argument("--peer-timeout", type=float, default=10.0, help="seconds of silence after which an island is logged as gone")
     add_metrics_flags(merger)
+    standby = merger.add_argument_group("hot standby (PROTOCOL.md §13)")
+    standby.add_argument("--replication-endpoint", default="",
+                         help="ROUTER on which this merger, while it is the primary, streams its log to a standby ('@tcp://...')")
+    standby.add_argument("--replication", choices=MODES, default=None,
+                         help="sync: publish nothing before the standby has it on disk; async: stream, never wait; off "
+                              "(default: sync with --replication-endpoint, else off)")
+    standby.add_argument("--peer", default="", help="the other merger's replication endpoint: a primary restarted after a takeover "
+                                             "finds its successor there and becomes its standby")
+    standby.add_argument("--standby-of", default="", metavar="ENDPOINT", help="start as the standby of the primary at ENDPOINT")
+    standby.add_argument("--lease", type=float_at_least(0.1), default=ReplicationConfig.lease_s,
+                         help="seconds without the primary's heartbeat after which its standby takes over (default 3); the "
+                              "primary drops a standby silent for twice this")
     merger.add_argument("--name", default="merger", help="sender id and key name (default merger)")
     merger.add_argument("--keys", type=Path, help="CURVE key directory (NAME.key_secret, broker.key); CURVE is the default")
     merger.add_argument("--allow", type=Path, help="accepted client public keys, for the sockets this merger binds")
@@ -70,7 +83,8 @@ def run_merger(args: argparse.Namespace) -> int:
     from bus.security import security_from_args
     from merger.memory import keep_freed_memory
     from merger.core import initial_core
-    from merger.service import MergerService, ServiceConfig
+    from merger.roles import run_merger_roles
+    from merger.service import ServiceConfig
 
     keep_freed_memory()  # folds reuse freed pages instead of faulting in fresh ones (merger/memory.py)
     try:
@@ -83,22 +97,26 @@ def run_merger(args: argparse.Namespace) -> int:
         if args.init_npz is not None:
             with np.load(args.init_npz) as data:
                 factory = initial_core(config, {path: data[path].astype(np.float32) for path in data.files}, args.fragments)
-        elif not (args.run_dir / "wal").exists():
+        elif not (args.run_dir / "wal").exists() and not (args.standby_of or args.peer):
             raise ConfigError(f"{args.run_dir} holds no log to resume; give --init-npz to start a new run")
         security = security_from_args(args, args.name, "merger")
-        service = MergerService(ServiceConfig(args.run_dir, args.delta_endpoint, args.snapshot_endpoint, args.control_endpoint,
-                                              sender=args.name, snapshot_codec=args.snapshot_codec, fsync=args.fsync,
-                                              snapshot_diff_codec="" if args.snapshot_diff_codec == "none" else args.snapshot_diff_codec,
-                                              snapshot_full_every=args.snapshot_full_every, snapshot_every_round=args.snapshot_every_round,
-                                              checkpoint_every=args.checkpoint_every, security=security,
-                                              reassembly_bytes=(args.receive_mib << 20) * 2 // 3, held_bytes=(args.receive_mib << 20) // 3,
-                                              peer_timeout_s=args.peer_timeout, metrics_port=args.metrics_port,
-                                              metrics_host=args.metrics_host), core_factory=factory)
+        mode = args.replication or ("sync" if args.replication_endpoint else "off")
+        replication = ReplicationConfig(mode, args.replication_endpoint, args.standby_of or args.peer, args.lease, bool(args.standby_of))
+        if args.standby_of and args.peer and args.peer != args.standby_of:
+            raise ConfigError("--peer and --standby-of name the same merger: give one of them")
+        service_config = ServiceConfig(args.run_dir, args.delta_endpoint, args.snapshot_endpoint, args.control_endpoint,
+                                       sender=args.name, snapshot_codec=args.snapshot_codec, fsync=args.fsync,
+                                       snapshot_diff_codec="" if args.snapshot_diff_codec == "none" else args.snapshot_diff_codec,
+                                       snapshot_full_every=args.snapshot_full_every, snapshot_every_round=args.snapshot_every_round,
+                                       checkpoint_every=args.checkpoint_every, security=security,
+                                       reassembly_bytes=(args.receive_mib << 20) * 2 // 3, held_bytes=(args.receive_mib << 20) // 3,
+                                       peer_timeout_s=args.peer_timeout, metrics_port=args.metrics_port,
+                                       metrics_host=args.metrics_host, replication=replication)
+        code, service = run_merger_roles(service_config, core_factory=factory)
     except (DlocoError, OSError, zmq.ZMQError) as error:
         print(f"dloco merger: {error}", file=sys.stderr)
         return 2
-    code = service.run()
-    if service.storage_failed is not None:
+    if service is not None and service.storage_failed is not None:
         print(f"dloco merger: stopped: {service.storage_failed}; free space in {args.run_dir} and restart (the log resumes)", file=sys.stderr)
     return code
 

@@ -69,6 +69,7 @@ class FoldPipeline:
             self._notify = context.socket(zmq.PAIR)
             self._notify.connect(endpoint)
         self.failed: BaseException | None = None  # a fold raised: nothing more is computed or announced
+        self.barrier = None  # called with a fold's log ticket before it is announced (replication: the standby has it)
         self._work: queue.Queue[Fold | None] = queue.Queue()
         self._worker = threading.Thread(target=self._compute_each, name="fold-worker", daemon=True)
         self._worker.start()
@@ -106,6 +107,8 @@ class FoldPipeline:
             done.append(self.in_flight.popleft())
         if done and self.wal is not None:
             self.wal.wait_durable(done[-1].durable)  # durable before anyone is told
+            if self.barrier is not None:
+                self.barrier(done[-1].durable)
         for fold in done:
             self.core.install(fold.fragment, fold.state)
         return done

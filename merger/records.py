@@ -17,7 +17,7 @@ from merger.coded import KERNELS_VERSION
 from merger.fold import Contribution, FragmentState
 from protocol import Assembled, Codec, CodedTensor
 
-GENESIS, DELTA, FOLD, CURSORS = "genesis", "delta", "fold", "cursors"
+GENESIS, DELTA, FOLD, CURSORS, TERM = "genesis", "delta", "fold", "cursors", "term"
 
 
 def software() -> dict:
@@ -100,6 +100,12 @@ def contribution_from_record(record: dict) -> Contribution:
     shapes = {path: shape for path, shape, _, _ in record["slices"]}
     return Contribution(record["island"], record["epoch"], record["delta_id"], record["staleness"], record["tokens"],
                         record["steps"], {path: flat.reshape(shapes[path]) for path, flat in tensors.items()})
+
+
+def term_record(term: int, epoch: int) -> dict:
+    """A standby took over (merger/replication.py): records from here on are term `term`'s, whose
+    messages carry `epoch`.  Changes no state: replay passes over it."""
+    return {"type": TERM, "term": term, "epoch": epoch}
 
 
 def fold_record(fragment: int, version: int, members: Sequence[tuple[str, int, int]]) -> dict:

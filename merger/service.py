@@ -39,37 +39,45 @@ from merger.recovery import checkpoint_dir, recover, wal_dir
 from merger.round_policy import CatchUpBudget
 from merger.rundir import RunDirLock
 from merger.settings import ServiceConfig as ServiceConfig  # re-exported: the service's settings
+from merger.logmatch import genesis_of, terms_of
+from merger.replication import Fenced, ReplicatedLog, ReplicationServer
+from merger.standby import Takeover
+from merger.streams import StreamKeeping
 from merger.wal import StorageError, WriteAheadLog
 from telemetry import prom
 from telemetry.logs import configure_logging
 
 POLL_MS = 50  # longest sleep between checks of the clock-driven round policy
-RESEND_S = 0.2  # how often missing stream messages are asked for again
-CURSOR_S = 1.0  # how often settled cursors are published even without a fold
 DRAIN_LIMIT = 256  # messages taken from one socket before the loop looks at the others
 EPOCH_AHEAD_NS = 24 * 3600 * 10**9  # an island's epoch (its start time, ns) may be this far ahead of our clock
 EXIT_STORAGE = 3  # the exit code of a merger stopped by its disk (full, read-only, failing)
 
 
-class MergerService(SnapshotPublishing):
-    def __init__(self, config: ServiceConfig, core_factory=None) -> None:
+class MergerService(SnapshotPublishing, StreamKeeping):
+    def __init__(self, config: ServiceConfig, core_factory=None, takeover: Takeover | None = None) -> None:
+        """`takeover`: a standby's state, log and lock (merger/standby.py), instead of recovering them."""
         self.config = config
         self.log = configure_logging("merger", sender=config.sender)
         # first: a busy port fails here, before any thread or file is opened
         self.metrics_server, self.histograms = self._serve_metrics() if config.metrics_port is not None else (None, None)
-        self.lock = RunDirLock(config.run_dir)  # before the log opens: RunDirInUse if another merger runs here
-        self.wal = WriteAheadLog(wal_dir(config.run_dir), fsync=config.fsync)
+        if takeover is not None:
+            self.lock, self.wal, self.core, self.epoch = takeover.lock, takeover.wal, takeover.core, takeover.epoch
+            self.core.log = self.wal
+        else:
+            self.lock = RunDirLock(config.run_dir)  # before the log opens: RunDirInUse if another merger runs here
+            self.wal = WriteAheadLog(wal_dir(config.run_dir), fsync=config.fsync)
+            if self.wal.truncated_bytes or self.wal.discarded:
+                self.log.warning("wal_torn_tail_truncated", bytes=self.wal.truncated_bytes, segments_set_aside=self.wal.discarded)
+            if self.wal.next_index > 0:
+                self.core = recover(config.run_dir, log=self.wal)
+                self.log.info("recovered", next_index=self.wal.next_index, versions=[s.version for s in self.core.states], digest=self.core.digest())
+            else:
+                self.core = core_factory(self.wal)
+                self.log.info("genesis", fragments=len(self.core.fragments), digest=self.core.digest())
+            self.epoch = time.time_ns()
         if self.histograms is not None:
             self.wal.on_fsync = self.histograms[2].observe
-        if self.wal.truncated_bytes or self.wal.discarded:
-            self.log.warning("wal_torn_tail_truncated", bytes=self.wal.truncated_bytes, segments_set_aside=self.wal.discarded)
-        if self.wal.next_index > 0:
-            self.core = recover(config.run_dir, log=self.wal)
-            self.log.info("recovered", next_index=self.wal.next_index, versions=[s.version for s in self.core.states], digest=self.core.digest())
-        else:
-            self.core = core_factory(self.wal)
-            self.log.info("genesis", fragments=len(self.core.fragments), digest=self.core.digest())
-        self.epoch, self.seq, self.folds = time.time_ns(), 0, 0
+        self.seq, self.folds = 0, 0
         # int deltas stay in their records: the fold works on codes (merger/coded.py), whose kernels
         # compile in the background now rather than in the first rounds
         self.stopping, self.storage_failed = False, None
@@ -92,6 +100,13 @@ class MergerService(SnapshotPublishing):
         self.control = self._socket(zmq.ROUTER, config.control_endpoint, server=config.sender, domain="control")
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown island is an error we count, not a silent drop
         self.pipeline = FoldPipeline(self.core, self.wal, self.context)
+        self.replication, self.fenced = None, None
+        if config.replication.on:  # the log goes to a standby too; in sync mode nothing is published before it has it
+            terms = takeover.terms if takeover is not None else terms_of(wal_dir(config.run_dir))[0]
+            self.replication = ReplicationServer(self.context, config.replication, config.security, config.sender, self.wal,
+                                                 wal_dir(config.run_dir), self.epoch, terms, genesis_of(config.run_dir), self.log)
+            self.core.log = ReplicatedLog(self.wal, self.replication)
+            self.pipeline.barrier = self.replication.barrier
         self.tracker = GapTracker(max_held_bytes=config.held_bytes)
         self.evictions, self.evictions_logged_at = 0, -math.inf  # partials and held messages dropped for memory or age
         for island, (epoch, seq) in self.core.cursors.items():  # resume each stream where it was acknowledged
@@ -121,9 +136,11 @@ class MergerService(SnapshotPublishing):
                            report=lambda message: self.log.warning("auth_refused", detail=message))
 
     # ---- loop ------------------------------------------------------------------------------------
-    def run(self) -> int:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+    def run(self, signals: bool = True) -> int:
+        """Until SIGTERM/SIGINT (`signals`: install the handlers; else the caller's set `stopping`)."""
+        if signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: setattr(self, "stopping", True))
         poller = zmq.Poller()
         poller.register(self.delta_sub, zmq.POLLIN)
         poller.register(self.control, zmq.POLLIN)
@@ -144,8 +161,12 @@ class MergerService(SnapshotPublishing):
                 next_snapshot = self.publish_due(time.monotonic())
                 wake = next_snapshot if wake is None else wake if next_snapshot is None else min(wake, next_snapshot)
                 self.maintain_streams()
+                if self.replication is not None:
+                    self.replication.check_fenced()
         except StorageError as error:  # a full disk: stop; the log on disk is valid up to its last whole record
             self.storage_failed = error
+        except Fenced as error:  # a standby took over: step down, publish nothing more
+            self.fenced = error
         finally:
             self.shutdown()
         return 0 if self.storage_failed is None else EXIT_STORAGE
@@ -292,54 +313,11 @@ class MergerService(SnapshotPublishing):
                       staleness=list(report.staleness), steps=list(report.steps), weights=[round(w, 4) for w in report.weights], share=round(sum(report.weights), 4),
                       delta_norms=[round(n, 6) for n in report.delta_norms], merged_norm=round(report.merged_norm, 6),
                       fold_ms=round(seconds * 1000, 2))
+        if self.replication is not None:
+            self.replication.folded(fold.fragment, report.version, fold.state)
         self.offer_snapshot(fold.fragment, fold.state)
         self.publish_ack(fold.results)
         return self.folds % self.config.checkpoint_every == 0
-
-    def seen(self, island: str) -> None:
-        self.last_seen[island] = time.monotonic()
-        if island in self.gone:
-            self.gone.discard(island)
-            self.log.info("island_back", island=island)
-
-    def maintain_streams(self) -> None:
-        """Ask islands for what is missing; publish how far each island's stream is settled;
-        mark islands that went silent."""
-        now = time.monotonic()
-        for island, last in self.last_seen.items():
-            if island not in self.gone and now - last > self.config.peer_timeout_s:
-                self.gone.add(island)
-                self.log.warning("island_gone", island=island, silent_s=round(now - last, 1))
-        if now >= self.next_resend:
-            self.next_resend = now + RESEND_S
-            for island, stream in self.tracker.streams.items():
-                ranges = self.tracker.missing(island)
-                if not ranges:
-                    continue
-                request = protocol.ResendRequest(sender=self.config.sender, epoch=self.epoch, seq=self.seq, target=island,
-                                                 target_epoch=stream.epoch, ranges=tuple(ranges))
-                try:
-                    self.control.send_multipart([island.encode(), *protocol.encode(request)], zmq.NOBLOCK)
-                    self.count("merger/resend_requests")
-                except zmq.ZMQError:  # not connected (yet): the next round asks again
-                    self.count("merger/resend_unroutable")
-        if now >= self.next_cursor:
-            self.next_cursor = now + CURSOR_S
-            self.publish_ack([])
-        stats = self.reassembler.stats
-        evictions = stats.evicted_memory + stats.evicted_ttl + self.tracker.overflow + self.tracker.refused_senders
-        if evictions > self.evictions and now - self.evictions_logged_at >= 1.0:  # a flood does not flood the log
-            self.evictions, self.evictions_logged_at = evictions, now
-            self.log.warning("receive_evicted", partial_memory=stats.evicted_memory, partial_ttl=stats.evicted_ttl,
-                             held_overflow=self.tracker.overflow, refused_senders=self.tracker.refused_senders,
-                             partial_bytes=self.reassembler.held_bytes, held_bytes=self.tracker.held_bytes)
-
-    def settled_cursors(self) -> dict[str, tuple[int, int]]:
-        cursors = {}
-        for island, stream in self.tracker.streams.items():
-            assembling = self.reassembler.lowest_seq(island, stream.epoch)  # a delta still in reassembly is not settled
-            cursors[island] = (stream.epoch, stream.delivered if assembling is None else min(stream.delivered, assembling - 1))
-        return cursors
 
     def next_seq(self) -> int:
         self.seq += 1
@@ -350,6 +328,8 @@ class MergerService(SnapshotPublishing):
         cursors = self.settled_cursors()
         if self.core.record_cursors(cursors) or results:
             self.wal.sync()
+            if self.replication is not None:
+                self.replication.barrier(self.wal.next_index)
         if not results and not cursors:
             return
         ack = protocol.Ack(sender=self.config.sender, epoch=self.epoch, seq=self.next_seq(),
@@ -364,15 +344,20 @@ class MergerService(SnapshotPublishing):
 
     def shutdown(self) -> None:
         self.warming.join(timeout=120)  # exiting while XLA compiles on another thread aborts the process
+        if self.fenced is not None:  # stepping down: what is in flight is not announced; the new primary's log decides
+            self.pipeline.barrier = None
+            self.pipeline.close()
+            self.log.warning("stepped_down", reason=str(self.fenced))
         try:
-            self.announce(self.pipeline.close())
-            self.publish_due(math.inf)  # queue the last folds too (best effort: the sockets close with linger 0)
+            if self.fenced is None:
+                self.announce(self.pipeline.close())
+                self.publish_due(math.inf)  # queue the last folds too (best effort: the sockets close with linger 0)
         except StorageError as error:
             self.storage_failed = self.storage_failed or error
         except Exception as error:  # a fold failed: logged below, the process still shuts down cleanly
             self.log.error("fold_failed", error=repr(error)[:500])
         try:
-            if self.pipeline.failed is None and self.storage_failed is None:
+            if self.pipeline.failed is None and self.storage_failed is None and self.fenced is None:
                 self.write_checkpoint()
             elif self.storage_failed is None:  # the core may lack a logged fold: only the log is the truth now, a restart replays it
                 self.log.error("no_final_checkpoint", reason=f"a fold failed: {self.pipeline.failed!r}"[:500])
@@ -381,6 +366,8 @@ class MergerService(SnapshotPublishing):
             self.storage_failed = self.storage_failed or error
         if self.storage_failed is not None:
             self.log.error("storage_failed", error=str(self.storage_failed), hint="free space in the run directory and restart: the log resumes")
+        if self.replication is not None:
+            self.replication.close()
         self.lock.release()
         if self.metrics_server is not None:
             prom.stop(self.metrics_server)

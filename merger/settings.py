@@ -8,6 +8,7 @@ from pathlib import Path
 
 import protocol
 from bus.security import Security
+from merger.replication import ReplicationConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,3 +32,4 @@ class ServiceConfig:
     security: Security = Security(None, "merger")  # plaintext unless keys are given
     metrics_port: int | None = None  # Prometheus metrics served on this port (telemetry/prom.py); None: off
     metrics_host: str = "127.0.0.1"
+    replication: ReplicationConfig = ReplicationConfig()  # a standby, its stream and lease (merger/replication.py)

@@ -1,0 +1,95 @@
+"""Where two mergers' logs agree, and cutting a log back to that point.  Pure functions of the logs.
+
+A log is a sequence of terms: term 0 from the genesis record, and a new term at each `term` record
+a standby wrote when it took over (merger/records.term_record).  A term is written by one primary
+only, and a standby copies its primary's records in order, so two logs that both hold term t
+starting at the same index hold the same records for as long as both stay in term t.  Their
+common prefix therefore ends where the newest term they share ends in either of them
+(`agreed_length`) — Raft's log-matching argument, with our takeover records as its terms.
+
+A merger that joins a primary as its standby keeps that prefix and sets the rest aside
+(`set_aside_from`): records an old primary wrote after its standby took over, which no island was
+told about (they were fenced: PROTOCOL.md §13).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from merger import records
+from merger.wal import _fsync_dir, _scan, _segments, read_records
+
+Terms = list[tuple[int, int]]  # (term, index of its first record), oldest first
+
+
+def terms_of(directory: str | Path) -> tuple[Terms, int]:
+    """The terms of the log in `directory` and its length (the index after its last record)."""
+    terms, length = [(0, 0)], 0
+    for index, record in read_records(directory):
+        length = index + 1
+        if record.get("type") == records.TERM:
+            terms.append((int(record["term"]), index))
+    return (terms if length else []), length
+
+
+def genesis_of(run_dir: str | Path) -> int:
+    """The replication stream's name for a run (replication.genesis_id of its first record; 0: no log)."""
+    from merger.replication import genesis_id
+
+    first = next(read_records(Path(run_dir) / "wal"), None)
+    return genesis_id(first[1]) if first is not None else 0
+
+
+def _ends(terms: Sequence[tuple[int, int]], length: int) -> dict[tuple[int, int], int]:
+    """(term, start) -> index after the term's last record."""
+    starts = [start for _, start in terms[1:]] + [length]
+    return {(term, start): end for (term, start), end in zip(terms, starts)}
+
+
+def agreed_length(mine: Sequence[tuple[int, int]], my_length: int, theirs: Sequence[tuple[int, int]], their_length: int) -> int:
+    """How many records, from the start, two logs hold in common (0: not even the genesis)."""
+    my_ends, their_ends = _ends(mine, my_length), _ends(theirs, their_length)
+    shared = [key for key in their_ends if key in my_ends]
+    if not shared:
+        return 0
+    newest = max(shared, key=lambda key: key[1])
+    return min(my_ends[newest], their_ends[newest])
+
+
+def set_aside_from(directory: str | Path, index: int, checkpoints: str | Path | None = None) -> list[str]:
+    """Move the log's records from `index` on (and checkpoints that cover any of them) to
+    DIR/discarded/<index>/, never deleting them.  Returns the names of what was moved."""
+    directory = Path(directory)
+    aside, n = directory / "discarded" / f"{index:012d}", 1
+    while aside.exists():
+        n += 1
+        aside = directory / "discarded" / f"{index:012d}-{n}"
+    moved = []
+    for segment in _segments(directory):
+        first = int(segment.stem)
+        if first >= index:
+            aside.mkdir(parents=True, exist_ok=True)
+            segment.rename(aside / segment.name)
+            moved.append(segment.name)
+            continue
+        cut = next((offset for at, offset, _, _, _ in _scan(segment, first) if at == index), None)
+        if cut is None:
+            continue
+        aside.mkdir(parents=True, exist_ok=True)
+        with open(segment, "r+b") as handle:
+            handle.seek(cut)
+            (aside / segment.name).write_bytes(handle.read())
+            handle.truncate(cut)
+            os.fsync(handle.fileno())
+        moved.append(f"{segment.name}@{cut}")
+    for path in sorted(Path(checkpoints).glob("*.ckpt")) if checkpoints is not None else ():
+        if int(path.stem) > index:
+            aside.mkdir(parents=True, exist_ok=True)
+            path.rename(aside / path.name)
+            moved.append(path.name)
+    if moved:
+        _fsync_dir(aside)
+        _fsync_dir(directory)
+    return moved

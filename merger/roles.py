@@ -1,0 +1,73 @@
+"""A merger with a peer: standby or primary, and back (merger/standby.py, merger/replication.py).
+
+Without a peer a merger is the primary, as always.  With one it starts as the standby when told
+to (`--standby-of`), else it first asks the peer for one lease whether it is the primary (a merger
+restarted after its standby took over must not publish beside it) and becomes its standby if so.
+A standby whose primary's lease lapses takes over; a primary fenced by a newer one steps down and
+follows it.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import zmq
+
+from merger.config import ConfigError
+from merger.replication import ReplicationConfig
+from merger.service import MergerService
+from merger.settings import ServiceConfig
+from merger.standby import Diverged, Refused, Standby
+from telemetry.logs import configure_logging
+
+EXIT_DIVERGED = 5  # a standby whose state differs from its primary's (an alarm: never promote it)
+EXIT_REFUSED = 2
+
+
+def run_merger_roles(config: ServiceConfig, core_factory=None) -> tuple[int, MergerService | None]:
+    """Run until stopped; returns the exit code and the last primary service (None if never primary)."""
+    replication: ReplicationConfig = config.replication
+    if not replication.peer:
+        service = MergerService(config, core_factory=core_factory)
+        return service.run(), service
+    log = configure_logging("merger", sender=config.sender)
+    context = zmq.Context()
+    probe, service, standby, stop = not replication.standby, None, None, threading.Event()
+
+    def on_signal(*_) -> None:  # whichever role runs now stops (a standby taking over meanwhile too)
+        stop.set()
+        for role in (standby, service):
+            if role is not None:
+                role.stopping = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    try:
+        while not stop.is_set():
+            standby = Standby(config, replication, context, log)
+            standby.stopping = stop.is_set()
+            try:
+                takeover = standby.follow(probe=probe)
+            except (Diverged, Refused) as error:
+                log.error("standby_stopped", error=str(error))
+                standby.close()
+                return (EXIT_DIVERGED if isinstance(error, Diverged) else EXIT_REFUSED), service
+            if takeover is None:
+                standby.close()
+                if standby.stopping:
+                    log.info("stopped", standby=True, length=standby.wal.next_index)
+                    return 0, service
+                log.info("no_primary", peer=replication.peer, waited_s=replication.lease_s)
+                if core_factory is None and standby.wal.next_index == 0:
+                    raise ConfigError(f"{config.run_dir} holds no log, no primary answers at {replication.peer}, and no --init-npz was given")
+            service = MergerService(config, core_factory=core_factory, takeover=takeover)
+            service.stopping = stop.is_set()
+            standby = None
+            code = service.run(signals=False)
+            if service.fenced is None:
+                return code, service
+            probe = False  # stepped down: follow the merger that fenced us
+        return 0, service
+    finally:
+        context.destroy(linger=0)

@@ -1,0 +1,215 @@
+"""The standby merger: a bit-identical copy of the primary's state, kept from its log (merger/replication.py).
+
+It connects a DEALER to the primary's replication endpoint, says where its own log ends, sets
+aside what the primary's log does not hold, then appends and applies every record the primary
+sends, in order — the same records make the same folds, bit for bit — and reports what is on its
+disk.  It checkpoints every `checkpoint_every` folds like the primary.  Each fold's digest is
+compared with the primary's; a mismatch is an alarm and stops it (`Diverged`).
+
+It takes over when the primary's lease lapses: no lease heartbeat for `lease_s`, counted only
+once it has heard a primary (a standby never promotes itself without one, since it cannot know
+whether its log is the newest).  Taking over writes a `term` record with the new epoch, above
+every epoch the old primary used, and hands the state, log and lock to a `MergerService`.
+`follow(probe=True)` is a merger's start with a peer: it becomes the standby if a primary answers
+within one lease, else the primary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import zmq
+
+from bus.sockets import open_socket
+from merger import checkpoint, records
+from merger.core import MergerCore
+from merger.logmatch import genesis_of, set_aside_from, terms_of
+from merger.recovery import checkpoint_dir, recover, wal_dir
+from merger.replication import (DIGEST, FOLLOW, LEASE, RECORD, REFUSED, START, STORED, ReplicationConfig, ReplicationError, decode,
+                                encode, fragment_digest, genesis_id, read_record)
+from merger.rundir import RunDirLock
+from merger.settings import ServiceConfig
+from merger.wal import WriteAheadLog
+from protocol.errors import DlocoError
+
+POLL_MS = 50
+DRAIN_LIMIT = 256
+
+
+class Diverged(DlocoError):
+    """The standby's state after a fold differs from the primary's."""
+
+
+class Refused(DlocoError):
+    """The primary will not be followed (another run's log)."""
+
+
+@dataclasses.dataclass
+class Takeover:
+    """What a standby hands to the `MergerService` it becomes."""
+
+    core: MergerCore
+    wal: WriteAheadLog
+    lock: RunDirLock
+    epoch: int
+    terms: list[tuple[int, int]]
+
+
+class Standby:
+    def __init__(self, config: ServiceConfig, replication: ReplicationConfig, context: zmq.Context, log) -> None:
+        self.config, self.replication, self.context, self.log = config, replication, context, log
+        self.lock = RunDirLock(config.run_dir)
+        self.stopping, self.warming = False, None
+        self._open()
+        self.primary_epoch, self.primary_term, self.heard = 0, 0, None
+        self.digests: dict[int, tuple[int, str]] = {}  # fold record index -> (fragment, our digest) awaiting the primary's
+        self.theirs: dict[int, str] = {}  # fold record index -> the primary's digest awaiting ours
+        self.folds = self.compared = 0
+
+    def _open(self) -> None:
+        """Open the log and rebuild the state from it (none while the log is empty)."""
+        self.wal = WriteAheadLog(wal_dir(self.config.run_dir), fsync=self.config.fsync)
+        self.terms, _ = terms_of(wal_dir(self.config.run_dir))
+        self.core = recover(self.config.run_dir) if self.wal.next_index > 0 else None
+        if self.core is not None:
+            self._warm_up()
+        self.genesis = genesis_of(self.config.run_dir)
+
+    def _warm_up(self) -> None:
+        """Compile the fold kernels in the background (as the primary does), so the first folds
+        applied here do not stall the stream for a compilation."""
+        self.warming = threading.Thread(target=self.core.warm_up, name="warm-up", daemon=True)
+        self.warming.start()
+
+    def follow(self, probe: bool = False) -> Takeover | None:
+        """Follow the primary until it lapses (a Takeover), or, probing, until one lease passed
+        without a primary (None).  Raises Diverged, Refused; returns None when stopped."""
+        dealer = open_socket(self.context, zmq.DEALER, self.replication.peer, self.config.security, self.config.sender,
+                             receive_hwm=0, immediate=True)
+        began, unsynced, next_checkpoint = time.monotonic(), False, self.folds + self.config.checkpoint_every
+        asked = -float("inf")
+        self.log.info("following", peer=self.replication.peer, length=self.wal.next_index, probe=probe)
+        try:
+            while not self.stopping:
+                dealer.poll(POLL_MS)
+                for _ in range(DRAIN_LIMIT):
+                    try:
+                        frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    unsynced |= self._on_message([f.buffer for f in frames], dealer)
+                if unsynced:
+                    self.wal.sync()
+                    unsynced = False
+                    _send(dealer, encode(STORED, {"length": self.wal.next_index}))
+                if self.folds >= next_checkpoint and self.core is not None:
+                    checkpoint.save(checkpoint_dir(self.config.run_dir), self.core, self.wal.next_index)
+                    next_checkpoint = self.folds + self.config.checkpoint_every
+                if dealer.poll(0):
+                    continue  # more to read first: silence is judged on an empty queue
+                now = time.monotonic()
+                if now - max(asked, self.heard or -float("inf")) > self.replication.lease_s / 3:
+                    # at start, and whenever the primary is silent: a restarted primary learns of us so
+                    asked = now
+                    _send(dealer, encode(FOLLOW, {"length": self.wal.next_index, "terms": self.terms, "genesis": self.genesis}))
+                if self.heard is not None and now - self.heard > self.replication.lease_s and self.core is not None:
+                    return self._take_over(now)
+                if probe and self.heard is None and now - began > self.replication.lease_s:
+                    return None
+            return None
+        finally:
+            dealer.close(linger=0)
+
+    def _on_message(self, frames: list, dealer: zmq.Socket) -> bool:
+        """Handle one message from the primary; True when a record was appended."""
+        try:
+            kind, body, rest = decode(frames)
+        except ReplicationError as error:
+            self.log.warning("replication_message_rejected", reason=error.reason, detail=str(error)[:200])
+            return False
+        self.heard = time.monotonic()
+        if kind == LEASE:
+            self.primary_epoch, self.primary_term = max(self.primary_epoch, int(body["epoch"])), int(body["term"])
+            _send(dealer, encode(STORED, {"length": self.wal.durable}))
+        elif kind == START:
+            self._start_at(int(body["at"]))
+        elif kind == RECORD:
+            return self._on_record(body, rest)
+        elif kind == DIGEST:
+            self._compare(int(body["index"]), str(body["sha256"]), None)
+        elif kind == REFUSED:
+            raise Refused(f"the primary at {self.replication.peer} refuses this standby: {body['why']}")
+        return False
+
+    def _start_at(self, at: int) -> None:
+        if at >= self.wal.next_index:
+            return
+        self.wal.close()
+        moved = set_aside_from(wal_dir(self.config.run_dir), at, checkpoint_dir(self.config.run_dir))
+        self.log.warning("log_set_aside", from_index=at, moved=moved, why="the primary's log does not hold these records")
+        self._open()
+
+    def _on_record(self, body: dict, rest: list) -> bool:
+        try:
+            index, record, blobs = read_record(body, rest)
+        except ReplicationError as error:
+            self.log.warning("replication_message_rejected", reason=error.reason, detail=str(error)[:200])
+            return False
+        if index != self.wal.next_index:
+            return False  # a repeat (behind us) or beyond a gap: the stream is in order, a gap means a restart of it
+        self.wal.append(record, blobs)
+        if record["type"] == records.GENESIS:
+            self.core, self.terms, self.genesis = MergerCore.from_genesis(record), [(0, 0)], genesis_id(record)
+            self._warm_up()
+            return True
+        if record["type"] == records.TERM:
+            self.terms.append((int(record["term"]), index))
+        if self.core is None:
+            raise Diverged(f"record {index} arrived before any genesis record")
+        report = self.core.apply_record({**record, "blobs": [blob for blob, _ in blobs]} if blobs else record, index)
+        if report is not None:
+            self.folds += 1
+            fragment = record["fragment"]
+            self._compare(index, None, (fragment, fragment_digest(self.core.states[fragment].params)))
+        return True
+
+    def _compare(self, index: int, theirs: str | None, ours: tuple[int, str] | None) -> None:
+        if ours is not None:
+            if index not in self.theirs:
+                self.digests[index] = ours
+                return
+            theirs = self.theirs.pop(index)
+        else:
+            if index not in self.digests:
+                self.theirs[index] = theirs
+                return
+            ours = self.digests.pop(index)
+        if ours[1] != theirs:
+            raise Diverged(f"fragment {ours[0]} after log record {index}: digest {ours[1][:16]}… here, {theirs[:16]}… at the primary")
+        self.compared += 1
+
+    def _take_over(self, now: float) -> Takeover:
+        epoch = max(time.time_ns(), self.primary_epoch + 1)
+        term = max(self.terms[-1][0] if self.terms else 0, self.primary_term) + 1
+        self.wal.append(records.term_record(term, epoch))
+        self.wal.sync()
+        self.terms.append((term, self.wal.next_index - 1))
+        self.log.warning("taking_over", silent_s=round(now - self.heard, 3), epoch=epoch, term=term, length=self.wal.next_index,
+                         digest=self.core.digest(), folds_compared=self.compared)
+        return Takeover(self.core, self.wal, self.lock, epoch, self.terms)
+
+    def close(self) -> None:
+        if self.warming is not None:
+            self.warming.join(timeout=120)  # exiting while XLA compiles on another thread aborts the process
+        self.wal.close()
+        self.lock.release()
+
+
+
+def _send(dealer: zmq.Socket, frames: list) -> None:
+    try:
+        dealer.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.ZMQError:  # not connected (the primary is down or restarting): asked again later
+        pass

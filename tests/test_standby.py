@@ -1,0 +1,281 @@
+"""A hot-standby merger, as real processes on loopback: a broker, a primary and its standby, and a
+test-side island speaking the stream protocol through the broker.  The primary is killed with its
+disk, paused past its lease, or loses its standby; every test is bounded by work (deltas settled,
+events logged), never by a wall-clock figure."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+import protocol
+from cluster.ports import free_ports
+from merger import records
+from merger.recovery import wal_dir
+from merger.wal import read_records
+from tests.merger_helpers import delta_chunks, initial_params
+from tests.test_broker import BrokerProcess
+
+LEASE_S = 3.0  # the default: a primary starved of CPU for longer than this on a busy machine would lose its lease
+WAIT_S = 90.0  # a generous bound on any one wait: it only ends a broken test
+PARAMS = initial_params()
+PARTS = protocol.partition({p: a.shape for p, a in PARAMS.items()}, 2)
+
+
+class BusIsland:
+    """An island speaking the stream protocol through the broker: contiguous seqs, heartbeats,
+    resends on request (from a record of everything it sent), and a delta repeated until settled.
+    Every ack it sees is kept (epoch, results) in arrival order."""
+
+    def __init__(self, broker: BrokerProcess, control: list[str]) -> None:
+        self.context = zmq.Context()
+        self.pub = self._socket(zmq.PUB, broker.endpoint(0))
+        self.sub = self._socket(zmq.SUB, broker.endpoint(3))
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"ack")
+        self.dealer = self.context.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.setsockopt(zmq.IDENTITY, b"a")
+        self.dealer.setsockopt(zmq.IMMEDIATE, 1)
+        for endpoint in control:
+            self.dealer.connect(endpoint)
+        self.epoch, self.seq, self.sent = 1, 0, {}
+        self.versions = [0, 0]
+        self.acks: list[tuple[int, tuple]] = []  # (merger epoch, results) of every ack seen
+        self.settled: dict[int, tuple[int, protocol.DeltaResult]] = {}  # delta id -> (epoch of the ack, result)
+
+    def _socket(self, kind: int, endpoint: str) -> zmq.Socket:
+        socket = self.context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(endpoint)
+        return socket
+
+    def send_until_settled(self, delta_id: int) -> protocol.DeltaResult:
+        fragment = delta_id % 2
+        frames = []
+        for chunk in delta_chunks(PARTS[fragment], "a", delta_id, fragment, self.versions[fragment], seed=delta_id):
+            self.seq += 1
+            self.sent[self.seq] = protocol.encode(dataclasses.replace(chunk, seq=self.seq, epoch=self.epoch))
+            frames.append(self.sent[self.seq])
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            for f in frames:
+                self.pub.send_multipart(f)
+            self.pub.send_multipart(protocol.encode(protocol.Heartbeat(sender="a", epoch=self.epoch, seq=self.seq)))
+            until = time.monotonic() + 0.3
+            while (left := until - time.monotonic()) > 0:
+                if self.dealer.poll(0):
+                    request = protocol.decode(self.dealer.recv_multipart())
+                    for first, last in request.ranges:
+                        for seq in range(first, last + 1):
+                            try:
+                                self.dealer.send_multipart(self.sent[seq], zmq.NOBLOCK)
+                            except zmq.Again:
+                                pass
+                if not self.sub.poll(int(min(left, 0.05) * 1000) + 1):
+                    continue
+                ack = protocol.decode(self.sub.recv_multipart())
+                self.acks.append((ack.epoch, ack.results))
+                for result in ack.results:
+                    if result.island == "a" and result.epoch == self.epoch and result.delta_id not in self.settled:
+                        self.settled[result.delta_id] = (ack.epoch, result)
+                if delta_id in self.settled:
+                    result = self.settled[delta_id][1]
+                    if result.status == "folded":
+                        self.versions[result.fragment] = result.version
+                    return result
+        raise TimeoutError(f"delta {delta_id} was not settled within {WAIT_S} s")
+
+    def close(self) -> None:
+        self.context.destroy(linger=0)
+
+
+@dataclasses.dataclass
+class Merger:
+    run_dir: Path
+    args: list[str]
+    process: subprocess.Popen | None = None
+    life: int = 0  # this life's log file: logs/<name>.<life>.log
+
+    def start(self) -> None:
+        self.life += 1
+        self.process = subprocess.Popen(self.args, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
+
+    @property
+    def log_path(self) -> Path:
+        return self.run_dir.parent / f"{self.run_dir.name}.{self.life}.log"
+
+    def events(self, name: str | None = None) -> list[dict]:
+        """This life's log events (named `name`)."""
+        lines = self.log_path.read_text().splitlines() if self.log_path.exists() else []
+        out = []
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if name is None or event.get("event") == name:
+                out.append(event)
+        return out
+
+    def wait_for(self, name: str, count: int = 1, **fields) -> dict:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            found = [e for e in self.events(name) if all(e.get(k) == v for k, v in fields.items())]
+            if len(found) >= count:
+                return found[count - 1]
+            assert self.process.poll() is None, f"{self.run_dir.name} exited {self.process.returncode} waiting for {name}"
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.run_dir.name}: no {name} {fields} within {WAIT_S} s")
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=60)
+
+
+class Pair:
+    """A broker, merger A (the primary at start) and B (its standby), each with its control socket
+    and replication endpoint on loopback."""
+
+    def __init__(self, tmp: Path, init_npz: Path, mode: str = "sync") -> None:
+        self.broker = BrokerProcess(tmp, "--insecure")
+        control, replication = free_ports(2), free_ports(2)
+        self.control = [f"tcp://127.0.0.1:{port}" for port in control]
+        common = [sys.executable, "-m", "dloco", "merger", "--fragments", "2", "--delta-endpoint", self.broker.endpoint(1),
+                  "--snapshot-endpoint", self.broker.endpoint(2), "--checkpoint-every", "3", "--fsync", "always", "--max-staleness", "3",
+                  "--insecure", "--lease", str(LEASE_S), "--replication", mode]
+        ends = [f"tcp://127.0.0.1:{port}" for port in replication]
+        self.a = Merger(tmp / "a", [*common, "--run-dir", str(tmp / "a"), "--control-endpoint", f"@{self.control[0]}",
+                                    "--replication-endpoint", f"@{ends[0]}", "--peer", ends[1], "--init-npz", str(init_npz)])
+        self.b = Merger(tmp / "b", [*common, "--run-dir", str(tmp / "b"), "--control-endpoint", f"@{self.control[1]}",
+                                    "--replication-endpoint", f"@{ends[1]}", "--standby-of", ends[0]])
+        self.a.start()
+        self.b.start()
+        self.island = BusIsland(self.broker, self.control)
+
+    def close(self) -> None:
+        self.island.close()
+        for merger in (self.a, self.b):
+            if merger.process is not None and merger.process.poll() is None:
+                merger.process.kill()
+                merger.process.wait(timeout=10)
+        self.broker.stop()
+
+
+@pytest.fixture
+def pair(tmp_path, init_npz):
+    made = []
+    yield lambda mode="sync": made.append(Pair(tmp_path, init_npz, mode)) or made[-1]
+    for p in made:
+        p.close()
+
+
+def logged_deltas(run_dir: Path) -> set[int]:
+    return {r["delta_id"] for _, r in read_records(wal_dir(run_dir)) if r["type"] == records.DELTA and r["island"] == "a"}
+
+
+def replay_verify(run_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dloco", "replay", str(run_dir), "--verify"], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_lost_primary_and_disk_the_standby_takes_over_with_every_acknowledged_delta(pair):
+    p = pair()
+    for delta_id in range(1, 7):
+        assert p.island.send_until_settled(delta_id).status == "folded"
+    acknowledged = set(p.island.settled)
+    old_epoch = p.island.settled[6][0]
+    p.b.wait_for("following")
+    p.a.process.kill()
+    p.a.process.wait(timeout=10)
+    shutil.rmtree(p.a.run_dir)
+
+    for delta_id in range(7, 10):
+        assert p.island.send_until_settled(delta_id).status == "folded"
+    took = p.b.wait_for("taking_over")
+    assert took["epoch"] > old_epoch
+    assert p.island.settled[9][0] == took["epoch"]  # settled by the new primary
+    assert acknowledged <= logged_deltas(p.b.run_dir)  # nothing acknowledged was lost with the primary's disk
+
+    p.a.start()  # the old primary, same command, empty disk: it finds its successor and follows it
+    p.a.wait_for("following")
+    assert not p.a.events("genesis")
+    p.b.wait_for("replication", state="sync")
+    for delta_id in range(10, 12):
+        assert p.island.send_until_settled(delta_id).status == "folded"
+    assert p.b.stop() == 0
+    assert p.a.stop() == 0  # a standby stopped by SIGTERM; a digest mismatch would have been exit 5
+    assert logged_deltas(p.a.run_dir) == logged_deltas(p.b.run_dir) == set(range(1, 12))
+    for merger in (p.b, p.a):
+        result = replay_verify(merger.run_dir)
+        assert result.returncode == 0, result.stderr
+        assert "MISMATCH" not in result.stdout
+
+
+def acks_in_epoch_order(island: BusIsland) -> bool:
+    """Once an epoch has been seen, no ack of an older one reached the island."""
+    newest = 0
+    for epoch, _ in island.acks:
+        if epoch < newest:
+            return False
+        newest = epoch
+    return True
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_a_primary_paused_past_its_lease_is_fenced_and_steps_down(pair):
+    p = pair()
+    for delta_id in range(1, 5):
+        assert p.island.send_until_settled(delta_id).status == "folded"
+    p.a.wait_for("replication", state="sync")
+    p.a.process.send_signal(signal.SIGSTOP)  # a partition, as the standby sees it: no lease
+    try:
+        took = p.b.wait_for("taking_over")
+        for delta_id in range(5, 7):  # the new primary settles what the island sends meanwhile
+            assert p.island.send_until_settled(delta_id).status == "folded"
+    finally:
+        p.a.process.send_signal(signal.SIGCONT)
+    p.a.wait_for("fenced")
+    p.a.wait_for("stepped_down")
+    p.a.wait_for("following", count=2)  # its first life's probe, then the follow after stepping down
+    p.b.wait_for("replication", state="sync")
+    for delta_id in range(7, 9):
+        assert p.island.send_until_settled(delta_id).status == "folded"
+    assert acks_in_epoch_order(p.island)
+    assert all(p.island.settled[d][0] == took["epoch"] for d in range(5, 9))
+    assert p.b.stop() == 0 and p.a.stop() == 0
+    assert logged_deltas(p.a.run_dir) == logged_deltas(p.b.run_dir) == set(range(1, 9))
+    for merger in (p.b, p.a):
+        assert replay_verify(merger.run_dir).returncode == 0
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_a_primary_whose_standby_dies_goes_on_alone_and_says_so(pair):
+    p = pair()
+    for delta_id in range(1, 3):
+        assert p.island.send_until_settled(delta_id).status == "folded"
+    p.a.wait_for("replication", state="sync")
+    p.b.process.kill()
+    p.b.process.wait(timeout=10)
+    for delta_id in range(3, 7):
+        assert p.island.send_until_settled(delta_id).status == "folded"
+    p.a.wait_for("replication", state="alone")
+    assert len({epoch for epoch, _ in p.island.acks}) == 1  # the same primary all along
+    p.b.start()  # back: it follows from where its log ends and the primary is in sync again
+    p.a.wait_for("replication", state="sync", count=2)
+    assert p.island.send_until_settled(7).status == "folded"
+    assert p.a.stop() == 0
+    assert p.b.wait_for("taking_over")  # its primary gone, the standby takes over: stop it too
+    assert p.b.stop() == 0
+    assert logged_deltas(p.b.run_dir) == logged_deltas(p.a.run_dir) == set(range(1, 8))
