@@ -147,7 +147,7 @@ class Broker:
     def _admitted(self, frames: list[zmq.Frame], bus: str) -> bool:
         """Whether to forward: with CURVE, the header's sender must be the peer whose key sent it; on
         the snapshot bus, its epoch must not be older than the newest seen from that sender (a
-        merger that a standby has replaced is fenced here: PROTOCOL.md §13).  Else counted, logged."""
+        merger that a standby has replaced is fenced here: PROTOCOL.md §12).  Else counted, logged."""
         secure, fenced = not self.config.security.insecure, bus == FENCED_BUS
         if not secure and not fenced:
             return True

@@ -9,7 +9,7 @@ common prefix therefore ends where the newest term they share ends in either of 
 
 A merger that joins a primary as its standby keeps that prefix and sets the rest aside
 (`set_aside_from`): records an old primary wrote after its standby took over, which no island was
-told about (they were fenced: PROTOCOL.md §13).
+told about (they were fenced: PROTOCOL.md §12).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
                              "beyond a gap; one island may hold half of each (default 768)")
     merger.add_argument("--peer-timeout", type=float, default=10.0, help="seconds of silence after which an island is logged as gone")
     add_metrics_flags(merger)
-    standby = merger.add_argument_group("hot standby (PROTOCOL.md §13)")
+    standby = merger.add_argument_group("hot standby (PROTOCOL.md §12)")
     standby.add_argument("--replication-endpoint", default="",
                          help="ROUTER on which this merger, while it is the primary, streams its log to a standby ('@tcp://...')")
     standby.add_argument("--replication", choices=MODES, default=None,

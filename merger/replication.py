@@ -1,4 +1,4 @@
-"""The replication stream: a primary merger ships its write-ahead log to a standby (PROTOCOL.md §13).
+"""The replication stream: a primary merger ships its write-ahead log to a standby (PROTOCOL.md §12).
 
 The primary binds a ROUTER (``--replication-endpoint``, CURVE domain ``replication``: mergers
 only); a standby connects a DEALER and says where its own log ends (`follow`: its length, its

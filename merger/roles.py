@@ -19,6 +19,7 @@ from merger.replication import ReplicationConfig
 from merger.service import MergerService
 from merger.settings import ServiceConfig
 from merger.standby import Diverged, Refused, Standby
+from telemetry import prom
 from telemetry.logs import configure_logging
 
 EXIT_DIVERGED = 5  # a standby whose state differs from its primary's (an alarm: never promote it)
@@ -47,12 +48,15 @@ def run_merger_roles(config: ServiceConfig, core_factory=None) -> tuple[int, Mer
         while not stop.is_set():
             standby = Standby(config, replication, context, log)
             standby.stopping = stop.is_set()
+            metrics = serve_standby_metrics(config, standby)
             try:
                 takeover = standby.follow(probe=probe)
             except (Diverged, Refused) as error:
+                _stop_metrics(metrics)
                 log.error("standby_stopped", error=str(error))
                 standby.close()
                 return (EXIT_DIVERGED if isinstance(error, Diverged) else EXIT_REFUSED), service
+            _stop_metrics(metrics)  # the primary serves the same port
             if takeover is None:
                 standby.close()
                 if standby.stopping:
@@ -71,3 +75,16 @@ def run_merger_roles(config: ServiceConfig, core_factory=None) -> tuple[int, Mer
         return 0, service
     finally:
         context.destroy(linger=0)
+
+
+def serve_standby_metrics(config: ServiceConfig, standby: Standby):
+    """The standby's metrics on the merger's port (None without one): role, log, folds compared."""
+    if config.metrics_port is None:
+        return None
+    return prom.serve(config.metrics_port, config.metrics_host, prom.registry_of(
+        lambda: prom.replication_families("standby", None, None, standby.wal.next_index, standby.compared)))
+
+
+def _stop_metrics(server) -> None:
+    if server is not None:
+        prom.stop(server)

@@ -124,8 +124,10 @@ class MergerService(SnapshotPublishing, StreamKeeping):
         def read():
             if not getattr(self, "started", False):  # still starting (recovering the log, opening sockets)
                 return []
-            return prom.merger_families(dict(self.counters), dict(self.core.rejected), dict(self.folds_by_fragment),
-                                        [s.version for s in self.core.states], self.ingest_bytes, self.wal.bytes_appended)
+            replication = self.replication.snapshot() if self.replication is not None else None
+            return [*prom.merger_families(dict(self.counters), dict(self.core.rejected), dict(self.folds_by_fragment),
+                                          [s.version for s in self.core.states], self.ingest_bytes, self.wal.bytes_appended),
+                    *prom.replication_families("primary", self.epoch, replication, self.wal.next_index)]
 
         registry = prom.registry_of(read)
         histograms = prom.merger_histograms(registry)

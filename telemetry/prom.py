@@ -126,6 +126,26 @@ def merger_families(counters: Mapping[str, int], rejected_by_core: Mapping[str, 
     ]
 
 
+REPLICATION_STATES = ("sync", "catching_up", "alone")
+
+
+def replication_families(role: str, epoch: int | None, replication: Mapping | None, log_records: int, folds_compared: int | None = None) -> list:
+    """A merger's place in a primary/standby pair: its role, its epoch as the primary, and the
+    standby as the primary sees it (replication.ReplicationServer.snapshot()), or, on a standby,
+    how many folds' digests matched the primary's."""
+    families = [_gauge("dloco_merger_role", "1 for the role this merger has now", None, {"role": {r: float(r == role) for r in ("primary", "standby")}}),
+                _gauge("dloco_merger_log_records", "records in this merger's write-ahead log", log_records)]
+    if epoch is not None:
+        families.append(_gauge("dloco_merger_epoch", "the epoch of this primary's messages (a takeover raises it)", epoch))
+    if replication is not None:
+        families.append(_gauge("dloco_merger_replication", "the standby as this primary sees it: 1 for its state now", None,
+                               {"state": {s: float(s == replication["state"]) for s in REPLICATION_STATES}}))
+        families.append(_gauge("dloco_merger_standby_lag_records", "log records the standby has not stored", replication["lag"]))
+    if folds_compared is not None:
+        families.append(_counter("dloco_merger_standby_folds_compared", "folds whose digest matched the primary's", folds_compared))
+    return families
+
+
 def merger_histograms(registry: CollectorRegistry) -> tuple[Histogram, Histogram, Histogram]:
     """(staleness, fold seconds, fsync seconds): observed as folds and fsyncs happen."""
     return (Histogram("dloco_merger_fold_staleness_versions", "staleness of each folded delta", buckets=STALENESS_BUCKETS, registry=registry),

@@ -1,0 +1,155 @@
+"""The hot standby's pure parts: where two logs agree, setting a log's tail aside, the replication
+messages and their errors, the settings, and the epoch fences in the broker and the island."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+import protocol
+from island.config import SyncConfig
+from island.shaper import LinkShaper
+from island.uplink import Uplink
+from merger import records
+from merger.logmatch import agreed_length, set_aside_from, terms_of
+from merger.replication import (FOLLOW, RECORD, ReplicationConfig, ReplicationError, decode, encode, fragment_digest, read_record,
+                                record_frames)
+from merger.wal import WriteAheadLog, read_records
+from protocol.checksum import crc32
+from protocol.errors import DlocoError
+from tests.test_broker import BrokerProcess, heartbeat, pair
+
+
+@pytest.mark.parametrize("mine, my_length, theirs, their_length, agreed", [
+    ([(0, 0)], 10, [(0, 0)], 10, 10),  # the same log
+    ([(0, 0)], 10, [(0, 0)], 6, 6),  # a standby behind
+    ([(0, 0)], 10, [(0, 0)], 12, 10),  # a standby ahead in the same term: the primary lost an unsynced tail
+    ([(0, 0), (1, 8)], 15, [(0, 0)], 11, 8),  # the standby took over at 8; the old primary wrote 8..10 meanwhile
+    ([(0, 0), (2, 9)], 20, [(0, 0), (1, 8)], 12, 8),  # a term the primary never saw: back to the last shared one
+    ([(0, 0), (1, 8)], 15, [(0, 0), (1, 8)], 13, 13),  # both in term 1
+    ([(0, 0)], 10, [], 0, 0),  # an empty log
+])
+def test_the_logs_agree_up_to_where_their_newest_shared_term_ends_in_either(mine, my_length, theirs, their_length, agreed):
+    assert agreed_length(mine, my_length, theirs, their_length) == agreed
+
+
+def _log(directory, count: int, term_at: int | None = None) -> WriteAheadLog:
+    wal = WriteAheadLog(directory, segment_bytes=300, fsync="never")  # a few records per segment
+    for index in range(count):
+        if index == term_at:
+            wal.append(records.term_record(1, 99))
+        else:
+            wal.append({"type": "cursors", "cursors": [["a", 1, index]]}, [(np.full(40, index, np.uint8), None)])
+    return wal
+
+
+def test_a_log_set_aside_from_a_record_keeps_everything_before_it_and_moves_the_rest(tmp_path):
+    wal = _log(tmp_path / "wal", 12, term_at=9)
+    wal.close()
+    (tmp_path / "ckpt").mkdir()
+    for n in (5, 7, 9):
+        (tmp_path / "ckpt" / f"{n:012d}.ckpt").write_bytes(b"x")
+    assert terms_of(tmp_path / "wal") == ([(0, 0), (1, 9)], 12)
+    moved = set_aside_from(tmp_path / "wal", 7, tmp_path / "ckpt")
+    assert [index for index, _ in read_records(tmp_path / "wal")] == list(range(7))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"{5:012d}.ckpt", f"{7:012d}.ckpt"]  # 9 covered records 7, 8
+    assert f"{9:012d}.ckpt" in moved and len(list((tmp_path / "wal" / "discarded" / f"{7:012d}").iterdir())) >= 2
+    reopened = WriteAheadLog(tmp_path / "wal", segment_bytes=300, fsync="never")
+    assert reopened.next_index == 7
+    assert reopened.append({"type": "cursors", "cursors": []}) == 7
+    reopened.close()
+    assert terms_of(tmp_path / "wal") == ([(0, 0)], 8)
+
+
+def test_a_record_travels_with_its_blobs_and_their_crcs_and_a_damaged_blob_is_refused():
+    payload = np.arange(100, dtype=np.uint8)
+    record = {"type": "delta", "island": "a", "slices": [["w", [100], 0, 100]]}
+    frames = record_frames(41, record, [(payload, crc32(payload))])
+    kind, body, rest = decode(frames)
+    index, back, blobs = read_record(body, rest)
+    assert (kind, index, back) == (RECORD, 41, record)
+    assert bytes(blobs[0][0]) == payload.tobytes() and blobs[0][1] == crc32(payload)
+    damaged = [*frames[:3], b"\x01" + bytes(frames[3])[1:]]
+    with pytest.raises(ReplicationError) as error:
+        read_record(*decode(damaged)[1:])
+    assert error.value.reason == "record"
+
+
+@pytest.mark.parametrize("frames, reason", [
+    ([b"follow"], "frames"),
+    ([b"hello", msgpack.packb({})], "kind"),
+    ([FOLLOW, b"\xc1"], "body"),  # 0xc1 is never valid msgpack
+    ([FOLLOW, msgpack.packb({"length": 3})], "body"),  # terms and genesis missing
+    ([FOLLOW, msgpack.packb([1, 2])], "body"),
+])
+def test_a_malformed_replication_message_is_a_typed_error(frames, reason):
+    with pytest.raises(ReplicationError) as error:
+        decode(frames)
+    assert error.value.reason == reason
+
+
+def test_follow_round_trips():
+    kind, body, rest = decode(encode(FOLLOW, {"length": 7, "terms": [[0, 0]], "genesis": 12345}))
+    assert (kind, body, rest) == (FOLLOW, {"length": 7, "terms": [[0, 0]], "genesis": 12345}, [])
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"mode": "both"}, "replication mode"),
+    ({"mode": "sync"}, "--replication-endpoint"),
+    ({"mode": "off", "standby": True}, "--standby-of"),
+    ({"mode": "off", "peer": "tcp://h:1"}, "--replication-endpoint"),
+    ({"mode": "sync", "endpoint": "@tcp://*:1", "lease_s": 0}, "lease"),
+])
+def test_bad_replication_settings_are_refused_with_what_to_give(kwargs, words):
+    with pytest.raises(DlocoError, match=words):
+        ReplicationConfig(**kwargs)
+
+
+def test_a_fragment_digest_depends_on_every_value_and_name():
+    params = {"b": np.ones(3, np.float32), "a": np.zeros(2, np.float32)}
+    base = fragment_digest(params)
+    assert base == fragment_digest(dict(reversed(params.items())))
+    assert base != fragment_digest({**params, "a": np.array([0, 1e-30], np.float32)})
+    assert base != fragment_digest({"c": params["b"], "a": params["a"]})
+
+
+def test_an_island_ignores_acks_from_an_older_epoch_of_their_sender():
+    uplink = Uplink("a", "m", 5, SyncConfig(), LinkShaper(None), threading.Event())
+    result = protocol.DeltaResult("a", 5, 1, 0, "folded", 3, "")
+    uplink.on_ack(protocol.Ack(sender="merger", epoch=200, seq=1, cursors=(), results=()))
+    uplink.on_ack(protocol.Ack(sender="merger", epoch=100, seq=9, cursors=(protocol.Cursor("a", 5, 4),), results=(result,)))
+    assert uplink.cursor == 0 and 1 not in uplink.settled
+    assert uplink.results["dropped/old_epoch"] == 1
+    uplink.on_ack(protocol.Ack(sender="merger", epoch=200, seq=2, cursors=(protocol.Cursor("a", 5, 4),), results=(result,)))
+    assert uplink.cursor == 4 and 1 in uplink.settled
+
+
+@pytest.mark.timeout(120)
+def test_the_broker_drops_snapshot_bus_messages_from_an_older_epoch_of_their_sender(tmp_path):
+    broker = BrokerProcess(tmp_path, "--insecure")
+    context = zmq.Context()
+    try:
+        pub, sub = pair(context, broker, 1)
+        deadline = time.monotonic() + 30
+        while not sub.poll(50):  # until the subscription is through
+            pub.send_multipart(heartbeat("merger", epoch=500))
+            assert time.monotonic() < deadline
+        for _ in range(10):
+            pub.send_multipart(heartbeat("merger", epoch=400))  # a replaced merger
+        pub.send_multipart(heartbeat("other", epoch=1))  # another sender has its own epochs
+        pub.send_multipart(heartbeat("merger", epoch=600))
+        seen = []
+        while not seen or seen[-1] != ("merger", 600):
+            assert sub.poll(10_000)
+            message = protocol.decode(sub.recv_multipart())
+            seen.append((message.sender, message.epoch))
+        assert ("merger", 400) not in seen and ("other", 1) in seen
+    finally:
+        context.destroy(linger=0)
+        assert broker.stop() == 0
+    assert broker.events("broker_stopped")[-1]["refused"] == {"snapshot/old_epoch": 10}
