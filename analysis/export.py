@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.runinfo import RUN_TASK, RunDirError, RunTask
+from analysis.runinfo import RUN_TASK, RunDirError, RunTask, merger_run_dir
 from merger import checkpoint
 from merger.recovery import checkpoint_dir
 from protocol.errors import DlocoError
@@ -63,7 +63,7 @@ def merger_dir(run_dir: Path) -> Path:
         raise RunDirError(f"{run_dir} is not a directory (give the run directory `dloco up` wrote)")
     if not any((run_dir / name).exists() for name in ("merger", "init.npz", RUN_TASK)):
         raise RunDirError(f"{run_dir} is not a run directory: it has no merger/, init.npz or {RUN_TASK}")
-    return run_dir / "merger"
+    return merger_run_dir(run_dir)
 
 
 def checkpoints(run_dir: Path) -> dict[int, Path]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.runinfo import RunTask, merger_folds, wall
+from analysis.runinfo import RunTask, merger_folds, merger_run_dir, wall
 from cluster.config import ClusterConfig
 
 
@@ -47,7 +47,7 @@ class Evaluator:
         from merger import checkpoint
         from merger.recovery import checkpoint_dir
 
-        saved = checkpoint.latest(checkpoint_dir(self.run_dir / "merger"))
+        saved = checkpoint.latest(checkpoint_dir(merger_run_dir(self.run_dir)))
         if saved is None:
             return None
         return self.metrics(params_of(saved))
@@ -110,7 +110,7 @@ def states_at(run_dir: Path, walls: list[float]) -> list[dict[str, np.ndarray] |
             progress["next"] += 1
         progress["time"], progress["states"] = at, list(core.states)  # states are replaced on a fold, never changed
 
-    for position, expected, rebuilt in replay(run_dir / "merger", on_fold, strict=False):
+    for position, expected, rebuilt in replay(merger_run_dir(run_dir), on_fold, strict=False):
         if expected != rebuilt:
             raise ReplayError(f"{run_dir}: the model rebuilt from the log differs from the merger's checkpoint at record {position}")
     if progress["states"] is not None and not folded_at:

@@ -165,8 +165,31 @@ def last_events(path: Path, tail_bytes: int = 16384) -> list[dict]:
     return events
 
 
+MERGER_LOGS = ("merger.log", "standby.log")  # with a standby, either may be the primary: folds are in both
+ROLE_EVENTS = {"following": "standby", "stepped_down": "standby", "no_primary": "primary", "taking_over": "primary"}
+
+
 def merger_folds(run_dir: Path) -> list[dict]:
-    return [e for e in read_events(run_dir / "logs" / "merger.log") if e.get("event") == "fold"]
+    """Every fold logged by a primary (the merger, or the standby once it took over), in time order."""
+    folds = [e for name in MERGER_LOGS for e in read_events(run_dir / "logs" / name) if e.get("event") == "fold"]
+    return sorted(folds, key=lambda e: e.get("timestamp", ""))
+
+
+def merger_run_dir(run_dir: Path) -> Path:
+    """The merger's run directory with the longest log: merger/, or standby/ after a takeover (by
+    their newest checkpoint; each writes one at its log's end when it stops)."""
+    def newest(directory: Path) -> int:
+        return max((int(p.stem) for p in (directory / "checkpoints").glob("*.ckpt") if p.stem.isdigit()), default=-1)
+
+    return max((run_dir / "merger", run_dir / "standby"), key=newest)
+
+
+def merger_role(log: Path) -> str | None:
+    """"primary" or "standby" by a merger's log's last role event (None: it has a peer in neither)."""
+    role = None
+    for event in read_events(log):
+        role = ROLE_EVENTS.get(event.get("event"), role)
+    return role
 
 
 def wall(event: dict) -> float:
@@ -209,7 +232,7 @@ class RunProgress:
                     continue
                 self.last_step[name] = event["step"]
                 self.steps[name] += event["step"] > 0
-        self.folds += sum(e.get("event") == "fold" for e in self._new_events(self.run_dir / "logs" / "merger.log"))
+        self.folds += sum(e.get("event") == "fold" for name in MERGER_LOGS for e in self._new_events(self.run_dir / "logs" / name))
 
     def _new_events(self, path: Path) -> list[dict]:
         """The complete JSON lines appended to `path` since the last call (a line being written waits)."""

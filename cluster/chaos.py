@@ -2,8 +2,10 @@
 that did to the others.
 
 A schedule is a list of events `ACTION:TARGET@WHEN` — comma-separated after `dloco up --chaos`,
-or `[[chaos]]` tables in the cluster file.  ACTION is `kill` (SIGKILL, no warning, no cleanup) or
-`restart` (the same command again); TARGET is a region, `merger` or `broker`.  WHEN is a point of
+or `[[chaos]]` tables in the cluster file.  ACTION is `kill` (SIGKILL, no warning, no cleanup),
+`lose-disk` (a merger's kill, and its run directory deleted) or `restart` (the same command
+again); TARGET is a region, `merger` or `broker` — with `[merger] standby = true`, `merger` is
+whichever merger is the primary when the event fires and `standby` the other.  WHEN is a point of
 the run, by work done or by the clock:
 - `step=N`: once the target island has made N training steps (`[[chaos]]`: `at_step = N`);
 - `REGION.step=N`: once island REGION has made N steps (`at_step = N`, `island = "REGION"`);
@@ -30,7 +32,8 @@ from collections.abc import Mapping
 
 from protocol.errors import ConfigError, require
 
-ACTIONS = ("kill", "restart")
+ACTIONS = ("kill", "lose-disk", "restart")
+MERGERS = ("merger", "standby")  # with a standby, chaos names the current primary `merger`, its standby `standby`
 WINDOW_S = 15.0  # seconds before / after an event over which step rates and folds are compared
 _WHEN = re.compile(r"^(?:(?P<island>[A-Za-z0-9_-]+)\.)?step=(?P<step>\+?\d+)$|^folds=(?P<folds>\+?\d+)$")
 
@@ -106,14 +109,15 @@ def in_order(events: list[ChaosEvent]) -> tuple[ChaosEvent, ...]:
 def check(schedule: tuple[ChaosEvent, ...], processes: list[str], islands: list[str] | None = None) -> None:
     """Every target exists; in firing order, a process is killed only while running and restarted
     only after a kill; an event waits only for the steps of an island that is running then."""
-    islands = [p for p in processes if p not in ("merger", "broker")] if islands is None else islands
+    islands = [p for p in processes if p not in (*MERGERS, "broker")] if islands is None else islands
     down: set[str] = set()
     for event in schedule:
         require(event.target in processes, f"chaos event {event}: unknown process {event.target!r}; known: {', '.join(processes)}")
         if event.stepper is not None:
             require(event.stepper in islands, f"chaos event {event}: {event.stepper!r} makes no training steps; islands: {', '.join(islands)}")
             require(event.stepper not in down, f"chaos event {event}: it waits for the steps of {event.stepper}, which is down then")
-        if event.action == "kill":
+        if event.action in ("kill", "lose-disk"):
+            require(event.action == "kill" or event.target in MERGERS, f"chaos event {event}: only a merger has a disk to lose")
             require(event.target not in down, f"chaos event {event}: {event.target} is already down")
             down.add(event.target)
         else:
@@ -172,11 +176,14 @@ def effects(executed: list[dict], steps: dict[str, list[float]], joins: dict[str
                "folds_before": sum(before_start <= w < t for w, _ in folds), "folds_after": sum(t <= w < after_end for w, _ in folds),
                "contributors_after": sorted({c for w, cs in folds if t <= w < after_end for c in cs})}
         back = next((e["wall"] for e in ordered[index + 1:] if e["target"] == event["target"] and e["action"] == "restart"), None)
-        if event["action"] == "kill" and back is not None:  # the whole absence against as long a stretch just before it
+        if event["action"] in ("kill", "lose-disk") and back is not None:  # the whole absence against as long a stretch just before it
             length = back - t
             row["absence_s"] = length
             row["during_absence"] = {island: _count(times, t, back) / _count(times, t - length, t) if _count(times, t - length, t) else None
                                      for island, times in steps.items() if island != event["target"]}
+        if event["action"] != "restart" and event["target"] == "merger":  # with a standby: how soon the next fold came
+            later = [w for w, _ in folds if w >= t]
+            row["first_fold_s"] = later[0] - t if later else None
         if event["action"] == "restart":
             if event["target"] in steps:  # an island: when did it rejoin, and when was its first delta folded?
                 rejoined = [w for w in joins.get(event["target"], []) if w >= t]

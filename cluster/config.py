@@ -19,12 +19,13 @@ from cluster.cpuquota import quota_us
 from island.config import MODEL_SIZES, ModelConfig, SyncConfig, TrainConfig
 from island.task import BUILTIN
 from merger.config import MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
+from merger.replication import ReplicationConfig
 from protocol.errors import ConfigError, require
 
 DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "default.toml"
 
 
-RESERVED_NAMES = frozenset({"merger", "broker", "evaluator", "prepare", "status", "prometheus", "grafana"})  # processes and compose services
+RESERVED_NAMES = frozenset({"merger", "standby", "broker", "evaluator", "prepare", "status", "prometheus", "grafana"})  # processes and compose services
 
 @dataclasses.dataclass(frozen=True)
 class Region:
@@ -114,8 +115,15 @@ class MergerSection:
     snapshot_diff_codec: str = SnapshotConfig.snapshot_diff_codec
     snapshot_full_every: int = SnapshotConfig.snapshot_full_every
     snapshot_every_round: float = SnapshotConfig.snapshot_every_round
+    standby: bool = False  # a hot standby merger beside the primary (PROTOCOL.md §12)
+    replication: str = "sync"  # with a standby: sync | async
+    lease_s: float = ReplicationConfig.lease_s
 
     def __post_init__(self) -> None:
+        require(type(self.standby) is bool, f"merger.standby must be true or false, got {self.standby!r}")
+        require(self.replication in ("sync", "async"), f"merger.replication must be sync or async, got {self.replication!r}")
+        require(type(self.lease_s) in (int, float) and 0.1 <= self.lease_s < float("inf"),
+                f"merger.lease_s must be a number of seconds >= 0.1, got {self.lease_s!r}")
         timeout = self.quorum_timeout_s
         require(type(timeout) in (int, float) and 0 < timeout < float("inf"),
                 f"merger.quorum_timeout_s must be a number of seconds > 0, got {timeout!r}")
@@ -192,7 +200,7 @@ class ClusterConfig:
 
     @property
     def process_names(self) -> list[str]:
-        return [r.name for r in self.regions] + ["merger", "broker"]
+        return [r.name for r in self.regions] + ["merger", *(["standby"] if self.merger.standby else []), "broker"]
 
     def with_duration(self, seconds: float | None) -> ClusterConfig:
         return self if seconds is None else dataclasses.replace(self, duration_s=seconds)

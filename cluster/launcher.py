@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,9 +30,10 @@ import time
 from pathlib import Path
 
 from analysis import verdict
-from analysis.runinfo import RunCluster, RunProgress, RunTask, island_stage
+from analysis.runinfo import RunCluster, RunProgress, RunTask, island_stage, merger_role
 from bus.security import create_keys, write_allow_list
 from cluster import chaos, compose, cpuquota, status, topology
+from cluster.chaos import MERGERS
 from cluster.compose import Service
 from cluster.config import ClusterConfig
 from cluster.liveview import LiveView
@@ -83,9 +85,10 @@ def prepare(config: ClusterConfig, run_dir: Path) -> None:
 
 def native_services(config: ClusterConfig, run_dir: Path) -> dict[str, Service]:
     """Broker, merger and islands as processes of this Python on 127.0.0.1, free ports."""
-    names = ["broker", "merger", "evaluator", *(r.name for r in config.regions)]
-    ports = [str(p) for p in free_ports(5 + len(names))]
-    at = topology.Addresses(broker_ports=tuple(ports[:4]), control_port=ports[4], metrics_ports=dict(zip(names, ports[5:], strict=True)))
+    names = ["broker", "merger", *(["standby"] if config.merger.standby else []), "evaluator", *(r.name for r in config.regions)]
+    ports = [str(p) for p in free_ports(8 + len(names))]
+    at = topology.Addresses(broker_ports=tuple(ports[:4]), control_port=ports[4], standby_ports=tuple(ports[5:8]),
+                            metrics_ports=dict(zip(names, ports[8:], strict=True)))
     commands = topology.commands(config, at, str(run_dir))
     (run_dir / ENDPOINTS).write_text(json.dumps({"metrics": {name: f"http://127.0.0.1:{port}/metrics" for name, port in at.metrics_ports.items()}},
                                                 indent=2) + "\n")
@@ -98,6 +101,7 @@ class Cluster:
         self.config, self.run_dir, self.services, self.order = config, run_dir, services, order
         self.processes: dict[str, subprocess.Popen] = {}
         self.down: set[str] = set()  # killed on purpose (chaos), not yet restarted
+        self.killed_as: dict[str, str] = {}  # chaos target -> the process its kill killed (a merger's role moves)
         capped = {name: services[name].cpus for name in order if services[name].cpus}  # what this run starts
         self.quotas = None
         if capped:  # before anything starts: a machine without the controller fails here, with the reason
@@ -143,9 +147,19 @@ class Cluster:
             time.sleep(service.health_interval_s)
         raise LaunchError(f"{name} did not become healthy: {' '.join(service.health)}")
 
+    def resolve(self, target: str) -> str:
+        """The process a chaos target names: with a standby, `merger` is whichever merger is the
+        primary now (its log's last role event), `standby` the other."""
+        if target not in MERGERS or "standby" not in self.services:
+            return target
+        running = [name for name in MERGERS if name in self.processes and self.processes[name].poll() is None]
+        primary = next((name for name in running if merger_role(self.run_dir / "logs" / f"{name}.log") == "primary"), "merger")
+        return primary if target == "merger" else next(name for name in MERGERS if name != primary)
+
     def kill(self, name: str) -> int | None:
         """kill -9: no signal handler runs, nothing is flushed or drained.  Returns the exit status of
         a process that had already ended by itself (None when it was running)."""
+        name = self.killed_as[name] = self.resolve(name)
         process = self.processes[name]
         ended = process.poll()
         if ended is None:
@@ -154,8 +168,14 @@ class Cluster:
         self.down.add(name)
         return ended
 
+    def lose_disk(self, name: str) -> int | None:
+        """A merger's machine lost: kill -9, and its run directory deleted."""
+        ended = self.kill(name)
+        shutil.rmtree(self.run_dir / self.killed_as[name], ignore_errors=True)
+        return ended
+
     def restart(self, name: str) -> None:
-        self.start(name)
+        self.start(self.killed_as.pop(name, name))
 
     def quota_summary(self) -> str | None:
         """One line on the CPU quotas (None without), with a warning when they add up to more than
@@ -182,8 +202,9 @@ class Cluster:
         """Islands first (they finish the step, send and drain), then the evaluator and the status
         page, then the merger (final checkpoint), then the broker."""
         codes = {}
-        islands = [n for n in self.processes if n not in ("merger", "broker", *AUXILIARY)]
-        for group in (islands, [n for n in self.processes if n in AUXILIARY], ["merger"], ["broker"]):
+        islands = [n for n in self.processes if n not in (*MERGERS, "broker", *AUXILIARY)]
+        # both mergers at once: a standby that outlived its primary would take over
+        for group in (islands, [n for n in self.processes if n in AUXILIARY], list(MERGERS), ["broker"]):
             for name in group:
                 if name in self.processes and self.processes[name].poll() is None:
                     self.processes[name].send_signal(signal.SIGTERM)
@@ -211,13 +232,13 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
     share_compilations()
     if compose_file is None:
         services = native_services(config, run_dir)
-        order = ["broker", "merger", "evaluator", *(r.name for r in config.regions)]
+        order = ["broker", "merger", *(["standby"] if config.merger.standby else []), "evaluator", *(r.name for r in config.regions)]
     else:
         variables = compose.port_variables(compose_file.read_text())
         ports = dict(zip(variables, map(str, free_ports(len(variables))), strict=True))
         services = compose.load(compose_file, {"DLOCO_RUN_DIR": str(run_dir), **ports})
         order = compose.start_order(services, wanted)
-        unknown = [n for n in order if n not in ("prepare", "broker", "merger", "evaluator", "status") and n not in {r.name for r in config.regions}]
+        unknown = [n for n in order if n not in ("prepare", "broker", *MERGERS, "evaluator", "status") and n not in {r.name for r in config.regions}]
         if unknown:
             raise LaunchError(f"{compose_file}: services {unknown} are not regions of the cluster file")
         config = dataclasses.replace(config, regions=tuple(r for r in config.regions if r.name in order))
@@ -259,11 +280,12 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
                               file=out, flush=True)
                 while not dead and pending and chaos.due(pending[0], now, armed):
                     event = pending.pop(0)
-                    if getattr(cluster, event.action)(event.target) is not None:  # it had ended by itself
+                    if getattr(cluster, event.action.replace("-", "_"))(event.target) is not None:  # it had ended by itself
                         dead = [event.target]
                         break
                     chaos_log.write(json.dumps({"at_s": round(now.elapsed_s, 3), "wall": time.time(), "action": event.action,
-                                                "target": event.target, "when": str(event)}) + "\n")
+                                                "target": event.target, "process": cluster.killed_as.get(event.target, event.target),
+                                                "when": str(event)}) + "\n")
                     chaos_log.flush()
                     print(f"dloco up: chaos {event} done", file=out, flush=True)
                     armed = now

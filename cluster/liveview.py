@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from analysis.runinfo import last_events
+from analysis.runinfo import MERGER_LOGS, last_events
 from cluster.config import ClusterConfig
 
 
@@ -44,7 +44,8 @@ class LiveView:
             lines.append(f"{region.name:16} {last.get('step', 0):>6} {rate:>8.0f} {last.get('compute_util', 0):>5.2f} "
                          f"{self.eval_loss.get(region.name, float('nan')):>6.3f} {versions:>18} "
                          f"{_bytes(last.get('bytes_sent', 0)):>8} {_bytes(last.get('bytes_received', 0)):>8}")
-        folds = [e for e in last_events(self.run_dir / "logs" / "merger.log") if e.get("event") == "fold"]
+        folds = sorted((e for name in MERGER_LOGS for e in last_events(self.run_dir / "logs" / name) if e.get("event") == "fold"),
+                       key=lambda e: e.get("timestamp", ""))
         if folds:
             lines.append(f"merger: last fold fragment {folds[-1]['fragment']} -> version {folds[-1]['version']} "
                          f"from {', '.join(folds[-1]['contributors'])} (staleness {folds[-1]['staleness']})")

@@ -20,6 +20,8 @@ class Addresses:
     merger_host: str = "127.0.0.1"
     bind_host: str = "127.0.0.1"  # what the broker and the merger bind ("*" in a container)
     metrics_ports: dict[str, str] | None = None  # process name -> its Prometheus port (None: no metrics)
+    standby_ports: tuple[str, str, str] | None = None  # with [merger] standby: its control port, the merger's and its replication ports
+    standby_host: str = "127.0.0.1"
 
     def metrics(self, name: str) -> list[str]:
         """A process's --metrics-port/--metrics-host flags (none without a port)."""
@@ -70,9 +72,17 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str, place=lambda pa
                      "--snapshot-codec", mc.snapshot_codec, "--snapshot-diff-codec", mc.snapshot_diff_codec,
                      "--snapshot-full-every", mc.snapshot_full_every, "--share-window", mc.share_window,
                      "--snapshot-every-round", mc.snapshot_every_round]
+    control = f"tcp://{at.merger_host}:{at.control_port}"
+    if mc.standby:  # the same merger twice (one key, one name): either may be the primary; islands reach both
+        standby_control, mine, its = at.standby_ports
+        pair = ["--replication", mc.replication, "--lease", mc.lease_s]
+        standby = [*out["merger"], *pair, "--replication-endpoint", f"@tcp://{at.bind_host}:{its}", "--standby-of", f"tcp://{at.merger_host}:{mine}"]
+        out["standby"] = _without(_without(standby, "--init-npz"), "--control-endpoint") + ["--control-endpoint", f"@tcp://{at.bind_host}:{standby_control}"]
+        out["standby"][out["standby"].index("--run-dir") + 1] = f"{run_dir}/standby"
+        out["merger"] += [*pair, "--replication-endpoint", f"@tcp://{at.bind_host}:{mine}", "--peer", f"tcp://{at.standby_host}:{its}"]
+        control += f",tcp://{at.standby_host}:{standby_control}"
     out["evaluator"] = ["evaluator", "--name", "evaluator", "--islands", len(config.regions), *model_args(config, place), "--keys", keys,
-                        "--snapshot-endpoint", at.broker(3), "--control-endpoint", f"tcp://{at.merger_host}:{at.control_port}",
-                        "--metrics-out", f"{run_dir}/global.jsonl"]
+                        "--snapshot-endpoint", at.broker(3), "--control-endpoint", control, "--metrics-out", f"{run_dir}/global.jsonl"]
     for index, region in enumerate(config.regions):  # with island_cpus the quota slows a region down, not a sleep
         links = []
         for flag, value in (("--uplink-mbps", region.uplink_mbps), ("--downlink-mbps", region.downlink_mbps)):
@@ -85,6 +95,12 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str, place=lambda pa
             *(["--blocking"] if sc.blocking else []), *(["--error-feedback"] if sc.error_feedback else []),
             *(["--flush-on-leave"] if sc.flush_on_leave else []), *settle,
             "--slowdown", 1.0 if config.island_cpus else region.slowdown, *links, "--rtt-ms", region.rtt_ms, "--keys", keys,
-            "--delta-endpoint", at.broker(0), "--snapshot-endpoint", at.broker(3), "--control-endpoint", f"tcp://{at.merger_host}:{at.control_port}",
+            "--delta-endpoint", at.broker(0), "--snapshot-endpoint", at.broker(3), "--control-endpoint", control,
             "--metrics-out", f"{run_dir}/metrics/{region.name}.jsonl", "--join-timeout", 300]
     return {name: [str(arg) for arg in [*args, *at.metrics(name)]] for name, args in out.items()}
+
+
+def _without(args: list, flag: str) -> list:
+    """`args` less `flag` and its value."""
+    at = args.index(flag)
+    return args[:at] + args[at + 2:]

@@ -18,8 +18,11 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgpack
+
 from merger import records
 from merger.wal import _fsync_dir, _scan, _segments, read_records
+from protocol.checksum import crc32
 
 Terms = list[tuple[int, int]]  # (term, index of its first record), oldest first
 
@@ -34,10 +37,13 @@ def terms_of(directory: str | Path) -> tuple[Terms, int]:
     return (terms if length else []), length
 
 
-def genesis_of(run_dir: str | Path) -> int:
-    """The replication stream's name for a run (replication.genesis_id of its first record; 0: no log)."""
-    from merger.replication import genesis_id
+def genesis_id(record: dict) -> int:
+    """What names a run: the CRC-32 of its genesis record (a standby never follows another run's log)."""
+    return crc32(msgpack.packb(record, use_bin_type=True))
 
+
+def genesis_of(run_dir: str | Path) -> int:
+    """The replication stream's name for a run (genesis_id of its first record; 0: no log)."""
     first = next(read_records(Path(run_dir) / "wal"), None)
     return genesis_id(first[1]) if first is not None else 0
 

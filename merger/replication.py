@@ -102,11 +102,6 @@ def read_record(body: dict, rest: list) -> tuple[int, dict, list[tuple[memoryvie
     return int(body["index"]), record, list(zip(blobs, crcs))
 
 
-def genesis_id(record: dict) -> int:
-    """What names a run: the CRC-32 of its genesis record (a standby never follows another run's log)."""
-    return crc32(msgpack.packb(record, use_bin_type=True))
-
-
 def fragment_digest(params) -> str:
     """sha256 over one fragment's parameters (records.params_digest for one fragment)."""
     digest = hashlib.sha256()

@@ -25,10 +25,10 @@ import zmq
 from bus.sockets import open_socket
 from merger import checkpoint, records
 from merger.core import MergerCore
-from merger.logmatch import genesis_of, set_aside_from, terms_of
+from merger.logmatch import genesis_id, genesis_of, set_aside_from, terms_of
 from merger.recovery import checkpoint_dir, recover, wal_dir
 from merger.replication import (DIGEST, FOLLOW, LEASE, RECORD, REFUSED, START, STORED, ReplicationConfig, ReplicationError, decode,
-                                encode, fragment_digest, genesis_id, read_record)
+                                encode, fragment_digest, read_record)
 from merger.rundir import RunDirLock
 from merger.settings import ServiceConfig
 from merger.wal import WriteAheadLog

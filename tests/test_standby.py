@@ -18,10 +18,12 @@ import pytest
 import zmq
 
 import protocol
+from analysis.runinfo import chaos_effects, merger_folds, read_events, read_metrics, wall
 from cluster.ports import free_ports
 from merger import records
 from merger.recovery import wal_dir
 from merger.wal import read_records
+from tests.cluster_helpers import small_profile
 from tests.merger_helpers import delta_chunks, initial_params
 from tests.test_broker import BrokerProcess
 
@@ -279,3 +281,46 @@ def test_a_primary_whose_standby_dies_goes_on_alone_and_says_so(pair):
     assert p.b.wait_for("taking_over")  # its primary gone, the standby takes over: stop it too
     assert p.b.stop() == 0
     assert logged_deltas(p.b.run_dir) == logged_deltas(p.a.run_dir) == set(range(1, 8))
+
+
+STANDBY_PROFILE = small_profile(400, 25, """
+[[regions]]
+name = "a"
+slowdown = 2.0
+
+[[regions]]
+name = "b"
+slowdown = 2.0
+""", max_steps=160).replace("share_window = 8", "share_window = 8\nstandby = true")
+# The primary's machine is lost after 6 folds; once a has made 40 more steps it comes back, empty.
+STANDBY_SCHEDULE = "lose-disk:merger@folds=6,restart:merger@a.step=+40"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_dloco_up_with_a_standby_survives_the_loss_of_the_primary_and_its_disk(tmp_path):
+    (tmp_path / "standby.toml").write_text(STANDBY_PROFILE)
+    run = tmp_path / "run"
+    up = subprocess.run([sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "standby.toml"), "--run-dir", str(run),
+                         "--chaos", STANDBY_SCHEDULE, "--status-port", "-1"], capture_output=True, text=True, timeout=800)
+    assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
+    lost, back = read_events(run / "chaos.jsonl")
+    assert (lost["process"], back["process"]) == ("merger", "merger")  # the primary at the time was the merger process
+    took = [e for e in read_events(run / "logs" / "standby.log") if e.get("event") == "taking_over"]
+    assert len(took) == 1 and took[0]["length"] > 0
+    merger_events = [e.get("event") for e in read_events(run / "logs" / "merger.log")]
+    assert merger_events.count("genesis") == 1 and merger_events.count("following") == 2  # its second life follows the standby
+    # the islands trained on through the loss, and the new primary folded both of them
+    steps = {name: [e["wall"] for e in read_metrics(run / "metrics" / f"{name}.jsonl") if e.get("step", 0) > 0] for name in "ab"}
+    assert sum(lost["wall"] <= w < back["wall"] for w in steps["b"]) >= 10
+    after = [set(e["contributors"]) for e in merger_folds(run) if wall(e) > lost["wall"]]
+    assert {"a", "b"} <= set().union(*after)
+    for island in "ab":  # every delta each island sent was settled: none acknowledged and lost
+        done = [e for e in read_events(run / "logs" / f"{island}.log") if e.get("event") == "done"][-1]
+        assert done["acks"].get("folded", 0) + done["acks"].get("rejected", 0) == done["deltas_sent"] > 0, done
+    row = next(r for r in chaos_effects(run, ["a", "b"]) if r["action"] == "lose-disk")
+    assert row["first_fold_s"] is not None
+    for merger in ("standby", "merger"):  # the new primary's log, and the copy the old one rebuilt from it
+        replay = replay_verify(run / merger)
+        assert replay.returncode == 0, replay.stderr
+    assert "FAILED" not in (run / "report.md").read_text()
