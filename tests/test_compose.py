@@ -4,6 +4,7 @@ environment, health checks and dependency conditions."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -145,3 +146,24 @@ def test_the_evaluator_mounts_what_the_islands_read_and_names_stay_apart(tmp_pat
     (tmp_path / "c.toml").write_text((ROOT / "cluster/profiles/default.toml").read_text().replace('name = "us-west"', 'name = "us_east"'))
     with pytest.raises(ConfigError, match="DLOCO_METRICS_PORT_US_EAST"):
         compose.render(config.load(tmp_path / "c.toml"), "c.toml", tmp_path)
+
+
+def test_a_standby_is_a_service_that_follows_the_merger_and_islands_reach_both(tmp_path):
+    cluster = dataclasses.replace(config.load(), merger=dataclasses.replace(config.load().merger, standby=True, lease_s=2.0))
+    text = compose.render(cluster, "cluster/profiles/default.toml")
+    (tmp_path / "docker-compose.yml").write_text(text)
+    rendered = yaml.safe_load(text)["services"]
+    standby, merger = rendered["standby"]["command"], rendered["merger"]["command"]
+    assert standby[standby.index("--standby-of") + 1] == "tcp://merger:${DLOCO_REPLICATION_PORT:-5562}"
+    assert merger[merger.index("--peer") + 1] == "tcp://standby:${DLOCO_STANDBY_REPLICATION_PORT:-5563}"
+    assert "--init-npz" not in standby and standby[standby.index("--run-dir") + 1].endswith("/standby")
+    island = rendered["us-east"]["command"]
+    assert island[island.index("--control-endpoint") + 1] == ("tcp://merger:${DLOCO_CONTROL_PORT:-5560},"
+                                                               "tcp://standby:${DLOCO_STANDBY_CONTROL_PORT:-5561}")
+    services = compose.load(tmp_path / "docker-compose.yml", {"DLOCO_RUN_DIR": str(tmp_path)}, program=["dloco"])
+    local = services["us-east"].command
+    assert local[local.index("--control-endpoint") + 1] == "tcp://127.0.0.1:5560,tcp://127.0.0.1:5561"  # both service names -> loopback
+    assert services["standby"].command[services["standby"].command.index("--lease") + 1] == "2.0"
+    binary = compose_binary()
+    ok = subprocess.run([binary, "-f", tmp_path / "docker-compose.yml", "config", "-q"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert ok.returncode == 0, ok.stderr
