@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,11 @@ from merger.config import MergeConfig, MergerConfig, RoundConfig
 from merger.core import MergerCore
 from merger.fold import Contribution
 from merger.memory import keep_freed_memory
+from bus.security import Security
+from cluster.ports import free_ports
+from merger.logmatch import genesis_of
 from merger.pipeline import FoldPipeline
+from merger.replication import ReplicatedLog, ReplicationConfig, ReplicationServer
 from merger.wal import WriteAheadLog
 
 END = b"end"
@@ -74,9 +79,11 @@ def _warm_up(config: MergerConfig, shapes: dict, fragments: int, islands: int) -
     return time.perf_counter() - started
 
 
-def _merger_pass(context: zmq.Context, config: MergerConfig, params: int, fragments: int, islands: int, rounds: int) -> dict:
-    """One timed pass of the merger pipeline over the sender's stream: wire bytes, seconds and
-    where the CPU went (the loop thread's stages, the fold worker's wall time)."""
+def _merger_pass(context: zmq.Context, config: MergerConfig, params: int, fragments: int, islands: int, rounds: int,
+                 standby: bool = False) -> dict:
+    """One timed pass of the merger pipeline over the sender's stream: wire bytes, seconds, each
+    fold's latency (dispatched to announceable) and where the CPU went (the loop thread's stages,
+    the fold worker's wall time).  `standby`: the log streams to a standby process in sync mode."""
     shapes = synthetic_shapes(params, fragments)
     expected = expected_messages(params, fragments, islands, rounds)
     stages: collections.Counter[str] = collections.Counter()
@@ -86,7 +93,13 @@ def _merger_pass(context: zmq.Context, config: MergerConfig, params: int, fragme
         core = MergerCore(config, protocol.model_fingerprint(zeros), protocol.partition(shapes, fragments), zeros, log=wal)
         reassembler = protocol.Reassembler(max_bytes=2 << 30, decode=False)
         pipeline = FoldPipeline(core, wal)
-        handled, done = 0, []
+        replica = Replica(context, core, wal, pipeline, Path(tmp)) if standby else None
+        handled, done, latency = 0, [], []
+
+        def finished(wait: bool = False) -> None:
+            folds = pipeline.finished(wait=wait)
+            latency.extend(time.perf_counter() - fold.began for fold in folds)
+            done.extend(folds)
 
         def handle(frames: list) -> None:
             nonlocal handled
@@ -103,9 +116,9 @@ def _merger_pass(context: zmq.Context, config: MergerConfig, params: int, fragme
                 assert result is None, result
                 pipeline.dispatch(now=0.0)  # the fold computes on while the next deltas arrive
             t3 = time.perf_counter()
-            done.extend(pipeline.finished())
+            finished()
             while handled == expected and (pipeline.in_flight or any(core.pending)):  # the last message waits for every fold
-                done.extend(pipeline.finished(wait=True))
+                finished(wait=True)
                 pipeline.dispatch(now=math.inf)  # no island is coming: every pending delta folds now (at 0.0 a grace wait never ended)
             stages["admit_log_dispatch_s"] += t3 - t2
             stages["finish_sync_s"] += time.perf_counter() - t3
@@ -116,6 +129,8 @@ def _merger_pass(context: zmq.Context, config: MergerConfig, params: int, fragme
         sender.wait(timeout=60)
         sub.close()
         pipeline.close()
+        if replica is not None:
+            replica.close()
         wal.close()
     folds, folded = len(done), sum(len(fold.report.contributors) for fold in done)
     if folded != islands * fragments * rounds:  # a fragment busy folding folds two rounds at once next time: count deltas
@@ -129,10 +144,43 @@ def _merger_pass(context: zmq.Context, config: MergerConfig, params: int, fragme
     bound_s = max(loop_s, worker_s, (loop_s + worker_s) / cores)
     return {"wire_bytes": wire_bytes, "seconds": seconds, "folds": folds, "stages_s": {k: round(v, 3) for k, v in sorted(stages.items())},
             "loop_busy_s": round(loop_s, 3), "fold_worker_busy_s": round(worker_s, 3), "cores": cores,
-            "cpu_bound_gbps": round(gbps(wire_bytes, bound_s), 3)}
+            "cpu_bound_gbps": round(gbps(wire_bytes, bound_s), 3), "fold_latency_s": round(float(np.median(latency)), 4)}
 
 
-def run(params: int = 25_165_824, fragments: int = 4, islands: int = 4, rounds: int = 2, passes: int = 3,
+class Replica:
+    """The pass's log streamed to a real standby (`dloco merger --standby-of`, another process on
+    this machine) in sync mode: no fold is announced before the standby has stored it."""
+
+    def __init__(self, context: zmq.Context, core: MergerCore, wal: WriteAheadLog, pipeline: FoldPipeline, tmp: Path) -> None:
+        wal.sync()  # the genesis record, served from disk
+        port, *others = free_ports(4)
+        self.server = ReplicationServer(context, ReplicationConfig("sync", f"@tcp://127.0.0.1:{port}", "", lease_s=60.0),
+                                        Security(None, "merger"), "merger", wal, tmp / "wal", 1, [(0, 0)], genesis_of(tmp), _quiet())
+        core.log, pipeline.barrier = ReplicatedLog(wal, self.server), self.server.barrier
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "dloco", "merger", "--run-dir", str(tmp / "standby"), "--standby-of", f"tcp://127.0.0.1:{port}",
+             "--replication-endpoint", f"@tcp://127.0.0.1:{others[0]}", "--delta-endpoint", f"tcp://127.0.0.1:{others[1]}",
+             "--snapshot-endpoint", f"tcp://127.0.0.1:{others[1]}", "--control-endpoint", f"@tcp://127.0.0.1:{others[2]}",
+             "--insecure", "--lease", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while self.server.state != "sync":  # it has the model (the genesis record) and is ready
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the standby did not catch up (exit {self.process.poll()})")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.server.close()
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=120)
+
+
+def _quiet():
+    import structlog
+
+    return structlog.wrap_logger(structlog.PrintLogger(open(os.devnull, "w")))
+
+
+def run(params: int = 25_165_824, fragments: int = 4, islands: int = 4, rounds: int = 2, passes: int = 3, standby: bool = False,
         log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
     """Raw reference, then the merger pipeline 1 + `passes` times: a cold pass (a merger's first
     rounds: the process touches its buffers' pages for the first time) and warm passes (a merger in
@@ -142,6 +190,10 @@ def run(params: int = 25_165_824, fragments: int = 4, islands: int = 4, rounds: 
     total_params = int(sum(np.prod(s) for s in shapes.values()))
     expected = expected_messages(params, fragments, islands, rounds)
     keep_freed_memory()  # as `dloco merger` does
+    if standby:  # each pass's standby process compiles its fold kernels once, then finds them in dloco up's cache
+        from cluster.launcher import share_compilations
+
+        share_compilations()
     context = zmq.Context()
     try:
         log(f"bench merger: raw ZeroMQ reference, {expected} messages ...")
@@ -153,11 +205,14 @@ def run(params: int = 25_165_824, fragments: int = 4, islands: int = 4, rounds: 
 
         config = MergerConfig(MergeConfig(max_staleness=rounds), round=RoundConfig(quorum=islands, grace_cap_s=0.0))
         warmup_s = _warm_up(config, shapes, fragments, islands)  # a running merger compiles its fold kernels once
-        done = []
+        done, replicated = [], []
         for number in range(1 + passes):
             name = "cold pass" if number == 0 else f"warm pass {number} of {passes}"
             log(f"bench merger: merger pipeline ({name}), {total_params:,} parameters, {islands} islands x {fragments} fragments x {rounds} rounds ...")
             done.append(_merger_pass(context, config, params, fragments, islands, rounds))
+            if standby and number > 0:  # alternating, so that both see the same machine
+                log(f"bench merger: the same, its log streamed to a standby in sync mode ({number} of {passes}) ...")
+                replicated.append(_merger_pass(context, config, params, fragments, islands, rounds, standby=True))
     finally:
         context.destroy(linger=0)
     cold, warm_passes = done[0], sorted(done[1:], key=lambda p: p["seconds"])
@@ -171,14 +226,31 @@ def run(params: int = 25_165_824, fragments: int = 4, islands: int = 4, rounds: 
         "warm_ingest_gbps_samples": [round(gbps(p["wire_bytes"], p["seconds"]), 3) for p in done[1:]],
         "stages_s": warm["stages_s"], "warmup_compile_s": round(warmup_s, 3),
         "loop_busy_s": warm["loop_busy_s"], "fold_worker_busy_s": warm["fold_worker_busy_s"], "cores": warm["cores"],
-        "cpu_bound_gbps": warm["cpu_bound_gbps"],
+        "cpu_bound_gbps": warm["cpu_bound_gbps"], "fold_latency_s": warm["fold_latency_s"],
+        **(_with_standby(done[1:], replicated) if standby else {}),
     }
 
 
+def _with_standby(alone: list[dict], replicated: list[dict]) -> dict:
+    """Medians with and without the standby, and their ratios (both measured in this run)."""
+    ingest = [gbps(p["wire_bytes"], p["seconds"]) for p in replicated]
+    plain = [gbps(p["wire_bytes"], p["seconds"]) for p in alone]
+    latency, plain_latency = float(np.median([p["fold_latency_s"] for p in replicated])), float(np.median([p["fold_latency_s"] for p in alone]))
+    return {"standby_ingest_gbps": round(float(np.median(ingest)), 3), "standby_ingest_samples": [round(g, 3) for g in ingest],
+            "standby_ingest_vs_alone": round(float(np.median(ingest)) / float(np.median(plain)), 3),
+            "standby_fold_latency_s": round(latency, 4), "standby_fold_latency_vs_alone": round(latency / plain_latency, 3)}
+
+
 def summary(result: dict) -> str:
-    return (f"merger ingest {result['merger_ingest_gbps']:.3f} GB/s of int4 wire bytes in its steady state (median of "
+    line = (f"merger ingest {result['merger_ingest_gbps']:.3f} GB/s of int4 wire bytes in its steady state (median of "
             f"{result['warm_ingest_gbps_samples']}; first pass: "
             f"{result['cold_ingest_gbps']:.3f} GB/s; {result['params']:,} params, "
             f"{result['islands']} deltas per fold); raw ZeroMQ receive {result['raw_zmq_recv_gbps']:.3f} GB/s; "
             f"ratio {result['ingest_vs_raw']:.2f}; stages {result['stages_s']}; loop thread busy {result['loop_busy_s']} s, fold "
-            f"worker {result['fold_worker_busy_s']} s: at most {result['cpu_bound_gbps']:.3f} GB/s on {result['cores']} cores with perfect overlap")
+            f"worker {result['fold_worker_busy_s']} s: at most {result['cpu_bound_gbps']:.3f} GB/s on {result['cores']} cores with perfect overlap"
+            f"; fold latency {result['fold_latency_s'] * 1000:.0f} ms")
+    if "standby_ingest_gbps" in result:
+        line += (f"; with a standby in sync mode: ingest {result['standby_ingest_gbps']:.3f} GB/s (x{result['standby_ingest_vs_alone']:.2f} "
+                 f"of alone, samples {result['standby_ingest_samples']}), fold latency {result['standby_fold_latency_s'] * 1000:.0f} ms "
+                 f"(x{result['standby_fold_latency_vs_alone']:.2f})")
+    return line

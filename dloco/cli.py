@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -17,40 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dloco", description="Decoupled DiLoCo: islands, merger, broker and tools.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    bench = commands.add_parser("bench", help="run a benchmark and print its figures")
-    suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
-    codec = suites.add_parser("codec", help="quantize/dequantize/frame ~100 MB of deltas with every codec vs memcpy")
-    codec.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    codec.add_argument("--mib", type=_positive_int, default=100, help="MiB of float32 deltas (default 100)")
-    codec.add_argument("--block", type=_positive_int, default=256, help="values per quantization block (power of two, default 256)")
-    codec.add_argument("--reps", type=_positive_int, default=5, help="timed repetitions; medians are reported (default 5)")
-    codec.add_argument("--threads", type=_positive_int, default=None, help="codec threads (default: min(4, cores))")
-    codec.set_defaults(run=_bench, bench_params={"total_mib": "mib", "block": "block", "reps": "reps", "threads": "threads"})
-    merger = suites.add_parser("merger", help="merger ingest: receive+decode+dequantize+fold+log of int4 deltas, GB/s of wire bytes")
-    merger.add_argument("--json", action="store_true", help="print one JSON object")
-    merger.add_argument("--params", type=_positive_int, default=25_165_824, help="model size (default 25,165,824)")
-    merger.add_argument("--islands", type=_positive_int, default=4, help="deltas per fold (default 4)")
-    merger.add_argument("--fragments", type=_positive_int, default=4)
-    merger.add_argument("--rounds", type=_positive_int, default=2)
-    merger.add_argument("--passes", type=_positive_int, default=3, help="timed steady-state passes after the cold one; the median is reported (default 3)")
-    merger.set_defaults(run=_bench, bench_params={"params": "params", "fragments": "fragments", "islands": "islands", "rounds": "rounds", "passes": "passes"})
-    island = suites.add_parser("island", help="island steps/s with int4 publishing on vs standalone, side by side")
-    island.add_argument("--json", action="store_true", help="print one JSON object")
-    island.add_argument("--steps", type=_positive_int, default=300, help="timed steps per run (default 300)")
-    island.add_argument("--rounds", type=_positive_int, default=3, help="alternating standalone/publishing pairs (default 3)")
-    island.set_defaults(run=_bench, bench_params={"steps": "steps", "rounds": "rounds"})
-    bus = suites.add_parser("bus", help="1 MiB messages: raw PUB->SUB vs through the broker vs broker with CURVE")
-    bus.add_argument("--json", action="store_true", help="print one JSON object")
-    bus.add_argument("--messages", type=_positive_int, default=400)
-    bus.add_argument("--repeats", type=_positive_int, default=3, help="interleaved measurements per path; medians reported")
-    bus.set_defaults(run=_bench, bench_params={"count": "messages", "repeats": "repeats"})
-    scale = suites.add_parser("scale", help="the cost of model size: each stage of a delta's trip (island, broker, merger, snapshot, "
-                                            "island) in GB/s and x memcpy, and merger and island memory per parameter")
-    scale.add_argument("--json", action="store_true", help="print one JSON object")
-    scale.add_argument("--sizes", default="10M,50M,125M,350M",
-                       help="model sizes in parameters, comma-separated, K/M/G decimal (default 10M,50M,125M,350M)")
-    scale.add_argument("--reps", type=_positive_int, default=3, help="timed rounds per size after a warm-up one; medians (default 3)")
-    scale.set_defaults(run=_bench, bench_params={"sizes": "sizes", "reps": "reps"})
+    from benchmarks.commands import add_commands as add_bench_commands
+
+    add_bench_commands(commands, _positive_int)
 
     from merger.main import add_commands as add_merger_commands
 
@@ -154,22 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_broker_commands(commands, _positive_int)
     return parser
-
-
-def _bench(args: argparse.Namespace) -> int:
-    """Run benchmarks.<suite>.run(...) with the suite's options; print JSON or its one-line summary."""
-    import importlib
-
-    from protocol import DlocoError
-
-    module = importlib.import_module(f"benchmarks.{args.suite}")
-    try:
-        result = module.run(**{param: getattr(args, option) for param, option in args.bench_params.items()})
-    except DlocoError as error:
-        print(f"dloco bench {args.suite}: {error}", file=sys.stderr)
-        return 2
-    print(json.dumps(result, indent=2) if args.json else module.summary(result))
-    return 0
 
 
 def _up(args: argparse.Namespace) -> int:

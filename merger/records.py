@@ -8,6 +8,7 @@ same float32 values bit for bit.
 from __future__ import annotations
 
 import hashlib
+import uuid
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -38,6 +39,7 @@ def software_mismatch(genesis: dict) -> str | None:
 def genesis_record(config: dict, model: str, fragments: Sequence[Sequence[str]], params: Mapping[str, np.ndarray]) -> dict:
     return {
         "type": GENESIS, "config": config, "model": model, "fragments": [list(f) for f in fragments], "software": software(),
+        "run": uuid.uuid4().hex,  # two runs from the same model and settings still have different logs (a standby follows only its own)
         "params": {path: {"shape": list(a.shape), "data": np.ascontiguousarray(a, dtype="<f4").tobytes()} for path, a in params.items()},
     }
 

@@ -16,6 +16,7 @@ within one lease, else the primary.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -71,6 +72,7 @@ class Standby:
     def _open(self) -> None:
         """Open the log and rebuild the state from it (none while the log is empty)."""
         self.wal = WriteAheadLog(wal_dir(self.config.run_dir), fsync=self.config.fsync)
+        self.unapplied: collections.deque[tuple[int, dict]] = collections.deque()  # stored, not yet applied
         self.terms, _ = terms_of(wal_dir(self.config.run_dir))
         self.core = recover(self.config.run_dir) if self.wal.next_index > 0 else None
         if self.core is not None:
@@ -100,10 +102,11 @@ class Standby:
                     except zmq.Again:
                         break
                     unsynced |= self._on_message([f.buffer for f in frames], dealer)
-                if unsynced:
+                if unsynced:  # stored first, applied after: the primary waits for the disk, not for our folds
                     self.wal.sync()
                     unsynced = False
                     _send(dealer, encode(STORED, {"length": self.wal.next_index}))
+                self._apply_stored()
                 if self.folds >= next_checkpoint and self.core is not None:
                     checkpoint.save(checkpoint_dir(self.config.run_dir), self.core, self.wal.next_index)
                     next_checkpoint = self.folds + self.config.checkpoint_every
@@ -146,6 +149,8 @@ class Standby:
     def _start_at(self, at: int) -> None:
         if at >= self.wal.next_index:
             return
+        self.digests.clear()
+        self.theirs.clear()
         self.wal.close()
         moved = set_aside_from(wal_dir(self.config.run_dir), at, checkpoint_dir(self.config.run_dir))
         self.log.warning("log_set_aside", from_index=at, moved=moved, why="the primary's log does not hold these records")
@@ -168,12 +173,18 @@ class Standby:
             self.terms.append((int(record["term"]), index))
         if self.core is None:
             raise Diverged(f"record {index} arrived before any genesis record")
-        report = self.core.apply_record({**record, "blobs": [blob for blob, _ in blobs]} if blobs else record, index)
-        if report is not None:
-            self.folds += 1
-            fragment = record["fragment"]
-            self._compare(index, None, (fragment, fragment_digest(self.core.states[fragment].params)))
+        self.unapplied.append((index, {**record, "blobs": [blob for blob, _ in blobs]} if blobs else record))
         return True
+
+    def _apply_stored(self) -> None:
+        """Apply the records stored since the last call (the same folds as the primary's, bit for bit)."""
+        while self.unapplied:
+            index, record = self.unapplied.popleft()
+            report = self.core.apply_record(record, index)
+            if report is not None:
+                self.folds += 1
+                fragment = record["fragment"]
+                self._compare(index, None, (fragment, fragment_digest(self.core.states[fragment].params)))
 
     def _compare(self, index: int, theirs: str | None, ours: tuple[int, str] | None) -> None:
         if ours is not None:
@@ -191,6 +202,7 @@ class Standby:
         self.compared += 1
 
     def _take_over(self, now: float) -> Takeover:
+        self._apply_stored()
         epoch = max(time.time_ns(), self.primary_epoch + 1)
         term = max(self.terms[-1][0] if self.terms else 0, self.primary_term) + 1
         self.wal.append(records.term_record(term, epoch))

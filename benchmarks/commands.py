@@ -1,0 +1,70 @@
+"""`dloco bench SUITE`: the benchmarks' command lines (each suite is benchmarks/<suite>.py: run, summary)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from cliargs import float_at_least
+
+
+def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
+    bench = commands.add_parser("bench", help="run a benchmark and print its figures")
+    suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    codec = suites.add_parser("codec", help="quantize/dequantize/frame ~100 MB of deltas with every codec vs memcpy")
+    codec.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    codec.add_argument("--mib", type=positive_int, default=100, help="MiB of float32 deltas (default 100)")
+    codec.add_argument("--block", type=positive_int, default=256, help="values per quantization block (power of two, default 256)")
+    codec.add_argument("--reps", type=positive_int, default=5, help="timed repetitions; medians are reported (default 5)")
+    codec.add_argument("--threads", type=positive_int, default=None, help="codec threads (default: min(4, cores))")
+    codec.set_defaults(run=run_bench, bench_params={"total_mib": "mib", "block": "block", "reps": "reps", "threads": "threads"})
+    merger = suites.add_parser("merger", help="merger ingest: receive+decode+dequantize+fold+log of int4 deltas, GB/s of wire bytes")
+    merger.add_argument("--json", action="store_true", help="print one JSON object")
+    merger.add_argument("--params", type=positive_int, default=25_165_824, help="model size (default 25,165,824)")
+    merger.add_argument("--islands", type=positive_int, default=4, help="deltas per fold (default 4)")
+    merger.add_argument("--fragments", type=positive_int, default=4)
+    merger.add_argument("--rounds", type=positive_int, default=2)
+    merger.add_argument("--passes", type=positive_int, default=3, help="timed steady-state passes after the cold one; the median is reported (default 3)")
+    merger.add_argument("--standby", action="store_true",
+                        help="passes with the log streamed to a standby process in sync mode, alternating with passes without: the cost")
+    merger.set_defaults(run=run_bench, bench_params={"params": "params", "fragments": "fragments", "islands": "islands", "rounds": "rounds",
+                                                     "passes": "passes", "standby": "standby"})
+    failover = suites.add_parser("failover", help="time from a primary merger's kill -9 to the first fold of its standby (median of runs)")
+    failover.add_argument("--json", action="store_true", help="print one JSON object")
+    failover.add_argument("--runs", type=positive_int, default=5, help="failovers (default 5)")
+    failover.add_argument("--lease", type=float_at_least(0.1), default=3.0, help="the mergers' lease in seconds (default 3)")
+    failover.set_defaults(run=run_bench, bench_params={"runs": "runs", "lease_s": "lease"})
+    island = suites.add_parser("island", help="island steps/s with int4 publishing on vs standalone, side by side")
+    island.add_argument("--json", action="store_true", help="print one JSON object")
+    island.add_argument("--steps", type=positive_int, default=300, help="timed steps per run (default 300)")
+    island.add_argument("--rounds", type=positive_int, default=3, help="alternating standalone/publishing pairs (default 3)")
+    island.set_defaults(run=run_bench, bench_params={"steps": "steps", "rounds": "rounds"})
+    bus = suites.add_parser("bus", help="1 MiB messages: raw PUB->SUB vs through the broker vs broker with CURVE")
+    bus.add_argument("--json", action="store_true", help="print one JSON object")
+    bus.add_argument("--messages", type=positive_int, default=400)
+    bus.add_argument("--repeats", type=positive_int, default=3, help="interleaved measurements per path; medians reported")
+    bus.set_defaults(run=run_bench, bench_params={"count": "messages", "repeats": "repeats"})
+    scale = suites.add_parser("scale", help="the cost of model size: each stage of a delta's trip (island, broker, merger, snapshot, "
+                                            "island) in GB/s and x memcpy, and merger and island memory per parameter")
+    scale.add_argument("--json", action="store_true", help="print one JSON object")
+    scale.add_argument("--sizes", default="10M,50M,125M,350M",
+                       help="model sizes in parameters, comma-separated, K/M/G decimal (default 10M,50M,125M,350M)")
+    scale.add_argument("--reps", type=positive_int, default=3, help="timed rounds per size after a warm-up one; medians (default 3)")
+    scale.set_defaults(run=run_bench, bench_params={"sizes": "sizes", "reps": "reps"})
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run benchmarks.<suite>.run(...) with the suite's options; print JSON or its one-line summary."""
+    import importlib
+
+    from protocol import DlocoError
+
+    module = importlib.import_module(f"benchmarks.{args.suite}")
+    try:
+        result = module.run(**{param: getattr(args, option) for param, option in args.bench_params.items()})
+    except DlocoError as error:
+        print(f"dloco bench {args.suite}: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else module.summary(result))
+    return 0
