@@ -7,6 +7,7 @@ import sys
 import time
 
 from analysis.runinfo import MERGER_LOGS, last_events
+from cluster.status import JsonLines
 from cluster.config import ClusterConfig
 
 
@@ -24,6 +25,8 @@ class LiveView:
         self.tty = hasattr(out, "isatty") and out.isatty()
         self.eval_loss: dict[str, float] = {}
         self.last_plain = 0.0
+        self.roles = {name: JsonLines(self.run_dir / "logs" / name) for name in MERGER_LOGS}  # with a standby: each merger's role
+        self.role: dict[str, str] = {}
 
     def refresh(self, elapsed: float) -> None:
         if not self.tty and time.monotonic() - self.last_plain < 10:
@@ -49,6 +52,11 @@ class LiveView:
         if folds:
             lines.append(f"merger: last fold fragment {folds[-1]['fragment']} -> version {folds[-1]['version']} "
                          f"from {', '.join(folds[-1]['contributors'])} (staleness {folds[-1]['staleness']})")
+        for name, log in self.roles.items():
+            for event in log.new():
+                self.role[name] = role_line(event, self.role.get(name))
+        if self.role:
+            lines.append("mergers: " + "; ".join(f"{name.removesuffix('.log')} {what}" for name, what in sorted(self.role.items()) if what))
         text = "\n".join(lines)
         if self.tty:
             self.out.write("\x1b[H\x1b[2J" + text + "\n")
@@ -71,3 +79,12 @@ class LiveView:
     def _last_step(self, region: str) -> int:
         events = [e for e in last_events(self.run_dir / "metrics" / f"{region}.jsonl", tail_bytes=4096) if "step" in e and not e.get("deferred")]
         return events[-1]["step"] if events else 0
+
+
+def role_line(event: dict, was: str | None) -> str | None:
+    """What a merger's log event says of its role, for the live view's `mergers:` line."""
+    kind = event.get("event")
+    if kind == "replication":
+        return f"primary, standby {event.get('state')}" + (" (acks no longer wait for it)" if event.get("state") == "alone" else "")
+    return {"following": "standby", "no_primary": "primary", "taking_over": f"primary (took over, epoch {event.get('epoch')})",
+            "stepped_down": "stepped down (fenced)", "standby_stopped": f"stopped: {event.get('error', '')[:80]}"}.get(kind, was)

@@ -12,13 +12,14 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
-import zmq
 
 import protocol
 from analysis.runinfo import chaos_effects, merger_folds, read_events, read_metrics, wall
+from benchmarks.failover import StreamIsland
 from cluster.ports import free_ports
 from merger import records
 from merger.recovery import wal_dir
@@ -33,71 +34,9 @@ PARAMS = initial_params()
 PARTS = protocol.partition({p: a.shape for p, a in PARAMS.items()}, 2)
 
 
-class BusIsland:
-    """An island speaking the stream protocol through the broker: contiguous seqs, heartbeats,
-    resends on request (from a record of everything it sent), and a delta repeated until settled.
-    Every ack it sees is kept (epoch, results) in arrival order."""
-
-    def __init__(self, broker: BrokerProcess, control: list[str]) -> None:
-        self.context = zmq.Context()
-        self.pub = self._socket(zmq.PUB, broker.endpoint(0))
-        self.sub = self._socket(zmq.SUB, broker.endpoint(3))
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"ack")
-        self.dealer = self.context.socket(zmq.DEALER)
-        self.dealer.setsockopt(zmq.LINGER, 0)
-        self.dealer.setsockopt(zmq.IDENTITY, b"a")
-        self.dealer.setsockopt(zmq.IMMEDIATE, 1)
-        for endpoint in control:
-            self.dealer.connect(endpoint)
-        self.epoch, self.seq, self.sent = 1, 0, {}
-        self.versions = [0, 0]
-        self.acks: list[tuple[int, tuple]] = []  # (merger epoch, results) of every ack seen
-        self.settled: dict[int, tuple[int, protocol.DeltaResult]] = {}  # delta id -> (epoch of the ack, result)
-
-    def _socket(self, kind: int, endpoint: str) -> zmq.Socket:
-        socket = self.context.socket(kind)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(endpoint)
-        return socket
-
-    def send_until_settled(self, delta_id: int) -> protocol.DeltaResult:
-        fragment = delta_id % 2
-        frames = []
-        for chunk in delta_chunks(PARTS[fragment], "a", delta_id, fragment, self.versions[fragment], seed=delta_id):
-            self.seq += 1
-            self.sent[self.seq] = protocol.encode(dataclasses.replace(chunk, seq=self.seq, epoch=self.epoch))
-            frames.append(self.sent[self.seq])
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            for f in frames:
-                self.pub.send_multipart(f)
-            self.pub.send_multipart(protocol.encode(protocol.Heartbeat(sender="a", epoch=self.epoch, seq=self.seq)))
-            until = time.monotonic() + 0.3
-            while (left := until - time.monotonic()) > 0:
-                if self.dealer.poll(0):
-                    request = protocol.decode(self.dealer.recv_multipart())
-                    for first, last in request.ranges:
-                        for seq in range(first, last + 1):
-                            try:
-                                self.dealer.send_multipart(self.sent[seq], zmq.NOBLOCK)
-                            except zmq.Again:
-                                pass
-                if not self.sub.poll(int(min(left, 0.05) * 1000) + 1):
-                    continue
-                ack = protocol.decode(self.sub.recv_multipart())
-                self.acks.append((ack.epoch, ack.results))
-                for result in ack.results:
-                    if result.island == "a" and result.epoch == self.epoch and result.delta_id not in self.settled:
-                        self.settled[result.delta_id] = (ack.epoch, result)
-                if delta_id in self.settled:
-                    result = self.settled[delta_id][1]
-                    if result.status == "folded":
-                        self.versions[result.fragment] = result.version
-                    return result
-        raise TimeoutError(f"delta {delta_id} was not settled within {WAIT_S} s")
-
-    def close(self) -> None:
-        self.context.destroy(linger=0)
+def _chunks(delta_id: int, versions: dict[int, int]) -> list[protocol.DeltaChunk]:
+    fragment = delta_id % 2
+    return delta_chunks(PARTS[fragment], "a", delta_id, fragment, versions.get(fragment, 0), seed=delta_id)
 
 
 @dataclasses.dataclass
@@ -149,19 +88,20 @@ class Pair:
 
     def __init__(self, tmp: Path, init_npz: Path, mode: str = "sync") -> None:
         self.broker = BrokerProcess(tmp, "--insecure")
-        control, replication = free_ports(2), free_ports(2)
+        control, replication, (self.metrics_port,) = free_ports(2), free_ports(2), free_ports(1)
         self.control = [f"tcp://127.0.0.1:{port}" for port in control]
         common = [sys.executable, "-m", "dloco", "merger", "--fragments", "2", "--delta-endpoint", self.broker.endpoint(1),
                   "--snapshot-endpoint", self.broker.endpoint(2), "--checkpoint-every", "3", "--fsync", "always", "--max-staleness", "3",
                   "--insecure", "--lease", str(LEASE_S), "--replication", mode]
         ends = [f"tcp://127.0.0.1:{port}" for port in replication]
         self.a = Merger(tmp / "a", [*common, "--run-dir", str(tmp / "a"), "--control-endpoint", f"@{self.control[0]}",
-                                    "--replication-endpoint", f"@{ends[0]}", "--peer", ends[1], "--init-npz", str(init_npz)])
+                                    "--replication-endpoint", f"@{ends[0]}", "--peer", ends[1], "--init-npz", str(init_npz),
+                                    "--metrics-port", str(self.metrics_port)])
         self.b = Merger(tmp / "b", [*common, "--run-dir", str(tmp / "b"), "--control-endpoint", f"@{self.control[1]}",
                                     "--replication-endpoint", f"@{ends[1]}", "--standby-of", ends[0]])
         self.a.start()
         self.b.start()
-        self.island = BusIsland(self.broker, self.control)
+        self.island = StreamIsland(self.broker.endpoint(0), self.broker.endpoint(3), self.control, _chunks)
 
     def close(self) -> None:
         self.island.close()
@@ -180,6 +120,11 @@ def pair(tmp_path, init_npz):
         p.close()
 
 
+def settle(island: StreamIsland, deltas) -> None:
+    for delta_id in deltas:
+        assert island.send_until_settled(delta_id).status == "folded"
+
+
 def logged_deltas(run_dir: Path) -> set[int]:
     return {r["delta_id"] for _, r in read_records(wal_dir(run_dir)) if r["type"] == records.DELTA and r["island"] == "a"}
 
@@ -192,8 +137,7 @@ def replay_verify(run_dir: Path) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(400)
 def test_lost_primary_and_disk_the_standby_takes_over_with_every_acknowledged_delta(pair):
     p = pair()
-    for delta_id in range(1, 7):
-        assert p.island.send_until_settled(delta_id).status == "folded"
+    settle(p.island, range(1, 7))
     acknowledged = set(p.island.settled)
     old_epoch = p.island.settled[6][0]
     p.b.wait_for("following")
@@ -201,8 +145,7 @@ def test_lost_primary_and_disk_the_standby_takes_over_with_every_acknowledged_de
     p.a.process.wait(timeout=10)
     shutil.rmtree(p.a.run_dir)
 
-    for delta_id in range(7, 10):
-        assert p.island.send_until_settled(delta_id).status == "folded"
+    settle(p.island, range(7, 10))
     took = p.b.wait_for("taking_over")
     assert took["epoch"] > old_epoch
     assert p.island.settled[9][0] == took["epoch"]  # settled by the new primary
@@ -212,8 +155,7 @@ def test_lost_primary_and_disk_the_standby_takes_over_with_every_acknowledged_de
     p.a.wait_for("following")
     assert not p.a.events("genesis")
     p.b.wait_for("replication", state="sync")
-    for delta_id in range(10, 12):
-        assert p.island.send_until_settled(delta_id).status == "folded"
+    settle(p.island, range(10, 12))
     assert p.b.stop() == 0
     assert p.a.stop() == 0  # a standby stopped by SIGTERM; a digest mismatch would have been exit 5
     assert logged_deltas(p.a.run_dir) == logged_deltas(p.b.run_dir) == set(range(1, 12))
@@ -223,7 +165,7 @@ def test_lost_primary_and_disk_the_standby_takes_over_with_every_acknowledged_de
         assert "MISMATCH" not in result.stdout
 
 
-def acks_in_epoch_order(island: BusIsland) -> bool:
+def acks_in_epoch_order(island: StreamIsland) -> bool:
     """Once an epoch has been seen, no ack of an older one reached the island."""
     newest = 0
     for epoch, _ in island.acks:
@@ -237,22 +179,19 @@ def acks_in_epoch_order(island: BusIsland) -> bool:
 @pytest.mark.timeout(400)
 def test_a_primary_paused_past_its_lease_is_fenced_and_steps_down(pair):
     p = pair()
-    for delta_id in range(1, 5):
-        assert p.island.send_until_settled(delta_id).status == "folded"
+    settle(p.island, range(1, 5))
     p.a.wait_for("replication", state="sync")
     p.a.process.send_signal(signal.SIGSTOP)  # a partition, as the standby sees it: no lease
     try:
         took = p.b.wait_for("taking_over")
-        for delta_id in range(5, 7):  # the new primary settles what the island sends meanwhile
-            assert p.island.send_until_settled(delta_id).status == "folded"
+        settle(p.island, range(5, 7))  # the new primary settles what the island sends meanwhile
     finally:
         p.a.process.send_signal(signal.SIGCONT)
     p.a.wait_for("fenced")
     p.a.wait_for("stepped_down")
     p.a.wait_for("following", count=2)  # its first life's probe, then the follow after stepping down
     p.b.wait_for("replication", state="sync")
-    for delta_id in range(7, 9):
-        assert p.island.send_until_settled(delta_id).status == "folded"
+    settle(p.island, range(7, 9))
     assert acks_in_epoch_order(p.island)
     assert all(p.island.settled[d][0] == took["epoch"] for d in range(5, 9))
     assert p.b.stop() == 0 and p.a.stop() == 0
@@ -265,15 +204,15 @@ def test_a_primary_paused_past_its_lease_is_fenced_and_steps_down(pair):
 @pytest.mark.timeout(400)
 def test_a_primary_whose_standby_dies_goes_on_alone_and_says_so(pair):
     p = pair()
-    for delta_id in range(1, 3):
-        assert p.island.send_until_settled(delta_id).status == "folded"
+    settle(p.island, range(1, 3))
     p.a.wait_for("replication", state="sync")
     p.b.process.kill()
     p.b.process.wait(timeout=10)
-    for delta_id in range(3, 7):
-        assert p.island.send_until_settled(delta_id).status == "folded"
+    settle(p.island, range(3, 7))
     p.a.wait_for("replication", state="alone")
     assert len({epoch for epoch, _ in p.island.acks}) == 1  # the same primary all along
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{p.metrics_port}/metrics", timeout=10).read().decode()
+    assert 'dloco_merger_replication{state="alone"} 1.0' in metrics and 'dloco_merger_role{role="primary"} 1.0' in metrics
     p.b.start()  # back: it follows from where its log ends and the primary is in sync again
     p.a.wait_for("replication", state="sync", count=2)
     assert p.island.send_until_settled(7).status == "folded"
@@ -324,3 +263,4 @@ def test_dloco_up_with_a_standby_survives_the_loss_of_the_primary_and_its_disk(t
         replay = replay_verify(run / merger)
         assert replay.returncode == 0, replay.stderr
     assert "FAILED" not in (run / "report.md").read_text()
+    assert any(line.startswith("mergers: ") and "took over" in line for line in up.stdout.splitlines())  # the live view said so
