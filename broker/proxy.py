@@ -5,8 +5,11 @@ from XPUB to XSUB.  With CURVE each side admits its roles only (bus.security.SOC
 publish deltas, the merger snapshots and acks), and every message's header must name the peer
 that sent it (its key's name, ZAP's User-Id): one whose `sender` is another's is dropped, counted
 as `sender_mismatch` and logged with both names (at most once a second per peer), so no peer can
-speak for another.  Messages are otherwise forwarded frame for frame without decoding (the topic
-frame is read for the per-topic counters, the header's sender and epoch for the check).
+speak for another.  On the snapshot bus, with or without CURVE, a message from an older epoch of
+its sender than the newest seen is dropped and counted as `old_epoch`: a merger replaced by its
+standby is fenced here (PROTOCOL.md §12).  Messages are otherwise forwarded frame for frame
+without decoding (the topic frame is read for the per-topic counters, the header's sender and
+epoch for the checks).
 High-water marks are sized in messages from a memory budget and the chunk size; XPUB_NODROP makes
 a full subscriber visible (the send fails with EAGAIN, the message is counted as `dropped`, never
 silently lost).  SIGTERM/SIGINT end the loop; sockets close with linger 0; exit 0.
