@@ -34,7 +34,8 @@ from bus.security import Security
 from cluster.ports import free_ports
 from merger.logmatch import genesis_of
 from merger.pipeline import FoldPipeline
-from merger.replication import ReplicatedLog, ReplicationConfig, ReplicationServer
+from merger.replication import ReplicatedLog, ReplicationServer
+from merger.replication_wire import ReplicationConfig
 from merger.wal import WriteAheadLog
 
 END = b"end"

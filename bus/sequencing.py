@@ -104,6 +104,24 @@ class GapTracker:
             start = seq + 1
         return ranges
 
+    def skip_gap(self, sender: str) -> tuple[list[Any], tuple[int, int] | None]:
+        """Give up the oldest gap of `sender`'s stream, for a sender that no longer holds it (a
+        merger that lost records the sender was told were settled): the messages after it that were
+        held become deliverable.  Returns them and the skipped range (None: no gap)."""
+        stream = self.streams.get(sender)
+        ranges = self.missing(sender, limit=1)
+        if stream is None or not ranges:
+            return [], None
+        stream.delivered = ranges[0][1]
+        ready = []
+        while stream.delivered + 1 in stream.held:
+            stream.delivered += 1
+            held, nbytes = stream.held.pop(stream.delivered)
+            stream.held_bytes -= nbytes
+            self.held_bytes -= nbytes
+            ready.append(held)
+        return ready, ranges[0]
+
     def cursor(self, sender: str) -> tuple[int, int] | None:
         """(epoch, seq): everything up to seq of this incarnation was delivered."""
         stream = self.streams.get(sender)

@@ -19,7 +19,7 @@ from cluster.cpuquota import quota_us
 from island.config import MODEL_SIZES, ModelConfig, SyncConfig, TrainConfig
 from island.task import BUILTIN
 from merger.config import MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
-from merger.replication import ReplicationConfig
+from merger.replication_wire import ReplicationConfig
 from protocol.errors import ConfigError, require
 
 DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "default.toml"

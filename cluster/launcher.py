@@ -153,8 +153,12 @@ class Cluster:
         if target not in MERGERS or "standby" not in self.services:
             return target
         running = [name for name in MERGERS if name in self.processes and self.processes[name].poll() is None]
-        primary = next((name for name in running if merger_role(self.run_dir / "logs" / f"{name}.log") == "primary"), "merger")
-        return primary if target == "merger" else next(name for name in MERGERS if name != primary)
+        primary = next((name for name in running if merger_role(self.run_dir / "logs" / f"{name}.log") == "primary"), None)
+        chosen = primary if target == "merger" else next((name for name in running if name != primary), None)
+        if chosen is None:
+            raise LaunchError(f"chaos: no {'primary' if target == 'merger' else 'standby'} merger is running now "
+                              f"(running: {', '.join(running) or 'none'})")
+        return chosen
 
     def kill(self, name: str) -> int | None:
         """kill -9: no signal handler runs, nothing is flushed or drained.  Returns the exit status of

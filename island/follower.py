@@ -63,8 +63,10 @@ class SnapshotFollower:
         snapshot_endpoint, bus_server, control_endpoint = self._endpoints
         sub = open_socket(self._context, zmq.SUB, snapshot_endpoint, self.security, bus_server)
         sub.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
-        dealer = open_socket(self._context, zmq.DEALER, control_endpoint, self.security, self.control_server, identity=self.name)
-        dealer.send_multipart(protocol.encode(self.downlink.ask_for_all(time.monotonic())))
+        # as an island's: with a standby ("A,B"), requests queue only to the merger that is up
+        dealer = open_socket(self._context, zmq.DEALER, control_endpoint, self.security, self.control_server, identity=self.name,
+                             immediate="," in control_endpoint)
+        ask_all = protocol.encode(self.downlink.ask_for_all(time.monotonic()))
         reassemblers = {socket: protocol.Reassembler(max_bytes=self._reassembly_bytes) for socket in (sub, dealer)}  # as island/network.py
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
@@ -78,6 +80,8 @@ class SnapshotFollower:
                 return False
 
         while not self._stop.is_set():
+            if ask_all is not None and send(ask_all):
+                ask_all = None
             for socket in dict(poller.poll(POLL_MS)):
                 frames = socket.recv_multipart(copy=False)
                 self._on_frames([f.buffer for f in frames], reassemblers[socket])

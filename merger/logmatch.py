@@ -27,14 +27,16 @@ from protocol.checksum import crc32
 Terms = list[tuple[int, int]]  # (term, index of its first record), oldest first
 
 
-def terms_of(directory: str | Path) -> tuple[Terms, int]:
-    """The terms of the log in `directory` and its length (the index after its last record)."""
-    terms, length = [(0, 0)], 0
+def terms_of(directory: str | Path) -> tuple[Terms, int, int]:
+    """The terms of the log in `directory`, its length (the index after its last record) and the
+    newest epoch its term records name (0: none)."""
+    terms, length, epoch = [(0, 0)], 0, 0
     for index, record in read_records(directory):
         length = index + 1
         if record.get("type") == records.TERM:
             terms.append((int(record["term"]), index))
-    return (terms if length else []), length
+            epoch = max(epoch, int(record["epoch"]))
+    return (terms if length else []), length, epoch
 
 
 def genesis_id(record: dict) -> int:

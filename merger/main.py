@@ -10,7 +10,7 @@ import numpy as np
 
 from cliargs import add_metrics_flags, float_at_least, int_at_least
 from merger.config import FULL_SNAPSHOT_CODECS, ConfigError, MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
-from merger.replication import MODES, ReplicationConfig
+from merger.replication_wire import MODES, ReplicationConfig
 from protocol import CODEC_NAMES, DlocoError
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import zmq
 
 import protocol
-from merger.round_policy import snapshot_due
+from merger.round_policy import CatchUpBudget, snapshot_due
 from merger.snapshot_form import DIFF, FULL, snapshot_form
 from protocol import downlink
 
@@ -82,3 +83,21 @@ class SnapshotPublishing:
             else:
                 wake = due if wake is None else min(wake, due)
         return wake
+
+    def answer_catch_up(self, identity: bytes, fragments) -> None:
+        """Each fragment's value, point to point, never blocking: a peer that does not read (its queue
+        full) loses the reply and asks again.  Each peer has a budget of replies (round_policy.
+        CatchUpBudget: the whole model twice, refilled at the whole model a second); a request beyond
+        it is refused (counted), so no peer keeps the loop encoding whole fragments."""
+        budget = self.catch_up_budgets.setdefault(identity, CatchUpBudget(len(self.core.fragments)))
+        for fragment in fragments:
+            if fragment >= len(self.core.fragments):
+                continue
+            if not budget.take(time.monotonic()):
+                self.count("merger/rejected/catch_up_rate")
+                continue
+            try:
+                for frames_out in self.snapshot_frames(fragment, on_bus=False):
+                    self.control.send_multipart([identity, *frames_out], zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:  # Again: its queue is full; EHOSTUNREACH: it has gone meanwhile
+                self.count("merger/catch_up_dropped")

@@ -1,114 +1,49 @@
-"""The replication stream: a primary merger ships its write-ahead log to a standby (PROTOCOL.md §12).
+"""The replication stream, the primary's side: a merger ships its write-ahead log to a standby
+(PROTOCOL.md §12; the messages are merger/replication_wire.py's).
 
 The primary binds a ROUTER (``--replication-endpoint``, CURVE domain ``replication``: mergers
-only); a standby connects a DEALER and says where its own log ends (`follow`: its length, its
-terms, its genesis).  The primary answers with where the copy starts (`start`: the logs' common
-prefix, merger/logmatch.py; the standby sets the rest aside), then sends every record from there
-on, in index order — older ones read back from its log on disk, recent ones from memory — and a
-`lease` heartbeat every lease/6.  The standby appends each record to its own log, applies it to
-its own state (the fold is deterministic given the log: the same bytes), and reports how much of
-it is on its disk (`stored`).  After each fold the primary sends the fragment's digest; a standby
-whose digest differs stops (an alarm, never a silent divergence).
+only); a standby connects a DEALER and says where its own log ends (`follow`).  The primary
+answers with where the copy starts (`start`: the logs' common prefix, merger/logmatch.py), then
+sends every record from there on, in index order — older ones read back from its log on disk,
+recent ones from memory — no more than `WINDOW_BYTES` beyond what the standby has stored, a
+`lease` heartbeat every lease/6, and each fold's digest.
 
 Modes: ``sync`` — the primary publishes nothing (snapshot, ack, cursor) before the standby has
-stored the records behind it (`ReplicationServer.barrier`); a standby silent for two leases is
-dropped and the primary goes on alone, logging it, until the standby is back and caught up.
-``async`` — records stream the same way, nothing waits.  ``off`` — no stream.
+stored the records behind it (`ReplicationServer.barrier`); a standby silent for two leases, or
+whose stored length has not moved for two leases while it is behind, is dropped and the primary
+goes on alone, logging it, until the standby is back and caught up.  ``async`` — records stream
+the same way, nothing waits.  ``off`` — no stream.
 
-This module's `ReplicationServer` is the primary's side, on a thread of its own (it owns the
-ROUTER); the merger's loop hands it records (`appended`) and finished folds (`folded`).
+`ReplicationServer` runs on a thread of its own (it owns the sockets); the merger's loop hands it
+records (`appended`) and finished folds (`folded`).  An error on that thread is logged and
+counted, and drops the standby: a broken stream never holds the primary's acknowledgements.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import msgpack
-import numpy as np
 import zmq
 
 from bus.security import Security
 from bus.sockets import open_socket
 from merger import records
 from merger.logmatch import agreed_length
+from merger.replication_wire import (DIGEST, FENCE, FOLLOW, LEASE, REFUSED, START, STORED, ReplicationConfig, ReplicationError, decode,
+                                     encode, fragment_digest, record_frames)
 from merger.wal import read_records
-from protocol.checksum import crc32
 from protocol.errors import DlocoError
 
-MODES = ("sync", "async", "off")
-FOLLOW, START, RECORD, LEASE, STORED, DIGEST, FENCE, REFUSED = (b"follow", b"start", b"record", b"lease", b"stored", b"digest",
-                                                                  b"fence", b"refused")
-FIELDS = {FOLLOW: ("length", "terms", "genesis"), START: ("at",), RECORD: ("index", "crcs"), LEASE: ("epoch", "term", "length", "lease_s"),
-          STORED: ("length",), DIGEST: ("index", "fragment", "sha256"), FENCE: ("epoch", "term"), REFUSED: ("why",)}
 TAIL_BYTES = 256 << 20  # recent records kept in memory for the standby; older ones are read back from the log
+WINDOW_BYTES = 256 << 20  # sent to the standby beyond what it has stored (its memory for records in flight)
 SEND_BATCH = 256  # records sent per turn of the stream thread before it looks at its socket again
-SEND_HWM = 4096
 CAUGHT_UP_RECORDS = 64  # a standby within this many records of the primary's log counts as caught up (sync mode then waits for it)
-
-
-class ReplicationError(DlocoError):
-    """A replication message that cannot be read; `reason` is the counter key."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-
-
-def encode(kind: bytes, body: dict, *extra) -> list:
-    return [kind, msgpack.packb(body, use_bin_type=True), *extra]
-
-
-def decode(frames: Sequence) -> tuple[bytes, dict, list]:
-    """(kind, body, the frames after the body); ReplicationError for anything else."""
-    if len(frames) < 2:
-        raise ReplicationError("frames", f"{len(frames)} frame(s), at least 2 expected")
-    kind = bytes(frames[0])
-    if kind not in FIELDS:
-        raise ReplicationError("kind", f"unknown message kind {kind[:16]!r}")
-    try:
-        body = msgpack.unpackb(frames[1], raw=False, strict_map_key=False)
-    except (ValueError, TypeError, msgpack.UnpackException) as error:
-        raise ReplicationError("body", f"{kind.decode()}: undecodable body: {error}") from None
-    if not isinstance(body, dict) or any(field not in body for field in FIELDS[kind]):
-        raise ReplicationError("body", f"{kind.decode()}: needs {', '.join(FIELDS[kind])}")
-    return kind, body, list(frames[2:])
-
-
-def record_frames(index: int, record: dict, blobs: Sequence[tuple[Any, int | None]]) -> list:
-    """A log record as it travels: header (index, blob CRCs), the record's map, its blobs."""
-    return encode(RECORD, {"index": index, "crcs": [crc for _, crc in blobs]}, msgpack.packb(record, use_bin_type=True),
-                  *[memoryview(buffer).cast("B") for buffer, _ in blobs])
-
-
-def read_record(body: dict, rest: list) -> tuple[int, dict, list[tuple[memoryview, int | None]]]:
-    """(index, record, blobs with CRCs) of a `record` message; a blob whose CRC is given is checked."""
-    try:
-        record = msgpack.unpackb(rest[0], raw=False, strict_map_key=False)
-    except (IndexError, ValueError, TypeError, msgpack.UnpackException) as error:
-        raise ReplicationError("record", f"record {body['index']}: undecodable: {error}") from None
-    crcs, blobs = body["crcs"], [memoryview(frame) for frame in rest[1:]]
-    if not isinstance(record, dict) or "type" not in record or len(crcs) != len(blobs):
-        raise ReplicationError("record", f"record {body['index']}: {len(blobs)} blobs for {len(crcs)} CRCs, or no type")
-    for number, (blob, crc) in enumerate(zip(blobs, crcs)):
-        if crc is not None and crc32(blob) != crc:
-            raise ReplicationError("record", f"record {body['index']}: blob {number} fails its CRC")
-    return int(body["index"]), record, list(zip(blobs, crcs))
-
-
-def fragment_digest(params) -> str:
-    """sha256 over one fragment's parameters (records.params_digest for one fragment)."""
-    digest = hashlib.sha256()
-    for path in sorted(params):
-        digest.update(path.encode())
-        digest.update(np.ascontiguousarray(params[path], dtype="<f4").tobytes())
-    return digest.hexdigest()
 
 
 class Fenced(DlocoError):
@@ -131,46 +66,24 @@ class ReplicatedLog:
         return index
 
 
-@dataclasses.dataclass(frozen=True)
-class ReplicationConfig:
-    mode: str = "off"  # sync | async | off
-    endpoint: str = ""  # ROUTER this merger binds while it is the primary ('@tcp://...')
-    peer: str = ""  # the other merger's replication endpoint: followed as a standby, fenced after a takeover
-    lease_s: float = 3.0  # a standby takes over after this long without the primary's lease; the primary drops it after twice this
-    standby: bool = False  # start as the standby of `peer`
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise DlocoError(f"replication mode must be one of {MODES}, got {self.mode!r}")
-        if self.lease_s <= 0:
-            raise DlocoError(f"lease must be positive, got {self.lease_s}")
-        if self.mode != "off" and not self.endpoint:
-            raise DlocoError("replication needs --replication-endpoint (where this merger serves its log as the primary)")
-        if self.standby and not self.peer:
-            raise DlocoError("a standby needs the primary's replication endpoint (--standby-of)")
-        if self.peer and self.mode == "off":
-            raise DlocoError("a merger with a peer streams its log when it is the primary: give --replication-endpoint "
-                             "(and --replication sync or async)")
-
-    @property
-    def on(self) -> bool:
-        return self.mode != "off"
-
-
 @dataclasses.dataclass
 class Follower:
     identity: bytes
+    generation: int  # of the `follow` it answers: `stored` of an earlier one is ignored
     next: int  # the next record to send
     stored: int  # records on its disk
     heard: float  # monotonic
+    progressed: float  # when `stored` last moved (or it was level with the log)
     reported: bool = False  # has said what it stored since it joined
     caught_up: bool = False  # has stored all but the last CAUGHT_UP_RECORDS records at some point since it joined
+    in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)  # (index, bytes) sent, not yet stored
+    in_flight_bytes: int = 0
 
 
 class ReplicationServer:
     """The primary's side.  `appended`, `folded` and `barrier` are called by the merger's loop; the
-    stream thread owns the sockets.  `state`: "alone" (no standby, or one silent for two leases),
-    "catching_up", "sync" (the standby has stored every record sent to it: sync mode waits for it)."""
+    stream thread owns the sockets.  `state`: "alone" (no standby, or one dropped), "catching_up",
+    "sync" (the standby is within CAUGHT_UP_RECORDS of the log: sync mode waits for it)."""
 
     def __init__(self, context: zmq.Context, config: ReplicationConfig, security: Security, sender: str, wal, wal_directory: Path,
                  epoch: int, terms: list[tuple[int, int]], genesis: int, log) -> None:
@@ -187,13 +100,12 @@ class ReplicationServer:
         self.fold_index: dict[tuple[int, int], int] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self._stopping = False
-        self._socket = open_socket(context, zmq.ROUTER, config.endpoint, security, sender, domain="replication", send_hwm=SEND_HWM,
-                                   report=lambda message: log.warning("auth_refused", detail=message))
+        self._socket = open_socket(context, zmq.ROUTER, config.endpoint, security, sender, domain="replication",
+                                   report=lambda message: self.log.warning("auth_refused", detail=message))
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._fence = None
         if config.peer:  # tell the peer, should it be an old primary come back, that it is fenced
-            self._fence = open_socket(context, zmq.DEALER, config.peer, security, sender)
-            self._fence.setsockopt(zmq.IMMEDIATE, 1)
+            self._fence = open_socket(context, zmq.DEALER, config.peer, security, sender, immediate=True)
         endpoint = f"inproc://replication-{id(self)}"
         self._wake_in = context.socket(zmq.PAIR)
         self._wake_in.bind(endpoint)
@@ -228,8 +140,8 @@ class ReplicationServer:
 
     def barrier(self, length: int) -> None:
         """In sync mode, return once the standby has stored the first `length` records, or has been
-        dropped (silent for two leases); at once in async mode or with no standby in sync.  Raises
-        Fenced once a newer primary said so: nothing may be published after that."""
+        dropped; at once in async mode or with no standby in sync.  Raises Fenced once a newer
+        primary said so: nothing may be published after that."""
         with self.cond:
             while (self.config.mode == "sync" and self.state == "sync" and self.follower is not None and self.follower.stored < length
                    and not self._stopping and self.fenced_by is None):
@@ -245,8 +157,9 @@ class ReplicationServer:
             self._stopping = True
             self.cond.notify_all()
         self._signal()
-        self._thread.join(timeout=10)
-        for socket in (self._wake, self._wake_in, self._socket, self._fence):
+        self._thread.join(timeout=30)
+        sockets = [self._wake] if self._thread.is_alive() else [self._wake, self._wake_in, self._socket, self._fence]
+        for socket in sockets:  # a thread still running keeps its own (the context's destruction ends them)
             if socket is not None:
                 socket.close(linger=0)
 
@@ -263,19 +176,24 @@ class ReplicationServer:
         poller.register(self._wake_in, zmq.POLLIN)
         next_lease = 0.0
         while not self._stopping:
-            events = dict(poller.poll(int(self.config.lease_s / 6 * 1000)))
-            if self._wake_in in events:
-                while self._wake_in.poll(0):
-                    self._wake_in.recv()
-            if self._socket in events:
-                self._receive()
-            now = time.monotonic()
-            if now >= next_lease:
-                next_lease = now + self.config.lease_s / 6
-                self._leases()
-            self._stream()
-            self._send_digests()
-            self._judge(time.monotonic())
+            try:
+                events = dict(poller.poll(int(self.config.lease_s / 6 * 1000)))
+                if self._wake_in in events:
+                    while self._wake_in.poll(0):
+                        self._wake_in.recv()
+                if self._socket in events:
+                    self._receive()
+                now = time.monotonic()
+                if now >= next_lease:
+                    next_lease = now + self.config.lease_s / 6
+                    self._leases()
+                self._stream()
+                self._send_digest()
+                self._judge(time.monotonic())
+            except Exception as error:  # noqa: BLE001 — whatever breaks the stream must not hold the primary's acks
+                self.counters["errors"] += 1
+                self.log.error("replication_error", error=repr(error)[:500])
+                self._drop("stream error")
 
     def _receive(self) -> None:
         for _ in range(SEND_BATCH):
@@ -292,41 +210,54 @@ class ReplicationServer:
             if kind == FOLLOW:
                 self._on_follow(identity, body)
             elif kind == STORED:
-                with self.cond:
-                    if self.follower is not None and self.follower.identity == identity:
-                        self.follower.stored = max(self.follower.stored, int(body["length"]))
-                        self.follower.heard, self.follower.reported = time.monotonic(), True
-                        self.cond.notify_all()
-            elif kind == FENCE and int(body["epoch"]) > self.epoch:
+                self._on_stored(identity, body)
+            elif kind == FENCE and body["epoch"] > self.epoch:
                 with self.cond:
                     if self.fenced_by is None:
                         self.log.warning("fenced", by_epoch=body["epoch"], by_term=body["term"], epoch=self.epoch)
-                    self.fenced_by = int(body["epoch"])
+                    self.fenced_by = body["epoch"]
                     self.cond.notify_all()
-            else:
+            elif kind != FENCE:
                 self.counters[f"unexpected/{kind.decode()}"] += 1
 
     def _on_follow(self, identity: bytes, body: dict) -> None:
-        length, theirs = int(body["length"]), [tuple(t) for t in body["terms"]]
-        if length > 0 and int(body["genesis"]) != self.genesis:
+        length, theirs = body["length"], [tuple(t) for t in body["terms"]]
+        if length > 0 and body["genesis"] != self.genesis:
             self._send(identity, encode(REFUSED, {"why": "its log is another run's (its genesis record differs from this primary's)"}))
             self.log.error("standby_refused", why="genesis differs")
             return
+        now = time.monotonic()
         with self.cond:
             at = agreed_length(self.terms, self.length, theirs, length) if length > 0 else 0
-            self.follower = Follower(identity, at, at, time.monotonic())
-            self.state = "catching_up"
+            same = self.follower is not None and self.follower.identity == identity and at >= self.follower.stored
+            caught_up = same and self.follower.caught_up  # a repeated follow that keeps its log stays in sync
+            self.follower = Follower(identity, body["generation"], at, at, now, now, reported=caught_up, caught_up=caught_up)
+            self.state = "sync" if caught_up else "catching_up"
             self.cond.notify_all()
         self.log.info("standby_following", its_length=length, common=at, length=self.length)
-        self._send(identity, encode(START, {"at": at}))
+        self._send(identity, encode(START, {"at": at, "generation": body["generation"]}))
+
+    def _on_stored(self, identity: bytes, body: dict) -> None:
+        with self.cond:
+            follower = self.follower
+            if follower is None or follower.identity != identity or follower.generation != body["generation"]:
+                return  # an answer to an earlier follow
+            now = time.monotonic()
+            if body["length"] > follower.stored:
+                follower.stored, follower.progressed = body["length"], now
+                while follower.in_flight and follower.in_flight[0][0] < follower.stored:
+                    follower.in_flight_bytes -= follower.in_flight.popleft()[1]
+            follower.heard, follower.reported = now, True
+            self.cond.notify_all()
 
     def _leases(self) -> None:
-        lease = {"epoch": self.epoch, "term": self.terms[-1][0] if self.terms else 0, "length": self.length, "lease_s": self.config.lease_s}
+        term = self.terms[-1][0] if self.terms else 0
         if self.follower is not None:
-            self._send(self.follower.identity, encode(LEASE, lease))
+            self._send(self.follower.identity, encode(LEASE, {"epoch": self.epoch, "term": term, "length": self.length,
+                                                              "lease_s": self.config.lease_s, "state": self.state}))
         if self._fence is not None:
             try:
-                self._fence.send_multipart(encode(FENCE, {"epoch": self.epoch, "term": lease["term"]}), zmq.NOBLOCK)
+                self._fence.send_multipart(encode(FENCE, {"epoch": self.epoch, "term": term}), zmq.NOBLOCK)
             except zmq.ZMQError:  # nobody there: nothing to fence
                 pass
 
@@ -340,49 +271,81 @@ class ReplicationServer:
             self.counters["send_unroutable"] += 1
         return False
 
-    def _frames_of(self, start: int, limit: int) -> list[tuple[int, list]]:
+    def _frames_of(self, start: int, limit: int) -> list[tuple[int, list, int]]:
         """Records start.. (at most `limit`): from memory when still there, else from the log on
         disk (only what is durable there)."""
         with self.cond:
             first = self.tail[0][0] if self.tail else self.length
             if start >= first:
-                return [self.tail[i][:2] for i in range(start - first, min(len(self.tail), start - first + limit))]
+                return [self.tail[i] for i in range(start - first, min(len(self.tail), start - first + limit))]
         out = []
         for index, record in read_records(self.directory, start):
             if index >= min(first, self.wal.durable) or len(out) >= limit:
                 break
             blobs = record.pop("blobs", [])
-            out.append((index, record_frames(index, record, [(b, None) for b in blobs])))
+            frames = record_frames(index, record, [(b, None) for b in blobs])
+            out.append((index, frames, sum(memoryview(f).nbytes for f in frames)))
         return out
 
     def _stream(self) -> None:
         follower = self.follower
-        if follower is None or follower.next >= self.length:
+        if follower is None or follower.next >= self.length or follower.in_flight_bytes >= WINDOW_BYTES:
             return
-        for index, frames in self._frames_of(follower.next, SEND_BATCH):
-            if index != follower.next or not self._send(follower.identity, frames):
+        for index, frames, nbytes in self._frames_of(follower.next, SEND_BATCH):
+            if index != follower.next or follower.in_flight_bytes >= WINDOW_BYTES or not self._send(follower.identity, frames):
                 return
-            follower.next += 1
+            with self.cond:
+                follower.next += 1
+                follower.in_flight.append((index, nbytes))
+                follower.in_flight_bytes += nbytes
             self.counters["records_sent"] += 1
 
-    def _send_digests(self) -> None:
-        while self.digests and self.follower is not None:
+    def _send_digest(self) -> None:
+        """One fold's digest per turn: hashing a large fragment must not delay the leases long."""
+        if self.digests and self.follower is not None:
             index, fragment, params = self.digests.popleft()
             self._send(self.follower.identity, encode(DIGEST, {"index": index, "fragment": fragment, "sha256": fragment_digest(params)}))
 
     def _judge(self, now: float) -> None:
         with self.cond:
-            follower, before = self.follower, self.state
-            if follower is not None and now - follower.heard > 2 * self.config.lease_s:
-                self.follower, self.state = None, "alone"
-            elif follower is not None and not follower.caught_up and follower.reported and follower.stored >= self.length - CAUGHT_UP_RECORDS:
-                follower.caught_up, self.state = True, "sync"
-            if self.state != before:
-                self.cond.notify_all()
-        if self.state != before:
-            log = self.log.warning if self.state == "alone" else self.log.info
-            log("replication", state=self.state, was=before, length=self.length,
-                stored=follower.stored if follower is not None else None, mode=self.config.mode)
+            follower = self.follower
+            if follower is None:
+                return
+            if follower.stored >= self.length:
+                follower.progressed = now
+            why = None
+            if self.state != "alone" and now - follower.heard > 2 * self.config.lease_s:
+                why = "silent for two leases"
+            elif self.state != "alone" and now - follower.progressed > 2 * self.config.lease_s:
+                why = "its stored length has not moved for two leases"
+            elif not follower.caught_up and follower.reported and follower.stored >= self.length - CAUGHT_UP_RECORDS:
+                follower.caught_up = True
+                self._set_state("sync")
+        if why is not None:
+            self._drop(why)
+
+    def _drop(self, why: str) -> None:
+        """Acknowledgements stop waiting for the standby.  It still gets leases (state "alone"), so a
+        live standby does not take over, and the stream resumes from what it has stored (a record
+        lost on the way is sent again); it is in sync again once caught up."""
+        with self.cond:
+            follower = self.follower
+            if follower is not None:
+                follower.caught_up, follower.next = False, follower.stored
+                follower.in_flight.clear()
+                follower.in_flight_bytes = 0
+                follower.heard = follower.progressed = time.monotonic()
+            self.digests.clear()  # fragments' parameters: not kept for a standby that may not take them
+            self._set_state("alone", why=why, stored=follower.stored if follower is not None else None)
+
+    def _set_state(self, state: str, **detail) -> None:
+        """With the lock held."""
+        if state == self.state:
+            return
+        before, self.state = self.state, state
+        self.cond.notify_all()
+        (self.log.warning if state == "alone" else self.log.info)("replication", state=state, was=before, length=self.length,
+                                                                  mode=self.config.mode, **detail)
 
     def snapshot(self) -> dict:
         """For metrics and the status: state, records the standby lacks on disk."""

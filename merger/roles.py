@@ -15,7 +15,7 @@ import threading
 import zmq
 
 from merger.config import ConfigError
-from merger.replication import ReplicationConfig
+from merger.replication_wire import ReplicationConfig
 from merger.service import MergerService
 from merger.settings import ServiceConfig
 from merger.standby import Diverged, Refused, Standby
@@ -56,6 +56,10 @@ def run_merger_roles(config: ServiceConfig, core_factory=None) -> tuple[int, Mer
                 log.error("standby_stopped", error=str(error))
                 standby.close()
                 return (EXIT_DIVERGED if isinstance(error, Diverged) else EXIT_REFUSED), service
+            except BaseException:  # a full disk, a corrupt log: the process ends, its log, lock and compilation closed first
+                _stop_metrics(metrics)
+                standby.close()
+                raise
             _stop_metrics(metrics)  # the primary serves the same port
             if takeover is None:
                 standby.close()

@@ -32,7 +32,7 @@ from protocol import downlink
 from bus.security import Security, impostor, peer_of
 from bus.sequencing import GapTracker
 from bus.sockets import open_socket
-from merger import checkpoint
+from merger import checkpoint, records
 from merger.pipeline import FoldPipeline
 from merger.publishing import SnapshotPublishing
 from merger.recovery import checkpoint_dir, recover, wal_dir
@@ -102,23 +102,38 @@ class MergerService(SnapshotPublishing, StreamKeeping):
         self.pipeline = FoldPipeline(self.core, self.wal, self.context)
         self.replication, self.fenced = None, None
         if config.replication.on:  # the log goes to a standby too; in sync mode nothing is published before it has it
-            terms = takeover.terms if takeover is not None else terms_of(wal_dir(config.run_dir))[0]
-            self.replication = ReplicationServer(self.context, config.replication, config.security, config.sender, self.wal,
-                                                 wal_dir(config.run_dir), self.epoch, terms, genesis_of(config.run_dir), self.log)
-            self.core.log = ReplicatedLog(self.wal, self.replication)
-            self.pipeline.barrier = self.replication.barrier
+            self.replication = self._replicate(takeover)
         self.tracker = GapTracker(max_held_bytes=config.held_bytes)
         self.evictions, self.evictions_logged_at = 0, -math.inf  # partials and held messages dropped for memory or age
         for island, (epoch, seq) in self.core.cursors.items():  # resume each stream where it was acknowledged
             self.tracker.receive(island, epoch, 0, None)
             self.tracker.streams[island].delivered = self.tracker.streams[island].known_last = seq
         self.next_resend = self.next_cursor = 0.0
+        self.gap_since: dict[str, tuple[int, float]] = {}  # island -> (its stream's delivered seq, since when) while it has a gap
         self.last_seen: dict[str, float] = {}
         self.gone: set[str] = set()
         self.ingest_bytes, self.folds_by_fragment = 0, collections.Counter()
         self.observers = config.security.names_with_role("observer")  # CURVE peers that may ask for snapshots, never send deltas
         self.catch_up_budgets: dict[bytes, CatchUpBudget] = {}  # per peer
         self.started = True  # (metrics: the counters above exist)
+
+    def _replicate(self, takeover: Takeover | None) -> ReplicationServer:
+        """The log's stream to a standby.  A primary that did not take over starts a term of its own
+        (records it lost since it last streamed must not match its standby's copies of them) with an
+        epoch above every epoch its log names."""
+        if takeover is not None:
+            terms = takeover.terms
+        else:
+            self.wal.sync()  # the genesis record a new run just wrote, on disk where terms_of and genesis_of read
+            terms, _, newest = terms_of(wal_dir(self.config.run_dir))
+            self.epoch = max(self.epoch, newest + 1)
+            term = terms[-1][0] + 1
+            terms.append((term, self.wal.append(records.term_record(term, self.epoch))))
+            self.wal.sync()
+        server = ReplicationServer(self.context, self.config.replication, self.config.security, self.config.sender, self.wal,
+                                   wal_dir(self.config.run_dir), self.epoch, terms, genesis_of(self.config.run_dir), self.log)
+        self.core.log, self.pipeline.barrier = ReplicatedLog(self.wal, server), server.barrier
+        return server
 
     def _serve_metrics(self):
         def read():
@@ -263,24 +278,6 @@ class MergerService(SnapshotPublishing, StreamKeeping):
         elif isinstance(message, protocol.Hello):
             self.log.info("hello", peer=message.sender, role=message.role, region=message.region, model_ok=message.model == self.core.model)
 
-    def answer_catch_up(self, identity: bytes, fragments) -> None:
-        """Each fragment's value, point to point, never blocking: a peer that does not read (its queue
-        full) loses the reply and asks again.  Each peer has a budget of replies (round_policy.
-        CatchUpBudget: the whole model twice, refilled at the whole model a second); a request beyond
-        it is refused (counted), so no peer keeps the loop encoding whole fragments."""
-        budget = self.catch_up_budgets.setdefault(identity, CatchUpBudget(len(self.core.fragments)))
-        for fragment in fragments:
-            if fragment >= len(self.core.fragments):
-                continue
-            if not budget.take(time.monotonic()):
-                self.count("merger/rejected/catch_up_rate")
-                continue
-            try:
-                for frames_out in self.snapshot_frames(fragment, on_bus=False):
-                    self.control.send_multipart([identity, *frames_out], zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError:  # Again: its queue is full; EHOSTUNREACH: it has gone meanwhile
-                self.count("merger/catch_up_dropped")
-
     def speaks_for_itself(self, message, peer: str | None, routing_id: bytes | None = None) -> bool:
         """False (counted, logged) for a message whose sender is not the key that sent it (bus.security.impostor)."""
         if (claim := impostor(message.sender, peer, routing_id)) is None:
@@ -346,18 +343,23 @@ class MergerService(SnapshotPublishing, StreamKeeping):
 
     def shutdown(self) -> None:
         self.warming.join(timeout=120)  # exiting while XLA compiles on another thread aborts the process
-        if self.fenced is not None:  # stepping down: what is in flight is not announced; the new primary's log decides
-            self.pipeline.barrier = None
-            self.pipeline.close()
-            self.log.warning("stepped_down", reason=str(self.fenced))
         try:
             if self.fenced is None:
                 self.announce(self.pipeline.close())
                 self.publish_due(math.inf)  # queue the last folds too (best effort: the sockets close with linger 0)
         except StorageError as error:
             self.storage_failed = self.storage_failed or error
+        except Fenced as error:  # fenced while announcing the last folds
+            self.fenced = error
         except Exception as error:  # a fold failed: logged below, the process still shuts down cleanly
             self.log.error("fold_failed", error=repr(error)[:500])
+        if self.fenced is not None:  # stepping down: what is in flight is not announced; the new primary's log decides
+            self.pipeline.barrier = None
+            try:
+                self.pipeline.close()
+            except Exception as error:  # a fold failed meanwhile: nothing of it was published
+                self.log.error("fold_failed", error=repr(error)[:500])
+            self.log.warning("stepped_down", reason=str(self.fenced))
         try:
             if self.pipeline.failed is None and self.storage_failed is None and self.fenced is None:
                 self.write_checkpoint()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import protocol
 from bus.security import Security
-from merger.replication import ReplicationConfig
+from merger.replication_wire import ReplicationConfig
 
 
 @dataclasses.dataclass(frozen=True)

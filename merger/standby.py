@@ -11,7 +11,7 @@ once it has heard a primary (a standby never promotes itself without one, since 
 whether its log is the newest).  Taking over writes a `term` record with the new epoch, above
 every epoch the old primary used, and hands the state, log and lock to a `MergerService`.
 `follow(probe=True)` is a merger's start with a peer: it becomes the standby if a primary answers
-within one lease, else the primary.
+within two leases, else the primary.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import zmq
 
 from bus.sockets import open_socket
 from merger import checkpoint, records
-from merger.core import MergerCore
+from merger.core import MergerCore, ReplayError
 from merger.logmatch import genesis_id, genesis_of, set_aside_from, terms_of
 from merger.recovery import checkpoint_dir, recover, wal_dir
-from merger.replication import (DIGEST, FOLLOW, LEASE, RECORD, REFUSED, START, STORED, ReplicationConfig, ReplicationError, decode,
-                                encode, fragment_digest, read_record)
+from merger.replication_wire import (DIGEST, FOLLOW, LEASE, RECORD, REFUSED, START, STORED, ReplicationConfig, ReplicationError,
+                                     decode, encode, fragment_digest, read_record)
 from merger.rundir import RunDirLock
 from merger.settings import ServiceConfig
 from merger.wal import WriteAheadLog
@@ -37,6 +37,8 @@ from protocol.errors import DlocoError
 
 POLL_MS = 50
 DRAIN_LIMIT = 256
+RECEIVE_HWM = 4096  # records queued from the primary (it sends at most replication.WINDOW_BYTES beyond what we stored)
+DIGESTS_KEPT = 4096  # fold digests awaiting their other half (a fold the primary made alone never gets one)
 
 
 class Diverged(DlocoError):
@@ -63,17 +65,22 @@ class Standby:
         self.config, self.replication, self.context, self.log = config, replication, context, log
         self.lock = RunDirLock(config.run_dir)
         self.stopping, self.warming = False, None
-        self._open()
-        self.primary_epoch, self.primary_term, self.heard = 0, 0, None
-        self.digests: dict[int, tuple[int, str]] = {}  # fold record index -> (fragment, our digest) awaiting the primary's
-        self.theirs: dict[int, str] = {}  # fold record index -> the primary's digest awaiting ours
+        try:
+            self._open()
+        except BaseException:
+            self.lock.release()
+            raise
+        self.primary_epoch, self.primary_term, self.primary_length, self.primary_state, self.heard = 0, 0, 0, "", None
+        self.generation, self.started = 0, False  # our latest `follow`, and whether its `start` has come
+        self.digests: collections.OrderedDict[int, tuple[int, str]] = collections.OrderedDict()  # fold index -> (fragment, ours)
+        self.theirs: collections.OrderedDict[int, str] = collections.OrderedDict()  # fold index -> the primary's digest
         self.folds = self.compared = 0
 
     def _open(self) -> None:
         """Open the log and rebuild the state from it (none while the log is empty)."""
         self.wal = WriteAheadLog(wal_dir(self.config.run_dir), fsync=self.config.fsync)
         self.unapplied: collections.deque[tuple[int, dict]] = collections.deque()  # stored, not yet applied
-        self.terms, _ = terms_of(wal_dir(self.config.run_dir))
+        self.terms, _, _ = terms_of(wal_dir(self.config.run_dir))
         self.core = recover(self.config.run_dir) if self.wal.next_index > 0 else None
         if self.core is not None:
             self._warm_up()
@@ -86,12 +93,12 @@ class Standby:
         self.warming.start()
 
     def follow(self, probe: bool = False) -> Takeover | None:
-        """Follow the primary until it lapses (a Takeover), or, probing, until one lease passed
-        without a primary (None).  Raises Diverged, Refused; returns None when stopped."""
+        """Follow the primary until its lease lapses (a Takeover), or, probing, until two leases
+        passed without a primary (None).  Raises Diverged, Refused; returns None when stopped."""
         dealer = open_socket(self.context, zmq.DEALER, self.replication.peer, self.config.security, self.config.sender,
-                             receive_hwm=0, immediate=True)
+                             receive_hwm=RECEIVE_HWM, immediate=True)
         began, unsynced, next_checkpoint = time.monotonic(), False, self.folds + self.config.checkpoint_every
-        asked = -float("inf")
+        self.asked = -float("inf")
         self.log.info("following", peer=self.replication.peer, length=self.wal.next_index, probe=probe)
         try:
             while not self.stopping:
@@ -105,21 +112,23 @@ class Standby:
                 if unsynced:  # stored first, applied after: the primary waits for the disk, not for our folds
                     self.wal.sync()
                     unsynced = False
-                    _send(dealer, encode(STORED, {"length": self.wal.next_index}))
-                self._apply_stored()
-                if self.folds >= next_checkpoint and self.core is not None:
+                    _send(dealer, encode(STORED, {"length": self.wal.next_index, "generation": self.generation}))
+                self._apply_stored(deadline=time.monotonic() + self.replication.lease_s / 6)  # then back to the socket
+                if self.folds >= next_checkpoint and not self.unapplied:
                     checkpoint.save(checkpoint_dir(self.config.run_dir), self.core, self.wal.next_index)
                     next_checkpoint = self.folds + self.config.checkpoint_every
-                if dealer.poll(0):
-                    continue  # more to read first: silence is judged on an empty queue
+                if dealer.poll(0) or self.unapplied:
+                    continue  # more to do first: silence is judged on an empty queue
                 now = time.monotonic()
-                if now - max(asked, self.heard or -float("inf")) > self.replication.lease_s / 3:
-                    # at start, and whenever the primary is silent: a restarted primary learns of us so
-                    asked = now
-                    _send(dealer, encode(FOLLOW, {"length": self.wal.next_index, "terms": self.terms, "genesis": self.genesis}))
+                if now - max(self.asked, self.heard or -float("inf")) > self.replication.lease_s / 3:
+                    # at start, after a lost record, and whenever the primary is silent: a restarted primary learns of us so
+                    self.generation += 1
+                    sent = _send(dealer, encode(FOLLOW, {"length": self.wal.next_index, "terms": self.terms, "genesis": self.genesis,
+                                                         "generation": self.generation}))
+                    self.asked, self.started = (now if sent else self.asked), False  # unsent (no primary bound yet): again next turn
                 if self.heard is not None and now - self.heard > self.replication.lease_s and self.core is not None:
                     return self._take_over(now)
-                if probe and self.heard is None and now - began > self.replication.lease_s:
+                if probe and self.heard is None and now - began > 2 * self.replication.lease_s:
                     return None
             return None
         finally:
@@ -134,14 +143,16 @@ class Standby:
             return False
         self.heard = time.monotonic()
         if kind == LEASE:
-            self.primary_epoch, self.primary_term = max(self.primary_epoch, int(body["epoch"])), int(body["term"])
-            _send(dealer, encode(STORED, {"length": self.wal.durable}))
-        elif kind == START:
-            self._start_at(int(body["at"]))
-        elif kind == RECORD:
+            self.primary_epoch, self.primary_term = max(self.primary_epoch, body["epoch"]), body["term"]
+            self.primary_length, self.primary_state = body["length"], body["state"]
+            _send(dealer, encode(STORED, {"length": self.wal.durable, "generation": self.generation}))
+        elif kind == START and body["generation"] == self.generation:
+            self._start_at(body["at"])
+            self.started = True
+        elif kind == RECORD and self.started:  # records before our latest follow's start belong to an earlier stream
             return self._on_record(body, rest)
         elif kind == DIGEST:
-            self._compare(int(body["index"]), str(body["sha256"]), None)
+            self._compare(body["index"], body["sha256"], None)
         elif kind == REFUSED:
             raise Refused(f"the primary at {self.replication.peer} refuses this standby: {body['why']}")
         return False
@@ -161,40 +172,49 @@ class Standby:
             index, record, blobs = read_record(body, rest)
         except ReplicationError as error:
             self.log.warning("replication_message_rejected", reason=error.reason, detail=str(error)[:200])
+            self.asked = -float("inf")  # follow again from where our log ends: the primary resends from there
             return False
         if index != self.wal.next_index:
-            return False  # a repeat (behind us) or beyond a gap: the stream is in order, a gap means a restart of it
+            if index > self.wal.next_index:  # beyond a gap: a record was lost on the way
+                self.asked = -float("inf")
+            return False
+        if record["type"] != records.GENESIS and self.core is None:
+            raise Diverged(f"record {index} arrived before any genesis record")
         self.wal.append(record, blobs)
         if record["type"] == records.GENESIS:
             self.core, self.terms, self.genesis = MergerCore.from_genesis(record), [(0, 0)], genesis_id(record)
             self._warm_up()
             return True
         if record["type"] == records.TERM:
-            self.terms.append((int(record["term"]), index))
-        if self.core is None:
-            raise Diverged(f"record {index} arrived before any genesis record")
+            self.terms.append((record["term"], index))
         self.unapplied.append((index, {**record, "blobs": [blob for blob, _ in blobs]} if blobs else record))
         return True
 
-    def _apply_stored(self) -> None:
-        """Apply the records stored since the last call (the same folds as the primary's, bit for bit)."""
+    def _apply_stored(self, deadline: float = float("inf")) -> None:
+        """Apply stored records (the same folds as the primary's, bit for bit), until `deadline`
+        (at least one).  A record this state cannot apply is a divergence."""
         while self.unapplied:
             index, record = self.unapplied.popleft()
-            report = self.core.apply_record(record, index)
+            try:
+                report = self.core.apply_record(record, index)
+            except (ReplayError, KeyError, ValueError, TypeError) as error:
+                raise Diverged(f"log record {index} does not apply here: {error}") from error
             if report is not None:
                 self.folds += 1
                 fragment = record["fragment"]
                 self._compare(index, None, (fragment, fragment_digest(self.core.states[fragment].params)))
+            if time.monotonic() >= deadline:
+                return
 
     def _compare(self, index: int, theirs: str | None, ours: tuple[int, str] | None) -> None:
         if ours is not None:
             if index not in self.theirs:
-                self.digests[index] = ours
+                _keep(self.digests, index, ours)  # a fold the primary made while it had no standby never gets its digest
                 return
             theirs = self.theirs.pop(index)
         else:
             if index not in self.digests:
-                self.theirs[index] = theirs
+                _keep(self.theirs, index, theirs)
                 return
             ours = self.digests.pop(index)
         if ours[1] != theirs:
@@ -208,8 +228,11 @@ class Standby:
         self.wal.append(records.term_record(term, epoch))
         self.wal.sync()
         self.terms.append((term, self.wal.next_index - 1))
-        self.log.warning("taking_over", silent_s=round(now - self.heard, 3), epoch=epoch, term=term, length=self.wal.next_index,
-                         digest=self.core.digest(), folds_compared=self.compared)
+        behind = self.primary_length - (self.wal.next_index - 1)
+        (self.log.error if behind > 0 else self.log.warning)(
+            "taking_over", silent_s=round(now - self.heard, 3), epoch=epoch, term=term, length=self.wal.next_index,
+            versions=[state.version for state in self.core.states], folds_compared=self.compared,
+            primary_said=self.primary_state, behind_records=max(0, behind))
         return Takeover(self.core, self.wal, self.lock, epoch, self.terms)
 
     def close(self) -> None:
@@ -219,9 +242,15 @@ class Standby:
         self.lock.release()
 
 
+def _keep(book: collections.OrderedDict, index: int, value) -> None:
+    book[index] = value
+    while len(book) > DIGESTS_KEPT:
+        book.popitem(last=False)
 
-def _send(dealer: zmq.Socket, frames: list) -> None:
+
+def _send(dealer: zmq.Socket, frames: list) -> bool:
     try:
         dealer.send_multipart(frames, zmq.NOBLOCK)
+        return True
     except zmq.ZMQError:  # not connected (the primary is down or restarting): asked again later
-        pass
+        return False

@@ -11,6 +11,7 @@ import protocol
 
 RESEND_S = 0.2  # how often missing stream messages are asked for again
 CURSOR_S = 1.0  # how often settled cursors are published even without a fold
+GAP_GIVE_UP_S = 60.0  # a gap an island, alive and asked all along, has not filled in this long is skipped
 
 
 class StreamKeeping:
@@ -30,9 +31,12 @@ class StreamKeeping:
                 self.log.warning("island_gone", island=island, silent_s=round(now - last, 1))
         if now >= self.next_resend:
             self.next_resend = now + RESEND_S
-            for island, stream in self.tracker.streams.items():
+            for island, stream in list(self.tracker.streams.items()):
                 ranges = self.tracker.missing(island)
                 if not ranges:
+                    self.gap_since.pop(island, None)
+                    continue
+                if self._give_up(island, stream, now):
                     continue
                 request = protocol.ResendRequest(sender=self.config.sender, epoch=self.epoch, seq=self.seq, target=island,
                                                  target_epoch=stream.epoch, ranges=tuple(ranges))
@@ -51,6 +55,26 @@ class StreamKeeping:
             self.log.warning("receive_evicted", partial_memory=stats.evicted_memory, partial_ttl=stats.evicted_ttl,
                              held_overflow=self.tracker.overflow, refused_senders=self.tracker.refused_senders,
                              partial_bytes=self.reassembler.held_bytes, held_bytes=self.tracker.held_bytes)
+
+    def _give_up(self, island: str, stream, now: float) -> bool:
+        """An island alive and asked for a gap for GAP_GIVE_UP_S without the stream moving no longer
+        holds it: its sender released it on an acknowledgement this merger's log does not have (a
+        standby that took over behind, or async replication).  Skip it (an error, counted) rather
+        than hold everything after it and stall the island."""
+        since = self.gap_since.setdefault(island, (stream.delivered, now))
+        if since[0] != stream.delivered:
+            self.gap_since[island] = (stream.delivered, now)
+            return False
+        if island in self.gone or now - since[1] < GAP_GIVE_UP_S:
+            return False
+        ready, skipped = self.tracker.skip_gap(island)
+        self.gap_since.pop(island, None)
+        self.count("merger/stream_gaps_skipped")
+        self.log.error("stream_gap_skipped", island=island, seqs=list(skipped), waited_s=round(now - since[1], 1),
+                       why="the island no longer holds them: they were acknowledged by a log this merger does not have")
+        for chunk in ready:
+            self.on_delta_chunk(chunk)
+        return True
 
     def settled_cursors(self) -> dict[str, tuple[int, int]]:
         cursors = {}

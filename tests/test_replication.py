@@ -17,8 +17,8 @@ from island.shaper import LinkShaper
 from island.uplink import Uplink
 from merger import records
 from merger.logmatch import agreed_length, set_aside_from, terms_of
-from merger.replication import (FOLLOW, RECORD, ReplicationConfig, ReplicationError, decode, encode, fragment_digest, read_record,
-                                record_frames)
+from merger.replication_wire import (FOLLOW, RECORD, ReplicationConfig, ReplicationError, decode, encode, fragment_digest,
+                                     read_record, record_frames)
 from merger.wal import WriteAheadLog, read_records
 from protocol.checksum import crc32
 from protocol.errors import DlocoError
@@ -54,7 +54,7 @@ def test_a_log_set_aside_from_a_record_keeps_everything_before_it_and_moves_the_
     (tmp_path / "ckpt").mkdir()
     for n in (5, 7, 9):
         (tmp_path / "ckpt" / f"{n:012d}.ckpt").write_bytes(b"x")
-    assert terms_of(tmp_path / "wal") == ([(0, 0), (1, 9)], 12)
+    assert terms_of(tmp_path / "wal") == ([(0, 0), (1, 9)], 12, 99)
     moved = set_aside_from(tmp_path / "wal", 7, tmp_path / "ckpt")
     assert [index for index, _ in read_records(tmp_path / "wal")] == list(range(7))
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"{5:012d}.ckpt", f"{7:012d}.ckpt"]  # 9 covered records 7, 8
@@ -63,7 +63,7 @@ def test_a_log_set_aside_from_a_record_keeps_everything_before_it_and_moves_the_
     assert reopened.next_index == 7
     assert reopened.append({"type": "cursors", "cursors": []}) == 7
     reopened.close()
-    assert terms_of(tmp_path / "wal") == ([(0, 0)], 8)
+    assert terms_of(tmp_path / "wal") == ([(0, 0)], 8, 0)
 
 
 def test_a_record_travels_with_its_blobs_and_their_crcs_and_a_damaged_blob_is_refused():
@@ -85,6 +85,8 @@ def test_a_record_travels_with_its_blobs_and_their_crcs_and_a_damaged_blob_is_re
     ([b"hello", msgpack.packb({})], "kind"),
     ([FOLLOW, b"\xc1"], "body"),  # 0xc1 is never valid msgpack
     ([FOLLOW, msgpack.packb({"length": 3})], "body"),  # terms and genesis missing
+    ([FOLLOW, msgpack.packb({"length": "3", "terms": [[0, 0]], "genesis": 1, "generation": 1})], "body"),  # a string for an int
+    ([FOLLOW, msgpack.packb({"length": 3, "terms": [[0]], "genesis": 1, "generation": 1})], "body"),  # a term without its index
     ([FOLLOW, msgpack.packb([1, 2])], "body"),
 ])
 def test_a_malformed_replication_message_is_a_typed_error(frames, reason):
@@ -94,8 +96,8 @@ def test_a_malformed_replication_message_is_a_typed_error(frames, reason):
 
 
 def test_follow_round_trips():
-    kind, body, rest = decode(encode(FOLLOW, {"length": 7, "terms": [[0, 0]], "genesis": 12345}))
-    assert (kind, body, rest) == (FOLLOW, {"length": 7, "terms": [[0, 0]], "genesis": 12345}, [])
+    body = {"length": 7, "terms": [[0, 0]], "genesis": 12345, "generation": 2}
+    assert decode(encode(FOLLOW, body)) == (FOLLOW, body, [])
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -153,3 +155,18 @@ def test_the_broker_drops_snapshot_bus_messages_from_an_older_epoch_of_their_sen
         context.destroy(linger=0)
         assert broker.stop() == 0
     assert broker.events("broker_stopped")[-1]["refused"] == {"snapshot/old_epoch": 10}
+
+
+def test_a_standby_whose_fold_differs_from_the_primarys_raises_whichever_digest_comes_second():
+    from merger.standby import Diverged, Standby
+
+    standby = object.__new__(Standby)  # only its digest book-keeping: no sockets, no log
+    standby.digests, standby.theirs, standby.compared = {}, {}, 0
+    standby._compare(7, None, (1, "aa"))  # ours first
+    standby._compare(7, "aa", None)
+    standby._compare(9, "bb", None)  # theirs first
+    standby._compare(9, None, (0, "bb"))
+    assert standby.compared == 2 and not standby.digests and not standby.theirs
+    standby._compare(11, "cc", None)
+    with pytest.raises(Diverged, match="fragment 1 after log record 11"):
+        standby._compare(11, None, (1, "dd"))

@@ -70,3 +70,17 @@ def test_retransmit_buffer_keeps_until_released_and_pushes_back_when_full():
     assert buffer.get([(1, 3)]) == [(3, "m3")]  # released means acknowledged: nothing to resend
     assert buffer.has_room(900) and not buffer.has_room(901)
     assert RetransmitBuffer(max_bytes=10).has_room(50)  # an empty buffer always takes one message
+
+
+def test_a_gap_given_up_delivers_what_was_held_after_it_and_the_next_gap_stays():
+    tracker = GapTracker()
+    tracker.receive("a", 1, 1, "m1")
+    for seq in (4, 5, 8):  # 2-3 and 6-7 are missing
+        assert tracker.receive("a", 1, seq, f"m{seq}") == []
+    assert tracker.skip_gap("a") == (["m4", "m5"], (2, 3))
+    assert tracker.cursor("a") == (1, 5) and tracker.missing("a") == [(6, 7)]
+    assert tracker.skip_gap("a") == (["m8"], (6, 7))
+    tracker.heartbeat("a", 1, 10)  # a lost tail: given up, nothing to deliver
+    assert tracker.skip_gap("a") == ([], (9, 10)) and tracker.cursor("a") == (1, 10)
+    assert tracker.skip_gap("a") == ([], None) and tracker.skip_gap("nobody") == ([], None)
+    assert tracker.held_bytes == 0

@@ -1,0 +1,136 @@
+"""The replication stream's messages and settings (PROTOCOL.md §12).  Pure: bytes in, values out.
+
+Frame 0 is the kind, frame 1 a msgpack map whose fields are checked by name and type, further
+frames as the kind says (a record's map and its blobs).  Anything else is a `ReplicationError`
+with a counter key.  A standby's `follow` carries a generation that `start` and `stored` repeat,
+so an answer to an earlier `follow` is told apart from the current stream's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from protocol.checksum import crc32
+from protocol.errors import DlocoError
+
+MODES = ("sync", "async", "off")
+FOLLOW, START, RECORD, LEASE, STORED, DIGEST, FENCE, REFUSED = (b"follow", b"start", b"record", b"lease", b"stored", b"digest",
+                                                                  b"fence", b"refused")
+
+
+def _int(value) -> bool:
+    return type(value) is int
+
+
+def _terms(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, list) and len(t) == 2 and all(map(_int, t)) for t in value)
+
+
+def _crcs(value) -> bool:
+    return isinstance(value, list) and all(c is None or _int(c) for c in value)
+
+
+# kind -> {field: check}
+FIELDS = {
+    FOLLOW: {"length": _int, "terms": _terms, "genesis": _int, "generation": _int},
+    START: {"at": _int, "generation": _int},
+    RECORD: {"index": _int, "crcs": _crcs},
+    LEASE: {"epoch": _int, "term": _int, "length": _int, "lease_s": lambda v: type(v) in (int, float), "state": lambda v: isinstance(v, str)},
+    STORED: {"length": _int, "generation": _int},
+    DIGEST: {"index": _int, "fragment": _int, "sha256": lambda v: isinstance(v, str)},
+    FENCE: {"epoch": _int, "term": _int},
+    REFUSED: {"why": lambda v: isinstance(v, str)},
+}
+
+
+class ReplicationError(DlocoError):
+    """A replication message that cannot be read; `reason` is the counter key."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def encode(kind: bytes, body: dict, *extra) -> list:
+    return [kind, msgpack.packb(body, use_bin_type=True), *extra]
+
+
+def decode(frames: Sequence) -> tuple[bytes, dict, list]:
+    """(kind, body, the frames after the body); ReplicationError for anything else."""
+    if len(frames) < 2:
+        raise ReplicationError("frames", f"{len(frames)} frame(s), at least 2 expected")
+    kind = bytes(frames[0])
+    if kind not in FIELDS:
+        raise ReplicationError("kind", f"unknown message kind {kind[:16]!r}")
+    try:
+        body = msgpack.unpackb(frames[1], raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as error:
+        raise ReplicationError("body", f"{kind.decode()}: undecodable body: {error}") from None
+    if not isinstance(body, dict):
+        raise ReplicationError("body", f"{kind.decode()}: the body is not a map")
+    wrong = [field for field, check in FIELDS[kind].items() if field not in body or not check(body[field])]
+    if wrong:
+        raise ReplicationError("body", f"{kind.decode()}: missing or mistyped {', '.join(wrong)}")
+    return kind, body, list(frames[2:])
+
+
+def record_frames(index: int, record: dict, blobs: Sequence[tuple[Any, int | None]]) -> list:
+    """A log record as it travels: header (index, blob CRCs), the record's map, its blobs."""
+    return encode(RECORD, {"index": index, "crcs": [crc for _, crc in blobs]}, msgpack.packb(record, use_bin_type=True),
+                  *[memoryview(buffer).cast("B") for buffer, _ in blobs])
+
+
+def read_record(body: dict, rest: list) -> tuple[int, dict, list[tuple[memoryview, int | None]]]:
+    """(index, record, blobs with CRCs) of a `record` message; a blob whose CRC is given is checked."""
+    try:
+        record = msgpack.unpackb(rest[0], raw=False, strict_map_key=False)
+    except (IndexError, ValueError, TypeError, msgpack.UnpackException) as error:
+        raise ReplicationError("record", f"record {body['index']}: undecodable: {error}") from None
+    crcs, blobs = body["crcs"], [memoryview(frame) for frame in rest[1:]]
+    if not isinstance(record, dict) or not isinstance(record.get("type"), str) or len(crcs) != len(blobs):
+        raise ReplicationError("record", f"record {body['index']}: {len(blobs)} blobs for {len(crcs)} CRCs, or no type")
+    for number, (blob, crc) in enumerate(zip(blobs, crcs)):
+        if crc is not None and crc32(blob) != crc:
+            raise ReplicationError("record", f"record {body['index']}: blob {number} fails its CRC")
+    return body["index"], record, list(zip(blobs, crcs))
+
+
+def fragment_digest(params) -> str:
+    """sha256 over one fragment's parameters (records.params_digest for one fragment)."""
+    digest = hashlib.sha256()
+    for path in sorted(params):
+        digest.update(path.encode())
+        digest.update(np.ascontiguousarray(params[path], dtype="<f4").tobytes())
+    return digest.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicationConfig:
+    mode: str = "off"  # sync | async | off
+    endpoint: str = ""  # ROUTER this merger binds while it is the primary ('@tcp://...')
+    peer: str = ""  # the other merger's replication endpoint: followed as a standby, fenced after a takeover
+    lease_s: float = 3.0  # a standby takes over after this long without the primary's lease; the primary drops it after twice this
+    standby: bool = False  # start as the standby of `peer`
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise DlocoError(f"replication mode must be one of {MODES}, got {self.mode!r}")
+        if self.lease_s <= 0:
+            raise DlocoError(f"lease must be positive, got {self.lease_s}")
+        if self.mode != "off" and not self.endpoint:
+            raise DlocoError("replication needs --replication-endpoint (where this merger serves its log as the primary)")
+        if self.standby and not self.peer:
+            raise DlocoError("a standby needs the primary's replication endpoint (--standby-of)")
+        if self.peer and self.mode == "off":
+            raise DlocoError("a merger with a peer streams its log when it is the primary: give --replication-endpoint "
+                             "(and --replication sync or async)")
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
