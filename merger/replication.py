@@ -100,8 +100,8 @@ class ReplicationServer:
         self.fold_index: dict[tuple[int, int], int] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self._stopping = False
-        self._socket = open_socket(context, zmq.ROUTER, config.endpoint, security, sender, domain="replication",
-                                   report=lambda message: self.log.warning("auth_refused", detail=message))
+        self._socket = open_socket(context, zmq.ROUTER, config.endpoint, security, sender, domain="replication", send_hwm=0,
+                                   report=lambda message: self.log.warning("auth_refused", detail=message))  # WINDOW_BYTES bounds it
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._fence = None
         if config.peer:  # tell the peer, should it be an old primary come back, that it is fenced
@@ -271,27 +271,29 @@ class ReplicationServer:
             self.counters["send_unroutable"] += 1
         return False
 
-    def _frames_of(self, start: int, limit: int) -> list[tuple[int, list, int]]:
-        """Records start.. (at most `limit`): from memory when still there, else from the log on
-        disk (only what is durable there)."""
+    def _frames_of(self, start: int, budget: int) -> list[tuple[int, list, int]]:
+        """Records start..: from memory when still there (SEND_BATCH of them), else from the log on
+        disk (what is durable there, up to `budget` bytes: a segment is read once per window, not
+        once per record)."""
         with self.cond:
             first = self.tail[0][0] if self.tail else self.length
             if start >= first:
-                return [self.tail[i] for i in range(start - first, min(len(self.tail), start - first + limit))]
-        out = []
+                return [self.tail[i] for i in range(start - first, min(len(self.tail), start - first + SEND_BATCH))]
+        out, total = [], 0
         for index, record in read_records(self.directory, start):
-            if index >= min(first, self.wal.durable) or len(out) >= limit:
+            if index >= min(first, self.wal.durable) or total >= budget:
                 break
             blobs = record.pop("blobs", [])
             frames = record_frames(index, record, [(b, None) for b in blobs])
             out.append((index, frames, sum(memoryview(f).nbytes for f in frames)))
+            total += out[-1][2]
         return out
 
     def _stream(self) -> None:
         follower = self.follower
         if follower is None or follower.next >= self.length or follower.in_flight_bytes >= WINDOW_BYTES:
             return
-        for index, frames, nbytes in self._frames_of(follower.next, SEND_BATCH):
+        for index, frames, nbytes in self._frames_of(follower.next, WINDOW_BYTES - follower.in_flight_bytes):
             if index != follower.next or follower.in_flight_bytes >= WINDOW_BYTES or not self._send(follower.identity, frames):
                 return
             with self.cond:

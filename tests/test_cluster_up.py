@@ -63,13 +63,18 @@ def test_every_setting_of_the_cluster_file_reaches_the_processes():
     parser, default = build_parser(), config.load()
     clusters = [default.with_mode(mode) for mode in config.MODES]
     clusters += [transform(default) for _, runs in experiments.SUITES.values() for _, transform in runs]
-    renamed = {"quorum_timeout_s": "quorum_timeout", "grace_cap_s": "grace_cap", "settle_timeout_s": "settle_timeout"}
+    clusters.append(dataclasses.replace(default, merger=dataclasses.replace(default.merger, standby=True, replication="async", lease_s=1.5)))
+    renamed = {"quorum_timeout_s": "quorum_timeout", "grace_cap_s": "grace_cap", "settle_timeout_s": "settle_timeout", "lease_s": "lease"}
+    pair = ("standby", "replication", "lease_s")  # with a standby only
     for cluster in clusters:
         sync, merger = cluster.effective()
-        commands = topology.commands(cluster, topology.Addresses(("1", "2", "3", "4"), "5"), "/run")
-        merger_args = parser.parse_args(commands["merger"])
-        for field in dataclasses.fields(merger):
-            assert getattr(merger_args, renamed.get(field.name, field.name)) == getattr(merger, field.name), (cluster.mode, field.name)
+        commands = topology.commands(cluster, topology.Addresses(("1", "2", "3", "4"), "5", standby_ports=("6", "7", "8")), "/run")
+        assert ("standby" in commands) == merger.standby
+        for name in ("merger", "standby") if merger.standby else ("merger",):
+            merger_args = parser.parse_args(commands[name])
+            for field in dataclasses.fields(merger):
+                if field.name not in pair or merger.standby and field.name != "standby":
+                    assert getattr(merger_args, renamed.get(field.name, field.name)) == getattr(merger, field.name), (cluster.mode, field.name)
         assert merger_args.fragments == sync.fragments
         island_args = parser.parse_args(commands[cluster.regions[0].name])
         for key in (*config.SYNC_KEYS, "blocking"):
