@@ -156,7 +156,7 @@ class Replica:
         wal.sync()  # the genesis record, served from disk
         port, *others = free_ports(4)
         self.server = ReplicationServer(context, ReplicationConfig("sync", f"@tcp://127.0.0.1:{port}", "", lease_s=60.0),
-                                        Security(None, "merger"), "merger", wal, tmp / "wal", 1, [(0, 0)], genesis_of(tmp), _quiet())
+                                        Security(None, "merger"), "merger", wal, tmp / "wal", 1, [(0, 0)], 0, genesis_of(tmp), _quiet())
         core.log, pipeline.barrier = ReplicatedLog(wal, self.server), self.server.barrier
         self.process = subprocess.Popen(
             [sys.executable, "-m", "dloco", "merger", "--run-dir", str(tmp / "standby"), "--standby-of", f"tcp://127.0.0.1:{port}",

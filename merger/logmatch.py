@@ -1,11 +1,14 @@
 """Where two mergers' logs agree, and cutting a log back to that point.  Pure functions of the logs.
 
-A log is a sequence of terms: term 0 from the genesis record, and a new term at each `term` record
-a standby wrote when it took over (merger/records.term_record).  A term is written by one primary
-only, and a standby copies its primary's records in order, so two logs that both hold term t
-starting at the same index hold the same records for as long as both stay in term t.  Their
-common prefix therefore ends where the newest term they share ends in either of them
-(`agreed_length`) — Raft's log-matching argument, with our takeover records as its terms.
+A log is a sequence of terms: one from the genesis record, and a new one at each `term` record a
+merger wrote when it became the primary (merger/records.term_record).  A term is named by its
+epoch, which no other primary shares (each is above every epoch its writer had seen, and a clock
+reading; the term *number* is for people and may repeat when two mergers each believed the
+other gone).  A term is written by one primary only, and a standby copies its primary's records
+in order, so two logs that both hold the term of epoch e starting at the same index hold the same
+records for as long as both stay in it.  Their common prefix therefore ends where the newest term
+they share ends in either of them (`agreed_length`) — Raft's log-matching argument, with our
+term records as its terms.
 
 A merger that joins a primary as its standby keeps that prefix and sets the rest aside
 (`set_aside_from`): records an old primary wrote after its standby took over, which no island was
@@ -24,19 +27,23 @@ from merger import records
 from merger.wal import _fsync_dir, _scan, _segments, read_records
 from protocol.checksum import crc32
 
-Terms = list[tuple[int, int]]  # (term, index of its first record), oldest first
+Terms = list[tuple[int, int]]  # (the term's epoch, index of its first record), oldest first; the genesis's term has epoch 0
 
 
 def terms_of(directory: str | Path) -> tuple[Terms, int, int]:
-    """The terms of the log in `directory`, its length (the index after its last record) and the
-    newest epoch its term records name (0: none)."""
-    terms, length, epoch = [(0, 0)], 0, 0
+    """The terms of the log in `directory`, its length (the index after its last record) and its
+    newest term number (0: none after the genesis)."""
+    terms, length, number = [(0, 0)], 0, 0
     for index, record in read_records(directory):
         length = index + 1
         if record.get("type") == records.TERM:
-            terms.append((int(record["term"]), index))
-            epoch = max(epoch, int(record["epoch"]))
-    return (terms if length else []), length, epoch
+            terms.append((int(record["epoch"]), index))
+            number = max(number, int(record["term"]))
+    return (terms if length else []), length, number
+
+
+def newest_epoch(terms: Sequence[tuple[int, int]]) -> int:
+    return max((epoch for epoch, _ in terms), default=0)
 
 
 def genesis_id(record: dict) -> int:
@@ -51,9 +58,9 @@ def genesis_of(run_dir: str | Path) -> int:
 
 
 def _ends(terms: Sequence[tuple[int, int]], length: int) -> dict[tuple[int, int], int]:
-    """(term, start) -> index after the term's last record."""
+    """(epoch, start) -> index after the term's last record."""
     starts = [start for _, start in terms[1:]] + [length]
-    return {(term, start): end for (term, start), end in zip(terms, starts)}
+    return {(epoch, start): end for (epoch, start), end in zip(terms, starts)}
 
 
 def agreed_length(mine: Sequence[tuple[int, int]], my_length: int, theirs: Sequence[tuple[int, int]], their_length: int) -> int:
@@ -88,7 +95,10 @@ def set_aside_from(directory: str | Path, index: int, checkpoints: str | Path | 
         aside.mkdir(parents=True, exist_ok=True)
         with open(segment, "r+b") as handle:
             handle.seek(cut)
-            (aside / segment.name).write_bytes(handle.read())
+            with open(aside / segment.name, "wb") as copy:  # on disk before the original is cut
+                copy.write(handle.read())
+                os.fsync(copy.fileno())
+            _fsync_dir(aside)
             handle.truncate(cut)
             os.fsync(handle.fileno())
         moved.append(f"{segment.name}@{cut}")

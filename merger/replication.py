@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -86,10 +87,10 @@ class ReplicationServer:
     "sync" (the standby is within CAUGHT_UP_RECORDS of the log: sync mode waits for it)."""
 
     def __init__(self, context: zmq.Context, config: ReplicationConfig, security: Security, sender: str, wal, wal_directory: Path,
-                 epoch: int, terms: list[tuple[int, int]], genesis: int, log) -> None:
+                 epoch: int, terms: list[tuple[int, int]], term: int, genesis: int, log) -> None:
         self.config, self.wal, self.directory, self.epoch = config, wal, Path(wal_directory), epoch
         self.log = log.bind(role="merger", sender=sender)  # the stream thread has none of the loop thread's context
-        self.terms, self.genesis = list(terms), genesis
+        self.terms, self.term, self.genesis = list(terms), term, genesis  # terms: (epoch, first index); term: this one's number
         self.cond = threading.Condition()
         self.tail: collections.deque[tuple[int, list, int]] = collections.deque()
         self.tail_bytes = 0
@@ -109,10 +110,17 @@ class ReplicationServer:
         endpoint = f"inproc://replication-{id(self)}"
         self._wake_in = context.socket(zmq.PAIR)
         self._wake_in.bind(endpoint)
+        self._hashed_in = context.socket(zmq.PAIR)
+        self._hashed_in.bind(f"inproc://replication-hashed-{id(self)}")
         self._wake = context.socket(zmq.PAIR)  # the loop's end
         self._wake.connect(endpoint)
+        self._hasher_wake = context.socket(zmq.PAIR)  # the hashing thread's own end (a socket per thread)
+        self._hasher_wake.connect(f"inproc://replication-hashed-{id(self)}")
+        self._to_hash: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="replication", daemon=True)
+        self._hasher = threading.Thread(target=self._hash, name="replication-digests", daemon=True)
         self._thread.start()
+        self._hasher.start()
 
     # ---- called on the merger's loop ---------------------------------------------------------
     def appended(self, index: int, record: dict, blobs: Sequence[tuple[Any, int | None]]) -> None:
@@ -127,16 +135,26 @@ class ReplicationServer:
             if record["type"] == records.FOLD:
                 self.fold_index[(record["fragment"], record["version"])] = index
             elif record["type"] == records.TERM:
-                self.terms.append((record["term"], index))
+                self.terms.append((record["epoch"], index))
+                self.term = record["term"]
         self._signal()
 
     def folded(self, fragment: int, version: int, state) -> None:
-        """A fold is computed: its digest goes to the standby (hashed on the stream thread)."""
+        """A fold is computed: its digest goes to the standby (hashed on a thread of its own: a large
+        fragment's hash must delay neither the loop nor the leases)."""
         with self.cond:
             index = self.fold_index.pop((fragment, version), None)
-            if index is not None and self.follower is not None:
-                self.digests.append((index, fragment, state.params))
-        self._signal()
+            listening = self.follower is not None and time.monotonic() - self.follower.heard <= self.config.lease_s
+        if index is not None and listening:
+            self._to_hash.put((index, fragment, state.params))
+
+    def _hash(self) -> None:
+        while (item := self._to_hash.get()) is not None:
+            index, fragment, params = item
+            digest = fragment_digest(params)
+            with self.cond:
+                self.digests.append((index, fragment, digest))
+            self._signal_from_hasher()
 
     def barrier(self, length: int) -> None:
         """In sync mode, return once the standby has stored the first `length` records, or has been
@@ -157,8 +175,11 @@ class ReplicationServer:
             self._stopping = True
             self.cond.notify_all()
         self._signal()
+        self._to_hash.put(None)
         self._thread.join(timeout=30)
-        sockets = [self._wake] if self._thread.is_alive() else [self._wake, self._wake_in, self._socket, self._fence]
+        self._hasher.join(timeout=30)
+        sockets = [self._wake, self._hasher_wake] if self._thread.is_alive() else [self._wake, self._hasher_wake, self._wake_in,
+                                                                                  self._hashed_in, self._socket, self._fence]
         for socket in sockets:  # a thread still running keeps its own (the context's destruction ends them)
             if socket is not None:
                 socket.close(linger=0)
@@ -169,18 +190,25 @@ class ReplicationServer:
         except zmq.ZMQError:
             pass
 
+    def _signal_from_hasher(self) -> None:
+        try:
+            self._hasher_wake.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
     # ---- the stream thread -------------------------------------------------------------------
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)
+        poller.register(self._hashed_in, zmq.POLLIN)
         next_lease = 0.0
         while not self._stopping:
             try:
                 events = dict(poller.poll(int(self.config.lease_s / 6 * 1000)))
-                if self._wake_in in events:
-                    while self._wake_in.poll(0):
-                        self._wake_in.recv()
+                for wake in (self._wake_in, self._hashed_in):
+                    while wake in events and wake.poll(0):
+                        wake.recv()
                 if self._socket in events:
                     self._receive()
                 now = time.monotonic()
@@ -188,12 +216,14 @@ class ReplicationServer:
                     next_lease = now + self.config.lease_s / 6
                     self._leases()
                 self._stream()
-                self._send_digest()
+                self._send_digests()
                 self._judge(time.monotonic())
             except Exception as error:  # noqa: BLE001 — whatever breaks the stream must not hold the primary's acks
                 self.counters["errors"] += 1
-                self.log.error("replication_error", error=repr(error)[:500])
+                if self.counters["errors"] & (self.counters["errors"] - 1) == 0:  # the 1st, 2nd, 4th, 8th, ...
+                    self.log.error("replication_error", error=repr(error)[:500], errors=self.counters["errors"])
                 self._drop("stream error")
+                time.sleep(self.config.lease_s / 6)  # a lasting fault (a corrupt segment) is not retried in a tight loop
 
     def _receive(self) -> None:
         for _ in range(SEND_BATCH):
@@ -229,11 +259,10 @@ class ReplicationServer:
         now = time.monotonic()
         with self.cond:
             at = agreed_length(self.terms, self.length, theirs, length) if length > 0 else 0
-            same = self.follower is not None and self.follower.identity == identity and at >= self.follower.stored
-            caught_up = same and self.follower.caught_up  # a repeated follow that keeps its log stays in sync
+            # a standby in sync that follows again (a reconnect, a lost record) with its log whole stays in sync
+            caught_up = self.state == "sync" and at >= self.length - CAUGHT_UP_RECORDS
             self.follower = Follower(identity, body["generation"], at, at, now, now, reported=caught_up, caught_up=caught_up)
-            self.state = "sync" if caught_up else "catching_up"
-            self.cond.notify_all()
+            self._set_state("sync" if caught_up else "catching_up")
         self.log.info("standby_following", its_length=length, common=at, length=self.length)
         self._send(identity, encode(START, {"at": at, "generation": body["generation"]}))
 
@@ -251,7 +280,7 @@ class ReplicationServer:
             self.cond.notify_all()
 
     def _leases(self) -> None:
-        term = self.terms[-1][0] if self.terms else 0
+        term = self.term
         if self.follower is not None:
             self._send(self.follower.identity, encode(LEASE, {"epoch": self.epoch, "term": term, "length": self.length,
                                                               "lease_s": self.config.lease_s, "state": self.state}))
@@ -293,6 +322,10 @@ class ReplicationServer:
         follower = self.follower
         if follower is None or follower.next >= self.length or follower.in_flight_bytes >= WINDOW_BYTES:
             return
+        if time.monotonic() - follower.heard > self.config.lease_s:
+            return  # not heard from lately: nothing is read or sent for it until it answers a lease
+        if (not self.tail or follower.next < self.tail[0][0]) and follower.in_flight_bytes > WINDOW_BYTES // 2:
+            return  # from disk: refill in large steps, each a pass over the segments it reads
         for index, frames, nbytes in self._frames_of(follower.next, WINDOW_BYTES - follower.in_flight_bytes):
             if index != follower.next or follower.in_flight_bytes >= WINDOW_BYTES or not self._send(follower.identity, frames):
                 return
@@ -302,11 +335,11 @@ class ReplicationServer:
                 follower.in_flight_bytes += nbytes
             self.counters["records_sent"] += 1
 
-    def _send_digest(self) -> None:
-        """One fold's digest per turn: hashing a large fragment must not delay the leases long."""
-        if self.digests and self.follower is not None:
-            index, fragment, params = self.digests.popleft()
-            self._send(self.follower.identity, encode(DIGEST, {"index": index, "fragment": fragment, "sha256": fragment_digest(params)}))
+    def _send_digests(self) -> None:
+        while self.digests and self.follower is not None:
+            with self.cond:
+                index, fragment, digest = self.digests.popleft()
+            self._send(self.follower.identity, encode(DIGEST, {"index": index, "fragment": fragment, "sha256": digest}))
 
     def _judge(self, now: float) -> None:
         with self.cond:
@@ -320,7 +353,8 @@ class ReplicationServer:
                 why = "silent for two leases"
             elif self.state != "alone" and now - follower.progressed > 2 * self.config.lease_s:
                 why = "its stored length has not moved for two leases"
-            elif not follower.caught_up and follower.reported and follower.stored >= self.length - CAUGHT_UP_RECORDS:
+            elif (not follower.caught_up and follower.reported and follower.stored >= self.length - CAUGHT_UP_RECORDS
+                  and now - follower.heard < self.config.lease_s):
                 follower.caught_up = True
                 self._set_state("sync")
         if why is not None:
@@ -332,11 +366,11 @@ class ReplicationServer:
         lost on the way is sent again); it is in sync again once caught up."""
         with self.cond:
             follower = self.follower
-            if follower is not None:
-                follower.caught_up, follower.next = False, follower.stored
+            if follower is not None:  # back in sync only after it says what it stored again
+                follower.caught_up = follower.reported = False
+                follower.next, follower.progressed = follower.stored, time.monotonic()
                 follower.in_flight.clear()
                 follower.in_flight_bytes = 0
-                follower.heard = follower.progressed = time.monotonic()
             self.digests.clear()  # fragments' parameters: not kept for a standby that may not take them
             self._set_state("alone", why=why, stored=follower.stored if follower is not None else None)
 

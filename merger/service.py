@@ -39,7 +39,7 @@ from merger.recovery import checkpoint_dir, recover, wal_dir
 from merger.round_policy import CatchUpBudget
 from merger.rundir import RunDirLock
 from merger.settings import ServiceConfig as ServiceConfig  # re-exported: the service's settings
-from merger.logmatch import genesis_of, terms_of
+from merger.logmatch import genesis_of, newest_epoch, terms_of
 from merger.replication import Fenced, ReplicatedLog, ReplicationServer
 from merger.standby import Takeover
 from merger.streams import StreamKeeping
@@ -122,16 +122,15 @@ class MergerService(SnapshotPublishing, StreamKeeping):
         (records it lost since it last streamed must not match its standby's copies of them) with an
         epoch above every epoch its log names."""
         if takeover is not None:
-            terms = takeover.terms
+            terms, term = takeover.terms, takeover.term
         else:
             self.wal.sync()  # the genesis record a new run just wrote, on disk where terms_of and genesis_of read
-            terms, _, newest = terms_of(wal_dir(self.config.run_dir))
-            self.epoch = max(self.epoch, newest + 1)
-            term = terms[-1][0] + 1
-            terms.append((term, self.wal.append(records.term_record(term, self.epoch))))
+            terms, _, term = terms_of(wal_dir(self.config.run_dir))
+            self.epoch, term = max(self.epoch, newest_epoch(terms) + 1), term + 1
+            terms.append((self.epoch, self.wal.append(records.term_record(term, self.epoch))))
             self.wal.sync()
         server = ReplicationServer(self.context, self.config.replication, self.config.security, self.config.sender, self.wal,
-                                   wal_dir(self.config.run_dir), self.epoch, terms, genesis_of(self.config.run_dir), self.log)
+                                   wal_dir(self.config.run_dir), self.epoch, terms, term, genesis_of(self.config.run_dir), self.log)
         self.core.log, self.pipeline.barrier = ReplicatedLog(self.wal, server), server.barrier
         return server
 

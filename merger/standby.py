@@ -25,8 +25,8 @@ import zmq
 
 from bus.sockets import open_socket
 from merger import checkpoint, records
-from merger.core import MergerCore, ReplayError
-from merger.logmatch import genesis_id, genesis_of, set_aside_from, terms_of
+from merger.core import MergerCore
+from merger.logmatch import genesis_id, genesis_of, newest_epoch, set_aside_from, terms_of
 from merger.recovery import checkpoint_dir, recover, wal_dir
 from merger.replication_wire import (DIGEST, FOLLOW, LEASE, RECORD, REFUSED, START, STORED, ReplicationConfig, ReplicationError,
                                      decode, encode, fragment_digest, read_record)
@@ -38,6 +38,7 @@ from protocol.errors import DlocoError
 POLL_MS = 50
 DRAIN_LIMIT = 256
 RECEIVE_HWM = 4096  # records queued from the primary (it sends at most replication.WINDOW_BYTES beyond what we stored)
+UNAPPLIED_BYTES = 256 << 20  # stored records' payloads waiting to be applied: beyond this the socket waits (a catch-up's memory)
 DIGESTS_KEPT = 4096  # fold digests awaiting their other half (a fold the primary made alone never gets one)
 
 
@@ -57,7 +58,8 @@ class Takeover:
     wal: WriteAheadLog
     lock: RunDirLock
     epoch: int
-    terms: list[tuple[int, int]]
+    terms: list[tuple[int, int]]  # (epoch, first index) of each term of its log
+    term: int  # its term's number
 
 
 class Standby:
@@ -80,7 +82,8 @@ class Standby:
         """Open the log and rebuild the state from it (none while the log is empty)."""
         self.wal = WriteAheadLog(wal_dir(self.config.run_dir), fsync=self.config.fsync)
         self.unapplied: collections.deque[tuple[int, dict]] = collections.deque()  # stored, not yet applied
-        self.terms, _, _ = terms_of(wal_dir(self.config.run_dir))
+        self.unapplied_bytes, self.refollow = 0, False
+        self.terms, _, self.term = terms_of(wal_dir(self.config.run_dir))
         self.core = recover(self.config.run_dir) if self.wal.next_index > 0 else None
         if self.core is not None:
             self._warm_up()
@@ -103,7 +106,7 @@ class Standby:
         try:
             while not self.stopping:
                 dealer.poll(POLL_MS)
-                for _ in range(DRAIN_LIMIT):
+                for _ in range(DRAIN_LIMIT if self.unapplied_bytes < UNAPPLIED_BYTES else 0):  # full: apply first
                     try:
                         frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
@@ -112,7 +115,7 @@ class Standby:
                 if unsynced:  # stored first, applied after: the primary waits for the disk, not for our folds
                     self.wal.sync()
                     unsynced = False
-                    _send(dealer, encode(STORED, {"length": self.wal.next_index, "generation": self.generation}))
+                    self._stored(dealer)
                 self._apply_stored(deadline=time.monotonic() + self.replication.lease_s / 6)  # then back to the socket
                 if self.folds >= next_checkpoint and not self.unapplied:
                     checkpoint.save(checkpoint_dir(self.config.run_dir), self.core, self.wal.next_index)
@@ -120,12 +123,13 @@ class Standby:
                 if dealer.poll(0) or self.unapplied:
                     continue  # more to do first: silence is judged on an empty queue
                 now = time.monotonic()
-                if now - max(self.asked, self.heard or -float("inf")) > self.replication.lease_s / 3:
+                if self.refollow or now - max(self.asked, self.heard or -float("inf")) > self.replication.lease_s / 3:
                     # at start, after a lost record, and whenever the primary is silent: a restarted primary learns of us so
                     self.generation += 1
                     sent = _send(dealer, encode(FOLLOW, {"length": self.wal.next_index, "terms": self.terms, "genesis": self.genesis,
                                                          "generation": self.generation}))
-                    self.asked, self.started = (now if sent else self.asked), False  # unsent (no primary bound yet): again next turn
+                    if sent:  # unsent (no primary bound yet): again next turn
+                        self.asked, self.started, self.refollow = now, False, False
                 if self.heard is not None and now - self.heard > self.replication.lease_s and self.core is not None:
                     return self._take_over(now)
                 if probe and self.heard is None and now - began > 2 * self.replication.lease_s:
@@ -145,7 +149,7 @@ class Standby:
         if kind == LEASE:
             self.primary_epoch, self.primary_term = max(self.primary_epoch, body["epoch"]), body["term"]
             self.primary_length, self.primary_state = body["length"], body["state"]
-            _send(dealer, encode(STORED, {"length": self.wal.durable, "generation": self.generation}))
+            self._stored(dealer)
         elif kind == START and body["generation"] == self.generation:
             self._start_at(body["at"])
             self.started = True
@@ -156,6 +160,12 @@ class Standby:
         elif kind == REFUSED:
             raise Refused(f"the primary at {self.replication.peer} refuses this standby: {body['why']}")
         return False
+
+    def _stored(self, dealer: zmq.Socket) -> None:
+        """Say how much of the log is on our disk, for the stream our latest follow started (before
+        its `start`, records may still be set aside)."""
+        if self.started:
+            _send(dealer, encode(STORED, {"length": self.wal.durable, "generation": self.generation}))
 
     def _start_at(self, at: int) -> None:
         if at >= self.wal.next_index:
@@ -172,22 +182,23 @@ class Standby:
             index, record, blobs = read_record(body, rest)
         except ReplicationError as error:
             self.log.warning("replication_message_rejected", reason=error.reason, detail=str(error)[:200])
-            self.asked = -float("inf")  # follow again from where our log ends: the primary resends from there
+            self.refollow = True  # follow again from where our log ends: the primary resends from there
             return False
         if index != self.wal.next_index:
-            if index > self.wal.next_index:  # beyond a gap: a record was lost on the way
-                self.asked = -float("inf")
+            self.refollow |= index > self.wal.next_index  # beyond a gap: a record was lost on the way
             return False
         if record["type"] != records.GENESIS and self.core is None:
             raise Diverged(f"record {index} arrived before any genesis record")
         self.wal.append(record, blobs)
         if record["type"] == records.GENESIS:
-            self.core, self.terms, self.genesis = MergerCore.from_genesis(record), [(0, 0)], genesis_id(record)
+            self.core, self.terms, self.term, self.genesis = MergerCore.from_genesis(record), [(0, 0)], 0, genesis_id(record)
             self._warm_up()
             return True
         if record["type"] == records.TERM:
-            self.terms.append((record["term"], index))
+            self.terms.append((record["epoch"], index))
+            self.term = max(self.term, record["term"])
         self.unapplied.append((index, {**record, "blobs": [blob for blob, _ in blobs]} if blobs else record))
+        self.unapplied_bytes += sum(blob.nbytes for blob, _ in blobs)
         return True
 
     def _apply_stored(self, deadline: float = float("inf")) -> None:
@@ -195,10 +206,11 @@ class Standby:
         (at least one).  A record this state cannot apply is a divergence."""
         while self.unapplied:
             index, record = self.unapplied.popleft()
+            self.unapplied_bytes -= sum(blob.nbytes for blob in record.get("blobs", ()))
             try:
                 report = self.core.apply_record(record, index)
-            except (ReplayError, KeyError, ValueError, TypeError) as error:
-                raise Diverged(f"log record {index} does not apply here: {error}") from error
+            except Exception as error:  # noqa: BLE001 — whatever the reason, this state is not the primary's
+                raise Diverged(f"log record {index} does not apply here: {error!r}") from error
             if report is not None:
                 self.folds += 1
                 fragment = record["fragment"]
@@ -223,17 +235,16 @@ class Standby:
 
     def _take_over(self, now: float) -> Takeover:
         self._apply_stored()
-        epoch = max(time.time_ns(), self.primary_epoch + 1)
-        term = max(self.terms[-1][0] if self.terms else 0, self.primary_term) + 1
-        self.wal.append(records.term_record(term, epoch))
+        epoch = max(time.time_ns(), self.primary_epoch + 1, newest_epoch(self.terms) + 1)  # above every epoch it has seen
+        term = max(self.term, self.primary_term) + 1
+        self.terms.append((epoch, self.wal.append(records.term_record(term, epoch))))
         self.wal.sync()
-        self.terms.append((term, self.wal.next_index - 1))
         behind = self.primary_length - (self.wal.next_index - 1)
         (self.log.error if behind > 0 else self.log.warning)(
             "taking_over", silent_s=round(now - self.heard, 3), epoch=epoch, term=term, length=self.wal.next_index,
             versions=[state.version for state in self.core.states], folds_compared=self.compared,
             primary_said=self.primary_state, behind_records=max(0, behind))
-        return Takeover(self.core, self.wal, self.lock, epoch, self.terms)
+        return Takeover(self.core, self.wal, self.lock, epoch, self.terms, term)
 
     def close(self) -> None:
         if self.warming is not None:

@@ -45,6 +45,7 @@ class StreamKeeping:
                     self.count("merger/resend_requests")
                 except zmq.ZMQError:  # not connected (yet): the next round asks again
                     self.count("merger/resend_unroutable")
+                    self.gap_since.pop(island, None)  # not asked: the wait starts again
         if now >= self.next_cursor:
             self.next_cursor = now + CURSOR_S
             self.publish_ack([])
@@ -61,11 +62,14 @@ class StreamKeeping:
         holds it: its sender released it on an acknowledgement this merger's log does not have (a
         standby that took over behind, or async replication).  Skip it (an error, counted) rather
         than hold everything after it and stall the island."""
+        if island in self.gone:  # not asked meanwhile: the wait starts when it is back
+            self.gap_since.pop(island, None)
+            return False
         since = self.gap_since.setdefault(island, (stream.delivered, now))
         if since[0] != stream.delivered:
             self.gap_since[island] = (stream.delivered, now)
             return False
-        if island in self.gone or now - since[1] < GAP_GIVE_UP_S:
+        if now - since[1] < GAP_GIVE_UP_S:
             return False
         ready, skipped = self.tracker.skip_gap(island)
         self.gap_since.pop(island, None)

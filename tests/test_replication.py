@@ -25,13 +25,14 @@ from protocol.errors import DlocoError
 from tests.test_broker import BrokerProcess, heartbeat, pair
 
 
-@pytest.mark.parametrize("mine, my_length, theirs, their_length, agreed", [
+@pytest.mark.parametrize("mine, my_length, theirs, their_length, agreed", [  # terms: (epoch, first index)
     ([(0, 0)], 10, [(0, 0)], 10, 10),  # the same log
     ([(0, 0)], 10, [(0, 0)], 6, 6),  # a standby behind
     ([(0, 0)], 10, [(0, 0)], 12, 10),  # a standby ahead in the same term: the primary lost an unsynced tail
     ([(0, 0), (1, 8)], 15, [(0, 0)], 11, 8),  # the standby took over at 8; the old primary wrote 8..10 meanwhile
     ([(0, 0), (2, 9)], 20, [(0, 0), (1, 8)], 12, 8),  # a term the primary never saw: back to the last shared one
     ([(0, 0), (1, 8)], 15, [(0, 0), (1, 8)], 13, 13),  # both in term 1
+    ([(0, 0), (500, 100)], 150, [(0, 0), (400, 100)], 201, 100),  # two primaries opened a term at 100: their epochs differ
     ([(0, 0)], 10, [], 0, 0),  # an empty log
 ])
 def test_the_logs_agree_up_to_where_their_newest_shared_term_ends_in_either(mine, my_length, theirs, their_length, agreed):
@@ -54,7 +55,7 @@ def test_a_log_set_aside_from_a_record_keeps_everything_before_it_and_moves_the_
     (tmp_path / "ckpt").mkdir()
     for n in (5, 7, 9):
         (tmp_path / "ckpt" / f"{n:012d}.ckpt").write_bytes(b"x")
-    assert terms_of(tmp_path / "wal") == ([(0, 0), (1, 9)], 12, 99)
+    assert terms_of(tmp_path / "wal") == ([(0, 0), (99, 9)], 12, 1)  # terms by epoch; the newest term number
     moved = set_aside_from(tmp_path / "wal", 7, tmp_path / "ckpt")
     assert [index for index, _ in read_records(tmp_path / "wal")] == list(range(7))
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"{5:012d}.ckpt", f"{7:012d}.ckpt"]  # 9 covered records 7, 8
