@@ -73,8 +73,12 @@ class GapTracker:
             stream.held_bytes += nbytes
             self.held_bytes += nbytes
             return []
-        ready = [message]
         stream.delivered = seq
+        return [message, *self._release_held(stream)]
+
+    def _release_held(self, stream: _Stream) -> list[Any]:
+        """The held messages that follow what was delivered, now deliverable in order."""
+        ready = []
         while stream.delivered + 1 in stream.held:
             stream.delivered += 1
             held, nbytes = stream.held.pop(stream.delivered)
@@ -113,14 +117,7 @@ class GapTracker:
         if stream is None or not ranges:
             return [], None
         stream.delivered = ranges[0][1]
-        ready = []
-        while stream.delivered + 1 in stream.held:
-            stream.delivered += 1
-            held, nbytes = stream.held.pop(stream.delivered)
-            stream.held_bytes -= nbytes
-            self.held_bytes -= nbytes
-            ready.append(held)
-        return ready, ranges[0]
+        return self._release_held(stream), ranges[0]
 
     def cursor(self, sender: str) -> tuple[int, int] | None:
         """(epoch, seq): everything up to seq of this incarnation was delivered."""
