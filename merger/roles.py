@@ -1,7 +1,7 @@
 """A merger with a peer: standby or primary, and back (merger/standby.py, merger/replication.py).
 
 Without a peer a merger is the primary, as always.  With one it starts as the standby when told
-to (`--standby-of`), else it first asks the peer for one lease whether it is the primary (a merger
+to (`--standby-of`), else it first asks the peer for two leases whether it is the primary (a merger
 restarted after its standby took over must not publish beside it) and becomes its standby if so.
 A standby whose primary's lease lapses takes over; a primary fenced by a newer one steps down and
 follows it.
@@ -66,7 +66,7 @@ def run_merger_roles(config: ServiceConfig, core_factory=None) -> tuple[int, Mer
                 if standby.stopping:
                     log.info("stopped", standby=True, length=standby.wal.next_index)
                     return 0, service
-                log.info("no_primary", peer=replication.peer, waited_s=replication.lease_s)
+                log.info("no_primary", peer=replication.peer, waited_s=2 * replication.lease_s)
                 if core_factory is None and standby.wal.next_index == 0:
                     raise ConfigError(f"{config.run_dir} holds no log, no primary answers at {replication.peer}, and no --init-npz was given")
             service = MergerService(config, core_factory=core_factory, takeover=takeover)
