@@ -54,9 +54,10 @@ class LiveView:
                          f"from {', '.join(folds[-1]['contributors'])} (staleness {folds[-1]['staleness']})")
         for name, log in self.roles.items():
             for event in log.new():
-                self.role[name] = role_line(event, self.role.get(name))
+                if (role := role_line(event, self.role.get(name))) is not None:  # a merger with a peer says its role
+                    self.role[name] = role
         if self.role:
-            lines.append("mergers: " + "; ".join(f"{name.removesuffix('.log')} {what}" for name, what in sorted(self.role.items()) if what))
+            lines.append("mergers: " + "; ".join(f"{name.removesuffix('.log')} {what}" for name, what in sorted(self.role.items())))
         text = "\n".join(lines)
         if self.tty:
             self.out.write("\x1b[H\x1b[2J" + text + "\n")

@@ -171,3 +171,13 @@ def test_a_standby_whose_fold_differs_from_the_primarys_raises_whichever_digest_
     standby._compare(11, "cc", None)
     with pytest.raises(Diverged, match="fragment 1 after log record 11"):
         standby._compare(11, None, (1, "dd"))
+
+
+def test_the_live_view_names_a_mergers_role_from_its_log_events_only():
+    from cluster.liveview import role_line
+
+    assert role_line({"event": "fold"}, None) is None  # a merger without a peer: no role line at all
+    assert role_line({"event": "following"}, None) == "standby"
+    assert role_line({"event": "fold"}, "standby") == "standby"
+    assert role_line({"event": "replication", "state": "alone"}, "primary").startswith("primary, standby alone")
+    assert role_line({"event": "taking_over", "epoch": 7}, "standby") == "primary (took over, epoch 7)"
