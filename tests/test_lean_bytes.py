@@ -1,7 +1,10 @@
 """The lean wire configuration in a real cluster (`dloco up`, three islands, one at half speed):
 topk2 deltas with error feedback up, folded by the merger from their records; int2 diffs held to
 one per fragment per mean round down, applied by every island with a matching digest.  Bounded by
-work (steps), so what is asserted holds whatever share of the CPU a process gets."""
+work (steps), so what is asserted holds whatever share of the CPU a process gets: how many folds a
+held snapshot carries depends on the clock (the round is measured in seconds, and a loaded merger
+already folds a whole round at once), so that count is checked where the clock is the test's
+(test_merger_process.test_held_snapshots_carry_every_fold_and_the_last_one_goes_out)."""
 
 from __future__ import annotations
 
@@ -40,10 +43,9 @@ def test_topk2_deltas_train_and_held_diffs_go_down_fewer_than_the_folds(tmp_path
     assert {name for fold in folds for name in fold["contributors"]} == set(ISLANDS), folds[:3]
     for name in ISLANDS:
         done = next(json.loads(line) for line in open(run / "logs" / f"{name}.log") if '"event": "done"' in line)
-        # every diff applied to the value the merger served (no island asked again); and with every fold
-        # on the bus each island would apply about one diff per fold: held to one per fragment per mean
-        # round (about one per 2.5 folds here), far fewer, even with the first round's folds all going out
-        assert 2 <= done["snapshots"].get("diff", 0) <= 0.8 * len(folds) and done["snapshots"].get("mismatch", 0) == 0, (done, len(folds))
+        # every diff applied to the value the merger served (no island asked again), each carrying at
+        # least one fold
+        assert 2 <= done["snapshots"].get("diff", 0) <= len(folds) and done["snapshots"].get("mismatch", 0) == 0, (done, len(folds))
         last = [e for e in read_events(run / "metrics" / f"{name}.jsonl") if e.get("step", 0) > 0][-1]
         assert 0 < last["bytes_received_values"] < last["bytes_received"], last
     report = (run / "report.md").read_text()
