@@ -106,10 +106,14 @@ def in_order(events: list[ChaosEvent]) -> tuple[ChaosEvent, ...]:
     return tuple(sorted(events, key=lambda e: e.at_s)) if all(e.at_s is not None and not e.relative for e in events) else tuple(events)
 
 
-def check(schedule: tuple[ChaosEvent, ...], processes: list[str], islands: list[str] | None = None) -> None:
+def check(schedule: tuple[ChaosEvent, ...], processes: list[str], islands: list[str] | None = None,
+          groups: Mapping[str, list[str]] | None = None) -> None:
     """Every target exists; in firing order, a process is killed only while running and restarted
-    only after a kill; an event waits only for the steps of an island that is running then."""
+    only after a kill; an event waits only for the steps of an island that is running then.
+    `groups`: a process -> every process of its island (a multi-host island goes down and comes
+    back as a whole: cluster/launcher.py)."""
     islands = [p for p in processes if p not in (*MERGERS, "broker")] if islands is None else islands
+    groups = groups or {}
     down: set[str] = set()
     for event in schedule:
         require(event.target in processes, f"chaos event {event}: unknown process {event.target!r}; known: {', '.join(processes)}")
@@ -119,10 +123,10 @@ def check(schedule: tuple[ChaosEvent, ...], processes: list[str], islands: list[
         if event.action in ("kill", "lose-disk"):
             require(event.action == "kill" or event.target in MERGERS, f"chaos event {event}: only a merger has a disk to lose")
             require(event.target not in down, f"chaos event {event}: {event.target} is already down")
-            down.add(event.target)
+            down.update(groups.get(event.target, [event.target]))
         else:
             require(event.target in down, f"chaos event {event}: {event.target} was not killed before")
-            down.discard(event.target)
+            down.difference_update(groups.get(event.target, [event.target]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,12 +166,12 @@ def effects(executed: list[dict], steps: dict[str, list[float]], joins: dict[str
     rows = []
     ordered = sorted(executed, key=lambda e: e["wall"])
     for index, event in enumerate(ordered):
-        t = event["wall"]
+        t, target = event["wall"], event["target"].partition(".")[0]  # a multi-host island's process NAME.I: the island NAME
         after_end = min(t + window_s, ordered[index + 1]["wall"]) if index + 1 < len(ordered) else t + window_s
         before_start = max(t - window_s, ordered[index - 1]["wall"]) if index > 0 else t - window_s
         rates = {}
         for island, times in steps.items():
-            if island == event["target"] or after_end <= t or t <= before_start:
+            if island == target or after_end <= t or t <= before_start:
                 continue
             before = _count(times, before_start, t) / (t - before_start)
             after = _count(times, t, after_end) / (after_end - t)
@@ -180,14 +184,14 @@ def effects(executed: list[dict], steps: dict[str, list[float]], joins: dict[str
             length = back - t
             row["absence_s"] = length
             row["during_absence"] = {island: _count(times, t, back) / _count(times, t - length, t) if _count(times, t - length, t) else None
-                                     for island, times in steps.items() if island != event["target"]}
+                                     for island, times in steps.items() if island != target}
         if event["action"] != "restart" and event["target"] == "merger":  # with a standby: how soon the next fold came
             later = [w for w, _ in folds if w >= t]
             row["first_fold_s"] = later[0] - t if later else None
         if event["action"] == "restart":
-            if event["target"] in steps:  # an island: when did it rejoin, and when was its first delta folded?
-                rejoined = [w for w in joins.get(event["target"], []) if w >= t]
-                folded = [w for w, cs in folds if w >= t and event["target"] in cs]
+            if target in steps:  # an island: when did it rejoin, and when was its first delta folded?
+                rejoined = [w for w in joins.get(target, []) if w >= t]
+                folded = [w for w, cs in folds if w >= t and target in cs]
                 row["rejoined_s"] = rejoined[0] - t if rejoined else None
                 row["first_fold_s"] = folded[0] - t if folded else None
             else:

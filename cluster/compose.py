@@ -45,6 +45,7 @@ HEADER = """\
 
 
 METRICS_BASE_PORT = 9100  # the broker's; then the merger, the evaluator and each region in order
+COORDINATOR_BASE_PORT = 5600  # the first multi-host region's jax.distributed coordinator; then the next one's
 STATUS_PORT, PROMETHEUS_PORT, GRAFANA_PORT = 8080, 9090, 3000
 
 
@@ -55,6 +56,11 @@ def _port(name: str, default: int | None = None) -> str:
 def metrics_variable(service: str) -> str:
     """The variable that moves a service's metrics port: DLOCO_METRICS_PORT_US_EAST for us-east."""
     return "DLOCO_METRICS_PORT_" + re.sub(r"[^A-Z0-9]", "_", service.upper())
+
+
+def coordinator_variable(region: str) -> str:
+    """The variable that moves a multi-host region's coordinator port (its process 0 listens there)."""
+    return "DLOCO_COORDINATOR_PORT_" + re.sub(r"[^A-Z0-9]", "_", region.upper())
 
 
 def port_variables(text: str) -> list[str]:
@@ -71,9 +77,12 @@ def render(config: ClusterConfig, profile: str, config_dir: Path | None = None) 
     require(len(set(variables)) == len(variables), f"regions {[r.name for r in config.regions]}: two names give one port variable "
             f"({', '.join(sorted(v for v in variables if variables.count(v) > 1))}); rename one")
     metrics_ports = {name: _port(metrics_variable(name), METRICS_BASE_PORT + i) for i, name in enumerate(metered)}
+    coordinators = {r.name: _port(coordinator_variable(r.name), COORDINATOR_BASE_PORT + i)
+                    for i, r in enumerate(r for r in config.regions if r.hosts > 1)}
     at = topology.Addresses(broker_ports=tuple(_port(n) for n in list(PORTS)[:4]), control_port=_port("DLOCO_CONTROL_PORT"),
                             broker_host="broker", merger_host="merger", bind_host="*", metrics_ports=metrics_ports, standby_host="standby",
-                            standby_ports=(_port("DLOCO_STANDBY_CONTROL_PORT"), _port("DLOCO_REPLICATION_PORT"), _port("DLOCO_STANDBY_REPLICATION_PORT")))
+                            standby_ports=(_port("DLOCO_STANDBY_CONTROL_PORT"), _port("DLOCO_REPLICATION_PORT"), _port("DLOCO_STANDBY_REPLICATION_PORT")),
+                            coordinator_ports=coordinators, coordinator_host=None)
     config_dir = (config_dir or Path(profile).parent).resolve()
     inputs = _inputs(config)
 
@@ -111,10 +120,11 @@ def render(config: ClusterConfig, profile: str, config_dir: Path | None = None) 
                                   {"broker": "service_healthy"}, stop_grace_period="60s")}
     if config.merger.standby:  # follows the merger's log; takes over if the merger's lease lapses (PROTOCOL.md §12)
         services["standby"] = service(commands["standby"], None, {"broker": "service_healthy"}, stop_grace_period="60s")
-    for region in config.regions:  # healthy while its metrics keep coming
+    for region in config.regions:  # healthy while its metrics keep coming; one service per host of the region
         cpus = {"cpus": round(config.cpus_of(region), 4)} if config.island_cpus else {}  # docker's CPU quota, as dloco up sets it
-        services[region.name] = service(commands[region.name], [f"{RUN}/metrics/{region.name}.jsonl", "--max-age", "120"],
-                                        {"merger": "service_healthy"}, stop_grace_period="60s", **cpus)
+        for name in region.processes:
+            services[name] = service(commands[name], [f"{RUN}/metrics/{name}.jsonl", "--max-age", "120"],
+                                     {"merger": "service_healthy"}, stop_grace_period="60s", **cpus)
     services["evaluator"] = service(commands["evaluator"], None, {"merger": "service_healthy"})
     status_port = _port("DLOCO_STATUS_PORT", STATUS_PORT)
     services["status"] = service(["status", RUN, "--host", "0.0.0.0", "--port", status_port], None, {"prepare": "service_completed_successfully"},

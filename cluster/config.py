@@ -34,14 +34,22 @@ class Region:
     uplink_mbps: float | None = None  # None: unlimited
     downlink_mbps: float | None = None
     rtt_ms: float = 0.0
+    hosts: int = 1  # processes of the island (jax.distributed, island/group.py): one per host of the region
 
     def __post_init__(self) -> None:
         require(self.name.replace("-", "").replace("_", "").isalnum(), f"region name must be letters, digits, '-' or '_', got {self.name!r}")
+        require(type(self.hosts) is int and 1 <= self.hosts <= 64, f"region {self.name}: hosts must be an int in [1, 64], got {self.hosts!r}")
         require(self.slowdown >= 1, f"region {self.name}: slowdown must be >= 1, got {self.slowdown}")
         for key in ("uplink_mbps", "downlink_mbps"):
             value = getattr(self, key)
             require(value is None or value > 0, f"region {self.name}: {key} must be > 0, got {value}")
         require(self.rtt_ms >= 0, f"region {self.name}: rtt_ms must be >= 0, got {self.rtt_ms}")
+
+    @property
+    def processes(self) -> list[str]:
+        """The island's process names: the region's own (process 0, which holds the bus links),
+        then `NAME.1`, `NAME.2`, ... for the other hosts."""
+        return [self.name, *(f"{self.name}.{index}" for index in range(1, self.hosts))]
 
 
 _MODEL_FIELDS = {field.name for field in dataclasses.fields(ModelConfig)}
@@ -171,7 +179,10 @@ class ClusterConfig:
                 f"[task] values must be strings, numbers or booleans under identifier keys, got {dict(self.task_options)!r}")
         for name, kind in (("model", ModelSection), ("sync", SyncConfig), ("merger", MergerSection)):
             require(type(getattr(self, name)) is kind, f"ClusterConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
-        check(self.chaos, self.process_names, [r.name for r in self.regions])
+        for region in self.regions:
+            require(self.model.batch % region.hosts == 0,
+                    f"region {region.name}: model.batch ({self.model.batch}) must be divisible by its hosts ({region.hosts}): each takes an equal part")
+        check(self.chaos, self.process_names, [r.name for r in self.regions], {p: r.processes for r in self.regions for p in r.processes})
         require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
         sync, merger = self.effective()
         require(not self.max_steps or self.max_steps >= sync.interval,
@@ -200,7 +211,7 @@ class ClusterConfig:
 
     @property
     def process_names(self) -> list[str]:
-        return [r.name for r in self.regions] + ["merger", *(["standby"] if self.merger.standby else []), "broker"]
+        return [p for r in self.regions for p in r.processes] + ["merger", *(["standby"] if self.merger.standby else []), "broker"]
 
     def with_duration(self, seconds: float | None) -> ClusterConfig:
         return self if seconds is None else dataclasses.replace(self, duration_s=seconds)

@@ -43,6 +43,7 @@ from protocol.errors import DlocoError
 ENDPOINTS = "endpoints.json"  # in a run directory: where each process serves its Prometheus metrics
 AUXILIARY = ("evaluator", "status")  # their end is reported, never a run's failure: the islands and the merger train without them
 STOP_TIMEOUT_S = 150.0  # an island drains (up to 30 s), then may evaluate its --eval-trace (up to 90 s)
+GROUP_END_TIMEOUT_S = 60.0  # the rest of a multi-host island whose process was killed: it drains (up to 30 s) and exits
 EXIT_FAILED, EXIT_INTERRUPTED = 1, 130  # a run that failed or did not train; one stopped by Ctrl-C or SIGTERM
 LAUNCHER_PID = "DLOCO_LAUNCHER_PID"  # in a started process's environment: the launcher it dies with
 
@@ -86,13 +87,15 @@ def prepare(config: ClusterConfig, run_dir: Path) -> None:
 def native_services(config: ClusterConfig, run_dir: Path) -> dict[str, Service]:
     """Broker, merger and islands as processes of this Python on 127.0.0.1, free ports."""
     names = ["broker", "merger", *(["standby"] if config.merger.standby else []), "evaluator", *(r.name for r in config.regions)]
-    ports = [str(p) for p in free_ports(8 + len(names))]
+    groups = [r.name for r in config.regions if r.hosts > 1]
+    ports = [str(p) for p in free_ports(8 + len(names) + len(groups))]
     at = topology.Addresses(broker_ports=tuple(ports[:4]), control_port=ports[4], standby_ports=tuple(ports[5:8]),
-                            metrics_ports=dict(zip(names, ports[8:], strict=True)))
+                            metrics_ports=dict(zip(names, ports[8:8 + len(names)], strict=True)),
+                            coordinator_ports=dict(zip(groups, ports[8 + len(names):], strict=True)))
     commands = topology.commands(config, at, str(run_dir))
     (run_dir / ENDPOINTS).write_text(json.dumps({"metrics": {name: f"http://127.0.0.1:{port}/metrics" for name, port in at.metrics_ports.items()}},
                                                 indent=2) + "\n")
-    cpus = {r.name: config.cpus_of(r) for r in config.regions}
+    cpus = {name: config.cpus_of(r) for r in config.regions for name in r.processes}
     return {name: Service(dloco(*args), cpus=cpus.get(name)) for name, args in commands.items()}
 
 
@@ -102,6 +105,9 @@ class Cluster:
         self.processes: dict[str, subprocess.Popen] = {}
         self.down: set[str] = set()  # killed on purpose (chaos), not yet restarted
         self.killed_as: dict[str, str] = {}  # chaos target -> the process its kill killed (a merger's role moves)
+        # A multi-host island's processes (config.Region.processes) go down and come back together:
+        # when one dies the others end by themselves (island/group.py), and a restart starts them all.
+        self.groups = {name: region.processes for region in config.regions for name in region.processes}
         capped = {name: services[name].cpus for name in order if services[name].cpus}  # what this run starts
         self.quotas = None
         if capped:  # before anything starts: a machine without the controller fails here, with the reason
@@ -169,7 +175,7 @@ class Cluster:
         if ended is None:
             process.kill()
         process.wait(timeout=30)
-        self.down.add(name)
+        self.down.update(self.groups.get(name, [name]))
         return ended
 
     def lose_disk(self, name: str) -> int | None:
@@ -179,7 +185,18 @@ class Cluster:
         return ended
 
     def restart(self, name: str) -> None:
-        self.start(self.killed_as.pop(name, name))
+        """Start a killed process again; every process of a multi-host island, once the others of
+        it have ended (they end by themselves within the group's timeout; else they are killed)."""
+        name = self.killed_as.pop(name, name)
+        for member in self.groups.get(name, [name]):
+            if member in self.processes and self.processes[member].poll() is None and member != name:
+                try:
+                    self.processes[member].wait(timeout=GROUP_END_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    self.processes[member].kill()
+                    self.processes[member].wait(timeout=30)
+        for member in self.groups.get(name, [name]):
+            self.start(member)
 
     def quota_summary(self) -> str | None:
         """One line on the CPU quotas (None without), with a warning when they add up to more than
@@ -236,13 +253,13 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
     share_compilations()
     if compose_file is None:
         services = native_services(config, run_dir)
-        order = ["broker", "merger", *(["standby"] if config.merger.standby else []), "evaluator", *(r.name for r in config.regions)]
+        order = ["broker", "merger", *(["standby"] if config.merger.standby else []), "evaluator", *(p for r in config.regions for p in r.processes)]
     else:
         variables = compose.port_variables(compose_file.read_text())
         ports = dict(zip(variables, map(str, free_ports(len(variables))), strict=True))
         services = compose.load(compose_file, {"DLOCO_RUN_DIR": str(run_dir), **ports})
         order = compose.start_order(services, wanted)
-        unknown = [n for n in order if n not in ("prepare", "broker", *MERGERS, "evaluator", "status") and n not in {r.name for r in config.regions}]
+        unknown = [n for n in order if n not in ("prepare", "broker", *MERGERS, "evaluator", "status") and n not in config.process_names]
         if unknown:
             raise LaunchError(f"{compose_file}: services {unknown} are not regions of the cluster file")
         config = dataclasses.replace(config, regions=tuple(r for r in config.regions if r.name in order))

@@ -22,6 +22,8 @@ class Addresses:
     metrics_ports: dict[str, str] | None = None  # process name -> its Prometheus port (None: no metrics)
     standby_ports: tuple[str, str, str] | None = None  # with [merger] standby: its control port, the merger's and its replication ports
     standby_host: str = "127.0.0.1"
+    coordinator_ports: dict[str, str] | None = None  # a multi-host region -> its coordinator's port (process 0 listens there)
+    coordinator_host: str | None = "127.0.0.1"  # None: the region's own name (its process 0's service)
 
     def metrics(self, name: str) -> list[str]:
         """A process's --metrics-port/--metrics-host flags (none without a port)."""
@@ -97,6 +99,12 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str, place=lambda pa
             "--slowdown", 1.0 if config.island_cpus else region.slowdown, *links, "--rtt-ms", region.rtt_ms, "--keys", keys,
             "--delta-endpoint", at.broker(0), "--snapshot-endpoint", at.broker(3), "--control-endpoint", control,
             "--metrics-out", f"{run_dir}/metrics/{region.name}.jsonl", "--join-timeout", 300]
+        if region.hosts > 1:  # one process per host; process 0 (the region's name) holds the bus links and the coordinator
+            coordinator = f"{at.coordinator_host or region.name}:{at.coordinator_ports[region.name]}"
+            island = out.pop(region.name)
+            for index, name in enumerate(region.processes):
+                own = island if index == 0 else _without(island, "--metrics-out") + ["--metrics-out", f"{run_dir}/metrics/{name}.jsonl"]
+                out[name] = [*own, "--coordinator", coordinator, "--num-processes", region.hosts, "--process-id", index]
     return {name: [str(arg) for arg in [*args, *at.metrics(name)]] for name, args in out.items()}
 
 

@@ -53,7 +53,7 @@ class FragmentProgress:
 class IslandLoop:
     def __init__(self, trainer: Trainer, batches: Iterator[Any], eval_batches: Sequence[Any], train: TrainConfig, sync: SyncConfig,
                  metrics: MetricsWriter, link: Link | None = None, slowdown: float = 1.0, log=None,
-                 on_compiled: Callable[[], None] | None = None, count: Callable[[Any], int] | None = None) -> None:
+                 on_compiled: Callable[[], None] | None = None, count: Callable[[Any], int] | None = None, group=None) -> None:
         if slowdown < 1:
             raise ValueError(f"slowdown must be >= 1, got {slowdown}")
         self.trainer, self.batches, self.eval_batches = trainer, batches, eval_batches
@@ -66,6 +66,9 @@ class IslandLoop:
         self.tokens, self.compute_s, self.started = 0, 0.0, None
         self.wait_s = 0.0  # time spent blocked on the merger (synchronous modes only)
         self.stop_requested = False  # set from a signal handler: finish the current step, then stop
+        # A multi-process island (island/group.py): the leader's parameter changes are staged and
+        # reach every process once per step, with the stop requests, which all processes then agree on.
+        self.group, self.staged, self.group_stop = group, {}, False
         self.trace: list[tuple[dict, dict[str, np.ndarray]]] = []  # (step event, parameters after it): train.eval_trace
 
     def join(self, timeout_s: float) -> None:
@@ -73,6 +76,12 @@ class IslandLoop:
         fragment and adopt it.  Raises JoinTimeout if the merger does not answer in time, and
         ModelMismatch (naming the first differing parameter) if its model is not this task's; returns
         early when a stop is requested (run() then stops before its first step)."""
+        if self.link is not None:  # on an error the others of a multi-process island learn it from the broken group
+            self._join(timeout_s)
+        if self.group is not None:  # every process takes the leader's values (and a stop asked meanwhile)
+            self._agree()
+
+    def _join(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         waiting = set(range(len(self.progress)))
         theta = self.trainer.params()
@@ -85,7 +94,7 @@ class IslandLoop:
                 theirs.update({p: np.shape(v) for p, v in tensors.items()})
                 if (difference := first_difference(theirs, {p: ours[p] for p in theirs if p in ours})) is not None:  # so far: what arrived
                     raise ModelMismatch(f"the merger trains another model than this task: {difference}")
-                self.trainer.set_params(exchange.adopt(theta, tensors, 0.0))
+                self._set(exchange.adopt(theta, tensors, 0.0))
                 self.progress[fragment] = FragmentProgress({p: np.asarray(v, np.float32) for p, v in tensors.items()}, version)
                 waiting.discard(fragment)
             self._refuse_foreign(ours)
@@ -114,7 +123,7 @@ class IslandLoop:
         self.metrics.write({"step": 0, "tokens": 0, **held_out, "time": 0.0, "wall": time.time()})
         loss, step = float("nan"), 0
         for step in range(1, max_steps + 1):
-            if self.stop_requested:
+            if self.group_stop if self.group is not None else self.stop_requested:
                 step -= 1
                 break
             batch = next(self.batches)
@@ -131,7 +140,7 @@ class IslandLoop:
             for progress in self.progress:
                 progress.steps += 1
                 progress.tokens += step_tokens
-            if self.link is not None:
+            if self.link is not None or self.group is not None:
                 self._exchange(step)
             event = {"step": step, "tokens": self.tokens, "loss": loss, "grad_norm": grad_norm, "time": time.perf_counter() - self.started,
                      "wall": time.time(), "compute_util": self.compute_s / (time.perf_counter() - self.started),
@@ -139,7 +148,8 @@ class IslandLoop:
                      "bytes_received_values": getattr(self.link, "bytes_received_values", 0),
                      "snapshot_version": [p.version for p in self.progress], "wait_s": self.wait_s}
             early = self.train.eval_early and step < self.train.eval_every and step & (step - 1) == 0  # a power of two
-            if step % self.train.eval_every == 0 or early or step == max_steps or self.stop_requested:
+            stopping = self.group_stop if self.group is not None else self.stop_requested
+            if step % self.train.eval_every == 0 or early or step == max_steps or stopping:
                 event.update(self._evaluate())
                 eval_loss = event["eval_loss"]
                 if self.log is not None:
@@ -153,18 +163,42 @@ class IslandLoop:
 
     def _exchange(self, step: int) -> None:
         """Adopt snapshots that arrived; hand due fragments' deltas to the link.  Never waits
-        (unless sync.blocking: the synchronous baselines).
+        (unless sync.blocking: the synchronous baselines).  In a multi-process island only the
+        leader has a link; every process then agrees on what it changed (`_agree`).
 
         A delta is the change since the fragment was last adopted *or sent*: anchor - theta, after
         which the anchor moves to theta.  So two sends between adoptions carry disjoint work and
         the merger never counts a step twice.  Adoption resets the anchor to the global value."""
-        self._adopt(self.link.snapshots())
-        due = [p for p in exchange.due_fragments(step, self.sync.fragments, self.sync.interval) if self.progress[p].steps > 0]
-        if due:
-            unfolded = dict(self.link.unfolded) if self.sync.blocking else {}  # before sending: a quick rejection counts
-            self._send(due)
-            if self.sync.blocking:
-                self._wait_for_fold({fragment: self.progress[fragment].version for fragment in due}, unfolded)
+        if self.link is not None:
+            self._adopt(self.link.snapshots())
+            due = [p for p in exchange.due_fragments(step, self.sync.fragments, self.sync.interval) if self.progress[p].steps > 0]
+            if due:
+                unfolded = dict(self.link.unfolded) if self.sync.blocking else {}  # before sending: a quick rejection counts
+                self._send(due)
+                if self.sync.blocking:
+                    self._wait_for_fold({fragment: self.progress[fragment].version for fragment in due}, unfolded)
+        if self.group is not None:
+            self._agree()
+
+    def _set(self, values: dict[str, np.ndarray]) -> None:
+        """Overwrite parameters; in a multi-process island (the leader: only it adopts) also
+        staged for the others, who take them at the next `_agree`."""
+        self.trainer.set_params(values)
+        if self.group is not None:
+            self.staged.update(values)
+
+    def _agree(self) -> None:
+        """Every process of a multi-process island, once per step: the leader's staged changes
+        reach the others (the leader already holds them), and a stop asked of any process holds
+        for all of them from the next step (island/group.py)."""
+        stop, versions, changed = self.group.agree(self.stop_requested, [p.version for p in self.progress], self.staged)
+        self.staged = {}
+        if not self.group.leader:
+            if changed:
+                self.trainer.set_params(changed)
+            for progress, version in zip(self.progress, versions):  # what the metrics show: the leader's versions
+                progress.version = version
+        self.group_stop = self.group_stop or stop
 
     def flush(self) -> int:
         """Leaving: send every fragment's unsent work (what the island trained since its last send
@@ -209,10 +243,10 @@ class IslandLoop:
             anchor = {p: np.asarray(v, np.float32) for p, v in tensors.items()}
             if self.sync.adoption == "rebase" and progress.steps > 0:
                 residual = self.link.take_residuals(tensors) if self.sync.error_feedback else {}
-                self.trainer.set_params(exchange.rebase(theta, progress.anchor, tensors, residual))
+                self._set(exchange.rebase(theta, progress.anchor, tensors, residual))
                 self.progress[fragment] = FragmentProgress(anchor, version, progress.steps, progress.tokens)
             else:  # replace, or nothing unsent to keep (a blocking island right after its send): the same
-                self.trainer.set_params(exchange.adopt(theta, tensors, self.sync.alpha))
+                self._set(exchange.adopt(theta, tensors, self.sync.alpha))
                 self.progress[fragment] = FragmentProgress(anchor, version)
 
     def evaluate_trace(self, budget_s: float) -> int:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from cliargs import add_metrics_flags, int_at_least
 from island.config import ADOPTIONS, MODEL_SIZES, SyncConfig
+from island.group import GroupLost
+from island.group import check as group_check
 from island.task import BUILTIN
 
 # --eval-trace after training: 48 evaluations take about 50 s with four islands on two cores; a
@@ -39,6 +41,12 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     island.add_argument("--metrics-out", type=Path, default=None, help="JSON lines, one object per step")
     add_metrics_flags(island)
     island.add_argument("--write-init", type=Path, default=None, help="write the initial parameters (.npz, for `dloco merger --init-npz`) and exit")
+    hosts = island.add_argument_group("one island on several processes or hosts (jax.distributed; process 0 alone holds the bus links)")
+    hosts.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address for the group, the same for every process")
+    hosts.add_argument("--num-processes", type=positive_int, default=1, help="processes in this island (default 1)")
+    hosts.add_argument("--process-id", type=int, default=0, help="this process's index in [0, --num-processes)")
+    hosts.add_argument("--group-timeout", type=float, default=10.0,
+                       help="seconds without a heartbeat after which the coordinator ends the island's other processes")
     network = island.add_argument_group("network (all connect: islands only dial out)")
     network.add_argument("--delta-endpoint", help="PUB for deltas, e.g. tcp://127.0.0.1:5555")
     network.add_argument("--snapshot-endpoint", help="SUB for snapshots and acks")
@@ -113,11 +121,17 @@ def run_island(args: argparse.Namespace) -> int:
                           blocking=args.blocking, settle_timeout_s=args.settle_timeout)
         if not 0 <= args.island_index < args.islands:
             raise DlocoError(f"--island-index must be in [0, {args.islands}), got {args.island_index}")
-        networked = not args.standalone and args.write_init is None
+        group_check(args.coordinator, args.num_processes, args.process_id)
+        if args.num_processes > 1 and (args.eval_trace or args.write_init is not None):
+            raise DlocoError("--eval-trace and --write-init are for an island of one process")
+        if not args.group_timeout > 0:
+            raise DlocoError(f"--group-timeout must be > 0, got {args.group_timeout}")
+        networked = not args.standalone and args.write_init is None and args.process_id == 0
         if networked and not (args.delta_endpoint and args.snapshot_endpoint and args.control_endpoint):
             raise DlocoError("a networked island needs --delta-endpoint, --snapshot-endpoint and --control-endpoint (or --standalone)")
 
         import numpy as np
+        from jax.errors import JaxRuntimeError
 
         import protocol
         from bus.security import security_from_args
@@ -128,6 +142,11 @@ def run_island(args: argparse.Namespace) -> int:
         from island.shaper import LinkShaper
         from island.train import Trainer
 
+        if args.num_processes > 1:
+            from island import group
+
+            group.initialize(args.coordinator, args.num_processes, args.process_id, args.group_timeout, args.join_timeout)
+            log = log.bind(process=args.process_id)
         task = tasks.build(args.task or BUILTIN, context)
         log.info("task", spec=args.task or BUILTIN, name=task.name)
         trainer = Trainer(task.model, task.loss, train, task.optimizer, task.metrics)
@@ -152,23 +171,37 @@ def run_island(args: argparse.Namespace) -> int:
         metrics = MetricsWriter(args.metrics_out)
         if args.metrics_port is not None:
             metrics_server = serve_metrics(args, metrics, link)
+        members = None
+        if args.num_processes > 1:
+            members = group.IslandGroup({p: v.shape for p, v in trainer.params().items()})
         loop = IslandLoop(trainer, task.batches, task.eval_batches, train, sync, metrics, link=link, slowdown=args.slowdown, log=log,
-                          on_compiled=enter_quota if cpu_group else None, count=task.tokens_in)
+                          on_compiled=enter_quota if cpu_group else None, count=task.tokens_in, group=members)
         signals = []
         for sig in (signal.SIGTERM, signal.SIGINT):  # stop after the current step, then drain and exit 0
             signal.signal(sig, lambda *_: (signals.append(True), setattr(loop, "stop_requested", True)))
         loop.stop_requested = bool(early_stop)
-        if link is not None:
-            loop.join(args.join_timeout)
-            log.info("joined", versions=[p.version for p in loop.progress])
-        summary = loop.run()
+        try:
+            if link is not None or members is not None:
+                loop.join(args.join_timeout)
+                log.info("joined", versions=[p.version for p in loop.progress])
+            summary = loop.run()
+        except (GroupLost, JaxRuntimeError) as error:  # a multi-process island's collective failed: another process died
+            if members is None:
+                raise
+            return group_lost(error, link, args.drain_timeout, metrics, log)
+        if members is not None:  # every process passes the group's shutdown barrier here, before the leader drains
+            if sync.flush_on_leave and link is not None:
+                summary["flushed"] = loop.flush()
+            import jax
+
+            jax.distributed.shutdown()
         if cpu_group is not None:  # sending the last deltas and evaluating the trace are not the emulated chip's work
             try:
                 cpu_group.leave()
             except CpuGroupError as error:  # the work is done: drain and exit at the quota's speed
                 log.warning("cpu_quota_not_left", error=str(error))
         if link is not None:
-            if sync.flush_on_leave:
+            if sync.flush_on_leave and members is None:
                 summary["flushed"] = loop.flush()
             if not link.drain(args.drain_timeout):
                 log.warning("drain_incomplete", deltas_sent=link.deltas_sent, settled=dict(link.results))
@@ -193,6 +226,22 @@ def run_island(args: argparse.Namespace) -> int:
     log.info("done", **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})
     print(json.dumps(summary))
     return 0
+
+
+def group_lost(error: Exception, link, drain_timeout: float, metrics, log) -> int:
+    """Another process of a multi-process island died: the leader still drains what it sent, then
+    this process exits (3) at once: JAX's shutdown barrier would wait for the dead process and then
+    abort this one."""
+    import os
+
+    log.error("group_lost", error=str(error))
+    if link is not None:
+        link.drain(drain_timeout)
+        link.close()
+    metrics.close()
+    print(f"dloco island: {error}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(3)
 
 
 def serve_metrics(args: argparse.Namespace, metrics, link):

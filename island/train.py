@@ -1,5 +1,6 @@
 """Inner optimization of any task's model: by default AdamW with warmup + cosine/constant schedule
-and clipping; a jitted train step data-parallel over every local JAX device; a clear stop on NaN/Inf."""
+and clipping; a jitted train step data-parallel over every JAX device (every process's, in a
+multi-process island: island/group.py); a clear stop on NaN/Inf."""
 
 from __future__ import annotations
 
@@ -30,15 +31,17 @@ def inner_optimizer(config: TrainConfig) -> optax.GradientTransformation:
 
 
 class Trainer:
-    """Model + optimizer + mesh.  Batches (arrays or pytrees of arrays) are split over the local
-    devices along their leading axis.  `loss(model, batch)` is the task's; `metrics(model, batch)`,
+    """Model + optimizer + mesh.  Batches (arrays or pytrees of arrays) are split over the devices
+    along their leading axis; in a multi-process island every process is handed the same global
+    batch and places only its own devices' rows, so the step equals one process's over as many
+    devices.  `loss(model, batch)` is the task's; `metrics(model, batch)`,
     optional, gives held-out extras ({name: scalar}) averaged over the eval batches like the loss."""
 
     def __init__(self, model: nnx.Module, loss, train_config: TrainConfig, optimizer: optax.GradientTransformation | None = None,
                  metrics=None) -> None:
         self.devices = jax.devices()
         if train_config.batch % len(self.devices):
-            raise DlocoError(f"batch {train_config.batch} must be divisible by the {len(self.devices)} local devices")
+            raise DlocoError(f"batch {train_config.batch} must be divisible by the island's {len(self.devices)} devices")
         self.mesh = Mesh(np.array(self.devices), ("data",))
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -46,8 +49,8 @@ class Trainer:
         self.optimizer = nnx.Optimizer(self.model, optimizer if optimizer is not None else inner_optimizer(train_config), wrt=nnx.Param)
         # Parameters and optimizer state replicated from the start, as every step returns them: the
         # second step then reuses the first one's compilation instead of compiling again.
-        nnx.update(self.model, jax.device_put(nnx.state(self.model), self.replicated))
-        nnx.update(self.optimizer, jax.device_put(nnx.state(self.optimizer), self.replicated))
+        nnx.update(self.model, jax.tree.map(lambda leaf: place(leaf, self.replicated), nnx.state(self.model)))
+        nnx.update(self.optimizer, jax.tree.map(lambda leaf: place(leaf, self.replicated), nnx.state(self.optimizer)))
 
         def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch):
             value, grads = nnx.value_and_grad(loss)(model, batch)
@@ -64,7 +67,7 @@ class Trainer:
         self._eval = nnx.jit(evaluate)
 
     def _put(self, batch):
-        return jax.tree.map(lambda leaf: jax.device_put(leaf, self.batch_sharding), batch)
+        return jax.tree.map(lambda leaf: place(leaf, self.batch_sharding), batch)
 
     def step(self, batch) -> tuple[float, float]:
         """One inner step; returns (loss, gradient norm).  Raises DivergedError on NaN/Inf."""
@@ -99,7 +102,24 @@ class Trainer:
 def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
     """A model's parameters as {"a/b/c": float32 host array}: the names the islands and the merger exchange."""
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    return {"/".join(str(k) for k in key): np.asarray(value, dtype=np.float32) for key, value in flat.items()}
+    return {"/".join(str(k) for k in key): np.asarray(local(value), dtype=np.float32) for key, value in flat.items()}
+
+
+def place(value, sharding):
+    """A value every process holds alike, onto `sharding` (None: the default device).  When the
+    sharding spans other processes' devices each process builds only its own devices' part."""
+    if sharding is None or sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(place(jax.random.key_data(value), sharding), impl=jax.random.key_impl(value))
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def local(value):
+    """A replicated value as this process sees it (its first device's copy when the array spans
+    other processes' devices too)."""
+    return value if not isinstance(value, jax.Array) or value.is_fully_addressable else value.addressable_data(0)
 
 
 def assign(model: nnx.Module, values: dict[str, np.ndarray], placement=None) -> None:
@@ -109,7 +129,7 @@ def assign(model: nnx.Module, values: dict[str, np.ndarray], placement=None) -> 
     flat = traverse_util.flatten_dict(pure)
     by_path = {"/".join(str(k) for k in key): key for key in flat}
     for path, value in values.items():  # float32 on the wire; each parameter keeps its own dtype (bf16 stays bf16)
-        flat[by_path[path]] = jax.device_put(np.asarray(value, dtype=flat[by_path[path]].dtype), placement)
+        flat[by_path[path]] = place(np.asarray(value, dtype=flat[by_path[path]].dtype), placement)
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(flat))
     nnx.update(model, state)
