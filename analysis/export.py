@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.runinfo import RUN_TASK, RunDirError, RunTask, merger_run_dir
+from analysis.runinfo import RUN_TASK, RunDirError, RunTask, merger_run_dir, shard_run_dirs
 from merger import checkpoint
 from merger.recovery import checkpoint_dir
 from protocol.errors import DlocoError
@@ -66,6 +66,23 @@ def merger_dir(run_dir: Path) -> Path:
     return merger_run_dir(run_dir)
 
 
+def latest_saved(run_dir: Path) -> dict | None:
+    """The newest intact checkpoint's content (checkpoint.read); with merger shards, each
+    fragment's from the shard that folds it (the highest version: the others hold it unfolded)."""
+    saved = [checkpoint.latest(checkpoint_dir(directory)) for directory in shard_run_dirs(run_dir)]
+    if any(s is None for s in saved):
+        return None
+    return combine(saved)
+
+
+def combine(saved: list[dict]) -> dict:
+    """Several shards' checkpoints as one: every fragment at its highest version; the digests joined."""
+    if len(saved) == 1:
+        return saved[0]
+    fragments = [max((s["fragments"][i] for s in saved), key=lambda f: int(f["version"])) for i in range(len(saved[0]["fragments"]))]
+    return {**saved[0], "fragments": fragments, "digest": "+".join(str(s["digest"]) for s in saved)}
+
+
 def checkpoints(run_dir: Path) -> dict[int, Path]:
     """{log record: file} of the run's checkpoints, oldest first."""
     return {int(path.stem): path for path in checkpoint.all_checkpoints(checkpoint_dir(merger_dir(run_dir))) if path.stem.isdigit()}
@@ -77,10 +94,13 @@ def load(run_dir: Path, record: int | None = None) -> GlobalModel:
     if not found:
         raise RunDirError(f"{run_dir} has no checkpoint of the merger yet (it writes one every so many folds and when it stops)")
     if record is None:
-        saved = checkpoint.latest(checkpoint_dir(merger_dir(run_dir)))
+        saved = latest_saved(merger_dir(run_dir).parent)
         if saved is None:
-            raise RunDirError(f"none of {run_dir}'s {len(found)} checkpoints reads back intact")
+            raise RunDirError(f"none of {run_dir}'s {len(found)} checkpoints (of some merger shard) reads back intact")
     else:
+        if len(shard_run_dirs(run_dir)) > 1:
+            raise RunDirError(f"{run_dir} has merger shards, each with its own log records: --checkpoint picks one merger's; "
+                              "leave it out for the final global model")
         if record not in found:
             raise RunDirError(f"{run_dir} has no checkpoint at record {record}; it has {', '.join(map(str, found))}")
         saved = checkpoint.read(found[record])

@@ -43,11 +43,9 @@ class Evaluator:
 
     def final(self) -> dict[str, float] | None:
         """The merger's last checkpoint (written when it stops), evaluated; None without one."""
-        from analysis.export import params_of
-        from merger import checkpoint
-        from merger.recovery import checkpoint_dir
+        from analysis.export import latest_saved, params_of
 
-        saved = checkpoint.latest(checkpoint_dir(merger_run_dir(self.run_dir)))
+        saved = latest_saved(self.run_dir)
         if saved is None:
             return None
         return self.metrics(params_of(saved))

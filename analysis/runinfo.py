@@ -166,12 +166,28 @@ def last_events(path: Path, tail_bytes: int = 16384) -> list[dict]:
 
 
 MERGER_LOGS = ("merger.log", "standby.log")  # with a standby, either may be the primary: folds are in both
+
+
+def merger_logs(run_dir: Path) -> list[str]:
+    """The merger logs of a run: MERGER_LOGS, and merger.I.log of every further merger shard that
+    has one so far (shard 0 is merger.log)."""
+    shards = sorted((p.name for p in (Path(run_dir) / "logs").glob("merger.*.log") if p.name.split(".")[1].isdigit()),
+                    key=lambda name: int(name.split(".")[1]))
+    return [*MERGER_LOGS, *shards]
+
+
+def shard_run_dirs(run_dir: Path) -> list[Path]:
+    """Every merger shard's run directory: merger_run_dir's (shard 0, or its standby after a
+    takeover), then merger.1/, merger.2/, ... (`[merger] shards`)."""
+    shards = sorted((p for p in Path(run_dir).glob("merger.*") if p.is_dir() and p.name.split(".")[1].isdigit()),
+                    key=lambda path: int(path.name.split(".")[1]))
+    return [merger_run_dir(run_dir), *shards]
 ROLE_EVENTS = {"following": "standby", "stepped_down": "standby", "no_primary": "primary", "taking_over": "primary"}
 
 
 def merger_folds(run_dir: Path) -> list[dict]:
     """Every fold logged by a primary (the merger, or the standby once it took over), in time order."""
-    folds = [e for name in MERGER_LOGS for e in read_events(run_dir / "logs" / name) if e.get("event") == "fold"]
+    folds = [e for name in merger_logs(run_dir) for e in read_events(run_dir / "logs" / name) if e.get("event") == "fold"]
     return sorted(folds, key=lambda e: e.get("timestamp", ""))
 
 
@@ -232,7 +248,7 @@ class RunProgress:
                     continue
                 self.last_step[name] = event["step"]
                 self.steps[name] += event["step"] > 0
-        self.folds += sum(e.get("event") == "fold" for name in MERGER_LOGS for e in self._new_events(self.run_dir / "logs" / name))
+        self.folds += sum(e.get("event") == "fold" for name in merger_logs(self.run_dir) for e in self._new_events(self.run_dir / "logs" / name))
 
     def _new_events(self, path: Path) -> list[dict]:
         """The complete JSON lines appended to `path` since the last call (a line being written waits)."""

@@ -34,6 +34,11 @@ from protocol.errors import ConfigError, require
 
 ACTIONS = ("kill", "lose-disk", "restart")
 MERGERS = ("merger", "standby")  # with a standby, chaos names the current primary `merger`, its standby `standby`
+
+
+def is_merger(name: str) -> bool:
+    """A merger process: `merger`, `standby`, or a merger shard `merger.I` (protocol/shards.py)."""
+    return name.partition(".")[0] in MERGERS
 WINDOW_S = 15.0  # seconds before / after an event over which step rates and folds are compared
 _WHEN = re.compile(r"^(?:(?P<island>[A-Za-z0-9_-]+)\.)?step=(?P<step>\+?\d+)$|^folds=(?P<folds>\+?\d+)$")
 
@@ -112,7 +117,7 @@ def check(schedule: tuple[ChaosEvent, ...], processes: list[str], islands: list[
     only after a kill; an event waits only for the steps of an island that is running then.
     `groups`: a process -> every process of its island (a multi-host island goes down and comes
     back as a whole: cluster/launcher.py)."""
-    islands = [p for p in processes if p not in (*MERGERS, "broker")] if islands is None else islands
+    islands = [p for p in processes if not is_merger(p) and p != "broker"] if islands is None else islands
     groups = groups or {}
     down: set[str] = set()
     for event in schedule:
@@ -121,7 +126,7 @@ def check(schedule: tuple[ChaosEvent, ...], processes: list[str], islands: list[
             require(event.stepper in islands, f"chaos event {event}: {event.stepper!r} makes no training steps; islands: {', '.join(islands)}")
             require(event.stepper not in down, f"chaos event {event}: it waits for the steps of {event.stepper}, which is down then")
         if event.action in ("kill", "lose-disk"):
-            require(event.action == "kill" or event.target in MERGERS, f"chaos event {event}: only a merger has a disk to lose")
+            require(event.action == "kill" or is_merger(event.target), f"chaos event {event}: only a merger has a disk to lose")
             require(event.target not in down, f"chaos event {event}: {event.target} is already down")
             down.update(groups.get(event.target, [event.target]))
         else:

@@ -20,6 +20,7 @@ from island.config import MODEL_SIZES, ModelConfig, SyncConfig, TrainConfig
 from island.task import BUILTIN
 from merger.config import MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
 from merger.replication_wire import ReplicationConfig
+from protocol.shards import names as shard_names
 from protocol.errors import ConfigError, require
 
 DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "default.toml"
@@ -126,9 +127,17 @@ class MergerSection:
     standby: bool = False  # a hot standby merger beside the primary (PROTOCOL.md §12)
     replication: str = "sync"  # with a standby: sync | async
     lease_s: float = ReplicationConfig.lease_s
+    shards: int = 1  # merger processes, each folding the fragments f with f % shards == its index (protocol/shards.py)
 
     def __post_init__(self) -> None:
         require(type(self.standby) is bool, f"merger.standby must be true or false, got {self.standby!r}")
+        require(type(self.shards) is int and 1 <= self.shards <= 64, f"merger.shards must be an int in [1, 64], got {self.shards!r}")
+        require(self.shards == 1 or not self.standby, "merger.standby with merger.shards > 1: a standby per shard is not built yet; choose one")
+
+    @property
+    def processes(self) -> list[str]:
+        """The merger's process names: `merger` (shard 0), `merger.1`, ...; then `standby`."""
+        return [*shard_names("merger", self.shards), *(["standby"] if self.standby else [])]
         require(self.replication in ("sync", "async"), f"merger.replication must be sync or async, got {self.replication!r}")
         require(type(self.lease_s) in (int, float) and 0.1 <= self.lease_s < float("inf"),
                 f"merger.lease_s must be a number of seconds >= 0.1, got {self.lease_s!r}")
@@ -185,6 +194,8 @@ class ClusterConfig:
         check(self.chaos, self.process_names, [r.name for r in self.regions], {p: r.processes for r in self.regions for p in r.processes})
         require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
         sync, merger = self.effective()
+        require(merger.shards <= sync.fragments, f"merger.shards ({merger.shards}) must not exceed sync.fragments ({sync.fragments} in mode "
+                f"{self.mode}): a shard folds the fragments f with f % shards == its index, and each needs one")
         require(not self.max_steps or self.max_steps >= sync.interval,
                 f"run.max_steps ({self.max_steps}) must be at least sync.interval (H = {sync.interval} in mode {self.mode}): "
                 "an island that stops sooner never sends every fragment")
@@ -211,7 +222,7 @@ class ClusterConfig:
 
     @property
     def process_names(self) -> list[str]:
-        return [p for r in self.regions for p in r.processes] + ["merger", *(["standby"] if self.merger.standby else []), "broker"]
+        return [p for r in self.regions for p in r.processes] + [*self.merger.processes, "broker"]
 
     def with_duration(self, seconds: float | None) -> ClusterConfig:
         return self if seconds is None else dataclasses.replace(self, duration_s=seconds)

@@ -33,7 +33,8 @@ from analysis import verdict
 from analysis.runinfo import RunCluster, RunProgress, RunTask, island_stage, merger_role
 from bus.security import create_keys, write_allow_list
 from cluster import chaos, compose, cpuquota, status, topology
-from cluster.chaos import MERGERS
+from cluster.chaos import MERGERS, is_merger
+from protocol.shards import names as shard_names
 from cluster.compose import Service
 from cluster.config import ClusterConfig
 from cluster.liveview import LiveView
@@ -76,8 +77,9 @@ def prepare(config: ClusterConfig, run_dir: Path) -> None:
     RunTask.of(config).write(run_dir)
     RunCluster.of(config).write(run_dir)
     names = [r.name for r in config.regions]
-    create_keys(run_dir / "keys", ["broker", "merger", "evaluator", *names])
-    write_allow_list(run_dir / "keys", run_dir / "allow", {"merger": ["merger"], "island": names, "observer": ["evaluator"]})
+    mergers = shard_names("merger", config.merger.shards)  # a standby has its primary's key
+    create_keys(run_dir / "keys", ["broker", *mergers, "evaluator", *names])
+    write_allow_list(run_dir / "keys", run_dir / "allow", {"merger": mergers, "island": names, "observer": ["evaluator"]})
     init = subprocess.run(dloco("island", "--write-init", run_dir / "init.npz", *topology.model_args(config)),
                           capture_output=True, text=True, timeout=300)
     if init.returncode != 0:
@@ -86,12 +88,13 @@ def prepare(config: ClusterConfig, run_dir: Path) -> None:
 
 def native_services(config: ClusterConfig, run_dir: Path) -> dict[str, Service]:
     """Broker, merger and islands as processes of this Python on 127.0.0.1, free ports."""
-    names = ["broker", "merger", *(["standby"] if config.merger.standby else []), "evaluator", *(r.name for r in config.regions)]
+    names = ["broker", *config.merger.processes, "evaluator", *(r.name for r in config.regions)]
     groups = [r.name for r in config.regions if r.hosts > 1]
-    ports = [str(p) for p in free_ports(8 + len(names) + len(groups))]
+    ports = [str(p) for p in free_ports(8 + len(names) + len(groups) + config.merger.shards - 1)]
+    extra = ports[8 + len(names):]
     at = topology.Addresses(broker_ports=tuple(ports[:4]), control_port=ports[4], standby_ports=tuple(ports[5:8]),
                             metrics_ports=dict(zip(names, ports[8:8 + len(names)], strict=True)),
-                            coordinator_ports=dict(zip(groups, ports[8 + len(names):], strict=True)))
+                            coordinator_ports=dict(zip(groups, extra[:len(groups)], strict=True)), shard_control_ports=tuple(extra[len(groups):]))
     commands = topology.commands(config, at, str(run_dir))
     (run_dir / ENDPOINTS).write_text(json.dumps({"metrics": {name: f"http://127.0.0.1:{port}/metrics" for name, port in at.metrics_ports.items()}},
                                                 indent=2) + "\n")
@@ -223,9 +226,9 @@ class Cluster:
         """Islands first (they finish the step, send and drain), then the evaluator and the status
         page, then the merger (final checkpoint), then the broker."""
         codes = {}
-        islands = [n for n in self.processes if n not in (*MERGERS, "broker", *AUXILIARY)]
+        islands = [n for n in self.processes if not is_merger(n) and n not in ("broker", *AUXILIARY)]
         # both mergers at once: a standby that outlived its primary would take over
-        for group in (islands, [n for n in self.processes if n in AUXILIARY], list(MERGERS), ["broker"]):
+        for group in (islands, [n for n in self.processes if n in AUXILIARY], [n for n in self.processes if is_merger(n)], ["broker"]):
             for name in group:
                 if name in self.processes and self.processes[name].poll() is None:
                     self.processes[name].send_signal(signal.SIGTERM)
@@ -253,13 +256,13 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
     share_compilations()
     if compose_file is None:
         services = native_services(config, run_dir)
-        order = ["broker", "merger", *(["standby"] if config.merger.standby else []), "evaluator", *(p for r in config.regions for p in r.processes)]
+        order = ["broker", *config.merger.processes, "evaluator", *(p for r in config.regions for p in r.processes)]
     else:
         variables = compose.port_variables(compose_file.read_text())
         ports = dict(zip(variables, map(str, free_ports(len(variables))), strict=True))
         services = compose.load(compose_file, {"DLOCO_RUN_DIR": str(run_dir), **ports})
         order = compose.start_order(services, wanted)
-        unknown = [n for n in order if n not in ("prepare", "broker", *MERGERS, "evaluator", "status") and n not in config.process_names]
+        unknown = [n for n in order if n not in ("prepare", "broker", "evaluator", "status") and not is_merger(n) and n not in config.process_names]
         if unknown:
             raise LaunchError(f"{compose_file}: services {unknown} are not regions of the cluster file")
         config = dataclasses.replace(config, regions=tuple(r for r in config.regions if r.name in order))

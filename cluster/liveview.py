@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from analysis.runinfo import MERGER_LOGS, last_events
+from analysis.runinfo import merger_logs, last_events
 from cluster.status import JsonLines
 from cluster.config import ClusterConfig
 
@@ -25,7 +25,7 @@ class LiveView:
         self.tty = hasattr(out, "isatty") and out.isatty()
         self.eval_loss: dict[str, float] = {}
         self.last_plain = 0.0
-        self.roles = {name: JsonLines(self.run_dir / "logs" / name) for name in MERGER_LOGS}  # with a standby: each merger's role
+        self.roles: dict[str, JsonLines] = {}  # with a standby: each merger's role
         self.role: dict[str, str] = {}
 
     def refresh(self, elapsed: float) -> None:
@@ -47,11 +47,14 @@ class LiveView:
             lines.append(f"{region.name:16} {last.get('step', 0):>6} {rate:>8.0f} {last.get('compute_util', 0):>5.2f} "
                          f"{self.eval_loss.get(region.name, float('nan')):>6.3f} {versions:>18} "
                          f"{_bytes(last.get('bytes_sent', 0)):>8} {_bytes(last.get('bytes_received', 0)):>8}")
-        folds = sorted((e for name in MERGER_LOGS for e in last_events(self.run_dir / "logs" / name) if e.get("event") == "fold"),
+        logs = merger_logs(self.run_dir)
+        folds = sorted((e for name in logs for e in last_events(self.run_dir / "logs" / name) if e.get("event") == "fold"),
                        key=lambda e: e.get("timestamp", ""))
         if folds:
             lines.append(f"merger: last fold fragment {folds[-1]['fragment']} -> version {folds[-1]['version']} "
                          f"from {', '.join(folds[-1]['contributors'])} (staleness {folds[-1]['staleness']})")
+        for name in logs:
+            self.roles.setdefault(name, JsonLines(self.run_dir / "logs" / name))
         for name, log in self.roles.items():
             for event in log.new():
                 if (role := role_line(event, self.role.get(name))) is not None:  # a merger with a peer says its role

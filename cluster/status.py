@@ -18,7 +18,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from analysis.runinfo import MERGER_LOGS, wall
+from analysis.runinfo import merger_logs, wall
 
 RECENT_FOLDS = 12
 CURVE_POINTS = 400  # a curve longer than this is thinned to it (every k-th point, the last kept)
@@ -65,7 +65,7 @@ class RunFiles:
     def __init__(self, run_dir: Path, regions: list[str]) -> None:
         self.run_dir, self.regions = Path(run_dir), list(regions)
         self.islands = {name: JsonLines(self.run_dir / "metrics" / f"{name}.jsonl") for name in regions}
-        self.mergers = [JsonLines(self.run_dir / "logs" / name) for name in MERGER_LOGS]  # with a standby, either may fold
+        self.mergers: dict[str, JsonLines] = {}  # with a standby, either may fold; with shards, each does
         self.global_file = JsonLines(self.run_dir / "global.jsonl")
         self.chaos_file = JsonLines(self.run_dir / "chaos.jsonl")
         # each island's lives (a restart starts one at its step-0 evaluation): (walls, tokens) of every step
@@ -95,7 +95,9 @@ class RunFiles:
                     self.last[name] = event
                     if "eval_loss" in event:
                         self.evals[name].append({"wall": event.get("wall", 0.0), "tokens": event.get("tokens", 0), "loss": event["eval_loss"]})
-            for event in sorted((e for log in self.mergers for e in log.new()), key=lambda e: e.get("timestamp", "")):
+            for name in merger_logs(self.run_dir):
+                self.mergers.setdefault(name, JsonLines(self.run_dir / "logs" / name))
+            for event in sorted((e for log in self.mergers.values() for e in log.new()), key=lambda e: e.get("timestamp", "")):
                 if event.get("event") == "fold":
                     self.fold_count += 1
                     self.folds = (self.folds + [event])[-RECENT_FOLDS:]

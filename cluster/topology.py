@@ -8,6 +8,7 @@ import dataclasses
 
 from cluster.config import ClusterConfig
 from island.config import SyncConfig
+from protocol.shards import names as shard_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +25,8 @@ class Addresses:
     standby_host: str = "127.0.0.1"
     coordinator_ports: dict[str, str] | None = None  # a multi-host region -> its coordinator's port (process 0 listens there)
     coordinator_host: str | None = "127.0.0.1"  # None: the region's own name (its process 0's service)
+    shard_control_ports: tuple[str, ...] = ()  # merger shards 1, 2, ...: their control ports (shard 0 has control_port)
+    shard_hosts: tuple[str, ...] = ()  # and how others reach them (default: merger_host)
 
     def metrics(self, name: str) -> list[str]:
         """A process's --metrics-port/--metrics-host flags (none without a port)."""
@@ -75,6 +78,16 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str, place=lambda pa
                      "--snapshot-full-every", mc.snapshot_full_every, "--share-window", mc.share_window,
                      "--snapshot-every-round", mc.snapshot_every_round]
     control = f"tcp://{at.merger_host}:{at.control_port}"
+    controls = [control]  # islands and the evaluator: one control endpoint per merger shard, in shard order
+    if mc.shards > 1:
+        shard0 = out["merger"]
+        out["merger"] = [*shard0, "--shard", f"0/{mc.shards}"]
+        for index, name in enumerate(shard_names("merger", mc.shards)[1:], 1):
+            port, host = at.shard_control_ports[index - 1], (at.shard_hosts[index - 1] if at.shard_hosts else at.merger_host)
+            shard = _without(_without(shard0, "--run-dir"), "--control-endpoint")
+            out[name] = [*shard, "--run-dir", f"{run_dir}/{name}", "--control-endpoint", f"@tcp://{at.bind_host}:{port}", "--name", name,
+                         "--shard", f"{index}/{mc.shards}"]
+            controls.append(f"tcp://{host}:{port}")
     if mc.standby:  # the same merger twice (one key, one name): either may be the primary; islands reach both
         standby_control, mine, its = at.standby_ports
         pair = ["--replication", mc.replication, "--lease", mc.lease_s]
@@ -82,9 +95,10 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str, place=lambda pa
         out["standby"] = _without(_without(standby, "--init-npz"), "--control-endpoint") + ["--control-endpoint", f"@tcp://{at.bind_host}:{standby_control}"]
         out["standby"][out["standby"].index("--run-dir") + 1] = f"{run_dir}/standby"
         out["merger"] += [*pair, "--replication-endpoint", f"@tcp://{at.bind_host}:{mine}", "--peer", f"tcp://{at.standby_host}:{its}"]
-        control += f",tcp://{at.standby_host}:{standby_control}"
+        controls[0] += f",tcp://{at.standby_host}:{standby_control}"
+    control = [arg for endpoint in controls for arg in ("--control-endpoint", endpoint)]
     out["evaluator"] = ["evaluator", "--name", "evaluator", "--islands", len(config.regions), *model_args(config, place), "--keys", keys,
-                        "--snapshot-endpoint", at.broker(3), "--control-endpoint", control, "--metrics-out", f"{run_dir}/global.jsonl"]
+                        "--snapshot-endpoint", at.broker(3), *control, "--metrics-out", f"{run_dir}/global.jsonl"]
     for index, region in enumerate(config.regions):  # with island_cpus the quota slows a region down, not a sleep
         links = []
         for flag, value in (("--uplink-mbps", region.uplink_mbps), ("--downlink-mbps", region.downlink_mbps)):
@@ -97,7 +111,7 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str, place=lambda pa
             *(["--blocking"] if sc.blocking else []), *(["--error-feedback"] if sc.error_feedback else []),
             *(["--flush-on-leave"] if sc.flush_on_leave else []), *settle,
             "--slowdown", 1.0 if config.island_cpus else region.slowdown, *links, "--rtt-ms", region.rtt_ms, "--keys", keys,
-            "--delta-endpoint", at.broker(0), "--snapshot-endpoint", at.broker(3), "--control-endpoint", control,
+            "--delta-endpoint", at.broker(0), "--snapshot-endpoint", at.broker(3), *control,
             "--metrics-out", f"{run_dir}/metrics/{region.name}.jsonl", "--join-timeout", 300]
         if region.hosts > 1:  # one process per host; process 0 (the region's name) holds the bus links and the coordinator
             coordinator = f"{at.coordinator_host or region.name}:{at.coordinator_ports[region.name]}"

@@ -19,7 +19,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     add_task_flags(evaluator)
     evaluator.add_argument("--name", default="evaluator", help="sender id and key name (an observer key with CURVE)")
     evaluator.add_argument("--snapshot-endpoint", required=True, help="SUB for snapshots")
-    evaluator.add_argument("--control-endpoint", required=True, help="DEALER to the merger's ROUTER (catch-up)")
+    evaluator.add_argument("--control-endpoint", action="append", required=True, metavar="ENDPOINT[,STANDBY]",
+                        help="DEALER to the merger's ROUTER (catch-up, resends); once per merger shard, in shard order; "
+                             "A,B: a merger and its standby")
     evaluator.add_argument("--every", type=float_at_least(0.0), default=10.0, help="seconds between evaluations at least (default 10)")
     evaluator.add_argument("--budget", type=float_at_least(0.001), default=0.1,
                            help="most of its wall time spent evaluating (default 0.1; it also runs at the lowest CPU priority)")

@@ -18,13 +18,14 @@ import zmq
 import protocol
 from bus.security import Security
 from bus.sockets import open_socket
+from island.mergers import MergerLinks, split_endpoints
 from island.snapshots import Downlink
 
 POLL_MS = 100
 
 
 class SnapshotFollower:
-    def __init__(self, name: str, model: str, snapshot_endpoint: str, control_endpoint: str, security: Security | None = None,
+    def __init__(self, name: str, model: str, snapshot_endpoint: str, control_endpoint: str | list[str], security: Security | None = None,
                  bus_server: str = "broker", control_server: str = "merger", model_bytes: int = 0) -> None:
         self.name, self.model, self.control_server = name, model, control_server
         self.security = security or Security(None, name)
@@ -36,7 +37,7 @@ class SnapshotFollower:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards `held` between the receiver and `current`
         self._context = zmq.Context()
-        self._endpoints = (snapshot_endpoint, bus_server, control_endpoint)
+        self._endpoints = (snapshot_endpoint, bus_server, split_endpoints(control_endpoint))  # one per merger shard
         self._thread = threading.Thread(target=self._receive, name=f"{name}-receiver", daemon=True)
         self._thread.start()
         self.receiver_id = self._thread.native_id
@@ -63,32 +64,23 @@ class SnapshotFollower:
         snapshot_endpoint, bus_server, control_endpoint = self._endpoints
         sub = open_socket(self._context, zmq.SUB, snapshot_endpoint, self.security, bus_server)
         sub.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
-        # as an island's: with a standby ("A,B"), requests queue only to the merger that is up
-        dealer = open_socket(self._context, zmq.DEALER, control_endpoint, self.security, self.control_server, identity=self.name,
-                             immediate="," in control_endpoint)
-        ask_all = protocol.encode(self.downlink.ask_for_all(time.monotonic()))
-        reassemblers = {socket: protocol.Reassembler(max_bytes=self._reassembly_bytes) for socket in (sub, dealer)}  # as island/network.py
+        # as an island's: one per merger shard; with a standby ("A,B"), requests queue only to the merger that is up
+        self._mergers = MergerLinks(self._context, control_endpoint, self.security, self.control_server, self.name)
+        ask_all = {shard: protocol.encode(self.downlink.ask_for_all(time.monotonic())) for shard in range(self._mergers.count)}
+        reassemblers = {socket: protocol.Reassembler(max_bytes=self._reassembly_bytes) for socket in (sub, *self._mergers.dealers)}  # as island/network.py
         poller = zmq.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(dealer, zmq.POLLIN)
-
-        def send(frames: list) -> bool:
-            try:
-                dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-                return True
-            except zmq.Again:
-                return False
-
+        for socket in reassemblers:
+            poller.register(socket, zmq.POLLIN)
         while not self._stop.is_set():
-            if ask_all is not None and send(ask_all):
-                ask_all = None
+            for shard in [shard for shard, frames in ask_all.items() if self._mergers.send(frames, shard)]:
+                del ask_all[shard]
             for socket in dict(poller.poll(POLL_MS)):
                 frames = socket.recv_multipart(copy=False)
                 self._on_frames([f.buffer for f in frames], reassemblers[socket])
             self._take()
-            self.downlink.ask_for_values(time.monotonic(), 0, send)
+            self.downlink.ask_for_values(time.monotonic(), lambda fragment: 0, self._mergers.send_for)
         sub.close(linger=0)
-        dealer.close(linger=0)
+        self._mergers.close()
 
     def _drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
@@ -97,10 +89,14 @@ class SnapshotFollower:
         self.bytes_received += sum(f.nbytes for f in frames)
         try:
             message = protocol.decode(frames)
-            if message.sender != self.control_server:
+            shard = self._mergers.shard_of_sender(message.sender)
+            if shard is None:
                 self._drop("foreign_sender")
                 return
             if not isinstance(message, protocol.SnapshotChunk):
+                return
+            if not self._mergers.owns(shard, message.fragment):
+                self._drop("other_shard")
                 return
             assembled = reassembler.add(message, time.monotonic())
         except protocol.ProtocolError as error:

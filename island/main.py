@@ -50,7 +50,9 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     network = island.add_argument_group("network (all connect: islands only dial out)")
     network.add_argument("--delta-endpoint", help="PUB for deltas, e.g. tcp://127.0.0.1:5555")
     network.add_argument("--snapshot-endpoint", help="SUB for snapshots and acks")
-    network.add_argument("--control-endpoint", help="DEALER to the merger's ROUTER (catch-up)")
+    network.add_argument("--control-endpoint", action="append", metavar="ENDPOINT[,STANDBY]",
+                        help="DEALER to the merger's ROUTER (catch-up, resends); once per merger shard, in shard order; "
+                             "A,B: a merger and its standby")
     network.add_argument("--fragments", type=positive_int, default=4, help="P (must match the merger)")
     network.add_argument("--interval", type=positive_int, default=50, help="H: inner steps between two deltas of a fragment")
     network.add_argument("--codec", default="int4", help="delta codec: fp32, bf16, int8, int4, int2")

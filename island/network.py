@@ -3,8 +3,8 @@
 The loop calls `publish` and `snapshots`; neither waits.  Each thread owns its sockets (ZeroMQ
 sockets are not thread-safe):
 - publisher: the uplink's loop (island/uplink.py) on a PUB to the delta bus;
-- receiver: a SUB on the snapshot bus (snapshots, acks) and a DEALER to the merger's ROUTER
-  (requests for values, resends, probes).  It hands acks and resend requests to the uplink and
+- receiver: a SUB on the snapshot bus (snapshots, acks) and a DEALER to the merger's ROUTER, one
+  per merger shard (island/mergers.py; requests for values, resends, probes).  It hands acks and resend requests to the uplink and
   reassembled snapshots to the downlink (island/snapshots.py), and sends what they ask for.  A
   snapshot of another model than the island's is not adopted: its layout is kept (`foreign`), for
   the join to refuse that merger by name.
@@ -21,9 +21,11 @@ import numpy as np
 import zmq
 
 import protocol
+from protocol import shards
 from bus.security import Security
 from bus.sockets import open_socket
 from island.config import SyncConfig
+from island.mergers import MergerLinks, split_endpoints
 from island.outbox import PendingDelta
 from island.shaper import LinkShaper
 from island.snapshots import Downlink
@@ -43,7 +45,7 @@ class Route:
 class NetworkLink:
     """`uplink` and `downlink` are the emulated links' shapers (None: unlimited)."""
 
-    def __init__(self, name: str, model: str, sync: SyncConfig, delta_endpoint: str, snapshot_endpoint: str, control_endpoint: str,
+    def __init__(self, name: str, model: str, sync: SyncConfig, delta_endpoint: str, snapshot_endpoint: str, control_endpoint: str | list[str],
                  uplink: LinkShaper | None = None, downlink: LinkShaper | None = None, log=None,
                  security: Security | None = None, bus_server: str = "broker", control_server: str = "merger",
                  model_bytes: int = 0) -> None:
@@ -53,15 +55,14 @@ class NetworkLink:
         self._reassembly_bytes = max(256 << 20, model_bytes + (64 << 20))
         self.security = security or Security(None, name)
         self.delta_route, self.snapshot_route = Route(delta_endpoint, bus_server), Route(snapshot_endpoint, bus_server)
-        self.control_route = Route(control_endpoint, control_server)
+        self.control_endpoints, self.control_server = split_endpoints(control_endpoint), control_server  # one per merger shard
         self.epoch = time.time_ns()
         self._stop = threading.Event()
-        self.uplink = Uplink(name, model, self.epoch, sync, uplink or LinkShaper(None), self._stop)
+        self.uplink = Uplink(name, model, self.epoch, sync, uplink or LinkShaper(None), self._stop, shards=len(self.control_endpoints))
         self.downlink = Downlink(name, self.epoch)
         self._downlink_shaper = downlink or LinkShaper(None)
         self.bytes_received = 0
         self.bytes_received_values = 0  # of which full values (the model at the start, catch-ups): not a diff of one
-        self.sends_deferred = 0  # point-to-point sends refused by a full queue (each is tried again later)
         # Snapshots of another model than this island's (a merger started from another task): never
         # adopted; fragment -> {path: shape}, so that joining refuses it by name (IslandLoop.join).
         # Replaced whole by the receiver thread, never changed in place: the loop reads a consistent value.
@@ -131,38 +132,35 @@ class NetworkLink:
         sub = open_socket(self._context, zmq.SUB, self.snapshot_route.endpoint, self.security, self.snapshot_route.server)
         sub.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
         sub.setsockopt(zmq.SUBSCRIBE, b"ack")
-        # the merger routes resend requests to us by name; with a standby, to both mergers' control
-        # sockets ("A,B"), queueing only to one that is up (the primary binds its own, a standby none)
-        self._dealer = open_socket(self._context, zmq.DEALER, self.control_route.endpoint, self.security, self.control_route.server,
-                                   identity=self.name, immediate="," in self.control_route.endpoint)
-        ask_all = protocol.encode(self.downlink.ask_for_all(time.monotonic()))
+        # the merger (each shard) routes resend requests to us by name; with a standby, to both
+        # mergers' control sockets ("A,B"), queueing only to one that is up (the primary binds its own)
+        self._mergers = MergerLinks(self._context, self.control_endpoints, self.security, self.control_server, self.name)
+        ask_all = {shard: protocol.encode(self.downlink.ask_for_all(time.monotonic())) for shard in range(self._mergers.count)}
         # Bus and point-to-point snapshots reassemble apart: a catch-up reply (exact: fp32 or the full
         # snapshots' codec) and a bus snapshot of one version share a key, and chunks of one must not
         # meet the other's.
-        reassemblers = {socket: protocol.Reassembler(max_bytes=self._reassembly_bytes) for socket in (sub, self._dealer)}
+        reassemblers = {socket: protocol.Reassembler(max_bytes=self._reassembly_bytes) for socket in (sub, *self._mergers.dealers)}
         poller = zmq.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(self._dealer, zmq.POLLIN)
+        for socket in reassemblers:
+            poller.register(socket, zmq.POLLIN)
+        streams = self.uplink.streams
         while not self._stop.is_set():
-            if ask_all is not None and self._send_direct(ask_all):
-                ask_all = None
+            for shard in [shard for shard, frames in ask_all.items() if self._mergers.send(frames, shard)]:
+                del ask_all[shard]
             for socket in dict(poller.poll(POLL_MS)):
                 frames = socket.recv_multipart(copy=False)
                 self._on_frames([f.buffer for f in frames], reassemblers[socket])
             now = time.monotonic()
-            self.uplink.probe(now, self._send_direct)
-            self.downlink.ask_for_values(now, self.uplink.seq, self._send_direct)
+            self.uplink.probe(now, self._mergers.send)
+            self.downlink.ask_for_values(now, lambda f: streams[shards.shard_of(f, len(streams))].seq, self._mergers.send_for)
         sub.close(linger=0)
-        self._dealer.close(linger=0)
+        self._mergers.close()
 
-    def _send_direct(self, frames: list) -> bool:
-        """Point to point to the merger, never blocking: False when its queue is full."""
-        try:
-            self._dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            self.sends_deferred += 1
-            return False
+    @property
+    def sends_deferred(self) -> int:
+        """Point-to-point sends refused by a full queue (each is tried again later)."""
+        mergers = getattr(self, "_mergers", None)
+        return mergers.deferred if mergers is not None else 0
 
     def _on_frames(self, frames: list, reassembler: protocol.Reassembler) -> None:
         nbytes = sum(f.nbytes for f in frames)
@@ -170,16 +168,20 @@ class NetworkLink:
         _, arrives = self._downlink_shaper.schedule(nbytes, time.monotonic())
         try:
             message = protocol.decode(frames)
-            if message.sender != self.control_route.server:  # only the merger speaks to islands (the broker admits no other publisher)
+            shard = self._mergers.shard_of_sender(message.sender)
+            if shard is None:  # only the merger (its shards) speaks to islands (the broker admits no other publisher)
                 self.uplink.count_dropped("foreign_sender")
                 return
             if isinstance(message, protocol.Ack):
-                self.uplink.on_ack(message)
+                self.uplink.on_ack(message, shard)
                 return
             if isinstance(message, protocol.ResendRequest):
-                self.uplink.resend(message, self._send_direct)
+                self.uplink.resend(message, lambda again: self._mergers.send(again, shard), shard)
                 return
             if not isinstance(message, protocol.SnapshotChunk):
+                return
+            if not self._mergers.owns(shard, message.fragment):  # a shard speaks for its own fragments only
+                self.uplink.count_dropped("other_shard")
                 return
             if message.base_version is None:
                 self.bytes_received_values += nbytes

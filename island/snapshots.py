@@ -95,10 +95,11 @@ class Downlink:
             if early.head.base_version == held.version:  # its base has just arrived
                 self.on_snapshot(early.head, early.tensors, early.arrives)
 
-    def ask_for_values(self, now: float, seq: int, send: Callable[[list], bool]) -> None:
+    def ask_for_values(self, now: float, seq_of: Callable[[int], int], send: Callable[[list, int], bool]) -> None:
         """Ask the merger for the value of every fragment a diff could not be applied to, until a
-        value at least that new is held; at most once per `ask_again_s` per fragment.  `seq` is the
-        island's last stream seq; `send` is point to point and never blocks (False: ask next time)."""
+        value at least that new is held; at most once per `ask_again_s` per fragment.  `seq_of(f)`
+        is the island's last seq of the stream fragment f's deltas go on; `send(frames, f)` goes
+        point to point to the merger (shard) of f and never blocks (False: ask next time)."""
         for fragment, wanted in list(self.wanted.items()):
             held = self.served.get(fragment)
             if held is not None and held.version >= wanted:
@@ -106,7 +107,7 @@ class Downlink:
                 continue
             if now - self.asked.get(fragment, self.asked_all) < self.ask_again_s:
                 continue
-            request = protocol.SnapshotRequest(sender=self.name, epoch=self.epoch, seq=seq, fragments=(fragment,))
-            if send(protocol.encode(request)):
+            request = protocol.SnapshotRequest(sender=self.name, epoch=self.epoch, seq=seq_of(fragment), fragments=(fragment,))
+            if send(protocol.encode(request), fragment):
                 self.asked[fragment] = now
                 self.results["asked"] += 1

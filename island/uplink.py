@@ -2,8 +2,10 @@
 
 Sending (`run`, the publisher thread): take the oldest pending delta, quantize it (with error
 feedback if configured), chunk it, pace each chunk through the uplink shaper and send it on the
-PUB under the next stream seq.  A heartbeat every HEARTBEAT_S carries the last seq, so a lost tail
-shows up at the merger.  Every chunk stays in a bounded `RetransmitBuffer` until the merger's
+PUB under the next seq of its stream.  There is one stream per merger shard (protocol/shards.py:
+a fragment's deltas go to shard fragment % shards), so each shard sees a whole stream of its own.
+A heartbeat per stream every HEARTBEAT_S carries its last seq, so a lost tail shows up at the
+shard.  Every chunk stays in a bounded `RetransmitBuffer` until the merger's
 cursor covers it, and is resent point to point when the merger asks; a full buffer stops the
 publisher (backpressure) while the outbox keeps summing.
 
@@ -30,17 +32,27 @@ from bus.sequencing import RetransmitBuffer
 from island.config import SyncConfig
 from island.outbox import Outbox, PendingDelta
 from island.shaper import LinkShaper
+from protocol.shards import shard_of
 
 POLL_MS = 50
 HEARTBEAT_S = 0.5  # a heartbeat carries the last seq, so a lost tail is asked for within this
 PROBE_AFTER_S = 3.0  # a delta admitted this long ago and still unsettled: its result (an ack) was lost; ask again
 
 @dataclasses.dataclass
+class Stream:
+    """The deltas of one merger shard's fragments, numbered 1, 2, ... on their own."""
+
+    kept: RetransmitBuffer  # every chunk until the shard's cursor covers it
+    seq: int = 0  # last seq sent
+    cursor: int = 0  # highest seq the shard's cursor covered
+
+
+@dataclasses.dataclass
 class SentDelta:
     """A delta sent in full, not yet settled."""
 
     fragment: int
-    last_seq: int  # stream seq of its last chunk
+    last_seq: int  # seq of its last chunk, in the stream of its fragment's shard
     first_chunk: list  # frames of its first chunk: sent again as a probe
     admitted_at: float | None = None  # monotonic time the merger's cursor was seen past last_seq; None: not yet
     probed_at: float | None = None  # monotonic time of the last probe (or of admission)
@@ -50,16 +62,17 @@ class Uplink:
     """Shared by three threads: the loop (`publish`, `drain`), the publisher (`run`) and the
     receiver (`on_ack`, `resend`, `probe`).  `lock` guards everything they share."""
 
-    def __init__(self, name: str, model: str, epoch: int, sync: SyncConfig, shaper: LinkShaper, stop: threading.Event) -> None:
+    def __init__(self, name: str, model: str, epoch: int, sync: SyncConfig, shaper: LinkShaper, stop: threading.Event,
+                 shards: int = 1) -> None:
         self.name, self.model, self.epoch, self.sync, self.shaper, self.stop = name, model, epoch, sync, shaper, stop
         self.codec = protocol.Codec(sync.codec, sync.block)
         self.lock = threading.Condition()
         self.outbox = Outbox()
         self.in_flight = False  # the publisher has taken a delta off the outbox and not finished sending it
         self.residuals: dict[str, np.ndarray] = {}  # error feedback: what quantization left out, added to the next delta
-        self.kept = RetransmitBuffer(max_messages=sync.retransmit_messages, max_bytes=sync.retransmit_bytes)
-        self.seq = 0  # last stream seq sent (delta chunks)
-        self.cursor = 0  # highest seq the merger's cursor covered
+        # the retransmit budget is shared out among the streams: the island holds no more in all
+        self.streams = [Stream(RetransmitBuffer(max_messages=max(1, sync.retransmit_messages // shards),
+                                                max_bytes=max(1, sync.retransmit_bytes // shards))) for _ in range(shards)]
         self.unsettled: dict[int, SentDelta] = {}  # by delta id
         self.settled: set[int] = set()  # delta ids with a result (an ack can arrive twice)
         self.results: collections.Counter[str] = collections.Counter()  # folded, rejected, unknown, dropped/<reason>
@@ -111,8 +124,9 @@ class Uplink:
                     break
                 pending = self.outbox.take()
                 self.in_flight = pending is not None
-            if time.monotonic() >= next_heartbeat:  # tells receivers our last seq: tail loss shows up
-                pub.send_multipart(protocol.encode(protocol.Heartbeat(sender=self.name, epoch=self.epoch, seq=self.seq)))
+            if time.monotonic() >= next_heartbeat:  # tells each shard our last seq of its stream: tail loss shows up
+                for index, stream in enumerate(self.streams):
+                    pub.send_multipart(protocol.encode(protocol.Heartbeat(sender=self.name, epoch=self.epoch, seq=stream.seq, stream=index)))
                 next_heartbeat = time.monotonic() + HEARTBEAT_S
             if pending is None:
                 continue
@@ -131,34 +145,34 @@ class Uplink:
             with self.lock:
                 self.residuals.update(kept)
         plans = protocol.split_fragment(delta, self.codec, self.sync.chunk_bytes)
-        first = None
+        stream, first = self.streams[shard_of(pending.fragment, len(self.streams))], None
         for index, plan in enumerate(plans):
             frames = protocol.encode(protocol.DeltaChunk(
-                sender=self.name, epoch=self.epoch, seq=self.seq + 1, delta_id=delta_id, fragment=pending.fragment,
+                sender=self.name, epoch=self.epoch, seq=stream.seq + 1, delta_id=delta_id, fragment=pending.fragment,
                 base_version=pending.base_version, chunk_index=index, chunk_count=len(plans), steps=pending.steps, tokens=pending.tokens,
                 model=self.model, codec=self.codec, slices=plan.slices, payloads=plan.payloads))
             nbytes = sum(memoryview(f).nbytes for f in frames)
-            if not self._wait_for_room(nbytes):
+            if not self._wait_for_room(stream, nbytes):
                 return
             _, arrives = self.shaper.schedule(nbytes, time.monotonic())
             self._sleep_until(arrives)  # this thread waits for the emulated wire, never the loop
             if self.stop.is_set():
                 return
             with self.lock:
-                self.seq += 1
-                self.kept.add(self.seq, frames, nbytes)  # until the merger's cursor covers it
+                stream.seq += 1
+                stream.kept.add(stream.seq, frames, nbytes)  # until the shard's cursor covers it
             pub.send_multipart(frames, copy=False)
             self.bytes_sent += nbytes
             first = first or frames
         self.deltas_sent += 1
         with self.lock:
             if delta_id not in self.settled:
-                self.unsettled[delta_id] = SentDelta(pending.fragment, self.seq, first)
+                self.unsettled[delta_id] = SentDelta(pending.fragment, stream.seq, first)
 
-    def _wait_for_room(self, nbytes: int) -> bool:
+    def _wait_for_room(self, stream: Stream, nbytes: int) -> bool:
         """Backpressure: a full retransmit buffer stops this thread (the loop's outbox keeps summing)."""
         with self.lock:
-            while not self.kept.has_room(nbytes):
+            while not stream.kept.has_room(nbytes):
                 if self.stop.is_set():
                     return False
                 self.backpressure_waits += 1
@@ -170,9 +184,10 @@ class Uplink:
             time.sleep(min(left, POLL_MS / 1000))
 
     # ---- the receiver thread ---------------------------------------------------------------------
-    def on_ack(self, ack: protocol.Ack) -> None:
-        """Results settle deltas; cursors release the retransmit buffer and admit deltas.  An ack
-        from an older epoch of its sender (a merger since restarted or replaced) is ignored."""
+    def on_ack(self, ack: protocol.Ack, shard: int = 0) -> None:
+        """Results settle deltas; cursors (of the stream of `shard`, who sent the ack) release the
+        retransmit buffer and admit deltas.  An ack from an older epoch of its sender (a merger
+        since restarted or replaced) is ignored."""
         with self.lock:
             if ack.epoch < self.merger_epochs.get(ack.sender, 0):
                 self.results["dropped/old_epoch"] += 1
@@ -185,28 +200,31 @@ class Uplink:
                     self.results[result.status] += 1
                     if result.status != "folded":
                         self.unfolded[result.fragment] += 1
+            stream = self.streams[shard]
             for cursor in ack.cursors:
                 if cursor.island == self.name and cursor.epoch == self.epoch:
-                    self.kept.release(cursor.seq)
-                    self.cursor = max(self.cursor, cursor.seq)
+                    stream.kept.release(cursor.seq)
+                    stream.cursor = max(stream.cursor, cursor.seq)
             self.lock.notify_all()
 
-    def resend(self, request: protocol.ResendRequest, send: Callable[[list], bool]) -> None:
-        """The kept chunks a receiver asks for, point to point (not on the bus).  `send` never blocks;
-        what it cannot send now the receiver asks for again."""
+    def resend(self, request: protocol.ResendRequest, send: Callable[[list], bool], shard: int = 0) -> None:
+        """The kept chunks of `shard`'s stream that it asks for, point to point (not on the bus).
+        `send` never blocks; what it cannot send now the receiver asks for again."""
         if request.target != self.name or request.target_epoch != self.epoch:
             return
         with self.lock:
-            again = self.kept.get(list(request.ranges))
+            again = self.streams[shard].kept.get(list(request.ranges))
         for _, frames in again:
             if send(frames):
                 self.resent += 1
 
-    def probe(self, now: float, send: Callable[[list], bool]) -> None:
-        """Admitted deltas whose result never came: send their first chunk again, point to point."""
+    def probe(self, now: float, send: Callable[[list, int], bool]) -> None:
+        """Admitted deltas whose result never came: send their first chunk again, point to point
+        (`send(frames, shard)`)."""
+        shards = len(self.streams)
         with self.lock:
             for sent in self.unsettled.values():
-                if sent.admitted_at is None and sent.last_seq <= self.cursor:  # admitted (logged) now: its result is due soon
+                if sent.admitted_at is None and sent.last_seq <= self.streams[shard_of(sent.fragment, shards)].cursor:  # admitted (logged) now
                     sent.admitted_at = sent.probed_at = now
             timeout_s = self.sync.settle_timeout_s
             expired = [d for d, sent in self.unsettled.items() if sent.admitted_at is not None and now - sent.admitted_at > timeout_s]
@@ -220,8 +238,22 @@ class Uplink:
             for sent in due:
                 sent.probed_at = now
         for sent in due:
-            if send(sent.first_chunk):
+            if send(sent.first_chunk, shard_of(sent.fragment, shards)):
                 self.probes += 1
+
+    # ---- one stream (no shards): what tests and benchmarks look at ---------------------------------
+    @property
+    def seq(self) -> int:
+        """The last seq sent on the first stream (the only one without merger shards)."""
+        return self.streams[0].seq
+
+    @property
+    def cursor(self) -> int:
+        return self.streams[0].cursor
+
+    @property
+    def kept(self) -> RetransmitBuffer:
+        return self.streams[0].kept
 
     def count_dropped(self, reason: str) -> None:
         """A message from the merger that failed to decode."""

@@ -85,6 +85,7 @@ class MergerCore:
         self.quarantined: list[tuple[str, str, float]] = []  # (island, last reason, seconds): newly quarantined, for the caller to log
         # island -> (epoch, seq): stream messages up to seq are settled and were acknowledged as such
         self.cursors: dict[str, tuple[int, int]] = {}
+        self.owned: frozenset[int] | None = None  # a merger shard's fragments (None: every one); others are rejected
         if log is not None and log.next_index == 0:
             log.append(records.genesis_record(config.to_dict(), model, self.fragments, params))
 
@@ -99,6 +100,7 @@ class MergerCore:
         head = assembled.header
         key = (head.sender, head.epoch, head.delta_id)
         settled = (key in self.settled or self._is_pending(key) or head.fragment >= len(self.fragments)
+                   or (self.owned is not None and head.fragment not in self.owned)
                    or self.quarantine.held(head.sender, now) > 0)  # decided before its tensors are looked at
         candidate = Candidate(head.sender, head.epoch, head.delta_id, head.fragment, head.base_version, head.steps, head.tokens,
                               head.model, {} if settled else records.delta_tensors(assembled))
@@ -118,6 +120,8 @@ class MergerCore:
             return None
         if candidate.fragment >= len(self.fragments):
             return self._reject(key, candidate.fragment, "unknown_fragment")
+        if self.owned is not None and candidate.fragment not in self.owned:
+            return self._reject(key, candidate.fragment, f"fragment {candidate.fragment} belongs to another merger shard", "other_shard")
         if (left := self.quarantine.held(candidate.island, now)) > 0:
             return self._reject(key, candidate.fragment,
                                 f"quarantined: {candidate.island} is refused for {left:.0f} s more after repeated hostile deltas", "quarantined")

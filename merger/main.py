@@ -65,6 +65,9 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
                          help="seconds without the primary's heartbeat after which its standby takes over (default 3); the "
                               "primary drops a standby silent for twice this")
     merger.add_argument("--name", default="merger", help="sender id and key name (default merger)")
+    merger.add_argument("--shard", default="0/1", metavar="I/N",
+                        help="fold only the fragments f with f %% N == I (one of N merger shards, each with its own run directory; "
+                             "islands give one --control-endpoint per shard, in shard order)")
     merger.add_argument("--keys", type=Path, help="CURVE key directory (NAME.key_secret, broker.key); CURVE is the default")
     merger.add_argument("--allow", type=Path, help="accepted client public keys, for the sockets this merger binds")
     merger.add_argument("--insecure", action="store_true", help="plaintext, no authentication (prints a warning)")
@@ -85,6 +88,7 @@ def run_merger(args: argparse.Namespace) -> int:
     from merger.core import initial_core
     from merger.roles import run_merger_roles
     from merger.service import ServiceConfig
+    from protocol.shards import parse as parse_shard
 
     keep_freed_memory()  # folds reuse freed pages instead of faulting in fresh ones (merger/memory.py)
     try:
@@ -99,6 +103,7 @@ def run_merger(args: argparse.Namespace) -> int:
                 factory = initial_core(config, {path: data[path].astype(np.float32) for path in data.files}, args.fragments)
         elif not (args.run_dir / "wal").exists() and not (args.standby_of or args.peer):
             raise ConfigError(f"{args.run_dir} holds no log to resume; give --init-npz to start a new run")
+        shard, shards = parse_shard(args.shard)
         security = security_from_args(args, args.name, "merger")
         mode = args.replication or ("sync" if args.replication_endpoint else "off")
         replication = ReplicationConfig(mode, args.replication_endpoint, args.standby_of or args.peer, args.lease, bool(args.standby_of))
@@ -111,7 +116,7 @@ def run_merger(args: argparse.Namespace) -> int:
                                        checkpoint_every=args.checkpoint_every, security=security,
                                        reassembly_bytes=(args.receive_mib << 20) * 2 // 3, held_bytes=(args.receive_mib << 20) // 3,
                                        peer_timeout_s=args.peer_timeout, metrics_port=args.metrics_port,
-                                       metrics_host=args.metrics_host, replication=replication)
+                                       metrics_host=args.metrics_host, replication=replication, shard=shard, shards=shards)
         code, service = run_merger_roles(service_config, core_factory=factory)
     except (DlocoError, OSError, zmq.ZMQError) as error:
         print(f"dloco merger: {error}", file=sys.stderr)

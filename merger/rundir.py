@@ -10,7 +10,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from protocol.errors import DlocoError
+from protocol.errors import ConfigError, DlocoError
 
 LOCK_NAME = "merger.lock"
 
@@ -38,3 +38,20 @@ class RunDirLock:
         if self.fd >= 0:
             os.close(self.fd)  # closing the descriptor drops the flock
             self.fd = -1
+
+
+SHARD_NAME = "shard"
+
+
+def check_shard(run_dir: Path, shard: int, shards: int) -> None:
+    """A run directory belongs to one shard (`I/N` in its file `shard`, written on first use): a
+    merger started on it as another shard would fold fragments its log has never seen."""
+    path, mine = run_dir / SHARD_NAME, f"{shard}/{shards}"
+    if path.exists():
+        theirs = path.read_text().strip()
+        if theirs != mine:
+            raise ConfigError(f"{run_dir} is the run directory of merger shard {theirs}, not {mine}: give this shard its own --run-dir")
+    elif shards > 1 and (run_dir / "wal").exists():  # a log from before shards were recorded: an unsharded merger's
+        raise ConfigError(f"{run_dir} holds the log of an unsharded merger, not of shard {mine}: give this shard its own --run-dir")
+    else:
+        path.write_text(mine + "\n")

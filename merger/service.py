@@ -1,7 +1,8 @@
 """The merger process: sockets, clock and disk around `MergerCore`.
 
 Sockets (endpoint strings: ``@tcp://...`` binds, ``tcp://...`` or ``>tcp://...`` connects):
-- ``delta_sub``  SUB on the delta bus (topics ``delta/``, ``heartbeat``): chunks from islands;
+- ``delta_sub``  SUB on the delta bus (topics ``delta/``, ``heartbeat/0/``; a shard only its
+  fragments' ``delta/F/`` and its stream's ``heartbeat/I/``, protocol/shards.py): chunks from islands;
 - ``snapshot_pub`` PUB on the snapshot bus: fragment snapshots after every fold (or at most once
   per mean round of the islands: ``snapshot_every_round``), and acks with results and
   per-island cursors;
@@ -28,7 +29,7 @@ import time
 import zmq
 
 import protocol
-from protocol import downlink
+from protocol import downlink, shards
 from bus.security import Security, impostor, peer_of
 from bus.sequencing import GapTracker
 from bus.sockets import open_socket
@@ -37,7 +38,7 @@ from merger.pipeline import FoldPipeline
 from merger.publishing import SnapshotPublishing
 from merger.recovery import checkpoint_dir, recover, wal_dir
 from merger.round_policy import CatchUpBudget
-from merger.rundir import RunDirLock
+from merger.rundir import RunDirLock, check_shard
 from merger.settings import ServiceConfig as ServiceConfig  # re-exported: the service's settings
 from merger.logmatch import genesis_of, newest_epoch, terms_of
 from merger.replication import Fenced, ReplicatedLog, ReplicationServer
@@ -65,6 +66,7 @@ class MergerService(SnapshotPublishing, StreamKeeping):
             self.core.log = self.wal
         else:
             self.lock = RunDirLock(config.run_dir)  # before the log opens: RunDirInUse if another merger runs here
+            check_shard(config.run_dir, config.shard, config.shards)
             self.wal = WriteAheadLog(wal_dir(config.run_dir), fsync=config.fsync)
             if self.wal.truncated_bytes or self.wal.discarded:
                 self.log.warning("wal_torn_tail_truncated", bytes=self.wal.truncated_bytes, segments_set_aside=self.wal.discarded)
@@ -94,8 +96,10 @@ class MergerService(SnapshotPublishing, StreamKeeping):
         # ZeroMQ's queue of arrived deltas is part of the receive budget: beyond it they are dropped and asked for again
         self.delta_sub = self._socket(zmq.SUB, config.delta_endpoint, server="broker", domain="delta-in",  # domain: bound without a broker
                                       receive_hwm=max(16, config.held_bytes // config.max_chunk_bytes))
-        self.delta_sub.setsockopt(zmq.SUBSCRIBE, b"delta/")
-        self.delta_sub.setsockopt(zmq.SUBSCRIBE, b"heartbeat")
+        for topic in shards.subscriptions(config.shard, config.shards, len(self.core.fragments)):  # ZeroMQ filters at the publishers
+            self.delta_sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.owned = shards.owned(config.shard, config.shards, len(self.core.fragments))
+        self.core.owned = frozenset(self.owned) if config.shards > 1 else None
         self.snapshot_pub = self._socket(zmq.PUB, config.snapshot_endpoint, server="broker", domain="snapshot-out")
         self.control = self._socket(zmq.ROUTER, config.control_endpoint, server=config.sender, domain="control")
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown island is an error we count, not a silent drop
@@ -161,7 +165,7 @@ class MergerService(SnapshotPublishing, StreamKeeping):
         poller.register(self.delta_sub, zmq.POLLIN)
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.pipeline.signal, zmq.POLLIN)
-        for fragment in range(len(self.core.fragments)):
+        for fragment in self.owned:
             self.publish_snapshot(fragment)
         wake = None
         try:
@@ -273,7 +277,7 @@ class MergerService(SnapshotPublishing, StreamKeeping):
             self.count("merger/resent_chunks")
             self.on_delta_frames(body)
         elif isinstance(message, protocol.SnapshotRequest):
-            self.answer_catch_up(identity, message.fragments or tuple(range(len(self.core.fragments))))
+            self.answer_catch_up(identity, [f for f in message.fragments if self.config.owns(f)] if message.fragments else self.owned)
         elif isinstance(message, protocol.Hello):
             self.log.info("hello", peer=message.sender, role=message.role, region=message.region, model_ok=message.model == self.core.model)
 

@@ -33,3 +33,8 @@ class ServiceConfig:
     metrics_port: int | None = None  # Prometheus metrics served on this port (telemetry/prom.py); None: off
     metrics_host: str = "127.0.0.1"
     replication: ReplicationConfig = ReplicationConfig()  # a standby, its stream and lease (merger/replication.py)
+    shard: int = 0  # this merger folds the fragments f with f % shards == shard (merger/sharding.py)
+    shards: int = 1
+
+    def owns(self, fragment: int) -> bool:
+        return fragment % self.shards == self.shard

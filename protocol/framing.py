@@ -20,6 +20,7 @@ import msgpack
 from protocol.checksum import crc32
 from protocol.errors import EncodeError, ProtocolError
 from protocol.limits import DEFAULT_LIMITS, IDENT, MAX_TOPIC_BYTES, PATH, REASON, Limits
+from protocol.shards import MAX_SHARDS
 from protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -373,7 +374,7 @@ def _read_snapshot_request(fields: _FieldReader, payloads: tuple[memoryview, ...
 _READERS: dict[Kind, Callable[[_FieldReader, tuple[memoryview, ...], Limits], Message]] = {
     Kind.DELTA: _read_delta,
     Kind.SNAPSHOT: _read_snapshot,
-    Kind.HEARTBEAT: lambda fields, payloads, limits: MESSAGE_TYPES[Kind.HEARTBEAT](**_envelope(fields)),
+    Kind.HEARTBEAT: lambda fields, payloads, limits: MESSAGE_TYPES[Kind.HEARTBEAT](**_envelope(fields), stream=fields.uint("stream", MAX_SHARDS)),
     Kind.HELLO: _read_hello,
     Kind.RESEND: _read_resend,
     Kind.ACK: _read_ack,

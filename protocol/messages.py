@@ -17,7 +17,7 @@ from typing import ClassVar, Union
 
 from protocol.quantization import Codec
 
-PROTOCOL_VERSION = 2  # 2: snapshots may be diffs (base_version, digest)
+PROTOCOL_VERSION = 3  # 2: snapshots may be diffs (base_version, digest); 3: a stream per merger shard (heartbeat.stream, topics end in /)
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -75,8 +75,8 @@ class DeltaChunk:
     payloads: tuple[Buffer, ...]  # payloads[i] encodes slices[i] with `codec`
 
     @property
-    def topic(self) -> str:
-        return f"delta/{self.fragment}"
+    def topic(self) -> str:  # the closing "/": a shard subscribed to delta/1/ does not get delta/10/
+        return f"delta/{self.fragment}/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,16 +107,18 @@ class SnapshotChunk:
 
 @dataclasses.dataclass(frozen=True)
 class Heartbeat:
-    """Liveness; `seq` is the sender's last stream seq, so tail loss shows up within one interval."""
+    """Liveness; `seq` is the sender's last seq of its stream `stream`, so tail loss shows up within
+    one interval.  An island has one stream per merger shard (the shard's fragments' deltas)."""
 
     kind: ClassVar[Kind] = Kind.HEARTBEAT
     sender: str
     epoch: int
     seq: int
+    stream: int = 0
 
     @property
     def topic(self) -> str:
-        return "heartbeat"
+        return f"heartbeat/{self.stream}/"
 
 
 @dataclasses.dataclass(frozen=True)

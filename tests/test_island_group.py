@@ -1,8 +1,9 @@
 """One island on several processes (island/group.py, jax.distributed over gloo on this machine's
 CPU): the pure parts by hand; two processes of two devices step exactly as one process of four;
-and in a cluster (`dloco up`, a region with hosts = 2) both processes adopt every snapshot version
-at the same step, a killed process takes its island down alone, and the island rejoins on restart.
-Every bound is work (steps), never seconds."""
+and in a cluster (`dloco up`, a region with hosts = 2 and two merger shards) both processes adopt
+every snapshot version at the same step, a killed process takes its island down alone, the island
+rejoins on restart, and each shard folds both islands and replays.  Every bound is work (steps),
+never seconds."""
 
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ hosts = 2
 [[regions]]
 name = "b"
 slowdown = 2.0
-""", max_steps=STEPS)
+""", max_steps=STEPS).replace("share_window = 8", "share_window = 8\nshards = 2")  # two merger shards, one fragment each
 # a's second process dies at a's step 40; it and a's process 0 come back once b has made 60 more
 # steps: b cannot wait for a, or the restart never fires and the run fails.
 SCHEDULE = "kill:a.1@a.step=40,restart:a.1@b.step=+60"
@@ -151,6 +152,13 @@ def test_a_two_host_island_trains_in_step_dies_alone_and_rejoins(tmp_path):
     folds = [(wall(e), set(e["contributors"])) for e in merger_folds(run)]
     assert sum(1 for e in read_metrics(run / "metrics" / "b.jsonl") if e["step"] > 0 and killed <= e["wall"] <= restarted) >= 60
     assert any("a" in c for w, c in folds if w < killed) and any("a" in c for w, c in folds if w > restarted)
+    # Each merger shard folded its own fragment, from both islands, and its log replays to its checkpoints.
+    for shard, name in enumerate(("merger", "merger.1")):
+        own = [e for e in read_events(run / "logs" / f"{name}.log") if e.get("event") == "fold"]
+        assert {e["fragment"] for e in own} == {shard} and {"a", "b"} <= {c for e in own for c in e["contributors"]}, name
+        replay = subprocess.run([sys.executable, "-m", "dloco", "replay", str(run / name), "--verify", "--every", "1000000"],
+                                capture_output=True, text=True, timeout=300)
+        assert replay.returncode == 0 and "ok sha256=" in replay.stdout, (name, replay.stdout[-1000:], replay.stderr[-1000:])
     done = [e for e in read_events(run / "logs" / "a.log") if isinstance(e, dict) and e.get("event") == "done"]
     assert len(done) == 1 and done[0]["acks"].get("folded", 0) > 0, done
     report = (run / "report.md").read_text()

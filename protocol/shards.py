@@ -1,0 +1,44 @@
+"""Merger shards (PROTOCOL.md §13): shard I of N folds the fragments f with f % N == I.  An island
+keeps one sequenced stream per shard (the deltas of that shard's fragments), and the topics let
+ZeroMQ filter by fragment at the publisher and the broker."""
+
+from __future__ import annotations
+
+from protocol.errors import ConfigError
+
+MAX_SHARDS = 1024  # Heartbeat.stream is below this
+
+
+def shard_of(fragment: int, shards: int) -> int:
+    """The shard that folds `fragment`: also the island's stream its deltas travel on."""
+    return fragment % shards
+
+
+def owned(shard: int, shards: int, fragments: int) -> list[int]:
+    """The fragments shard `shard` of `shards` folds."""
+    return list(range(shard, fragments, shards))
+
+
+def names(base: str, shards: int) -> list[str]:
+    """The shards' names (sender ids and key names): `base` for shard 0, `base.I` for the others,
+    so one unsharded merger keeps its name."""
+    return [base, *(f"{base}.{index}" for index in range(1, shards))]
+
+
+def parse(text: str) -> tuple[int, int]:
+    """`I/N` (--shard) as (I, N); ConfigError naming what is wrong."""
+    index, slash, count = text.partition("/")
+    if not (slash and index.isdigit() and count.isdigit()):
+        raise ConfigError(f"--shard must be I/N (this shard's index and the number of shards, e.g. 0/2), got {text!r}")
+    index, count = int(index), int(count)
+    if not 1 <= count <= MAX_SHARDS or not 0 <= index < count:
+        raise ConfigError(f"--shard {text}: need 1 <= N <= {MAX_SHARDS} and 0 <= I < N")
+    return index, count
+
+
+def subscriptions(shard: int, shards: int, fragments: int) -> list[bytes]:
+    """The delta bus topics shard `shard` subscribes to: its fragments' deltas and its stream's
+    heartbeats (the closing "/" keeps delta/1/ from matching delta/10/)."""
+    if shards == 1:
+        return [b"delta/", b"heartbeat/0/"]
+    return [f"delta/{f}/".encode() for f in owned(shard, shards, fragments)] + [f"heartbeat/{shard}/".encode()]

@@ -1,0 +1,110 @@
+"""Merger shards (protocol/shards.py, `dloco merger --shard I/N`): the pure parts by hand; a
+synchronous run (blocking islands, every round folded once both islands' deltas are in: what
+sync-diloco does, with two fragments) gives the same bytes for every fragment with two shards
+as with one merger, each shard's log replays to its checkpoint, and a shard refuses a run
+directory of another shard.  Bounded by work (steps), never by seconds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from analysis.export import params_of
+from cluster.ports import free_ports
+from merger import checkpoint
+from merger.recovery import checkpoint_dir
+from merger.rundir import check_shard
+from protocol import shards
+from protocol.errors import ConfigError
+
+
+def test_shards_by_hand():
+    assert [shards.shard_of(f, 3) for f in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert shards.owned(1, 3, 8) == [1, 4, 7] and shards.owned(0, 1, 3) == [0, 1, 2]
+    assert shards.names("merger", 3) == ["merger", "merger.1", "merger.2"] and shards.names("m", 1) == ["m"]
+    assert shards.parse("1/4") == (1, 4)
+    for bad in ("1", "4/4", "-1/2", "a/b", "0/0", "1/2000"):
+        with pytest.raises(ConfigError, match="--shard"):
+            shards.parse(bad)
+    assert shards.subscriptions(1, 2, 12) == [b"delta/1/", b"delta/3/", b"delta/5/", b"delta/7/", b"delta/9/", b"delta/11/", b"heartbeat/1/"]
+    assert shards.subscriptions(0, 1, 12) == [b"delta/", b"heartbeat/0/"]
+
+
+def test_a_run_directory_belongs_to_one_shard(tmp_path):
+    (tmp_path / "a").mkdir()
+    check_shard(tmp_path / "a", 1, 2)
+    check_shard(tmp_path / "a", 1, 2)  # the same shard again: fine
+    with pytest.raises(ConfigError, match="merger shard 1/2, not 0/2"):
+        check_shard(tmp_path / "a", 0, 2)
+    (tmp_path / "b" / "wal").mkdir(parents=True)  # an unsharded merger's log, from before shards were recorded
+    with pytest.raises(ConfigError, match="unsharded merger"):
+        check_shard(tmp_path / "b", 0, 2)
+    check_shard(tmp_path / "b", 0, 1)
+
+
+def _dloco(*args, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dloco", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+MODEL = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--batch", "8", "--seed", "5"]
+
+
+def _synchronous_run(tmp_path, count: int) -> list[dict]:
+    """Broker, `count` merger shards and two blocking islands (40 steps, fragments 2, H 10); the
+    shards' final checkpoints."""
+    base = tmp_path / f"shards{count}"
+    base.mkdir()
+    init = base / "init.npz"
+    assert _dloco("island", "--write-init", init, *MODEL).wait(timeout=300) == 0
+    ports = [str(p) for p in free_ports(4 + count)]
+    at = [f"tcp://127.0.0.1:{p}" for p in ports]
+    processes = [_dloco("broker", "--insecure", "--delta-in", at[0], "--delta-out", at[1], "--snapshot-in", at[2], "--snapshot-out", at[3])]
+    try:
+        for index, name in enumerate(shards.names("merger", count)):
+            processes.append(_dloco("merger", "--insecure", "--run-dir", base / name, "--init-npz", init, "--fragments", 2, "--name", name,
+                                    "--shard", f"{index}/{count}", "--delta-endpoint", at[1], "--snapshot-endpoint", at[2],
+                                    "--control-endpoint", f"@{at[4 + index]}", "--quorum", 2, "--quorum-timeout", 300, "--grace-cap", 0,
+                                    "--share-window", 0, "--outer", "nesterov", "--outer-lr", 0.7))
+        controls = [arg for endpoint in at[4:] for arg in ("--control-endpoint", endpoint)]
+        islands = [_dloco("island", "--insecure", "--name", name, "--islands", 2, "--island-index", index, *MODEL, "--max-steps", 40,
+                          "--fragments", 2, "--interval", 10, "--blocking", "--delta-endpoint", at[0], "--snapshot-endpoint", at[3],
+                          *controls, "--metrics-out", base / f"{name}.jsonl", "--eval-every", 40, "--settle-timeout", 400)
+                   for index, name in enumerate(("a", "b"))]
+        for island in islands:
+            out, _ = island.communicate(timeout=400)
+            assert island.returncode == 0, out[-3000:]
+        for merger in processes[1:]:
+            merger.terminate()
+            out, _ = merger.communicate(timeout=120)
+            assert merger.returncode == 0, out[-3000:]
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait(timeout=30)
+    for name in shards.names("merger", count):
+        replay = subprocess.run([sys.executable, "-m", "dloco", "replay", str(base / name), "--verify", "--every", "1000000"],
+                                capture_output=True, text=True, timeout=300)
+        assert replay.returncode == 0 and "ok sha256=" in replay.stdout, replay.stdout[-2000:] + replay.stderr[-2000:]
+    return [checkpoint.latest(checkpoint_dir(base / name)) for name in shards.names("merger", count)]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_two_shards_fold_the_bytes_one_merger_folds(tmp_path):
+    one, = _synchronous_run(tmp_path, 1)
+    split = _synchronous_run(tmp_path, 2)
+    for fragment in range(2):
+        mine = split[shards.shard_of(fragment, 2)]["fragments"][fragment]
+        theirs = one["fragments"][fragment]
+        assert int(mine["version"]) == int(theirs["version"]) >= 4  # every island's 4 deltas of it, one round per fold
+        assert params_of({"fragments": [mine]}).keys() == params_of({"fragments": [theirs]}).keys()
+        for path in mine["params"]:
+            assert mine["params"][path]["data"] == theirs["params"][path]["data"], (fragment, path)
+        other = split[1 - shards.shard_of(fragment, 2)]["fragments"][fragment]
+        assert int(other["version"]) == 0  # the other shard never folded it
+    with np.load(tmp_path / "shards1" / "init.npz") as init:  # and the run did train: every fragment moved
+        folded = params_of(one)
+        assert all(not np.array_equal(folded[path], init[path]) for path in init.files)
