@@ -45,6 +45,7 @@ HEADER = """\
 
 
 METRICS_BASE_PORT = 9100  # the broker's; then the merger, the evaluator and each region in order
+SHARD_BASE_PORT = 5570  # merger shard 1's control port; then shard 2's
 COORDINATOR_BASE_PORT = 5600  # the first multi-host region's jax.distributed coordinator; then the next one's
 STATUS_PORT, PROMETHEUS_PORT, GRAFANA_PORT = 8080, 9090, 3000
 
@@ -72,7 +73,9 @@ def render(config: ClusterConfig, profile: str, config_dir: Path | None = None) 
     """The compose file for `config`; `profile` is the cluster file's path relative to the compose file,
     `config_dir` the cluster file's folder on this machine (default: profile's, from here).  A task
     file, corpus or token file must lie in that folder: it is mounted read-only into the containers."""
-    metered = ["broker", "merger", *(["standby"] if config.merger.standby else []), "evaluator", *(r.name for r in config.regions)]
+    metered = ["broker", *config.merger.processes, "evaluator", *(r.name for r in config.regions)]
+    shard_ports = tuple(_port(f"DLOCO_CONTROL_PORT_{metrics_variable(name).removeprefix('DLOCO_METRICS_PORT_')}", SHARD_BASE_PORT + i)
+                        for i, name in enumerate(config.merger.processes[1:config.merger.shards], 1))
     variables = [metrics_variable(name) for name in metered]
     require(len(set(variables)) == len(variables), f"regions {[r.name for r in config.regions]}: two names give one port variable "
             f"({', '.join(sorted(v for v in variables if variables.count(v) > 1))}); rename one")
@@ -82,7 +85,8 @@ def render(config: ClusterConfig, profile: str, config_dir: Path | None = None) 
     at = topology.Addresses(broker_ports=tuple(_port(n) for n in list(PORTS)[:4]), control_port=_port("DLOCO_CONTROL_PORT"),
                             broker_host="broker", merger_host="merger", bind_host="*", metrics_ports=metrics_ports, standby_host="standby",
                             standby_ports=(_port("DLOCO_STANDBY_CONTROL_PORT"), _port("DLOCO_REPLICATION_PORT"), _port("DLOCO_STANDBY_REPLICATION_PORT")),
-                            coordinator_ports=coordinators, coordinator_host=None)
+                            coordinator_ports=coordinators, coordinator_host=None, shard_control_ports=shard_ports,
+                            shard_hosts=tuple(config.merger.processes[1:config.merger.shards]))
     config_dir = (config_dir or Path(profile).parent).resolve()
     inputs = _inputs(config)
 
@@ -118,13 +122,15 @@ def render(config: ClusterConfig, profile: str, config_dir: Path | None = None) 
                                   {"prepare": "service_completed_successfully"}),
                 "merger": service(commands["merger"], [f"tcp://127.0.0.1:{_port('DLOCO_CONTROL_PORT')}"],
                                   {"broker": "service_healthy"}, stop_grace_period="60s")}
+    for name, port in zip(config.merger.processes[1:config.merger.shards], shard_ports):  # merger shards 1, 2, ... (PROTOCOL.md §13)
+        services[name] = service(commands[name], [f"tcp://127.0.0.1:{port}"], {"broker": "service_healthy"}, stop_grace_period="60s")
     if config.merger.standby:  # follows the merger's log; takes over if the merger's lease lapses (PROTOCOL.md §12)
         services["standby"] = service(commands["standby"], None, {"broker": "service_healthy"}, stop_grace_period="60s")
     for region in config.regions:  # healthy while its metrics keep coming; one service per host of the region
         cpus = {"cpus": round(config.cpus_of(region), 4)} if config.island_cpus else {}  # docker's CPU quota, as dloco up sets it
         for name in region.processes:
             services[name] = service(commands[name], [f"{RUN}/metrics/{name}.jsonl", "--max-age", "120"],
-                                     {"merger": "service_healthy"}, stop_grace_period="60s", **cpus)
+                                     dict.fromkeys(config.merger.processes[:config.merger.shards], "service_healthy"), stop_grace_period="60s", **cpus)
     services["evaluator"] = service(commands["evaluator"], None, {"merger": "service_healthy"})
     status_port = _port("DLOCO_STATUS_PORT", STATUS_PORT)
     services["status"] = service(["status", RUN, "--host", "0.0.0.0", "--port", status_port], None, {"prepare": "service_completed_successfully"},

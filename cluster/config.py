@@ -133,11 +133,6 @@ class MergerSection:
         require(type(self.standby) is bool, f"merger.standby must be true or false, got {self.standby!r}")
         require(type(self.shards) is int and 1 <= self.shards <= 64, f"merger.shards must be an int in [1, 64], got {self.shards!r}")
         require(self.shards == 1 or not self.standby, "merger.standby with merger.shards > 1: a standby per shard is not built yet; choose one")
-
-    @property
-    def processes(self) -> list[str]:
-        """The merger's process names: `merger` (shard 0), `merger.1`, ...; then `standby`."""
-        return [*shard_names("merger", self.shards), *(["standby"] if self.standby else [])]
         require(self.replication in ("sync", "async"), f"merger.replication must be sync or async, got {self.replication!r}")
         require(type(self.lease_s) in (int, float) and 0.1 <= self.lease_s < float("inf"),
                 f"merger.lease_s must be a number of seconds >= 0.1, got {self.lease_s!r}")
@@ -147,6 +142,11 @@ class MergerSection:
         with _section_named("merger"):
             self.math()
         SnapshotConfig(self.snapshot_codec, self.snapshot_diff_codec, self.snapshot_full_every, self.snapshot_every_round)
+
+    @property
+    def processes(self) -> list[str]:
+        """The merger's process names: `merger` (shard 0), `merger.1`, ...; then `standby`."""
+        return [*shard_names("merger", self.shards), *(["standby"] if self.standby else [])]
 
     def math(self) -> MergerConfig:
         """The merger's MergerConfig these settings give (the outer momentum is the merger's default)."""

@@ -45,6 +45,34 @@ def test_a_run_directory_belongs_to_one_shard(tmp_path):
     check_shard(tmp_path / "b", 0, 1)
 
 
+def test_a_cluster_with_two_merger_shards_wires_every_island_to_both():
+    from cluster import topology
+    from cluster.config import ClusterConfig, MergerSection, Region
+    from dloco.cli import build_parser
+
+    config = ClusterConfig(regions=(Region("east"),), merger=MergerSection(shards=2))
+    assert config.process_names == ["east", "merger", "merger.1", "broker"]
+    commands = topology.commands(config, topology.Addresses(("1", "2", "3", "4"), "5", shard_control_ports=("9",)), "/run")
+    parser = build_parser()
+    zero, one, east = (parser.parse_args(commands[name]) for name in ("merger", "merger.1", "east"))
+    assert (zero.shard, zero.name, str(zero.run_dir)) == ("0/2", "merger", "/run/merger")
+    assert (one.shard, one.name, str(one.run_dir), one.control_endpoint) == ("1/2", "merger.1", "/run/merger.1", "@tcp://127.0.0.1:9")
+    assert east.control_endpoint == ["tcp://127.0.0.1:5", "tcp://127.0.0.1:9"]
+    assert parser.parse_args(commands["evaluator"]).control_endpoint == east.control_endpoint
+    import yaml
+
+    from cluster import compose
+
+    services = yaml.safe_load(compose.render(config, "cluster.toml"))["services"]  # one service per shard, every island wired to both
+    assert services["merger.1"]["command"][services["merger.1"]["command"].index("--shard") + 1] == "1/2"
+    assert "tcp://merger.1:${DLOCO_CONTROL_PORT_MERGER_1:-5571}" in services["east"]["command"]
+    assert set(services["east"]["depends_on"]) == {"merger", "merger.1"}
+    with pytest.raises(ConfigError, match="standby per shard"):
+        MergerSection(shards=2, standby=True)
+    with pytest.raises(ConfigError, match="must not exceed sync.fragments"):
+        config.with_mode("sync-diloco")  # it folds the whole model as one fragment
+
+
 def _dloco(*args, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "dloco", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
 
