@@ -29,7 +29,10 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     merger.add_argument("--standby", action="store_true",
                         help="passes with the log streamed to a standby process in sync mode, alternating with passes without: the cost")
     merger.set_defaults(run=run_bench, bench_params={"params": "params", "fragments": "fragments", "islands": "islands", "rounds": "rounds",
-                                                     "passes": "passes", "standby": "standby"})
+                                                     "passes": "passes", "standby": "standby", "shard_counts": "shards"})
+    merger.add_argument("--shards", type=shard_counts, default=None, metavar="S,S,...",
+                        help="instead: the same deltas folded by S merger shard processes side by side, for each S (e.g. 1,2): "
+                             "aggregate ingest, its ratio to the first S, and each shard's CPU (benchmarks/merger_shards.py)")
     failover = suites.add_parser("failover", help="time from a primary merger's kill -9 to the first fold of its standby (median of runs)")
     failover.add_argument("--json", action="store_true", help="print one JSON object")
     failover.add_argument("--runs", type=positive_int, default=5, help="failovers (default 5)")
@@ -52,6 +55,17 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
                        help="model sizes in parameters, comma-separated, K/M/G decimal (default 10M,50M,125M,350M)")
     scale.add_argument("--reps", type=positive_int, default=3, help="timed rounds per size after a warm-up one; medians (default 3)")
     scale.set_defaults(run=run_bench, bench_params={"sizes": "sizes", "reps": "reps"})
+
+
+def shard_counts(text: str) -> list[int]:
+    """--shards 1,2: positive shard counts."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be shard counts like 1,2, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"must be shard counts >= 1 like 1,2, got {text!r}")
+    return counts
 
 
 def run_bench(args: argparse.Namespace) -> int:

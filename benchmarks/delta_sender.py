@@ -23,7 +23,8 @@ def synthetic_shapes(params: int, fragments: int) -> dict[str, tuple[int, ...]]:
     return {f"layers/{i:02d}/kernel": (per_tensor // 256, 256) for i in range(2 * fragments)}
 
 
-def build_frames(params: int, fragments: int, islands: int, rounds: int, codec: str) -> list[list[bytes]]:
+def build_frames(params: int, fragments: int, islands: int, rounds: int, codec: str, only: set[int] | None = None) -> list[list[bytes]]:
+    """Every island's delta of every fragment (of `only`, when given: one merger shard's), `rounds` times."""
     shapes = synthetic_shapes(params, fragments)
     parts = protocol.partition(shapes, fragments)
     model = protocol.model_fingerprint({p: (s, "float32") for p, s in shapes.items()})
@@ -31,6 +32,8 @@ def build_frames(params: int, fragments: int, islands: int, rounds: int, codec: 
     frames, seqs = [], {}
     for version in range(rounds):
         for fragment, paths in enumerate(parts):
+            if only is not None and fragment not in only:
+                continue
             for island in range(islands):
                 tensors = {p: (rng.standard_normal(shapes[p], dtype=np.float32) * 1e-3) for p in paths}
                 plans = protocol.split_fragment(tensors, protocol.Codec(codec))
@@ -54,8 +57,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, required=True)
     parser.add_argument("--codec", default="int4")
     parser.add_argument("--passes", type=int, default=1, help="send everything this many times (raw reference)")
+    parser.add_argument("--only", default="", help="comma-separated fragments: send only their deltas (one merger shard's)")
     args = parser.parse_args()
-    frames = build_frames(args.params, args.fragments, args.islands, args.rounds, args.codec)
+    only = {int(f) for f in args.only.split(",")} if args.only else None
+    frames = build_frames(args.params, args.fragments, args.islands, args.rounds, args.codec, only)
     context = zmq.Context()
     pub = context.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 0)

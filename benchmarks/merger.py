@@ -41,10 +41,10 @@ from merger.wal import WriteAheadLog
 END = b"end"
 
 
-def _sender(port: int, params: int, fragments: int, islands: int, rounds: int) -> subprocess.Popen:
+def _sender(port: int, params: int, fragments: int, islands: int, rounds: int, owned: list[int] | None = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "benchmarks.delta_sender", "--endpoint", f"tcp://127.0.0.1:{port}", "--params", str(params),
                "--fragments", str(fragments), "--islands", str(islands), "--rounds", str(rounds)]
-    return subprocess.Popen(command)
+    return subprocess.Popen(command + (["--only", ",".join(map(str, owned))] if owned is not None else []))
 
 
 def _subscriber(context: zmq.Context) -> tuple[zmq.Socket, int]:
@@ -55,11 +55,13 @@ def _subscriber(context: zmq.Context) -> tuple[zmq.Socket, int]:
     return sub, sub.bind_to_random_port("tcp://127.0.0.1")
 
 
-def expected_messages(params: int, fragments: int, islands: int, rounds: int) -> int:
+def expected_messages(params: int, fragments: int, islands: int, rounds: int, owned: list[int] | None = None) -> int:
     shapes = synthetic_shapes(params, fragments)
     codec = protocol.Codec("int4")
     per_round = 0
-    for paths in protocol.partition(shapes, fragments):
+    for fragment, paths in enumerate(protocol.partition(shapes, fragments)):
+        if owned is not None and fragment not in owned:
+            continue
         nbytes = sum(codec.encoded_nbytes(int(np.prod(shapes[p]))) for p in paths)
         per_round += len(protocol.split_fragment({p: np.zeros(shapes[p], np.float32) for p in paths}, codec)) if nbytes else 0
     return per_round * islands * rounds
@@ -81,12 +83,14 @@ def _warm_up(config: MergerConfig, shapes: dict, fragments: int, islands: int) -
 
 
 def _merger_pass(context: zmq.Context, config: MergerConfig, params: int, fragments: int, islands: int, rounds: int,
-                 standby: bool = False) -> dict:
+                 standby: bool = False, owned: list[int] | None = None) -> dict:
     """One timed pass of the merger pipeline over the sender's stream: wire bytes, seconds, each
     fold's latency (dispatched to announceable) and where the CPU went (the loop thread's stages,
-    the fold worker's wall time).  `standby`: the log streams to a standby process in sync mode."""
+    the fold worker's wall time).  `standby`: the log streams to a standby process in sync mode.
+    `owned`: a merger shard's fragments (the sender sends only theirs; benchmarks/merger_shards.py)."""
     shapes = synthetic_shapes(params, fragments)
-    expected = expected_messages(params, fragments, islands, rounds)
+    expected = expected_messages(params, fragments, islands, rounds, owned)
+    cpu_began = None  # this process's CPU time at the first message (its loop thread and fold worker from then on)
     stages: collections.Counter[str] = collections.Counter()
     with tempfile.TemporaryDirectory(prefix="dloco-bench-merger-") as tmp:
         zeros = {path: np.zeros(shape, np.float32) for path, shape in shapes.items()}
@@ -103,8 +107,9 @@ def _merger_pass(context: zmq.Context, config: MergerConfig, params: int, fragme
             done.extend(folds)
 
         def handle(frames: list) -> None:
-            nonlocal handled
+            nonlocal handled, cpu_began
             handled += 1
+            cpu_began = time.process_time() if cpu_began is None else cpu_began
             t0 = time.perf_counter()
             message = protocol.decode(frames)
             t1 = time.perf_counter()
@@ -125,8 +130,9 @@ def _merger_pass(context: zmq.Context, config: MergerConfig, params: int, fragme
             stages["finish_sync_s"] += time.perf_counter() - t3
 
         sub, port = _subscriber(context)
-        sender = _sender(port, params, fragments, islands, rounds)
+        sender = _sender(port, params, fragments, islands, rounds, owned)
         wire_bytes, seconds = receive_timed(sub, expected, handle)
+        cpu_s, ended_at = time.process_time() - cpu_began, time.time()
         sender.wait(timeout=60)
         sub.close()
         pipeline.close()
@@ -134,8 +140,9 @@ def _merger_pass(context: zmq.Context, config: MergerConfig, params: int, fragme
             replica.close()
         wal.close()
     folds, folded = len(done), sum(len(fold.report.contributors) for fold in done)
-    if folded != islands * fragments * rounds:  # a fragment busy folding folds two rounds at once next time: count deltas
-        raise RuntimeError(f"expected {islands * fragments * rounds} deltas folded, saw {folded} in {folds} folds")
+    mine = fragments if owned is None else len(owned)
+    if folded != islands * mine * rounds:  # a fragment busy folding folds two rounds at once next time: count deltas
+        raise RuntimeError(f"expected {islands * mine * rounds} deltas folded, saw {folded} in {folds} folds")
     # Where the CPU goes: the loop thread's stages and the fold worker's computing.  On this many
     # cores, with perfect overlap and nothing else running (no sender, no ZeroMQ I/O threads), the
     # merger could not ingest faster than wire / max(loop, worker, (loop + worker) / cores).
@@ -145,7 +152,8 @@ def _merger_pass(context: zmq.Context, config: MergerConfig, params: int, fragme
     bound_s = max(loop_s, worker_s, (loop_s + worker_s) / cores)
     return {"wire_bytes": wire_bytes, "seconds": seconds, "folds": folds, "stages_s": {k: round(v, 3) for k, v in sorted(stages.items())},
             "loop_busy_s": round(loop_s, 3), "fold_worker_busy_s": round(worker_s, 3), "cores": cores,
-            "cpu_bound_gbps": round(gbps(wire_bytes, bound_s), 3), "fold_latency_s": round(float(np.median(latency)), 4)}
+            "cpu_bound_gbps": round(gbps(wire_bytes, bound_s), 3), "fold_latency_s": round(float(np.median(latency)), 4),
+            "cpu_s": round(cpu_s, 3), "ended_at": ended_at}
 
 
 class Replica:
@@ -182,11 +190,16 @@ def _quiet():
 
 
 def run(params: int = 25_165_824, fragments: int = 4, islands: int = 4, rounds: int = 2, passes: int = 3, standby: bool = False,
-        log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
+        shard_counts: list[int] | None = None, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
     """Raw reference, then the merger pipeline 1 + `passes` times: a cold pass (a merger's first
     rounds: the process touches its buffers' pages for the first time) and warm passes (a merger in
     its steady state: the same process, its freed memory kept — merger/memory.py), of which the
-    median is reported, with the CPU accounting of that pass."""
+    median is reported, with the CPU accounting of that pass.  `shard_counts`: instead, the same
+    work over merger shards (benchmarks/merger_shards.py)."""
+    if shard_counts:
+        from benchmarks import merger_shards
+
+        return merger_shards.run(params, fragments, islands, rounds, passes, shard_counts, log)
     shapes = synthetic_shapes(params, fragments)
     total_params = int(sum(np.prod(s) for s in shapes.values()))
     expected = expected_messages(params, fragments, islands, rounds)
@@ -243,6 +256,10 @@ def _with_standby(alone: list[dict], replicated: list[dict]) -> dict:
 
 
 def summary(result: dict) -> str:
+    if "shards" in result:
+        from benchmarks import merger_shards
+
+        return merger_shards.summary(result)
     line = (f"merger ingest {result['merger_ingest_gbps']:.3f} GB/s of int4 wire bytes in its steady state (median of "
             f"{result['warm_ingest_gbps_samples']}; first pass: "
             f"{result['cold_ingest_gbps']:.3f} GB/s; {result['params']:,} params, "

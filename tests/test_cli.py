@@ -47,6 +47,21 @@ def test_bench_merger_json_folds_every_delta_and_says_where_the_time_went():
     assert result["cpu_bound_gbps"] >= result["merger_ingest_gbps"]
 
 
+@pytest.mark.timeout(240)
+def test_bench_merger_shards_splits_the_same_work_over_shard_processes():
+    """--shards 1,2: every shard folds every delta of its fragments (each pass raises otherwise);
+    two shards carry the same wire bytes as one, each about half, and the CPU is accounted per shard;
+    bad counts are refused."""
+    run = dloco("bench", "merger", "--json", "--params", "400000", "--rounds", "1", "--passes", "1", "--shards", "1,2", timeout=220)
+    assert run.returncode == 0, run.stderr[-2000:]
+    shards = json.loads(run.stdout)["shards"]
+    assert sorted(shards) == ["1", "2"] and shards["1"]["vs_first"] == 1.0 and len(shards["2"]["shard_cpu_s"]) == 2
+    assert all(r["ingest_gbps"] > 0 and r["cpu_s_per_gb"] > 0 for r in shards.values())
+    assert shards["2"]["wire_bytes"] == sum(shards["2"]["shard_wire_bytes"]) == shards["1"]["wire_bytes"]
+    assert min(shards["2"]["shard_wire_bytes"]) > 0.4 * shards["1"]["wire_bytes"]  # 4 fragments of equal size, 2 each
+    assert dloco("bench", "merger", "--shards", "1,0").returncode == 2 and dloco("bench", "merger", "--shards", "8").returncode == 2
+
+
 def test_bench_codec_table_is_the_default():
     run = dloco("bench", "codec", "--mib", "4", "--reps", "1")
     assert run.returncode == 0 and "memcpy" in run.stdout and "int4" in run.stdout
