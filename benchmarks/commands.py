@@ -29,7 +29,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     merger.add_argument("--standby", action="store_true",
                         help="passes with the log streamed to a standby process in sync mode, alternating with passes without: the cost")
     merger.set_defaults(run=run_bench, bench_params={"params": "params", "fragments": "fragments", "islands": "islands", "rounds": "rounds",
-                                                     "passes": "passes", "standby": "standby", "shard_counts": "shards"})
+                                                     "passes": "passes", "standby": "standby"})
     merger.add_argument("--shards", type=shard_counts, default=None, metavar="S,S,...",
                         help="instead: the same deltas folded by S merger shard processes side by side, for each S (e.g. 1,2): "
                              "aggregate ingest, its ratio to the first S, and each shard's CPU (benchmarks/merger_shards.py)")
@@ -74,9 +74,15 @@ def run_bench(args: argparse.Namespace) -> int:
 
     from protocol import DlocoError
 
-    module = importlib.import_module(f"benchmarks.{args.suite}")
+    module, params = importlib.import_module(f"benchmarks.{args.suite}"), dict(args.bench_params)
+    if getattr(args, "shards", None):  # bench merger --shards: the same work over merger shard processes
+        if args.standby:
+            print("dloco bench merger: --shards and --standby measure different things; give one", file=sys.stderr)
+            return 2
+        module, params = importlib.import_module("benchmarks.merger_shards"), {**params, "shard_counts": "shards"}
+        params.pop("standby")
     try:
-        result = module.run(**{param: getattr(args, option) for param, option in args.bench_params.items()})
+        result = module.run(**{param: getattr(args, option) for param, option in params.items()})
     except DlocoError as error:
         print(f"dloco bench {args.suite}: {error}", file=sys.stderr)
         return 2

@@ -190,16 +190,11 @@ def _quiet():
 
 
 def run(params: int = 25_165_824, fragments: int = 4, islands: int = 4, rounds: int = 2, passes: int = 3, standby: bool = False,
-        shard_counts: list[int] | None = None, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
+        log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
     """Raw reference, then the merger pipeline 1 + `passes` times: a cold pass (a merger's first
     rounds: the process touches its buffers' pages for the first time) and warm passes (a merger in
     its steady state: the same process, its freed memory kept — merger/memory.py), of which the
-    median is reported, with the CPU accounting of that pass.  `shard_counts`: instead, the same
-    work over merger shards (benchmarks/merger_shards.py)."""
-    if shard_counts:
-        from benchmarks import merger_shards
-
-        return merger_shards.run(params, fragments, islands, rounds, passes, shard_counts, log)
+    median is reported, with the CPU accounting of that pass.  (`--shards`: benchmarks/merger_shards.py.)"""
     shapes = synthetic_shapes(params, fragments)
     total_params = int(sum(np.prod(s) for s in shapes.values()))
     expected = expected_messages(params, fragments, islands, rounds)
@@ -256,10 +251,6 @@ def _with_standby(alone: list[dict], replicated: list[dict]) -> dict:
 
 
 def summary(result: dict) -> str:
-    if "shards" in result:
-        from benchmarks import merger_shards
-
-        return merger_shards.summary(result)
     line = (f"merger ingest {result['merger_ingest_gbps']:.3f} GB/s of int4 wire bytes in its steady state (median of "
             f"{result['warm_ingest_gbps_samples']}; first pass: "
             f"{result['cold_ingest_gbps']:.3f} GB/s; {result['params']:,} params, "

@@ -57,7 +57,8 @@ def _run_shards(count: int, params: int, fragments: int, islands: int, rounds: i
     return done
 
 
-def run(params: int, fragments: int, islands: int, rounds: int, passes: int, shard_counts: list[int], log) -> dict:
+def run(params: int, fragments: int, islands: int, rounds: int, passes: int, shard_counts: list[int],
+        log=lambda line: print(line, file=sys.stderr)) -> dict:
     if any(count > fragments for count in shard_counts):
         from protocol.errors import ConfigError
 
