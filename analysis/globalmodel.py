@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.runinfo import RunTask, merger_folds, merger_run_dir, wall
+from analysis.runinfo import RunTask, merger_folds, shard_run_dirs, wall
 from cluster.config import ClusterConfig
 
 
@@ -88,33 +88,49 @@ def states_at(run_dir: Path, walls: list[float]) -> list[dict[str, np.ndarray] |
     """The global model's parameters at each wall time: every fold the merger had made by then
     (its fold log lines give each fold's time), rebuilt by replaying its log.  None before the
     first fold.  A fold whose log line is missing (a merger killed between the two writes) takes
-    the time of the fold before it (the first fold: the earliest logged).  Raises ReplayError when
-    the rebuilt model is not the one the merger held: a checkpoint's digest differs (other fold
-    kernels or jax than the log's), or the log has folds and merger.log none."""
-    from merger.core import ReplayError
-    from merger.recovery import replay
-
+    the time of the fold before it (the first fold: the earliest logged).  With merger shards each
+    shard's log is replayed and each fragment taken from the shard that folds it.  Raises
+    ReplayError when the rebuilt model is not the one the merger held: a checkpoint's digest
+    differs (other fold kernels or jax than the log's), or the log has folds and merger.log none."""
     folded_at: dict[tuple[int, int], float] = {}
     for event in merger_folds(run_dir):
         folded_at.setdefault((event["fragment"], event["version"]), wall(event))
+    directories = shard_run_dirs(run_dir)
+    by_shard = [_replayed_states(run_dir, directory, folded_at, walls) for directory in directories]
+    found: list[dict[str, np.ndarray] | None] = []
+    for at in range(len(walls)):
+        held = [states[at] for states in by_shard]
+        if all(states is None for states in held):
+            found.append(None)
+            continue
+        any_held = next(states for states in held if states is not None)  # a shard holds the others' fragments at their start
+        found.append(_params([(held[f % len(held)] or any_held)[f] for f in range(len(any_held))]))
+    return found
+
+
+def _replayed_states(run_dir: Path, directory: Path, folded_at: dict[tuple[int, int], float], walls: list[float]) -> list:
+    """One merger's (shard's) fragment states at each wall time (None before its first fold)."""
+    from merger.core import ReplayError
+    from merger.recovery import replay
+
     order = sorted(range(len(walls)), key=lambda i: walls[i])
-    found: list[dict[str, np.ndarray] | None] = [None] * len(walls)
+    found: list = [None] * len(walls)
     progress = {"next": 0, "time": min(folded_at.values(), default=float("-inf")), "states": None}
 
     def on_fold(index, record, report, core) -> None:
         at = max(progress["time"], folded_at.get((record["fragment"], record["version"]), progress["time"]))
         while progress["next"] < len(order) and walls[order[progress["next"]]] < at:
-            found[order[progress["next"]]] = _params(progress["states"])
+            found[order[progress["next"]]] = progress["states"]
             progress["next"] += 1
         progress["time"], progress["states"] = at, list(core.states)  # states are replaced on a fold, never changed
 
-    for position, expected, rebuilt in replay(merger_run_dir(run_dir), on_fold, strict=False):
+    for position, expected, rebuilt in replay(directory, on_fold, strict=False):
         if expected != rebuilt:
-            raise ReplayError(f"{run_dir}: the model rebuilt from the log differs from the merger's checkpoint at record {position}")
+            raise ReplayError(f"{run_dir}: the model rebuilt from the log differs from the merger's checkpoint at record {position} ({directory.name})")
     if progress["states"] is not None and not folded_at:
         raise ReplayError(f"{run_dir}: the log has folds but logs/merger.log dates none of them")
     for i in order[progress["next"]:]:
-        found[i] = _params(progress["states"])
+        found[i] = progress["states"]
     return found
 
 

@@ -209,9 +209,12 @@ def _cpus(value, command: list, where: str) -> float | None:
 
 
 def _localize(args: list, env: dict[str, str], mounts: list[tuple[str, str]], hosts: list[str], program: list[str]) -> list[str]:
-    """Interpolate; container paths -> host paths (longest mount first); tcp://HOST: -> loopback; dloco -> program."""
+    """Interpolate; container paths -> host paths (longest mount first); tcp://HOST: and a
+    --coordinator HOST:PORT -> loopback; dloco -> program."""
     out = []
     for arg in (interpolate(str(a), env) for a in args):
+        if out and out[-1] == "--coordinator" and arg.rpartition(":")[0] in hosts:  # a multi-host island's process 0
+            arg = "127.0.0.1:" + arg.rpartition(":")[2]
         for container, host in sorted(mounts, key=lambda m: -len(m[0])):
             if arg == container or arg.startswith(container + "/"):
                 arg = host + arg[len(container):]

@@ -189,6 +189,8 @@ class ClusterConfig:
         for name, kind in (("model", ModelSection), ("sync", SyncConfig), ("merger", MergerSection)):
             require(type(getattr(self, name)) is kind, f"ClusterConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         for region in self.regions:
+            require(region.hosts == 1 or not self.eval_trace,
+                    f"region {region.name}: run.eval_trace is for an island of one process (hosts = {region.hosts})")
             require(self.model.batch % region.hosts == 0,
                     f"region {region.name}: model.batch ({self.model.batch}) must be divisible by its hosts ({region.hosts}): each takes an equal part")
         check(self.chaos, self.process_names, [r.name for r in self.regions], {p: r.processes for r in self.regions for p in r.processes})

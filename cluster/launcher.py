@@ -191,8 +191,8 @@ class Cluster:
         """Start a killed process again; every process of a multi-host island, once the others of
         it have ended (they end by themselves within the group's timeout; else they are killed)."""
         name = self.killed_as.pop(name, name)
-        for member in self.groups.get(name, [name]):
-            if member in self.processes and self.processes[member].poll() is None and member != name:
+        for member in self.groups.get(name, [name]):  # the killed one has been reaped: only the others are waited for
+            if member in self.processes and self.processes[member].poll() is None:
                 try:
                     self.processes[member].wait(timeout=GROUP_END_TIMEOUT_S)
                 except subprocess.TimeoutExpired:

@@ -93,6 +93,24 @@ class IslandGroup:
         self.leader = self.index == 0
         self.paths, self.shapes = sorted(shapes), dict(shapes)
 
+    def check_same(self, setup: str) -> None:
+        """Every process was started with the same model and settings (`setup`, any text: its hash
+        is compared), before any per-step agreement, whose messages' sizes depend on them."""
+        import hashlib
+
+        from jax.errors import JaxRuntimeError
+        from jax.experimental import multihost_utils
+
+        mine = np.frombuffer(hashlib.sha256(setup.encode()).digest(), dtype=np.int32)
+        try:
+            every = np.asarray(multihost_utils.process_allgather(mine))
+        except JaxRuntimeError as error:
+            raise GroupLost(f"another process of this island stopped taking part: {str(error).splitlines()[0]}") from None
+        differ = [index for index, row in enumerate(every) if not np.array_equal(row, every[0])]
+        if differ:
+            raise GroupError(f"processes {differ} of this island were started with another model or other settings than process 0: "
+                             "give every process the same flags but --process-id")
+
     def agree(self, stop: bool, versions: Sequence[int], staged: Mapping[str, np.ndarray]) -> tuple[bool, list[int], dict[str, np.ndarray]]:
         """Every process calls this once per step.  Returns (any process asked to stop, the
         leader's fragment versions, the parameters the leader changed since the last call);

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
@@ -176,6 +177,8 @@ def run_island(args: argparse.Namespace) -> int:
         members = None
         if args.num_processes > 1:
             members = group.IslandGroup({p: v.shape for p, v in trainer.params().items()})
+            members.check_same(json.dumps([protocol.model_fingerprint(trainer.params()), dataclasses.asdict(sync), dataclasses.asdict(train),
+                                           args.island_index, args.islands]))
         loop = IslandLoop(trainer, task.batches, task.eval_batches, train, sync, metrics, link=link, slowdown=args.slowdown, log=log,
                           on_compiled=enter_quota if cpu_group else None, count=task.tokens_in, group=members)
         signals = []
@@ -190,13 +193,16 @@ def run_island(args: argparse.Namespace) -> int:
         except (GroupLost, JaxRuntimeError) as error:  # a multi-process island's collective failed: another process died
             if members is None:
                 raise
-            return group_lost(error, link, args.drain_timeout, metrics, log)
+            return group_lost(error, link, min(args.drain_timeout, args.group_timeout / 2), metrics, log)
         if members is not None:  # every process passes the group's shutdown barrier here, before the leader drains
             if sync.flush_on_leave and link is not None:
                 summary["flushed"] = loop.flush()
             import jax
 
-            jax.distributed.shutdown()
+            try:
+                jax.distributed.shutdown()
+            except Exception as error:  # another process died after the last step: drain and end as when it dies earlier
+                return group_lost(error, link, min(args.drain_timeout, args.group_timeout / 2), metrics, log)
         if cpu_group is not None:  # sending the last deltas and evaluating the trace are not the emulated chip's work
             try:
                 cpu_group.leave()
@@ -231,7 +237,8 @@ def run_island(args: argparse.Namespace) -> int:
 
 
 def group_lost(error: Exception, link, drain_timeout: float, metrics, log) -> int:
-    """Another process of a multi-process island died: the leader still drains what it sent, then
+    """Another process of a multi-process island died: the leader still drains what it sent (for
+    at most half the group's timeout: after it, JAX's coordination service ends the survivors), then
     this process exits (3) at once: JAX's shutdown barrier would wait for the dead process and then
     abort this one."""
     import os

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -50,8 +51,11 @@ class Outbox:
         self._pending[delta.fragment] = summed(older, delta)
         return True
 
-    def take(self) -> PendingDelta | None:
-        """The oldest pending delta, removed from the outbox; None when there is none."""
-        if not self._order:
-            return None
-        return self._pending.pop(self._order.popleft())
+    def take(self, ready: Callable[[PendingDelta], bool] | None = None) -> PendingDelta | None:
+        """The oldest pending delta (of those `ready` accepts), removed from the outbox; None when
+        there is none."""
+        for fragment in self._order:
+            if ready is None or ready(self._pending[fragment]):
+                self._order.remove(fragment)
+                return self._pending.pop(fragment)
+        return None

@@ -118,11 +118,10 @@ class Uplink:
         delta_id, next_heartbeat = 0, time.monotonic() + HEARTBEAT_S
         while not self.stop.is_set():
             with self.lock:
-                while not self.outbox and not self.stop.is_set() and time.monotonic() < next_heartbeat:
+                while (pending := self.outbox.take(self._room_for)) is None and not self.stop.is_set() and time.monotonic() < next_heartbeat:
                     self.lock.wait(timeout=POLL_MS / 1000)
                 if self.stop.is_set():
                     break
-                pending = self.outbox.take()
                 self.in_flight = pending is not None
             if time.monotonic() >= next_heartbeat:  # tells each shard our last seq of its stream: tail loss shows up
                 for index, stream in enumerate(self.streams):
@@ -168,6 +167,18 @@ class Uplink:
         with self.lock:
             if delta_id not in self.settled:
                 self.unsettled[delta_id] = SentDelta(pending.fragment, stream.seq, first)
+
+    def _room_for(self, pending: PendingDelta) -> bool:
+        """With merger shards, a delta starts only when its stream's retransmit buffer has room for
+        all of it: a shard that is down or slow fills its own stream and holds back its own
+        fragments' deltas, never the other shards' (nor the heartbeats).  With one merger, as
+        before: any delta, then chunk by chunk (`_wait_for_room`)."""
+        if len(self.streams) == 1:
+            return True
+        kept = self.streams[shard_of(pending.fragment, len(self.streams))].kept
+        nbytes = sum(self.codec.encoded_nbytes(int(np.size(value))) for value in pending.delta.values())
+        chunks = -(-nbytes // self.sync.chunk_bytes) + len(pending.delta)  # at most: a chunk boundary inside each tensor
+        return not len(kept) or (len(kept) + chunks <= kept.max_messages and kept.nbytes + nbytes + chunks * 4096 <= kept.max_bytes)
 
     def _wait_for_room(self, stream: Stream, nbytes: int) -> bool:
         """Backpressure: a full retransmit buffer stops this thread (the loop's outbox keeps summing)."""

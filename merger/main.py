@@ -64,7 +64,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     standby.add_argument("--lease", type=float_at_least(0.1), default=ReplicationConfig.lease_s,
                          help="seconds without the primary's heartbeat after which its standby takes over (default 3); the "
                               "primary drops a standby silent for twice this")
-    merger.add_argument("--name", default="merger", help="sender id and key name (default merger)")
+    merger.add_argument("--name", default=None, help="sender id and key name (default merger; shard I > 0 of --shard: merger.I)")
     merger.add_argument("--shard", default="0/1", metavar="I/N",
                         help="fold only the fragments f with f %% N == I (one of N merger shards, each with its own run directory; "
                              "islands give one --control-endpoint per shard, in shard order)")
@@ -89,6 +89,7 @@ def run_merger(args: argparse.Namespace) -> int:
     from merger.roles import run_merger_roles
     from merger.service import ServiceConfig
     from protocol.shards import parse as parse_shard
+    from protocol.shards import shard_name
 
     keep_freed_memory()  # folds reuse freed pages instead of faulting in fresh ones (merger/memory.py)
     try:
@@ -104,6 +105,11 @@ def run_merger(args: argparse.Namespace) -> int:
         elif not (args.run_dir / "wal").exists() and not (args.standby_of or args.peer):
             raise ConfigError(f"{args.run_dir} holds no log to resume; give --init-npz to start a new run")
         shard, shards = parse_shard(args.shard)
+        args.name = shard_name(args.name, shard, shards)
+        if shard >= args.fragments and args.init_npz is not None:
+            raise ConfigError(f"--shard {args.shard} owns no fragment of --fragments {args.fragments}: give fewer shards than fragments")
+        if shards > 1 and (args.standby_of or args.peer or args.replication_endpoint):
+            raise ConfigError("--shard with a standby (--standby-of, --peer, --replication-endpoint): a standby per shard is not built yet")
         security = security_from_args(args, args.name, "merger")
         mode = args.replication or ("sync" if args.replication_endpoint else "off")
         replication = ReplicationConfig(mode, args.replication_endpoint, args.standby_of or args.peer, args.lease, bool(args.standby_of))

@@ -30,6 +30,7 @@ import zmq
 
 import protocol
 from protocol import downlink, shards
+from protocol.errors import ConfigError
 from bus.security import Security, impostor, peer_of
 from bus.sequencing import GapTracker
 from bus.sockets import open_socket
@@ -77,6 +78,9 @@ class MergerService(SnapshotPublishing, StreamKeeping):
                 self.core = core_factory(self.wal)
                 self.log.info("genesis", fragments=len(self.core.fragments), digest=self.core.digest())
             self.epoch = time.time_ns()
+        if config.shard >= len(self.core.fragments):  # (dloco merger checks this before a new log is written)
+            raise ConfigError(f"shard {config.shard}/{config.shards} owns no fragment of {len(self.core.fragments)}: "
+                              "give fewer shards than fragments")
         if self.histograms is not None:
             self.wal.on_fsync = self.histograms[2].observe
         self.seq, self.folds = 0, 0

@@ -36,6 +36,18 @@ def parse(text: str) -> tuple[int, int]:
     return index, count
 
 
+def shard_name(given: str | None, shard: int, shards: int) -> str:
+    """A merger's name as shard `shard`: `given`, checked to be one of `names(base, shards)` at
+    `shard` (islands tell the shards apart by it), or by default the `merger` family's."""
+    if given is None:
+        return names("merger", shards)[shard]
+    base = given.rsplit(".", 1)[0] if shard > 0 else given
+    if names(base, shards)[shard] != given or (shard == 0 and given.rpartition(".")[2].isdigit() and "." in given):
+        raise ConfigError(f"--name {given} for shard {shard}/{shards}: shard 0 is named BASE and shard I > 0 BASE.I "
+                          f"(islands tell the shards apart by it), e.g. {names('merger', shards)[shard]}")
+    return given
+
+
 def subscriptions(shard: int, shards: int, fragments: int) -> list[bytes]:
     """The delta bus topics shard `shard` subscribes to: its fragments' deltas and its stream's
     heartbeats (the closing "/" keeps delta/1/ from matching delta/10/)."""

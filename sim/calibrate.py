@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 import protocol
-from analysis.runinfo import RunCluster, RunDirError, read_events
+from analysis.runinfo import RunCluster, RunDirError, merger_folds, read_events
 from sim.engine import simulate
 from sim.scenario import Island, Link, Scenario
 
@@ -63,7 +63,7 @@ def load_run(run_dir: Path, config: Path | None = None) -> tuple[Scenario, dict]
         measured["islands"][region.name] = {
             "compute_util": last["compute_util"], "steps": last["step"], "step_s": step_s,
             "bytes_up_per_token": last["bytes_sent"] / last["tokens"], "bytes_down_per_token": last["bytes_received"] / last["tokens"]}
-    folds = [e for e in read_events(run_dir / "logs" / "merger.log") if e.get("event") == "fold"]
+    folds = merger_folds(run_dir)  # every shard's (and a standby's after a takeover)
     if not folds:
         raise RunDirError(f"{run_dir}: the merger's log has no folds")
     sync, merger = cluster.sync, cluster.merger

@@ -10,10 +10,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
+from analysis import export
+from analysis.globalmodel import states_at
 from analysis.runinfo import merger_folds, read_events, read_metrics, wall
 from cluster import chaos, compose, topology
 from cluster.ports import free_ports
@@ -44,7 +47,7 @@ def test_bad_group_flags_are_named(coordinator, processes, index, message):
     group.check(None, 1, 0)  # one process needs no coordinator
 
 
-def test_a_two_host_region_is_two_processes_wired_to_one_coordinator():
+def test_a_two_host_region_is_two_processes_wired_to_one_coordinator(tmp_path):
     config = ClusterConfig(regions=(Region("east", hosts=2), Region("west")))
     assert config.process_names[:3] == ["east", "east.1", "west"]
     at = topology.Addresses(broker_ports=("1", "2", "3", "4"), control_port="5", coordinator_ports={"east": "7000"})
@@ -57,10 +60,15 @@ def test_a_two_host_region_is_two_processes_wired_to_one_coordinator():
     assert "--coordinator" not in commands["west"]
     rendered = compose.render(config, "cluster.toml")
     assert "east.1:" in rendered and "east:${DLOCO_COORDINATOR_PORT_EAST:-5600}" in rendered
+    (tmp_path / "compose.yml").write_text(rendered)  # `dloco up --compose`: the coordinator is process 0 on this machine
+    local = compose.load(tmp_path / "compose.yml", {"DLOCO_COORDINATOR_PORT_EAST": "7001"})["east.1"].command
+    assert local[local.index("--coordinator") + 1] == "127.0.0.1:7001"
     with pytest.raises(ConfigError, match="hosts must be an int"):
         Region("east", hosts=0)
     with pytest.raises(ConfigError, match="divisible by its hosts"):
         ClusterConfig(regions=(Region("east", hosts=3),))
+    with pytest.raises(ConfigError, match="eval_trace is for an island of one process"):
+        ClusterConfig(regions=(Region("east", hosts=2),), eval_trace=8)
 
 
 def test_a_multi_host_island_goes_down_and_comes_back_as_a_whole():
@@ -99,6 +107,16 @@ def test_two_processes_of_two_devices_step_as_one_process_of_four(tmp_path):
     assert len(expected) == 6
     for i in range(2):
         assert np.allclose(_losses(tmp_path / f"two{i}.jsonl"), expected, rtol=1e-4, atol=0), i
+
+
+@pytest.mark.timeout(200)
+def test_processes_started_with_different_settings_are_refused_not_hung(tmp_path):
+    port = free_ports(1)[0]
+    pair = [_island(1, tmp_path / f"p{i}.jsonl", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+                    "--fragments", str(2 + 2 * i), "--interval", "4") for i in range(2)]
+    for process in pair:
+        _, err = process.communicate(timeout=180)
+        assert process.returncode == 2 and "processes [1] of this island were started with another model or other settings" in err, err[-1500:]
 
 
 STEPS = 120
@@ -150,7 +168,8 @@ def test_a_two_host_island_trains_in_step_dies_alone_and_rejoins(tmp_path):
     assert len({tuple(v) for v in second}) >= 3 and min(second[0]) > 0, second[:3]  # rejoined from the global model, then adopted more
     # b went on alone while a was down (the restart waited for its steps), and a was folded again after the restart.
     folds = [(wall(e), set(e["contributors"])) for e in merger_folds(run)]
-    assert sum(1 for e in read_metrics(run / "metrics" / "b.jsonl") if e["step"] > 0 and killed <= e["wall"] <= restarted) >= 60
+    # (the restart counts b's 60 steps from where the launcher last read them before the kill: allow a few before its record)
+    assert sum(1 for e in read_metrics(run / "metrics" / "b.jsonl") if e["step"] > 0 and killed <= e["wall"] <= restarted) >= 50
     assert any("a" in c for w, c in folds if w < killed) and any("a" in c for w, c in folds if w > restarted)
     # Each merger shard folded its own fragment, from both islands, and its log replays to its checkpoints.
     for shard, name in enumerate(("merger", "merger.1")):
@@ -159,6 +178,11 @@ def test_a_two_host_island_trains_in_step_dies_alone_and_rejoins(tmp_path):
         replay = subprocess.run([sys.executable, "-m", "dloco", "replay", str(run / name), "--verify", "--every", "1000000"],
                                 capture_output=True, text=True, timeout=300)
         assert replay.returncode == 0 and "ok sha256=" in replay.stdout, (name, replay.stdout[-1000:], replay.stderr[-1000:])
+    # The global model is each fragment from its shard: the final checkpoints joined equal both logs replayed to the end.
+    final, replayed = export.load(run).params, states_at(run, [time.time() + 3600])[0]
+    assert sorted(final) == sorted(replayed) and all(np.array_equal(final[p], replayed[p]) for p in final)
+    with np.load(run / "init.npz") as init:
+        assert all(not np.array_equal(final[p], init[p]) for p in init.files)  # both shards' fragments trained
     done = [e for e in read_events(run / "logs" / "a.log") if isinstance(e, dict) and e.get("event") == "done"]
     assert len(done) == 1 and done[0]["acks"].get("folded", 0) > 0, done
     report = (run / "report.md").read_text()

@@ -39,3 +39,38 @@ def test_the_outbox_never_holds_more_than_one_delta_per_fragment():
     assert len(outbox) == fragments and summed_count == 100 - fragments
     taken = [outbox.take() for _ in range(fragments)]
     assert [d.fragment for d in taken] == [0, 1, 2, 3] and all(d.steps == 25 and d.delta["w"].tolist() == [25.0] for d in taken)
+
+
+def test_take_skips_the_deltas_that_are_not_ready_oldest_ready_first():
+    box = Outbox()
+    for fragment in (3, 1, 2):
+        box.put(pending(fragment, 0, [1.0], 1, 10))
+    assert box.take(lambda d: d.fragment != 3).fragment == 1  # 3 is older but not ready
+    assert box.take(lambda d: False) is None and len(box) == 2
+    assert [box.take().fragment, box.take().fragment, box.take()] == [3, 2, None]
+
+
+def test_a_full_stream_of_one_merger_shard_holds_back_only_its_own_fragments():
+    """Two shards: shard 1's stream (fragments 1, 3) has a full retransmit buffer (its merger is
+    down); a delta of fragment 0 (shard 0) is still taken, fragment 1's waits, and one merger
+    keeps the old rule (any delta, then chunk by chunk)."""
+    import threading
+
+    from island.config import SyncConfig
+    from island.shaper import LinkShaper
+    from island.uplink import Uplink
+
+    sync = SyncConfig(fragments=4, interval=8, codec="int8", retransmit_bytes=2 << 20)
+    uplink = Uplink("isl", "m", 1, sync, LinkShaper(None), threading.Event(), shards=2)
+    big = PendingDelta(1, 0, {"w": np.ones(600_000, np.float32)}, 1, 1)  # 600 kB at int8: a shard's half of the budget holds one
+    uplink.streams[1].kept.add(1, [b"x"], 600_000)
+    uplink.outbox.put(big)
+    uplink.outbox.put(PendingDelta(0, 0, {"v": np.ones(1000, np.float32)}, 1, 1))
+    assert uplink.outbox.take(uplink._room_for).fragment == 0
+    assert uplink.outbox.take(uplink._room_for) is None  # fragment 1 waits for shard 1's cursor
+    uplink.streams[1].kept.release(1)
+    assert uplink.outbox.take(uplink._room_for).fragment == 1
+    alone = Uplink("isl", "m", 1, sync, LinkShaper(None), threading.Event())
+    alone.streams[0].kept.add(1, [b"x"], 2 << 20)
+    alone.outbox.put(big)
+    assert alone.outbox.take(alone._room_for).fragment == 1

@@ -33,7 +33,7 @@ slowdown = 2.0
 
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
-def test_topk2_deltas_train_and_held_diffs_go_down_fewer_than_the_folds(tmp_path):
+def test_topk2_deltas_train_and_held_int2_diffs_apply_with_matching_digests(tmp_path):
     (tmp_path / "c.toml").write_text(PROFILE)
     run = tmp_path / "run"
     up = subprocess.run([sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run)],

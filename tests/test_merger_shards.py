@@ -29,6 +29,11 @@ def test_shards_by_hand():
     for bad in ("1", "4/4", "-1/2", "a/b", "0/0", "1/2000"):
         with pytest.raises(ConfigError, match="--shard"):
             shards.parse(bad)
+    assert shards.shard_name(None, 2, 3) == "merger.2" and shards.shard_name(None, 0, 3) == "merger"
+    assert shards.shard_name("eu", 0, 2) == "eu" and shards.shard_name("eu.1", 1, 2) == "eu.1"
+    for given, shard in (("merger", 1), ("merger.2", 1), ("merger.1", 0)):  # islands tell the shards apart by name
+        with pytest.raises(ConfigError, match="shard 0 is named BASE"):
+            shards.shard_name(given, shard, 3)
     assert shards.subscriptions(1, 2, 12) == [b"delta/1/", b"delta/3/", b"delta/5/", b"delta/7/", b"delta/9/", b"delta/11/", b"heartbeat/1/"]
     assert shards.subscriptions(0, 1, 12) == [b"delta/", b"heartbeat/0/"]
 
@@ -55,7 +60,7 @@ def test_a_cluster_with_two_merger_shards_wires_every_island_to_both():
     commands = topology.commands(config, topology.Addresses(("1", "2", "3", "4"), "5", shard_control_ports=("9",)), "/run")
     parser = build_parser()
     zero, one, east = (parser.parse_args(commands[name]) for name in ("merger", "merger.1", "east"))
-    assert (zero.shard, zero.name, str(zero.run_dir)) == ("0/2", "merger", "/run/merger")
+    assert (zero.shard, zero.name, str(zero.run_dir)) == ("0/2", None, "/run/merger")  # None: merger (protocol.shards.shard_name)
     assert (one.shard, one.name, str(one.run_dir), one.control_endpoint) == ("1/2", "merger.1", "/run/merger.1", "@tcp://127.0.0.1:9")
     assert east.control_endpoint == ["tcp://127.0.0.1:5", "tcp://127.0.0.1:9"]
     assert parser.parse_args(commands["evaluator"]).control_endpoint == east.control_endpoint
