@@ -96,7 +96,9 @@ def load(run_dir: Path, record: int | None = None) -> GlobalModel:
     if record is None:
         saved = latest_saved(merger_dir(run_dir).parent)
         if saved is None:
-            raise RunDirError(f"none of {run_dir}'s {len(found)} checkpoints (of some merger shard) reads back intact")
+            lacking = [d.name for d in shard_run_dirs(run_dir) if checkpoint.latest(checkpoint_dir(d)) is None]
+            raise RunDirError(f"{run_dir}: no checkpoint of {', '.join(lacking)} reads back intact (a merger writes one every so many "
+                              "folds and when it stops; `dloco replay` rebuilds it from the log)")
     else:
         if len(shard_run_dirs(run_dir)) > 1:
             raise RunDirError(f"{run_dir} has merger shards, each with its own log records: --checkpoint picks one merger's; "

@@ -96,7 +96,9 @@ def states_at(run_dir: Path, walls: list[float]) -> list[dict[str, np.ndarray] |
     for event in merger_folds(run_dir):
         folded_at.setdefault((event["fragment"], event["version"]), wall(event))
     directories = shard_run_dirs(run_dir)
-    by_shard = [_replayed_states(run_dir, directory, folded_at, walls) for directory in directories]
+    count = len(directories)
+    by_shard = [_replayed_states(run_dir, directory, {key: at for key, at in folded_at.items() if key[0] % count == shard}, walls)
+                for shard, directory in enumerate(directories)]
     found: list[dict[str, np.ndarray] | None] = []
     for at in range(len(walls)):
         held = [states[at] for states in by_shard]
@@ -109,7 +111,8 @@ def states_at(run_dir: Path, walls: list[float]) -> list[dict[str, np.ndarray] |
 
 
 def _replayed_states(run_dir: Path, directory: Path, folded_at: dict[tuple[int, int], float], walls: list[float]) -> list:
-    """One merger's (shard's) fragment states at each wall time (None before its first fold)."""
+    """One merger's (shard's) fragment states at each wall time (None before its first fold);
+    `folded_at`: when each of its folds was logged."""
     from merger.core import ReplayError
     from merger.recovery import replay
 
@@ -128,7 +131,8 @@ def _replayed_states(run_dir: Path, directory: Path, folded_at: dict[tuple[int, 
         if expected != rebuilt:
             raise ReplayError(f"{run_dir}: the model rebuilt from the log differs from the merger's checkpoint at record {position} ({directory.name})")
     if progress["states"] is not None and not folded_at:
-        raise ReplayError(f"{run_dir}: the log has folds but logs/merger.log dates none of them")
+        log = "merger.log" if directory.name in ("merger", "standby") else f"{directory.name}.log"
+        raise ReplayError(f"{run_dir}: the log has folds but logs/{log} dates none of them")
     for i in order[progress["next"]:]:
         found[i] = progress["states"]
     return found

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -171,17 +172,22 @@ MERGER_LOGS = ("merger.log", "standby.log")  # with a standby, either may be the
 def merger_logs(run_dir: Path) -> list[str]:
     """The merger logs of a run: MERGER_LOGS, and merger.I.log of every further merger shard that
     has one so far (shard 0 is merger.log)."""
-    shards = sorted((p.name for p in (Path(run_dir) / "logs").glob("merger.*.log") if p.name.split(".")[1].isdigit()),
+    shards = sorted((p.name for p in (Path(run_dir) / "logs").glob("merger.*.log") if re.fullmatch(r"merger\.[1-9][0-9]*\.log", p.name)),
                     key=lambda name: int(name.split(".")[1]))
     return [*MERGER_LOGS, *shards]
 
 
 def shard_run_dirs(run_dir: Path) -> list[Path]:
-    """Every merger shard's run directory: merger_run_dir's (shard 0, or its standby after a
-    takeover), then merger.1/, merger.2/, ... (`[merger] shards`)."""
-    shards = sorted((p for p in Path(run_dir).glob("merger.*") if p.is_dir() and p.name.split(".")[1].isdigit()),
-                    key=lambda path: int(path.name.split(".")[1]))
-    return [merger_run_dir(run_dir), *shards]
+    """Every merger shard's run directory, index I at position I: merger_run_dir's (shard 0, or
+    its standby after a takeover), then merger.1/, merger.2/, ... (`[merger] shards`).
+    RunDirError when one is missing (fragment f is shard f % N's: a gap would shift them)."""
+    found = {int(match.group(1)): path for path in Path(run_dir).glob("merger.*")
+             if path.is_dir() and (match := re.fullmatch(r"merger\.([1-9][0-9]*)", path.name))}
+    missing = [index for index in range(1, max(found, default=0) + 1) if index not in found]
+    if missing:
+        raise RunDirError(f"{run_dir}: merger shard run directories {', '.join(f'merger.{i}' for i in missing)} are missing "
+                          f"(the run had at least {max(found) + 1} shards)")
+    return [merger_run_dir(run_dir), *(found[index] for index in sorted(found))]
 ROLE_EVENTS = {"following": "standby", "stepped_down": "standby", "no_primary": "primary", "taking_over": "primary"}
 
 

@@ -177,8 +177,6 @@ def run_island(args: argparse.Namespace) -> int:
         members = None
         if args.num_processes > 1:
             members = group.IslandGroup({p: v.shape for p, v in trainer.params().items()})
-            members.check_same(json.dumps([protocol.model_fingerprint(trainer.params()), dataclasses.asdict(sync), dataclasses.asdict(train),
-                                           args.island_index, args.islands]))
         loop = IslandLoop(trainer, task.batches, task.eval_batches, train, sync, metrics, link=link, slowdown=args.slowdown, log=log,
                           on_compiled=enter_quota if cpu_group else None, count=task.tokens_in, group=members)
         signals = []
@@ -186,6 +184,9 @@ def run_island(args: argparse.Namespace) -> int:
             signal.signal(sig, lambda *_: (signals.append(True), setattr(loop, "stop_requested", True)))
         loop.stop_requested = bool(early_stop)
         try:
+            if members is not None:  # the same model, settings and data in every process, before any per-step agreement
+                members.check_same(json.dumps([protocol.model_fingerprint(trainer.params()), dataclasses.asdict(sync), dataclasses.asdict(train),
+                                               args.island_index, args.islands, args.task or BUILTIN, context.options], sort_keys=True, default=str))
             if link is not None or members is not None:
                 loop.join(args.join_timeout)
                 log.info("joined", versions=[p.version for p in loop.progress])

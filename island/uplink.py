@@ -70,9 +70,10 @@ class Uplink:
         self.outbox = Outbox()
         self.in_flight = False  # the publisher has taken a delta off the outbox and not finished sending it
         self.residuals: dict[str, np.ndarray] = {}  # error feedback: what quantization left out, added to the next delta
-        # the retransmit budget is shared out among the streams: the island holds no more in all
-        self.streams = [Stream(RetransmitBuffer(max_messages=max(1, sync.retransmit_messages // shards),
-                                                max_bytes=max(1, sync.retransmit_bytes // shards))) for _ in range(shards)]
+        # each stream has the whole retransmit budget (a delta that fits one merger's fits each
+        # shard's): the island holds at most `shards` times it
+        self.streams = [Stream(RetransmitBuffer(max_messages=sync.retransmit_messages, max_bytes=sync.retransmit_bytes))
+                        for _ in range(shards)]
         self.unsettled: dict[int, SentDelta] = {}  # by delta id
         self.settled: set[int] = set()  # delta ids with a result (an ack can arrive twice)
         self.results: collections.Counter[str] = collections.Counter()  # folded, rejected, unknown, dropped/<reason>
@@ -118,9 +119,12 @@ class Uplink:
         delta_id, next_heartbeat = 0, time.monotonic() + HEARTBEAT_S
         while not self.stop.is_set():
             with self.lock:
-                while (pending := self.outbox.take(self._room_for)) is None and not self.stop.is_set() and time.monotonic() < next_heartbeat:
+                pending = None
+                while not self.stop.is_set() and time.monotonic() < next_heartbeat and (pending := self.outbox.take(self._room_for)) is None:
                     self.lock.wait(timeout=POLL_MS / 1000)
                 if self.stop.is_set():
+                    if pending is not None:  # taken as the link closed: back where it was, unsent
+                        self.outbox.put(pending)
                     break
                 self.in_flight = pending is not None
             if time.monotonic() >= next_heartbeat:  # tells each shard our last seq of its stream: tail loss shows up
@@ -170,9 +174,10 @@ class Uplink:
 
     def _room_for(self, pending: PendingDelta) -> bool:
         """With merger shards, a delta starts only when its stream's retransmit buffer has room for
-        all of it: a shard that is down or slow fills its own stream and holds back its own
-        fragments' deltas, never the other shards' (nor the heartbeats).  With one merger, as
-        before: any delta, then chunk by chunk (`_wait_for_room`)."""
+        all of it (or is empty): a shard that is down or slow fills its own stream and holds back
+        its own fragments' deltas, never the other shards' (nor the heartbeats) -- unless one delta
+        is larger than the whole budget, which then goes chunk by chunk as with one merger
+        (`_wait_for_room`: any delta, then chunk by chunk)."""
         if len(self.streams) == 1:
             return True
         kept = self.streams[shard_of(pending.fragment, len(self.streams))].kept

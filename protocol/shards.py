@@ -41,6 +41,8 @@ def shard_name(given: str | None, shard: int, shards: int) -> str:
     `shard` (islands tell the shards apart by it), or by default the `merger` family's."""
     if given is None:
         return names("merger", shards)[shard]
+    if shards == 1:  # one merger: any name (islands have one control endpoint)
+        return given
     base = given.rsplit(".", 1)[0] if shard > 0 else given
     if names(base, shards)[shard] != given or (shard == 0 and given.rpartition(".")[2].isdigit() and "." in given):
         raise ConfigError(f"--name {given} for shard {shard}/{shards}: shard 0 is named BASE and shard I > 0 BASE.I "

@@ -60,9 +60,9 @@ def test_a_full_stream_of_one_merger_shard_holds_back_only_its_own_fragments():
     from island.shaper import LinkShaper
     from island.uplink import Uplink
 
-    sync = SyncConfig(fragments=4, interval=8, codec="int8", retransmit_bytes=2 << 20)
+    sync = SyncConfig(fragments=4, interval=8, codec="int8", retransmit_bytes=1 << 20)  # each stream: 1 MiB
     uplink = Uplink("isl", "m", 1, sync, LinkShaper(None), threading.Event(), shards=2)
-    big = PendingDelta(1, 0, {"w": np.ones(600_000, np.float32)}, 1, 1)  # 600 kB at int8: a shard's half of the budget holds one
+    big = PendingDelta(1, 0, {"w": np.ones(600_000, np.float32)}, 1, 1)  # 600 kB at int8: a stream's budget holds one
     uplink.streams[1].kept.add(1, [b"x"], 600_000)
     uplink.outbox.put(big)
     uplink.outbox.put(PendingDelta(0, 0, {"v": np.ones(1000, np.float32)}, 1, 1))
@@ -71,6 +71,6 @@ def test_a_full_stream_of_one_merger_shard_holds_back_only_its_own_fragments():
     uplink.streams[1].kept.release(1)
     assert uplink.outbox.take(uplink._room_for).fragment == 1
     alone = Uplink("isl", "m", 1, sync, LinkShaper(None), threading.Event())
-    alone.streams[0].kept.add(1, [b"x"], 2 << 20)
+    alone.streams[0].kept.add(1, [b"x"], 1 << 20)
     alone.outbox.put(big)
     assert alone.outbox.take(alone._room_for).fragment == 1

@@ -34,8 +34,24 @@ def test_shards_by_hand():
     for given, shard in (("merger", 1), ("merger.2", 1), ("merger.1", 0)):  # islands tell the shards apart by name
         with pytest.raises(ConfigError, match="shard 0 is named BASE"):
             shards.shard_name(given, shard, 3)
+    assert shards.shard_name("eu.2", 0, 1) == "eu.2"  # one merger: any name
     assert shards.subscriptions(1, 2, 12) == [b"delta/1/", b"delta/3/", b"delta/5/", b"delta/7/", b"delta/9/", b"delta/11/", b"heartbeat/1/"]
     assert shards.subscriptions(0, 1, 12) == [b"delta/", b"heartbeat/0/"]
+
+
+def test_the_shards_of_a_run_are_found_by_index_and_a_missing_one_is_named(tmp_path):
+    from analysis.runinfo import RunDirError, merger_logs, shard_run_dirs
+
+    for name in ("merger", "merger.2", "merger.1.bak", "merger.x"):
+        (tmp_path / name).mkdir()
+    with pytest.raises(RunDirError, match="merger.1 are missing"):  # fragment f is shard f % N's: a gap would shift them
+        shard_run_dirs(tmp_path)
+    (tmp_path / "merger.1").mkdir()
+    assert [p.name for p in shard_run_dirs(tmp_path)] == ["merger", "merger.1", "merger.2"]
+    (tmp_path / "logs").mkdir()
+    for name in ("merger.10.log", "merger.2.log", "merger.2.log.old", "merger.log"):
+        (tmp_path / "logs" / name).write_text("")
+    assert merger_logs(tmp_path) == ["merger.log", "standby.log", "merger.2.log", "merger.10.log"]
 
 
 def test_a_run_directory_belongs_to_one_shard(tmp_path):
