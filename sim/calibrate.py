@@ -60,9 +60,14 @@ def load_run(run_dir: Path, config: Path | None = None) -> tuple[Scenario, dict]
         gaps = [b["time"] - a["time"] for a, b in zip(steps[1:], steps[2:]) if b["step"] == a["step"] + 1]
         cv = statistics.pstdev(gaps) / statistics.mean(gaps) if len(gaps) > 1 else 0.0
         islands.append(Island(region.name, step_s, tokens_per_step, link, start_s=max(0.0, first["wall"] - reference - step_s), step_cv=cv))
+        # bytes up: from the island's summary after its drain when there is one (every delta of its work
+        # sent; its last step's line misses what its uplink still had queued, as much as the link lags)
+        done = [e for e in read_events(run_dir / "logs" / f"{region.name}.log") if isinstance(e, dict) and e.get("event") == "done"]
+        sent = done[-1]["bytes_sent"] / done[-1]["tokens"] if done and "bytes_sent" in done[-1] and done[-1].get("tokens") else None
         measured["islands"][region.name] = {
             "compute_util": last["compute_util"], "steps": last["step"], "step_s": step_s,
-            "bytes_up_per_token": last["bytes_sent"] / last["tokens"], "bytes_down_per_token": last["bytes_received"] / last["tokens"]}
+            "bytes_up_per_token": sent if sent is not None else last["bytes_sent"] / last["tokens"],
+            "bytes_down_per_token": last["bytes_received"] / last["tokens"]}
     folds = merger_folds(run_dir)  # every shard's (and a standby's after a takeover)
     if not folds:
         raise RunDirError(f"{run_dir}: the merger's log has no folds")
