@@ -17,7 +17,7 @@ import pytest
 
 from analysis import export
 from analysis.globalmodel import states_at
-from analysis.runinfo import merger_folds, read_events, read_metrics, wall
+from analysis.runinfo import lives, merger_folds, read_events, read_metrics, wall
 from cluster import chaos, compose, topology
 from cluster.ports import free_ports
 from cluster.config import ClusterConfig, Region
@@ -133,15 +133,6 @@ slowdown = 2.0
 SCHEDULE = "kill:a.1@a.step=40,restart:a.1@b.step=+60"
 
 
-def _lives(path) -> list[list[dict]]:
-    lives: list[list[dict]] = []
-    for event in read_metrics(path):
-        if event["step"] == 0:
-            lives.append([])
-        lives[-1].append(event)
-    return lives
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_a_two_host_island_trains_in_step_dies_alone_and_rejoins(tmp_path):
@@ -157,7 +148,7 @@ def test_a_two_host_island_trains_in_step_dies_alone_and_rejoins(tmp_path):
     lost = [wall(e) for e in read_events(run / "logs" / "a.log") if isinstance(e, dict) and e.get("event") == "group_lost"]
     assert len(lost) == 1 and lost[0] <= restarted, (lost, killed, restarted)
     # Both processes of a, in each life: the same loss and the same snapshot versions at every step.
-    leader, other = _lives(run / "metrics" / "a.jsonl"), _lives(run / "metrics" / "a.1.jsonl")
+    leader, other = lives(read_metrics(run / "metrics" / "a.jsonl")), lives(read_metrics(run / "metrics" / "a.1.jsonl"))
     assert len(leader) == len(other) == 2, (len(leader), len(other))
     for mine, theirs in zip(leader, other):
         common = min(len(mine), len(theirs))
