@@ -8,22 +8,29 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 
-def untrained(steps: Mapping[str, int], folds: int, interval: int) -> list[str]:
+def untrained(steps: Mapping[str, int], folds: int, interval: int | Mapping[str, int]) -> list[str]:
     """Reasons the run did not train (none: it did).  steps: training steps per island, every life;
-    folds: the merger's folds; interval: H, the steps after which every fragment has been sent."""
-    reasons = [f"island {name} made {count} training step{'s' * (count != 1)}, fewer than one interval (H = {interval})"
-               for name, count in steps.items() if count < interval]
+    folds: the merger's folds; interval: H, the steps after which every fragment has been sent (or
+    each island's)."""
+    reasons = [f"island {name} made {count} training step{'s' * (count != 1)}, fewer than one interval (H = {_h(interval, name)})"
+               for name, count in steps.items() if count < _h(interval, name)]
     if folds == 0:
         reasons.append("the merger never folded a delta: the global model did not change")
     return reasons
 
 
-def targets(islands: list[str], down: set[str], max_steps: int, interval: int, after_chaos: Mapping[str, int] | None) -> dict[str, int]:
+def targets(islands: list[str], down: set[str], max_steps: int, interval: int | Mapping[str, int],
+            after_chaos: Mapping[str, int] | None) -> dict[str, int]:
     """When a run bounded by steps may end: the steps (every life) each island that is up must have
     made.  max_steps each, and, once a chaos schedule has run, two intervals (2 H) more than each had
     when its last event fired (`after_chaos`; None without chaos), so that the recovery is part of
     the run.  An island that is down (killed, not to be restarted) has no target."""
-    return {name: max(max_steps, after_chaos[name] + 2 * interval if after_chaos is not None else 0) for name in islands if name not in down}
+    return {name: max(max_steps, after_chaos[name] + 2 * _h(interval, name) if after_chaos is not None else 0) for name in islands if name not in down}
+
+
+def _h(interval: int | Mapping[str, int], name: str) -> int:
+    """An island's H: the one for all, or its own."""
+    return interval if isinstance(interval, int) else interval[name]
 
 
 def short(steps: Mapping[str, int], wanted: Mapping[str, int]) -> dict[str, int]:

@@ -36,6 +36,7 @@ class Region:
     downlink_mbps: float | None = None
     rtt_ms: float = 0.0
     hosts: int = 1  # processes of the island (jax.distributed, island/group.py): one per host of the region
+    interval: int = 0  # H of this region's island (0: [sync] interval); the synchronous modes give every island theirs
 
     def __post_init__(self) -> None:
         require(self.name.replace("-", "").replace("_", "").isalnum(), f"region name must be letters, digits, '-' or '_', got {self.name!r}")
@@ -45,6 +46,7 @@ class Region:
             value = getattr(self, key)
             require(value is None or value > 0, f"region {self.name}: {key} must be > 0, got {value}")
         require(self.rtt_ms >= 0, f"region {self.name}: rtt_ms must be >= 0, got {self.rtt_ms}")
+        require(type(self.interval) is int and self.interval >= 0, f"region {self.name}: interval must be an int >= 0 (0: [sync] interval), got {self.interval!r}")
 
     @property
     def processes(self) -> list[str]:
@@ -198,8 +200,12 @@ class ClusterConfig:
         sync, merger = self.effective()
         require(merger.shards <= sync.fragments, f"merger.shards ({merger.shards}) must not exceed sync.fragments ({sync.fragments} in mode "
                 f"{self.mode}): a shard folds the fragments f with f % shards == its index, and each needs one")
-        require(not self.max_steps or self.max_steps >= sync.interval,
-                f"run.max_steps ({self.max_steps}) must be at least sync.interval (H = {sync.interval} in mode {self.mode}): "
+        for region in self.regions:
+            require(not region.interval or region.interval >= sync.fragments,
+                    f"region {region.name}: interval ({region.interval}) must be >= sync.fragments ({sync.fragments}): each fragment is due once per interval")
+        longest = max(self.interval_of(region) for region in self.regions)
+        require(not self.max_steps or self.max_steps >= longest,
+                f"run.max_steps ({self.max_steps}) must be at least the longest interval (H = {longest} in mode {self.mode}): "
                 "an island that stops sooner never sends every fragment")
         require(not sync.blocking or sync.settle_timeout_s > merger.quorum_timeout_s,
                 f"sync.settle_timeout_s ({sync.settle_timeout_s}) must exceed merger.quorum_timeout_s ({merger.quorum_timeout_s}) "
@@ -217,6 +223,11 @@ class ClusterConfig:
         mode = MODES[self.mode]
         merger = {key: len(self.regions) if value == ALL_ISLANDS else value for key, value in mode.merger.items()}
         return dataclasses.replace(self.sync, **mode.sync), dataclasses.replace(self.merger, **merger)
+
+    def interval_of(self, region: Region) -> int:
+        """H of `region`'s island: its own interval in the decoupled mode; the [sync] interval otherwise
+        (a synchronous mode's rounds need one H, which it sets for every island as it sets P)."""
+        return region.interval if region.interval and self.mode == "decoupled" else self.effective()[0].interval
 
     def cpus_of(self, region: Region) -> float | None:
         """The cores `region`'s island may use (None: no quota)."""

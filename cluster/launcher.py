@@ -268,7 +268,7 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
         config = dataclasses.replace(config, regions=tuple(r for r in config.regions if r.name in order))
     cluster = Cluster(config, run_dir, services, order)
     islands = [r.name for r in config.regions]
-    interval = config.effective()[0].interval
+    interval = {region.name: config.interval_of(region) for region in config.regions}
     progress = RunProgress(run_dir, islands)
     interrupted, problems, dead = False, [], []
 

@@ -107,7 +107,7 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str, place=lambda pa
             "island", "--name", region.name, "--region", region.name, "--islands", len(config.regions), "--island-index", index,
             *model_args(config, place), "--max-steps", 10**9, "--eval-every", config.eval_every,
             *(["--eval-early"] if config.eval_early else []), *(["--eval-trace", config.eval_trace] if config.eval_trace else []),
-            "--fragments", sc.fragments, "--interval", sc.interval, "--codec", sc.codec, "--adoption", sc.adoption, "--alpha", sc.alpha,
+            "--fragments", sc.fragments, "--interval", config.interval_of(region), "--codec", sc.codec, "--adoption", sc.adoption, "--alpha", sc.alpha,
             *(["--blocking"] if sc.blocking else []), *(["--error-feedback"] if sc.error_feedback else []),
             *(["--flush-on-leave"] if sc.flush_on_leave else []), *settle,
             "--slowdown", 1.0 if config.island_cpus else region.slowdown, *links, "--rtt-ms", region.rtt_ms, "--keys", keys,

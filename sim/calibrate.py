@@ -59,7 +59,8 @@ def load_run(run_dir: Path, config: Path | None = None) -> tuple[Scenario, dict]
         link = Link(_bps(region.uplink_mbps), _bps(region.downlink_mbps), region.rtt_ms / 1000)
         gaps = [b["time"] - a["time"] for a, b in zip(steps[1:], steps[2:]) if b["step"] == a["step"] + 1]
         cv = statistics.pstdev(gaps) / statistics.mean(gaps) if len(gaps) > 1 else 0.0
-        islands.append(Island(region.name, step_s, tokens_per_step, link, start_s=max(0.0, first["wall"] - reference - step_s), step_cv=cv))
+        islands.append(Island(region.name, step_s, tokens_per_step, link, start_s=max(0.0, first["wall"] - reference - step_s), step_cv=cv,
+                              interval=region.interval))  # decoupled (checked above): a region's own H, if it has one
         # bytes up: from the island's summary after its drain when there is one (every delta of its work
         # sent; its last step's line misses what its uplink still had queued, as much as the link lags)
         done = [e for e in read_events(run_dir / "logs" / f"{region.name}.log") if isinstance(e, dict) and e.get("event") == "done"]

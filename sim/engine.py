@@ -216,7 +216,7 @@ class Simulation:
 
     def _next_due(self, island: _Island) -> None:
         """The island's next step after which a fragment is due (exchange.due_offset)."""
-        h, p = self.s.interval, self.s.fragments
+        h, p = island.spec.interval or self.s.interval, self.s.fragments
         step = island.step + 1
         nxt = min(step + (due_offset(f, p, h) - step) % h for f in range(p))
         island.next_due = nxt
@@ -230,7 +230,7 @@ class Simulation:
         if not island.alive or epoch != island.epoch:
             return
         self._train_until(island, step, now)
-        h, p = self.s.interval, self.s.fragments
+        h, p = island.spec.interval or self.s.interval, self.s.fragments
         for fragment in (f for f in range(p) if step % h == due_offset(f, p, h)):
             steps = island.unsent_steps[fragment]
             if steps <= 0:

@@ -48,9 +48,11 @@ class Island:
     link: Link = Link()
     start_s: float = 0.0  # when its first step starts (joining, compiling)
     step_cv: float = 0.0  # the coefficient of variation of one step's time (0: every step exactly step_s)
+    interval: int = 0  # its own H (0: the scenario's)
 
     def __post_init__(self) -> None:
         require(bool(self.name), "an island needs a name")
+        require(type(self.interval) is int and self.interval >= 0, f"island {self.name}: interval must be an int >= 0, got {self.interval!r}")
         require(self.step_s > 0, f"island {self.name}: step_s must be > 0, got {self.step_s}")
         require(self.tokens_per_step >= 1, f"island {self.name}: tokens_per_step must be >= 1, got {self.tokens_per_step}")
         require(self.start_s >= 0, f"island {self.name}: start_s must be >= 0, got {self.start_s}")
@@ -89,6 +91,9 @@ class Scenario:
         require(len(set(names)) == len(names), f"island names must be unique, got duplicates in {names[:8]}")
         require(self.params >= self.fragments >= 1, f"params ({self.params}) must be >= fragments ({self.fragments}) >= 1")
         require(self.interval >= self.fragments, f"interval H ({self.interval}) must be >= fragments P ({self.fragments})")
+        for island in self.islands:
+            require(not island.interval or island.interval >= self.fragments,
+                    f"island {island.name}: interval H ({island.interval}) must be >= fragments P ({self.fragments})")
         require(self.codec in CODEC_NAMES, f"codec must be one of {CODEC_NAMES}, got {self.codec!r}")
         require(self.merger_bytes_s > 0 and self.fold_overhead_s >= 0, "merger_bytes_s must be > 0 and fold_overhead_s >= 0")
         require(self.duration_s > 0 and self.restart_s >= 0, "duration_s must be > 0 and restart_s >= 0")
@@ -152,7 +157,7 @@ def load(path: str | Path) -> Scenario:
     require(isinstance(params, (int, float)) and params >= 1, f"{path}: [model] params must be a number >= 1, got {params!r}")
     islands = []
     for entry in data.get("islands", []):
-        extra = set(entry) - {"name", "count", "step_s", "chip", "chips", "mfu", "tokens_per_step", "up_gbps", "down_gbps", "rtt_ms", "step_cv"}
+        extra = set(entry) - {"name", "count", "step_s", "chip", "chips", "mfu", "tokens_per_step", "up_gbps", "down_gbps", "rtt_ms", "step_cv", "interval"}
         require(not extra, f"{path}: unknown keys in [[islands]]: {sorted(extra)}")
         tokens = entry.get("tokens_per_step", 0)
         if "step_s" in entry:
@@ -165,7 +170,7 @@ def load(path: str | Path) -> Scenario:
         count = int(entry.get("count", 1))
         for k in range(count):
             name = entry["name"] if count == 1 else f"{entry['name']}-{k}"
-            islands.append(Island(name, step, int(tokens), link, step_cv=float(entry.get("step_cv", 0.0))))
+            islands.append(Island(name, step, int(tokens), link, step_cv=float(entry.get("step_cv", 0.0)), interval=int(entry.get("interval", 0))))
     sync, sim, merger = data.get("sync", {}), data.get("sim", {}), data.get("merger", {})
     for section, keys in (("model", {"params"}), ("sync", {"fragments", "interval", "codec", "block"}),
                           ("sim", {"duration_s", "restart_s", "merger_gbps", "mtbf_s", "down_s", "seed"})):

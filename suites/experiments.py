@@ -68,6 +68,11 @@ def _merger(**values) -> Transform:
     return lambda c: dataclasses.replace(c, merger=dataclasses.replace(c.merger, **values))
 
 
+def _one_interval(c: ClusterConfig) -> ClusterConfig:
+    """Every island at the [sync] interval (no region's own)."""
+    return dataclasses.replace(c, regions=tuple(dataclasses.replace(r, interval=0) for r in c.regions))
+
+
 def _islands(count: int) -> Transform:
     return lambda c: dataclasses.replace(c, regions=c.regions[:count])
 
@@ -84,7 +89,7 @@ def _faults(c: ClusterConfig) -> ClusterConfig:
     interval, its restart 5 s later.  A run of fixed length: at 35 %, 60 %, 75 % and 80 % of it."""
     victim, first = c.regions[min(2, len(c.regions) - 1)].name, c.regions[0].name
     if c.max_steps:
-        n, interval = c.max_steps, c.effective()[0].interval
+        n, interval = c.max_steps, c.interval_of(c.regions[min(2, len(c.regions) - 1)])
         schedule = (ChaosEvent(None, "kill", victim, at_step=max(1, round(0.35 * n)), island=first),
                     ChaosEvent(None, "restart", victim, at_step=max(1, round(0.25 * n)), island=first, relative=True),
                     ChaosEvent(None, "kill", "merger", at_step=interval, island=victim, relative=True),

@@ -89,7 +89,7 @@ def test_max_steps_must_cover_an_interval(tmp_path):
     bounded = config.load(path)
     assert bounded.max_steps == 60 and config.load().max_steps == 0
     assert bounded.with_steps(None) is bounded and bounded.with_steps(10).max_steps == 10
-    with pytest.raises(ConfigError, match=r"run.max_steps \(9\) must be at least sync.interval \(H = 10 in mode decoupled\)"):
+    with pytest.raises(ConfigError, match=r"run.max_steps \(9\) must be at least the longest interval \(H = 10 in mode decoupled\)"):
         bounded.with_steps(9)
     assert bounded.with_mode("sync-dp").with_steps(1).max_steps == 1  # sync-dp exchanges every step
     for bad in ("-1", "2.5", "'10'"):

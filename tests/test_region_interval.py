@@ -1,0 +1,75 @@
+"""A region's own H ([[regions]] interval): what reaches its island's command line, what the
+synchronous modes make of it, the checks, the run verdicts per island, and the simulator."""
+
+from __future__ import annotations
+
+import pytest
+
+from analysis import verdict
+from cluster import config, topology
+from protocol.errors import ConfigError
+from sim.engine import simulate
+from sim.scenario import Island, Scenario
+from tests.cluster_helpers import small_profile
+from tests.test_sim import NO_GRACE
+
+PROFILE = small_profile(25, 20, """
+[[regions]]
+name = "fast"
+[[regions]]
+name = "slow"
+slowdown = 2.0
+interval = 6
+""")
+
+
+def _interval_flag(cluster: config.ClusterConfig, island: str) -> str:
+    command = topology.commands(cluster, topology.Addresses(("1", "2", "3", "4"), "5"), "/run")[island]
+    return command[command.index("--interval") + 1]
+
+
+def test_a_region_trains_at_its_own_interval_in_the_decoupled_mode_only(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(PROFILE)
+    cluster = config.load(path)
+    assert [cluster.interval_of(r) for r in cluster.regions] == [10, 6]  # [sync] interval = 10 for the one without
+    assert (_interval_flag(cluster, "fast"), _interval_flag(cluster, "slow")) == ("10", "6")
+    for mode, h in (("sync-diloco", "10"), ("sync-dp", "1")):  # a round needs one H: the mode's, for every island
+        assert (_interval_flag(cluster.with_mode(mode), "fast"), _interval_flag(cluster.with_mode(mode), "slow")) == (h, h)
+
+
+@pytest.mark.parametrize("value, message", [("1", r"region slow: interval \(1\) must be >= sync.fragments \(2\)"),
+                                            ("-3", "region slow: interval must be an int >= 0"),
+                                            ("6.5", "region slow: interval must be an int >= 0")])
+def test_a_bad_region_interval_is_named(tmp_path, value, message):
+    path = tmp_path / "c.toml"
+    path.write_text(PROFILE.replace("interval = 6", f"interval = {value}"))
+    with pytest.raises(ConfigError, match=message):
+        config.load(path)
+
+
+def test_a_run_bounded_by_steps_covers_the_longest_interval(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(PROFILE.replace("interval = 6", "interval = 40"))
+    with pytest.raises(ConfigError, match=r"run.max_steps \(20\) must be at least the longest interval \(H = 40"):
+        config.load(path).with_steps(20)
+    path.write_text(PROFILE)
+    assert config.load(path).with_steps(10).max_steps == 10
+
+
+def test_the_verdicts_take_each_islands_interval():
+    assert verdict.untrained({"fast": 9, "slow": 7}, folds=1, interval={"fast": 10, "slow": 6}) == [
+        "island fast made 9 training steps, fewer than one interval (H = 10)"]
+    assert verdict.targets(["fast", "slow"], set(), 0, {"fast": 10, "slow": 6}, {"fast": 100, "slow": 50}) == {"fast": 120, "slow": 62}
+
+
+def test_the_simulator_sends_each_islands_deltas_at_its_own_interval():
+    """Two lockstep islands, P = 2, 100 steps: H = 10 sends each fragment 10 times; H = 5 (due after
+    steps 2, 5, 7, 10, ...) 20 times, so the second island sends twice the deltas and bytes."""
+    scenario = Scenario((Island("a", 1.0, 100), Island("b", 1.0, 100, interval=5)), params=1000, fragments=2, interval=10,
+                        duration_s=100.5, restart_s=0, merger=NO_GRACE)
+    a, b = simulate(scenario).islands
+    assert (a.deltas_sent, b.deltas_sent) == (20, 40)
+    assert b.bytes_up == 2 * a.bytes_up
+    with pytest.raises(ConfigError, match=r"island b: interval H \(1\) must be >= fragments P \(2\)"):
+        Scenario((Island("a", 1.0, 100), Island("b", 1.0, 100, interval=1)), params=1000, fragments=2, interval=10)
