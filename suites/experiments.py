@@ -46,7 +46,8 @@ def _mode(mode: str) -> Transform:
 
 
 def _homogeneous(c: ClusterConfig) -> ClusterConfig:
-    return dataclasses.replace(c, regions=tuple(dataclasses.replace(r, slowdown=1.0) for r in c.regions))
+    """Every region at full speed, and so at the [sync] interval."""
+    return dataclasses.replace(c, regions=tuple(dataclasses.replace(r, slowdown=1.0, interval=0) for r in c.regions))
 
 
 def _chain(*transforms: Transform) -> Transform:
@@ -117,16 +118,26 @@ def _capped(c: ClusterConfig) -> ClusterConfig:
 WAIT_FOR_SLOW = _chain(_sync(settle_timeout_s=180.0), _merger(quorum_timeout_s=150.0))  # settle first: it must exceed the quorum timeout
 
 
-# Fewer bytes down: H = 96, and a fragment's snapshot on the bus at most once per round of its fastest
-# island (an island's base is then up to a round of folds behind: max_staleness 8).  See default.toml.
-LEAN = _chain(_sync(interval=96), _merger(snapshot_every_round=1.0, max_staleness=8))
+def _interval(h: int) -> Transform:
+    """H = h, and each region with its own interval scaled with it."""
+    def apply(c: ClusterConfig) -> ClusterConfig:
+        regions = tuple(dataclasses.replace(r, interval=max(c.sync.fragments, r.interval * h // c.sync.interval)) if r.interval else r
+                        for r in c.regions)
+        return dataclasses.replace(c, sync=dataclasses.replace(c.sync, interval=h), regions=regions)
+    return apply
+
+
+# Fewer bytes: H = 96, and a fragment's snapshot on the bus at most once per mean round of the
+# islands (an island's base is then up to a round of folds behind: max_staleness 8).  See default.toml.
+LEAN = _chain(_interval(96), _merger(snapshot_every_round=1.0, max_staleness=8))
 
 # The bytes suite's configurations, spelled out so that they stay what they are when the profile
-# changes: the default before held snapshots (every fold down as an int4 diff, int4 deltas up), and
-# the lean one (suites/wirebytes.py has the goals).
-EVERY_FOLD_INT4 = _chain(_sync(codec="int4", error_feedback=False), _merger(snapshot_diff_codec="int4", snapshot_every_round=0.0, max_staleness=4))
-HELD_INT2 = _chain(_sync(codec="int4", error_feedback=False), _merger(snapshot_diff_codec="int2", snapshot_every_round=0.5, max_staleness=6))
-LEAN_BYTES = _chain(_sync(codec="topk2", error_feedback=True), _merger(snapshot_diff_codec="int2", snapshot_every_round=0.5, max_staleness=6))
+# changes: the former default (every fold down as an int4 diff, int4 deltas up, one H for every
+# region, Nesterov at lr 0.35), the profile as shipped, and the profile with topk2 deltas (error
+# feedback) up (suites/wirebytes.py has the goals).
+EVERY_FOLD_INT4 = _chain(_one_interval, _sync(codec="int4", error_feedback=False),
+                         _merger(snapshot_diff_codec="int4", snapshot_every_round=0.0, max_staleness=4, outer="nesterov", outer_lr=0.35))
+LEAN_BYTES = _sync(codec="topk2", error_feedback=True)
 
 SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
     "speedup": ("The three modes at the default profile's links (scaled like the seed's 2-5 Gbit/s for a 12B model, "
@@ -164,7 +175,7 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
                  "so each fragment's snapshots arrive seconds before the other islands send it).",
                  [(f"{adoption}-{speeds}", _chain(_mode("decoupled"), _sync(adoption=adoption), *([_homogeneous] if speeds == "uniform" else [])))
                   for speeds in ("mixed", "uniform") for adoption in ("rebase", "replace")]),
-    "merging": ("Plain weighted average vs RDA at 2 and 4 islands (the profile's outer step: Nesterov at lr 0.35 on folds scaled "
+    "merging": ("Plain weighted average vs RDA at 2 and 4 islands (the profile's outer step: Nesterov at its lr on folds scaled "
                 "by their share of a round); against the outer steps at DiLoCo's lr 0.7 (4 islands, RDA): Nesterov on the same "
                 "share-scaled folds, Round Nesterov (momentum once per round of shares), Delayed Nesterov with a whole step per fold.",
                 [(f"{merge}-{n}-islands", _chain(_merger(merge=merge), _islands(n))) for n in (2, 4) for merge in ("average", "rda")]
@@ -172,17 +183,17 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
                    ("round-nesterov-lr0.7-4-islands", _merger(outer="round_nesterov", outer_lr=0.7)),
                    ("delayed-nesterov-lr0.7-4-islands", _merger(outer="delayed_nesterov", outer_lr=0.7, share_window=0))]),
     "downlink": ("Snapshots down as the whole fragment in bf16 after every fold, as int4 diffs of the value islands hold "
-                 "(protocol/downlink.py) after every fold (the profile's default), and as int4 diffs held to one per fragment "
-                 "per mean round of the islands, decoupled: bytes per token, and whether the loss pays for them.",
+                 "(protocol/downlink.py) after every fold, and as int4 diffs held to one per fragment "
+                 "per mean round of the islands (the profile's default), decoupled: bytes per token, and whether the loss pays for them.",
                  [("bf16-full", _merger(snapshot_codec="bf16", snapshot_diff_codec="none", snapshot_every_round=0.0)),
                   ("int4-diff", _merger(snapshot_diff_codec="int4", snapshot_every_round=0.0)),
                   ("int4-diff-held", _merger(snapshot_diff_codec="int4", snapshot_every_round=1.0, max_staleness=8))]),
     "bytes": ("Bytes on the wire per trained token, up and down: sync-dp, the former default (every fold down as an int4 diff, "
-              "int4 deltas up), the same with int2 diffs down held to two per fragment per mean round of the islands (staleness "
-              "bound 6), and the lean configuration (those int2 diffs down, topk2 deltas with error feedback up): the ratio to sync-dp, "
-              "the merger's model at equal cluster tokens and at equal time, the islands' utilisation, and the goals "
+              "int4 deltas up, one H for every region), the profile as shipped (a fragment's int4 diff held to one per mean round of "
+              "the islands, half-speed regions at half the H), and the profile with topk2 deltas (error feedback) up: the ratio to "
+              "sync-dp, the merger's model at equal cluster tokens and at equal time, the islands' utilisation, and the goals "
               "(suites/wirebytes.py).",
-              [(wirebytes.SYNC_DP, _mode("sync-dp")), (wirebytes.REFERENCE, EVERY_FOLD_INT4), ("held-int2", HELD_INT2), ("lean", LEAN_BYTES)]),
+              [(wirebytes.SYNC_DP, _mode("sync-dp")), (wirebytes.REFERENCE, EVERY_FOLD_INT4), ("default", lambda c: c), ("lean", LEAN_BYTES)]),
 }
 # Seconds per run by default (a suite stays within 30 minutes on 2 cores).  heterogeneous: five
 # runs, each ~95 s longer than its length (start-up, stop, trace evaluations), so 240 s.

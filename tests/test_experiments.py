@@ -82,7 +82,7 @@ def test_every_suite_builds_valid_cluster_files():
         "kill:eu-older-hw@105", "restart:eu-older-hw@180", "kill:merger@225", "restart:merger@240"]
     bounded = dict(experiments.SUITES["faults"][1])["decoupled"](base.with_steps(200))  # a run bounded by work: keyed to progress
     assert [str(e) for e in bounded.chaos] == ["kill:eu-older-hw@us-east.step=70", "restart:eu-older-hw@us-east.step=+50",
-                                               "kill:merger@eu-older-hw.step=+48", "restart:merger@+5"]
+                                               "kill:merger@eu-older-hw.step=+24", "restart:merger@+5"]
     quantization = dict(experiments.SUITES["quantization"][1])
     assert sorted(quantization) == sorted(f"{c}{s}" for c in ("fp32", "bf16", "int8", "int4", "int2") for s in ("", "-ef"))
     assert quantization["int2-ef"](base).sync.error_feedback is True and quantization["int2"](base).sync.codec == "int2"
@@ -101,12 +101,18 @@ def test_every_suite_builds_valid_cluster_files():
     merging = dict(experiments.SUITES["merging"][1])
     assert len(merging["rda-2-islands"](base).regions) == 2 and merging["delayed-nesterov-lr0.7-4-islands"](base).merger.outer == "delayed_nesterov"
     assert base.merger.share_window == 8 and merging["delayed-nesterov-lr0.7-4-islands"](base).merger.share_window == 0
-    assert base.merger.outer_lr == 0.35 and merging["round-nesterov-lr0.7-4-islands"](base).merger == dataclasses.replace(base.merger, outer="round_nesterov", outer_lr=0.7)
+    assert base.merger.outer_lr == 0.2 and merging["round-nesterov-lr0.7-4-islands"](base).merger == dataclasses.replace(base.merger, outer="round_nesterov", outer_lr=0.7)
     assert merging["nesterov-lr0.7-4-islands"](base).merger == dataclasses.replace(base.merger, outer_lr=0.7)
     assert base.with_mode("sync-diloco").effective()[1].outer_lr == 0.7  # classic DiLoCo's step, whatever the profile sets for decoupled
     downlink = dict(experiments.SUITES["downlink"][1])
     assert downlink["bf16-full"](base).merger.snapshot_diff_codec == "none" and downlink["int4-diff"](base).merger.snapshot_diff_codec == "int4"
     assert downlink["int4-diff"](base).merger.snapshot_every_round == 0 and downlink["int4-diff-held"](base).merger.snapshot_every_round == 1
+    wire = dict(experiments.SUITES["bytes"][1])  # the former default stays what it was, whatever the profile says
+    former = wire["every-fold-int4"](base)
+    assert [former.interval_of(r) for r in former.regions] == [48] * 4 and [base.interval_of(r) for r in base.regions] == [48, 48, 24, 24]
+    assert (former.merger.snapshot_every_round, former.merger.max_staleness, former.merger.outer_lr) == (0.0, 4, 0.35)
+    assert wire["default"](base) == base and wire["lean"](base).sync.codec == "topk2"
+    assert [r.interval for r in dict(experiments.SUITES["speedup"][1])["decoupled-h96-held"](base).regions] == [0, 0, 48, 48]
     for name, (_, runs) in experiments.SUITES.items():  # --quick: each suite's runs exist, bounded by work
         kept = [label for label, _ in runs if label in experiments.QUICK_RUNS.get(name, (label,))]
         assert len(kept) == len(experiments.QUICK_RUNS.get(name, kept)) >= 2, name
