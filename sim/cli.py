@@ -22,7 +22,7 @@ def add_parser(commands) -> None:
                       help="seed: the seed's 12B run on four US regions, snapshots held to one per round; seed-every-fold: every fold "
                            "goes down (default seed)")
     plan.add_argument("--hours", type=float_at_least(0.01), default=None, help="simulated hours (default: the scenario's)")
-    plan.add_argument("--interval", type=int_at_least(1), default=None, metavar="H", help="inner steps between two deltas of a fragment")
+    plan.add_argument("--interval", type=int_at_least(1), default=None, metavar="H", help="inner steps between two deltas of a fragment (islands given their own keep it)")
     plan.add_argument("--fragments", type=int_at_least(1), default=None, metavar="P", help="fragments of the model")
     plan.add_argument("--mtbf-hours", type=float_at_least(0.01), default=None, help="failures: mean hours between failures per island")
     plan.add_argument("--down-minutes", type=float_at_least(0), default=10.0, help="with --mtbf-hours: minutes a failed island is down (default 10)")

@@ -69,7 +69,7 @@ def target_util(s: Scenario, target: float) -> dict:
     """Per island, the link speed (both ways; the others' links as given) at which its decoupled
     utilisation reaches `target`; for the synchronous modes, the speed every link needs."""
     require_target(target)
-    s = dataclasses.replace(s, duration_s=min(s.duration_s, TARGET_ROUNDS * s.interval * max(i.step_s for i in s.islands)))
+    s = dataclasses.replace(s, duration_s=min(s.duration_s, TARGET_ROUNDS * s.longest_round_s()))
     per_island = {}
     for island in s.islands:
         def util(bps: float) -> float:

@@ -19,7 +19,7 @@ DOWN_S = 600.0  # a failed island's downtime in the goodput sweep
 
 def utilisation_sweep(s: Scenario, speeds_bps: list[float]) -> dict[str, list[float]]:
     """Mean utilisation over the islands at each link speed (every island's, both ways)."""
-    short = dataclasses.replace(s, duration_s=min(s.duration_s, TARGET_ROUNDS * s.interval * max(i.step_s for i in s.islands)), failures=())
+    short = dataclasses.replace(s, duration_s=min(s.duration_s, TARGET_ROUNDS * s.longest_round_s()), failures=())
     out: dict[str, list[float]] = {"decoupled": [], "sync-dp": [], "sync-diloco": []}
     for bps in speeds_bps:
         probe = short.with_links(bps)

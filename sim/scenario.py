@@ -120,6 +120,10 @@ class Scenario:
         islands = tuple(dataclasses.replace(i, link=i.link.scaled(bps)) if only in (None, i.name) else i for i in self.islands)
         return dataclasses.replace(self, islands=islands)
 
+    def longest_round_s(self) -> float:
+        """The longest island round: its H (its own, else the scenario's) times its step."""
+        return max((i.interval or self.interval) * i.step_s for i in self.islands)
+
     def with_mtbf(self, mtbf_s: float, down_s: float, seed: int = 0) -> Scenario:
         """Failures drawn per island from an exponential time between failures (mean `mtbf_s`),
         each down `down_s`; reproducible from `seed`.  mtbf_s = inf: none."""
@@ -170,7 +174,7 @@ def load(path: str | Path) -> Scenario:
         count = int(entry.get("count", 1))
         for k in range(count):
             name = entry["name"] if count == 1 else f"{entry['name']}-{k}"
-            islands.append(Island(name, step, int(tokens), link, step_cv=float(entry.get("step_cv", 0.0)), interval=int(entry.get("interval", 0))))
+            islands.append(Island(name, step, int(tokens), link, step_cv=float(entry.get("step_cv", 0.0)), interval=entry.get("interval", 0)))
     sync, sim, merger = data.get("sync", {}), data.get("sim", {}), data.get("merger", {})
     for section, keys in (("model", {"params"}), ("sync", {"fragments", "interval", "codec", "block"}),
                           ("sim", {"duration_s", "restart_s", "merger_gbps", "mtbf_s", "down_s", "seed"})):

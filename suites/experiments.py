@@ -135,14 +135,14 @@ LEAN = _chain(_interval(96), _merger(snapshot_every_round=1.0, max_staleness=8))
 # changes: the former default (every fold down as an int4 diff, int4 deltas up, one H for every
 # region, Nesterov at lr 0.35), the profile as shipped, and the profile with topk2 deltas (error
 # feedback) up (suites/wirebytes.py has the goals).
-EVERY_FOLD_INT4 = _chain(_one_interval, _sync(codec="int4", error_feedback=False),
+EVERY_FOLD_INT4 = _chain(_one_interval, _sync(interval=48, codec="int4", error_feedback=False),
                          _merger(snapshot_diff_codec="int4", snapshot_every_round=0.0, max_staleness=4, outer="nesterov", outer_lr=0.35))
 LEAN_BYTES = _sync(codec="topk2", error_feedback=True)
 
 SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
     "speedup": ("The three modes at the default profile's links (scaled like the seed's 2-5 Gbit/s for a 12B model, "
-                "see cluster/profiles/default.toml), and decoupled in its lean-downlink configuration (H = 96, a fragment's "
-                "snapshot at most once per round): time to a target loss, loss at equal tokens, utilisation, bytes per token. "
+                "see cluster/profiles/default.toml), and decoupled at H = 96 (48 on the half-speed regions; a fragment's "
+                "snapshot at most once per mean round, as in the profile): time to a target loss, loss at equal tokens, utilisation, bytes per token. "
                 f"`{speedup.FULL_SPEED}` is sync-dp without link emulation, for as many steps as the decoupled runs' cluster "
                 "tokens: its loss per step, with sync-dp's measured time per step, gives sync-dp's time to the decoupled runs' "
                 "final loss (suites/speedup.py).",
@@ -151,7 +151,8 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
     "heterogeneous": ("Four islands, two at half speed, against four at full speed, in decoupled and sync-diloco: "
                       "do the fast islands wait for the slow ones, and does the slow hardware cost the model anything? Speeds are "
                       "CPU quotas (0.45 cores per full-speed island), so a slow island's cycles go to nobody else. Three full-speed "
-                      "islands have the mixed cluster's compute per second on fewer replicas.",
+                      "islands have the mixed cluster's compute per second on fewer replicas. The mixed decoupled run's half-speed islands "
+                      "send at the profile's H = 24, the others at 48.",
                       [("decoupled-mixed", _chain(_mode("decoupled"), _capped)), ("decoupled-uniform", _chain(_mode("decoupled"), _homogeneous, _capped)),
                        # three full-speed islands: the mixed cluster's compute per second (2 x 1 + 2 x 1/2), on as many replicas
                        ("decoupled-uniform-3-islands", _chain(_mode("decoupled"), _homogeneous, _islands(3), _capped)),

@@ -111,7 +111,9 @@ def test_every_suite_builds_valid_cluster_files():
     former = wire["every-fold-int4"](base)
     assert [former.interval_of(r) for r in former.regions] == [48] * 4 and [base.interval_of(r) for r in base.regions] == [48, 48, 24, 24]
     assert (former.merger.snapshot_every_round, former.merger.max_staleness, former.merger.outer_lr) == (0.0, 4, 0.35)
-    assert wire["default"](base) == base and wire["lean"](base).sync.codec == "topk2"
+    shipped = wire["default"](base)
+    assert (shipped.merger.snapshot_every_round, shipped.merger.max_staleness, shipped.merger.outer_lr) == (1.0, 8, 0.2)
+    assert wire["lean"](base).sync.codec == "topk2" and wire["lean"](base).merger == shipped.merger
     assert [r.interval for r in dict(experiments.SUITES["speedup"][1])["decoupled-h96-held"](base).regions] == [0, 0, 48, 48]
     for name, (_, runs) in experiments.SUITES.items():  # --quick: each suite's runs exist, bounded by work
         kept = [label for label, _ in runs if label in experiments.QUICK_RUNS.get(name, (label,))]

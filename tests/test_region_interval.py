@@ -9,7 +9,7 @@ from analysis import verdict
 from cluster import config, topology
 from protocol.errors import ConfigError
 from sim.engine import simulate
-from sim.scenario import Island, Scenario
+from sim.scenario import Island, Scenario, load
 from tests.cluster_helpers import small_profile
 from tests.test_sim import NO_GRACE
 
@@ -55,6 +55,8 @@ def test_a_run_bounded_by_steps_covers_the_longest_interval(tmp_path):
         config.load(path).with_steps(20)
     path.write_text(PROFILE)
     assert config.load(path).with_steps(10).max_steps == 10
+    path.write_text(PROFILE.replace("interval = 6", "interval = 40"))
+    assert config.load(path).with_mode("sync-diloco").with_steps(20).max_steps == 20  # the mode's H = 10 for every island
 
 
 def test_the_verdicts_take_each_islands_interval():
@@ -73,3 +75,16 @@ def test_the_simulator_sends_each_islands_deltas_at_its_own_interval():
     assert b.bytes_up == 2 * a.bytes_up
     with pytest.raises(ConfigError, match=r"island b: interval H \(1\) must be >= fragments P \(2\)"):
         Scenario((Island("a", 1.0, 100), Island("b", 1.0, 100, interval=1)), params=1000, fragments=2, interval=10)
+
+
+def test_a_scenario_file_gives_an_island_its_own_interval_and_the_longest_round_counts(tmp_path):
+    path = tmp_path / "s.toml"
+    islands = '[[islands]]\nname = "fast"\nstep_s = 1.0\ntokens_per_step = 1\n[[islands]]\nname = "slow"\nstep_s = 2.0\ntokens_per_step = 1\n'
+    path.write_text("[model]\nparams = 1000\n[sync]\nfragments = 2\ninterval = 10\n" + islands + "interval = 8\n")
+    scenario = load(path)
+    assert [i.interval for i in scenario.islands] == [0, 8]
+    assert scenario.longest_round_s() == 16.0  # the slow island's 8 steps of 2 s, not 10 x 2 s
+    for bad in ("6.5", "'8'", "-1"):
+        path.write_text("[model]\nparams = 1000\n[sync]\nfragments = 2\ninterval = 10\n" + islands + f"interval = {bad}\n")
+        with pytest.raises(ConfigError, match="island slow: interval must be an int >= 0"):
+            load(path)
