@@ -81,8 +81,10 @@ class RunCluster:
 
     @classmethod
     def of(cls, config) -> RunCluster:
+        """`config`'s settings as its processes get them: the mode's overrides, each region's H."""
         sync, merger = config.effective()
-        return cls(config.mode, tuple(config.regions), sync, merger)
+        regions = tuple(dataclasses.replace(r, interval=config.interval_of(r) if config.interval_of(r) != sync.interval else 0) for r in config.regions)
+        return cls(config.mode, regions, sync, merger)
 
     def write(self, run_dir: Path) -> Path:
         path = Path(run_dir) / RUN_CLUSTER

@@ -101,7 +101,7 @@ def test_every_suite_builds_valid_cluster_files():
     merging = dict(experiments.SUITES["merging"][1])
     assert len(merging["rda-2-islands"](base).regions) == 2 and merging["delayed-nesterov-lr0.7-4-islands"](base).merger.outer == "delayed_nesterov"
     assert base.merger.share_window == 8 and merging["delayed-nesterov-lr0.7-4-islands"](base).merger.share_window == 0
-    assert base.merger.outer_lr == 0.2 and merging["round-nesterov-lr0.7-4-islands"](base).merger == dataclasses.replace(base.merger, outer="round_nesterov", outer_lr=0.7)
+    assert base.merger.outer_lr == 0.15 and merging["round-nesterov-lr0.7-4-islands"](base).merger == dataclasses.replace(base.merger, outer="round_nesterov", outer_lr=0.7)
     assert merging["nesterov-lr0.7-4-islands"](base).merger == dataclasses.replace(base.merger, outer_lr=0.7)
     assert base.with_mode("sync-diloco").effective()[1].outer_lr == 0.7  # classic DiLoCo's step, whatever the profile sets for decoupled
     downlink = dict(experiments.SUITES["downlink"][1])
@@ -112,7 +112,7 @@ def test_every_suite_builds_valid_cluster_files():
     assert [former.interval_of(r) for r in former.regions] == [48] * 4 and [base.interval_of(r) for r in base.regions] == [48, 48, 24, 24]
     assert (former.merger.snapshot_every_round, former.merger.max_staleness, former.merger.outer_lr) == (0.0, 4, 0.35)
     shipped = wire["default"](base)
-    assert (shipped.merger.snapshot_every_round, shipped.merger.max_staleness, shipped.merger.outer_lr) == (1.0, 8, 0.2)
+    assert (shipped.merger.snapshot_every_round, shipped.merger.max_staleness, shipped.merger.outer_lr) == (1.0, 8, 0.15)
     assert wire["lean"](base).sync.codec == "topk2" and wire["lean"](base).merger == shipped.merger
     assert [r.interval for r in dict(experiments.SUITES["speedup"][1])["decoupled-h96-held"](base).regions] == [0, 0, 48, 48]
     for name, (_, runs) in experiments.SUITES.items():  # --quick: each suite's runs exist, bounded by work

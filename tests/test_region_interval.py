@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from analysis import verdict
+from analysis.runinfo import RunCluster
 from cluster import config, topology
 from protocol.errors import ConfigError
 from sim.engine import simulate
@@ -36,6 +37,9 @@ def test_a_region_trains_at_its_own_interval_in_the_decoupled_mode_only(tmp_path
     assert (_interval_flag(cluster, "fast"), _interval_flag(cluster, "slow")) == ("10", "6")
     for mode, h in (("sync-diloco", "10"), ("sync-dp", "1")):  # a round needs one H: the mode's, for every island
         assert (_interval_flag(cluster.with_mode(mode), "fast"), _interval_flag(cluster.with_mode(mode), "slow")) == (h, h)
+    # what a run records (cluster.json, which calibration simulates): the H its islands got
+    assert [r.interval for r in RunCluster.of(cluster).regions] == [0, 6]
+    assert [r.interval for r in RunCluster.of(cluster.with_mode("sync-diloco")).regions] == [0, 0]
 
 
 @pytest.mark.parametrize("value, message", [("1", r"region slow: interval \(1\) must be >= sync.fragments \(2\)"),
