@@ -155,15 +155,15 @@ def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int
     if problems:
         lines += ["## FAILED", "", *(f"- {problem}" for problem in problems), ""]
     lines += ["## Islands", "",
-             "| region | slowdown | link up/down Mbit/s, RTT | steps | tokens | steps/s | compute util | last loss | last held-out loss | bytes sent | bytes received | deltas folded | exit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| region | slowdown | H | link up/down Mbit/s, RTT | steps | tokens | steps/s | compute util | last loss | last held-out loss | bytes sent | bytes received | deltas folded | exit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for region in config.regions:
         events = [e for e in metrics[region.name] if "step" in e]
         last = last_step(lives(events))  # a restarted island: its last life's step and rate, every life's tokens and bytes
         evals = [e["eval_loss"] for e in events if "eval_loss" in e]
         seconds = last.get("time", 0) or float("nan")
         speed = f"{region.slowdown} ({config.cpus_of(region):g}-core quota)" if config.island_cpus else region.slowdown
-        lines.append(f"| {region.name} | {speed} | {region.uplink_mbps or '∞'}/{region.downlink_mbps or '∞'}, {region.rtt_ms:.0f} ms "
+        lines.append(f"| {region.name} | {speed} | {config.interval_of(region)} | {region.uplink_mbps or '∞'}/{region.downlink_mbps or '∞'}, {region.rtt_ms:.0f} ms "
                      f"| {last.get('step', 0)} | {last.get('tokens', 0):,} | {last.get('step', 0) / seconds:.2f} | {last.get('compute_util', float('nan')):.3f} "
                      f"| {last.get('loss', float('nan')):.3f} | {evals[-1] if evals else float('nan'):.3f} | {last.get('bytes_sent', 0):,} "
                      f"| {last.get('bytes_received', 0):,} | {folded_by.get(region.name, 0)} | {exit_codes.get(region.name)} |")
