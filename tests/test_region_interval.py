@@ -11,17 +11,10 @@ from cluster import config, topology
 from protocol.errors import ConfigError
 from sim.engine import simulate
 from sim.scenario import Island, Scenario, load
-from tests.cluster_helpers import small_profile
+from tests import test_cluster_modes as modes
 from tests.test_sim import NO_GRACE
 
-PROFILE = small_profile(25, 20, """
-[[regions]]
-name = "fast"
-[[regions]]
-name = "slow"
-slowdown = 2.0
-interval = 6
-""")
+PROFILE = modes.PROFILE.replace("slowdown = 2.0", "slowdown = 2.0\ninterval = 6")  # a fast region and a half-speed one
 
 
 def _interval_flag(cluster: config.ClusterConfig, island: str) -> str:
