@@ -47,7 +47,7 @@ def _mode(mode: str) -> Transform:
 
 def _homogeneous(c: ClusterConfig) -> ClusterConfig:
     """Every region at full speed, and so at the [sync] interval."""
-    return dataclasses.replace(c, regions=tuple(dataclasses.replace(r, slowdown=1.0, interval=0) for r in c.regions))
+    return _one_interval(dataclasses.replace(c, regions=tuple(dataclasses.replace(r, slowdown=1.0) for r in c.regions)))
 
 
 def _chain(*transforms: Transform) -> Transform:
@@ -88,9 +88,10 @@ def _faults(c: ClusterConfig) -> ClusterConfig:
     bounded by steps keys them to progress: the kill at 35 % of the first island's steps, the
     restart after another 25 %, the merger's kill once the restarted island has trained an
     interval, its restart 5 s later.  A run of fixed length: at 35 %, 60 %, 75 % and 80 % of it."""
-    victim, first = c.regions[min(2, len(c.regions) - 1)].name, c.regions[0].name
+    region = c.regions[min(2, len(c.regions) - 1)]
+    victim, first = region.name, c.regions[0].name
     if c.max_steps:
-        n, interval = c.max_steps, c.interval_of(c.regions[min(2, len(c.regions) - 1)])
+        n, interval = c.max_steps, c.interval_of(region)
         schedule = (ChaosEvent(None, "kill", victim, at_step=max(1, round(0.35 * n)), island=first),
                     ChaosEvent(None, "restart", victim, at_step=max(1, round(0.25 * n)), island=first, relative=True),
                     ChaosEvent(None, "kill", "merger", at_step=interval, island=victim, relative=True),
