@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.runinfo import RUN_TASK, RunDirError, RunTask, merger_run_dir, shard_run_dirs
-from merger import checkpoint
-from merger.recovery import checkpoint_dir
-from protocol.errors import DlocoError
+from dloco.analysis.runinfo import RUN_TASK, RunDirError, RunTask, merger_run_dir, shard_run_dirs
+from dloco.merger import checkpoint
+from dloco.merger.recovery import checkpoint_dir
+from dloco.protocol.errors import DlocoError
 
 FORMAT = "dloco-global-model/1"  # the metadata's "format": what wrote the file, and how to read it
 

@@ -13,19 +13,20 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.runinfo import RunTask, merger_folds, shard_run_dirs, wall
-from cluster.config import ClusterConfig
+from dloco.analysis.runinfo import RunTask, merger_folds, shard_run_dirs, wall
 
 
 class Evaluator:
     """The islands' task, built as an island builds it, to evaluate parameters on its held-out batches."""
 
-    def __init__(self, config: ClusterConfig, run_dir: Path) -> None:
-        from island.config import TrainConfig
-        from island.train import Trainer
+    def __init__(self, run: RunTask, run_dir: Path) -> None:
+        from dloco.island.config import TrainConfig
+        from dloco.island.train import Trainer
 
-        task = build_task(RunTask.of(config))
-        self.trainer = Trainer(task.model, task.loss, TrainConfig(batch=config.model.batch, seed=config.seed), task.optimizer, task.metrics)
+        task = build_task(run)
+        self.task = run
+        config = TrainConfig(batch=run.batch, seed=run.seed)
+        self.trainer = Trainer(task.model, task.loss, config, task.optimizer, task.metrics)
         self.batches = task.eval_batches
         self.run_dir = run_dir
 
@@ -43,7 +44,7 @@ class Evaluator:
 
     def final(self) -> dict[str, float] | None:
         """The merger's last checkpoint (written when it stops), evaluated; None without one."""
-        from analysis.export import latest_saved, params_of
+        from dloco.analysis.export import latest_saved, params_of
 
         saved = latest_saved(self.run_dir)
         if saved is None:
@@ -53,7 +54,7 @@ class Evaluator:
 
 def build_task(run: RunTask):
     """The run's task (island.task.Task), built as island 0 builds it: its model holds the initial parameters."""
-    from island.task import TaskContext, build
+    from dloco.island.task import TaskContext, build
 
     context = TaskContext(island_index=0, islands=run.islands, seed=run.seed, batch=run.batch, max_steps=1, options=run.options)
     return build(run.task, context)
@@ -113,8 +114,8 @@ def states_at(run_dir: Path, walls: list[float]) -> list[dict[str, np.ndarray] |
 def _replayed_states(run_dir: Path, directory: Path, folded_at: dict[tuple[int, int], float], walls: list[float]) -> list:
     """One merger's (shard's) fragment states at each wall time (None before its first fold);
     `folded_at`: when each of its folds was logged."""
-    from merger.core import ReplayError
-    from merger.recovery import replay
+    from dloco.merger.core import ReplayError
+    from dloco.merger.recovery import replay
 
     order = sorted(range(len(walls)), key=lambda i: walls[i])
     found: list = [None] * len(walls)

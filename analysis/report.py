@@ -4,24 +4,52 @@ PNG plots (held-out loss against wall clock and tokens, bytes on the wire, compu
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 from pathlib import Path
 
-from analysis import sampling
-from analysis.globalmodel import Evaluator, cluster_tokens_at
-from analysis.runinfo import RunTask, chaos_effects, last_step, lives, merger_folds, read_events, read_metrics
-from cluster.config import ClusterConfig
-from protocol.errors import ConfigError
+from dloco.analysis import sampling
+from dloco.analysis.globalmodel import Evaluator, cluster_tokens_at
+from dloco.analysis.runinfo import RunTask, chaos_effects, last_step, lives, merger_folds, read_events, read_metrics
+from dloco.protocol.errors import ConfigError
 
 
-def global_eval(config: ClusterConfig, run_dir: Path) -> tuple[dict[str, float], dict[str, float] | None]:
+@dataclasses.dataclass(frozen=True)
+class IslandOutline:
+    """One island as the report lists it: its plan, not what it did."""
+
+    name: str
+    speed: str  # its slowdown, and its CPU quota where the run set one
+    interval: int  # H, its inner steps between two sends of a fragment
+    uplink_mbps: float | None
+    downlink_mbps: float | None
+    rtt_ms: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOutline:
+    """What a run was set up to do, in plain values (cluster.records.outline makes it from a cluster
+    file): the report reads everything else from the run directory."""
+
+    mode: str
+    duration_s: float
+    max_steps: int  # 0: bounded by the clock alone
+    islands: tuple[IslandOutline, ...]
+    task: RunTask
+
+    @property
+    def names(self) -> list[str]:
+        return [island.name for island in self.islands]
+
+
+def global_eval(task: RunTask, run_dir: Path) -> tuple[dict[str, float], dict[str, float] | None]:
     """Held-out loss and metrics ({"loss": ..., name: ...}) of the initial model and of the merger's
     final global model (None without a checkpoint), on the islands' held-out batches."""
-    evaluator = Evaluator(config, run_dir)
+    evaluator = Evaluator(task, run_dir)
     return evaluator.initial(), evaluator.final()
 
 
-def _plots(config: ClusterConfig, run_dir: Path, metrics: dict[str, list[dict]], global_curve: list[dict]) -> list[str]:
+def _plots(run_dir: Path, metrics: dict[str, list[dict]], global_curve: list[dict]) -> list[str]:
     """The islands' curves, with `global_curve` (the evaluator's lines: wall, eval_loss) on the loss over time and on its own plot."""
     import matplotlib
 
@@ -143,27 +171,26 @@ def _code(cell: str, run_dir: Path) -> int | None:
         raise ConfigError(f"{run_dir / 'report.md'}: {cell!r} is not an exit status") from None
 
 
-def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int], problems: list[str] = ()) -> Path:
+def write_report(plan: RunOutline, run_dir: Path, exit_codes: dict[str, int], problems: list[str] = ()) -> Path:
     """report.md and plots/.  `problems`: why the run failed (analysis.verdict), listed first."""
-    metrics = {r.name: read_metrics(run_dir / "metrics" / f"{r.name}.jsonl") for r in config.regions}
+    metrics = {name: read_metrics(run_dir / "metrics" / f"{name}.jsonl") for name in plan.names}
     folds = merger_folds(run_dir)
     folded_by = collections.Counter(name for fold in folds for name in fold["contributors"])
-    evaluator = Evaluator(config, run_dir)
+    evaluator = Evaluator(plan.task, run_dir)
     before, after = evaluator.initial(), evaluator.final()
-    lines = ["# dloco run report", "", f"Run directory: `{run_dir}`; mode `{config.mode}`; {len(config.regions)} regions; planned length {config.duration_s:.0f} s"
-             + (f" at most, {config.max_steps} steps per island." if config.max_steps else "."), ""]
+    lines = ["# dloco run report", "", f"Run directory: `{run_dir}`; mode `{plan.mode}`; {len(plan.islands)} regions; planned length {plan.duration_s:.0f} s"
+             + (f" at most, {plan.max_steps} steps per island." if plan.max_steps else "."), ""]
     if problems:
         lines += ["## FAILED", "", *(f"- {problem}" for problem in problems), ""]
     lines += ["## Islands", "",
              "| region | slowdown | H | link up/down Mbit/s, RTT | steps | tokens | steps/s | compute util | last loss | last held-out loss | bytes sent | bytes received | deltas folded | exit |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for region in config.regions:
+    for region in plan.islands:
         events = [e for e in metrics[region.name] if "step" in e]
         last = last_step(lives(events))  # a restarted island: its last life's step and rate, every life's tokens and bytes
         evals = [e["eval_loss"] for e in events if "eval_loss" in e]
         seconds = last.get("time", 0) or float("nan")
-        speed = f"{region.slowdown} ({config.cpus_of(region):g}-core quota)" if config.island_cpus else region.slowdown
-        lines.append(f"| {region.name} | {speed} | {config.interval_of(region)} | {region.uplink_mbps or '∞'}/{region.downlink_mbps or '∞'}, {region.rtt_ms:.0f} ms "
+        lines.append(f"| {region.name} | {region.speed} | {region.interval} | {region.uplink_mbps or '∞'}/{region.downlink_mbps or '∞'}, {region.rtt_ms:.0f} ms "
                      f"| {last.get('step', 0)} | {last.get('tokens', 0):,} | {last.get('step', 0) / seconds:.2f} | {last.get('compute_util', float('nan')):.3f} "
                      f"| {last.get('loss', float('nan')):.3f} | {evals[-1] if evals else float('nan'):.3f} | {last.get('bytes_sent', 0):,} "
                      f"| {last.get('bytes_received', 0):,} | {folded_by.get(region.name, 0)} | {exit_codes.get(region.name)} |")
@@ -177,17 +204,17 @@ def write_report(config: ClusterConfig, run_dir: Path, exit_codes: dict[str, int
     if extra := [name for name in before if name != "loss"]:
         lines += [f"Held-out {', '.join(f'{name} {before[name]:.4g} → {after[name]:.4g}' if after else f'{name} {before[name]:.4g} (initial)' for name in extra)}"
                   " (initial → final global model).", ""]
-    lines += _chaos_section(chaos_effects(run_dir, [r.name for r in config.regions]))
+    lines += _chaos_section(chaos_effects(run_dir, plan.names))
     global_curve = [e for e in read_events(run_dir / "global.jsonl") if "eval_loss" in e and "wall" in e]
     if global_curve:
         lines += [f"The global model during the run: {len(global_curve)} evaluations by the evaluator (it follows the snapshot bus), "
                   f"held-out loss {global_curve[0]['eval_loss']:.3f} → {global_curve[-1]['eval_loss']:.3f} at versions {global_curve[-1].get('versions')}.", ""]
-    lines += ["## Plots", ""] + [f"![{p}]({p})" for p in _plots(config, run_dir, metrics, global_curve)]
+    lines += ["## Plots", ""] + [f"![{p}]({p})" for p in _plots(run_dir, metrics, global_curve)]
     lines += ["", "Logs: `logs/<process>.log` (JSON lines); island metrics: `metrics/<region>.jsonl`; "
               "the merger's write-ahead log and checkpoints: `merger/` (`dloco replay` rebuilds the model from it; "
               "`dloco export` writes it as safetensors).", ""]
     if after is not None:  # last: the sample's text may be anything, and the tables above are read back (read_exit_codes)
-        lines += sampling.report_lines(RunTask.of(config), run_dir, evaluator.trainer)
+        lines += sampling.report_lines(plan.task, run_dir, evaluator.trainer)
     report = run_dir / "report.md"
     report.write_text("\n".join(lines))
     return report

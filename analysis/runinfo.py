@@ -11,10 +11,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from protocol.errors import DlocoError
+from dloco.protocol.errors import DlocoError
 
 RUN_TASK = "task.json"  # in a run directory: what its islands trained (RunTask)
-RUN_CLUSTER = "cluster.json"  # in a run directory: its regions and their links, and the exchange's and merger's settings (RunCluster)
 
 
 class RunDirError(DlocoError):
@@ -33,17 +32,6 @@ class RunTask:
     seed: int
     batch: int
     islands: int
-
-    @classmethod
-    def of(cls, config) -> RunTask:
-        """The task of a cluster (a cluster.config.ClusterConfig), as its islands build it: [task] read back from
-        the --task-option pairs they are given (cluster/topology.model_args), the built-in LM's [model] keys
-        over them as its flags go over them.  So a TOML string "64" is the int 64 here as it is there."""
-        from cluster.topology import task_option_pairs
-        from island.task import parse_options
-
-        options = {**parse_options(task_option_pairs(config)), **config.model.lm_options()}
-        return cls(config.model.task, options, config.seed, config.model.batch, len(config.regions))
 
     def write(self, run_dir: Path) -> Path:
         path = Path(run_dir) / RUN_TASK
@@ -66,46 +54,6 @@ class RunTask:
             raise RunDirError(f"{path} must be an object with {', '.join(f'{k} ({kind.__name__})' for k, kind in kinds.items())}, "
                               f"got {json.dumps(fields)[:200]}")
         return cls(**fields)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunCluster:
-    """How a run's processes were set up, as they ran (the mode's overrides applied): the regions and
-    their emulated links, the islands' [sync] and the merger's [merger] settings.  `dloco plan
-    --calibrate` simulates a run from it."""
-
-    mode: str
-    regions: tuple  # cluster.config.Region
-    sync: Any  # island.config.SyncConfig
-    merger: Any  # cluster.config.MergerSection
-
-    @classmethod
-    def of(cls, config) -> RunCluster:
-        """`config`'s settings as its processes get them: the mode's overrides, each region's H."""
-        sync, merger = config.effective()
-        regions = tuple(dataclasses.replace(r, interval=config.interval_of(r) if config.interval_of(r) != sync.interval else 0) for r in config.regions)
-        return cls(config.mode, regions, sync, merger)
-
-    def write(self, run_dir: Path) -> Path:
-        path = Path(run_dir) / RUN_CLUSTER
-        path.write_text(json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n")
-        return path
-
-    @classmethod
-    def read(cls, run_dir: Path) -> RunCluster:
-        from cluster.config import MergerSection, Region
-        from island.config import SyncConfig
-
-        path = Path(run_dir) / RUN_CLUSTER
-        try:
-            fields = json.loads(path.read_text())
-            return cls(fields["mode"], tuple(Region(**r) for r in fields["regions"]), SyncConfig(**fields["sync"]),
-                       MergerSection(**fields["merger"]))
-        except FileNotFoundError:
-            raise RunDirError(f"{run_dir} has no {RUN_CLUSTER} (a run directory made before runs recorded it): "
-                              "give --config the cluster file it ran") from None
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
-            raise RunDirError(f"cannot read {path}: {error}") from None
 
 
 def read_events(path: Path) -> list[dict]:
@@ -222,8 +170,8 @@ def wall(event: dict) -> float:
 
 
 def chaos_effects(run_dir: Path, regions: list[str]) -> list[dict]:
-    """What each executed chaos event did to the rest of the cluster (cluster.chaos.effects)."""
-    from cluster.chaos import effects
+    """What each executed chaos event did to the rest of the cluster (analysis.chaoseffects)."""
+    from dloco.analysis.chaoseffects import effects
 
     executed = read_events(run_dir / "chaos.jsonl")
     if not executed:

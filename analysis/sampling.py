@@ -1,6 +1,6 @@
 """Text from the global model: `dloco sample`, and the sample that ends a run's report.
 
-Only the built-in LM (island.bytelm:task) turns ids into text, so only it is sampled.  Its ids are
+Only the built-in LM (dloco.island.bytelm:task) turns ids into text, so only it is sampled.  Its ids are
 the bytes of UTF-8 text or, when the run trained on a token file, the ids of the tokenizer the file's
 sidecar names (`dloco tokenize --tokenizer bpe` writes FILE.tokenizer.json); a token file of bytes
 is read as bytes.  Output is decoded with errors replaced: what a model writes need not be UTF-8.
@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from analysis import export
-from analysis.runinfo import RunTask
-from island.task import BUILTIN
-from protocol.errors import DlocoError
+from dloco.analysis import export
+from dloco.analysis.runinfo import RunTask
+from dloco.island.task import BUILTIN
+from dloco.protocol.errors import DlocoError
 
 # The report's sample: a fixed prompt that the default corpus (Python sources) makes sense of, and a
 # clock: a 124M model on a CPU makes a token every second or two, and the report must not wait minutes.
@@ -50,7 +50,7 @@ BYTES = TextCodec("bytes", lambda text: list(text.encode("utf-8")), bytes_decode
 
 def codec_for(options) -> TextCodec:
     """How the built-in LM with these options (RunTask.options) reads text: bytes, or its token file's tokenizer."""
-    from island import data
+    from dloco.island import data
 
     if options.get("tokens") is None:
         return BYTES
@@ -77,9 +77,9 @@ def codec_for(options) -> TextCodec:
 def model_for(run: RunTask, params: dict):
     """The run's model (built by its task plug-in, as an island builds it) holding `params`."""
     require_lm(run)
-    from analysis.globalmodel import build_task
-    from island.task import first_difference
-    from island.train import assign, flat_params
+    from dloco.analysis.globalmodel import build_task
+    from dloco.island.task import first_difference
+    from dloco.island.train import assign, flat_params
 
     model = build_task(run).model
     ours = {p: tuple(a.shape) for p, a in flat_params(model).items()}
@@ -107,7 +107,7 @@ class Sample:
 def continue_text(model, codec: TextCodec, prompt: str, length: int, temperature: float, top_k: int | None, seed: int,
                   budget_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> Sample:
     """`length` ids generated after `prompt` (island.bytelm.generate), stopping early once `budget_s` has passed."""
-    from island.bytelm import generate
+    from dloco.island.bytelm import generate
 
     prompt_ids = list(codec.encode(prompt))
     if not prompt_ids:

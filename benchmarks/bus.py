@@ -16,8 +16,8 @@ from pathlib import Path
 import msgpack
 import zmq
 
-from benchmarks.timing import gbps, receive_timed
-from cluster.ports import free_ports
+from dloco.benchmarks.timing import gbps, receive_timed
+from dloco.cluster.ports import free_ports
 
 MESSAGE_BYTES = 1 << 20
 
@@ -29,11 +29,11 @@ def _measure(endpoint_out: str, endpoint_in: str, count: int, keys: Path | None,
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     if keys is not None:
-        from bus.security import Identity, make_client
+        from dloco.bus.security import Identity, make_client
 
         make_client(sub, Identity.load(keys, "merger", server="broker"))
     (sub.bind if bind_sub else sub.connect)(endpoint_out)
-    sender = [sys.executable, "-m", "benchmarks.bus", "--send", endpoint_in, "--count", str(count)]
+    sender = [sys.executable, "-m", "dloco.benchmarks.bus", "--send", endpoint_in, "--count", str(count)]
     if keys is not None:
         sender += ["--keys", str(keys)]
     process = subprocess.Popen(sender)
@@ -63,7 +63,7 @@ def run(count: int = 400, repeats: int = 3, log: Callable[[str], None] = lambda 
     samples: dict[str, list[float]] = {"raw_pubsub_gbps": [], "broker_gbps": [], "broker_curve_gbps": []}
     with tempfile.TemporaryDirectory(prefix="dloco-bench-bus-") as tmp:
         keys = Path(tmp)
-        from bus.security import create_keys, write_allow_list
+        from dloco.bus.security import create_keys, write_allow_list
 
         create_keys(keys, ["broker", "island-0", "merger"])
         write_allow_list(keys, keys / "allow", {"island": ["island-0"], "merger": ["merger"]})
@@ -96,7 +96,7 @@ def _send(endpoint: str, count: int, keys: str | None) -> None:
     pub.setsockopt(zmq.SNDHWM, 0)
     pub.setsockopt(zmq.LINGER, -1)
     if keys:
-        from bus.security import Identity, make_client
+        from dloco.bus.security import Identity, make_client
 
         make_client(pub, Identity.load(keys, "island-0", server="broker"))
     pub.connect(endpoint)

@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-import protocol
-from protocol import checksum
-from benchmarks.timing import gbps, median_seconds, memcpy_seconds
+from dloco import protocol
+from dloco.benchmarks.timing import gbps, median_seconds, memcpy_seconds
+from dloco.protocol import checksum
 
 TENSOR_VALUES = 1 << 20  # the data is cut into tensors of 4 MiB, like the layers of a model
 
@@ -42,7 +42,7 @@ def make_deltas(total_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 def run(total_mib: int = 100, block: int = protocol.DEFAULT_BLOCK, reps: int = 5,
         threads: int | None = None, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
-    from protocol.quantization import DEFAULT_THREADS
+    from dloco.protocol.quantization import DEFAULT_THREADS
 
     threads = DEFAULT_THREADS if threads is None else threads
     deltas = make_deltas(total_mib << 20)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from cliargs import float_at_least
+from dloco.cliargs import float_at_least
 
 
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
@@ -72,14 +72,14 @@ def run_bench(args: argparse.Namespace) -> int:
     """Run benchmarks.<suite>.run(...) with the suite's options; print JSON or its one-line summary."""
     import importlib
 
-    from protocol import DlocoError
+    from dloco.protocol import DlocoError
 
-    module, params = importlib.import_module(f"benchmarks.{args.suite}"), dict(args.bench_params)
+    module, params = importlib.import_module(f"dloco.benchmarks.{args.suite}"), dict(args.bench_params)
     if getattr(args, "shards", None):  # bench merger --shards: the same work over merger shard processes
         if args.standby:
             print("dloco bench merger: --shards and --standby measure different things; give one", file=sys.stderr)
             return 2
-        module, params = importlib.import_module("benchmarks.merger_shards"), {**params, "shard_counts": "shards"}
+        module, params = importlib.import_module("dloco.benchmarks.merger_shards"), {**params, "shard_counts": "shards"}
         params.pop("standby")
     try:
         result = module.run(**{param: getattr(args, option) for param, option in params.items()})

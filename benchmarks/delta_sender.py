@@ -14,7 +14,7 @@ import time
 import numpy as np
 import zmq
 
-import protocol
+from dloco import protocol
 
 
 def synthetic_shapes(params: int, fragments: int) -> dict[str, tuple[int, ...]]:

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-import protocol
-from cluster.ports import free_ports
+from dloco import protocol
+from dloco.cluster.ports import free_ports
 
 WAIT_S = 120.0
 

@@ -11,13 +11,12 @@ from collections.abc import Callable
 
 import zmq
 
-from island import bytelm, data
-from island.config import ModelConfig, SyncConfig, TrainConfig
-from island.loop import IslandLoop
-from island.metrics import MetricsWriter
-from island.network import NetworkLink
-from island.shaper import LinkShaper
-
+from dloco.island import bytelm, data
+from dloco.island.config import ModelConfig, SyncConfig, TrainConfig
+from dloco.island.loop import IslandLoop
+from dloco.island.metrics import MetricsWriter
+from dloco.island.network import NetworkLink
+from dloco.island.shaper import LinkShaper
 
 
 def _sink(context: zmq.Context, stop: threading.Event) -> tuple[int, threading.Thread]:

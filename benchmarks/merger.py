@@ -23,26 +23,26 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-import protocol
-from benchmarks.delta_sender import synthetic_shapes
-from benchmarks.timing import gbps, receive_timed
-from merger.config import MergeConfig, MergerConfig, RoundConfig
-from merger.core import MergerCore
-from merger.fold import Contribution
-from merger.memory import keep_freed_memory
-from bus.security import Security
-from cluster.ports import free_ports
-from merger.logmatch import genesis_of
-from merger.pipeline import FoldPipeline
-from merger.replication import ReplicatedLog, ReplicationServer
-from merger.replication_wire import ReplicationConfig
-from merger.wal import WriteAheadLog
+from dloco import protocol
+from dloco.benchmarks.delta_sender import synthetic_shapes
+from dloco.benchmarks.timing import gbps, receive_timed
+from dloco.bus.security import Security
+from dloco.cluster.ports import free_ports
+from dloco.merger.config import MergeConfig, MergerConfig, RoundConfig
+from dloco.merger.core import MergerCore
+from dloco.merger.fold import Contribution
+from dloco.merger.logmatch import genesis_of
+from dloco.merger.memory import keep_freed_memory
+from dloco.merger.pipeline import FoldPipeline
+from dloco.merger.replication import ReplicatedLog, ReplicationServer
+from dloco.merger.replication_wire import ReplicationConfig
+from dloco.merger.wal import WriteAheadLog
 
 END = b"end"
 
 
 def _sender(port: int, params: int, fragments: int, islands: int, rounds: int, owned: list[int] | None = None) -> subprocess.Popen:
-    command = [sys.executable, "-m", "benchmarks.delta_sender", "--endpoint", f"tcp://127.0.0.1:{port}", "--params", str(params),
+    command = [sys.executable, "-m", "dloco.benchmarks.delta_sender", "--endpoint", f"tcp://127.0.0.1:{port}", "--params", str(params),
                "--fragments", str(fragments), "--islands", str(islands), "--rounds", str(rounds)]
     return subprocess.Popen(command + (["--only", ",".join(map(str, owned))] if owned is not None else []))
 
@@ -200,7 +200,7 @@ def run(params: int = 25_165_824, fragments: int = 4, islands: int = 4, rounds: 
     expected = expected_messages(params, fragments, islands, rounds)
     keep_freed_memory()  # as `dloco merger` does
     if standby:  # each pass's standby process compiles its fold kernels once, then finds them in dloco up's cache
-        from cluster.launcher import share_compilations
+        from dloco.cluster.launcher import share_compilations
 
         share_compilations()
     context = zmq.Context()

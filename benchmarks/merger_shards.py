@@ -17,8 +17,7 @@ import json
 import subprocess
 import sys
 
-
-from benchmarks.timing import gbps
+from dloco.benchmarks.timing import gbps
 
 
 def _pass_of(results: list[dict]) -> dict:
@@ -32,7 +31,7 @@ def _pass_of(results: list[dict]) -> dict:
 
 
 def _run_shards(count: int, params: int, fragments: int, islands: int, rounds: int, passes: int, log) -> list[dict]:
-    children = [subprocess.Popen([sys.executable, "-m", "benchmarks.merger_shards", "--child", f"{index}/{count}", "--params", str(params),
+    children = [subprocess.Popen([sys.executable, "-m", "dloco.benchmarks.merger_shards", "--child", f"{index}/{count}", "--params", str(params),
                                   "--fragments", str(fragments), "--islands", str(islands), "--rounds", str(rounds), "--passes", str(passes)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for index in range(count)]
     done = []
@@ -60,7 +59,7 @@ def _run_shards(count: int, params: int, fragments: int, islands: int, rounds: i
 def run(params: int, fragments: int, islands: int, rounds: int, passes: int, shard_counts: list[int],
         log=lambda line: print(line, file=sys.stderr)) -> dict:
     if any(count > fragments for count in shard_counts):
-        from protocol.errors import ConfigError
+        from dloco.protocol.errors import ConfigError
 
         raise ConfigError(f"--shards {shard_counts}: a shard needs a fragment of its own (--fragments {fragments})")
     by_count = {}
@@ -88,11 +87,11 @@ def _child(args: argparse.Namespace) -> None:
     """One shard: warm up, then for each pass wait for the parent's go and print the pass as JSON."""
     import zmq
 
-    from benchmarks.merger import _merger_pass, _warm_up
-    from benchmarks.delta_sender import synthetic_shapes
-    from merger.config import MergeConfig, MergerConfig, RoundConfig
-    from merger.memory import keep_freed_memory
-    from protocol import shards
+    from dloco.benchmarks.delta_sender import synthetic_shapes
+    from dloco.benchmarks.merger import _merger_pass, _warm_up
+    from dloco.merger.config import MergeConfig, MergerConfig, RoundConfig
+    from dloco.merger.memory import keep_freed_memory
+    from dloco.protocol import shards
 
     index, count = shards.parse(args.child)
     owned = shards.owned(index, count, args.fragments)

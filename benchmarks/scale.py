@@ -29,10 +29,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from benchmarks.scale_island import island_state_process
-from benchmarks.scale_model import available_bytes, bytes_per_param, count, depth_for, model_shapes, parse_sizes
-from benchmarks.scale_pipeline import WAIT_S, ScaleBenchError, measure
-from benchmarks.timing import gbps, memcpy_seconds
+from dloco.benchmarks.scale_island import island_state_process
+from dloco.benchmarks.scale_model import available_bytes, bytes_per_param, count, depth_for, model_shapes, parse_sizes
+from dloco.benchmarks.scale_pipeline import WAIT_S, ScaleBenchError, measure
+from dloco.benchmarks.timing import gbps, memcpy_seconds
 
 STAGES = ("island_send", "broker_forward", "merger_ingest", "snapshot_diff", "island_adopt")
 FRAGMENTS = 4

@@ -26,15 +26,15 @@ import traceback
 import numpy as np
 import zmq
 
-import protocol
-from benchmarks.scale_model import PeakRises, init_params
-from island import exchange
-from island.config import SyncConfig
-from island.outbox import PendingDelta
-from island.shaper import LinkShaper
-from island.snapshots import Downlink
-from island.uplink import Uplink
-from protocol import downlink
+from dloco import protocol
+from dloco.benchmarks.scale_model import PeakRises, init_params
+from dloco.island import exchange
+from dloco.island.config import SyncConfig
+from dloco.island.outbox import PendingDelta
+from dloco.island.shaper import LinkShaper
+from dloco.island.snapshots import Downlink
+from dloco.island.uplink import Uplink
+from dloco.protocol import downlink
 
 
 def unique_nbytes(arrays: list[np.ndarray]) -> int:

@@ -28,13 +28,13 @@ from pathlib import Path
 
 import jax
 
-import protocol
-from benchmarks.scale_model import PeakRises, init_params
-from benchmarks.timing import receive_timed
-from merger.config import MergerConfig, RoundConfig
-from merger.memory import keep_freed_memory
-from merger.core import initial_core
-from merger.service import MergerService, ServiceConfig
+from dloco import protocol
+from dloco.benchmarks.scale_model import PeakRises, init_params
+from dloco.benchmarks.timing import receive_timed
+from dloco.merger.config import MergerConfig, RoundConfig, SnapshotConfig
+from dloco.merger.core import initial_core
+from dloco.merger.memory import keep_freed_memory
+from dloco.merger.service import MergerService, ServiceConfig
 
 PROBE_S = 0.02  # between probes of a bus whose subscriptions may not have arrived yet
 QUIET_MS = 300  # a bus silent this long after its last probe holds nothing stale
@@ -47,7 +47,7 @@ def merger_process(conn, shapes: dict, fragments: int, delta_endpoint: str, snap
     try:
         _serve(conn, shapes, fragments, ServiceConfig(
             run_dir=Path(run_dir), delta_endpoint=delta_endpoint, snapshot_endpoint=snapshot_endpoint, control_endpoint=control_endpoint,
-            snapshot_codec="fp32", snapshot_diff_codec="int4", checkpoint_every=1 << 30))  # the default profile's downlink; no checkpoint
+            snapshots=SnapshotConfig("fp32", "int4"), checkpoint_every=1 << 30))  # the default profile's downlink; no checkpoint
     except BaseException:  # reported to the conductor, which raises it there
         conn.send(("error", traceback.format_exc()))
 

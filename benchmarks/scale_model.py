@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from protocol.errors import ConfigError
+from dloco.protocol.errors import ConfigError
 
 VOCAB = 256  # bytes, as island/config.py's ModelConfig
 CONTEXT = 1024  # positions

@@ -34,23 +34,23 @@ from collections.abc import Callable
 import numpy as np
 import zmq
 
-import protocol
-from benchmarks.scale_merger import QUIET_MS, merger_process
-from benchmarks.scale_model import init_params
-from benchmarks.timing import receive_timed
-from broker.proxy import Broker, BrokerConfig, BusEndpoints
-from bus.security import Security
-from bus.sockets import open_socket
-from cluster.ports import free_ports
-from island import exchange
-from island.config import SyncConfig
-from island.loop import FragmentProgress
-from island.outbox import PendingDelta
-from island.shaper import LinkShaper
-from island.snapshots import Downlink
-from island.uplink import Uplink
-from protocol.errors import DlocoError
-from protocol.reassembly import CHUNK_OVERHEAD_BYTES, SLICE_OVERHEAD_BYTES
+from dloco import protocol
+from dloco.benchmarks.scale_merger import QUIET_MS, merger_process
+from dloco.benchmarks.scale_model import init_params
+from dloco.benchmarks.timing import receive_timed
+from dloco.broker.proxy import Broker, BrokerConfig, BusEndpoints
+from dloco.bus.security import Security
+from dloco.bus.sockets import open_socket
+from dloco.cluster.ports import free_ports
+from dloco.island import exchange
+from dloco.island.config import SyncConfig
+from dloco.island.loop import FragmentProgress
+from dloco.island.outbox import PendingDelta
+from dloco.island.shaper import LinkShaper
+from dloco.island.snapshots import Downlink
+from dloco.island.uplink import Uplink
+from dloco.protocol.errors import DlocoError
+from dloco.protocol.reassembly import CHUNK_OVERHEAD_BYTES, SLICE_OVERHEAD_BYTES
 
 WAIT_S = 900.0  # longest wait for the merger at any step (genesis and compiling at 350 M take a minute or two)
 NAME = "island-0"

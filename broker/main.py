@@ -6,10 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from cliargs import add_metrics_flags
+from dloco.cliargs import add_metrics_flags
 
 
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
+    from dloco.broker.proxy import BrokerConfig
+
     broker = commands.add_parser("broker", help="run the broker: XSUB/XPUB proxies for the delta and snapshot buses")
     broker.add_argument("--delta-in", default="tcp://*:5555", help="XSUB for delta publishers (islands)")
     broker.add_argument("--delta-out", default="tcp://*:5556", help="XPUB for delta subscribers (merger)")
@@ -18,9 +20,9 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     broker.add_argument("--keys", type=Path, help="key directory holding broker.key_secret (CURVE, the default)")
     broker.add_argument("--allow", type=Path, help="directory of accepted client public keys (*.key)")
     broker.add_argument("--insecure", action="store_true", help="plaintext, no authentication (prints a warning)")
-    broker.add_argument("--memory-mib", type=positive_int, default=512, help="queue budget per socket, MiB")
-    broker.add_argument("--chunk-bytes", type=positive_int, default=1 << 20, help="typical message size, to size high-water marks")
-    broker.add_argument("--stats-every", type=float, default=10.0, help="seconds between counter log lines")
+    broker.add_argument("--memory-mib", type=positive_int, default=BrokerConfig.memory_bytes >> 20, help="queue budget per socket, MiB")
+    broker.add_argument("--chunk-bytes", type=positive_int, default=BrokerConfig.chunk_bytes, help="typical message size, to size high-water marks")
+    broker.add_argument("--stats-every", type=float, default=BrokerConfig.stats_every_s, help="seconds between counter log lines")
     add_metrics_flags(broker)
     broker.set_defaults(run=run_broker)
 
@@ -35,10 +37,10 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
 def run_broker(args: argparse.Namespace) -> int:
     import zmq
 
-    from broker.proxy import Broker, BrokerConfig, BusEndpoints
-    from bus.security import Security
-    from telemetry.logs import configure_logging
-    from protocol import DlocoError
+    from dloco.broker.proxy import Broker, BrokerConfig, BusEndpoints
+    from dloco.bus.security import Security
+    from dloco.protocol import DlocoError
+    from dloco.telemetry.logs import configure_logging
 
     log = configure_logging("broker")
     try:
@@ -65,8 +67,8 @@ def run_broker(args: argparse.Namespace) -> int:
 
 
 def run_keys(args: argparse.Namespace) -> int:
-    from bus.security import create_keys, write_allow_list
-    from protocol import DlocoError
+    from dloco.bus.security import create_keys, write_allow_list
+    from dloco.protocol import DlocoError
 
     try:
         if (args.allow is None) != (args.role is None):

@@ -24,10 +24,10 @@ import time
 
 import zmq
 
-from bus.security import Security
-from bus.sockets import open_socket
-from protocol import ProtocolError, peek_sender
-from telemetry import prom
+from dloco.bus.security import Security
+from dloco.bus.sockets import open_socket
+from dloco.protocol import DEFAULT_MAX_CHUNK_BYTES, ProtocolError, peek_sender
+from dloco.telemetry import prom
 
 POLL_MS = 100
 KERNEL_BUFFER_BYTES = 4 << 20  # larger TCP buffers: fewer wake-ups per MiB forwarded
@@ -46,7 +46,7 @@ class BusEndpoints:
 class BrokerConfig:
     buses: tuple[BusEndpoints, ...]
     memory_bytes: int = 512 << 20  # per socket queue budget
-    chunk_bytes: int = 1 << 20  # typical message size, to turn the budget into a high-water mark
+    chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # typical message size, to turn the budget into a high-water mark
     security: Security = Security(None, "broker")  # CURVE server with an allowlist, or plaintext (--insecure)
     stats_every_s: float = 10.0
     metrics_port: int | None = None  # Prometheus metrics served on this port (telemetry/prom.py); None: off

@@ -28,7 +28,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from protocol.errors import ConfigError
+from dloco.protocol.errors import ConfigError
 
 
 def create_keys(directory: str | Path, names: list[str]) -> list[Path]:

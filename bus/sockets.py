@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import zmq
 
-from bus.security import Security
+from dloco.bus.security import Security
 
 HEARTBEAT_IVL_MS = 1000  # a ZMTP ping on every connection this often
 HEARTBEAT_TIMEOUT_MS = 5000  # no traffic from the peer this long after a ping: the connection is dropped

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import yaml
 
-from cluster import monitoring, topology
-from cluster.config import ClusterConfig
-from protocol.errors import ConfigError, require
+from dloco.cluster import monitoring, topology
+from dloco.cluster.config import ClusterConfig
+from dloco.protocol.errors import ConfigError, require
 
 RUN = "/dloco/run"  # the run directory inside every container (a volume)
 PROFILE = "/dloco/cluster.toml"  # the cluster file inside the prepare container

@@ -14,14 +14,14 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
-from cluster.chaos import ChaosEvent, check, in_order
-from cluster.cpuquota import quota_us
-from island.config import MODEL_SIZES, ModelConfig, SyncConfig, TrainConfig
-from island.task import BUILTIN
-from merger.config import MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
-from merger.replication_wire import ReplicationConfig
-from protocol.shards import names as shard_names
-from protocol.errors import ConfigError, require
+from dloco.cluster.chaos import ChaosEvent, check, in_order
+from dloco.cluster.cpuquota import quota_us
+from dloco.island.config import MODEL_SIZES, ModelConfig, SyncConfig, TrainConfig
+from dloco.island.task import BUILTIN
+from dloco.merger.config import MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
+from dloco.merger.replication_wire import ReplicationConfig, check_lease
+from dloco.protocol.errors import ConfigError, require
+from dloco.protocol.shards import names as shard_names
 
 DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "default.toml"
 
@@ -136,8 +136,7 @@ class MergerSection:
         require(type(self.shards) is int and 1 <= self.shards <= 64, f"merger.shards must be an int in [1, 64], got {self.shards!r}")
         require(self.shards == 1 or not self.standby, "merger.standby with merger.shards > 1: a standby per shard is not built yet; choose one")
         require(self.replication in ("sync", "async"), f"merger.replication must be sync or async, got {self.replication!r}")
-        require(type(self.lease_s) in (int, float) and 0.1 <= self.lease_s < float("inf"),
-                f"merger.lease_s must be a number of seconds >= 0.1, got {self.lease_s!r}")
+        check_lease(self.lease_s, "merger.lease_s")
         timeout = self.quorum_timeout_s
         require(type(timeout) in (int, float) and 0 < timeout < float("inf"),
                 f"merger.quorum_timeout_s must be a number of seconds > 0, got {timeout!r}")
@@ -162,7 +161,7 @@ class ClusterConfig:
     regions: tuple[Region, ...]
     duration_s: float = 300.0  # the run's length; with max_steps, a limit: a run still going then has failed
     max_steps: int = 0  # the run ends once every island has trained this many steps (every life) and the chaos has run (0: after duration_s)
-    eval_every: int = 50
+    eval_every: int = TrainConfig.eval_every
     eval_early: bool = False  # islands also evaluate at steps 1, 2, 4, ...
     eval_trace: int = 0  # islands evaluate their first N steps after training (island --eval-trace; the experiment suites use it)
     seed: int = 0

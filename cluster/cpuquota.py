@@ -23,7 +23,7 @@ import errno
 import os
 from pathlib import Path
 
-from protocol.errors import DlocoError
+from dloco.protocol.errors import DlocoError
 
 PERIOD_US = 100_000  # the CFS bandwidth period (the kernel's default)
 MIN_QUOTA_US = 1_000  # the kernel refuses quotas under 1 ms per period

@@ -29,17 +29,18 @@ import sys
 import time
 from pathlib import Path
 
-from analysis import verdict
-from analysis.runinfo import RunCluster, RunProgress, RunTask, island_stage, merger_role
-from bus.security import create_keys, write_allow_list
-from cluster import chaos, compose, cpuquota, status, topology
-from cluster.chaos import MERGERS, is_merger
-from protocol.shards import names as shard_names
-from cluster.compose import Service
-from cluster.config import ClusterConfig
-from cluster.liveview import LiveView
-from cluster.ports import free_ports
-from protocol.errors import DlocoError
+from dloco.analysis import verdict
+from dloco.analysis.runinfo import RunProgress, island_stage, merger_role
+from dloco.bus.security import create_keys, write_allow_list
+from dloco.cluster import chaos, compose, cpuquota, status, topology
+from dloco.cluster.chaos import MERGERS, is_merger
+from dloco.cluster.compose import Service
+from dloco.cluster.config import ClusterConfig
+from dloco.cluster.liveview import LiveView
+from dloco.cluster.ports import free_ports
+from dloco.cluster.records import RunCluster, outline, run_task
+from dloco.protocol.errors import DlocoError
+from dloco.protocol.shards import names as shard_names
 
 ENDPOINTS = "endpoints.json"  # in a run directory: where each process serves its Prometheus metrics
 AUXILIARY = ("evaluator", "status")  # their end is reported, never a run's failure: the islands and the merger train without them
@@ -74,7 +75,7 @@ def prepare(config: ClusterConfig, run_dir: Path) -> None:
     the record of the task, for whoever reads the run directory later."""
     for folder in ("logs", "metrics"):
         (run_dir / folder).mkdir(parents=True, exist_ok=True)
-    RunTask.of(config).write(run_dir)
+    run_task(config).write(run_dir)
     RunCluster.of(config).write(run_dir)
     names = [r.name for r in config.regions]
     mergers = shard_names("merger", config.merger.shards)  # a standby has its primary's key
@@ -341,7 +342,7 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
         if page is not None:
             page.shutdown()
             page.server_close()
-    from analysis.report import write_report
+    from dloco.analysis.report import write_report
 
     progress.update()
     failed = {name: code for name, code in codes.items() if code != 0 and name not in cluster.down and name not in dead and name not in AUXILIARY}
@@ -352,7 +353,7 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
         problems.append("exit status " + ", ".join(f"{name} {code}" for name, code in failed.items()))
     if not interrupted and not problems:
         problems += verdict.untrained(progress.steps, progress.folds, interval)
-    report = write_report(config, run_dir, codes, problems)
+    report = write_report(outline(config), run_dir, codes, problems)
     for problem in problems:
         print(f"dloco up: FAILED: {problem}", file=out, flush=True)
     print(f"dloco up: report at {report}", file=out, flush=True)

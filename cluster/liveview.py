@@ -6,9 +6,9 @@ from __future__ import annotations
 import sys
 import time
 
-from analysis.runinfo import merger_logs, last_events
-from cluster.status import JsonLines
-from cluster.config import ClusterConfig
+from dloco.analysis.runinfo import last_events, merger_logs
+from dloco.cluster.config import ClusterConfig
+from dloco.cluster.status import JsonLines
 
 
 def _bytes(n: float) -> str:

@@ -18,7 +18,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from analysis.runinfo import merger_logs, wall
+from dloco.analysis.runinfo import merger_logs, wall
 
 RECENT_FOLDS = 12
 CURVE_POINTS = 400  # a curve longer than this is thinned to it (every k-th point, the last kept)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from cluster.config import ClusterConfig
-from island.config import SyncConfig
-from protocol.shards import names as shard_names
+from dloco.cluster.config import ClusterConfig
+from dloco.island.config import SyncConfig
+from dloco.protocol.shards import names as shard_names
 
 
 @dataclasses.dataclass(frozen=True)

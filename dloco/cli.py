@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from cliargs import float_at_least, int_at_least, port_number
-from sim import cli as plan
+from dloco.cliargs import float_at_least, int_at_least, port_number
+from dloco.sim import cli as plan
 
 _positive_int = int_at_least(1)
 
@@ -16,19 +16,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dloco", description="Decoupled DiLoCo: islands, merger, broker and tools.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from benchmarks.commands import add_commands as add_bench_commands
+    from dloco.benchmarks.commands import add_commands as add_bench_commands
 
     add_bench_commands(commands, _positive_int)
 
-    from merger.main import add_commands as add_merger_commands
+    from dloco.merger.main import add_commands as add_merger_commands
 
     add_merger_commands(commands, _positive_int)
 
-    from island.main import add_commands as add_island_commands
+    from dloco.island.main import add_commands as add_island_commands
 
     add_island_commands(commands, _positive_int)
 
-    from island.evaluator_main import add_commands as add_evaluator_commands
+    from dloco.island.evaluator_main import add_commands as add_evaluator_commands
 
     add_evaluator_commands(commands)
 
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default 0)")
     sample.set_defaults(run=_sample)
 
-    from broker.main import add_commands as add_broker_commands
+    from dloco.broker.main import add_commands as add_broker_commands
 
     add_broker_commands(commands, _positive_int)
     return parser
@@ -127,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _up(args: argparse.Namespace) -> int:
     import time
 
-    from cluster import chaos, config, launcher
-    from protocol import DlocoError
+    from dloco.cluster import chaos, config, launcher
+    from dloco.protocol import DlocoError
 
     try:
         schedule = chaos.parse(args.chaos) if args.chaos is not None else None
@@ -151,9 +151,9 @@ def _status(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from analysis.runinfo import RunCluster
-    from cluster import status
-    from protocol import DlocoError
+    from dloco.cluster import status
+    from dloco.cluster.records import RunCluster
+    from dloco.protocol import DlocoError
 
     try:
         regions = [region.name for region in RunCluster.read(args.run_dir).regions]
@@ -175,8 +175,8 @@ def _status(args: argparse.Namespace) -> int:
 def _experiment(args: argparse.Namespace) -> int:
     import time
 
-    from protocol import DlocoError
-    from suites import experiments
+    from dloco.protocol import DlocoError
+    from dloco.suites import experiments
 
     out = args.out or Path("runs") / f"experiment-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
@@ -192,8 +192,8 @@ def _experiment(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from cluster import config, launcher
-    from protocol import DlocoError
+    from dloco.cluster import config, launcher
+    from dloco.protocol import DlocoError
 
     try:
         launcher.prepare(config.load(args.config), args.run_dir)
@@ -205,14 +205,15 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from analysis.report import write_report
-    from cluster import config
-    from protocol import DlocoError
+    from dloco.analysis.report import write_report
+    from dloco.cluster import config
+    from dloco.cluster.records import outline
+    from dloco.protocol import DlocoError
 
     try:
         if not (args.run_dir / "merger").is_dir():
             raise DlocoError(f"{args.run_dir} is not a run directory (no merger/ in it)")
-        path = write_report(config.load(args.config), args.run_dir, {})
+        path = write_report(outline(config.load(args.config)), args.run_dir, {})
     except (DlocoError, OSError) as error:
         print(f"dloco report: {error}", file=sys.stderr)
         return 2
@@ -223,8 +224,8 @@ def _report(args: argparse.Namespace) -> int:
 def _compose(args: argparse.Namespace) -> int:
     import os
 
-    from cluster import compose, config
-    from protocol import DlocoError
+    from dloco.cluster import compose, config
+    from dloco.protocol import DlocoError
 
     try:
         cluster = config.load(args.config)
@@ -268,8 +269,8 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    from island import tokenizing
-    from protocol import DlocoError
+    from dloco.island import tokenizing
+    from dloco.protocol import DlocoError
 
     def progress(line: str) -> None:
         print(f"dloco tokenize: {line}", file=sys.stderr, flush=True)
@@ -285,15 +286,15 @@ def _tokenize(args: argparse.Namespace) -> int:
 
 def _run_task(args: argparse.Namespace):
     """The run's task from --config when given, else from the run directory (None: read there)."""
-    from analysis.runinfo import RunTask
-    from cluster import config
+    from dloco.cluster import config
+    from dloco.cluster.records import run_task
 
-    return RunTask.of(config.load(args.config)) if args.config is not None else None
+    return run_task(config.load(args.config)) if args.config is not None else None
 
 
 def _export(args: argparse.Namespace) -> int:
-    from analysis import export
-    from protocol import DlocoError
+    from dloco.analysis import export
+    from dloco.protocol import DlocoError
 
     try:
         model, meta = export.export(args.run_dir, args.out, args.checkpoint, _run_task(args))
@@ -306,8 +307,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from analysis import sampling
-    from protocol import DlocoError
+    from dloco.analysis import sampling
+    from dloco.protocol import DlocoError
 
     try:
         got, model = sampling.sample(args.run_dir, args.prompt, args.length, args.temperature, args.top_k or None, args.seed,

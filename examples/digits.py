@@ -33,7 +33,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from island.task import Task, TaskContext, TaskError
+from dloco.island.task import Task, TaskContext, TaskError
 
 PIXELS, CLASSES = 64, 10
 DEFAULTS = {"hidden": 64, "layers": 2, "held_out": 0.2}

@@ -1,4 +1,4 @@
-"""The built-in task (``island.bytelm:task``, the default): a decoder-only Transformer LM on text.
+"""The built-in task (``dloco.island.bytelm:task``, the default): a decoder-only Transformer LM on text.
 
 Options (`--task-option KEY=VALUE`, the cluster file's [model]/[task], or the island's shorthand
 flags --model-size, --width, ...):
@@ -22,9 +22,9 @@ from collections.abc import Iterator
 import jax.numpy as jnp
 import numpy as np
 
-from island import data
-from island.config import MODEL_SIZES, ModelConfig, TrainConfig
-from island.task import Task, TaskContext, TaskError
+from dloco.island import data
+from dloco.island.config import MODEL_SIZES, ModelConfig, TrainConfig
+from dloco.island.task import Task, TaskContext, TaskError
 
 OPTIONS = frozenset({"size", "width", "depth", "heads", "context", "vocab", "tie_embeddings", "corpus", "tokens", "eval_batches"})
 
@@ -56,7 +56,7 @@ def load_data(options) -> data.Corpus:
 def task(ctx: TaskContext) -> Task:
     from flax import nnx
 
-    from island.model import ByteLM, loss_fn
+    from dloco.island.model import ByteLM, loss_fn
 
     unknown = set(ctx.options) - OPTIONS
     if unknown:
@@ -93,8 +93,8 @@ def trainer(config: ModelConfig, train: TrainConfig, seed: int | None = None):
     """A Trainer of the LM alone (no data): tests and benchmarks that feed their own batches."""
     from flax import nnx
 
-    from island.model import ByteLM, loss_fn
-    from island.train import Trainer
+    from dloco.island.model import ByteLM, loss_fn
+    from dloco.island.train import Trainer
 
     return Trainer(ByteLM(config, nnx.Rngs(train.seed if seed is None else seed)), loss_fn, train)
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from protocol import CODEC_NAMES
-from protocol.sparse import MIN_SPARSE_BLOCK, SPARSE_BITS
-from protocol.errors import ConfigError as ConfigError  # re-exported: the error these configs raise
-from protocol.errors import require as _require
+from dloco.protocol import CODEC_NAMES, DEFAULT_MAX_CHUNK_BYTES
+from dloco.protocol.errors import ConfigError as ConfigError  # re-exported: the error these configs raise
+from dloco.protocol.errors import require as _require
+from dloco.protocol.shards import DEFAULT_FRAGMENTS
+from dloco.protocol.sparse import MIN_SPARSE_BLOCK, SPARSE_BITS
 
 ADOPTIONS = ("rebase", "replace")
 
@@ -54,7 +55,7 @@ class TrainConfig:
     max_steps: int = 600
     weight_decay: float = 0.01
     clip: float = 1.0  # global gradient-norm clip
-    eval_every: int = 100  # steps between evaluations
+    eval_every: int = 50  # steps between evaluations
     eval_early: bool = False  # also at steps 1, 2, 4, 8, ... below eval_every (when the loss falls fastest)
     eval_trace: int = 0  # copy the parameters after each of the first N steps; evaluate them once training is over
     seed: int = 0
@@ -74,14 +75,14 @@ class TrainConfig:
 class SyncConfig:
     """How the island exchanges fragments with the merger."""
 
-    fragments: int = 4  # P
+    fragments: int = DEFAULT_FRAGMENTS  # P
     interval: int = 50  # H: each fragment is due every H inner steps
     codec: str = "int4"
     block: int = 256
     adoption: str = "rebase"  # a snapshot arriving between sends: "rebase" keeps the island's unsent work on top, "replace" drops it
     alpha: float = 0.0  # adoption "replace": theta <- alpha*theta + (1-alpha)*Theta (0: overwrite)
     error_feedback: bool = False
-    chunk_bytes: int = 1 << 20  # payload bytes per delta chunk
+    chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # payload bytes per delta chunk
     retransmit_messages: int = 4096  # chunks kept until the merger's cursor covers them
     retransmit_bytes: int = 256 << 20  # ... and their bytes; when full, the publisher waits (backpressure)
     send_hwm: int = 1000  # chunks queued per subscriber before PUB drops (recovered by resend)

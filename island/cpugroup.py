@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from protocol.errors import DlocoError
+from dloco.protocol.errors import DlocoError
 
 
 class CpuGroupError(DlocoError):

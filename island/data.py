@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from protocol.errors import DlocoError
+from dloco.protocol.errors import DlocoError
 
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
 TEXT_SUFFIXES = {".py", ".txt", ".rst", ".md", ".c", ".h", ".html", ".tex", ""}

@@ -9,11 +9,11 @@ import signal
 import sys
 from pathlib import Path
 
-from cliargs import add_metrics_flags, float_at_least
+from dloco.cliargs import add_metrics_flags, float_at_least
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
-    from island.main import add_task_flags
+    from dloco.island.main import add_task_flags
 
     evaluator = commands.add_parser("evaluator", help="evaluate the merger's model during a run: follow the snapshot bus, never train")
     add_task_flags(evaluator)
@@ -57,15 +57,16 @@ def run_evaluator(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.append(True))
     import optax
 
-    from bus.security import security_from_args
-    from island import evaluator, task as tasks
-    from island.config import TrainConfig
-    from island.follower import SnapshotFollower
-    from island.main import task_options
-    from island.metrics import MetricsWriter
-    from island.train import Trainer
-    from protocol import DlocoError, model_fingerprint
-    from telemetry.logs import configure_logging
+    from dloco.bus.security import security_from_args
+    from dloco.island import evaluator
+    from dloco.island import task as tasks
+    from dloco.island.config import TrainConfig
+    from dloco.island.follower import SnapshotFollower
+    from dloco.island.main import task_options
+    from dloco.island.metrics import MetricsWriter
+    from dloco.island.train import Trainer
+    from dloco.protocol import DlocoError, model_fingerprint
+    from dloco.telemetry.logs import configure_logging
 
     log = configure_logging("evaluator", name=args.name)
     follower = server = None
@@ -81,7 +82,7 @@ def run_evaluator(args: argparse.Namespace) -> int:
         lower_priority(keep={follower.receiver_id})
         metrics = MetricsWriter(args.metrics_out)
         if args.metrics_port is not None:
-            from telemetry import prom
+            from dloco.telemetry import prom
 
             server = prom.serve(args.metrics_port, args.metrics_host, prom.registry_of(lambda: prom.evaluator_families(metrics.latest, metrics.written)))
 

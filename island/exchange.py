@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-import protocol
+from dloco import protocol
 
 
 def partition(shapes: Mapping[str, tuple[int, ...]], fragments: int) -> list[list[str]]:

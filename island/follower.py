@@ -15,11 +15,11 @@ import time
 import numpy as np
 import zmq
 
-import protocol
-from bus.security import Security
-from bus.sockets import open_socket
-from island.mergers import MergerLinks, split_endpoints
-from island.snapshots import Downlink
+from dloco import protocol
+from dloco.bus.security import Security
+from dloco.bus.sockets import open_socket
+from dloco.island.mergers import MergerLinks, split_endpoints
+from dloco.island.snapshots import Downlink
 
 POLL_MS = 100
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from protocol.errors import DlocoError
+from dloco.protocol.errors import DlocoError
 
 
 class GroupError(DlocoError):

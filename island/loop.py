@@ -11,12 +11,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from island import exchange
-from island.config import SyncConfig, TrainConfig
-from island.metrics import MetricsWriter
-from island.task import examples_in, first_difference
-from island.train import Trainer
-from protocol.errors import DlocoError
+from dloco.island import exchange
+from dloco.island.config import SyncConfig, TrainConfig
+from dloco.island.metrics import MetricsWriter
+from dloco.island.task import examples_in, first_difference
+from dloco.island.train import Trainer
+from dloco.protocol.errors import DlocoError
 
 
 class JoinTimeout(DlocoError):

@@ -9,11 +9,11 @@ import signal
 import sys
 from pathlib import Path
 
-from cliargs import add_metrics_flags, int_at_least
-from island.config import ADOPTIONS, MODEL_SIZES, SyncConfig
-from island.group import GroupLost
-from island.group import check as group_check
-from island.task import BUILTIN
+from dloco.cliargs import add_metrics_flags, int_at_least
+from dloco.island.config import ADOPTIONS, MODEL_SIZES, SyncConfig, TrainConfig
+from dloco.island.group import GroupLost
+from dloco.island.group import check as group_check
+from dloco.island.task import BUILTIN
 
 # --eval-trace after training: 48 evaluations take about 50 s with four islands on two cores; a
 # launcher waits 150 s for a stopped island (cluster/launcher.py STOP_TIMEOUT_S): draining first, up to 30 s.
@@ -23,16 +23,16 @@ TRACE_BUDGET_S = 90.0
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     island = commands.add_parser("island", help="run an island: train on its shard and exchange fragments")
     island.add_argument("--standalone", action="store_true", help="no broker, no merger: the single-island baseline")
-    island.add_argument("--max-steps", type=positive_int, default=600)
+    island.add_argument("--max-steps", type=positive_int, default=TrainConfig.max_steps)
     add_task_flags(island)
     island.add_argument("--name", default="island-0")
     island.add_argument("--region", default="local")
-    island.add_argument("--lr", type=float, default=3e-3)
-    island.add_argument("--warmup", type=int, default=50)
-    island.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
-    island.add_argument("--eval-every", type=positive_int, default=100)
+    island.add_argument("--lr", type=float, default=TrainConfig.lr)
+    island.add_argument("--warmup", type=int, default=TrainConfig.warmup)
+    island.add_argument("--schedule", choices=("cosine", "constant"), default=TrainConfig.schedule)
+    island.add_argument("--eval-every", type=positive_int, default=TrainConfig.eval_every)
     island.add_argument("--eval-early", action="store_true", help="also evaluate at steps 1, 2, 4, 8, ... below --eval-every")
-    island.add_argument("--eval-trace", type=int, default=0, metavar="N",
+    island.add_argument("--eval-trace", type=int, default=TrainConfig.eval_trace, metavar="N",
                         help="copy the parameters after each of the first N steps and evaluate them once training is over "
                              "(the loss at every early step, without spending training time on evaluations)")
     island.add_argument("--slowdown", type=float, default=1.0, help="each step takes X times its own compute time (an older chip)")
@@ -54,13 +54,13 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     network.add_argument("--control-endpoint", action="append", metavar="ENDPOINT[,STANDBY]",
                         help="DEALER to the merger's ROUTER (catch-up, resends); once per merger shard, in shard order; "
                              "A,B: a merger and its standby")
-    network.add_argument("--fragments", type=positive_int, default=4, help="P (must match the merger)")
-    network.add_argument("--interval", type=positive_int, default=50, help="H: inner steps between two deltas of a fragment")
-    network.add_argument("--codec", default="int4", help="delta codec: fp32, bf16, int8, int4, int2")
-    network.add_argument("--adoption", choices=ADOPTIONS, default="rebase",
+    network.add_argument("--fragments", type=positive_int, default=SyncConfig.fragments, help="P (must match the merger)")
+    network.add_argument("--interval", type=positive_int, default=SyncConfig.interval, help="H: inner steps between two deltas of a fragment")
+    network.add_argument("--codec", default=SyncConfig.codec, help="delta codec: fp32, bf16, int8, int4, int2")
+    network.add_argument("--adoption", choices=ADOPTIONS, default=SyncConfig.adoption,
                          help="a global fragment arriving between sends: rebase (default) keeps the island's unsent progress on top of it, "
                               "replace overwrites it")
-    network.add_argument("--alpha", type=float, default=0.0, help="with --adoption replace: theta <- alpha*theta + (1-alpha)*global")
+    network.add_argument("--alpha", type=float, default=SyncConfig.alpha, help="with --adoption replace: theta <- alpha*theta + (1-alpha)*global")
     network.add_argument("--error-feedback", action="store_true")
     network.add_argument("--flush-on-leave", action="store_true",
                          help="when stopping, send every fragment's unsent work (up to H steps each) before draining; off by default: "
@@ -99,29 +99,36 @@ def add_task_flags(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--corpus", type=Path, default=None, help="file or folder of text (default: this Python's standard library sources)")
     source.add_argument("--tokens", type=Path, default=None, metavar="FILE", help="a token file (.bin or .npy of uint16/uint32 ids; dloco tokenize writes one)")
     lm.add_argument("--eval-batches", type=positive_int, default=None, help="held-out batches (default 8)")
-    parser.add_argument("--batch", type=positive_int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=positive_int, default=TrainConfig.batch)
+    parser.add_argument("--seed", type=int, default=TrainConfig.seed)
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(batch=args.batch, lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_steps=args.max_steps,
+                       eval_every=args.eval_every, eval_early=args.eval_early, eval_trace=args.eval_trace, seed=args.seed)
+
+
+def sync_config(args: argparse.Namespace) -> SyncConfig:
+    return SyncConfig(fragments=args.fragments, interval=args.interval, codec=args.codec, adoption=args.adoption, alpha=args.alpha,
+                      error_feedback=args.error_feedback, flush_on_leave=args.flush_on_leave,
+                      blocking=args.blocking, settle_timeout_s=args.settle_timeout)
 
 
 def run_island(args: argparse.Namespace) -> int:
     early_stop = []  # SIGTERM while starting (imports, compiling, joining): stop cleanly, not by the default action
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: early_stop.append(True))
-    from island import task as tasks
-    from island.config import TrainConfig
-    from protocol import DlocoError
-    from telemetry.logs import configure_logging
+    from dloco.island import task as tasks
+    from dloco.protocol import DlocoError
+    from dloco.telemetry.logs import configure_logging
 
     log = configure_logging("island", island=args.name, region=args.region)
     link = metrics_server = None
     try:
         # Everything that can be checked without JAX first: a bad argument fails in a second, not after the import.
-        train = TrainConfig(batch=args.batch, lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_steps=args.max_steps,
-                            eval_every=args.eval_every, eval_early=args.eval_early, eval_trace=args.eval_trace, seed=args.seed)
+        train = train_config(args)
         context = tasks.TaskContext(args.island_index, args.islands, args.seed, args.batch, args.max_steps, task_options(args))
-        sync = SyncConfig(fragments=args.fragments, interval=args.interval, codec=args.codec, adoption=args.adoption, alpha=args.alpha,
-                          error_feedback=args.error_feedback, flush_on_leave=args.flush_on_leave,
-                          blocking=args.blocking, settle_timeout_s=args.settle_timeout)
+        sync = sync_config(args)
         if not 0 <= args.island_index < args.islands:
             raise DlocoError(f"--island-index must be in [0, {args.islands}), got {args.island_index}")
         group_check(args.coordinator, args.num_processes, args.process_id)
@@ -136,17 +143,17 @@ def run_island(args: argparse.Namespace) -> int:
         import numpy as np
         from jax.errors import JaxRuntimeError
 
-        import protocol
-        from bus.security import security_from_args
-        from island.cpugroup import CpuGroup, CpuGroupError
-        from island.loop import IslandLoop
-        from island.metrics import MetricsWriter
-        from island.network import NetworkLink
-        from island.shaper import LinkShaper
-        from island.train import Trainer
+        from dloco import protocol
+        from dloco.bus.security import security_from_args
+        from dloco.island.cpugroup import CpuGroup, CpuGroupError
+        from dloco.island.loop import IslandLoop
+        from dloco.island.metrics import MetricsWriter
+        from dloco.island.network import NetworkLink
+        from dloco.island.shaper import LinkShaper
+        from dloco.island.train import Trainer
 
         if args.num_processes > 1:
-            from island import group
+            from dloco.island import group
 
             group.initialize(args.coordinator, args.num_processes, args.process_id, args.group_timeout, args.join_timeout)
             log = log.bind(process=args.process_id)
@@ -230,7 +237,7 @@ def run_island(args: argparse.Namespace) -> int:
         if link is not None:
             link.close()
         if metrics_server is not None:
-            from telemetry import prom
+            from dloco.telemetry import prom
 
             prom.stop(metrics_server)
     log.info("done", **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})
@@ -257,7 +264,7 @@ def group_lost(error: Exception, link, drain_timeout: float, metrics, log) -> in
 
 def serve_metrics(args: argparse.Namespace, metrics, link):
     """Prometheus metrics from the island's last step event and its link (telemetry/prom.py)."""
-    from telemetry import prom
+    from dloco.telemetry import prom
 
     def read():
         received = {f: held.version for f, held in dict(link.downlink.served).items()} if link is not None else {}
@@ -267,7 +274,7 @@ def serve_metrics(args: argparse.Namespace, metrics, link):
 
 def task_options(args: argparse.Namespace) -> dict:
     """--task-option pairs, then the built-in LM's shorthand flags that were given."""
-    from island.task import parse_options
+    from dloco.island.task import parse_options
 
     options = parse_options(args.task_option)
     for key in ("size", "width", "depth", "heads", "context", "vocab", "corpus", "tokens", "eval_batches"):

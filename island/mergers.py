@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import zmq
 
-from bus.security import Security
-from bus.sockets import open_socket
-from protocol import shards
+from dloco.bus.security import Security
+from dloco.bus.sockets import open_socket
+from dloco.protocol import shards
 
 
 def split_endpoints(endpoints: str | list[str]) -> list[str]:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from island.config import ModelConfig
+from dloco.island.config import ModelConfig
 
 
 class Block(nnx.Module):

@@ -20,16 +20,16 @@ import time
 import numpy as np
 import zmq
 
-import protocol
-from protocol import shards
-from bus.security import Security
-from bus.sockets import open_socket
-from island.config import SyncConfig
-from island.mergers import MergerLinks, split_endpoints
-from island.outbox import PendingDelta
-from island.shaper import LinkShaper
-from island.snapshots import Downlink
-from island.uplink import Uplink
+from dloco import protocol
+from dloco.bus.security import Security
+from dloco.bus.sockets import open_socket
+from dloco.island.config import SyncConfig
+from dloco.island.mergers import MergerLinks, split_endpoints
+from dloco.island.outbox import PendingDelta
+from dloco.island.shaper import LinkShaper
+from dloco.island.snapshots import Downlink
+from dloco.island.uplink import Uplink
+from dloco.protocol import shards
 
 POLL_MS = 50
 

@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-import protocol
-from protocol import downlink
+from dloco import protocol
+from dloco.protocol import downlink
 
 ASK_AGAIN_S = 1.0  # a fragment whose diff could not be applied is asked for at most this often
 

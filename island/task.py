@@ -2,7 +2,7 @@
 
 `dloco island --task SPEC` (and `[model] task = SPEC` in a cluster file) names a function as
 ``PATH.py:FUNCTION`` or ``MODULE:FUNCTION``.  dloco calls it once per process with a TaskContext
-and trains what it returns; the built-in byte LM is such a function (``island.bytelm:task``, the
+and trains what it returns; the built-in byte LM is such a function (``dloco.island.bytelm:task``, the
 default).  The merger never sees the task: it folds named float32 tensors.
 
     def task(ctx: TaskContext) -> Task:
@@ -27,9 +27,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from protocol.errors import DlocoError
+from dloco.protocol.errors import DlocoError
 
-BUILTIN = "island.bytelm:task"
+BUILTIN = "dloco.island.bytelm:task"
+# Top-level names the project installed before it installed one (`island.bytelm:task` is now
+# `dloco.island.bytelm:task`): a task spec written for those gets told the new name.
+_FORMER_NAMES = frozenset({"island", "merger", "protocol", "analysis", "cluster", "sim", "suites"})
 
 
 class TaskError(DlocoError):
@@ -96,7 +99,8 @@ def resolve(spec: str) -> Callable[[TaskContext], Task]:
         try:
             module = importlib.import_module(where)
         except Exception as error:  # the user's module: any error in it is a task error, with its own message
-            raise TaskError(f"task module {where!r} cannot be imported: {type(error).__name__}: {error}") from error
+            hint = f" (the project's modules import as dloco.{where})" if where.split(".")[0] in _FORMER_NAMES else ""
+            raise TaskError(f"task module {where!r} cannot be imported: {type(error).__name__}: {error}{hint}") from error
     found = getattr(module, function, None)
     if not callable(found):
         raise TaskError(f"{where} has no function {function!r}")

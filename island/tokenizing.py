@@ -28,8 +28,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from island import data
-from island.data import CorpusError
+from dloco.island import data
+from dloco.island.data import CorpusError
 
 TOKENIZERS = ("bytes", "bpe")
 DEFAULT_BPE_VOCAB = 4096

@@ -7,13 +7,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 import optax
-from flax import nnx
-from flax import traverse_util
+from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from island.config import TrainConfig
-from island.task import TaskError
-from protocol.errors import DlocoError
+from dloco.island.config import TrainConfig
+from dloco.island.task import TaskError
+from dloco.protocol.errors import DlocoError
 
 
 class DivergedError(DlocoError):

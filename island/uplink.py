@@ -27,12 +27,12 @@ from collections.abc import Callable
 import numpy as np
 import zmq
 
-import protocol
-from bus.sequencing import RetransmitBuffer
-from island.config import SyncConfig
-from island.outbox import Outbox, PendingDelta
-from island.shaper import LinkShaper
-from protocol.shards import shard_of
+from dloco import protocol
+from dloco.bus.sequencing import RetransmitBuffer
+from dloco.island.config import SyncConfig
+from dloco.island.outbox import Outbox, PendingDelta
+from dloco.island.shaper import LinkShaper
+from dloco.protocol.shards import shard_of
 
 POLL_MS = 50
 HEARTBEAT_S = 0.5  # a heartbeat carries the last seq, so a lost tail is asked for within this

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from protocol import CodedTensor
+from dloco.protocol import CodedTensor
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,11 +19,11 @@ import jax
 import msgpack
 import numpy as np
 
-from merger.core import MergerCore
-from merger.fold import FragmentState
-from merger.wal import StorageError
-from protocol import DeltaResult
-from protocol.checksum import crc32
+from dloco.merger.core import MergerCore
+from dloco.merger.fold import FragmentState
+from dloco.merger.wal import StorageError
+from dloco.protocol import DeltaResult
+from dloco.protocol.checksum import crc32
 
 _HEADER = struct.Struct("<II")
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from protocol import CodedTensor, sparse
+from dloco.protocol import CodedTensor, sparse
 
 # Bumped whenever a change to these kernels moves results by as much as a rounding unit (logged in
 # the genesis record: `dloco replay` says when a log was written with other kernels or jax).

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from protocol import CODEC_NAMES
-from protocol.sparse import SPARSE_BITS
-from protocol.errors import ConfigError as ConfigError  # re-exported: the error these configs raise
-from protocol.errors import require as _require
+from dloco.protocol import CODEC_NAMES
+from dloco.protocol.errors import ConfigError as ConfigError  # re-exported: the error these configs raise
+from dloco.protocol.errors import require as _require
+from dloco.protocol.sparse import SPARSE_BITS
 
 FULL_SNAPSHOT_CODECS = ("fp32", "bf16", "int8")  # codecs a whole fragment's value may go out in
 

@@ -18,16 +18,16 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from merger import coded, records
-from merger.admission import Candidate, admit
-from merger.config import MergerConfig
-from merger.fold import Contribution, FoldReport, FragmentState, canonical, counters, fold, init_state, per_island
-from merger.fold import plain as fold_plain
-from merger.outer import make_step, outer_optimizer
-from merger.outliers import NormHistory, Quarantine
-from merger.round_policy import ArrivalStats, decide, observe
-from merger.weighting import capped, fold_share, raw_weights, recent_others
-from protocol import Assembled, Codec, CodedTensor, DeltaResult, DlocoError, model_fingerprint, partition
+from dloco.merger import coded, records
+from dloco.merger.admission import Candidate, admit
+from dloco.merger.config import MergerConfig
+from dloco.merger.fold import Contribution, FoldReport, FragmentState, canonical, counters, fold, init_state, per_island
+from dloco.merger.fold import plain as fold_plain
+from dloco.merger.outer import make_step, outer_optimizer
+from dloco.merger.outliers import NormHistory, Quarantine
+from dloco.merger.round_policy import ArrivalStats, decide, observe
+from dloco.merger.weighting import capped, fold_share, raw_weights, recent_others
+from dloco.protocol import Assembled, Codec, CodedTensor, DeltaResult, DlocoError, model_fingerprint, partition
 
 DeltaKey = tuple[str, int, int]  # (island, epoch, delta_id)
 

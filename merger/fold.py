@@ -17,13 +17,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-
 import numpy as np
 
-from protocol import CodedTensor
-from merger import coded, rda
-from merger.config import MergeConfig
-from merger.weighting import weights as contribution_weights
+from dloco.merger import coded, rda
+from dloco.merger.config import MergeConfig
+from dloco.merger.weighting import weights as contribution_weights
+from dloco.protocol import CodedTensor
 
 
 class FragmentState(NamedTuple):

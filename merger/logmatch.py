@@ -23,9 +23,9 @@ from pathlib import Path
 
 import msgpack
 
-from merger import records
-from merger.wal import _fsync_dir, _scan, _segments, read_records
-from protocol.checksum import crc32
+from dloco.merger import records
+from dloco.merger.wal import _fsync_dir, _scan, _segments, read_records
+from dloco.protocol.checksum import crc32
 
 Terms = list[tuple[int, int]]  # (the term's epoch, index of its first record), oldest first; the genesis's term has epoch 0
 

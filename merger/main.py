@@ -8,10 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-from cliargs import add_metrics_flags, float_at_least, int_at_least
-from merger.config import FULL_SNAPSHOT_CODECS, ConfigError, MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
-from merger.replication_wire import MODES, ReplicationConfig
-from protocol import CODEC_NAMES, DlocoError
+from dloco.cliargs import add_metrics_flags, float_at_least, int_at_least
+from dloco.merger.config import FULL_SNAPSHOT_CODECS, ConfigError, MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
+from dloco.merger.replication_wire import MIN_LEASE_S, MODES, ReplicationConfig
+from dloco.merger.settings import ServiceConfig
+from dloco.protocol import CODEC_NAMES, DlocoError
+from dloco.protocol.shards import DEFAULT_FRAGMENTS
 
 
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
@@ -19,21 +21,22 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     merger = commands.add_parser("merger", help="run the merger: fold deltas, publish snapshots, keep the log")
     merger.add_argument("--run-dir", type=Path, required=True, help="write-ahead log and checkpoints live here; an existing one is resumed")
     merger.add_argument("--init-npz", type=Path, help="initial global parameters (.npz, one array per parameter path); needed for a new run")
-    merger.add_argument("--fragments", type=positive_int, default=4, help="P, fragments of the model (default 4)")
+    merger.add_argument("--fragments", type=positive_int, default=DEFAULT_FRAGMENTS, help="P, fragments of the model (default %(default)s)")
     merger.add_argument("--delta-endpoint", required=True, help="SUB for deltas; '@tcp://...' binds, 'tcp://...' connects")
     merger.add_argument("--snapshot-endpoint", required=True, help="PUB for snapshots and acks; '@' binds")
     merger.add_argument("--control-endpoint", required=True, help="ROUTER for catch-up requests; '@' binds")
-    merger.add_argument("--max-staleness", type=int, default=4, help="S: reject deltas more than S versions behind (default 4)")
-    merger.add_argument("--merge", choices=MergeConfig.METHODS, default="rda")
-    merger.add_argument("--share-window", type=non_negative_int, default=0,
+    merger.add_argument("--max-staleness", type=int, default=MergeConfig.max_staleness,
+                        help="S: reject deltas more than S versions behind (default %(default)s)")
+    merger.add_argument("--merge", choices=MergeConfig.METHODS, default=MergeConfig.method)
+    merger.add_argument("--share-window", type=non_negative_int, default=MergeConfig.share_window,
                         help="scale each fold by its share of a round: the islands seen in the fragment's last N versions (default 0: off)")
-    merger.add_argument("--outer", choices=OuterConfig.KINDS, default="nesterov")
-    merger.add_argument("--outer-lr", type=float, default=0.7)
-    merger.add_argument("--outer-momentum", type=float, default=0.9)
-    merger.add_argument("--delay", type=positive_int, default=4, help="delayed_nesterov: momentum once per N folds")
-    merger.add_argument("--quorum", type=positive_int, default=1, help="K: islands with a delta pending before a fold (default 1: nobody waits)")
-    merger.add_argument("--quorum-timeout", type=float, default=30.0, help="fold with fewer than K once the oldest pending delta waited this long")
-    merger.add_argument("--grace-cap", type=float, default=1.0, help="seconds a round may wait for a predicted late island")
+    merger.add_argument("--outer", choices=OuterConfig.KINDS, default=OuterConfig.kind)
+    merger.add_argument("--outer-lr", type=float, default=OuterConfig.lr)
+    merger.add_argument("--outer-momentum", type=float, default=OuterConfig.momentum)
+    merger.add_argument("--delay", type=positive_int, default=OuterConfig.delay, help="delayed_nesterov: momentum once per N folds")
+    merger.add_argument("--quorum", type=positive_int, default=RoundConfig.quorum, help="K: islands with a delta pending before a fold (default 1: nobody waits)")
+    merger.add_argument("--quorum-timeout", type=float, default=RoundConfig.quorum_timeout_s, help="fold with fewer than K once the oldest pending delta waited this long")
+    merger.add_argument("--grace-cap", type=float, default=RoundConfig.grace_cap_s, help="seconds a round may wait for a predicted late island")
     merger.add_argument("--snapshot-codec", choices=FULL_SNAPSHOT_CODECS, default=SnapshotConfig.snapshot_codec,
                         help="codec of full snapshots (int8: a quarter of fp32's bytes; meant with --snapshot-diff-codec, "
                              "whose diffs carry its error away)")
@@ -45,12 +48,12 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
                         help="publish a fragment at most once per F mean rounds of the islands (the mean of their EMA intervals between "
                              "deltas of a fragment); the folds in between go out together (default 0: after every fold). Islands then base "
                              "their deltas on a version up to F rounds of folds old: keep --max-staleness above that")
-    merger.add_argument("--fsync", choices=("always", "batch", "never"), default="batch")
-    merger.add_argument("--checkpoint-every", type=positive_int, default=50, help="folds between checkpoints")
-    merger.add_argument("--receive-mib", type=positive_int, default=768,
+    merger.add_argument("--fsync", choices=("always", "batch", "never"), default=ServiceConfig.fsync)
+    merger.add_argument("--checkpoint-every", type=positive_int, default=ServiceConfig.checkpoint_every, help="folds between checkpoints")
+    merger.add_argument("--receive-mib", type=positive_int, default=(ServiceConfig.reassembly_bytes + ServiceConfig.held_bytes) >> 20,
                         help="memory for islands' messages not yet whole or in order: 2/3 for partial deltas, 1/3 for messages "
                              "beyond a gap; one island may hold half of each (default 768)")
-    merger.add_argument("--peer-timeout", type=float, default=10.0, help="seconds of silence after which an island is logged as gone")
+    merger.add_argument("--peer-timeout", type=float, default=ServiceConfig.peer_timeout_s, help="seconds of silence after which an island is logged as gone")
     add_metrics_flags(merger)
     standby = merger.add_argument_group("hot standby (PROTOCOL.md §12)")
     standby.add_argument("--replication-endpoint", default="",
@@ -61,7 +64,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     standby.add_argument("--peer", default="", help="the other merger's replication endpoint: a primary restarted after a takeover "
                                              "finds its successor there and becomes its standby")
     standby.add_argument("--standby-of", default="", metavar="ENDPOINT", help="start as the standby of the primary at ENDPOINT")
-    standby.add_argument("--lease", type=float_at_least(0.1), default=ReplicationConfig.lease_s,
+    standby.add_argument("--lease", type=float_at_least(MIN_LEASE_S), default=ReplicationConfig.lease_s,
                          help="seconds without the primary's heartbeat after which its standby takes over (default 3); the "
                               "primary drops a standby silent for twice this")
     merger.add_argument("--name", default=None, help="sender id and key name (default merger; shard I > 0 of --shard: merger.I)")
@@ -80,24 +83,32 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     replay.set_defaults(run=run_replay)
 
 
+def merger_config(args: argparse.Namespace) -> MergerConfig:
+    """The math's settings from the flags (their defaults are MergerConfig's)."""
+    return MergerConfig(
+        MergeConfig(method=args.merge, max_staleness=args.max_staleness, share_window=args.share_window),
+        OuterConfig(kind=args.outer, lr=args.outer_lr, momentum=args.outer_momentum, delay=args.delay),
+        RoundConfig(quorum=args.quorum, quorum_timeout_s=args.quorum_timeout, grace_cap_s=args.grace_cap),
+    )
+
+
+def snapshot_config(args: argparse.Namespace) -> SnapshotConfig:
+    return SnapshotConfig(args.snapshot_codec, args.snapshot_diff_codec, args.snapshot_full_every, args.snapshot_every_round)
+
+
 def run_merger(args: argparse.Namespace) -> int:
     import zmq
 
-    from bus.security import security_from_args
-    from merger.memory import keep_freed_memory
-    from merger.core import initial_core
-    from merger.roles import run_merger_roles
-    from merger.service import ServiceConfig
-    from protocol.shards import parse as parse_shard
-    from protocol.shards import shard_name
+    from dloco.bus.security import security_from_args
+    from dloco.merger.core import initial_core
+    from dloco.merger.memory import keep_freed_memory
+    from dloco.merger.roles import run_merger_roles
+    from dloco.protocol.shards import parse as parse_shard
+    from dloco.protocol.shards import shard_name
 
     keep_freed_memory()  # folds reuse freed pages instead of faulting in fresh ones (merger/memory.py)
     try:
-        config = MergerConfig(
-            MergeConfig(method=args.merge, max_staleness=args.max_staleness, share_window=args.share_window),
-            OuterConfig(kind=args.outer, lr=args.outer_lr, momentum=args.outer_momentum, delay=args.delay),
-            RoundConfig(quorum=args.quorum, quorum_timeout_s=args.quorum_timeout, grace_cap_s=args.grace_cap),
-        )
+        config = merger_config(args)
         factory = None
         if args.init_npz is not None:
             with np.load(args.init_npz) as data:
@@ -116,9 +127,7 @@ def run_merger(args: argparse.Namespace) -> int:
         if args.standby_of and args.peer and args.peer != args.standby_of:
             raise ConfigError("--peer and --standby-of name the same merger: give one of them")
         service_config = ServiceConfig(args.run_dir, args.delta_endpoint, args.snapshot_endpoint, args.control_endpoint,
-                                       sender=args.name, snapshot_codec=args.snapshot_codec, fsync=args.fsync,
-                                       snapshot_diff_codec="" if args.snapshot_diff_codec == "none" else args.snapshot_diff_codec,
-                                       snapshot_full_every=args.snapshot_full_every, snapshot_every_round=args.snapshot_every_round,
+                                       sender=args.name, snapshots=snapshot_config(args), fsync=args.fsync,
                                        checkpoint_every=args.checkpoint_every, security=security,
                                        reassembly_bytes=(args.receive_mib << 20) * 2 // 3, held_bytes=(args.receive_mib << 20) // 3,
                                        peer_timeout_s=args.peer_timeout, metrics_port=args.metrics_port,
@@ -133,8 +142,8 @@ def run_merger(args: argparse.Namespace) -> int:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from merger.memory import keep_freed_memory
-    from merger.recovery import replay, software_mismatch
+    from dloco.merger.memory import keep_freed_memory
+    from dloco.merger.recovery import replay, software_mismatch
 
     keep_freed_memory()
     folds = 0

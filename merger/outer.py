@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from merger.config import OuterConfig
+from dloco.merger.config import OuterConfig
 
 
 class DelayedNesterovState(NamedTuple):

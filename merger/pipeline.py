@@ -31,9 +31,9 @@ import time
 import jax
 import zmq
 
-from merger.core import MergerCore, StartedFold
-from merger.fold import FoldReport, FragmentState
-from merger.wal import WriteAheadLog
+from dloco.merger.core import MergerCore, StartedFold
+from dloco.merger.fold import FoldReport, FragmentState
+from dloco.merger.wal import WriteAheadLog
 
 
 @dataclasses.dataclass

@@ -10,10 +10,10 @@ import time
 import numpy as np
 import zmq
 
-import protocol
-from merger.round_policy import CatchUpBudget, snapshot_due
-from merger.snapshot_form import DIFF, FULL, snapshot_form
-from protocol import downlink
+from dloco import protocol
+from dloco.merger.round_policy import CatchUpBudget, snapshot_due
+from dloco.merger.snapshot_form import DIFF, FULL, snapshot_form
+from dloco.protocol import downlink
 
 
 class SnapshotPublishing:
@@ -29,18 +29,18 @@ class SnapshotPublishing:
         def params():  # host copies: not needed for a diff merger's catch-up reply
             return {p: np.asarray(v) for p, v in state.params.items()}
 
-        full_codec, limit = protocol.Codec(self.config.snapshot_codec), self.config.max_chunk_bytes
+        full_codec, limit = protocol.Codec(self.config.snapshots.snapshot_codec), self.config.max_chunk_bytes
         version, base, digest = state.version, None, None
-        if not self.config.snapshot_diff_codec:
+        if self.config.snapshots.snapshot_diff_codec == "none":
             codec, plans = full_codec, protocol.split_fragment(params(), full_codec, limit)
         else:
             served = self.served.get(fragment)
-            form = snapshot_form(state.version, None if served is None else served.version, on_bus, self.config.snapshot_full_every)
+            form = snapshot_form(state.version, None if served is None else served.version, on_bus, self.config.snapshots.snapshot_full_every)
             if form == FULL:
                 codec = full_codec
                 served, plans = downlink.full(params(), state.version, full_codec, limit)
             elif form == DIFF:
-                base, codec = served.version, protocol.Codec(self.config.snapshot_diff_codec)
+                base, codec = served.version, protocol.Codec(self.config.snapshots.snapshot_diff_codec)
                 served, plans = downlink.diff(params(), served, state.version, codec, limit)
             else:  # exact: fp32, or the full snapshots' codec while S is representable in it (joins at the start)
                 codec, plans = downlink.reply(served, full_codec, limit)
@@ -66,7 +66,7 @@ class SnapshotPublishing:
         every fold in between.  Islands adopt what arrives, so fewer snapshots cost freshness only,
         and with diff snapshots the islands together receive what they send instead of N times it."""
         now = time.monotonic()
-        if snapshot_due(self.published_at.get(fragment), self.core.arrival_intervals(now), self.config.snapshot_every_round) <= now:
+        if snapshot_due(self.published_at.get(fragment), self.core.arrival_intervals(now), self.config.snapshots.snapshot_every_round) <= now:
             self.publish_snapshot(fragment, state)
         else:
             self.unpublished.add(fragment)
@@ -77,7 +77,7 @@ class SnapshotPublishing:
         the next one is."""
         wake, intervals = None, self.core.arrival_intervals(now)
         for fragment in sorted(self.unpublished):
-            due = snapshot_due(self.published_at.get(fragment), intervals, self.config.snapshot_every_round)
+            due = snapshot_due(self.published_at.get(fragment), intervals, self.config.snapshots.snapshot_every_round)
             if due <= now:
                 self.publish_snapshot(fragment)
             else:

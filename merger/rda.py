@@ -18,7 +18,6 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-
 _PIECE = 1 << 16  # values per partial sum: keeps the squared temporaries in cache
 
 

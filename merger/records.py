@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from merger.coded import KERNELS_VERSION
-from merger.fold import Contribution, FragmentState
-from protocol import Assembled, Codec, CodedTensor
+from dloco.merger.coded import KERNELS_VERSION
+from dloco.merger.fold import Contribution, FragmentState
+from dloco.protocol import Assembled, Codec, CodedTensor
 
 GENESIS, DELTA, FOLD, CURSORS, TERM = "genesis", "delta", "fold", "cursors", "term"
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from merger import checkpoint, records
-from merger.core import Log, MergerCore, ReplayError
-from merger.fold import FoldReport
-from merger.wal import read_records
+from dloco.merger import checkpoint, records
+from dloco.merger.core import Log, MergerCore, ReplayError
+from dloco.merger.fold import FoldReport
+from dloco.merger.wal import read_records
 
 
 def wal_dir(run_dir: str | Path) -> Path:

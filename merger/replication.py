@@ -32,14 +32,14 @@ from typing import Any
 
 import zmq
 
-from bus.security import Security
-from bus.sockets import open_socket
-from merger import records
-from merger.logmatch import agreed_length
-from merger.replication_wire import (DIGEST, FENCE, FOLLOW, LEASE, REFUSED, START, STORED, ReplicationConfig, ReplicationError, decode,
-                                     encode, fragment_digest, record_frames)
-from merger.wal import read_records
-from protocol.errors import DlocoError
+from dloco.bus.security import Security
+from dloco.bus.sockets import open_socket
+from dloco.merger import records
+from dloco.merger import replication_wire as wire
+from dloco.merger.logmatch import agreed_length
+from dloco.merger.replication_wire import ReplicationConfig, ReplicationError, decode, encode, fragment_digest, record_frames
+from dloco.merger.wal import read_records
+from dloco.protocol.errors import DlocoError
 
 TAIL_BYTES = 256 << 20  # recent records kept in memory for the standby; older ones are read back from the log
 WINDOW_BYTES = 256 << 20  # sent to the standby beyond what it has stored (its memory for records in flight)
@@ -237,23 +237,23 @@ class ReplicationServer:
                 self.counters[f"rejected/{error.reason}"] += 1
                 self.log.warning("replication_message_rejected", reason=error.reason, detail=str(error)[:200])
                 continue
-            if kind == FOLLOW:
+            if kind == wire.FOLLOW:
                 self._on_follow(identity, body)
-            elif kind == STORED:
+            elif kind == wire.STORED:
                 self._on_stored(identity, body)
-            elif kind == FENCE and body["epoch"] > self.epoch:
+            elif kind == wire.FENCE and body["epoch"] > self.epoch:
                 with self.cond:
                     if self.fenced_by is None:
                         self.log.warning("fenced", by_epoch=body["epoch"], by_term=body["term"], epoch=self.epoch)
                     self.fenced_by = body["epoch"]
                     self.cond.notify_all()
-            elif kind != FENCE:
+            elif kind != wire.FENCE:
                 self.counters[f"unexpected/{kind.decode()}"] += 1
 
     def _on_follow(self, identity: bytes, body: dict) -> None:
         length, theirs = body["length"], [tuple(t) for t in body["terms"]]
         if length > 0 and body["genesis"] != self.genesis:
-            self._send(identity, encode(REFUSED, {"why": "its log is another run's (its genesis record differs from this primary's)"}))
+            self._send(identity, encode(wire.REFUSED, {"why": "its log is another run's (its genesis record differs from this primary's)"}))
             self.log.error("standby_refused", why="genesis differs")
             return
         now = time.monotonic()
@@ -264,7 +264,7 @@ class ReplicationServer:
             self.follower = Follower(identity, body["generation"], at, at, now, now, reported=caught_up, caught_up=caught_up)
             self._set_state("sync" if caught_up else "catching_up")
         self.log.info("standby_following", its_length=length, common=at, length=self.length)
-        self._send(identity, encode(START, {"at": at, "generation": body["generation"]}))
+        self._send(identity, encode(wire.START, {"at": at, "generation": body["generation"]}))
 
     def _on_stored(self, identity: bytes, body: dict) -> None:
         with self.cond:
@@ -282,11 +282,11 @@ class ReplicationServer:
     def _leases(self) -> None:
         term = self.term
         if self.follower is not None:
-            self._send(self.follower.identity, encode(LEASE, {"epoch": self.epoch, "term": term, "length": self.length,
+            self._send(self.follower.identity, encode(wire.LEASE, {"epoch": self.epoch, "term": term, "length": self.length,
                                                               "lease_s": self.config.lease_s, "state": self.state}))
         if self._fence is not None:
             try:
-                self._fence.send_multipart(encode(FENCE, {"epoch": self.epoch, "term": term}), zmq.NOBLOCK)
+                self._fence.send_multipart(encode(wire.FENCE, {"epoch": self.epoch, "term": term}), zmq.NOBLOCK)
             except zmq.ZMQError:  # nobody there: nothing to fence
                 pass
 
@@ -339,7 +339,7 @@ class ReplicationServer:
         while self.digests and self.follower is not None:
             with self.cond:
                 index, fragment, digest = self.digests.popleft()
-            self._send(self.follower.identity, encode(DIGEST, {"index": index, "fragment": fragment, "sha256": digest}))
+            self._send(self.follower.identity, encode(wire.DIGEST, {"index": index, "fragment": fragment, "sha256": digest}))
 
     def _judge(self, now: float) -> None:
         with self.cond:

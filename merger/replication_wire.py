@@ -16,8 +16,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from protocol.checksum import crc32
-from protocol.errors import DlocoError
+from dloco.protocol.checksum import crc32
+from dloco.protocol.errors import ConfigError, DlocoError
 
 MODES = ("sync", "async", "off")
 FOLLOW, START, RECORD, LEASE, STORED, DIGEST, FENCE, REFUSED = (b"follow", b"start", b"record", b"lease", b"stored", b"digest",
@@ -110,6 +110,17 @@ def fragment_digest(params) -> str:
     return digest.hexdigest()
 
 
+# The shortest lease a merger accepts, in seconds: below it a busy primary's heartbeat jitter alone
+# would hand the model to its standby.
+MIN_LEASE_S = 0.1
+
+
+def check_lease(lease_s: object, name: str) -> None:
+    """The one rule for a lease, for the merger's flag and the cluster file alike."""
+    if type(lease_s) not in (int, float) or not MIN_LEASE_S <= lease_s < float("inf"):
+        raise ConfigError(f"{name} must be a number of seconds >= {MIN_LEASE_S}, got {lease_s!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ReplicationConfig:
     mode: str = "off"  # sync | async | off
@@ -120,15 +131,14 @@ class ReplicationConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise DlocoError(f"replication mode must be one of {MODES}, got {self.mode!r}")
-        if self.lease_s <= 0:
-            raise DlocoError(f"lease must be positive, got {self.lease_s}")
+            raise ConfigError(f"replication mode must be one of {MODES}, got {self.mode!r}")
+        check_lease(self.lease_s, "the lease (--lease)")
         if self.mode != "off" and not self.endpoint:
-            raise DlocoError("replication needs --replication-endpoint (where this merger serves its log as the primary)")
+            raise ConfigError("replication needs --replication-endpoint (where this merger serves its log as the primary)")
         if self.standby and not self.peer:
-            raise DlocoError("a standby needs the primary's replication endpoint (--standby-of)")
+            raise ConfigError("a standby needs the primary's replication endpoint (--standby-of)")
         if self.peer and self.mode == "off":
-            raise DlocoError("a merger with a peer streams its log when it is the primary: give --replication-endpoint "
+            raise ConfigError("a merger with a peer streams its log when it is the primary: give --replication-endpoint "
                              "(and --replication sync or async)")
 
     @property

@@ -14,13 +14,13 @@ import threading
 
 import zmq
 
-from merger.config import ConfigError
-from merger.replication_wire import ReplicationConfig
-from merger.service import MergerService
-from merger.settings import ServiceConfig
-from merger.standby import Diverged, Refused, Standby
-from telemetry import prom
-from telemetry.logs import configure_logging
+from dloco.merger.config import ConfigError
+from dloco.merger.replication_wire import ReplicationConfig
+from dloco.merger.service import MergerService
+from dloco.merger.settings import ServiceConfig
+from dloco.merger.standby import Diverged, Refused, Standby
+from dloco.telemetry import prom
+from dloco.telemetry.logs import configure_logging
 
 EXIT_DIVERGED = 5  # a standby whose state differs from its primary's (an alarm: never promote it)
 EXIT_REFUSED = 2

@@ -20,7 +20,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from merger.config import RoundConfig
+from dloco.merger.config import RoundConfig
 
 
 @dataclasses.dataclass(frozen=True)

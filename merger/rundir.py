@@ -10,7 +10,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from protocol.errors import ConfigError, DlocoError
+from dloco.protocol.errors import ConfigError, DlocoError
 
 LOCK_NAME = "merger.lock"
 

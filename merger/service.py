@@ -28,26 +28,26 @@ import time
 
 import zmq
 
-import protocol
-from protocol import downlink, shards
-from protocol.errors import ConfigError
-from bus.security import Security, impostor, peer_of
-from bus.sequencing import GapTracker
-from bus.sockets import open_socket
-from merger import checkpoint, records
-from merger.pipeline import FoldPipeline
-from merger.publishing import SnapshotPublishing
-from merger.recovery import checkpoint_dir, recover, wal_dir
-from merger.round_policy import CatchUpBudget
-from merger.rundir import RunDirLock, check_shard
-from merger.settings import ServiceConfig as ServiceConfig  # re-exported: the service's settings
-from merger.logmatch import genesis_of, newest_epoch, terms_of
-from merger.replication import Fenced, ReplicatedLog, ReplicationServer
-from merger.standby import Takeover
-from merger.streams import StreamKeeping
-from merger.wal import StorageError, WriteAheadLog
-from telemetry import prom
-from telemetry.logs import configure_logging
+from dloco import protocol
+from dloco.bus.security import Security, impostor, peer_of
+from dloco.bus.sequencing import GapTracker
+from dloco.bus.sockets import open_socket
+from dloco.merger import checkpoint, records
+from dloco.merger.logmatch import genesis_of, newest_epoch, terms_of
+from dloco.merger.pipeline import FoldPipeline
+from dloco.merger.publishing import SnapshotPublishing
+from dloco.merger.recovery import checkpoint_dir, recover, wal_dir
+from dloco.merger.replication import Fenced, ReplicatedLog, ReplicationServer
+from dloco.merger.round_policy import CatchUpBudget
+from dloco.merger.rundir import RunDirLock, check_shard
+from dloco.merger.settings import ServiceConfig as ServiceConfig  # re-exported: the service's settings
+from dloco.merger.standby import Takeover
+from dloco.merger.streams import StreamKeeping
+from dloco.merger.wal import StorageError, WriteAheadLog
+from dloco.protocol import downlink, shards
+from dloco.protocol.errors import ConfigError
+from dloco.telemetry import prom
+from dloco.telemetry.logs import configure_logging
 
 POLL_MS = 50  # longest sleep between checks of the clock-driven round policy
 DRAIN_LIMIT = 256  # messages taken from one socket before the loop looks at the others

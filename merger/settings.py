@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import protocol
-from bus.security import Security
-from merger.replication_wire import ReplicationConfig
+from dloco import protocol
+from dloco.bus.security import Security
+from dloco.merger.config import SnapshotConfig
+from dloco.merger.replication_wire import ReplicationConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,10 +19,8 @@ class ServiceConfig:
     snapshot_endpoint: str  # PUB
     control_endpoint: str  # ROUTER
     sender: str = "merger"
-    snapshot_codec: str = "fp32"  # fp32 | bf16 | int8: full snapshots
-    snapshot_diff_codec: str = ""  # "" (off) or int8 | int4 | ...: publish each fold as a diff (protocol/downlink.py)
-    snapshot_full_every: int = 0  # with diffs: publish every N-th version of a fragment in full (0: never; catch-up covers gaps)
-    snapshot_every_round: float = 0.0  # a fragment's snapshot at most once per this many mean rounds of the islands (0: after every fold)
+    # the forms fragments go out in, and how often (merger/config.py)
+    snapshots: SnapshotConfig = SnapshotConfig()
     max_chunk_bytes: int = protocol.DEFAULT_MAX_CHUNK_BYTES
     fsync: str = "batch"
     checkpoint_every: int = 50  # folds between checkpoints

@@ -23,17 +23,30 @@ import time
 
 import zmq
 
-from bus.sockets import open_socket
-from merger import checkpoint, records
-from merger.core import MergerCore
-from merger.logmatch import genesis_id, genesis_of, newest_epoch, set_aside_from, terms_of
-from merger.recovery import checkpoint_dir, recover, wal_dir
-from merger.replication_wire import (DIGEST, FOLLOW, LEASE, RECORD, REFUSED, START, STORED, ReplicationConfig, ReplicationError,
-                                     decode, encode, fragment_digest, read_record)
-from merger.rundir import RunDirLock
-from merger.settings import ServiceConfig
-from merger.wal import WriteAheadLog
-from protocol.errors import DlocoError
+from dloco.bus.sockets import open_socket
+from dloco.merger import checkpoint, records
+from dloco.merger.core import MergerCore
+from dloco.merger.logmatch import genesis_id, genesis_of, newest_epoch, set_aside_from, terms_of
+from dloco.merger.recovery import checkpoint_dir, recover, wal_dir
+from dloco.merger.replication_wire import (
+    DIGEST,
+    FOLLOW,
+    LEASE,
+    RECORD,
+    REFUSED,
+    START,
+    STORED,
+    ReplicationConfig,
+    ReplicationError,
+    decode,
+    encode,
+    fragment_digest,
+    read_record,
+)
+from dloco.merger.rundir import RunDirLock
+from dloco.merger.settings import ServiceConfig
+from dloco.merger.wal import WriteAheadLog
+from dloco.protocol.errors import DlocoError
 
 POLL_MS = 50
 DRAIN_LIMIT = 256

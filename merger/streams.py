@@ -7,7 +7,7 @@ import time
 
 import zmq
 
-import protocol
+from dloco import protocol
 
 RESEND_S = 0.2  # how often missing stream messages are asked for again
 CURSOR_S = 1.0  # how often settled cursors are published even without a fold

@@ -46,8 +46,8 @@ from typing import Any
 
 import msgpack
 
-from protocol.checksum import crc32
-from protocol.errors import DlocoError
+from dloco.protocol.checksum import crc32
+from dloco.protocol.errors import DlocoError
 
 _HEADER = struct.Struct("<II")
 MAX_RECORD_BYTES = 1 << 31

@@ -7,13 +7,13 @@ this package is its reference implementation.
     message = protocol.decode(frames)      # raises protocol.ProtocolError, and nothing else
 """
 
-from protocol.chunking import DEFAULT_MAX_CHUNK_BYTES, ChunkPlan, model_fingerprint, split_fragment
-from protocol.error_feedback import compensate, quantize_with_feedback
-from protocol.errors import DlocoError, EncodeError, ProtocolError
-from protocol.fragments import partition
-from protocol.framing import decode, encode, peek_sender
-from protocol.limits import DEFAULT_LIMITS, Limits
-from protocol.messages import (
+from dloco.protocol.chunking import DEFAULT_MAX_CHUNK_BYTES, ChunkPlan, model_fingerprint, split_fragment
+from dloco.protocol.error_feedback import compensate, quantize_with_feedback
+from dloco.protocol.errors import DlocoError, EncodeError, ProtocolError
+from dloco.protocol.fragments import partition
+from dloco.protocol.framing import decode, encode, peek_sender
+from dloco.protocol.limits import DEFAULT_LIMITS, Limits
+from dloco.protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     STREAM_KINDS,
@@ -30,8 +30,8 @@ from protocol.messages import (
     SnapshotRequest,
     TensorSlice,
 )
-from protocol.quantization import CODEC_NAMES, DEFAULT_BLOCK, Codec, CodedTensor
-from protocol.reassembly import Assembled, Reassembler, message_key
+from dloco.protocol.quantization import CODEC_NAMES, DEFAULT_BLOCK, Codec, CodedTensor
+from dloco.protocol.reassembly import Assembled, Reassembler, message_key
 
 __all__ = [
     "CodedTensor",

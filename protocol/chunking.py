@@ -23,10 +23,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from protocol.errors import EncodeError
-from protocol.limits import DEFAULT_LIMITS, PATH, Limits
-from protocol.messages import TENSOR_DTYPES, TensorSlice
-from protocol.quantization import Codec
+from dloco.protocol.errors import EncodeError
+from dloco.protocol.limits import DEFAULT_LIMITS, PATH, Limits
+from dloco.protocol.messages import TENSOR_DTYPES, TensorSlice
+from dloco.protocol.quantization import Codec
 
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20
 # Header bytes kept for every field but `slices`: at their largest (identifiers of 64 characters,

@@ -21,11 +21,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from protocol.chunking import ChunkPlan, split_fragment
-from protocol.checksum import crc32
-from protocol.errors import EncodeError
-from protocol.quantization import Codec
-from protocol.reassembly import decode_slices
+from dloco.protocol.checksum import crc32
+from dloco.protocol.chunking import ChunkPlan, split_fragment
+from dloco.protocol.errors import EncodeError
+from dloco.protocol.quantization import Codec
+from dloco.protocol.reassembly import decode_slices
 
 # What a receiver makes of a snapshot (`receive`): adopt the value, ignore it, or ask again.
 ADOPT = frozenset({"full", "diff"})

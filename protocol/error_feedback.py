@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from protocol.quantization import Codec
+from dloco.protocol.quantization import Codec
 
 
 def quantize_with_feedback(delta_N: np.ndarray, residual_N: np.ndarray | None, codec: Codec) -> tuple[np.ndarray, np.ndarray]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from protocol.errors import EncodeError
+from dloco.protocol.errors import EncodeError
 
 
 def partition(shapes: Mapping[str, tuple[int, ...]], fragments: int) -> list[list[str]]:

@@ -17,11 +17,10 @@ from typing import Any
 
 import msgpack
 
-from protocol.checksum import crc32
-from protocol.errors import EncodeError, ProtocolError
-from protocol.limits import DEFAULT_LIMITS, IDENT, MAX_TOPIC_BYTES, PATH, REASON, Limits
-from protocol.shards import MAX_SHARDS
-from protocol.messages import (
+from dloco.protocol.checksum import crc32
+from dloco.protocol.errors import EncodeError, ProtocolError
+from dloco.protocol.limits import DEFAULT_LIMITS, IDENT, MAX_TOPIC_BYTES, PATH, REASON, Limits
+from dloco.protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     TENSOR_DTYPES,
@@ -37,7 +36,8 @@ from protocol.messages import (
     SnapshotRequest,
     TensorSlice,
 )
-from protocol.quantization import CODEC_NAMES, Codec
+from dloco.protocol.quantization import CODEC_NAMES, Codec
+from dloco.protocol.shards import MAX_SHARDS
 
 _U64 = 1 << 64
 OPTIONAL_FIELDS = frozenset({"base_version", "digest"})  # of a snapshot: left out of the header when None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from protocol.errors import EncodeError
+from dloco.protocol.errors import EncodeError
 
 IDENT = re.compile(r"[A-Za-z0-9._:@-]+")  # sender, region, role, model, target, island, codec, dtype
 PATH = re.compile(r"[A-Za-z0-9._:@/\[\]-]+")  # tensor paths

@@ -15,7 +15,7 @@ import enum
 import math
 from typing import ClassVar, Union
 
-from protocol.quantization import Codec
+from dloco.protocol.quantization import Codec
 
 PROTOCOL_VERSION = 3  # 2: snapshots may be diffs (base_version, digest); 3: a stream per merger shard (heartbeat.stream, topics end in /)
 

@@ -33,8 +33,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from protocol import sparse
-from protocol.errors import EncodeError, ProtocolError
+from dloco.protocol import sparse
+from dloco.protocol.errors import EncodeError, ProtocolError
 
 CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "int2", *sparse.SPARSE_BITS)
 DEFAULT_BLOCK = 256

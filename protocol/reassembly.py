@@ -22,9 +22,9 @@ from typing import Any, Union
 
 import numpy as np
 
-from protocol.errors import EncodeError, ProtocolError
-from protocol.messages import DeltaChunk, SnapshotChunk, TensorSlice
-from protocol.quantization import Codec, CodedTensor
+from dloco.protocol.errors import EncodeError, ProtocolError
+from dloco.protocol.messages import DeltaChunk, SnapshotChunk, TensorSlice
+from dloco.protocol.quantization import Codec, CodedTensor
 
 Chunk = Union[DeltaChunk, SnapshotChunk]
 # Charged per chunk and per slice on top of payload bytes: measured Python object sizes, rounded up.

@@ -4,9 +4,11 @@ ZeroMQ filter by fragment at the publisher and the broker."""
 
 from __future__ import annotations
 
-from protocol.errors import ConfigError
+from dloco.protocol.errors import ConfigError
 
 MAX_SHARDS = 1024  # Heartbeat.stream is below this
+# P, the fragments a model is cut into, where neither side is told (islands and mergers must agree)
+DEFAULT_FRAGMENTS = 4
 
 
 def shard_of(fragment: int, shards: int) -> int:

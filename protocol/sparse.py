@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocol.errors import EncodeError, ProtocolError
+from dloco.protocol.errors import EncodeError, ProtocolError
 
 SPARSE_BITS = {"topk2": 2, "topk4": 4}
 KEEP_EVERY = 32  # one value kept per this many: 3.125 %

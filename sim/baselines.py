@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from protocol import Codec
-from sim.engine import wire_bytes
-from sim.scenario import Scenario
+from dloco.protocol import Codec
+from dloco.sim.engine import wire_bytes
+from dloco.sim.scenario import Scenario
 
 BF16_BYTES = 2
 

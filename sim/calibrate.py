@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-import protocol
-from analysis.runinfo import RunCluster, RunDirError, merger_folds, read_events
-from sim.engine import simulate
-from sim.scenario import Island, Link, Scenario
+from dloco import protocol
+from dloco.analysis.runinfo import RunDirError, merger_folds, read_events
+from dloco.cluster.records import RunCluster
+from dloco.sim.engine import simulate
+from dloco.sim.scenario import Island, Link, Scenario
 
 TOLERANCE = 0.15
 
@@ -29,7 +30,7 @@ def load_run(run_dir: Path, config: Path | None = None) -> tuple[Scenario, dict]
     """(the scenario of a finished run, what was measured in it)."""
     run_dir = Path(run_dir)
     if config is not None:
-        from cluster.config import load
+        from dloco.cluster.config import load
 
         cluster = RunCluster.of(load(config))
     else:

@@ -7,8 +7,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from cliargs import float_at_least, int_at_least
-from protocol.errors import DlocoError
+from dloco.cliargs import float_at_least, int_at_least
+from dloco.protocol.errors import DlocoError
 
 PRESETS = ("seed", "seed-every-fold")
 
@@ -39,7 +39,7 @@ def add_parser(commands) -> None:
 
 
 def scenario_of(args):
-    from sim import presets, scenario
+    from dloco.sim import presets, scenario
 
     s = scenario.load(args.scenario) if args.scenario is not None else presets.seed(held=args.preset == "seed")
     if args.hours is not None:
@@ -52,11 +52,11 @@ def scenario_of(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim import plan
+    from dloco.sim import plan
 
     try:
         if args.calibrate is not None:
-            from sim import calibrate
+            from dloco.sim import calibrate
 
             result = calibrate.calibrate(args.calibrate, args.config)
             print(calibrate.to_json(result) if args.json else calibrate.markdown(result, args.calibrate))
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(plan.markdown(report, target))
         if args.plots is not None:
-            from sim import plots
+            from dloco.sim import plots
 
             for path in plots.write(s, args.plots, progress=lambda line: print(f"dloco plan: {line}", file=sys.stderr)):
                 print(f"dloco plan: wrote {path}", file=sys.stderr)

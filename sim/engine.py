@@ -28,18 +28,19 @@ import random
 
 import numpy as np
 
-from island.exchange import due_offset
-from island.outbox import Outbox, PendingDelta
-from island.shaper import LinkShaper
-from merger.admission import Candidate
-from merger.core import MergerCore
-from merger.round_policy import snapshot_due
-from protocol import Codec, model_fingerprint
-from sim.scenario import Scenario
+from dloco.island.config import SyncConfig
+from dloco.island.exchange import due_offset
+from dloco.island.outbox import Outbox, PendingDelta
+from dloco.island.shaper import LinkShaper
+from dloco.merger.admission import Candidate
+from dloco.merger.core import MergerCore
+from dloco.merger.round_policy import snapshot_due
+from dloco.protocol import Codec, model_fingerprint
+from dloco.sim.scenario import Scenario
 
 CHUNK_HEADER_BYTES = 300  # msgpack header and frame overhead per chunk (measured: protocol.encode of a delta chunk)
 PRUNE_EVERY = 4096  # published snapshots per fragment between prunings of those every island has seen
-CHUNK_BYTES = 1 << 20  # payload bytes per chunk (SyncConfig.chunk_bytes, protocol.DEFAULT_MAX_CHUNK_BYTES)
+CHUNK_BYTES = SyncConfig.chunk_bytes  # payload bytes per chunk
 
 
 def wire_bytes(values: int, codec: Codec) -> int:

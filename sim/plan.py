@@ -8,9 +8,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from sim.baselines import SyncResult, needed_bps, sync_diloco, sync_dp
-from sim.engine import SimResult, simulate
-from sim.scenario import Scenario
+from dloco.sim.baselines import SyncResult, needed_bps, sync_diloco, sync_dp
+from dloco.sim.engine import SimResult, simulate
+from dloco.sim.scenario import Scenario
 
 TARGET_ROUNDS = 20  # --target-util simulates this many rounds of the slowest island per probe (or the scenario's length if shorter)
 BYTES_PER_VALUE_MERGER = 4 + 4 + 4  # the merger's fp32 value, its Nesterov momentum, and the last served value (diff snapshots)
@@ -81,7 +81,7 @@ def target_util(s: Scenario, target: float) -> dict:
 
 
 def require_target(target: float) -> None:
-    from protocol.errors import require
+    from dloco.protocol.errors import require
     require(0 < target < 1, f"--target-util must be in (0, 1), got {target}")
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.baselines import sync_diloco, sync_dp
-from sim.engine import simulate
-from sim.plan import TARGET_ROUNDS
-from sim.scenario import Scenario
+from dloco.sim.baselines import sync_diloco, sync_dp
+from dloco.sim.engine import simulate
+from dloco.sim.plan import TARGET_ROUNDS
+from dloco.sim.scenario import Scenario
 
 DOWN_S = 600.0  # a failed island's downtime in the goodput sweep
 

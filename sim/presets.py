@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from cluster.config import MergerSection
-from sim.chips import CHIPS
-from sim.scenario import Island, Link, Scenario, step_seconds
-
+from dloco.cluster.config import MergerSection
+from dloco.sim.chips import CHIPS
+from dloco.sim.scenario import Island, Link, Scenario, step_seconds
 
 SEED_PARAMS = 12_000_000_000
 SEED_TOKENS_PER_STEP = 512 * 2048  # per island: 512 sequences of 2,048 tokens (assumed; the paper's batch is not in DESIGN.md)

@@ -13,11 +13,11 @@ import random
 import tomllib
 from pathlib import Path
 
-from cluster.config import MergerSection
-from merger.config import MergerConfig, SnapshotConfig
-from protocol import CODEC_NAMES
-from sim.chips import CHIPS
-from protocol.errors import ConfigError, require
+from dloco.cluster.config import MergerSection
+from dloco.merger.config import MergerConfig, SnapshotConfig
+from dloco.protocol import CODEC_NAMES
+from dloco.protocol.errors import ConfigError, require
+from dloco.sim.chips import CHIPS
 
 # The merger's fold throughput when nothing better is known: coded delta bytes folded per second by
 # one fold worker, as `dloco bench merger` measures it on a 2-core CPU machine (BENCHMARKS.md).

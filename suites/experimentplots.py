@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from suites.suiteresults import RunResult
+from dloco.suites.suiteresults import RunResult
 
 
 def plot(name: str, results: list[RunResult], out_dir: Path) -> list[Path]:

@@ -29,14 +29,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from analysis.runinfo import read_events
-from cluster import config as cluster_config
-from cluster import cpuquota
-from cluster.chaos import ChaosEvent
-from cluster.config import ClusterConfig, ModelSection
-from protocol.errors import ConfigError, DlocoError
-from suites import speedup, wirebytes
-from suites.suiteresults import RunResult, cluster_tokens, collect, measure_global, summarize
+from dloco.analysis.runinfo import read_events
+from dloco.cluster import config as cluster_config
+from dloco.cluster import cpuquota
+from dloco.cluster.chaos import ChaosEvent
+from dloco.cluster.config import ClusterConfig, ModelSection
+from dloco.protocol.errors import ConfigError, DlocoError
+from dloco.suites import speedup, wirebytes
+from dloco.suites.suiteresults import RunResult, cluster_tokens, collect, measure_global, summarize
 
 Transform = Callable[[ClusterConfig], ClusterConfig]
 
@@ -240,7 +240,7 @@ def run_suite(name: str, out_dir: Path, quick: bool = False, config_path: Path |
     default, or bounded by work: `steps` per island (QUICK_STEPS with `quick`), `seconds` then their
     limit.  With `reuse` (earlier suites' OUT folders), run nothing: tabulate the runs found there,
     one table (repeats labelled #1, #2, ... by folder).  Returns the Markdown and each run's results."""
-    from cluster import launcher
+    from dloco.cluster import launcher
 
     if name not in SUITES:
         raise ConfigError(f"unknown experiment {name!r}; suites: {', '.join(SUITES)}")
@@ -304,7 +304,7 @@ def _tabulate(name: str, description: str, configs: list[tuple[str, ClusterConfi
     """run_suite over earlier runs: OUT/<name>/<label> of each folder in `reuse`, for each run of the
     suite found there (their exit status and length: report.md's; 0 when every process exited 0).
     The model comes from the suite's configuration: tabulate --quick runs with --quick."""
-    from analysis.report import read_exit_codes
+    from dloco.analysis.report import read_exit_codes
 
     results = []
     for k, folder in enumerate(reuse, 1):
@@ -331,7 +331,7 @@ def _tabulate(name: str, description: str, configs: list[tuple[str, ClusterConfi
 
 def _write_up(name: str, description: str, results: list[RunResult], command: str, seconds: float, out_dir: Path, log) -> str:
     """The suite's Markdown (OUT/<name>.md) and plots (OUT/experiments/), after the merger's model is measured."""
-    from suites.experimentplots import plot
+    from dloco.suites.experimentplots import plot
 
     log(f"dloco experiment {name}: evaluating the merger's model during each run (replaying its log)")
     measure_global(results, log=log)

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.runinfo import chaos_effects, last_step, lives, read_metrics
-from cluster.config import ClusterConfig
-from protocol.errors import DlocoError
-from suites import speedup, wirebytes
+from dloco.analysis.runinfo import chaos_effects, last_step, lives, read_metrics
+from dloco.cluster.config import ClusterConfig
+from dloco.cluster.records import run_task
+from dloco.protocol.errors import DlocoError
+from dloco.suites import speedup, wirebytes
 
 # The merger's model is evaluated at this many moments of each run, and at equal cluster tokens
 # (measure_global: one replay of the merger's log and ~1 s per evaluation, after the runs).
@@ -37,10 +38,10 @@ class RunResult:
 
 def collect(label: str, config: ClusterConfig, run_dir: Path, code: int) -> RunResult:
     """A finished run's results, read from its directory."""
-    from analysis.report import global_eval
+    from dloco.analysis.report import global_eval
 
     evals, last = read_islands([r.name for r in config.regions], run_dir)
-    before, after = global_eval(config, run_dir)
+    before, after = global_eval(run_task(config), run_dir)
     return RunResult(label, config, code, before["loss"], after and after["loss"], evals, last, chaos_effects(run_dir, [r.name for r in config.regions]), run_dir)
 
 
@@ -70,7 +71,7 @@ def measure_global(results: list[RunResult], points: int = GLOBAL_POINTS, log=la
 
 def _measure_global_run(r: RunResult, equal: int, points: int) -> None:
     """measure_global for one run (raises when its merger's log cannot be replayed faithfully)."""
-    from analysis.globalmodel import Evaluator, cluster_tokens_at, states_at, when_cluster_reached
+    from dloco.analysis.globalmodel import Evaluator, cluster_tokens_at, states_at, when_cluster_reached
 
     steps = {name: lives([e for e in read_metrics(r.run_dir / "metrics" / f"{name}.jsonl") if "step" in e and "wall" in e])
              for name in r.last}
@@ -80,7 +81,7 @@ def _measure_global_run(r: RunResult, equal: int, points: int) -> None:
     began, ended = walls[0], walls[-1]
     moments = [began + (ended - began) * k / points for k in range(1, points + 1)]
     reached = when_cluster_reached(steps, equal)
-    evaluator = Evaluator(r.config, r.run_dir)
+    evaluator = Evaluator(run_task(r.config), r.run_dir)
     params = states_at(r.run_dir, moments + [reached if reached is not None else ended])
     # before the merger's first fold its model is the initial one (global_before)
     losses = [r.global_before if p is None else evaluator.loss(p) for p in params]

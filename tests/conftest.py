@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-import protocol
+from dloco import protocol
 
 
 def make_fragment(seed: int = 0, scale: float = 1e-2) -> dict[str, np.ndarray]:

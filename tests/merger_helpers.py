@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import protocol
+from dloco import protocol
 
 SHAPES = {"embed/table": (64, 16), "blocks/0/mlp/kernel": (16, 48), "blocks/0/mlp/bias": (48,), "head/kernel": (16, 64)}
 

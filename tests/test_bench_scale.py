@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import scale
-from benchmarks.scale_island import unique_nbytes
-from benchmarks.scale_model import bytes_per_param, count, depth_for, model_shapes, parse_sizes
-from protocol.errors import ConfigError
+from dloco.benchmarks import scale
+from dloco.benchmarks.scale_island import unique_nbytes
+from dloco.benchmarks.scale_model import bytes_per_param, count, depth_for, model_shapes, parse_sizes
+from dloco.protocol.errors import ConfigError
 
 
 def test_sizes_read_as_the_command_line_writes_them():

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-import protocol
-from bus.security import Identity, create_keys, make_client, write_allow_list
+from dloco import protocol
+from dloco.bus.security import Identity, create_keys, make_client, write_allow_list
 from tests.test_merger_process import free_ports
 
 
@@ -126,7 +126,7 @@ def test_curve_admits_listed_keys_only_and_logs_refusals(tmp_path, context):
 
 
 def test_the_allow_list_is_read_by_role_and_its_mistakes_are_named(tmp_path):
-    from bus.security import ConfigError, load_allow_list
+    from dloco.bus.security import ConfigError, load_allow_list
 
     keys, allow = tmp_path / "keys", tmp_path / "allow"
     made = subprocess.run([sys.executable, "-m", "dloco", "keys", str(keys), "island-0", "island-1", "--allow", str(allow), "--role", "island"],

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from island import bytelm
-from island.config import MODEL_SIZES, ModelConfig
-from island.model import ByteLM
-from island.task import TaskContext, TaskError, build
+from dloco.island import bytelm
+from dloco.island.config import MODEL_SIZES, ModelConfig
+from dloco.island.model import ByteLM
+from dloco.island.task import TaskContext, TaskError, build
 
 
 def parameters(config: ModelConfig) -> tuple[int, int]:
@@ -46,32 +46,32 @@ def test_the_builtin_task_refuses_unknown_options_and_gives_what_the_contract_as
     (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 400)
     context = TaskContext(island_index=1, islands=2, seed=0, batch=4, max_steps=10,
                           options={"corpus": str(tmp_path / "text.txt"), "width": 16, "depth": 1, "heads": 2, "context": 8, "eval_batches": 2})
-    task = build("island.bytelm:task", context)
+    task = build("dloco.island.bytelm:task", context)
     batch = next(task.batches)
     assert batch.shape == (4, 9) and len(task.eval_batches) == 2 and task.tokens_in(batch) == 32
     assert set(task.metrics(task.model, batch)) == {"accuracy"}
     with pytest.raises(TaskError, match="has no options \\['colour'\\]"):
-        build("island.bytelm:task", TaskContext(0, 1, 0, 4, 10, {"colour": "red"}))
+        build("dloco.island.bytelm:task", TaskContext(0, 1, 0, 4, 10, {"colour": "red"}))
 
 
 def test_too_little_held_out_data_and_bad_counts_are_refused_by_name(tmp_path):
-    from island import data
+    from dloco.island import data
 
     (tmp_path / "small.txt").write_text("x" * 12_000)  # 12,001 tokens with the newline after the file; 5 % held out: 601
     with pytest.raises(data.CorpusError, match="the eval split holds 601 tokens, fewer than one sequence of 1025"):
-        build("island.bytelm:task", TaskContext(0, 1, 0, 2, 10, {"corpus": str(tmp_path / "small.txt"), "context": 1024, "width": 16,
+        build("dloco.island.bytelm:task", TaskContext(0, 1, 0, 2, 10, {"corpus": str(tmp_path / "small.txt"), "context": 1024, "width": 16,
                                                                   "depth": 1, "heads": 2}))
     for options, message in (({"eval_batches": 0}, "eval_batches must be a positive int"), ({"corpus": 2024}, "corpus must be a path")):
         with pytest.raises(TaskError, match=message):
-            build("island.bytelm:task", TaskContext(0, 1, 0, 2, 10, {"corpus": str(tmp_path / "small.txt"), "context": 8, **options}))
+            build("dloco.island.bytelm:task", TaskContext(0, 1, 0, 2, 10, {"corpus": str(tmp_path / "small.txt"), "context": 8, **options}))
 
 
 def test_parameters_keep_their_dtype_when_the_merger_sets_them():
     """float32 on the wire; a bf16 parameter stays bf16 in the model (no silent doubling, no recompiling)."""
     import jax.numpy as jnp
 
-    from island.config import TrainConfig
-    from island.train import Trainer
+    from dloco.island.config import TrainConfig
+    from dloco.island.train import Trainer
 
     model = nnx.Linear(4, 2, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
     trainer = Trainer(model, lambda m, b: (m(b) ** 2).mean(), TrainConfig(batch=2))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from cluster import chaos, config
-from cluster.chaos import ChaosEvent
-from protocol.errors import ConfigError
+from dloco.analysis import chaoseffects
+from dloco.cluster import chaos, config
+from dloco.cluster.chaos import ChaosEvent
+from dloco.protocol.errors import ConfigError
 
 
 def test_schedules_parse_in_time_order_and_bad_ones_name_the_event():
@@ -95,7 +96,7 @@ def test_effects_compare_rates_and_folds_around_each_event():
     folds = [(95.0, ("a",)), (97.0, ("b",)), (104.0, ("b", "c")), (123.0, ("b",)), (126.0, ("a",))]
     executed = [{"wall": 100.0, "action": "kill", "target": "a", "at_s": 20.0},
                 {"wall": 120.0, "action": "restart", "target": "a", "at_s": 40.0}]
-    kill, restart = chaos.effects(executed, steps, joins, folds, window_s=10.0)
+    kill, restart = chaoseffects.effects(executed, steps, joins, folds, window_s=10.0)
     # kill at 100: before = [90, 100), after = [100, 110)
     assert kill["others"]["b"] == {"before": 2.0, "after": 2.0, "ratio": 1.0}
     assert kill["others"]["c"] == {"before": 1.0, "after": 0.5, "ratio": 0.5}
@@ -110,5 +111,5 @@ def test_effects_compare_rates_and_folds_around_each_event():
     assert restart["rejoined_s"] == 1.0 and restart["first_fold_s"] == 6.0
     # a merger restart reports the time to the next fold; the after-window stops at the next event
     executed = [{"wall": 100.0, "action": "restart", "target": "merger", "at_s": 1.0}, {"wall": 104.0, "action": "kill", "target": "b", "at_s": 5.0}]
-    merger, _ = chaos.effects(executed, steps, joins, folds, window_s=10.0)
+    merger, _ = chaoseffects.effects(executed, steps, joins, folds, window_s=10.0)
     assert merger["first_fold_s"] == 4.0 and merger["window_s"] == (10.0, 4.0) and merger["folds_after"] == 0

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import protocol
-from protocol import Codec, EncodeError, Reassembler, decode, encode
-from protocol.chunking import HEADER_RESERVE_BYTES, slice_header_bound
-from protocol.sparse import SPARSE_BITS
+from dloco import protocol
+from dloco.protocol import Codec, EncodeError, Reassembler, decode, encode
+from dloco.protocol.chunking import HEADER_RESERVE_BYTES, slice_header_bound
+from dloco.protocol.sparse import SPARSE_BITS
 
 U64_MAX = (1 << 64) - 1
 

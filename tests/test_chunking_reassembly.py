@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import protocol
-from protocol import Codec, ProtocolError, Reassembler, decode, encode, message_key
-from protocol.reassembly import CHUNK_OVERHEAD_BYTES, SLICE_OVERHEAD_BYTES
+from dloco import protocol
+from dloco.protocol import Codec, ProtocolError, Reassembler, decode, encode, message_key
+from dloco.protocol.reassembly import CHUNK_OVERHEAD_BYTES, SLICE_OVERHEAD_BYTES
 from tests.conftest import delta_messages, make_fragment
 
 FRAGMENT = make_fragment()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import protocol
+from dloco import protocol
 
 
 def dloco(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

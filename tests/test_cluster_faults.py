@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from analysis.runinfo import chaos_effects, merger_folds, read_events, read_metrics, wall
+from dloco.analysis.runinfo import chaos_effects, merger_folds, read_events, read_metrics, wall
 from tests.cluster_helpers import small_profile
 
 STEPS = 200

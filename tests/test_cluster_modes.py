@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from analysis.runinfo import merger_folds, read_events
-from cluster import config, topology
-from protocol.errors import ConfigError
+from dloco.analysis.runinfo import merger_folds, read_events
+from dloco.cluster import config, topology
+from dloco.protocol.errors import ConfigError
 from tests.cluster_helpers import small_profile
 
 STEPS = 60

@@ -4,11 +4,11 @@ test_compose.py (the compose file's services)."""
 
 from __future__ import annotations
 
-
 import pytest
 
-from cluster import config
-from protocol.errors import ConfigError
+from dloco.cluster import config
+from dloco.protocol.errors import ConfigError
+
 
 def test_cluster_files_are_checked(tmp_path):
     default = config.load()
@@ -41,7 +41,7 @@ def test_cluster_files_are_checked(tmp_path):
 
 
 def test_flush_on_leave_and_eval_trace_reach_the_islands(tmp_path):
-    from cluster import topology
+    from dloco.cluster import topology
 
     path = tmp_path / "c.toml"
     path.write_text("[run]\neval_trace = 12\n[sync]\nflush_on_leave = true\n[[regions]]\nname = 'a'\n")
@@ -56,9 +56,9 @@ def test_every_setting_of_the_cluster_file_reaches_the_processes():
     lines parse from topology's arguments: for the shipped profile, each mode and every suite's runs."""
     import dataclasses
 
-    from cluster import topology
     from dloco.cli import build_parser
-    from suites import experiments
+    from dloco.cluster import topology
+    from dloco.suites import experiments
 
     parser, default = build_parser(), config.load()
     clusters = [default.with_mode(mode) for mode in config.MODES]
@@ -89,9 +89,9 @@ def test_every_setting_of_the_cluster_file_reaches_the_processes():
 def test_the_model_section_names_a_task_and_its_options_reach_the_islands(tmp_path):
     """[model] task: a relative PATH.py is the cluster file's neighbour; [task] pairs become
     --task-option; the built-in LM's keys are refused for another task; sizes are checked."""
-    from cluster import topology
     from dloco.cli import build_parser
-    from island.main import task_options
+    from dloco.cluster import topology
+    from dloco.island.main import task_options
 
     (tmp_path / "sub").mkdir()
     path = tmp_path / "sub" / "c.toml"
@@ -116,7 +116,7 @@ def test_the_model_section_names_a_task_and_its_options_reach_the_islands(tmp_pa
 
 
 def test_compose_mounts_the_task_file_from_the_cluster_files_folder(tmp_path):
-    from cluster import compose
+    from dloco.cluster import compose
 
     (tmp_path / "c.toml").write_text("[model]\ntask = 'mine.py:build'\n[[regions]]\nname = 'a'\n")
     rendered = compose.render(config.load(tmp_path / "c.toml"), "conf/c.toml", tmp_path)

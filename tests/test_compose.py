@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import compose, config
-from protocol.errors import ConfigError
+from dloco.cluster import compose, config
+from dloco.protocol.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -54,7 +54,7 @@ def test_the_monitoring_profile_scrapes_every_process_and_charts_only_metrics_th
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from telemetry import prom
+    from dloco.telemetry import prom
 
     data = yaml.safe_load(COMPOSE_FILE.read_text())
     scrape = yaml.safe_load(data["configs"]["prometheus"]["content"])["scrape_configs"]
@@ -108,7 +108,7 @@ def test_services_become_local_processes(tmp_path):
 
 
 def test_probe_reports_what_is_unhealthy(tmp_path):
-    from cluster.ports import free_ports
+    from dloco.cluster.ports import free_ports
 
     fresh = tmp_path / "metrics.jsonl"
     fresh.write_text("{}\n")

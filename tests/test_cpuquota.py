@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from analysis.report import read_exit_codes
-from analysis.runinfo import read_events
-from cluster import compose, config, cpuquota, topology
-from cluster.cpuquota import Controller, CpuQuotaError, find_controller, quota_us
-from island.cpugroup import CpuGroup, CpuGroupError
-from protocol.errors import ConfigError
+from dloco.analysis.report import read_exit_codes
+from dloco.analysis.runinfo import read_events
+from dloco.cluster import compose, config, cpuquota, topology
+from dloco.cluster.cpuquota import Controller, CpuQuotaError, find_controller, quota_us
+from dloco.island.cpugroup import CpuGroup, CpuGroupError
+from dloco.protocol.errors import ConfigError
 from tests.cluster_helpers import small_profile
 
 V1 = """\
@@ -139,7 +139,7 @@ needs_cgroups = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no CPU quot
 BURNER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from island.cpugroup import CpuGroup
+    from dloco.island.cpugroup import CpuGroup
     group = CpuGroup(Path(sys.argv[1]))
     group.join()
     began_cpu, began = time.process_time(), time.monotonic()

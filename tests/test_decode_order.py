@@ -9,8 +9,8 @@ import msgpack
 import numpy as np
 import pytest
 
-import protocol
-from protocol import Codec
+from dloco import protocol
+from dloco.protocol import Codec
 from tests.conftest import delta_messages, header_of, make_fragment, one_of_each_kind, reason_of, with_header
 
 BIG_HEADERS = protocol.Limits(max_header_bytes=1 << 20)

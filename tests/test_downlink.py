@@ -9,8 +9,8 @@ import zlib
 import numpy as np
 import pytest
 
-import protocol
-from protocol import downlink
+from dloco import protocol
+from dloco.protocol import downlink
 
 F32 = np.float32
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from protocol import Codec, compensate, quantize_with_feedback
+from dloco.protocol import Codec, compensate, quantize_with_feedback
 
 
 @pytest.mark.parametrize("name", ["int8", "int4", "int2"])

@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from cluster import config
-from suites import experiments, suiteresults
-from suites.suiteresults import RunResult
+from dloco.cluster import config
+from dloco.suites import experiments, suiteresults
+from dloco.suites.suiteresults import RunResult
 
 
 def result(label, evals, last, mode="decoupled"):
@@ -128,7 +128,7 @@ def test_sync_dp_is_extrapolated_from_its_loss_per_step_at_full_speed_and_its_ti
     mean island loss is 4.0, 3.0, 2.0 at steps 10, 20, 30 (islands a and b: 4.2/3.8, 3.0/3.0, 2.1/1.9).
     The decoupled run's final loss is its best island's last evaluation, 2.5 (a's 2.5 at 40 s; b ends at
     2.8), reached at 40 s; sync-dp gets there at step 25 (halfway from 3.0 to 2.0): 250 s, 6.2x."""
-    from suites import speedup
+    from dloco.suites import speedup
 
     emulated = {"a": [{"step": 1, "since_start": 0.0, "eval_loss": 5.0}, {"step": 3, "since_start": 20.0, "eval_loss": 4.5}]}
     full = {"a": [{"step": s, "since_start": s / 10, "eval_loss": x} for s, x in ((10, 4.2), (20, 3.0), (30, 2.1))],
@@ -161,7 +161,7 @@ def test_the_full_speed_sync_dp_run_trains_the_decoupled_runs_cluster_tokens():
 
 
 def test_the_bytes_suite_tabulates_up_down_quality_and_its_goals():
-    from suites import wirebytes
+    from dloco.suites import wirebytes
 
     def run(label, up, down, values, curve, util):
         r = result(label, {"a": [{"since_start": 1, "tokens": 1000, "eval_loss": 3.0}]},

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from analysis.runinfo import read_events, read_metrics
-from suites import experiments, suiteresults
+from dloco.analysis.runinfo import read_events, read_metrics
+from dloco.suites import experiments, suiteresults
 
 pytestmark = [pytest.mark.experiments, pytest.mark.timeout(1800)]
 FAST = ("us-east", "us-west")  # the shipped profile's full-speed islands

@@ -19,23 +19,24 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, safe_open
 
-import protocol
-from analysis import export, sampling
-from analysis.globalmodel import build_task
-from analysis.report import read_exit_codes
-from analysis.runinfo import RunDirError, RunTask
-from cluster import config as cluster_config
+from dloco import protocol
+from dloco.analysis import export, sampling
+from dloco.analysis.globalmodel import build_task
+from dloco.analysis.report import read_exit_codes
+from dloco.analysis.runinfo import RunDirError, RunTask
 from dloco.cli import main
-from island import bytelm, tokenizing
-from island.config import ModelConfig
-from island.model import ByteLM
-from island.task import TaskError
-from island.train import assign, flat_params
-from merger import checkpoint
-from merger.config import MergeConfig, MergerConfig
-from merger.core import MergerCore
-from merger.recovery import checkpoint_dir, wal_dir
-from merger.wal import WriteAheadLog
+from dloco.cluster import config as cluster_config
+from dloco.cluster.records import run_task
+from dloco.island import bytelm, tokenizing
+from dloco.island.config import ModelConfig
+from dloco.island.model import ByteLM
+from dloco.island.task import TaskError
+from dloco.island.train import assign, flat_params
+from dloco.merger import checkpoint
+from dloco.merger.config import MergeConfig, MergerConfig
+from dloco.merger.core import MergerCore
+from dloco.merger.recovery import checkpoint_dir, wal_dir
+from dloco.merger.wal import WriteAheadLog
 from tests.merger_helpers import assemble, delta_chunks
 
 CODE = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n"
@@ -57,7 +58,7 @@ def run(tmp_path_factory):
     config = cluster_config.load(cluster_file(root, corpus))
     run_dir = root / "run"
     run_dir.mkdir()
-    task = RunTask.of(config)
+    task = run_task(config)
     task.write(run_dir)
     params = flat_params(build_task(task).model)
     np.savez(run_dir / "init.npz", **params)
@@ -99,10 +100,10 @@ def test_a_checkpoints_content_becomes_flat_float32_parameters_byte_for_byte():
 
 def test_the_metadata_names_the_run_the_checkpoint_and_the_task():
     model = export.GlobalModel({"a": np.zeros((2, 3), np.float32), "b": np.zeros(4, np.float32)}, 57, (3, 2), "abc")
-    task = RunTask("island.bytelm:task", {"width": 32, "corpus": "/c"}, seed=7, batch=8, islands=2)
+    task = RunTask("dloco.island.bytelm:task", {"width": 32, "corpus": "/c"}, seed=7, batch=8, islands=2)
     assert export.metadata(Path("/runs/x"), model, task) == {
         "format": "dloco-global-model/1", "run_dir": "/runs/x", "checkpoint": "57", "digest": "abc", "fragment_versions": "[3, 2]",
-        "parameters": "10", "task": "island.bytelm:task", "task_options": '{"corpus": "/c", "width": 32}', "seed": "7"}
+        "parameters": "10", "task": "dloco.island.bytelm:task", "task_options": '{"corpus": "/c", "width": 32}', "seed": "7"}
 
 
 def test_the_run_task_record_reads_back_and_a_bad_one_is_named(tmp_path):
@@ -191,7 +192,7 @@ def test_export_writes_the_latest_checkpoint_bit_for_bit_with_its_metadata(run, 
     with safe_open(str(out), "np") as handle:
         meta = handle.metadata()
     assert meta["checkpoint"] == str(int(run.checkpoints[-1].stem)) and json.loads(meta["fragment_versions"]) == run.versions
-    assert meta["task"] == "island.bytelm:task" and json.loads(meta["task_options"])["width"] == 32
+    assert meta["task"] == "dloco.island.bytelm:task" and json.loads(meta["task_options"])["width"] == 32
     assert meta["parameters"] == str(sum(a.size for a in run.init.values())) and meta["run_dir"] == str(run.dir.resolve())
     assert not [p for p in tmp_path.iterdir() if p.name != "model.safetensors"]  # no temporary file left
     umask = os.umask(0)

@@ -10,8 +10,8 @@ import msgpack
 import numpy as np
 import pytest
 
-import protocol
-from protocol import Codec, decode, encode
+from dloco import protocol
+from dloco.protocol import Codec, decode, encode
 from tests.conftest import delta_messages, header_of, make_fragment, one_of_each_kind, reason_of, with_header
 
 
@@ -66,7 +66,7 @@ def test_payloads_are_zero_copy_both_ways(fragment):
 
 
 def test_protocol_imports_neither_zmq_nor_jax():
-    code = "import sys, protocol; bad = {'zmq', 'jax', 'flax'} & set(sys.modules); assert not bad, bad"
+    code = "import sys, dloco.protocol; bad = {'zmq', 'jax', 'flax'} & set(sys.modules); assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -207,7 +207,7 @@ def test_the_checksum_is_zlibs_crc32_by_isal():
     """protocol.checksum.crc32: the same values and chaining as zlib's, from ISA-L (a dependency)."""
     import zlib
 
-    from protocol import checksum
+    from dloco.protocol import checksum
 
     data = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
     assert checksum.crc32(b"123456789") == 0xCBF43926  # the check value PROTOCOL.md §3.4 names

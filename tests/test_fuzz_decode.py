@@ -13,7 +13,7 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol import ProtocolError, decode, encode
+from dloco.protocol import ProtocolError, decode, encode
 from tests.conftest import one_of_each_kind
 
 VALID = [[bytes(f) for f in encode(m)] for m in one_of_each_kind()]

@@ -9,13 +9,13 @@ import json
 import numpy as np
 import pytest
 
-import protocol
-from analysis.globalmodel import cluster_tokens_at, states_at, when_cluster_reached
-from merger import checkpoint
-from merger.config import MergeConfig, MergerConfig
-from merger.core import MergerCore, ReplayError
-from merger.recovery import checkpoint_dir, wal_dir
-from merger.wal import WriteAheadLog
+from dloco import protocol
+from dloco.analysis.globalmodel import cluster_tokens_at, states_at, when_cluster_reached
+from dloco.merger import checkpoint
+from dloco.merger.config import MergeConfig, MergerConfig
+from dloco.merger.core import MergerCore, ReplayError
+from dloco.merger.recovery import checkpoint_dir, wal_dir
+from dloco.merger.wal import WriteAheadLog
 from tests.merger_helpers import assemble, delta_chunks, initial_params
 
 

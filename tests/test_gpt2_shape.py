@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_the_124m_preset_runs_through_dloco_up(tmp_path):
-    from analysis.runinfo import merger_folds
+    from dloco.analysis.runinfo import merger_folds
 
     profile = (ROOT / "examples" / "gpt2-124m.toml").read_text()
     assert "size = \"124m\"" in profile and "max_steps = 8" in profile

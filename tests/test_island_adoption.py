@@ -7,11 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from island import bytelm, data
-from island.config import ModelConfig, SyncConfig, TrainConfig
-from island.loop import IslandLoop
-from island.metrics import MetricsWriter
-
+from dloco.island import bytelm, data
+from dloco.island.config import ModelConfig, SyncConfig, TrainConfig
+from dloco.island.loop import IslandLoop
+from dloco.island.metrics import MetricsWriter
 
 TINY = ModelConfig(width=32, depth=1, heads=2, context=32)
 TRAIN = TrainConfig(batch=4, eval_every=10_000, max_steps=8)

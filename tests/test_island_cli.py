@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from analysis.runinfo import read_metrics
+from dloco.analysis.runinfo import read_metrics
 
 TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--batch", "8"]
 

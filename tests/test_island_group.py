@@ -15,14 +15,14 @@ import time
 import numpy as np
 import pytest
 
-from analysis import export
-from analysis.globalmodel import states_at
-from analysis.runinfo import lives, merger_folds, read_events, read_metrics, wall
-from cluster import chaos, compose, topology
-from cluster.ports import free_ports
-from cluster.config import ClusterConfig, Region
-from island import group
-from protocol.errors import ConfigError
+from dloco.analysis import export
+from dloco.analysis.globalmodel import states_at
+from dloco.analysis.runinfo import lives, merger_folds, read_events, read_metrics, wall
+from dloco.cluster import chaos, compose, topology
+from dloco.cluster.config import ClusterConfig, Region
+from dloco.cluster.ports import free_ports
+from dloco.island import group
+from dloco.protocol.errors import ConfigError
 from tests.cluster_helpers import small_profile
 
 

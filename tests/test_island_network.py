@@ -14,15 +14,14 @@ import numpy as np
 import pytest
 import zmq
 
-import protocol
-from island import bytelm, data
-from protocol import downlink
-from island.config import ModelConfig, SyncConfig, TrainConfig
-from island.loop import IslandLoop
-from island.metrics import MetricsWriter
-from island.network import NetworkLink
-from island.shaper import LinkShaper
-
+from dloco import protocol
+from dloco.island import bytelm, data
+from dloco.island.config import ModelConfig, SyncConfig, TrainConfig
+from dloco.island.loop import IslandLoop
+from dloco.island.metrics import MetricsWriter
+from dloco.island.network import NetworkLink
+from dloco.island.shaper import LinkShaper
+from dloco.protocol import downlink
 from tests.test_downlink import F32, snapshot_frames
 from tests.test_merger_process import free_port, free_ports
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from island.outbox import Outbox, PendingDelta, summed
+from dloco.island.outbox import Outbox, PendingDelta, summed
 
 F32 = np.float32
 
@@ -56,9 +56,9 @@ def test_a_full_stream_of_one_merger_shard_holds_back_only_its_own_fragments():
     keeps the old rule (any delta, then chunk by chunk)."""
     import threading
 
-    from island.config import SyncConfig
-    from island.shaper import LinkShaper
-    from island.uplink import Uplink
+    from dloco.island.config import SyncConfig
+    from dloco.island.shaper import LinkShaper
+    from dloco.island.uplink import Uplink
 
     sync = SyncConfig(fragments=4, interval=8, codec="int8", retransmit_bytes=1 << 20)  # each stream: 1 MiB
     uplink = Uplink("isl", "m", 1, sync, LinkShaper(None), threading.Event(), shards=2)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import protocol
-from island import exchange
-from island.config import ConfigError, ModelConfig, SyncConfig, TrainConfig
+from dloco import protocol
+from dloco.island import exchange
+from dloco.island.config import ConfigError, ModelConfig, SyncConfig, TrainConfig
 
 
 def test_schedule_staggers_fragments_by_hand():

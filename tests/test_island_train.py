@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from island import bytelm, data
-from island.config import ModelConfig, TrainConfig
-from island.train import DivergedError
+from dloco.island import bytelm, data
+from dloco.island.config import ModelConfig, TrainConfig
+from dloco.island.train import DivergedError
 
 TINY = ModelConfig(width=32, depth=1, heads=2, context=32)
 
@@ -71,8 +71,8 @@ def test_nan_stops_the_island_with_a_clear_error(corpus):
 RUN_STEPS = """
 import json, sys
 import jax
-from island import bytelm, data
-from island.config import ModelConfig, TrainConfig
+from dloco.island import bytelm, data
+from dloco.island.config import ModelConfig, TrainConfig
 
 corpus = data.load(); shards, _ = data.split(corpus, 1)
 trainer = bytelm.trainer(ModelConfig(width=32, depth=1, heads=2, context=32), TrainConfig(batch=8, lr=1e-2, warmup=2))

@@ -1,10 +1,12 @@
 """The layout's rules, read from the source: every import of every module (module level and inside
 functions alike), parsed with `ast`, nothing imported or run.
 
-- no import cycles between the project's modules;
+- no import cycles between the project's modules, nor between its packages;
+- every import of the project says `dloco.…` (one name for each module);
 - the process packages import nothing from the launcher (cluster), the analysis, the suites, the CLI
   (dloco) or the benchmarks;
-- the launcher and the analysis import neither the suites nor the CLI, and the suites not the CLI;
+- the launcher and the analysis import neither the suites nor the CLI, the analysis not the
+  launcher (it takes plain values), and the suites not the CLI;
 - protocol imports no zmq, jax, flax or optax (it is pure numpy + msgpack);
 - no .py file is over 400 lines.
 """
@@ -16,23 +18,44 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = sorted(name.rstrip("*") for name in tomllib.loads((ROOT / "pyproject.toml").read_text())
-                  ["tool"]["setuptools"]["packages"]["find"]["include"])
+# import name -> folder, as pyproject.toml installs them: `dloco.protocol` is protocol/, ...
+FOLDERS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+# the short names below are the folders (`protocol`); "dloco" is the CLI, dloco/ itself
+PACKAGES = sorted(FOLDERS.values())
 PROCESS_PACKAGES = ("island", "merger", "broker", "bus", "protocol", "telemetry", "cliargs")
-NOT_FOR_PROCESSES = ("cluster", "analysis", "suites", "dloco", "benchmarks", "sim")  # launcher, analysis, suites, CLI, benchmarks, simulator
-NOT_FOR = {"cluster": ("suites", "dloco", "sim"), "analysis": ("suites", "dloco", "sim"), "suites": ("dloco",), "sim": ("suites", "dloco")}  # package -> what it may not import
+# the launcher, the analysis, the suites, the CLI, the benchmarks and the simulator
+NOT_FOR_PROCESSES = ("cluster", "analysis", "suites", "dloco", "benchmarks", "sim")
+# package -> what it may not import
+NOT_FOR = {"cluster": ("suites", "dloco", "sim"), "analysis": ("cluster", "suites", "dloco", "sim"),
+           "suites": ("dloco",), "sim": ("suites", "dloco")}
 NOT_FOR_PROTOCOL = ("zmq", "jax", "jaxlib", "flax", "optax")
 MAX_LINES = 400
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    """The name a file imports as: protocol/framing.py is dloco.protocol.framing, tests stay tests."""
+    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
+    if rest and rest[-1] == "__init__":
+        rest = rest[:-1]
+    names = {value: key for key, value in FOLDERS.items()}
+    return ".".join([names.get(folder, folder), *rest])
+
+
+def package_of(module: str) -> str | None:
+    """The project folder a dotted import name lives in (`dloco.merger.fold` -> "merger",
+    `dloco.cli` -> "dloco"), or None for anything outside the project."""
+    parts = module.split(".")
+    if parts[0] != "dloco":
+        return None
+    if len(parts) > 1 and f"dloco.{parts[1]}" in FOLDERS:
+        return FOLDERS[f"dloco.{parts[1]}"]
+    return "dloco"
 
 
 def source_files() -> list[Path]:
     """Every .py file of the project: its packages and its tests."""
-    return sorted(path for top in (*PACKAGES, "tests") for path in (ROOT / top).rglob("*.py") if "__pycache__" not in path.parts)
+    return sorted(path for top in (*PACKAGES, "tests") for path in (ROOT / top).rglob("*.py")
+                  if "__pycache__" not in path.parts)
 
 
 def every_python_file() -> list[Path]:
@@ -124,20 +147,68 @@ def test_the_cycle_finder_finds_a_cycle_and_only_that():
     assert cycles(edges) == [frozenset({"a", "b", "c"})]
 
 
-def test_process_packages_import_nothing_from_the_orchestrator_or_the_benchmarks():
-    offending = [f"{path.relative_to(ROOT)}: {module}" for path in source_files() if path.relative_to(ROOT).parts[0] in PROCESS_PACKAGES
-                 for module, _ in imported_names(path) if module.split(".")[0] in NOT_FOR_PROCESSES]
+def folder_of(path: Path) -> str:
+    return path.relative_to(ROOT).parts[0]
+
+
+def imported_packages(path: Path) -> set[str]:
+    """The project folders a file imports from (`from dloco import merger` and
+    `from dloco.merger.fold import fold` both give "merger")."""
+    found = set()
+    for module, names in imported_names(path):
+        targets = [f"{module}.{name}" for name in names] if module == "dloco" and names else [module]
+        found |= {package for target in targets if (package := package_of(target)) is not None}
+    return found
+
+
+def package_graph(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Folder -> the other folders its modules import (tests left out)."""
+    packages: dict[str, set[str]] = {}
+    for source, targets in edges.items():
+        if (package := package_of(source)) is not None:
+            outside = {package_of(target) for target in targets} - {package, None}
+            packages.setdefault(package, set()).update(outside)
+    return packages
+
+
+def test_no_two_packages_import_each_other_even_through_others():
+    found = [sorted(c) for c in cycles(package_graph(graph()))]
+    assert not found, f"package cycles: {found}"
+
+
+def test_the_package_cycle_finder_sees_a_cycle_through_different_modules():
+    edges = {"dloco.analysis.report": {"dloco.cluster.config"}, "dloco.cluster.config": set(),
+             "dloco.cluster.launcher": {"dloco.analysis.verdict"}, "dloco.analysis.verdict": set(),
+             "tests.test_x": {"dloco.cluster.launcher"}}
+    assert cycles(edges) == [] and cycles(package_graph(edges)) == [frozenset({"analysis", "cluster"})]
+
+
+def test_every_import_of_the_project_goes_through_its_one_name():
+    """`import protocol` would load protocol/ a second time under another name (and fail outside
+    a checkout); every file says `dloco.protocol`."""
+    bare = set(FOLDERS.values()) - {"dloco"}
+    offending = [f"{path.relative_to(ROOT)}: {module}" for path in source_files()
+                 for module, _ in imported_names(path) if module.split(".")[0] in bare]
     assert not offending, offending
 
 
-def test_the_launcher_and_the_analysis_import_neither_the_suites_nor_the_cli():
-    offending = [f"{path.relative_to(ROOT)}: {module}" for path in source_files() if path.relative_to(ROOT).parts[0] in NOT_FOR
-                 for module, _ in imported_names(path) if module.split(".")[0] in NOT_FOR[path.relative_to(ROOT).parts[0]]]
+def test_process_packages_import_nothing_from_the_orchestrator_or_the_benchmarks():
+    offending = [f"{path.relative_to(ROOT)}: {package}" for path in source_files()
+                 if folder_of(path) in PROCESS_PACKAGES
+                 for package in imported_packages(path) if package in NOT_FOR_PROCESSES]
+    assert not offending, offending
+
+
+def test_the_launcher_and_the_analysis_import_neither_the_suites_nor_the_cli_nor_upwards():
+    offending = [f"{path.relative_to(ROOT)}: {package}" for path in source_files()
+                 if folder_of(path) in NOT_FOR
+                 for package in imported_packages(path) if package in NOT_FOR[folder_of(path)]]
     assert not offending, offending
 
 
 def test_protocol_imports_no_zmq_or_jax():
-    offending = [f"{path.relative_to(ROOT)}: {module}" for path in source_files() if path.relative_to(ROOT).parts[0] == "protocol"
+    offending = [f"{path.relative_to(ROOT)}: {module}" for path in source_files()
+                 if folder_of(path) == "protocol"
                  for module, _ in imported_names(path) if module.split(".")[0] in NOT_FOR_PROTOCOL]
     assert not offending, offending
 
@@ -151,5 +222,8 @@ def test_the_rules_see_the_whole_project():
     """Guards the guards: every process package is scanned, and a function-level import counts."""
     assert set(PROCESS_PACKAGES) <= set(PACKAGES) and set(NOT_FOR_PROCESSES) <= set(PACKAGES) and set(NOT_FOR) <= set(PACKAGES)
     edges = graph()
-    assert "merger.service" in edges["merger.main"]  # imported inside run_merger, not at module level
-    assert "bus.security" in edges["island.network"] and "protocol.downlink" in edges["island.snapshots"]
+    # imported inside run_merger, not at module level
+    assert "dloco.merger.roles" in edges["dloco.merger.main"]
+    assert "dloco.bus.security" in edges["dloco.island.network"]
+    assert "dloco.protocol.downlink" in edges["dloco.island.snapshots"]
+    assert imported_packages(ROOT / "island" / "network.py") >= {"bus", "protocol"}

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from analysis.runinfo import merger_folds, read_events
+from dloco.analysis.runinfo import merger_folds, read_events
 from tests.cluster_helpers import small_profile
 
 STEPS = 80

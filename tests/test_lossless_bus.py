@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import zmq
 
-import protocol
-from bus.sequencing import GapTracker
-from island.config import SyncConfig
-from island.network import NetworkLink
-from island.shaper import LinkShaper
+from dloco import protocol
+from dloco.bus.sequencing import GapTracker
+from dloco.island.config import SyncConfig
+from dloco.island.network import NetworkLink
+from dloco.island.shaper import LinkShaper
 from tests.test_broker import BrokerProcess
 from tests.test_merger_process import free_ports
 

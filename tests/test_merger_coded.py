@@ -8,12 +8,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-import protocol
-from merger import coded, rda
-from merger.config import MergeConfig, OuterConfig
-from merger.fold import Contribution, fold, init_state, merge
-from merger.outer import make_step, outer_optimizer
-from protocol import Codec, CodedTensor
+from dloco import protocol
+from dloco.merger import coded, rda
+from dloco.merger.config import MergeConfig, OuterConfig
+from dloco.merger.fold import Contribution, fold, init_state, merge
+from dloco.merger.outer import make_step, outer_optimizer
+from dloco.protocol import Codec, CodedTensor
 
 INT4_8 = Codec("int4", 8)
 

@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-import protocol
-from merger import checkpoint
-from merger.config import MergeConfig, MergerConfig, OuterConfig
-from merger.core import MergerCore, ReplayError
-from merger.recovery import checkpoint_dir, recover, replay, wal_dir
-from merger.wal import LogCorruption, WriteAheadLog, read_records
+from dloco import protocol
+from dloco.merger import checkpoint
+from dloco.merger.config import MergeConfig, MergerConfig, OuterConfig
+from dloco.merger.core import MergerCore, ReplayError
+from dloco.merger.recovery import checkpoint_dir, recover, replay, wal_dir
+from dloco.merger.wal import LogCorruption, WriteAheadLog, read_records
 from tests.merger_helpers import assemble, delta_chunks, initial_params
 
 CONFIG = MergerConfig(MergeConfig(max_staleness=2))
@@ -156,9 +156,9 @@ def test_the_log_says_which_fold_kernels_and_jax_wrote_it(tmp_path):
     a log written with others (or before the record named them) gets a note instead of silence."""
     import jax
 
-    from merger import records
-    from merger.coded import KERNELS_VERSION
-    from merger.recovery import software_mismatch
+    from dloco.merger import records
+    from dloco.merger.coded import KERNELS_VERSION
+    from dloco.merger.recovery import software_mismatch
 
     core, wal = new_core(tmp_path)
     wal.close()

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from merger import admission, outer, rda, round_policy, weighting
-from merger.config import ConfigError, MergeConfig, OuterConfig, RoundConfig
-from merger.fold import Contribution, fold, init_state
+from dloco.merger import admission, outer, rda, round_policy, weighting
+from dloco.merger.config import ConfigError, MergeConfig, OuterConfig, RoundConfig
+from dloco.merger.fold import Contribution, fold, init_state
 
 LAYOUT = {"w": (2, 2), "b": (2,)}
 
@@ -307,9 +307,9 @@ def test_a_forged_token_count_does_not_take_over_the_fragment():
     """Share-scaled folds: after b's honest delta (640 tokens, 20 steps), island a claims 1000 x the
     tokens.  Its fold's share is 8 / (8 + 1), its weight noted capped, and b's next fold still gets
     1 / (1 + 8) of a round, not ~1e-6."""
-    import protocol
-    from merger.config import MergerConfig
-    from merger.core import MergerCore
+    from dloco import protocol
+    from dloco.merger.config import MergerConfig
+    from dloco.merger.core import MergerCore
     from tests.merger_helpers import assemble, delta_chunks, initial_params
 
     params = initial_params()
@@ -343,9 +343,9 @@ def test_a_fold_is_scaled_by_its_share():
 def test_single_island_folds_add_up_to_a_round():
     """Four equal islands folding one delta at a time, share_window 8: the first folds take whole
     steps (nobody else known yet), then each fold a quarter; a whole round in one fold: share 1."""
-    import protocol
-    from merger.config import MergerConfig
-    from merger.core import MergerCore
+    from dloco import protocol
+    from dloco.merger.config import MergerConfig
+    from dloco.merger.core import MergerCore
     from tests.merger_helpers import assemble, delta_chunks, initial_params
 
     params = initial_params()
@@ -369,9 +369,9 @@ def test_the_merger_asks_the_round_policy_about_nearby_islands_only_and_decides_
     """MergerCore keeps the islands' predicted arrivals sorted and gives `decide` only those within
     (now - slack, now + grace_cap]; over random arrivals of 40 islands its decisions are those of
     `decide` over every island's history."""
-    from merger.core import MergerCore
-    from merger.config import MergerConfig
-    from protocol import model_fingerprint
+    from dloco.merger.config import MergerConfig
+    from dloco.merger.core import MergerCore
+    from dloco.protocol import model_fingerprint
 
     rng = random.Random(7)
     params = {"w": np.zeros(1, np.float32)}

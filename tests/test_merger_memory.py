@@ -15,7 +15,7 @@ import pytest
 PROBE = """
 import resource, sys
 import numpy as np
-from merger.memory import keep_freed_memory
+from dloco.merger.memory import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "keep" else None
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

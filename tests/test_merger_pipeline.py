@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import zmq
 
-import protocol
-from merger.config import MergeConfig, MergerConfig, RoundConfig
-from merger.core import MergerCore
-from merger.pipeline import FoldPipeline
-from merger.recovery import replay, wal_dir
-from merger.wal import WriteAheadLog
+from dloco import protocol
+from dloco.merger.config import MergeConfig, MergerConfig, RoundConfig
+from dloco.merger.core import MergerCore
+from dloco.merger.pipeline import FoldPipeline
+from dloco.merger.recovery import replay, wal_dir
+from dloco.merger.wal import WriteAheadLog
 from tests.merger_helpers import assemble, delta_chunks, initial_params
 
 CONFIG = MergerConfig(MergeConfig(max_staleness=3), round=RoundConfig(quorum=1, grace_cap_s=0.0))

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import zmq
 
-import protocol
-from cluster.ports import free_ports
-from protocol import downlink
-from merger import checkpoint
-from merger.recovery import checkpoint_dir, wal_dir
+from dloco import protocol
+from dloco.cluster.ports import free_ports
+from dloco.merger import checkpoint
+from dloco.merger.recovery import checkpoint_dir, wal_dir
+from dloco.protocol import downlink
 from tests.merger_helpers import delta_chunks, initial_params
 
 DELTAS = 12

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from merger.recovery import wal_dir
+from dloco.merger.recovery import wal_dir
 from tests.test_merger_process import Island, free_port, start_merger, stop
 
 

@@ -12,13 +12,13 @@ import sys
 import numpy as np
 import pytest
 
-from analysis.export import params_of
-from cluster.ports import free_ports
-from merger import checkpoint
-from merger.recovery import checkpoint_dir
-from merger.rundir import check_shard
-from protocol import shards
-from protocol.errors import ConfigError
+from dloco.analysis.export import params_of
+from dloco.cluster.ports import free_ports
+from dloco.merger import checkpoint
+from dloco.merger.recovery import checkpoint_dir
+from dloco.merger.rundir import check_shard
+from dloco.protocol import shards
+from dloco.protocol.errors import ConfigError
 
 
 def test_shards_by_hand():
@@ -40,7 +40,7 @@ def test_shards_by_hand():
 
 
 def test_the_shards_of_a_run_are_found_by_index_and_a_missing_one_is_named(tmp_path):
-    from analysis.runinfo import RunDirError, merger_logs, shard_run_dirs
+    from dloco.analysis.runinfo import RunDirError, merger_logs, shard_run_dirs
 
     for name in ("merger", "merger.2", "merger.1.bak", "merger.x"):
         (tmp_path / name).mkdir()
@@ -67,9 +67,9 @@ def test_a_run_directory_belongs_to_one_shard(tmp_path):
 
 
 def test_a_cluster_with_two_merger_shards_wires_every_island_to_both():
-    from cluster import topology
-    from cluster.config import ClusterConfig, MergerSection, Region
     from dloco.cli import build_parser
+    from dloco.cluster import topology
+    from dloco.cluster.config import ClusterConfig, MergerSection, Region
 
     config = ClusterConfig(regions=(Region("east"),), merger=MergerSection(shards=2))
     assert config.process_names == ["east", "merger", "merger.1", "broker"]
@@ -82,7 +82,7 @@ def test_a_cluster_with_two_merger_shards_wires_every_island_to_both():
     assert parser.parse_args(commands["evaluator"]).control_endpoint == east.control_endpoint
     import yaml
 
-    from cluster import compose
+    from dloco.cluster import compose
 
     services = yaml.safe_load(compose.render(config, "cluster.toml"))["services"]  # one service per shard, every island wired to both
     assert services["merger.1"]["command"][services["merger.1"]["command"].index("--shard") + 1] == "1/2"

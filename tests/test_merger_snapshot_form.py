@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from merger import round_policy
-from merger.snapshot_form import DIFF, FULL, REPLY, snapshot_form
+from dloco.merger import round_policy
+from dloco.merger.snapshot_form import DIFF, FULL, REPLY, snapshot_form
 
 
 @pytest.mark.parametrize("version, served, on_bus, every, form", [
@@ -35,9 +35,9 @@ def test_snapshot_form(version, served, on_bus, every, form):
 
 
 def test_an_island_silent_for_two_of_its_intervals_no_longer_holds_snapshots():
-    from merger.config import MergerConfig
-    from merger.core import MergerCore
-    from protocol import model_fingerprint
+    from dloco.merger.config import MergerConfig
+    from dloco.merger.core import MergerCore
+    from dloco.protocol import model_fingerprint
 
     params = {"w": np.zeros(1, np.float32)}
     core = MergerCore(MergerConfig(), model_fingerprint(params), [["w"]], params)
@@ -53,7 +53,7 @@ def test_an_island_silent_for_two_of_its_intervals_no_longer_holds_snapshots():
 
 def test_a_peers_catch_up_replies_are_budgeted():
     """2 fragments: 12 replies at once, then 2 a second."""
-    from merger.round_policy import CatchUpBudget
+    from dloco.merger.round_policy import CatchUpBudget
 
     budget = CatchUpBudget(2)
     assert [budget.take(10.0) for _ in range(13)] == [True] * 12 + [False]

@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.launcher import EXIT_INTERRUPTED
+from dloco.cluster.launcher import EXIT_INTERRUPTED
 from tests.cluster_helpers import small_profile
 
 pytestmark = pytest.mark.e2e

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import protocol
-from merger import admission
-from merger.config import ConfigError, MergeConfig, MergerConfig
-from merger.core import MergerCore
-from merger.outliers import NormHistory, Quarantine
+from dloco import protocol
+from dloco.merger import admission
+from dloco.merger.config import ConfigError, MergeConfig, MergerConfig
+from dloco.merger.core import MergerCore
+from dloco.merger.outliers import NormHistory, Quarantine
 
 LAYOUT = {"w": (2, 2), "b": (2,)}
 

@@ -8,9 +8,9 @@ import re
 
 import numpy as np
 
-import protocol
-from protocol.chunking import HEADER_RESERVE_BYTES, slice_header_bound
-from protocol.reassembly import CHUNK_OVERHEAD_BYTES, SLICE_OVERHEAD_BYTES
+from dloco import protocol
+from dloco.protocol.chunking import HEADER_RESERVE_BYTES, slice_header_bound
+from dloco.protocol.reassembly import CHUNK_OVERHEAD_BYTES, SLICE_OVERHEAD_BYTES
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPEC = (ROOT / "PROTOCOL.md").read_text()

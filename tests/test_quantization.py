@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from protocol import Codec, EncodeError, ProtocolError
+from dloco.protocol import Codec, EncodeError, ProtocolError
 
 LEVELS = {"int8": 127, "int4": 7, "int2": 1}
 FLUSH = 2.0**-120  # blocks with a smaller absmax are flushed to zero

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from analysis import verdict
-from analysis.runinfo import RunCluster
-from cluster import config, topology
-from protocol.errors import ConfigError
-from sim.engine import simulate
-from sim.scenario import Island, Scenario, load
+from dloco.analysis import verdict
+from dloco.cluster import config, topology
+from dloco.cluster.records import RunCluster
+from dloco.protocol.errors import ConfigError
+from dloco.sim.engine import simulate
+from dloco.sim.scenario import Island, Scenario, load
 from tests import test_cluster_modes as modes
 from tests.test_sim import NO_GRACE
 

@@ -11,17 +11,26 @@ import numpy as np
 import pytest
 import zmq
 
-import protocol
-from island.config import SyncConfig
-from island.shaper import LinkShaper
-from island.uplink import Uplink
-from merger import records
-from merger.logmatch import agreed_length, set_aside_from, terms_of
-from merger.replication_wire import (FOLLOW, RECORD, ReplicationConfig, ReplicationError, decode, encode, fragment_digest,
-                                     read_record, record_frames)
-from merger.wal import WriteAheadLog, read_records
-from protocol.checksum import crc32
-from protocol.errors import DlocoError
+from dloco import protocol
+from dloco.island.config import SyncConfig
+from dloco.island.shaper import LinkShaper
+from dloco.island.uplink import Uplink
+from dloco.merger import records
+from dloco.merger.logmatch import agreed_length, set_aside_from, terms_of
+from dloco.merger.replication_wire import (
+    FOLLOW,
+    RECORD,
+    ReplicationConfig,
+    ReplicationError,
+    decode,
+    encode,
+    fragment_digest,
+    read_record,
+    record_frames,
+)
+from dloco.merger.wal import WriteAheadLog, read_records
+from dloco.protocol.checksum import crc32
+from dloco.protocol.errors import DlocoError
 from tests.test_broker import BrokerProcess, heartbeat, pair
 
 
@@ -159,7 +168,7 @@ def test_the_broker_drops_snapshot_bus_messages_from_an_older_epoch_of_their_sen
 
 
 def test_a_standby_whose_fold_differs_from_the_primarys_raises_whichever_digest_comes_second():
-    from merger.standby import Diverged, Standby
+    from dloco.merger.standby import Diverged, Standby
 
     standby = object.__new__(Standby)  # only its digest book-keeping: no sockets, no log
     standby.digests, standby.theirs, standby.compared = {}, {}, 0
@@ -174,7 +183,7 @@ def test_a_standby_whose_fold_differs_from_the_primarys_raises_whichever_digest_
 
 
 def test_the_live_view_names_a_mergers_role_from_its_log_events_only():
-    from cluster.liveview import role_line
+    from dloco.cluster.liveview import role_line
 
     assert role_line({"event": "fold"}, None) is None  # a merger without a peer: no role line at all
     assert role_line({"event": "following"}, None) == "standby"

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from analysis import verdict
-from analysis.runinfo import RunProgress, island_stage
-from cluster import config
-from protocol.errors import ConfigError
+from dloco.analysis import verdict
+from dloco.analysis.runinfo import RunProgress, island_stage
+from dloco.cluster import config
+from dloco.protocol.errors import ConfigError
 
 
 def test_a_run_that_did_not_train_says_why():

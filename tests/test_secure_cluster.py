@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bus.security import create_keys, write_allow_list
+from dloco.bus.security import create_keys, write_allow_list
 from tests.test_broker import BrokerProcess
 from tests.test_merger_process import free_port
 

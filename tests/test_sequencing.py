@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bus.sequencing import GapTracker, RetransmitBuffer
+from dloco.bus.sequencing import GapTracker, RetransmitBuffer
 
 
 def test_in_order_exactly_once_with_gaps_and_duplicates():

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from cluster.config import MergerSection
-from protocol.errors import ConfigError
-from sim import baselines, plan, presets
-from sim.chips import CHIPS
-from sim.engine import simulate, wire_bytes
-from protocol import Codec
-from sim.scenario import Failure, Island, Link, Scenario, load, step_seconds
+from dloco.cluster.config import MergerSection
+from dloco.protocol import Codec
+from dloco.protocol.errors import ConfigError
+from dloco.sim import baselines, plan, presets
+from dloco.sim.chips import CHIPS
+from dloco.sim.engine import simulate, wire_bytes
+from dloco.sim.scenario import Failure, Island, Link, Scenario, load, step_seconds
 
 NO_GRACE = MergerSection(grace_cap_s=0.0, share_window=0)
 
@@ -178,7 +178,7 @@ def test_plots_are_written(tmp_path):
     10 s steps, so 12 simulated hours are a few thousand events)."""
     s = Scenario((Island("a", 10.0, 100, Link(1e6, 1e6)), Island("b", 20.0, 100, Link(1e6, 1e6))), params=100_000, fragments=2, interval=10,
                  duration_s=3600.0)
-    from sim import plots
+    from dloco.sim import plots
 
     paths = plots.write(s, tmp_path, speeds=3, failure_rates=2)
     assert [p.name for p in paths] == ["utilisation_vs_bandwidth.png", "goodput_vs_failures.png"]
@@ -188,7 +188,7 @@ def test_plots_are_written(tmp_path):
 def test_forgetting_snapshots_every_island_has_seen_changes_nothing(monkeypatch):
     """The simulator drops published snapshots that every island that is up has looked past (memory
     for long runs); a run pruning every 8 publishes gives what one that never prunes gives."""
-    from sim import engine
+    from dloco.sim import engine
 
     s = Scenario((Island("a", 1.0, 100, Link(1e5, 1e5, 0.05), step_cv=0.2), Island("b", 1.7, 100, Link(1e5, 5e4, 0.2), step_cv=0.2)),
                  params=20_000, fragments=2, interval=10, duration_s=2000.0, failures=(Failure("b", 700.0, 100.0),))

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from island.config import ConfigError, SyncConfig
-from merger.config import SnapshotConfig
-from protocol import Codec, EncodeError, ProtocolError
-from protocol.error_feedback import compensate, quantize_with_feedback
+from dloco.island.config import ConfigError, SyncConfig
+from dloco.merger.config import SnapshotConfig
+from dloco.protocol import Codec, EncodeError, ProtocolError
+from dloco.protocol.error_feedback import compensate, quantize_with_feedback
 
 
 def test_the_worked_example_of_protocol_md():

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-import protocol
-from analysis.runinfo import chaos_effects, merger_folds, read_events, read_metrics, wall
-from benchmarks.failover import StreamIsland
-from cluster.ports import free_ports
-from merger import records
-from merger.recovery import wal_dir
-from merger.wal import read_records
+from dloco import protocol
+from dloco.analysis.runinfo import chaos_effects, merger_folds, read_events, read_metrics, wall
+from dloco.benchmarks.failover import StreamIsland
+from dloco.cluster.ports import free_ports
+from dloco.merger import records
+from dloco.merger.recovery import wal_dir
+from dloco.merger.wal import read_records
 from tests.cluster_helpers import small_profile
 from tests.merger_helpers import delta_chunks, initial_params
 from tests.test_broker import BrokerProcess

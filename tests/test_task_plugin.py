@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from island.task import TaskContext, TaskError, build, first_difference, parse_options, resolve
+from dloco.island.task import TaskContext, TaskError, build, first_difference, parse_options, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "examples" / "digits.py"
@@ -38,8 +38,8 @@ def test_options_are_read_as_int_float_bool_or_string():
 def test_numbers_not_written_plainly_stay_text_and_a_metric_may_not_be_called_loss():
     import numpy as np
 
-    from island.config import TrainConfig
-    from island.train import Trainer
+    from dloco.island.config import TrainConfig
+    from dloco.island.train import Trainer
 
     assert parse_options(["a=nan", "b=Infinity", "c=1_000", "d=1e-3", "e=-.5"]) == {"a": "nan", "b": "Infinity", "c": "1_000", "d": 0.001, "e": -0.5}
     from flax import nnx
@@ -62,9 +62,9 @@ def test_first_difference_names_the_first_path_in_sorted_order():
 
 
 def test_resolve_finds_files_and_modules_and_names_what_is_wrong(tmp_path):
-    from island import bytelm
+    from dloco.island import bytelm
 
-    assert resolve("island.bytelm:task") is bytelm.task
+    assert resolve("dloco.island.bytelm:task") is bytelm.task
     assert resolve(f"{DIGITS}:task").__name__ == "task"
     for spec in ("no_colon", "x.py:", ":task", "x.py:not-a-name"):
         with pytest.raises(TaskError, match="must be PATH.py:FUNCTION or MODULE:FUNCTION"):
@@ -87,7 +87,7 @@ def test_resolve_finds_files_and_modules_and_names_what_is_wrong(tmp_path):
 
 BROKEN = """
 from flax import nnx
-from island.task import Task
+from dloco.island.task import Task
 
 def _loss(model, batch):
     return (model(batch) ** 2).mean()
@@ -198,8 +198,8 @@ def test_digits_trains_standalone(tmp_path):
 def test_a_task_file_outside_the_package_trains(tmp_path):
     """A user's own file, in no package, with an option of its own: what `dloco island --task` does
     with it (resolve, build, Trainer) in this process; the cluster test runs one under `dloco up`."""
-    from island.config import TrainConfig
-    from island.train import Trainer
+    from dloco.island.config import TrainConfig
+    from dloco.island.train import Trainer
 
     shutil.copy(DIGITS, tmp_path / "my_digits.py")
     task = build(f"{tmp_path / 'my_digits.py'}:task", context(hidden=32))
@@ -229,11 +229,11 @@ class ForeignLink:
 def test_join_refuses_another_model_once_what_arrived_shows_the_difference():
     """The merger's model has two hidden layers, this task's three: every path the merger sends is
     one of this task's, with its shape, so the difference shows only when every fragment is in."""
-    from island import exchange
-    from island.config import SyncConfig, TrainConfig
-    from island.loop import IslandLoop, JoinTimeout, ModelMismatch
-    from island.metrics import MetricsWriter
-    from island.train import Trainer
+    from dloco.island import exchange
+    from dloco.island.config import SyncConfig, TrainConfig
+    from dloco.island.loop import IslandLoop, JoinTimeout, ModelMismatch
+    from dloco.island.metrics import MetricsWriter
+    from dloco.island.train import Trainer
 
     digits = resolve(f"{DIGITS}:task")
     merger_params = Trainer(digits(context()).model, digits(context()).loss, TrainConfig(batch=32)).params()
@@ -259,9 +259,9 @@ def test_an_island_whose_task_differs_from_the_merger_model_is_refused_at_join(t
     """The merger starts from the digits model with 64 hidden units; an island given hidden=32 is
     refused when the merger's snapshots arrive (not after its join timeout), naming the first
     differing parameter and both shapes."""
-    from cluster.ports import free_ports
-    from island.config import TrainConfig
-    from island.train import Trainer
+    from dloco.cluster.ports import free_ports
+    from dloco.island.config import TrainConfig
+    from dloco.island.train import Trainer
 
     init = tmp_path / "init.npz"  # what `dloco island --write-init --task ...digits.py:task` writes, without starting a process for it
     merger_task = build(f"{DIGITS}:task", context())
@@ -286,7 +286,7 @@ def test_an_island_whose_task_differs_from_the_merger_model_is_refused_at_join(t
 
 
 def test_the_shipped_digits_cluster_file_names_the_example_and_its_options():
-    from cluster import config, topology
+    from dloco.cluster import config, topology
 
     cluster = config.load(ROOT / "examples" / "digits.toml")
     assert cluster.model.task == f"{DIGITS}:task" and len(cluster.regions) == 4 and cluster.max_steps > 0 and cluster.mode == "decoupled"
@@ -298,9 +298,9 @@ def test_the_shipped_digits_cluster_file_names_the_example_and_its_options():
 def test_the_report_evaluates_the_task_the_islands_were_given(tmp_path):
     """[task] values reach an island as --task-option text, which it reads back (parse_options): the
     report's evaluator reads them the same way, so a TOML string "32" is the int 32 in both."""
-    from analysis.runinfo import RunTask
-    from cluster import config, topology
     from dloco.cli import build_parser
+    from dloco.cluster import config, topology
+    from dloco.cluster.records import run_task
 
     path = tmp_path / "c.toml"
     path.write_text('[model]\ntask = "digits.py:task"\n[task]\nhidden = "32"\nlayers = 1\nflag = true\nrate = 0.5\n'
@@ -308,9 +308,9 @@ def test_the_report_evaluates_the_task_the_islands_were_given(tmp_path):
     cluster = config.load(path)
     command = topology.commands(cluster, topology.Addresses(("1", "2", "3", "4"), "5"), "/r")["a"]
     island = build_parser().parse_args([str(a) for a in command])
-    from island.main import task_options as island_options
+    from dloco.island.main import task_options as island_options
 
-    assert RunTask.of(cluster).options == island_options(island) == {"hidden": 32, "layers": 1, "flag": True, "rate": 0.5}
+    assert run_task(cluster).options == island_options(island) == {"hidden": 32, "layers": 1, "flag": True, "rate": 0.5}
 
 
 NETWORKED = """
@@ -350,7 +350,7 @@ name = "b"
 def test_a_task_file_outside_the_package_trains_a_cluster(tmp_path):
     """Two islands under `dloco up` train a copy of the digits task kept beside the cluster file:
     the merger folds both islands' deltas and its model's held-out loss and accuracy improve."""
-    from analysis.runinfo import merger_folds
+    from dloco.analysis.runinfo import merger_folds
 
     (tmp_path / "tasks").mkdir()
     shutil.copy(DIGITS, tmp_path / "tasks" / "my_digits.py")

@@ -12,10 +12,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import status
-from cluster.ports import free_ports
-from island import evaluator
-from telemetry import prom
+from dloco.cluster import status
+from dloco.cluster.ports import free_ports
+from dloco.island import evaluator
+from dloco.telemetry import prom
 
 
 def samples(registry) -> dict[tuple[str, tuple], float]:

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from island import data, tokenizing
+from dloco.island import data, tokenizing
 
 TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "16", "--batch", "4"]
 

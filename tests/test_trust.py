@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import zmq
 
-import protocol
-from bus.security import Identity, create_keys, make_client, write_allow_list
+from dloco import protocol
+from dloco.bus.security import Identity, create_keys, make_client, write_allow_list
 from tests.merger_helpers import delta_chunks, initial_params
 from tests.test_broker import BrokerProcess, heartbeat, received
 from tests.test_merger_process import PARTS, Island, free_port, start_merger, stop
