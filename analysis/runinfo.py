@@ -194,6 +194,8 @@ class RunProgress:
         self.run_dir = run_dir
         self.steps = {name: 0 for name in islands}  # steps made, every life
         self.last_step = {name: 0 for name in islands}  # the step number of the current life
+        self._life_tokens = {name: 0 for name in islands}  # the current life's tokens
+        self._past_tokens = {name: 0 for name in islands}  # every earlier life's
         self.folds = 0
         self._offsets: dict[Path, int] = {}
 
@@ -204,7 +206,17 @@ class RunProgress:
                     continue
                 self.last_step[name] = event["step"]
                 self.steps[name] += event["step"] > 0
+                if event["step"] == 0:  # a new life: its counters start again
+                    self._past_tokens[name] += self._life_tokens[name]
+                    self._life_tokens[name] = 0
+                else:
+                    self._life_tokens[name] = event.get("tokens", self._life_tokens[name])
         self.folds += sum(e.get("event") == "fold" for name in merger_logs(self.run_dir) for e in self._new_events(self.run_dir / "logs" / name))
+
+    @property
+    def tokens(self) -> int:
+        """Tokens trained by the whole cluster: every island, every life."""
+        return sum(self._past_tokens.values()) + sum(self._life_tokens.values())
 
     def _new_events(self, path: Path) -> list[dict]:
         """The complete JSON lines appended to `path` since the last call (a line being written waits)."""

@@ -1,6 +1,6 @@
 """Whether a finished run did what it was for, from counts alone (pure): every island trained at
 least one interval and the merger folded; a run bounded by steps got there before its time limit
-and reached every point of its chaos schedule.  `dloco up` and `dloco experiment` exit non-zero
+and reached every point of its chaos schedule, and one bounded by a token budget spent it.  `dloco up` and `dloco experiment` exit non-zero
 with these reasons instead of reporting a run that did not train."""
 
 from __future__ import annotations
@@ -53,3 +53,11 @@ def unreached(pending: list[str], steps: Mapping[str, int], folds: int) -> list[
         return []
     made = ", ".join(f"{name} {count}" for name, count in steps.items())
     return [f"chaos events never reached: {', '.join(pending)} (steps made: {made}; folds: {folds})"]
+
+
+def budget_unspent(tokens: int, budget: int, limit_s: float) -> list[str]:
+    """A run bounded by a token budget that hit its time limit first."""
+    if tokens >= budget:
+        return []
+    return [f"the time limit ({limit_s:g} s) passed with {tokens:,} of the budget's {budget:,} tokens trained "
+            f"({tokens / budget:.0%}): give a longer --duration, or a smaller --tokens"]

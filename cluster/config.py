@@ -161,6 +161,9 @@ class ClusterConfig:
     regions: tuple[Region, ...]
     duration_s: float = 300.0  # the run's length; with max_steps, a limit: a run still going then has failed
     max_steps: int = 0  # the run ends once every island has trained this many steps (every life) and the chaos has run (0: after duration_s)
+    # a budget: the run ends once the cluster has trained this many tokens (every island, every
+    # life) and the chaos has run; the islands' schedules decay over it (0: none)
+    tokens: int = 0
     eval_every: int = TrainConfig.eval_every
     eval_early: bool = False  # islands also evaluate at steps 1, 2, 4, ...
     eval_trace: int = 0  # islands evaluate their first N steps after training (island --eval-trace; the experiment suites use it)
@@ -183,6 +186,8 @@ class ClusterConfig:
         require(not taken, f"{', '.join(map(repr, taken))}: not a region name (the cluster's other processes and services: {', '.join(sorted(RESERVED_NAMES))})")
         require(self.duration_s > 0, f"run.duration_s must be > 0, got {self.duration_s}")
         require(type(self.max_steps) is int and self.max_steps >= 0, f"run.max_steps must be an int >= 0, got {self.max_steps!r}")
+        require(type(self.tokens) is int and self.tokens >= 0, f"run.tokens must be an int >= 0, got {self.tokens!r}")
+        require(not (self.tokens and self.max_steps), "run.tokens and run.max_steps both bound the run: give one")
         require(type(self.eval_early) is bool, f"run.eval_early must be true or false, got {self.eval_early!r}")
         require(type(self.eval_trace) is int and self.eval_trace >= 0, f"run.eval_trace must be an int >= 0, got {self.eval_trace!r}")
         require(all(type(k) is str and k.isidentifier() and type(v) in (str, int, float, bool) for k, v in self.task_options),
@@ -242,6 +247,9 @@ class ClusterConfig:
     def with_steps(self, steps: int | None) -> ClusterConfig:
         return self if steps is None else dataclasses.replace(self, max_steps=steps)
 
+    def with_tokens(self, tokens: int | None) -> ClusterConfig:
+        return self if tokens is None else dataclasses.replace(self, tokens=tokens, max_steps=0)
+
     def with_mode(self, mode: str | None) -> ClusterConfig:
         return self if mode is None else dataclasses.replace(self, mode=mode)
 
@@ -285,7 +293,7 @@ MODES = {
 }
 
 # The keys a cluster file may set: those that reach the processes' command lines (cluster/topology.py).
-_RUN_KEYS = {"duration_s", "max_steps", "eval_every", "eval_early", "eval_trace", "seed", "mode", "island_cpus"}
+_RUN_KEYS = {"duration_s", "max_steps", "tokens", "eval_every", "eval_early", "eval_trace", "seed", "mode", "island_cpus"}
 SYNC_KEYS = {"fragments", "interval", "codec", "adoption", "alpha", "error_feedback", "flush_on_leave", "settle_timeout_s"}
 _SECTIONS = {"run": _RUN_KEYS, "model": {f.name for f in dataclasses.fields(ModelSection)}, "sync": SYNC_KEYS,
              "merger": {f.name for f in dataclasses.fields(MergerSection)}}
@@ -317,6 +325,7 @@ def load(path: str | Path | None = None) -> ClusterConfig:
     run = data.get("run", {})
     return ClusterConfig(
         regions=tuple(regions), duration_s=float(run.get("duration_s", defaults.duration_s)), max_steps=run.get("max_steps", defaults.max_steps),
+        tokens=run.get("tokens", defaults.tokens),
         eval_every=int(run.get("eval_every", defaults.eval_every)), eval_early=run.get("eval_early", defaults.eval_early),
         eval_trace=run.get("eval_trace", defaults.eval_trace), seed=int(run.get("seed", defaults.seed)), mode=str(run.get("mode", "decoupled")),
         island_cpus=run.get("island_cpus", defaults.island_cpus),

@@ -298,6 +298,8 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
                 progress.update()
                 now = chaos.Progress(time.monotonic() - started, dict(progress.steps), progress.folds)
                 dead = cluster.unexpectedly_dead()  # before any kill: a crash must not pass for a chaos kill
+                if config.tokens:  # with a budget an island stops by itself once it hears the budget is spent
+                    dead = [name for name in dead if not (name.partition(".")[0] in islands and cluster.processes[name].returncode == 0)]
                 for name, code in cluster.auxiliary_ended().items():
                     if name not in warned:
                         warned.add(name)
@@ -322,7 +324,14 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
                 left = verdict.short(progress.steps, wanted)
                 if config.max_steps and not left and not pending:
                     break
+                spent = progress.tokens >= config.tokens or all(
+                    cluster.processes[name].poll() is not None for name in cluster.processes if name.partition(".")[0] in islands)
+                if config.tokens and spent and not pending:
+                    break
                 if now.elapsed_s >= config.duration_s:
+                    if config.tokens:
+                        problems += verdict.budget_unspent(progress.tokens, config.tokens, config.duration_s)
+                        problems += verdict.unreached([str(e) for e in pending], progress.steps, progress.folds)
                     if config.max_steps:
                         stages = {name: island_stage(run_dir / "logs" / f"{name}.log", progress.last_step[name], progress.steps[name], target)
                                   for name, target in left.items()}
@@ -330,7 +339,7 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
                         problems += verdict.unreached([str(e) for e in pending], progress.steps, progress.folds)
                     break
                 view.refresh(now.elapsed_s)
-                time.sleep(0.25 if pending or config.max_steps else 1.0)
+                time.sleep(0.25 if pending or config.max_steps or config.tokens else 1.0)
     finally:
         print("dloco up: stopping (islands, then merger, then broker) ...", file=out, flush=True)
         codes = cluster.stop_all()

@@ -105,7 +105,7 @@ def commands(config: ClusterConfig, at: Addresses, run_dir: str, place=lambda pa
             links += [flag, value] if value else []
         out[region.name] = [
             "island", "--name", region.name, "--region", region.name, "--islands", len(config.regions), "--island-index", index,
-            *model_args(config, place), "--max-steps", 10**9, "--eval-every", config.eval_every,
+            *model_args(config, place), "--max-steps", 10**9, *(["--budget-tokens", config.tokens] if config.tokens else []), "--eval-every", config.eval_every,
             *(["--eval-early"] if config.eval_early else []), *(["--eval-trace", config.eval_trace] if config.eval_trace else []),
             "--fragments", sc.fragments, "--interval", config.interval_of(region), "--codec", sc.codec, "--adoption", sc.adoption, "--alpha", sc.alpha,
             *(["--blocking"] if sc.blocking else []), *(["--error-feedback"] if sc.error_feedback else []),

@@ -59,6 +59,9 @@ class TrainConfig:
     eval_early: bool = False  # also at steps 1, 2, 4, 8, ... below eval_every (when the loss falls fastest)
     eval_trace: int = 0  # copy the parameters after each of the first N steps; evaluate them once training is over
     seed: int = 0
+    # the cluster's token budget (0: none): the rate decays over the cluster's tokens, not this
+    # island's steps (island/schedule.py)
+    budget_tokens: int = 0
 
     def __post_init__(self) -> None:
         _require(isinstance(self.batch, int) and self.batch >= 1, f"train.batch must be a positive int, got {self.batch!r}")
@@ -69,6 +72,8 @@ class TrainConfig:
         _require(self.clip > 0, f"train.clip must be > 0, got {self.clip}")
         _require(isinstance(self.eval_every, int) and self.eval_every >= 1, f"train.eval_every must be a positive int, got {self.eval_every!r}")
         _require(isinstance(self.eval_trace, int) and self.eval_trace >= 0, f"train.eval_trace must be an int >= 0, got {self.eval_trace!r}")
+        _require(type(self.budget_tokens) is int and self.budget_tokens >= 0,
+                 f"train.budget_tokens must be an int >= 0, got {self.budget_tokens!r}")
 
 
 @dataclasses.dataclass(frozen=True)

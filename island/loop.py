@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dloco.island import exchange
+from dloco.island import exchange, schedule
 from dloco.island.config import SyncConfig, TrainConfig
 from dloco.island.metrics import MetricsWriter
 from dloco.island.task import examples_in, first_difference
@@ -70,6 +70,9 @@ class IslandLoop:
         # reach every process once per step, with the stop requests, which all processes then agree on.
         self.group, self.staged, self.group_stop = group, {}, False
         self.trace: list[tuple[dict, dict[str, np.ndarray]]] = []  # (step event, parameters after it): train.eval_trace
+        # With a token budget: the cluster's progress in millionths, the leader's as agreed by
+        # every process of a multi-process island (island/schedule.py)
+        self.progress_ppm = 0
 
     def join(self, timeout_s: float) -> None:
         """Start from the merger's model: wait (once, before training) for a snapshot of every
@@ -123,10 +126,12 @@ class IslandLoop:
         self.metrics.write({"step": 0, "tokens": 0, **held_out, "time": 0.0, "wall": time.time()})
         loss, step = float("nan"), 0
         for step in range(1, max_steps + 1):
-            if self.group_stop if self.group is not None else self.stop_requested:
+            if (self.group_stop if self.group is not None else self.stop_requested) or self.budget_spent:
                 step -= 1
                 break
             batch = next(self.batches)
+            if self.train.budget_tokens:
+                self.trainer.set_rate_scale(schedule.decay(self.progress_ppm / 1e6))
             began = time.perf_counter()
             loss, grad_norm = self.trainer.step(batch)
             compute = time.perf_counter() - began
@@ -140,6 +145,7 @@ class IslandLoop:
             for progress in self.progress:
                 progress.steps += 1
                 progress.tokens += step_tokens
+            self._follow_budget()
             if self.link is not None or self.group is not None:
                 self._exchange(step)
             event = {"step": step, "tokens": self.tokens, "loss": loss, "grad_norm": grad_norm, "time": time.perf_counter() - self.started,
@@ -147,8 +153,10 @@ class IslandLoop:
                      "bytes_sent": getattr(self.link, "bytes_sent", 0), "bytes_received": getattr(self.link, "bytes_received", 0),
                      "bytes_received_values": getattr(self.link, "bytes_received_values", 0),
                      "snapshot_version": [p.version for p in self.progress], "wait_s": self.wait_s}
+            if self.train.budget_tokens:
+                event["budget_progress"] = self.progress_ppm / 1e6
             early = self.train.eval_early and step < self.train.eval_every and step & (step - 1) == 0  # a power of two
-            stopping = self.group_stop if self.group is not None else self.stop_requested
+            stopping = (self.group_stop if self.group is not None else self.stop_requested) or self.budget_spent
             if step % self.train.eval_every == 0 or early or step == max_steps or stopping:
                 event.update(self._evaluate())
                 eval_loss = event["eval_loss"]
@@ -159,7 +167,14 @@ class IslandLoop:
             self.metrics.write(event)
         wall = time.perf_counter() - self.started
         return {"steps": step, "tokens": self.tokens, "loss": loss, "eval_loss": eval_loss, "seconds": wall,
-                "steps_per_s": step / wall, "compute_util": self.compute_s / wall}
+                "steps_per_s": step / wall, "compute_util": self.compute_s / wall,
+                **({"budget_progress": self.progress_ppm / 1e6} if self.train.budget_tokens else {})}
+
+    @property
+    def budget_spent(self) -> bool:
+        """The cluster has trained the run's token budget, as far as this island has heard: it stops
+        (every process of a multi-process island at the same step: the progress is agreed)."""
+        return bool(self.train.budget_tokens) and self.progress_ppm >= 1_000_000
 
     def _exchange(self, step: int) -> None:
         """Adopt snapshots that arrived; hand due fragments' deltas to the link.  Never waits
@@ -180,6 +195,16 @@ class IslandLoop:
         if self.group is not None:
             self._agree()
 
+    def _follow_budget(self) -> None:
+        """Tell the link this life's tokens (its heartbeats carry them) and, with a budget, take the
+        cluster's progress from what the merger said; in a multi-process island the leader's
+        value reaches the others at `_agree`."""
+        if self.link is not None and hasattr(self.link, "report_trained"):
+            self.link.report_trained(self.tokens)
+        if self.train.budget_tokens and (self.group is None or self.group.leader):
+            view = schedule.cluster_view(getattr(self.link, "cluster_tokens", 0), self.tokens)
+            self.progress_ppm = round(1e6 * schedule.progress(view, self.train.budget_tokens))
+
     def _set(self, values: dict[str, np.ndarray]) -> None:
         """Overwrite parameters; in a multi-process island (the leader: only it adopts) also
         staged for the others, who take them at the next `_agree`."""
@@ -191,7 +216,9 @@ class IslandLoop:
         """Every process of a multi-process island, once per step: the leader's staged changes
         reach the others (the leader already holds them), and a stop asked of any process holds
         for all of them from the next step (island/group.py)."""
-        stop, versions, changed = self.group.agree(self.stop_requested, [p.version for p in self.progress], self.staged)
+        shared = [p.version for p in self.progress] + [self.progress_ppm]
+        stop, shared, changed = self.group.agree(self.stop_requested, shared, self.staged)
+        versions, self.progress_ppm = shared[:-1], shared[-1]
         self.staged = {}
         if not self.group.leader:
             if changed:

@@ -30,6 +30,9 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     island.add_argument("--lr", type=float, default=TrainConfig.lr)
     island.add_argument("--warmup", type=int, default=TrainConfig.warmup)
     island.add_argument("--schedule", choices=("cosine", "constant"), default=TrainConfig.schedule)
+    island.add_argument("--budget-tokens", type=int_at_least(0), default=TrainConfig.budget_tokens, metavar="N",
+                        help="the cluster's token budget: after warmup the rate decays over the cluster's tokens "
+                             "(as the merger's acks tell them), not this island's steps (default 0: none)")
     island.add_argument("--eval-every", type=positive_int, default=TrainConfig.eval_every)
     island.add_argument("--eval-early", action="store_true", help="also evaluate at steps 1, 2, 4, 8, ... below --eval-every")
     island.add_argument("--eval-trace", type=int, default=TrainConfig.eval_trace, metavar="N",
@@ -105,7 +108,8 @@ def add_task_flags(parser: argparse.ArgumentParser) -> None:
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(batch=args.batch, lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_steps=args.max_steps,
-                       eval_every=args.eval_every, eval_early=args.eval_early, eval_trace=args.eval_trace, seed=args.seed)
+                       eval_every=args.eval_every, eval_early=args.eval_early, eval_trace=args.eval_trace, seed=args.seed,
+                       budget_tokens=args.budget_tokens)
 
 
 def sync_config(args: argparse.Namespace) -> SyncConfig:

@@ -80,6 +80,15 @@ class NetworkLink:
     def take_residuals(self, paths) -> dict[str, np.ndarray]:
         return self.uplink.take_residuals(paths)
 
+    def report_trained(self, tokens: int) -> None:
+        """This life's trained tokens, for the heartbeats (the merger sums them, PROTOCOL.md §6.1)."""
+        self.uplink.trained_tokens = tokens
+
+    @property
+    def cluster_tokens(self) -> int:
+        """The cluster's trained tokens, as the merger's acks last said (0 before any)."""
+        return self.uplink.heard_tokens
+
     def snapshots(self) -> list[tuple[int, int, dict[str, np.ndarray]]]:
         """Snapshots that have fully arrived (by the downlink's clock), oldest first: (fragment, version, tensors)."""
         return self.downlink.ready(time.monotonic())

@@ -20,7 +20,10 @@ class DivergedError(DlocoError):
 
 
 def schedule(config: TrainConfig) -> optax.Schedule:
-    if config.schedule == "constant":
+    """By the island's own steps: warmup, then cosine to 10 % at max_steps (or constant).  With a
+    token budget, warmup then constant: the decay over the cluster's tokens multiplies it
+    (island/schedule.py, Trainer.set_rate_scale)."""
+    if config.schedule == "constant" or config.budget_tokens:
         return optax.linear_schedule(0.0, config.lr, max(1, config.warmup)) if config.warmup else optax.constant_schedule(config.lr)
     return optax.warmup_cosine_decay_schedule(0.0, config.lr, max(1, config.warmup), max(config.max_steps, config.warmup + 1), config.lr * 0.1)
 
@@ -45,7 +48,14 @@ class Trainer:
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.model = model
-        self.optimizer = nnx.Optimizer(self.model, optimizer if optimizer is not None else inner_optimizer(train_config), wrt=nnx.Param)
+        transform = optimizer if optimizer is not None else inner_optimizer(train_config)
+        # A run with a token budget: the update is scaled by the cluster's decay (a hyperparameter
+        # of the state, so changing it recompiles nothing); a task's own optimizer is scaled too.
+        self.budgeted = bool(train_config.budget_tokens)
+        if self.budgeted:
+            transform = optax.chain(transform, optax.inject_hyperparams(optax.scale)(step_size=1.0))
+        self.optimizer = nnx.Optimizer(self.model, transform, wrt=nnx.Param)
+        self.rate_scale = 1.0
         # Parameters and optimizer state replicated from the start, as every step returns them: the
         # second step then reuses the first one's compilation instead of compiling again.
         nnx.update(self.model, jax.tree.map(lambda leaf: place(leaf, self.replicated), nnx.state(self.model)))
@@ -75,6 +85,14 @@ class Trainer:
         if not (np.isfinite(loss) and np.isfinite(grad_norm)):
             raise DivergedError(f"inner step produced loss={loss}, grad_norm={grad_norm}: stopping; nothing from this state is published")
         return loss, grad_norm
+
+    def set_rate_scale(self, value: float) -> None:
+        """Multiply every later update by `value` (a run with a token budget only)."""
+        if not self.budgeted:
+            raise DlocoError("the rate scale is for a run with a token budget (TrainConfig.budget_tokens)")
+        if value != self.rate_scale:
+            self.optimizer.opt_state[-1].hyperparams["step_size"][...] = place(np.float32(value), self.replicated)
+            self.rate_scale = value
 
     def evaluate(self, batches) -> float:
         """The mean held-out loss."""

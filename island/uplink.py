@@ -83,6 +83,9 @@ class Uplink:
         self.unfolded: collections.Counter[int] = collections.Counter()
         self.bytes_sent = self.deltas_sent = self.summed = 0
         self.resent = self.probes = self.backpressure_waits = 0
+        # tokens: this life's, set by the loop and told in heartbeats; the cluster's, the most any
+        # ack has said (PROTOCOL.md §6.1)
+        self.trained_tokens = self.heard_tokens = 0
 
     # ---- the loop's thread ----------------------------------------------------------------------
     def publish(self, delta: PendingDelta) -> None:
@@ -129,7 +132,9 @@ class Uplink:
                 self.in_flight = pending is not None
             if time.monotonic() >= next_heartbeat:  # tells each shard our last seq of its stream: tail loss shows up
                 for index, stream in enumerate(self.streams):
-                    pub.send_multipart(protocol.encode(protocol.Heartbeat(sender=self.name, epoch=self.epoch, seq=stream.seq, stream=index)))
+                    beat = protocol.Heartbeat(sender=self.name, epoch=self.epoch, seq=stream.seq, stream=index,
+                                              tokens=self.trained_tokens)
+                    pub.send_multipart(protocol.encode(beat))
                 next_heartbeat = time.monotonic() + HEARTBEAT_S
             if pending is None:
                 continue
@@ -209,6 +214,7 @@ class Uplink:
                 self.results["dropped/old_epoch"] += 1
                 return
             self.merger_epochs[ack.sender] = ack.epoch
+            self.heard_tokens = max(self.heard_tokens, ack.tokens)
             for result in ack.results:
                 if result.island == self.name and result.epoch == self.epoch and result.delta_id not in self.settled:
                     self.settled.add(result.delta_id)

@@ -43,6 +43,7 @@ from dloco.merger.rundir import RunDirLock, check_shard
 from dloco.merger.settings import ServiceConfig as ServiceConfig  # re-exported: the service's settings
 from dloco.merger.standby import Takeover
 from dloco.merger.streams import StreamKeeping
+from dloco.merger.trained_tokens import TrainedTokens
 from dloco.merger.wal import StorageError, WriteAheadLog
 from dloco.protocol import downlink, shards
 from dloco.protocol.errors import ConfigError
@@ -112,6 +113,7 @@ class MergerService(SnapshotPublishing, StreamKeeping):
         if config.replication.on:  # the log goes to a standby too; in sync mode nothing is published before it has it
             self.replication = self._replicate(takeover)
         self.tracker = GapTracker(max_held_bytes=config.held_bytes)
+        self.trained = TrainedTokens()  # the cluster's tokens, for islands' schedules (every ack carries them)
         self.evictions, self.evictions_logged_at = 0, -math.inf  # partials and held messages dropped for memory or age
         for island, (epoch, seq) in self.core.cursors.items():  # resume each stream where it was acknowledged
             self.tracker.receive(island, epoch, 0, None)
@@ -225,6 +227,7 @@ class MergerService(SnapshotPublishing, StreamKeeping):
         self.seen(message.sender)
         if isinstance(message, protocol.Heartbeat):
             self.tracker.heartbeat(message.sender, message.epoch, message.seq)
+            self.trained.heartbeat(message.sender, message.epoch, message.tokens)
         elif isinstance(message, protocol.DeltaChunk):
             ready = self.tracker.receive(message.sender, message.epoch, message.seq, message, sum(f.nbytes for f in frames))
             stream = self.tracker.streams.get(message.sender)
@@ -243,6 +246,8 @@ class MergerService(SnapshotPublishing, StreamKeeping):
             return
         if assembled is None:
             return
+        head = assembled.header
+        self.trained.delta(head.sender, head.epoch, head.fragment, head.tokens)
         result = self.core.submit(assembled, now)
         if result is not None:
             self.count(f"merger/delta/{result.status}")
@@ -318,7 +323,7 @@ class MergerService(SnapshotPublishing, StreamKeeping):
         self.log.info("fold", fragment=fold.fragment, version=report.version, contributors=list(report.contributors),
                       staleness=list(report.staleness), steps=list(report.steps), weights=[round(w, 4) for w in report.weights], share=round(sum(report.weights), 4),
                       delta_norms=[round(n, 6) for n in report.delta_norms], merged_norm=round(report.merged_norm, 6),
-                      fold_ms=round(seconds * 1000, 2))
+                      fold_ms=round(seconds * 1000, 2), cluster_tokens=self.trained.total)
         if self.replication is not None:
             self.replication.folded(fold.fragment, report.version, fold.state)
         self.offer_snapshot(fold.fragment, fold.state)
@@ -340,7 +345,7 @@ class MergerService(SnapshotPublishing, StreamKeeping):
             return
         ack = protocol.Ack(sender=self.config.sender, epoch=self.epoch, seq=self.next_seq(),
                            cursors=tuple(protocol.Cursor(island, epoch, seq) for island, (epoch, seq) in sorted(cursors.items())),
-                           results=tuple(results))
+                           results=tuple(results), tokens=self.trained.total)
         self.snapshot_pub.send_multipart(protocol.encode(ack))
 
     def write_checkpoint(self) -> None:

@@ -360,7 +360,7 @@ def _read_ack(fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Li
         results.append(DeltaResult(**head, status=status, version=f.uint("version"),
                                    reason=f.text("reason", pattern=REASON, max_len=limits.max_reason_len, allow_empty=True)))
         f.finish()
-    return Ack(**envelope, cursors=tuple(cursors), results=tuple(results))
+    return Ack(**envelope, cursors=tuple(cursors), results=tuple(results), tokens=fields.uint("tokens"))
 
 
 def _read_snapshot_request(fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Limits) -> SnapshotRequest:
@@ -374,7 +374,8 @@ def _read_snapshot_request(fields: _FieldReader, payloads: tuple[memoryview, ...
 _READERS: dict[Kind, Callable[[_FieldReader, tuple[memoryview, ...], Limits], Message]] = {
     Kind.DELTA: _read_delta,
     Kind.SNAPSHOT: _read_snapshot,
-    Kind.HEARTBEAT: lambda fields, payloads, limits: MESSAGE_TYPES[Kind.HEARTBEAT](**_envelope(fields), stream=fields.uint("stream", MAX_SHARDS)),
+    Kind.HEARTBEAT: lambda fields, payloads, limits: MESSAGE_TYPES[Kind.HEARTBEAT](
+        **_envelope(fields), stream=fields.uint("stream", MAX_SHARDS), tokens=fields.uint("tokens")),
     Kind.HELLO: _read_hello,
     Kind.RESEND: _read_resend,
     Kind.ACK: _read_ack,

@@ -17,7 +17,9 @@ from typing import ClassVar, Union
 
 from dloco.protocol.quantization import Codec
 
-PROTOCOL_VERSION = 3  # 2: snapshots may be diffs (base_version, digest); 3: a stream per merger shard (heartbeat.stream, topics end in /)
+# 2: snapshots may be diffs (base_version, digest); 3: a stream per merger shard (heartbeat.stream,
+# topics end in /); 4: trained tokens (heartbeat.tokens, ack.tokens) for the cluster's schedule
+PROTOCOL_VERSION = 4
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -108,13 +110,16 @@ class SnapshotChunk:
 @dataclasses.dataclass(frozen=True)
 class Heartbeat:
     """Liveness; `seq` is the sender's last seq of its stream `stream`, so tail loss shows up within
-    one interval.  An island has one stream per merger shard (the shard's fragments' deltas)."""
+    one interval.  An island has one stream per merger shard (the shard's fragments' deltas).
+    `tokens`: what the sender has trained in this epoch (the merger sums them for the cluster's
+    schedule, PROTOCOL.md §6.1)."""
 
     kind: ClassVar[Kind] = Kind.HEARTBEAT
     sender: str
     epoch: int
     seq: int
     stream: int = 0
+    tokens: int = 0
 
     @property
     def topic(self) -> str:
@@ -190,6 +195,9 @@ class Ack:
     seq: int
     cursors: tuple[Cursor, ...]
     results: tuple[DeltaResult, ...]
+    # the cluster's trained tokens as this merger knows them (PROTOCOL.md §6.1): islands decay
+    # their schedule over a run's token budget by it
+    tokens: int = 0
 
     @property
     def topic(self) -> str:

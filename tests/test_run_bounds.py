@@ -164,3 +164,50 @@ def test_a_started_process_checks_its_launcher_and_keeps_the_mark_from_its_own_c
     bare = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in os.environ.items() if k != "DLOCO_LAUNCHER_PID"})
     assert bare.stdout.split() == ["True", "False"], bare.stderr
+
+
+def test_progress_sums_the_tokens_of_every_island_and_every_life(tmp_path):
+    progress = RunProgress(tmp_path, ["a", "b"])
+    _append(tmp_path / "metrics" / "a.jsonl", {"step": 0, "tokens": 0}, {"step": 1, "tokens": 256}, {"step": 2, "tokens": 512})
+    _append(tmp_path / "metrics" / "b.jsonl", {"step": 0, "tokens": 0}, {"step": 1, "tokens": 256})
+    progress.update()
+    assert progress.tokens == 768
+    # a restarts: its first life's 512 stay counted, the new life's counter starts at 0
+    _append(tmp_path / "metrics" / "a.jsonl", {"step": 0, "tokens": 0}, {"step": 1, "tokens": 256})
+    progress.update()
+    assert progress.tokens == 512 + 256 + 256
+
+
+def test_a_budgeted_run_past_its_time_limit_says_how_much_it_spent():
+    assert verdict.budget_unspent(1000, 1000, 60) == []
+    (reason,) = verdict.budget_unspent(250, 1000, 60)
+    assert "250 of the budget's 1,000 tokens" in reason and "(25%)" in reason and "60 s" in reason
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(420)
+def test_a_run_with_a_token_budget_ends_when_the_cluster_spent_it(tmp_path):
+    """`dloco up --tokens N`: two islands, one at half speed, decay over the cluster's tokens and the
+    run ends once they have trained N together (duration only a limit)."""
+    import subprocess
+    import sys
+
+    from tests.cluster_helpers import small_profile
+
+    regions = '[[regions]]\nname = "a"\n[[regions]]\nname = "b"\nslowdown = 2.0\n'
+    (tmp_path / "c.toml").write_text(small_profile(360, 20, regions))
+    run, budget = tmp_path / "run", 200 * 8 * 32  # about 130 steps of the fast island, 70 of the slow
+    up = subprocess.run([sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run),
+                         "--tokens", str(budget), "--status-port", "-1"], capture_output=True, text=True, timeout=400)
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    progress = RunProgress(run, ["a", "b"])
+    progress.update()
+    assert progress.tokens >= budget
+    lines = {name: [json.loads(line) for line in open(run / "metrics" / f"{name}.jsonl")] for name in ("a", "b")}
+    for name, events in lines.items():
+        stepped = [e for e in events if e.get("step", 0) > 0]
+        assert stepped and all("budget_progress" in e for e in stepped), name
+    # the schedules followed the cluster, not each island's own work: at some step an island was
+    # ahead of its own share by a tenth of the budget (the other's work, as the merger told it)
+    ahead = max(e["budget_progress"] - e["tokens"] / budget for events in lines.values() for e in events if e.get("step", 0) > 0)
+    assert ahead > 0.1
