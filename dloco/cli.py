@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--steps", type=_positive_int, default=None, metavar="N",
                     help="the run ends once every island has trained N steps (every life) and the chaos schedule has run "
                          "(overrides the cluster file's run.max_steps): runs bounded by work, --duration their limit")
+    up.add_argument("--tokens", type=_positive_int, default=None, metavar="N",
+                    help="a budget: the run ends once the cluster has trained N tokens (every island, every life), and every "
+                         "island's schedule decays over the cluster's progress towards N (overrides run.tokens; --duration its limit)")
     up.add_argument("--mode", choices=("decoupled", "sync-diloco", "sync-dp"), default=None,
                     help="how the islands synchronise (overrides the cluster file): this project, or a synchronous baseline")
     up.add_argument("--compose", type=Path, default=None, metavar="FILE",
@@ -60,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(run=_status)
 
     experiment = commands.add_parser("experiment", help="run a named suite of cluster runs side by side; Markdown + PNG plots")
-    experiment.add_argument("name", choices=("speedup", "heterogeneous", "faults", "quantization", "quantization-sync", "adoption", "merging", "downlink", "bytes"), help="the suite (suites/experiments.py says what each measures)")
+    experiment.add_argument("name", choices=("speedup", "heterogeneous", "faults", "quantization", "quantization-sync", "adoption", "merging", "downlink", "bytes",
+                                             "quality"), help="the suite (suites/experiments.py and suites/quality.py say what each measures)")
+    experiment.add_argument("--budgets", default=None, metavar="N,N,...",
+                            help="quality: the cluster token budgets, K/M/G decimal (default 1M,4M,16M; --quick: 49152,147456)")
     experiment.add_argument("--quick", action="store_true",
                             help="tiny model, some suites fewer runs, each bounded by work (96-192 steps per island): checks directions, not magnitudes")
     experiment.add_argument("--seconds", type=float, default=None,
@@ -132,7 +138,7 @@ def _up(args: argparse.Namespace) -> int:
 
     try:
         schedule = chaos.parse(args.chaos) if args.chaos is not None else None
-        cluster = config.load(args.config).with_duration(args.duration).with_mode(args.mode).with_steps(args.steps).with_chaos(schedule)
+        cluster = config.load(args.config).with_duration(args.duration).with_mode(args.mode).with_steps(args.steps).with_tokens(args.tokens).with_chaos(schedule)
         if args.services is not None and args.compose is None:
             raise config.ConfigError("--services needs --compose")
     except DlocoError as error:
@@ -181,8 +187,18 @@ def _experiment(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / f"experiment-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         runs = tuple(label.strip() for label in args.runs.split(",")) if args.runs else None
-        text = experiments.run(args.name, out, quick=args.quick, config_path=args.config, seconds=args.seconds, only=runs, reuse=tuple(args.reuse),
-                               steps=args.steps)
+        if args.name == "quality":
+            from dloco.suites import quality
+
+            if args.reuse or args.steps or args.seconds:
+                raise DlocoError("quality: runs are bounded by their budgets (--budgets); give --out to resume an earlier one")
+            budgets = quality.parse_budgets(args.budgets) if args.budgets else None
+            text = quality.run(out, quick=args.quick, config_path=args.config, budgets=budgets, only=runs)
+        elif args.budgets:
+            raise DlocoError("--budgets is for the quality suite")
+        else:
+            text = experiments.run(args.name, out, quick=args.quick, config_path=args.config, seconds=args.seconds, only=runs,
+                                   reuse=tuple(args.reuse), steps=args.steps)
     except (DlocoError, OSError) as error:
         print(f"dloco experiment: {error}", file=sys.stderr)
         return 130 if getattr(error, "interrupted", False) else 2

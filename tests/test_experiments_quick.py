@@ -152,3 +152,22 @@ def test_downlink_diffs_cut_the_bytes(tmp_path):
     assert suiteresults.bytes_per_token(runs["int4-diff"]) < 0.7 * suiteresults.bytes_per_token(runs["bf16-full"])
     # The held run only has to train here (quick() checks it): with the tiny model a round lasts about a
     # second and few folds are held. Holding is tested in tests/test_merger_process.py.
+
+
+def test_quality_a_larger_budget_gives_every_mode_a_better_global_model(tmp_path):
+    """The quality suite, quick: three modes at two budgets, each run decayed over its own budget
+    and ended by it; direction only (magnitudes need the full suite, EXPERIMENTS.md "Quality")."""
+    from dloco.suites import quality, qualityreport
+
+    text, results = quality.run_suite(tmp_path, quick=True, log=lambda line: None)
+    by_label = {r.label: r for r in results}
+    small, large = quality.QUICK_BUDGETS
+    for mode in qualityreport.MODES:
+        runs = [by_label[qualityreport.label(mode, budget)] for budget in (small, large)]
+        for r in runs:
+            assert suiteresults.cluster_tokens(r) >= r.config.tokens, r.label  # ended by its budget, not by the clock
+            assert r.global_after is not None and r.global_after < r.global_before, r.label
+        assert runs[1].global_after < runs[0].global_after, mode
+    assert "| decoupled vs sync-dp |" in text.replace("decoupled vs sync-dp | decoupled vs sync-diloco", "decoupled vs sync-dp |")
+    assert (tmp_path / "experiments" / "quality_loss_vs_budget.png").exists() and (tmp_path / "quality.md").exists()
+    assert qualityreport.wall_clock(results)["seconds_per_step_linked"] > 0

@@ -1,0 +1,79 @@
+"""The quality suite's plan and measures, by hand (suites/quality.py, suites/qualityreport.py); its
+runs end to end are tests/test_experiments_quick.py's (-m experiments)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dloco.cluster import config as cluster_config
+from dloco.protocol.errors import ConfigError
+from dloco.suites import quality, qualityreport
+from dloco.suites.suiteresults import RunResult
+
+
+def test_budgets_parse_in_decimal_units_and_must_increase():
+    assert quality.parse_budgets("1M,4M,16M") == (1_000_000, 4_000_000, 16_000_000)
+    assert quality.parse_budgets("49152, 147456") == (49_152, 147_456)
+    assert quality.parse_budgets("500k,1.5M,2G") == (500_000, 1_500_000, 2_000_000_000)
+    for bad in ("4M,1M", "1M,1M", "0", "1.5", "a", "1M,"):
+        with pytest.raises(ConfigError, match="--budgets"):
+            quality.parse_budgets(bad)
+
+
+def test_labels_name_mode_and_budget():
+    assert qualityreport.label("decoupled", 4_000_000) == "decoupled@4M"
+    assert qualityreport.label("sync-dp", 1_500_000) == "sync-dp@1.5M"
+    assert qualityreport.label("sync-diloco", 500_000) == "sync-diloco@500k"
+    assert qualityreport.label("decoupled", 49_152) == "decoupled@49152"
+
+
+def test_the_plan_runs_every_mode_at_every_budget_each_ended_by_it():
+    base = cluster_config.load()
+    runs = dict(quality.plan(base, (1_000_000, 4_000_000), quick=False))
+    assert list(runs) == ["sync-dp@1M", "sync-diloco@1M", "decoupled@1M", "sync-dp@4M", "sync-diloco@4M", "decoupled@4M",
+                          qualityreport.LINKED]
+    for name, config in runs.items():
+        if name == qualityreport.LINKED:  # over the links, bounded by steps: its seconds per step
+            assert (config.mode, config.tokens, config.max_steps) == ("sync-dp", 0, quality.LINKED_STEPS)
+            assert config.regions == base.regions
+            continue
+        mode, _, _ = name.partition("@")
+        assert (config.mode, config.max_steps, config.chaos) == (mode, 0, ())
+        assert config.tokens == (1_000_000 if name.endswith("@1M") else 4_000_000)
+        assert config.duration_s >= quality.LIMIT_S_PER_KTOKEN * config.tokens / 1000  # only a limit
+        # sync-dp at full speed; the others over the profile's links
+        assert all(r.uplink_mbps is None for r in config.regions) == (mode == "sync-dp")
+    quick = dict(quality.plan(base, quality.QUICK_BUDGETS, quick=True))
+    decoupled = quick[qualityreport.label("decoupled", quality.QUICK_BUDGETS[0])]
+    assert decoupled.model == quality.QUICK_MODEL and decoupled.sync.interval == quality.QUICK_INTERVAL
+    # half-speed regions keep half the interval
+    assert sorted({decoupled.interval_of(r) for r in decoupled.regions}) == [quality.QUICK_INTERVAL // 2, quality.QUICK_INTERVAL]
+
+
+def _result(label, config, after, curve=(), evals=None, last=None):
+    return RunResult(label, config, 0, 6.0, after, evals or {}, last or {}, global_curve=list(curve))
+
+
+def test_the_wall_clock_claim_both_ways_by_hand():
+    base = cluster_config.load()
+    runs = dict(quality.plan(base, (1_000_000,), quick=False))
+    # sync-dp over the links: 20 s per step (steps 3 and 12 evaluated 180 s apart)
+    linked = _result(qualityreport.LINKED, runs[qualityreport.LINKED], 5.0,
+                     evals={"a": [{"step": 3, "since_start": 60.0, "eval_loss": 5.0}, {"step": 12, "since_start": 240.0, "eval_loss": 4.8}]})
+    # sync-dp at full speed: loss 3.0 at step 100, 2.0 at step 300 (its last step), linear between
+    dp = _result("sync-dp@1M", runs["sync-dp@1M"], 2.0, last={"a": {"step": 300}},
+                 evals={"a": [{"step": 100, "since_start": 1.0, "eval_loss": 3.0}, {"step": 300, "since_start": 3.0, "eval_loss": 2.0}]})
+    # decoupled: global model 3.0 at 100 s, 2.2 at 200 s (its end), 2.1 never
+    dec = _result("decoupled@1M", runs["decoupled@1M"], 2.2,
+                  curve=[{"since_start": 100.0, "eval_loss": 3.0, "cluster_tokens": 1}, {"since_start": 200.0, "eval_loss": 2.2, "cluster_tokens": 2}])
+    clock = qualityreport.wall_clock([linked, dp, dec])
+    assert clock["seconds_per_step_linked"] == 20.0 and clock["decoupled_seconds"] == 200.0
+    # sync-dp reaches 2.2 at step 260 (100 + 0.8 x 200): 5,200 s, 26x decoupled's 200 s
+    assert clock["sync_dp_to_decoupled_final_s"] == pytest.approx(5200.0) and clock["speedup_to_decoupled_final"] == pytest.approx(26.0)
+    # decoupled never reached sync-dp's 2.0: no ratio that way
+    assert clock["decoupled_to_sync_dp_final_s"] is None and "speedup_to_sync_dp_final" not in clock
+    dp.global_after = 2.6  # had sync-dp ended at 2.6: decoupled got there at 150 s, against sync-dp's 300 steps x 20 s
+    clock = qualityreport.wall_clock([linked, dp, dec])
+    assert clock["decoupled_to_sync_dp_final_s"] == pytest.approx(150.0) and clock["speedup_to_sync_dp_final"] == pytest.approx(40.0)
+    assert qualityreport.wall_clock([dp, dec]) == {}  # without the linked run: no claim
+    assert qualityreport.gap(2.2, 2.0) == pytest.approx(0.1) and qualityreport.gap(None, 2.0) is None
