@@ -171,6 +171,26 @@ def _code(cell: str, run_dir: Path) -> int | None:
         raise ConfigError(f"{run_dir / 'report.md'}: {cell!r} is not an exit status") from None
 
 
+def warnings(initial: float, final: float | None, islands: dict[str, float]) -> list[str]:
+    """Loud lines for a global model that ended worse than it started, or worse than every island's
+    last held-out loss: the merger's settings (an outer lr that overshoots, say) cost the model what
+    the islands gained.  Such a run still exits 0 (its processes did their work); the report and
+    the run's last line say so."""
+    if final is None:
+        return []
+    found = []
+    if final > initial:
+        found.append(f"the global model ended worse than it started: held-out loss {initial:.3f} → {final:.3f}")
+    if islands and final > max(islands.values()):
+        found.append(f"the global model ({final:.3f}) ended worse than every island's last held-out loss "
+                     f"({', '.join(f'{name} {loss:.3f}' for name, loss in sorted(islands.items()))})")
+    if not found:
+        return []
+    return ["## WARNING: the global model", "", *(f"- {line}" for line in found),
+            "- check the merger's settings ([merger] outer_lr, max_staleness: the shipped profile's are measured, "
+            "docs/design.md); the islands trained, the merging did not keep it", ""]
+
+
 def write_report(plan: RunOutline, run_dir: Path, exit_codes: dict[str, int], problems: list[str] = ()) -> Path:
     """report.md and plots/.  `problems`: why the run failed (analysis.verdict), listed first."""
     metrics = {name: read_metrics(run_dir / "metrics" / f"{name}.jsonl") for name in plan.names}
@@ -185,10 +205,13 @@ def write_report(plan: RunOutline, run_dir: Path, exit_codes: dict[str, int], pr
     lines += ["## Islands", "",
              "| region | slowdown | H | link up/down Mbit/s, RTT | steps | tokens | steps/s | compute util | last loss | last held-out loss | bytes sent | bytes received | deltas folded | exit |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    island_finals = {}
     for region in plan.islands:
         events = [e for e in metrics[region.name] if "step" in e]
         last = last_step(lives(events))  # a restarted island: its last life's step and rate, every life's tokens and bytes
         evals = [e["eval_loss"] for e in events if "eval_loss" in e]
+        if evals:
+            island_finals[region.name] = evals[-1]
         seconds = last.get("time", 0) or float("nan")
         lines.append(f"| {region.name} | {region.speed} | {region.interval} | {region.uplink_mbps or '∞'}/{region.downlink_mbps or '∞'}, {region.rtt_ms:.0f} ms "
                      f"| {last.get('step', 0)} | {last.get('tokens', 0):,} | {last.get('step', 0) / seconds:.2f} | {last.get('compute_util', float('nan')):.3f} "
@@ -204,6 +227,7 @@ def write_report(plan: RunOutline, run_dir: Path, exit_codes: dict[str, int], pr
     if extra := [name for name in before if name != "loss"]:
         lines += [f"Held-out {', '.join(f'{name} {before[name]:.4g} → {after[name]:.4g}' if after else f'{name} {before[name]:.4g} (initial)' for name in extra)}"
                   " (initial → final global model).", ""]
+    lines += warnings(before["loss"], after and after["loss"], island_finals)
     lines += _chaos_section(chaos_effects(run_dir, plan.names))
     global_curve = [e for e in read_events(run_dir / "global.jsonl") if "eval_loss" in e and "wall" in e]
     if global_curve:

@@ -365,6 +365,9 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
     report = write_report(outline(config), run_dir, codes, problems)
     for problem in problems:
         print(f"dloco up: FAILED: {problem}", file=out, flush=True)
+    if "\n## WARNING: the global model\n" in report.read_text():
+        print(f"dloco up: WARNING: the global model ended worse than it started or than every island (see {report})",
+              file=out, flush=True)
     print(f"dloco up: report at {report}", file=out, flush=True)
     if interrupted:
         return EXIT_INTERRUPTED

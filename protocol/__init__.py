@@ -8,10 +8,11 @@ this package is its reference implementation.
 """
 
 from dloco.protocol.chunking import DEFAULT_MAX_CHUNK_BYTES, ChunkPlan, model_fingerprint, split_fragment
+from dloco.protocol.encoding import encode
 from dloco.protocol.error_feedback import compensate, quantize_with_feedback
 from dloco.protocol.errors import DlocoError, EncodeError, ProtocolError
 from dloco.protocol.fragments import partition
-from dloco.protocol.framing import decode, encode, peek_sender
+from dloco.protocol.framing import decode, peek_sender
 from dloco.protocol.limits import DEFAULT_LIMITS, Limits
 from dloco.protocol.messages import (
     MESSAGE_TYPES,

@@ -1,7 +1,7 @@
-"""Messages to ZeroMQ frames and back: ``[topic, header (msgpack map), *payload frames]``.
+"""ZeroMQ frames to messages: ``[topic, header (msgpack map), *payload frames]`` (the other way
+is protocol/encoding.py).
 
-`encode` never copies a payload: payload frames are the caller's buffers (send them with
-``copy=False``).  `decode` is strict: any input that is not exactly a valid message raises
+`decode` is strict: any input that is not exactly a valid message raises
 `ProtocolError` with a reason, and nothing else escapes it; no allocation is driven by a header
 field (sizes are checked against `Limits` and against the frames actually received before use).
 Payloads of a decoded message are zero-copy memoryviews of the received frames.
@@ -9,7 +9,6 @@ Payloads of a decoded message are zero-copy memoryviews of the received frames.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -40,56 +39,6 @@ from dloco.protocol.quantization import CODEC_NAMES, Codec
 from dloco.protocol.shards import MAX_SHARDS
 
 _U64 = 1 << 64
-OPTIONAL_FIELDS = frozenset({"base_version", "digest"})  # of a snapshot: left out of the header when None
-
-
-# ---- encode --------------------------------------------------------------------------------------
-def encode(message: Message) -> list[bytes | memoryview]:
-    """Frames of `message`: topic, msgpack header, then one raw payload frame per tensor slice."""
-    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": str(message.kind)}
-    payloads: list[memoryview] = []
-    for field in dataclasses.fields(message):
-        value = getattr(message, field.name)
-        if field.name == "payloads" or (value is None and field.name in OPTIONAL_FIELDS and isinstance(message, SnapshotChunk)):
-            continue
-        if field.name == "codec":
-            header["codec"], header["block"] = value.name, value.block
-        elif field.name == "slices":
-            payloads = [_byte_view(p) for p in message.payloads]
-            header["slices"] = _slice_headers(message, payloads)
-        elif field.name in ("cursors", "results"):
-            header[field.name] = [dataclasses.asdict(entry) for entry in value]
-        elif isinstance(value, tuple):
-            header[field.name] = [list(v) if isinstance(v, tuple) else v for v in value]
-        else:
-            header[field.name] = value
-    try:
-        packed = msgpack.packb(header, use_bin_type=True)
-    except (OverflowError, TypeError, ValueError) as error:
-        raise EncodeError(f"cannot encode {message.kind} header: {error}") from None
-    return [message.topic.encode("ascii"), packed, *payloads]
-
-
-def _byte_view(buffer: Any) -> memoryview:
-    view = memoryview(buffer)
-    if not view.c_contiguous:
-        raise EncodeError("payload buffers must be C-contiguous")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _slice_headers(message: DeltaChunk | SnapshotChunk, payloads: list[memoryview]) -> list[dict[str, Any]]:
-    if len(payloads) != len(message.slices):
-        raise EncodeError(f"{len(message.slices)} slices but {len(payloads)} payloads")
-    out = []
-    for item, payload in zip(message.slices, payloads):
-        expected = message.codec.encoded_nbytes(item.count)
-        if payload.nbytes != expected:
-            raise EncodeError(f"payload of {item.path} is {payload.nbytes} bytes, {message.codec.name} needs {expected}")
-        out.append(
-            {"path": item.path, "dtype": item.dtype, "shape": list(item.shape), "start": item.start,
-             "count": item.count, "nbytes": payload.nbytes, "crc32": crc32(payload)}
-        )
-    return out
 
 
 # ---- decode --------------------------------------------------------------------------------------

@@ -173,3 +173,14 @@ def test_a_merger_and_two_islands_one_at_half_speed_follow_one_budget(tmp_path):
         seen.append(max(p - e["tokens"] / budget for p, e in zip(progress, stepped)))
     # the islands overlap in time, so at least one of them took the other's work into its schedule
     assert max(seen) > 4 * 8 * 32 / budget
+
+
+def test_a_global_model_worse_than_its_start_or_every_island_is_reported_loudly():
+    from dloco.analysis.report import warnings
+
+    assert warnings(6.0, 2.0, {"a": 2.5, "b": 1.9}) == [] and warnings(6.0, None, {}) == []
+    lines = warnings(1.144, 1.613, {"a": 0.74, "b": 1.09})
+    assert lines[0] == "## WARNING: the global model"
+    assert "worse than it started: held-out loss 1.144 → 1.613" in lines[2]
+    assert "worse than every island's last held-out loss (a 0.740, b 1.090)" in lines[3]
+    assert len(warnings(6.0, 2.6, {"a": 2.5, "b": 2.4})) == 5  # worse than every island only: one finding

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from dloco import protocol
 from dloco.protocol import Codec, EncodeError, Reassembler, decode, encode
 from dloco.protocol.chunking import HEADER_RESERVE_BYTES, slice_header_bound
+from dloco.protocol.encoding import header_of
 from dloco.protocol.sparse import SPARSE_BITS
 
 U64_MAX = (1 << 64) - 1
@@ -79,7 +80,9 @@ def test_the_header_reserve_covers_every_other_field(kind):
         message = protocol.DeltaChunk(**common, delta_id=big, fragment=big, base_version=big, steps=big, tokens=big)
     else:
         message = protocol.SnapshotChunk(**common, fragment=big, version=big, base_version=big, digest=(1 << 32) - 1)
-    empty = len(encode(message)[1])
+    # header_of, not encode: such a message (no slice, chunk_count 2^64 - 1) is refused by the
+    # encoder's own checks; only its size is measured here
+    empty = len(msgpack.packb(header_of(message)[0], use_bin_type=True))
     assert empty + 2 <= HEADER_RESERVE_BYTES  # + 2: an array of 16 or more slices has a 3-byte prefix, not 1
 
 

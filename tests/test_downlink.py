@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import zlib
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -151,8 +152,15 @@ def test_a_snapshot_header_carries_base_and_digest_only_for_diffs():
     diff = snapshot_frames([plan], 2, protocol.Codec("fp32"), base=1, digest=123)[0]
     decoded = protocol.decode(diff)
     assert (decoded.base_version, decoded.digest) == (1, 123)
+    header = msgpack.unpackb(bytes(diff[1]))
     for base, digest, reason in ((2, 5, "field_value"), (1, None, "field_value"), (1, 1 << 32, "field_value")):
-        bad = snapshot_frames([plan], 2, protocol.Codec("fp32"), base=base, digest=digest)[0]
+        changed = {**header, "base_version": base, "digest": digest}
+        if digest is None:
+            del changed["digest"]
+        bad = [diff[0], msgpack.packb(changed), *diff[2:]]
         with pytest.raises(protocol.ProtocolError) as error:
             protocol.decode(bad)
         assert error.value.reason == reason
+        # and the encoder never emits it
+        with pytest.raises(protocol.EncodeError, match="refused by its receivers"):
+            snapshot_frames([plan], 2, protocol.Codec("fp32"), base=base, digest=digest)
