@@ -187,8 +187,9 @@ def warnings(initial: float, final: float | None, islands: dict[str, float]) -> 
     if not found:
         return []
     return ["## WARNING: the global model", "", *(f"- {line}" for line in found),
-            "- check the merger's settings ([merger] outer_lr, max_staleness: the shipped profile's are measured, "
-            "docs/design.md); the islands trained, the merging did not keep it", ""]
+            "- the islands trained and the merging lost it: the outer step's settings ([merger] outer_lr, "
+            "max_staleness) decide it, and a cluster file without [merger] gets the processes' defaults "
+            "(EXPERIMENTS.md \"Quality\" has what was measured)", ""]
 
 
 def write_report(plan: RunOutline, run_dir: Path, exit_codes: dict[str, int], problems: list[str] = ()) -> Path:
