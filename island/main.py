@@ -257,6 +257,8 @@ def group_lost(error: Exception, link, drain_timeout: float, metrics, log) -> in
     import os
 
     log.error("group_lost", error=str(error))
+    # on disk before the drain: JAX's coordination service may end this process during it
+    sys.stdout.flush()
     if link is not None:
         link.drain(drain_timeout)
         link.close()
