@@ -155,7 +155,7 @@ def finite(value):
 
 
 def page() -> bytes:
-    return resources.files("cluster").joinpath("static/status.html").read_bytes()
+    return resources.files("dloco.cluster").joinpath("static/status.html").read_bytes()
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

@@ -43,16 +43,19 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(site)}
     bare = subprocess.run([sys.executable, "-c", "import protocol"], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert bare.returncode != 0 and "No module named 'protocol'" in bare.stderr
-    ok = subprocess.run([sys.executable, "-c", "import dloco.protocol, dloco.cluster.records as r; print(dloco.protocol.__file__)"],
+    ok = subprocess.run([sys.executable, "-c", "import dloco.protocol, dloco.cluster.records as r; print(dloco.protocol.__file__); "
+                         "from dloco.cluster import status, config; status.page(); config.load()"],
                         capture_output=True, text=True, cwd=tmp_path, env=env)
     assert ok.returncode == 0 and ok.stdout.startswith(str(site)), ok.stderr[-2000:]
 
 
-def test_a_checkout_loads_each_module_once_under_its_one_name():
-    """In the tests as anywhere: after importing the packages, no module is in sys.modules under a
-    folder's bare name as well."""
+def test_a_checkout_loads_each_module_once_under_its_one_name(tmp_path):
+    """As a user's process does, from a folder other than the checkout (where a bare `cluster`
+    cannot be found by accident): the packages and their data files load, and no module is in
+    sys.modules under a folder's bare name as well."""
     code = ("import sys, dloco.cli, dloco.cluster.launcher, dloco.suites.experiments, dloco.sim.cli; "
+            "from dloco.cluster import config, status; assert b'<html' in status.page().lower(); config.load(); "
             "bare = sorted(n for n in sys.modules if n.split('.')[0] in {'protocol', 'bus', 'cluster', 'analysis', 'sim', "
             "'suites', 'telemetry', 'cliargs', 'benchmarks', 'island', 'merger', 'broker'}); assert not bare, bare")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
