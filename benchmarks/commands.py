@@ -48,6 +48,12 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     bus.add_argument("--messages", type=positive_int, default=400)
     bus.add_argument("--repeats", type=positive_int, default=3, help="interleaved measurements per path; medians reported")
     bus.set_defaults(run=run_bench, bench_params={"count": "messages", "repeats": "repeats"})
+    attacks = suites.add_parser("attacks", help="poisoning by one island key (ramps, bursts, claimed tokens, 1e6x after a restart or takeover): "
+                                                "how far each moves the merger's model, in multiples of honest folds")
+    attacks.add_argument("--json", action="store_true", help="print one JSON object")
+    attacks.add_argument("--islands", default="2,4", help="cluster sizes, the attacker included (default 2,4)")
+    attacks.add_argument("--seed", type=int, default=0)
+    attacks.set_defaults(run=run_bench, bench_params={"islands": "islands", "seed": "seed"})
     scale = suites.add_parser("scale", help="the cost of model size: each stage of a delta's trip (island, broker, merger, snapshot, "
                                             "island) in GB/s and x memcpy, and merger and island memory per parameter")
     scale.add_argument("--json", action="store_true", help="print one JSON object")

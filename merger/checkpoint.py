@@ -51,6 +51,9 @@ def export_state(core: MergerCore, next_index: int) -> dict:
         "cursors": [[island, epoch, seq] for island, (epoch, seq) in sorted(core.cursors.items())],
         "recent": [[fragment, island, at, weight] for fragment, contributions in enumerate(core.last_contributions)
                    for island, (at, weight) in sorted(contributions.items())],
+        # the poisoning defence's references (merger/outliers.py): a restarted merger judges as this one did
+        "norms": [history.export() for history in core.norms],
+        "moves": [history.export() for history in core.moves],
     }
 
 
@@ -66,6 +69,9 @@ def import_state(core: MergerCore, data: dict) -> None:
     core.last_contributions = [{} for _ in core.fragments]
     for fragment, island, at, weight in data.get("recent", []):  # the key on disk; absent from older checkpoints
         core.last_contributions[fragment][island] = (at, weight)
+    for key in ("norms", "moves"):  # absent from older checkpoints: the references start empty
+        for history, exported in zip(getattr(core, key), data.get(key, [])):
+            history.restore(exported)
     core.settled.clear()
     for island, epoch, delta_id, fragment, status, version, reason in data["settled"]:
         core.settled[(island, epoch, delta_id)] = DeltaResult(island, epoch, delta_id, fragment, status, version, reason)

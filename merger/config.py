@@ -42,12 +42,19 @@ class MergeConfig:
     # weight of a whole round: the islands that contributed to this fragment within the last N
     # versions (merger/weighting.py fold_share).  Single-delta folds then add up to one step per round.
     share_window: int = 0
-    # A delta whose norm is more than this many times its sender's and its fragment's recent median
-    # is rejected as an outlier (merger/outliers.py); 0 turns the check off.
+    # A delta whose norm is more than this many times the median of the other islands' recent
+    # medians is rejected as an outlier (merger/outliers.py); 0 turns the check off.
     outlier_factor: float = 20.0
+    # A fold moves the fragment by at most this many times the largest of the other islands' recent
+    # median movements per island's part (what an island's part moves it: its weight x its delta's
+    # norm); a larger part is scaled down to it (merger/outliers.py, fold.guard).  0: no guard.
+    clip_factor: float = 2.0
     # No island's weight in a fold (tokens**2 / steps, as it claims them) exceeds this many times the
     # heaviest other island's, in the fold or among the fragment's recent contributors; 0: no cap.
-    max_weight_ratio: float = 8.0
+    # 2 leaves the shipped profile's islands as they are (a half-speed region's H is half, so its
+    # weight is half) and keeps one key's claims from shrinking the others' shares of a round by
+    # more than that (benchmarks/attacks.py: at 8, a burst of 30 deltas starved an honest island).
+    max_weight_ratio: float = 2.0
 
     METHODS = ("rda", "average")
 
@@ -58,6 +65,7 @@ class MergeConfig:
         _require(isinstance(self.share_window, int) and self.share_window >= 0, f"merge.share_window must be an int >= 0, got {self.share_window!r}")
         _require(self.max_weight_ratio == 0 or self.max_weight_ratio >= 1, f"merge.max_weight_ratio must be 0 (off) or >= 1, got {self.max_weight_ratio}")
         _require(self.outlier_factor == 0 or self.outlier_factor >= 2, f"merge.outlier_factor must be 0 (off) or >= 2, got {self.outlier_factor}")
+        _require(self.clip_factor == 0 or self.clip_factor >= 1, f"merge.clip_factor must be 0 (off) or >= 1, got {self.clip_factor}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +126,7 @@ class MergerConfig:
     def from_dict(cls, data: dict) -> MergerConfig:
         try:
             merge = dict(data["merge"])
+            merge.setdefault("clip_factor", 0.0)  # a log from before the guard: its folds were never clipped
             merge["average_paths"] = tuple(merge.get("average_paths", ()))
             return cls(MergeConfig(**merge), OuterConfig(**data["outer"]), RoundConfig(**data["round"]))
         except (KeyError, TypeError) as error:

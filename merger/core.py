@@ -18,13 +18,13 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from dloco.merger import coded, records
-from dloco.merger.admission import Candidate, admit
+from dloco.merger import coded, rda, records
+from dloco.merger.admission import Candidate, admit, delta_norm
 from dloco.merger.config import MergerConfig
 from dloco.merger.fold import Contribution, FoldReport, FragmentState, canonical, counters, fold, init_state, per_island
 from dloco.merger.fold import plain as fold_plain
 from dloco.merger.outer import make_step, outer_optimizer
-from dloco.merger.outliers import NormHistory, Quarantine
+from dloco.merger.outliers import COLD_LIMIT, NormHistory, Quarantine
 from dloco.merger.round_policy import ArrivalStats, decide, observe
 from dloco.merger.weighting import capped, fold_share, raw_weights, recent_others
 from dloco.protocol import Assembled, Codec, CodedTensor, DeltaResult, DlocoError, model_fingerprint, partition
@@ -49,6 +49,7 @@ class StartedFold:
     members: list[Contribution]
     results: list[DeltaResult]
     share: float = 1.0  # of a whole round (weighting.fold_share)
+    caps: dict[str, float] | None = None  # island -> the most its part may move the fragment (fold.guard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +81,10 @@ class MergerCore:
         self.last_contributions: list[dict[str, tuple[int, float]]] = [{} for _ in self.fragments]
         self.settled: collections.OrderedDict[DeltaKey, DeltaResult] = collections.OrderedDict()
         self.rejected: collections.Counter[str] = collections.Counter()
-        self.norms = [NormHistory() for _ in self.fragments]  # recent admitted delta norms: the outlier check's reference
+        # per fragment (merger/outliers.py; checkpointed, rebuilt by replay): recent admitted delta
+        # norms, the outlier check's reference; and what each island's part of a fold moved it, the guard's
+        self.norms = [NormHistory() for _ in self.fragments]
+        self.moves = [NormHistory() for _ in self.fragments]
         self.quarantine = Quarantine()
         self.quarantined: list[tuple[str, str, float]] = []  # (island, last reason, seconds): newly quarantined, for the caller to log
         # island -> (epoch, seq): stream messages up to seq are settled and were acknowledged as such
@@ -181,24 +185,27 @@ class MergerCore:
         if self.log is not None:
             self.log.append(records.fold_record(fragment, version, [(c.island, c.epoch, c.delta_id) for c in members]))
         share = self._take_share(fragment, members, version)
-        return StartedFold(fragment, version, members, self._settle_folded(fragment, members, version), share)
+        return StartedFold(fragment, version, members, self._settle_folded(fragment, members, version), share, self._caps(fragment, members))
 
     def compute_fold(self, started: StartedFold) -> tuple[FragmentState, FoldReport]:
         """The state after a started round, from the fragment's current state, without installing it
         (any thread; the fragment's previous round must be installed)."""
-        state, report = fold(self.states[started.fragment], started.members, self.config.merge, self._step, started.share)
+        state, report = fold(self.states[started.fragment], started.members, self.config.merge, self._step, started.share, started.caps)
         if report.version != started.version:
             raise ReplayError(f"fold of fragment {started.fragment} produced version {report.version}, expected {started.version}")
         return state, report
 
-    def install(self, fragment: int, state: FragmentState) -> None:
-        """Make a computed round the fragment's state (what checkpoints and catch-up requests see)."""
+    def install(self, fragment: int, state: FragmentState, report: FoldReport) -> None:
+        """Make a computed round the fragment's state (what checkpoints and catch-up requests see)
+        and note what each island's part moved it (the guard's history)."""
         self.states[fragment] = state
+        for island, movement in report.movements:
+            self.moves[fragment].record(island, movement)
 
     def finish_fold(self, started: StartedFold) -> FoldReport:
         """Compute a started round and install it."""
         state, report = self.compute_fold(started)
-        self.install(started.fragment, state)
+        self.install(started.fragment, state, report)
         return report
 
     def fold(self, fragment: int) -> tuple[FoldReport, list[DeltaResult]]:
@@ -207,8 +214,9 @@ class MergerCore:
         return self.finish_fold(started), started.results
 
     # ---- replay and recovery -----------------------------------------------------------------
-    def apply_record(self, record: dict, index: int) -> FoldReport | None:
-        """Re-apply one logged record (delta: queue it as logged; fold: fold exactly its members)."""
+    def apply_record(self, record: dict, index: int, requeue: bool = False) -> FoldReport | None:
+        """Re-apply one logged record (delta: queue it as logged; fold: fold exactly its members).
+        `requeue`: a delta a checkpoint holds as pending, whose norm its history already has."""
         if record["type"] == records.CURSORS:
             self.cursors.update({island: (epoch, seq) for island, epoch, seq in record["cursors"]})
             return None
@@ -216,6 +224,8 @@ class MergerCore:
             return None
         if record["type"] == records.DELTA:
             contribution = records.contribution_from_record(record)
+            if not requeue:
+                self.norms[record["fragment"]].record(contribution.island, delta_norm(contribution.tensors))  # as admission did
             self._enqueue(Pending(contribution, record["fragment"], 0.0, index), observe_arrival=False)
             return None
         if record["type"] != records.FOLD:
@@ -286,9 +296,29 @@ class MergerCore:
 
     def _apply_fold(self, fragment: int, members: list[Contribution]) -> FoldReport:
         share = self._take_share(fragment, members, self.states[fragment].version + 1)
-        state, report = fold(self.states[fragment], members, self.config.merge, self._step, share)
-        self.states[fragment] = state
+        state, report = fold(self.states[fragment], members, self.config.merge, self._step, share, self._caps(fragment, members))
+        self.install(fragment, state, report)
         return report
+
+    def _caps(self, fragment: int, members: list[Contribution]) -> dict[str, float] | None:
+        """The guard's cap on each member island's part of a fold (merger/outliers.py): clip_factor
+        times the largest of the other islands' median movements; without one, COLD_LIMIT times the
+        fragment's norm.  None: the guard is off."""
+        factor = self.config.merge.clip_factor
+        if factor <= 0:
+            return None
+        caps, cold = {}, None
+        for island in {c.island for c in members}:
+            reference = self.moves[fragment].reference(island, "max")
+            if reference is None:
+                if cold is None:
+                    cold = COLD_LIMIT * rda.fragment_norm({p: np.asarray(v) for p, v in self.states[fragment].params.items()})
+                reference, factor_here = cold, 1.0
+            else:
+                factor_here = factor
+            if reference > 0:  # a zero reference (a fragment at zero, or that nobody moves) caps nothing
+                caps[island] = factor_here * reference
+        return caps
 
     def _take_share(self, fragment: int, members: list[Contribution], version: int) -> float:
         """The share of a round a fold of `members` makes `version` with; note their contributions."""

@@ -54,6 +54,10 @@ class FoldReport:
     weights: tuple[float, ...]  # they sum to the fold's share of a round (1 unless merge.share_window is set)
     delta_norms: tuple[float, ...]
     merged_norm: float
+    # per island (its deltas of the fold taken as one): how far its part moved the fragment, its
+    # weight times its delta's norm, after the guard (`guard`); and the islands whose part was clipped
+    movements: tuple[tuple[str, float], ...] = ()
+    clipped: tuple[str, ...] = ()
 
 
 def canonical(contributions: Sequence[Contribution]) -> list[Contribution]:
@@ -109,13 +113,42 @@ def merge(contributions: Sequence[Contribution], config: MergeConfig, share: flo
     order, one per island: see `combined`; normalised to sum to `share`).  Float tensors; coded
     ones (CodedTensor) are decoded first (`fold` merges them from codes)."""
     ordered = [combined(group) for group in per_island(canonical(contributions))]
-    w = [x * share for x in contribution_weights([(c.tokens, c.steps, c.staleness) for c in ordered], config.staleness_power,
-                                                 config.max_weight_ratio)]
+    w = fold_weights(ordered, config, share)
+    return _merged(ordered, w, config), w
+
+
+def fold_weights(members: Sequence[Contribution], config: MergeConfig, share: float) -> list[float]:
+    """Each island's weight in a fold (its deltas combined), normalised to sum to `share`."""
+    return [x * share for x in contribution_weights([(c.tokens, c.steps, c.staleness) for c in members], config.staleness_power,
+                                                    config.max_weight_ratio)]
+
+
+def _merged(members: Sequence[Contribution], w: Sequence[float], config: MergeConfig) -> dict[str, np.ndarray]:
     merged = {}
-    for path in ordered[0].tensors:
-        deltas = [_float(c.tensors[path]) for c in ordered]
+    for path in members[0].tensors:
+        deltas = [_float(c.tensors[path]) for c in members]
         merged[path] = (rda.weighted_average if plain(path, config) else rda.radial_directional_average)(deltas, w)
-    return merged, w
+    return merged
+
+
+def guard(members: Sequence[Contribution], w: Sequence[float], caps: Mapping[str, float]) -> tuple[list[Contribution], list[float], list[str]]:
+    """What each island's part of a fold may move the fragment: its weight times its combined
+    delta's norm, at most `caps[island]` (merger/outliers.py: a multiple of the other islands'
+    recent movements).  A part past its cap is scaled down to it (its values float32 from then on).
+    Returns the members, each one's movement after the guard, and the islands clipped."""
+    out, movements, clipped = [], [], []
+    for member, weight in zip(members, w):
+        tensors = {p: _float(t) for p, t in member.tensors.items()}
+        movement = weight * rda.fragment_norm(tensors)
+        cap = caps.get(member.island)
+        if cap is not None and movement > cap:
+            scale = np.float32(cap / movement)
+            member = dataclasses.replace(member, tensors={p: t * scale for p, t in tensors.items()})
+            movement = cap
+            clipped.append(member.island)
+        out.append(member)
+        movements.append(float(movement))
+    return out, movements, clipped
 
 
 def _float(tensor) -> np.ndarray:
@@ -123,23 +156,27 @@ def _float(tensor) -> np.ndarray:
 
 
 def fold(state: FragmentState, contributions: Sequence[Contribution], config: MergeConfig,
-         step: Callable[[Any, Any, Any], tuple[Any, Any]], share: float = 1.0) -> tuple[FragmentState, FoldReport]:
+         step: Callable[[Any, Any, Any], tuple[Any, Any]], share: float = 1.0,
+         caps: Mapping[str, float] | None = None) -> tuple[FragmentState, FoldReport]:
     """Apply one round; `step` is `outer.make_step(optimizer)`; the merged delta is scaled by `share`
-    (weighting.fold_share: 1 unless the merger scales folds by their share of a round).  A round
-    whose deltas are all coded with one int codec is merged from the codes, its outer step taken
-    there (merger/coded.py); any other is merged from float32."""
+    (weighting.fold_share: 1 unless the merger scales folds by their share of a round); `caps`:
+    island -> the most its part may move the fragment (`guard`; None: no guard).  A round whose
+    deltas are all coded with one int codec is merged from the codes, its outer step taken there
+    (merger/coded.py); any other is merged from float32."""
     if not contributions:
         raise ValueError("fold needs at least one contribution")
     ordered = canonical(contributions)
     groups = per_island(ordered)
     members = [combined(group) for group in groups]
+    w = fold_weights(members, config, share)
+    movements, clipped = [], []
+    if caps is not None:
+        members, movements, clipped = guard(members, w, caps)
     if coded.mergeable([c.tensors for c in members]):
-        w = [x * share for x in contribution_weights([(c.tokens, c.steps, c.staleness) for c in members], config.staleness_power,
-                                                     config.max_weight_ratio)]
         params, opt_state, delta_norms, merged_norm = coded.merge_and_step(
             step.optimizer, state.params, state.opt_state, [c.tensors for c in members], w, {p: plain(p, config) for p in members[0].tensors}, share)
     else:
-        merged, w = merge(members, config, share)
+        merged = _merged(members, w, config)
         delta_norms = [rda.fragment_norm({p: _float(t) for p, t in c.tensors.items()}) for c in ordered]
         merged_norm = rda.fragment_norm(merged)
         params, opt_state = step(state.params, state.opt_state, merged, share)
@@ -153,6 +190,8 @@ def fold(state: FragmentState, contributions: Sequence[Contribution], config: Me
         weights=tuple(x for group, weight in zip(groups, w) for x in split_weight(group, weight)),
         delta_norms=tuple(delta_norms),
         merged_norm=merged_norm,
+        movements=tuple((c.island, m) for c, m in zip(members, movements)),
+        clipped=tuple(clipped),
     )
     return FragmentState(state.version + 1, new_params, opt_state), report
 

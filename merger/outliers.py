@@ -1,11 +1,20 @@
 """Defence against poisoned deltas, as pure state the merger's core keeps per fragment.
 
-A delta's norm is judged against recent history: the median norm of its sender's last deltas and the
-median, over islands, of every island's own median (one island cannot move that by sending many
-deltas, small or large).  A delta more than `factor` times the larger of the two is an outlier.  It is
-rejected, not clipped: a clipped poisoned delta still moves the model in the attacker's direction,
-and a rejection is counted, logged and acknowledged, so an honest island that trips it is seen.
-Until a fragment has `min_fragment` admitted norms there is no reference (nothing is judged).
+Two histories per fragment, each of recent values per island:
+- the norms of admitted deltas (`NormHistory` in `norms`): a delta more than `outlier_factor`
+  times the median of the *other* islands' medians is rejected as an outlier at arrival (counted,
+  logged, acknowledged, and a strike towards quarantine);
+- what each island's part of a fold moved the fragment (its weight in the fold times the norm of
+  its combined delta; `moves`): a fold clips an island's part to `clip_factor` times the largest of
+  the *other* islands' medians (merger/fold.py `guard`).
+
+A sender's own history never enters its own reference, so no sequence of its deltas (a slow ramp,
+a burst) raises what it may send: the reference is the other islands' behaviour, which one key
+cannot walk.  An island's median counts once it holds `min_own` values, so a new island's first
+deltas do not set anyone's reference.  Before any other island has a reference (a cluster of one
+island, or the first folds of a run), an island's part of a fold may move a fragment by at most
+COLD_LIMIT times the fragment's own norm.  A zero reference caps nothing.  Both histories are checkpointed and rebuilt by replay, so a restarted merger
+or a standby that takes over judges with the same references (merger/checkpoint.py).
 
 An island whose deltas are rejected as hostile `strikes` times in a row (outliers, non-finite
 values, shapes or bases that no honest island sends) is quarantined: its deltas are refused for
@@ -19,39 +28,61 @@ import collections
 import statistics
 
 HOSTILE = frozenset({"outlier_norm", "non_finite", "layout_mismatch", "future_base"})
+COLD_LIMIT = 0.5  # without a reference, one island's part of a fold moves a fragment by at most this times its norm
+# (the tiny LM's first folds move a fragment by about a tenth of its norm)
 
 
 class NormHistory:
-    """Recent admitted delta norms of one fragment, per island.  Each island's median and the sorted
-    list of them are kept up to date on `record`, so judging a delta does not re-sort every island's
-    history (hundreds of islands: the merger's receive path, and the simulator's)."""
+    """Recent values (delta norms, or fold movements) of one fragment, per island.  The medians of
+    the islands that hold at least `min_own` values are kept sorted on `record`, so a reference
+    costs no sort of every island's history (thousands of islands: the merger's receive path, and
+    the simulator's)."""
 
-    def __init__(self, window: int = 16, min_own: int = 4, min_fragment: int = 8) -> None:
-        self.window, self.min_own, self.min_fragment = window, min_own, min_fragment
+    def __init__(self, window: int = 16, min_own: int = 4) -> None:
+        self.window, self.min_own = window, min_own
         self.norms: dict[str, collections.deque[float]] = {}
-        self.medians: dict[str, float] = {}
-        self._sorted: list[float] = []  # every island's median, sorted
-        self._count = 0  # norms held, over every island
+        self.medians: dict[str, float] = {}  # of the islands with at least min_own values
+        self._sorted: list[float] = []  # those medians, sorted
+
+    def reference(self, island: str, statistic: str = "median") -> float | None:
+        """The median (or "max") over the other islands' medians; None when no other island has one."""
+        values, own = self._sorted, self.medians.get(island)
+        n = len(values) - (own is not None)
+        if n <= 0:
+            return None
+        skip = bisect.bisect_left(values, own) if own is not None else len(values)
+
+        def at(k: int) -> float:
+            return values[k + (k >= skip)]
+        if statistic == "max":
+            return at(n - 1)
+        middle = n // 2
+        return at(middle) if n % 2 else (at(middle - 1) + at(middle)) / 2
 
     def limit(self, island: str, factor: float) -> float | None:
-        """The largest norm `island`'s next delta may have; None: no judgement (factor 0, or too little history)."""
-        if factor <= 0 or self._count < self.min_fragment:
-            return None
-        middle = len(self._sorted) // 2
-        reference = self._sorted[middle] if len(self._sorted) % 2 else (self._sorted[middle - 1] + self._sorted[middle]) / 2
-        own = self.norms.get(island)
-        if own is not None and len(own) >= self.min_own:
-            reference = max(reference, self.medians[island])
-        return factor * reference if reference > 0 else None
+        """The largest norm `island`'s next delta may have: `factor` times the other islands' median;
+        None: no judgement (factor 0, or no other island has a history yet)."""
+        reference = self.reference(island) if factor > 0 else None
+        return factor * reference if reference is not None and reference > 0 else None
 
-    def record(self, island: str, norm: float) -> None:
+    def record(self, island: str, value: float) -> None:
         own = self.norms.setdefault(island, collections.deque(maxlen=self.window))
-        self._count += len(own) < self.window
-        own.append(norm)
+        own.append(value)
         if island in self.medians:
-            del self._sorted[bisect.bisect_left(self._sorted, self.medians[island])]
-        self.medians[island] = statistics.median(own)
-        bisect.insort(self._sorted, self.medians[island])
+            del self._sorted[bisect.bisect_left(self._sorted, self.medians.pop(island))]
+        if len(own) >= self.min_own:
+            self.medians[island] = statistics.median(own)
+            bisect.insort(self._sorted, self.medians[island])
+
+    def export(self) -> dict[str, list[float]]:
+        return {island: list(values) for island, values in sorted(self.norms.items())}
+
+    def restore(self, data: dict[str, list[float]]) -> None:
+        """Replace the history with `export`'s (a checkpoint's)."""
+        self.norms, self.medians, self._sorted = {}, {}, []
+        for island, values in data.items():
+            for value in values:
+                self.record(island, float(value))
 
 
 class Quarantine:

@@ -110,7 +110,7 @@ class FoldPipeline:
             if self.barrier is not None:
                 self.barrier(done[-1].durable)
         for fold in done:
-            self.core.install(fold.fragment, fold.state)
+            self.core.install(fold.fragment, fold.state, fold.report)
         return done
 
     def close(self) -> list[Fold]:

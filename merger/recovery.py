@@ -48,7 +48,7 @@ def recover(run_dir: str | Path, log: Log | None = None) -> MergerCore:
     for index, record in read_records(wal_dir(run_dir), min(pending | {next_index - 1})):
         end = index + 1
         if index >= next_index or index in pending:
-            core.apply_record(record, index)
+            core.apply_record(record, index, requeue=index < next_index)
     if end < next_index:  # a checkpoint is written after a sync: those records were durable, and are gone
         raise ReplayError(f"checkpoint at record {next_index} lies beyond the end of the write-ahead log (its last record is "
                           f"{end - 1}): records the checkpoint covers are missing")

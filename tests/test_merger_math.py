@@ -305,8 +305,8 @@ def test_no_islands_claimed_weight_outweighs_the_heaviest_other_more_than_the_ra
 
 def test_a_forged_token_count_does_not_take_over_the_fragment():
     """Share-scaled folds: after b's honest delta (640 tokens, 20 steps), island a claims 1000 x the
-    tokens.  Its fold's share is 8 / (8 + 1), its weight noted capped, and b's next fold still gets
-    1 / (1 + 8) of a round, not ~1e-6."""
+    tokens.  Its weight is capped at max_weight_ratio (2) x b's: its fold's share is 2 / (2 + 1),
+    its weight noted capped, and b's next fold still gets 1 / (1 + 2) of a round, not ~1e-6."""
     from dloco import protocol
     from dloco.merger.config import MergerConfig
     from dloco.merger.core import MergerCore
@@ -324,8 +324,8 @@ def test_a_forged_token_count_does_not_take_over_the_fragment():
         return started.share
 
     assert fold("b", 1, 640) == 1.0
-    assert fold("a", 2, 640_000) == pytest.approx(8 / 9)
-    assert fold("b", 3, 640) == pytest.approx(1 / 9)
+    assert fold("a", 2, 640_000) == pytest.approx(2 / 3)
+    assert fold("b", 3, 640) == pytest.approx(1 / 3)
 
 
 def test_a_fold_is_scaled_by_its_share():

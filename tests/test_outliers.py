@@ -53,22 +53,36 @@ def test_a_coded_deltas_norm_is_bounded_from_its_scales(codec, largest):
     assert float(np.sqrt(decoded @ decoded)) <= admission.delta_norm({"x": tensor})
 
 
-def test_the_limit_is_factor_times_the_larger_of_own_and_fragment_medians():
-    history = NormHistory(window=4, min_own=2, min_fragment=4)
+def test_the_reference_is_the_other_islands_medians_never_the_senders_own():
+    history = NormHistory(window=4, min_own=2)
     assert history.limit("a", 10.0) is None  # no history: nothing is judged
     for island, norm in [("a", 1.0), ("a", 3.0), ("b", 2.0)]:
         history.record(island, norm)
-    assert history.limit("a", 10.0) is None  # 3 norms < min_fragment 4
+    assert history.limit("b", 10.0) == 20.0  # a's median 2.0 (of 1, 3)
+    assert history.limit("a", 10.0) is None  # b holds 1 norm < min_own 2: a has no other island to be judged against
+    history.record("b", 4.0)
     history.record("c", 6.0)
-    # per-island medians: a 2.0 (of 1, 3), b 2.0, c 6.0 -> fragment median 2.0; a's own 2.0
-    assert history.limit("a", 10.0) == 20.0
-    assert history.limit("c", 10.0) == 20.0  # c's own history (1 norm) is below min_own 2
-    history.record("c", 8.0)  # c's own median 7.0 > the fragment's 2.0 (medians 2, 2, 7)
-    assert history.limit("c", 10.0) == 70.0 and history.limit("b", 10.0) == 20.0
+    history.record("c", 8.0)
+    # medians: a 2.0, b 3.0, c 7.0
+    assert history.limit("a", 10.0) == 50.0  # the median of b's 3 and c's 7
+    assert history.limit("c", 10.0) == 25.0  # of a's 2 and b's 3: c's own 7 does not raise it
+    assert history.reference("a", "max") == 7.0 and history.reference("c", "max") == 3.0
+    for norm in (100.0, 140.0, 196.0, 274.0):  # c ramps: its own median climbs, its limit does not
+        history.record("c", norm)
+    assert history.medians["c"] == 168.0 and history.limit("c", 10.0) == 25.0
     for _ in range(4):
-        history.record("a", 0.001)  # the window keeps a's last 4: its median falls to 0.001
-    assert history.limit("b", 10.0) == 20.0  # medians 0.001, 2, 7: one island cannot drag the reference down
+        history.record("a", 0.001)  # a's median falls to 0.001
+    assert history.limit("b", 10.0) == pytest.approx(10.0 * (0.001 + 168.0) / 2)  # b's reference: a and c
     assert history.limit("a", 0.0) is None  # factor 0: off
+
+
+def test_a_history_survives_export_and_restore():
+    history = NormHistory(window=3, min_own=2)
+    for island, norm in [("a", 1.0), ("a", 2.0), ("a", 3.0), ("a", 4.0), ("b", 5.0)]:
+        history.record(island, norm)
+    again = NormHistory(window=3, min_own=2)
+    again.restore(history.export())
+    assert again.export() == {"a": [2.0, 3.0, 4.0], "b": [5.0]} and again.medians == {"a": 3.0} and again.reference("b") == 3.0
 
 
 def test_quarantine_after_consecutive_hostile_rejections():
