@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from dloco.merger import coded, rda
+from dloco.merger.admission import delta_norm
 from dloco.merger.config import MergeConfig
 from dloco.merger.weighting import weights as contribution_weights
 from dloco.protocol import CodedTensor
@@ -131,24 +132,31 @@ def _merged(members: Sequence[Contribution], w: Sequence[float], config: MergeCo
     return merged
 
 
-def guard(members: Sequence[Contribution], w: Sequence[float], caps: Mapping[str, float]) -> tuple[list[Contribution], list[float], list[str]]:
-    """What each island's part of a fold may move the fragment: its weight times its combined
-    delta's norm, at most `caps[island]` (merger/outliers.py: a multiple of the other islands'
-    recent movements).  A part past its cap is scaled down to it (its values float32 from then on).
-    Returns the members, each one's movement after the guard, and the islands clipped."""
+def guard(members: Sequence[Contribution], w: Sequence[float], norms: Sequence[float],
+          caps: Mapping[str, float]) -> tuple[list[Contribution], list[float], list[str]]:
+    """What each island's part of a fold may move the fragment: its weight times its delta's norm
+    (`norms`: fold's `part_norm`), at most `caps[island]` (merger/outliers.py: a multiple of the
+    other islands' recent movements).  A part past its cap is scaled down to it (its values float32
+    from then on).  Returns the members, each one's movement after the guard, and the islands clipped."""
     out, movements, clipped = [], [], []
-    for member, weight in zip(members, w):
-        tensors = {p: _float(t) for p, t in member.tensors.items()}
-        movement = weight * rda.fragment_norm(tensors)
+    for member, weight, norm in zip(members, w, norms):
+        movement = weight * norm
         cap = caps.get(member.island)
         if cap is not None and movement > cap:
             scale = np.float32(cap / movement)
-            member = dataclasses.replace(member, tensors={p: t * scale for p, t in tensors.items()})
+            member = dataclasses.replace(member, tensors={p: _float(t) * scale for p, t in member.tensors.items()})
             movement = cap
             clipped.append(member.island)
         out.append(member)
         movements.append(float(movement))
     return out, movements, clipped
+
+
+def part_norm(group: Sequence[Contribution]) -> float:
+    """An island's deltas of one fold, as the guard measures them: the sum of their norms as admission
+    measured each (an int-coded delta's bound from its scales, no pass over its values); at least
+    the norm of their sum."""
+    return sum(delta_norm(c.tensors) for c in group)
 
 
 def _float(tensor) -> np.ndarray:
@@ -171,7 +179,7 @@ def fold(state: FragmentState, contributions: Sequence[Contribution], config: Me
     w = fold_weights(members, config, share)
     movements, clipped = [], []
     if caps is not None:
-        members, movements, clipped = guard(members, w, caps)
+        members, movements, clipped = guard(members, w, [part_norm(group) for group in groups], caps)
     if coded.mergeable([c.tensors for c in members]):
         params, opt_state, delta_norms, merged_norm = coded.merge_and_step(
             step.optimizer, state.params, state.opt_state, [c.tensors for c in members], w, {p: plain(p, config) for p in members[0].tensors}, share)

@@ -49,11 +49,24 @@ def _member(island, values, tokens=100, steps=10):
 def test_the_guard_scales_a_part_down_to_its_cap():
     """Weights 0.5 and 0.5, deltas of norm 5 and 2: movements 2.5 and 1.0; caps 1.0 for a (it is
     scaled by 0.4 to norm 2) and none for b."""
-    members, movements, clipped = guard([_member("a", [3.0, 4.0]), _member("b", [0.0, 2.0])], [0.5, 0.5], {"a": 1.0})
+    members, movements, clipped = guard([_member("a", [3.0, 4.0]), _member("b", [0.0, 2.0])], [0.5, 0.5], [5.0, 2.0], {"a": 1.0})
     assert movements == [1.0, 1.0] and clipped == ["a"]
     assert np.allclose(members[0].tensors["w"], [1.2, 1.6]) and members[1].tensors["w"].tolist() == [0.0, 2.0]
-    same, movements, clipped = guard([_member("a", [3.0, 4.0])], [0.5], {"a": 2.5})
+    same, movements, clipped = guard([_member("a", [3.0, 4.0])], [0.5], [5.0], {"a": 2.5})
     assert movements == [2.5] and clipped == [] and same[0].tensors["w"].tolist() == [3.0, 4.0]
+
+
+def test_a_parts_norm_is_the_sum_of_its_deltas_norms_as_admitted():
+    """Two float deltas of norms 5 and 2: 7 (their sum's norm is at most that); an int4 delta: its
+    scales' bound, as admission measured it."""
+    from dloco.merger.admission import delta_norm
+    from dloco.merger.fold import part_norm
+
+    assert part_norm([_member("a", [3.0, 4.0]), _member("a", [0.0, 2.0])]) == 7.0
+    codec = protocol.Codec("int4")
+    values = np.linspace(-1, 1, 300, dtype=np.float32)
+    coded = Contribution("a", 1, 1, 0, 1, 1, {"w": protocol.CodedTensor(codec, (300,), codec.encode(values).reshape(-1, codec.record_nbytes))})
+    assert part_norm([coded]) == delta_norm(coded.tensors) >= float(np.linalg.norm(values))
 
 
 def test_the_caps_follow_the_other_islands_movements_and_start_cold():
