@@ -2,8 +2,8 @@
 
 Two histories per fragment, each of recent values per island:
 - the norms of admitted deltas (`NormHistory` in `norms`): a delta more than `outlier_factor`
-  times the median of the *other* islands' medians is rejected as an outlier at arrival (counted,
-  logged, acknowledged, and a strike towards quarantine);
+  times the median of the *other* islands' medians (while there are none, its own median) is
+  rejected as an outlier at arrival (counted, logged, acknowledged, and a strike towards quarantine);
 - what each island's part of a fold moved the fragment (its weight in the fold times the norm of
   its combined delta; `moves`): a fold clips an island's part to `clip_factor` times the largest of
   the *other* islands' medians (merger/fold.py `guard`).
@@ -60,9 +60,14 @@ class NormHistory:
         return at(middle) if n % 2 else (at(middle - 1) + at(middle)) / 2
 
     def limit(self, island: str, factor: float) -> float | None:
-        """The largest norm `island`'s next delta may have: `factor` times the other islands' median;
-        None: no judgement (factor 0, or no other island has a history yet)."""
-        reference = self.reference(island) if factor > 0 else None
+        """The largest norm `island`'s next delta may have: `factor` times the other islands' median,
+        or while no other island has one, its own (an island alone is judged against itself: a jump
+        is caught, a ramp is not, and nobody else's work is at stake until another island has a
+        history); None: no judgement (factor 0, or no history yet)."""
+        if factor <= 0:
+            return None
+        reference = self.reference(island)
+        reference = self.medians.get(island) if reference is None else reference
         return factor * reference if reference is not None and reference > 0 else None
 
     def record(self, island: str, value: float) -> None:

@@ -49,6 +49,7 @@ from dloco.protocol import downlink, shards
 from dloco.protocol.errors import ConfigError
 from dloco.telemetry import prom
 from dloco.telemetry.logs import configure_logging
+from dloco.telemetry.ratelimit import ThrottledLog
 
 POLL_MS = 50  # longest sleep between checks of the clock-driven round policy
 DRAIN_LIMIT = 256  # messages taken from one socket before the loop looks at the others
@@ -61,6 +62,7 @@ class MergerService(SnapshotPublishing, StreamKeeping):
         """`takeover`: a standby's state, log and lock (merger/standby.py), instead of recovering them."""
         self.config = config
         self.log = configure_logging("merger", sender=config.sender)
+        self.quiet = ThrottledLog(self.log)  # lines a peer's messages cause: once a second per peer and reason
         # first: a busy port fails here, before any thread or file is opened
         self.metrics_server, self.histograms = self._serve_metrics() if config.metrics_port is not None else (None, None)
         if takeover is not None:
@@ -216,13 +218,13 @@ class MergerService(SnapshotPublishing, StreamKeeping):
             message = protocol.decode(frames)
         except protocol.ProtocolError as error:
             self.count(f"merger/rejected/{error.reason}")
-            self.log.warning("message_rejected", reason=error.reason, detail=error.detail[:200])
+            self.quiet.warning("message_rejected", reason=error.reason, detail=error.detail[:200])
             return
         if not self.speaks_for_itself(message, peer):
             return
         if message.epoch > time.time_ns() + EPOCH_AHEAD_NS:  # epochs are start times: one far ahead would outrank every later restart
             self.count("merger/rejected/epoch_ahead")
-            self.log.warning("message_rejected", reason="epoch_ahead", sender=message.sender, epoch=message.epoch)
+            self.quiet.warning("message_rejected", reason="epoch_ahead", sender=message.sender, epoch=message.epoch)
             return
         self.seen(message.sender)
         if isinstance(message, protocol.Heartbeat):
@@ -242,7 +244,7 @@ class MergerService(SnapshotPublishing, StreamKeeping):
             assembled = self.reassembler.add(message, now)
         except protocol.ProtocolError as error:
             self.count(f"merger/rejected/{error.reason}")
-            self.log.warning("message_rejected", reason=error.reason, detail=error.detail[:200])
+            self.quiet.warning("message_rejected", reason=error.reason, detail=error.detail[:200])
             return
         if assembled is None:
             return
@@ -252,7 +254,7 @@ class MergerService(SnapshotPublishing, StreamKeeping):
         if result is not None:
             self.count(f"merger/delta/{result.status}")
             if result.status == "rejected":
-                self.log.warning("delta_rejected", island=result.island, delta_id=result.delta_id, reason=result.reason)
+                self.quiet.warning("delta_rejected", island=result.island, delta_id=result.delta_id, reason=result.reason)
             self.publish_ack([result])
         for island, reason, seconds in self.core.quarantined:
             self.count("merger/quarantined")
@@ -281,21 +283,21 @@ class MergerService(SnapshotPublishing, StreamKeeping):
             return
         if isinstance(message, protocol.DeltaChunk) and peer in self.observers:  # it may read, never train
             self.count("merger/rejected/observer_delta")
-            self.log.warning("message_rejected", reason="observer_delta", peer=peer)
+            self.quiet.warning("message_rejected", reason="observer_delta", peer=peer)
         elif isinstance(message, protocol.DeltaChunk):  # a resend, point to point
             self.count("merger/resent_chunks")
             self.on_delta_frames(body)
         elif isinstance(message, protocol.SnapshotRequest):
             self.answer_catch_up(identity, [f for f in message.fragments if self.config.owns(f)] if message.fragments else self.owned)
         elif isinstance(message, protocol.Hello):
-            self.log.info("hello", peer=message.sender, role=message.role, region=message.region, model_ok=message.model == self.core.model)
+            self.quiet.info("hello", peer=message.sender, role=message.role, region=message.region, model_ok=message.model == self.core.model)
 
     def speaks_for_itself(self, message, peer: str | None, routing_id: bytes | None = None) -> bool:
         """False (counted, logged) for a message whose sender is not the key that sent it (bus.security.impostor)."""
         if (claim := impostor(message.sender, peer, routing_id)) is None:
             return True
         self.count("merger/rejected/sender_mismatch")
-        self.log.warning("message_rejected", reason="sender_mismatch", peer=peer, claimed=claim)
+        self.quiet.warning("message_rejected", reason="sender_mismatch", peer=peer, claimed=claim)
         return False
 
     # ---- folding and publishing ----------------------------------------------------------------
@@ -389,6 +391,7 @@ class MergerService(SnapshotPublishing, StreamKeeping):
             prom.stop(self.metrics_server)
         Security.stop(self.context)
         self.context.destroy(linger=0)
+        self.quiet.flush()
         self.log.info("stopped", folds=self.folds, counters=self.counters, rejected=dict(self.core.rejected),
                       evicted={"partial_memory": self.reassembler.stats.evicted_memory, "partial_ttl": self.reassembler.stats.evicted_ttl,
                                "held_overflow": self.tracker.overflow, "refused_senders": self.tracker.refused_senders})

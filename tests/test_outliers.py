@@ -59,7 +59,8 @@ def test_the_reference_is_the_other_islands_medians_never_the_senders_own():
     for island, norm in [("a", 1.0), ("a", 3.0), ("b", 2.0)]:
         history.record(island, norm)
     assert history.limit("b", 10.0) == 20.0  # a's median 2.0 (of 1, 3)
-    assert history.limit("a", 10.0) is None  # b holds 1 norm < min_own 2: a has no other island to be judged against
+    assert history.limit("a", 10.0) == 20.0  # b holds 1 norm < min_own 2: a, alone, is judged against its own median
+    assert history.limit("c", 10.0) == 20.0  # a newcomer: against a's
     history.record("b", 4.0)
     history.record("c", 6.0)
     history.record("c", 8.0)

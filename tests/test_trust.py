@@ -208,6 +208,38 @@ def test_poisoned_deltas_are_rejected_and_the_next_honest_one_folds(tmp_path):
         island.close()
 
 
+@pytest.mark.e2e  # a merger process under a flood: -m e2e
+@pytest.mark.timeout(180)
+def test_a_flood_of_refused_heartbeats_and_hellos_writes_a_few_log_lines(tmp_path):
+    """One key sends 5,000 heartbeats with an epoch far ahead and 5,000 hellos (before: one log line
+    each, 23.6 MB of merger log for 50,000 of each).  Every one is counted; the log gets at most a
+    line a second per peer and reason, each saying how many it left out (the last ones when it stops);
+    an honest delta still folds."""
+    island = Island(tmp_path)
+    init = tmp_path / "init.npz"
+    np.savez(init, **initial_params())
+    merger = start_merger(tmp_path / "run", island, init)
+    try:
+        assert island.send_until_settled(1, island.chunks(1)).status == "folded"
+        hello = protocol.Hello(sender="a", epoch=1, seq=0, role="island", region="r", model="m", codecs=("int4",))
+        for _ in range(5000):
+            island.pub.send_multipart(protocol.encode(protocol.Heartbeat(sender="a", epoch=2 ** 63, seq=0)))
+            island.dealer.send_multipart(protocol.encode(hello))
+        assert island.send_until_settled(2, island.chunks(2)).status == "folded"
+        stop(merger)
+        events = [json.loads(line) for line in (tmp_path / "run.log").read_text().splitlines() if line.startswith("{")]
+        refused = [e for e in events if e.get("reason") == "epoch_ahead"]
+        hellos = [e for e in events if e.get("event") == "hello"]
+        counters = next(e for e in events if e.get("event") == "stopped")["counters"]
+        assert counters["merger/rejected/epoch_ahead"] == 5000
+        assert 1 <= len(refused) <= 60 and 1 <= len(hellos) <= 60, (len(refused), len(hellos))
+        assert sum(e.get("left_out", 0) + (not e.get("flushed")) for e in refused) == 5000  # each line: itself and those it left out
+    finally:
+        if merger.poll() is None:
+            merger.kill()
+        island.close()
+
+
 def rss_mib(pid: int, field: str = "VmRSS") -> float:
     line = next(line for line in open(f"/proc/{pid}/status") if line.startswith(field + ":"))
     return int(line.split()[1]) / 1024
