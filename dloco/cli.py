@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              "quality"), help="the suite (suites/experiments.py and suites/quality.py say what each measures)")
     experiment.add_argument("--budgets", default=None, metavar="N,N,...",
                             help="quality: the cluster token budgets, K/M/G decimal (default 1M,4M,16M; --quick: 49152,147456)")
+    experiment.add_argument("--sync-dp-on-bus", action="store_true",
+                            help="quality: run sync-dp as a cluster through the bus, not in one process (the same arithmetic; ~6x slower)")
     experiment.add_argument("--quick", action="store_true",
                             help="tiny model, some suites fewer runs, each bounded by work (96-192 steps per island): checks directions, not magnitudes")
     experiment.add_argument("--seconds", type=float, default=None,
@@ -193,9 +195,9 @@ def _experiment(args: argparse.Namespace) -> int:
             if args.reuse or args.steps or args.seconds:
                 raise DlocoError("quality: runs are bounded by their budgets (--budgets); give --out to resume an earlier one")
             budgets = quality.parse_budgets(args.budgets) if args.budgets else None
-            text = quality.run(out, quick=args.quick, config_path=args.config, budgets=budgets, only=runs)
-        elif args.budgets:
-            raise DlocoError("--budgets is for the quality suite")
+            text = quality.run(out, quick=args.quick, config_path=args.config, budgets=budgets, only=runs, sync_dp_on_bus=args.sync_dp_on_bus)
+        elif args.budgets or args.sync_dp_on_bus:
+            raise DlocoError("--budgets and --sync-dp-on-bus are for the quality suite")
         else:
             text = experiments.run(args.name, out, quick=args.quick, config_path=args.config, seconds=args.seconds, only=runs,
                                    reuse=tuple(args.reuse), steps=args.steps)

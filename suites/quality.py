@@ -2,9 +2,10 @@
 
 Each run trains the cluster for a token budget (`[run] tokens`, PROTOCOL.md §6.1): every island's
 inner rate decays over the cluster's progress towards it, so each run ends decayed, as a real
-training run does.  The modes: `sync-dp` without link emulation (its loss per step does not depend
-on the link: every step is one barrier-averaged step), `sync-diloco` and `decoupled` over the
-profile's emulated links.  The table gives the merger's final model's held-out loss at each budget
+training run does.  The modes: `sync-dp` trained in one process (suites/inprocess.py: the cluster's
+sync-dp arithmetic without the bus, whose loss per step does not depend on the link or the bus:
+every step is one barrier-averaged step; `--sync-dp-on-bus` runs it as a cluster instead, about six
+times slower), `sync-diloco` and `decoupled` over the profile's emulated links.  The table gives the merger's final model's held-out loss at each budget
 and the gap to `sync-dp`; the plots, loss against budget per mode (the usual scaling plot) and
 the global model against cluster tokens at the largest budget.
 
@@ -27,8 +28,9 @@ from pathlib import Path
 from dloco.cluster import config as cluster_config
 from dloco.cluster.config import ClusterConfig, ModelSection
 from dloco.protocol.errors import ConfigError, DlocoError
+from dloco.suites import inprocess
 from dloco.suites.qualityreport import LINKED, MODES, label, write_up
-from dloco.suites.suiteresults import collect, measure_global
+from dloco.suites.suiteresults import RunResult, collect, measure_global
 
 BUDGETS = (1_000_000, 4_000_000, 16_000_000)  # cluster tokens; 16 M is ~20 per parameter of the 0.87 M model
 QUICK_BUDGETS = (49_152, 147_456)  # the quick model: 48 and 144 steps of each of four islands
@@ -100,8 +102,26 @@ def run(out_dir: Path, **options) -> str:
     return run_suite(out_dir, **options)[0]
 
 
+def in_process_result(name: str, config: ClusterConfig, run_dir: Path, log) -> RunResult:
+    """A budgeted sync-dp run trained in one process (or read back from RUN_DIR), as a suite result:
+    every island holds the shared model, so each has its curve."""
+    done = inprocess.InProcessRun.load(run_dir)
+    if done is None or done.budget != config.tokens:
+        log(f"dloco experiment quality: {name} in one process (suites/inprocess.py) -> {run_dir}")
+        done = inprocess.train_sync_dp(config, log=log)
+        done.save(run_dir)
+    evals = {r.name: [{"step": p["step"], "tokens": p["cluster_tokens"] // done.islands, "since_start": p["since_start"],
+                       "eval_loss": p["eval_loss"]} for p in done.curve] for r in config.regions}
+    last = {r.name: {"step": done.rounds, "tokens": done.cluster_tokens // done.islands} for r in config.regions}
+    result = RunResult(name, config, 0, done.before, done.after, evals, last, run_dir=run_dir)
+    result.global_curve = [{"since_start": p["since_start"], "cluster_tokens": p["cluster_tokens"], "eval_loss": p["eval_loss"]}
+                           for p in done.curve]
+    return result
+
+
 def run_suite(out_dir: Path, quick: bool = False, config_path: Path | None = None, budgets: tuple[int, ...] | None = None,
-              only: tuple[str, ...] | None = None, log=lambda line: print(line, file=sys.stderr, flush=True)) -> tuple[str, list]:
+              only: tuple[str, ...] | None = None, sync_dp_on_bus: bool = False,
+              log=lambda line: print(line, file=sys.stderr, flush=True)) -> tuple[str, list]:
     """Run (or read back) every run of the suite into OUT/quality/<label>; write OUT/quality.md and
     OUT/experiments/quality_*.png; return the Markdown and each run's results."""
     from dloco.cluster import launcher
@@ -118,6 +138,9 @@ def run_suite(out_dir: Path, quick: bool = False, config_path: Path | None = Non
     for index, (name, config) in enumerate(runs, 1):
         run_dir = out_dir / "quality" / name
         report = run_dir / "report.md"
+        if config.mode == "sync-dp" and config.tokens and not sync_dp_on_bus:
+            results.append(in_process_result(name, config, run_dir, log))
+            continue
         if report.exists() and "\n## FAILED\n" not in report.read_text():
             log(f"dloco experiment quality: run {index}/{len(runs)} {name}: finished before, read back from {run_dir}")
         else:
@@ -131,10 +154,10 @@ def run_suite(out_dir: Path, quick: bool = False, config_path: Path | None = Non
                                  "the runs that finished are read back when the suite is run again with this --out")
         results.append(collect(name, config, run_dir, 0))
     log("dloco experiment quality: evaluating the merger's model during each run (replaying its log)")
-    budgeted = [r for r in results if r.config.tokens]
+    budgeted = [r for r in results if r.config.tokens and not r.global_curve]
     for r in budgeted:  # each run's own curve: equal tokens are its budget, not the suite's smallest run
         measure_global([r], log=log)
-    command = ("dloco experiment quality" + (" --quick" if quick else "")
+    command = ("dloco experiment quality" + (" --quick" if quick else "") + (" --sync-dp-on-bus" if sync_dp_on_bus else "")
                + (f" --budgets {','.join(_short(b) for b in budgets)}" if budgets not in (BUDGETS, QUICK_BUDGETS) else "")
                + (f" --runs {','.join(only)}" if only else ""))
     return write_up(results, command, time.monotonic() - started, out_dir), results

@@ -171,3 +171,19 @@ def test_quality_a_larger_budget_gives_every_mode_a_better_global_model(tmp_path
     assert "| decoupled vs sync-dp |" in text.replace("decoupled vs sync-dp | decoupled vs sync-diloco", "decoupled vs sync-dp |")
     assert (tmp_path / "experiments" / "quality_loss_vs_budget.png").exists() and (tmp_path / "quality.md").exists()
     assert qualityreport.wall_clock(results)["seconds_per_step_linked"] > 0
+
+
+def test_quality_sync_dp_in_one_process_is_the_clusters_sync_dp(tmp_path):
+    """The same budget, the quick model: sync-dp through the bus (four island processes, the merger's
+    fp32 average) and in one process (suites/inprocess.py) end within 1 % of each other, after the
+    same number of steps give or take the island's one-round-late view of the budget."""
+    from dloco.suites import quality, qualityreport
+
+    budget = quality.QUICK_BUDGETS[0]
+    name = qualityreport.label("sync-dp", budget)
+    _, (bus,) = quality.run_suite(tmp_path / "bus", quick=True, budgets=(budget,), only=(name,), sync_dp_on_bus=True, log=lambda line: None)
+    _, (alone,) = quality.run_suite(tmp_path / "alone", quick=True, budgets=(budget,), only=(name,), log=lambda line: None)
+    assert (tmp_path / "alone" / "quality" / name / "in_process.json").exists() and not (tmp_path / "alone" / "quality" / name / "merger").exists()
+    assert abs(alone.global_after - bus.global_after) < 0.01 * bus.global_after, (alone.global_after, bus.global_after)
+    steps = {max(e["step"] for e in events) for events in bus.evals.values()}
+    assert all(abs(s - next(iter(alone.last.values()))["step"]) <= 1 for s in steps), steps

@@ -3,6 +3,7 @@ runs end to end are tests/test_experiments_quick.py's (-m experiments)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dloco.cluster import config as cluster_config
@@ -77,3 +78,21 @@ def test_the_wall_clock_claim_both_ways_by_hand():
     assert clock["decoupled_to_sync_dp_final_s"] == pytest.approx(150.0) and clock["speedup_to_sync_dp_final"] == pytest.approx(40.0)
     assert qualityreport.wall_clock([dp, dec]) == {}  # without the linked run: no claim
     assert qualityreport.gap(2.2, 2.0) == pytest.approx(0.1) and qualityreport.gap(None, 2.0) is None
+
+
+def test_sync_dp_in_one_process_averages_the_islands_parameters():
+    from dloco.suites import inprocess
+
+    mean = inprocess.average([{"w": np.array([1.0, 2.0], np.float32)}, {"w": np.array([3.0, -2.0], np.float32)}])
+    assert mean["w"].dtype == np.float32 and mean["w"].tolist() == [2.0, 0.0]
+    with pytest.raises(ValueError):
+        inprocess.average([])
+
+
+def test_sync_dp_in_one_process_is_for_a_budgeted_sync_dp_run():
+    from dloco.suites import inprocess
+
+    with pytest.raises(ConfigError, match="sync-dp with a token budget"):
+        inprocess.train_sync_dp(cluster_config.load().with_mode("decoupled").with_tokens(1000))
+    with pytest.raises(ConfigError, match="sync-dp with a token budget"):
+        inprocess.train_sync_dp(cluster_config.load().with_mode("sync-dp"))
