@@ -191,12 +191,15 @@ def tile_blocks(blocks: int) -> int:
     return min(TILE_BLOCKS, max(16, 1 << (blocks - 1).bit_length()))
 
 
-def warm_up(fragment_values: Sequence[int], block: int = 256, bits: int = 4) -> None:
+def warm_up(fragment_values: Sequence[int], block: int = 256, bits: int = 4, stopping=lambda: False) -> None:
     """Compile the kernels ahead of the first rounds, for fragments of these sizes (values) and one
-    codec (int4, block 256 by default: the islands' default)."""
+    codec (int4, block 256 by default: the islands' default).  `stopping()` true: return before
+    the next compilation (one cannot be cut short, and a process must not exit during one)."""
     for tile in sorted({tile_blocks(-(-values // block)) for values in fragment_values}):
         codes = np.zeros((tile, block * bits // 8), np.uint8)
         for size in GROUPS:  # a round's first group, the groups after it; the last one of each
+            if stopping():
+                return
             group, factors = _padded([codes], size), np.zeros((size, tile), np.float32)
             block_square_sums(group, bits).block_until_ready()
             jax.block_until_ready(accumulate_first(np.float32(0), group, factors, bits, last=True))

@@ -256,12 +256,15 @@ class MergerCore:
         self.cursors.update(changed)
         return True
 
-    def warm_up(self, codec: Codec = Codec("int4")) -> None:
+    def warm_up(self, codec: Codec = Codec("int4"), stopping=lambda: False) -> None:
         """Compile the kernels of folds from int codes (merger/coded.py) for every fragment's size,
         and every fragment's outer step, ahead of the first deltas (`codec`: the islands' default).
-        Results are thrown away; safe on another thread."""
-        coded.warm_up([sum(int(np.prod(shape)) for shape in layout.values()) for layout in self.layouts], codec.block, codec.bits)
+        Results are thrown away; safe on another thread; `stopping()` true: return before the next
+        compilation."""
+        coded.warm_up([sum(int(np.prod(shape)) for shape in layout.values()) for layout in self.layouts], codec.block, codec.bits, stopping)
         for fragment, state in enumerate(list(self.states)):
+            if stopping():
+                return
             zero = {path: CodedTensor(codec, shape, np.zeros((-(-int(np.prod(shape)) // codec.block), codec.record_nbytes), np.uint8))
                     for path, shape in self.layouts[fragment].items()}
             plain = {path: fold_plain(path, self.config.merge) for path in zero}

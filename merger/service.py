@@ -90,7 +90,7 @@ class MergerService(SnapshotPublishing, StreamKeeping):
         # int deltas stay in their records: the fold works on codes (merger/coded.py), whose kernels
         # compile in the background now rather than in the first rounds
         self.stopping, self.storage_failed = False, None
-        self.warming = threading.Thread(target=self.core.warm_up, name="warm-up", daemon=True)
+        self.warming = threading.Thread(target=lambda: self.core.warm_up(stopping=lambda: self.stopping), name="warm-up", daemon=True)
         self.warming.start()
         # what islands' messages may hold here, per sender (half) and in all: partial deltas, and stream messages beyond a gap
         self.reassembler = protocol.Reassembler(ttl_s=config.reassembly_ttl_s, max_bytes=config.reassembly_bytes, decode=False,
@@ -297,7 +297,7 @@ class MergerService(SnapshotPublishing, StreamKeeping):
         if (claim := impostor(message.sender, peer, routing_id)) is None:
             return True
         self.count("merger/rejected/sender_mismatch")
-        self.quiet.warning("message_rejected", reason="sender_mismatch", peer=peer, claimed=claim)
+        self.quiet.warning("message_rejected", reason="sender_mismatch", peer=peer, socket="bus" if routing_id is None else "control", claimed=claim)
         return False
 
     # ---- folding and publishing ----------------------------------------------------------------

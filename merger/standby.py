@@ -105,7 +105,8 @@ class Standby:
     def _warm_up(self) -> None:
         """Compile the fold kernels in the background (as the primary does), so the first folds
         applied here do not stall the stream for a compilation."""
-        self.warming = threading.Thread(target=self.core.warm_up, name="warm-up", daemon=True)
+        core = self.core
+        self.warming = threading.Thread(target=lambda: core.warm_up(stopping=lambda: self.stopping), name="warm-up", daemon=True)
         self.warming.start()
 
     def follow(self, probe: bool = False) -> Takeover | None:
@@ -260,7 +261,7 @@ class Standby:
         return Takeover(self.core, self.wal, self.lock, epoch, self.terms, term)
 
     def close(self) -> None:
-        if self.warming is not None:
+        if self.warming is not None:  # a stopping standby's warm-up ends after the compilation under way
             self.warming.join(timeout=120)  # exiting while XLA compiles on another thread aborts the process
         self.wal.close()
         self.lock.release()

@@ -50,7 +50,7 @@ class ThrottledLog:
     """`log.warning(event, **fields)` at most once per interval per (event, fields named by `by`);
     an emitted line carries `left_out=N` when N lines were left out since the last one."""
 
-    def __init__(self, log, by: tuple[str, ...] = ("peer", "island", "sender", "reason"), interval_s: float = 1.0,
+    def __init__(self, log, by: tuple[str, ...] = ("peer", "island", "sender", "reason", "socket"), interval_s: float = 1.0,
                  clock=time.monotonic) -> None:
         self.log, self.by, self.clock = log, by, clock
         self.throttle = Throttle(interval_s)

@@ -201,6 +201,22 @@ def test_a_primary_paused_past_its_lease_is_fenced_and_steps_down(pair):
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_sigterm_ends_a_merger_in_every_role_as_soon_as_it_starts(pair):
+    """SIGTERM the moment each role is reached, while its fold kernels may still be compiling in the
+    background: the standby once it follows, the primary once it has its state.  Each logs its stop
+    and exits 0 (a warm-up stops after the compilation under way: exiting during one aborts the
+    process, and waiting for them all kept a merger for seconds)."""
+    p = pair()
+    p.b.wait_for("following")
+    assert p.b.stop() == 0
+    assert p.b.events("stopped")
+    p.a.wait_for("genesis")
+    assert p.a.stop() == 0
+    assert p.a.events("stopped")
+
+
+@pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_a_primary_whose_standby_dies_goes_on_alone_and_says_so(pair):
     p = pair()
