@@ -14,8 +14,9 @@ links (`sync-dp-linked`, bounded by LINKED_STEPS) gives sync-dp's seconds per st
 time to decoupled's final loss is its full-speed run's steps to that loss times it (suites/
 speedup.py), and decoupled's time to sync-dp's final loss is read off its global model's curve.
 
-A run already finished in OUT (its report.md without FAILED) is read back, not run again, so an
-interrupted suite resumes where it stopped and repeats go to other OUT folders.
+A run already finished in OUT (its report.md without FAILED, or an in-process sync-dp run's result)
+is read back, not run again, whichever way it was made, so an interrupted suite resumes where it
+stopped and repeats go to other OUT folders.
 """
 
 from __future__ import annotations
@@ -138,10 +139,11 @@ def run_suite(out_dir: Path, quick: bool = False, config_path: Path | None = Non
     for index, (name, config) in enumerate(runs, 1):
         run_dir = out_dir / "quality" / name
         report = run_dir / "report.md"
-        if config.mode == "sync-dp" and config.tokens and not sync_dp_on_bus:
-            results.append(in_process_result(name, config, run_dir, log))
+        finished = report.exists() and "\n## FAILED\n" not in report.read_text()
+        if config.mode == "sync-dp" and config.tokens and not (sync_dp_on_bus or finished) or (run_dir / inprocess.RESULT).exists():
+            results.append(in_process_result(name, config, run_dir, log))  # trained in one process now, or read back
             continue
-        if report.exists() and "\n## FAILED\n" not in report.read_text():
+        if finished:
             log(f"dloco experiment quality: run {index}/{len(runs)} {name}: finished before, read back from {run_dir}")
         else:
             bound = f"{config.tokens:,} cluster tokens" if config.tokens else f"{config.max_steps} steps per island"
