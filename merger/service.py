@@ -325,7 +325,7 @@ class MergerService(SnapshotPublishing, StreamKeeping):
         self.log.info("fold", fragment=fold.fragment, version=report.version, contributors=list(report.contributors),
                       staleness=list(report.staleness), steps=list(report.steps), weights=[round(w, 4) for w in report.weights], share=round(sum(report.weights), 4),
                       delta_norms=[round(n, 6) for n in report.delta_norms], merged_norm=round(report.merged_norm, 6),
-                      fold_ms=round(seconds * 1000, 2), cluster_tokens=self.trained.total)
+                      fold_ms=round(seconds * 1000, 2), cluster_tokens=self.trained.total, **({'clipped': list(report.clipped)} if report.clipped else {}))
         if self.replication is not None:
             self.replication.folded(fold.fragment, report.version, fold.state)
         self.offer_snapshot(fold.fragment, fold.state)
