@@ -5,8 +5,8 @@ inner rate decays over the cluster's progress towards it, so each run ends decay
 training run does.  The modes: `sync-dp` trained in one process (suites/inprocess.py: the cluster's
 sync-dp arithmetic without the bus, whose loss per step does not depend on the link or the bus:
 every step is one barrier-averaged step; `--sync-dp-on-bus` runs it as a cluster instead, about six
-times slower), `sync-diloco` and `decoupled` over the profile's emulated links.  The table gives the merger's final model's held-out loss at each budget
-and the gap to `sync-dp`; the plots, loss against budget per mode (the usual scaling plot) and
+times slower), `sync-diloco` and `decoupled` over the profile's emulated links.  The table gives
+the merger's final model's held-out loss at each budget and the gap to `sync-dp`; the plots, loss against budget per mode (the usual scaling plot) and
 the global model against cluster tokens at the largest budget.
 
 The wall-clock claim at the largest budget, both ways: a short `sync-dp` run over the emulated

@@ -155,7 +155,8 @@ def write_up(results: list[RunResult], command: str, seconds: float, out_dir: Pa
         "## Quality at equal tokens, each run decayed over its budget", "",
         "The merger's final global model, evaluated on the islands' held-out batches, at the end of runs bounded by a "
         "cluster token budget; every island's inner rate decays over the cluster's progress towards it (PROTOCOL.md §6.1). "
-        "sync-dp runs without link emulation (its loss per step does not depend on the link).", "",
+        "sync-dp is trained in one process, the cluster's arithmetic without the bus (suites/inprocess.py; its loss per step "
+        "depends on neither the link nor the bus), unless run with --sync-dp-on-bus.", "",
         *table(results), "", *claim_lines(results),
         *(f"![{p.name}](experiments/{p.name})" for p in plots), "",
         f"Command: `{command}` ({seconds / 60:.0f} min).", ""])
