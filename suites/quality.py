@@ -140,8 +140,10 @@ def run_suite(out_dir: Path, quick: bool = False, config_path: Path | None = Non
         run_dir = out_dir / "quality" / name
         report = run_dir / "report.md"
         finished = report.exists() and "\n## FAILED\n" not in report.read_text()
-        if config.mode == "sync-dp" and config.tokens and not (sync_dp_on_bus or finished) or (run_dir / inprocess.RESULT).exists():
-            results.append(in_process_result(name, config, run_dir, log))  # trained in one process now, or read back
+        read_back = (run_dir / inprocess.RESULT).exists()
+        train_here = config.mode == "sync-dp" and config.tokens and not (sync_dp_on_bus or finished)
+        if read_back or train_here:  # an in-process sync-dp run: read back, or trained in one process now
+            results.append(in_process_result(name, config, run_dir, log))
             continue
         if finished:
             log(f"dloco experiment quality: run {index}/{len(runs)} {name}: finished before, read back from {run_dir}")
