@@ -26,8 +26,13 @@ def add_parser(commands) -> None:
     plan.add_argument("--fragments", type=int_at_least(1), default=None, metavar="P", help="fragments of the model")
     plan.add_argument("--mtbf-hours", type=float_at_least(0.01), default=None, help="failures: mean hours between failures per island")
     plan.add_argument("--down-minutes", type=float_at_least(0), default=10.0, help="with --mtbf-hours: minutes a failed island is down (default 10)")
-    plan.add_argument("--target-util", type=float, default=None, metavar="U",
-                      help="also print the link speed each region needs for utilisation U (0 < U < 1)")
+    plan.add_argument("--target-util", type=_targets, default=None, metavar="U[,U...]",
+                      help="also print, for each U (0 < U < 1), the link speed from which the steady utilisation that counts is at "
+                           "least U, in each mode (e.g. 0.5,0.9,0.99)")
+    plan.add_argument("--scale", default="all", metavar="all|each|ISLAND",
+                      help="with --target-util: scale every link together (default), each island's in turn, or one island's")
+    plan.add_argument("--window-rounds", type=int_at_least(1), default=None, metavar="N",
+                      help="with --target-util: simulate N rounds of the slowest island per probe (default 20)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     plan.add_argument("--plots", type=Path, default=None, metavar="DIR",
                       help="also write utilisation against bandwidth and goodput against failure rate as PNGs (a minute or more)")
@@ -36,6 +41,14 @@ def add_parser(commands) -> None:
     plan.add_argument("--config", type=Path, default=None,
                       help="with --calibrate: the cluster file the run ran, for a run directory without cluster.json")
     plan.set_defaults(run=run)
+
+
+def _targets(text: str) -> list[float]:
+    try:
+        targets = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--target-util takes numbers in (0, 1), comma-separated, got {text!r}") from None
+    return targets
 
 
 def scenario_of(args):
@@ -61,12 +74,14 @@ def run(args: argparse.Namespace) -> int:
             result = calibrate.calibrate(args.calibrate, args.config)
             print(calibrate.to_json(result) if args.json else calibrate.markdown(result, args.calibrate))
             return 0
-        if args.target_util is not None:
-            plan.require_target(args.target_util)
+        for target in args.target_util or []:
+            plan.require_target(target)
         s = scenario_of(args)
         print(f"dloco plan: simulating {len(s.islands)} islands for {s.duration_s / 3600:.2f} h ...", file=sys.stderr)
         report = plan.plan(s)
-        target = plan.target_util(s, args.target_util) if args.target_util is not None else None
+        target = None
+        if args.target_util is not None:
+            target = plan.target_util(s, args.target_util, args.scale, args.window_rounds or plan.TARGET_ROUNDS)
         if args.json:
             print(plan.write_json(report | ({"target_util": target} if target else {})))
         else:

@@ -10,11 +10,14 @@ the island's fragment schedule (`exchange.due_offset`: P staggered fragments eve
 What is modelled: a step takes `step_s` (with `step_cv`, k steps take a normal k step_s, standard
 deviation sqrt(k) step_cv step_s, seeded per island: real islands drift apart); a delta is its codec's encoded size plus a chunk header;
 links are FIFO pipes (rate, one-way latency = RTT / 2; the next message starts when the previous
-one's last byte left); one fold worker folds `merger_bytes_s` of coded deltas per second plus a
-fixed overhead; an island adopts (rebases onto) every snapshot that has arrived when it sends, so a
+one's last byte left), the merger's own link too when it has one; a fold worker per merger shard
+folds `merger_bytes_s` of coded deltas per second plus a fixed overhead; an island adopts (rebases onto) every snapshot that has arrived when it sends, so a
 delta's base version is the newest one arrived by then.  A failed island loses its unsent work
 (what it trained since its last send, its outbox, a delta half on the wire) and comes back after
 `down_s`, joining again: a full snapshot of every fragment down, and `restart_s` to compile.
+
+What counts: a trained token is useful once its delta is folded, worth q(steps the delta covered)
+(sim/quality.py); work rejected, lost to a failure or still queued at the merger at the end is not.
 """
 
 from __future__ import annotations
@@ -68,6 +71,11 @@ class IslandRun:
     deltas_sent: int = 0
     deltas_summed: int = 0
     failures: int = 0
+    folded_tokens: float = 0.0  # of its trained work, folded by the end (per fragment / P, as lost_tokens)
+    useful_tokens: float = 0.0  # folded, each delta's tokens times q(the steps it covered)
+    undecided_tokens: float = 0.0  # at the end still on the island or on its way: unsent, in its outbox, on the wire
+    startup_s: float = 0.0  # its first join: from its start to its first step (the model's download)
+    intervals: list[int] = dataclasses.field(default_factory=list)  # steps each of its folded deltas covered: its real H
 
 
 @dataclasses.dataclass
@@ -80,26 +88,57 @@ class SimResult:
     fold_busy_s: float  # the fold worker's busy time
     peak_pending_bytes: int  # coded delta bytes admitted and waiting for (or in) a fold, at most
     events: int
+    intervals: list[list[int]]  # per fragment, the steps each folded delta covered
+    queued_bytes: int  # coded delta bytes admitted and not folded at the end
+    queued_tokens: float  # their tokens (per fragment / P)
+    backlog_s: list[float]  # per merger shard, the folding its worker still had ahead of it at the end
 
     @property
     def duration_s(self) -> float:
         return self.scenario.duration_s
 
+    def _spec(self, run: IslandRun):
+        return next(spec for spec in self.scenario.islands if spec.name == run.name)
+
+    def nominal_quality(self, run: IslandRun) -> float:
+        """q of the island's own H: what its tokens are worth when every delta goes out on time."""
+        return self.scenario.quality(self._spec(run).interval or self.scenario.interval)
+
+    def capacity_tokens(self, run: IslandRun) -> float:
+        """The work its chips could do in the steady state: from its first step (the start-up download
+        is reported apart) to the end, trained or idle after a failure, less what is still undecided
+        at the end (not yet at the merger: its fate is unknown, not lost)."""
+        spec = self._spec(run)
+        idle = max(0.0, self.duration_s - spec.start_s - run.startup_s - run.compute_s)
+        return max(0.0, run.trained_tokens - run.undecided_tokens + idle * spec.tokens_per_step / spec.step_s)
+
     def utilisation(self, run: IslandRun) -> float:
-        """Compute utilisation that counts: the island's busy share of the run times the share of its
-        trained work that was not lost (rejected, or killed before it was sent; per fragment: a
-        rejected delta of one fragment of P loses 1/P of its tokens' work)."""
-        kept = 1.0 - run.lost_tokens / run.trained_tokens if run.trained_tokens else 0.0
-        return run.compute_s / self.duration_s * kept
+        """Steady-state utilisation that counts: of its capacity, the share folded, each delta weighted
+        by q(the steps it covered) over q(its own H).  Work rejected, lost to a failure or queued at
+        an overloaded merger lowers it; so do deltas the outbox summed on a slow link (a longer real H)."""
+        capacity = self.capacity_tokens(run)
+        return min(1.0, run.useful_tokens / (capacity * self.nominal_quality(run))) if capacity > 0 else 0.0
+
+    def window_utilisation(self, run: IslandRun) -> float:
+        """The same over the whole run, its start-up download and unfinished tail included."""
+        spec = self._spec(run)
+        return run.useful_tokens / (self.duration_s * spec.tokens_per_step / spec.step_s * self.nominal_quality(run))
 
     @property
     def useful_tokens_s(self) -> float:
-        return sum(run.trained_tokens - run.lost_tokens for run in self.islands) / self.duration_s
+        """Useful (sync-DP-equivalent) tokens per second in the steady state."""
+        return sum(self.utilisation(run) * self.nominal_quality(run) * spec.tokens_per_step / spec.step_s
+                   for run, spec in zip(self.islands, self.scenario.islands))
 
     @property
     def goodput(self) -> float:
-        """Useful tokens over what every island's chips could train in the run at full speed."""
-        return self.useful_tokens_s / self.scenario.peak_tokens_s
+        """Useful tokens over the whole run, over what every island's chips could train in it at full speed."""
+        return sum(run.useful_tokens for run in self.islands) / self.duration_s / self.scenario.peak_tokens_s
+
+    @property
+    def fold_load(self) -> float:
+        """The folding asked of each shard's worker over the run's length: above 1 the merger falls behind."""
+        return self.fold_busy_s / (self.duration_s * self.scenario.merger_shards)
 
 
 class _Island:
@@ -107,6 +146,7 @@ class _Island:
         self.index, self.spec, self.run = index, spec, IslandRun(spec.name)
         self.alive, self.epoch, self.delta_id = False, 0, 0
         self.died_at: dict[int, float] = {}  # epoch -> when that life ended
+        self.in_flight = 0  # tokens of deltas taken from its outbox and not yet at the merger (any life's)
         self.rng = random.Random(scenario.seed * 1_000_003 + index)  # its step times' noise (spec.step_cv)
         self.fragments = scenario.fragments
         self.new_life(scenario)
@@ -155,8 +195,11 @@ class Simulation:
         self.published_at: dict[int, float] = {}
         self.held: set[int] = set()
         self.folding: set[int] = set()
-        self.worker_free, self.fold_busy_s = 0.0, 0.0
+        self.worker_free, self.fold_busy_s = [0.0] * scenario.merger_shards, 0.0  # a fold worker per shard
+        self.link_in_free = self.link_out_free = 0.0  # the merger's own link, each way
         self.pending_bytes = self.peak_pending_bytes = 0
+        self.pending_tokens = 0.0
+        self.intervals: list[list[int]] = [[] for _ in self.sizes]
         self.folds = [0] * scenario.fragments
         self.staleness: collections.Counter = collections.Counter()
         self.folded_tokens = 0
@@ -183,21 +226,29 @@ class Simulation:
         for island in self.islands:  # the steps of the last stretch, up to the end
             if island.alive:
                 self._train_until(island, self._steps_by(island, self.s.duration_s), self.s.duration_s)
+                unsent = sum(island.unsent_steps) * island.spec.tokens_per_step
+                while (delta := island.outbox.take()) is not None:
+                    unsent += delta.tokens
+                island.run.undecided_tokens = (unsent + island.in_flight) / self.s.fragments
             island.run.bytes_down = int(self.down_bytes[island.index])
+        backlog = [max(0.0, free - self.s.duration_s) for free in self.worker_free]
         return SimResult(self.s, [island.run for island in self.islands], self.folds, self.staleness, self.folded_tokens,
-                         self.fold_busy_s, self.peak_pending_bytes, events)
+                         self.fold_busy_s, self.peak_pending_bytes, events, self.intervals, self.pending_bytes, self.pending_tokens, backlog)
 
     # ---- islands ---------------------------------------------------------------------------------
     def _on_join(self, now: float, island: _Island) -> None:
         """(Re)start: every fragment's current value down in full, then the first step."""
         island.alive, self.receiving[island.index] = True, True
-        arrived = now
+        arrived, first = now, not island.run.failures
         mask = np.arange(len(self.islands)) == island.index
-        for fragment, nbytes in enumerate(self.rejoin_bytes if island.run.failures else self.full_bytes):
-            arrived = float(self._send_down(mask, nbytes, now)[island.index])
+        for fragment, nbytes in enumerate(self.full_bytes if first else self.rejoin_bytes):
+            if not (first and island.spec.holds_model):
+                arrived = float(self._send_down(mask, nbytes, self._merger_out(nbytes, now))[island.index])
             self.seen[island.index, fragment] = len(self.published[fragment]) - 1
         island.joined_versions = list(self.installed)
-        island.clock = arrived + (self.s.restart_s if island.run.failures else 0.0)  # a restart: the download, then compiling
+        island.clock = arrived + (0.0 if first else self.s.restart_s)  # a restart: the download, then compiling
+        if first:
+            island.run.startup_s = island.clock - now
         self._next_due(island)
 
     def _steps_by(self, island: _Island, when: float) -> int:
@@ -257,9 +308,10 @@ class Simulation:
         nbytes = self.delta_bytes[delta.fragment]
         sent, arrives = island.uplink.schedule(nbytes, now)
         island.wire = (delta, sent)
+        island.in_flight += delta.tokens
         island.run.bytes_up += nbytes
         self.at(sent, "sent", island, island.epoch)
-        self.at(arrives, "arrive", island, island.epoch, delta, sent)
+        self.at(arrives, "arrive" if self.s.merger_link_bps is None else "at_merger_link", island, island.epoch, delta, sent)
 
     def _on_sent(self, now: float, island: _Island, epoch: int) -> None:
         if epoch == island.epoch:
@@ -277,6 +329,7 @@ class Simulation:
             lost += delta.tokens
         if island.wire is not None and island.wire[1] > now:  # half on the wire: the merger never gets it whole
             lost += island.wire[0].tokens
+            island.in_flight -= island.wire[0].tokens
         run.lost_tokens += lost / p
         island.died_at[island.epoch] = now
         island.alive, self.receiving[island.index] = False, False
@@ -284,9 +337,22 @@ class Simulation:
         self.at(now + down_s, "join", island)
 
     # ---- the merger ------------------------------------------------------------------------------
+    def _on_at_merger_link(self, now: float, island: _Island, epoch: int, delta: PendingDelta, sent: float) -> None:
+        """A delta reaches the merger's own link (FIFO, shared by every island's deltas)."""
+        self.link_in_free = max(now, self.link_in_free) + self.delta_bytes[delta.fragment] * 8 / self.s.merger_link_bps
+        self.at(self.link_in_free, "arrive", island, epoch, delta, sent)
+
+    def _merger_out(self, nbytes: int, now: float) -> float:
+        """When `nbytes` handed over at `now` have left the merger's own link (to the broker, which fans out)."""
+        if self.s.merger_link_bps is None:
+            return now
+        self.link_out_free = max(now, self.link_out_free) + nbytes * 8 / self.s.merger_link_bps
+        return self.link_out_free
+
     def _on_arrive(self, now: float, island: _Island, epoch: int, delta: PendingDelta, sent: float) -> None:
-        if sent > island.died_at.get(epoch, math.inf):  # its sender died before the last byte left
+        if sent > island.died_at.get(epoch, math.inf):  # its sender died before the last byte left (counted lost then)
             return
+        island.in_flight -= delta.tokens
         island.delta_id += 1
         island.run.deltas_sent += 1
         candidate = Candidate(island.spec.name, epoch, island.delta_id, delta.fragment, delta.base_version, delta.steps, delta.tokens,
@@ -297,6 +363,7 @@ class Simulation:
             island.run.rejected[result.reason.split(":")[0]] += 1
         elif result is None:
             self.pending_bytes += self.delta_bytes[delta.fragment]
+            self.pending_tokens += delta.tokens / self.s.fragments
             self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
         if self.held:
             self._publish_held(now)
@@ -308,11 +375,12 @@ class Simulation:
         for fragment in ready:
             started = self.core.start_fold(fragment)
             nbytes = self.delta_bytes[fragment] * len(started.members)
-            began = max(now, self.worker_free)
-            seconds = self.s.fold_overhead_s + nbytes / self.s.merger_bytes_s
-            self.worker_free, self.fold_busy_s = began + seconds, self.fold_busy_s + seconds
+            shard = fragment % self.s.merger_shards
+            seconds = self.s.fold_overhead_s + nbytes / self.s.fold_bytes_s
+            self.worker_free[shard] = max(now, self.worker_free[shard]) + seconds
+            self.fold_busy_s += seconds
             self.folding.add(fragment)
-            self.at(self.worker_free, "folded", started, nbytes)
+            self.at(self.worker_free[shard], "folded", started, nbytes)
         if wake is not None and (self.wake is None or wake < self.wake or self.wake <= now):
             self.wake = wake
             self.at(wake, "wake")
@@ -326,9 +394,16 @@ class Simulation:
         self.installed[fragment] = started.version
         self.folds[fragment] += 1
         self.pending_bytes -= nbytes
+        p = self.s.fragments
         for member in started.members:
             self.staleness[member.staleness] += 1
             self.folded_tokens += member.tokens
+            self.pending_tokens -= member.tokens / p
+            run = self.by_name[member.island].run
+            run.folded_tokens += member.tokens / p
+            run.useful_tokens += member.tokens / p * self.s.quality(member.steps)
+            run.intervals.append(member.steps)
+            self.intervals[fragment].append(member.steps)
         every = self.snapshots.snapshot_every_round
         due = snapshot_due(self.published_at.get(fragment), self.core.arrival_intervals(now) if every > 0 else [], every)  # 0: -inf, now
         if due <= now:
@@ -362,7 +437,8 @@ class Simulation:
 
     def _publish(self, fragment: int, now: float) -> None:
         """A snapshot (a diff, or the whole fragment) to every island that is up, each over its downlink."""
-        arrival = self._send_down(self.receiving, self.snapshot_bytes[fragment], now)
+        nbytes = self.snapshot_bytes[fragment]
+        arrival = self._send_down(self.receiving, nbytes, self._merger_out(nbytes, now))
         published = self.published[fragment]
         published.append((self.installed[fragment], arrival))
         if len(published) % PRUNE_EVERY == 0:  # what every island that is up has seen is looked up no more

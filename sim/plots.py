@@ -11,23 +11,16 @@ import numpy as np
 
 from dloco.sim.baselines import sync_diloco, sync_dp
 from dloco.sim.engine import simulate
-from dloco.sim.plan import TARGET_ROUNDS
+from dloco.sim.plan import MODES, utilisation_at
 from dloco.sim.scenario import Scenario
 
 DOWN_S = 600.0  # a failed island's downtime in the goodput sweep
 
 
 def utilisation_sweep(s: Scenario, speeds_bps: list[float]) -> dict[str, list[float]]:
-    """Mean utilisation over the islands at each link speed (every island's, both ways)."""
-    short = dataclasses.replace(s, duration_s=min(s.duration_s, TARGET_ROUNDS * s.longest_round_s()), failures=())
-    out: dict[str, list[float]] = {"decoupled": [], "sync-dp": [], "sync-diloco": []}
-    for bps in speeds_bps:
-        probe = short.with_links(bps)
-        result = simulate(probe)
-        out["decoupled"].append(float(np.mean([result.utilisation(run) for run in result.islands])))
-        for name, baseline in (("sync-dp", sync_dp), ("sync-diloco", sync_diloco)):
-            out[name].append(float(np.mean(list(baseline(probe).utilisation.values()))))
-    return out
+    """The cluster's steady utilisation that counts (plan.utilisation_at) at each link speed (every
+    island's, both ways)."""
+    return {mode: [utilisation_at(mode, s, bps) for bps in speeds_bps] for mode in MODES}
 
 
 def goodput_sweep(s: Scenario, mtbf_s: list[float], down_s: float) -> dict[str, list[float]]:
@@ -56,7 +49,7 @@ def write(s: Scenario, folder: Path, progress: Callable[[str], None] = lambda li
     speeds = [middle * f for f in np.geomspace(0.05, 100, speeds)]
     progress(f"utilisation at {len(speeds)} link speeds ...")
     sweep = utilisation_sweep(s, speeds)
-    paths = [_plot(plt, np.array(speeds) / 1e9, sweep, "link speed per island, both ways (Gbit/s)", "mean compute utilisation",
+    paths = [_plot(plt, np.array(speeds) / 1e9, sweep, "link speed per island, both ways (Gbit/s)", "steady utilisation that counts",
                    f"{len(s.islands)} islands, {s.params:.3g} parameters, H = {s.interval}, P = {s.fragments}, {s.codec}",
                    folder / "utilisation_vs_bandwidth.png")]
     hours = [1000, 300, 100, 30, 10, 3][:failure_rates]

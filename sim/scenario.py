@@ -18,10 +18,15 @@ from dloco.merger.config import MergerConfig, SnapshotConfig
 from dloco.protocol import CODEC_NAMES
 from dloco.protocol.errors import ConfigError, require
 from dloco.sim.chips import CHIPS
+from dloco.sim.quality import MEASURED, QualityCurve
 
 # The merger's fold throughput when nothing better is known: coded delta bytes folded per second by
 # one fold worker, as `dloco bench merger` measures it on a 2-core CPU machine (BENCHMARKS.md).
 DEFAULT_MERGER_BYTES_S = 0.13e9
+# sync-DP's all-reduce overlaps the backward pass for all but the gradients computed last (the first
+# layers'): PyTorch DDP's gradient buckets, each reduced as soon as it is complete.  The share of the
+# gradient's exchange that can hide behind the backward pass (itself 2/3 of a step), when nothing better is known.
+DEFAULT_DP_OVERLAP = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +54,7 @@ class Island:
     start_s: float = 0.0  # when its first step starts (joining, compiling)
     step_cv: float = 0.0  # the coefficient of variation of one step's time (0: every step exactly step_s)
     interval: int = 0  # its own H (0: the scenario's)
+    holds_model: bool = False  # it starts holding the model (a checkpoint on its disk): no download before its first step
 
     def __post_init__(self) -> None:
         require(bool(self.name), "an island needs a name")
@@ -75,8 +81,14 @@ class Scenario:
     codec: str = "int4"  # the deltas' codec (uplink)
     block: int = 256
     merger: MergerSection = MergerSection()  # the merger's settings, as a cluster file's [merger] gives them
-    merger_bytes_s: float = DEFAULT_MERGER_BYTES_S  # coded delta bytes one fold worker folds per second
+    merger_bytes_s: float | None = None  # coded delta bytes one fold worker folds per second (None: DEFAULT_MERGER_BYTES_S, said so)
     fold_overhead_s: float = 0.002  # per fold, whatever its size (bookkeeping, the outer step's dispatch)
+    merger_shards: int = 1  # merger processes, fragment p on shard p % shards, each with its own fold worker
+    merger_link_bps: float | None = None  # the merger's own link, each way (deltas in, snapshots out to the broker); None: unlimited
+    quality: QualityCurve = MEASURED  # what a folded token is worth against the steps its delta covered (sim/quality.py)
+    dp_overlap: float = DEFAULT_DP_OVERLAP  # sync-DP: the share of its all-reduce that may hide behind the backward pass
+    diloco_codec: str = ""  # sync-DiLoCo's all-reduce codec ("": the scenario's `codec`; "bf16" as published)
+    overlap_steps: int = 0  # sync-DiLoCo's overlap depth tau: its exchange may hide behind tau inner steps of the next round
     duration_s: float = 3600.0
     restart_s: float = 60.0  # a restarted island's start-up (compiling), on top of downloading the model again
     failures: tuple[Failure, ...] = ()
@@ -95,7 +107,14 @@ class Scenario:
             require(not island.interval or island.interval >= self.fragments,
                     f"island {island.name}: interval H ({island.interval}) must be >= fragments P ({self.fragments})")
         require(self.codec in CODEC_NAMES, f"codec must be one of {CODEC_NAMES}, got {self.codec!r}")
-        require(self.merger_bytes_s > 0 and self.fold_overhead_s >= 0, "merger_bytes_s must be > 0 and fold_overhead_s >= 0")
+        require((self.merger_bytes_s is None or self.merger_bytes_s > 0) and self.fold_overhead_s >= 0,
+                "merger_gbps must be > 0 and fold_overhead_s >= 0")
+        require(type(self.merger_shards) is int and 1 <= self.merger_shards <= self.fragments,
+                f"merger_shards must be an int in [1, fragments = {self.fragments}], got {self.merger_shards!r}")
+        require(self.merger_link_bps is None or self.merger_link_bps > 0, f"merger_link_gbps must be > 0, got {self.merger_link_bps}")
+        require(0 <= self.dp_overlap <= 1, f"dp_overlap must be in [0, 1], got {self.dp_overlap}")
+        require(self.diloco_codec in ("", *CODEC_NAMES), f"diloco_codec must be one of {CODEC_NAMES}, got {self.diloco_codec!r}")
+        require(type(self.overlap_steps) is int and self.overlap_steps >= 0, f"overlap_steps must be an int >= 0, got {self.overlap_steps!r}")
         require(self.duration_s > 0 and self.restart_s >= 0, "duration_s must be > 0 and restart_s >= 0")
         require(self.wire is None or len(self.wire) == self.fragments, f"wire needs one entry per fragment ({self.fragments})")
         for failure in self.failures:
@@ -110,6 +129,10 @@ class Scenario:
     def snapshots(self) -> SnapshotConfig:
         m = self.merger
         return SnapshotConfig(m.snapshot_codec, m.snapshot_diff_codec, m.snapshot_full_every, m.snapshot_every_round)
+
+    @property
+    def fold_bytes_s(self) -> float:
+        return DEFAULT_MERGER_BYTES_S if self.merger_bytes_s is None else self.merger_bytes_s
 
     @property
     def peak_tokens_s(self) -> float:
@@ -149,19 +172,22 @@ def step_seconds(params: float, tokens_per_step: float, chips: int, peak_flops: 
 def load(path: str | Path) -> Scenario:
     """A scenario file (TOML): [model] params, [sync] fragments/interval/codec, [merger] the merger's
     keys (merger/config.py), [sim] duration_s/restart_s/merger_gbps/mtbf_s/down_s, and [[islands]]
-    name, count, step_s or chip/chips/mfu, tokens_per_step, up_gbps, down_gbps, rtt_ms, step_cv."""
+    name, count, step_s or chip/chips/mfu, tokens_per_step, up_gbps, down_gbps, rtt_ms, step_cv, interval,
+    holds_model.  [sim] also: merger_shards, merger_link_gbps, fold_overhead_s, dp_overlap, diloco_codec,
+    overlap_steps; [quality] intervals and factors (sim/quality.py)."""
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise ConfigError(f"cannot read scenario {path}: {error}") from None
-    unknown = set(data) - {"model", "sync", "merger", "sim", "islands"}
+    unknown = set(data) - {"model", "sync", "merger", "sim", "islands", "quality"}
     require(not unknown, f"{path}: unknown sections {sorted(unknown)}")
     params = data.get("model", {}).get("params")
     require(isinstance(params, (int, float)) and params >= 1, f"{path}: [model] params must be a number >= 1, got {params!r}")
     islands = []
     for entry in data.get("islands", []):
-        extra = set(entry) - {"name", "count", "step_s", "chip", "chips", "mfu", "tokens_per_step", "up_gbps", "down_gbps", "rtt_ms", "step_cv", "interval"}
+        extra = set(entry) - {"name", "count", "step_s", "chip", "chips", "mfu", "tokens_per_step", "up_gbps", "down_gbps", "rtt_ms", "step_cv", "interval",
+                                  "holds_model"}
         require(not extra, f"{path}: unknown keys in [[islands]]: {sorted(extra)}")
         tokens = entry.get("tokens_per_step", 0)
         if "step_s" in entry:
@@ -174,16 +200,24 @@ def load(path: str | Path) -> Scenario:
         count = int(entry.get("count", 1))
         for k in range(count):
             name = entry["name"] if count == 1 else f"{entry['name']}-{k}"
-            islands.append(Island(name, step, int(tokens), link, step_cv=float(entry.get("step_cv", 0.0)), interval=entry.get("interval", 0)))
-    sync, sim, merger = data.get("sync", {}), data.get("sim", {}), data.get("merger", {})
+            islands.append(Island(name, step, int(tokens), link, step_cv=float(entry.get("step_cv", 0.0)), interval=entry.get("interval", 0),
+                                  holds_model=bool(entry.get("holds_model", False))))
+    sync, sim, merger, quality = data.get("sync", {}), data.get("sim", {}), data.get("merger", {}), data.get("quality")
     for section, keys in (("model", {"params"}), ("sync", {"fragments", "interval", "codec", "block"}),
-                          ("sim", {"duration_s", "restart_s", "merger_gbps", "mtbf_s", "down_s", "seed"})):
+                          ("sim", {"duration_s", "restart_s", "merger_gbps", "mtbf_s", "down_s", "seed", "merger_shards", "merger_link_gbps",
+                                   "fold_overhead_s", "dp_overlap", "diloco_codec", "overlap_steps"}),
+                          ("quality", {"intervals", "factors", "source"})):
         extra = set(data.get(section, {})) - keys
         require(not extra, f"{path}: unknown keys in [{section}]: {sorted(extra)}")
     scenario = Scenario(tuple(islands), int(params), int(sync.get("fragments", 4)), int(sync.get("interval", 48)), sync.get("codec", "int4"),
                         int(sync.get("block", 256)), seed=int(sim.get("seed", 0)),
                         merger=_merger_section(path, merger),
-                        merger_bytes_s=float(sim.get("merger_gbps", DEFAULT_MERGER_BYTES_S * 8 / 1e9)) * 1e9 / 8,
+                        merger_bytes_s=None if "merger_gbps" not in sim else float(sim["merger_gbps"]) * 1e9 / 8,
+                        fold_overhead_s=float(sim.get("fold_overhead_s", 0.002)), merger_shards=sim.get("merger_shards", 1),
+                        merger_link_bps=_bps(sim.get("merger_link_gbps")), dp_overlap=float(sim.get("dp_overlap", DEFAULT_DP_OVERLAP)),
+                        diloco_codec=sim.get("diloco_codec", ""), overlap_steps=sim.get("overlap_steps", 0),
+                        quality=MEASURED if quality is None else QualityCurve.of(quality.get("intervals", []), quality.get("factors", []),
+                                                                                 str(quality.get("source", path.name))),
                         duration_s=float(sim.get("duration_s", 3600.0)), restart_s=float(sim.get("restart_s", 60.0)))
     if "mtbf_s" in sim:
         scenario = scenario.with_mtbf(float(sim["mtbf_s"]), float(sim.get("down_s", 600.0)), int(sim.get("seed", 0)))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -61,14 +62,17 @@ def test_the_adaptive_grace_waits_for_an_island_predicted_within_it():
 def test_a_failed_island_loses_its_unsent_work_and_trains_again_after_its_downtime():
     """One island, P = 1, H = 10, 1 s steps: it sends after steps 10 and 20, dies at 25 s (5 steps
     unsent: 500 tokens lost), is back at 35 s and sends after its new life's steps 10..60 (at 45..95 s):
-    8 folds; 25 + 65 steps trained; utilisation 0.9 busy x (1 - 500 / 9000) kept."""
+    8 folds; 25 + 65 steps trained, 8,000 folded, the last 5 steps (500) undecided at the end.  Steady
+    utilisation: 8,000 folded over 9,000 trained - 500 undecided + 10 s idle x 100 tokens/s."""
     s = Scenario((Island("a", 1.0, 100),), params=1000, fragments=1, interval=10, duration_s=100.0, restart_s=0, merger=NO_GRACE,
                  failures=(Failure("a", 25.0, 10.0),))
     result = simulate(s)
     run = result.islands[0]
     assert result.folds == [8]
     assert (run.trained_tokens, run.lost_tokens, run.failures) == (9000, 500, 1)
-    assert result.utilisation(run) == pytest.approx(0.9 * (1 - 500 / 9000))
+    assert (run.folded_tokens, run.undecided_tokens) == (8000, 500)
+    assert result.utilisation(run) == pytest.approx(8000 / (9000 - 500 + 1000))
+    assert result.window_utilisation(run) == pytest.approx(8000 / 10_000)
 
 
 def test_a_thin_uplink_sums_deltas_in_the_outbox():
@@ -96,8 +100,10 @@ def test_the_simulator_runs_the_mergers_admission_a_stale_delta_is_rejected_and_
 
 def test_sync_dp_is_a_ring_all_reduce_of_bf16_gradients_every_step():
     """4 islands, 1e9 parameters, 1 Gbit/s, no latency: each moves 2 x 3/4 x 2e9 bytes = 3e9 bytes
-    (24 s) per step; a 1 s step then leaves utilisation 1 / 25."""
-    s = Scenario(tuple(Island(f"i{k}", 1.0, 1000, Link(1e9, 1e9)) for k in range(4)), params=10**9)
+    (24 s) per step; a 1 s step then leaves utilisation 1 / 25 with no overlap.  With the default
+    overlap (90 %), only the backward pass (2/3 of the step) can hide it: 24 - 2/3 s exposed."""
+    s = Scenario(tuple(Island(f"i{k}", 1.0, 1000, Link(1e9, 1e9)) for k in range(4)), params=10**9, dp_overlap=0.0)
+    assert baselines.sync_dp(dataclasses.replace(s, dp_overlap=0.9)).exchange_s == pytest.approx(24 - 2 / 3)
     dp = baselines.sync_dp(s)
     assert dp.exchange_s == pytest.approx(24.0)
     assert dp.utilisation["i0"] == pytest.approx(1 / 25)
@@ -112,25 +118,27 @@ def test_sync_rounds_are_paced_by_the_slowest_island():
 
 
 def test_target_util_inverts_utilisation_to_a_link_speed():
-    """The speed --target-util finds gives at least the target, and 10 % less does not (the bisection
-    stops within 5 %)."""
+    """The speed --target-util finds for one island gives at least the target, and 10 % less does not
+    (the bisection stops within 5 %); a second, identical island is answered from the first's bisection."""
     s = Scenario((Island("a", 0.5, 100), Island("b", 0.5, 100)), params=200_000, fragments=2, interval=10, duration_s=200.0,
                  merger=MergerSection(max_staleness=1, grace_cap_s=0.0, share_window=0))
-    target = plan.target_util(s, 0.9)
-    bps = target["decoupled_gbps"]["a"] * 1e9
+    target = plan.target_util(s, [0.9], scale="each")
+    bps = target["gbps"]["0.9"]["a"]["decoupled"] * 1e9
+    assert target["gbps"]["0.9"]["b"] is target["gbps"]["0.9"]["a"]
 
     def util(speed: float) -> float:
-        result = simulate(s.with_links(speed, only="a"))
-        return result.utilisation(result.islands[0])
+        return plan.utilisation_at("decoupled", s, speed, "a")
 
     assert util(bps) >= 0.9 > util(bps / 1.1)
 
 
 def test_sync_target_util_is_the_closed_form_inverse():
-    s = Scenario(tuple(Island(f"i{k}", 1.0, 1000, Link(1e9, 1e9)) for k in range(4)), params=10**9)
-    bps = baselines.needed_bps("sync-dp", s, 0.5)  # the all-reduce may take 1 s: 3e9 bytes in 1 s = 24 Gbit/s
-    assert bps == pytest.approx(24e9, rel=1e-3)
-    assert baselines.needed_bps("sync-dp", s.with_links(1e9), 0.5) == pytest.approx(bps, rel=1e-3)
+    """4 islands, 1e9 parameters, 1 s steps: sync-DP at utilisation 0.5 may take 1 s per step for its
+    all-reduce; with no overlap, 3e9 bytes in 1 s = 24 Gbit/s, whatever the links were."""
+    s = Scenario(tuple(Island(f"i{k}", 1.0, 1000, Link(1e9, 1e9)) for k in range(4)), params=10**9, dp_overlap=0.0)
+    bps = plan.target_util(s, [0.5])["gbps"]["0.5"]["all"]["sync-dp"] * 1e9
+    assert bps == pytest.approx(24e9, rel=2e-3)
+    assert plan.target_util(s.with_links(1e7), [0.5])["gbps"]["0.5"]["all"]["sync-dp"] * 1e9 == pytest.approx(bps, rel=2e-3)
 
 
 def test_step_time_comes_from_flops_and_the_chip_presets():
@@ -169,6 +177,8 @@ def test_dloco_plan_prints_json_and_refuses_a_bad_target(capsys):
     report = json.loads(capsys.readouterr().out)
     assert {i["name"] for i in report["islands"]} == {i.name for i in presets.seed().islands}
     assert report["cluster"]["speedup_vs_sync_dp"] > 1 and report["merger"]["folds"] > 0
+    assert report["cluster"]["tokens"]["useful"] <= report["cluster"]["tokens"]["folded"] <= report["cluster"]["tokens"]["trained"]
+    assert report["islands"][0]["real_interval"]["median"] == 24 and report["merger"]["overloaded"] is False
     assert main(["plan", "--target-util", "1.5"]) == 2
     assert "--target-util must be in (0, 1)" in capsys.readouterr().err
 
