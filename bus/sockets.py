@@ -2,7 +2,7 @@
 
 Endpoint strings: ``@tcp://...`` binds, ``tcp://...`` or ``>tcp://...`` connects.  Every socket gets
 linger 0 (closing never waits for unsent messages), ZMTP heartbeats (a peer silent for
-HEARTBEAT_TIMEOUT_MS is disconnected and ZeroMQ reconnects), and CURVE as `Security` says: a
+HEARTBEAT_TIMEOUT_MS is disconnected and ZeroMQ reconnects), a connect timeout, and CURVE as `Security` says: a
 bound socket is a CURVE server, a connecting one a client of the named server.
 """
 
@@ -17,6 +17,10 @@ from dloco.bus.security import Security
 HEARTBEAT_IVL_MS = 1000  # a ZMTP ping on every connection this often
 HEARTBEAT_TIMEOUT_MS = 5000  # no traffic from the peer this long after a ping: the connection is dropped
 HEARTBEAT_TTL_MS = 5000  # the peer drops the connection when it hears nothing from us this long
+# A connection attempt unanswered this long is abandoned and tried again (ZeroMQ's reconnect
+# interval later).  Without it an attempt made during a partition waits out the kernel's SYN
+# retries (about two minutes on Linux) after the link is back: measured in tests/test_network_faults.py.
+CONNECT_TIMEOUT_MS = HEARTBEAT_TIMEOUT_MS
 
 
 def attach(socket: zmq.Socket, endpoint: str) -> None:
@@ -47,7 +51,7 @@ def open_socket(context: zmq.Context, kind: int, endpoint: str, security: Securi
         socket.setsockopt(zmq.IMMEDIATE, 1)
     sizes = ((zmq.SNDHWM, send_hwm), (zmq.RCVHWM, receive_hwm), (zmq.SNDBUF, kernel_buffer_bytes), (zmq.RCVBUF, kernel_buffer_bytes))
     heartbeats = ((zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS), (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
-                  (zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS))
+                  (zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS), (zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS))
     for option, value in (*sizes, *heartbeats):
         if value is not None:
             socket.setsockopt(option, value)

@@ -3,7 +3,10 @@
 A schedule is a list of events `ACTION:TARGET@WHEN` — comma-separated after `dloco up --chaos`,
 or `[[chaos]]` tables in the cluster file.  ACTION is `kill` (SIGKILL, no warning, no cleanup),
 `lose-disk` (a merger's kill, and its run directory deleted) or `restart` (the same command
-again); TARGET is a region, `merger` or `broker` — with `[merger] standby = true`, `merger` is
+again); on a cluster with `[run] network = "netns"` (cluster/netns.py) also a fault of the
+target's link: `partition` (nothing in or out, no reset), `partition-out` (it sends nothing),
+`partition-in` (it receives nothing), `loss-P` (P % of its packets dropped each way) or `heal`;
+TARGET is a region, `merger` or `broker` — with `[merger] standby = true`, `merger` is
 whichever merger is the primary when the event fires and `standby` the other.  WHEN is a point of
 the run, by work done or by the clock:
 - `step=N`: once the target island has made N training steps (`[[chaos]]`: `at_step = N`);
@@ -30,6 +33,13 @@ from collections.abc import Mapping
 from dloco.protocol.errors import ConfigError, require
 
 ACTIONS = ("kill", "lose-disk", "restart")
+NETWORK_ACTIONS = ("partition", "partition-in", "partition-out", "heal")  # and loss-P
+_LOSS = re.compile(r"^loss-(\d+(?:\.\d+)?)$")
+
+
+def is_network(action: str) -> bool:
+    """A fault of a link, not of a process (cluster/netns.py)."""
+    return action in NETWORK_ACTIONS or _LOSS.match(action) is not None
 MERGERS = ("merger", "standby")  # with a standby, chaos names the current primary `merger`, its standby `standby`
 
 
@@ -50,7 +60,10 @@ class ChaosEvent:
     relative: bool = False  # counted from when the event before it fired (the run's start for the first)
 
     def __post_init__(self) -> None:
-        require(self.action in ACTIONS, f"chaos action must be one of {ACTIONS}, got {self.action!r}")
+        require(self.action in ACTIONS or is_network(self.action),
+                f"chaos action must be one of {(*ACTIONS, *NETWORK_ACTIONS, 'loss-P')}, got {self.action!r}")
+        loss = _LOSS.match(self.action)
+        require(loss is None or 0 < float(loss[1]) < 100, f"chaos {self.action}: the loss must be between 0 and 100 %")
         require(bool(self.target), "chaos event without a target")
         points = [p for p in (self.at_s, self.at_step, self.at_folds) if p is not None]
         require(len(points) == 1, f"chaos event {self.action}:{self.target} needs exactly one of a time, a step or a fold count")
@@ -121,6 +134,8 @@ def check(schedule: tuple[ChaosEvent, ...], processes: list[str], islands: list[
         if event.stepper is not None:
             require(event.stepper in islands, f"chaos event {event}: {event.stepper!r} makes no training steps; islands: {', '.join(islands)}")
             require(event.stepper not in down, f"chaos event {event}: it waits for the steps of {event.stepper}, which is down then")
+        if is_network(event.action):
+            continue  # a link's fault: the process keeps running
         if event.action in ("kill", "lose-disk"):
             require(event.action == "kill" or is_merger(event.target), f"chaos event {event}: only a merger has a disk to lose")
             require(event.target not in down, f"chaos event {event}: {event.target} is already down")

@@ -14,7 +14,7 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
-from dloco.cluster.chaos import ChaosEvent, check, in_order
+from dloco.cluster.chaos import ChaosEvent, check, in_order, is_network
 from dloco.cluster.cpuquota import quota_us
 from dloco.island.config import MODEL_SIZES, ModelConfig, SyncConfig, TrainConfig
 from dloco.island.task import BUILTIN
@@ -178,6 +178,9 @@ class ClusterConfig:
     # divides its quota instead of making it sleep.  0: no quota, slow regions sleep (their CPU goes
     # to the other processes of the machine).
     island_cpus: float = 0.0
+    # "loopback": every process on 127.0.0.1; "netns": each host in a network namespace of its own
+    # behind a router, where chaos can partition links and drop packets (cluster/netns.py; root)
+    network: str = "loopback"
 
     def __post_init__(self) -> None:
         require(len(self.regions) >= 1, "a cluster needs at least one region")
@@ -201,6 +204,9 @@ class ClusterConfig:
                     f"region {region.name}: model.batch ({self.model.batch}) must be divisible by its hosts ({region.hosts}): each takes an equal part")
         check(self.chaos, self.process_names, [r.name for r in self.regions], {p: r.processes for r in self.regions for p in r.processes})
         require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
+        require(self.network in NETWORKS, f"run.network must be one of {NETWORKS}, got {self.network!r}")
+        faults = [str(e) for e in self.chaos if is_network(e.action)]
+        require(not faults or self.network == "netns", f"chaos {', '.join(faults[:3])}: faults of the network need run.network = \"netns\"")
         sync, merger = self.effective()
         require(merger.shards <= sync.fragments, f"merger.shards ({merger.shards}) must not exceed sync.fragments ({sync.fragments} in mode "
                 f"{self.mode}): a shard folds the fragments f with f % shards == its index, and each needs one")
@@ -293,7 +299,8 @@ MODES = {
 }
 
 # The keys a cluster file may set: those that reach the processes' command lines (cluster/topology.py).
-_RUN_KEYS = {"duration_s", "max_steps", "tokens", "eval_every", "eval_early", "eval_trace", "seed", "mode", "island_cpus"}
+_RUN_KEYS = {"duration_s", "max_steps", "tokens", "eval_every", "eval_early", "eval_trace", "seed", "mode", "island_cpus", "network"}
+NETWORKS = ("loopback", "netns")
 SYNC_KEYS = {"fragments", "interval", "codec", "adoption", "alpha", "error_feedback", "flush_on_leave", "settle_timeout_s"}
 _SECTIONS = {"run": _RUN_KEYS, "model": {f.name for f in dataclasses.fields(ModelSection)}, "sync": SYNC_KEYS,
              "merger": {f.name for f in dataclasses.fields(MergerSection)}}
@@ -328,7 +335,7 @@ def load(path: str | Path | None = None) -> ClusterConfig:
         tokens=run.get("tokens", defaults.tokens),
         eval_every=int(run.get("eval_every", defaults.eval_every)), eval_early=run.get("eval_early", defaults.eval_early),
         eval_trace=run.get("eval_trace", defaults.eval_trace), seed=int(run.get("seed", defaults.seed)), mode=str(run.get("mode", "decoupled")),
-        island_cpus=run.get("island_cpus", defaults.island_cpus),
+        island_cpus=run.get("island_cpus", defaults.island_cpus), network=run.get("network", defaults.network),
         model=_near(path, _section(path, "model", ModelSection, data)), task_options=tuple(sorted(data.get("task", {}).items())),
         sync=_section(path, "sync", SyncConfig, data),
         merger=_section(path, "merger", MergerSection, data), chaos=in_order(chaos),

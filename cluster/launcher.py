@@ -32,7 +32,7 @@ from pathlib import Path
 from dloco.analysis import verdict
 from dloco.analysis.runinfo import RunProgress, island_stage, merger_role
 from dloco.bus.security import create_keys, write_allow_list
-from dloco.cluster import chaos, compose, cpuquota, status, topology
+from dloco.cluster import chaos, compose, cpuquota, netns, status, topology
 from dloco.cluster.chaos import MERGERS, is_merger
 from dloco.cluster.compose import Service
 from dloco.cluster.config import ClusterConfig
@@ -104,8 +104,10 @@ def native_services(config: ClusterConfig, run_dir: Path) -> dict[str, Service]:
 
 
 class Cluster:
-    def __init__(self, config: ClusterConfig, run_dir: Path, services: dict[str, Service], order: list[str]) -> None:
-        self.config, self.run_dir, self.services, self.order = config, run_dir, services, order
+    def __init__(self, config: ClusterConfig, run_dir: Path, services: dict[str, Service], order: list[str],
+                 network: netns.Network | None = None) -> None:
+        self.config, self.run_dir, self.services, self.order, self.network = config, run_dir, services, order, network
+        self.effect: dict[str, dict] = {}  # chaos target -> what its last network event measured
         self.processes: dict[str, subprocess.Popen] = {}
         self.down: set[str] = set()  # killed on purpose (chaos), not yet restarted
         self.killed_as: dict[str, str] = {}  # chaos target -> the process its kill killed (a merger's role moves)
@@ -169,6 +171,15 @@ class Cluster:
             raise LaunchError(f"chaos: no {'primary' if target == 'merger' else 'standby'} merger is running now "
                               f"(running: {', '.join(running) or 'none'})")
         return chosen
+
+    def act(self, action: str, target: str) -> int | None:
+        """A chaos event: a process's (kill, lose-disk, restart) or its host's link's (cluster/netns.py)."""
+        if not chaos.is_network(action):
+            return getattr(self, action.replace("-", "_"))(target)
+        host = next((r.name for r in self.config.regions if target in r.processes), self.resolve(target))
+        dropped = self.network.heal(host) if action == "heal" else self.network.fault(host, action)
+        self.effect[target] = {"dropped_packets": dropped}  # what the fault it ended (or replaced) dropped, for chaos.jsonl
+        return None
 
     def kill(self, name: str) -> int | None:
         """kill -9: no signal handler runs, nothing is flushed or drained.  Returns the exit status of
@@ -255,8 +266,13 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
     run_dir = run_dir.resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     share_compilations()
+    network = None
     if compose_file is None:
-        services = native_services(config, run_dir)
+        if config.network == "netns":  # each host in a network namespace of its own (cluster/netns.py)
+            network = netns.Network(netns.host_names(config))
+            services = netns.services(config, run_dir, network)
+        else:
+            services = native_services(config, run_dir)
         order = ["broker", *config.merger.processes, "evaluator", *(p for r in config.regions for p in r.processes)]
     else:
         variables = compose.port_variables(compose_file.read_text())
@@ -267,7 +283,12 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
         if unknown:
             raise LaunchError(f"{compose_file}: services {unknown} are not regions of the cluster file")
         config = dataclasses.replace(config, regions=tuple(r for r in config.regions if r.name in order))
-    cluster = Cluster(config, run_dir, services, order)
+    try:
+        cluster = Cluster(config, run_dir, services, order, network)
+    except BaseException:
+        if network is not None:
+            network.close()
+        raise
     islands = [r.name for r in config.regions]
     interval = {region.name: config.interval_of(region) for region in config.regions}
     progress = RunProgress(run_dir, islands)
@@ -307,12 +328,12 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
                               file=out, flush=True)
                 while not dead and pending and chaos.due(pending[0], now, armed):
                     event = pending.pop(0)
-                    if getattr(cluster, event.action.replace("-", "_"))(event.target) is not None:  # it had ended by itself
+                    if cluster.act(event.action, event.target) is not None:  # it had ended by itself
                         dead = [event.target]
                         break
                     chaos_log.write(json.dumps({"at_s": round(now.elapsed_s, 3), "wall": time.time(), "action": event.action,
                                                 "target": event.target, "process": cluster.killed_as.get(event.target, event.target),
-                                                "when": str(event)}) + "\n")
+                                                "when": str(event), **cluster.effect.pop(event.target, {})}) + "\n")
                     chaos_log.flush()
                     print(f"dloco up: chaos {event} done", file=out, flush=True)
                     armed = now
@@ -343,6 +364,8 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
     finally:
         print("dloco up: stopping (islands, then merger, then broker) ...", file=out, flush=True)
         codes = cluster.stop_all()
+        if network is not None:
+            network.close()
         if cluster.quotas is not None:
             for group in cluster.quotas.close():
                 print(f"dloco up: could not remove the cgroup {group}", file=out, flush=True)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import dataclasses
 import heapq
 import math
 import random
@@ -39,6 +38,7 @@ from dloco.merger.admission import Candidate
 from dloco.merger.core import MergerCore
 from dloco.merger.round_policy import snapshot_due
 from dloco.protocol import Codec, model_fingerprint
+from dloco.sim.results import IslandRun, SimResult
 from dloco.sim.scenario import Scenario
 
 CHUNK_HEADER_BYTES = 300  # msgpack header and frame overhead per chunk (measured: protocol.encode of a delta chunk)
@@ -57,96 +57,12 @@ def fragment_sizes(params: int, fragments: int) -> list[int]:
     return [params // fragments + (1 if p < params % fragments else 0) for p in range(fragments)]
 
 
-@dataclasses.dataclass
-class IslandRun:
-    """What happened to one island."""
-
-    name: str
-    trained_tokens: int = 0
-    lost_tokens: float = 0.0  # trained but never folded (killed before sending, or rejected), per fragment / P
-    rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> deltas
-    compute_s: float = 0.0
-    bytes_up: int = 0
-    bytes_down: int = 0
-    deltas_sent: int = 0
-    deltas_summed: int = 0
-    failures: int = 0
-    folded_tokens: float = 0.0  # of its trained work, folded by the end (per fragment / P, as lost_tokens)
-    useful_tokens: float = 0.0  # folded, each delta's tokens times q(the steps it covered)
-    undecided_tokens: float = 0.0  # at the end still on the island or on its way: unsent, in its outbox, on the wire
-    startup_s: float = 0.0  # its first join: from its start to its first step (the model's download)
-    intervals: list[int] = dataclasses.field(default_factory=list)  # steps each of its folded deltas covered: its real H
-
-
-@dataclasses.dataclass
-class SimResult:
-    scenario: Scenario
-    islands: list[IslandRun]
-    folds: list[int]  # per fragment
-    staleness: collections.Counter  # staleness -> deltas folded with it
-    folded_tokens: int
-    fold_busy_s: float  # the fold worker's busy time
-    peak_pending_bytes: int  # coded delta bytes admitted and waiting for (or in) a fold, at most
-    events: int
-    intervals: list[list[int]]  # per fragment, the steps each folded delta covered
-    queued_bytes: int  # coded delta bytes admitted and not folded at the end
-    queued_tokens: float  # their tokens (per fragment / P)
-    backlog_s: list[float]  # per merger shard, the folding its worker still had ahead of it at the end
-
-    @property
-    def duration_s(self) -> float:
-        return self.scenario.duration_s
-
-    def _spec(self, run: IslandRun):
-        return next(spec for spec in self.scenario.islands if spec.name == run.name)
-
-    def nominal_quality(self, run: IslandRun) -> float:
-        """q of the island's own H: what its tokens are worth when every delta goes out on time."""
-        return self.scenario.quality(self._spec(run).interval or self.scenario.interval)
-
-    def capacity_tokens(self, run: IslandRun) -> float:
-        """The work its chips could do in the steady state: from its first step (the start-up download
-        is reported apart) to the end, trained or idle after a failure, less what is still undecided
-        at the end (not yet at the merger: its fate is unknown, not lost)."""
-        spec = self._spec(run)
-        idle = max(0.0, self.duration_s - spec.start_s - run.startup_s - run.compute_s)
-        return max(0.0, run.trained_tokens - run.undecided_tokens + idle * spec.tokens_per_step / spec.step_s)
-
-    def utilisation(self, run: IslandRun) -> float:
-        """Steady-state utilisation that counts: of its capacity, the share folded, each delta weighted
-        by q(the steps it covered) over q(its own H).  Work rejected, lost to a failure or queued at
-        an overloaded merger lowers it; so do deltas the outbox summed on a slow link (a longer real H)."""
-        capacity = self.capacity_tokens(run)
-        return min(1.0, run.useful_tokens / (capacity * self.nominal_quality(run))) if capacity > 0 else 0.0
-
-    def window_utilisation(self, run: IslandRun) -> float:
-        """The same over the whole run, its start-up download and unfinished tail included."""
-        spec = self._spec(run)
-        return run.useful_tokens / (self.duration_s * spec.tokens_per_step / spec.step_s * self.nominal_quality(run))
-
-    @property
-    def useful_tokens_s(self) -> float:
-        """Useful (sync-DP-equivalent) tokens per second in the steady state."""
-        return sum(self.utilisation(run) * self.nominal_quality(run) * spec.tokens_per_step / spec.step_s
-                   for run, spec in zip(self.islands, self.scenario.islands))
-
-    @property
-    def goodput(self) -> float:
-        """Useful tokens over the whole run, over what every island's chips could train in it at full speed."""
-        return sum(run.useful_tokens for run in self.islands) / self.duration_s / self.scenario.peak_tokens_s
-
-    @property
-    def fold_load(self) -> float:
-        """The folding asked of each shard's worker over the run's length: above 1 the merger falls behind."""
-        return self.fold_busy_s / (self.duration_s * self.scenario.merger_shards)
-
-
 class _Island:
     def __init__(self, index: int, spec, scenario: Scenario) -> None:
         self.index, self.spec, self.run = index, spec, IslandRun(spec.name)
         self.alive, self.epoch, self.delta_id = False, 0, 0
         self.died_at: dict[int, float] = {}  # epoch -> when that life ended
-        self.in_flight = 0  # tokens of deltas taken from its outbox and not yet at the merger (any life's)
+        self.in_flight = self.in_flight_useful = 0.0  # deltas taken from its outbox and not yet at the merger (any life's): tokens, x q
         self.rng = random.Random(scenario.seed * 1_000_003 + index)  # its step times' noise (spec.step_cv)
         self.fragments = scenario.fragments
         self.new_life(scenario)
@@ -227,9 +143,11 @@ class Simulation:
             if island.alive:
                 self._train_until(island, self._steps_by(island, self.s.duration_s), self.s.duration_s)
                 unsent = sum(island.unsent_steps) * island.spec.tokens_per_step
+                useful = unsent * self.s.quality(island.spec.interval or self.s.interval)
                 while (delta := island.outbox.take()) is not None:
-                    unsent += delta.tokens
+                    unsent, useful = unsent + delta.tokens, useful + delta.tokens * self.s.quality(delta.steps)
                 island.run.undecided_tokens = (unsent + island.in_flight) / self.s.fragments
+                island.run.undecided_useful = (useful + island.in_flight_useful) / self.s.fragments
             island.run.bytes_down = int(self.down_bytes[island.index])
         backlog = [max(0.0, free - self.s.duration_s) for free in self.worker_free]
         return SimResult(self.s, [island.run for island in self.islands], self.folds, self.staleness, self.folded_tokens,
@@ -309,6 +227,7 @@ class Simulation:
         sent, arrives = island.uplink.schedule(nbytes, now)
         island.wire = (delta, sent)
         island.in_flight += delta.tokens
+        island.in_flight_useful += delta.tokens * self.s.quality(delta.steps)
         island.run.bytes_up += nbytes
         self.at(sent, "sent", island, island.epoch)
         self.at(arrives, "arrive" if self.s.merger_link_bps is None else "at_merger_link", island, island.epoch, delta, sent)
@@ -330,6 +249,7 @@ class Simulation:
         if island.wire is not None and island.wire[1] > now:  # half on the wire: the merger never gets it whole
             lost += island.wire[0].tokens
             island.in_flight -= island.wire[0].tokens
+            island.in_flight_useful -= island.wire[0].tokens * self.s.quality(island.wire[0].steps)
         run.lost_tokens += lost / p
         island.died_at[island.epoch] = now
         island.alive, self.receiving[island.index] = False, False
@@ -353,6 +273,7 @@ class Simulation:
         if sent > island.died_at.get(epoch, math.inf):  # its sender died before the last byte left (counted lost then)
             return
         island.in_flight -= delta.tokens
+        island.in_flight_useful -= delta.tokens * self.s.quality(delta.steps)
         island.delta_id += 1
         island.run.deltas_sent += 1
         candidate = Candidate(island.spec.name, epoch, island.delta_id, delta.fragment, delta.base_version, delta.steps, delta.tokens,

@@ -63,7 +63,8 @@ def test_a_failed_island_loses_its_unsent_work_and_trains_again_after_its_downti
     """One island, P = 1, H = 10, 1 s steps: it sends after steps 10 and 20, dies at 25 s (5 steps
     unsent: 500 tokens lost), is back at 35 s and sends after its new life's steps 10..60 (at 45..95 s):
     8 folds; 25 + 65 steps trained, 8,000 folded, the last 5 steps (500) undecided at the end.  Steady
-    utilisation: 8,000 folded over 9,000 trained - 500 undecided + 10 s idle x 100 tokens/s."""
+    utilisation: 8,000 folded + 500 undecided over 9,000 trained + 10 s idle x 100 tokens/s, that is
+    0.9 busy x (1 - 500 / 9000) kept."""
     s = Scenario((Island("a", 1.0, 100),), params=1000, fragments=1, interval=10, duration_s=100.0, restart_s=0, merger=NO_GRACE,
                  failures=(Failure("a", 25.0, 10.0),))
     result = simulate(s)
@@ -71,7 +72,7 @@ def test_a_failed_island_loses_its_unsent_work_and_trains_again_after_its_downti
     assert result.folds == [8]
     assert (run.trained_tokens, run.lost_tokens, run.failures) == (9000, 500, 1)
     assert (run.folded_tokens, run.undecided_tokens) == (8000, 500)
-    assert result.utilisation(run) == pytest.approx(8000 / (9000 - 500 + 1000))
+    assert result.utilisation(run) == pytest.approx(0.9 * (1 - 500 / 9000))
     assert result.window_utilisation(run) == pytest.approx(8000 / 10_000)
 
 
