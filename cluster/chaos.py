@@ -5,7 +5,8 @@ or `[[chaos]]` tables in the cluster file.  ACTION is `kill` (SIGKILL, no warnin
 `lose-disk` (a merger's kill, and its run directory deleted) or `restart` (the same command
 again); on a cluster with `[run] network = "netns"` (cluster/netns.py) also a fault of the
 target's link: `partition` (nothing in or out, no reset), `partition-out` (it sends nothing),
-`partition-in` (it receives nothing), `loss-P` (P % of its packets dropped each way) or `heal`;
+`partition-in` (it receives nothing), `partition-from-PEER` (nothing between it and process PEER
+only), `loss-P` (P % of its packets dropped each way) or `heal` (the target's faults removed);
 TARGET is a region, `merger` or `broker` — with `[merger] standby = true`, `merger` is
 whichever merger is the primary when the event fires and `standby` the other.  WHEN is a point of
 the run, by work done or by the clock:
@@ -35,11 +36,17 @@ from dloco.protocol.errors import ConfigError, require
 ACTIONS = ("kill", "lose-disk", "restart")
 NETWORK_ACTIONS = ("partition", "partition-in", "partition-out", "heal")  # and loss-P
 _LOSS = re.compile(r"^loss-(\d+(?:\.\d+)?)$")
+PAIR = "partition-from-"
+
+
+def peer_of(action: str) -> str | None:
+    """The other end of a `partition-from-PEER` (None for any other action)."""
+    return action.removeprefix(PAIR) if action.startswith(PAIR) and len(action) > len(PAIR) else None
 
 
 def is_network(action: str) -> bool:
     """A fault of a link, not of a process (cluster/netns.py)."""
-    return action in NETWORK_ACTIONS or _LOSS.match(action) is not None
+    return action in NETWORK_ACTIONS or _LOSS.match(action) is not None or peer_of(action) is not None
 MERGERS = ("merger", "standby")  # with a standby, chaos names the current primary `merger`, its standby `standby`
 
 
@@ -61,7 +68,7 @@ class ChaosEvent:
 
     def __post_init__(self) -> None:
         require(self.action in ACTIONS or is_network(self.action),
-                f"chaos action must be one of {(*ACTIONS, *NETWORK_ACTIONS, 'loss-P')}, got {self.action!r}")
+                f"chaos action must be one of {(*ACTIONS, *NETWORK_ACTIONS, 'partition-from-PEER', 'loss-P')}, got {self.action!r}")
         loss = _LOSS.match(self.action)
         require(loss is None or 0 < float(loss[1]) < 100, f"chaos {self.action}: the loss must be between 0 and 100 %")
         require(bool(self.target), "chaos event without a target")
@@ -134,8 +141,10 @@ def check(schedule: tuple[ChaosEvent, ...], processes: list[str], islands: list[
         if event.stepper is not None:
             require(event.stepper in islands, f"chaos event {event}: {event.stepper!r} makes no training steps; islands: {', '.join(islands)}")
             require(event.stepper not in down, f"chaos event {event}: it waits for the steps of {event.stepper}, which is down then")
-        if is_network(event.action):
-            continue  # a link's fault: the process keeps running
+        if is_network(event.action):  # a link's fault: the process keeps running
+            peer = peer_of(event.action)
+            require(peer is None or (peer in processes and peer != event.target), f"chaos event {event}: unknown peer {peer!r}")
+            continue
         if event.action in ("kill", "lose-disk"):
             require(event.action == "kill" or is_merger(event.target), f"chaos event {event}: only a merger has a disk to lose")
             require(event.target not in down, f"chaos event {event}: {event.target} is already down")

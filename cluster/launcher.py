@@ -107,7 +107,7 @@ class Cluster:
     def __init__(self, config: ClusterConfig, run_dir: Path, services: dict[str, Service], order: list[str],
                  network: netns.Network | None = None) -> None:
         self.config, self.run_dir, self.services, self.order, self.network = config, run_dir, services, order, network
-        self.effect: dict[str, dict] = {}  # chaos target -> what its last network event measured
+        self.faults = netns.Faults(network) if network is not None else None
         self.processes: dict[str, subprocess.Popen] = {}
         self.down: set[str] = set()  # killed on purpose (chaos), not yet restarted
         self.killed_as: dict[str, str] = {}  # chaos target -> the process its kill killed (a merger's role moves)
@@ -176,10 +176,13 @@ class Cluster:
         """A chaos event: a process's (kill, lose-disk, restart) or its host's link's (cluster/netns.py)."""
         if not chaos.is_network(action):
             return getattr(self, action.replace("-", "_"))(target)
-        host = next((r.name for r in self.config.regions if target in r.processes), self.resolve(target))
-        dropped = self.network.heal(host) if action == "heal" else self.network.fault(host, action)
-        self.effect[target] = {"dropped_packets": dropped}  # what the fault it ended (or replaced) dropped, for chaos.jsonl
+        regions = {process: r.name for r in self.config.regions for process in r.processes}  # a region's processes share its host
+        self.faults.act(action, target, lambda name: regions.get(name) or self.resolve(name))
         return None
+
+    def effect(self, target: str) -> dict:
+        """What the last network event on `target` measured (for chaos.jsonl)."""
+        return self.faults.effect.pop(target, {}) if self.faults else {}
 
     def kill(self, name: str) -> int | None:
         """kill -9: no signal handler runs, nothing is flushed or drained.  Returns the exit status of
@@ -333,7 +336,7 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
                         break
                     chaos_log.write(json.dumps({"at_s": round(now.elapsed_s, 3), "wall": time.time(), "action": event.action,
                                                 "target": event.target, "process": cluster.killed_as.get(event.target, event.target),
-                                                "when": str(event), **cluster.effect.pop(event.target, {})}) + "\n")
+                                                "when": str(event), **cluster.effect(event.target)}) + "\n")
                     chaos_log.flush()
                     print(f"dloco up: chaos {event} done", file=out, flush=True)
                     armed = now

@@ -43,25 +43,31 @@ def plan(tag: str, names: list[str]) -> dict[str, Host]:
     names stay within Linux's 15 characters)."""
     if len(names) > 250:
         raise NetworkError(f"at most 250 hosts on one network, got {len(names)}")
-    return {name: Host(name, f"dloco-{tag}-{name}", f"{SUBNET}.{k}.2", f"{SUBNET}.{k}.1", f"d{tag[-6:]}h{k}", f"d{tag[-6:]}r{k}")
-            for k, name in enumerate(names, 1)}
+    return {name: Host(name, f"dloco-{tag}-{name}", f"{SUBNET}.{k}.2", f"{SUBNET}.{k}.1", f"d{tag[-6:]}h{k}",
+                       f"d{tag[-6:]}r{k}") for k, name in enumerate(names, 1)}
 
 
 def setup_commands(router: str, host: Host) -> list[list[str]]:
     """`ip` commands that make `host`'s namespace and join it to the router's."""
     n, r = ["ip", "-n", host.namespace], ["ip", "-n", router]
     return [["ip", "netns", "add", host.namespace],
-            ["ip", "link", "add", host.host_link, "netns", host.namespace, "type", "veth", "peer", "name", host.router_link, "netns", router],
+            ["ip", "link", "add", host.host_link, "netns", host.namespace, "type", "veth", "peer", "name", host.router_link,
+             "netns", router],
             [*n, "addr", "add", f"{host.address}/24", "dev", host.host_link], [*n, "link", "set", host.host_link, "up"],
             [*n, "link", "set", "lo", "up"], [*n, "route", "add", "default", "via", host.router_address],
             [*r, "addr", "add", f"{host.router_address}/24", "dev", host.router_link], [*r, "link", "set", host.router_link, "up"]]
 
 
-def rules(host: Host, fault: str) -> list[list[str]]:
+def rules(host: Host, fault: str, peer: Host | None = None) -> list[list[str]]:
     """iptables FORWARD rules (arguments after `-A FORWARD`) of the router for a fault of `host`:
-    partition (both ways), partition-out (it sends nothing), partition-in (it receives nothing), or
-    loss-P (P % of its packets each way)."""
+    partition (both ways), partition-out (it sends nothing), partition-in (it receives nothing),
+    partition-from-PEER (nothing between it and `peer`, both ways), or loss-P (P % of its packets
+    each way)."""
     sent, received = ["-i", host.router_link], ["-o", host.router_link]
+    if fault.startswith("partition-from-"):
+        if peer is None:
+            raise NetworkError(f"{fault}: no such host")
+        return [[*sent, "-o", peer.router_link, "-j", "DROP"], [*received, "-i", peer.router_link, "-j", "DROP"]]
     if fault == "partition":
         return [[*sent, "-j", "DROP"], [*received, "-j", "DROP"]]
     if fault == "partition-out":
@@ -141,7 +147,7 @@ class Network:
         """Put `fault` on `name`'s link (after healing what was there: one fault per host at a time).
         Returns the packets the fault it replaced dropped."""
         dropped = self.heal(name)
-        added = rules(self.hosts[name], fault)
+        added = rules(self.hosts[name], fault, self.hosts.get(fault.removeprefix("partition-from-")))
         for rule in added:
             self._run(["ip", "netns", "exec", self.router, self.tool, "-A", "FORWARD", *rule])
         self.faults[name] = added
@@ -170,6 +176,25 @@ class Network:
         done = subprocess.run(command, capture_output=True, text=True, timeout=30)
         if done.returncode != 0:
             raise NetworkError(f"{' '.join(command)}: {done.stderr.strip() or done.returncode}")
+
+
+class Faults:
+    """Chaos's network events on a `Network`: targets are processes, faults sit on their hosts."""
+
+    def __init__(self, network: Network) -> None:
+        self.network = network
+        self.on: dict[str, str] = {}  # chaos target -> the host its fault is on (a merger's role may move before the heal)
+        self.effect: dict[str, dict] = {}  # chaos target -> what its last event measured, for chaos.jsonl
+
+    def act(self, action: str, target: str, host_of) -> None:
+        """`action` (partition..., loss-P, heal) on `target`'s host; `host_of` maps a process to its host."""
+        if action == "heal":
+            dropped = self.network.heal(self.on.pop(target, host_of(target)))
+        else:
+            host = self.on[target] = host_of(target)
+            peer = action.removeprefix("partition-from-") if action.startswith("partition-from-") else None
+            dropped = self.network.fault(host, action if peer is None else f"partition-from-{host_of(peer)}")
+        self.effect[target] = {"dropped_packets": dropped}  # what the fault it ended (or replaced) dropped
 
 
 def host_names(config) -> list[str]:

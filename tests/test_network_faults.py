@@ -145,3 +145,38 @@ def test_the_merger_partitioned_from_the_broker_loses_no_acked_delta(tmp_path):
     _settled_once(run)
     report = json.dumps(read_events(run / "chaos.jsonl"))
     assert "partition" in report
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1000)
+def test_a_primary_and_standby_partitioned_from_each_other_but_not_from_the_broker(tmp_path):
+    """The split-brain case: the primary and its standby lose each other for 6x the heartbeat timeout
+    (ten leases), both still reaching the broker and the islands.  The standby takes over under a
+    newer epoch once its lease runs out; the old primary, alone after two leases, folds what it still
+    can (deltas whose bases are the new primary's versions it rejects) and is fenced on healing: it steps down, sets its
+    unreplicated records aside and follows.  Every delta the islands counted as folded is in the new
+    primary's log, exactly once (PROTOCOL.md §12 says what holds without a quorum)."""
+    profile = small_profile(900, 50, REGIONS, max_steps=100).replace("[run]\n", '[run]\nnetwork = "netns"\n')
+    (tmp_path / "c.toml").write_text(profile.replace("share_window = 8", "share_window = 8\nstandby = true"))
+    schedule = f"partition-from-standby:merger@folds=10,heal:merger@+{6 * TIMEOUT_S:g},heal:merger@+{4 * TIMEOUT_S:g}"
+    run = tmp_path / "run"
+    up = subprocess.run([sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run), "--chaos", schedule],
+                        capture_output=True, text=True, timeout=900)
+    assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
+    cut, healed, _ = (e["wall"] for e in read_events(run / "chaos.jsonl"))
+    standby, merger = (read_events(run / "logs" / f"{name}.log") for name in ("standby", "merger"))
+    took = [wall(e) for e in standby if e.get("event") == "taking_over"]
+    assert len(took) == 1 and cut < took[0] < healed  # one takeover, during the cut
+    fenced = [(e["event"], wall(e)) for e in merger if e.get("event") in ("fenced", "stepped_down", "log_set_aside")]
+    assert [name for name, _ in fenced] == ["fenced", "stepped_down", "log_set_aside"] and all(w > healed for _, w in fenced)
+    # Two mergers have no quorum: the old primary folds again only once it has declared itself alone
+    # (two leases of silence; acks waited for the standby's disk until then), and those records are set aside.
+    alone = [wall(e) for e in merger if e.get("event") == "replication" and e.get("state") == "alone" and wall(e) > cut]
+    late = [wall(e) for e in merger if e.get("event") == "fold" and wall(e) > took[0]]
+    assert alone and all(w >= alone[0] for w in late)
+    folded = collections.Counter(tuple(m) for _, r in read_records(run / "standby" / "wal") if r.get("type") == "fold" for m in r["members"])
+    assert max(folded.values()) == 1
+    for island in ("a", "b"):
+        done = [e for e in read_events(run / "logs" / f"{island}.log") if e.get("event") == "done"][-1]
+        assert done["acks"].get("folded", 0) == sum(1 for m in folded if m[0] == island) == done["deltas_sent"], done
+    assert {"a", "b"} <= _folded_islands(run, healed, float("inf"))
