@@ -11,8 +11,8 @@ parameter model, 4 islands, 16 M cluster tokens (18 per parameter), one run each
 - sync-dp's final loss falls 0.289 per doubling of its budget between 2 M and 16 M tokens (2.116 at
   2 M, 1.249 at 16 M), so a decoupled final loss L at 16 M is what sync-dp reaches with
   16 M x 2^-((L - 1.249) / 0.289) tokens;
-- the shipped profile, H = 48 (24 on the half-speed islands): 1.311, so q(48) = 13.8 M / 16 M = 0.861;
-- H = 24 (12 on the half-speed islands): QUALITY_H24_LOSS, so q(24) as below.
+- H = 48 (24 on the half-speed islands): 1.311, so q(48) = 13.8 M / 16 M = 0.862;
+- H = 24 (12 on the half-speed islands, the shipped profile): 1.277, so q(24) = 15.0 M / 16 M = 0.935.
 Between measured intervals q is linear in ln H; past the last one it goes on with the last segment's
 slope, never below FLOOR.  Published runs at 35 M-1 B parameters (Streaming DiLoCo, DESIGN.md) put
 the gap at H = 100 near 1 %, so for large models this curve is pessimistic; a scenario's `[quality]`
@@ -31,7 +31,7 @@ FLOOR = 0.05
 SYNC_DP_SLOPE = 0.289  # sync-dp's final loss per doubling of its budget, 2 M -> 16 M tokens
 SYNC_DP_LOSS_16M = 1.249
 QUALITY_H48_LOSS = 1.311
-QUALITY_H24_LOSS = 1.311  # replaced below once measured
+QUALITY_H24_LOSS = 1.277
 
 
 def factor_from_loss(loss: float, reference: float = SYNC_DP_LOSS_16M, slope: float = SYNC_DP_SLOPE) -> float:
