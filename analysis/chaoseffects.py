@@ -38,13 +38,17 @@ def effects(executed: list[dict], steps: dict[str, list[float]], joins: dict[str
         row = {**event, "others": rates, "window_s": (t - before_start, after_end - t),
                "folds_before": sum(before_start <= w < t for w, _ in folds), "folds_after": sum(t <= w < after_end for w, _ in folds),
                "contributors_after": sorted({c for w, cs in folds if t <= w < after_end for c in cs})}
-        back = next((e["wall"] for e in ordered[index + 1:] if e["target"] == event["target"] and e["action"] == "restart"), None)
-        if event["action"] in ("kill", "lose-disk") and back is not None:  # the whole absence against as long a stretch just before it
+        ends = "heal" if _network(event["action"]) else "restart"  # a link's fault ends when it is healed, a kill at the restart
+        back = next((e["wall"] for e in ordered[index + 1:] if e["target"] == event["target"] and e["action"] == ends), None)
+        if (event["action"] in ("kill", "lose-disk") or _network(event["action"])) and back is not None:  # the whole absence against as long a stretch just before it
             length = back - t
             row["absence_s"] = length
             row["during_absence"] = {island: _count(times, t, back) / _count(times, t - length, t) if _count(times, t - length, t) else None
                                      for island, times in steps.items() if island != target}
-        if event["action"] != "restart" and event["target"] == "merger":  # with a standby: how soon the next fold came
+        if event["action"] == "heal" and target in steps:  # an island's link healed: when was its work folded again?
+            folded = [w for w, cs in folds if w >= t and target in cs]
+            row["first_fold_s"] = folded[0] - t if folded else None
+        elif event["action"] != "restart" and event["target"] == "merger":  # with a standby: how soon the next fold came
             later = [w for w, _ in folds if w >= t]
             row["first_fold_s"] = later[0] - t if later else None
         if event["action"] == "restart":
@@ -58,3 +62,8 @@ def effects(executed: list[dict], steps: dict[str, list[float]], joins: dict[str
                 row["first_fold_s"] = later[0] - t if later else None
         rows.append(row)
     return rows
+
+
+def _network(action: str) -> bool:
+    """A link's fault (cluster/chaos.py NETWORK_ACTIONS, partition-from-PEER, loss-P), not its heal."""
+    return action.startswith(("partition", "loss-"))

@@ -113,3 +113,17 @@ def test_effects_compare_rates_and_folds_around_each_event():
     executed = [{"wall": 100.0, "action": "restart", "target": "merger", "at_s": 1.0}, {"wall": 104.0, "action": "kill", "target": "b", "at_s": 5.0}]
     merger, _ = chaoseffects.effects(executed, steps, joins, folds, window_s=10.0)
     assert merger["first_fold_s"] == 4.0 and merger["window_s"] == (10.0, 4.0) and merger["folds_after"] == 0
+
+
+def test_a_links_fault_is_measured_until_its_heal_and_the_heal_by_the_islands_next_fold():
+    """The steps and folds of test_effects_compare_rates_and_folds_around_each_event: a partitioned
+    from 100 to 120 s.  Over the cut b made 40 steps against 40 in [80, 100), c 10 against 20; a's
+    work is next folded 6 s after the heal (at 126 s)."""
+    steps = {"a": [90 + 0.5 * i for i in range(20)] + [125.0], "b": [80 + 0.5 * i for i in range(80)],
+             "c": [80 + i for i in range(20)] + [100 + 2 * i for i in range(10)]}
+    folds = [(95.0, ("a",)), (97.0, ("b",)), (104.0, ("b", "c")), (123.0, ("b",)), (126.0, ("a",))]
+    executed = [{"wall": 100.0, "action": "partition", "target": "a", "at_s": 20.0},
+                {"wall": 120.0, "action": "heal", "target": "a", "at_s": 40.0}]
+    cut, heal = chaoseffects.effects(executed, steps, {}, folds, window_s=10.0)
+    assert cut["absence_s"] == 20.0 and cut["during_absence"] == {"b": 1.0, "c": 0.5}
+    assert heal["first_fold_s"] == 6.0 and "during_absence" not in heal
