@@ -58,8 +58,13 @@ class NetworkLink:
         self.control_endpoints, self.control_server = split_endpoints(control_endpoint), control_server  # one per merger shard
         self.epoch = time.time_ns()
         self._stop = threading.Event()
-        self.uplink = Uplink(name, model, self.epoch, sync, uplink or LinkShaper(None), self._stop, shards=len(self.control_endpoints))
-        self.downlink = Downlink(name, self.epoch)
+        # One record of each merger's newest epoch, whether heard on a snapshot or an ack: an old
+        # primary that goes on alone after a split may still answer a probe point to point, past the
+        # broker's fencing; its ack must not settle a delta once the new primary's snapshots have come.
+        epochs: dict[str, int] = {}
+        self.uplink = Uplink(name, model, self.epoch, sync, uplink or LinkShaper(None), self._stop, shards=len(self.control_endpoints),
+                             merger_epochs=epochs)
+        self.downlink = Downlink(name, self.epoch, merger_epochs=epochs)
         self._downlink_shaper = downlink or LinkShaper(None)
         self.bytes_received = 0
         self.bytes_received_values = 0  # of which full values (the model at the start, catch-ups): not a diff of one

@@ -28,6 +28,11 @@ class LinkShaper:
     def from_mbps(cls, mbps: float | None, rtt_ms: float = 0.0) -> LinkShaper:
         return cls(None if not mbps else mbps * 1e6 / 8, rtt_ms / 2000.0)
 
+    @property
+    def free_at(self) -> float:
+        """When the wire finishes sending what was scheduled so far."""
+        return self._free_at
+
     def schedule(self, nbytes: int, now: float) -> tuple[float, float]:
         """(time the last byte leaves, time it arrives) for a message handed over at `now`."""
         start = max(now, self._free_at)

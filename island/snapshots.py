@@ -43,7 +43,7 @@ class Downlink:
     """Fed by the receiver thread (`on_snapshot`, `ask_for_values`); the loop takes `ready`
     values.  `lock` guards only the queue between them."""
 
-    def __init__(self, name: str, epoch: int) -> None:
+    def __init__(self, name: str, epoch: int, merger_epochs: dict[str, int] | None = None) -> None:
         self.name, self.epoch = name, epoch
         self.lock = threading.Lock()
         self.arrived: collections.deque[Arrival] = collections.deque()
@@ -53,7 +53,7 @@ class Downlink:
         self.asked: dict[int, float] = {}  # fragment -> when its value was last asked for
         self.asked_all = -ASK_AGAIN_S  # when every fragment was (at start)
         self.ask_again_s = ASK_AGAIN_S
-        self.merger_epochs: dict[str, int] = {}  # newest incarnation of each snapshot sender
+        self.merger_epochs: dict[str, int] = {} if merger_epochs is None else merger_epochs  # newest incarnation of each sender
         self.results: collections.Counter[str] = collections.Counter()  # full, diff, old_epoch, gap, mismatch, asked, ...
 
     def ready(self, now: float) -> list[tuple[int, int, dict[str, np.ndarray]]]:
@@ -76,7 +76,7 @@ class Downlink:
         if head.epoch < self.merger_epochs.get(head.sender, 0):  # a restarted merger's predecessor, delayed
             self.results["old_epoch"] += 1
             return
-        self.merger_epochs[head.sender] = head.epoch
+        self.merger_epochs[head.sender] = max(head.epoch, self.merger_epochs.get(head.sender, 0))
         fragment = head.fragment
         held, outcome = downlink.receive(self.served.get(fragment), head.version, head.base_version, head.digest, tensors)
         self.results[outcome] += 1

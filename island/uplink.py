@@ -63,7 +63,7 @@ class Uplink:
     receiver (`on_ack`, `resend`, `probe`).  `lock` guards everything they share."""
 
     def __init__(self, name: str, model: str, epoch: int, sync: SyncConfig, shaper: LinkShaper, stop: threading.Event,
-                 shards: int = 1) -> None:
+                 shards: int = 1, merger_epochs: dict[str, int] | None = None) -> None:
         self.name, self.model, self.epoch, self.sync, self.shaper, self.stop = name, model, epoch, sync, shaper, stop
         self.codec = protocol.Codec(sync.codec, sync.block)
         self.lock = threading.Condition()
@@ -77,7 +77,9 @@ class Uplink:
         self.unsettled: dict[int, SentDelta] = {}  # by delta id
         self.settled: set[int] = set()  # delta ids with a result (an ack can arrive twice)
         self.results: collections.Counter[str] = collections.Counter()  # folded, rejected, unknown, dropped/<reason>
-        self.merger_epochs: dict[str, int] = {}  # newest epoch of each ack sender: a replaced merger's acks are ignored
+        # newest epoch heard from each merger (by name), on acks and, when shared with the Downlink,
+        # on snapshots: a replaced merger's acks are ignored once its successor has been heard at all
+        self.merger_epochs: dict[str, int] = {} if merger_epochs is None else merger_epochs
         # fragment -> deltas of it settled without a fold (rejected, or given up on): a blocking
         # island waiting for such a delta's fold must stop waiting
         self.unfolded: collections.Counter[int] = collections.Counter()
@@ -213,7 +215,7 @@ class Uplink:
             if ack.epoch < self.merger_epochs.get(ack.sender, 0):
                 self.results["dropped/old_epoch"] += 1
                 return
-            self.merger_epochs[ack.sender] = ack.epoch
+            self.merger_epochs[ack.sender] = max(ack.epoch, self.merger_epochs.get(ack.sender, 0))
             self.heard_tokens = max(self.heard_tokens, ack.tokens)
             for result in ack.results:
                 if result.island == self.name and result.epoch == self.epoch and result.delta_id not in self.settled:

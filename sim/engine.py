@@ -142,10 +142,7 @@ class Simulation:
         for island in self.islands:  # the steps of the last stretch, up to the end
             if island.alive:
                 self._train_until(island, self._steps_by(island, self.s.duration_s), self.s.duration_s)
-                unsent = sum(island.unsent_steps) * island.spec.tokens_per_step
-                useful = unsent * self.s.quality(island.spec.interval or self.s.interval)
-                while (delta := island.outbox.take()) is not None:
-                    unsent, useful = unsent + delta.tokens, useful + delta.tokens * self.s.quality(delta.steps)
+                unsent, useful = self._undecided(island)
                 island.run.undecided_tokens = (unsent + island.in_flight) / self.s.fragments
                 island.run.undecided_useful = (useful + island.in_flight_useful) / self.s.fragments
             island.run.bytes_down = int(self.down_bytes[island.index])
@@ -168,6 +165,24 @@ class Simulation:
         if first:
             island.run.startup_s = island.clock - now
         self._next_due(island)
+
+    def _undecided(self, island: _Island) -> tuple[float, float]:
+        """At the end: the tokens in the island's outbox and not yet due, and what they will be worth
+        at best.  A queued delta leaves once the uplink has sent what is ahead of it, and until then
+        the outbox sums its fragment's next deltas into it: it will cover its steps plus that wait."""
+        end, spec = self.s.duration_s, island.spec
+        rate = None if spec.link.up_bps is None else spec.link.up_bps / 8
+        leaves, covers = max(end, island.uplink.free_at), {}
+        tokens = useful = 0.0
+        while (delta := island.outbox.take()) is not None:
+            covers[delta.fragment] = delta.steps + (leaves - end) / spec.step_s
+            tokens, useful = tokens + delta.tokens, useful + delta.tokens * self.s.quality(covers[delta.fragment])
+            leaves += self.delta_bytes[delta.fragment] / rate if rate else 0.0
+        h = spec.interval or self.s.interval
+        for fragment, steps in enumerate(island.unsent_steps):  # not yet due: sent on time, or summed into the queued delta
+            tokens += steps * spec.tokens_per_step
+            useful += steps * spec.tokens_per_step * self.s.quality(covers.get(fragment, h))
+        return tokens, useful
 
     def _steps_by(self, island: _Island, when: float) -> int:
         """Steps of this life done by `when` (before its next due step, which has its own event)."""

@@ -262,7 +262,7 @@ def _g(value: float | None, none: str = "unlimited") -> str:
 
 def _quality(q: dict) -> str:
     points = ", ".join(f"q({h}) = {f:.3f}" for h, f in q["points"])
-    return f"{points} ({q['source']})"
+    return f"{points}; past H = {q['points'][-1][0]} extrapolated, linear in ln H ({q['source']})"
 
 
 def write_json(p: dict, path: Path | None = None) -> str:

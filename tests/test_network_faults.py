@@ -71,18 +71,20 @@ def _folded_islands(run, start, end):
     return set().union(*(set(e["contributors"]) for e in merger_folds(run) if start <= wall(e) < end))
 
 
-def _settled_once(run):
-    """Every admitted delta folded at most once (the write-ahead log's fold records), and every
-    delta each island sent settled: folded or rejected, by its acks.  Returns the islands' summaries."""
-    folded = collections.Counter(tuple(m) for _, record in read_records(run / "merger" / "wal") if record.get("type") == "fold"
+def _settled_once(run, wal="merger"):
+    """Every admitted delta folded at most once (the write-ahead log's fold records); every delta
+    each island counted as folded is in the log, and every one it sent was settled (folded or
+    rejected) but for those whose ack had not come when it stopped (`unknown`: the drain at the
+    end waits 30 s).  Returns the islands' summaries."""
+    folded = collections.Counter(tuple(m) for _, record in read_records(run / wal / "wal") if record.get("type") == "fold"
                                  for m in record["members"])
     assert folded and max(folded.values()) == 1, folded.most_common(3)
     done = {}
     for island in ("a", "b"):
         done[island] = [e for e in read_events(run / "logs" / f"{island}.log") if e.get("event") == "done"][-1]
-        acks = done[island]["acks"]
-        assert acks.get("folded", 0) + acks.get("rejected", 0) == done[island]["deltas_sent"] > 0, done[island]
-        assert acks.get("folded", 0) == sum(1 for member in folded if member[0] == island), (island, acks)
+        acks, logged = done[island]["acks"], sum(1 for member in folded if member[0] == island)
+        assert acks.get("folded", 0) + acks.get("rejected", 0) + acks.get("unknown", 0) == done[island]["deltas_sent"] > 0, done[island]
+        assert acks.get("folded", 0) <= logged <= acks.get("folded", 0) + acks.get("unknown", 0), (island, acks, logged)
     return done
 
 
@@ -117,12 +119,12 @@ def test_an_island_partitioned_for_2x_then_20x_the_heartbeat_timeout_trains_on_a
 @pytest.mark.timeout(1000)
 def test_one_way_partitions_and_packet_loss_lose_nothing(tmp_path):
     """a for 3x the heartbeat timeout sends nothing (it still hears snapshots), then hears nothing
-    (its deltas still arrive, acks do not), then loses 2 %, then 10 % of its packets each way while b
-    makes 200 steps each time.  The router counts what it dropped; a is folded again after each cut
+    (its deltas still arrive, acks do not), then loses 2 %, then 10 % of its packets each way; b
+    makes 200 steps between any two of these.  The router counts what it dropped; a is folded again after each cut
     and during the loss (TCP resends); every delta it sent is settled once, nothing folded twice."""
     cut = 3 * TIMEOUT_S
-    schedule = (f"partition-out:a@step=40,heal:a@+{cut:g},partition-in:a@step=+40,heal:a@+{cut:g},"
-                f"loss-2:a@step=+40,loss-10:a@b.step=+200,heal:a@b.step=+200,heal:a@+{3 * TIMEOUT_S:g}")
+    schedule = (f"partition-out:a@step=40,heal:a@+{cut:g},partition-in:a@b.step=+200,heal:a@+{cut:g},"
+                f"loss-2:a@b.step=+200,loss-10:a@b.step=+200,heal:a@b.step=+200,heal:a@+{3 * TIMEOUT_S:g}")
     run, (out_cut, out_healed, in_cut, in_healed, lossy, lossier, loss_healed, _) = _up(tmp_path, schedule)
     dropped = [e.get("dropped_packets") for e in read_events(run / "chaos.jsonl")]
     assert all(n > 0 for n in dropped[1:2] + dropped[3:4] + dropped[5:7]), dropped
@@ -174,9 +176,5 @@ def test_a_primary_and_standby_partitioned_from_each_other_but_not_from_the_brok
     alone = [wall(e) for e in merger if e.get("event") == "replication" and e.get("state") == "alone" and wall(e) > cut]
     late = [wall(e) for e in merger if e.get("event") == "fold" and wall(e) > took[0]]
     assert alone and all(w >= alone[0] for w in late)
-    folded = collections.Counter(tuple(m) for _, r in read_records(run / "standby" / "wal") if r.get("type") == "fold" for m in r["members"])
-    assert max(folded.values()) == 1
-    for island in ("a", "b"):
-        done = [e for e in read_events(run / "logs" / f"{island}.log") if e.get("event") == "done"][-1]
-        assert done["acks"].get("folded", 0) == sum(1 for m in folded if m[0] == island) == done["deltas_sent"], done
+    _settled_once(run, wal="standby")  # the new primary's log: nothing the islands counted as folded is missing from it
     assert {"a", "b"} <= _folded_islands(run, healed, float("inf"))

@@ -14,6 +14,7 @@ import zmq
 from dloco import protocol
 from dloco.island.config import SyncConfig
 from dloco.island.shaper import LinkShaper
+from dloco.island.snapshots import Downlink
 from dloco.island.uplink import Uplink
 from dloco.merger import records
 from dloco.merger.logmatch import agreed_length, set_aside_from, terms_of
@@ -139,6 +140,19 @@ def test_an_island_ignores_acks_from_an_older_epoch_of_their_sender():
     assert uplink.results["dropped/old_epoch"] == 1
     uplink.on_ack(protocol.Ack(sender="merger", epoch=200, seq=2, cursors=(protocol.Cursor("a", 5, 4),), results=(result,)))
     assert uplink.cursor == 4 and 1 in uplink.settled
+
+
+def test_once_a_newer_merger_epoch_came_on_a_snapshot_an_older_epochs_ack_settles_nothing():
+    """After a split the old primary, alone, may answer a probe point to point (past the broker's
+    fencing): the island's one record of epochs, shared by its snapshots and its acks, drops it."""
+    epochs: dict[str, int] = {}
+    uplink = Uplink("a", "m", 5, SyncConfig(), LinkShaper(None), threading.Event(), merger_epochs=epochs)
+    downlink = Downlink("a", 5, merger_epochs=epochs)
+    old = protocol.Ack(sender="merger", epoch=100, seq=1, cursors=(), results=(protocol.DeltaResult("a", 5, 1, 0, "folded", 3, ""),))
+    downlink.on_snapshot(protocol.SnapshotChunk(sender="merger", epoch=200, seq=1, fragment=0, version=7, base_version=0, chunk_index=0,
+                                                chunk_count=1, model="m", codec=protocol.Codec("fp32"), slices=(), payloads=()), {}, 0.0)
+    uplink.on_ack(old)
+    assert 1 not in uplink.settled and uplink.results["dropped/old_epoch"] == 1 and epochs == {"merger": 200}
 
 
 @pytest.mark.timeout(120)

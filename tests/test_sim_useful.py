@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 
@@ -44,8 +45,9 @@ def test_an_island_on_a_link_too_slow_for_its_deltas_loses_useful_tokens_as_its_
     """A delta takes 20 s on the uplink while one falls due every 10 s.  Sends at 10 s (steps 1-10),
     30 s (11-20), 50 s (21-40, the outbox summed two), 70 s (41-60) and 90 s (61-80, still on the wire
     at the end); 81-100 wait in the outbox.  Folded: 1,000 + 1,000 tokens at q(10) and 2,000 + 2,000 at
-    q(20): 6,000 folded, 4,000 useful; 4,000 undecided, worth at best 4,000 x q(20) = 2,400.  Steady
-    utilisation: 6,400 over 10,000 x q(10) = 0.8 (0.75 as the run grows: every delta covers 20 steps).
+    q(20): 6,000 folded, 4,000 useful; 4,000 undecided: 2,000 on the wire at q(20), and 2,000 in the
+    outbox, which leaves when the wire is free at 110 s, having summed 9.5 more steps by then: q(29.5).
+    Steady utilisation: (4,000 + 1,200 + 2,000 q(29.5)) over 10,000 x q(10).
     A link half as fast again sums more and keeps less."""
     s = one_island(DELTA_BYTES * 8 / 20)
     result = simulate(s)
@@ -53,8 +55,8 @@ def test_an_island_on_a_link_too_slow_for_its_deltas_loses_useful_tokens_as_its_
     assert run.intervals == [10, 10, 20, 20]
     assert (run.trained_tokens, run.folded_tokens, run.undecided_tokens) == (10_000, 6000, 4000)
     assert run.useful_tokens == pytest.approx(4000)
-    assert run.undecided_useful == pytest.approx(2400)
-    assert result.utilisation(run) == pytest.approx(6400 / (10_000 * 0.8))
+    assert run.undecided_useful == pytest.approx(1200 + 2000 * Q(29.5)) and Q(29.5) == pytest.approx(0.6 - 0.2 * math.log2(29.5 / 20))
+    assert result.utilisation(run) == pytest.approx((4000 + 1200 + 2000 * Q(29.5)) / (10_000 * 0.8))
     fast = simulate(one_island(None))
     assert fast.islands[0].intervals == [10] * 10 and fast.utilisation(fast.islands[0]) == pytest.approx(1.0)
     slower = simulate(one_island(DELTA_BYTES * 8 / 40))
