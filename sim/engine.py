@@ -14,10 +14,8 @@ one's last byte left), the merger's own link too when it has one; a fold worker 
 folds `merger_bytes_s` of coded deltas per second plus a fixed overhead; an island adopts (rebases onto) every snapshot that has arrived when it sends, so a
 delta's base version is the newest one arrived by then.  A failed island loses its unsent work
 (what it trained since its last send, its outbox, a delta half on the wire) and comes back after
-`down_s`, joining again: a full snapshot of every fragment down, and `restart_s` to compile.
-
-What counts: a trained token is useful once its delta is folded, worth q(steps the delta covered)
-(sim/quality.py); work rejected, lost to a failure or still queued at the merger at the end is not.
+`down_s`, joining again: a full snapshot of every fragment down, and `restart_s` to compile.  What counts: a folded token,
+worth q(the steps its delta covered, sim/quality.py).
 """
 
 from __future__ import annotations
@@ -167,9 +165,9 @@ class Simulation:
         self._next_due(island)
 
     def _undecided(self, island: _Island) -> tuple[float, float]:
-        """At the end: the tokens in the island's outbox and not yet due, and what they will be worth
-        at best.  A queued delta leaves once the uplink has sent what is ahead of it, and until then
-        the outbox sums its fragment's next deltas into it: it will cover its steps plus that wait."""
+        """At the end: the tokens in the outbox and not yet due, and what they will be worth at best.
+        A queued delta leaves once the uplink has sent what is ahead of it, and the outbox sums its
+        fragment's next deltas into it meanwhile: it will cover its steps plus that wait."""
         end, spec = self.s.duration_s, island.spec
         rate = None if spec.link.up_bps is None else spec.link.up_bps / 8
         leaves, covers = max(end, island.uplink.free_at), {}
@@ -179,10 +177,8 @@ class Simulation:
             tokens, useful = tokens + delta.tokens, useful + delta.tokens * self.s.quality(covers[delta.fragment])
             leaves += self.delta_bytes[delta.fragment] / rate if rate else 0.0
         h = spec.interval or self.s.interval
-        for fragment, steps in enumerate(island.unsent_steps):  # not yet due: sent on time, or summed into the queued delta
-            tokens += steps * spec.tokens_per_step
-            useful += steps * spec.tokens_per_step * self.s.quality(covers.get(fragment, h))
-        return tokens, useful
+        due = [(steps * spec.tokens_per_step, covers.get(f, h)) for f, steps in enumerate(island.unsent_steps)]  # on time, or summed
+        return tokens + sum(t for t, _ in due), useful + sum(t * self.s.quality(steps) for t, steps in due)
 
     def _steps_by(self, island: _Island, when: float) -> int:
         """Steps of this life done by `when` (before its next due step, which has its own event)."""

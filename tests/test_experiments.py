@@ -82,7 +82,7 @@ def test_every_suite_builds_valid_cluster_files():
         "kill:eu-older-hw@105", "restart:eu-older-hw@180", "kill:merger@225", "restart:merger@240"]
     bounded = dict(experiments.SUITES["faults"][1])["decoupled"](base.with_steps(200))  # a run bounded by work: keyed to progress
     assert [str(e) for e in bounded.chaos] == ["kill:eu-older-hw@us-east.step=70", "restart:eu-older-hw@us-east.step=+50",
-                                               "kill:merger@eu-older-hw.step=+24", "restart:merger@+5"]
+                                               "kill:merger@eu-older-hw.step=+12", "restart:merger@+5"]
     quantization = dict(experiments.SUITES["quantization"][1])
     assert sorted(quantization) == sorted(f"{c}{s}" for c in ("fp32", "bf16", "int8", "int4", "int2") for s in ("", "-ef"))
     assert quantization["int2-ef"](base).sync.error_feedback is True and quantization["int2"](base).sync.codec == "int2"
@@ -109,7 +109,7 @@ def test_every_suite_builds_valid_cluster_files():
     assert downlink["int4-diff"](base).merger.snapshot_every_round == 0 and downlink["int4-diff-held"](base).merger.snapshot_every_round == 1
     wire = dict(experiments.SUITES["bytes"][1])  # the former default stays what it was, whatever the profile says
     former = wire["every-fold-int4"](base)
-    assert [former.interval_of(r) for r in former.regions] == [48] * 4 and [base.interval_of(r) for r in base.regions] == [48, 48, 24, 24]
+    assert [former.interval_of(r) for r in former.regions] == [48] * 4 and [base.interval_of(r) for r in base.regions] == [24, 24, 12, 12]
     assert (former.merger.snapshot_every_round, former.merger.max_staleness, former.merger.outer_lr) == (0.0, 4, 0.35)
     shipped = wire["default"](base)
     assert (shipped.merger.snapshot_every_round, shipped.merger.max_staleness, shipped.merger.outer_lr) == (1.0, 8, 0.15)
