@@ -47,6 +47,8 @@ def peer_of(action: str) -> str | None:
 def is_network(action: str) -> bool:
     """A fault of a link, not of a process (cluster/netns.py)."""
     return action in NETWORK_ACTIONS or _LOSS.match(action) is not None or peer_of(action) is not None
+
+
 MERGERS = ("merger", "standby")  # with a standby, chaos names the current primary `merger`, its standby `standby`
 
 

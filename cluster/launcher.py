@@ -269,15 +269,14 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
     run_dir = run_dir.resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     share_compilations()
-    network = None
+    network = None  # or each host in a network namespace of its own (cluster/netns.py)
     if compose_file is None:
-        if config.network == "netns":  # each host in a network namespace of its own (cluster/netns.py)
-            network = netns.Network(netns.host_names(config))
-            services = netns.services(config, run_dir, network)
-        else:
-            services = native_services(config, run_dir)
+        network = netns.Network(netns.host_names(config)) if config.network == "netns" else None
+        services = netns.services(config, run_dir, network) if network else native_services(config, run_dir)
         order = ["broker", *config.merger.processes, "evaluator", *(p for r in config.regions for p in r.processes)]
     else:
+        if config.network == "netns":
+            raise LaunchError('run.network = "netns" starts its own processes in namespaces: not with --compose')
         variables = compose.port_variables(compose_file.read_text())
         ports = dict(zip(variables, map(str, free_ports(len(variables))), strict=True))
         services = compose.load(compose_file, {"DLOCO_RUN_DIR": str(run_dir), **ports})

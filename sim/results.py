@@ -27,7 +27,7 @@ class IslandRun:
     folded_tokens: float = 0.0  # of its trained work, folded by the end (per fragment / P, as lost_tokens)
     useful_tokens: float = 0.0  # folded, each delta's tokens times q(the steps it covered)
     undecided_tokens: float = 0.0  # at the end still on the island or on its way: unsent, in its outbox, on the wire
-    undecided_useful: float = 0.0  # the same, each part times q(the steps it covers so far): what it will be worth at best
+    undecided_useful: float = 0.0  # the same, each part times q(the steps it will cover once sent): what it will be worth at best
     startup_s: float = 0.0  # its first join: from its start to its first step (the model's download)
     intervals: list[int] = dataclasses.field(default_factory=list)  # steps each of its folded deltas covered: its real H
 
