@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 from dloco.sim.scenario import Scenario
 
@@ -51,8 +52,12 @@ class SimResult:
     def duration_s(self) -> float:
         return self.scenario.duration_s
 
+    @functools.cached_property
+    def _specs(self) -> dict:
+        return {spec.name: spec for spec in self.scenario.islands}
+
     def _spec(self, run: IslandRun):
-        return next(spec for spec in self.scenario.islands if spec.name == run.name)
+        return self._specs[run.name]
 
     def nominal_quality(self, run: IslandRun) -> float:
         """q of the island's own H: what its tokens are worth when every delta goes out on time."""
