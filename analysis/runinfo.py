@@ -187,7 +187,8 @@ def chaos_effects(run_dir: Path, regions: list[str]) -> list[dict]:
 
 class RunProgress:
     """A running cluster's progress, read from its files as they grow: every island's training steps
-    (all its lives, from metrics/<island>.jsonl) and the merger's folds (logs/merger.log).  `update`
+    (all its lives, from metrics/<island>.jsonl), the merger's folds (logs/merger.log) and, per island,
+    the folds that took one of its deltas.  `update`
     reads only what was appended since the last call."""
 
     def __init__(self, run_dir: Path, islands: list[str]) -> None:
@@ -197,6 +198,7 @@ class RunProgress:
         self._life_tokens = {name: 0 for name in islands}  # the current life's tokens
         self._past_tokens = {name: 0 for name in islands}  # every earlier life's
         self.folds = 0
+        self.folded = {name: 0 for name in islands}  # folds with one of the island's deltas, every merger life
         self._offsets: dict[Path, int] = {}
 
     def update(self) -> None:
@@ -211,7 +213,11 @@ class RunProgress:
                     self._life_tokens[name] = 0
                 else:
                     self._life_tokens[name] = event.get("tokens", self._life_tokens[name])
-        self.folds += sum(e.get("event") == "fold" for name in merger_logs(self.run_dir) for e in self._new_events(self.run_dir / "logs" / name))
+        for event in (e for name in merger_logs(self.run_dir) for e in self._new_events(self.run_dir / "logs" / name)):
+            if event.get("event") == "fold":
+                self.folds += 1
+                for island in set(event.get("contributors", ())) & self.folded.keys():
+                    self.folded[island] += 1
 
     @property
     def tokens(self) -> int:

@@ -47,12 +47,14 @@ def unfinished(stages: Mapping[str, str], limit_s: float) -> list[str]:
             + "; ".join(f"{name} {stage}" for name, stage in stages.items())]
 
 
-def unreached(pending: list[str], steps: Mapping[str, int], folds: int) -> list[str]:
-    """Chaos events whose point the run did not reach before its time limit."""
+def unreached(pending: list[str], steps: Mapping[str, int], folds: int, folded: Mapping[str, int] | None = None) -> list[str]:
+    """Chaos events whose point the run did not reach before its time limit.  `folded`: per island,
+    the folds that took one of its deltas."""
     if not pending:
         return []
     made = ", ".join(f"{name} {count}" for name, count in steps.items())
-    return [f"chaos events never reached: {', '.join(pending)} (steps made: {made}; folds: {folds})"]
+    per_island = f" ({', '.join(f'{name} {count}' for name, count in folded.items())})" if folded else ""
+    return [f"chaos events never reached: {', '.join(pending)} (steps made: {made}; folds: {folds}{per_island})"]
 
 
 def budget_unspent(tokens: int, budget: int, limit_s: float) -> list[str]:

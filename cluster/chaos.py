@@ -13,8 +13,10 @@ the run, by work done or by the clock:
 - `step=N`: once the target island has made N training steps (`[[chaos]]`: `at_step = N`);
 - `REGION.step=N`: once island REGION has made N steps (`at_step = N`, `island = "REGION"`);
 - `folds=N`: once the merger has made N folds (`at_folds = N`);
+- `REGION.folds=N`: once the merger has folded N deltas of island REGION (`at_folds = N`,
+  `island = "REGION"`): "heal a once a is folded again";
 - `SECONDS` or `SECONDSs`: that many seconds after the processes started (`at_s = SECONDS`).
-With a `+` (`step=+N`, `REGION.step=+N`, `folds=+N`, `+SECONDS`; `relative = true`) the point is
+With a `+` (`step=+N`, `REGION.step=+N`, `folds=+N`, `REGION.folds=+N`, `+SECONDS`; `relative = true`) the point is
 counted from the moment the event before it fired: "restart c once a has made 60 more steps".
 Steps and folds count every life of a process (a restarted island goes on counting).  Events fire
 in the order given (a schedule of absolute seconds alone is put in time order), each once its point
@@ -55,7 +57,7 @@ MERGERS = ("merger", "standby")  # with a standby, chaos names the current prima
 def is_merger(name: str) -> bool:
     """A merger process: `merger`, `standby`, or a merger shard `merger.I` (protocol/shards.py)."""
     return name.partition(".")[0] in MERGERS
-_WHEN = re.compile(r"^(?:(?P<island>[A-Za-z0-9_-]+)\.)?step=(?P<step>\+?\d+)$|^folds=(?P<folds>\+?\d+)$")
+_WHEN = re.compile(r"^(?:(?P<island>[A-Za-z0-9_-]+)\.)?(?:step=(?P<step>\+?\d+)|folds=(?P<folds>\+?\d+))$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +66,8 @@ class ChaosEvent:
     action: str
     target: str
     at_step: int | None = None  # once `island` has made this many training steps (every life)
-    island: str | None = None  # whose steps: the target's when None
-    at_folds: int | None = None  # once the merger has made this many folds (every life)
+    island: str | None = None  # whose steps (the target's when None), or whose folded deltas (any island's when None)
+    at_folds: int | None = None  # once the merger has made this many folds, or folded this many of `island`'s deltas
     relative: bool = False  # counted from when the event before it fired (the run's start for the first)
 
     def __post_init__(self) -> None:
@@ -80,7 +82,7 @@ class ChaosEvent:
         for name in ("at_step", "at_folds"):
             value = getattr(self, name)
             require(value is None or (type(value) is int and value >= 1), f"chaos {name} must be an int >= 1, got {value!r}")
-        require(self.island is None or self.at_step is not None, "a chaos event's island names whose steps count: it needs a step")
+        require(self.island is None or self.at_s is None, "a chaos event's island names whose steps or folds count: it needs one")
         require(type(self.relative) is bool, f"chaos relative must be true or false, got {self.relative!r}")
 
     @property
@@ -93,7 +95,7 @@ class ChaosEvent:
         if self.at_s is not None:
             when = f"{plus}{self.at_s:g}"
         elif self.at_folds is not None:
-            when = f"folds={plus}{self.at_folds}"
+            when = f"{self.island}.folds={plus}{self.at_folds}" if self.island else f"folds={plus}{self.at_folds}"
         else:
             when = f"{self.island}.step={plus}{self.at_step}" if self.island not in (None, self.target) else f"step={plus}{self.at_step}"
         return f"{self.action}:{self.target}@{when}"
@@ -114,12 +116,12 @@ def parse(text: str) -> tuple[ChaosEvent, ...]:
                     raise ValueError(when)
                 at = {"at_s": seconds, "relative": when.startswith("+")}
             elif point["folds"] is not None:
-                at = {"at_s": None, "at_folds": int(point["folds"]), "relative": point["folds"].startswith("+")}
+                at = {"at_s": None, "at_folds": int(point["folds"]), "island": point["island"], "relative": point["folds"].startswith("+")}
             else:
                 at = {"at_s": None, "at_step": int(point["step"]), "island": point["island"], "relative": point["step"].startswith("+")}
         except ValueError:
             raise ConfigError(f"chaos event {item!r}: expected ACTION:TARGET@WHEN with WHEN one of SECONDS, step=N, REGION.step=N, "
-                              "folds=N, e.g. kill:merger@folds=10") from None
+                              "folds=N, REGION.folds=N, e.g. kill:merger@folds=10") from None
         events.append(ChaosEvent(action=action, target=target, **at))
     return in_order(events)
 
@@ -140,6 +142,8 @@ def check(schedule: tuple[ChaosEvent, ...], processes: list[str], islands: list[
     down: set[str] = set()
     for event in schedule:
         require(event.target in processes, f"chaos event {event}: unknown process {event.target!r}; known: {', '.join(processes)}")
+        if event.at_folds is not None and event.island is not None:
+            require(event.island in islands, f"chaos event {event}: {event.island!r} sends no deltas; islands: {', '.join(islands)}")
         if event.stepper is not None:
             require(event.stepper in islands, f"chaos event {event}: {event.stepper!r} makes no training steps; islands: {', '.join(islands)}")
             require(event.stepper not in down, f"chaos event {event}: it waits for the steps of {event.stepper}, which is down then")
@@ -159,11 +163,12 @@ def check(schedule: tuple[ChaosEvent, ...], processes: list[str], islands: list[
 @dataclasses.dataclass(frozen=True)
 class Progress:
     """Where a run is: seconds since the processes started, training steps per island (every life),
-    the merger's folds (every life)."""
+    the merger's folds (every life), and per island the folds that took one of its deltas."""
 
     elapsed_s: float
     steps: Mapping[str, int]
     folds: int
+    folded: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def due(event: ChaosEvent, now: Progress, armed: Progress) -> bool:
@@ -172,6 +177,8 @@ def due(event: ChaosEvent, now: Progress, armed: Progress) -> bool:
     base = armed if event.relative else Progress(0.0, {}, 0)
     if event.at_s is not None:
         return now.elapsed_s - base.elapsed_s >= event.at_s
+    if event.at_folds is not None and event.island is not None:
+        return now.folded.get(event.island, 0) - base.folded.get(event.island, 0) >= event.at_folds
     if event.at_folds is not None:
         return now.folds - base.folds >= event.at_folds
     return now.steps.get(event.stepper, 0) - base.steps.get(event.stepper, 0) >= event.at_step

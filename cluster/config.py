@@ -372,12 +372,12 @@ _CHAOS_POINTS = {"at_s", "at_step", "at_folds"}
 
 
 def _chaos_event(path: Path, entry: dict) -> ChaosEvent:
-    """A [[chaos]] table: action, target and one point (at_s, at_step with an optional island, or at_folds),
+    """A [[chaos]] table: action, target and one point (at_s, or at_step or at_folds with an optional island),
     `relative = true` to count it from the event before."""
     points = _CHAOS_POINTS & set(entry)
     allowed = {"action", "target", *_CHAOS_POINTS, "island", "relative"}
-    require({"action", "target"} <= set(entry) and len(points) == 1 and set(entry) <= allowed and ("island" not in entry or "at_step" in entry),
-            f"{path}: a [[chaos]] entry needs action, target and one of at_s, at_step (with an optional island) or at_folds "
+    require({"action", "target"} <= set(entry) and len(points) == 1 and set(entry) <= allowed and ("island" not in entry or "at_s" not in entry),
+            f"{path}: a [[chaos]] entry needs action, target and one of at_s, at_step or at_folds (the last two with an optional island) "
             f"(and optionally relative), got {sorted(entry)}")
     relative = entry.get("relative", False)
     (point,) = points

@@ -316,10 +316,10 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
         started = time.monotonic()  # the run's clock (duration, chaos times) starts with the processes
         view = LiveView(config, run_dir, out)
         with open(run_dir / "chaos.jsonl", "a") as chaos_log:
-            armed = chaos.Progress(0.0, dict(progress.steps), 0)  # where the run was when the last event fired
+            armed = chaos.Progress(0.0, dict(progress.steps), 0, dict(progress.folded))  # where the run was when the last event fired
             while not interrupted:
                 progress.update()
-                now = chaos.Progress(time.monotonic() - started, dict(progress.steps), progress.folds)
+                now = chaos.Progress(time.monotonic() - started, dict(progress.steps), progress.folds, dict(progress.folded))
                 dead = cluster.unexpectedly_dead()  # before any kill: a crash must not pass for a chaos kill
                 if config.tokens:  # with a budget an island stops by itself once it hears the budget is spent
                     dead = [name for name in dead if not (name.partition(".")[0] in islands and cluster.processes[name].returncode == 0)]
@@ -354,12 +354,12 @@ def run(config: ClusterConfig, run_dir: Path, out=sys.stdout, compose_file: Path
                 if now.elapsed_s >= config.duration_s:
                     if config.tokens:
                         problems += verdict.budget_unspent(progress.tokens, config.tokens, config.duration_s)
-                        problems += verdict.unreached([str(e) for e in pending], progress.steps, progress.folds)
+                        problems += verdict.unreached([str(e) for e in pending], progress.steps, progress.folds, progress.folded)
                     if config.max_steps:
                         stages = {name: island_stage(run_dir / "logs" / f"{name}.log", progress.last_step[name], progress.steps[name], target)
                                   for name, target in left.items()}
                         problems += verdict.unfinished(stages, config.duration_s)
-                        problems += verdict.unreached([str(e) for e in pending], progress.steps, progress.folds)
+                        problems += verdict.unreached([str(e) for e in pending], progress.steps, progress.folds, progress.folded)
                     break
                 view.refresh(now.elapsed_s)
                 time.sleep(0.25 if pending or config.max_steps or config.tokens else 1.0)

@@ -15,7 +15,7 @@ def test_schedules_parse_in_time_order_and_bad_ones_name_the_event():
     assert chaos.parse("kill:a@7.5s") == (ChaosEvent(7.5, "kill", "a"),)
     assert chaos.parse("") == ()
     for text, message in (("kill:a", "ACTION:TARGET@WHEN"), ("kill@3", "ACTION:TARGET@WHEN"), ("kill:a@soon", "ACTION:TARGET@WHEN"),
-                          ("kill:a@step=x", "ACTION:TARGET@WHEN"), ("kill:a@b.folds=3", "ACTION:TARGET@WHEN"),
+                          ("kill:a@step=x", "ACTION:TARGET@WHEN"), ("kill:a@b.folds=x", "ACTION:TARGET@WHEN"),
                           ("nuke:a@3", "action must be one of"), ("kill:a@-1", ">= 0"), ("kill:a@step=0", "at_step must be an int >= 1")):
         with pytest.raises(ConfigError, match=message):
             chaos.parse(text)
@@ -40,8 +40,10 @@ def test_schedules_by_progress_keep_their_order_and_wait_only_for_running_island
             chaos.check(chaos.parse(text), processes)
     with pytest.raises(ConfigError, match="exactly one of"):
         ChaosEvent(3.0, "kill", "a", at_step=4)
-    with pytest.raises(ConfigError, match="island names whose steps count"):
-        ChaosEvent(None, "kill", "a", at_folds=4, island="b")
+    with pytest.raises(ConfigError, match="island names whose steps or folds count"):
+        ChaosEvent(2.0, "kill", "a", island="b")
+    with pytest.raises(ConfigError, match="'z' sends no deltas"):
+        chaos.check(chaos.parse("partition:a@z.folds=+2"), processes)
 
 
 def test_an_event_is_due_once_the_run_reaches_its_point():
@@ -60,7 +62,14 @@ def test_an_event_is_due_once_the_run_reaches_its_point():
     assert not chaos.due(kill_merger, P(0.0, {}, 24), armed) and chaos.due(kill_merger, P(0.0, {}, 25), armed)
     assert not chaos.due(restart_merger, P(104.4, {}, 0), armed) and chaos.due(restart_merger, P(104.5, {}, 0), armed)
     assert chaos.due(chaos.parse("kill:c@step=40")[0], P(0.0, {"c": 40}, 0), armed)  # absolute: c's 40th step, not 40 more
-    for text in ("kill:c@inf", "kill:c@nan", "kill:c@infs", "kill:c@+", "kill:c@step=+"):
+    # an island's folded deltas: folds that took one of a's deltas, counted from the event before with a +
+    heal_a, heal_again = chaos.parse("heal:a@a.folds=+2,heal:a@c.folds=3")
+    assert [str(e) for e in (heal_a, heal_again)] == ["heal:a@a.folds=+2", "heal:a@c.folds=3"]
+    armed = P(100.0, {"a": 300}, 20, {"a": 7, "c": 1})
+    assert not chaos.due(heal_a, P(0.0, {"a": 999}, 99, {"a": 8, "c": 50}), armed)  # others' folds and a's steps do not count
+    assert chaos.due(heal_a, P(0.0, {}, 0, {"a": 9}), armed)
+    assert not chaos.due(heal_again, P(0.0, {}, 0, {"c": 2}), armed) and chaos.due(heal_again, P(0.0, {}, 0, {"c": 3}), armed)
+    for text in ("kill:c@inf", "kill:c@nan", "kill:c@infs", "kill:c@+", "kill:c@step=+", "kill:c@a.folds=+", "kill:c@a.b.folds=1"):
         with pytest.raises(ConfigError, match="ACTION:TARGET@WHEN"):
             chaos.parse(text)
 
@@ -72,11 +81,13 @@ def test_cluster_files_carry_a_checked_schedule(tmp_path):
     assert config.load(path).chaos == (ChaosEvent(3.0, "kill", "a"), ChaosEvent(9.0, "restart", "a"))
     path.write_text("[[regions]]\nname = 'a'\n[[regions]]\nname = 'b'\n"
                     "[[chaos]]\nat_step = 20\naction = 'kill'\ntarget = 'a'\n[[chaos]]\nat_step = 50\nisland = 'b'\naction = 'restart'\ntarget = 'a'\n"
-                    "[[chaos]]\nat_folds = 7\naction = 'kill'\ntarget = 'merger'\n[[chaos]]\nat_s = 2.5\nrelative = true\naction = 'restart'\ntarget = 'merger'\n")
-    assert [str(e) for e in config.load(path).chaos] == ["kill:a@step=20", "restart:a@b.step=50", "kill:merger@folds=7", "restart:merger@+2.5"]
+                    "[[chaos]]\nat_folds = 7\naction = 'kill'\ntarget = 'merger'\n[[chaos]]\nat_s = 2.5\nrelative = true\naction = 'restart'\ntarget = 'merger'\n"
+                    "[[chaos]]\nat_folds = 2\nisland = 'b'\nrelative = true\naction = 'kill'\ntarget = 'merger'\n")
+    assert [str(e) for e in config.load(path).chaos] == ["kill:a@step=20", "restart:a@b.step=50", "kill:merger@folds=7", "restart:merger@+2.5",
+                                                         "kill:merger@b.folds=+2"]
     for entry, message in (("at_s = 3\naction = 'kill'\n", "needs action, target and one of at_s, at_step"),
                            ("at_s = 3\nat_step = 4\naction = 'kill'\ntarget = 'a'\n", "needs action, target and one of"),
-                           ("at_folds = 3\nisland = 'a'\naction = 'kill'\ntarget = 'merger'\n", "needs action, target and one of"),
+                           ("at_s = 3\nisland = 'a'\naction = 'kill'\ntarget = 'merger'\n", "needs action, target and one of"),
                            ("at_step = 2.5\naction = 'kill'\ntarget = 'a'\n", "at_step must be an int"),
                            ("at_s = 'soon'\naction = 'kill'\ntarget = 'a'\n", "at_s must be a number of seconds"),
                            ("at_s = 3\nrelative = 'yes'\naction = 'kill'\ntarget = 'a'\n", "relative must be true or false")):

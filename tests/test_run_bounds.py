@@ -28,6 +28,8 @@ def test_a_run_past_its_time_limit_names_each_slow_island_and_its_stage():
                     "c stepping (120 of 200 steps made); d joining (waiting for the merger's model)")
     assert verdict.unreached([], {"a": 3}, 0) == []
     assert verdict.unreached(["kill:merger@folds=9"], {"a": 30}, 4) == ["chaos events never reached: kill:merger@folds=9 (steps made: a 30; folds: 4)"]
+    assert verdict.unreached(["heal:a@a.folds=+2"], {"a": 30, "b": 9}, 4, {"a": 1, "b": 3}) == [
+        "chaos events never reached: heal:a@a.folds=+2 (steps made: a 30, b 9; folds: 4 (a 1, b 3))"]
 
 
 def test_a_bounded_run_ends_when_every_island_up_has_its_steps_and_two_intervals_after_the_chaos():
@@ -53,9 +55,11 @@ def test_progress_counts_every_life_and_reads_only_what_was_appended(tmp_path):
     progress.update()  # nothing written yet
     assert (progress.steps, progress.folds) == ({"a": 0, "b": 0}, 0)
     _append(metrics, {"step": 0, "eval_loss": 5.0}, {"step": 1}, {"step": 2}, partial='{"step": 3')
-    _append(log, {"event": "fold"}, {"event": "admitted"}, {"event": "fold"})
+    _append(log, {"event": "fold", "contributors": ["a", "b", "a"]}, {"event": "admitted", "contributors": ["a"]},
+            {"event": "fold", "contributors": ["b", "z"]})
     progress.update()
     assert (progress.steps["a"], progress.last_step["a"], progress.folds) == (2, 2, 2)
+    assert progress.folded == {"a": 1, "b": 2}  # folds that took one of the island's deltas (a fold of two of a's counts once)
     _append(metrics, partial="}\n")  # the line being written is complete now: counted once
     progress.update()
     progress.update()
