@@ -28,6 +28,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from dloco.bus.monitor import SocketMonitor
 from dloco.protocol.errors import ConfigError
 
 
@@ -116,48 +117,18 @@ class _Refusals(logging.Handler):
         self.report(message)
 
 
-class HandshakeWatcher:
+class HandshakeWatcher(SocketMonitor):
     """Connections refused before authentication reaches ZAP (a plaintext client on a CURVE socket,
     another protocol): ZeroMQ's socket monitors, read on a thread, counted as refusals."""
 
     EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
     def __init__(self, refusals: _Refusals) -> None:
-        self.refusals, self.monitors, self.lock = refusals, [], threading.Lock()
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="handshake-watcher", daemon=True)
-        self.thread.start()
+        self.refusals = refusals
+        super().__init__(self.EVENTS, "handshake-watcher")
 
-    def watch(self, socket: zmq.Socket) -> None:
-        monitor = socket.get_monitor_socket(self.EVENTS)
-        with self.lock:
-            self.monitors.append(monitor)
-
-    def _run(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        while not self.stopping.is_set():
-            with self.lock:
-                monitors = list(self.monitors)
-            poller = zmq.Poller()
-            for monitor in monitors:
-                poller.register(monitor, zmq.POLLIN)
-            try:
-                ready = poller.poll(100) if monitors else []
-            except zmq.ZMQError:  # the context is going away
-                return
-            for monitor, _ in ready:
-                try:
-                    event = recv_monitor_message(monitor, zmq.NOBLOCK)
-                except zmq.Again:
-                    continue
-                except zmq.ZMQError:  # closed under us: stopping
-                    return
-                except ValueError as error:  # a monitor message this pyzmq cannot parse: still a refusal
-                    event = {"unparsed": str(error)}
-                self.refusals.refuse(f"DENIED (handshake) {self.describe(event)}")
-            if not monitors:
-                self.stopping.wait(0.1)
+    def on_event(self, label: str, event: dict) -> None:
+        self.refusals.refuse(f"DENIED (handshake) {self.describe(event)}")
 
     @staticmethod
     def describe(event: dict) -> str:
@@ -168,13 +139,6 @@ class HandshakeWatcher:
             return f"endpoint={bytes(event['endpoint']).decode('ascii', 'replace')}: {zmq.Event(kind).name} {why}"
         except (KeyError, TypeError, ValueError):  # a value this pyzmq has no name for: still a refusal
             return f"{event!r}"[:200]
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join(timeout=5)
-        with self.lock:
-            for monitor in self.monitors:
-                monitor.close(linger=0)
 
 
 ROLES = ("island", "merger", "observer")

@@ -226,7 +226,8 @@ def run_island(args: argparse.Namespace) -> int:
             if not link.drain(args.drain_timeout):
                 log.warning("drain_incomplete", deltas_sent=link.deltas_sent, settled=dict(link.results))
             summary.update(deltas_sent=link.deltas_sent, summed=link.summed, acks=dict(link.results), snapshots=dict(link.downlink_results),
-                           bytes_sent=link.bytes_sent)  # after the drain: every delta of the island's work
+                           bytes_sent=link.bytes_sent, links=link.links.summary(),
+                           merger_epochs=link.adopted_epochs, epoch=link.epoch)  # after the drain: every delta of the island's work
             link, closing = None, link
             closing.close()  # the merger has all it will get: evaluating the trace keeps no one waiting
         if loop.trace and len(signals) <= 1:  # after training, within TRACE_BUDGET_S; a second SIGTERM or Ctrl-C skips or cuts it

@@ -4,7 +4,9 @@ The loop calls `publish` and `snapshots`; neither waits.  Each thread owns its s
 sockets are not thread-safe):
 - publisher: the uplink's loop (island/uplink.py) on a PUB to the delta bus;
 - receiver: a SUB on the snapshot bus (snapshots, acks) and a DEALER to the merger's ROUTER, one
-  per merger shard (island/mergers.py; requests for values, resends, probes).  It hands acks and resend requests to the uplink and
+  per merger shard (island/mergers.py; requests for values, resends, probes).
+A LinkWatcher (bus/monitor.py) counts and logs each socket's connections going down (a reset, or a
+half-open link the heartbeats gave up on) and coming back (`links` in the island's summary).  It hands acks and resend requests to the uplink and
   reassembled snapshots to the downlink (island/snapshots.py), and sends what they ask for.  A
   snapshot of another model than the island's is not adopted: its layout is kept (`foreign`), for
   the join to refuse that merger by name.
@@ -21,6 +23,7 @@ import numpy as np
 import zmq
 
 from dloco import protocol
+from dloco.bus.monitor import LinkWatcher
 from dloco.bus.security import Security
 from dloco.bus.sockets import open_socket
 from dloco.island.config import SyncConfig
@@ -30,6 +33,7 @@ from dloco.island.shaper import LinkShaper
 from dloco.island.snapshots import Downlink
 from dloco.island.uplink import Uplink
 from dloco.protocol import shards
+from dloco.telemetry.ratelimit import ThrottledLog
 
 POLL_MS = 50
 
@@ -72,6 +76,8 @@ class NetworkLink:
         # adopted; fragment -> {path: shape}, so that joining refuses it by name (IslandLoop.join).
         # Replaced whole by the receiver thread, never changed in place: the loop reads a consistent value.
         self.foreign: dict[int, dict[str, tuple[int, ...]]] = {}
+        self._link_log = ThrottledLog(log) if log is not None else None
+        self.links = LinkWatcher(self._link_changed)
         self._context = zmq.Context()
         self._threads = [threading.Thread(target=self._publisher, name=f"{name}-publisher", daemon=True),
                          threading.Thread(target=self._receiver, name=f"{name}-receiver", daemon=True)]
@@ -108,6 +114,7 @@ class NetworkLink:
         self.uplink.wake()
         for thread in self._threads:
             thread.join(timeout=5)
+        self.links.stop()
         self._context.destroy(linger=0)
 
     @property
@@ -135,10 +142,21 @@ class NetworkLink:
     def downlink_results(self) -> collections.Counter[str]:
         return self.downlink.results
 
+    @property
+    def adopted_epochs(self) -> dict[str, list[int]]:
+        """Per merger (shard), the epochs whose snapshots this island adopted, in order."""
+        return {sender: list(epochs) for sender, epochs in dict(self.downlink.adopted_epochs).items()}  # copied whole first: the receiver adds
+
     # ---- the threads ---------------------------------------------------------------------------
+    def _link_changed(self, event: str, socket: str, endpoint: str) -> None:
+        """`link_up` / `link_down` of one of the island's sockets (the link watcher's thread)."""
+        if self._link_log is not None:
+            self._link_log.info(event, socket=socket, endpoint=endpoint)
+
     def _publisher(self) -> None:
         pub = open_socket(self._context, zmq.PUB, self.delta_route.endpoint, self.security, self.delta_route.server,
                           send_hwm=self.uplink.sync.send_hwm)
+        self.links.watch(pub, "delta-bus")
         self.uplink.run(pub)
         pub.close(linger=0)
 
@@ -149,6 +167,8 @@ class NetworkLink:
         # the merger (each shard) routes resend requests to us by name; with a standby, to both
         # mergers' control sockets ("A,B"), queueing only to one that is up (the primary binds its own)
         self._mergers = MergerLinks(self._context, self.control_endpoints, self.security, self.control_server, self.name)
+        for socket, label in ((sub, "snapshot-bus"), *zip(self._mergers.dealers, self._mergers.names)):
+            self.links.watch(socket, label)
         ask_all = {shard: protocol.encode(self.downlink.ask_for_all(time.monotonic())) for shard in range(self._mergers.count)}
         # Bus and point-to-point snapshots reassemble apart: a catch-up reply (exact: fp32 or the full
         # snapshots' codec) and a bus snapshot of one version share a key, and chunks of one must not
@@ -206,4 +226,9 @@ class NetworkLink:
         if assembled is not None and assembled.header.model != self.model:
             self.foreign = {**self.foreign, assembled.header.fragment: {p: tuple(np.shape(v)) for p, v in assembled.tensors.items()}}
         elif assembled is not None:
+            sender = assembled.header.sender
+            before = len(self.downlink.adopted_epochs.get(sender, ()))
             self.downlink.on_snapshot(assembled.header, assembled.tensors, arrives)
+            if self.log is not None and len(self.downlink.adopted_epochs.get(sender, ())) > before:  # a new merger life's first value
+                self.log.info("merger_epoch", merger=sender, epoch=assembled.header.epoch, fragment=assembled.header.fragment,
+                              version=assembled.header.version)

@@ -55,6 +55,7 @@ class Downlink:
         self.ask_again_s = ASK_AGAIN_S
         self.merger_epochs: dict[str, int] = {} if merger_epochs is None else merger_epochs  # newest incarnation of each sender
         self.results: collections.Counter[str] = collections.Counter()  # full, diff, old_epoch, gap, mismatch, asked, ...
+        self.adopted_epochs: dict[str, list[int]] = {}  # per merger (shard), the epochs whose snapshots were adopted, in order
 
     def ready(self, now: float) -> list[tuple[int, int, dict[str, np.ndarray]]]:
         """(fragment, version, tensors) of the values that have arrived by `now`, oldest first."""
@@ -87,6 +88,9 @@ class Downlink:
         if outcome not in downlink.ADOPT:
             return
         self.served[fragment] = held
+        adopted = self.adopted_epochs.setdefault(head.sender, [])
+        if not adopted or adopted[-1] != head.epoch:
+            adopted.append(head.epoch)
         with self.lock:
             self.arrived.append(Arrival(arrives, fragment, head.version, held.tensors))
         early = self.awaiting_base.get(fragment)

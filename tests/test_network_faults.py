@@ -99,37 +99,46 @@ def _rejections_logged(run, island) -> int:
 def test_an_island_partitioned_for_2x_then_20x_the_heartbeat_timeout_trains_on_and_resyncs(tmp_path):
     """a is cut off (both ways, silently) for 2x, then 20x the heartbeat timeout, and trains on
     meanwhile.  b keeps training and being folded; a's work queued during the cut is folded or
-    rejected as stale on healing, each counted in the merger's log; a resyncs and is folded again;
-    nothing is folded twice.  The last, no-op heal holds the run open for 6x the heartbeat timeout:
-    a connection attempt made during the cut must not wait out the kernel's SYN retries (~2 min)."""
+    rejected as stale on healing, each counted in the merger's log; a resyncs and is folded again
+    (each cut after the first, and the run's end, wait for two folds of a's deltas after a heal:
+    the schedule's completion is the check); nothing is folded twice.  The cuts leave a's connections
+    half-open (no reset): only the heartbeats can tell, and a's link watcher logs each of its three
+    sockets going down during every cut and coming back after it (a link not dropped in time would
+    have resumed silently once healed)."""
     short, long = 2 * TIMEOUT_S, 20 * TIMEOUT_S
-    schedule = f"partition:a@step=40,heal:a@+{short:g},partition:a@step=+60,heal:a@+{long:g},heal:a@+{6 * TIMEOUT_S:g}"
-    run, (_, healed1, cut2, healed2, _) = _up(tmp_path, schedule)
+    schedule = f"partition:a@step=40,heal:a@+{short:g},partition:a@a.folds=+2,heal:a@+{long:g},heal:a@a.folds=+2"
+    run, (cut1, _, cut2, healed2, _) = _up(tmp_path, schedule)
     assert _steps_between(run, "a", cut2, healed2) >= 20 and _steps_between(run, "b", cut2, healed2) >= 20
     assert "b" in _folded_islands(run, cut2 + TIMEOUT_S, healed2) and "a" not in _folded_islands(run, cut2 + TIMEOUT_S, healed2)
-    assert "a" in _folded_islands(run, healed1, cut2) and "a" in _folded_islands(run, healed2, float("inf"))
     merger = read_events(run / "logs" / "merger.log")
     assert [e["event"] for e in merger if e.get("island") == "a" and e.get("event") in ("island_gone", "island_back")][-2:] == \
         ["island_gone", "island_back"]
     done = _settled_once(run)
     assert done["a"]["acks"].get("rejected", 0) == _rejections_logged(run, "a")
+    island = read_events(run / "logs" / "a.log")
+    for cut, next_cut in ((cut1, cut2), (cut2, float("inf"))):
+        changes = [(e["event"], e["socket"]) for e in island if e.get("event") in ("link_down", "link_up") and cut < wall(e) < next_cut]
+        for socket in ("delta-bus", "snapshot-bus", "merger"):
+            mine = [event for event, name in changes if name == socket]
+            assert "link_down" in mine and "link_up" in mine[mine.index("link_down"):], (socket, changes)
+    assert all(done["a"]["links"][socket]["down"] >= 2 for socket in ("delta-bus", "snapshot-bus", "merger")), done["a"]["links"]
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(1000)
 def test_one_way_partitions_and_packet_loss_lose_nothing(tmp_path):
     """a for 3x the heartbeat timeout sends nothing (it still hears snapshots), then hears nothing
-    (its deltas still arrive, acks do not), then loses 2 %, then 10 % of its packets each way; b
-    makes 200 steps between any two of these.  The router counts what it dropped; a is folded again after each cut
-    and during the loss (TCP resends); every delta it sent is settled once, nothing folded twice."""
+    (its deltas still arrive, acks do not), then loses 2 %, then 10 % of its packets each way.  Each
+    phase after a cut waits for folds of a's deltas (two after a heal; 30 and 10 under loss, enough
+    packets for the router to drop some): the schedule's completion shows a folded again after each
+    cut and during the loss (TCP resends).  The router counts what it dropped; every delta a sent is
+    settled once, nothing folded twice."""
     cut = 3 * TIMEOUT_S
-    schedule = (f"partition-out:a@step=40,heal:a@+{cut:g},partition-in:a@b.step=+200,heal:a@+{cut:g},"
-                f"loss-2:a@b.step=+200,loss-10:a@b.step=+200,heal:a@b.step=+200,heal:a@+{3 * TIMEOUT_S:g}")
-    run, (out_cut, out_healed, in_cut, in_healed, lossy, lossier, loss_healed, _) = _up(tmp_path, schedule)
+    schedule = (f"partition-out:a@step=40,heal:a@+{cut:g},partition-in:a@a.folds=+2,heal:a@+{cut:g},"
+                f"loss-2:a@a.folds=+2,loss-10:a@a.folds=+30,heal:a@a.folds=+10,heal:a@+{3 * TIMEOUT_S:g}")
+    run, (out_cut, out_healed, in_cut, in_healed, *_) = _up(tmp_path, schedule)
     dropped = [e.get("dropped_packets") for e in read_events(run / "chaos.jsonl")]
     assert all(n > 0 for n in dropped[1:2] + dropped[3:4] + dropped[5:7]), dropped
-    assert "a" in _folded_islands(run, out_healed, in_cut) and "a" in _folded_islands(run, in_healed, lossy)
-    assert "a" in _folded_islands(run, lossy + TIMEOUT_S, lossier) and "a" in _folded_islands(run, lossier + TIMEOUT_S, loss_healed)
     assert _steps_between(run, "a", out_cut, out_healed) >= 10 and _steps_between(run, "a", in_cut, in_healed) >= 10
     _settled_once(run)
 
@@ -142,7 +151,7 @@ def test_the_merger_partitioned_from_the_broker_loses_no_acked_delta(tmp_path):
     schedule = f"partition:merger@folds=6,heal:merger@+{4 * TIMEOUT_S:g},heal:merger@a.step=+60"
     run, (cut, healed, _) = _up(tmp_path, schedule)
     assert _steps_between(run, "a", cut, healed) >= 20 and _steps_between(run, "b", cut, healed) >= 20
-    assert not _folded_islands(run, cut + 1.0, healed)
+    assert not _folded_islands(run, cut + TIMEOUT_S, healed)  # what it had received before the cut may still fold
     assert {"a", "b"} <= _folded_islands(run, healed, float("inf"))
     _settled_once(run)
     report = json.dumps(read_events(run / "chaos.jsonl"))

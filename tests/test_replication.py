@@ -155,6 +155,22 @@ def test_once_a_newer_merger_epoch_came_on_a_snapshot_an_older_epochs_ack_settle
     assert 1 not in uplink.settled and uplink.results["dropped/old_epoch"] == 1 and epochs == {"merger": 200}
 
 
+def test_an_island_adopts_snapshots_of_newer_merger_epochs_only_and_records_their_order():
+    downlink = Downlink("a", 5)
+
+    def full(epoch: int, version: int) -> None:
+        downlink.on_snapshot(protocol.SnapshotChunk(sender="merger", epoch=epoch, seq=1, fragment=0, version=version, base_version=None,
+                                                    chunk_index=0, chunk_count=1, model="m", codec=protocol.Codec("fp32"), slices=(),
+                                                    payloads=()), {}, 0.0)
+
+    full(200, 7)
+    full(200, 8)
+    full(100, 9)  # a fenced primary's, late: refused
+    full(300, 9)  # the new primary's
+    full(200, 10)  # the old epoch again: refused, whatever its version
+    assert downlink.adopted_epochs == {"merger": [200, 300]} and downlink.results["old_epoch"] == 2 and downlink.results["full"] == 3
+
+
 @pytest.mark.timeout(120)
 def test_the_broker_drops_snapshot_bus_messages_from_an_older_epoch_of_their_sender(tmp_path):
     broker = BrokerProcess(tmp_path, "--insecure")
