@@ -13,7 +13,7 @@ from dloco.protocol.error_feedback import compensate, quantize_with_feedback
 from dloco.protocol.errors import DlocoError, EncodeError, ProtocolError
 from dloco.protocol.fragments import partition
 from dloco.protocol.framing import decode, peek_sender
-from dloco.protocol.limits import DEFAULT_LIMITS, Limits
+from dloco.protocol.limits import DEFAULT_LIMITS, Limits, subscribable
 from dloco.protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -42,4 +42,5 @@ __all__ = [
     "Limits", "Message", "ProtocolError", "Reassembler", "ResendRequest", "SnapshotChunk",
     "SnapshotRequest", "TensorSlice", "compensate", "decode", "encode", "message_key",
     "model_fingerprint", "partition", "peek_sender", "quantize_with_feedback", "split_fragment",
+    "subscribable",
 ]

@@ -155,7 +155,7 @@ def merger_histograms(registry: CollectorRegistry) -> tuple[Histogram, Histogram
 
 def broker_families(stats: Mapping[str, Mapping]) -> list:
     """The broker's metrics from Broker.stats(): per "bus/topic" key, messages, bytes, dropped and
-    refused; `auth_refused` connections refused by CURVE."""
+    refused, and the (un)subscriptions passed on; `auth_refused` connections refused by CURVE."""
     def by_bus(counts: Mapping[str, int]) -> dict[tuple[str, str], int]:
         return {tuple(key.split("/", 1)) if "/" in key else (key, ""): value for key, value in counts.items()}
 
@@ -163,7 +163,10 @@ def broker_families(stats: Mapping[str, Mapping]) -> list:
     for name, doc, key, second in (("dloco_broker_forwarded_messages", "messages forwarded", "messages", "topic"),
                                    ("dloco_broker_forwarded_bytes", "bytes forwarded", "bytes", "topic"),
                                    ("dloco_broker_dropped_messages", "messages dropped at a full subscriber (XPUB_NODROP)", "dropped", "topic"),
-                                   ("dloco_broker_refused_messages", "messages refused: the header's sender is not its key", "refused", "reason")):
+                                   ("dloco_broker_refused_messages", ("messages refused: the header's sender is not its key, an older epoch, "
+                                                                      "an unreadable header, a subscription no subscriber of the protocol makes"),
+                                    "refused", "reason"),
+                                   ("dloco_broker_subscriptions", "(un)subscriptions applied and passed upstream", "subscriptions", "kind")):
         family = CounterMetricFamily(name, doc, labels=["bus", second])
         for (bus, detail), value in sorted(by_bus(stats.get(key, {})).items()):
             family.add_metric([bus, detail], value)
