@@ -187,7 +187,8 @@ class Cluster:
     def kill(self, name: str) -> int | None:
         """kill -9: no signal handler runs, nothing is flushed or drained.  Returns the exit status of
         a process that had already ended by itself (None when it was running)."""
-        name = self.killed_as[name] = self.resolve(name)
+        target, name = name, self.resolve(name)
+        self.killed_as[target] = name  # not `name = self.killed_as[name] = ...`: that keys the map by the new name
         process = self.processes[name]
         ended = process.poll()
         if ended is None:

@@ -138,3 +138,35 @@ def test_a_links_fault_is_measured_until_its_heal_and_the_heal_by_the_islands_ne
     cut, heal = chaoseffects.effects(executed, steps, {}, folds, window_s=10.0)
     assert cut["absence_s"] == 20.0 and cut["during_absence"] == {"b": 1.0, "c": 0.5}
     assert heal["first_fold_s"] == 6.0 and "during_absence" not in heal
+
+
+def test_a_kill_of_the_primary_and_its_restart_name_the_same_process_whichever_it_is(tmp_path):
+    """With a standby, `kill:merger` kills whichever merger is the primary (its log's last role
+    event), and `restart:merger` starts that same process again, not the one that took over (a
+    soak found the restart hitting the new primary when the standby process had been the primary)."""
+    import json
+    import sys
+
+    from dloco.cluster.compose import Service
+    from dloco.cluster.launcher import Cluster
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "merger.log").write_text(json.dumps({"event": "following"}) + "\n")  # the merger process follows
+    (tmp_path / "logs" / "standby.log").write_text(json.dumps({"event": "taking_over"}) + "\n")  # the standby process leads
+    asleep = Service([sys.executable, "-c", "import time; time.sleep(120)"])
+    regions = config.ClusterConfig(regions=(config.Region(name="a"),))
+    cluster = Cluster(regions, tmp_path, {"merger": asleep, "standby": asleep}, ["merger", "standby"])
+    try:
+        for name in ("merger", "standby"):
+            cluster.start(name)
+        merger, standby = cluster.processes["merger"], cluster.processes["standby"]
+        assert cluster.act("kill", "merger") is None
+        assert standby.poll() is not None and merger.poll() is None and cluster.killed_as == {"merger": "standby"}
+        cluster.act("restart", "merger")
+        assert cluster.processes["merger"] is merger and merger.poll() is None  # the new primary untouched
+        assert cluster.processes["standby"] is not standby and cluster.processes["standby"].poll() is None
+        assert cluster.killed_as == {} and not cluster.down
+    finally:
+        for process in cluster.processes.values():
+            process.kill()
+            process.wait(timeout=30)
