@@ -64,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     experiment = commands.add_parser("experiment", help="run a named suite of cluster runs side by side; Markdown + PNG plots")
     experiment.add_argument("name", choices=("speedup", "heterogeneous", "faults", "quantization", "quantization-sync", "adoption", "merging", "downlink", "bytes",
-                                             "quality"), help="the suite (suites/experiments.py and suites/quality.py say what each measures)")
+                                             "quality", "soak"),
+                            help="the suite (suites/experiments.py, suites/quality.py and suites/soak.py say what each measures)")
+    experiment.add_argument("--minutes", type=float, default=30.0, help="soak: the run's length (default 30)")
+    experiment.add_argument("--seed", type=int, default=None, help="soak: the fault schedule's seed (default: drawn, and printed)")
     experiment.add_argument("--budgets", default=None, metavar="N,N,...",
                             help="quality: the cluster token budgets, K/M/G decimal (default 1M,4M,16M; --quick: 49152,147456)")
     experiment.add_argument("--sync-dp-on-bus", action="store_true",
@@ -181,6 +184,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _experiment(args: argparse.Namespace) -> int:
+    import random
     import time
 
     from dloco.protocol import DlocoError
@@ -196,6 +200,15 @@ def _experiment(args: argparse.Namespace) -> int:
                 raise DlocoError("quality: runs are bounded by their budgets (--budgets); give --out to resume an earlier one")
             budgets = quality.parse_budgets(args.budgets) if args.budgets else None
             text = quality.run(out, quick=args.quick, config_path=args.config, budgets=budgets, only=runs, sync_dp_on_bus=args.sync_dp_on_bus)
+        elif args.name == "soak":
+            from dloco.suites import soak
+
+            if args.reuse or args.steps or args.seconds or args.runs or args.quick:
+                raise DlocoError("soak: one run of --minutes, with --seed, --config and --out")
+            seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+            text, passed = soak.run(out, args.minutes, seed, config_path=args.config)
+            print(text)
+            return 0 if passed else 1
         elif args.budgets or args.sync_dp_on_bus:
             raise DlocoError("--budgets and --sync-dp-on-bus are for the quality suite")
         else:
