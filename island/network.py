@@ -4,12 +4,12 @@ The loop calls `publish` and `snapshots`; neither waits.  Each thread owns its s
 sockets are not thread-safe):
 - publisher: the uplink's loop (island/uplink.py) on a PUB to the delta bus;
 - receiver: a SUB on the snapshot bus (snapshots, acks) and a DEALER to the merger's ROUTER, one
-  per merger shard (island/mergers.py; requests for values, resends, probes).
-A LinkWatcher (bus/monitor.py) counts and logs each socket's connections going down (a reset, or a
-half-open link the heartbeats gave up on) and coming back (`links` in the island's summary).  It hands acks and resend requests to the uplink and
+  per merger shard (island/mergers.py; requests for values, resends, probes).  It hands acks and resend requests to the uplink and
   reassembled snapshots to the downlink (island/snapshots.py), and sends what they ask for.  A
   snapshot of another model than the island's is not adopted: its layout is kept (`foreign`), for
   the join to refuse that merger by name.
+A LinkWatcher (bus/monitor.py) counts and logs each socket's connections going down (a reset, or a
+half-open link the heartbeats gave up on) and coming back (`links` in the island's summary).
 """
 
 from __future__ import annotations
