@@ -10,13 +10,11 @@ its sender than the newest seen is dropped and counted as `old_epoch`: a merger 
 standby is fenced here (PROTOCOL.md §12).  Messages are otherwise forwarded frame for frame
 without decoding (the topic frame is read for the per-topic counters, the header's sender and
 epoch for the checks).
-Subscriptions are the broker's to apply (XPUB_MANUAL): one the protocol's subscribers make
-(protocol.subscribable) is applied to its subscriber; any other (a flood of distinct topics, a
-message that is no subscription) is refused, counted as `subscription` and logged at most once a
-second per bus, so what subscribers send cannot grow the broker's or the publishers' memory.
-Subscriptions are passed upstream, unsubscriptions are not: one subscriber's unsubscription must not
-stop the publishers' traffic that others still want (the XPUB, not the broker, knows who holds
-what), and the topics publishers are asked for stay among the protocol's few.
+A (un)subscription reaches the publishers only if it is one the protocol's subscribers make
+(protocol.subscribable); any other (a flood of distinct topics, a message that is no subscription)
+is refused, counted as `subscription` and logged at most once a second per bus, so subscribers
+cannot grow the publishers' (the merger's) memory.  The XPUB itself still holds what a subscriber
+subscribed to until it disconnects: ZeroMQ keeps that per connection and has no per-peer limit.
 High-water marks are sized in messages from a memory budget and the chunk size; XPUB_NODROP makes
 a full subscriber visible (the send fails with EAGAIN, the message is counted as `dropped`, never
 silently lost).  SIGTERM/SIGINT end the loop; sockets close with linger 0; exit 0.
@@ -34,12 +32,12 @@ import zmq
 from dloco.bus.security import Security
 from dloco.bus.sockets import open_socket
 from dloco.protocol import DEFAULT_MAX_CHUNK_BYTES, ProtocolError, peek_sender, subscribable
+from dloco.protocol.limits import MAX_SUBSCRIPTION_BYTES
 from dloco.telemetry import prom
 
 POLL_MS = 100
 KERNEL_BUFFER_BYTES = 4 << 20  # larger TCP buffers: fewer wake-ups per MiB forwarded
 FENCED_BUS = "snapshot"  # where a sender's older epochs are dropped
-MAX_SUBSCRIPTION_BYTES = 64  # longer than any topic protocol.subscribable admits
 IO_THREADS = 2  # one per direction of heavy traffic; faster than 1 with 1 MiB messages (dloco bench bus)
 
 
@@ -80,7 +78,6 @@ class Broker:
                 inbound = self._socket(zmq.XSUB, bus.inbound, f"{bus.name}-in")
                 outbound = self._socket(zmq.XPUB, bus.outbound, f"{bus.name}-out")
                 outbound.setsockopt(zmq.XPUB_NODROP, 1)
-                outbound.setsockopt(zmq.XPUB_MANUAL, 1)
                 self.pairs.append((bus.name, inbound, outbound))
         except BaseException:  # a missing key or allowlist, a busy port: nothing keeps running
             Security.stop(self.context)
@@ -90,7 +87,7 @@ class Broker:
         self.bytes = collections.Counter()
         self.dropped = collections.Counter()
         self.refused = collections.Counter()  # messages not forwarded: sender_mismatch, unreadable header, subscription
-        self.subscriptions = collections.Counter()  # (un)subscriptions applied and passed upstream
+        self.subscriptions = collections.Counter()  # (un)subscriptions passed upstream
         self.last_warned: dict[str, float] = {}
         self.newest_epoch: dict[str, int] = {}  # snapshot bus: sender -> newest epoch (a lower one is a replaced merger)
         self.stopping = False
@@ -144,7 +141,7 @@ class Broker:
             except zmq.Again:
                 return
             if not is_data:  # a (un)subscription travelling upstream
-                self._subscription(source, target, frames, bus)
+                self._subscription(target, frames, bus)
                 continue
             key = f"{bus}/{topic_key(bytes(frames[0].buffer[:64]))}"
             if not self._admitted(frames, bus):
@@ -157,14 +154,12 @@ class Broker:
             self.messages[key] += 1
             self.bytes[key] += sum(len(f) for f in frames)
 
-    def _subscription(self, xpub: zmq.Socket, xsub: zmq.Socket, frames: list[zmq.Frame], bus: str) -> None:
-        """Apply a subscriber's (un)subscription to it (the XPUB's last message came from it) and pass
-        a subscription upstream, if it is one the protocol's subscribers make; else refuse it."""
+    def _subscription(self, xsub: zmq.Socket, frames: list[zmq.Frame], bus: str) -> None:
+        """Pass a subscriber's (un)subscription to the publishers (the XPUB passes a topic's first
+        subscription and its last unsubscription) if it is one the protocol's subscribers make."""
         data = bytes(frames[0].buffer) if len(frames) == 1 and len(frames[0]) <= 1 + MAX_SUBSCRIPTION_BYTES else b""
         if data[:1] in (b"\x00", b"\x01") and subscribable(data[1:]):
-            xpub.setsockopt(zmq.SUBSCRIBE if data[0] else zmq.UNSUBSCRIBE, data[1:])
-            if data[0]:  # the XSUB passes a topic to the publishers once, however many subscribe
-                xsub.send_multipart(frames, copy=False)
+            xsub.send_multipart(frames, copy=False)
             self.subscriptions[f"{bus}/{'subscribe' if data[0] else 'unsubscribe'}"] += 1
             return
         self.refused[f"{bus}/subscription"] += 1

@@ -18,6 +18,7 @@ MAX_TOPIC_BYTES = 64
 # The topics one bus can hold are then bounded (about 33,000, none over 20 bytes) whatever
 # subscribers send.
 SUBSCRIPTION = re.compile(rb"|ack|hello|resend|snapshot_request|(?:delta|heartbeat)/(?:[0-9]{1,4}/)?|snapshot/[0-9]{0,4}")
+MAX_SUBSCRIPTION_BYTES = 16  # the longest topic SUBSCRIPTION admits: "snapshot_request"
 
 
 def subscribable(topic: bytes) -> bool:

@@ -159,25 +159,24 @@ def test_keys_are_private_and_bad_invocations_are_clear(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_subscriptions_are_the_brokers_to_apply_and_a_flood_of_topics_goes_nowhere(tmp_path, context):
-    """A subscriber floods the snapshot bus with 5,000 distinct 500-byte topics: each is refused and
-    counted, none is held or passed to the publishers; a protocol subscription beside it goes
-    through and its messages arrive.  An unsubscription is applied to its subscriber only: the
-    publishers keep sending what other subscribers may still want (a second subscriber to the same
-    topic is not cut off by the first's unsubscribing)."""
+def test_only_the_protocols_subscriptions_reach_the_publishers(tmp_path, context):
+    """A subscriber floods the snapshot bus with 5,000 distinct topics no subscriber of the protocol
+    makes: each is refused and counted, none reaches the publishers.  A protocol subscription beside
+    it reaches them once however many subscribe, and one subscriber's unsubscribing does not cut the
+    others' traffic."""
     flood_count = 5000
     broker = BrokerProcess(tmp_path, "--insecure")
     try:
         upstream = context.socket(zmq.XPUB)  # a publisher that sees the subscriptions reaching it
         upstream.setsockopt(zmq.LINGER, 0)
         upstream.connect(broker.endpoint(2))
-        flood, honest = context.socket(zmq.SUB), context.socket(zmq.SUB)
+        flood, honest, second = (context.socket(zmq.SUB) for _ in range(3))
         flood.setsockopt(zmq.SNDHWM, 0)  # else ZeroMQ keeps only the first 1,000 subscriptions in its queue
         for socket in (flood, honest):
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(broker.endpoint(3))
-        for i in range(flood_count):
-            flood.setsockopt(zmq.SUBSCRIBE, b"x" * 496 + b"%04d" % i)
+        for i in range(flood_count - 1):
+            flood.setsockopt(zmq.SUBSCRIBE, b"z%05d" % i)
         flood.setsockopt(zmq.SUBSCRIBE, b"snapshot/12345")  # a fragment number past the protocol's
         honest.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
         seen = []
@@ -185,26 +184,21 @@ def test_subscriptions_are_the_brokers_to_apply_and_a_flood_of_topics_goes_nowhe
             assert upstream.poll(10_000), seen[:3]
             seen.append(upstream.recv())
         assert received(upstream, honest, frames=[b"snapshot/0", b"header", b"x" * 100]) >= 20
-        second = context.socket(zmq.SUB)
         second.setsockopt(zmq.LINGER, 0)
         second.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
         second.connect(broker.endpoint(3))
         assert received(upstream, second, frames=[b"snapshot/0", b"header", b"x" * 100]) >= 20
         honest.setsockopt(zmq.UNSUBSCRIBE, b"snapshot/")
         deadline = time.monotonic() + 30
-        while (broker.events("broker_stats") or [{}])[-1].get("subscriptions", {}).get("snapshot/unsubscribe", 0) < 1:
+        while (broker.events("broker_stats") or [{}])[-1].get("refused", {}).get("snapshot/subscription", 0) < flood_count:
             assert time.monotonic() < deadline, broker.events("broker_stats")[-1:]
             time.sleep(0.2)
         assert received(upstream, second, frames=[b"snapshot/0", b"header", b"x" * 100]) >= 20  # still fed
-        deadline = time.monotonic() + 30
-        while (broker.events("broker_stats") or [{}])[-1].get("refused", {}).get("snapshot/subscription", 0) < flood_count + 1:
-            assert time.monotonic() < deadline, broker.events("broker_stats")[-1:]
-            time.sleep(0.2)
     finally:
         code = broker.stop()
     assert code == 0 and seen == [b"\x01snapshot/"]  # nothing of the flood upstream
-    assert not upstream.poll(0)  # nor the second subscription of the same topic, nor the unsubscription
+    assert not upstream.poll(0)  # nor the second subscription of the same topic, nor the first's unsubscription
     stopped = broker.events("broker_stopped")[-1]
-    assert stopped["refused"]["snapshot/subscription"] == flood_count + 1
-    assert stopped["subscriptions"] == {"snapshot/subscribe": 2, "snapshot/unsubscribe": 1}
+    assert stopped["refused"]["snapshot/subscription"] == flood_count
+    assert stopped["subscriptions"] == {"snapshot/subscribe": 1}
     assert len(broker.events("subscription_refused")) <= 60  # a line a second at most
