@@ -13,10 +13,10 @@ IDENT = re.compile(r"[A-Za-z0-9._:@-]+")  # sender, region, role, model, target,
 PATH = re.compile(r"[A-Za-z0-9._:@/\[\]-]+")  # tensor paths
 REASON = re.compile(r"[ -~]+")  # a result's reason: printable ASCII
 MAX_TOPIC_BYTES = 64
-# What a subscriber may subscribe to on a bus (the broker refuses anything else, PROTOCOL.md §2):
-# everything, or a prefix of the protocol's topics at a fragment or stream number below 10,000.
-# The topics one bus can hold are then bounded (about 33,000, none over 20 bytes) whatever
-# subscribers send.
+# What a subscriber may subscribe to on a bus (the broker passes nothing else to the publishers,
+# PROTOCOL.md §2): everything, or a prefix of the protocol's topics at a fragment or stream number
+# below 10,000.  What publishers are asked to filter on is then bounded (about 33,000 topics of at
+# most 16 bytes) whatever subscribers send.
 SUBSCRIPTION = re.compile(rb"|ack|hello|resend|snapshot_request|(?:delta|heartbeat)/(?:[0-9]{1,4}/)?|snapshot/[0-9]{0,4}")
 MAX_SUBSCRIPTION_BYTES = 16  # the longest topic SUBSCRIPTION admits: "snapshot_request"
 

@@ -202,3 +202,14 @@ def test_only_the_protocols_subscriptions_reach_the_publishers(tmp_path, context
     assert stopped["refused"]["snapshot/subscription"] == flood_count
     assert stopped["subscriptions"] == {"snapshot/subscribe": 1}
     assert len(broker.events("subscription_refused")) <= 60  # a line a second at most
+
+
+def test_the_subscriptions_the_protocol_makes_by_hand():
+    from dloco.protocol import subscribable
+    from dloco.protocol.limits import MAX_SUBSCRIPTION_BYTES
+
+    made = [b"", b"ack", b"hello", b"resend", b"snapshot_request", b"delta/", b"delta/0/", b"delta/9999/", b"heartbeat/",
+            b"heartbeat/3/", b"snapshot/", b"snapshot/12"]
+    assert all(subscribable(topic) for topic in made) and max(map(len, made)) == MAX_SUBSCRIPTION_BYTES
+    for topic in (b"delta/3", b"delta/10000/", b"snapshot/12345", b"acks", b"x" * 500, b"delta//", b"heartbeat/a/", b"\x00ack"):
+        assert not subscribable(topic), topic
