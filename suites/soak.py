@@ -5,8 +5,8 @@ The schedule (`plan`, pure) is one fault at a time, each followed by its recover
 and restarted; with `[run] network = "netns"` (root) an island's link partitioned, cut one way or
 lossy, and healed; the broker killed and restarted; the primary merger killed (with the standby:
 a takeover; the restarted one follows the new primary) or partitioned from everything (the standby
-takes over; the old primary is fenced on healing).  Each kind the machine allows comes once before
-any repeats.  Times are seconds after the processes start; the schedule and the seed are printed,
+takes over; the old primary is fenced on healing).  A takeover comes first, then each other kind
+the machine allows once, before any repeats.  Times are seconds after the processes start; the schedule and the seed are printed,
 and `dloco up --chaos '<schedule>'` with the same cluster file replays it.
 
 The run is the shipped profile's regions with the tiny model and a standby, in namespaces where
