@@ -169,6 +169,16 @@ def wall(event: dict) -> float:
     return datetime.datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
+def step_times(run_dir: Path, regions: list[str]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per island, the wall time of every training step and of every join (step 0), all lives."""
+    steps, joins = {}, {}
+    for region in regions:
+        events = [e for e in read_metrics(run_dir / "metrics" / f"{region}.jsonl") if "wall" in e]
+        steps[region] = [e["wall"] for e in events if e.get("step", 0) > 0]
+        joins[region] = [e["wall"] for e in events if e.get("step") == 0]
+    return steps, joins
+
+
 def chaos_effects(run_dir: Path, regions: list[str]) -> list[dict]:
     """What each executed chaos event did to the rest of the cluster (analysis.chaoseffects)."""
     from dloco.analysis.chaoseffects import effects
@@ -176,11 +186,7 @@ def chaos_effects(run_dir: Path, regions: list[str]) -> list[dict]:
     executed = read_events(run_dir / "chaos.jsonl")
     if not executed:
         return []
-    steps, joins = {}, {}
-    for region in regions:
-        events = [e for e in read_metrics(run_dir / "metrics" / f"{region}.jsonl") if "wall" in e]
-        steps[region] = [e["wall"] for e in events if e.get("step", 0) > 0]
-        joins[region] = [e["wall"] for e in events if e.get("step") == 0]
+    steps, joins = step_times(run_dir, regions)
     folds = [(wall(e), tuple(e["contributors"])) for e in merger_folds(run_dir)]
     return effects(executed, steps, joins, folds)
 
