@@ -27,7 +27,10 @@ import itertools
 from collections.abc import Iterable, Mapping
 
 RATE_FLOOR = 0.9
-RECOVERY = {"kill": "restart", "lose-disk": "restart"}  # any other fault (of a link) ends with `heal`
+RECOVERY = {
+    "kill": "restart",
+    "lose-disk": "restart",
+}  # any other fault (of a link) ends with `heal`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +45,11 @@ def folded_once(members: Iterable[tuple]) -> Check:
     """`members`: every (island, epoch, delta id) of every fold record of one log."""
     counts = collections.Counter(tuple(m) for m in members)
     twice = [(m, n) for m, n in counts.items() if n > 1]
-    return Check("folded at most once", not twice and bool(counts),
-                 f"{len(counts)} deltas folded" + (f"; folded more than once: {twice[:3]}" if twice else ""))
+    return Check(
+        "folded at most once",
+        not twice and bool(counts),
+        f"{len(counts)} deltas folded" + (f"; folded more than once: {twice[:3]}" if twice else ""),
+    )
 
 
 def versions_increase(folds: Iterable[tuple[int, int]]) -> Check:
@@ -54,8 +60,12 @@ def versions_increase(folds: Iterable[tuple[int, int]]) -> Check:
         if version <= last.get(fragment, -1):
             bad.append((fragment, last[fragment], version))
         last[fragment] = version
-    return Check("versions strictly increase", not bad, f"fragments at versions {dict(sorted(last.items()))}"
-                 + (f"; went back: {bad[:3]} (fragment, before, after)" if bad else ""))
+    return Check(
+        "versions strictly increase",
+        not bad,
+        f"fragments at versions {dict(sorted(last.items()))}"
+        + (f"; went back: {bad[:3]} (fragment, before, after)" if bad else ""),
+    )
 
 
 def acked_in_log(dones: Mapping[str, dict], logged: collections.Counter) -> Check:
@@ -65,14 +75,29 @@ def acked_in_log(dones: Mapping[str, dict], logged: collections.Counter) -> Chec
     for island, done in sorted(dones.items()):
         acks, in_log = done.get("acks", {}), logged[(island, done.get("epoch"))]
         folded, unknown = acks.get("folded", 0), acks.get("unknown", 0)
-        if folded + acks.get("rejected", 0) + unknown != done.get("deltas_sent") or not folded <= in_log <= folded + unknown:
-            bad.append(f"{island}: sent {done.get('deltas_sent')}, acks {acks}, in the log {in_log}")
-    return Check("every acked delta is in the log", bool(dones) and not bad,
-                 "; ".join(bad) or f"{len(dones)} islands' last lives: every folded ack in the log, every send settled")
+        if (
+            folded + acks.get("rejected", 0) + unknown != done.get("deltas_sent")
+            or not folded <= in_log <= folded + unknown
+        ):
+            bad.append(
+                f"{island}: sent {done.get('deltas_sent')}, acks {acks}, in the log {in_log}"
+            )
+    return Check(
+        "every acked delta is in the log",
+        bool(dones) and not bad,
+        "; ".join(bad)
+        or f"{len(dones)} islands' last lives: every folded ack in the log, every send settled",
+    )
 
 
-ROLES = {"genesis": "primary", "recovered": "primary", "no_primary": "primary", "taking_over": "primary",
-         "following": "standby", "stepped_down": "standby"}
+ROLES = {
+    "genesis": "primary",
+    "recovered": "primary",
+    "no_primary": "primary",
+    "taking_over": "primary",
+    "following": "standby",
+    "stepped_down": "standby",
+}
 
 
 def one_primary(logs: Mapping[str, list[dict]]) -> Check:
@@ -85,15 +110,24 @@ def one_primary(logs: Mapping[str, list[dict]]) -> Check:
         for event in events:
             role = ROLES.get(event.get("event"), role)
             if event.get("event") == "fold" and role == "standby":
-                bad.append(f"{name} folded version {event.get('version')} of fragment {event.get('fragment')} as a standby")
+                bad.append(
+                    f"{name} folded version {event.get('version')} "
+                    f"of fragment {event.get('fragment')} as a standby"
+                )
             if event.get("event") == "taking_over":
                 takeovers.append((event.get("timestamp", ""), event.get("term", 0), name))
-            if event.get("event") == "fenced" and not event.get("by_epoch", 0) > event.get("epoch", 0):
+            if event.get("event") == "fenced" and not event.get("by_epoch", 0) > event.get(
+                "epoch", 0
+            ):
                 bad.append(f"{name} fenced by an epoch not newer than its own: {event}")
     terms = [term for _, term, _ in sorted(takeovers)]
     if any(b <= a for a, b in itertools.pairwise(terms)):
         bad.append(f"takeover terms not increasing: {terms}")
-    return Check("one primary at a time", not bad, "; ".join(bad[:3]) or f"{len(takeovers)} takeovers, terms {terms}")
+    return Check(
+        "one primary at a time",
+        not bad,
+        "; ".join(bad[:3]) or f"{len(takeovers)} takeovers, terms {terms}",
+    )
 
 
 def epochs_monotone(adopted: Mapping[str, list[tuple[str, int]]]) -> Check:
@@ -106,8 +140,11 @@ def epochs_monotone(adopted: Mapping[str, list[tuple[str, int]]]) -> Check:
                 bad.append(f"{island} adopted epoch {epoch} of {merger} after {newest[merger]}")
             newest[merger] = max(epoch, newest.get(merger, 0))
     counts = {island: len({e for _, e in changes}) for island, changes in sorted(adopted.items())}
-    return Check("no snapshot of an older merger epoch adopted", bool(adopted) and not bad,
-                 "; ".join(bad[:3]) or f"merger epochs adopted per island: {counts}")
+    return Check(
+        "no snapshot of an older merger epoch adopted",
+        bool(adopted) and not bad,
+        "; ".join(bad[:3]) or f"merger epochs adopted per island: {counts}",
+    )
 
 
 def replay_matches(results: Mapping[str, list[tuple[int, str, str]] | str]) -> Check:
@@ -119,40 +156,75 @@ def replay_matches(results: Mapping[str, list[tuple[int, str, str]] | str]) -> C
             bad.append(f"{name}: {rows}")
             continue
         compared += len(rows)
-        bad += [f"{name}: checkpoint at record {at} differs" for at, expected, actual in rows if expected != actual]
+        bad += [
+            f"{name}: checkpoint at record {at} differs"
+            for at, expected, actual in rows
+            if expected != actual
+        ]
         if not rows:
             bad.append(f"{name}: no checkpoint to compare")
-    return Check("replay gives each checkpoint's digest", not bad, "; ".join(bad[:3]) or f"{compared} checkpoints in {len(results)} logs")
+    return Check(
+        "replay gives each checkpoint's digest",
+        not bad,
+        "; ".join(bad[:3]) or f"{compared} checkpoints in {len(results)} logs",
+    )
 
 
-CLEAN_STOP = {"merger": "stopped", "standby": "stopped", "broker": "broker_stopped"}  # an island's: "done"
+CLEAN_STOP = {
+    "merger": "stopped",
+    "standby": "stopped",
+    "broker": "broker_stopped",
+}  # an island's: "done"
 
 
 def stopped_cleanly(last: Mapping[str, str | None]) -> Check:
     """`last`: each process's last logged event.  Every fault was followed by its recovery, so each
     process must have run to the end and stopped cleanly (a merger `stopped`, the broker
     `broker_stopped`, an island `done`): a killed one that never came back shows here."""
-    bad = {name: event for name, event in sorted(last.items()) if event != CLEAN_STOP.get(name, "done")}
-    return Check("every process back and stopped cleanly", bool(last) and not bad,
-                 f"last logged events: {bad}" if bad else f"{len(last)} processes")
+    bad = {
+        name: event for name, event in sorted(last.items()) if event != CLEAN_STOP.get(name, "done")
+    }
+    return Check(
+        "every process back and stopped cleanly",
+        bool(last) and not bad,
+        f"last logged events: {bad}" if bad else f"{len(last)} processes",
+    )
 
 
 def improved(initial: float, final: float | None) -> Check:
-    return Check("the global model improved", final is not None and final < initial,
-                 f"held-out loss {initial:.3f} -> {'none (no checkpoint)' if final is None else f'{final:.3f}'}")
+    return Check(
+        "the global model improved",
+        final is not None and final < initial,
+        f"held-out loss {initial:.3f} -> "
+        + ("none (no checkpoint)" if final is None else f"{final:.3f}"),
+    )
 
 
-def fault_intervals(executed: list[dict], joins: Mapping[str, list[float]], end: float) -> list[tuple[str, float, float]]:
-    """(target, start, end) of each fault: from the event to its recovery (`restart` after a kill, else
-    `heal`), and for a killed island on to its rejoin; a fault never recovered lasts to `end`."""
+def fault_intervals(
+    executed: list[dict], joins: Mapping[str, list[float]], end: float
+) -> list[tuple[str, float, float]]:
+    """(target, start, end) of each fault: from the event to its recovery (`restart` after a
+    kill, else `heal`), and for a killed island on to its rejoin; a fault never recovered lasts
+    to `end`."""
     ordered = sorted(executed, key=lambda e: e["wall"])
     out = []
     for index, event in enumerate(ordered):
         if event["action"] in ("restart", "heal"):
             continue
         recovery = RECOVERY.get(event["action"], "heal")
-        back = next((e["wall"] for e in ordered[index + 1:] if e["target"] == event["target"] and e["action"] == recovery), end)
-        rejoined = [w for w in joins.get(event["target"], []) if w >= back] if recovery == "restart" else []
+        back = next(
+            (
+                e["wall"]
+                for e in ordered[index + 1 :]
+                if e["target"] == event["target"] and e["action"] == recovery
+            ),
+            end,
+        )
+        rejoined = (
+            [w for w in joins.get(event["target"], []) if w >= back]
+            if recovery == "restart"
+            else []
+        )
         out.append((event["target"], event["wall"], min(rejoined[0], end) if rejoined else back))
     return out
 
@@ -171,7 +243,9 @@ def _inside(t: float, merged: list[tuple[float, float]]) -> bool:
     return any(start <= t < end for start, end in merged)
 
 
-def _minus(span: tuple[float, float], merged: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def _minus(
+    span: tuple[float, float], merged: list[tuple[float, float]]
+) -> list[tuple[float, float]]:
     """`span` without `merged` (merged: sorted, disjoint)."""
     out, at = [], span[0]
     for start, end in merged:
@@ -183,7 +257,11 @@ def _minus(span: tuple[float, float], merged: list[tuple[float, float]]) -> list
     return out + ([(at, span[1])] if at < span[1] else [])
 
 
-def rate_ratios(steps: Mapping[str, list[float]], faults: list[tuple[str, float, float]], span: tuple[float, float]) -> dict[str, float | None]:
+def rate_ratios(
+    steps: Mapping[str, list[float]],
+    faults: list[tuple[str, float, float]],
+    span: tuple[float, float],
+) -> dict[str, float | None]:
     """Per island: its steps per second while another process was faulted (and it was not) over its
     steps per second while nothing was, within `span` (None: no time of one kind)."""
     every = _merge((s, e) for _, s, e in faults)
@@ -191,8 +269,12 @@ def rate_ratios(steps: Mapping[str, list[float]], faults: list[tuple[str, float,
     ratios = {}
     for island, times in steps.items():
         own = _merge((s, e) for target, s, e in faults if target.partition(".")[0] == island)
-        faulted = [piece for start, end in every if min(end, span[1]) > max(start, span[0])
-                   for piece in _minus((max(start, span[0]), min(end, span[1])), own)]
+        faulted = [
+            piece
+            for start, end in every
+            if min(end, span[1]) > max(start, span[0])
+            for piece in _minus((max(start, span[0]), min(end, span[1])), own)
+        ]
         clean_s, faulted_s = sum(e - s for s, e in clean), sum(e - s for s, e in faulted)
         if clean_s <= 0 or faulted_s <= 0:
             ratios[island] = None
@@ -205,6 +287,12 @@ def rate_ratios(steps: Mapping[str, list[float]], faults: list[tuple[str, float,
 
 def rates_kept(ratios: Mapping[str, float | None], floor: float = RATE_FLOOR) -> Check:
     low = {island: r for island, r in ratios.items() if r is not None and r < floor}
-    shown = ", ".join(f"{island} {'-' if r is None else f'{r:.2f}x'}" for island, r in sorted(ratios.items()))
-    return Check(f"step rate kept >= {floor}x while others were faulted", not low and any(r is not None for r in ratios.values()),
-                 shown, timing=True)
+    shown = ", ".join(
+        f"{island} {'-' if r is None else f'{r:.2f}x'}" for island, r in sorted(ratios.items())
+    )
+    return Check(
+        f"step rate kept >= {floor}x while others were faulted",
+        not low and any(r is not None for r in ratios.values()),
+        shown,
+        timing=True,
+    )

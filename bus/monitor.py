@@ -72,12 +72,14 @@ class SocketMonitor:
 
 
 class LinkWatcher(SocketMonitor):
-    """Per label, the connections that came up and went down.  `report(event, label, endpoint)` hears
-    each change: `link_up` or `link_down`."""
+    """Per label, the connections that came up and went down.  `report(event, label, endpoint)`
+    hears each change: `link_up` or `link_down`."""
 
     EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
-    def __init__(self, report: Callable[[str, str, str], None] = lambda event, label, endpoint: None) -> None:
+    def __init__(
+        self, report: Callable[[str, str, str], None] = lambda event, label, endpoint: None
+    ) -> None:
         self.report = report
         self.up: collections.Counter[str] = collections.Counter()
         self.down: collections.Counter[str] = collections.Counter()
@@ -90,9 +92,14 @@ class LinkWatcher(SocketMonitor):
             return
         with self.lock:
             (self.up if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED else self.down)[label] += 1
-        self.report("link_up" if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED else "link_down", label, endpoint)
+        self.report(
+            "link_up" if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED else "link_down", label, endpoint
+        )
 
     def summary(self) -> dict[str, dict[str, int]]:
         """{label: {"up": n, "down": n}} for every label seen."""
         with self.lock:
-            return {label: {"up": self.up[label], "down": self.down[label]} for label in sorted(self.up.keys() | self.down.keys())}
+            return {
+                label: {"up": self.up[label], "down": self.down[label]}
+                for label in sorted(self.up.keys() | self.down.keys())
+            }

@@ -6,8 +6,9 @@ and restarted; with `[run] network = "netns"` (root) an island's link partitione
 lossy, and healed; the broker killed and restarted; the primary merger killed (with the standby:
 a takeover; the restarted one follows the new primary) or partitioned from everything (the standby
 takes over; the old primary is fenced on healing).  A takeover comes first, then each other kind
-the machine allows once, before any repeats.  Times are seconds after the processes start; the schedule and the seed are printed,
-and `dloco up --chaos '<schedule>'` with the same cluster file replays it.
+the machine allows once, before any repeats.  Times are seconds after the processes start; the
+schedule and the seed are printed, and `dloco up --chaos '<schedule>'` with the same cluster file
+replays it.
 
 The run is the shipped profile's regions with the tiny model and a standby, in namespaces where
 the machine allows.  OUT/soak.md has the schedule, each fault's effect (analysis.chaoseffects) and
@@ -29,7 +30,8 @@ from dloco.protocol.errors import ConfigError
 
 TIMEOUT_S = HEARTBEAT_TIMEOUT_MS / 1000
 WARMUP_S = 40.0  # the islands compile and join before the first fault
-TAIL_S = 50.0  # the last recovery at least this long before the end: everyone rejoins and is folded again
+# the last recovery at least this long before the end: everyone rejoins and is folded again
+TAIL_S = 50.0
 GAP_S = (8.0, 20.0)  # between one recovery and the next fault
 AFTER_MERGER_S = 25.0  # ... after a merger's: the restarted one catches up as the standby first
 LOSSES = (2, 5, 10)  # percent
@@ -50,9 +52,15 @@ KINDS = {  # the first comes first in every schedule
     "partition": Kind("partition", "heal", "island", (2 * TIMEOUT_S, 8 * TIMEOUT_S), network=True),
     "loss": Kind("loss", "heal", "island", (3 * TIMEOUT_S, 8 * TIMEOUT_S), network=True),
     "broker-kill": Kind("kill", "restart", "broker", (3.0, 10.0)),
-    "merger-partition": Kind("partition", "heal", "merger", (4 * TIMEOUT_S, 8 * TIMEOUT_S), network=True),
-    "partition-out": Kind("partition-out", "heal", "island", (2 * TIMEOUT_S, 6 * TIMEOUT_S), network=True),
-    "partition-in": Kind("partition-in", "heal", "island", (2 * TIMEOUT_S, 6 * TIMEOUT_S), network=True),
+    "merger-partition": Kind(
+        "partition", "heal", "merger", (4 * TIMEOUT_S, 8 * TIMEOUT_S), network=True
+    ),
+    "partition-out": Kind(
+        "partition-out", "heal", "island", (2 * TIMEOUT_S, 6 * TIMEOUT_S), network=True
+    ),
+    "partition-in": Kind(
+        "partition-in", "heal", "island", (2 * TIMEOUT_S, 6 * TIMEOUT_S), network=True
+    ),
 }
 
 
@@ -66,8 +74,10 @@ class Fault:
     length_s: float
 
     def events(self) -> tuple[ChaosEvent, ChaosEvent]:
-        return (ChaosEvent(self.start_s, self.action, self.target),
-                ChaosEvent(round(self.start_s + self.length_s, 1), self.recovery, self.target))
+        return (
+            ChaosEvent(self.start_s, self.action, self.target),
+            ChaosEvent(round(self.start_s + self.length_s, 1), self.recovery, self.target),
+        )
 
 
 def plan(seed: int, seconds: float, islands: list[str], network: bool) -> list[Fault]:
@@ -97,24 +107,43 @@ def schedule(faults: list[Fault]) -> str:
     return ",".join(str(event) for fault in faults for event in fault.events())
 
 
-def soak_config(config_path: Path | None, seconds: float, network: bool) -> cluster_config.ClusterConfig:
+def soak_config(
+    config_path: Path | None, seconds: float, network: bool
+) -> cluster_config.ClusterConfig:
     """The cluster file's regions and settings (default: the shipped profile), the tiny model, a
     standby, `seconds` long; in namespaces with `network`."""
     from dloco.suites.experiments import QUICK_MODEL
 
     base = cluster_config.load(config_path)
-    return dataclasses.replace(base, model=QUICK_MODEL, duration_s=seconds, max_steps=0, tokens=0, eval_every=50, chaos=(),
-                               merger=dataclasses.replace(base.merger, standby=True), network="netns" if network else "loopback")
+    return dataclasses.replace(
+        base,
+        model=QUICK_MODEL,
+        duration_s=seconds,
+        max_steps=0,
+        tokens=0,
+        eval_every=50,
+        chaos=(),
+        merger=dataclasses.replace(base.merger, standby=True),
+        network="netns" if network else "loopback",
+    )
 
 
-def run(out_dir: Path, minutes: float, seed: int, config_path: Path | None = None, log=lambda line: print(line, file=sys.stderr, flush=True)) -> tuple[str, bool]:
+def run(
+    out_dir: Path,
+    minutes: float,
+    seed: int,
+    config_path: Path | None = None,
+    log=lambda line: print(line, file=sys.stderr, flush=True),
+) -> tuple[str, bool]:
     """Run the soak into OUT/soak/, check it, write OUT/soak.md; returns the Markdown and whether
     every correctness check passed."""
     from dloco.cluster import launcher
     from dloco.suites.soakreport import check_run, write_up
 
     if not minutes * 60 >= WARMUP_S + TAIL_S + 30:
-        raise ConfigError(f"a soak needs at least {(WARMUP_S + TAIL_S + 30) / 60:.1f} minutes, got {minutes:g}")
+        raise ConfigError(
+            f"a soak needs at least {(WARMUP_S + TAIL_S + 30) / 60:.1f} minutes, got {minutes:g}"
+        )
     reason = netns.unavailable()
     network = reason is None
     config = soak_config(config_path, minutes * 60, network)
@@ -122,8 +151,11 @@ def run(out_dir: Path, minutes: float, seed: int, config_path: Path | None = Non
     faults = plan(seed, config.duration_s, islands, network)
     chaos = schedule(faults)
     config = dataclasses.replace(config, chaos=tuple(e for f in faults for e in f.events()))
-    log(f"dloco experiment soak: seed {seed}, {minutes:g} minutes, {len(faults)} faults"
-        + ("" if network else f" (no network faults: {reason})") + f"; schedule: {chaos}")
+    log(
+        f"dloco experiment soak: seed {seed}, {minutes:g} minutes, {len(faults)} faults"
+        + ("" if network else f" (no network faults: {reason})")
+        + f"; schedule: {chaos}"
+    )
     run_dir = out_dir / "soak"
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "up.out", "w") as out:

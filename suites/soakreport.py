@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 from dloco.analysis import soakcheck
-from dloco.analysis.runinfo import chaos_effects, read_events, read_metrics
+from dloco.analysis.runinfo import chaos_effects, read_events, step_times
 from dloco.merger.wal import read_records
 
 MERGERS = ("merger", "standby")
@@ -34,83 +34,185 @@ def check_run(run_dir: Path, config) -> list[soakcheck.Check]:
     mergers = [name for name in MERGERS if (run_dir / name / "wal").exists()]
     checks = []
     for name in mergers:
-        folds = [record for _, record in read_records(run_dir / name / "wal") if record.get("type") == "fold"]
-        for check in (soakcheck.folded_once(m for f in folds for m in f["members"]),
-                      soakcheck.versions_increase((f["fragment"], f["version"]) for f in folds)):
+        folds = [
+            record
+            for _, record in read_records(run_dir / name / "wal")
+            if record.get("type") == "fold"
+        ]
+        for check in (
+            soakcheck.folded_once(m for f in folds for m in f["members"]),
+            soakcheck.versions_increase((f["fragment"], f["version"]) for f in folds),
+        ):
             checks.append(soakcheck.Check(f"{check.name} ({name}'s log)", check.ok, check.detail))
     final = merger_run_dir(run_dir)
-    logged = collections.Counter((m[0], m[1]) for _, record in read_records(final / "wal") if record.get("type") == "fold"
-                                 for m in record["members"])
+    logged = collections.Counter(
+        (m[0], m[1])
+        for _, record in read_records(final / "wal")
+        if record.get("type") == "fold"
+        for m in record["members"]
+    )
     island_logs = {name: read_events(run_dir / "logs" / f"{name}.log") for name in islands}
-    dones = {name: done[-1] for name, events in island_logs.items() if (done := [e for e in events if e.get("event") == "done"])}
+    dones = {
+        name: done[-1]
+        for name, events in island_logs.items()
+        if (done := [e for e in events if e.get("event") == "done"])
+    }
     missing = sorted(set(islands) - set(dones))
     acked = soakcheck.acked_in_log(dones, logged)
-    checks.append(acked if not missing else soakcheck.Check(acked.name, False, f"no `done` from {', '.join(missing)}; {acked.detail}"))
-    checks.append(soakcheck.one_primary({name: read_events(run_dir / "logs" / f"{name}.log") for name in mergers}))
-    checks.append(soakcheck.epochs_monotone({name: [(e["merger"], e["epoch"]) for e in events if e.get("event") == "merger_epoch"]
-                                             for name, events in island_logs.items()}))
+    checks.append(
+        acked
+        if not missing
+        else soakcheck.Check(
+            acked.name, False, f"no `done` from {', '.join(missing)}; {acked.detail}"
+        )
+    )
+    checks.append(
+        soakcheck.one_primary(
+            {name: read_events(run_dir / "logs" / f"{name}.log") for name in mergers}
+        )
+    )
+    checks.append(
+        soakcheck.epochs_monotone(
+            {
+                name: [
+                    (e["merger"], e["epoch"]) for e in events if e.get("event") == "merger_epoch"
+                ]
+                for name, events in island_logs.items()
+            }
+        )
+    )
     checks.append(soakcheck.replay_matches({name: _replay(run_dir / name) for name in mergers}))
-    last = {name: (events[-1]["event"] if events else None)  # an island prints its summary after `done`: not an event
-            for name in (*islands, *mergers, "broker") for events in [[e for e in read_events(run_dir / "logs" / f"{name}.log") if "event" in e]]}
+    last = {
+        name: (
+            events[-1]["event"] if events else None
+        )  # an island prints its summary after `done`: not an event
+        for name in (*islands, *mergers, "broker")
+        for events in [[e for e in read_events(run_dir / "logs" / f"{name}.log") if "event" in e]]
+    }
     checks.append(soakcheck.stopped_cleanly(last))
     before, after = global_eval(run_task(config), run_dir)
     checks.append(soakcheck.improved(before["loss"], after and after["loss"]))
-    steps, joins = {}, {}
-    for name in islands:
-        events = [e for e in read_metrics(run_dir / "metrics" / f"{name}.jsonl") if "wall" in e]
-        steps[name] = [e["wall"] for e in events if e.get("step", 0) > 0]
-        joins[name] = [e["wall"] for e in events if e.get("step") == 0]
+    steps, joins = step_times(run_dir, islands)
     executed = read_events(run_dir / "chaos.jsonl")
     if all(steps.values()):
-        span = (max(times[0] for times in steps.values() if times), min(times[-1] for times in steps.values() if times))
-        checks.append(soakcheck.rates_kept(soakcheck.rate_ratios(steps, soakcheck.fault_intervals(executed, joins, span[1]), span)))
+        span = (
+            max(times[0] for times in steps.values() if times),
+            min(times[-1] for times in steps.values() if times),
+        )
+        checks.append(
+            soakcheck.rates_kept(
+                soakcheck.rate_ratios(
+                    steps, soakcheck.fault_intervals(executed, joins, span[1]), span
+                )
+            )
+        )
     return checks
 
 
 def _recovery(row: dict) -> str:
     if row.get("rejoined_s") is not None:
-        return f"rejoined {row['rejoined_s']:.1f} s, folded {row['first_fold_s']:.1f} s" if row.get("first_fold_s") is not None else \
-            f"rejoined {row['rejoined_s']:.1f} s, not folded again"
+        return (
+            f"rejoined {row['rejoined_s']:.1f} s, folded {row['first_fold_s']:.1f} s"
+            if row.get("first_fold_s") is not None
+            else f"rejoined {row['rejoined_s']:.1f} s, not folded again"
+        )
     if row.get("first_fold_s") is not None:
         return f"next fold {row['first_fold_s']:.1f} s"
     return "-"
 
 
-def write_up(run_dir: Path, config, faults, chaos: str, seed: int, minutes: float, code: int, checks, no_network: str | None) -> str:
+def write_up(
+    run_dir: Path,
+    config,
+    faults,
+    chaos: str,
+    seed: int,
+    minutes: float,
+    code: int,
+    checks,
+    no_network: str | None,
+) -> str:
     """OUT/soak.md: the checks first (what a user trusting the run needs), then each fault's row."""
     islands = [region.name for region in config.regions]
     rows = chaos_effects(run_dir, islands)
     failed = [c for c in checks if not c.ok and not c.timing]
-    where = "network namespaces" if no_network is None else f"loopback (no network faults: {no_network})"
-    intro = (f"`dloco experiment soak --minutes {minutes:g} --seed {seed}`: {len(faults)} faults over {minutes:g} minutes, "
-             f"{len(islands)} islands ({', '.join(islands)}), a standby, {where}; `dloco up` exited {code}.")
-    verdict = (f"**{'PASSED' if not failed and code == 0 else 'FAILED'}**: {len(checks) - len(failed)} of {len(checks)} checks hold"
-               + (f"; failed: {', '.join(c.name for c in failed)}" if failed else "") + ".")
+    where = (
+        "network namespaces"
+        if no_network is None
+        else f"loopback (no network faults: {no_network})"
+    )
+    intro = (
+        f"`dloco experiment soak --minutes {minutes:g} --seed {seed}`: {len(faults)} faults over "
+        f"{minutes:g} minutes, {len(islands)} islands ({', '.join(islands)}), a standby, {where}; "
+        f"`dloco up` exited {code}."
+    )
+    verdict = (
+        f"**{'PASSED' if not failed and code == 0 else 'FAILED'}**: "
+        f"{len(checks) - len(failed)} of {len(checks)} checks hold"
+        + (f"; failed: {', '.join(c.name for c in failed)}" if failed else "")
+        + "."
+    )
     lines = ["# Soak", "", intro, "", verdict, "", "| check | holds | detail |", "|---|---|---|"]
-    lines += [f"| {c.name}{' (timing)' if c.timing else ''} | {'yes' if c.ok else '**no**'} | {c.detail} |" for c in checks]
-    legend = ("Each fault and its recovery; the other islands' step rate over the whole fault against as long a stretch just "
-              "before it (1.00 = undisturbed); the time from the recovery to the target's next folded delta (an island) or to "
-              "the next fold (the broker), and for the primary merger from the fault to the next fold (the standby's, once "
-              "it has taken over).")
-    lines += ["", "## Faults", "", legend, "", "| t (s) | fault | target | length (s) | others' step rate during | recovery |", "|---|---|---|---|---|---|"]
-    by_wall = {(row["action"], row["target"], round(row["at_s"], 0)): row for row in rows}
-    recoveries = {(row["target"], round(row["at_s"], 0)): row for row in rows if row["action"] in ("restart", "heal")}
+    lines += [
+        f"| {c.name}{' (timing)' if c.timing else ''} | {'yes' if c.ok else '**no**'} "
+        f"| {c.detail} |"
+        for c in checks
+    ]
+    legend = (
+        "Each fault and its recovery; the other islands' step rate over the whole fault against "
+        "as long a stretch just before it (1.00 = undisturbed); the time from the recovery to the "
+        "target's next folded delta (an island) or to the next fold (the broker), and for the "
+        "primary merger from the fault to the next fold (the standby's, once it has taken over)."
+    )
+    lines += [
+        "",
+        "## Faults",
+        "",
+        legend,
+        "",
+        "| t (s) | fault | target | length (s) | others' step rate during | recovery |",
+        "|---|---|---|---|---|---|",
+    ]
+    by_when = {row["when"]: row for row in rows if "when" in row}  # each event's own text: exact
     for fault in faults:
-        row = next((r for (action, target, at), r in by_wall.items() if action == fault.action and target == fault.target
-                    and abs(at - fault.start_s) <= 5), None)
-        back = next((r for (target, at), r in recoveries.items() if target == fault.target
-                     and abs(at - fault.start_s - fault.length_s) <= 5), None)
+        start, end = (str(event) for event in fault.events())
+        row, back = by_when.get(start), by_when.get(end)
         during = row.get("during_absence") if row else None
-        rates = ", ".join(f"{n} {r:.2f}" for n, r in sorted(during.items()) if r is not None) if during else "-"
-        if fault.target == "merger" and row is not None:
+        rates = (
+            ", ".join(f"{n} {r:.2f}" for n, r in sorted(during.items()) if r is not None)
+            if during
+            else "-"
+        )
+        if row is None:
+            recovery = "not executed"
+        elif fault.target == "merger":
             recovery = _recovery({"first_fold_s": row.get("first_fold_s")}) + " after the fault"
         else:
-            recovery = _recovery(back) if back else "not executed"
-        lines.append(f"| {fault.start_s:.0f} | {fault.kind} ({fault.action}) | {fault.target} | {fault.length_s:.1f} | {rates} | {recovery} |")
-    ratios = [r for row in rows for r in (row.get("during_absence") or {}).values() if r is not None]
+            recovery = _recovery(back) if back else "not recovered"
+        lines.append(
+            f"| {fault.start_s:.0f} | {fault.kind} ({fault.action}) | {fault.target} "
+            f"| {fault.length_s:.1f} | {rates} | {recovery} |"
+        )
+    ratios = [
+        r for row in rows for r in (row.get("during_absence") or {}).values() if r is not None
+    ]
     if ratios:
-        lines += ["", (f"Others' step rate during a fault: median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x "
-                       f"over {len(ratios)} (island, fault) pairs.")]
-    settings = "`[merger] standby = true`, the tiny model" + (', `[run] network = "netns"`' if no_network is None else "")
-    lines += ["", f"Replay the same faults: `dloco up --chaos '{chaos}'` with the same cluster file ({settings}). Run directory: `{run_dir}`.", ""]
+        lines += [
+            "",
+            (
+                f"Others' step rate during a fault: median {statistics.median(ratios):.2f}x, "
+                f"min {min(ratios):.2f}x over {len(ratios)} (island, fault) pairs."
+            ),
+        ]
+    settings = "`[merger] standby = true`, the tiny model" + (
+        ', `[run] network = "netns"`' if no_network is None else ""
+    )
+    lines += [
+        "",
+        (
+            f"Replay the same faults: `dloco up --chaos '{chaos}'` with the same cluster file "
+            f"({settings}). Run directory: `{run_dir}`."
+        ),
+        "",
+    ]
     return "\n".join(lines)
