@@ -91,7 +91,7 @@ class MergerCore:
         self.cursors: dict[str, tuple[int, int]] = {}
         self.owned: frozenset[int] | None = None  # a merger shard's fragments (None: every one); others are rejected
         if log is not None and log.next_index == 0:
-            log.append(records.genesis_record(config.to_dict(), model, self.fragments, params))
+            log.append(*records.genesis_record(config.to_dict(), model, self.fragments, params))
 
     @classmethod
     def from_genesis(cls, record: dict, log: Log | None = None) -> MergerCore:

@@ -47,7 +47,11 @@ def newest_epoch(terms: Sequence[tuple[int, int]]) -> int:
 
 
 def genesis_id(record: dict) -> int:
-    """What names a run: the CRC-32 of its genesis record (a standby never follows another run's log)."""
+    """What names a run: the CRC-32 of its genesis record packed as msgpack, each of its blobs (under
+    "blobs", as the log reads them back) replaced by the blob's own CRC-32 (a standby never follows
+    another run's log)."""
+    if "blobs" in record:
+        record = {**record, "blobs": [crc32(blob) for blob in record["blobs"]]}
     return crc32(msgpack.packb(record, use_bin_type=True))
 
 

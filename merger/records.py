@@ -36,17 +36,32 @@ def software_mismatch(genesis: dict) -> str | None:
             "folds may differ by rounding units and checkpoints may not match")
 
 
-def genesis_record(config: dict, model: str, fragments: Sequence[Sequence[str]], params: Mapping[str, np.ndarray]) -> dict:
+def genesis_record(config: dict, model: str, fragments: Sequence[Sequence[str]],
+                   params: Mapping[str, np.ndarray]) -> tuple[dict, list[tuple[memoryview, None]]]:
+    """The log's first record and its blobs: one per tensor, float32 little-endian, in `tensors`
+    order.  The blobs view the parameters themselves (no copy: the log writes them as they are and
+    computes their CRC-32 on the way)."""
+    arrays = {path: np.ascontiguousarray(np.asarray(a), dtype="<f4") for path, a in params.items()}
     return {
         "type": GENESIS, "config": config, "model": model, "fragments": [list(f) for f in fragments], "software": software(),
         "run": uuid.uuid4().hex,  # two runs from the same model and settings still have different logs (a standby follows only its own)
-        "params": {path: {"shape": list(a.shape), "data": np.ascontiguousarray(a, dtype="<f4").tobytes()} for path, a in params.items()},
-    }
+        "tensors": [[path, list(a.shape)] for path, a in arrays.items()],
+    }, [(memoryview(a.reshape(-1)).cast("B"), None) for a in arrays.values()]
 
 
 def params_from_genesis(record: dict) -> dict[str, np.ndarray]:
-    return {path: np.frombuffer(entry["data"], dtype="<f4").reshape(entry["shape"]).astype(np.float32)
-            for path, entry in record["params"].items()}
+    """The model of a genesis record as read back (its blobs under "blobs"), viewed where it lies:
+    read-only float32 arrays over the record's bytes, no copy.  Logs written before the blobs
+    carried each tensor's bytes in a `params` map."""
+    if "tensors" in record:
+        pieces = [(path, shape, blob) for (path, shape), blob in zip(record["tensors"], record["blobs"])]
+    else:
+        pieces = [(path, entry["shape"], entry["data"]) for path, entry in record["params"].items()]
+    return {path: _aligned(np.frombuffer(data, dtype="<f4").reshape(shape)) for path, shape, data in pieces}
+
+
+def _aligned(array: np.ndarray) -> np.ndarray:
+    return array if array.flags.aligned else array.copy()  # a blob at an odd offset of its log segment
 
 
 def delta_record(assembled: Assembled, staleness: int) -> tuple[dict, list[tuple[memoryview, int | None]]]:

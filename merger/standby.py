@@ -205,6 +205,7 @@ class Standby:
             raise Diverged(f"record {index} arrived before any genesis record")
         self.wal.append(record, blobs)
         if record["type"] == records.GENESIS:
+            record = {**record, "blobs": [blob for blob, _ in blobs]} if blobs else record  # as the log reads it back
             self.core, self.terms, self.term, self.genesis = MergerCore.from_genesis(record), [(0, 0)], 0, genesis_id(record)
             self._warm_up()
             return True

@@ -50,7 +50,7 @@ from dloco.protocol.checksum import crc32
 from dloco.protocol.errors import DlocoError
 
 _HEADER = struct.Struct("<II")
-MAX_RECORD_BYTES = 1 << 31
+MAX_META_BYTES = 1 << 31  # a record's map; its blobs may be any size (a genesis record's are the model)
 FSYNC_POLICIES = ("always", "batch", "never")
 
 
@@ -230,9 +230,9 @@ class WriteAheadLog:
         if blobs:
             record = {**record, "blobs": [[v.nbytes, crc32(v) if crc is None else crc] for v, (_, crc) in zip(views, blobs)]}
         meta = msgpack.packb(record, use_bin_type=True)
+        if len(meta) >= MAX_META_BYTES:
+            raise DlocoError(f"log record's map of {len(meta)} bytes exceeds {MAX_META_BYTES}")
         size = _HEADER.size + len(meta) + sum(v.nbytes for v in views)
-        if size >= MAX_RECORD_BYTES:
-            raise DlocoError(f"log record of {size} bytes exceeds {MAX_RECORD_BYTES}")
         try:
             if self._segment_size > 0 and self._segment_size + size > self.segment_bytes:
                 self._open_segment(self.next_index)

@@ -183,3 +183,36 @@ def test_a_checkpoint_beyond_the_end_of_the_log_is_an_error_not_a_silent_restart
         handle.truncate(segment.stat().st_size - 5)  # the last record, covered by the checkpoint, damaged
     with pytest.raises(ReplayError, match=f"checkpoint at record {core.log.next_index} lies beyond the end"):
         recover(tmp_path)
+
+
+def test_the_genesis_record_carries_the_model_as_blobs_without_copying_it(tmp_path):
+    """The model goes into the log as one raw blob per tensor, viewing the parameters themselves
+    (no msgpack copy of the model), and comes back exactly, as views of what was read;
+    a log written before the blobs (tensors as bytes in a `params` map) still reads; a standby,
+    which gets the blobs beside the record, names the run as the log's reader does."""
+    import msgpack
+    import numpy as np
+
+    from dloco.merger import records
+    from dloco.merger.logmatch import genesis_id, genesis_of
+
+    params = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b/c": np.full(5, -1.5, np.float32)}
+    record, blobs = records.genesis_record({}, "m", [["a"], ["b/c"]], params)
+    assert "params" not in record and record["tensors"] == [["a", [2, 3]], ["b/c", [5]]]
+    assert [np.shares_memory(np.frombuffer(b, np.float32), params[p]) for (b, _), p in zip(blobs, ("a", "b/c"))] == [True, True]
+    assert len(msgpack.packb(record)) < 300  # the map names the tensors; the values are the blobs'
+
+    wal = WriteAheadLog(tmp_path / "wal", fsync="never")
+    wal.append(record, blobs)
+    wal.close()
+    ((_, read),) = list(read_records(tmp_path / "wal"))
+    back = records.params_from_genesis(read)
+    assert {p: v.tolist() for p, v in back.items()} == {p: v.tolist() for p, v in params.items()}
+    assert all(v.dtype == np.float32 and v.flags.aligned for v in back.values())  # copied only where a blob lies at an odd offset
+    assert genesis_id({**record, "blobs": [b for b, _ in blobs]}) == genesis_id(read) == genesis_of(tmp_path)
+    other, other_blobs = records.genesis_record({}, "m", [["a"], ["b/c"]], {**params, "b/c": np.zeros(5, np.float32)})
+    assert genesis_id({**other, "run": record["run"], "blobs": [b for b, _ in other_blobs]}) != genesis_id(read)  # the values count
+
+    older = {k: v for k, v in record.items() if k != "tensors"}
+    older["params"] = {p: {"shape": list(v.shape), "data": v.tobytes()} for p, v in params.items()}
+    assert {p: v.tolist() for p, v in records.params_from_genesis(older).items()} == {p: v.tolist() for p, v in params.items()}
