@@ -5,8 +5,11 @@ outer-optimizer state, the settled-delta results, and the log indices of deltas 
 yet folded.  Recovery = newest valid checkpoint + log records from the oldest such pending index
 (records before N are used only to re-queue those pending deltas) + everything from N on.
 
-File: ``DIR/<N, 12 digits>.ckpt`` = u32 length, u32 CRC-32, msgpack payload (the log's framing);
-written to a temporary name, fsynced, renamed, directory fsynced.
+File: ``DIR/<N, 12 digits>.ckpt`` = u32 length, u32 CRC-32, msgpack map, then the arrays' bytes as
+raw blobs back to back (a write-ahead-log record, merger/wal.py: the map lists them as "blobs":
+[[nbytes, crc32], ...] and each array entry names its blob), so that saving copies no array and
+reading views them where they lie.  Checkpoints written before the blobs had each array's bytes in
+the map (`data`), and still read.  Written to a temporary name, fsynced, renamed, directory fsynced.
 """
 
 from __future__ import annotations
@@ -29,12 +32,21 @@ _HEADER = struct.Struct("<II")
 
 
 def _array(entry: dict) -> np.ndarray:
-    return np.frombuffer(entry["data"], dtype=np.dtype(entry["dtype"])).reshape(entry["shape"]).copy()
+    array = np.frombuffer(entry["data"], dtype=np.dtype(entry["dtype"])).reshape(entry["shape"])
+    return array if array.flags.aligned else array.copy()
 
 
 def _entry(value) -> dict:
-    array = np.asarray(value)
-    return {"dtype": array.dtype.str, "shape": list(array.shape), "data": np.ascontiguousarray(array).tobytes()}
+    """An array's entry; `data` views its bytes (`save` writes them as a blob)."""
+    array = np.ascontiguousarray(np.asarray(value))
+    return {"dtype": array.dtype.str, "shape": list(array.shape), "data": memoryview(array.reshape(-1)).cast("B")}
+
+
+def _arrays(content: dict):
+    """Every array entry of a checkpoint's content, in file order."""
+    for fragment in content["fragments"]:
+        yield from fragment["params"].values()
+        yield from fragment["opt_leaves"]
 
 
 def export_state(core: MergerCore, next_index: int) -> dict:
@@ -60,7 +72,7 @@ def export_state(core: MergerCore, next_index: int) -> dict:
 def import_state(core: MergerCore, data: dict) -> None:
     """Load exported state into a core built from the same genesis (pending deltas excluded)."""
     for fragment, entry in enumerate(data["fragments"]):
-        params = {p: _array(v).astype(np.float32) for p, v in entry["params"].items()}
+        params = {p: _array(v).astype(np.float32, copy=False) for p, v in entry["params"].items()}
         template = core.optimizer.init([params[p] for p in sorted(params)])
         treedef = jax.tree_util.tree_structure(template)
         opt_state = jax.tree_util.tree_unflatten(treedef, [jax.numpy.asarray(_array(leaf)) for leaf in entry["opt_leaves"]])
@@ -80,13 +92,20 @@ def import_state(core: MergerCore, data: dict) -> None:
 def save(directory: str | Path, core: MergerCore, next_index: int) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    payload = msgpack.packb(export_state(core, next_index), use_bin_type=True)
+    content = export_state(core, next_index)
+    blobs = []
+    for entry in _arrays(content):
+        blobs.append(entry.pop("data"))
+        entry["blob"] = len(blobs) - 1
+    content["blobs"] = [[blob.nbytes, crc32(blob)] for blob in blobs]
+    meta = msgpack.packb(content, use_bin_type=True)
     final = directory / f"{next_index:012d}.ckpt"
     temporary = final.with_suffix(".tmp")
     try:
         with open(temporary, "wb") as handle:
-            handle.write(_HEADER.pack(len(payload), crc32(payload)))
-            handle.write(payload)
+            handle.write(_HEADER.pack(len(meta), crc32(meta)))
+            handle.write(meta)
+            handle.writelines(blobs)  # straight from the arrays: no copy
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, final)
@@ -102,15 +121,32 @@ def save(directory: str | Path, core: MergerCore, next_index: int) -> Path:
 
 
 def read(path: Path) -> dict | None:
-    """The checkpoint's content, or None if the file is incomplete or corrupt."""
+    """The checkpoint's content, each array entry's `data` viewing its bytes in what was read, or
+    None if the file is incomplete or corrupt."""
     data = path.read_bytes()
     if len(data) < _HEADER.size:
         return None
     length, crc = _HEADER.unpack_from(data)
-    payload = memoryview(data)[_HEADER.size :]
-    if len(payload) != length or crc32(payload) != crc:
+    view = memoryview(data)
+    meta, offset = view[_HEADER.size : _HEADER.size + length], _HEADER.size + length
+    if len(meta) != length or crc32(meta) != crc:
         return None
-    return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    content = msgpack.unpackb(meta, raw=False, strict_map_key=False)
+    blobs = []
+    for nbytes, blob_crc in content.pop("blobs", ()):
+        blob, offset = view[offset : offset + nbytes], offset + nbytes
+        if len(blob) != nbytes or crc32(blob) != blob_crc:
+            return None
+        blobs.append(blob)
+    if offset != len(data):
+        return None
+    try:
+        if blobs:
+            for entry in _arrays(content):
+                entry["data"] = blobs[entry.pop("blob")]
+    except (KeyError, IndexError, TypeError, AttributeError):  # a map that does not name its arrays' blobs
+        return None
+    return content
 
 
 def all_checkpoints(directory: str | Path) -> list[Path]:
