@@ -199,8 +199,8 @@ def _size_result(label: str, shapes: dict, params: int, memcpy_s: float, pipelin
                    "held_bytes_per_param": {name: nbytes / params for name, nbytes in pipeline["merger_memory_kib"]["held"].items()}},
         "island": {**_memory(island["memory_kib"], params),
                    "held_bytes_per_param": {name: nbytes / params for name, nbytes in island["held_bytes"].items()}},
-        # A fp32 fragment larger than an island's reassembly budget cannot be joined by `dloco island`
-        # as it stands (protocol.Reassembler's default); this benchmark's island is given room.
+        # A fp32 fragment larger than an island's reassembly budget (island/snapshots.reassembly_budget)
+        # could not be joined by `dloco island`; this benchmark's island is given room.
         "join": {"full_snapshot_reassembly_bytes": pipeline["full_snapshot_reassembly_bytes"],
                  "island_reassembly_budget": pipeline["island_reassembly_budget"],
                  "fits": pipeline["full_snapshot_reassembly_bytes"] <= pipeline["island_reassembly_budget"]},
@@ -234,7 +234,7 @@ def summary(result: dict) -> str:
         if not join["fits"]:
             need, budget = join["full_snapshot_reassembly_bytes"] / 2**20, join["island_reassembly_budget"] / 2**20
             lines.append(f"note: at {size['label']} a fragment's full fp32 snapshot needs {need:.0f} MiB to reassemble, over an island's "
-                         f"{budget:.0f} MiB (protocol.Reassembler's default): `dloco island` would not join it; this benchmark's island "
+                         f"{budget:.0f} MiB (island/snapshots.reassembly_budget): `dloco island` would not join it; this benchmark's island "
                          "was given room")
     return "\n".join(lines)
 

@@ -44,6 +44,7 @@ from dloco.bus.sockets import open_socket
 from dloco.cluster.ports import free_ports
 from dloco.island import exchange
 from dloco.island.config import SyncConfig
+from dloco.island.snapshots import reassembly_budget
 from dloco.island.loop import FragmentProgress
 from dloco.island.outbox import PendingDelta
 from dloco.island.shaper import LinkShaper
@@ -115,12 +116,12 @@ class _Island:
             self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.uplink = Uplink(NAME, self.model, epoch, self.sync, LinkShaper(None), threading.Event())
         self.downlink = Downlink(NAME, epoch)
-        # The island's own budget (protocol.Reassembler's default) is smaller than a fp32 fragment of
-        # a large model: the join gets what it needs, and the result says whether the default fits.
+        # The join gets what it needs; the result says whether `dloco island`'s own budget holds a
+        # fragment's fp32 snapshot (it grows with the model: island/snapshots.reassembly_budget).
         payload = max(4 * sum(int(np.prod(shapes[p])) for p in paths) for paths in self.parts)
         chunks = -(-payload // self.sync.chunk_bytes)  # at least one slice each
         self.full_snapshot_cost = payload + chunks * (CHUNK_OVERHEAD_BYTES + SLICE_OVERHEAD_BYTES)
-        self.island_budget = protocol.Reassembler().max_bytes
+        self.island_budget = reassembly_budget(4 * sum(int(np.prod(shape)) for shape in shapes.values()))  # `dloco island`'s
         self.reassembler = protocol.Reassembler(max_bytes=max(self.island_budget, 2 * self.full_snapshot_cost))
         self.deltas, self.joined = 0, False
 

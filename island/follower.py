@@ -19,7 +19,7 @@ from dloco import protocol
 from dloco.bus.security import Security
 from dloco.bus.sockets import open_socket
 from dloco.island.mergers import MergerLinks, split_endpoints
-from dloco.island.snapshots import Downlink
+from dloco.island.snapshots import Downlink, reassembly_budget
 
 POLL_MS = 100
 
@@ -33,7 +33,7 @@ class SnapshotFollower:
         self.held: dict[int, tuple[int, dict[str, np.ndarray]]] = {}  # fragment -> (version, tensors), as taken by `current`
         self.dropped: dict[str, int] = {}  # messages not used, by reason
         self.bytes_received = 0
-        self._reassembly_bytes = max(256 << 20, model_bytes + (64 << 20))
+        self._reassembly_bytes = reassembly_budget(model_bytes)
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards `held` between the receiver and `current`
         self._context = zmq.Context()

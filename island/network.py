@@ -30,7 +30,7 @@ from dloco.island.config import SyncConfig
 from dloco.island.mergers import MergerLinks, split_endpoints
 from dloco.island.outbox import PendingDelta
 from dloco.island.shaper import LinkShaper
-from dloco.island.snapshots import Downlink
+from dloco.island.snapshots import Downlink, reassembly_budget
 from dloco.island.uplink import Uplink
 from dloco.protocol import shards
 from dloco.telemetry.ratelimit import ThrottledLog
@@ -54,9 +54,7 @@ class NetworkLink:
                  security: Security | None = None, bus_server: str = "broker", control_server: str = "merger",
                  model_bytes: int = 0) -> None:
         self.name, self.model, self.log = name, model, log
-        # Snapshots being reassembled may hold up to the whole model in fp32 (every fragment's catch-up
-        # reply at join): the bound grows with the model beyond the reassembler's default 256 MiB.
-        self._reassembly_bytes = max(256 << 20, model_bytes + (64 << 20))
+        self._reassembly_bytes = reassembly_budget(model_bytes)
         self.security = security or Security(None, name)
         self.delta_route, self.snapshot_route = Route(delta_endpoint, bus_server), Route(snapshot_endpoint, bus_server)
         self.control_endpoints, self.control_server = split_endpoints(control_endpoint), control_server  # one per merger shard

@@ -20,6 +20,12 @@ import numpy as np
 from dloco import protocol
 from dloco.protocol import downlink
 
+def reassembly_budget(model_bytes: int) -> int:
+    """Bytes an island's snapshot reassembly may hold: up to the whole model in fp32 (every
+    fragment's catch-up reply at join), beyond the reassembler's default 256 MiB for a large model."""
+    return max(protocol.Reassembler().max_bytes, model_bytes + (64 << 20))
+
+
 ASK_AGAIN_S = 1.0  # a fragment whose diff could not be applied is asked for at most this often
 
 @dataclasses.dataclass(frozen=True)
