@@ -44,11 +44,10 @@ from dloco.bus.sockets import open_socket
 from dloco.cluster.ports import free_ports
 from dloco.island import exchange
 from dloco.island.config import SyncConfig
-from dloco.island.snapshots import reassembly_budget
 from dloco.island.loop import FragmentProgress
 from dloco.island.outbox import PendingDelta
 from dloco.island.shaper import LinkShaper
-from dloco.island.snapshots import Downlink
+from dloco.island.snapshots import Downlink, reassembly_budget
 from dloco.island.uplink import Uplink
 from dloco.protocol.errors import DlocoError
 from dloco.protocol.reassembly import CHUNK_OVERHEAD_BYTES, SLICE_OVERHEAD_BYTES
@@ -122,7 +121,7 @@ class _Island:
         chunks = -(-payload // self.sync.chunk_bytes)  # at least one slice each
         self.full_snapshot_cost = payload + chunks * (CHUNK_OVERHEAD_BYTES + SLICE_OVERHEAD_BYTES)
         self.island_budget = reassembly_budget(4 * sum(int(np.prod(shape)) for shape in shapes.values()))  # `dloco island`'s
-        self.reassembler = protocol.Reassembler(max_bytes=max(self.island_budget, 2 * self.full_snapshot_cost))
+        self.reassembler = snapshot_reassembler(2 * self.full_snapshot_cost)  # streamed, as `dloco island`
         self.deltas, self.joined = 0, False
 
     def probe(self) -> None:

@@ -19,7 +19,7 @@ from dloco import protocol
 from dloco.bus.security import Security
 from dloco.bus.sockets import open_socket
 from dloco.island.mergers import MergerLinks, split_endpoints
-from dloco.island.snapshots import Downlink, reassembly_budget
+from dloco.island.snapshots import Downlink, snapshot_reassembler
 
 POLL_MS = 100
 
@@ -33,7 +33,7 @@ class SnapshotFollower:
         self.held: dict[int, tuple[int, dict[str, np.ndarray]]] = {}  # fragment -> (version, tensors), as taken by `current`
         self.dropped: dict[str, int] = {}  # messages not used, by reason
         self.bytes_received = 0
-        self._reassembly_bytes = reassembly_budget(model_bytes)
+        self._model_bytes = model_bytes
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards `held` between the receiver and `current`
         self._context = zmq.Context()
@@ -67,7 +67,7 @@ class SnapshotFollower:
         # as an island's: one per merger shard; with a standby ("A,B"), requests queue only to the merger that is up
         self._mergers = MergerLinks(self._context, control_endpoint, self.security, self.control_server, self.name)
         ask_all = {shard: protocol.encode(self.downlink.ask_for_all(time.monotonic())) for shard in range(self._mergers.count)}
-        reassemblers = {socket: protocol.Reassembler(max_bytes=self._reassembly_bytes) for socket in (sub, *self._mergers.dealers)}  # as island/network.py
+        reassemblers = {socket: snapshot_reassembler(self._model_bytes) for socket in (sub, *self._mergers.dealers)}  # as island/network.py
         poller = zmq.Poller()
         for socket in reassemblers:
             poller.register(socket, zmq.POLLIN)

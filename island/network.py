@@ -30,7 +30,7 @@ from dloco.island.config import SyncConfig
 from dloco.island.mergers import MergerLinks, split_endpoints
 from dloco.island.outbox import PendingDelta
 from dloco.island.shaper import LinkShaper
-from dloco.island.snapshots import Downlink, reassembly_budget
+from dloco.island.snapshots import Downlink, snapshot_reassembler
 from dloco.island.uplink import Uplink
 from dloco.protocol import shards
 from dloco.telemetry.ratelimit import ThrottledLog
@@ -54,7 +54,7 @@ class NetworkLink:
                  security: Security | None = None, bus_server: str = "broker", control_server: str = "merger",
                  model_bytes: int = 0) -> None:
         self.name, self.model, self.log = name, model, log
-        self._reassembly_bytes = reassembly_budget(model_bytes)
+        self._model_bytes = model_bytes
         self.security = security or Security(None, name)
         self.delta_route, self.snapshot_route = Route(delta_endpoint, bus_server), Route(snapshot_endpoint, bus_server)
         self.control_endpoints, self.control_server = split_endpoints(control_endpoint), control_server  # one per merger shard
@@ -171,7 +171,7 @@ class NetworkLink:
         # Bus and point-to-point snapshots reassemble apart: a catch-up reply (exact: fp32 or the full
         # snapshots' codec) and a bus snapshot of one version share a key, and chunks of one must not
         # meet the other's.
-        reassemblers = {socket: protocol.Reassembler(max_bytes=self._reassembly_bytes) for socket in (sub, *self._mergers.dealers)}
+        reassemblers = {socket: snapshot_reassembler(self._model_bytes) for socket in (sub, *self._mergers.dealers)}
         poller = zmq.Poller()
         for socket in reassemblers:
             poller.register(socket, zmq.POLLIN)

@@ -20,10 +20,18 @@ import numpy as np
 from dloco import protocol
 from dloco.protocol import downlink
 
+
 def reassembly_budget(model_bytes: int) -> int:
-    """Bytes an island's snapshot reassembly may hold: up to the whole model in fp32 (every
-    fragment's catch-up reply at join), beyond the reassembler's default 256 MiB for a large model."""
+    """Bytes of values an island's snapshot reassembly may stage: up to the whole model in fp32
+    (every fragment's catch-up reply at join), beyond the reassembler's default 256 MiB for a large model."""
     return max(protocol.Reassembler().max_bytes, model_bytes + (64 << 20))
+
+
+def snapshot_reassembler(model_bytes: int) -> protocol.Reassembler:
+    """How an island reassembles snapshots: streamed (each chunk decoded into the fragment's staging
+    values as it comes, its frames let go), the chunks' overheads within the reassembler's default
+    budget, the values within `reassembly_budget`: a fragment of any size the island's memory holds."""
+    return protocol.Reassembler(stream=True, max_staged_bytes=reassembly_budget(model_bytes))
 
 
 ASK_AGAIN_S = 1.0  # a fragment whose diff could not be applied is asked for at most this often

@@ -93,7 +93,9 @@ def reply(served: Served, preferred: Codec, max_chunk_bytes: int) -> tuple[Codec
 
 
 def apply(held: Mapping[str, np.ndarray], change: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {path: np.add(held[path], change[path], dtype=np.float32) for path in held}
+    """held + change in float32, added into `change`'s arrays (they become the new value: a diff
+    costs no third copy of its fragment)."""
+    return {path: np.add(held[path], change[path], out=change[path], dtype=np.float32) for path in held}
 
 
 def receive(held: Served | None, version: int, base_version: int | None, expected: int | None,
@@ -102,7 +104,8 @@ def receive(held: Served | None, version: int, base_version: int | None, expecte
     ``full`` / ``diff``: a newer value, adopt it; ``old``: nothing newer, ignore it;
     ``missing`` (a diff, no value held), ``gap`` (a diff from a version not held), ``mismatch``
     (the value, or the diff applied to the value held, does not have the digest the snapshot
-    names): keep what is held and ask for the value again."""
+    names): keep what is held and ask for the value again.  A diff's `tensors` (float32, the
+    caller's own) are added to in place: they are the new value."""
     if base_version is None:
         newer = held is None or version > held.version
         replaced = held is not None and version == held.version and expected is not None and expected != held.digest

@@ -10,6 +10,14 @@ completed keys are kept, so late duplicates of a finished message are ignored ra
 assembled again; older duplicates are the sequencing layer's to filter (PROTOCOL.md §6).  A
 message whose slices do not tile its tensors is dropped whole and not remembered, like an evicted
 one: its chunks, sent again, are reassembled afresh.  PROTOCOL.md §7 gives the order of the checks.
+
+``stream=True`` (islands' snapshots): each chunk is decoded on arrival into float32 arrays of its
+message's tensors (the *staging* values, allocated as each tensor is first named) and its payloads
+are let go, so a message is never held twice (encoded, then decoded) and a partial costs its chunk
+overheads plus its staging values.  Those count against ``max_staged_bytes`` (by default
+``max_bytes``), the chunks' overheads against ``max_bytes``: a fragment larger than the chunk
+budget is reassembled within the model's size.  The values are handed over only when the message
+is complete and its slices tile every tensor; a partial dropped for any reason takes them with it.
 """
 
 from __future__ import annotations
@@ -72,7 +80,9 @@ class _Partial:
     tensors: dict[str, tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
     spans: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)  # sorted, disjoint, coalesced
     nbytes: int = 0  # payload bytes
-    charged: int = 0  # payload plus overhead, counted against max_bytes
+    charged: int = 0  # payload plus overhead, counted against max_bytes (stream: overhead only)
+    staged: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # stream: path -> flat float32 values so far
+    staged_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -87,17 +97,24 @@ class ReassemblyStats:
 
 class Reassembler:
     def __init__(self, ttl_s: float = 60.0, max_bytes: int = 256 << 20, max_partials: int = 1024, remember: int = 4096,
-                 decode: bool = True, max_sender_bytes: int | None = None) -> None:
+                 decode: bool = True, max_sender_bytes: int | None = None, stream: bool = False,
+                 max_staged_bytes: int | None = None) -> None:
         """decode=False: tensors of a blockwise (int) codec come out as `CodedTensor` (their records),
         others decoded as usual.  `max_sender_bytes` (default: `max_bytes`) bounds what one sender's
-        partials hold: past it, that sender's own least recently extended partials go first."""
-        self.decode = decode
+        partials hold: past it, that sender's own least recently extended partials go first.
+        `stream`, `max_staged_bytes`: see the module docstring."""
+        self.decode, self.stream = decode, stream
         max_sender_bytes = max_bytes if max_sender_bytes is None else max_sender_bytes
-        if not (ttl_s > 0 and max_bytes > 0 and max_partials > 0 and remember > 0 and max_sender_bytes > 0):
+        max_staged_bytes = max_bytes if max_staged_bytes is None else max_staged_bytes
+        if not (ttl_s > 0 and max_bytes > 0 and max_partials > 0 and remember > 0 and max_sender_bytes > 0 and max_staged_bytes > 0):
             raise EncodeError(f"Reassembler bounds must be positive: ttl_s={ttl_s}, max_bytes={max_bytes}, max_partials={max_partials}, "
-                              f"remember={remember}, max_sender_bytes={max_sender_bytes}")
+                              f"remember={remember}, max_sender_bytes={max_sender_bytes}, max_staged_bytes={max_staged_bytes}")
+        if stream and not decode:
+            raise EncodeError("a streaming Reassembler decodes: stream=True needs decode=True")
         self.ttl_s, self.max_bytes, self.max_partials, self.remember = ttl_s, max_bytes, max_partials, remember
         self.max_sender_bytes = min(max_sender_bytes, max_bytes)
+        self.max_staged_bytes = max_staged_bytes
+        self.staged_bytes = 0  # stream: float32 values held by partials
         self._partials: collections.OrderedDict[tuple, _Partial] = collections.OrderedDict()  # oldest first
         self._done: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self.held_bytes = 0
@@ -122,7 +139,7 @@ class Reassembler:
             self.stats.duplicates += 1
             return None
         size = sum(memoryview(p).nbytes for p in chunk.payloads)
-        cost = size + CHUNK_OVERHEAD_BYTES + SLICE_OVERHEAD_BYTES * len(chunk.slices)
+        cost = (0 if self.stream else size) + CHUNK_OVERHEAD_BYTES + SLICE_OVERHEAD_BYTES * len(chunk.slices)
         partial = self._partials.get(key)
         if partial is None:
             partial = _Partial(first=chunk, touched=now)
@@ -137,10 +154,18 @@ class Reassembler:
                 self._drop(key)
             self._reject(f"message {key} needs more than the reassembly budget of {self.max_sender_bytes} bytes", "reassembly_budget")
         new_spans = self._check_slices(partial, chunk)
-        self._make_room(cost, keep=key, new=key not in self._partials)
+        staging = self._staging(partial, chunk) if self.stream else 0
+        self._make_room(cost, keep=key, new=key not in self._partials, staging=staging)
         self._partials[key] = partial
         self._partials.move_to_end(key)  # most recently extended last: evicted last
         partial.touched = now
+        if self.stream:
+            try:
+                self._stage(partial, chunk, staging)
+            except ValueError as error:  # a payload its codec cannot decode: nothing of the message is kept
+                self._drop(key)
+                self._reject(f"chunk {chunk.chunk_index} of {key} does not decode: {error}")
+            chunk = dataclasses.replace(chunk, payloads=())  # decoded: the frames are let go
         partial.chunks[chunk.chunk_index] = chunk
         partial.spans.update(new_spans)
         for item in chunk.slices:
@@ -212,7 +237,28 @@ class Reassembler:
             spans.insert(at, (lo, hi))
         return updated
 
-    def _make_room(self, cost: int, keep: tuple, new: bool) -> None:
+    def _staging(self, partial: _Partial, chunk: Chunk) -> int:
+        """Bytes of the staging values this chunk's tensors add (refused if the message alone would
+        need more than `max_staged_bytes`)."""
+        fresh = {item.path: int(np.prod(item.shape, dtype=np.int64)) for item in chunk.slices if item.path not in partial.staged}
+        added = 4 * sum(fresh.values())
+        if partial.staged_bytes + added > self.max_staged_bytes:
+            if message_key(chunk) in self._partials:
+                self._drop(message_key(chunk))
+            self._reject(f"message {message_key(chunk)} needs more than the staging budget of {self.max_staged_bytes} bytes",
+                         "reassembly_budget")
+        return added
+
+    def _stage(self, partial: _Partial, chunk: Chunk, added: int) -> None:
+        for item, payload in zip(chunk.slices, chunk.payloads):
+            values = partial.staged.get(item.path)
+            if values is None:
+                values = partial.staged[item.path] = np.empty(int(np.prod(item.shape, dtype=np.int64)), dtype=np.float32)
+            chunk.codec.decode(payload, item.count, out=values[item.start : item.start + item.count])
+        partial.staged_bytes += added
+        self.staged_bytes += added
+
+    def _make_room(self, cost: int, keep: tuple, new: bool, staging: int = 0) -> None:
         sender = keep[0]
         while self.sender_bytes[sender] + cost > self.max_sender_bytes:  # the sender's own partials first
             oldest = next((k for k in self._partials if k[0] == sender and k != keep), None)
@@ -220,7 +266,8 @@ class Reassembler:
                 break
             self._drop(oldest)
             self.stats.evicted_memory += 1
-        while self._partials and (self.held_bytes + cost > self.max_bytes or (new and len(self._partials) >= self.max_partials)):
+        while self._partials and (self.held_bytes + cost > self.max_bytes or (new and len(self._partials) >= self.max_partials)
+                                  or self.staged_bytes + staging > self.max_staged_bytes):
             oldest = next((k for k in self._partials if k != keep), None)
             if oldest is None:
                 break
@@ -230,6 +277,7 @@ class Reassembler:
     def _drop(self, key: tuple) -> None:
         partial = self._partials.pop(key)
         self.held_bytes -= partial.charged
+        self.staged_bytes -= partial.staged_bytes
         self.sender_bytes[key[0]] -= partial.charged
         if not self.sender_bytes[key[0]]:
             del self.sender_bytes[key[0]]
@@ -250,7 +298,9 @@ class Reassembler:
         self._finish(key)
         ordered = [partial.chunks[i] for i in sorted(partial.chunks)]
         codec = partial.first.codec
-        if not self.decode and codec.blockwise:  # keep the records; block-aligned slices concatenate
+        if self.stream:
+            tensors = {path: partial.staged[path].reshape(shape) for path, (_, shape) in partial.tensors.items()}
+        elif not self.decode and codec.blockwise:  # keep the records; block-aligned slices concatenate
             pieces: dict[str, list[tuple[int, memoryview]]] = {path: [] for path in partial.tensors}
             for chunk in ordered:
                 for item, payload in zip(chunk.slices, chunk.payloads):

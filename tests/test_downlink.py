@@ -116,14 +116,15 @@ def snapshot_frames(served_plans, version, codec, base=None, digest=None, seq=1,
             for i, plan in enumerate(served_plans)]
 
 
-def test_receivers_rebuild_the_served_value_bit_for_bit_through_the_wire():
+@pytest.mark.parametrize("stream", [False, True])  # decoded at completion, or chunk by chunk as islands do
+def test_receivers_rebuild_the_served_value_bit_for_bit_through_the_wire(stream):
     """Sender: a full bf16 snapshot, then 20 int4 diffs of a drifting model, cut into small chunks.
     Receiver: the real decoder and reassembler, chunks in reverse order.  Same bytes every version."""
     rng = np.random.default_rng(0)
     theta = {"a": rng.normal(size=(64, 33)).astype(F32), "b": rng.normal(size=(1000,)).astype(F32)}
     bf16, int4 = protocol.Codec("bf16"), protocol.Codec("int4", block=64)
     served, plans = downlink.full(theta, 0, bf16, 1 << 20)
-    held, reassembler = None, protocol.Reassembler()
+    held, reassembler = None, protocol.Reassembler(stream=stream)
     frames = snapshot_frames(plans, 0, bf16, digest=served.digest)
     for version in range(21):
         if version:
