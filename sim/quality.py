@@ -12,7 +12,8 @@ parameter model, 4 islands, 16 M cluster tokens (18 per parameter), one run each
   2 M, 1.249 at 16 M), so a decoupled final loss L at 16 M is what sync-dp reaches with
   16 M x 2^-((L - 1.249) / 0.289) tokens;
 - H = 48 (24 on the half-speed islands): 1.311, so q(48) = 13.8 M / 16 M = 0.862;
-- H = 24 (12 on the half-speed islands, the shipped profile): 1.277, so q(24) = 15.0 M / 16 M = 0.935.
+- H = 24 (12 on the half-speed islands): 1.277, so q(24) = 15.0 M / 16 M = 0.935;
+- H = 12 (6 on the half-speed islands, the shipped profile): 1.252, so q(12) = 15.9 M / 16 M = 0.993.
 Between measured intervals q is linear in ln H; past the last one it goes on with the last segment's
 slope, never below FLOOR.  Published runs at 35 M-1 B parameters (Streaming DiLoCo, DESIGN.md) put
 the gap at H = 100 near 1 %, so for large models this curve is pessimistic; a scenario's `[quality]`
@@ -32,6 +33,7 @@ SYNC_DP_SLOPE = 0.289  # sync-dp's final loss per doubling of its budget, 2 M ->
 SYNC_DP_LOSS_16M = 1.249
 QUALITY_H48_LOSS = 1.311
 QUALITY_H24_LOSS = 1.277
+QUALITY_H12_LOSS = 1.252
 
 
 def factor_from_loss(loss: float, reference: float = SYNC_DP_LOSS_16M, slope: float = SYNC_DP_SLOPE) -> float:
@@ -75,5 +77,6 @@ class QualityCurve:
         return max(FLOOR, min(1.0, q0 + slope * math.log(steps / h0)))
 
 
-MEASURED = QualityCurve(((1, 1.0), (24, factor_from_loss(QUALITY_H24_LOSS)), (48, factor_from_loss(QUALITY_H48_LOSS))),
+MEASURED = QualityCurve(((1, 1.0), (12, factor_from_loss(QUALITY_H12_LOSS)), (24, factor_from_loss(QUALITY_H24_LOSS)),
+                         (48, factor_from_loss(QUALITY_H48_LOSS))),
                         "dloco experiment quality at 16 M tokens, 0.87 M parameters (sim/quality.py)")
