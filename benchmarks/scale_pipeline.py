@@ -47,7 +47,7 @@ from dloco.island.config import SyncConfig
 from dloco.island.loop import FragmentProgress
 from dloco.island.outbox import PendingDelta
 from dloco.island.shaper import LinkShaper
-from dloco.island.snapshots import Downlink, reassembly_budget
+from dloco.island.snapshots import Downlink, reassembly_budget, snapshot_reassembler
 from dloco.island.uplink import Uplink
 from dloco.protocol.errors import DlocoError
 from dloco.protocol.reassembly import CHUNK_OVERHEAD_BYTES, SLICE_OVERHEAD_BYTES
