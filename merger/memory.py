@@ -11,8 +11,12 @@ these settings (docs/benchmarks-archive.md).
 `keep_freed_memory` raises the mmap threshold to glibc's maximum (32 MiB: larger blocks are still
 mapped fresh — a fragment tensor above 8 M parameters pays the faults anyway) and lets the heap
 keep up to `trim_threshold` bytes of freed memory.  The cost is resident memory the process no
-longer needs at that moment, bounded by that threshold per malloc arena.  Elsewhere than glibc
-(macOS, musl) it does nothing and says so.
+longer needs at that moment, bounded by that threshold per malloc arena; and it makes every
+thread share one arena (glibc gives each thread that contends its own, up to 8 per core: the
+receiving thread, the fold worker, XLA's and the codec's threads each kept their own freed
+fragments).  On `dloco bench scale` at 200 M parameters one arena took the merger's peak from 32.2
+to 26.0 bytes per parameter, its ingest no slower (BENCHMARKS.md, "Cost of model size").
+Elsewhere than glibc (macOS, musl) it does nothing and says so.
 """
 
 from __future__ import annotations
@@ -20,17 +24,20 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc <malloc.h>
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -2, -3, -8  # glibc <malloc.h>
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses more on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 512 << 20  # freed bytes a heap may keep (the benchmark's fragments free ~50 MB per fold)
 TOP_PAD = 64 << 20  # grow the heap in steps this large, fewer brk calls
+ARENAS = 1  # every thread allocates from the main heap (the merger's allocations are few and large: measured no slower)
 
 
 def keep_freed_memory(trim_threshold: int = TRIM_THRESHOLD) -> bool:
-    """Apply the settings; True where glibc accepted all three, False where there is no mallopt."""
+    """Apply the settings (before the process starts its threads: an arena a thread already has
+    stays); True where glibc accepted all four, False where there is no mallopt."""
     name = ctypes.util.find_library("c")
     mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
     if mallopt is None:
         return False
-    settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_TRIM_THRESHOLD, trim_threshold), (M_TOP_PAD, TOP_PAD))
+    settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_TRIM_THRESHOLD, trim_threshold), (M_TOP_PAD, TOP_PAD),
+                (M_ARENA_MAX, ARENAS))
     return all(mallopt(option, value) == 1 for option, value in settings)
