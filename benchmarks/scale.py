@@ -37,22 +37,22 @@ from dloco.benchmarks.timing import gbps, memcpy_seconds
 STAGES = ("island_send", "broker_forward", "merger_ingest", "snapshot_diff", "island_adopt")
 FRAGMENTS = 4
 LINEAR_LIMIT = 1.5  # per-parameter cost at the largest size over that at the smallest
-MERGER_LIMIT = 20.0  # bytes of resident memory per parameter
-ISLAND_LIMIT = 12.0  # bytes of exchange state per parameter
-# What a size needs at once: the merger's process (~35 B/param) beside this one's island side (~15),
+MERGER_LIMIT = 12.0  # bytes of resident memory per parameter: parameters, momentum and the served value
+ISLAND_LIMIT = 8.0  # bytes of exchange state per parameter, error feedback on
+# What a size needs at once: the merger's process (~26-35 B/param) beside this one's island side (~15),
 # measured at 200 M (BENCHMARKS.md), and the runtimes; a size that would not fit is refused up front.
 NEED_BYTES_PER_PARAM = 50
 NEED_FIXED_BYTES = 1 << 30
 # What raises the merger's peak in each phase (benchmarks/scale_merger.py), for a missed goal's reason.
 MERGER_PHASES = {
     "model": "the initial model, as `dloco merger` loads it (4 B/param)",
-    "genesis": "the genesis log record, which holds the model three times over at once (tobytes, msgpack, then header and "
-               "record joined into one bytes: 12 B/param) beside the core's parameters and momentum (8 B/param)",
-    "warm_up": "compiling the fold kernels (a fixed cost, not per parameter)",
+    "genesis": "the core's outer momentum (4 B/param; the genesis log record writes the parameters as they lie)",
+    "warm_up": "compiling the fold kernels and taking each fragment's outer step once (its new parameters and momentum, "
+               "thrown away; the allocator keeps what is freed)",
     "join": "the full snapshots: each fragment encoded in fp32 and decoded as the value served (4 B/param kept)",
     "ingest": "the rounds on top of the state (parameters, momentum and served value: 12 B/param): a fold's new parameters and "
-              "momentum beside the old, the diff's copies, and the freed memory the allocator keeps (merger/memory.py; "
-              "a heap per thread)",
+              "momentum beside the old, the diff's copies, and the freed memory the allocator keeps (merger/memory.py: "
+              "up to 512 MiB, one heap for every thread)",
     "announce": "the snapshot diffs (a host copy of the fragment, the change, its codes, the new served value)",
 }
 ISLAND_STRUCTURES = {
