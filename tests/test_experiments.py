@@ -82,7 +82,7 @@ def test_every_suite_builds_valid_cluster_files():
         "kill:eu-older-hw@105", "restart:eu-older-hw@180", "kill:merger@225", "restart:merger@240"]
     bounded = dict(experiments.SUITES["faults"][1])["decoupled"](base.with_steps(200))  # a run bounded by work: keyed to progress
     assert [str(e) for e in bounded.chaos] == ["kill:eu-older-hw@us-east.step=70", "restart:eu-older-hw@us-east.step=+50",
-                                               "kill:merger@eu-older-hw.step=+12", "restart:merger@+5"]
+                                               "kill:merger@eu-older-hw.step=+6", "restart:merger@+5"]  # one interval of its own (the profile: 6)
     quantization = dict(experiments.SUITES["quantization"][1])
     assert sorted(quantization) == sorted(f"{c}{s}" for c in ("fp32", "bf16", "int8", "int4", "int2") for s in ("", "-ef"))
     assert quantization["int2-ef"](base).sync.error_feedback is True and quantization["int2"](base).sync.codec == "int2"
