@@ -109,7 +109,7 @@ def test_every_suite_builds_valid_cluster_files():
     assert downlink["int4-diff"](base).merger.snapshot_every_round == 0 and downlink["int4-diff-held"](base).merger.snapshot_every_round == 1
     wire = dict(experiments.SUITES["bytes"][1])  # the former default stays what it was, whatever the profile says
     former = wire["every-fold-int4"](base)
-    assert [former.interval_of(r) for r in former.regions] == [48] * 4 and [base.interval_of(r) for r in base.regions] == [24, 24, 12, 12]
+    assert [former.interval_of(r) for r in former.regions] == [48] * 4 and [base.interval_of(r) for r in base.regions] == [12, 12, 6, 6]
     assert (former.merger.snapshot_every_round, former.merger.max_staleness, former.merger.outer_lr) == (0.0, 4, 0.35)
     shipped = wire["default"](base)
     assert (shipped.merger.snapshot_every_round, shipped.merger.max_staleness, shipped.merger.outer_lr) == (1.0, 8, 0.15)
