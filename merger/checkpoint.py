@@ -24,6 +24,7 @@ import numpy as np
 
 from dloco.merger.core import MergerCore
 from dloco.merger.fold import FragmentState
+from dloco.merger.records import array_view
 from dloco.merger.wal import StorageError
 from dloco.protocol import DeltaResult
 from dloco.protocol.checksum import crc32
@@ -32,8 +33,7 @@ _HEADER = struct.Struct("<II")
 
 
 def _array(entry: dict) -> np.ndarray:
-    array = np.frombuffer(entry["data"], dtype=np.dtype(entry["dtype"])).reshape(entry["shape"])
-    return array if array.flags.aligned else array.copy()
+    return array_view(entry["data"], entry["dtype"], entry["shape"])
 
 
 def _entry(value) -> dict:

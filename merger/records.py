@@ -57,11 +57,14 @@ def params_from_genesis(record: dict) -> dict[str, np.ndarray]:
         pieces = [(path, shape, blob) for (path, shape), blob in zip(record["tensors"], record["blobs"])]
     else:
         pieces = [(path, entry["shape"], entry["data"]) for path, entry in record["params"].items()]
-    return {path: _aligned(np.frombuffer(data, dtype="<f4").reshape(shape)) for path, shape, data in pieces}
+    return {path: array_view(data, "<f4", shape) for path, shape, data in pieces}
 
 
-def _aligned(array: np.ndarray) -> np.ndarray:
-    return array if array.flags.aligned else array.copy()  # a blob at an odd offset of its log segment
+def array_view(data, dtype, shape) -> np.ndarray:
+    """An array over bytes read back (a log's or a checkpoint's blob), copied only when the bytes lie
+    at an offset its dtype cannot be read aligned from."""
+    array = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+    return array if array.flags.aligned else array.copy()
 
 
 def delta_record(assembled: Assembled, staleness: int) -> tuple[dict, list[tuple[memoryview, int | None]]]:
