@@ -11,8 +11,9 @@ all replicas take the same values at the same step and never diverge, and every 
 after the same step.
 
 A process that dies breaks the group's collectives: the others' next all-gather fails at once
-(gloo reports the closed connection) and raises GroupLost, which ends that process cleanly (the
-leader first drains what it already sent).  A host that vanishes without closing its connections
+(gloo reports the closed connection; JAX raises it as a JaxRuntimeError or, from some calls, a
+ValueError carrying the runtime's status) and raises GroupLost, which ends that process cleanly
+(the leader first drains what it already sent).  A host that vanishes without closing its connections
 stops sending heartbeats to the coordinator; after `timeout_s` JAX's coordination service
 terminates the remaining processes itself.  The island restarts as a whole, as any island.
 """
@@ -20,6 +21,7 @@ terminates the remaining processes itself.  The island restarts as a whole, as a
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -33,6 +35,26 @@ class GroupError(DlocoError):
 
 class GroupLost(DlocoError):
     """Another process of this island stopped taking part: this one ends too."""
+
+
+# How the XLA runtime's failed statuses read (absl status codes), whichever Python type carries them.
+_RUNTIME_STATUS = re.compile(r"(UNKNOWN|INTERNAL|UNAVAILABLE|ABORTED|CANCELLED|DEADLINE_EXCEEDED|DATA_LOSS|FAILED_PRECONDITION): ")
+
+
+def broken(error: BaseException) -> bool:
+    """Whether `error`, raised by a JAX call of a multi-process island, is the runtime's failure
+    of a collective (another process is gone), not a mistake in this program.  JAX raises a
+    failed gloo collective as a JaxRuntimeError, or from some calls (a jit's dispatch in
+    `process_allgather`) as a ValueError with the same status text."""
+    from jax.errors import JaxRuntimeError
+
+    if isinstance(error, GroupLost | JaxRuntimeError):
+        return True
+    return isinstance(error, ValueError) and _RUNTIME_STATUS.match(str(error)) is not None
+
+
+def _lost(error: BaseException) -> GroupLost:
+    return GroupLost(f"another process of this island stopped taking part: {str(error).splitlines()[0]}")
 
 
 def check(coordinator: str | None, processes: int, index: int) -> None:
@@ -98,14 +120,15 @@ class IslandGroup:
         is compared), before any per-step agreement, whose messages' sizes depend on them."""
         import hashlib
 
-        from jax.errors import JaxRuntimeError
         from jax.experimental import multihost_utils
 
         mine = np.frombuffer(hashlib.sha256(setup.encode()).digest(), dtype=np.int32)
         try:
             every = np.asarray(multihost_utils.process_allgather(mine))
-        except JaxRuntimeError as error:
-            raise GroupLost(f"another process of this island stopped taking part: {str(error).splitlines()[0]}") from None
+        except (RuntimeError, ValueError) as error:
+            if broken(error):
+                raise _lost(error) from None
+            raise
         differ = [index for index, row in enumerate(every) if not np.array_equal(row, every[0])]
         if differ:
             raise GroupError(f"processes {differ} of this island were started with another model or other settings than process 0: "
@@ -115,12 +138,11 @@ class IslandGroup:
         """Every process calls this once per step.  Returns (any process asked to stop, the
         leader's fragment versions, the parameters the leader changed since the last call);
         `versions` and `staged` are read on the leader only."""
-        from jax.errors import JaxRuntimeError
         from jax.experimental import multihost_utils
 
         mask, values = pack(self.paths, staged) if self.leader else (np.zeros(len(self.paths), np.int32), None)
+        mine = np.concatenate([[int(stop)], versions, mask]).astype(np.int32)
         try:
-            mine = np.concatenate([[int(stop)], versions, mask]).astype(np.int32)
             header = np.asarray(multihost_utils.process_allgather(mine))
             versions, mask = [int(v) for v in header[0, 1:1 + len(versions)]], header[0, 1 + len(versions):]
             if not mask.any():
@@ -128,6 +150,8 @@ class IslandGroup:
             if values is None:
                 values = np.zeros(changed_size(self.paths, self.shapes, mask), np.float32)
             values = np.asarray(multihost_utils.broadcast_one_to_all(values))
-        except JaxRuntimeError as error:
-            raise GroupLost(f"another process of this island stopped taking part: {str(error).splitlines()[0]}") from None
+        except (RuntimeError, ValueError) as error:
+            if broken(error):
+                raise _lost(error) from None
+            raise
         return bool(header[:, 0].any()), versions, unpack(self.paths, self.shapes, mask, values)

@@ -145,7 +145,6 @@ def run_island(args: argparse.Namespace) -> int:
             raise DlocoError("a networked island needs --delta-endpoint, --snapshot-endpoint and --control-endpoint (or --standalone)")
 
         import numpy as np
-        from jax.errors import JaxRuntimeError
 
         from dloco import protocol
         from dloco.bus.security import security_from_args
@@ -202,8 +201,8 @@ def run_island(args: argparse.Namespace) -> int:
                 loop.join(args.join_timeout)
                 log.info("joined", versions=[p.version for p in loop.progress])
             summary = loop.run()
-        except (GroupLost, JaxRuntimeError) as error:  # a multi-process island's collective failed: another process died
-            if members is None:
+        except (GroupLost, RuntimeError, ValueError) as error:  # a multi-process island's collective failed: another process died
+            if members is None or not group.broken(error):
                 raise
             return group_lost(error, link, min(args.drain_timeout, args.group_timeout / 2), metrics, log)
         if members is not None:  # every process passes the group's shutdown barrier here, before the leader drains

@@ -38,6 +38,19 @@ def test_pack_and_unpack_by_hand():
         group.unpack(paths, shapes, mask, values[:4])
 
 
+def test_a_failed_collective_is_told_from_a_mistake_in_the_program():
+    from jax.errors import JaxRuntimeError
+
+    # What JAX raised when the other process was killed: from process_allgather's jit, a ValueError.
+    gone = "UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by peer [127.0.0.1]:56499"
+    assert group.broken(ValueError(gone)) and group.broken(JaxRuntimeError(gone))
+    assert group.broken(group.GroupLost("another process of this island stopped taking part"))
+    assert group.broken(JaxRuntimeError("INTERNAL: Barrier failed because: task is set to ERROR"))
+    assert not group.broken(ValueError("operands could not be broadcast together with shapes (3,) (4,)"))
+    assert not group.broken(ValueError("INVALID_ARGUMENT: the program passed a wrong shape"))
+    assert not group.broken(RuntimeError("UNKNOWN: a RuntimeError that is not the runtime's"))
+
+
 @pytest.mark.parametrize("coordinator,processes,index,message", [
     ("h:1", 0, 0, "--num-processes must be >= 1"), ("h:1", 2, 2, r"--process-id must be in \[0, 2\)"),
     (None, 2, 0, "--coordinator must be HOST:PORT"), ("host", 2, 1, "HOST:PORT"), ("host:99999", 2, 1, "HOST:PORT")])
