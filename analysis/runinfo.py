@@ -56,16 +56,78 @@ class RunTask:
         return cls(**fields)
 
 
-def read_events(path: Path) -> list[dict]:
-    """Every complete JSON line (a line being written is skipped)."""
+def log_segments(path: Path) -> list[Path]:
+    """A log file and the older segments its process rotated out of it (telemetry/logs.py:
+    NAME.log.1 is the newest of those), oldest first; the file itself last, whether or not it exists."""
+    path, older = Path(path), []
+    while (segment := path.with_name(f"{path.name}.{len(older) + 1}")).exists():
+        older.append(segment)
+    return [*reversed(older), path]
+
+
+def _json_lines(data: bytes) -> list:
     events = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    for line in data.decode("utf-8", "replace").splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written, or a process's non-JSON output (a traceback)
+            continue
     return events
+
+
+def read_events(path: Path) -> list[dict]:
+    """Every complete JSON line of a log or metrics file, its rotated segments first (a line being
+    written is skipped)."""
+    events = []
+    for segment in log_segments(path):
+        try:
+            events.extend(_json_lines(segment.read_bytes()))
+        except FileNotFoundError:  # not written yet, or rotated away while being read
+            continue
+    return events
+
+
+class JsonTail:
+    """A JSON-lines file read incrementally: `new()` returns the objects of the complete lines added
+    since the last call.  It follows the file across rotations (telemetry/logs.py): when the path
+    names a new file, the rest of the one being read is taken from NAME.1, then the new one from
+    its start.  The first call reads the rotated segments already there, oldest first."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.partial, self.inode = Path(path), 0, b"", None
+
+    def new(self) -> list[dict]:
+        try:
+            inode = self.path.stat().st_ino
+        except OSError:  # not written yet, or between a rotation's rename and its new file
+            return []
+        chunks = []
+        if self.inode is None:  # the first look: the segments rotated out before it, oldest first
+            chunks = [_read_from(segment, 0) for segment in log_segments(self.path)[:-1]]
+        elif inode != self.inode:  # rotated since the last call: the rest of the file being read is NAME.1
+            rotated = self.path.with_name(f"{self.path.name}.1")
+            try:
+                if rotated.stat().st_ino == self.inode:
+                    chunks.append(self.partial + _read_from(rotated, self.offset))
+            except OSError:  # rotated twice since: its rest is further back, or deleted
+                pass
+            self.offset, self.partial = 0, b""
+        self.inode = inode
+        data = self.partial + _read_from(self.path, self.offset)
+        self.offset += len(data) - len(self.partial)
+        complete = data.rfind(b"\n") + 1
+        self.partial = data[complete:]
+        chunks.append(data[:complete])
+        return [e for e in _json_lines(b"\n".join(chunks)) if isinstance(e, dict)]
+
+
+def _read_from(path: Path, offset: int) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            return handle.read()
+    except OSError:
+        return b""
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -205,7 +267,7 @@ class RunProgress:
         self._past_tokens = {name: 0 for name in islands}  # every earlier life's
         self.folds = 0
         self.folded = {name: 0 for name in islands}  # folds with one of the island's deltas, every merger life
-        self._offsets: dict[Path, int] = {}
+        self._tails: dict[Path, JsonTail] = {}
 
     def update(self) -> None:
         for name in self.steps:
@@ -232,23 +294,9 @@ class RunProgress:
 
     def _new_events(self, path: Path) -> list[dict]:
         """The complete JSON lines appended to `path` since the last call (a line being written waits)."""
-        try:
-            with open(path, "rb") as handle:
-                handle.seek(self._offsets.get(path, 0))
-                data = handle.read()
-        except OSError:
-            return []
-        complete = data[: data.rfind(b"\n") + 1]
-        self._offsets[path] = self._offsets.get(path, 0) + len(complete)
-        events = []
-        for line in complete.decode("utf-8", "replace").splitlines():
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(event, dict):
-                events.append(event)
-        return events
+        if path not in self._tails:
+            self._tails[path] = JsonTail(path)
+        return self._tails[path].new()
 
 
 def island_stage(log_path: Path, life_step: int, made: int, max_steps: int) -> str:

@@ -6,9 +6,8 @@ from __future__ import annotations
 import sys
 import time
 
-from dloco.analysis.runinfo import last_events, merger_logs
+from dloco.analysis.runinfo import JsonTail, last_events, merger_logs
 from dloco.cluster.config import ClusterConfig
-from dloco.cluster.status import JsonLines
 
 
 def _bytes(n: float) -> str:
@@ -25,7 +24,7 @@ class LiveView:
         self.tty = hasattr(out, "isatty") and out.isatty()
         self.eval_loss: dict[str, float] = {}
         self.last_plain = 0.0
-        self.roles: dict[str, JsonLines] = {}  # with a standby: each merger's role
+        self.roles: dict[str, JsonTail] = {}  # with a standby: each merger's role
         self.role: dict[str, str] = {}
 
     def refresh(self, elapsed: float) -> None:
@@ -54,7 +53,7 @@ class LiveView:
             lines.append(f"merger: last fold fragment {folds[-1]['fragment']} -> version {folds[-1]['version']} "
                          f"from {', '.join(folds[-1]['contributors'])} (staleness {folds[-1]['staleness']})")
         for name in logs:
-            self.roles.setdefault(name, JsonLines(self.run_dir / "logs" / name))
+            self.roles.setdefault(name, JsonTail(self.run_dir / "logs" / name))
         for name, log in self.roles.items():
             for event in log.new():
                 if (role := role_line(event, self.role.get(name))) is not None:  # a merger with a peer says its role

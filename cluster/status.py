@@ -18,37 +18,10 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from dloco.analysis.runinfo import merger_logs, wall
+from dloco.analysis.runinfo import JsonTail, merger_logs, wall
 
 RECENT_FOLDS = 12
 CURVE_POINTS = 400  # a curve longer than this is thinned to it (every k-th point, the last kept)
-
-
-class JsonLines:
-    """A JSON-lines file read incrementally: `new()` returns the complete lines added since the last call."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.partial = path, 0, b""
-
-    def new(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as handle:
-                handle.seek(self.offset)
-                data = handle.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(data)
-        lines = (self.partial + data).split(b"\n")
-        self.partial = lines.pop()
-        events = []
-        for line in lines:
-            try:
-                event = json.loads(line)
-            except ValueError:  # a process's non-JSON output (a traceback) in its log
-                continue
-            if isinstance(event, dict):
-                events.append(event)
-        return events
 
 
 def thin(points: list, limit: int = CURVE_POINTS) -> list:
@@ -64,10 +37,10 @@ class RunFiles:
 
     def __init__(self, run_dir: Path, regions: list[str]) -> None:
         self.run_dir, self.regions = Path(run_dir), list(regions)
-        self.islands = {name: JsonLines(self.run_dir / "metrics" / f"{name}.jsonl") for name in regions}
-        self.mergers: dict[str, JsonLines] = {}  # with a standby, either may fold; with shards, each does
-        self.global_file = JsonLines(self.run_dir / "global.jsonl")
-        self.chaos_file = JsonLines(self.run_dir / "chaos.jsonl")
+        self.islands = {name: JsonTail(self.run_dir / "metrics" / f"{name}.jsonl") for name in regions}
+        self.mergers: dict[str, JsonTail] = {}  # with a standby, either may fold; with shards, each does
+        self.global_file = JsonTail(self.run_dir / "global.jsonl")
+        self.chaos_file = JsonTail(self.run_dir / "chaos.jsonl")
         # each island's lives (a restart starts one at its step-0 evaluation): (walls, tokens) of every step
         self.lives: dict[str, list[tuple[list[float], list[int]]]] = {name: [] for name in regions}
         self.began = float("inf")  # the cluster's first step (wall)
@@ -96,7 +69,7 @@ class RunFiles:
                     if "eval_loss" in event:
                         self.evals[name].append({"wall": event.get("wall", 0.0), "tokens": event.get("tokens", 0), "loss": event["eval_loss"]})
             for name in merger_logs(self.run_dir):
-                self.mergers.setdefault(name, JsonLines(self.run_dir / "logs" / name))
+                self.mergers.setdefault(name, JsonTail(self.run_dir / "logs" / name))
             for event in sorted((e for log in self.mergers.values() for e in log.new()), key=lambda e: e.get("timestamp", "")):
                 if event.get("event") == "fold":
                     self.fold_count += 1

@@ -108,18 +108,6 @@ def test_the_evaluator_evaluates_each_new_whole_model_once():
     assert [w["versions"] for w in written] == [[1, 1], [2, 1]] and written[0]["eval_loss"] == 1.5
 
 
-def test_json_lines_are_read_incrementally(tmp_path):
-    path = tmp_path / "a.jsonl"
-    lines = status.JsonLines(path)
-    assert lines.new() == []  # not there yet
-    path.write_text('{"step": 1}\n{"step": 2}\n{"ste')
-    assert lines.new() == [{"step": 1}, {"step": 2}]
-    with open(path, "a") as handle:
-        handle.write('p": 3}\nnot json\n[1]\n')
-    assert lines.new() == [{"step": 3}]
-    assert lines.new() == []
-
-
 def test_thinning_keeps_the_last_point():
     assert status.thin(list(range(5)), limit=10) == [0, 1, 2, 3, 4]
     assert status.thin(list(range(10)), limit=4) == [0, 3, 6, 9]
