@@ -85,10 +85,11 @@ class StdoutRotation:
         sys.stdout.flush()
         sys.stderr.flush()
         same = _same_file(1, 2)
-        for index in range(self.keep, 0, -1):
-            older = rotated_name(self.path, index - 1)
-            if os.path.exists(older):  # onto the next name; the oldest past keep is replaced
-                os.replace(older, rotated_name(self.path, index))
+        older = 0  # the segments there are, up to keep
+        while older < self.keep and os.path.exists(rotated_name(self.path, older + 1)):
+            older += 1
+        for index in range(min(older, self.keep - 1), -1, -1):  # at keep, the oldest is replaced
+            os.replace(rotated_name(self.path, index), rotated_name(self.path, index + 1))
         fresh = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             os.dup2(fresh, 1)

@@ -22,6 +22,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dloco.analysis.runinfo import read_events
+from dloco.cluster import status
 from dloco.cluster.launcher import EXIT_INTERRUPTED
 from tests.cluster_helpers import small_profile
 
@@ -81,8 +83,10 @@ def cluster(tmp_path_factory):
     (base / "cluster.toml").write_text(small_profile(900, 20, REGIONS, max_steps=100_000))
     run_dir = base / "run"
     log = open(base / "up.log", "w")
+    # Logs rotated every 16 KiB (telemetry/logs.py), so the page and the report read across rotations.
+    env = {**os.environ, "DLOCO_LOG_MAX_BYTES": str(16 << 10), "DLOCO_LOG_KEEP": "1000"}
     up = subprocess.Popen([sys.executable, "-m", "dloco", "up", "--config", str(base / "cluster.toml"), "--run-dir", str(run_dir)],
-                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         page = wait_for("the status page's address", lambda: re.search(r"status page at (\S+)", (base / "up.log").read_text()))
         yield run_dir, page.group(1), up
@@ -148,9 +152,31 @@ def test_status_page_in_headless_chromium(cluster):
 
 def test_report_plots_the_global_model(cluster):
     run_dir, _, up = cluster
-    wait_for("two evaluations of the global model", lambda: sum(1 for _ in open(run_dir / "global.jsonl")) >= 2 if (run_dir / "global.jsonl").exists() else False)
+    live = status.RunFiles(run_dir, ["east", "west"])  # read as the page reads, while the logs rotate
+    merger_log = run_dir / "logs" / "merger.log"
+    began = merger_log.stat().st_ino
+
+    def ready() -> bool:
+        live.update()
+        evaluations = sum(1 for _ in open(run_dir / "global.jsonl")) if (run_dir / "global.jsonl").exists() else 0
+        try:
+            rotated = merger_log.stat().st_ino != began
+        except FileNotFoundError:  # between a rotation's rename and its new file
+            rotated = False
+        return evaluations >= 2 and rotated
+
+    wait_for("two evaluations of the global model, and a rotation of the merger's log", ready)
     up.send_signal(signal.SIGINT)
     assert up.wait(timeout=300) == EXIT_INTERRUPTED
     report = (run_dir / "report.md").read_text()
     assert "plots/global_loss_vs_cluster_tokens.png" in report and (run_dir / "plots" / "global_loss_vs_cluster_tokens.png").stat().st_size > 0
     assert re.search(r"The global model during the run: \d+ evaluations", report)
+    # The merger's log was rotated, and no fold line was lost to it: each fragment's versions run
+    # 1, 2, ... across the segments, and the page's reader, which followed the rotations, counts them all.
+    assert (run_dir / "logs" / "merger.log.1").exists()
+    folds = [e for e in read_events(run_dir / "logs" / "merger.log") if e.get("event") == "fold"]
+    for fragment in (0, 1):
+        versions = [e["version"] for e in folds if e["fragment"] == fragment]
+        assert versions == list(range(1, len(versions) + 1)), (fragment, versions)
+    live.update()
+    assert live.fold_count == len(folds) > 0
