@@ -158,7 +158,7 @@ def test_report_plots_the_global_model(cluster):
 
     def ready() -> bool:
         live.update()
-        evaluations = sum(1 for _ in open(run_dir / "global.jsonl")) if (run_dir / "global.jsonl").exists() else 0
+        evaluations = len((run_dir / "global.jsonl").read_bytes().splitlines()) if (run_dir / "global.jsonl").exists() else 0
         try:
             rotated = merger_log.stat().st_ino != began
         except FileNotFoundError:  # between a rotation's rename and its new file
