@@ -76,7 +76,7 @@ class Codec:
     name: str
     block: int = DEFAULT_BLOCK  # values per block; a power of two in [8, 65536]
 
-    _tables: ClassVar[dict[int, np.ndarray]] = {4: _unpack_table(4), 2: _unpack_table(2)}
+    _tables: ClassVar[dict[int, np.ndarray]] = {2: _unpack_table(2)}  # int4 decodes by arithmetic (_dequantize_rows)
 
     def __post_init__(self) -> None:
         if self.name not in CODEC_NAMES:
@@ -277,6 +277,7 @@ class _Work:
     def __init__(self, rows: int, block: int) -> None:
         self.f32_RxK = np.empty((rows, block), dtype=np.float32)
         self.u8_RxK = np.empty((rows, block), dtype=np.uint8)
+        self.u16_RxH = np.empty((rows, block // 2), dtype=np.uint16)  # int4 decoding: a byte's two levels
         self.absmax_R = np.empty(rows, dtype=np.float32)
 
 
@@ -344,6 +345,21 @@ def _decode_blocks(data_U: np.ndarray, codec: Codec, count: int, out_N: np.ndarr
 def _dequantize_rows(codes_RxC, scale_Rx1, out_RxK, bits: int) -> None:
     if bits == 8:
         np.multiply(codes_RxC.view(np.int8), scale_Rx1, out=out_RxK)
+        return
+    if bits == 4:
+        # Each code byte widened to a little-endian u16 of its low nibble then its high one: the
+        # u16s' bytes are the codes + 8 in value order, so whole-array shifts, an int8 subtraction
+        # and the scaling decode them (about 3x a table lookup per byte on this machine).
+        n, half = codes_RxC.shape
+        work = _work(max(1, _PASS_BYTES // (8 * half)), 2 * half)
+        pair_RxH, low_RxH = work.u16_RxH[:n], work.u8_RxK[:n, :half]
+        np.right_shift(codes_RxC, 4, out=pair_RxH, dtype=np.uint16)
+        np.left_shift(pair_RxH, 8, out=pair_RxH)
+        np.bitwise_and(codes_RxC, 15, out=low_RxH)
+        np.bitwise_or(pair_RxH, low_RxH, out=pair_RxH)
+        levels_RxK = pair_RxH.view(np.int8)
+        np.subtract(levels_RxK, np.int8(8), out=levels_RxK)
+        np.multiply(levels_RxK, scale_Rx1, out=out_RxK)
         return
     # One table lookup per byte yields all of its levels (2 for int4, 4 for int2), in order.
     table = Codec._tables[bits]

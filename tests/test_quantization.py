@@ -182,6 +182,20 @@ def test_every_code_decodes_even_those_encoders_never_emit():
     assert Codec("int2", 8).decode(record2, 8).tolist() == [1, 1, 1, 1, -0.5, -0.5, -0.5, -0.5]
 
 
+def test_int4_decodes_every_byte_by_hand_on_every_path():
+    # Every byte value, as one block of 512 values with a scale that rounds (0.1 is not a float32
+    # power of two): value 2i is byte i's low nibble - 8, value 2i+1 its high nibble - 8, each times
+    # the scale in float32.  Two thousand blocks put the decoder on its threaded pieces too.
+    scale = np.float32(0.1)
+    record = struct.pack("<f", scale) + bytes(range(256))
+    expected = np.array([[(b & 15) - 8, (b >> 4) - 8] for b in range(256)], dtype=np.float32).reshape(-1) * scale
+    assert Codec("int4", 512).decode(record, 512).view(np.uint32).tolist() == expected.view(np.uint32).tolist()
+    many = Codec("int4", 512).decode(record * 2000, 512 * 2000, threads=2)
+    assert np.array_equal(many.view(np.uint32), np.tile(expected, 2000).view(np.uint32))
+    tail = Codec("int4", 512).decode(record, 300)  # a last block cut short
+    assert np.array_equal(tail.view(np.uint32), expected[:300].view(np.uint32))
+
+
 @pytest.mark.parametrize("scale", [-1.0, -0.0, -1e-45, float("nan"), float("-nan"), float("inf"), 3e38])
 def test_validate_rejects_bad_scales(scale):
     record = np.frombuffer(struct.pack("<f", scale) + bytes(4), dtype=np.uint8)
