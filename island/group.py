@@ -115,15 +115,21 @@ class IslandGroup:
         self.leader = self.index == 0
         self.paths, self.shapes = sorted(shapes), dict(shapes)
 
-    def check_same(self, setup: str) -> None:
+    def check_same(self, setup: str, ready_timeout_s: float) -> None:
         """Every process was started with the same model and settings (`setup`, any text: its hash
-        is compared), before any per-step agreement, whose messages' sizes depend on them."""
+        is compared), before any per-step agreement, whose messages' sizes depend on them.
+
+        First every process waits for the others at the coordination service's barrier, for up to
+        `ready_timeout_s`: the group's first collective sets gloo up and gives up after 30 s, and
+        a process still importing or compiling on a loaded machine is not a dead one."""
         import hashlib
 
+        from jax._src import distributed  # the client JAX's own array serialization waits on
         from jax.experimental import multihost_utils
 
         mine = np.frombuffer(hashlib.sha256(setup.encode()).digest(), dtype=np.int32)
         try:
+            distributed.global_state.client.wait_at_barrier("dloco_group_ready", max(1, round(ready_timeout_s * 1000)))
             every = np.asarray(multihost_utils.process_allgather(mine))
         except (RuntimeError, ValueError) as error:
             if broken(error):

@@ -15,10 +15,6 @@ from dloco.island.group import GroupLost
 from dloco.island.group import check as group_check
 from dloco.island.task import BUILTIN
 
-# --eval-trace after training: 48 evaluations take about 50 s with four islands on two cores; a
-# launcher waits 150 s for a stopped island (cluster/launcher.py STOP_TIMEOUT_S): draining first, up to 30 s.
-TRACE_BUDGET_S = 90.0
-
 
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     island = commands.add_parser("island", help="run an island: train on its shard and exchange fragments")
@@ -118,6 +114,30 @@ def sync_config(args: argparse.Namespace) -> SyncConfig:
                       blocking=args.blocking, settle_timeout_s=args.settle_timeout)
 
 
+def checked(args: argparse.Namespace, task_context) -> tuple:
+    """Everything that can be checked without JAX, first: a bad argument fails in a second, not
+    after the import.  Returns (train config, task context, sync config, networked)."""
+    from dloco.protocol import DlocoError
+
+    train = train_config(args)
+    context = task_context(args.island_index, args.islands, args.seed, args.batch, args.max_steps, task_options(args))
+    sync = sync_config(args)
+    if not 0 <= args.island_index < args.islands:
+        raise DlocoError(f"--island-index must be in [0, {args.islands}), got {args.island_index}")
+    group_check(args.coordinator, args.num_processes, args.process_id)
+    if args.num_processes > 1 and (args.eval_trace or args.write_init is not None):
+        raise DlocoError("--eval-trace and --write-init are for an island of one process")
+    if not args.group_timeout > 0:
+        raise DlocoError(f"--group-timeout must be > 0, got {args.group_timeout}")
+    networked = not args.standalone and args.write_init is None and args.process_id == 0
+    if networked and not (args.delta_endpoint and args.snapshot_endpoint and args.control_endpoint):
+        raise DlocoError("a networked island needs --delta-endpoint, --snapshot-endpoint and --control-endpoint (or --standalone)")
+    return train, context, sync, networked
+
+
+# Over 60 lines: the process's start in its order (the flags checked before JAX is imported, the
+# group joined before any other JAX use, the signal handlers set once the loop exists); what stands
+# alone is split out (`checked`, and island/lifecycle.py for the end).
 def run_island(args: argparse.Namespace) -> int:
     early_stop = []  # SIGTERM while starting (imports, compiling, joining): stop cleanly, not by the default action
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -127,28 +147,16 @@ def run_island(args: argparse.Namespace) -> int:
     from dloco.telemetry.logs import configure_logging
 
     log = configure_logging("island", island=args.name, region=args.region)
-    link = metrics_server = None
+    link = metrics_server = ending = None
     try:
-        # Everything that can be checked without JAX first: a bad argument fails in a second, not after the import.
-        train = train_config(args)
-        context = tasks.TaskContext(args.island_index, args.islands, args.seed, args.batch, args.max_steps, task_options(args))
-        sync = sync_config(args)
-        if not 0 <= args.island_index < args.islands:
-            raise DlocoError(f"--island-index must be in [0, {args.islands}), got {args.island_index}")
-        group_check(args.coordinator, args.num_processes, args.process_id)
-        if args.num_processes > 1 and (args.eval_trace or args.write_init is not None):
-            raise DlocoError("--eval-trace and --write-init are for an island of one process")
-        if not args.group_timeout > 0:
-            raise DlocoError(f"--group-timeout must be > 0, got {args.group_timeout}")
-        networked = not args.standalone and args.write_init is None and args.process_id == 0
-        if networked and not (args.delta_endpoint and args.snapshot_endpoint and args.control_endpoint):
-            raise DlocoError("a networked island needs --delta-endpoint, --snapshot-endpoint and --control-endpoint (or --standalone)")
+        train, context, sync, networked = checked(args, tasks.TaskContext)
 
         import numpy as np
 
         from dloco import protocol
         from dloco.bus.security import security_from_args
-        from dloco.island.cpugroup import CpuGroup, CpuGroupError
+        from dloco.island.cpugroup import CpuGroup
+        from dloco.island.lifecycle import Ending
         from dloco.island.loop import IslandLoop
         from dloco.island.metrics import MetricsWriter
         from dloco.island.network import NetworkLink
@@ -193,10 +201,13 @@ def run_island(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):  # stop after the current step, then drain and exit 0
             signal.signal(sig, lambda *_: (signals.append(True), setattr(loop, "stop_requested", True)))
         loop.stop_requested = bool(early_stop)
+        ending = Ending(loop, link, metrics, log, sync.flush_on_leave, args.drain_timeout, args.group_timeout, grouped=members is not None,
+                        cpu_group=cpu_group)
         try:
             if members is not None:  # the same model, settings and data in every process, before any per-step agreement
                 members.check_same(json.dumps([protocol.model_fingerprint(trainer.params()), dataclasses.asdict(sync), dataclasses.asdict(train),
-                                               args.island_index, args.islands, args.task or BUILTIN, context.options], sort_keys=True, default=str))
+                                               args.island_index, args.islands, args.task or BUILTIN, context.options], sort_keys=True, default=str),
+                                   args.join_timeout)
             if link is not None or members is not None:
                 loop.join(args.join_timeout)
                 log.info("joined", versions=[p.version for p in loop.progress])
@@ -204,42 +215,15 @@ def run_island(args: argparse.Namespace) -> int:
         except (GroupLost, RuntimeError, ValueError) as error:  # a multi-process island's collective failed: another process died
             if members is None or not group.broken(error):
                 raise
-            return group_lost(error, link, min(args.drain_timeout, args.group_timeout / 2), metrics, log)
-        if members is not None:  # every process passes the group's shutdown barrier here, before the leader drains
-            if sync.flush_on_leave and link is not None:
-                summary["flushed"] = loop.flush()
-            import jax
-
-            try:
-                jax.distributed.shutdown()
-            except Exception as error:  # another process died after the last step: drain and end as when it dies earlier
-                return group_lost(error, link, min(args.drain_timeout, args.group_timeout / 2), metrics, log)
-        if cpu_group is not None:  # sending the last deltas and evaluating the trace are not the emulated chip's work
-            try:
-                cpu_group.leave()
-            except CpuGroupError as error:  # the work is done: drain and exit at the quota's speed
-                log.warning("cpu_quota_not_left", error=str(error))
-        if link is not None:
-            if sync.flush_on_leave and members is None:
-                summary["flushed"] = loop.flush()
-            if not link.drain(args.drain_timeout):
-                log.warning("drain_incomplete", deltas_sent=link.deltas_sent, settled=dict(link.results))
-            summary.update(deltas_sent=link.deltas_sent, summed=link.summed, acks=dict(link.results), snapshots=dict(link.downlink_results),
-                           bytes_sent=link.bytes_sent, links=link.links.summary(),
-                           merger_epochs=link.adopted_epochs, epoch=link.epoch)  # after the drain: every delta of the island's work
-            link, closing = None, link
-            closing.close()  # the merger has all it will get: evaluating the trace keeps no one waiting
-        if loop.trace and len(signals) <= 1:  # after training, within TRACE_BUDGET_S; a second SIGTERM or Ctrl-C skips or cuts it
-            log.info("evaluating_trace", steps=len(loop.trace))
-            loop.stop_requested = False
-            summary["traced_evaluations"] = loop.evaluate_trace(budget_s=TRACE_BUDGET_S)
-        metrics.close()
+            ending.group_lost(error)
+        summary = ending.finish(summary, signals=len(signals))
     except (DlocoError, ValueError, OSError) as error:
         print(f"dloco island: {error}", file=sys.stderr)
         return 2
     finally:
-        if link is not None:
-            link.close()
+        still_open = ending.link if ending is not None else link  # the ending closes it once drained
+        if still_open is not None:
+            still_open.close()
         if metrics_server is not None:
             from dloco.telemetry import prom
 
@@ -247,25 +231,6 @@ def run_island(args: argparse.Namespace) -> int:
     log.info("done", **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})
     print(json.dumps(summary))
     return 0
-
-
-def group_lost(error: Exception, link, drain_timeout: float, metrics, log) -> int:
-    """Another process of a multi-process island died: the leader still drains what it sent (for
-    at most half the group's timeout: after it, JAX's coordination service ends the survivors), then
-    this process exits (3) at once: JAX's shutdown barrier would wait for the dead process and then
-    abort this one."""
-    import os
-
-    log.error("group_lost", error=str(error))
-    # on disk before the drain: JAX's coordination service may end this process during it
-    sys.stdout.flush()
-    if link is not None:
-        link.drain(drain_timeout)
-        link.close()
-    metrics.close()
-    print(f"dloco island: {error}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(3)
 
 
 def serve_metrics(args: argparse.Namespace, metrics, link):
