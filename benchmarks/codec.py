@@ -42,7 +42,7 @@ def make_deltas(total_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 def run(total_mib: int = 100, block: int = protocol.DEFAULT_BLOCK, reps: int = 5,
         threads: int | None = None, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
-    from dloco.protocol.quantization import DEFAULT_THREADS
+    from dloco.protocol.pieces import DEFAULT_THREADS
 
     threads = DEFAULT_THREADS if threads is None else threads
     deltas = make_deltas(total_mib << 20)

@@ -18,23 +18,20 @@ The byte layouts are specified in PROTOCOL.md §Codecs; in short:
 Records make any block-aligned slice of an encoded tensor a contiguous byte range, so a tensor is
 quantized once and its chunks are zero-copy views (see `chunking.py`).
 
-Speed: the int codecs work through the input in cache-sized pieces (``_PASS_BYTES``) so that their
-numpy passes touch L2, not DRAM (BENCHMARKS.md).
+Speed: the int codecs work through the input in cache-sized pieces, on a few threads
+(protocol/pieces.py), so that their numpy passes touch L2, not DRAM (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
 import numpy as np
 
 from dloco.protocol import sparse
 from dloco.protocol.errors import EncodeError, ProtocolError
+from dloco.protocol.pieces import DEFAULT_THREADS, PASS_BYTES, WorkBuffers, run_pieces, work_buffers
 
 CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "int2", *sparse.SPARSE_BITS)
 DEFAULT_BLOCK = 256
@@ -44,14 +41,6 @@ _SCALE_BYTES = 4
 # Blocks with a smaller absmax are flushed to zero: L / absmax must stay finite for L <= 127
 # (127 * 2**120 < FLT_MAX), and such values are far below anything a delta carries.
 _FLUSH_BELOW = np.float32(2.0**-120)
-# Work in pieces of about this many input bytes: large enough to amortise numpy's per-call cost,
-# small enough that the temporaries stay in L2 (measured best at 1-2 MiB on this machine).
-_PASS_BYTES = 1 << 21
-# numpy releases the GIL inside its loops, so pieces run in parallel on a small thread pool.
-DEFAULT_THREADS = min(4, os.cpu_count() or 1)
-MAX_THREADS = 64
-_THREAD_PREFIX = "dloco-codec"
-
 _LEVELS = {"int8": 127, "int4": 7, "int2": 1}
 _BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int2": 2, **sparse.SPARSE_BITS}
 # Largest code magnitude a decoder may meet: int8 -128, int4 nibble 0 = -8, int2 code 3 = +2.
@@ -189,7 +178,7 @@ class Codec:
             def widen(lo: int, hi: int) -> None:
                 np.left_shift(half_N[lo:hi], 16, out=out_bits_N[lo:hi], dtype=np.uint32)
 
-            _run_pieces(widen, count, _PASS_BYTES // 4, threads)
+            run_pieces(widen, count, PASS_BYTES // 4, threads)
         elif self.sparse:
             sparse.decode(data_U, self.block, self.bits, count, out)
         else:
@@ -200,30 +189,6 @@ class Codec:
 def _require_finite(x_N: np.ndarray) -> None:
     if not np.isfinite(x_N).all():
         raise EncodeError(f"cannot encode non-finite values ({np.count_nonzero(~np.isfinite(x_N))} NaN/Inf)")
-
-
-def _run_pieces(fn: Callable[[int, int], None], n: int, per_piece: int, threads: int) -> None:
-    """Call fn(lo, hi) over [0, n) in pieces of `per_piece`, on up to `threads` threads (at most
-    MAX_THREADS; inline when already on a codec thread, so nested calls cannot deadlock)."""
-    bounds = [(lo, min(n, lo + per_piece)) for lo in range(0, n, per_piece)]
-    threads = min(threads, MAX_THREADS)
-    if threads <= 1 or len(bounds) < 2 or threading.current_thread().name.startswith(_THREAD_PREFIX):
-        for lo, hi in bounds:
-            fn(lo, hi)
-        return
-    # list() re-raises the first exception of any piece in the caller's thread.
-    list(_pool(threads).map(lambda b: fn(*b), bounds))
-
-
-_pools: dict[int, ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
-
-
-def _pool(threads: int) -> ThreadPoolExecutor:
-    with _pools_lock:
-        if threads not in _pools:
-            _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=_THREAD_PREFIX)
-        return _pools[threads]
 
 
 def _encode_bf16(x_N: np.ndarray, threads: int) -> np.ndarray:
@@ -243,7 +208,7 @@ def _encode_bf16(x_N: np.ndarray, threads: int) -> np.ndarray:
         if ((rounded_N[lo:hi] & 0x7F80) == 0x7F80).any():
             overflow.append(lo)
 
-    _run_pieces(round_piece, x_N.size, _PASS_BYTES // 4, threads)
+    run_pieces(round_piece, x_N.size, PASS_BYTES // 4, threads)
     if overflow:
         raise EncodeError("value overflows bfloat16 (|x| > 3.39e38)")
     return rounded_N
@@ -257,41 +222,21 @@ def _encode_blocks(x_N: np.ndarray, name: str, block: int, threads: int) -> np.n
     rec_BxR = np.empty((n_blocks, _SCALE_BYTES + block * bits // 8), dtype=np.uint8)
     scale_B = rec_BxR[:, :_SCALE_BYTES].view("<f4")[:, 0]
     codes_BxC = rec_BxR[:, _SCALE_BYTES:]
-    rows = max(1, _PASS_BYTES // (4 * block))
+    rows = max(1, PASS_BYTES // (4 * block))
     full_BxK = x_N[: n_full * block].reshape(n_full, block)
 
     def quantize_piece(r0: int, r1: int) -> None:
-        _quantize_rows(full_BxK[r0:r1], scale_B[r0:r1], codes_BxC[r0:r1], levels, bits, _work(rows, block))
+        _quantize_rows(full_BxK[r0:r1], scale_B[r0:r1], codes_BxC[r0:r1], levels, bits, work_buffers(rows, block))
 
-    _run_pieces(quantize_piece, n_full, rows, threads)
+    run_pieces(quantize_piece, n_full, rows, threads)
     if tail:
         padded_1xK = np.zeros((1, block), dtype=np.float32)
         padded_1xK[0, :tail] = x_N[n_full * block :]
-        _quantize_rows(padded_1xK, scale_B[n_full:], codes_BxC[n_full:], levels, bits, _work(1, block))
+        _quantize_rows(padded_1xK, scale_B[n_full:], codes_BxC[n_full:], levels, bits, work_buffers(1, block))
     return rec_BxR
 
 
-class _Work:
-    """Cache-sized temporaries, reused per thread so that no piece pays for fresh pages."""
-
-    def __init__(self, rows: int, block: int) -> None:
-        self.f32_RxK = np.empty((rows, block), dtype=np.float32)
-        self.u8_RxK = np.empty((rows, block), dtype=np.uint8)
-        self.u16_RxH = np.empty((rows, block // 2), dtype=np.uint16)  # int4 decoding: a byte's two levels
-        self.absmax_R = np.empty(rows, dtype=np.float32)
-
-
-_local = threading.local()
-
-
-def _work(rows: int, block: int) -> _Work:
-    cache = _local.__dict__.setdefault("work", {})
-    if (rows, block) not in cache:
-        cache[(rows, block)] = _Work(rows, block)
-    return cache[(rows, block)]
-
-
-def _quantize_rows(x_RxK, scale_R, codes_RxC, levels: int, bits: int, work: _Work) -> None:
+def _quantize_rows(x_RxK, scale_R, codes_RxC, levels: int, bits: int, work: WorkBuffers) -> None:
     n, block = x_RxK.shape
     t_RxK, absmax_R = work.f32_RxK[:n], work.absmax_R[:n]
     np.abs(x_RxK, out=t_RxK)
@@ -335,7 +280,7 @@ def _decode_blocks(data_U: np.ndarray, codec: Codec, count: int, out_N: np.ndarr
     def dequantize_piece(r0: int, r1: int) -> None:
         _dequantize_rows(codes_BxC[r0:r1], scale_Bx1[r0:r1], full_BxK[r0:r1], bits)
 
-    _run_pieces(dequantize_piece, n_full, max(1, _PASS_BYTES // (4 * block)), threads)
+    run_pieces(dequantize_piece, n_full, max(1, PASS_BYTES // (4 * block)), threads)
     if n_blocks > n_full:
         padded_1xK = np.empty((1, block), dtype=np.float32)
         _dequantize_rows(codes_BxC[n_full:], scale_Bx1[n_full:], padded_1xK, bits)
@@ -351,7 +296,7 @@ def _dequantize_rows(codes_RxC, scale_Rx1, out_RxK, bits: int) -> None:
         # u16s' bytes are the codes + 8 in value order, so whole-array shifts, an int8 subtraction
         # and the scaling decode them (about 3x a table lookup per byte on this machine).
         n, half = codes_RxC.shape
-        work = _work(max(1, _PASS_BYTES // (8 * half)), 2 * half)
+        work = work_buffers(max(1, PASS_BYTES // (8 * half)), 2 * half)
         pair_RxH, low_RxH = work.u16_RxH[:n], work.u8_RxK[:n, :half]
         np.right_shift(codes_RxC, 4, out=pair_RxH, dtype=np.uint16)
         np.left_shift(pair_RxH, 8, out=pair_RxH)
