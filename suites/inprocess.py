@@ -91,14 +91,14 @@ def train_sync_dp(config: ClusterConfig, log=lambda line: None) -> InProcessRun:
     curve, tokens, heard, rounds = [], 0, 0, 0
     while heard < config.tokens:
         scale = schedule.decay(round(1e6 * schedule.progress(heard, config.tokens)) / 1e6)
-        trained, before = [], tokens
+        trained, previous = [], tokens
         for task, trainer in islands:
             batch = next(task.batches)
             trainer.set_rate_scale(scale)
             trainer.step(batch)
             tokens += task.tokens_in(batch)
             trained.append(trainer.params())
-        heard = before
+        heard = previous
         mean = average(trained)
         for _, trainer in islands:
             trainer.set_params(mean)

@@ -96,3 +96,17 @@ def test_sync_dp_in_one_process_is_for_a_budgeted_sync_dp_run():
         inprocess.train_sync_dp(cluster_config.load().with_mode("decoupled").with_tokens(1000))
     with pytest.raises(ConfigError, match="sync-dp with a token budget"):
         inprocess.train_sync_dp(cluster_config.load().with_mode("sync-dp"))
+
+
+def test_sync_dp_in_one_process_reports_the_initial_loss_and_the_curve_it_trained():
+    import dataclasses
+
+    from dloco.suites import inprocess, quality
+
+    config = dataclasses.replace(cluster_config.load().with_mode("sync-dp").with_tokens(4096), model=quality.QUICK_MODEL, eval_every=2)
+    run = inprocess.train_sync_dp(config)
+    # four islands of 8 sequences of 32 bytes: 1,024 tokens a round; an island hears the cluster's
+    # count a round late, so the fifth round is the one that sees 4,096 and stops
+    assert run.rounds == 5 and run.cluster_tokens == 5120 and [p["cluster_tokens"] for p in run.curve] == [2048, 4096, 5120]
+    # the initial model's held-out loss (a byte model starts near ln 256 = 5.55), not a token count
+    assert 4.5 < run.before < 7.0 and run.after == run.curve[-1]["eval_loss"] < run.before
