@@ -93,6 +93,27 @@ def table(results: list[RunResult]) -> list[str]:
     return lines
 
 
+QUALITY_GOAL, SPEEDUP_GOAL = 0.015, 20.0  # decoupled within 1.5 % of sync-dp; >= 20x sooner to a final loss
+
+
+def goal_lines(results: list[RunResult]) -> list[str]:
+    """The suite's goals at the largest budget, each met or missed and by how much (a goal whose
+    runs are missing is not judged)."""
+    budget = max((r.config.tokens for r in results), default=0)
+    final = {mode: r.global_after for mode in MODES if (r := {x.label: x for x in results}.get(label(mode, budget))) is not None}
+    lines = []
+    if (behind := gap(final.get("decoupled"), final.get("sync-dp"))) is not None:
+        lines.append(f"- goal, decoupled within {QUALITY_GOAL:.1%} of sync-dp: {'met' if behind <= QUALITY_GOAL else 'MISSED'} ({behind:+.1%})")
+    if (against := gap(final.get("decoupled"), final.get("sync-diloco"))) is not None:
+        lines.append(f"- goal, decoupled no worse than sync-diloco: {'met' if against <= 0 else 'MISSED'} ({against:+.1%})")
+    clock = wall_clock(results)
+    best = max((clock[k] for k in ("speedup_to_decoupled_final", "speedup_to_sync_dp_final") if clock.get(k)), default=None)
+    if best is not None:
+        verdict = "met" if best >= SPEEDUP_GOAL else f"MISSED by {SPEEDUP_GOAL / best:.1f}x"
+        lines.append(f"- goal, decoupled >= {SPEEDUP_GOAL:g}x sooner to a final loss: {verdict} (best of the two ways: {best:.1f}x)")
+    return [*lines, ""] if lines else []
+
+
 def claim_lines(results: list[RunResult]) -> list[str]:
     clock = wall_clock(results)
     if not clock:
@@ -157,7 +178,7 @@ def write_up(results: list[RunResult], command: str, seconds: float, out_dir: Pa
         "cluster token budget; every island's inner rate decays over the cluster's progress towards it (PROTOCOL.md §6.1). "
         "sync-dp is trained in one process, the cluster's arithmetic without the bus (suites/inprocess.py; its loss per step "
         "depends on neither the link nor the bus), unless run with --sync-dp-on-bus.", "",
-        *table(results), "", *claim_lines(results),
+        *table(results), "", *goal_lines(results), *claim_lines(results),
         *(f"![{p.name}](experiments/{p.name})" for p in plots), "",
         f"Command: `{command}` ({seconds / 60:.0f} min).", ""])
     (out_dir / "quality.md").write_text(text)

@@ -77,6 +77,16 @@ def test_the_wall_clock_claim_both_ways_by_hand():
     clock = qualityreport.wall_clock([linked, dp, dec])
     assert clock["decoupled_to_sync_dp_final_s"] == pytest.approx(150.0) and clock["speedup_to_sync_dp_final"] == pytest.approx(40.0)
     assert qualityreport.wall_clock([dp, dec]) == {}  # without the linked run: no claim
+    # The goals, judged: decoupled 2.2 against sync-dp's 2.6 (-15.4 %), 40x the best way
+    assert qualityreport.goal_lines([linked, dp, dec]) == [
+        "- goal, decoupled within 1.5% of sync-dp: met (-15.4%)",
+        "- goal, decoupled >= 20x sooner to a final loss: met (best of the two ways: 40.0x)", ""]
+    dp.global_after = 2.0  # sync-dp ends at 2.0: decoupled 10 % behind; 26x the one way there is
+    assert qualityreport.goal_lines([dp, dec]) == ["- goal, decoupled within 1.5% of sync-dp: MISSED (+10.0%)", ""]
+    slow_linked = _result(qualityreport.LINKED, runs[qualityreport.LINKED], 5.0,
+                          evals={"a": [{"step": 3, "since_start": 60.0, "eval_loss": 5.0}, {"step": 12, "since_start": 105.0, "eval_loss": 4.8}]})
+    # 5 s per step: sync-dp to 2.2 in 260 x 5 = 1,300 s, 6.5x decoupled's 200 s: missed by 20 / 6.5 = 3.1x
+    assert qualityreport.goal_lines([slow_linked, dp, dec])[1] == "- goal, decoupled >= 20x sooner to a final loss: MISSED by 3.1x (best of the two ways: 6.5x)"
     assert qualityreport.gap(2.2, 2.0) == pytest.approx(0.1) and qualityreport.gap(None, 2.0) is None
 
 
