@@ -13,20 +13,32 @@ def _count(times: list[float], start: float, end: float) -> int:
     return sum(start <= t < end for t in times)
 
 
-def effects(executed: list[dict], steps: dict[str, list[float]], joins: dict[str, list[float]],
-            folds: list[tuple[float, tuple[str, ...]]], window_s: float = WINDOW_S) -> list[dict]:
+def effects(
+    executed: list[dict],
+    steps: dict[str, list[float]],
+    joins: dict[str, list[float]],
+    folds: list[tuple[float, tuple[str, ...]]],
+    window_s: float = WINDOW_S,
+) -> list[dict]:
     """One row per executed event ({"wall", "action", "target"}), all times in wall-clock seconds.
 
     steps: per island, the wall time of every training step; joins: per island, when a process of it
     joined (got the merger's model); folds: (wall time, contributors) of every fold.
     The "after" window ends early at the next event, so two faults are not mixed up.  A kill that is
     followed by a restart of the same process also gets `during_absence`: each other island's steps
-    over the whole absence / its steps over as long a stretch just before the kill (None without any)."""
+    over the whole absence / its steps over as long a stretch just before the kill (None without
+    any).
+    """
     rows = []
     ordered = sorted(executed, key=lambda e: e["wall"])
     for index, event in enumerate(ordered):
-        t, target = event["wall"], event["target"].partition(".")[0]  # a multi-host island's process NAME.I: the island NAME
-        after_end = min(t + window_s, ordered[index + 1]["wall"]) if index + 1 < len(ordered) else t + window_s
+        # a multi-host island's process NAME.I: the island NAME
+        t, target = event["wall"], event["target"].partition(".")[0]
+        after_end = (
+            min(t + window_s, ordered[index + 1]["wall"])
+            if index + 1 < len(ordered)
+            else t + window_s
+        )
         before_start = max(t - window_s, ordered[index - 1]["wall"]) if index > 0 else t - window_s
         rates = {}
         for island, times in steps.items():
@@ -34,25 +46,55 @@ def effects(executed: list[dict], steps: dict[str, list[float]], joins: dict[str
                 continue
             before = _count(times, before_start, t) / (t - before_start)
             after = _count(times, t, after_end) / (after_end - t)
-            rates[island] = {"before": before, "after": after, "ratio": after / before if before else None}
-        row = {**event, "others": rates, "window_s": (t - before_start, after_end - t),
-               "folds_before": sum(before_start <= w < t for w, _ in folds), "folds_after": sum(t <= w < after_end for w, _ in folds),
-               "contributors_after": sorted({c for w, cs in folds if t <= w < after_end for c in cs})}
-        ends = "heal" if _network(event["action"]) else "restart"  # a link's fault ends when it is healed, a kill at the restart
-        back = next((e["wall"] for e in ordered[index + 1:] if e["target"] == event["target"] and e["action"] == ends), None)
-        if (event["action"] in ("kill", "lose-disk") or _network(event["action"])) and back is not None:  # the whole absence against as long a stretch just before it
+            rates[island] = {
+                "before": before,
+                "after": after,
+                "ratio": after / before if before else None,
+            }
+        row = {
+            **event,
+            "others": rates,
+            "window_s": (t - before_start, after_end - t),
+            "folds_before": sum(before_start <= w < t for w, _ in folds),
+            "folds_after": sum(t <= w < after_end for w, _ in folds),
+            "contributors_after": sorted({c for w, cs in folds if t <= w < after_end for c in cs}),
+        }
+        # a link's fault ends when it is healed, a kill at the restart
+        ends = "heal" if _network(event["action"]) else "restart"
+        back = next(
+            (
+                e["wall"]
+                for e in ordered[index + 1 :]
+                if e["target"] == event["target"] and e["action"] == ends
+            ),
+            None,
+        )
+        # the whole absence against as long a stretch just before it
+        if (
+            event["action"] in ("kill", "lose-disk") or _network(event["action"])
+        ) and back is not None:
             length = back - t
             row["absence_s"] = length
-            row["during_absence"] = {island: _count(times, t, back) / _count(times, t - length, t) if _count(times, t - length, t) else None
-                                     for island, times in steps.items() if island != target}
-        if event["action"] == "heal" and target in steps:  # an island's link healed: when was its work folded again?
+            row["during_absence"] = {
+                island: (
+                    _count(times, t, back) / _count(times, t - length, t)
+                    if _count(times, t - length, t)
+                    else None
+                )
+                for island, times in steps.items()
+                if island != target
+            }
+        # an island's link healed: when was its work folded again?
+        if event["action"] == "heal" and target in steps:
             folded = [w for w, cs in folds if w >= t and target in cs]
             row["first_fold_s"] = folded[0] - t if folded else None
-        elif event["action"] != "restart" and event["target"] == "merger":  # with a standby: how soon the next fold came
+        # with a standby: how soon the next fold came
+        elif event["action"] != "restart" and event["target"] == "merger":
             later = [w for w, _ in folds if w >= t]
             row["first_fold_s"] = later[0] - t if later else None
         if event["action"] == "restart":
-            if target in steps:  # an island: when did it rejoin, and when was its first delta folded?
+            # an island: when did it rejoin, and when was its first delta folded?
+            if target in steps:
                 rejoined = [w for w in joins.get(target, []) if w >= t]
                 folded = [w for w, cs in folds if w >= t and target in cs]
                 row["rejoined_s"] = rejoined[0] - t if rejoined else None
@@ -65,5 +107,6 @@ def effects(executed: list[dict], steps: dict[str, list[float]], joins: dict[str
 
 
 def _network(action: str) -> bool:
-    """A link's fault (cluster/chaos.py NETWORK_ACTIONS, partition-from-PEER, loss-P), not its heal."""
+    """A link's fault (cluster/chaos.py NETWORK_ACTIONS, partition-from-PEER, loss-P), not its
+    heal."""
     return action.startswith(("partition", "loss-"))

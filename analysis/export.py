@@ -26,7 +26,8 @@ from dloco.merger import checkpoint
 from dloco.merger.recovery import checkpoint_dir
 from dloco.protocol.errors import DlocoError
 
-FORMAT = "dloco-global-model/1"  # the metadata's "format": what wrote the file, and how to read it
+# the metadata's "format": what wrote the file, and how to read it
+FORMAT = "dloco-global-model/1"
 
 
 class ExportError(DlocoError):
@@ -37,10 +38,14 @@ class ExportError(DlocoError):
 class GlobalModel:
     """The merger's global model as one checkpoint holds it."""
 
-    params: dict[str, np.ndarray]  # {path: float32 array}, every fragment's
-    record: int  # the log record the checkpoint was taken at (its file name)
-    versions: tuple[int, ...]  # each fragment's version: the folds made into it
-    digest: str  # the merger's state digest at the checkpoint (`dloco replay --verify` compares it)
+    # {path: float32 array}, every fragment's
+    params: dict[str, np.ndarray]
+    # the log record the checkpoint was taken at (its file name)
+    record: int
+    # each fragment's version: the folds made into it
+    versions: tuple[int, ...]
+    # the merger's state digest at the checkpoint (`dloco replay --verify` compares it)
+    digest: str
 
     @property
     def count(self) -> int:
@@ -48,21 +53,29 @@ class GlobalModel:
 
 
 def params_of(saved: dict) -> dict[str, np.ndarray]:
-    """A checkpoint's content (checkpoint.read) to flat {path: float32 array}, every fragment's, bytes unchanged."""
+    """A checkpoint's content (checkpoint.read) to flat {path: float32 array}, every fragment's,
+    bytes unchanged."""
     flat = {}
     for fragment in saved["fragments"]:
         for path, entry in fragment["params"].items():
-            flat[path] = np.frombuffer(entry["data"], dtype=np.dtype(entry["dtype"])).reshape(entry["shape"]).astype(np.float32)
+            flat[path] = (
+                np.frombuffer(entry["data"], dtype=np.dtype(entry["dtype"]))
+                .reshape(entry["shape"])
+                .astype(np.float32)
+            )
     return flat
 
 
 def merger_dir(run_dir: Path) -> Path:
-    """Where `dloco up` puts the merger's log and checkpoints; RunDirError when `run_dir` is no run directory."""
+    """Where `dloco up` puts the merger's log and checkpoints; RunDirError when `run_dir` is no run
+    directory."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise RunDirError(f"{run_dir} is not a directory (give the run directory `dloco up` wrote)")
     if not any((run_dir / name).exists() for name in ("merger", "init.npz", RUN_TASK)):
-        raise RunDirError(f"{run_dir} is not a run directory: it has no merger/, init.npz or {RUN_TASK}")
+        raise RunDirError(
+            f"{run_dir} is not a run directory: it has no merger/, init.npz or {RUN_TASK}"
+        )
     return merger_run_dir(run_dir)
 
 
@@ -76,77 +89,127 @@ def latest_saved(run_dir: Path) -> dict | None:
 
 
 def combine(saved: list[dict]) -> dict:
-    """Several shards' checkpoints as one: every fragment at its highest version; the digests joined."""
+    """Several shards' checkpoints as one: every fragment at its highest version; the digests
+    joined."""
     if len(saved) == 1:
         return saved[0]
-    fragments = [max((s["fragments"][i] for s in saved), key=lambda f: int(f["version"])) for i in range(len(saved[0]["fragments"]))]
+    fragments = [
+        max((s["fragments"][i] for s in saved), key=lambda f: int(f["version"]))
+        for i in range(len(saved[0]["fragments"]))
+    ]
     return {**saved[0], "fragments": fragments, "digest": "+".join(str(s["digest"]) for s in saved)}
 
 
 def checkpoints(run_dir: Path) -> dict[int, Path]:
     """{log record: file} of the run's checkpoints, oldest first."""
-    return {int(path.stem): path for path in checkpoint.all_checkpoints(checkpoint_dir(merger_dir(run_dir))) if path.stem.isdigit()}
+    return {
+        int(path.stem): path
+        for path in checkpoint.all_checkpoints(checkpoint_dir(merger_dir(run_dir)))
+        if path.stem.isdigit()
+    }
 
 
 def load(run_dir: Path, record: int | None = None) -> GlobalModel:
     """The global model of the checkpoint at log record `record` (None: the newest intact one)."""
     found = checkpoints(run_dir)
     if not found:
-        raise RunDirError(f"{run_dir} has no checkpoint of the merger yet (it writes one every so many folds and when it stops)")
+        raise RunDirError(
+            f"{run_dir} has no checkpoint of the merger yet (it writes one every so many folds and"
+            " when it stops)"
+        )
     if record is None:
         saved = latest_saved(merger_dir(run_dir).parent)
         if saved is None:
-            lacking = [d.name for d in shard_run_dirs(run_dir) if checkpoint.latest(checkpoint_dir(d)) is None]
-            raise RunDirError(f"{run_dir}: no checkpoint of {', '.join(lacking)} reads back intact (a merger writes one every so many "
-                              "folds and when it stops; `dloco replay` rebuilds it from the log)")
+            lacking = [
+                d.name
+                for d in shard_run_dirs(run_dir)
+                if checkpoint.latest(checkpoint_dir(d)) is None
+            ]
+            raise RunDirError(
+                f"{run_dir}: no checkpoint of {', '.join(lacking)} reads back intact (a merger"
+                " writes one every so many folds and when it stops; `dloco replay` rebuilds it"
+                " from the log)"
+            )
     else:
         if len(shard_run_dirs(run_dir)) > 1:
-            raise RunDirError(f"{run_dir} has merger shards, each with its own log records: --checkpoint picks one merger's; "
-                              "leave it out for the final global model")
+            raise RunDirError(
+                f"{run_dir} has merger shards, each with its own log records: --checkpoint picks"
+                " one merger's; leave it out for the final global model"
+            )
         if record not in found:
-            raise RunDirError(f"{run_dir} has no checkpoint at record {record}; it has {', '.join(map(str, found))}")
+            raise RunDirError(
+                f"{run_dir} has no checkpoint at record {record}; it has"
+                f" {', '.join(map(str, found))}"
+            )
         saved = checkpoint.read(found[record])
         if saved is None:
-            raise RunDirError(f"checkpoint {found[record]} is unreadable (its length or checksum is wrong)")
+            raise RunDirError(
+                f"checkpoint {found[record]} is unreadable (its length or checksum is wrong)"
+            )
     versions = tuple(int(f["version"]) for f in saved["fragments"])
     return GlobalModel(params_of(saved), int(saved["next_index"]), versions, str(saved["digest"]))
 
 
 def metadata(run_dir: Path, model: GlobalModel, run: RunTask) -> dict[str, str]:
-    """The file's metadata (safetensors takes strings only): enough to build the model again and to say where it came from."""
-    return {"format": FORMAT, "run_dir": str(run_dir), "checkpoint": str(model.record), "digest": model.digest,
-            "fragment_versions": json.dumps(list(model.versions)), "parameters": str(model.count),
-            "task": run.task, "task_options": json.dumps(dict(run.options), sort_keys=True), "seed": str(run.seed)}
+    """The file's metadata (safetensors takes strings only): enough to build the model again and to
+    say where it came from."""
+    return {
+        "format": FORMAT,
+        "run_dir": str(run_dir),
+        "checkpoint": str(model.record),
+        "digest": model.digest,
+        "fragment_versions": json.dumps(list(model.versions)),
+        "parameters": str(model.count),
+        "task": run.task,
+        "task_options": json.dumps(dict(run.options), sort_keys=True),
+        "seed": str(run.seed),
+    }
 
 
 def write(params: dict[str, np.ndarray], meta: dict[str, str], out: Path) -> None:
-    """`out` as safetensors, written to a temporary file beside it and renamed: never half a file under its name."""
+    """`out` as safetensors, written to a temporary file beside it and renamed: never half a file
+    under its name."""
     from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     out = Path(out)
     if out.is_dir():
-        raise ExportError(f"--out {out} is a directory; name the file to write (e.g. {out / 'model.safetensors'})")
+        raise ExportError(
+            f"--out {out} is a directory; name the file to write (e.g. {out / 'model.safetensors'})"
+        )
     if not out.parent.is_dir():
         raise ExportError(f"cannot write {out}: the folder {out.parent} does not exist")
     temporary = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        save_file({path: np.ascontiguousarray(value, dtype=np.float32) for path, value in sorted(params.items())}, str(temporary), metadata=meta)
+        save_file(
+            {
+                path: np.ascontiguousarray(value, dtype=np.float32)
+                for path, value in sorted(params.items())
+            },
+            str(temporary),
+            metadata=meta,
+        )
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)  # safetensors creates its file 0600; an exported model is for sharing, like any new file
+        # safetensors creates its file 0600; an exported model is for sharing, like any new file
+        os.chmod(temporary, 0o666 & ~umask)
         with open(temporary, "rb") as handle:
-            os.fsync(handle.fileno())  # on disk before the rename, or a crash could leave an empty file under the name
+            # on disk before the rename, or a crash could leave an empty file under the name
+            os.fsync(handle.fileno())
         os.replace(temporary, out)
     except (OSError, SafetensorError) as error:
-        raise ExportError(f"cannot write {out}: {getattr(error, 'strerror', None) or error}") from None
+        raise ExportError(
+            f"cannot write {out}: {getattr(error, 'strerror', None) or error}"
+        ) from None
     finally:
         temporary.unlink(missing_ok=True)
 
 
-def export(run_dir: Path, out: Path, record: int | None = None, run: RunTask | None = None) -> tuple[GlobalModel, dict[str, str]]:
-    """Write the global model of `run_dir` to `out`; `run`: the run's task when its task.json is missing.
-    Returns what was written and its metadata."""
+def export(
+    run_dir: Path, out: Path, record: int | None = None, run: RunTask | None = None
+) -> tuple[GlobalModel, dict[str, str]]:
+    """Write the global model of `run_dir` to `out`; `run`: the run's task when its task.json is
+    missing. Returns what was written and its metadata."""
     model = load(run_dir, record)
     run = run if run is not None else RunTask.read(run_dir)
     meta = metadata(Path(run_dir).resolve(), model, run)

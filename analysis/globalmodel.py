@@ -17,7 +17,8 @@ from dloco.analysis.runinfo import RunTask, merger_folds, shard_run_dirs, wall
 
 
 class Evaluator:
-    """The islands' task, built as an island builds it, to evaluate parameters on its held-out batches."""
+    """The islands' task, built as an island builds it, to evaluate parameters on its held-out
+    batches."""
 
     def __init__(self, run: RunTask, run_dir: Path) -> None:
         from dloco.island.config import TrainConfig
@@ -53,10 +54,18 @@ class Evaluator:
 
 
 def build_task(run: RunTask):
-    """The run's task (island.task.Task), built as island 0 builds it: its model holds the initial parameters."""
+    """The run's task (island.task.Task), built as island 0 builds it: its model holds the initial
+    parameters."""
     from dloco.island.task import TaskContext, build
 
-    context = TaskContext(island_index=0, islands=run.islands, seed=run.seed, batch=run.batch, max_steps=1, options=run.options)
+    context = TaskContext(
+        island_index=0,
+        islands=run.islands,
+        seed=run.seed,
+        batch=run.batch,
+        max_steps=1,
+        options=run.options,
+    )
     return build(run.task, context)
 
 
@@ -75,8 +84,13 @@ def cluster_tokens_at(lives_by_island: dict[str, list[list[dict]]], at: float) -
 
 def when_cluster_reached(lives_by_island: dict[str, list[list[dict]]], tokens: int) -> float | None:
     """The first wall time at which the cluster had trained `tokens` (None: never)."""
-    steps = sorted((e["wall"], (name, i), e.get("tokens", 0)) for name, runs in lives_by_island.items()
-                   for i, life in enumerate(runs) for e in life if "wall" in e and e.get("step", 0) > 0)
+    steps = sorted(
+        (e["wall"], (name, i), e.get("tokens", 0))
+        for name, runs in lives_by_island.items()
+        for i, life in enumerate(runs)
+        for e in life
+        if "wall" in e and e.get("step", 0) > 0
+    )
     current: dict[tuple[str, int], int] = {}
     for at, life, trained in steps:
         current[life] = trained
@@ -98,20 +112,30 @@ def states_at(run_dir: Path, walls: list[float]) -> list[dict[str, np.ndarray] |
         folded_at.setdefault((event["fragment"], event["version"]), wall(event))
     directories = shard_run_dirs(run_dir)
     count = len(directories)
-    by_shard = [_replayed_states(run_dir, directory, {key: at for key, at in folded_at.items() if key[0] % count == shard}, walls)
-                for shard, directory in enumerate(directories)]
+    by_shard = [
+        _replayed_states(
+            run_dir,
+            directory,
+            {key: at for key, at in folded_at.items() if key[0] % count == shard},
+            walls,
+        )
+        for shard, directory in enumerate(directories)
+    ]
     found: list[dict[str, np.ndarray] | None] = []
     for at in range(len(walls)):
         held = [states[at] for states in by_shard]
         if all(states is None for states in held):
             found.append(None)
             continue
-        any_held = next(states for states in held if states is not None)  # a shard holds the others' fragments at their start
+        # a shard holds the others' fragments at their start
+        any_held = next(states for states in held if states is not None)
         found.append(_params([(held[f % len(held)] or any_held)[f] for f in range(len(any_held))]))
     return found
 
 
-def _replayed_states(run_dir: Path, directory: Path, folded_at: dict[tuple[int, int], float], walls: list[float]) -> list:
+def _replayed_states(
+    run_dir: Path, directory: Path, folded_at: dict[tuple[int, int], float], walls: list[float]
+) -> list:
     """One merger's (shard's) fragment states at each wall time (None before its first fold);
     `folded_at`: when each of its folds was logged."""
     from dloco.merger.core import ReplayError
@@ -122,19 +146,26 @@ def _replayed_states(run_dir: Path, directory: Path, folded_at: dict[tuple[int, 
     progress = {"next": 0, "time": min(folded_at.values(), default=float("-inf")), "states": None}
 
     def on_fold(index, record, report, core) -> None:
-        at = max(progress["time"], folded_at.get((record["fragment"], record["version"]), progress["time"]))
+        at = max(
+            progress["time"],
+            folded_at.get((record["fragment"], record["version"]), progress["time"]),
+        )
         while progress["next"] < len(order) and walls[order[progress["next"]]] < at:
             found[order[progress["next"]]] = progress["states"]
             progress["next"] += 1
-        progress["time"], progress["states"] = at, list(core.states)  # states are replaced on a fold, never changed
+        # states are replaced on a fold, never changed
+        progress["time"], progress["states"] = at, list(core.states)
 
     for position, expected, rebuilt in replay(directory, on_fold, strict=False):
         if expected != rebuilt:
-            raise ReplayError(f"{run_dir}: the model rebuilt from the log differs from the merger's checkpoint at record {position} ({directory.name})")
+            raise ReplayError(
+                f"{run_dir}: the model rebuilt from the log differs from the merger's checkpoint at"
+                f" record {position} ({directory.name})"
+            )
     if progress["states"] is not None and not folded_at:
         log = "merger.log" if directory.name in ("merger", "standby") else f"{directory.name}.log"
         raise ReplayError(f"{run_dir}: the log has folds but logs/{log} dates none of them")
-    for i in order[progress["next"]:]:
+    for i in order[progress["next"] :]:
         found[i] = progress["states"]
     return found
 

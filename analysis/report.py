@@ -10,7 +10,15 @@ from pathlib import Path
 
 from dloco.analysis import sampling
 from dloco.analysis.globalmodel import Evaluator, cluster_tokens_at
-from dloco.analysis.runinfo import RunTask, chaos_effects, last_step, lives, merger_folds, read_events, read_metrics
+from dloco.analysis.runinfo import (
+    RunTask,
+    chaos_effects,
+    last_step,
+    lives,
+    merger_folds,
+    read_events,
+    read_metrics,
+)
 from dloco.protocol.errors import ConfigError
 
 
@@ -19,8 +27,10 @@ class IslandOutline:
     """One island as the report lists it: its plan, not what it did."""
 
     name: str
-    speed: str  # its slowdown, and its CPU quota where the run set one
-    interval: int  # H, its inner steps between two sends of a fragment
+    # its slowdown, and its CPU quota where the run set one
+    speed: str
+    # H, its inner steps between two sends of a fragment
+    interval: int
     uplink_mbps: float | None
     downlink_mbps: float | None
     rtt_ms: float
@@ -33,7 +43,8 @@ class RunOutline:
 
     mode: str
     duration_s: float
-    max_steps: int  # 0: bounded by the clock alone
+    # 0: bounded by the clock alone
+    max_steps: int
     islands: tuple[IslandOutline, ...]
     task: RunTask
 
@@ -50,7 +61,8 @@ def global_eval(task: RunTask, run_dir: Path) -> tuple[dict[str, float], dict[st
 
 
 def _plots(run_dir: Path, metrics: dict[str, list[dict]], global_curve: list[dict]) -> list[str]:
-    """The islands' curves, with `global_curve` (the evaluator's lines: wall, eval_loss) on the loss over time and on its own plot."""
+    """The islands' curves, with `global_curve` (the evaluator's lines: wall, eval_loss) on the loss
+    over time and on its own plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,14 +72,34 @@ def _plots(run_dir: Path, metrics: dict[str, list[dict]], global_curve: list[dic
     plots.mkdir(exist_ok=True)
     made = []
     clock = "seconds since the cluster's first step"
-    specs = [("eval_loss_vs_time.png", "time", "eval_loss", clock, "held-out loss (the task's)"),
-             ("eval_loss_vs_tokens.png", "tokens", "eval_loss", "tokens trained by the island (each life from 0)", "held-out loss (the task's)"),
-             ("bytes_on_wire.png", "time", "bytes_sent", clock, "bytes sent (solid) / received (dashed)"),
-             ("compute_util.png", "time", "compute_util", clock, "compute utilisation")]
+    specs = [
+        ("eval_loss_vs_time.png", "time", "eval_loss", clock, "held-out loss (the task's)"),
+        (
+            "eval_loss_vs_tokens.png",
+            "tokens",
+            "eval_loss",
+            "tokens trained by the island (each life from 0)",
+            "held-out loss (the task's)",
+        ),
+        (
+            "bytes_on_wire.png",
+            "time",
+            "bytes_sent",
+            clock,
+            "bytes sent (solid) / received (dashed)",
+        ),
+        ("compute_util.png", "time", "compute_util", clock, "compute utilisation"),
+    ]
     # One clock for every island (wall time from the cluster's first step), one line per island and
     # life: a restarted island's own clock, tokens and byte counters start again from 0.
-    split = {name: lives([e for e in events if "step" in e and "wall" in e]) for name, events in metrics.items()}
-    began = min((e["wall"] for runs in split.values() for life in runs for e in life if e["step"] > 0), default=0.0)
+    split = {
+        name: lives([e for e in events if "step" in e and "wall" in e])
+        for name, events in metrics.items()
+    }
+    began = min(
+        (e["wall"] for runs in split.values() for life in runs for e in life if e["step"] > 0),
+        default=0.0,
+    )
 
     def x(event: dict, key: str) -> float:
         return event["wall"] - began if key == "time" else event[key]
@@ -81,11 +113,21 @@ def _plots(run_dir: Path, metrics: dict[str, list[dict]], global_curve: list[dic
                 if points:
                     axes.plot(*zip(*points), color=f"C{index}", label=None if labelled else name)
                     labelled = True
-                if y_key == "bytes_sent" and (received := [(x(e, "time"), e["bytes_received"]) for e in life if "bytes_received" in e]):
+                if y_key == "bytes_sent" and (
+                    received := [
+                        (x(e, "time"), e["bytes_received"]) for e in life if "bytes_received" in e
+                    ]
+                ):
                     axes.plot(*zip(*received), linestyle="--", color=f"C{index}")
         if filename == "eval_loss_vs_time.png" and global_curve:
-            axes.plot([p["wall"] - began for p in global_curve], [p["eval_loss"] for p in global_curve], color="black", linewidth=2.5,
-                      marker=".", label="global model (merger's)")
+            axes.plot(
+                [p["wall"] - began for p in global_curve],
+                [p["eval_loss"] for p in global_curve],
+                color="black",
+                linewidth=2.5,
+                marker=".",
+                label="global model (merger's)",
+            )
         axes.set_xlabel(x_label)
         axes.set_ylabel(y_label)
         axes.grid(alpha=0.3)
@@ -95,9 +137,15 @@ def _plots(run_dir: Path, metrics: dict[str, list[dict]], global_curve: list[dic
         figure.savefig(plots / filename, dpi=100)
         plt.close(figure)
         made.append(f"plots/{filename}")
-    if global_curve:  # the one model the cluster trains, against the compute the whole cluster spent
+    # the one model the cluster trains, against the compute the whole cluster spent
+    if global_curve:
         figure, axes = plt.subplots(figsize=(7, 4))
-        axes.plot([cluster_tokens_at(split, p["wall"]) for p in global_curve], [p["eval_loss"] for p in global_curve], color="black", marker=".")
+        axes.plot(
+            [cluster_tokens_at(split, p["wall"]) for p in global_curve],
+            [p["eval_loss"] for p in global_curve],
+            color="black",
+            marker=".",
+        )
         axes.set_xlabel("tokens trained by the whole cluster (every island, every life)")
         axes.set_ylabel("held-out loss of the global model")
         axes.grid(alpha=0.3)
@@ -115,19 +163,40 @@ def _seconds(value: float | None) -> str:
 def _chaos_section(rows: list[dict]) -> list[str]:
     if not rows:
         return []
-    lines = ["## Chaos", "", "What each kill -9 / restart did to the rest: the other islands' step rates in the seconds after the event "
-             "relative to the seconds before (1.00 = undisturbed), the merger's folds in those windows, and the recovery.", "",
-             "| t (s) | event | other islands' step rate after/before | folds before/after | contributors after | recovery |", "|---|---|---|---|---|---|"]
+    lines = [
+        "## Chaos",
+        "",
+        (
+            "What each kill -9 / restart did to the rest: the other islands' step rates in the"
+            " seconds after the event relative to the seconds before (1.00 = undisturbed), the"
+            " merger's folds in those windows, and the recovery."
+        ),
+        "",
+        (
+            "| t (s) | event | other islands' step rate after/before | folds before/after |"
+            " contributors after | recovery |"
+        ),
+        "|---|---|---|---|---|---|",
+    ]
     for row in rows:
-        ratios = ", ".join(f"{name} {r['ratio']:.2f}" if r["ratio"] is not None else f"{name} (not yet stepping)" for name, r in row["others"].items())
+        ratios = ", ".join(
+            f"{name} {r['ratio']:.2f}" if r["ratio"] is not None else f"{name} (not yet stepping)"
+            for name, r in row["others"].items()
+        )
         recovery = ""
         if "rejoined_s" in row:
-            recovery = f"rejoined after {_seconds(row['rejoined_s'])}; first delta folded after {_seconds(row['first_fold_s'])}"
+            recovery = (
+                f"rejoined after {_seconds(row['rejoined_s'])}; first delta folded after"
+                f" {_seconds(row['first_fold_s'])}"
+            )
         elif "first_fold_s" in row:
             recovery = f"next fold after {_seconds(row['first_fold_s'])}"
         window = f"{row['window_s'][0]:.0f}/{row['window_s'][1]:.0f} s"
-        lines.append(f"| {row['at_s']:.1f} | {row['action']} {row['target']} | {ratios or '-'} | {row['folds_before']}/{row['folds_after']} "
-                     f"(windows {window}) | {', '.join(row['contributors_after']) or '-'} | {recovery or '-'} |")
+        lines.append(
+            f"| {row['at_s']:.1f} | {row['action']} {row['target']} | {ratios or '-'} |"
+            f" {row['folds_before']}/{row['folds_after']} (windows {window}) |"
+            f" {', '.join(row['contributors_after']) or '-'} | {recovery or '-'} |"
+        )
     return lines + [""]
 
 
@@ -138,7 +207,8 @@ def read_exit_codes(run_dir: Path) -> tuple[float | None, dict[str, int | None]]
     when a status cell is not one."""
     codes, section, planned, header, fence = {}, None, None, False, None
     for line in (run_dir / "report.md").read_text().splitlines():
-        if fence is not None:  # a code block (the closing sample) is text, never a heading or a table
+        # a code block (the closing sample) is text, never a heading or a table
+        if fence is not None:
             fence = None if line.strip() == fence else fence
             continue
         if match := re.match(r"(`{3,}|~{3,})", line):
@@ -151,14 +221,18 @@ def read_exit_codes(run_dir: Path) -> tuple[float | None, dict[str, int | None]]
         elif line.startswith("|---"):
             continue
         elif line.startswith("| "):
-            if header:  # a table's first row names its columns
+            # a table's first row names its columns
+            if header:
                 header = False
                 continue
             cells = [cell.strip() for cell in line.strip("|").split("|")]
             if section == "## Islands":
                 codes[cells[0]] = _code(cells[-1], run_dir)
             elif section and section.startswith("## Global model"):
-                codes["merger"], codes["broker"] = _code(cells[-2], run_dir), _code(cells[-1], run_dir)
+                codes["merger"], codes["broker"] = (
+                    _code(cells[-2], run_dir),
+                    _code(cells[-1], run_dir),
+                )
     return planned, codes
 
 
@@ -180,65 +254,132 @@ def warnings(initial: float, final: float | None, islands: dict[str, float]) -> 
         return []
     found = []
     if final > initial:
-        found.append(f"the global model ended worse than it started: held-out loss {initial:.3f} → {final:.3f}")
+        found.append(
+            f"the global model ended worse than it started: held-out loss {initial:.3f} →"
+            f" {final:.3f}"
+        )
     if islands and final > max(islands.values()):
-        found.append(f"the global model ({final:.3f}) ended worse than every island's last held-out loss "
-                     f"({', '.join(f'{name} {loss:.3f}' for name, loss in sorted(islands.items()))})")
+        found.append(
+            f"the global model ({final:.3f}) ended worse than every island's last held-out loss "
+            f"({', '.join(f'{name} {loss:.3f}' for name, loss in sorted(islands.items()))})"
+        )
     if not found:
         return []
-    return ["## WARNING: the global model", "", *(f"- {line}" for line in found),
-            "- the islands trained and the merging lost it: the outer step's settings ([merger] outer_lr, "
-            "max_staleness) decide it, and a cluster file without [merger] gets the processes' defaults "
-            "(EXPERIMENTS.md \"Quality\" has what was measured)", ""]
+    return [
+        "## WARNING: the global model",
+        "",
+        *(f"- {line}" for line in found),
+        (
+            "- the islands trained and the merging lost it: the outer step's settings ([merger]"
+            " outer_lr, max_staleness) decide it, and a cluster file without [merger] gets the"
+            ' processes\' defaults (EXPERIMENTS.md "Quality" has what was measured)'
+        ),
+        "",
+    ]
 
 
-def write_report(plan: RunOutline, run_dir: Path, exit_codes: dict[str, int], problems: list[str] = ()) -> Path:
+def write_report(
+    plan: RunOutline, run_dir: Path, exit_codes: dict[str, int], problems: list[str] = ()
+) -> Path:
     """report.md and plots/.  `problems`: why the run failed (analysis.verdict), listed first."""
     metrics = {name: read_metrics(run_dir / "metrics" / f"{name}.jsonl") for name in plan.names}
     folds = merger_folds(run_dir)
     folded_by = collections.Counter(name for fold in folds for name in fold["contributors"])
     evaluator = Evaluator(plan.task, run_dir)
     before, after = evaluator.initial(), evaluator.final()
-    lines = ["# dloco run report", "", f"Run directory: `{run_dir}`; mode `{plan.mode}`; {len(plan.islands)} regions; planned length {plan.duration_s:.0f} s"
-             + (f" at most, {plan.max_steps} steps per island." if plan.max_steps else "."), ""]
+    lines = [
+        "# dloco run report",
+        "",
+        f"Run directory: `{run_dir}`; mode `{plan.mode}`; {len(plan.islands)} regions; planned"
+        f" length {plan.duration_s:.0f} s"
+        + (f" at most, {plan.max_steps} steps per island." if plan.max_steps else "."),
+        "",
+    ]
     if problems:
         lines += ["## FAILED", "", *(f"- {problem}" for problem in problems), ""]
-    lines += ["## Islands", "",
-             "| region | slowdown | H | link up/down Mbit/s, RTT | steps | tokens | steps/s | compute util | last loss | last held-out loss | bytes sent | bytes received | deltas folded | exit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "## Islands",
+        "",
+        (
+            "| region | slowdown | H | link up/down Mbit/s, RTT | steps | tokens | steps/s |"
+            " compute util | last loss | last held-out loss | bytes sent | bytes received | deltas"
+            " folded | exit |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     island_finals = {}
     for region in plan.islands:
         events = [e for e in metrics[region.name] if "step" in e]
-        last = last_step(lives(events))  # a restarted island: its last life's step and rate, every life's tokens and bytes
+        # a restarted island: its last life's step and rate, every life's tokens and bytes
+        last = last_step(lives(events))
         evals = [e["eval_loss"] for e in events if "eval_loss" in e]
         if evals:
             island_finals[region.name] = evals[-1]
         seconds = last.get("time", 0) or float("nan")
-        lines.append(f"| {region.name} | {region.speed} | {region.interval} | {region.uplink_mbps or '∞'}/{region.downlink_mbps or '∞'}, {region.rtt_ms:.0f} ms "
-                     f"| {last.get('step', 0)} | {last.get('tokens', 0):,} | {last.get('step', 0) / seconds:.2f} | {last.get('compute_util', float('nan')):.3f} "
-                     f"| {last.get('loss', float('nan')):.3f} | {evals[-1] if evals else float('nan'):.3f} | {last.get('bytes_sent', 0):,} "
-                     f"| {last.get('bytes_received', 0):,} | {folded_by.get(region.name, 0)} | {exit_codes.get(region.name)} |")
+        lines.append(
+            f"| {region.name} | {region.speed} | {region.interval} |"
+            f" {region.uplink_mbps or '∞'}/{region.downlink_mbps or '∞'}, {region.rtt_ms:.0f} ms |"
+            f" {last.get('step', 0)} | {last.get('tokens', 0):,} |"
+            f" {last.get('step', 0) / seconds:.2f} | {last.get('compute_util', float('nan')):.3f} |"
+            f" {last.get('loss', float('nan')):.3f} | {evals[-1] if evals else float('nan'):.3f} |"
+            f" {last.get('bytes_sent', 0):,} | {last.get('bytes_received', 0):,} |"
+            f" {folded_by.get(region.name, 0)} | {exit_codes.get(region.name)} |"
+        )
     versions = collections.defaultdict(int)
     for fold in folds:
         versions[fold["fragment"]] = max(versions[fold["fragment"]], fold["version"])
-    lines += ["", "## Global model (the merger's)", "",
-              "| folds | fragment versions | held-out loss, initial | held-out loss, final | merger exit | broker exit |", "|---|---|---|---|---|---|",
-              f"| {len(folds)} | {dict(sorted(versions.items()))} | {before['loss']:.3f} | {after if after is None else round(after['loss'], 3)} "
-              f"| {exit_codes.get('merger')} | {exit_codes.get('broker')} |", ""]
+    lines += [
+        "",
+        "## Global model (the merger's)",
+        "",
+        (
+            "| folds | fragment versions | held-out loss, initial | held-out loss, final | merger"
+            " exit | broker exit |"
+        ),
+        "|---|---|---|---|---|---|",
+        (
+            f"| {len(folds)} | {dict(sorted(versions.items()))} | {before['loss']:.3f} |"
+            f" {after if after is None else round(after['loss'], 3)} | {exit_codes.get('merger')} |"
+            f" {exit_codes.get('broker')} |"
+        ),
+        "",
+    ]
     if extra := [name for name in before if name != "loss"]:
-        lines += [f"Held-out {', '.join(f'{name} {before[name]:.4g} → {after[name]:.4g}' if after else f'{name} {before[name]:.4g} (initial)' for name in extra)}"
-                  " (initial → final global model).", ""]
+        lines += [
+            (
+                "Held-out"
+                f" {', '.join(f'{name} {before[name]:.4g} → {after[name]:.4g}' if after else f'{name} {before[name]:.4g} (initial)' for name in extra)}"
+                " (initial → final global model)."
+            ),
+            "",
+        ]
     lines += warnings(before["loss"], after and after["loss"], island_finals)
     lines += _chaos_section(chaos_effects(run_dir, plan.names))
-    global_curve = [e for e in read_events(run_dir / "global.jsonl") if "eval_loss" in e and "wall" in e]
+    global_curve = [
+        e for e in read_events(run_dir / "global.jsonl") if "eval_loss" in e and "wall" in e
+    ]
     if global_curve:
-        lines += [f"The global model during the run: {len(global_curve)} evaluations by the evaluator (it follows the snapshot bus), "
-                  f"held-out loss {global_curve[0]['eval_loss']:.3f} → {global_curve[-1]['eval_loss']:.3f} at versions {global_curve[-1].get('versions')}.", ""]
+        lines += [
+            (
+                f"The global model during the run: {len(global_curve)} evaluations by the evaluator"
+                f" (it follows the snapshot bus), held-out loss {global_curve[0]['eval_loss']:.3f}"
+                f" → {global_curve[-1]['eval_loss']:.3f} at versions"
+                f" {global_curve[-1].get('versions')}."
+            ),
+            "",
+        ]
     lines += ["## Plots", ""] + [f"![{p}]({p})" for p in _plots(run_dir, metrics, global_curve)]
-    lines += ["", "Logs: `logs/<process>.log` (JSON lines); island metrics: `metrics/<region>.jsonl`; "
-              "the merger's write-ahead log and checkpoints: `merger/` (`dloco replay` rebuilds the model from it; "
-              "`dloco export` writes it as safetensors).", ""]
-    if after is not None:  # last: the sample's text may be anything, and the tables above are read back (read_exit_codes)
+    lines += [
+        "",
+        (
+            "Logs: `logs/<process>.log` (JSON lines); island metrics: `metrics/<region>.jsonl`; the"
+            " merger's write-ahead log and checkpoints: `merger/` (`dloco replay` rebuilds the"
+            " model from it; `dloco export` writes it as safetensors)."
+        ),
+        "",
+    ]
+    # last: the sample's text may be anything, and the tables above are read back (read_exit_codes)
+    if after is not None:
         lines += sampling.report_lines(plan.task, run_dir, evaluator.trainer)
     report = run_dir / "report.md"
     report.write_text("\n".join(lines))

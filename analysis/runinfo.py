@@ -13,7 +13,8 @@ from typing import Any
 
 from dloco.protocol.errors import DlocoError
 
-RUN_TASK = "task.json"  # in a run directory: what its islands trained (RunTask)
+# in a run directory: what its islands trained (RunTask)
+RUN_TASK = "task.json"
 
 
 class RunDirError(DlocoError):
@@ -22,20 +23,27 @@ class RunDirError(DlocoError):
 
 @dataclasses.dataclass(frozen=True)
 class RunTask:
-    """What a run's islands trained, recorded by `dloco up` / `dloco prepare` as RUN_DIR/task.json, so
-    that its model can be built again (`dloco sample`, `dloco export`) without the cluster file: the
-    task plug-in's spec and options as an island receives them, the seed the parameters start from,
-    and the batch and island count the task's data split depends on."""
+    """What a run's islands trained, recorded by `dloco up` / `dloco prepare` as RUN_DIR/task.json,
+    so that its model can be built again (`dloco sample`, `dloco export`) without the cluster file:
+    the task plug-in's spec and options as an island receives them, the seed the parameters start
+    from, and the batch and island count the task's data split depends on."""
 
-    task: str  # island/task.py: PATH.py:FUNCTION or MODULE:FUNCTION
-    options: Mapping[str, Any]  # the task function's options (the built-in LM's size, corpus, tokens, ...)
+    # island/task.py: PATH.py:FUNCTION or MODULE:FUNCTION
+    task: str
+    # the task function's options (the built-in LM's size, corpus, tokens, ...)
+    options: Mapping[str, Any]
     seed: int
     batch: int
     islands: int
 
     def write(self, run_dir: Path) -> Path:
         path = Path(run_dir) / RUN_TASK
-        path.write_text(json.dumps(dataclasses.asdict(self) | {"options": dict(self.options)}, indent=2, sort_keys=True) + "\n")
+        path.write_text(
+            json.dumps(
+                dataclasses.asdict(self) | {"options": dict(self.options)}, indent=2, sort_keys=True
+            )
+            + "\n"
+        )
         return path
 
     @classmethod
@@ -45,20 +53,31 @@ class RunTask:
         try:
             fields = json.loads(path.read_text())
         except FileNotFoundError:
-            raise RunDirError(f"{run_dir} has no {RUN_TASK} (a run directory made before runs recorded their task?): "
-                              "give --config the cluster file it ran") from None
+            raise RunDirError(
+                f"{run_dir} has no {RUN_TASK} (a run directory made before runs recorded their"
+                " task?): give --config the cluster file it ran"
+            ) from None
         except (OSError, json.JSONDecodeError) as error:
             raise RunDirError(f"cannot read {path}: {error}") from None
         kinds = {"task": str, "options": dict, "seed": int, "batch": int, "islands": int}
-        if not isinstance(fields, dict) or set(fields) != set(kinds) or not all(type(fields[k]) is kind for k, kind in kinds.items()):
-            raise RunDirError(f"{path} must be an object with {', '.join(f'{k} ({kind.__name__})' for k, kind in kinds.items())}, "
-                              f"got {json.dumps(fields)[:200]}")
+        if (
+            not isinstance(fields, dict)
+            or set(fields) != set(kinds)
+            or not all(type(fields[k]) is kind for k, kind in kinds.items())
+        ):
+            raise RunDirError(
+                f"{path} must be an object with"
+                f" {', '.join(f'{k} ({kind.__name__})' for k, kind in kinds.items())}, got"
+                f" {json.dumps(fields)[:200]}"
+            )
         return cls(**fields)
 
 
 def log_segments(path: Path) -> list[Path]:
     """A log file and the older segments its process rotated out of it (telemetry/logs.py:
-    NAME.log.1 is the newest of those), oldest first; the file itself last, whether or not it exists."""
+    NAME.log.1 is the newest of those), oldest first; the file itself last, whether or not it
+    exists.
+    """
     path, older = Path(path), []
     while (segment := path.with_name(f"{path.name}.{len(older) + 1}")).exists():
         older.append(segment)
@@ -70,7 +89,8 @@ def _json_lines(data: bytes) -> list:
     for line in data.decode("utf-8", "replace").splitlines():
         try:
             events.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written, or a process's non-JSON output (a traceback)
+        # a line being written, or a process's non-JSON output (a traceback)
+        except json.JSONDecodeError:
             continue
     return events
 
@@ -82,7 +102,8 @@ def read_events(path: Path) -> list[dict]:
     for segment in log_segments(path):
         try:
             events.extend(_json_lines(segment.read_bytes()))
-        except FileNotFoundError:  # not written yet, or rotated away while being read
+        # not written yet, or rotated away while being read
+        except FileNotFoundError:
             continue
     return events
 
@@ -99,17 +120,21 @@ class JsonTail:
     def new(self) -> list[dict]:
         try:
             inode = self.path.stat().st_ino
-        except OSError:  # not written yet, or between a rotation's rename and its new file
+        # not written yet, or between a rotation's rename and its new file
+        except OSError:
             return []
         chunks = []
-        if self.inode is None:  # the first look: the segments rotated out before it, oldest first
+        # the first look: the segments rotated out before it, oldest first
+        if self.inode is None:
             chunks = [_read_from(segment, 0) for segment in log_segments(self.path)[:-1]]
-        elif inode != self.inode:  # rotated since the last call: the rest of the file being read is NAME.1
+        # rotated since the last call: the rest of the file being read is NAME.1
+        elif inode != self.inode:
             rotated = self.path.with_name(f"{self.path.name}.1")
             try:
                 if rotated.stat().st_ino == self.inode:
                     chunks.append(self.partial + _read_from(rotated, self.offset))
-            except OSError:  # rotated twice since: its rest is further back, or deleted
+            # rotated twice since: its rest is further back, or deleted
+            except OSError:
                 pass
             self.offset, self.partial = 0, b""
         self.inode = inode
@@ -131,13 +156,18 @@ def _read_from(path: Path, offset: int) -> bytes:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """An island's metrics in the order written, with the evaluations it made after training (`deferred`:
-    island --eval-trace) put back on the steps they measured, as `eval_loss` and `eval_deferred`.
-    A step is found by its step number and wall time (a restarted island counts steps from 1 again)."""
+    """An island's metrics in the order written, with the evaluations it made after training
+    (`deferred`: island --eval-trace) put back on the steps they measured, as `eval_loss` and
+    `eval_deferred`. A step is found by its step number and wall time (a restarted island counts
+    steps from 1 again).
+    """
     events = read_events(path)
     steps = {(e.get("step"), e.get("wall")): e for e in events if not e.get("deferred")}
     for event in events:
-        if event.get("deferred") and (step := steps.get((event.get("step"), event.get("wall")))) is not None:
+        if (
+            event.get("deferred")
+            and (step := steps.get((event.get("step"), event.get("wall")))) is not None
+        ):
             step.update(eval_loss=event["eval_loss"], eval_deferred=True)
     return [e for e in events if not e.get("deferred")]
 
@@ -156,7 +186,17 @@ def last_step(split: list[list[dict]]) -> dict:
     """An island's last step event (its last life's: step, rate, utilisation) with tokens and bytes
     summed over its lives (a restarted island counts from 0 again)."""
     ends = [life[-1] for life in split if life]
-    return {**ends[-1], **{k: sum(e.get(k, 0) for e in ends) for k in ("tokens", "bytes_sent", "bytes_received", "bytes_received_values")}} if ends else {}
+    return (
+        {
+            **ends[-1],
+            **{
+                k: sum(e.get(k, 0) for e in ends)
+                for k in ("tokens", "bytes_sent", "bytes_received", "bytes_received_values")
+            },
+        }
+        if ends
+        else {}
+    )
 
 
 def last_events(path: Path, tail_bytes: int = 16384) -> list[dict]:
@@ -168,7 +208,8 @@ def last_events(path: Path, tail_bytes: int = 16384) -> list[dict]:
         handle.seek(start)
         lines = handle.read().decode("utf-8", "replace").splitlines()
     if start > 0:
-        lines = lines[1:]  # the first line was cut by the seek
+        # the first line was cut by the seek
+        lines = lines[1:]
     events = []
     for line in lines:
         try:
@@ -178,14 +219,21 @@ def last_events(path: Path, tail_bytes: int = 16384) -> list[dict]:
     return events
 
 
-MERGER_LOGS = ("merger.log", "standby.log")  # with a standby, either may be the primary: folds are in both
+# with a standby, either may be the primary: folds are in both
+MERGER_LOGS = ("merger.log", "standby.log")
 
 
 def merger_logs(run_dir: Path) -> list[str]:
     """The merger logs of a run: MERGER_LOGS, and merger.I.log of every further merger shard that
     has one so far (shard 0 is merger.log)."""
-    shards = sorted((p.name for p in (Path(run_dir) / "logs").glob("merger.*.log") if re.fullmatch(r"merger\.[1-9][0-9]*\.log", p.name)),
-                    key=lambda name: int(name.split(".")[1]))
+    shards = sorted(
+        (
+            p.name
+            for p in (Path(run_dir) / "logs").glob("merger.*.log")
+            if re.fullmatch(r"merger\.[1-9][0-9]*\.log", p.name)
+        ),
+        key=lambda name: int(name.split(".")[1]),
+    )
     return [*MERGER_LOGS, *shards]
 
 
@@ -193,33 +241,56 @@ def shard_run_dirs(run_dir: Path) -> list[Path]:
     """Every merger shard's run directory, index I at position I: merger_run_dir's (shard 0, or
     its standby after a takeover), then merger.1/, merger.2/, ... (`[merger] shards`).
     RunDirError when one is missing (fragment f is shard f % N's: a gap would shift them)."""
-    found = {int(match.group(1)): path for path in Path(run_dir).glob("merger.*")
-             if path.is_dir() and (match := re.fullmatch(r"merger\.([1-9][0-9]*)", path.name))}
+    found = {
+        int(match.group(1)): path
+        for path in Path(run_dir).glob("merger.*")
+        if path.is_dir() and (match := re.fullmatch(r"merger\.([1-9][0-9]*)", path.name))
+    }
     missing = [index for index in range(1, max(found, default=0) + 1) if index not in found]
     if missing:
-        raise RunDirError(f"{run_dir}: merger shard run directories {', '.join(f'merger.{i}' for i in missing)} are missing "
-                          f"(the run had at least {max(found) + 1} shards)")
+        raise RunDirError(
+            f"{run_dir}: merger shard run directories {', '.join(f'merger.{i}' for i in missing)}"
+            f" are missing (the run had at least {max(found) + 1} shards)"
+        )
     return [merger_run_dir(run_dir), *(found[index] for index in sorted(found))]
-ROLE_EVENTS = {"following": "standby", "stepped_down": "standby", "no_primary": "primary", "taking_over": "primary"}
+
+
+ROLE_EVENTS = {
+    "following": "standby",
+    "stepped_down": "standby",
+    "no_primary": "primary",
+    "taking_over": "primary",
+}
 
 
 def merger_folds(run_dir: Path) -> list[dict]:
-    """Every fold logged by a primary (the merger, or the standby once it took over), in time order."""
-    folds = [e for name in merger_logs(run_dir) for e in read_events(run_dir / "logs" / name) if e.get("event") == "fold"]
+    """Every fold logged by a primary (the merger, or the standby once it took over), in time
+    order."""
+    folds = [
+        e
+        for name in merger_logs(run_dir)
+        for e in read_events(run_dir / "logs" / name)
+        if e.get("event") == "fold"
+    ]
     return sorted(folds, key=lambda e: e.get("timestamp", ""))
 
 
 def merger_run_dir(run_dir: Path) -> Path:
     """The merger's run directory with the longest log: merger/, or standby/ after a takeover (by
     their newest checkpoint; each writes one at its log's end when it stops)."""
+
     def newest(directory: Path) -> int:
-        return max((int(p.stem) for p in (directory / "checkpoints").glob("*.ckpt") if p.stem.isdigit()), default=-1)
+        return max(
+            (int(p.stem) for p in (directory / "checkpoints").glob("*.ckpt") if p.stem.isdigit()),
+            default=-1,
+        )
 
     return max((run_dir / "merger", run_dir / "standby"), key=newest)
 
 
 def merger_role(log: Path) -> str | None:
-    """"primary" or "standby" by a merger's log's last role event (None: it has a peer in neither)."""
+    """ "primary" or "standby" by a merger's log's last role event (None: it has a peer in
+    neither)."""
     role = None
     for event in read_events(log):
         role = ROLE_EVENTS.get(event.get("event"), role)
@@ -231,7 +302,9 @@ def wall(event: dict) -> float:
     return datetime.datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
-def step_times(run_dir: Path, regions: list[str]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def step_times(
+    run_dir: Path, regions: list[str]
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Per island, the wall time of every training step and of every join (step 0), all lives."""
     steps, joins = {}, {}
     for region in regions:
@@ -255,18 +328,23 @@ def chaos_effects(run_dir: Path, regions: list[str]) -> list[dict]:
 
 class RunProgress:
     """A running cluster's progress, read from its files as they grow: every island's training steps
-    (all its lives, from metrics/<island>.jsonl), the merger's folds (logs/merger.log) and, per island,
-    the folds that took one of its deltas.  `update`
+    (all its lives, from metrics/<island>.jsonl), the merger's folds (logs/merger.log) and, per
+    island, the folds that took one of its deltas.  `update`
     reads only what was appended since the last call."""
 
     def __init__(self, run_dir: Path, islands: list[str]) -> None:
         self.run_dir = run_dir
-        self.steps = {name: 0 for name in islands}  # steps made, every life
-        self.last_step = {name: 0 for name in islands}  # the step number of the current life
-        self._life_tokens = {name: 0 for name in islands}  # the current life's tokens
-        self._past_tokens = {name: 0 for name in islands}  # every earlier life's
+        # steps made, every life
+        self.steps = {name: 0 for name in islands}
+        # the step number of the current life
+        self.last_step = {name: 0 for name in islands}
+        # the current life's tokens
+        self._life_tokens = {name: 0 for name in islands}
+        # every earlier life's
+        self._past_tokens = {name: 0 for name in islands}
         self.folds = 0
-        self.folded = {name: 0 for name in islands}  # folds with one of the island's deltas, every merger life
+        # folds with one of the island's deltas, every merger life
+        self.folded = {name: 0 for name in islands}
         self._tails: dict[Path, JsonTail] = {}
 
     def update(self) -> None:
@@ -276,12 +354,17 @@ class RunProgress:
                     continue
                 self.last_step[name] = event["step"]
                 self.steps[name] += event["step"] > 0
-                if event["step"] == 0:  # a new life: its counters start again
+                # a new life: its counters start again
+                if event["step"] == 0:
                     self._past_tokens[name] += self._life_tokens[name]
                     self._life_tokens[name] = 0
                 else:
                     self._life_tokens[name] = event.get("tokens", self._life_tokens[name])
-        for event in (e for name in merger_logs(self.run_dir) for e in self._new_events(self.run_dir / "logs" / name)):
+        for event in (
+            e
+            for name in merger_logs(self.run_dir)
+            for e in self._new_events(self.run_dir / "logs" / name)
+        ):
             if event.get("event") == "fold":
                 self.folds += 1
                 for island in set(event.get("contributors", ())) & self.folded.keys():
@@ -293,7 +376,8 @@ class RunProgress:
         return sum(self._past_tokens.values()) + sum(self._life_tokens.values())
 
     def _new_events(self, path: Path) -> list[dict]:
-        """The complete JSON lines appended to `path` since the last call (a line being written waits)."""
+        """The complete JSON lines appended to `path` since the last call (a line being written
+        waits)."""
         if path not in self._tails:
             self._tails[path] = JsonTail(path)
         return self._tails[path].new()
@@ -305,7 +389,8 @@ def island_stage(log_path: Path, life_step: int, made: int, max_steps: int) -> s
     stage = "starting (importing JAX, reading the corpus, building the model)"
     for event in read_events(log_path):
         name = event.get("event")
-        if name == "corpus":  # the first line of every life
+        # the first line of every life
+        if name == "corpus":
             stage = "starting (importing JAX, reading the corpus, building the model)"
         elif name == "model":
             stage = "joining (waiting for the merger's model)"

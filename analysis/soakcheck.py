@@ -30,7 +30,8 @@ RATE_FLOOR = 0.9
 RECOVERY = {
     "kill": "restart",
     "lose-disk": "restart",
-}  # any other fault (of a link) ends with `heal`
+    # any other fault (of a link) ends with `heal`
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +39,8 @@ class Check:
     name: str
     ok: bool
     detail: str
-    timing: bool = False  # a rate of a shared machine, not a correctness property
+    # a rate of a shared machine, not a correctness property
+    timing: bool = False
 
 
 def folded_once(members: Iterable[tuple]) -> Check:
@@ -174,7 +176,8 @@ CLEAN_STOP = {
     "merger": "stopped",
     "standby": "stopped",
     "broker": "broker_stopped",
-}  # an island's: "done"
+    # an island's: "done"
+}
 
 
 def stopped_cleanly(last: Mapping[str, str | None]) -> Check:

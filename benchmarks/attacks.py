@@ -6,7 +6,8 @@ silent from the attack on.  Honest islands send the same deltas in both.  The fi
 attack moved the model from where the run without it left it, in multiples of what the attacker's
 folds would have moved it had they been honest folds:
 
-    ratio = |theta_attack - theta_without| / (mean movement of one honest fold x the attacker's folds)
+    ratio = |theta_attack - theta_without| / (mean movement of one honest fold x the attacker's
+folds)
 
 measured after a few more honest rounds (the outer momentum carries an attack on after it ends).
 
@@ -40,46 +41,63 @@ WARMUP_ROUNDS, AFTER_ROUNDS = 6, 10
 
 @dataclasses.dataclass(frozen=True)
 class Attack:
-    """What the attacker sends: per attack round, its deltas as (multiple of the honest norm, claimed
-    tokens); `bunched`: a round's deltas all arrive before the merger folds.  `restart`: the merger
-    restarts (from its checkpoint and log) or is replaced by a standby that replays the log, just
-    before the attack; `cold`: the attack comes first, on a fresh merger."""
+    """What the attacker sends: per attack round, its deltas as (multiple of the honest norm,
+    claimed tokens); `bunched`: a round's deltas all arrive before the merger folds.  `restart`: the
+    merger restarts (from its checkpoint and log) or is replaced by a standby that replays the log,
+    just before the attack; `cold`: the attack comes first, on a fresh merger."""
 
     name: str
     rounds: tuple[tuple[tuple[float, int], ...], ...]
     bunched: bool = False
-    restart: str = ""  # "" | "restart" | "takeover"
+    # "" | "restart" | "takeover"
+    restart: str = ""
     cold: bool = False
 
 
 def _ramp(ratio: float, count: int = 32) -> Attack:
-    return Attack(f"a ramp, each delta {ratio:g}x the last ({count} deltas)", tuple(((ratio ** k, HONEST_TOKENS),) for k in range(1, count + 1)))
+    return Attack(
+        f"a ramp, each delta {ratio:g}x the last ({count} deltas)",
+        tuple(((ratio**k, HONEST_TOKENS),) for k in range(1, count + 1)),
+    )
 
 
 ATTACKS = {
     "ramp-1.2": _ramp(1.2),
     "ramp-1.4": _ramp(1.4),
     "ramp-2": _ramp(2.0),
-    "burst": Attack("30 deltas at 15x, back to back", (((15.0, HONEST_TOKENS),) * 30,), bunched=True),
+    "burst": Attack(
+        "30 deltas at 15x, back to back", (((15.0, HONEST_TOKENS),) * 30,), bunched=True
+    ),
     "single-19x": Attack("a single 19x delta", (((19.0, HONEST_TOKENS),),)),
     "tokens": Attack("tokens claimed as 2^40, 10 deltas in a row", (((1.0, 2**40),) * 10,)),
-    "restart-1e6": Attack("1e6x right after a merger restart", (((1e6, HONEST_TOKENS),),), restart="restart"),
-    "takeover-1e6": Attack("1e6x right after a standby takes over", (((1e6, HONEST_TOKENS),),), restart="takeover"),
-    "fresh-1e6": Attack("1e6x on a fresh merger (no reference yet)", (((1e6, HONEST_TOKENS),),), cold=True),
+    "restart-1e6": Attack(
+        "1e6x right after a merger restart", (((1e6, HONEST_TOKENS),),), restart="restart"
+    ),
+    "takeover-1e6": Attack(
+        "1e6x right after a standby takes over", (((1e6, HONEST_TOKENS),),), restart="takeover"
+    ),
+    "fresh-1e6": Attack(
+        "1e6x on a fresh merger (no reference yet)", (((1e6, HONEST_TOKENS),),), cold=True
+    ),
 }
 
 
 @dataclasses.dataclass
 class Outcome:
     attack: str
-    islands: int  # honest ones, and the attacker
+    # honest ones, and the attacker
+    islands: int
     attacker_folds: int
-    ratio: float  # see the module's docstring
+    # see the module's docstring
+    ratio: float
     norm_before: float
     norm_after: float
-    rejected: int  # the attacker's deltas refused
-    clipped: int  # folds in which the attacker's part was scaled down
-    honest_refused: int  # honest deltas refused (should be 0)
+    # the attacker's deltas refused
+    rejected: int
+    # folds in which the attacker's part was scaled down
+    clipped: int
+    # honest deltas refused (should be 0)
+    honest_refused: int
 
 
 def _unit(vector: np.ndarray) -> np.ndarray:
@@ -92,31 +110,77 @@ class _Cluster:
     def __init__(self, honest: int, run_dir: Path, seed: int) -> None:
         rng = np.random.default_rng(seed)
         self.params = {"w": (rng.standard_normal(SIZE) * INIT_STD).astype(np.float32)}
-        self.descent, self.hostile = _unit(rng.standard_normal(SIZE)), _unit(rng.standard_normal(SIZE))
+        self.descent, self.hostile = (
+            _unit(rng.standard_normal(SIZE)),
+            _unit(rng.standard_normal(SIZE)),
+        )
         self.parts = protocol.partition({"w": (SIZE,)}, 1)
         self.model = protocol.model_fingerprint(self.params)
         self.run_dir = run_dir
-        self.core = MergerCore(CONFIG, self.model, self.parts, self.params, log=WriteAheadLog(wal_dir(run_dir), fsync="never"))
+        self.core = MergerCore(
+            CONFIG,
+            self.model,
+            self.parts,
+            self.params,
+            log=WriteAheadLog(wal_dir(run_dir), fsync="never"),
+        )
         self.honest = [f"honest-{i}" for i in range(honest)]
-        self.noise = {name: np.random.default_rng((seed, i)) for i, name in enumerate([*self.honest, "attacker"])}
+        self.noise = {
+            name: np.random.default_rng((seed, i))
+            for i, name in enumerate([*self.honest, "attacker"])
+        }
         self.ids = {name: 0 for name in self.noise}
-        self.now, self.honest_refused, self.attacker_folds, self.rejected, self.clipped, self.moves = 0.0, 0, 0, 0, 0, []
+        (
+            self.now,
+            self.honest_refused,
+            self.attacker_folds,
+            self.rejected,
+            self.clipped,
+            self.moves,
+        ) = (0.0, 0, 0, 0, 0, [])
 
     def honest_delta(self, island: str) -> np.ndarray:
-        return HONEST_NORM * _unit(0.8 * self.descent + 0.6 * _unit(self.noise[island].standard_normal(SIZE)))
+        return HONEST_NORM * _unit(
+            0.8 * self.descent + 0.6 * _unit(self.noise[island].standard_normal(SIZE))
+        )
 
     def theta(self) -> np.ndarray:
         return np.asarray(self.core.states[0].params["w"], dtype=np.float64)
 
     def send(self, island: str, values: np.ndarray, tokens: int = HONEST_TOKENS) -> None:
         self.ids[island] += 1
-        plans = protocol.split_fragment({"w": values.astype(np.float32)}, protocol.Codec("fp32"), 1 << 20)
-        chunks = [protocol.DeltaChunk(sender=island, epoch=1, seq=self.ids[island] * 4 + i, delta_id=self.ids[island], fragment=0,
-                                      base_version=self.core.states[0].version, chunk_index=i, chunk_count=len(plans), steps=HONEST_STEPS,
-                                      tokens=tokens, model=self.model, codec=protocol.Codec("fp32"), slices=p.slices, payloads=p.payloads)
-                  for i, p in enumerate(plans)]
+        plans = protocol.split_fragment(
+            {"w": values.astype(np.float32)}, protocol.Codec("fp32"), 1 << 20
+        )
+        chunks = [
+            protocol.DeltaChunk(
+                sender=island,
+                epoch=1,
+                seq=self.ids[island] * 4 + i,
+                delta_id=self.ids[island],
+                fragment=0,
+                base_version=self.core.states[0].version,
+                chunk_index=i,
+                chunk_count=len(plans),
+                steps=HONEST_STEPS,
+                tokens=tokens,
+                model=self.model,
+                codec=protocol.Codec("fp32"),
+                slices=p.slices,
+                payloads=p.payloads,
+            )
+            for i, p in enumerate(plans)
+        ]
         reassembler = protocol.Reassembler()
-        assembled = [r for c in chunks if (r := reassembler.add(protocol.decode([bytes(f) for f in protocol.encode(c)]), self.now))][0]
+        assembled = [
+            r
+            for c in chunks
+            if (
+                r := reassembler.add(
+                    protocol.decode([bytes(f) for f in protocol.encode(c)]), self.now
+                )
+            )
+        ][0]
         result = self.core.submit(assembled, self.now)
         if result is not None and result.status != "folded":
             if island == "attacker":
@@ -163,7 +227,9 @@ def _play(attack: Attack, honest: int, run_dir: Path, seed: int, hostile: bool) 
         cluster.honest_round()
         for scale, tokens in deltas:
             if hostile:
-                cluster.send("attacker", (scale * HONEST_NORM * cluster.hostile).astype(np.float32), tokens)
+                cluster.send(
+                    "attacker", (scale * HONEST_NORM * cluster.hostile).astype(np.float32), tokens
+                )
             if not attack.bunched:
                 cluster.fold()
         cluster.fold()
@@ -174,7 +240,8 @@ def _play(attack: Attack, honest: int, run_dir: Path, seed: int, hostile: bool) 
 
 
 def run_attack(key: str, honest: int = 1, seed: int = 0) -> Outcome:
-    """One attack (ATTACKS[key]) against a merger with `honest` honest islands, and its honest twin."""
+    """One attack (ATTACKS[key]) against a merger with `honest` honest islands, and its honest
+    twin."""
     attack = ATTACKS[key]
     base = Path(tempfile.mkdtemp(prefix="dloco-attack-"))
     try:
@@ -184,22 +251,46 @@ def run_attack(key: str, honest: int = 1, seed: int = 0) -> Outcome:
         shutil.rmtree(base, ignore_errors=True)
     unit = float(np.mean(twin.moves))
     drift = float(np.linalg.norm(hostile.theta() - twin.theta()))
-    return Outcome(key, honest + 1, hostile.attacker_folds, drift / (unit * max(1, hostile.attacker_folds)), hostile.norm_before,
-                   float(np.linalg.norm(hostile.theta())), hostile.rejected, hostile.clipped, hostile.honest_refused + twin.honest_refused)
+    return Outcome(
+        key,
+        honest + 1,
+        hostile.attacker_folds,
+        drift / (unit * max(1, hostile.attacker_folds)),
+        hostile.norm_before,
+        float(np.linalg.norm(hostile.theta())),
+        hostile.rejected,
+        hostile.clipped,
+        hostile.honest_refused + twin.honest_refused,
+    )
 
 
 def run(islands: str = "2,4", seed: int = 0) -> dict:
     """Every attack against clusters of each size in `islands` (the attacker counts as one)."""
     sizes = [int(part) for part in str(islands).split(",")]
     if not sizes or min(sizes) < 2:
-        raise ValueError(f"--islands: cluster sizes of at least 2 (one honest island and the attacker), got {islands!r}")
-    return {"outcomes": [dataclasses.asdict(run_attack(key, size - 1, seed)) for size in sizes for key in ATTACKS]}
+        raise ValueError(
+            "--islands: cluster sizes of at least 2 (one honest island and the attacker), got"
+            f" {islands!r}"
+        )
+    return {
+        "outcomes": [
+            dataclasses.asdict(run_attack(key, size - 1, seed)) for size in sizes for key in ATTACKS
+        ]
+    }
 
 
 def summary(result: dict) -> str:
-    lines = ["| attack (one island key) | islands | attacker's folds | moved the model, x honest folds | fragment norm | "
-             "rejected | clipped | honest deltas refused |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| attack (one island key) | islands | attacker's folds | moved the model, x honest"
+            " folds | fragment norm | rejected | clipped | honest deltas refused |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for o in result["outcomes"]:
-        lines.append(f"| {ATTACKS[o['attack']].name} | {o['islands']} | {o['attacker_folds']} | {o['ratio']:.2f} | "
-                     f"{o['norm_before']:.1f} -> {o['norm_after']:.1f} | {o['rejected']} | {o['clipped']} | {o['honest_refused']} |")
+        lines.append(
+            f"| {ATTACKS[o['attack']].name} | {o['islands']} | {o['attacker_folds']} |"
+            f" {o['ratio']:.2f} | {o['norm_before']:.1f} -> {o['norm_after']:.1f} | {o['rejected']}"
+            f" | {o['clipped']} | {o['honest_refused']} |"
+        )
     return "\n".join(lines)

@@ -27,7 +27,8 @@ from dloco import protocol
 from dloco.benchmarks.timing import gbps, median_seconds, memcpy_seconds
 from dloco.protocol import checksum
 
-TENSOR_VALUES = 1 << 20  # the data is cut into tensors of 4 MiB, like the layers of a model
+# the data is cut into tensors of 4 MiB, like the layers of a model
+TENSOR_VALUES = 1 << 20
 
 
 def make_deltas(total_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -35,13 +36,21 @@ def make_deltas(total_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     n_tensors = max(1, total_bytes // (4 * TENSOR_VALUES))
     return {
-        f"layers/{i:03d}/kernel": rng.standard_normal(TENSOR_VALUES, dtype=np.float32) * np.float32(10 ** rng.uniform(-4, -2))
+        f"layers/{i:03d}/kernel": (
+            rng.standard_normal(TENSOR_VALUES, dtype=np.float32)
+            * np.float32(10 ** rng.uniform(-4, -2))
+        )
         for i in range(n_tensors)
     }
 
 
-def run(total_mib: int = 100, block: int = protocol.DEFAULT_BLOCK, reps: int = 5,
-        threads: int | None = None, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
+def run(
+    total_mib: int = 100,
+    block: int = protocol.DEFAULT_BLOCK,
+    reps: int = 5,
+    threads: int | None = None,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+) -> dict:
     from dloco.protocol.pieces import DEFAULT_THREADS
 
     threads = DEFAULT_THREADS if threads is None else threads
@@ -53,20 +62,35 @@ def run(total_mib: int = 100, block: int = protocol.DEFAULT_BLOCK, reps: int = 5
     def measure_memcpy() -> None:
         memcpy.append(gbps(x_N.nbytes, memcpy_seconds([x_N], reps)))
 
-    result: dict = {"values": int(x_N.size), "block": block, "threads": threads, "reps": reps, "codecs": {}}
+    result: dict = {
+        "values": int(x_N.size),
+        "block": block,
+        "threads": threads,
+        "reps": reps,
+        "codecs": {},
+    }
     measure_memcpy()
     for name in protocol.CODEC_NAMES:
         log(f"bench codec: {name} ...")
         codec = protocol.Codec(name, block)
         encoded = codec.encode(x_N, threads=threads)
         quantize = median_seconds(lambda codec=codec: codec.encode(x_N, threads=threads), reps)
-        dequantize = median_seconds(lambda codec=codec, encoded=encoded: codec.decode(encoded, x_N.size, out=out_N, threads=threads), reps)
+        dequantize = median_seconds(
+            lambda codec=codec, encoded=encoded: codec.decode(
+                encoded, x_N.size, out=out_N, threads=threads
+            ),
+            reps,
+        )
         error = float(np.max(np.abs(out_N - x_N)) / np.max(np.abs(x_N)))
         frames = [protocol.encode(message) for message in _delta_chunks(deltas, codec)]
         wire = sum(memoryview(f).nbytes for fs in frames for f in fs)
         messages = list(_delta_chunks(deltas, codec))
-        frame_encode = median_seconds(lambda messages=messages: [protocol.encode(m) for m in messages], reps)
-        frame_decode = median_seconds(lambda frames=frames: [protocol.decode(fs) for fs in frames], reps)
+        frame_encode = median_seconds(
+            lambda messages=messages: [protocol.encode(m) for m in messages], reps
+        )
+        frame_decode = median_seconds(
+            lambda frames=frames: [protocol.decode(fs) for fs in frames], reps
+        )
         result["codecs"][name] = {
             "quantize_gbps": round(gbps(x_N.nbytes, quantize), 3),
             "dequantize_gbps": round(gbps(x_N.nbytes, dequantize), 3),
@@ -77,9 +101,14 @@ def run(total_mib: int = 100, block: int = protocol.DEFAULT_BLOCK, reps: int = 5
         }
         measure_memcpy()
     result["memcpy_gbps"] = round(statistics.median(memcpy), 3)
-    raw = memoryview(x_N).cast("B")  # the checksum every payload byte passes three times, vs zlib's
-    result["crc32_gbps"] = round(gbps(raw.nbytes, median_seconds(lambda: checksum.crc32(raw), reps)), 3)
-    result["zlib_crc32_gbps"] = round(gbps(raw.nbytes, median_seconds(lambda: zlib.crc32(raw), reps)), 3)
+    # the checksum every payload byte passes three times, vs zlib's
+    raw = memoryview(x_N).cast("B")
+    result["crc32_gbps"] = round(
+        gbps(raw.nbytes, median_seconds(lambda: checksum.crc32(raw), reps)), 3
+    )
+    result["zlib_crc32_gbps"] = round(
+        gbps(raw.nbytes, median_seconds(lambda: zlib.crc32(raw), reps)), 3
+    )
     result["crc32_vs_zlib"] = round(result["crc32_gbps"] / result["zlib_crc32_gbps"], 2)
     for stats in result["codecs"].values():
         stats["quantize_vs_memcpy"] = round(stats["quantize_gbps"] / result["memcpy_gbps"], 3)
@@ -92,21 +121,44 @@ def _delta_chunks(deltas: dict[str, np.ndarray], codec: protocol.Codec):
     fingerprint = protocol.model_fingerprint(deltas)
     for index, plan in enumerate(plans):
         yield protocol.DeltaChunk(
-            sender="bench", epoch=1, seq=index + 1, delta_id=1, fragment=0, base_version=0, chunk_index=index,
-            chunk_count=len(plans), steps=50, tokens=50 * 2048, model=fingerprint, codec=codec,
-            slices=plan.slices, payloads=plan.payloads,
+            sender="bench",
+            epoch=1,
+            seq=index + 1,
+            delta_id=1,
+            fragment=0,
+            base_version=0,
+            chunk_index=index,
+            chunk_count=len(plans),
+            steps=50,
+            tokens=50 * 2048,
+            model=fingerprint,
+            codec=codec,
+            slices=plan.slices,
+            payloads=plan.payloads,
         )
 
 
 def summary(result: dict) -> str:
-    lines = [f"codec benchmark: {result['values']:,} float32 values, block {result['block']}, "
-             f"{result['threads']} thread(s), median of {result['reps']}; memcpy {result['memcpy_gbps']:.2f} GB/s",
-             f"{'codec':6} {'quant GB/s':>10} {'x memcpy':>8} {'dequant GB/s':>12} {'x memcpy':>8} "
-             f"{'max rel err':>11} {'wire B/param':>12} {'frame enc':>9} {'frame dec':>9}"]
+    lines = [
+        (
+            f"codec benchmark: {result['values']:,} float32 values, block {result['block']},"
+            f" {result['threads']} thread(s), median of {result['reps']}; memcpy"
+            f" {result['memcpy_gbps']:.2f} GB/s"
+        ),
+        (
+            f"{'codec':6} {'quant GB/s':>10} {'x memcpy':>8} {'dequant GB/s':>12} {'x memcpy':>8} "
+            f"{'max rel err':>11} {'wire B/param':>12} {'frame enc':>9} {'frame dec':>9}"
+        ),
+    ]
     for name, s in result["codecs"].items():
-        lines.append(f"{name:6} {s['quantize_gbps']:10.2f} {s['quantize_vs_memcpy']:8.2f} {s['dequantize_gbps']:12.2f} "
-                     f"{s['dequantize_vs_memcpy']:8.2f} {s['roundtrip_max_rel_err']:11.2e} {s['wire_bytes_per_param']:12.4f} "
-                     f"{s['frame_encode_gbps']:9.2f} {s['frame_decode_gbps']:9.2f}")
-    lines.append(f"crc32 ({checksum.crc32.__module__}) {result['crc32_gbps']:.2f} GB/s, zlib's {result['zlib_crc32_gbps']:.2f} GB/s: "
-                 f"{result['crc32_vs_zlib']:.1f}x")
+        lines.append(
+            f"{name:6} {s['quantize_gbps']:10.2f} {s['quantize_vs_memcpy']:8.2f}"
+            f" {s['dequantize_gbps']:12.2f} {s['dequantize_vs_memcpy']:8.2f}"
+            f" {s['roundtrip_max_rel_err']:11.2e} {s['wire_bytes_per_param']:12.4f}"
+            f" {s['frame_encode_gbps']:9.2f} {s['frame_decode_gbps']:9.2f}"
+        )
+    lines.append(
+        f"crc32 ({checksum.crc32.__module__}) {result['crc32_gbps']:.2f} GB/s, zlib's"
+        f" {result['zlib_crc32_gbps']:.2f} GB/s: {result['crc32_vs_zlib']:.1f}x"
+    )
     return "\n".join(lines)

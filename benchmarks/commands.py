@@ -1,4 +1,5 @@
-"""`dloco bench SUITE`: the benchmarks' command lines (each suite is benchmarks/<suite>.py: run, summary)."""
+"""`dloco bench SUITE`: the benchmarks' command lines (each suite is benchmarks/<suite>.py: run,
+summary)."""
 
 from __future__ import annotations
 
@@ -12,54 +13,158 @@ from dloco.cliargs import float_at_least
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     bench = commands.add_parser("bench", help="run a benchmark and print its figures")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
-    codec = suites.add_parser("codec", help="quantize/dequantize/frame ~100 MB of deltas with every codec vs memcpy")
-    codec.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    codec.add_argument("--mib", type=positive_int, default=100, help="MiB of float32 deltas (default 100)")
-    codec.add_argument("--block", type=positive_int, default=256, help="values per quantization block (power of two, default 256)")
-    codec.add_argument("--reps", type=positive_int, default=5, help="timed repetitions; medians are reported (default 5)")
-    codec.add_argument("--threads", type=positive_int, default=None, help="codec threads (default: min(4, cores))")
-    codec.set_defaults(run=run_bench, bench_params={"total_mib": "mib", "block": "block", "reps": "reps", "threads": "threads"})
-    merger = suites.add_parser("merger", help="merger ingest: receive+decode+dequantize+fold+log of int4 deltas, GB/s of wire bytes")
+    codec = suites.add_parser(
+        "codec", help="quantize/dequantize/frame ~100 MB of deltas with every codec vs memcpy"
+    )
+    codec.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of a table"
+    )
+    codec.add_argument(
+        "--mib", type=positive_int, default=100, help="MiB of float32 deltas (default 100)"
+    )
+    codec.add_argument(
+        "--block",
+        type=positive_int,
+        default=256,
+        help="values per quantization block (power of two, default 256)",
+    )
+    codec.add_argument(
+        "--reps",
+        type=positive_int,
+        default=5,
+        help="timed repetitions; medians are reported (default 5)",
+    )
+    codec.add_argument(
+        "--threads", type=positive_int, default=None, help="codec threads (default: min(4, cores))"
+    )
+    codec.set_defaults(
+        run=run_bench,
+        bench_params={"total_mib": "mib", "block": "block", "reps": "reps", "threads": "threads"},
+    )
+    merger = suites.add_parser(
+        "merger",
+        help="merger ingest: receive+decode+dequantize+fold+log of int4 deltas, GB/s of wire bytes",
+    )
     merger.add_argument("--json", action="store_true", help="print one JSON object")
-    merger.add_argument("--params", type=positive_int, default=25_165_824, help="model size (default 25,165,824)")
-    merger.add_argument("--islands", type=positive_int, default=4, help="deltas per fold (default 4)")
+    merger.add_argument(
+        "--params", type=positive_int, default=25_165_824, help="model size (default 25,165,824)"
+    )
+    merger.add_argument(
+        "--islands", type=positive_int, default=4, help="deltas per fold (default 4)"
+    )
     merger.add_argument("--fragments", type=positive_int, default=4)
     merger.add_argument("--rounds", type=positive_int, default=2)
-    merger.add_argument("--passes", type=positive_int, default=3, help="timed steady-state passes after the cold one; the median is reported (default 3)")
-    merger.add_argument("--standby", action="store_true",
-                        help="passes with the log streamed to a standby process in sync mode, alternating with passes without: the cost")
-    merger.set_defaults(run=run_bench, bench_params={"params": "params", "fragments": "fragments", "islands": "islands", "rounds": "rounds",
-                                                     "passes": "passes", "standby": "standby"})
-    merger.add_argument("--shards", type=shard_counts, default=None, metavar="S,S,...",
-                        help="instead: the same deltas folded by S merger shard processes side by side, for each S (e.g. 1,2): "
-                             "aggregate ingest, its ratio to the first S, and each shard's CPU (benchmarks/merger_shards.py)")
-    failover = suites.add_parser("failover", help="time from a primary merger's kill -9 to the first fold of its standby (median of runs)")
+    merger.add_argument(
+        "--passes",
+        type=positive_int,
+        default=3,
+        help="timed steady-state passes after the cold one; the median is reported (default 3)",
+    )
+    merger.add_argument(
+        "--standby",
+        action="store_true",
+        help=(
+            "passes with the log streamed to a standby process in sync mode, alternating with"
+            " passes without: the cost"
+        ),
+    )
+    merger.set_defaults(
+        run=run_bench,
+        bench_params={
+            "params": "params",
+            "fragments": "fragments",
+            "islands": "islands",
+            "rounds": "rounds",
+            "passes": "passes",
+            "standby": "standby",
+        },
+    )
+    merger.add_argument(
+        "--shards",
+        type=shard_counts,
+        default=None,
+        metavar="S,S,...",
+        help=(
+            "instead: the same deltas folded by S merger shard processes side by side, for each S"
+            " (e.g. 1,2): aggregate ingest, its ratio to the first S, and each shard's CPU"
+            " (benchmarks/merger_shards.py)"
+        ),
+    )
+    failover = suites.add_parser(
+        "failover",
+        help=(
+            "time from a primary merger's kill -9 to the first fold of its standby (median of runs)"
+        ),
+    )
     failover.add_argument("--json", action="store_true", help="print one JSON object")
     failover.add_argument("--runs", type=positive_int, default=5, help="failovers (default 5)")
-    failover.add_argument("--lease", type=float_at_least(0.1), default=3.0, help="the mergers' lease in seconds (default 3)")
+    failover.add_argument(
+        "--lease",
+        type=float_at_least(0.1),
+        default=3.0,
+        help="the mergers' lease in seconds (default 3)",
+    )
     failover.set_defaults(run=run_bench, bench_params={"runs": "runs", "lease_s": "lease"})
-    island = suites.add_parser("island", help="island steps/s with int4 publishing on vs standalone, side by side")
+    island = suites.add_parser(
+        "island", help="island steps/s with int4 publishing on vs standalone, side by side"
+    )
     island.add_argument("--json", action="store_true", help="print one JSON object")
-    island.add_argument("--steps", type=positive_int, default=300, help="timed steps per run (default 300)")
-    island.add_argument("--rounds", type=positive_int, default=3, help="alternating standalone/publishing pairs (default 3)")
+    island.add_argument(
+        "--steps", type=positive_int, default=300, help="timed steps per run (default 300)"
+    )
+    island.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=3,
+        help="alternating standalone/publishing pairs (default 3)",
+    )
     island.set_defaults(run=run_bench, bench_params={"steps": "steps", "rounds": "rounds"})
-    bus = suites.add_parser("bus", help="1 MiB messages: raw PUB->SUB vs through the broker vs broker with CURVE")
+    bus = suites.add_parser(
+        "bus", help="1 MiB messages: raw PUB->SUB vs through the broker vs broker with CURVE"
+    )
     bus.add_argument("--json", action="store_true", help="print one JSON object")
     bus.add_argument("--messages", type=positive_int, default=400)
-    bus.add_argument("--repeats", type=positive_int, default=3, help="interleaved measurements per path; medians reported")
+    bus.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="interleaved measurements per path; medians reported",
+    )
     bus.set_defaults(run=run_bench, bench_params={"count": "messages", "repeats": "repeats"})
-    attacks = suites.add_parser("attacks", help="poisoning by one island key (ramps, bursts, claimed tokens, 1e6x after a restart or takeover): "
-                                                "how far each moves the merger's model, in multiples of honest folds")
+    attacks = suites.add_parser(
+        "attacks",
+        help=(
+            "poisoning by one island key (ramps, bursts, claimed tokens, 1e6x after a restart or"
+            " takeover): how far each moves the merger's model, in multiples of honest folds"
+        ),
+    )
     attacks.add_argument("--json", action="store_true", help="print one JSON object")
-    attacks.add_argument("--islands", default="2,4", help="cluster sizes, the attacker included (default 2,4)")
+    attacks.add_argument(
+        "--islands", default="2,4", help="cluster sizes, the attacker included (default 2,4)"
+    )
     attacks.add_argument("--seed", type=int, default=0)
     attacks.set_defaults(run=run_bench, bench_params={"islands": "islands", "seed": "seed"})
-    scale = suites.add_parser("scale", help="the cost of model size: each stage of a delta's trip (island, broker, merger, snapshot, "
-                                            "island) in GB/s and x memcpy, and merger and island memory per parameter")
+    scale = suites.add_parser(
+        "scale",
+        help=(
+            "the cost of model size: each stage of a delta's trip (island, broker, merger,"
+            " snapshot, island) in GB/s and x memcpy, and merger and island memory per parameter"
+        ),
+    )
     scale.add_argument("--json", action="store_true", help="print one JSON object")
-    scale.add_argument("--sizes", default="10M,50M,125M,350M",
-                       help="model sizes in parameters, comma-separated, K/M/G decimal (default 10M,50M,125M,350M)")
-    scale.add_argument("--reps", type=positive_int, default=3, help="timed rounds per size after a warm-up one; medians (default 3)")
+    scale.add_argument(
+        "--sizes",
+        default="10M,50M,125M,350M",
+        help=(
+            "model sizes in parameters, comma-separated, K/M/G decimal (default 10M,50M,125M,350M)"
+        ),
+    )
+    scale.add_argument(
+        "--reps",
+        type=positive_int,
+        default=3,
+        help="timed rounds per size after a warm-up one; medians (default 3)",
+    )
     scale.set_defaults(run=run_bench, bench_params={"sizes": "sizes", "reps": "reps"})
 
 
@@ -75,17 +180,31 @@ def shard_counts(text: str) -> list[int]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """Run benchmarks.<suite>.run(...) with the suite's options; print JSON or its one-line summary."""
+    """Run benchmarks.<suite>.run(...) with the suite's options; print JSON or its one-line
+    summary."""
     import importlib
 
     from dloco.protocol import DlocoError
 
-    module, params = importlib.import_module(f"dloco.benchmarks.{args.suite}"), dict(args.bench_params)
-    if getattr(args, "shards", None):  # bench merger --shards: the same work over merger shard processes
+    module, params = (
+        importlib.import_module(f"dloco.benchmarks.{args.suite}"),
+        dict(args.bench_params),
+    )
+    # bench merger --shards: the same work over merger shard processes
+    if getattr(args, "shards", None):
         if args.standby:
-            print("dloco bench merger: --shards and --standby measure different things; give one", file=sys.stderr)
+            print(
+                "dloco bench merger: --shards and --standby measure different things; give one",
+                file=sys.stderr,
+            )
             return 2
-        module, params = importlib.import_module("dloco.benchmarks.merger_shards"), {**params, "shard_counts": "shards"}
+        module, params = (
+            importlib.import_module("dloco.benchmarks.merger_shards"),
+            {
+                **params,
+                "shard_counts": "shards",
+            },
+        )
         params.pop("standby")
     try:
         result = module.run(**{param: getattr(args, option) for param, option in params.items()})

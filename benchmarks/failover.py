@@ -1,4 +1,5 @@
-"""Failover time: from a primary merger's kill -9 to the first delta the standby folds as the new primary.
+"""Failover time: from a primary merger's kill -9 to the first delta the standby folds as the new
+primary.
 
 Each run starts a fresh primary and standby (`dloco merger`, sync replication, lease `lease_s`)
 behind one broker, all on loopback, and a `StreamIsland` that speaks the islands' stream protocol
@@ -35,7 +36,14 @@ class StreamIsland:
     sent is kept), a delta repeated until settled.  `chunks(delta_id, base_versions)` makes a
     delta's chunks; every ack seen is kept as (merger epoch, results)."""
 
-    def __init__(self, delta_in: str, snapshot_out: str, control: list[str], chunks: Callable, name: str = "a") -> None:
+    def __init__(
+        self,
+        delta_in: str,
+        snapshot_out: str,
+        control: list[str],
+        chunks: Callable,
+        name: str = "a",
+    ) -> None:
         self.context, self.name, self.chunks = zmq.Context(), name, chunks
         self.pub = self._socket(zmq.PUB, delta_in)
         self.sub = self._socket(zmq.SUB, snapshot_out)
@@ -49,7 +57,8 @@ class StreamIsland:
         self.epoch, self.seq, self.sent = time.time_ns(), 0, {}
         self.versions: dict[int, int] = {}
         self.acks: list[tuple[int, tuple]] = []
-        self.settled: dict[int, tuple[int, protocol.DeltaResult]] = {}  # delta id -> (epoch of the ack, result)
+        # delta id -> (epoch of the ack, result)
+        self.settled: dict[int, tuple[int, protocol.DeltaResult]] = {}
 
     def _socket(self, kind: int, endpoint: str) -> zmq.Socket:
         socket = self.context.socket(kind)
@@ -61,13 +70,19 @@ class StreamIsland:
         frames = []
         for chunk in self.chunks(delta_id, self.versions):
             self.seq += 1
-            self.sent[self.seq] = protocol.encode(dataclasses.replace(chunk, sender=self.name, seq=self.seq, epoch=self.epoch))
+            self.sent[self.seq] = protocol.encode(
+                dataclasses.replace(chunk, sender=self.name, seq=self.seq, epoch=self.epoch)
+            )
             frames.append(self.sent[self.seq])
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             for f in frames:
                 self.pub.send_multipart(f)
-            self.pub.send_multipart(protocol.encode(protocol.Heartbeat(sender=self.name, epoch=self.epoch, seq=self.seq)))
+            self.pub.send_multipart(
+                protocol.encode(
+                    protocol.Heartbeat(sender=self.name, epoch=self.epoch, seq=self.seq)
+                )
+            )
             until = time.monotonic() + 0.3
             while (left := until - time.monotonic()) > 0:
                 while self.dealer.poll(0):
@@ -77,7 +92,11 @@ class StreamIsland:
                 ack = protocol.decode(self.sub.recv_multipart())
                 self.acks.append((ack.epoch, ack.results))
                 for result in ack.results:
-                    if result.island == self.name and result.epoch == self.epoch and result.delta_id not in self.settled:
+                    if (
+                        result.island == self.name
+                        and result.epoch == self.epoch
+                        and result.delta_id not in self.settled
+                    ):
                         self.settled[result.delta_id] = (ack.epoch, result)
                 if delta_id in self.settled:
                     result = self.settled[delta_id][1]
@@ -99,7 +118,9 @@ class StreamIsland:
 
 
 def dloco(*args: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dloco", *args], stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dloco", *args], stdout=open(log, "ab"), stderr=subprocess.STDOUT
+    )
 
 
 def events(log: Path, name: str) -> list[dict]:
@@ -125,31 +146,86 @@ def wait_for(log: Path, name: str, process: subprocess.Popen, **fields) -> dict:
     raise TimeoutError(f"{log.name}: no {name} within {WAIT_S} s")
 
 
-SHAPES = {"w0": (256, 64), "w1": (256, 64)}  # two fragments of 16 K parameters
+# two fragments of 16 K parameters
+SHAPES = {"w0": (256, 64), "w1": (256, 64)}
 
 
 def _chunks(delta_id: int, versions: dict[int, int]) -> list[protocol.DeltaChunk]:
     fragment = delta_id % 2
     rng = np.random.default_rng(delta_id)
-    tensors = {f"w{fragment}": (rng.standard_normal(SHAPES[f"w{fragment}"]) * 1e-2).astype(np.float32)}
+    tensors = {
+        f"w{fragment}": (rng.standard_normal(SHAPES[f"w{fragment}"]) * 1e-2).astype(np.float32)
+    }
     plans = protocol.split_fragment(tensors, protocol.Codec("int4"), 4096)
     model = protocol.model_fingerprint({p: np.zeros(s, np.float32) for p, s in SHAPES.items()})
-    return [protocol.DeltaChunk(sender="a", epoch=0, seq=0, delta_id=delta_id, fragment=fragment, base_version=versions.get(fragment, 0),
-                                chunk_index=i, chunk_count=len(plans), steps=10, tokens=1000, model=model, codec=protocol.Codec("int4"),
-                                slices=p.slices, payloads=p.payloads) for i, p in enumerate(plans)]
+    return [
+        protocol.DeltaChunk(
+            sender="a",
+            epoch=0,
+            seq=0,
+            delta_id=delta_id,
+            fragment=fragment,
+            base_version=versions.get(fragment, 0),
+            chunk_index=i,
+            chunk_count=len(plans),
+            steps=10,
+            tokens=1000,
+            model=model,
+            codec=protocol.Codec("int4"),
+            slices=p.slices,
+            payloads=p.payloads,
+        )
+        for i, p in enumerate(plans)
+    ]
 
 
 def _one(tmp: Path, broker: list[str], lease_s: float, number: int) -> dict:
     control, replication = free_ports(2), free_ports(2)
     init = tmp / "init.npz"
     np.savez(init, **{p: np.zeros(s, np.float32) for p, s in SHAPES.items()})
-    common = ["merger", "--fragments", "2", "--delta-endpoint", broker[1], "--snapshot-endpoint", broker[2], "--insecure",
-              "--lease", str(lease_s), "--replication", "sync", "--fsync", "always"]
+    common = [
+        "merger",
+        "--fragments",
+        "2",
+        "--delta-endpoint",
+        broker[1],
+        "--snapshot-endpoint",
+        broker[2],
+        "--insecure",
+        "--lease",
+        str(lease_s),
+        "--replication",
+        "sync",
+        "--fsync",
+        "always",
+    ]
     a_log, b_log = tmp / f"a{number}.log", tmp / f"b{number}.log"
-    a = dloco(*common, "--run-dir", str(tmp / f"a{number}"), "--control-endpoint", f"@tcp://127.0.0.1:{control[0]}", "--init-npz", str(init),
-              "--replication-endpoint", f"@tcp://127.0.0.1:{replication[0]}", "--peer", f"tcp://127.0.0.1:{replication[1]}", log=a_log)
-    b = dloco(*common, "--run-dir", str(tmp / f"b{number}"), "--control-endpoint", f"@tcp://127.0.0.1:{control[1]}",
-              "--replication-endpoint", f"@tcp://127.0.0.1:{replication[1]}", "--standby-of", f"tcp://127.0.0.1:{replication[0]}", log=b_log)
+    a = dloco(
+        *common,
+        "--run-dir",
+        str(tmp / f"a{number}"),
+        "--control-endpoint",
+        f"@tcp://127.0.0.1:{control[0]}",
+        "--init-npz",
+        str(init),
+        "--replication-endpoint",
+        f"@tcp://127.0.0.1:{replication[0]}",
+        "--peer",
+        f"tcp://127.0.0.1:{replication[1]}",
+        log=a_log,
+    )
+    b = dloco(
+        *common,
+        "--run-dir",
+        str(tmp / f"b{number}"),
+        "--control-endpoint",
+        f"@tcp://127.0.0.1:{control[1]}",
+        "--replication-endpoint",
+        f"@tcp://127.0.0.1:{replication[1]}",
+        "--standby-of",
+        f"tcp://127.0.0.1:{replication[0]}",
+        log=b_log,
+    )
     island = StreamIsland(broker[0], broker[3], [f"tcp://127.0.0.1:{p}" for p in control], _chunks)
     try:
         for delta_id in range(1, 5):
@@ -160,14 +236,20 @@ def _one(tmp: Path, broker: list[str], lease_s: float, number: int) -> dict:
         a.wait(timeout=10)
         old = island.settled[4][0]
         delta_id = 5
-        while True:  # what the island sent meanwhile may be settled by the dying primary: the first under the new epoch counts
+        # what the island sent meanwhile may be settled by the dying primary: the first under the
+        # new epoch counts
+        while True:
             island.send_until_settled(delta_id)
             if island.settled[delta_id][0] != old:
                 break
             delta_id += 1
         first_fold_s = time.monotonic() - killed
         took = wait_for(b_log, "taking_over", b)
-        return {"first_fold_s": round(first_fold_s, 3), "takeover_s": round(_wall(took) - killed_wall, 3), "silent_s": took["silent_s"]}
+        return {
+            "first_fold_s": round(first_fold_s, 3),
+            "takeover_s": round(_wall(took) - killed_wall, 3),
+            "silent_s": took["silent_s"],
+        }
     finally:
         island.close()
         for process in (a, b):
@@ -185,13 +267,28 @@ def _wall(event: dict) -> float:
     return datetime.datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
-def run(runs: int = 5, lease_s: float = 3.0, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
+def run(
+    runs: int = 5,
+    lease_s: float = 3.0,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+) -> dict:
     samples = []
     with tempfile.TemporaryDirectory(prefix="dloco-bench-failover-") as tmp:
         ports = free_ports(4)
         broker = [f"tcp://127.0.0.1:{p}" for p in ports]
-        broker_process = dloco("broker", "--insecure", "--delta-in", broker[0], "--delta-out", broker[1], "--snapshot-in", broker[2],
-                               "--snapshot-out", broker[3], log=Path(tmp) / "broker.log")
+        broker_process = dloco(
+            "broker",
+            "--insecure",
+            "--delta-in",
+            broker[0],
+            "--delta-out",
+            broker[1],
+            "--snapshot-in",
+            broker[2],
+            "--snapshot-out",
+            broker[3],
+            log=Path(tmp) / "broker.log",
+        )
         try:
             for number in range(runs):
                 samples.append(_one(Path(tmp), broker, lease_s, number))
@@ -200,12 +297,20 @@ def run(runs: int = 5, lease_s: float = 3.0, log: Callable[[str], None] = lambda
             broker_process.send_signal(signal.SIGTERM)
             broker_process.wait(timeout=30)
     first = statistics.median(s["first_fold_s"] for s in samples)
-    return {"runs": runs, "lease_s": lease_s, "first_fold_after_loss_s": round(first, 3),
-            "takeover_after_loss_s": round(statistics.median(s["takeover_s"] for s in samples), 3),
-            "first_fold_vs_lease": round(first / lease_s, 3), "samples": samples}
+    return {
+        "runs": runs,
+        "lease_s": lease_s,
+        "first_fold_after_loss_s": round(first, 3),
+        "takeover_after_loss_s": round(statistics.median(s["takeover_s"] for s in samples), 3),
+        "first_fold_vs_lease": round(first / lease_s, 3),
+        "samples": samples,
+    }
 
 
 def summary(result: dict) -> str:
-    return (f"failover: first fold {result['first_fold_after_loss_s']:.2f} s after the primary's kill -9 (median of {result['runs']}; "
-            f"the standby took over after {result['takeover_after_loss_s']:.2f} s); lease {result['lease_s']} s; "
-            f"ratio to the lease {result['first_fold_vs_lease']:.2f}")
+    return (
+        f"failover: first fold {result['first_fold_after_loss_s']:.2f} s after the primary's kill"
+        f" -9 (median of {result['runs']}; the standby took over after"
+        f" {result['takeover_after_loss_s']:.2f} s); lease {result['lease_s']} s; ratio to the"
+        f" lease {result['first_fold_vs_lease']:.2f}"
+    )

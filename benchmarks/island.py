@@ -37,7 +37,11 @@ def _sink(context: zmq.Context, stop: threading.Event) -> tuple[int, threading.T
     return port, thread
 
 
-def run(steps: int = 300, rounds: int = 3, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
+def run(
+    steps: int = 300,
+    rounds: int = 3,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+) -> dict:
     corpus = data.load()
     shards, evaluation = data.split(corpus, 1)
     model, train = ModelConfig(), TrainConfig(max_steps=steps * rounds, eval_every=10**9)
@@ -52,11 +56,27 @@ def run(steps: int = 300, rounds: int = 3, log: Callable[[str], None] = lambda l
                 log(f"bench island: round {round_ + 1}/{rounds}, {mode}, {steps} steps ...")
                 link = None
                 if mode == "publishing":
-                    link = NetworkLink("bench", "bench", sync, f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:9", "tcp://127.0.0.1:9",
-                                       uplink=LinkShaper(None))
-                loop = IslandLoop(bytelm.trainer(model, train), data.Batches(shards[0], train.batch, model.context, round_, 0),
-                                  data.eval_batches(evaluation, train.batch, model.context, 1), train, sync, MetricsWriter(None), link=link, count=bytelm.count_tokens)
-                loop.run(20)  # compile and warm up
+                    link = NetworkLink(
+                        "bench",
+                        "bench",
+                        sync,
+                        f"tcp://127.0.0.1:{port}",
+                        "tcp://127.0.0.1:9",
+                        "tcp://127.0.0.1:9",
+                        uplink=LinkShaper(None),
+                    )
+                loop = IslandLoop(
+                    bytelm.trainer(model, train),
+                    data.Batches(shards[0], train.batch, model.context, round_, 0),
+                    data.eval_batches(evaluation, train.batch, model.context, 1),
+                    train,
+                    sync,
+                    MetricsWriter(None),
+                    link=link,
+                    count=bytelm.count_tokens,
+                )
+                # compile and warm up
+                loop.run(20)
                 rates[mode].append(loop.run(steps)["steps_per_s"])
                 if link is not None:
                     deltas += link.deltas_sent
@@ -65,12 +85,27 @@ def run(steps: int = 300, rounds: int = 3, log: Callable[[str], None] = lambda l
         stop.set()
         sink.join(timeout=5)
         context.destroy(linger=0)
-    standalone, publishing = statistics.median(rates["standalone"]), statistics.median(rates["publishing"])
-    return {"steps": steps, "rounds": rounds, "codec": "int4", "interval": 50, "fragments": 4, "deltas_sent": deltas,
-            "standalone_steps_per_s": round(standalone, 3), "publishing_steps_per_s": round(publishing, 3),
-            "ratio": round(publishing / standalone, 3), "all_rates": {k: [round(r, 3) for r in v] for k, v in rates.items()}}
+    standalone, publishing = (
+        statistics.median(rates["standalone"]),
+        statistics.median(rates["publishing"]),
+    )
+    return {
+        "steps": steps,
+        "rounds": rounds,
+        "codec": "int4",
+        "interval": 50,
+        "fragments": 4,
+        "deltas_sent": deltas,
+        "standalone_steps_per_s": round(standalone, 3),
+        "publishing_steps_per_s": round(publishing, 3),
+        "ratio": round(publishing / standalone, 3),
+        "all_rates": {k: [round(r, 3) for r in v] for k, v in rates.items()},
+    }
 
 
 def summary(result: dict) -> str:
-    return (f"island: publishing {result['publishing_steps_per_s']:.2f} steps/s vs standalone {result['standalone_steps_per_s']:.2f} "
-            f"(ratio {result['ratio']:.3f}, medians of {result['rounds']}; {result['deltas_sent']} int4 deltas sent)")
+    return (
+        f"island: publishing {result['publishing_steps_per_s']:.2f} steps/s vs standalone"
+        f" {result['standalone_steps_per_s']:.2f} (ratio {result['ratio']:.3f}, medians of"
+        f" {result['rounds']}; {result['deltas_sent']} int4 deltas sent)"
+    )

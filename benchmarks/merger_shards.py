@@ -25,23 +25,59 @@ def _pass_of(results: list[dict]) -> dict:
     began = min(r["ended_at"] - r["seconds"] for r in results)
     ended = max(r["ended_at"] for r in results)
     wire = sum(r["wire_bytes"] for r in results)
-    return {"ingest_gbps": gbps(wire, ended - began), "seconds": ended - began, "wire_bytes": wire,
-            "shard_cpu_s": [r["cpu_s"] for r in results], "shard_seconds": [r["seconds"] for r in results],
-            "shard_wire_bytes": [r["wire_bytes"] for r in results]}
+    return {
+        "ingest_gbps": gbps(wire, ended - began),
+        "seconds": ended - began,
+        "wire_bytes": wire,
+        "shard_cpu_s": [r["cpu_s"] for r in results],
+        "shard_seconds": [r["seconds"] for r in results],
+        "shard_wire_bytes": [r["wire_bytes"] for r in results],
+    }
 
 
-def _run_shards(count: int, params: int, fragments: int, islands: int, rounds: int, passes: int, log) -> list[dict]:
-    children = [subprocess.Popen([sys.executable, "-m", "dloco.benchmarks.merger_shards", "--child", f"{index}/{count}", "--params", str(params),
-                                  "--fragments", str(fragments), "--islands", str(islands), "--rounds", str(rounds), "--passes", str(passes)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for index in range(count)]
+def _run_shards(
+    count: int, params: int, fragments: int, islands: int, rounds: int, passes: int, log
+) -> list[dict]:
+    children = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dloco.benchmarks.merger_shards",
+                "--child",
+                f"{index}/{count}",
+                "--params",
+                str(params),
+                "--fragments",
+                str(fragments),
+                "--islands",
+                str(islands),
+                "--rounds",
+                str(rounds),
+                "--passes",
+                str(passes),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for index in range(count)
+    ]
     done = []
     try:
         for number in range(1 + passes):
-            for child in children:  # each has compiled its folds and built its state: ready for the pass
+            # each has compiled its folds and built its state: ready for the pass
+            for child in children:
                 line = child.stdout.readline()
                 if line.strip() != "ready":
-                    raise RuntimeError(f"a shard process of {count} stopped before pass {number} (exit {child.poll()}): {line!r}")
-            log(f"bench merger: {count} shard(s), {'cold pass' if number == 0 else f'warm pass {number} of {passes}'} ...")
+                    raise RuntimeError(
+                        f"a shard process of {count} stopped before pass {number} (exit"
+                        f" {child.poll()}): {line!r}"
+                    )
+            log(
+                f"bench merger: {count} shard(s),"
+                f" {'cold pass' if number == 0 else f'warm pass {number} of {passes}'} ..."
+            )
             for child in children:
                 child.stdin.write("go\n")
                 child.stdin.flush()
@@ -56,35 +92,66 @@ def _run_shards(count: int, params: int, fragments: int, islands: int, rounds: i
     return done
 
 
-def run(params: int, fragments: int, islands: int, rounds: int, passes: int, shard_counts: list[int],
-        log=lambda line: print(line, file=sys.stderr)) -> dict:
+def run(
+    params: int,
+    fragments: int,
+    islands: int,
+    rounds: int,
+    passes: int,
+    shard_counts: list[int],
+    log=lambda line: print(line, file=sys.stderr),
+) -> dict:
     if any(count > fragments for count in shard_counts):
         from dloco.protocol.errors import ConfigError
 
-        raise ConfigError(f"--shards {shard_counts}: a shard needs a fragment of its own (--fragments {fragments})")
+        raise ConfigError(
+            f"--shards {shard_counts}: a shard needs a fragment of its own (--fragments"
+            f" {fragments})"
+        )
     by_count = {}
     for count in shard_counts:
         passes_done = _run_shards(count, params, fragments, islands, rounds, passes, log)
         warm = sorted(passes_done[1:], key=lambda p: p["seconds"])
         median = warm[len(warm) // 2]
-        by_count[count] = {"ingest_gbps": round(median["ingest_gbps"], 3), "samples_gbps": [round(p["ingest_gbps"], 3) for p in passes_done[1:]],
-                           "shard_cpu_s": median["shard_cpu_s"], "shard_busy": [round(c / s, 2) for c, s in zip(median["shard_cpu_s"], median["shard_seconds"])],
-                           "cpu_s_per_gb": round(sum(median["shard_cpu_s"]) / (median["wire_bytes"] / 1e9), 2),
-                           "wire_bytes": median["wire_bytes"], "shard_wire_bytes": median["shard_wire_bytes"]}
+        by_count[count] = {
+            "ingest_gbps": round(median["ingest_gbps"], 3),
+            "samples_gbps": [round(p["ingest_gbps"], 3) for p in passes_done[1:]],
+            "shard_cpu_s": median["shard_cpu_s"],
+            "shard_busy": [
+                round(c / s, 2) for c, s in zip(median["shard_cpu_s"], median["shard_seconds"])
+            ],
+            "cpu_s_per_gb": round(sum(median["shard_cpu_s"]) / (median["wire_bytes"] / 1e9), 2),
+            "wire_bytes": median["wire_bytes"],
+            "shard_wire_bytes": median["shard_wire_bytes"],
+        }
     reference = by_count[shard_counts[0]]["ingest_gbps"]
     for result in by_count.values():
         result["vs_first"] = round(result["ingest_gbps"] / reference, 3)
-    return {"params": params, "fragments": fragments, "islands": islands, "rounds": rounds, "shards": by_count}
+    return {
+        "params": params,
+        "fragments": fragments,
+        "islands": islands,
+        "rounds": rounds,
+        "shards": by_count,
+    }
 
 
 def summary(result: dict) -> str:
-    parts = [f"{count} shard(s): {r['ingest_gbps']:.3f} GB/s (x{r['vs_first']:.2f}; samples {r['samples_gbps']}), CPU s per shard "
-             f"{r['shard_cpu_s']} (busy {r['shard_busy']} of a core), {r['cpu_s_per_gb']} CPU s per GB" for count, r in result["shards"].items()]
-    return f"merger ingest by shards ({result['params']:,} params, {result['islands']} islands x {result['fragments']} fragments): " + "; ".join(parts)
+    parts = [
+        f"{count} shard(s): {r['ingest_gbps']:.3f} GB/s (x{r['vs_first']:.2f}; samples"
+        f" {r['samples_gbps']}), CPU s per shard {r['shard_cpu_s']} (busy {r['shard_busy']} of a"
+        f" core), {r['cpu_s_per_gb']} CPU s per GB"
+        for count, r in result["shards"].items()
+    ]
+    return (
+        f"merger ingest by shards ({result['params']:,} params, {result['islands']} islands x"
+        f" {result['fragments']} fragments): " + "; ".join(parts)
+    )
 
 
 def _child(args: argparse.Namespace) -> None:
-    """One shard: warm up, then for each pass wait for the parent's go and print the pass as JSON."""
+    """One shard: warm up, then for each pass wait for the parent's go and print the pass as
+    JSON."""
     import zmq
 
     from dloco.benchmarks.delta_sender import synthetic_shapes
@@ -96,15 +163,23 @@ def _child(args: argparse.Namespace) -> None:
     index, count = shards.parse(args.child)
     owned = shards.owned(index, count, args.fragments)
     keep_freed_memory()
-    config = MergerConfig(MergeConfig(max_staleness=args.rounds), round=RoundConfig(quorum=args.islands, grace_cap_s=0.0))
+    config = MergerConfig(
+        MergeConfig(max_staleness=args.rounds),
+        round=RoundConfig(quorum=args.islands, grace_cap_s=0.0),
+    )
     _warm_up(config, synthetic_shapes(args.params, args.fragments), args.fragments, args.islands)
     context = zmq.Context()
     for _ in range(1 + args.passes):
         print("ready", flush=True)
         if sys.stdin.readline().strip() != "go":
             return
-        result = _merger_pass(context, config, args.params, args.fragments, args.islands, args.rounds, owned=owned)
-        print(json.dumps({k: result[k] for k in ("wire_bytes", "seconds", "cpu_s", "ended_at")}), flush=True)
+        result = _merger_pass(
+            context, config, args.params, args.fragments, args.islands, args.rounds, owned=owned
+        )
+        print(
+            json.dumps({k: result[k] for k in ("wire_bytes", "seconds", "cpu_s", "ended_at")}),
+            flush=True,
+        )
     context.destroy(linger=0)
 
 

@@ -48,41 +48,65 @@ def unique_nbytes(arrays: list[np.ndarray]) -> int:
 
 
 def island_state_process(conn, shapes: dict, fragments: int) -> None:
-    """Entry point of the spawned process: ("island", figures) or ("error", traceback) up the pipe."""
+    """Entry point of the spawned process: ("island", figures) or ("error", traceback) up the
+    pipe."""
     try:
         conn.send(("island", _measure(shapes, fragments)))
-    except BaseException:  # reported to the conductor, which raises it there
+    # reported to the conductor, which raises it there
+    except BaseException:
         conn.send(("error", traceback.format_exc()))
 
 
 def _measure(shapes: dict, fragments: int) -> dict:
-    theta = init_params(shapes, seed=1)  # the training state: not counted
-    change = {shape: init_params({"x": shape}, seed=2)["x"] * np.float32(0.05) for shape in set(shapes.values())}
+    # the training state: not counted
+    theta = init_params(shapes, seed=1)
+    change = {
+        shape: init_params({"x": shape}, seed=2)["x"] * np.float32(0.05)
+        for shape in set(shapes.values())
+    }
     parts = protocol.partition(shapes, fragments)
     model, epoch, fp32 = protocol.model_fingerprint(theta), time.time_ns(), protocol.Codec("fp32")
     sync = SyncConfig(fragments=fragments, error_feedback=True)
     context = zmq.Context()
     pub = context.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
-    pub.bind_to_random_port("tcp://127.0.0.1")  # no subscriber: ZeroMQ drops what is sent, as before a broker is reached
+    # no subscriber: ZeroMQ drops what is sent, as before a broker is reached
+    pub.bind_to_random_port("tcp://127.0.0.1")
     uplink = Uplink("island-0", model, epoch, sync, LinkShaper(None), threading.Event())
     receiver = Downlink("island-0", epoch)
-    reassembler = protocol.Reassembler(max_bytes=1 << 40)  # the join's budget is the pipeline's concern, not this one's
+    # the join's budget is the pipeline's concern, not this one's
+    reassembler = protocol.Reassembler(max_bytes=1 << 40)
     gc.collect()
     rises = PeakRises()
 
-    for fragment, paths in enumerate(parts):  # the merger's full snapshots, as received
+    # the merger's full snapshots, as received
+    for fragment, paths in enumerate(parts):
         value = {p: theta[p] for p in paths}
         plans = protocol.split_fragment(value, fp32)
         for index, plan in enumerate(plans):
-            chunk = protocol.SnapshotChunk(sender="merger", epoch=1, seq=index + 1, fragment=fragment, version=0, chunk_index=index,
-                                           chunk_count=len(plans), model=model, codec=fp32, slices=plan.slices, payloads=plan.payloads,
-                                           base_version=None, digest=downlink.digest(value))
+            chunk = protocol.SnapshotChunk(
+                sender="merger",
+                epoch=1,
+                seq=index + 1,
+                fragment=fragment,
+                version=0,
+                chunk_index=index,
+                chunk_count=len(plans),
+                model=model,
+                codec=fp32,
+                slices=plan.slices,
+                payloads=plan.payloads,
+                base_version=None,
+                digest=downlink.digest(value),
+            )
             assembled = reassembler.add(protocol.decode(protocol.encode(chunk)), 0.0)
         del plans, plan, chunk
         receiver.on_snapshot(assembled.header, assembled.tensors, 0.0)
         del assembled
-    anchors = {fragment: {p: np.asarray(v, np.float32) for p, v in tensors.items()} for fragment, _, tensors in receiver.ready(math.inf)}
+    anchors = {
+        fragment: {p: np.asarray(v, np.float32) for p, v in tensors.items()}
+        for fragment, _, tensors in receiver.ready(math.inf)
+    }
     gc.collect()
     rises.after("join")
 
@@ -90,7 +114,11 @@ def _measure(shapes: dict, fragments: int) -> dict:
         for path in paths:
             theta[path] += change[theta[path].shape]
         current = {p: theta[p] for p in paths}
-        uplink.publish(PendingDelta(fragment, 0, exchange.pseudo_gradient(anchors[fragment], current), 50, 50 * 16 * 128))
+        uplink.publish(
+            PendingDelta(
+                fragment, 0, exchange.pseudo_gradient(anchors[fragment], current), 50, 50 * 16 * 128
+            )
+        )
         anchors[fragment] = {p: value.copy() for p, value in current.items()}
         uplink._send(pub, fragment + 1, uplink.outbox.take())
     gc.collect()
@@ -98,7 +126,11 @@ def _measure(shapes: dict, fragments: int) -> dict:
 
     served = [t for held in receiver.served.values() for t in held.tensors.values()]
     anchored = [a for values in anchors.values() for a in values.values()]
-    held = {"served": unique_nbytes(served), "anchors": unique_nbytes(served + anchored) - unique_nbytes(served),
-            "error_feedback": unique_nbytes(list(uplink.residuals.values())), "retransmit": uplink.kept.nbytes}
+    held = {
+        "served": unique_nbytes(served),
+        "anchors": unique_nbytes(served + anchored) - unique_nbytes(served),
+        "error_feedback": unique_nbytes(list(uplink.residuals.values())),
+        "retransmit": uplink.kept.nbytes,
+    }
     context.destroy(linger=0)
     return {"memory_kib": rises.figures(), "held_bytes": held, "outbox_pending": len(uplink.outbox)}

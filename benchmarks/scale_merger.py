@@ -36,30 +36,57 @@ from dloco.merger.core import initial_core
 from dloco.merger.memory import keep_freed_memory
 from dloco.merger.service import MergerService, ServiceConfig
 
-PROBE_S = 0.02  # between probes of a bus whose subscriptions may not have arrived yet
-QUIET_MS = 300  # a bus silent this long after its last probe holds nothing stale
+# between probes of a bus whose subscriptions may not have arrived yet
+PROBE_S = 0.02
+# a bus silent this long after its last probe holds nothing stale
+QUIET_MS = 300
 
 
-def merger_process(conn, shapes: dict, fragments: int, delta_endpoint: str, snapshot_endpoint: str, control_endpoint: str,
-                   run_dir: str) -> None:
-    """Entry point of the spawned process; any failure goes back up the pipe as ("error", traceback)."""
+def merger_process(
+    conn,
+    shapes: dict,
+    fragments: int,
+    delta_endpoint: str,
+    snapshot_endpoint: str,
+    control_endpoint: str,
+    run_dir: str,
+) -> None:
+    """Entry point of the spawned process; any failure goes back up the pipe as ("error",
+    traceback)."""
     sys.stdout = open(os.devnull, "w")
     try:
-        _serve(conn, shapes, fragments, ServiceConfig(
-            run_dir=Path(run_dir), delta_endpoint=delta_endpoint, snapshot_endpoint=snapshot_endpoint, control_endpoint=control_endpoint,
-            snapshots=SnapshotConfig("fp32", "int4"), checkpoint_every=1 << 30))  # the default profile's downlink; no checkpoint
-    except BaseException:  # reported to the conductor, which raises it there
+        _serve(
+            conn,
+            shapes,
+            fragments,
+            ServiceConfig(
+                run_dir=Path(run_dir),
+                delta_endpoint=delta_endpoint,
+                snapshot_endpoint=snapshot_endpoint,
+                control_endpoint=control_endpoint,
+                # the default profile's downlink; no checkpoint
+                snapshots=SnapshotConfig("fp32", "int4"),
+                checkpoint_every=1 << 30,
+            ),
+        )
+    # reported to the conductor, which raises it there
+    except BaseException:
         conn.send(("error", traceback.format_exc()))
 
 
 def _serve(conn, shapes: dict, fragments: int, config: ServiceConfig) -> None:
-    keep_freed_memory()  # as `dloco merger` does
+    # as `dloco merger` does
+    keep_freed_memory()
     rises = PeakRises()
     params = init_params(shapes, seed=0)
     rises.after("model")
-    factory = initial_core(MergerConfig(round=RoundConfig(quorum=1, grace_cap_s=0.0)), params, fragments)  # one island: fold each delta
+    # one island: fold each delta
+    factory = initial_core(
+        MergerConfig(round=RoundConfig(quorum=1, grace_cap_s=0.0)), params, fragments
+    )
     service = MergerService(config, factory)
-    del params, factory  # the core holds the model now
+    # the core holds the model now
+    del params, factory
     rises.after("genesis")
     service.warming.join()
     rises.after("warm_up")
@@ -80,7 +107,13 @@ def _serve(conn, shapes: dict, fragments: int, config: ServiceConfig) -> None:
             elif command == "round":
                 conn.send(("round", *_round(service, rises, *args)))
             elif command == "finish":
-                conn.send(("finished", {**rises.figures(), "held": _held(service)}, dict(service.counters)))
+                conn.send(
+                    (
+                        "finished",
+                        {**rises.figures(), "held": _held(service)},
+                        dict(service.counters),
+                    )
+                )
                 return
     finally:
         service.pipeline.close()
@@ -91,11 +124,29 @@ def _serve(conn, shapes: dict, fragments: int, config: ServiceConfig) -> None:
 def _held(service: MergerService) -> dict[str, int]:
     """Bytes the merger's state holds (each array once): what its resident set would be with no
     allocator slack, no runtime and nothing in flight."""
-    state = {id(leaf): leaf.nbytes for fragment in service.core.states for leaf in jax.tree_util.tree_leaves(fragment.opt_state)}
-    params = {id(value): value.nbytes for fragment in service.core.states for value in fragment.params.values()}
-    other = sum(array.nbytes for array in jax.live_arrays() if id(array) not in state and id(array) not in params)
-    return {"parameters": sum(params.values()), "optimizer": sum(state.values()), "other_jax_arrays": other,
-            "served": sum(value.nbytes for held in service.served.values() for value in held.tensors.values())}
+    state = {
+        id(leaf): leaf.nbytes
+        for fragment in service.core.states
+        for leaf in jax.tree_util.tree_leaves(fragment.opt_state)
+    }
+    params = {
+        id(value): value.nbytes
+        for fragment in service.core.states
+        for value in fragment.params.values()
+    }
+    other = sum(
+        array.nbytes
+        for array in jax.live_arrays()
+        if id(array) not in state and id(array) not in params
+    )
+    return {
+        "parameters": sum(params.values()),
+        "optimizer": sum(state.values()),
+        "other_jax_arrays": other,
+        "served": sum(
+            value.nbytes for held in service.served.values() for value in held.tensors.values()
+        ),
+    }
 
 
 def _listen(conn, service: MergerService) -> None:
@@ -103,12 +154,22 @@ def _listen(conn, service: MergerService) -> None:
         raise TimeoutError("no probe arrived on the delta bus within 60 s")
     conn.send(("heard",))
     while service.delta_sub.poll(QUIET_MS):
-        service.on_delta_frames([frame.buffer for frame in service.delta_sub.recv_multipart(copy=False)])
+        service.on_delta_frames(
+            [frame.buffer for frame in service.delta_sub.recv_multipart(copy=False)]
+        )
     conn.send(("quiet",))
 
 
 def _call(conn, service: MergerService) -> None:
-    probe = protocol.encode(protocol.Ack(sender=service.config.sender, epoch=service.epoch, seq=service.seq, cursors=(), results=()))
+    probe = protocol.encode(
+        protocol.Ack(
+            sender=service.config.sender,
+            epoch=service.epoch,
+            seq=service.seq,
+            cursors=(),
+            results=(),
+        )
+    )
     deadline = time.monotonic() + 60
     while not conn.poll(PROBE_S):
         if time.monotonic() > deadline:
@@ -118,20 +179,24 @@ def _call(conn, service: MergerService) -> None:
     conn.send(("stopped",))
 
 
-def _round(service: MergerService, rises: PeakRises, expected: int) -> tuple[float, float, int, int]:
+def _round(
+    service: MergerService, rises: PeakRises, expected: int
+) -> tuple[float, float, int, int]:
     """Ingest `expected` chunks and fold; announce.  Returns (ingest s, announce s, messages
     published, folds).  Ingest runs from the first chunk taken off the socket to the last fold
     computed and durable; the announcement is the snapshot diffs and the acks."""
 
     def handle(frames: list) -> None:
         service.on_delta_frames(frames)
-        service.pipeline.dispatch(time.monotonic())  # the fold computes on while the next chunks are taken
+        # the fold computes on while the next chunks are taken
+        service.pipeline.dispatch(time.monotonic())
 
     _, receive_s = receive_timed(service.delta_sub, expected, handle)
     began, folds = time.perf_counter(), []
     while service.pipeline.in_flight or any(service.core.pending):
         folds.extend(service.pipeline.finished(wait=True))
-        service.pipeline.dispatch(math.inf)  # nothing more is coming: every pending delta folds now
+        # nothing more is coming: every pending delta folds now
+        service.pipeline.dispatch(math.inf)
     ingest_s = receive_s + time.perf_counter() - began
     rises.after("ingest")
     seq, began = service.seq, time.perf_counter()

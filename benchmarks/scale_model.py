@@ -19,8 +19,10 @@ import numpy as np
 
 from dloco.protocol.errors import ConfigError
 
-VOCAB = 256  # bytes, as island/config.py's ModelConfig
-CONTEXT = 1024  # positions
+# bytes, as island/config.py's ModelConfig
+VOCAB = 256
+# positions
+CONTEXT = 1024
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)([KMG]?)", re.IGNORECASE)
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}
 
@@ -31,7 +33,9 @@ def parse_sizes(text: str) -> list[tuple[str, int]]:
     for label in (part.strip() for part in text.split(",")):
         match = _SIZE.fullmatch(label)
         if match is None:
-            raise ConfigError(f"model size {label!r} is not a number with an optional K, M or G (e.g. 125M)")
+            raise ConfigError(
+                f"model size {label!r} is not a number with an optional K, M or G (e.g. 125M)"
+            )
         params = round(float(match.group(1)) * _UNITS[match.group(2).upper()])
         if params < 1:
             raise ConfigError(f"model size {label!r} must be at least 1 parameter")
@@ -39,7 +43,9 @@ def parse_sizes(text: str) -> list[tuple[str, int]]:
     if not sizes:
         raise ConfigError("no model size given")
     if len({params for _, params in sizes}) < len(sizes):
-        raise ConfigError(f"model sizes must differ (a fit over sizes needs distinct ones), got {text!r}")
+        raise ConfigError(
+            f"model sizes must differ (a fit over sizes needs distinct ones), got {text!r}"
+        )
     return sizes
 
 
@@ -53,25 +59,36 @@ def block_shapes(index: int, width: int, hidden: int) -> dict[str, tuple[int, ..
     """One Transformer block: 4 width^2 + 2 width*hidden + 9 width + hidden parameters."""
     prefix = f"blocks/{index:02d}"
     return {
-        f"{prefix}/ln1/scale": (width,), f"{prefix}/ln1/bias": (width,),
-        f"{prefix}/attn/qkv/kernel": (width, 3 * width), f"{prefix}/attn/qkv/bias": (3 * width,),
-        f"{prefix}/attn/out/kernel": (width, width), f"{prefix}/attn/out/bias": (width,),
-        f"{prefix}/ln2/scale": (width,), f"{prefix}/ln2/bias": (width,),
-        f"{prefix}/mlp/in/kernel": (width, hidden), f"{prefix}/mlp/in/bias": (hidden,),
-        f"{prefix}/mlp/out/kernel": (hidden, width), f"{prefix}/mlp/out/bias": (width,),
+        f"{prefix}/ln1/scale": (width,),
+        f"{prefix}/ln1/bias": (width,),
+        f"{prefix}/attn/qkv/kernel": (width, 3 * width),
+        f"{prefix}/attn/qkv/bias": (3 * width,),
+        f"{prefix}/attn/out/kernel": (width, width),
+        f"{prefix}/attn/out/bias": (width,),
+        f"{prefix}/ln2/scale": (width,),
+        f"{prefix}/ln2/bias": (width,),
+        f"{prefix}/mlp/in/kernel": (width, hidden),
+        f"{prefix}/mlp/in/bias": (hidden,),
+        f"{prefix}/mlp/out/kernel": (hidden, width),
+        f"{prefix}/mlp/out/bias": (width,),
     }
 
 
 def model_shapes(params: int) -> dict[str, tuple[int, ...]]:
     """GPT-like tensor shapes with at most `params` parameters and less than one hidden unit per
-    block short of it (see the module docstring).  Raises ConfigError below the smallest such model."""
+    block short of it (see the module docstring).  Raises ConfigError below the smallest such model.
+    """
     depth = depth_for(params)
     width = 64 * depth
-    fixed = depth * (4 * width * width + 9 * width) + (VOCAB + CONTEXT + 2) * width  # all but the MLP's hidden units
+    # all but the MLP's hidden units
+    fixed = depth * (4 * width * width + 9 * width) + (VOCAB + CONTEXT + 2) * width
     hidden = (params - fixed) // (depth * (2 * width + 1))
     if hidden < 1:
         smallest = fixed + depth * (2 * width + 1)
-        raise ConfigError(f"a model of {params:,} parameters is too small for {depth} blocks of width {width} (at least {smallest:,})")
+        raise ConfigError(
+            f"a model of {params:,} parameters is too small for {depth} blocks of width {width} (at"
+            f" least {smallest:,})"
+        )
     shapes = {"embed/tokens": (VOCAB, width), "embed/positions": (CONTEXT, width)}
     for index in range(depth):
         shapes.update(block_shapes(index, width, hidden))
@@ -117,7 +134,8 @@ def available_bytes() -> int | None:
 
 def _ru_maxrss_kib() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak // 1024 if sys.platform == "darwin" else peak  # bytes on macOS, KiB on Linux
+    # bytes on macOS, KiB on Linux
+    return peak // 1024 if sys.platform == "darwin" else peak
 
 
 def restart_peak_rss() -> int:
@@ -151,7 +169,8 @@ class PeakRises:
         self.kib: dict[str, int] = {}
 
     def after(self, phase: str) -> None:
-        peak = max(self.last, peak_rss_kib())  # the kernel's per-thread counters lag by a few pages: never a fall
+        # the kernel's per-thread counters lag by a few pages: never a fall
+        peak = max(self.last, peak_rss_kib())
         self.kib[phase] = self.kib.get(phase, 0) + peak - self.last
         self.last = peak
 

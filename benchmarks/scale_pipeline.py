@@ -52,9 +52,11 @@ from dloco.island.uplink import Uplink
 from dloco.protocol.errors import DlocoError
 from dloco.protocol.reassembly import CHUNK_OVERHEAD_BYTES, SLICE_OVERHEAD_BYTES
 
-WAIT_S = 900.0  # longest wait for the merger at any step (genesis and compiling at 350 M take a minute or two)
+# longest wait for the merger at any step (genesis and compiling at 350 M take a minute or two)
+WAIT_S = 900.0
 NAME = "island-0"
-STEPS, TOKENS = 50, 50 * 16 * 128  # what a delta says it carries (H = 50 steps of the default batch)
+# what a delta says it carries (H = 50 steps of the default batch)
+STEPS, TOKENS = 50, 50 * 16 * 128
 
 
 class ScaleBenchError(DlocoError):
@@ -62,7 +64,8 @@ class ScaleBenchError(DlocoError):
 
 
 class _Silent:
-    """The broker's log: its counters are read here, and it has nothing else to say in a benchmark."""
+    """The broker's log: its counters are read here, and it has nothing else to say in a
+    benchmark."""
 
     def info(self, *args, **kwargs) -> None:
         pass
@@ -88,11 +91,17 @@ class _BrokerPump:
 
     def forward(self, count: int) -> float:
         """Forward until `count` more data messages have passed; the seconds it took."""
-        goal, began, deadline = sum(self.broker.messages.values()) + count, time.perf_counter(), time.monotonic() + WAIT_S
+        goal, began, deadline = (
+            sum(self.broker.messages.values()) + count,
+            time.perf_counter(),
+            time.monotonic() + WAIT_S,
+        )
         while sum(self.broker.messages.values()) < goal:
             if time.monotonic() > deadline:
-                raise ScaleBenchError(f"the broker forwarded {goal - sum(self.broker.messages.values())} messages too few "
-                                      f"(dropped: {dict(self.broker.dropped)})")
+                raise ScaleBenchError(
+                    f"the broker forwarded {goal - sum(self.broker.messages.values())} messages too"
+                    f" few (dropped: {dict(self.broker.dropped)})"
+                )
             self.pump(100)
         return time.perf_counter() - began
 
@@ -100,32 +109,59 @@ class _BrokerPump:
 class _Island:
     """The island's exchange state and code path, with a theta standing in for the trainer's."""
 
-    def __init__(self, context: zmq.Context, shapes: dict, fragments: int, delta_endpoint: str, snapshot_port: int) -> None:
+    def __init__(
+        self,
+        context: zmq.Context,
+        shapes: dict,
+        fragments: int,
+        delta_endpoint: str,
+        snapshot_port: int,
+    ) -> None:
         self.theta = init_params(shapes, seed=1)
-        self.change = {shape: init_params({"x": shape}, seed=2)["x"] * np.float32(0.05) for shape in set(shapes.values())}
+        self.change = {
+            shape: init_params({"x": shape}, seed=2)["x"] * np.float32(0.05)
+            for shape in set(shapes.values())
+        }
         self.parts = protocol.partition(shapes, fragments)
         self.model, epoch = protocol.model_fingerprint(self.theta), time.time_ns()
-        self.progress = [FragmentProgress({p: self.theta[p] for p in paths}) for paths in self.parts]
+        self.progress = [
+            FragmentProgress({p: self.theta[p] for p in paths}) for paths in self.parts
+        ]
         security = Security(None, NAME)
         self.sync = SyncConfig(fragments=fragments)
-        self.pub = open_socket(context, zmq.PUB, delta_endpoint, security, "broker", send_hwm=self.sync.send_hwm)
+        self.pub = open_socket(
+            context, zmq.PUB, delta_endpoint, security, "broker", send_hwm=self.sync.send_hwm
+        )
         # unbounded: a round's snapshots wait here while the merger works, and nothing may drop
-        self.sub = open_socket(context, zmq.SUB, f"@tcp://127.0.0.1:{snapshot_port}", security, receive_hwm=0)
+        self.sub = open_socket(
+            context, zmq.SUB, f"@tcp://127.0.0.1:{snapshot_port}", security, receive_hwm=0
+        )
         for topic in (b"snapshot/", b"ack"):
             self.sub.setsockopt(zmq.SUBSCRIBE, topic)
-        self.uplink = Uplink(NAME, self.model, epoch, self.sync, LinkShaper(None), threading.Event())
+        self.uplink = Uplink(
+            NAME, self.model, epoch, self.sync, LinkShaper(None), threading.Event()
+        )
         self.downlink = Downlink(NAME, epoch)
         # The join gets what it needs; the result says whether `dloco island`'s own budget holds a
         # fragment's fp32 snapshot (it grows with the model: island/snapshots.reassembly_budget).
         payload = max(4 * sum(int(np.prod(shapes[p])) for p in paths) for paths in self.parts)
-        chunks = -(-payload // self.sync.chunk_bytes)  # at least one slice each
+        # at least one slice each
+        chunks = -(-payload // self.sync.chunk_bytes)
         self.full_snapshot_cost = payload + chunks * (CHUNK_OVERHEAD_BYTES + SLICE_OVERHEAD_BYTES)
-        self.island_budget = reassembly_budget(4 * sum(int(np.prod(shape)) for shape in shapes.values()))  # `dloco island`'s
-        self.reassembler = snapshot_reassembler(2 * self.full_snapshot_cost)  # streamed, as `dloco island`
+        # `dloco island`'s
+        self.island_budget = reassembly_budget(
+            4 * sum(int(np.prod(shape)) for shape in shapes.values())
+        )
+        # streamed, as `dloco island`
+        self.reassembler = snapshot_reassembler(2 * self.full_snapshot_cost)
         self.deltas, self.joined = 0, False
 
     def probe(self) -> None:
-        self.pub.send_multipart(protocol.encode(protocol.Heartbeat(sender=NAME, epoch=self.uplink.epoch, seq=self.uplink.seq)))
+        self.pub.send_multipart(
+            protocol.encode(
+                protocol.Heartbeat(sender=NAME, epoch=self.uplink.epoch, seq=self.uplink.seq)
+            )
+        )
 
     def send_round(self) -> tuple[float, int]:
         """Train (untimed), then send a delta of every fragment; returns (seconds, chunks sent)."""
@@ -136,7 +172,15 @@ class _Island:
             began = time.perf_counter()
             progress = self.progress[fragment]
             current = {p: self.theta[p] for p in paths}
-            self.uplink.publish(PendingDelta(fragment, progress.version, exchange.pseudo_gradient(progress.anchor, current), STEPS, TOKENS))
+            self.uplink.publish(
+                PendingDelta(
+                    fragment,
+                    progress.version,
+                    exchange.pseudo_gradient(progress.anchor, current),
+                    STEPS,
+                    TOKENS,
+                )
+            )
             self.deltas += 1
             self.uplink._send(self.pub, self.deltas, self.uplink.outbox.take())
             # The loop's anchor is a host copy of theta at the send; nothing trains before the
@@ -146,7 +190,8 @@ class _Island:
         return seconds, self.uplink.seq - seq
 
     def receive(self, expected: int) -> float:
-        """Take `expected` messages from the snapshot bus; seconds from the first to the last adopted."""
+        """Take `expected` messages from the snapshot bus; seconds from the first to the last
+        adopted."""
         return receive_timed(self.sub, expected, self.on_frames, timeout_s=WAIT_S)[1]
 
     def on_frames(self, frames: list) -> None:
@@ -158,10 +203,17 @@ class _Island:
         if assembled is not None:
             self.downlink.on_snapshot(assembled.header, assembled.tensors, 0.0)
         for fragment, version, tensors in self.downlink.ready(math.inf):
-            progress = self.progress[fragment]  # the join takes the value (IslandLoop.join); later ones rebase (IslandLoop._adopt)
-            adopted = exchange.rebase(self.theta, progress.anchor, tensors) if self.joined else exchange.adopt(self.theta, tensors, 0.0)
+            # the join takes the value (IslandLoop.join); later ones rebase (IslandLoop._adopt)
+            progress = self.progress[fragment]
+            adopted = (
+                exchange.rebase(self.theta, progress.anchor, tensors)
+                if self.joined
+                else exchange.adopt(self.theta, tensors, 0.0)
+            )
             self.theta.update(adopted)
-            self.progress[fragment] = FragmentProgress({p: np.asarray(v, np.float32) for p, v in tensors.items()}, version)
+            self.progress[fragment] = FragmentProgress(
+                {p: np.asarray(v, np.float32) for p, v in tensors.items()}, version
+            )
 
     def drain(self) -> None:
         while self.sub.poll(QUIET_MS):
@@ -170,16 +222,31 @@ class _Island:
 
 def measure(shapes: dict, fragments: int, reps: int, log: Callable[[str], None]) -> dict:
     """Join, one warm-up round, `reps` timed rounds.  Returns each stage's seconds per round, the
-    merger's resident memory (KiB: at the start, its peak, each phase's rise) and what the joins needed."""
+    merger's resident memory (KiB: at the start, its peak, each phase's rise) and what the joins
+    needed.
+    """
     spawn = multiprocessing.get_context("spawn")
-    ports = free_ports(4)  # broker in, broker out, island snapshot SUB, merger control
+    # broker in, broker out, island snapshot SUB, merger control
+    ports = free_ports(4)
     endpoint = [f"tcp://127.0.0.1:{port}" for port in ports]
     broker = Broker(BrokerConfig((BusEndpoints("delta", endpoint[0], endpoint[1]),)), _Silent())
     pump, context = _BrokerPump(broker), zmq.Context()
     conn, child_conn = spawn.Pipe()
     with tempfile.TemporaryDirectory(prefix="dloco-bench-scale-") as run_dir:
-        merger = spawn.Process(target=merger_process, name="bench-scale-merger", daemon=True,
-                               args=(child_conn, shapes, fragments, endpoint[1], endpoint[2], f"@{endpoint[3]}", run_dir))
+        merger = spawn.Process(
+            target=merger_process,
+            name="bench-scale-merger",
+            daemon=True,
+            args=(
+                child_conn,
+                shapes,
+                fragments,
+                endpoint[1],
+                endpoint[2],
+                f"@{endpoint[3]}",
+                run_dir,
+            ),
+        )
         merger.start()
         try:
             island = _Island(context, shapes, fragments, endpoint[0], ports[2])
@@ -190,15 +257,20 @@ def measure(shapes: dict, fragments: int, reps: int, log: Callable[[str], None])
             island.receive(published)
             island.joined = True
             if len(island.downlink.served) != fragments:
-                raise ScaleBenchError(f"the island joined {len(island.downlink.served)} of {fragments} fragments: "
-                                      f"{dict(island.downlink.results)}")
+                raise ScaleBenchError(
+                    f"the island joined {len(island.downlink.served)} of {fragments} fragments: "
+                    f"{dict(island.downlink.results)}"
+                )
             samples: dict[str, list[float]] = {}
             for number in range(reps + 1):
                 log(f"round {number + 1}/{reps + 1}{' (warm-up)' if number == 0 else ''} ...")
                 stage = _round(conn, merger, island, pump)
                 if island.downlink.results["diff"] != fragments * (number + 1):
-                    raise ScaleBenchError(f"round {number + 1}: the island adopted {island.downlink.results['diff']} diffs, "
-                                          f"expected {fragments * (number + 1)}: {dict(island.downlink.results)}")
+                    raise ScaleBenchError(
+                        f"round {number + 1}: the island adopted {island.downlink.results['diff']}"
+                        f" diffs, expected {fragments * (number + 1)}:"
+                        f" {dict(island.downlink.results)}"
+                    )
                 for name, seconds in stage.items():
                     samples.setdefault(name, []).extend([seconds] if number else [])
             conn.send(("finish",))
@@ -210,8 +282,13 @@ def measure(shapes: dict, fragments: int, reps: int, log: Callable[[str], None])
                 merger.join(timeout=30)
             context.destroy(linger=0)
             broker.context.destroy(linger=0)
-    return {"stages": samples, "merger_memory_kib": memory, "merger_counters": counters,
-            "full_snapshot_reassembly_bytes": island.full_snapshot_cost, "island_reassembly_budget": island.island_budget}
+    return {
+        "stages": samples,
+        "merger_memory_kib": memory,
+        "merger_counters": counters,
+        "full_snapshot_reassembly_bytes": island.full_snapshot_cost,
+        "island_reassembly_budget": island.island_budget,
+    }
 
 
 def _round(conn, merger, island: _Island, pump: _BrokerPump) -> dict[str, float]:
@@ -220,9 +297,17 @@ def _round(conn, merger, island: _Island, pump: _BrokerPump) -> dict[str, float]
     conn.send(("round", chunks))
     ingest_s, diff_s, published, folds = _expect(conn, merger, "round")
     if folds != len(island.parts):
-        raise ScaleBenchError(f"the merger folded {folds} times, expected one fold per fragment ({len(island.parts)})")
+        raise ScaleBenchError(
+            f"the merger folded {folds} times, expected one fold per fragment ({len(island.parts)})"
+        )
     adopt_s = island.receive(published)
-    return {"island_send": send_s, "broker_forward": forward_s, "merger_ingest": ingest_s, "snapshot_diff": diff_s, "island_adopt": adopt_s}
+    return {
+        "island_send": send_s,
+        "broker_forward": forward_s,
+        "merger_ingest": ingest_s,
+        "snapshot_diff": diff_s,
+        "island_adopt": adopt_s,
+    }
 
 
 def _join_buses(conn, merger, island: _Island, pump: _BrokerPump) -> None:
@@ -252,7 +337,9 @@ def _expect(conn, merger, what: str) -> tuple:
     deadline = time.monotonic() + WAIT_S
     while not conn.poll(1.0):
         if not merger.is_alive():
-            raise ScaleBenchError(f"the merger exited (code {merger.exitcode}) before answering {what!r}")
+            raise ScaleBenchError(
+                f"the merger exited (code {merger.exitcode}) before answering {what!r}"
+            )
         if time.monotonic() > deadline:
             raise ScaleBenchError(f"the merger did not answer {what!r} within {WAIT_S:.0f} s")
     kind, *fields = conn.recv()

@@ -1,4 +1,5 @@
-"""Small timing helpers shared by the benchmarks: medians, never single runs (the machine is shared)."""
+"""Small timing helpers shared by the benchmarks: medians, never single runs (the machine is
+shared)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,12 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
-def receive_timed(sub: Any, expected: int, handle: Callable[[list], None] = lambda frames: None,
-                  timeout_s: float = 600.0) -> tuple[int, float]:
+def receive_timed(
+    sub: Any,
+    expected: int,
+    handle: Callable[[list], None] = lambda frames: None,
+    timeout_s: float = 600.0,
+) -> tuple[int, float]:
     """Receive `expected` messages from a ZeroMQ socket, passing each to `handle`; return (wire
     bytes, seconds from the first arrival to the last handled).  Raises TimeoutError if the stream
     stalls for `timeout_s`."""

@@ -12,25 +12,64 @@ from dloco.cliargs import add_metrics_flags
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     from dloco.broker.proxy import BrokerConfig
 
-    broker = commands.add_parser("broker", help="run the broker: XSUB/XPUB proxies for the delta and snapshot buses")
-    broker.add_argument("--delta-in", default="tcp://*:5555", help="XSUB for delta publishers (islands)")
-    broker.add_argument("--delta-out", default="tcp://*:5556", help="XPUB for delta subscribers (merger)")
-    broker.add_argument("--snapshot-in", default="tcp://*:5557", help="XSUB for snapshot publishers (merger)")
-    broker.add_argument("--snapshot-out", default="tcp://*:5558", help="XPUB for snapshot subscribers (islands)")
-    broker.add_argument("--keys", type=Path, help="key directory holding broker.key_secret (CURVE, the default)")
-    broker.add_argument("--allow", type=Path, help="directory of accepted client public keys (*.key)")
-    broker.add_argument("--insecure", action="store_true", help="plaintext, no authentication (prints a warning)")
-    broker.add_argument("--memory-mib", type=positive_int, default=BrokerConfig.memory_bytes >> 20, help="queue budget per socket, MiB")
-    broker.add_argument("--chunk-bytes", type=positive_int, default=BrokerConfig.chunk_bytes, help="typical message size, to size high-water marks")
-    broker.add_argument("--stats-every", type=float, default=BrokerConfig.stats_every_s, help="seconds between counter log lines")
+    broker = commands.add_parser(
+        "broker", help="run the broker: XSUB/XPUB proxies for the delta and snapshot buses"
+    )
+    broker.add_argument(
+        "--delta-in", default="tcp://*:5555", help="XSUB for delta publishers (islands)"
+    )
+    broker.add_argument(
+        "--delta-out", default="tcp://*:5556", help="XPUB for delta subscribers (merger)"
+    )
+    broker.add_argument(
+        "--snapshot-in", default="tcp://*:5557", help="XSUB for snapshot publishers (merger)"
+    )
+    broker.add_argument(
+        "--snapshot-out", default="tcp://*:5558", help="XPUB for snapshot subscribers (islands)"
+    )
+    broker.add_argument(
+        "--keys", type=Path, help="key directory holding broker.key_secret (CURVE, the default)"
+    )
+    broker.add_argument(
+        "--allow", type=Path, help="directory of accepted client public keys (*.key)"
+    )
+    broker.add_argument(
+        "--insecure", action="store_true", help="plaintext, no authentication (prints a warning)"
+    )
+    broker.add_argument(
+        "--memory-mib",
+        type=positive_int,
+        default=BrokerConfig.memory_bytes >> 20,
+        help="queue budget per socket, MiB",
+    )
+    broker.add_argument(
+        "--chunk-bytes",
+        type=positive_int,
+        default=BrokerConfig.chunk_bytes,
+        help="typical message size, to size high-water marks",
+    )
+    broker.add_argument(
+        "--stats-every",
+        type=float,
+        default=BrokerConfig.stats_every_s,
+        help="seconds between counter log lines",
+    )
     add_metrics_flags(broker)
     broker.set_defaults(run=run_broker)
 
     keys = commands.add_parser("keys", help="create CURVE key pairs (mode 0600), one per component")
     keys.add_argument("directory", type=Path)
     keys.add_argument("names", nargs="+", help="e.g. broker merger island-0 island-1")
-    keys.add_argument("--allow", type=Path, help="also list the new public keys in this allow-list directory, under --role")
-    keys.add_argument("--role", choices=("island", "merger", "observer"), help="the role the keys get in --allow (bus/security.py SOCKET_ROLES)")
+    keys.add_argument(
+        "--allow",
+        type=Path,
+        help="also list the new public keys in this allow-list directory, under --role",
+    )
+    keys.add_argument(
+        "--role",
+        choices=("island", "merger", "observer"),
+        help="the role the keys get in --allow (bus/security.py SOCKET_ROLES)",
+    )
     keys.set_defaults(run=run_keys)
 
 
@@ -48,19 +87,35 @@ def run_broker(args: argparse.Namespace) -> int:
         if args.insecure:
             if args.keys or args.allow:
                 raise DlocoError("--insecure contradicts --keys/--allow")
-            print("dloco broker: WARNING: --insecure: traffic is plaintext and anyone can connect", file=sys.stderr)
+            print(
+                "dloco broker: WARNING: --insecure: traffic is plaintext and anyone can connect",
+                file=sys.stderr,
+            )
         else:
             if not (args.keys and args.allow):
-                raise DlocoError("CURVE is on by default: give --keys DIR (with broker.key_secret) and --allow DIR, or --insecure")
+                raise DlocoError(
+                    "CURVE is on by default: give --keys DIR (with broker.key_secret) and --allow"
+                    " DIR, or --insecure"
+                )
             security = Security(Path(args.keys), "broker", Path(args.allow))
-        config = BrokerConfig((BusEndpoints("delta", args.delta_in, args.delta_out), BusEndpoints("snapshot", args.snapshot_in, args.snapshot_out)),
-                              memory_bytes=args.memory_mib << 20, chunk_bytes=args.chunk_bytes, security=security, stats_every_s=args.stats_every,
-                              metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+        config = BrokerConfig(
+            (
+                BusEndpoints("delta", args.delta_in, args.delta_out),
+                BusEndpoints("snapshot", args.snapshot_in, args.snapshot_out),
+            ),
+            memory_bytes=args.memory_mib << 20,
+            chunk_bytes=args.chunk_bytes,
+            security=security,
+            stats_every_s=args.stats_every,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+        )
         broker = Broker(config, log)
     except (DlocoError, OSError) as error:
         print(f"dloco broker: {error}", file=sys.stderr)
         return 2
-    except zmq.ZMQError as error:  # a malformed or busy endpoint
+    # a malformed or busy endpoint
+    except zmq.ZMQError as error:
         print(f"dloco broker: cannot bind: {error}", file=sys.stderr)
         return 2
     return broker.run()
@@ -72,7 +127,10 @@ def run_keys(args: argparse.Namespace) -> int:
 
     try:
         if (args.allow is None) != (args.role is None):
-            raise DlocoError("--allow and --role go together: the allow-list folder and the role the keys get in it")
+            raise DlocoError(
+                "--allow and --role go together: the allow-list folder and the role the keys get"
+                " in it"
+            )
         for path in create_keys(args.directory, args.names):
             print(path)
         if args.allow is not None:

@@ -36,26 +36,36 @@ from dloco.protocol.limits import MAX_SUBSCRIPTION_BYTES
 from dloco.telemetry import prom
 
 POLL_MS = 100
-KERNEL_BUFFER_BYTES = 4 << 20  # larger TCP buffers: fewer wake-ups per MiB forwarded
-FENCED_BUS = "snapshot"  # where a sender's older epochs are dropped
-IO_THREADS = 2  # one per direction of heavy traffic; faster than 1 with 1 MiB messages (dloco bench bus)
+# larger TCP buffers: fewer wake-ups per MiB forwarded
+KERNEL_BUFFER_BYTES = 4 << 20
+# where a sender's older epochs are dropped
+FENCED_BUS = "snapshot"
+# one per direction of heavy traffic; faster than 1 with 1 MiB messages (dloco bench bus)
+IO_THREADS = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class BusEndpoints:
-    name: str  # "delta" | "snapshot"
-    inbound: str  # XSUB bind address, publishers connect here
-    outbound: str  # XPUB bind address, subscribers connect here
+    # "delta" | "snapshot"
+    name: str
+    # XSUB bind address, publishers connect here
+    inbound: str
+    # XPUB bind address, subscribers connect here
+    outbound: str
 
 
 @dataclasses.dataclass(frozen=True)
 class BrokerConfig:
     buses: tuple[BusEndpoints, ...]
-    memory_bytes: int = 512 << 20  # per socket queue budget
-    chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # typical message size, to turn the budget into a high-water mark
-    security: Security = Security(None, "broker")  # CURVE server with an allowlist, or plaintext (--insecure)
+    # per socket queue budget
+    memory_bytes: int = 512 << 20
+    # typical message size, to turn the budget into a high-water mark
+    chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+    # CURVE server with an allowlist, or plaintext (--insecure)
+    security: Security = Security(None, "broker")
     stats_every_s: float = 10.0
-    metrics_port: int | None = None  # Prometheus metrics served on this port (telemetry/prom.py); None: off
+    # Prometheus metrics served on this port (telemetry/prom.py); None: off
+    metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
 
     @property
@@ -79,31 +89,47 @@ class Broker:
                 outbound = self._socket(zmq.XPUB, bus.outbound, f"{bus.name}-out")
                 outbound.setsockopt(zmq.XPUB_NODROP, 1)
                 self.pairs.append((bus.name, inbound, outbound))
-        except BaseException:  # a missing key or allowlist, a busy port: nothing keeps running
+        # a missing key or allowlist, a busy port: nothing keeps running
+        except BaseException:
             Security.stop(self.context)
             self.context.destroy(linger=0)
             raise
         self.messages = collections.Counter()
         self.bytes = collections.Counter()
         self.dropped = collections.Counter()
-        self.refused = collections.Counter()  # messages not forwarded: sender_mismatch, unreadable header, subscription
-        self.subscriptions = collections.Counter()  # (un)subscriptions passed upstream
+        # messages not forwarded: sender_mismatch, unreadable header, subscription
+        self.refused = collections.Counter()
+        # (un)subscriptions passed upstream
+        self.subscriptions = collections.Counter()
         self.last_warned: dict[str, float] = {}
-        self.newest_epoch: dict[str, int] = {}  # snapshot bus: sender -> newest epoch (a lower one is a replaced merger)
+        # snapshot bus: sender -> newest epoch (a lower one is a replaced merger)
+        self.newest_epoch: dict[str, int] = {}
         self.stopping = False
         self.metrics_server = None
         if config.metrics_port is not None:
             try:
-                self.metrics_server = prom.serve(config.metrics_port, config.metrics_host, prom.registry_of(lambda: prom.broker_families(self.stats())))
+                self.metrics_server = prom.serve(
+                    config.metrics_port,
+                    config.metrics_host,
+                    prom.registry_of(lambda: prom.broker_families(self.stats())),
+                )
             except BaseException:
                 Security.stop(self.context)
                 self.context.destroy(linger=0)
                 raise
 
     def _socket(self, kind: int, endpoint: str, domain: str) -> zmq.Socket:
-        return open_socket(self.context, kind, f"@{endpoint}", self.config.security, send_hwm=self.config.hwm, receive_hwm=self.config.hwm,
-                           kernel_buffer_bytes=KERNEL_BUFFER_BYTES, report=lambda message: self.log.warning("auth_refused", detail=message),
-                           domain=domain)
+        return open_socket(
+            self.context,
+            kind,
+            f"@{endpoint}",
+            self.config.security,
+            send_hwm=self.config.hwm,
+            receive_hwm=self.config.hwm,
+            kernel_buffer_bytes=KERNEL_BUFFER_BYTES,
+            report=lambda message: self.log.warning("auth_refused", detail=message),
+            domain=domain,
+        )
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -115,8 +141,12 @@ class Broker:
             poller.register(outbound, zmq.POLLIN)
             route[inbound] = (name, outbound, True)
             route[outbound] = (name, inbound, False)
-        self.log.info("broker_started", buses=[dataclasses.asdict(b) for b in self.config.buses], hwm=self.config.hwm,
-                      secure=not self.config.security.insecure)
+        self.log.info(
+            "broker_started",
+            buses=[dataclasses.asdict(b) for b in self.config.buses],
+            hwm=self.config.hwm,
+            secure=not self.config.security.insecure,
+        )
         next_stats = time.monotonic() + self.config.stats_every_s
         try:
             while not self.stopping:
@@ -135,12 +165,14 @@ class Broker:
         return 0
 
     def _forward(self, source: zmq.Socket, target: zmq.Socket, bus: str, is_data: bool) -> None:
-        for _ in range(256):  # drain a burst, then let the other sockets have a turn
+        # drain a burst, then let the other sockets have a turn
+        for _ in range(256):
             try:
                 frames = source.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if not is_data:  # a (un)subscription travelling upstream
+            # a (un)subscription travelling upstream
+            if not is_data:
                 self._subscription(target, frames, bus)
                 continue
             key = f"{bus}/{topic_key(bytes(frames[0].buffer[:64]))}"
@@ -148,7 +180,8 @@ class Broker:
                 continue
             try:
                 target.send_multipart(frames, zmq.NOBLOCK, copy=False)
-            except zmq.Again:  # XPUB_NODROP: a subscriber is full; the sender's resend path recovers it
+            # XPUB_NODROP: a subscriber is full; the sender's resend path recovers it
+            except zmq.Again:
                 self.dropped[key] += 1
                 continue
             self.messages[key] += 1
@@ -157,7 +190,11 @@ class Broker:
     def _subscription(self, xsub: zmq.Socket, frames: list[zmq.Frame], bus: str) -> None:
         """Pass a subscriber's (un)subscription to the publishers (the XPUB passes a topic's first
         subscription and its last unsubscription) if it is one the protocol's subscribers make."""
-        data = bytes(frames[0].buffer) if len(frames) == 1 and len(frames[0]) <= 1 + MAX_SUBSCRIPTION_BYTES else b""
+        data = (
+            bytes(frames[0].buffer)
+            if len(frames) == 1 and len(frames[0]) <= 1 + MAX_SUBSCRIPTION_BYTES
+            else b""
+        )
         if data[:1] in (b"\x00", b"\x01") and subscribable(data[1:]):
             xsub.send_multipart(frames, copy=False)
             self.subscriptions[f"{bus}/{'subscribe' if data[0] else 'unsubscribe'}"] += 1
@@ -166,13 +203,19 @@ class Broker:
         now = time.monotonic()
         if now - self.last_warned.get(f"{bus}/subscription", -1.0) >= 1.0:
             self.last_warned[f"{bus}/subscription"] = now
-            self.log.warning("subscription_refused", bus=bus, topic=bytes(frames[0].buffer[1:41]).decode("ascii", "replace"),
-                             frames=len(frames), refused=self.refused[f"{bus}/subscription"])
+            self.log.warning(
+                "subscription_refused",
+                bus=bus,
+                topic=bytes(frames[0].buffer[1:41]).decode("ascii", "replace"),
+                frames=len(frames),
+                refused=self.refused[f"{bus}/subscription"],
+            )
 
     def _admitted(self, frames: list[zmq.Frame], bus: str) -> bool:
-        """Whether to forward: with CURVE, the header's sender must be the peer whose key sent it; on
-        the snapshot bus, its epoch must not be older than the newest seen from that sender (a
-        merger that a standby has replaced is fenced here: PROTOCOL.md §12).  Else counted, logged."""
+        """Whether to forward: with CURVE, the header's sender must be the peer whose key sent it;
+        on the snapshot bus, its epoch must not be older than the newest seen from that sender (a
+        merger that a standby has replaced is fenced here: PROTOCOL.md §12).  Else counted, logged.
+        """
         secure, fenced = not self.config.security.insecure, bus == FENCED_BUS
         if not secure and not fenced:
             return True
@@ -180,7 +223,8 @@ class Broker:
         try:
             sender, epoch = peek_sender([frame.buffer for frame in frames[:2]])
         except ProtocolError as error:
-            if not secure:  # plaintext: the broker forwards what it cannot read, as it always has
+            # plaintext: the broker forwards what it cannot read, as it always has
+            if not secure:
                 return True
             sender, epoch, reason = None, None, f"header_{error.reason}"
         else:
@@ -194,12 +238,26 @@ class Broker:
                 return True
         self.refused[f"{bus}/{reason}"] += 1
         now = time.monotonic()
-        if now - self.last_warned.get(peer, -1.0) >= 1.0:  # a flood does not flood the log
+        # a flood does not flood the log
+        if now - self.last_warned.get(peer, -1.0) >= 1.0:
             self.last_warned[peer] = now
-            self.log.warning("message_refused", reason=reason, bus=bus, peer=peer, claimed_sender=sender, claimed_epoch=epoch,
-                             refused=self.refused[f"{bus}/{reason}"])
+            self.log.warning(
+                "message_refused",
+                reason=reason,
+                bus=bus,
+                peer=peer,
+                claimed_sender=sender,
+                claimed_epoch=epoch,
+                refused=self.refused[f"{bus}/{reason}"],
+            )
         return False
 
     def stats(self) -> dict:
-        return {"messages": dict(self.messages), "bytes": dict(self.bytes), "dropped": dict(self.dropped),
-                "refused": dict(self.refused), "subscriptions": dict(self.subscriptions), "auth_refused": Security.refused(self.context)}
+        return {
+            "messages": dict(self.messages),
+            "bytes": dict(self.bytes),
+            "dropped": dict(self.dropped),
+            "refused": dict(self.refused),
+            "subscriptions": dict(self.subscriptions),
+            "auth_refused": Security.refused(self.context),
+        }

@@ -48,16 +48,19 @@ class SocketMonitor:
                 poller.register(monitor, zmq.POLLIN)
             try:
                 ready = poller.poll(100) if monitors else []
-            except zmq.ZMQError:  # the context is going away
+            # the context is going away
+            except zmq.ZMQError:
                 return
             for monitor, _ in ready:
                 try:
                     event = recv_monitor_message(monitor, zmq.NOBLOCK)
                 except zmq.Again:
                     continue
-                except zmq.ZMQError:  # closed under us: stopping
+                # closed under us: stopping
+                except zmq.ZMQError:
                     return
-                except ValueError as error:  # a monitor message this pyzmq cannot parse
+                # a monitor message this pyzmq cannot parse
+                except ValueError as error:
                     event = {"unparsed": str(error)}
                 self.on_event(monitors[monitor], event)
             if not monitors:

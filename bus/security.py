@@ -53,15 +53,25 @@ class Identity:
 
     public: bytes
     secret: bytes
-    server_public: bytes | None = None  # clients: the server they talk to
-    allow_dir: Path | None = None  # servers: public keys of accepted clients
+    # clients: the server they talk to
+    server_public: bytes | None = None
+    # servers: public keys of accepted clients
+    allow_dir: Path | None = None
 
     @classmethod
-    def load(cls, keys_dir: str | Path, name: str, server: str | None = None, allow_dir: str | Path | None = None) -> Identity:
+    def load(
+        cls,
+        keys_dir: str | Path,
+        name: str,
+        server: str | None = None,
+        allow_dir: str | Path | None = None,
+    ) -> Identity:
         keys_dir = Path(keys_dir)
         secret_file = keys_dir / f"{name}.key_secret"
         if not secret_file.exists():
-            raise ConfigError(f"no key pair {secret_file}; create it with `dloco keys {keys_dir} {name}`")
+            raise ConfigError(
+                f"no key pair {secret_file}; create it with `dloco keys {keys_dir} {name}`"
+            )
         public, secret = zmq.auth.load_certificate(secret_file)
         server_public = None
         if server is not None:
@@ -69,7 +79,9 @@ class Identity:
             if not server_file.exists():
                 raise ConfigError(f"no public key {server_file} for server {server!r}")
             server_public, _ = zmq.auth.load_certificate(server_file)
-        return cls(public, secret, server_public, Path(allow_dir) if allow_dir is not None else None)
+        return cls(
+            public, secret, server_public, Path(allow_dir) if allow_dir is not None else None
+        )
 
 
 def make_server(socket: zmq.Socket, identity: Identity) -> None:
@@ -97,7 +109,8 @@ class _Refusals(logging.Handler):
     def __init__(self, report) -> None:
         super().__init__(level=logging.DEBUG)
         self.count, self.report = 0, report
-        self.counting = threading.Lock()  # not `lock`: logging.Handler holds its own while emitting
+        # not `lock`: logging.Handler holds its own while emitting
+        self.counting = threading.Lock()
         self.last_report, self.unreported = -math.inf, 0
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -112,7 +125,11 @@ class _Refusals(logging.Handler):
             if now - self.last_report < self.REPORT_EVERY_S:
                 self.unreported += 1
                 return
-            message += f" ({self.unreported} more refused since the last report)" if self.unreported else ""
+            message += (
+                f" ({self.unreported} more refused since the last report)"
+                if self.unreported
+                else ""
+            )
             self.last_report, self.unreported = now, 0
         self.report(message)
 
@@ -132,24 +149,38 @@ class HandshakeWatcher(SocketMonitor):
 
     @staticmethod
     def describe(event: dict) -> str:
-        """endpoint, event and why: a protocol error's name (a plaintext peer: ZMTP_MECHANISM_MISMATCH) or an errno."""
+        """endpoint, event and why: a protocol error's name (a plaintext peer:
+        ZMTP_MECHANISM_MISMATCH) or an errno."""
         try:
             kind, value = int(event["event"]), int(event["value"])
-            why = zmq.Event(value).name if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL else f"errno {value} ({os.strerror(value)})"
-            return f"endpoint={bytes(event['endpoint']).decode('ascii', 'replace')}: {zmq.Event(kind).name} {why}"
-        except (KeyError, TypeError, ValueError):  # a value this pyzmq has no name for: still a refusal
+            why = (
+                zmq.Event(value).name
+                if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                else f"errno {value} ({os.strerror(value)})"
+            )
+            return (
+                f"endpoint={bytes(event['endpoint']).decode('ascii', 'replace')}:"
+                f" {zmq.Event(kind).name} {why}"
+            )
+        # a value this pyzmq has no name for: still a refusal
+        except (KeyError, TypeError, ValueError):
             return f"{event!r}"[:200]
 
 
 ROLES = ("island", "merger", "observer")
 # The roles each server socket admits, by the socket's ZAP domain.
 SOCKET_ROLES = {
-    "delta-in": frozenset({"island"}),  # the broker's delta bus, publishers' side
-    "delta-out": frozenset({"merger", "observer"}),  # ... subscribers' side: no island reads another's deltas
-    "snapshot-in": frozenset({"merger"}),  # the snapshot bus (snapshots, acks), publishers' side
+    # the broker's delta bus, publishers' side
+    "delta-in": frozenset({"island"}),
+    # ... subscribers' side: no island reads another's deltas
+    "delta-out": frozenset({"merger", "observer"}),
+    # the snapshot bus (snapshots, acks), publishers' side
+    "snapshot-in": frozenset({"merger"}),
     "snapshot-out": frozenset({"island", "observer"}),
     "control": frozenset({"island", "observer"}),
-    "replication": frozenset({"merger"}),  # a primary merger's log stream: its standby only  # the merger's ROUTER: catch-up and resend requests (an observer's deltas are refused there)
+    # a primary merger's log stream: its standby only  # the merger's ROUTER: catch-up and resend
+    # requests (an observer's deltas are refused there)
+    "replication": frozenset({"merger"}),
 }
 
 
@@ -176,11 +207,15 @@ def load_allow_list(allow_dir: Path) -> dict[bytes, Peer]:
         raise ConfigError(f"allow-list directory {allow_dir} does not exist")
     loose = sorted(p.name for p in allow_dir.glob("*.key"))
     if loose:
-        raise ConfigError(f"{allow_dir} holds keys without a role ({', '.join(loose[:3])}): put each in a role folder, "
-                          f"{'/, '.join(ROLES)}/ (`dloco prepare` writes them so)")
+        raise ConfigError(
+            f"{allow_dir} holds keys without a role ({', '.join(loose[:3])}): put each in a role"
+            f" folder, {'/, '.join(ROLES)}/ (`dloco prepare` writes them so)"
+        )
     unknown = sorted(p.name for p in allow_dir.iterdir() if p.is_dir() and p.name not in ROLES)
     if unknown:
-        raise ConfigError(f"{allow_dir} has folders that are not roles: {unknown} (roles: {', '.join(ROLES)})")
+        raise ConfigError(
+            f"{allow_dir} has folders that are not roles: {unknown} (roles: {', '.join(ROLES)})"
+        )
     peers: dict[bytes, Peer] = {}
     names: dict[str, str] = {}
     for role in ROLES:
@@ -190,29 +225,46 @@ def load_allow_list(allow_dir: Path) -> dict[bytes, Peer]:
             except (OSError, ValueError) as error:
                 raise ConfigError(f"{path} is not a public key file: {error}") from None
             if public in peers:
-                raise ConfigError(f"{path}: the same key is also listed as {peers[public].role}/{peers[public].name}")
+                raise ConfigError(
+                    f"{path}: the same key is also listed as"
+                    f" {peers[public].role}/{peers[public].name}"
+                )
             if path.stem in names:
-                raise ConfigError(f"{path}: the name {path.stem!r} is also listed under {names[path.stem]}/")
+                raise ConfigError(
+                    f"{path}: the name {path.stem!r} is also listed under {names[path.stem]}/"
+                )
             peers[public], names[path.stem] = Peer(role, path.stem), role
     return peers
 
 
 class RoleAuthenticator(ThreadAuthenticator):
-    """ZAP for CURVE: a client gets in if its key is on the allow-list with a role the socket's domain
-    admits (SOCKET_ROLES; a socket without a domain admits every listed role); its User-Id is its name."""
+    """ZAP for CURVE: a client gets in if its key is on the allow-list with a role the socket's
+    domain admits (SOCKET_ROLES; a socket without a domain admits every listed role); its User-Id is
+    its name.
+    """
 
     def configure_roles(self, peers: dict[bytes, Peer]) -> None:
         self.peers = peers
-        self.certs["*"] = {key: True for key in peers}  # what pyzmq's own checks look at
+        # what pyzmq's own checks look at
+        self.certs["*"] = {key: True for key in peers}
 
     async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
         peer = self.peers.get(z85.encode(client_key))
         if peer is None:
-            self.log.debug("DENIED (CURVE) domain=%s client_key=%s: not on the allow-list", domain, z85.encode(client_key))
+            self.log.debug(
+                "DENIED (CURVE) domain=%s client_key=%s: not on the allow-list",
+                domain,
+                z85.encode(client_key),
+            )
             return False, b"Unknown key"
         if domain and peer.role not in SOCKET_ROLES.get(domain, frozenset()):
-            self.log.debug("DENIED (role) domain=%s name=%s role=%s: this socket admits %s", domain, peer.name, peer.role,
-                           sorted(SOCKET_ROLES.get(domain, ())))
+            self.log.debug(
+                "DENIED (role) domain=%s name=%s role=%s: this socket admits %s",
+                domain,
+                peer.name,
+                peer.role,
+                sorted(SOCKET_ROLES.get(domain, ())),
+            )
             return False, b"Role not admitted"
         return True, b"OK"
 
@@ -220,8 +272,11 @@ class RoleAuthenticator(ThreadAuthenticator):
         return self.peers[z85.encode(client_public_key)].name
 
 
-def start_authenticator(context: zmq.Context, allow_dir: Path, report) -> tuple[ThreadAuthenticator, _Refusals, HandshakeWatcher]:
-    """ZAP for every CURVE server socket of `context`: keys of `allow_dir`'s role folders, by role."""
+def start_authenticator(
+    context: zmq.Context, allow_dir: Path, report
+) -> tuple[ThreadAuthenticator, _Refusals, HandshakeWatcher]:
+    """ZAP for every CURVE server socket of `context`: keys of `allow_dir`'s role folders, by
+    role."""
     peers = load_allow_list(allow_dir)
     logger = logging.getLogger("zmq.auth")
     logger.setLevel(logging.DEBUG)
@@ -245,7 +300,8 @@ class Security:
     a connecting socket is a client of the named server, whose public key is `keys/<server>.key`.
     """
 
-    keys: Path | None  # None: plaintext
+    # None: plaintext
+    keys: Path | None
     name: str
     allow: Path | None = None
 
@@ -253,17 +309,29 @@ class Security:
     def insecure(self) -> bool:
         return self.keys is None
 
-    def secure(self, context: zmq.Context, socket: zmq.Socket, endpoint: str, server: str | None, report=lambda message: None,
-               domain: str | None = None) -> None:
+    def secure(
+        self,
+        context: zmq.Context,
+        socket: zmq.Socket,
+        endpoint: str,
+        server: str | None,
+        report=lambda message: None,
+        domain: str | None = None,
+    ) -> None:
         """Make `socket` a CURVE server (bound: admitting the roles of SOCKET_ROLES[domain]) or a
         client of `server`; nothing when insecure."""
         if self.keys is None:
             return
         if endpoint.startswith("@"):
             if self.allow is None:
-                raise ConfigError(f"{self.name} binds {endpoint[1:]} with CURVE on: give --allow DIR (accepted client keys)")
+                raise ConfigError(
+                    f"{self.name} binds {endpoint[1:]} with CURVE on: give --allow DIR (accepted"
+                    " client keys)"
+                )
             if domain is not None and domain not in SOCKET_ROLES:
-                raise ConfigError(f"unknown socket domain {domain!r}: one of {sorted(SOCKET_ROLES)}")
+                raise ConfigError(
+                    f"unknown socket domain {domain!r}: one of {sorted(SOCKET_ROLES)}"
+                )
             if id(context) not in _authenticators:
                 _authenticators[id(context)] = start_authenticator(context, self.allow, report)
             if domain is not None:
@@ -277,11 +345,14 @@ class Security:
         """The names the allow-list gives `role` (empty when insecure or without one)."""
         if self.keys is None or self.allow is None:
             return frozenset()
-        return frozenset(peer.name for peer in load_allow_list(self.allow).values() if peer.role == role)
+        return frozenset(
+            peer.name for peer in load_allow_list(self.allow).values() if peer.role == role
+        )
 
     @staticmethod
     def refused(context: zmq.Context) -> int:
-        """How many connections the CURVE servers of `context` refused: by ZAP (key, role) or in the handshake."""
+        """How many connections the CURVE servers of `context` refused: by ZAP (key, role) or in the
+        handshake."""
         started = _authenticators.get(id(context))
         return 0 if started is None else started[1].count
 
@@ -309,7 +380,9 @@ def impostor(sender: str, peer: str | None, routing_id: bytes | None = None) -> 
     deltas as its own.  `peer` None: not known here (plaintext, or the broker checked)."""
     if peer is None or (sender == peer and routing_id in (None, peer.encode())):
         return None
-    return f"sender {sender!r}" + (f", routing id {routing_id.decode('ascii', 'replace')!r}" if routing_id is not None else "")
+    return f"sender {sender!r}" + (
+        f", routing id {routing_id.decode('ascii', 'replace')!r}" if routing_id is not None else ""
+    )
 
 
 def security_from_args(args, name: str, component: str) -> Security:
@@ -319,8 +392,15 @@ def security_from_args(args, name: str, component: str) -> Security:
             raise ConfigError("--insecure contradicts --keys/--allow")
         import sys
 
-        print(f"dloco {component}: WARNING: --insecure: traffic is plaintext and unauthenticated", file=sys.stderr)
+        print(
+            f"dloco {component}: WARNING: --insecure: traffic is plaintext and unauthenticated",
+            file=sys.stderr,
+        )
         return Security(None, name)
     if not args.keys:
-        raise ConfigError(f"CURVE is on by default: give --keys DIR (holding {name}.key_secret), or --insecure")
-    return Security(Path(args.keys), name, Path(args.allow) if getattr(args, "allow", None) else None)
+        raise ConfigError(
+            f"CURVE is on by default: give --keys DIR (holding {name}.key_secret), or --insecure"
+        )
+    return Security(
+        Path(args.keys), name, Path(args.allow) if getattr(args, "allow", None) else None
+    )

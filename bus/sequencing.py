@@ -20,22 +20,32 @@ from typing import Any
 @dataclasses.dataclass
 class _Stream:
     epoch: int
-    delivered: int = 0  # every seq <= delivered has been handed out
-    known_last: int = 0  # highest seq the sender says (or shows) it has sent
-    held: dict[int, tuple[Any, int]] = dataclasses.field(default_factory=dict)  # seq -> (message waiting for a gap, its bytes)
+    # every seq <= delivered has been handed out
+    delivered: int = 0
+    # highest seq the sender says (or shows) it has sent
+    known_last: int = 0
+    # seq -> (message waiting for a gap, its bytes)
+    held: dict[int, tuple[Any, int]] = dataclasses.field(default_factory=dict)
     held_bytes: int = 0
 
 
 class GapTracker:
     """Out-of-order messages are held within bounds: `max_held` messages and `max_sender_bytes` per
     sender, `max_held_bytes` in all.  One beyond them is dropped (counted in `overflow`) and asked
-    for again with its gap, so a sender that skips a seq cannot make the receiver hold more.  At most
-    `max_senders` streams are tracked: a sender beyond them is refused (`refused_senders`)."""
+    for again with its gap, so a sender that skips a seq cannot make the receiver hold more.  At
+    most `max_senders` streams are tracked: a sender beyond them is refused (`refused_senders`)."""
 
-    def __init__(self, max_held: int = 65_536, max_held_bytes: int = 256 << 20, max_sender_bytes: int | None = None,
-                 max_senders: int = 1024) -> None:
+    def __init__(
+        self,
+        max_held: int = 65_536,
+        max_held_bytes: int = 256 << 20,
+        max_sender_bytes: int | None = None,
+        max_senders: int = 1024,
+    ) -> None:
         self.max_held, self.max_held_bytes, self.max_senders = max_held, max_held_bytes, max_senders
-        self.max_sender_bytes = max_held_bytes // 2 if max_sender_bytes is None else max_sender_bytes
+        self.max_sender_bytes = (
+            max_held_bytes // 2 if max_sender_bytes is None else max_sender_bytes
+        )
         self.streams: dict[str, _Stream] = {}
         self.held_bytes = 0
         self.duplicates = self.stale = self.overflow = self.refused_senders = 0
@@ -44,13 +54,17 @@ class GapTracker:
         stream = self.streams.get(sender)
         if stream is None and len(self.streams) >= self.max_senders:
             return None
-        if stream is None or epoch > stream.epoch:  # first contact, or the sender restarted
+        # first contact, or the sender restarted
+        if stream is None or epoch > stream.epoch:
             if stream is not None:
-                self.held_bytes -= stream.held_bytes  # the old incarnation's held messages go with it
+                # the old incarnation's held messages go with it
+                self.held_bytes -= stream.held_bytes
             stream = self.streams[sender] = _Stream(epoch)
         return stream if epoch == stream.epoch else None
 
-    def receive(self, sender: str, epoch: int, seq: int, message: Any, nbytes: int = 0) -> list[Any]:
+    def receive(
+        self, sender: str, epoch: int, seq: int, message: Any, nbytes: int = 0
+    ) -> list[Any]:
         """Messages now deliverable in order (possibly none, possibly several); `nbytes`: the
         message's size, charged while it is held."""
         stream = self._stream(sender, epoch)
@@ -65,9 +79,13 @@ class GapTracker:
             return []
         stream.known_last = max(stream.known_last, seq)
         if seq != stream.delivered + 1:
-            if (len(stream.held) >= self.max_held or stream.held_bytes + nbytes > self.max_sender_bytes
-                    or self.held_bytes + nbytes > self.max_held_bytes):
-                self.overflow += 1  # dropped here; it will be asked for again as part of the gap
+            if (
+                len(stream.held) >= self.max_held
+                or stream.held_bytes + nbytes > self.max_sender_bytes
+                or self.held_bytes + nbytes > self.max_held_bytes
+            ):
+                # dropped here; it will be asked for again as part of the gap
+                self.overflow += 1
                 return []
             stream.held[seq] = (message, nbytes)
             stream.held_bytes += nbytes
@@ -137,11 +155,16 @@ class RetransmitBuffer:
         return len(self._kept)
 
     def has_room(self, nbytes: int) -> bool:
-        return not self._kept or (len(self._kept) < self.max_messages and self.nbytes + nbytes <= self.max_bytes)
+        return not self._kept or (
+            len(self._kept) < self.max_messages and self.nbytes + nbytes <= self.max_bytes
+        )
 
     def add(self, seq: int, message: Any, nbytes: int) -> None:
         if not self.has_room(nbytes):
-            raise OverflowError(f"retransmit buffer full ({len(self._kept)} messages, {self.nbytes} bytes): apply backpressure")
+            raise OverflowError(
+                f"retransmit buffer full ({len(self._kept)} messages, {self.nbytes} bytes): apply"
+                " backpressure"
+            )
         self._kept[seq] = (message, nbytes)
         self.nbytes += nbytes
 
@@ -155,5 +178,11 @@ class RetransmitBuffer:
         return released
 
     def get(self, ranges: list[tuple[int, int]]) -> list[tuple[int, Any]]:
-        """Kept messages in the inclusive ranges (released ones are acknowledged: nothing to resend)."""
-        return [(seq, self._kept[seq][0]) for first, last in ranges for seq in range(first, last + 1) if seq in self._kept]
+        """Kept messages in the inclusive ranges (released ones are acknowledged: nothing to
+        resend)."""
+        return [
+            (seq, self._kept[seq][0])
+            for first, last in ranges
+            for seq in range(first, last + 1)
+            if seq in self._kept
+        ]

@@ -2,8 +2,8 @@
 
 Endpoint strings: ``@tcp://...`` binds, ``tcp://...`` or ``>tcp://...`` connects.  Every socket gets
 linger 0 (closing never waits for unsent messages), ZMTP heartbeats (a peer silent for
-HEARTBEAT_TIMEOUT_MS is disconnected and ZeroMQ reconnects), a connect timeout, and CURVE as `Security` says: a
-bound socket is a CURVE server, a connecting one a client of the named server.
+HEARTBEAT_TIMEOUT_MS is disconnected and ZeroMQ reconnects), a connect timeout, and CURVE as
+`Security` says: a bound socket is a CURVE server, a connecting one a client of the named server.
 """
 
 from __future__ import annotations
@@ -14,12 +14,16 @@ import zmq
 
 from dloco.bus.security import Security
 
-HEARTBEAT_IVL_MS = 1000  # a ZMTP ping on every connection this often
-HEARTBEAT_TIMEOUT_MS = 5000  # no traffic from the peer this long after a ping: the connection is dropped
-HEARTBEAT_TTL_MS = 5000  # the peer drops the connection when it hears nothing from us this long
+# a ZMTP ping on every connection this often
+HEARTBEAT_IVL_MS = 1000
+# no traffic from the peer this long after a ping: the connection is dropped
+HEARTBEAT_TIMEOUT_MS = 5000
+# the peer drops the connection when it hears nothing from us this long
+HEARTBEAT_TTL_MS = 5000
 # A connection attempt unanswered this long is abandoned and tried again (ZeroMQ's reconnect
 # interval later).  Without it an attempt made during a partition waits out the kernel's SYN
-# retries (about two minutes on Linux) after the link is back: measured in tests/test_network_faults.py.
+# retries (about two minutes on Linux) after the link is back: measured in
+# tests/test_network_faults.py.
 CONNECT_TIMEOUT_MS = HEARTBEAT_TIMEOUT_MS
 
 
@@ -32,10 +36,21 @@ def attach(socket: zmq.Socket, endpoint: str) -> None:
             socket.connect(part.strip().removeprefix(">"))
 
 
-def open_socket(context: zmq.Context, kind: int, endpoint: str, security: Security, server: str | None = None, *,
-                report: Callable[[str], None] = lambda message: None, identity: str | None = None,
-                send_hwm: int | None = None, receive_hwm: int | None = None, kernel_buffer_bytes: int | None = None,
-                domain: str | None = None, immediate: bool = False) -> zmq.Socket:
+def open_socket(
+    context: zmq.Context,
+    kind: int,
+    endpoint: str,
+    security: Security,
+    server: str | None = None,
+    *,
+    report: Callable[[str], None] = lambda message: None,
+    identity: str | None = None,
+    send_hwm: int | None = None,
+    receive_hwm: int | None = None,
+    kernel_buffer_bytes: int | None = None,
+    domain: str | None = None,
+    immediate: bool = False,
+) -> zmq.Socket:
     """A socket of `kind`, set up and attached to `endpoint`.
 
     `server` names the key of what a connecting socket reaches (CURVE client); `report` receives
@@ -49,9 +64,18 @@ def open_socket(context: zmq.Context, kind: int, endpoint: str, security: Securi
         socket.setsockopt(zmq.IDENTITY, identity.encode())
     if immediate:
         socket.setsockopt(zmq.IMMEDIATE, 1)
-    sizes = ((zmq.SNDHWM, send_hwm), (zmq.RCVHWM, receive_hwm), (zmq.SNDBUF, kernel_buffer_bytes), (zmq.RCVBUF, kernel_buffer_bytes))
-    heartbeats = ((zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS), (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
-                  (zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS), (zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS))
+    sizes = (
+        (zmq.SNDHWM, send_hwm),
+        (zmq.RCVHWM, receive_hwm),
+        (zmq.SNDBUF, kernel_buffer_bytes),
+        (zmq.RCVBUF, kernel_buffer_bytes),
+    )
+    heartbeats = (
+        (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
+        (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
+        (zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS),
+        (zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS),
+    )
     for option, value in (*sizes, *heartbeats):
         if value is not None:
             socket.setsockopt(option, value)

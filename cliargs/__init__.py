@@ -1,5 +1,5 @@
-"""Argument types and flags shared by every process's command line (`int_at_least`, `float_at_least`,
-`port_number`, `add_metrics_flags`).
+"""Argument types and flags shared by every process's command line (`int_at_least`,
+`float_at_least`, `port_number`, `add_metrics_flags`).
 
 May import: the standard library only."""
 
@@ -24,7 +24,8 @@ def _at_least(kind, low, what: str):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not value >= low or value in (float("inf"), float("-inf")):  # NaN fails the first test
+        # NaN fails the first test
+        if not value >= low or value in (float("inf"), float("-inf")):
             raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
         return value
 
@@ -32,7 +33,8 @@ def _at_least(kind, low, what: str):
 
 
 def port_number(low: int = 1):
-    """An argparse type: a TCP port, `low` to 65535 (0: any free one; -1: off, where a command allows it)."""
+    """An argparse type: a TCP port, `low` to 65535 (0: any free one; -1: off, where a command
+    allows it)."""
     at_least = int_at_least(low)
 
     def parse(text: str) -> int:
@@ -45,6 +47,16 @@ def port_number(low: int = 1):
 
 
 def add_metrics_flags(parser: argparse.ArgumentParser) -> None:
-    """--metrics-port and --metrics-host: Prometheus metrics (telemetry/prom.py), off unless a port is given."""
-    parser.add_argument("--metrics-port", type=port_number(), default=None, help="serve Prometheus metrics on this port (default: off)")
-    parser.add_argument("--metrics-host", default="127.0.0.1", help="the address the metrics port binds (0.0.0.0 in a container)")
+    """--metrics-port and --metrics-host: Prometheus metrics (telemetry/prom.py), off unless a port
+    is given."""
+    parser.add_argument(
+        "--metrics-port",
+        type=port_number(),
+        default=None,
+        help="serve Prometheus metrics on this port (default: off)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="the address the metrics port binds (0.0.0.0 in a container)",
+    )

@@ -16,11 +16,11 @@ the run, by work done or by the clock:
 - `REGION.folds=N`: once the merger has folded N deltas of island REGION (`at_folds = N`,
   `island = "REGION"`): "heal a once a is folded again";
 - `SECONDS` or `SECONDSs`: that many seconds after the processes started (`at_s = SECONDS`).
-With a `+` (`step=+N`, `REGION.step=+N`, `folds=+N`, `REGION.folds=+N`, `+SECONDS`; `relative = true`) the point is
-counted from the moment the event before it fired: "restart c once a has made 60 more steps".
-Steps and folds count every life of a process (a restarted island goes on counting).  Events fire
-in the order given (a schedule of absolute seconds alone is put in time order), each once its point
-is reached and the one before it has fired.
+With a `+` (`step=+N`, `REGION.step=+N`, `folds=+N`, `REGION.folds=+N`, `+SECONDS`; `relative =
+true`) the point is counted from the moment the event before it fired: "restart c once a has made 60
+more steps". Steps and folds count every life of a process (a restarted island goes on counting).
+Events fire in the order given (a schedule of absolute seconds alone is put in time order), each
+once its point is reached and the one before it has fired.
 
 `due` decides when an event fires; it is pure, and the launcher watches the run and fires.  What an
 event did to the others is analysis.chaoseffects, read from the run directory afterwards.
@@ -36,54 +36,91 @@ from collections.abc import Mapping
 from dloco.protocol.errors import ConfigError, require
 
 ACTIONS = ("kill", "lose-disk", "restart")
-NETWORK_ACTIONS = ("partition", "partition-in", "partition-out", "heal")  # and loss-P
+# and loss-P
+NETWORK_ACTIONS = ("partition", "partition-in", "partition-out", "heal")
 _LOSS = re.compile(r"^loss-(\d+(?:\.\d+)?)$")
 PAIR = "partition-from-"
 
 
 def peer_of(action: str) -> str | None:
     """The other end of a `partition-from-PEER` (None for any other action)."""
-    return action.removeprefix(PAIR) if action.startswith(PAIR) and len(action) > len(PAIR) else None
+    return (
+        action.removeprefix(PAIR) if action.startswith(PAIR) and len(action) > len(PAIR) else None
+    )
 
 
 def is_network(action: str) -> bool:
     """A fault of a link, not of a process (cluster/netns.py)."""
-    return action in NETWORK_ACTIONS or _LOSS.match(action) is not None or peer_of(action) is not None
+    return (
+        action in NETWORK_ACTIONS or _LOSS.match(action) is not None or peer_of(action) is not None
+    )
 
 
-MERGERS = ("merger", "standby")  # with a standby, chaos names the current primary `merger`, its standby `standby`
+# with a standby, chaos names the current primary `merger`, its standby `standby`
+MERGERS = ("merger", "standby")
 
 
 def is_merger(name: str) -> bool:
     """A merger process: `merger`, `standby`, or a merger shard `merger.I` (protocol/shards.py)."""
     return name.partition(".")[0] in MERGERS
-_WHEN = re.compile(r"^(?:(?P<island>[A-Za-z0-9_-]+)\.)?(?:step=(?P<step>\+?\d+)|folds=(?P<folds>\+?\d+))$")
+
+
+_WHEN = re.compile(
+    r"^(?:(?P<island>[A-Za-z0-9_-]+)\.)?(?:step=(?P<step>\+?\d+)|folds=(?P<folds>\+?\d+))$"
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class ChaosEvent:
-    at_s: float | None  # seconds after the processes started, or None: a point of progress below
+    # seconds after the processes started, or None: a point of progress below
+    at_s: float | None
     action: str
     target: str
-    at_step: int | None = None  # once `island` has made this many training steps (every life)
-    island: str | None = None  # whose steps (the target's when None), or whose folded deltas (any island's when None)
-    at_folds: int | None = None  # once the merger has made this many folds, or folded this many of `island`'s deltas
-    relative: bool = False  # counted from when the event before it fired (the run's start for the first)
+    # once `island` has made this many training steps (every life)
+    at_step: int | None = None
+    # whose steps (the target's when None), or whose folded deltas (any island's when None)
+    island: str | None = None
+    # once the merger has made this many folds, or folded this many of `island`'s deltas
+    at_folds: int | None = None
+    # counted from when the event before it fired (the run's start for the first)
+    relative: bool = False
 
     def __post_init__(self) -> None:
-        require(self.action in ACTIONS or is_network(self.action),
-                f"chaos action must be one of {(*ACTIONS, *NETWORK_ACTIONS, 'partition-from-PEER', 'loss-P')}, got {self.action!r}")
+        require(
+            self.action in ACTIONS or is_network(self.action),
+            "chaos action must be one of"
+            f" {(*ACTIONS, *NETWORK_ACTIONS, 'partition-from-PEER', 'loss-P')}, got"
+            f" {self.action!r}",
+        )
         loss = _LOSS.match(self.action)
-        require(loss is None or 0 < float(loss[1]) < 100, f"chaos {self.action}: the loss must be between 0 and 100 %")
+        require(
+            loss is None or 0 < float(loss[1]) < 100,
+            f"chaos {self.action}: the loss must be between 0 and 100 %",
+        )
         require(bool(self.target), "chaos event without a target")
         points = [p for p in (self.at_s, self.at_step, self.at_folds) if p is not None]
-        require(len(points) == 1, f"chaos event {self.action}:{self.target} needs exactly one of a time, a step or a fold count")
-        require(self.at_s is None or self.at_s >= 0, f"chaos time must be >= 0 seconds, got {self.at_s}")
+        require(
+            len(points) == 1,
+            f"chaos event {self.action}:{self.target} needs exactly one of a time, a step or a fold"
+            " count",
+        )
+        require(
+            self.at_s is None or self.at_s >= 0, f"chaos time must be >= 0 seconds, got {self.at_s}"
+        )
         for name in ("at_step", "at_folds"):
             value = getattr(self, name)
-            require(value is None or (type(value) is int and value >= 1), f"chaos {name} must be an int >= 1, got {value!r}")
-        require(self.island is None or self.at_s is None, "a chaos event's island names whose steps or folds count: it needs one")
-        require(type(self.relative) is bool, f"chaos relative must be true or false, got {self.relative!r}")
+            require(
+                value is None or (type(value) is int and value >= 1),
+                f"chaos {name} must be an int >= 1, got {value!r}",
+            )
+        require(
+            self.island is None or self.at_s is None,
+            "a chaos event's island names whose steps or folds count: it needs one",
+        )
+        require(
+            type(self.relative) is bool,
+            f"chaos relative must be true or false, got {self.relative!r}",
+        )
 
     @property
     def stepper(self) -> str | None:
@@ -95,9 +132,17 @@ class ChaosEvent:
         if self.at_s is not None:
             when = f"{plus}{self.at_s:g}"
         elif self.at_folds is not None:
-            when = f"{self.island}.folds={plus}{self.at_folds}" if self.island else f"folds={plus}{self.at_folds}"
+            when = (
+                f"{self.island}.folds={plus}{self.at_folds}"
+                if self.island
+                else f"folds={plus}{self.at_folds}"
+            )
         else:
-            when = f"{self.island}.step={plus}{self.at_step}" if self.island not in (None, self.target) else f"step={plus}{self.at_step}"
+            when = (
+                f"{self.island}.step={plus}{self.at_step}"
+                if self.island not in (None, self.target)
+                else f"step={plus}{self.at_step}"
+            )
         return f"{self.action}:{self.target}@{when}"
 
 
@@ -116,47 +161,96 @@ def parse(text: str) -> tuple[ChaosEvent, ...]:
                     raise ValueError(when)
                 at = {"at_s": seconds, "relative": when.startswith("+")}
             elif point["folds"] is not None:
-                at = {"at_s": None, "at_folds": int(point["folds"]), "island": point["island"], "relative": point["folds"].startswith("+")}
+                at = {
+                    "at_s": None,
+                    "at_folds": int(point["folds"]),
+                    "island": point["island"],
+                    "relative": point["folds"].startswith("+"),
+                }
             else:
-                at = {"at_s": None, "at_step": int(point["step"]), "island": point["island"], "relative": point["step"].startswith("+")}
+                at = {
+                    "at_s": None,
+                    "at_step": int(point["step"]),
+                    "island": point["island"],
+                    "relative": point["step"].startswith("+"),
+                }
         except ValueError:
-            raise ConfigError(f"chaos event {item!r}: expected ACTION:TARGET@WHEN with WHEN one of SECONDS, step=N, REGION.step=N, "
-                              "folds=N, REGION.folds=N, e.g. kill:merger@folds=10") from None
+            raise ConfigError(
+                f"chaos event {item!r}: expected ACTION:TARGET@WHEN with WHEN one of SECONDS,"
+                " step=N, REGION.step=N, folds=N, REGION.folds=N, e.g. kill:merger@folds=10"
+            ) from None
         events.append(ChaosEvent(action=action, target=target, **at))
     return in_order(events)
 
 
 def in_order(events: list[ChaosEvent]) -> tuple[ChaosEvent, ...]:
-    """The firing order: as given, except that a schedule of absolute seconds alone is sorted by time."""
-    return tuple(sorted(events, key=lambda e: e.at_s)) if all(e.at_s is not None and not e.relative for e in events) else tuple(events)
+    """The firing order: as given, except that a schedule of absolute seconds alone is sorted by
+    time."""
+    return (
+        tuple(sorted(events, key=lambda e: e.at_s))
+        if all(e.at_s is not None and not e.relative for e in events)
+        else tuple(events)
+    )
 
 
-def check(schedule: tuple[ChaosEvent, ...], processes: list[str], islands: list[str] | None = None,
-          groups: Mapping[str, list[str]] | None = None) -> None:
+def check(
+    schedule: tuple[ChaosEvent, ...],
+    processes: list[str],
+    islands: list[str] | None = None,
+    groups: Mapping[str, list[str]] | None = None,
+) -> None:
     """Every target exists; in firing order, a process is killed only while running and restarted
     only after a kill; an event waits only for the steps of an island that is running then.
     `groups`: a process -> every process of its island (a multi-host island goes down and comes
     back as a whole: cluster/launcher.py)."""
-    islands = [p for p in processes if not is_merger(p) and p != "broker"] if islands is None else islands
+    islands = (
+        [p for p in processes if not is_merger(p) and p != "broker"] if islands is None else islands
+    )
     groups = groups or {}
     down: set[str] = set()
     for event in schedule:
-        require(event.target in processes, f"chaos event {event}: unknown process {event.target!r}; known: {', '.join(processes)}")
+        require(
+            event.target in processes,
+            f"chaos event {event}: unknown process {event.target!r}; known: {', '.join(processes)}",
+        )
         if event.at_folds is not None and event.island is not None:
-            require(event.island in islands, f"chaos event {event}: {event.island!r} sends no deltas; islands: {', '.join(islands)}")
+            require(
+                event.island in islands,
+                f"chaos event {event}: {event.island!r} sends no deltas; islands:"
+                f" {', '.join(islands)}",
+            )
         if event.stepper is not None:
-            require(event.stepper in islands, f"chaos event {event}: {event.stepper!r} makes no training steps; islands: {', '.join(islands)}")
-            require(event.stepper not in down, f"chaos event {event}: it waits for the steps of {event.stepper}, which is down then")
-        if is_network(event.action):  # a link's fault: the process keeps running
+            require(
+                event.stepper in islands,
+                f"chaos event {event}: {event.stepper!r} makes no training steps; islands:"
+                f" {', '.join(islands)}",
+            )
+            require(
+                event.stepper not in down,
+                f"chaos event {event}: it waits for the steps of {event.stepper}, which is down"
+                " then",
+            )
+        # a link's fault: the process keeps running
+        if is_network(event.action):
             peer = peer_of(event.action)
-            require(peer is None or (peer in processes and peer != event.target), f"chaos event {event}: unknown peer {peer!r}")
+            require(
+                peer is None or (peer in processes and peer != event.target),
+                f"chaos event {event}: unknown peer {peer!r}",
+            )
             continue
         if event.action in ("kill", "lose-disk"):
-            require(event.action == "kill" or is_merger(event.target), f"chaos event {event}: only a merger has a disk to lose")
-            require(event.target not in down, f"chaos event {event}: {event.target} is already down")
+            require(
+                event.action == "kill" or is_merger(event.target),
+                f"chaos event {event}: only a merger has a disk to lose",
+            )
+            require(
+                event.target not in down, f"chaos event {event}: {event.target} is already down"
+            )
             down.update(groups.get(event.target, [event.target]))
         else:
-            require(event.target in down, f"chaos event {event}: {event.target} was not killed before")
+            require(
+                event.target in down, f"chaos event {event}: {event.target} was not killed before"
+            )
             down.difference_update(groups.get(event.target, [event.target]))
 
 

@@ -23,12 +23,23 @@ from dloco.cluster import monitoring, topology
 from dloco.cluster.config import ClusterConfig
 from dloco.protocol.errors import ConfigError, require
 
-RUN = "/dloco/run"  # the run directory inside every container (a volume)
-PROFILE = "/dloco/cluster.toml"  # the cluster file inside the prepare container
-INPUTS = "/dloco/config"  # with a task file, corpus or token file: the cluster file's folder, read-only, in prepare and every island
-PORTS = {"DLOCO_DELTA_IN_PORT": 5551, "DLOCO_DELTA_OUT_PORT": 5552, "DLOCO_SNAPSHOT_IN_PORT": 5553,
-         "DLOCO_SNAPSHOT_OUT_PORT": 5554, "DLOCO_CONTROL_PORT": 5560,
-         "DLOCO_STANDBY_CONTROL_PORT": 5561, "DLOCO_REPLICATION_PORT": 5562, "DLOCO_STANDBY_REPLICATION_PORT": 5563}
+# the run directory inside every container (a volume)
+RUN = "/dloco/run"
+# the cluster file inside the prepare container
+PROFILE = "/dloco/cluster.toml"
+# with a task file, corpus or token file: the cluster file's folder, read-only, in prepare and every
+# island
+INPUTS = "/dloco/config"
+PORTS = {
+    "DLOCO_DELTA_IN_PORT": 5551,
+    "DLOCO_DELTA_OUT_PORT": 5552,
+    "DLOCO_SNAPSHOT_IN_PORT": 5553,
+    "DLOCO_SNAPSHOT_OUT_PORT": 5554,
+    "DLOCO_CONTROL_PORT": 5560,
+    "DLOCO_STANDBY_CONTROL_PORT": 5561,
+    "DLOCO_REPLICATION_PORT": 5562,
+    "DLOCO_STANDBY_REPLICATION_PORT": 5563,
+}
 ENVIRONMENT = {"PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
 # Docker keeps what a container prints; its driver bounds it as the processes bound their own log
 # files under `dloco up` (telemetry/logs.py): 64 MiB, five files per container.
@@ -47,9 +58,12 @@ HEADER = """\
 """
 
 
-METRICS_BASE_PORT = 9100  # the broker's; then the merger, the evaluator and each region in order
-SHARD_BASE_PORT = 5570  # merger shard 1's control port; then shard 2's
-COORDINATOR_BASE_PORT = 5600  # the first multi-host region's jax.distributed coordinator; then the next one's
+# the broker's; then the merger, the evaluator and each region in order
+METRICS_BASE_PORT = 9100
+# merger shard 1's control port; then shard 2's
+SHARD_BASE_PORT = 5570
+# the first multi-host region's jax.distributed coordinator; then the next one's
+COORDINATOR_BASE_PORT = 5600
 STATUS_PORT, PROMETHEUS_PORT, GRAFANA_PORT = 8080, 9090, 3000
 
 
@@ -63,33 +77,62 @@ def metrics_variable(service: str) -> str:
 
 
 def coordinator_variable(region: str) -> str:
-    """The variable that moves a multi-host region's coordinator port (its process 0 listens there)."""
+    """The variable that moves a multi-host region's coordinator port (its process 0 listens
+    there)."""
     return "DLOCO_COORDINATOR_PORT_" + re.sub(r"[^A-Z0-9]", "_", region.upper())
 
 
 def port_variables(text: str) -> list[str]:
-    """Every DLOCO_..._PORT... variable a compose file interpolates (a local run gives each a free port)."""
+    """Every DLOCO_..._PORT... variable a compose file interpolates (a local run gives each a free
+    port)."""
     return sorted(set(re.findall(r"\$\{(DLOCO_[A-Z0-9_]*PORT[A-Z0-9_]*)", text)))
 
 
 def render(config: ClusterConfig, profile: str, config_dir: Path | None = None) -> str:
-    """The compose file for `config`; `profile` is the cluster file's path relative to the compose file,
-    `config_dir` the cluster file's folder on this machine (default: profile's, from here).  A task
-    file, corpus or token file must lie in that folder: it is mounted read-only into the containers."""
+    """The compose file for `config`; `profile` is the cluster file's path relative to the compose
+    file, `config_dir` the cluster file's folder on this machine (default: profile's, from here).  A
+    task file, corpus or token file must lie in that folder: it is mounted read-only into the
+    containers.
+    """
     metered = ["broker", *config.merger.processes, "evaluator", *(r.name for r in config.regions)]
-    shard_ports = tuple(_port(f"DLOCO_CONTROL_PORT_{metrics_variable(name).removeprefix('DLOCO_METRICS_PORT_')}", SHARD_BASE_PORT + i)
-                        for i, name in enumerate(config.merger.processes[1:config.merger.shards], 1))
+    shard_ports = tuple(
+        _port(
+            f"DLOCO_CONTROL_PORT_{metrics_variable(name).removeprefix('DLOCO_METRICS_PORT_')}",
+            SHARD_BASE_PORT + i,
+        )
+        for i, name in enumerate(config.merger.processes[1 : config.merger.shards], 1)
+    )
     variables = [metrics_variable(name) for name in metered]
-    require(len(set(variables)) == len(variables), f"regions {[r.name for r in config.regions]}: two names give one port variable "
-            f"({', '.join(sorted(v for v in variables if variables.count(v) > 1))}); rename one")
-    metrics_ports = {name: _port(metrics_variable(name), METRICS_BASE_PORT + i) for i, name in enumerate(metered)}
-    coordinators = {r.name: _port(coordinator_variable(r.name), COORDINATOR_BASE_PORT + i)
-                    for i, r in enumerate(r for r in config.regions if r.hosts > 1)}
-    at = topology.Addresses(broker_ports=tuple(_port(n) for n in list(PORTS)[:4]), control_port=_port("DLOCO_CONTROL_PORT"),
-                            broker_host="broker", merger_host="merger", bind_host="*", metrics_ports=metrics_ports, standby_host="standby",
-                            standby_ports=(_port("DLOCO_STANDBY_CONTROL_PORT"), _port("DLOCO_REPLICATION_PORT"), _port("DLOCO_STANDBY_REPLICATION_PORT")),
-                            coordinator_ports=coordinators, coordinator_host=None, shard_control_ports=shard_ports,
-                            shard_hosts=tuple(config.merger.processes[1:config.merger.shards]))
+    require(
+        len(set(variables)) == len(variables),
+        f"regions {[r.name for r in config.regions]}: two names give one port variable "
+        f"({', '.join(sorted(v for v in variables if variables.count(v) > 1))}); rename one",
+    )
+    metrics_ports = {
+        name: _port(metrics_variable(name), METRICS_BASE_PORT + i) for i, name in enumerate(metered)
+    }
+    coordinators = {
+        r.name: _port(coordinator_variable(r.name), COORDINATOR_BASE_PORT + i)
+        for i, r in enumerate(r for r in config.regions if r.hosts > 1)
+    }
+    at = topology.Addresses(
+        broker_ports=tuple(_port(n) for n in list(PORTS)[:4]),
+        control_port=_port("DLOCO_CONTROL_PORT"),
+        broker_host="broker",
+        merger_host="merger",
+        bind_host="*",
+        metrics_ports=metrics_ports,
+        standby_host="standby",
+        standby_ports=(
+            _port("DLOCO_STANDBY_CONTROL_PORT"),
+            _port("DLOCO_REPLICATION_PORT"),
+            _port("DLOCO_STANDBY_REPLICATION_PORT"),
+        ),
+        coordinator_ports=coordinators,
+        coordinator_host=None,
+        shard_control_ports=shard_ports,
+        shard_hosts=tuple(config.merger.processes[1 : config.merger.shards]),
+    )
     config_dir = (config_dir or Path(profile).parent).resolve()
     inputs = _inputs(config)
 
@@ -97,73 +140,155 @@ def render(config: ClusterConfig, profile: str, config_dir: Path | None = None) 
         try:
             return f"{INPUTS}/{Path(path).resolve().relative_to(config_dir).as_posix()}"
         except ValueError:
-            raise ConfigError(f"{path} is outside the cluster file's folder {config_dir}: compose mounts only that folder "
-                              "into the containers; move it there") from None
+            raise ConfigError(
+                f"{path} is outside the cluster file's folder {config_dir}: compose mounts only"
+                " that folder into the containers; move it there"
+            ) from None
 
     commands = topology.commands(config, at, RUN, place)
     for path in inputs:
         place(path)
     run_volume = f"${{DLOCO_RUN_DIR:-./run}}:{RUN}"
     folder = Path(profile).parent.as_posix()
-    input_volumes = [f"{folder if folder.startswith(('/', '.')) else './' + folder}:{INPUTS}:ro"] if inputs else []
+    input_volumes = (
+        [f"{folder if folder.startswith(('/', '.')) else './' + folder}:{INPUTS}:ro"]
+        if inputs
+        else []
+    )
 
-    def service(command: list[str], health: list[str] | None, after: dict[str, str], **extra) -> dict:
-        spec = {"image": "dloco:latest", "build": ".", "command": ["dloco", *command], "environment": dict(ENVIRONMENT), "volumes": [run_volume],
-                "logging": {**LOGGING, "options": dict(LOGGING["options"])}}  # a copy each: no YAML anchors
-        if command[0] in ("island", "evaluator"):  # they build the task
+    def service(
+        command: list[str], health: list[str] | None, after: dict[str, str], **extra
+    ) -> dict:
+        spec = {
+            "image": "dloco:latest",
+            "build": ".",
+            "command": ["dloco", *command],
+            "environment": dict(ENVIRONMENT),
+            "volumes": [run_volume],
+            # a copy each: no YAML anchors
+            "logging": {**LOGGING, "options": dict(LOGGING["options"])},
+        }
+        # they build the task
+        if command[0] in ("island", "evaluator"):
             spec["volumes"] += input_volumes
         if after:
-            spec["depends_on"] = {name: {"condition": condition} for name, condition in after.items()}
+            spec["depends_on"] = {
+                name: {"condition": condition} for name, condition in after.items()
+            }
         if health:
-            spec["healthcheck"] = {"test": ["CMD", "dloco", "probe", *health], "interval": "2s", "timeout": "5s", "retries": 60}
+            spec["healthcheck"] = {
+                "test": ["CMD", "dloco", "probe", *health],
+                "interval": "2s",
+                "timeout": "5s",
+                "retries": 60,
+            }
         return {**spec, **extra}
 
     if not profile.startswith(("/", "./", "../")):
-        profile = f"./{profile}"  # a bind mount, not a named volume
-    prepare = ([run_volume, *input_volumes], f"{INPUTS}/{Path(profile).name}") if inputs else ([run_volume, f"{profile}:{PROFILE}:ro"], PROFILE)
-    services = {"prepare": service(topology.prepare_command(prepare[1], RUN), None, {}, volumes=prepare[0]),
-                "broker": service(commands["broker"], [f"tcp://127.0.0.1:{_port('DLOCO_DELTA_IN_PORT')}"],
-                                  {"prepare": "service_completed_successfully"}),
-                "merger": service(commands["merger"], [f"tcp://127.0.0.1:{_port('DLOCO_CONTROL_PORT')}"],
-                                  {"broker": "service_healthy"}, stop_grace_period="60s")}
-    for name, port in zip(config.merger.processes[1:config.merger.shards], shard_ports):  # merger shards 1, 2, ... (PROTOCOL.md §13)
-        services[name] = service(commands[name], [f"tcp://127.0.0.1:{port}"], {"broker": "service_healthy"}, stop_grace_period="60s")
-    if config.merger.standby:  # follows the merger's log; takes over if the merger's lease lapses (PROTOCOL.md §12)
-        services["standby"] = service(commands["standby"], None, {"broker": "service_healthy"}, stop_grace_period="60s")
-    for region in config.regions:  # healthy while its metrics keep coming; one service per host of the region
-        cpus = {"cpus": round(config.cpus_of(region), 4)} if config.island_cpus else {}  # docker's CPU quota, as dloco up sets it
+        # a bind mount, not a named volume
+        profile = f"./{profile}"
+    prepare = (
+        ([run_volume, *input_volumes], f"{INPUTS}/{Path(profile).name}")
+        if inputs
+        else ([run_volume, f"{profile}:{PROFILE}:ro"], PROFILE)
+    )
+    services = {
+        "prepare": service(topology.prepare_command(prepare[1], RUN), None, {}, volumes=prepare[0]),
+        "broker": service(
+            commands["broker"],
+            [f"tcp://127.0.0.1:{_port('DLOCO_DELTA_IN_PORT')}"],
+            {"prepare": "service_completed_successfully"},
+        ),
+        "merger": service(
+            commands["merger"],
+            [f"tcp://127.0.0.1:{_port('DLOCO_CONTROL_PORT')}"],
+            {"broker": "service_healthy"},
+            stop_grace_period="60s",
+        ),
+    }
+    # merger shards 1, 2, ... (PROTOCOL.md §13)
+    for name, port in zip(config.merger.processes[1 : config.merger.shards], shard_ports):
+        services[name] = service(
+            commands[name],
+            [f"tcp://127.0.0.1:{port}"],
+            {"broker": "service_healthy"},
+            stop_grace_period="60s",
+        )
+    # follows the merger's log; takes over if the merger's lease lapses (PROTOCOL.md §12)
+    if config.merger.standby:
+        services["standby"] = service(
+            commands["standby"], None, {"broker": "service_healthy"}, stop_grace_period="60s"
+        )
+    # healthy while its metrics keep coming; one service per host of the region
+    for region in config.regions:
+        # docker's CPU quota, as dloco up sets it
+        cpus = {"cpus": round(config.cpus_of(region), 4)} if config.island_cpus else {}
         for name in region.processes:
-            services[name] = service(commands[name], [f"{RUN}/metrics/{name}.jsonl", "--max-age", "120"],
-                                     dict.fromkeys(config.merger.processes[:config.merger.shards], "service_healthy"), stop_grace_period="60s", **cpus)
+            services[name] = service(
+                commands[name],
+                [f"{RUN}/metrics/{name}.jsonl", "--max-age", "120"],
+                dict.fromkeys(config.merger.processes[: config.merger.shards], "service_healthy"),
+                stop_grace_period="60s",
+                **cpus,
+            )
     services["evaluator"] = service(commands["evaluator"], None, {"merger": "service_healthy"})
     status_port = _port("DLOCO_STATUS_PORT", STATUS_PORT)
-    services["status"] = service(["status", RUN, "--host", "0.0.0.0", "--port", status_port], None, {"prepare": "service_completed_successfully"},
-                                 ports=[f"{status_port}:{status_port}"])
-    watched, configs = monitoring.render({name: f"{name}:{METRICS_BASE_PORT + i}" for i, name in enumerate(metered)},
-                                         _port("DLOCO_PROMETHEUS_PORT", PROMETHEUS_PORT), _port("DLOCO_GRAFANA_PORT", GRAFANA_PORT))
-    return HEADER.format(profile=profile) + yaml.dump({"name": "dloco", "services": {**services, **watched}, "configs": configs},
-                                                      Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=120)
+    services["status"] = service(
+        ["status", RUN, "--host", "0.0.0.0", "--port", status_port],
+        None,
+        {"prepare": "service_completed_successfully"},
+        ports=[f"{status_port}:{status_port}"],
+    )
+    watched, configs = monitoring.render(
+        {name: f"{name}:{METRICS_BASE_PORT + i}" for i, name in enumerate(metered)},
+        _port("DLOCO_PROMETHEUS_PORT", PROMETHEUS_PORT),
+        _port("DLOCO_GRAFANA_PORT", GRAFANA_PORT),
+    )
+    return HEADER.format(profile=profile) + yaml.dump(
+        {"name": "dloco", "services": {**services, **watched}, "configs": configs},
+        Dumper=_Dumper,
+        sort_keys=False,
+        default_flow_style=None,
+        width=120,
+    )
 
 
 class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (the monitoring configs' contents) as literal blocks, readable as the files they become."""
+    """Multi-line strings (the monitoring configs' contents) as literal blocks, readable as the
+    files they become."""
 
 
-_Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+_Dumper.add_representer(
+    str,
+    lambda dumper, text: dumper.represent_scalar(
+        "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None
+    ),
+)
 
 
 def _inputs(config: ClusterConfig) -> list[str]:
     """The host files the islands read: a task file, a corpus, a token file."""
     where = config.model.task.rpartition(":")[0]
-    return [path for path in (where if where.endswith(".py") else None, config.model.corpus, config.model.tokens) if path]
+    return [
+        path
+        for path in (
+            where if where.endswith(".py") else None,
+            config.model.corpus,
+            config.model.tokens,
+        )
+        if path
+    ]
 
 
 # ---- reading a compose file back ----------------------------------------------------------------
-_VARIABLE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+_VARIABLE = re.compile(
+    r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)"
+)
 
 
 def interpolate(text: str, env: dict[str, str]) -> str:
     """`${VAR}`, `${VAR:-default}`, `${VAR-default}`, `$VAR` and `$$` as compose reads them."""
+
     def value(match: re.Match) -> str:
         if match.group(0) == "$$":
             return "$"
@@ -171,6 +296,7 @@ def interpolate(text: str, env: dict[str, str]) -> str:
         if name in env and (env[name] != "" or ":-" not in match.group(0)):
             return env[name]
         return match.group(2) or ""
+
     return _VARIABLE.sub(value, text)
 
 
@@ -178,17 +304,32 @@ def interpolate(text: str, env: dict[str, str]) -> str:
 class Service:
     command: list[str]
     env: dict[str, str] = dataclasses.field(default_factory=dict)
-    health: list[str] | None = None  # a command that exits 0 when the service is healthy
+    # a command that exits 0 when the service is healthy
+    health: list[str] | None = None
     health_interval_s: float = 2.0
     health_retries: int = 60
-    depends: dict[str, str] = dataclasses.field(default_factory=dict)  # service -> condition
-    one_shot: bool = False  # runs to completion before its dependents start (prepare)
-    cpus: float | None = None  # a CPU quota in cores (compose's `cpus`; cluster.cpuquota)
+    # service -> condition
+    depends: dict[str, str] = dataclasses.field(default_factory=dict)
+    # runs to completion before its dependents start (prepare)
+    one_shot: bool = False
+    # a CPU quota in cores (compose's `cpus`; cluster.cpuquota)
+    cpus: float | None = None
 
 
 # `logging` is Docker's log driver: run locally, each process bounds its own log file instead.
-_KNOWN = {"image", "build", "command", "environment", "volumes", "depends_on", "healthcheck", "stop_grace_period", "cpus", "ports",
-          "logging"}
+_KNOWN = {
+    "image",
+    "build",
+    "command",
+    "environment",
+    "volumes",
+    "depends_on",
+    "healthcheck",
+    "stop_grace_period",
+    "cpus",
+    "ports",
+    "logging",
+}
 _CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 
 
@@ -203,7 +344,10 @@ def _cpus(value, command: list, where: str) -> float | None:
     a quota applies to islands only (they enter it after compiling: island/cpugroup.py)."""
     if value is None:
         return None
-    require(command[:2] == ["dloco", "island"], f"{where}: cpus is applied to `dloco island` services only when run locally")
+    require(
+        command[:2] == ["dloco", "island"],
+        f"{where}: cpus is applied to `dloco island` services only when run locally",
+    )
     try:
         if isinstance(value, bool):
             raise TypeError(value)
@@ -214,20 +358,28 @@ def _cpus(value, command: list, where: str) -> float | None:
     return cores
 
 
-def _localize(args: list, env: dict[str, str], mounts: list[tuple[str, str]], hosts: list[str], program: list[str]) -> list[str]:
+def _localize(
+    args: list,
+    env: dict[str, str],
+    mounts: list[tuple[str, str]],
+    hosts: list[str],
+    program: list[str],
+) -> list[str]:
     """Interpolate; container paths -> host paths (longest mount first); tcp://HOST: and a
     --coordinator HOST:PORT -> loopback; dloco -> program."""
     out = []
     for arg in (interpolate(str(a), env) for a in args):
-        if out and out[-1] == "--coordinator" and arg.rpartition(":")[0] in hosts:  # a multi-host island's process 0
+        # a multi-host island's process 0
+        if out and out[-1] == "--coordinator" and arg.rpartition(":")[0] in hosts:
             arg = "127.0.0.1:" + arg.rpartition(":")[2]
         for container, host in sorted(mounts, key=lambda m: -len(m[0])):
             if arg == container or arg.startswith(container + "/"):
-                arg = host + arg[len(container):]
+                arg = host + arg[len(container) :]
                 break
         for other in hosts:
             arg = arg.replace(f"tcp://{other}:", "tcp://127.0.0.1:")
-        arg = "127.0.0.1" if arg == "0.0.0.0" else arg  # a container's every interface: this machine's loopback
+        # a container's every interface: this machine's loopback
+        arg = "127.0.0.1" if arg == "0.0.0.0" else arg
         out.append(arg)
     return program + out[1:] if out and out[0] == "dloco" else out
 
@@ -241,22 +393,37 @@ def load(path: Path, env: dict[str, str], program: list[str] | None = None) -> d
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as error:
         raise ConfigError(f"cannot read compose file {path}: {error}") from None
-    require(isinstance(data, dict) and isinstance(data.get("services"), dict), f"{path}: no services")
-    # A service of a profile (monitoring: Prometheus, Grafana) starts only when asked for, under docker compose.
-    chosen = {name: spec for name, spec in data["services"].items() if not (isinstance(spec, dict) and spec.get("profiles"))}
+    require(
+        isinstance(data, dict) and isinstance(data.get("services"), dict), f"{path}: no services"
+    )
+    # A service of a profile (monitoring: Prometheus, Grafana) starts only when asked for, under
+    # docker compose.
+    chosen = {
+        name: spec
+        for name, spec in data["services"].items()
+        if not (isinstance(spec, dict) and spec.get("profiles"))
+    }
     names = list(chosen)
     services = {}
     for name, spec in chosen.items():
         unknown = set(spec) - _KNOWN
-        require(not unknown, f"{path}: service {name}: keys the local runner does not understand: {sorted(unknown)}")
+        require(
+            not unknown,
+            f"{path}: service {name}: keys the local runner does not understand: {sorted(unknown)}",
+        )
         mounts = []
         for volume in spec.get("volumes", []):
             host, container = interpolate(volume, env).split(":")[:2]
             mounts.append((container, str((path.parent / host).resolve())))
 
-        localize = functools.partial(_localize, env=env, mounts=mounts, hosts=[*names, "*"], program=program)
+        localize = functools.partial(
+            _localize, env=env, mounts=mounts, hosts=[*names, "*"], program=program
+        )
         command = spec.get("command")
-        require(isinstance(command, list) and command, f"{path}: service {name}: command must be a non-empty list")
+        require(
+            isinstance(command, list) and command,
+            f"{path}: service {name}: command must be a non-empty list",
+        )
         environment = spec.get("environment", {})
         if isinstance(environment, list):
             environment = dict(item.split("=", 1) for item in environment)
@@ -264,8 +431,13 @@ def load(path: Path, env: dict[str, str], program: list[str] | None = None) -> d
         if "healthcheck" in spec:
             check = spec["healthcheck"]
             test = check.get("test", [])
-            require(isinstance(test, list) and test and test[0] in ("CMD", "CMD-SHELL"), f"{path}: service {name}: healthcheck.test must be [CMD, ...]")
-            health = localize(test[1:]) if test[0] == "CMD" else ["sh", "-c", interpolate(test[1], env)]
+            require(
+                isinstance(test, list) and test and test[0] in ("CMD", "CMD-SHELL"),
+                f"{path}: service {name}: healthcheck.test must be [CMD, ...]",
+            )
+            health = (
+                localize(test[1:]) if test[0] == "CMD" else ["sh", "-c", interpolate(test[1], env)]
+            )
             interval, retries = _seconds(check.get("interval", "2s")), int(check.get("retries", 60))
         depends = spec.get("depends_on", {})
         if isinstance(depends, list):
@@ -274,14 +446,28 @@ def load(path: Path, env: dict[str, str], program: list[str] | None = None) -> d
         for other, rule in depends.items():
             require(other in names, f"{path}: service {name} depends on unknown service {other!r}")
             conditions[other] = rule.get("condition", "service_started")
-            require(conditions[other] in _CONDITIONS, f"{path}: service {name}: unknown condition {conditions[other]!r}")
-        services[name] = Service(localize(command), {k: interpolate(str(v), env) for k, v in environment.items()}, health, interval, retries,
-                                 conditions, cpus=_cpus(spec.get("cpus"), command, f"{path}: service {name}"))
+            require(
+                conditions[other] in _CONDITIONS,
+                f"{path}: service {name}: unknown condition {conditions[other]!r}",
+            )
+        services[name] = Service(
+            localize(command),
+            {k: interpolate(str(v), env) for k, v in environment.items()},
+            health,
+            interval,
+            retries,
+            conditions,
+            cpus=_cpus(spec.get("cpus"), command, f"{path}: service {name}"),
+        )
     for name, service in services.items():
         for other, condition in service.depends.items():
-            require(condition != "service_healthy" or services[other].health is not None,
-                    f"{path}: service {name} waits for {other} to be healthy, but {other} has no healthcheck")
-    for service in list(services.values()):  # what others wait to complete is a one-shot job
+            require(
+                condition != "service_healthy" or services[other].health is not None,
+                f"{path}: service {name} waits for {other} to be healthy, but {other} has no"
+                " healthcheck",
+            )
+    # what others wait to complete is a one-shot job
+    for service in list(services.values()):
         for other, condition in service.depends.items():
             if condition == "service_completed_successfully":
                 services[other] = dataclasses.replace(services[other], one_shot=True)
@@ -289,7 +475,8 @@ def load(path: Path, env: dict[str, str], program: list[str] | None = None) -> d
 
 
 def start_order(services: dict[str, Service], wanted: list[str] | None = None) -> list[str]:
-    """Dependencies first (as `docker compose up [SERVICE...]`: what is named, and what it needs)."""
+    """Dependencies first (as `docker compose up [SERVICE...]`: what is named, and what it
+    needs)."""
     order: list[str] = []
 
     def visit(name: str, path: tuple[str, ...]) -> None:

@@ -1,5 +1,5 @@
-"""CPU quotas for islands (`[run] island_cpus`): emulated hardware speed that does not depend on what
-the other processes of the machine are doing.
+"""CPU quotas for islands (`[run] island_cpus`): emulated hardware speed that does not depend on
+what the other processes of the machine are doing.
 
 Why.  A region's `slowdown` alone makes an island sleep `slowdown - 1` times each step's compute.
 On a shared machine (four islands on two cores) the sleeping island hands its CPU to the others, so
@@ -7,7 +7,8 @@ the full-speed islands of a mixed cluster run faster than those of a uniform one
 of the two (the `heterogeneous` suite) measures the shared machine.  Real islands own their chips; a
 slow region's slowness gives nobody else a cycle.  With a quota, each island gets at most
 `island_cpus / slowdown` cores whatever its peers do, and while the quotas add up to no more than
-the machine's cores a full-speed island gets the same cycles next to slow peers as next to fast ones.
+the machine's cores a full-speed island gets the same cycles next to slow peers as next to fast
+ones.
 
 How.  Linux CFS bandwidth control: `cpu.max` ("QUOTA PERIOD") in cgroup v2, `cpu.cfs_quota_us` and
 `cpu.cfs_period_us` in cgroup v1, on a group per island under one group per launcher; the same
@@ -25,12 +26,15 @@ from pathlib import Path
 
 from dloco.protocol.errors import DlocoError
 
-PERIOD_US = 100_000  # the CFS bandwidth period (the kernel's default)
-MIN_QUOTA_US = 1_000  # the kernel refuses quotas under 1 ms per period
+# the CFS bandwidth period (the kernel's default)
+PERIOD_US = 100_000
+# the kernel refuses quotas under 1 ms per period
+MIN_QUOTA_US = 1_000
 
 
 class CpuQuotaError(DlocoError):
-    """CPU quotas were asked for and cannot be set here (no cgroup CPU controller, no permission)."""
+    """CPU quotas were asked for and cannot be set here (no cgroup CPU controller, no
+    permission)."""
 
 
 def quota_us(cores: float, period_us: int = PERIOD_US) -> int:
@@ -39,7 +43,10 @@ def quota_us(cores: float, period_us: int = PERIOD_US) -> int:
         raise ValueError(f"cores must be a finite number > 0, got {cores}")
     quota = round(cores * period_us)
     if quota < MIN_QUOTA_US:
-        raise ValueError(f"{cores} cores is {quota} us per {period_us} us period: the kernel's minimum is {MIN_QUOTA_US} us")
+        raise ValueError(
+            f"{cores} cores is {quota} us per {period_us} us period: the kernel's minimum is"
+            f" {MIN_QUOTA_US} us"
+        )
     return quota
 
 
@@ -50,10 +57,13 @@ class Controller:
 
     version: int
     mount: Path
-    parent: str  # e.g. "" (the hierarchy's root) or "docker/abc"
+    # e.g. "" (the hierarchy's root) or "docker/abc"
+    parent: str
 
 
-def find_controller(mountinfo: str, own_cgroups: str, v2_controllers: dict[str, str]) -> Controller | None:
+def find_controller(
+    mountinfo: str, own_cgroups: str, v2_controllers: dict[str, str]
+) -> Controller | None:
     """The CPU controller from the text of /proc/self/mountinfo and /proc/self/cgroup, and the
     `cgroup.controllers` text of each cgroup2 mount point.  v1 (a `cgroup` mount whose options name
     `cpu`) wins when both exist: a controller is bound to one hierarchy only, and where v1 holds it
@@ -66,8 +76,16 @@ def find_controller(mountinfo: str, own_cgroups: str, v2_controllers: dict[str, 
         if " - " not in line or len(fields) < 5:
             continue
         after = line.split(" - ", 1)[1].split()
-        if len(after) >= 3:  # the hierarchy's path mounted (field 4) and where (field 5)
-            mounts.append((after[0], _unescape(fields[3]).strip("/"), Path(_unescape(fields[4])), after[2].split(",")))
+        # the hierarchy's path mounted (field 4) and where (field 5)
+        if len(after) >= 3:
+            mounts.append(
+                (
+                    after[0],
+                    _unescape(fields[3]).strip("/"),
+                    Path(_unescape(fields[4])),
+                    after[2].split(","),
+                )
+            )
     own = {}
     for line in own_cgroups.splitlines():
         parts = line.split(":", 2)
@@ -76,9 +94,10 @@ def find_controller(mountinfo: str, own_cgroups: str, v2_controllers: dict[str, 
                 own[name] = parts[2].strip("/")
     for kind, root, mount, options in mounts:
         if kind == "cgroup" and "cpu" in options:
-            path = own.get("cpu", "")  # relative to the hierarchy's root; the mount may show only a subtree of it
+            # relative to the hierarchy's root; the mount may show only a subtree of it
+            path = own.get("cpu", "")
             if root and (path == root or path.startswith(root + "/")):
-                path = path[len(root):].strip("/")
+                path = path[len(root) :].strip("/")
             return Controller(1, mount, path)
     for kind, _, mount, _ in mounts:
         if kind == "cgroup2" and "cpu" in v2_controllers.get(str(mount), "").split():
@@ -94,7 +113,8 @@ def _unescape(path: str) -> str:
 
 
 def detect() -> Controller | None:
-    """This machine's CPU controller, or None (not Linux, no cgroup file system, no CPU controller)."""
+    """This machine's CPU controller, or None (not Linux, no cgroup file system, no CPU
+    controller)."""
     try:
         mountinfo = Path("/proc/self/mountinfo").read_text()
         own = Path("/proc/self/cgroup").read_text()
@@ -117,8 +137,10 @@ class CpuQuotas:
 
     def __init__(self, controller: Controller | None, tag: str) -> None:
         if controller is None:
-            raise CpuQuotaError("CPU quotas need the cgroup CPU controller, and this machine has none that this process can see "
-                                "(run.island_cpus = 0 emulates slow regions by sleeping instead)")
+            raise CpuQuotaError(
+                "CPU quotas need the cgroup CPU controller, and this machine has none that this"
+                " process can see (run.island_cpus = 0 emulates slow regions by sleeping instead)"
+            )
         self.controller = controller
         self.root = controller.mount / controller.parent / tag
         self.groups: dict[str, Path] = {}
@@ -130,8 +152,10 @@ class CpuQuotas:
                 _enable_cpu(self.root)
         except OSError as error:
             self.close()
-            raise CpuQuotaError(f"cannot create the cgroup {self.root}: {error.strerror} (CPU quotas need root; "
-                                "run.island_cpus = 0 emulates slow regions by sleeping instead)") from None
+            raise CpuQuotaError(
+                f"cannot create the cgroup {self.root}: {error.strerror} (CPU quotas need root; "
+                "run.island_cpus = 0 emulates slow regions by sleeping instead)"
+            ) from None
 
     def create(self, name: str, cores: float) -> None:
         """A group for process `name` with `cores` cores of CPU bandwidth."""
@@ -152,7 +176,8 @@ class CpuQuotas:
         self.groups[name] = group
 
     def close(self) -> list[str]:
-        """Remove the groups; returns what could not be removed (a process still in it), for the caller to log."""
+        """Remove the groups; returns what could not be removed (a process still in it), for the
+        caller to log."""
         left = []
         for group in [*self.groups.values(), self.root]:
             try:
@@ -170,7 +195,6 @@ def _enable_cpu(group: Path) -> None:
     control = group / "cgroup.subtree_control"
     if "cpu" not in control.read_text().split():
         control.write_text("+cpu\n")
-
 
 
 def unavailable() -> str | None:

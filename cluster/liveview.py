@@ -24,16 +24,28 @@ class LiveView:
         self.tty = hasattr(out, "isatty") and out.isatty()
         self.eval_loss: dict[str, float] = {}
         self.last_plain = 0.0
-        self.roles: dict[str, JsonTail] = {}  # with a standby: each merger's role
+        # with a standby: each merger's role
+        self.roles: dict[str, JsonTail] = {}
         self.role: dict[str, str] = {}
 
     def refresh(self, elapsed: float) -> None:
         if not self.tty and time.monotonic() - self.last_plain < 10:
             return
         self.last_plain = time.monotonic()
-        lines = [self.header(elapsed), f"{'region':16} {'step':>6} {'tok/s':>8} {'util':>5} {'eval':>6} {'snapshot versions':>18} {'sent':>8} {'recv':>8}"]
+        lines = [
+            self.header(elapsed),
+            (
+                f"{'region':16} {'step':>6} {'tok/s':>8} {'util':>5} {'eval':>6}"
+                f" {'snapshot versions':>18} {'sent':>8} {'recv':>8}"
+            ),
+        ]
         for region in self.config.regions:
-            events = [e for e in last_events(self.run_dir / "metrics" / f"{region.name}.jsonl") if not e.get("deferred")]  # not: after training
+            # not: after training
+            events = [
+                e
+                for e in last_events(self.run_dir / "metrics" / f"{region.name}.jsonl")
+                if not e.get("deferred")
+            ]
             if not events:
                 lines.append(f"{region.name:16} {'(joining)':>6}")
                 continue
@@ -43,23 +55,44 @@ class LiveView:
                     self.eval_loss[region.name] = event["eval_loss"]
             rate = last.get("tokens", 0) / max(last.get("time", 0) or 1e-9, 1e-9)
             versions = ",".join(str(v) for v in last.get("snapshot_version", []))
-            lines.append(f"{region.name:16} {last.get('step', 0):>6} {rate:>8.0f} {last.get('compute_util', 0):>5.2f} "
-                         f"{self.eval_loss.get(region.name, float('nan')):>6.3f} {versions:>18} "
-                         f"{_bytes(last.get('bytes_sent', 0)):>8} {_bytes(last.get('bytes_received', 0)):>8}")
+            lines.append(
+                f"{region.name:16} {last.get('step', 0):>6} {rate:>8.0f}"
+                f" {last.get('compute_util', 0):>5.2f}"
+                f" {self.eval_loss.get(region.name, float('nan')):>6.3f} {versions:>18}"
+                f" {_bytes(last.get('bytes_sent', 0)):>8}"
+                f" {_bytes(last.get('bytes_received', 0)):>8}"
+            )
         logs = merger_logs(self.run_dir)
-        folds = sorted((e for name in logs for e in last_events(self.run_dir / "logs" / name) if e.get("event") == "fold"),
-                       key=lambda e: e.get("timestamp", ""))
+        folds = sorted(
+            (
+                e
+                for name in logs
+                for e in last_events(self.run_dir / "logs" / name)
+                if e.get("event") == "fold"
+            ),
+            key=lambda e: e.get("timestamp", ""),
+        )
         if folds:
-            lines.append(f"merger: last fold fragment {folds[-1]['fragment']} -> version {folds[-1]['version']} "
-                         f"from {', '.join(folds[-1]['contributors'])} (staleness {folds[-1]['staleness']})")
+            lines.append(
+                f"merger: last fold fragment {folds[-1]['fragment']} -> version"
+                f" {folds[-1]['version']} from {', '.join(folds[-1]['contributors'])} (staleness"
+                f" {folds[-1]['staleness']})"
+            )
         for name in logs:
             self.roles.setdefault(name, JsonTail(self.run_dir / "logs" / name))
         for name, log in self.roles.items():
             for event in log.new():
-                if (role := role_line(event, self.role.get(name))) is not None:  # a merger with a peer says its role
+                # a merger with a peer says its role
+                if (role := role_line(event, self.role.get(name))) is not None:
                     self.role[name] = role
         if self.role:
-            lines.append("mergers: " + "; ".join(f"{name.removesuffix('.log')} {what}" for name, what in sorted(self.role.items())))
+            lines.append(
+                "mergers: "
+                + "; ".join(
+                    f"{name.removesuffix('.log')} {what}"
+                    for name, what in sorted(self.role.items())
+                )
+            )
         text = "\n".join(lines)
         if self.tty:
             self.out.write("\x1b[H\x1b[2J" + text + "\n")
@@ -69,10 +102,14 @@ class LiveView:
 
     def header(self, elapsed: float) -> str:
         total = self.config.duration_s
-        if self.config.max_steps:  # bounded by work: the bar is the islands' steps, the seconds a limit
+        # bounded by work: the bar is the islands' steps, the seconds a limit
+        if self.config.max_steps:
             steps = [self._last_step(region.name) for region in self.config.regions]
             done = min(1.0, min(steps, default=0) / self.config.max_steps)
-            bound = f"{min(steps, default=0)}/{self.config.max_steps} steps (slowest island), {elapsed:5.0f} s of at most {total:.0f}"
+            bound = (
+                f"{min(steps, default=0)}/{self.config.max_steps} steps (slowest island),"
+                f" {elapsed:5.0f} s of at most {total:.0f}"
+            )
         else:
             done = min(1.0, elapsed / total)
             bound = f"{elapsed:5.0f}/{total:.0f} s"
@@ -80,7 +117,11 @@ class LiveView:
         return f"dloco up ({self.config.mode}): {len(self.config.regions)} regions  [{bar}] {bound}"
 
     def _last_step(self, region: str) -> int:
-        events = [e for e in last_events(self.run_dir / "metrics" / f"{region}.jsonl", tail_bytes=4096) if "step" in e and not e.get("deferred")]
+        events = [
+            e
+            for e in last_events(self.run_dir / "metrics" / f"{region}.jsonl", tail_bytes=4096)
+            if "step" in e and not e.get("deferred")
+        ]
         return events[-1]["step"] if events else 0
 
 
@@ -88,6 +129,13 @@ def role_line(event: dict, was: str | None) -> str | None:
     """What a merger's log event says of its role, for the live view's `mergers:` line."""
     kind = event.get("event")
     if kind == "replication":
-        return f"primary, standby {event.get('state')}" + (" (acks no longer wait for it)" if event.get("state") == "alone" else "")
-    return {"following": "standby", "no_primary": "primary", "taking_over": f"primary (took over, epoch {event.get('epoch')})",
-            "stepped_down": "stepped down (fenced)", "standby_stopped": f"stopped: {event.get('error', '')[:80]}"}.get(kind, was)
+        return f"primary, standby {event.get('state')}" + (
+            " (acks no longer wait for it)" if event.get("state") == "alone" else ""
+        )
+    return {
+        "following": "standby",
+        "no_primary": "primary",
+        "taking_over": f"primary (took over, epoch {event.get('epoch')})",
+        "stepped_down": "stepped down (fenced)",
+        "standby_stopped": f"stopped: {event.get('error', '')[:80]}",
+    }.get(kind, was)

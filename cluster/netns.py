@@ -21,21 +21,26 @@ import subprocess
 
 from dloco.protocol.errors import DlocoError
 
-SUBNET = "10.77"  # host k is 10.77.k.2, its router side 10.77.k.1 (private to the run's namespaces)
+# host k is 10.77.k.2, its router side 10.77.k.1 (private to the run's namespaces)
+SUBNET = "10.77"
 
 
 class NetworkError(DlocoError):
-    """The namespaces could not be made or changed (not root, no `ip` or `iptables`, a kernel without them)."""
+    """The namespaces could not be made or changed (not root, no `ip` or `iptables`, a kernel
+    without them)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Host:
-    name: str  # the host's name in the cluster (a process, or a region for all its processes)
+    # the host's name in the cluster (a process, or a region for all its processes)
+    name: str
     namespace: str
     address: str
     router_address: str
-    host_link: str  # the veth end in the host's namespace
-    router_link: str  # the veth end in the router's namespace
+    # the veth end in the host's namespace
+    host_link: str
+    # the veth end in the router's namespace
+    router_link: str
 
 
 def plan(tag: str, names: list[str]) -> dict[str, Host]:
@@ -43,19 +48,46 @@ def plan(tag: str, names: list[str]) -> dict[str, Host]:
     names stay within Linux's 15 characters)."""
     if len(names) > 250:
         raise NetworkError(f"at most 250 hosts on one network, got {len(names)}")
-    return {name: Host(name, f"dloco-{tag}-{name}", f"{SUBNET}.{k}.2", f"{SUBNET}.{k}.1", f"d{tag[-6:]}h{k}",
-                       f"d{tag[-6:]}r{k}") for k, name in enumerate(names, 1)}
+    return {
+        name: Host(
+            name,
+            f"dloco-{tag}-{name}",
+            f"{SUBNET}.{k}.2",
+            f"{SUBNET}.{k}.1",
+            f"d{tag[-6:]}h{k}",
+            f"d{tag[-6:]}r{k}",
+        )
+        for k, name in enumerate(names, 1)
+    }
 
 
 def setup_commands(router: str, host: Host) -> list[list[str]]:
     """`ip` commands that make `host`'s namespace and join it to the router's."""
     n, r = ["ip", "-n", host.namespace], ["ip", "-n", router]
-    return [["ip", "netns", "add", host.namespace],
-            ["ip", "link", "add", host.host_link, "netns", host.namespace, "type", "veth", "peer", "name", host.router_link,
-             "netns", router],
-            [*n, "addr", "add", f"{host.address}/24", "dev", host.host_link], [*n, "link", "set", host.host_link, "up"],
-            [*n, "link", "set", "lo", "up"], [*n, "route", "add", "default", "via", host.router_address],
-            [*r, "addr", "add", f"{host.router_address}/24", "dev", host.router_link], [*r, "link", "set", host.router_link, "up"]]
+    return [
+        ["ip", "netns", "add", host.namespace],
+        [
+            "ip",
+            "link",
+            "add",
+            host.host_link,
+            "netns",
+            host.namespace,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            host.router_link,
+            "netns",
+            router,
+        ],
+        [*n, "addr", "add", f"{host.address}/24", "dev", host.host_link],
+        [*n, "link", "set", host.host_link, "up"],
+        [*n, "link", "set", "lo", "up"],
+        [*n, "route", "add", "default", "via", host.router_address],
+        [*r, "addr", "add", f"{host.router_address}/24", "dev", host.router_link],
+        [*r, "link", "set", host.router_link, "up"],
+    ]
 
 
 def rules(host: Host, fault: str, peer: Host | None = None) -> list[list[str]]:
@@ -67,7 +99,10 @@ def rules(host: Host, fault: str, peer: Host | None = None) -> list[list[str]]:
     if fault.startswith("partition-from-"):
         if peer is None:
             raise NetworkError(f"{fault}: no such host")
-        return [[*sent, "-o", peer.router_link, "-j", "DROP"], [*received, "-i", peer.router_link, "-j", "DROP"]]
+        return [
+            [*sent, "-o", peer.router_link, "-j", "DROP"],
+            [*received, "-i", peer.router_link, "-j", "DROP"],
+        ]
     if fault == "partition":
         return [[*sent, "-j", "DROP"], [*received, "-j", "DROP"]]
     if fault == "partition-out":
@@ -78,19 +113,33 @@ def rules(host: Host, fault: str, peer: Host | None = None) -> list[list[str]]:
         share = float(fault.removeprefix("loss-")) / 100
         if not 0 < share < 1:
             raise NetworkError(f"loss must be between 0 and 100 %, got {fault}")
-        drop = ["-m", "statistic", "--mode", "random", "--probability", f"{share:.6f}", "-j", "DROP"]
+        drop = [
+            "-m",
+            "statistic",
+            "--mode",
+            "random",
+            "--probability",
+            f"{share:.6f}",
+            "-j",
+            "DROP",
+        ]
         return [[*sent, *drop], [*received, *drop]]
     raise NetworkError(f"unknown network fault {fault!r}")
 
 
 def dropped_packets(listing: str, link: str) -> int:
-    """The packets of the DROP rules on `link` in `iptables -L FORWARD -v -x -n` output (first column)."""
-    return sum(int(line.split()[0]) for line in listing.splitlines()
-               if line.split()[2:3] == ["DROP"] and link in line.split()[5:7])
+    """The packets of the DROP rules on `link` in `iptables -L FORWARD -v -x -n` output (first
+    column)."""
+    return sum(
+        int(line.split()[0])
+        for line in listing.splitlines()
+        if line.split()[2:3] == ["DROP"] and link in line.split()[5:7]
+    )
 
 
 def iptables() -> str:
-    """The kernel's legacy tables where the tool has them (no nf_tables needed), else plain iptables."""
+    """The kernel's legacy tables where the tool has them (no nf_tables needed), else plain
+    iptables."""
     for tool in ("iptables-legacy", "iptables"):
         if shutil.which(tool):
             return tool
@@ -117,17 +166,21 @@ def unavailable() -> str | None:
 
 
 class Network:
-    """The namespaces of one run: made on entry, removed on close (and every process in them with them)."""
+    """The namespaces of one run: made on entry, removed on close (and every process in them with
+    them)."""
 
     def __init__(self, names: list[str], tag: str | None = None) -> None:
         self.tag = tag or str(os.getpid())
         self.router = f"dloco-{self.tag}-router"
         self.hosts = plan(self.tag, names)
-        self.faults: dict[str, list[list[str]]] = {}  # host -> its rules in force
+        # host -> its rules in force
+        self.faults: dict[str, list[list[str]]] = {}
         self.tool = iptables()
         try:
             self._run(["ip", "netns", "add", self.router])
-            self._run(["ip", "netns", "exec", self.router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+            self._run(
+                ["ip", "netns", "exec", self.router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"]
+            )
             self._run(["ip", "-n", self.router, "link", "set", "lo", "up"])
             for host in self.hosts.values():
                 for command in setup_commands(self.router, host):
@@ -144,10 +197,12 @@ class Network:
         return ["ip", "netns", "exec", self.hosts[name].namespace, *command]
 
     def fault(self, name: str, fault: str) -> int:
-        """Put `fault` on `name`'s link (after healing what was there: one fault per host at a time).
-        Returns the packets the fault it replaced dropped."""
+        """Put `fault` on `name`'s link (after healing what was there: one fault per host at a
+        time). Returns the packets the fault it replaced dropped."""
         dropped = self.heal(name)
-        added = rules(self.hosts[name], fault, self.hosts.get(fault.removeprefix("partition-from-")))
+        added = rules(
+            self.hosts[name], fault, self.hosts.get(fault.removeprefix("partition-from-"))
+        )
         for rule in added:
             self._run(["ip", "netns", "exec", self.router, self.tool, "-A", "FORWARD", *rule])
         self.faults[name] = added
@@ -162,8 +217,12 @@ class Network:
 
     def dropped(self, name: str) -> int:
         """Packets dropped so far by the rules on `name`'s link."""
-        listing = subprocess.run(["ip", "netns", "exec", self.router, self.tool, "-L", "FORWARD", "-v", "-x", "-n"],
-                                 capture_output=True, text=True, timeout=30).stdout
+        listing = subprocess.run(
+            ["ip", "netns", "exec", self.router, self.tool, "-L", "FORWARD", "-v", "-x", "-n"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         return dropped_packets(listing, self.hosts[name].router_link)
 
     def close(self) -> None:
@@ -183,18 +242,28 @@ class Faults:
 
     def __init__(self, network: Network) -> None:
         self.network = network
-        self.on: dict[str, str] = {}  # chaos target -> the host its fault is on (a merger's role may move before the heal)
-        self.effect: dict[str, dict] = {}  # chaos target -> what its last event measured, for chaos.jsonl
+        # chaos target -> the host its fault is on (a merger's role may move before the heal)
+        self.on: dict[str, str] = {}
+        # chaos target -> what its last event measured, for chaos.jsonl
+        self.effect: dict[str, dict] = {}
 
     def act(self, action: str, target: str, host_of) -> None:
-        """`action` (partition..., loss-P, heal) on `target`'s host; `host_of` maps a process to its host."""
+        """`action` (partition..., loss-P, heal) on `target`'s host; `host_of` maps a process to its
+        host."""
         if action == "heal":
             dropped = self.network.heal(self.on.pop(target, host_of(target)))
         else:
             host = self.on[target] = host_of(target)
-            peer = action.removeprefix("partition-from-") if action.startswith("partition-from-") else None
-            dropped = self.network.fault(host, action if peer is None else f"partition-from-{host_of(peer)}")
-        self.effect[target] = {"dropped_packets": dropped}  # what the fault it ended (or replaced) dropped
+            peer = (
+                action.removeprefix("partition-from-")
+                if action.startswith("partition-from-")
+                else None
+            )
+            dropped = self.network.fault(
+                host, action if peer is None else f"partition-from-{host_of(peer)}"
+            )
+        # what the fault it ended (or replaced) dropped
+        self.effect[target] = {"dropped_packets": dropped}
 
 
 def host_names(config) -> list[str]:
@@ -215,13 +284,25 @@ def services(config, run_dir, network: Network) -> dict:
     shards = [name for name in mergers if name.startswith("merger.")]
     groups = [r.name for r in config.regions if r.hosts > 1]
     at = topology.Addresses(
-        broker_ports=("5550", "5551", "5552", "5553"), control_port="5560", broker_host=network.address("broker"),
-        merger_host=network.address("merger"), bind_host="*", standby_ports=("5561", "5562", "5563"),
+        broker_ports=("5550", "5551", "5552", "5553"),
+        control_port="5560",
+        broker_host=network.address("broker"),
+        merger_host=network.address("merger"),
+        bind_host="*",
+        standby_ports=("5561", "5562", "5563"),
         standby_host=network.address("standby") if "standby" in mergers else "127.0.0.1",
-        coordinator_ports={name: str(5580 + k) for k, name in enumerate(groups)}, coordinator_host="127.0.0.1",
-        shard_control_ports=tuple(str(5570 + k) for k in range(len(shards))), shard_hosts=tuple(network.address(name) for name in shards))
+        coordinator_ports={name: str(5580 + k) for k, name in enumerate(groups)},
+        coordinator_host="127.0.0.1",
+        shard_control_ports=tuple(str(5570 + k) for k in range(len(shards))),
+        shard_hosts=tuple(network.address(name) for name in shards),
+    )
     commands = topology.commands(config, at, str(run_dir))
     site = {process: region.name for region in config.regions for process in region.processes}
     cpus = {name: config.cpus_of(r) for r in config.regions for name in r.processes}
-    return {name: Service(network.wrap(site.get(name, name), [sys.executable, "-m", "dloco", *args]), cpus=cpus.get(name))
-            for name, args in commands.items()}
+    return {
+        name: Service(
+            network.wrap(site.get(name, name), [sys.executable, "-m", "dloco", *args]),
+            cpus=cpus.get(name),
+        )
+        for name, args in commands.items()
+    }

@@ -6,7 +6,8 @@ import socket
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct free loopback ports, held open together so the OS cannot hand one out twice."""
+    """`count` distinct free loopback ports, held open together so the OS cannot hand one out
+    twice."""
     sockets = [socket.socket() for _ in range(count)]
     try:
         for s in sockets:

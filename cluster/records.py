@@ -29,20 +29,25 @@ def run_task(config: ClusterConfig) -> RunTask:
 
 def outline(config: ClusterConfig) -> RunOutline:
     """What a report says of the run's plan, per island and in all."""
+
     def speed(region: Region) -> str:
         if config.island_cpus:
             return f"{region.slowdown} ({config.cpus_of(region):g}-core quota)"
         return str(region.slowdown)
 
-    islands = tuple(IslandOutline(r.name, speed(r), config.interval_of(r), r.uplink_mbps, r.downlink_mbps, r.rtt_ms)
-                    for r in config.regions)
+    islands = tuple(
+        IslandOutline(
+            r.name, speed(r), config.interval_of(r), r.uplink_mbps, r.downlink_mbps, r.rtt_ms
+        )
+        for r in config.regions
+    )
     return RunOutline(config.mode, config.duration_s, config.max_steps, islands, run_task(config))
 
 
 @dataclasses.dataclass(frozen=True)
 class RunCluster:
-    """How a run's processes were set up, as they ran (the mode's overrides applied): the regions and
-    their emulated links, the islands' [sync] and the merger's [merger] settings.  `dloco plan
+    """How a run's processes were set up, as they ran (the mode's overrides applied): the regions
+    and their emulated links, the islands' [sync] and the merger's [merger] settings.  `dloco plan
     --calibrate` simulates a run from it."""
 
     mode: str
@@ -54,7 +59,12 @@ class RunCluster:
     def of(cls, config: ClusterConfig) -> RunCluster:
         """`config`'s settings as its processes get them: the mode's overrides, each region's H."""
         sync, merger = config.effective()
-        regions = tuple(dataclasses.replace(r, interval=config.interval_of(r) if config.interval_of(r) != sync.interval else 0) for r in config.regions)
+        regions = tuple(
+            dataclasses.replace(
+                r, interval=config.interval_of(r) if config.interval_of(r) != sync.interval else 0
+            )
+            for r in config.regions
+        )
         return cls(config.mode, regions, sync, merger)
 
     def write(self, run_dir: Path) -> Path:
@@ -67,12 +77,16 @@ class RunCluster:
         path = Path(run_dir) / RUN_CLUSTER
         try:
             fields = json.loads(path.read_text())
-            return cls(fields["mode"], tuple(Region(**r) for r in fields["regions"]), SyncConfig(**fields["sync"]),
-                       MergerSection(**fields["merger"]))
+            return cls(
+                fields["mode"],
+                tuple(Region(**r) for r in fields["regions"]),
+                SyncConfig(**fields["sync"]),
+                MergerSection(**fields["merger"]),
+            )
         except FileNotFoundError:
-            raise RunDirError(f"{run_dir} has no {RUN_CLUSTER} (a run directory made before runs recorded it): "
-                              "give --config the cluster file it ran") from None
+            raise RunDirError(
+                f"{run_dir} has no {RUN_CLUSTER} (a run directory made before runs recorded it): "
+                "give --config the cluster file it ran"
+            ) from None
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
             raise RunDirError(f"cannot read {path}: {error}") from None
-
-

@@ -21,7 +21,8 @@ from pathlib import Path
 from dloco.analysis.runinfo import JsonTail, merger_logs, wall
 
 RECENT_FOLDS = 12
-CURVE_POINTS = 400  # a curve longer than this is thinned to it (every k-th point, the last kept)
+# a curve longer than this is thinned to it (every k-th point, the last kept)
+CURVE_POINTS = 400
 
 
 def thin(points: list, limit: int = CURVE_POINTS) -> list:
@@ -37,13 +38,18 @@ class RunFiles:
 
     def __init__(self, run_dir: Path, regions: list[str]) -> None:
         self.run_dir, self.regions = Path(run_dir), list(regions)
-        self.islands = {name: JsonTail(self.run_dir / "metrics" / f"{name}.jsonl") for name in regions}
-        self.mergers: dict[str, JsonTail] = {}  # with a standby, either may fold; with shards, each does
+        self.islands = {
+            name: JsonTail(self.run_dir / "metrics" / f"{name}.jsonl") for name in regions
+        }
+        # with a standby, either may fold; with shards, each does
+        self.mergers: dict[str, JsonTail] = {}
         self.global_file = JsonTail(self.run_dir / "global.jsonl")
         self.chaos_file = JsonTail(self.run_dir / "chaos.jsonl")
-        # each island's lives (a restart starts one at its step-0 evaluation): (walls, tokens) of every step
+        # each island's lives (a restart starts one at its step-0 evaluation): (walls, tokens) of
+        # every step
         self.lives: dict[str, list[tuple[list[float], list[int]]]] = {name: [] for name in regions}
-        self.began = float("inf")  # the cluster's first step (wall)
+        # the cluster's first step (wall)
+        self.began = float("inf")
         self.last: dict[str, dict] = {name: {} for name in regions}
         self.evals: dict[str, list[dict]] = {name: [] for name in regions}
         self.folds: list[dict] = []
@@ -67,23 +73,35 @@ class RunFiles:
                         self.began = min(self.began, walls[-1])
                     self.last[name] = event
                     if "eval_loss" in event:
-                        self.evals[name].append({"wall": event.get("wall", 0.0), "tokens": event.get("tokens", 0), "loss": event["eval_loss"]})
+                        self.evals[name].append(
+                            {
+                                "wall": event.get("wall", 0.0),
+                                "tokens": event.get("tokens", 0),
+                                "loss": event["eval_loss"],
+                            }
+                        )
             for name in merger_logs(self.run_dir):
                 self.mergers.setdefault(name, JsonTail(self.run_dir / "logs" / name))
-            for event in sorted((e for log in self.mergers.values() for e in log.new()), key=lambda e: e.get("timestamp", "")):
+            for event in sorted(
+                (e for log in self.mergers.values() for e in log.new()),
+                key=lambda e: e.get("timestamp", ""),
+            ):
                 if event.get("event") == "fold":
                     self.fold_count += 1
                     self.folds = (self.folds + [event])[-RECENT_FOLDS:]
-            self.global_evals += [e for e in self.global_file.new() if "eval_loss" in e and "wall" in e]
+            self.global_evals += [
+                e for e in self.global_file.new() if "eval_loss" in e and "wall" in e
+            ]
             self.chaos += self.chaos_file.new()
 
     def cluster_tokens_at(self, at: float) -> int:
-        """Tokens the whole cluster had trained by wall time `at` (analysis.globalmodel.cluster_tokens_at,
-        by bisection in each life: a poll costs the same however long the run)."""
+        """Tokens the whole cluster had trained by wall time `at`
+        (analysis.globalmodel.cluster_tokens_at, by bisection in each life: a poll costs the same
+        however long the run)."""
         total = 0
         for runs in self.lives.values():
             for walls, tokens in runs:
-                if (i := bisect.bisect_right(walls, at)):
+                if i := bisect.bisect_right(walls, at):
                     total += tokens[i - 1]
         return total
 
@@ -96,24 +114,74 @@ class RunFiles:
             for name in self.regions:
                 last = self.last[name]
                 seconds = last.get("time") or 0.0
-                islands.append({"name": name, "step": last.get("step"), "tokens": last.get("tokens"),
-                                "tokens_per_s": last.get("tokens", 0) / seconds if seconds > 0 else None,
-                                "compute_util": last.get("compute_util"), "eval_loss": self.evals[name][-1]["loss"] if self.evals[name] else None,
-                                "last_seen_s": now - last["wall"] if "wall" in last else None, "versions": last.get("snapshot_version", []),
-                                "bytes_sent": last.get("bytes_sent"), "bytes_received": last.get("bytes_received")})
-            curves = {name: thin([{"t": e["wall"] - began, "tokens": e["tokens"], "loss": e["loss"]} for e in evals])
-                      for name, evals in self.evals.items()}
-            global_curve = [{"t": e["wall"] - began, "tokens": self.cluster_tokens_at(e["wall"]), "loss": e["eval_loss"],
-                             "versions": e.get("versions")} for e in thin(self.global_evals)]
-            folds = [{"t": wall(e) - began, "fragment": e.get("fragment"), "version": e.get("version"), "contributors": e.get("contributors", []),
-                      "staleness": e.get("staleness", []), "weights": e.get("weights", [])} for e in reversed(self.folds)]
-            chaos = [{"t": e.get("wall", began) - began, "action": e.get("action"), "target": e.get("target")} for e in self.chaos]
+                islands.append(
+                    {
+                        "name": name,
+                        "step": last.get("step"),
+                        "tokens": last.get("tokens"),
+                        "tokens_per_s": last.get("tokens", 0) / seconds if seconds > 0 else None,
+                        "compute_util": last.get("compute_util"),
+                        "eval_loss": self.evals[name][-1]["loss"] if self.evals[name] else None,
+                        "last_seen_s": now - last["wall"] if "wall" in last else None,
+                        "versions": last.get("snapshot_version", []),
+                        "bytes_sent": last.get("bytes_sent"),
+                        "bytes_received": last.get("bytes_received"),
+                    }
+                )
+            curves = {
+                name: thin(
+                    [
+                        {"t": e["wall"] - began, "tokens": e["tokens"], "loss": e["loss"]}
+                        for e in evals
+                    ]
+                )
+                for name, evals in self.evals.items()
+            }
+            global_curve = [
+                {
+                    "t": e["wall"] - began,
+                    "tokens": self.cluster_tokens_at(e["wall"]),
+                    "loss": e["eval_loss"],
+                    "versions": e.get("versions"),
+                }
+                for e in thin(self.global_evals)
+            ]
+            folds = [
+                {
+                    "t": wall(e) - began,
+                    "fragment": e.get("fragment"),
+                    "version": e.get("version"),
+                    "contributors": e.get("contributors", []),
+                    "staleness": e.get("staleness", []),
+                    "weights": e.get("weights", []),
+                }
+                for e in reversed(self.folds)
+            ]
+            chaos = [
+                {
+                    "t": e.get("wall", began) - began,
+                    "action": e.get("action"),
+                    "target": e.get("target"),
+                }
+                for e in self.chaos
+            ]
             try:
-                metrics = json.loads((self.run_dir / "endpoints.json").read_text()).get("metrics", {})
+                metrics = json.loads((self.run_dir / "endpoints.json").read_text()).get(
+                    "metrics", {}
+                )
             except (OSError, ValueError):
                 metrics = {}
-            return {"run_dir": str(self.run_dir), "elapsed_s": now - began, "metrics": metrics, "islands": islands, "folds": folds, "fold_count": self.fold_count,
-                    "curves": curves, "global": global_curve, "chaos": chaos}
+            return {
+                "run_dir": str(self.run_dir),
+                "elapsed_s": now - began,
+                "metrics": metrics,
+                "islands": islands,
+                "folds": folds,
+                "fold_count": self.fold_count,
+                "curves": curves,
+                "global": global_curve,
+                "chaos": chaos,
+            }
 
 
 def finite(value):
@@ -132,7 +200,8 @@ def page() -> bytes:
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    files: RunFiles  # set on the class made per server
+    # set on the class made per server
+    files: RunFiles
 
     def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
         path = self.path.split("?", 1)[0]
@@ -140,7 +209,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             body, kind = page(), "text/html; charset=utf-8"
         elif path == "/api/state":
             self.files.update()
-            body, kind = json.dumps(finite(self.files.state()), allow_nan=False, default=str).encode(), "application/json"
+            body, kind = (
+                json.dumps(finite(self.files.state()), allow_nan=False, default=str).encode(),
+                "application/json",
+            )
         else:
             self.send_error(404)
             return
@@ -151,12 +223,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, *args) -> None:  # requests are not the run's log
+    # requests are not the run's log
+    def log_message(self, *args) -> None:
         pass
 
 
-def serve(run_dir: Path, regions: list[str], port: int = 0, host: str = "127.0.0.1") -> http.server.ThreadingHTTPServer:
-    """Serve the page from a daemon thread; `server.server_address` tells the port (0: any free one)."""
+def serve(
+    run_dir: Path, regions: list[str], port: int = 0, host: str = "127.0.0.1"
+) -> http.server.ThreadingHTTPServer:
+    """Serve the page from a daemon thread; `server.server_address` tells the port (0: any free
+    one)."""
     handler = type("StatusHandler", (_Handler,), {"files": RunFiles(run_dir, regions)})
     server = http.server.ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True

@@ -1,4 +1,5 @@
-"""`python -m dloco ...`: the same command line as the `dloco` script, for subprocesses of this interpreter."""
+"""`python -m dloco ...`: the same command line as the `dloco` script, for subprocesses of this
+interpreter."""
 
 import sys
 

@@ -8,8 +8,8 @@ not the island's work) run at the machine's speed, as the sleep-based `--slowdow
 alone.  Unlike the sleep, the quota also slows what the island does between steps (its held-out
 evaluations, its network threads): all of it runs on the emulated chip.  Leaving goes back to the
 group the launcher made the island's group in: its own group under cgroup v1, the hierarchy's
-root under v2 (cluster/cpuquota.py).  Writing a process id to a group's `cgroup.procs` moves all of the
-process's threads, and the threads it starts later are born there.
+root under v2 (cluster/cpuquota.py).  Writing a process id to a group's `cgroup.procs` moves all of
+the process's threads, and the threads it starts later are born there.
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ class CpuGroupError(DlocoError):
 class CpuGroup:
     def __init__(self, path: Path) -> None:
         if not (path / "cgroup.procs").is_file():
-            raise CpuGroupError(f"--cpu-cgroup {path}: not a cgroup (no cgroup.procs); the launcher creates it (run.island_cpus)")
+            raise CpuGroupError(
+                f"--cpu-cgroup {path}: not a cgroup (no cgroup.procs); the launcher creates it"
+                " (run.island_cpus)"
+            )
         self.path, self.joined = path, False
 
     def join(self) -> None:
@@ -47,4 +50,6 @@ class CpuGroup:
         try:
             (group / "cgroup.procs").write_text(f"{os.getpid()}\n")
         except OSError as error:
-            raise CpuGroupError(f"cannot move this island into the cgroup {group}: {error.strerror}") from None
+            raise CpuGroupError(
+                f"cannot move this island into the cgroup {group}: {error.strerror}"
+            ) from None

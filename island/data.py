@@ -1,4 +1,5 @@
-"""The corpus: real text, no download, or a file of token ids.  Deterministic disjoint shards per island, a shared eval split.
+"""The corpus: real text, no download, or a file of token ids.  Deterministic disjoint shards per
+island, a shared eval split.
 
 Default: the Python standard library sources of the running interpreter (`*.py` under
 ``sysconfig.get_paths()["stdlib"]``, minus test/, tests/, idlelib/, site-packages/), about 11 MB of
@@ -31,8 +32,10 @@ _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
 TEXT_SUFFIXES = {".py", ".txt", ".rst", ".md", ".c", ".h", ".html", ".tex", ""}
 MIN_TOKENS = 10_000
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-MAX_VOCAB = 2**31  # Batches casts windows to int32
-_SCAN_CHUNK = 1 << 24  # ids per chunk when looking for the largest: 32-64 MiB at a time, never the whole file
+# Batches casts windows to int32
+MAX_VOCAB = 2**31
+# ids per chunk when looking for the largest: 32-64 MiB at a time, never the whole file
+_SCAN_CHUNK = 1 << 24
 
 
 class CorpusError(DlocoError):
@@ -41,11 +44,14 @@ class CorpusError(DlocoError):
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    tokens_N: np.ndarray  # uint8 for text (all files concatenated); uint16/uint32 memmap for a token file
+    # uint8 for text (all files concatenated); uint16/uint32 memmap for a token file
+    tokens_N: np.ndarray
     files: int
-    digest: str  # sha256 of the sorted (path, size) list; for a token file, of its name, size, dtype and source
+    # sha256 of the sorted (path, size) list; for a token file, of its name, size, dtype and source
+    digest: str
     root: str
-    vocab: int = 256  # the number of token ids: every id is below it (a byte: 256)
+    # the number of token ids: every id is below it (a byte: 256)
+    vocab: int = 256
 
 
 def default_root() -> Path:
@@ -62,14 +68,20 @@ def text_files(path: str | Path | None = None) -> tuple[Path, list[Path]]:
         return root, [root]
     suffixes = {".py"} if path is None else TEXT_SUFFIXES
     files = []
-    for folder, subfolders, names in os.walk(root):  # skipped folders are never entered (site-packages is large)
+    # skipped folders are never entered (site-packages is large)
+    for folder, subfolders, names in os.walk(root):
         subfolders[:] = [name for name in subfolders if name not in _SKIP_DIRS]
-        files += [Path(folder) / name for name in names if Path(name).suffix in suffixes and (Path(folder) / name).is_file()]
+        files += [
+            Path(folder) / name
+            for name in names
+            if Path(name).suffix in suffixes and (Path(folder) / name).is_file()
+        ]
     return root, sorted(files)
 
 
 def listing_line(root: Path, file: Path, size: int) -> bytes:
-    """One line of the hashed file list: the path relative to the root (a single file: its name), its size."""
+    """One line of the hashed file list: the path relative to the root (a single file: its name),
+    its size."""
     return f"{file.relative_to(root) if root.is_dir() else file.name}\t{size}\n".encode()
 
 
@@ -83,36 +95,52 @@ def load(path: str | Path | None = None) -> Corpus:
         chunks.append(b"\n")
     tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8)
     if tokens.size < MIN_TOKENS:
-        raise CorpusError(f"corpus {root} holds {tokens.size} bytes; at least {MIN_TOKENS:,} are needed")
+        raise CorpusError(
+            f"corpus {root} holds {tokens.size} bytes; at least {MIN_TOKENS:,} are needed"
+        )
     return Corpus(tokens, len(files), listing.hexdigest(), str(root))
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenFileInfo:
-    """What a token file's sidecar (FILE.json) says.  `dloco tokenize` writes it; keys it does not know are ignored."""
+    """What a token file's sidecar (FILE.json) says.  `dloco tokenize` writes it; keys it does not
+    know are ignored."""
 
-    dtype: str  # "uint16" or "uint32", little-endian
-    vocab: int  # the number of token ids: every id is below it (trusted, not checked against the file)
-    tokens: int  # ids in the file: a file of another length was truncated or replaced
-    tokenizer: str = "unknown"  # "bytes", "bpe", or whatever wrote the file
-    source_digest: str = ""  # sha256 of the source's (path, size) list, as `load` computes it
-    files: int = 1  # source files
-    bytes: int = 0  # text bytes the ids encode (the files and one newline after each)
-    tokenizer_file: str = ""  # bpe: the tokenizer's JSON, a file name in the sidecar's folder
+    # "uint16" or "uint32", little-endian
+    dtype: str
+    # the number of token ids: every id is below it (trusted, not checked against the file)
+    vocab: int
+    # ids in the file: a file of another length was truncated or replaced
+    tokens: int
+    # "bytes", "bpe", or whatever wrote the file
+    tokenizer: str = "unknown"
+    # sha256 of the source's (path, size) list, as `load` computes it
+    source_digest: str = ""
+    # source files
+    files: int = 1
+    # text bytes the ids encode (the files and one newline after each)
+    bytes: int = 0
+    # bpe: the tokenizer's JSON, a file name in the sidecar's folder
+    tokenizer_file: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in TOKEN_DTYPES:
-            raise CorpusError(f"token dtype must be one of {', '.join(TOKEN_DTYPES)}, got {self.dtype!r}")
+            raise CorpusError(
+                f"token dtype must be one of {', '.join(TOKEN_DTYPES)}, got {self.dtype!r}"
+            )
         for name in ("vocab", "tokens", "files", "bytes"):
             value = getattr(self, name)
-            if type(value) is not int or value < 0:  # JSON's true is not a count
+            # JSON's true is not a count
+            if type(value) is not int or value < 0:
                 raise CorpusError(f"{name} must be an int >= 0, got {value!r}")
         for name in ("tokenizer", "source_digest", "tokenizer_file"):
             if not isinstance(getattr(self, name), str):
                 raise CorpusError(f"{name} must be a string, got {getattr(self, name)!r}")
         limit = min(int(np.iinfo(TOKEN_DTYPES[self.dtype]).max) + 1, MAX_VOCAB)
         if not 1 <= self.vocab <= limit:
-            raise CorpusError(f"vocab must be in [1, {limit}] for {self.dtype} ids, got {self.vocab}")
+            raise CorpusError(
+                f"vocab must be in [1, {limit}] for {self.dtype} ids, got {self.vocab}"
+            )
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
@@ -124,7 +152,9 @@ class TokenFileInfo:
         except json.JSONDecodeError as error:
             raise CorpusError(f"sidecar {where} is not JSON: {error}") from None
         if not isinstance(fields, dict) or not {"dtype", "vocab", "tokens"} <= set(fields):
-            raise CorpusError(f"sidecar {where} must be an object with dtype, vocab and tokens, got {text[:80]!r}")
+            raise CorpusError(
+                f"sidecar {where} must be an object with dtype, vocab and tokens, got {text[:80]!r}"
+            )
         known = {field.name for field in dataclasses.fields(cls)}
         try:
             return cls(**{key: value for key, value in fields.items() if key in known})
@@ -144,51 +174,90 @@ def dtype_for(vocab: int) -> str:
 
 def largest_id(tokens_N: np.ndarray) -> int:
     """The largest id, a chunk at a time: a memory-mapped file is never pulled into RAM whole."""
-    return max(int(tokens_N[i : i + _SCAN_CHUNK].max()) for i in range(0, tokens_N.size, _SCAN_CHUNK))
+    return max(
+        int(tokens_N[i : i + _SCAN_CHUNK].max()) for i in range(0, tokens_N.size, _SCAN_CHUNK)
+    )
 
 
 def load_tokens(path: str | Path) -> Corpus:
-    """A token file as a Corpus whose `tokens_N` is memory-mapped.  The vocabulary is the sidecar's, else
-    the largest id + 1 (one pass over the file); a raw .bin without a sidecar holds uint16 ids."""
+    """A token file as a Corpus whose `tokens_N` is memory-mapped.  The vocabulary is the sidecar's,
+    else the largest id + 1 (one pass over the file); a raw .bin without a sidecar holds uint16
+    ids."""
     path = Path(path)
     if not path.is_file():
         raise CorpusError(f"token file {path} does not exist")
     sidecar = sidecar_path(path)
-    info = TokenFileInfo.from_json(sidecar.read_text(), str(sidecar)) if sidecar.is_file() and sidecar != path else None
+    info = (
+        TokenFileInfo.from_json(sidecar.read_text(), str(sidecar))
+        if sidecar.is_file() and sidecar != path
+        else None
+    )
     if path.suffix == ".npy":
         try:
             tokens_N = np.load(path, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError) as error:
             raise CorpusError(f"{path} is not a readable .npy array: {error}") from None
         if tokens_N.ndim != 1:
-            raise CorpusError(f"{path} holds an array of shape {tokens_N.shape}; token ids are a 1-D array")
-        dtype = next((name for name, known in TOKEN_DTYPES.items() if tokens_N.dtype == known), None)
+            raise CorpusError(
+                f"{path} holds an array of shape {tokens_N.shape}; token ids are a 1-D array"
+            )
+        dtype = next(
+            (name for name, known in TOKEN_DTYPES.items() if tokens_N.dtype == known), None
+        )
         if dtype is None:
-            raise CorpusError(f"{path} holds {tokens_N.dtype} values; token ids are little-endian uint16 or uint32")
+            raise CorpusError(
+                f"{path} holds {tokens_N.dtype} values; token ids are little-endian uint16 or"
+                " uint32"
+            )
         if info is not None and info.dtype != dtype:
-            raise CorpusError(f"{path} holds {dtype} ids but its sidecar {sidecar} says {info.dtype}")
+            raise CorpusError(
+                f"{path} holds {dtype} ids but its sidecar {sidecar} says {info.dtype}"
+            )
     else:
         dtype = info.dtype if info is not None else "uint16"
         size, item = path.stat().st_size, TOKEN_DTYPES[dtype].itemsize
         if size % item:
-            raise CorpusError(f"{path} is {size} bytes, not a multiple of {item} ({dtype} ids): truncated, or not {dtype}?")
-        if size < MIN_TOKENS * item:  # np.memmap refuses an empty file: say what is wrong instead
-            raise CorpusError(f"token file {path} holds {size // item} tokens; at least {MIN_TOKENS:,} are needed")
+            raise CorpusError(
+                f"{path} is {size} bytes, not a multiple of {item} ({dtype} ids): truncated, or not"
+                f" {dtype}?"
+            )
+        # np.memmap refuses an empty file: say what is wrong instead
+        if size < MIN_TOKENS * item:
+            raise CorpusError(
+                f"token file {path} holds {size // item} tokens; at least {MIN_TOKENS:,} are needed"
+            )
         tokens_N = np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r")
     if tokens_N.size < MIN_TOKENS:
-        raise CorpusError(f"token file {path} holds {tokens_N.size} tokens; at least {MIN_TOKENS:,} are needed")
+        raise CorpusError(
+            f"token file {path} holds {tokens_N.size} tokens; at least {MIN_TOKENS:,} are needed"
+        )
     if info is not None and info.tokens != tokens_N.size:
-        raise CorpusError(f"{path} holds {tokens_N.size} tokens but its sidecar {sidecar} says {info.tokens}: truncated or replaced?")
+        raise CorpusError(
+            f"{path} holds {tokens_N.size} tokens but its sidecar {sidecar} says {info.tokens}:"
+            " truncated or replaced?"
+        )
     vocab = info.vocab if info is not None else largest_id(tokens_N) + 1
     if vocab > MAX_VOCAB:
-        raise CorpusError(f"{path} holds id {vocab - 1}; the model reads ids as int32 (below {MAX_VOCAB})")
-    # Like a text corpus's digest, the name and size, not the content: hashing gigabytes at every start is not worth it.
+        raise CorpusError(
+            f"{path} holds id {vocab - 1}; the model reads ids as int32 (below {MAX_VOCAB})"
+        )
+    # Like a text corpus's digest, the name and size, not the content: hashing gigabytes at every
+    # start is not worth it.
     listing = f"{path.name}\t{path.stat().st_size}\t{dtype}\t{info.source_digest if info else ''}\n"
-    return Corpus(tokens_N, info.files if info else 1, hashlib.sha256(listing.encode()).hexdigest(), str(path), vocab)
+    return Corpus(
+        tokens_N,
+        info.files if info else 1,
+        hashlib.sha256(listing.encode()).hexdigest(),
+        str(path),
+        vocab,
+    )
 
 
-def split(corpus: Corpus, islands: int, eval_fraction: float = 0.05) -> tuple[list[np.ndarray], np.ndarray]:
-    """(train shards, one per island; eval split shared by all).  Slices: a memory-mapped corpus stays mapped."""
+def split(
+    corpus: Corpus, islands: int, eval_fraction: float = 0.05
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """(train shards, one per island; eval split shared by all).  Slices: a memory-mapped corpus
+    stays mapped."""
     n = corpus.tokens_N.size
     cut = int(n * (1 - eval_fraction))
     train, evaluation = corpus.tokens_N[:cut], corpus.tokens_N[cut:]
@@ -201,7 +270,9 @@ class Batches:
 
     def __init__(self, shard: np.ndarray, batch: int, context: int, seed: int, island: int) -> None:
         if shard.size <= context + 1:
-            raise CorpusError(f"shard of {shard.size} tokens is shorter than one sequence of {context + 1}")
+            raise CorpusError(
+                f"shard of {shard.size} tokens is shorter than one sequence of {context + 1}"
+            )
         self.shard, self.batch, self.context = shard, batch, context
         self.rng = np.random.default_rng([seed, island])
 
@@ -221,8 +292,10 @@ def eval_batches(evaluation: np.ndarray, batch: int, context: int, count: int) -
     if count < 1:
         raise CorpusError(f"eval_batches must be at least 1, got {count}")
     if evaluation.size < context + 2:
-        raise CorpusError(f"the eval split holds {evaluation.size} tokens, fewer than one sequence of {context + 1}: "
-                          "use more data or a shorter context")
+        raise CorpusError(
+            f"the eval split holds {evaluation.size} tokens, fewer than one sequence of"
+            f" {context + 1}: use more data or a shorter context"
+        )
     total = batch * count
     starts = np.linspace(0, evaluation.size - context - 2, total).astype(np.int64)
     windows = np.stack([evaluation[s : s + context + 1] for s in starts]).astype(np.int32)

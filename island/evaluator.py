@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-IDLE_S = 0.2  # how often a follower with nothing new is looked at again
+# how often a follower with nothing new is looked at again
+IDLE_S = 0.2
 
 
 def next_wait(spent_s: float, every_s: float, budget: float) -> float:
@@ -22,7 +23,9 @@ def next_wait(spent_s: float, every_s: float, budget: float) -> float:
     return max(every_s, spent_s / budget)
 
 
-def whole_model(held: dict[int, tuple[int, dict]], paths: set[str]) -> tuple[list[int], dict] | None:
+def whole_model(
+    held: dict[int, tuple[int, dict]], paths: set[str]
+) -> tuple[list[int], dict] | None:
     """(versions by fragment, parameters) once the fragments held cover every parameter in `paths`
     (the merger's fragments, however many it has); None before."""
     params = {path: value for fragment in sorted(held) for path, value in held[fragment][1].items()}
@@ -31,8 +34,15 @@ def whole_model(held: dict[int, tuple[int, dict]], paths: set[str]) -> tuple[lis
     return [held[fragment][0] for fragment in sorted(held)], params
 
 
-def follow(current: Callable[[], dict], evaluate: Callable[[dict], dict[str, float]], write: Callable[[dict], None],
-           paths: set[str], every_s: float, budget: float, stopped: Callable[[], bool]) -> int:
+def follow(
+    current: Callable[[], dict],
+    evaluate: Callable[[dict], dict[str, float]],
+    write: Callable[[dict], None],
+    paths: set[str],
+    every_s: float,
+    budget: float,
+    stopped: Callable[[], bool],
+) -> int:
     """Evaluate each new whole model `current()` offers, on the schedule of `next_wait`, until
     `stopped()`; returns how many evaluations were written."""
     evaluated, due, count = None, 0.0, 0
@@ -46,6 +56,13 @@ def follow(current: Callable[[], dict], evaluate: Callable[[dict], dict[str, flo
         began = time.perf_counter()
         results = evaluate(params)
         spent = time.perf_counter() - began
-        write({"wall": time.time(), "versions": versions, **{f"eval_{k}": v for k, v in results.items()}, "eval_s": round(spent, 4)})
+        write(
+            {
+                "wall": time.time(),
+                "versions": versions,
+                **{f"eval_{k}": v for k, v in results.items()},
+                "eval_s": round(spent, 4),
+            }
+        )
         evaluated, due, count = versions, now + next_wait(spent, every_s, budget), count + 1
     return count

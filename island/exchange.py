@@ -1,4 +1,5 @@
-"""The pure math of exchanging fragments: partition, schedule, pseudo-gradient, adoption.  Values in, values out.
+"""The pure math of exchanging fragments: partition, schedule, pseudo-gradient, adoption.  Values
+in, values out.
 
 Schedule (staggered, Streaming DiLoCo): counting inner steps from 1, fragment p is due after step
 t when ``t mod H == ((p + 1) * H // P) mod H``.  Each fragment is due every H steps and one falls
@@ -20,7 +21,8 @@ def partition(shapes: Mapping[str, tuple[int, ...]], fragments: int) -> list[lis
 
 
 def due_offset(fragment: int, fragments: int, interval: int) -> int:
-    """The step residue (mod H) at which `fragment` is due; distinct for every fragment when H >= P."""
+    """The step residue (mod H) at which `fragment` is due; distinct for every fragment when H >=
+    P."""
     return ((fragment + 1) * interval // fragments) % interval
 
 
@@ -29,13 +31,22 @@ def due_fragments(step: int, fragments: int, interval: int) -> list[int]:
     return [p for p in range(fragments) if step % interval == due_offset(p, fragments, interval)]
 
 
-def pseudo_gradient(anchor: Mapping[str, np.ndarray], theta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def pseudo_gradient(
+    anchor: Mapping[str, np.ndarray], theta: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
     """delta_p = anchor_p - theta_p, in float32."""
-    return {path: np.asarray(anchor[path], np.float32) - np.asarray(theta[path], np.float32) for path in anchor}
+    return {
+        path: np.asarray(anchor[path], np.float32) - np.asarray(theta[path], np.float32)
+        for path in anchor
+    }
 
 
-def rebase(theta: Mapping[str, np.ndarray], anchor: Mapping[str, np.ndarray], snapshot: Mapping[str, np.ndarray],
-           residual: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+def rebase(
+    theta: Mapping[str, np.ndarray],
+    anchor: Mapping[str, np.ndarray],
+    snapshot: Mapping[str, np.ndarray],
+    residual: Mapping[str, np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
     """theta_p <- Theta_p + (theta_p - anchor_p) - r_p: a newer global value with the island's own
     progress since its anchor (its last send or adoption) kept on top, so that the next delta, taken
     against Theta, still carries all of it; and with error feedback the part of earlier deltas the
@@ -44,22 +55,44 @@ def rebase(theta: Mapping[str, np.ndarray], anchor: Mapping[str, np.ndarray], sn
     residual = residual or {}
     out = {}
     for path in snapshot:
-        value = np.asarray(snapshot[path], np.float32) + (np.asarray(theta[path], np.float32) - np.asarray(anchor[path], np.float32))
-        out[path] = value - np.asarray(residual[path], np.float32).reshape(value.shape) if path in residual else value
+        value = np.asarray(snapshot[path], np.float32) + (
+            np.asarray(theta[path], np.float32) - np.asarray(anchor[path], np.float32)
+        )
+        out[path] = (
+            value - np.asarray(residual[path], np.float32).reshape(value.shape)
+            if path in residual
+            else value
+        )
     return out
 
 
-def adopt(theta: Mapping[str, np.ndarray], snapshot: Mapping[str, np.ndarray], alpha: float) -> dict[str, np.ndarray]:
+def adopt(
+    theta: Mapping[str, np.ndarray], snapshot: Mapping[str, np.ndarray], alpha: float
+) -> dict[str, np.ndarray]:
     """theta_p <- alpha * theta_p + (1 - alpha) * Theta_p (alpha 0: take the global value)."""
     if alpha == 0:
         return {path: np.asarray(snapshot[path], np.float32).copy() for path in snapshot}
-    return {path: (alpha * np.asarray(theta[path], np.float32) + (1 - alpha) * np.asarray(snapshot[path], np.float32)).astype(np.float32)
-            for path in snapshot}
+    return {
+        path: (
+            (
+                alpha * np.asarray(theta[path], np.float32)
+                + (1 - alpha) * np.asarray(snapshot[path], np.float32)
+            ).astype(np.float32)
+        )
+        for path in snapshot
+    }
 
 
-def fold_wait_over(sent: Mapping[int, int], versions: Mapping[int, int], unfolded_before: Mapping[int, int],
-                   unfolded_now: Mapping[int, int]) -> bool:
+def fold_wait_over(
+    sent: Mapping[int, int],
+    versions: Mapping[int, int],
+    unfolded_before: Mapping[int, int],
+    unfolded_now: Mapping[int, int],
+) -> bool:
     """A blocking island's wait is over when every fragment it just sent (fragment -> the version
     the delta was based on) is back in a newer version, or had a delta settled without a fold
     since the send (rejected, or given up on)."""
-    return all(versions[f] > v or unfolded_now.get(f, 0) > unfolded_before.get(f, 0) for f, v in sent.items())
+    return all(
+        versions[f] > v or unfolded_now.get(f, 0) > unfolded_before.get(f, 0)
+        for f, v in sent.items()
+    )

@@ -25,22 +25,36 @@ POLL_MS = 100
 
 
 class SnapshotFollower:
-    def __init__(self, name: str, model: str, snapshot_endpoint: str, control_endpoint: str | list[str], security: Security | None = None,
-                 bus_server: str = "broker", control_server: str = "merger", model_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        snapshot_endpoint: str,
+        control_endpoint: str | list[str],
+        security: Security | None = None,
+        bus_server: str = "broker",
+        control_server: str = "merger",
+        model_bytes: int = 0,
+    ) -> None:
         self.name, self.model, self.control_server = name, model, control_server
         self.security = security or Security(None, name)
         self.downlink = Downlink(name, time.time_ns())
-        self.held: dict[int, tuple[int, dict[str, np.ndarray]]] = {}  # fragment -> (version, tensors), as taken by `current`
-        self.dropped: dict[str, int] = {}  # messages not used, by reason
+        # fragment -> (version, tensors), as taken by `current`
+        self.held: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+        # messages not used, by reason
+        self.dropped: dict[str, int] = {}
         self.bytes_received = 0
         self._model_bytes = model_bytes
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # guards `held` between the receiver and `current`
+        # guards `held` between the receiver and `current`
+        self._lock = threading.Lock()
         self._context = zmq.Context()
-        self._endpoints = (snapshot_endpoint, bus_server, split_endpoints(control_endpoint))  # one per merger shard
+        # one per merger shard
+        self._endpoints = (snapshot_endpoint, bus_server, split_endpoints(control_endpoint))
         self._thread = threading.Thread(target=self._receive, name=f"{name}-receiver", daemon=True)
         self._thread.start()
         self.receiver_id = self._thread.native_id
+
     def current(self) -> dict[int, tuple[int, dict[str, np.ndarray]]]:
         """The newest value of every fragment received so far: fragment -> (version, tensors)."""
         with self._lock:
@@ -64,21 +78,35 @@ class SnapshotFollower:
         snapshot_endpoint, bus_server, control_endpoint = self._endpoints
         sub = open_socket(self._context, zmq.SUB, snapshot_endpoint, self.security, bus_server)
         sub.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
-        # as an island's: one per merger shard; with a standby ("A,B"), requests queue only to the merger that is up
-        self._mergers = MergerLinks(self._context, control_endpoint, self.security, self.control_server, self.name)
-        ask_all = {shard: protocol.encode(self.downlink.ask_for_all(time.monotonic())) for shard in range(self._mergers.count)}
-        reassemblers = {socket: snapshot_reassembler(self._model_bytes) for socket in (sub, *self._mergers.dealers)}  # as island/network.py
+        # as an island's: one per merger shard; with a standby ("A,B"), requests queue only to the
+        # merger that is up
+        self._mergers = MergerLinks(
+            self._context, control_endpoint, self.security, self.control_server, self.name
+        )
+        ask_all = {
+            shard: protocol.encode(self.downlink.ask_for_all(time.monotonic()))
+            for shard in range(self._mergers.count)
+        }
+        # as island/network.py
+        reassemblers = {
+            socket: snapshot_reassembler(self._model_bytes)
+            for socket in (sub, *self._mergers.dealers)
+        }
         poller = zmq.Poller()
         for socket in reassemblers:
             poller.register(socket, zmq.POLLIN)
         while not self._stop.is_set():
-            for shard in [shard for shard, frames in ask_all.items() if self._mergers.send(frames, shard)]:
+            for shard in [
+                shard for shard, frames in ask_all.items() if self._mergers.send(frames, shard)
+            ]:
                 del ask_all[shard]
             for socket in dict(poller.poll(POLL_MS)):
                 frames = socket.recv_multipart(copy=False)
                 self._on_frames([f.buffer for f in frames], reassemblers[socket])
             self._take()
-            self.downlink.ask_for_values(time.monotonic(), lambda fragment: 0, self._mergers.send_for)
+            self.downlink.ask_for_values(
+                time.monotonic(), lambda fragment: 0, self._mergers.send_for
+            )
         sub.close(linger=0)
         self._mergers.close()
 

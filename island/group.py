@@ -13,9 +13,9 @@ after the same step.
 A process that dies breaks the group's collectives: the others' next all-gather fails at once
 (gloo reports the closed connection; JAX raises it as a JaxRuntimeError or, from some calls, a
 ValueError carrying the runtime's status) and raises GroupLost, which ends that process cleanly
-(the leader first drains what it already sent).  A host that vanishes without closing its connections
-stops sending heartbeats to the coordinator; after `timeout_s` JAX's coordination service
-terminates the remaining processes itself.  The island restarts as a whole, as any island.
+(the leader first drains what it already sent).  A host that vanishes without closing its
+connections stops sending heartbeats to the coordinator; after `timeout_s` JAX's coordination
+service terminates the remaining processes itself.  The island restarts as a whole, as any island.
 """
 
 from __future__ import annotations
@@ -37,8 +37,11 @@ class GroupLost(DlocoError):
     """Another process of this island stopped taking part: this one ends too."""
 
 
-# How the XLA runtime's failed statuses read (absl status codes), whichever Python type carries them.
-_RUNTIME_STATUS = re.compile(r"(UNKNOWN|INTERNAL|UNAVAILABLE|ABORTED|CANCELLED|DEADLINE_EXCEEDED|DATA_LOSS|FAILED_PRECONDITION): ")
+# How the XLA runtime's failed statuses read (absl status codes), whichever Python type carries
+# them.
+_RUNTIME_STATUS = re.compile(
+    r"(UNKNOWN|INTERNAL|UNAVAILABLE|ABORTED|CANCELLED|DEADLINE_EXCEEDED|DATA_LOSS|FAILED_PRECONDITION): "
+)
 
 
 def broken(error: BaseException) -> bool:
@@ -54,7 +57,9 @@ def broken(error: BaseException) -> bool:
 
 
 def _lost(error: BaseException) -> GroupLost:
-    return GroupLost(f"another process of this island stopped taking part: {str(error).splitlines()[0]}")
+    return GroupLost(
+        f"another process of this island stopped taking part: {str(error).splitlines()[0]}"
+    )
 
 
 def check(coordinator: str | None, processes: int, index: int) -> None:
@@ -66,7 +71,10 @@ def check(coordinator: str | None, processes: int, index: int) -> None:
     if processes > 1:
         host, _, port = (coordinator or "").rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise GroupError(f"--coordinator must be HOST:PORT (process 0's address, the same for every process), got {coordinator!r}")
+            raise GroupError(
+                "--coordinator must be HOST:PORT (process 0's address, the same for every"
+                f" process), got {coordinator!r}"
+            )
 
 
 def pack(paths: Sequence[str], staged: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -77,7 +85,12 @@ def pack(paths: Sequence[str], staged: Mapping[str, np.ndarray]) -> tuple[np.nda
     return mask, np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
 
-def unpack(paths: Sequence[str], shapes: Mapping[str, tuple[int, ...]], mask: np.ndarray, values: np.ndarray) -> dict[str, np.ndarray]:
+def unpack(
+    paths: Sequence[str],
+    shapes: Mapping[str, tuple[int, ...]],
+    mask: np.ndarray,
+    values: np.ndarray,
+) -> dict[str, np.ndarray]:
     """The inverse of pack, given every path's shape."""
     if (expected := changed_size(paths, shapes, mask)) != values.size:
         raise GroupError(f"{values.size} values for parameters holding {expected}")
@@ -85,24 +98,34 @@ def unpack(paths: Sequence[str], shapes: Mapping[str, tuple[int, ...]], mask: np
     for path, changed in zip(paths, mask):
         if changed:
             size = math.prod(shapes[path])
-            out[path] = values[at:at + size].reshape(shapes[path])
+            out[path] = values[at : at + size].reshape(shapes[path])
             at += size
     return out
 
 
-def changed_size(paths: Sequence[str], shapes: Mapping[str, tuple[int, ...]], mask: np.ndarray) -> int:
+def changed_size(
+    paths: Sequence[str], shapes: Mapping[str, tuple[int, ...]], mask: np.ndarray
+) -> int:
     """How many values pack puts out for `mask`: what every process passes to the broadcast."""
     return sum(math.prod(shapes[path]) for path, changed in zip(paths, mask) if changed)
 
 
-def initialize(coordinator: str, processes: int, index: int, timeout_s: float, join_timeout_s: float) -> None:
+def initialize(
+    coordinator: str, processes: int, index: int, timeout_s: float, join_timeout_s: float
+) -> None:
     """Join the group (before any other JAX use in this process).  CPU collectives go over gloo;
     `timeout_s`: how long the coordinator waits for a silent process's heartbeat."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator, num_processes=processes, process_id=index, initialization_timeout=max(1, round(join_timeout_s)),
-                               heartbeat_timeout_seconds=max(1, round(timeout_s)), shutdown_timeout_seconds=max(1, round(timeout_s)))
+    jax.distributed.initialize(
+        coordinator,
+        num_processes=processes,
+        process_id=index,
+        initialization_timeout=max(1, round(join_timeout_s)),
+        heartbeat_timeout_seconds=max(1, round(timeout_s)),
+        shutdown_timeout_seconds=max(1, round(timeout_s)),
+    )
 
 
 class IslandGroup:
@@ -124,12 +147,15 @@ class IslandGroup:
         a process still importing or compiling on a loaded machine is not a dead one."""
         import hashlib
 
-        from jax._src import distributed  # the client JAX's own array serialization waits on
+        # the client JAX's own array serialization waits on
+        from jax._src import distributed
         from jax.experimental import multihost_utils
 
         mine = np.frombuffer(hashlib.sha256(setup.encode()).digest(), dtype=np.int32)
         try:
-            distributed.global_state.client.wait_at_barrier("dloco_group_ready", max(1, round(ready_timeout_s * 1000)))
+            distributed.global_state.client.wait_at_barrier(
+                "dloco_group_ready", max(1, round(ready_timeout_s * 1000))
+            )
             every = np.asarray(multihost_utils.process_allgather(mine))
         except (RuntimeError, ValueError) as error:
             if broken(error):
@@ -137,20 +163,29 @@ class IslandGroup:
             raise
         differ = [index for index, row in enumerate(every) if not np.array_equal(row, every[0])]
         if differ:
-            raise GroupError(f"processes {differ} of this island were started with another model or other settings than process 0: "
-                             "give every process the same flags but --process-id")
+            raise GroupError(
+                f"processes {differ} of this island were started with another model or other"
+                " settings than process 0: give every process the same flags but --process-id"
+            )
 
-    def agree(self, stop: bool, versions: Sequence[int], staged: Mapping[str, np.ndarray]) -> tuple[bool, list[int], dict[str, np.ndarray]]:
+    def agree(
+        self, stop: bool, versions: Sequence[int], staged: Mapping[str, np.ndarray]
+    ) -> tuple[bool, list[int], dict[str, np.ndarray]]:
         """Every process calls this once per step.  Returns (any process asked to stop, the
         leader's fragment versions, the parameters the leader changed since the last call);
         `versions` and `staged` are read on the leader only."""
         from jax.experimental import multihost_utils
 
-        mask, values = pack(self.paths, staged) if self.leader else (np.zeros(len(self.paths), np.int32), None)
+        mask, values = (
+            pack(self.paths, staged) if self.leader else (np.zeros(len(self.paths), np.int32), None)
+        )
         mine = np.concatenate([[int(stop)], versions, mask]).astype(np.int32)
         try:
             header = np.asarray(multihost_utils.process_allgather(mine))
-            versions, mask = [int(v) for v in header[0, 1:1 + len(versions)]], header[0, 1 + len(versions):]
+            versions, mask = (
+                [int(v) for v in header[0, 1 : 1 + len(versions)]],
+                header[0, 1 + len(versions) :],
+            )
             if not mask.any():
                 return bool(header[:, 0].any()), versions, {}
             if values is None:

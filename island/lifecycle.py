@@ -33,15 +33,20 @@ GROUP_LOST_EXIT = 3
 class Ending:
     """What an island process holds when its loop ends (see the module's text)."""
 
-    loop: Any  # island/loop.py IslandLoop
-    link: Any  # island/network.py NetworkLink, or None: standalone, or not the group's leader
-    metrics: Any  # island/metrics.py MetricsWriter
+    # island/loop.py IslandLoop
+    loop: Any
+    # island/network.py NetworkLink, or None: standalone, or not the group's leader
+    link: Any
+    # island/metrics.py MetricsWriter
+    metrics: Any
     log: Any
     flush_on_leave: bool
     drain_timeout: float
     group_timeout: float
-    grouped: bool  # one of several processes of a multi-process island
-    cpu_group: Any = None  # island/cpugroup.py CpuGroup, or None
+    # one of several processes of a multi-process island
+    grouped: bool
+    # island/cpugroup.py CpuGroup, or None
+    cpu_group: Any = None
 
     def finish(self, summary: dict, signals: int) -> dict:
         """Everything after a loop that returned `summary`; `signals`: SIGTERMs and Ctrl-Cs seen."""
@@ -50,7 +55,8 @@ class Ending:
         if self.cpu_group is not None:
             try:
                 self.cpu_group.leave()
-            except CpuGroupError as error:  # the work is done: drain and exit at the quota's speed
+            # the work is done: drain and exit at the quota's speed
+            except CpuGroupError as error:
                 self.log.warning("cpu_quota_not_left", error=str(error))
         if self.link is not None:
             self._drain(summary)
@@ -78,15 +84,23 @@ class Ending:
         if self.flush_on_leave and not self.grouped:
             summary["flushed"] = self.loop.flush()
         if not link.drain(self.drain_timeout):
-            self.log.warning("drain_incomplete", deltas_sent=link.deltas_sent,
-                             settled=dict(link.results))
+            self.log.warning(
+                "drain_incomplete", deltas_sent=link.deltas_sent, settled=dict(link.results)
+            )
         # After the drain: every delta of the island's work.
-        summary.update(deltas_sent=link.deltas_sent, summed=link.summed, acks=dict(link.results),
-                       snapshots=dict(link.downlink_results), bytes_sent=link.bytes_sent,
-                       links=link.links.summary(), merger_epochs=link.adopted_epochs,
-                       epoch=link.epoch)
+        summary.update(
+            deltas_sent=link.deltas_sent,
+            summed=link.summed,
+            acks=dict(link.results),
+            snapshots=dict(link.downlink_results),
+            bytes_sent=link.bytes_sent,
+            links=link.links.summary(),
+            merger_epochs=link.adopted_epochs,
+            epoch=link.epoch,
+        )
         self.link = None
-        link.close()  # the merger has all it will get: evaluating the trace keeps no one waiting
+        # the merger has all it will get: evaluating the trace keeps no one waiting
+        link.close()
 
     def group_lost(self, error: BaseException) -> NoReturn:
         """Another process of this island died (see the module's text)."""

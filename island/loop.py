@@ -32,14 +32,25 @@ class Link(Protocol):
 
     bytes_sent: int
     bytes_received: int
-    unfolded: Mapping[int, int]  # fragment -> deltas settled without a fold (blocking mode ends its wait on them)
-    foreign: Mapping[int, Mapping[str, tuple[int, ...]]]  # fragment -> {path: shape} of snapshots of another model (never adopted)
+    # fragment -> deltas settled without a fold (blocking mode ends its wait on them)
+    unfolded: Mapping[int, int]
+    # fragment -> {path: shape} of snapshots of another model (never adopted)
+    foreign: Mapping[int, Mapping[str, tuple[int, ...]]]
 
-    def publish(self, fragment: int, base_version: int, delta: dict[str, np.ndarray], steps: int, tokens: int) -> None: ...
+    def publish(
+        self,
+        fragment: int,
+        base_version: int,
+        delta: dict[str, np.ndarray],
+        steps: int,
+        tokens: int,
+    ) -> None: ...
 
-    def snapshots(self) -> list[tuple[int, int, dict[str, np.ndarray]]]: ...  # (fragment, version, tensors)
+    # (fragment, version, tensors)
+    def snapshots(self) -> list[tuple[int, int, dict[str, np.ndarray]]]: ...
 
-    def take_residuals(self, paths) -> dict[str, np.ndarray]: ...  # error feedback's undelivered part, handed to the loop
+    # error feedback's undelivered part, handed to the loop
+    def take_residuals(self, paths) -> dict[str, np.ndarray]: ...
 
 
 @dataclasses.dataclass
@@ -51,25 +62,50 @@ class FragmentProgress:
 
 
 class IslandLoop:
-    def __init__(self, trainer: Trainer, batches: Iterator[Any], eval_batches: Sequence[Any], train: TrainConfig, sync: SyncConfig,
-                 metrics: MetricsWriter, link: Link | None = None, slowdown: float = 1.0, log=None,
-                 on_compiled: Callable[[], None] | None = None, count: Callable[[Any], int] | None = None, group=None) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        batches: Iterator[Any],
+        eval_batches: Sequence[Any],
+        train: TrainConfig,
+        sync: SyncConfig,
+        metrics: MetricsWriter,
+        link: Link | None = None,
+        slowdown: float = 1.0,
+        log=None,
+        on_compiled: Callable[[], None] | None = None,
+        count: Callable[[Any], int] | None = None,
+        group=None,
+    ) -> None:
         if slowdown < 1:
             raise ValueError(f"slowdown must be >= 1, got {slowdown}")
         self.trainer, self.batches, self.eval_batches = trainer, batches, eval_batches
-        self.count = count if count is not None else examples_in  # what a batch adds to "tokens" (the task's Task.tokens_in)
-        self.train, self.sync, self.metrics, self.link, self.slowdown, self.log = train, sync, metrics, link, slowdown, log
-        self.on_compiled = on_compiled  # called once after step 1 (mostly compiling): a CPU quota starts there (island/cpugroup.py)
+        # what a batch adds to "tokens" (the task's Task.tokens_in)
+        self.count = count if count is not None else examples_in
+        self.train, self.sync, self.metrics, self.link, self.slowdown, self.log = (
+            train,
+            sync,
+            metrics,
+            link,
+            slowdown,
+            log,
+        )
+        # called once after step 1 (mostly compiling): a CPU quota starts there (island/cpugroup.py)
+        self.on_compiled = on_compiled
         params = trainer.params()
         self.parts = exchange.partition({p: v.shape for p, v in params.items()}, sync.fragments)
         self.progress = [FragmentProgress({p: params[p] for p in paths}) for paths in self.parts]
         self.tokens, self.compute_s, self.started = 0, 0.0, None
-        self.wait_s = 0.0  # time spent blocked on the merger (synchronous modes only)
-        self.stop_requested = False  # set from a signal handler: finish the current step, then stop
+        # time spent blocked on the merger (synchronous modes only)
+        self.wait_s = 0.0
+        # set from a signal handler: finish the current step, then stop
+        self.stop_requested = False
         # A multi-process island (island/group.py): the leader's parameter changes are staged and
-        # reach every process once per step, with the stop requests, which all processes then agree on.
+        # reach every process once per step, with the stop requests, which all processes then agree
+        # on.
         self.group, self.staged, self.group_stop = group, {}, False
-        self.trace: list[tuple[dict, dict[str, np.ndarray]]] = []  # (step event, parameters after it): train.eval_trace
+        # (step event, parameters after it): train.eval_trace
+        self.trace: list[tuple[dict, dict[str, np.ndarray]]] = []
         # With a token budget: the cluster's progress in millionths, the leader's as agreed by
         # every process of a multi-process island (island/schedule.py)
         self.progress_ppm = 0
@@ -77,11 +113,13 @@ class IslandLoop:
     def join(self, timeout_s: float) -> None:
         """Start from the merger's model: wait (once, before training) for a snapshot of every
         fragment and adopt it.  Raises JoinTimeout if the merger does not answer in time, and
-        ModelMismatch (naming the first differing parameter) if its model is not this task's; returns
-        early when a stop is requested (run() then stops before its first step)."""
-        if self.link is not None:  # on an error the others of a multi-process island learn it from the broken group
+        ModelMismatch (naming the first differing parameter) if its model is not this task's;
+        returns early when a stop is requested (run() then stops before its first step)."""
+        # on an error the others of a multi-process island learn it from the broken group
+        if self.link is not None:
             self._join(timeout_s)
-        if self.group is not None:  # every process takes the leader's values (and a stop asked meanwhile)
+        # every process takes the leader's values (and a stop asked meanwhile)
+        if self.group is not None:
             self._agree()
 
     def _join(self, timeout_s: float) -> None:
@@ -92,13 +130,25 @@ class IslandLoop:
         while waiting and not self.stop_requested:
             if time.monotonic() > deadline:
                 self._refuse_foreign(ours, final=True)
-                raise JoinTimeout(f"no snapshot of fragments {sorted(waiting)} within {timeout_s} s: is the merger running, with the same model?")
+                raise JoinTimeout(
+                    f"no snapshot of fragments {sorted(waiting)} within {timeout_s} s: is the"
+                    " merger running, with the same model?"
+                )
             for fragment, version, tensors in self.link.snapshots():
                 theirs.update({p: np.shape(v) for p, v in tensors.items()})
-                if (difference := first_difference(theirs, {p: ours[p] for p in theirs if p in ours})) is not None:  # so far: what arrived
-                    raise ModelMismatch(f"the merger trains another model than this task: {difference}")
+                # so far: what arrived
+                if (
+                    difference := first_difference(
+                        theirs, {p: ours[p] for p in theirs if p in ours}
+                    )
+                ) is not None:
+                    raise ModelMismatch(
+                        f"the merger trains another model than this task: {difference}"
+                    )
                 self._set(exchange.adopt(theta, tensors, 0.0))
-                self.progress[fragment] = FragmentProgress({p: np.asarray(v, np.float32) for p, v in tensors.items()}, version)
+                self.progress[fragment] = FragmentProgress(
+                    {p: np.asarray(v, np.float32) for p, v in tensors.items()}, version
+                )
                 waiting.discard(fragment)
             self._refuse_foreign(ours)
             time.sleep(0.01)
@@ -106,15 +156,19 @@ class IslandLoop:
             raise ModelMismatch(f"the merger trains another model than this task: {difference}")
 
     def _refuse_foreign(self, ours: Mapping[str, tuple[int, ...]], final: bool = False) -> None:
-        """The link drops snapshots of another model (their fingerprint is not this task's) and keeps
-        only their layout.  Once every fragment's has arrived (they come together, answering the
-        join's request), raise ModelMismatch naming the first differing path of the whole model; at
-        the join's deadline (`final`), the first one in what has arrived."""
+        """The link drops snapshots of another model (their fingerprint is not this task's) and
+        keeps only their layout.  Once every fragment's has arrived (they come together, answering
+        the join's request), raise ModelMismatch naming the first differing path of the whole model;
+        at the join's deadline (`final`), the first one in what has arrived."""
         foreign = getattr(self.link, "foreign", {})
         if not foreign or (len(foreign) < len(self.progress) and not final):
             return
         theirs = {p: shape for layout in foreign.values() for p, shape in layout.items()}
-        compared = ours if len(foreign) >= len(self.progress) else {p: ours[p] for p in theirs if p in ours}
+        compared = (
+            ours
+            if len(foreign) >= len(self.progress)
+            else {p: ours[p] for p in theirs if p in ours}
+        )
         if (difference := first_difference(theirs, compared)) is not None:
             raise ModelMismatch(f"the merger trains another model than this task: {difference}")
 
@@ -126,7 +180,9 @@ class IslandLoop:
         self.metrics.write({"step": 0, "tokens": 0, **held_out, "time": 0.0, "wall": time.time()})
         loss, step = float("nan"), 0
         for step in range(1, max_steps + 1):
-            if (self.group_stop if self.group is not None else self.stop_requested) or self.budget_spent:
+            if (
+                self.group_stop if self.group is not None else self.stop_requested
+            ) or self.budget_spent:
                 step -= 1
                 break
             batch = next(self.batches)
@@ -135,9 +191,12 @@ class IslandLoop:
             began = time.perf_counter()
             loss, grad_norm = self.trainer.step(batch)
             compute = time.perf_counter() - began
-            if self.slowdown > 1 and step > 1:  # an older chip: the same work takes `slowdown` times as long (step 1 is mostly compiling)
+            # an older chip: the same work takes `slowdown` times as long (step 1 is mostly
+            # compiling)
+            if self.slowdown > 1 and step > 1:
                 time.sleep(compute * (self.slowdown - 1))
-            self.compute_s += compute * self.slowdown if step > 1 else compute  # step 1: compiling, not slowed down
+            # step 1: compiling, not slowed down
+            self.compute_s += compute * self.slowdown if step > 1 else compute
             if step == 1 and self.on_compiled is not None:
                 self.on_compiled()
             step_tokens = self.count(batch)
@@ -148,27 +207,59 @@ class IslandLoop:
             self._follow_budget()
             if self.link is not None or self.group is not None:
                 self._exchange(step)
-            event = {"step": step, "tokens": self.tokens, "loss": loss, "grad_norm": grad_norm, "time": time.perf_counter() - self.started,
-                     "wall": time.time(), "compute_util": self.compute_s / (time.perf_counter() - self.started),
-                     "bytes_sent": getattr(self.link, "bytes_sent", 0), "bytes_received": getattr(self.link, "bytes_received", 0),
-                     "bytes_received_values": getattr(self.link, "bytes_received_values", 0),
-                     "snapshot_version": [p.version for p in self.progress], "wait_s": self.wait_s}
+            event = {
+                "step": step,
+                "tokens": self.tokens,
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "time": time.perf_counter() - self.started,
+                "wall": time.time(),
+                "compute_util": self.compute_s / (time.perf_counter() - self.started),
+                "bytes_sent": getattr(self.link, "bytes_sent", 0),
+                "bytes_received": getattr(self.link, "bytes_received", 0),
+                "bytes_received_values": getattr(self.link, "bytes_received_values", 0),
+                "snapshot_version": [p.version for p in self.progress],
+                "wait_s": self.wait_s,
+            }
             if self.train.budget_tokens:
                 event["budget_progress"] = self.progress_ppm / 1e6
-            early = self.train.eval_early and step < self.train.eval_every and step & (step - 1) == 0  # a power of two
-            stopping = (self.group_stop if self.group is not None else self.stop_requested) or self.budget_spent
+            # a power of two
+            early = (
+                self.train.eval_early and step < self.train.eval_every and step & (step - 1) == 0
+            )
+            stopping = (
+                self.group_stop if self.group is not None else self.stop_requested
+            ) or self.budget_spent
             if step % self.train.eval_every == 0 or early or step == max_steps or stopping:
                 event.update(self._evaluate())
                 eval_loss = event["eval_loss"]
                 if self.log is not None:
-                    self.log.info("eval", step=step, loss=round(loss, 4), eval_loss=round(eval_loss, 4), tokens=self.tokens)
+                    self.log.info(
+                        "eval",
+                        step=step,
+                        loss=round(loss, 4),
+                        eval_loss=round(eval_loss, 4),
+                        tokens=self.tokens,
+                    )
             elif step <= self.train.eval_trace:
-                self.trace.append(({k: event[k] for k in ("step", "tokens", "time", "wall")}, {p: v.copy() for p, v in self.trainer.params().items()}))
+                self.trace.append(
+                    (
+                        {k: event[k] for k in ("step", "tokens", "time", "wall")},
+                        {p: v.copy() for p, v in self.trainer.params().items()},
+                    )
+                )
             self.metrics.write(event)
         wall = time.perf_counter() - self.started
-        return {"steps": step, "tokens": self.tokens, "loss": loss, "eval_loss": eval_loss, "seconds": wall,
-                "steps_per_s": step / wall, "compute_util": self.compute_s / wall,
-                **({"budget_progress": self.progress_ppm / 1e6} if self.train.budget_tokens else {})}
+        return {
+            "steps": step,
+            "tokens": self.tokens,
+            "loss": loss,
+            "eval_loss": eval_loss,
+            "seconds": wall,
+            "steps_per_s": step / wall,
+            "compute_util": self.compute_s / wall,
+            **({"budget_progress": self.progress_ppm / 1e6} if self.train.budget_tokens else {}),
+        }
 
     @property
     def budget_spent(self) -> bool:
@@ -186,12 +277,19 @@ class IslandLoop:
         the merger never counts a step twice.  Adoption resets the anchor to the global value."""
         if self.link is not None:
             self._adopt(self.link.snapshots())
-            due = [p for p in exchange.due_fragments(step, self.sync.fragments, self.sync.interval) if self.progress[p].steps > 0]
+            due = [
+                p
+                for p in exchange.due_fragments(step, self.sync.fragments, self.sync.interval)
+                if self.progress[p].steps > 0
+            ]
             if due:
-                unfolded = dict(self.link.unfolded) if self.sync.blocking else {}  # before sending: a quick rejection counts
+                # before sending: a quick rejection counts
+                unfolded = dict(self.link.unfolded) if self.sync.blocking else {}
                 self._send(due)
                 if self.sync.blocking:
-                    self._wait_for_fold({fragment: self.progress[fragment].version for fragment in due}, unfolded)
+                    self._wait_for_fold(
+                        {fragment: self.progress[fragment].version for fragment in due}, unfolded
+                    )
         if self.group is not None:
             self._agree()
 
@@ -223,18 +321,20 @@ class IslandLoop:
         if not self.group.leader:
             if changed:
                 self.trainer.set_params(changed)
-            for progress, version in zip(self.progress, versions):  # what the metrics show: the leader's versions
+            # what the metrics show: the leader's versions
+            for progress, version in zip(self.progress, versions):
                 progress.version = version
         self.group_stop = self.group_stop or stop
 
     def flush(self) -> int:
         """Leaving: send every fragment's unsent work (what the island trained since its last send
-        of it, up to H steps each), so that the global model keeps it.  A delta of fewer than H steps
-        weighs its share in the fold (merge.share_window), as any other.  Nothing is awaited here: the
-        caller drains the link.  Returns how many deltas were sent."""
+        of it, up to H steps each), so that the global model keeps it.  A delta of fewer than H
+        steps weighs its share in the fold (merge.share_window), as any other.  Nothing is awaited
+        here: the caller drains the link.  Returns how many deltas were sent."""
         if self.link is None:
             return 0
-        if self.sync.adoption == "rebase":  # the work goes out on the newest global value ("replace" would drop it)
+        # the work goes out on the newest global value ("replace" would drop it)
+        if self.sync.adoption == "rebase":
             self._adopt(self.link.snapshots())
         unsent = [p for p, progress in enumerate(self.progress) if progress.steps > 0]
         self._send(unsent)
@@ -251,9 +351,9 @@ class IslandLoop:
             self.progress[fragment] = FragmentProgress(current, progress.version)
 
     def _adopt(self, arrived: list) -> None:
-        """Take newer global fragments.  With adoption "rebase" (the default) the island's progress on
-        the fragment since its last send stays on top of the new value and goes out, whole, in the
-        next delta; "replace" overwrites it (adopt-on-arrival: a snapshot arriving just before a
+        """Take newer global fragments.  With adoption "rebase" (the default) the island's progress
+        on the fragment since its last send stays on top of the new value and goes out, whole, in
+        the next delta; "replace" overwrites it (adopt-on-arrival: a snapshot arriving just before a
         send throws away up to H steps of the island's work on that fragment).  A delta's
         base_version is then the version its work was last rebased onto: part of that work was done
         on older versions, which the staleness bound does not see.  Snapshots are full values: of
@@ -271,8 +371,11 @@ class IslandLoop:
             if self.sync.adoption == "rebase" and progress.steps > 0:
                 residual = self.link.take_residuals(tensors) if self.sync.error_feedback else {}
                 self._set(exchange.rebase(theta, progress.anchor, tensors, residual))
-                self.progress[fragment] = FragmentProgress(anchor, version, progress.steps, progress.tokens)
-            else:  # replace, or nothing unsent to keep (a blocking island right after its send): the same
+                self.progress[fragment] = FragmentProgress(
+                    anchor, version, progress.steps, progress.tokens
+                )
+            # replace, or nothing unsent to keep (a blocking island right after its send): the same
+            else:
                 self._set(exchange.adopt(theta, tensors, self.sync.alpha))
                 self.progress[fragment] = FragmentProgress(anchor, version)
 
@@ -282,15 +385,21 @@ class IslandLoop:
         early step would slow the early steps it measures; the copy costs milliseconds.  The result
         is exactly what an evaluation at that step would give (tested), written as an event
         with that step's time and tokens and `deferred: true`.  The final parameters are restored.
-        Stops after `budget_s` seconds or when a stop is requested (the caller clears the first one):
-        a launcher waits for islands to exit.  Returns how many were evaluated."""
+        Stops after `budget_s` seconds or when a stop is requested (the caller clears the first
+        one): a launcher waits for islands to exit.  Returns how many were evaluated."""
         deadline, count = time.monotonic() + budget_s, 0
         final = self.trainer.params() if self.trace else None
         for event, params in self.trace:
             if self.stop_requested or time.monotonic() > deadline:
                 break
             self.trainer.set_params(params)
-            self.metrics.write({**event, **_held_out(self.trainer.evaluate_all(self.eval_batches)), "deferred": True})
+            self.metrics.write(
+                {
+                    **event,
+                    **_held_out(self.trainer.evaluate_all(self.eval_batches)),
+                    "deferred": True,
+                }
+            )
             count += 1
         if final is not None:
             self.trainer.set_params(final)
@@ -298,9 +407,9 @@ class IslandLoop:
         return count
 
     def _evaluate(self) -> dict[str, float]:
-        """Held-out loss and the task's metrics, as metric fields (eval_loss, eval_<name>).  Its time
-        counts as compute: `compute_util` is the share of wall time spent on the island's own work
-        (training steps, evaluations), not waiting or bookkeeping."""
+        """Held-out loss and the task's metrics, as metric fields (eval_loss, eval_<name>).  Its
+        time counts as compute: `compute_util` is the share of wall time spent on the island's own
+        work (training steps, evaluations), not waiting or bookkeeping."""
         began = time.perf_counter()
         results = self.trainer.evaluate_all(self.eval_batches)
         self.compute_s += time.perf_counter() - began
@@ -314,7 +423,9 @@ class IslandLoop:
         began = time.perf_counter()
         while not self.stop_requested:
             self._adopt(self.link.snapshots())
-            if exchange.fold_wait_over(sent, {f: self.progress[f].version for f in sent}, unfolded, self.link.unfolded):
+            if exchange.fold_wait_over(
+                sent, {f: self.progress[f].version for f in sent}, unfolded, self.link.unfolded
+            ):
                 break
             time.sleep(0.001)
         self.wait_s += time.perf_counter() - began
@@ -322,4 +433,3 @@ class IslandLoop:
 
 def _held_out(results: Mapping[str, float]) -> dict[str, float]:
     return {f"eval_{name}": value for name, value in results.items()}
-

@@ -18,11 +18,29 @@ def split_endpoints(endpoints: str | list[str]) -> list[str]:
 
 
 class MergerLinks:
-    def __init__(self, context: zmq.Context, endpoints: list[str], security: Security, server: str, identity: str) -> None:
+    def __init__(
+        self,
+        context: zmq.Context,
+        endpoints: list[str],
+        security: Security,
+        server: str,
+        identity: str,
+    ) -> None:
         self.names = shards.names(server, len(endpoints))
-        self.dealers = [open_socket(context, zmq.DEALER, endpoint, security, name, identity=identity, immediate="," in endpoint)
-                        for endpoint, name in zip(endpoints, self.names)]
-        self.deferred = 0  # sends refused by a full queue (each is tried again later)
+        self.dealers = [
+            open_socket(
+                context,
+                zmq.DEALER,
+                endpoint,
+                security,
+                name,
+                identity=identity,
+                immediate="," in endpoint,
+            )
+            for endpoint, name in zip(endpoints, self.names)
+        ]
+        # sends refused by a full queue (each is tried again later)
+        self.deferred = 0
 
     @property
     def count(self) -> int:

@@ -14,7 +14,8 @@ class MetricsWriter:
         self._queue: queue.Queue = queue.Queue()
         self._thread = None
         self.written = 0
-        self.latest: dict = {}  # each key's last value (Prometheus reads it: telemetry/prom.py)
+        # each key's last value (Prometheus reads it: telemetry/prom.py)
+        self.latest: dict = {}
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._thread = threading.Thread(target=self._drain, name="metrics", daemon=True)
@@ -22,7 +23,8 @@ class MetricsWriter:
 
     def write(self, event: dict) -> None:
         self.written += 1
-        if not event.get("deferred"):  # (a trace's evaluation after training is of an earlier step)
+        # (a trace's evaluation after training is of an earlier step)
+        if not event.get("deferred"):
             self.latest = {**self.latest, **event}
         if self._thread is not None:
             self._queue.put(event)

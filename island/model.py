@@ -1,4 +1,5 @@
-"""A decoder-only Transformer language model in Flax NNX (pre-norm, learned positions): the built-in task's."""
+"""A decoder-only Transformer language model in Flax NNX (pre-norm, learned positions): the built-in
+task's."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ class Block(nnx.Module):
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         b, t, d = x_BxTxD.shape
         qkv = self.qkv(self.attn_norm(x_BxTxD)).reshape(b, t, 3, self.heads, d // self.heads)
-        attended = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
+        attended = jax.nn.dot_product_attention(
+            qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True
+        )
         x_BxTxD = x_BxTxD + self.out(attended.reshape(b, t, d))
         return x_BxTxD + self.down(jax.nn.gelu(self.up(self.mlp_norm(x_BxTxD))))
 
@@ -31,10 +34,16 @@ class Block(nnx.Module):
 class ByteLM(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
         self.embed = nnx.Embed(config.vocab, config.width, rngs=rngs)
-        self.position = nnx.Param(jax.random.normal(rngs.params(), (config.context, config.width)) * 0.02)
+        self.position = nnx.Param(
+            jax.random.normal(rngs.params(), (config.context, config.width)) * 0.02
+        )
         self.blocks = nnx.List([Block(config, rngs) for _ in range(config.depth)])
         self.final_norm = nnx.LayerNorm(config.width, rngs=rngs)
-        self.head = None if config.tie_embeddings else nnx.Linear(config.width, config.vocab, use_bias=False, rngs=rngs)
+        self.head = (
+            None
+            if config.tie_embeddings
+            else nnx.Linear(config.width, config.vocab, use_bias=False, rngs=rngs)
+        )
 
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
         x = self.embed(tokens_BxT) + self.position[: tokens_BxT.shape[1]]

@@ -4,7 +4,8 @@ The loop calls `publish` and `snapshots`; neither waits.  Each thread owns its s
 sockets are not thread-safe):
 - publisher: the uplink's loop (island/uplink.py) on a PUB to the delta bus;
 - receiver: a SUB on the snapshot bus (snapshots, acks) and a DEALER to the merger's ROUTER, one
-  per merger shard (island/mergers.py; requests for values, resends, probes).  It hands acks and resend requests to the uplink and
+  per merger shard (island/mergers.py; requests for values, resends, probes).  It hands acks and
+resend requests to the uplink and
   reassembled snapshots to the downlink (island/snapshots.py), and sends what they ask for.  A
   snapshot of another model than the island's is not adopted: its layout is kept (`foreign`), for
   the join to refuse that merger by name.
@@ -49,48 +50,88 @@ class Route:
 class NetworkLink:
     """`uplink` and `downlink` are the emulated links' shapers (None: unlimited)."""
 
-    def __init__(self, name: str, model: str, sync: SyncConfig, delta_endpoint: str, snapshot_endpoint: str, control_endpoint: str | list[str],
-                 uplink: LinkShaper | None = None, downlink: LinkShaper | None = None, log=None,
-                 security: Security | None = None, bus_server: str = "broker", control_server: str = "merger",
-                 model_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        sync: SyncConfig,
+        delta_endpoint: str,
+        snapshot_endpoint: str,
+        control_endpoint: str | list[str],
+        uplink: LinkShaper | None = None,
+        downlink: LinkShaper | None = None,
+        log=None,
+        security: Security | None = None,
+        bus_server: str = "broker",
+        control_server: str = "merger",
+        model_bytes: int = 0,
+    ) -> None:
         self.name, self.model, self.log = name, model, log
         self._model_bytes = model_bytes
         self.security = security or Security(None, name)
-        self.delta_route, self.snapshot_route = Route(delta_endpoint, bus_server), Route(snapshot_endpoint, bus_server)
-        self.control_endpoints, self.control_server = split_endpoints(control_endpoint), control_server  # one per merger shard
+        self.delta_route, self.snapshot_route = (
+            Route(delta_endpoint, bus_server),
+            Route(snapshot_endpoint, bus_server),
+        )
+        # one per merger shard
+        self.control_endpoints, self.control_server = (
+            split_endpoints(control_endpoint),
+            control_server,
+        )
         self.epoch = time.time_ns()
         self._stop = threading.Event()
         # One record of each merger's newest epoch, whether heard on a snapshot or an ack: an old
         # primary that goes on alone after a split may still answer a probe point to point, past the
-        # broker's fencing; its ack must not settle a delta once the new primary's snapshots have come.
+        # broker's fencing; its ack must not settle a delta once the new primary's snapshots have
+        # come.
         epochs: dict[str, int] = {}
-        self.uplink = Uplink(name, model, self.epoch, sync, uplink or LinkShaper(None), self._stop, shards=len(self.control_endpoints),
-                             merger_epochs=epochs)
+        self.uplink = Uplink(
+            name,
+            model,
+            self.epoch,
+            sync,
+            uplink or LinkShaper(None),
+            self._stop,
+            shards=len(self.control_endpoints),
+            merger_epochs=epochs,
+        )
         self.downlink = Downlink(name, self.epoch, merger_epochs=epochs)
         self._downlink_shaper = downlink or LinkShaper(None)
         self.bytes_received = 0
-        self.bytes_received_values = 0  # of which full values (the model at the start, catch-ups): not a diff of one
+        # of which full values (the model at the start, catch-ups): not a diff of one
+        self.bytes_received_values = 0
         # Snapshots of another model than this island's (a merger started from another task): never
         # adopted; fragment -> {path: shape}, so that joining refuses it by name (IslandLoop.join).
-        # Replaced whole by the receiver thread, never changed in place: the loop reads a consistent value.
+        # Replaced whole by the receiver thread, never changed in place: the loop reads a consistent
+        # value.
         self.foreign: dict[int, dict[str, tuple[int, ...]]] = {}
         self._link_log = ThrottledLog(log) if log is not None else None
         self.links = LinkWatcher(self._link_changed)
         self._context = zmq.Context()
-        self._threads = [threading.Thread(target=self._publisher, name=f"{name}-publisher", daemon=True),
-                         threading.Thread(target=self._receiver, name=f"{name}-receiver", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._publisher, name=f"{name}-publisher", daemon=True),
+            threading.Thread(target=self._receiver, name=f"{name}-receiver", daemon=True),
+        ]
         for thread in self._threads:
             thread.start()
 
     # ---- called by the training loop (never blocks) -------------------------------------------
-    def publish(self, fragment: int, base_version: int, delta: dict[str, np.ndarray], steps: int, tokens: int) -> None:
+    def publish(
+        self,
+        fragment: int,
+        base_version: int,
+        delta: dict[str, np.ndarray],
+        steps: int,
+        tokens: int,
+    ) -> None:
         self.uplink.publish(PendingDelta(fragment, base_version, delta, steps, tokens))
 
     def take_residuals(self, paths) -> dict[str, np.ndarray]:
         return self.uplink.take_residuals(paths)
 
     def report_trained(self, tokens: int) -> None:
-        """This life's trained tokens, for the heartbeats (the merger sums them, PROTOCOL.md §6.1)."""
+        """This life's trained tokens, for the heartbeats (the merger sums them, PROTOCOL.md
+        §6.1)."""
         self.uplink.trained_tokens = tokens
 
     @property
@@ -99,7 +140,8 @@ class NetworkLink:
         return self.uplink.heard_tokens
 
     def snapshots(self) -> list[tuple[int, int, dict[str, np.ndarray]]]:
-        """Snapshots that have fully arrived (by the downlink's clock), oldest first: (fragment, version, tensors)."""
+        """Snapshots that have fully arrived (by the downlink's clock), oldest first: (fragment,
+        version, tensors)."""
         return self.downlink.ready(time.monotonic())
 
     def drain(self, timeout_s: float) -> bool:
@@ -143,7 +185,10 @@ class NetworkLink:
     @property
     def adopted_epochs(self) -> dict[str, list[int]]:
         """Per merger (shard), the epochs whose snapshots this island adopted, in order."""
-        return {sender: list(epochs) for sender, epochs in dict(self.downlink.adopted_epochs).items()}  # copied whole first: the receiver adds
+        # copied whole first: the receiver adds
+        return {
+            sender: list(epochs) for sender, epochs in dict(self.downlink.adopted_epochs).items()
+        }
 
     # ---- the threads ---------------------------------------------------------------------------
     def _link_changed(self, event: str, socket: str, endpoint: str) -> None:
@@ -152,39 +197,67 @@ class NetworkLink:
             self._link_log.info(event, socket=socket, endpoint=endpoint)
 
     def _publisher(self) -> None:
-        pub = open_socket(self._context, zmq.PUB, self.delta_route.endpoint, self.security, self.delta_route.server,
-                          send_hwm=self.uplink.sync.send_hwm)
+        pub = open_socket(
+            self._context,
+            zmq.PUB,
+            self.delta_route.endpoint,
+            self.security,
+            self.delta_route.server,
+            send_hwm=self.uplink.sync.send_hwm,
+        )
         self.links.watch(pub, "delta-bus")
         self.uplink.run(pub)
         pub.close(linger=0)
 
     def _receiver(self) -> None:
-        sub = open_socket(self._context, zmq.SUB, self.snapshot_route.endpoint, self.security, self.snapshot_route.server)
+        sub = open_socket(
+            self._context,
+            zmq.SUB,
+            self.snapshot_route.endpoint,
+            self.security,
+            self.snapshot_route.server,
+        )
         sub.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
         sub.setsockopt(zmq.SUBSCRIBE, b"ack")
         # the merger (each shard) routes resend requests to us by name; with a standby, to both
-        # mergers' control sockets ("A,B"), queueing only to one that is up (the primary binds its own)
-        self._mergers = MergerLinks(self._context, self.control_endpoints, self.security, self.control_server, self.name)
-        for socket, label in ((sub, "snapshot-bus"), *zip(self._mergers.dealers, self._mergers.names)):
+        # mergers' control sockets ("A,B"), queueing only to one that is up (the primary binds its
+        # own)
+        self._mergers = MergerLinks(
+            self._context, self.control_endpoints, self.security, self.control_server, self.name
+        )
+        for socket, label in (
+            (sub, "snapshot-bus"),
+            *zip(self._mergers.dealers, self._mergers.names),
+        ):
             self.links.watch(socket, label)
-        ask_all = {shard: protocol.encode(self.downlink.ask_for_all(time.monotonic())) for shard in range(self._mergers.count)}
-        # Bus and point-to-point snapshots reassemble apart: a catch-up reply (exact: fp32 or the full
-        # snapshots' codec) and a bus snapshot of one version share a key, and chunks of one must not
-        # meet the other's.
-        reassemblers = {socket: snapshot_reassembler(self._model_bytes) for socket in (sub, *self._mergers.dealers)}
+        ask_all = {
+            shard: protocol.encode(self.downlink.ask_for_all(time.monotonic()))
+            for shard in range(self._mergers.count)
+        }
+        # Bus and point-to-point snapshots reassemble apart: a catch-up reply (exact: fp32 or the
+        # full snapshots' codec) and a bus snapshot of one version share a key, and chunks of one
+        # must not meet the other's.
+        reassemblers = {
+            socket: snapshot_reassembler(self._model_bytes)
+            for socket in (sub, *self._mergers.dealers)
+        }
         poller = zmq.Poller()
         for socket in reassemblers:
             poller.register(socket, zmq.POLLIN)
         streams = self.uplink.streams
         while not self._stop.is_set():
-            for shard in [shard for shard, frames in ask_all.items() if self._mergers.send(frames, shard)]:
+            for shard in [
+                shard for shard, frames in ask_all.items() if self._mergers.send(frames, shard)
+            ]:
                 del ask_all[shard]
             for socket in dict(poller.poll(POLL_MS)):
                 frames = socket.recv_multipart(copy=False)
                 self._on_frames([f.buffer for f in frames], reassemblers[socket])
             now = time.monotonic()
             self.uplink.probe(now, self._mergers.send)
-            self.downlink.ask_for_values(now, lambda f: streams[shards.shard_of(f, len(streams))].seq, self._mergers.send_for)
+            self.downlink.ask_for_values(
+                now, lambda f: streams[shards.shard_of(f, len(streams))].seq, self._mergers.send_for
+            )
         sub.close(linger=0)
         self._mergers.close()
 
@@ -201,7 +274,8 @@ class NetworkLink:
         try:
             message = protocol.decode(frames)
             shard = self._mergers.shard_of_sender(message.sender)
-            if shard is None:  # only the merger (its shards) speaks to islands (the broker admits no other publisher)
+            # only the merger (its shards) speaks to islands (the broker admits no other publisher)
+            if shard is None:
                 self.uplink.count_dropped("foreign_sender")
                 return
             if isinstance(message, protocol.Ack):
@@ -212,7 +286,8 @@ class NetworkLink:
                 return
             if not isinstance(message, protocol.SnapshotChunk):
                 return
-            if not self._mergers.owns(shard, message.fragment):  # a shard speaks for its own fragments only
+            # a shard speaks for its own fragments only
+            if not self._mergers.owns(shard, message.fragment):
                 self.uplink.count_dropped("other_shard")
                 return
             if message.base_version is None:
@@ -222,11 +297,22 @@ class NetworkLink:
             self.uplink.count_dropped(error.reason)
             return
         if assembled is not None and assembled.header.model != self.model:
-            self.foreign = {**self.foreign, assembled.header.fragment: {p: tuple(np.shape(v)) for p, v in assembled.tensors.items()}}
+            self.foreign = {
+                **self.foreign,
+                assembled.header.fragment: {
+                    p: tuple(np.shape(v)) for p, v in assembled.tensors.items()
+                },
+            }
         elif assembled is not None:
             sender = assembled.header.sender
             before = len(self.downlink.adopted_epochs.get(sender, ()))
             self.downlink.on_snapshot(assembled.header, assembled.tensors, arrives)
-            if self.log is not None and len(self.downlink.adopted_epochs.get(sender, ())) > before:  # a new merger life's first value
-                self.log.info("merger_epoch", merger=sender, epoch=assembled.header.epoch, fragment=assembled.header.fragment,
-                              version=assembled.header.version)
+            # a new merger life's first value
+            if self.log is not None and len(self.downlink.adopted_epochs.get(sender, ())) > before:
+                self.log.info(
+                    "merger_epoch",
+                    merger=sender,
+                    epoch=assembled.header.epoch,
+                    fragment=assembled.header.fragment,
+                    version=assembled.header.version,
+                )

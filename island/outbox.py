@@ -19,16 +19,25 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class PendingDelta:
     fragment: int
-    base_version: int  # the fragment's version the work was last based on
-    delta: dict[str, np.ndarray]  # anchor - theta, float32
-    steps: int  # inner steps of work it carries
+    # the fragment's version the work was last based on
+    base_version: int
+    # anchor - theta, float32
+    delta: dict[str, np.ndarray]
+    # inner steps of work it carries
+    steps: int
     tokens: int
 
 
 def summed(older: PendingDelta, newer: PendingDelta) -> PendingDelta:
-    """`newer` on top of `older` (same fragment): deltas, steps and tokens added, `newer`'s base version."""
-    return PendingDelta(newer.fragment, newer.base_version, {path: newer.delta[path] + older.delta[path] for path in newer.delta},
-                        newer.steps + older.steps, newer.tokens + older.tokens)
+    """`newer` on top of `older` (same fragment): deltas, steps and tokens added, `newer`'s base
+    version."""
+    return PendingDelta(
+        newer.fragment,
+        newer.base_version,
+        {path: newer.delta[path] + older.delta[path] for path in newer.delta},
+        newer.steps + older.steps,
+        newer.tokens + older.tokens,
+    )
 
 
 class Outbox:

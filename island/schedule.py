@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 
-FLOOR = 0.1  # the decay ends at this fraction of the peak, as the step schedule's cosine does
+# the decay ends at this fraction of the peak, as the step schedule's cosine does
+FLOOR = 0.1
 
 
 def progress(cluster_tokens: int, budget: int) -> float:

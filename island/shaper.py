@@ -14,9 +14,12 @@ import dataclasses
 
 @dataclasses.dataclass
 class LinkShaper:
-    rate_bytes_s: float | None  # None: unlimited
-    latency_s: float = 0.0  # one way (rtt / 2)
-    _free_at: float = 0.0  # when the wire finishes sending what was scheduled so far
+    # None: unlimited
+    rate_bytes_s: float | None
+    # one way (rtt / 2)
+    latency_s: float = 0.0
+    # when the wire finishes sending what was scheduled so far
+    _free_at: float = 0.0
 
     def __post_init__(self) -> None:
         if self.rate_bytes_s is not None and self.rate_bytes_s <= 0:

@@ -23,22 +23,28 @@ from dloco.protocol import downlink
 
 def reassembly_budget(model_bytes: int) -> int:
     """Bytes of values an island's snapshot reassembly may stage: up to the whole model in fp32
-    (every fragment's catch-up reply at join), beyond the reassembler's default 256 MiB for a large model."""
+    (every fragment's catch-up reply at join), beyond the reassembler's default 256 MiB for a large
+    model.
+    """
     return max(protocol.Reassembler().max_bytes, model_bytes + (64 << 20))
 
 
 def snapshot_reassembler(model_bytes: int) -> protocol.Reassembler:
     """How an island reassembles snapshots: streamed (each chunk decoded into the fragment's staging
     values as it comes, its frames let go), the chunks' overheads within the reassembler's default
-    budget, the values within `reassembly_budget`: a fragment of any size the island's memory holds."""
+    budget, the values within `reassembly_budget`: a fragment of any size the island's memory holds.
+    """
     return protocol.Reassembler(stream=True, max_staged_bytes=reassembly_budget(model_bytes))
 
 
-ASK_AGAIN_S = 1.0  # a fragment whose diff could not be applied is asked for at most this often
+# a fragment whose diff could not be applied is asked for at most this often
+ASK_AGAIN_S = 1.0
+
 
 @dataclasses.dataclass(frozen=True)
 class Arrival:
-    arrives: float  # monotonic time at which the downlink shaper says it has fully arrived
+    # monotonic time at which the downlink shaper says it has fully arrived
+    arrives: float
     fragment: int
     version: int
     tensors: dict[str, np.ndarray]
@@ -61,15 +67,23 @@ class Downlink:
         self.name, self.epoch = name, epoch
         self.lock = threading.Lock()
         self.arrived: collections.deque[Arrival] = collections.deque()
-        self.served: dict[int, downlink.Served] = {}  # fragment -> the merger's value as received: diffs apply to it
-        self.awaiting_base: dict[int, EarlyDiff] = {}  # fragment -> a diff whose base is newer than the value held
-        self.wanted: dict[int, int] = {}  # fragment -> newest version seen in a diff that could not be applied
-        self.asked: dict[int, float] = {}  # fragment -> when its value was last asked for
-        self.asked_all = -ASK_AGAIN_S  # when every fragment was (at start)
+        # fragment -> the merger's value as received: diffs apply to it
+        self.served: dict[int, downlink.Served] = {}
+        # fragment -> a diff whose base is newer than the value held
+        self.awaiting_base: dict[int, EarlyDiff] = {}
+        # fragment -> newest version seen in a diff that could not be applied
+        self.wanted: dict[int, int] = {}
+        # fragment -> when its value was last asked for
+        self.asked: dict[int, float] = {}
+        # when every fragment was (at start)
+        self.asked_all = -ASK_AGAIN_S
         self.ask_again_s = ASK_AGAIN_S
-        self.merger_epochs: dict[str, int] = {} if merger_epochs is None else merger_epochs  # newest incarnation of each sender
-        self.results: collections.Counter[str] = collections.Counter()  # full, diff, old_epoch, gap, mismatch, asked, ...
-        self.adopted_epochs: dict[str, list[int]] = {}  # per merger (shard), the epochs whose snapshots were adopted, in order
+        # newest incarnation of each sender
+        self.merger_epochs: dict[str, int] = {} if merger_epochs is None else merger_epochs
+        # full, diff, old_epoch, gap, mismatch, asked, ...
+        self.results: collections.Counter[str] = collections.Counter()
+        # per merger (shard), the epochs whose snapshots were adopted, in order
+        self.adopted_epochs: dict[str, list[int]] = {}
 
     def ready(self, now: float) -> list[tuple[int, int, dict[str, np.ndarray]]]:
         """(fragment, version, tensors) of the values that have arrived by `now`, oldest first."""
@@ -85,15 +99,20 @@ class Downlink:
         self.asked_all = now
         return protocol.SnapshotRequest(sender=self.name, epoch=self.epoch, seq=0, fragments=())
 
-    def on_snapshot(self, head: protocol.SnapshotChunk, tensors: dict[str, np.ndarray], arrives: float) -> None:
-        """Hold and queue a newer value of the fragment; a diff that does not apply to the value held
-        is kept (the next full value may be its base) and the fragment's value is asked for."""
-        if head.epoch < self.merger_epochs.get(head.sender, 0):  # a restarted merger's predecessor, delayed
+    def on_snapshot(
+        self, head: protocol.SnapshotChunk, tensors: dict[str, np.ndarray], arrives: float
+    ) -> None:
+        """Hold and queue a newer value of the fragment; a diff that does not apply to the value
+        held is kept (the next full value may be its base) and the fragment's value is asked for."""
+        # a restarted merger's predecessor, delayed
+        if head.epoch < self.merger_epochs.get(head.sender, 0):
             self.results["old_epoch"] += 1
             return
         self.merger_epochs[head.sender] = max(head.epoch, self.merger_epochs.get(head.sender, 0))
         fragment = head.fragment
-        held, outcome = downlink.receive(self.served.get(fragment), head.version, head.base_version, head.digest, tensors)
+        held, outcome = downlink.receive(
+            self.served.get(fragment), head.version, head.base_version, head.digest, tensors
+        )
         self.results[outcome] += 1
         if outcome in downlink.ASK_AGAIN:
             self.wanted[fragment] = max(self.wanted.get(fragment, 0), head.version)
@@ -108,12 +127,16 @@ class Downlink:
         with self.lock:
             self.arrived.append(Arrival(arrives, fragment, head.version, held.tensors))
         early = self.awaiting_base.get(fragment)
-        if early is not None and early.head.base_version <= held.version:  # it can apply now, or never will
+        # it can apply now, or never will
+        if early is not None and early.head.base_version <= held.version:
             del self.awaiting_base[fragment]
-            if early.head.base_version == held.version:  # its base has just arrived
+            # its base has just arrived
+            if early.head.base_version == held.version:
                 self.on_snapshot(early.head, early.tensors, early.arrives)
 
-    def ask_for_values(self, now: float, seq_of: Callable[[int], int], send: Callable[[list, int], bool]) -> None:
+    def ask_for_values(
+        self, now: float, seq_of: Callable[[int], int], send: Callable[[list, int], bool]
+    ) -> None:
         """Ask the merger for the value of every fragment a diff could not be applied to, until a
         value at least that new is held; at most once per `ask_again_s` per fragment.  `seq_of(f)`
         is the island's last seq of the stream fragment f's deltas go on; `send(frames, f)` goes
@@ -125,7 +148,9 @@ class Downlink:
                 continue
             if now - self.asked.get(fragment, self.asked_all) < self.ask_again_s:
                 continue
-            request = protocol.SnapshotRequest(sender=self.name, epoch=self.epoch, seq=seq_of(fragment), fragments=(fragment,))
+            request = protocol.SnapshotRequest(
+                sender=self.name, epoch=self.epoch, seq=seq_of(fragment), fragments=(fragment,)
+            )
             if send(protocol.encode(request), fragment):
                 self.asked[fragment] = now
                 self.results["asked"] += 1

@@ -2,13 +2,14 @@
 
 `dloco island --task SPEC` (and `[model] task = SPEC` in a cluster file) names a function as
 ``PATH.py:FUNCTION`` or ``MODULE:FUNCTION``.  dloco calls it once per process with a TaskContext
-and trains what it returns; the built-in byte LM is such a function (``dloco.island.bytelm:task``, the
-default).  The merger never sees the task: it folds named float32 tensors.
+and trains what it returns; the built-in byte LM is such a function (``dloco.island.bytelm:task``,
+the default).  The merger never sees the task: it folds named float32 tensors.
 
     def task(ctx: TaskContext) -> Task:
         model = MyModel(rngs=nnx.Rngs(ctx.seed))          # a Flax NNX module
         return Task(model=model, loss=my_loss,              # loss(model, batch) -> scalar
-                    batches=my_shard(ctx.island_index, ctx.islands, ctx.batch, ctx.seed),  # endless iterator
+                    batches=my_shard(ctx.island_index, ctx.islands, ctx.batch, ctx.seed),  # endless
+iterator
                     eval_batches=my_held_out(ctx.batch))   # the same list on every island
 
 A batch is an array or a pytree of arrays whose leading axis is the batch (split over the local
@@ -43,26 +44,41 @@ class TaskError(DlocoError):
 class TaskContext:
     """What dloco tells the task function about this process."""
 
-    island_index: int  # which shard of the training data this island trains on, in [0, islands)
-    islands: int  # how many shards the training data is cut into
-    seed: int  # the model's initialisation seed: the same on every island and in `dloco prepare`
-    batch: int  # examples (sequences) per training step, over all local devices
-    max_steps: int  # inner steps this island plans to train (schedules may use it)
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # --task-option KEY=VALUE / the cluster file's [task]
+    # which shard of the training data this island trains on, in [0, islands)
+    island_index: int
+    # how many shards the training data is cut into
+    islands: int
+    # the model's initialisation seed: the same on every island and in `dloco prepare`
+    seed: int
+    # examples (sequences) per training step, over all local devices
+    batch: int
+    # inner steps this island plans to train (schedules may use it)
+    max_steps: int
+    # --task-option KEY=VALUE / the cluster file's [task]
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
 class Task:
-    """What an island trains.  `loss` and `metrics` are traced by `nnx.jit`: pure JAX on (model, batch)."""
+    """What an island trains.  `loss` and `metrics` are traced by `nnx.jit`: pure JAX on (model,
+    batch)."""
 
-    model: Any  # a flax.nnx.Module; its nnx.Param leaves are what the islands exchange
-    loss: Callable[[Any, Any], Any]  # (model, batch) -> scalar loss to minimise
-    batches: Iterator[Any]  # this island's training batches, endless
-    eval_batches: Sequence[Any]  # held-out batches, identical on every island (the global model is evaluated on them too)
-    optimizer: Any = None  # an optax.GradientTransformation; None: dloco's AdamW chain from the training settings
-    metrics: Callable[[Any, Any], Mapping[str, Any]] | None = None  # (model, batch) -> {name: scalar}, held-out extras (e.g. accuracy)
-    count: Callable[[Any], int] | None = None  # what one batch counts as "tokens" in the metrics; None: its leading dimension
-    name: str = ""  # shown in logs and reports
+    # a flax.nnx.Module; its nnx.Param leaves are what the islands exchange
+    model: Any
+    # (model, batch) -> scalar loss to minimise
+    loss: Callable[[Any, Any], Any]
+    # this island's training batches, endless
+    batches: Iterator[Any]
+    # held-out batches, identical on every island (the global model is evaluated on them too)
+    eval_batches: Sequence[Any]
+    # an optax.GradientTransformation; None: dloco's AdamW chain from the training settings
+    optimizer: Any = None
+    # (model, batch) -> {name: scalar}, held-out extras (e.g. accuracy)
+    metrics: Callable[[Any, Any], Mapping[str, Any]] | None = None
+    # what one batch counts as "tokens" in the metrics; None: its leading dimension
+    count: Callable[[Any], int] | None = None
+    # shown in logs and reports
+    name: str = ""
 
     def tokens_in(self, batch) -> int:
         return int(self.count(batch)) if self.count is not None else examples_in(batch)
@@ -84,23 +100,35 @@ def resolve(spec: str) -> Callable[[TaskContext], Task]:
         path = Path(where).expanduser().resolve()
         if not path.is_file():
             raise TaskError(f"task file {where} does not exist")
-        if str(path.parent) not in sys.path:  # a task file may import the modules beside it
+        # a task file may import the modules beside it
+        if str(path.parent) not in sys.path:
             sys.path.insert(0, str(path.parent))
         name = f"dloco_task_{path.stem}_{abs(hash(str(path)))}"
         loader = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(loader)
-        sys.modules[name] = module  # dataclasses and pickling look the module up by name
+        # dataclasses and pickling look the module up by name
+        sys.modules[name] = module
         try:
             loader.loader.exec_module(module)
-        except Exception as error:  # the user's file: any error in it is a task error, with its own message
+        # the user's file: any error in it is a task error, with its own message
+        except Exception as error:
             del sys.modules[name]
-            raise TaskError(f"task file {where} failed to import: {type(error).__name__}: {error}") from error
+            raise TaskError(
+                f"task file {where} failed to import: {type(error).__name__}: {error}"
+            ) from error
     else:
         try:
             module = importlib.import_module(where)
-        except Exception as error:  # the user's module: any error in it is a task error, with its own message
-            hint = f" (the project's modules import as dloco.{where})" if where.split(".")[0] in _FORMER_NAMES else ""
-            raise TaskError(f"task module {where!r} cannot be imported: {type(error).__name__}: {error}{hint}") from error
+        # the user's module: any error in it is a task error, with its own message
+        except Exception as error:
+            hint = (
+                f" (the project's modules import as dloco.{where})"
+                if where.split(".")[0] in _FORMER_NAMES
+                else ""
+            )
+            raise TaskError(
+                f"task module {where!r} cannot be imported: {type(error).__name__}: {error}{hint}"
+            ) from error
     found = getattr(module, function, None)
     if not callable(found):
         raise TaskError(f"{where} has no function {function!r}")
@@ -114,27 +142,39 @@ def build(spec: str, context: TaskContext) -> Task:
         task = function(context)
     except DlocoError:
         raise
-    except Exception as error:  # the user's code: say whose error it is, with its own message
+    # the user's code: say whose error it is, with its own message
+    except Exception as error:
         raise TaskError(f"task {spec} raised {type(error).__name__}: {error}") from error
     if not isinstance(task, Task):
         raise TaskError(f"task {spec} returned {type(task).__name__}, not island.task.Task")
     from flax import nnx
 
     if not isinstance(task.model, nnx.Module):
-        raise TaskError(f"task {spec}: model is a {type(task.model).__name__}, not a flax.nnx.Module")
+        raise TaskError(
+            f"task {spec}: model is a {type(task.model).__name__}, not a flax.nnx.Module"
+        )
     if not callable(task.loss):
         raise TaskError(f"task {spec}: loss is not callable")
     if not isinstance(task.eval_batches, Sequence):
-        raise TaskError(f"task {spec}: eval_batches must be a list (it is read at every evaluation), got {type(task.eval_batches).__name__}")
+        raise TaskError(
+            f"task {spec}: eval_batches must be a list (it is read at every evaluation), got"
+            f" {type(task.eval_batches).__name__}"
+        )
     if len(task.eval_batches) == 0:
-        raise TaskError(f"task {spec}: eval_batches is empty (the held-out loss needs at least one batch)")
+        raise TaskError(
+            f"task {spec}: eval_batches is empty (the held-out loss needs at least one batch)"
+        )
     if not hasattr(task.batches, "__next__"):
-        raise TaskError(f"task {spec}: batches must be an iterator (it has no __next__); wrap a list in iter() or write a generator")
+        raise TaskError(
+            f"task {spec}: batches must be an iterator (it has no __next__); wrap a list in iter()"
+            " or write a generator"
+        )
     return task
 
 
 def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` pairs; a value is read as an int, a float, true/false, or else kept as a string."""
+    """``KEY=VALUE`` pairs; a value is read as an int, a float, true/false, or else kept as a
+    string."""
     options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -160,13 +200,25 @@ def _literal(text: str):
     return text
 
 
-def first_difference(theirs: Mapping[str, tuple[int, ...]], ours: Mapping[str, tuple[int, ...]]) -> str | None:
-    """The first path (in sorted order) where two models' {path: shape} differ, said for a person; None if equal."""
+def first_difference(
+    theirs: Mapping[str, tuple[int, ...]], ours: Mapping[str, tuple[int, ...]]
+) -> str | None:
+    """The first path (in sorted order) where two models' {path: shape} differ, said for a person;
+    None if equal."""
     for path in sorted(set(theirs) | set(ours)):
         if path not in ours:
-            return f"the merger's model has {path} {tuple(theirs[path])}, this task's has no such parameter"
+            return (
+                f"the merger's model has {path} {tuple(theirs[path])}, this task's has no such"
+                " parameter"
+            )
         if path not in theirs:
-            return f"this task's model has {path} {tuple(ours[path])}, the merger's has no such parameter"
+            return (
+                f"this task's model has {path} {tuple(ours[path])}, the merger's has no such"
+                " parameter"
+            )
         if tuple(theirs[path]) != tuple(ours[path]):
-            return f"{path} is {tuple(theirs[path])} in the merger's model and {tuple(ours[path])} in this task's"
+            return (
+                f"{path} is {tuple(theirs[path])} in the merger's model and {tuple(ours[path])} in"
+                " this task's"
+            )
     return None

@@ -1,4 +1,5 @@
-"""`dloco tokenize`: a file or folder of text to a token file that an island reads (`data.load_tokens`).
+"""`dloco tokenize`: a file or folder of text to a token file that an island reads
+(`data.load_tokens`).
 
 The text is the same selection as a text corpus (`data.text_files`: default the stdlib sources),
 concatenated in the same order with one newline after each file, so a `bytes` token file holds
@@ -33,22 +34,37 @@ from dloco.island.data import CorpusError
 
 TOKENIZERS = ("bytes", "bpe")
 DEFAULT_BPE_VOCAB = 4096
-PIECE_CHARS = 1 << 20  # a longer file is encoded in line-aligned pieces of about this many characters
-BATCH_BYTES = 8 << 20  # text per encode_batch call and per progress line
+# a longer file is encoded in line-aligned pieces of about this many characters
+PIECE_CHARS = 1 << 20
+# text per encode_batch call and per progress line
+BATCH_BYTES = 8 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenizeConfig:
-    tokenizer: str = "bytes"  # "bytes": each byte is an id; "bpe": a byte-level BPE trained on the source
-    vocab: int | None = None  # bpe: the vocabulary to train (default 4096); bytes: 256 or None
+    # "bytes": each byte is an id; "bpe": a byte-level BPE trained on the source
+    tokenizer: str = "bytes"
+    # bpe: the vocabulary to train (default 4096); bytes: 256 or None
+    vocab: int | None = None
 
     def __post_init__(self) -> None:
         if self.tokenizer not in TOKENIZERS:
-            raise CorpusError(f"tokenizer must be one of {', '.join(TOKENIZERS)}, got {self.tokenizer!r}")
+            raise CorpusError(
+                f"tokenizer must be one of {', '.join(TOKENIZERS)}, got {self.tokenizer!r}"
+            )
         if self.tokenizer == "bytes" and self.vocab not in (None, 256):
-            raise CorpusError(f"the bytes tokenizer has a vocabulary of 256, got --vocab {self.vocab}")
-        if self.tokenizer == "bpe" and self.vocab is not None and not 256 <= self.vocab <= data.MAX_VOCAB:
-            raise CorpusError(f"a byte-level BPE vocabulary holds the 256 bytes and at most {data.MAX_VOCAB} ids, got {self.vocab}")
+            raise CorpusError(
+                f"the bytes tokenizer has a vocabulary of 256, got --vocab {self.vocab}"
+            )
+        if (
+            self.tokenizer == "bpe"
+            and self.vocab is not None
+            and not 256 <= self.vocab <= data.MAX_VOCAB
+        ):
+            raise CorpusError(
+                f"a byte-level BPE vocabulary holds the 256 bytes and at most {data.MAX_VOCAB} ids,"
+                f" got {self.vocab}"
+            )
 
     @property
     def target_vocab(self) -> int:
@@ -60,21 +76,31 @@ class TokenizeReport:
     out: str
     tokenizer: str
     tokens: int
-    bytes_in: int  # text bytes encoded: the files and one newline after each
+    # text bytes encoded: the files and one newline after each
+    bytes_in: int
     files: int
-    vocab: int  # the trained vocabulary (a small source can give fewer ids than asked for)
+    # the trained vocabulary (a small source can give fewer ids than asked for)
+    vocab: int
     dtype: str
     seconds: float
-    lossy_files: int  # bpe: files that were not UTF-8, encoded with U+FFFD in place of their bad bytes
+    # bpe: files that were not UTF-8, encoded with U+FFFD in place of their bad bytes
+    lossy_files: int
 
     @property
     def bytes_per_token(self) -> float:
         return self.bytes_in / self.tokens if self.tokens else 0.0
 
     def summary(self) -> str:
-        lossy = f"; {self.lossy_files} files not UTF-8, their bad bytes replaced" if self.lossy_files else ""
-        return (f"wrote {self.out}: {self.tokens:,} tokens ({self.dtype}, {self.tokenizer}, vocab {self.vocab}) "
-                f"from {self.bytes_in:,} bytes in {self.files} files, {self.bytes_per_token:.3f} bytes/token, {self.seconds:.1f} s{lossy}")
+        lossy = (
+            f"; {self.lossy_files} files not UTF-8, their bad bytes replaced"
+            if self.lossy_files
+            else ""
+        )
+        return (
+            f"wrote {self.out}: {self.tokens:,} tokens ({self.dtype}, {self.tokenizer}, vocab"
+            f" {self.vocab}) from {self.bytes_in:,} bytes in {self.files} files,"
+            f" {self.bytes_per_token:.3f} bytes/token, {self.seconds:.1f} s{lossy}"
+        )
 
 
 def tokenizer_path(out: str | Path) -> Path:
@@ -83,9 +109,10 @@ def tokenizer_path(out: str | Path) -> Path:
 
 
 def line_pieces(text: str, limit: int = PIECE_CHARS) -> list[str]:
-    """`text` cut into consecutive pieces of at most about `limit` characters, each ending after a newline
-    where the stretch has one; ''.join(pieces) == text.  Encoding pieces instead of a whole file bounds the
-    encoder's memory; a cut between lines changes at most the merges across that one boundary."""
+    """`text` cut into consecutive pieces of at most about `limit` characters, each ending after a
+    newline where the stretch has one; ''.join(pieces) == text.  Encoding pieces instead of a whole
+    file bounds the encoder's memory; a cut between lines changes at most the merges across that one
+    boundary."""
     pieces, start = [], 0
     while len(text) - start > limit:
         cut = text.rfind("\n", start, start + limit) + 1
@@ -96,17 +123,22 @@ def line_pieces(text: str, limit: int = PIECE_CHARS) -> list[str]:
 
 
 def decode_text(raw: bytes) -> tuple[str, bool]:
-    """(text, whether bytes were lost): BPE encodes strings, and a file that is not UTF-8 gets U+FFFD."""
+    """(text, whether bytes were lost): BPE encodes strings, and a file that is not UTF-8 gets
+    U+FFFD."""
     try:
         return raw.decode("utf-8"), False
     except UnicodeDecodeError:
         return raw.decode("utf-8", errors="replace"), True
 
 
-def tokenize(src: str | Path | None, out: str | Path, config: TokenizeConfig,
-             progress: Callable[[str], None] = lambda line: None) -> TokenizeReport:
-    """Write `out` (FILE.bin), its sidecar FILE.json and, for bpe, FILE.tokenizer.json; report the figures.
-    `progress` receives one line per batch of files."""
+def tokenize(
+    src: str | Path | None,
+    out: str | Path,
+    config: TokenizeConfig,
+    progress: Callable[[str], None] = lambda line: None,
+) -> TokenizeReport:
+    """Write `out` (FILE.bin), its sidecar FILE.json and, for bpe, FILE.tokenizer.json; report the
+    figures. `progress` receives one line per batch of files."""
     started, out = time.monotonic(), Path(out)
     if out.suffix != ".bin":
         raise CorpusError(f"--out must name a .bin file (its sidecar is FILE.json), got {out}")
@@ -117,7 +149,8 @@ def tokenize(src: str | Path | None, out: str | Path, config: TokenizeConfig,
     progress(f"{len(files)} files, {total / 1e6:.1f} MB of text under {root}")
     out.parent.mkdir(parents=True, exist_ok=True)
     sidecar = data.sidecar_path(out)
-    # First: a crash later leaves a token file without a sidecar, never an old sidecar (or old ids) beside a new tokenizer.
+    # First: a crash later leaves a token file without a sidecar, never an old sidecar (or old ids)
+    # beside a new tokenizer.
     sidecar.unlink(missing_ok=True)
     encoder = None
     if config.tokenizer == "bpe":
@@ -131,24 +164,43 @@ def tokenize(src: str | Path | None, out: str | Path, config: TokenizeConfig,
         writer = _BatchWriter(handle, encoder, data.TOKEN_DTYPES[dtype], counts)
         for index, file in enumerate(files, 1):
             raw = file.read_bytes()
-            listing.update(data.listing_line(root, file, len(raw)))  # as data.load hashes it: the same source, the same digest
+            # as data.load hashes it: the same source, the same digest
+            listing.update(data.listing_line(root, file, len(raw)))
             if writer.add(raw + b"\n") or index == len(files):
                 writer.flush()
                 megabytes = f"{counts['bytes'] / 1e6:.1f}/{total / 1e6:.1f} MB"
-                progress(f"encoded {index}/{len(files)} files, {megabytes}, {counts['tokens']:,} tokens")
+                progress(
+                    f"encoded {index}/{len(files)} files, {megabytes}, {counts['tokens']:,} tokens"
+                )
 
     _replace(out, write_ids)
-    info = data.TokenFileInfo(dtype=dtype, vocab=vocab, tokens=counts["tokens"], tokenizer=config.tokenizer,
-                              source_digest=listing.hexdigest(), files=len(files), bytes=counts["bytes"],
-                              tokenizer_file=tokenizer_path(out).name if encoder is not None else "")
+    info = data.TokenFileInfo(
+        dtype=dtype,
+        vocab=vocab,
+        tokens=counts["tokens"],
+        tokenizer=config.tokenizer,
+        source_digest=listing.hexdigest(),
+        files=len(files),
+        bytes=counts["bytes"],
+        tokenizer_file=tokenizer_path(out).name if encoder is not None else "",
+    )
     _replace(sidecar, lambda handle: handle.write(info.to_json().encode()))
-    return TokenizeReport(str(out), config.tokenizer, info.tokens, info.bytes, len(files), vocab, dtype,
-                          time.monotonic() - started, counts["lossy"])
+    return TokenizeReport(
+        str(out),
+        config.tokenizer,
+        info.tokens,
+        info.bytes,
+        len(files),
+        vocab,
+        dtype,
+        time.monotonic() - started,
+        counts["lossy"],
+    )
 
 
 class _BatchWriter:
-    """Collects text until BATCH_BYTES, then appends its ids to the file: bytes as they are, bpe through
-    one `encode_batch` call (the encoder's threads share the work)."""
+    """Collects text until BATCH_BYTES, then appends its ids to the file: bytes as they are, bpe
+    through one `encode_batch` call (the encoder's threads share the work)."""
 
     def __init__(self, handle: BinaryIO, encoder, dtype: np.dtype, counts: dict[str, int]) -> None:
         self.handle, self.encoder, self.dtype, self.counts = handle, encoder, dtype, counts
@@ -182,14 +234,21 @@ class _BatchWriter:
 
 
 def _train_bpe(files: list[Path], vocab: int, progress: Callable[[str], None]):
-    """A byte-level BPE (GPT-2's pre-tokenizer and byte alphabet, no special tokens) trained on the files."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # only this command needs it
+    """A byte-level BPE (GPT-2's pre-tokenizer and byte alphabet, no special tokens) trained on the
+    files."""
+    # only this command needs it
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     encoder = Tokenizer(models.BPE())
     encoder.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     encoder.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, show_progress=False, special_tokens=[],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # all 256 bytes, seen or not
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        show_progress=False,
+        special_tokens=[],
+        # all 256 bytes, seen or not
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
 
     def texts() -> Iterator[str]:
         read = 0
@@ -208,7 +267,8 @@ def _train_bpe(files: list[Path], vocab: int, progress: Callable[[str], None]):
 
 
 def _replace(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write through a temporary file in the same folder, then rename it over `path`: all or nothing."""
+    """Write through a temporary file in the same folder, then rename it over `path`: all or
+    nothing."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(temporary, "wb") as handle:

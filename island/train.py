@@ -24,12 +24,25 @@ def schedule(config: TrainConfig) -> optax.Schedule:
     token budget, warmup then constant: the decay over the cluster's tokens multiplies it
     (island/schedule.py, Trainer.set_rate_scale)."""
     if config.schedule == "constant" or config.budget_tokens:
-        return optax.linear_schedule(0.0, config.lr, max(1, config.warmup)) if config.warmup else optax.constant_schedule(config.lr)
-    return optax.warmup_cosine_decay_schedule(0.0, config.lr, max(1, config.warmup), max(config.max_steps, config.warmup + 1), config.lr * 0.1)
+        return (
+            optax.linear_schedule(0.0, config.lr, max(1, config.warmup))
+            if config.warmup
+            else optax.constant_schedule(config.lr)
+        )
+    return optax.warmup_cosine_decay_schedule(
+        0.0,
+        config.lr,
+        max(1, config.warmup),
+        max(config.max_steps, config.warmup + 1),
+        config.lr * 0.1,
+    )
 
 
 def inner_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    return optax.chain(optax.clip_by_global_norm(config.clip), optax.adamw(schedule(config), weight_decay=config.weight_decay))
+    return optax.chain(
+        optax.clip_by_global_norm(config.clip),
+        optax.adamw(schedule(config), weight_decay=config.weight_decay),
+    )
 
 
 class Trainer:
@@ -37,13 +50,23 @@ class Trainer:
     along their leading axis; in a multi-process island every process is handed the same global
     batch and places only its own devices' rows, so the step equals one process's over as many
     devices.  `loss(model, batch)` is the task's; `metrics(model, batch)`,
-    optional, gives held-out extras ({name: scalar}) averaged over the eval batches like the loss."""
+    optional, gives held-out extras ({name: scalar}) averaged over the eval batches like the loss.
+    """
 
-    def __init__(self, model: nnx.Module, loss, train_config: TrainConfig, optimizer: optax.GradientTransformation | None = None,
-                 metrics=None) -> None:
+    def __init__(
+        self,
+        model: nnx.Module,
+        loss,
+        train_config: TrainConfig,
+        optimizer: optax.GradientTransformation | None = None,
+        metrics=None,
+    ) -> None:
         self.devices = jax.devices()
         if train_config.batch % len(self.devices):
-            raise DlocoError(f"batch {train_config.batch} must be divisible by the island's {len(self.devices)} devices")
+            raise DlocoError(
+                f"batch {train_config.batch} must be divisible by the island's {len(self.devices)}"
+                " devices"
+            )
         self.mesh = Mesh(np.array(self.devices), ("data",))
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -58,8 +81,14 @@ class Trainer:
         self.rate_scale = 1.0
         # Parameters and optimizer state replicated from the start, as every step returns them: the
         # second step then reuses the first one's compilation instead of compiling again.
-        nnx.update(self.model, jax.tree.map(lambda leaf: place(leaf, self.replicated), nnx.state(self.model)))
-        nnx.update(self.optimizer, jax.tree.map(lambda leaf: place(leaf, self.replicated), nnx.state(self.optimizer)))
+        nnx.update(
+            self.model,
+            jax.tree.map(lambda leaf: place(leaf, self.replicated), nnx.state(self.model)),
+        )
+        nnx.update(
+            self.optimizer,
+            jax.tree.map(lambda leaf: place(leaf, self.replicated), nnx.state(self.optimizer)),
+        )
 
         def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch):
             value, grads = nnx.value_and_grad(loss)(model, batch)
@@ -69,7 +98,10 @@ class Trainer:
         def evaluate(model: nnx.Module, batch):
             extra = metrics(model, batch) if metrics is not None else {}
             if "loss" in extra:
-                raise TaskError("a task's metrics may not be named 'loss' (the held-out loss is the task's loss)")
+                raise TaskError(
+                    "a task's metrics may not be named 'loss' (the held-out loss is the task's"
+                    " loss)"
+                )
             return {"loss": loss(model, batch), **extra}
 
         self._step = nnx.jit(train_step)
@@ -83,15 +115,22 @@ class Trainer:
         loss, grad_norm = self._step(self.model, self.optimizer, self._put(batch))
         loss, grad_norm = float(loss), float(grad_norm)
         if not (np.isfinite(loss) and np.isfinite(grad_norm)):
-            raise DivergedError(f"inner step produced loss={loss}, grad_norm={grad_norm}: stopping; nothing from this state is published")
+            raise DivergedError(
+                f"inner step produced loss={loss}, grad_norm={grad_norm}: stopping; nothing from"
+                " this state is published"
+            )
         return loss, grad_norm
 
     def set_rate_scale(self, value: float) -> None:
         """Multiply every later update by `value` (a run with a token budget only)."""
         if not self.budgeted:
-            raise DlocoError("the rate scale is for a run with a token budget (TrainConfig.budget_tokens)")
+            raise DlocoError(
+                "the rate scale is for a run with a token budget (TrainConfig.budget_tokens)"
+            )
         if value != self.rate_scale:
-            self.optimizer.opt_state[-1].hyperparams["step_size"][...] = place(np.float32(value), self.replicated)
+            self.optimizer.opt_state[-1].hyperparams["step_size"][...] = place(
+                np.float32(value), self.replicated
+            )
             self.rate_scale = value
 
     def evaluate(self, batches) -> float:
@@ -100,7 +139,8 @@ class Trainer:
 
     def evaluate_all(self, batches) -> dict[str, float]:
         """The mean held-out loss and the task's metrics, each averaged over the batches."""
-        self.model.eval()  # Dropout off, BatchNorm on its running statistics (modules that have neither ignore it)
+        # Dropout off, BatchNorm on its running statistics (modules that have neither ignore it)
+        self.model.eval()
         try:
             results = [self._eval(self.model, self._put(b)) for b in batches]
         finally:
@@ -117,9 +157,13 @@ class Trainer:
 
 
 def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
-    """A model's parameters as {"a/b/c": float32 host array}: the names the islands and the merger exchange."""
+    """A model's parameters as {"a/b/c": float32 host array}: the names the islands and the merger
+    exchange."""
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    return {"/".join(str(k) for k in key): np.asarray(local(value), dtype=np.float32) for key, value in flat.items()}
+    return {
+        "/".join(str(k) for k in key): np.asarray(local(value), dtype=np.float32)
+        for key, value in flat.items()
+    }
 
 
 def place(value, sharding):
@@ -128,7 +172,9 @@ def place(value, sharding):
     if sharding is None or sharding.is_fully_addressable:
         return jax.device_put(value, sharding)
     if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
-        return jax.random.wrap_key_data(place(jax.random.key_data(value), sharding), impl=jax.random.key_impl(value))
+        return jax.random.wrap_key_data(
+            place(jax.random.key_data(value), sharding), impl=jax.random.key_impl(value)
+        )
     host = np.asarray(value)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
@@ -136,16 +182,23 @@ def place(value, sharding):
 def local(value):
     """A replicated value as this process sees it (its first device's copy when the array spans
     other processes' devices too)."""
-    return value if not isinstance(value, jax.Array) or value.is_fully_addressable else value.addressable_data(0)
+    return (
+        value
+        if not isinstance(value, jax.Array) or value.is_fully_addressable
+        else value.addressable_data(0)
+    )
 
 
 def assign(model: nnx.Module, values: dict[str, np.ndarray], placement=None) -> None:
-    """Overwrite the named parameters of `model` in place (a subset is fine); `placement`: a sharding
-    to put them with (None: the default device).  A Trainer and a model loaded outside one share it."""
+    """Overwrite the named parameters of `model` in place (a subset is fine); `placement`: a
+    sharding to put them with (None: the default device).  A Trainer and a model loaded outside one
+    share it.
+    """
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     flat = traverse_util.flatten_dict(pure)
     by_path = {"/".join(str(k) for k in key): key for key in flat}
-    for path, value in values.items():  # float32 on the wire; each parameter keeps its own dtype (bf16 stays bf16)
+    # float32 on the wire; each parameter keeps its own dtype (bf16 stays bf16)
+    for path, value in values.items():
         flat[by_path[path]] = place(np.asarray(value, dtype=flat[by_path[path]].dtype), placement)
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(flat))

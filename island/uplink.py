@@ -35,16 +35,22 @@ from dloco.island.shaper import LinkShaper
 from dloco.protocol.shards import shard_of
 
 POLL_MS = 50
-HEARTBEAT_S = 0.5  # a heartbeat carries the last seq, so a lost tail is asked for within this
-PROBE_AFTER_S = 3.0  # a delta admitted this long ago and still unsettled: its result (an ack) was lost; ask again
+# a heartbeat carries the last seq, so a lost tail is asked for within this
+HEARTBEAT_S = 0.5
+# a delta admitted this long ago and still unsettled: its result (an ack) was lost; ask again
+PROBE_AFTER_S = 3.0
+
 
 @dataclasses.dataclass
 class Stream:
     """The deltas of one merger shard's fragments, numbered 1, 2, ... on their own."""
 
-    kept: RetransmitBuffer  # every chunk until the shard's cursor covers it
-    seq: int = 0  # last seq sent
-    cursor: int = 0  # highest seq the shard's cursor covered
+    # every chunk until the shard's cursor covers it
+    kept: RetransmitBuffer
+    # last seq sent
+    seq: int = 0
+    # highest seq the shard's cursor covered
+    cursor: int = 0
 
 
 @dataclasses.dataclass
@@ -52,33 +58,65 @@ class SentDelta:
     """A delta sent in full, not yet settled."""
 
     fragment: int
-    last_seq: int  # seq of its last chunk, in the stream of its fragment's shard
-    first_chunk: list  # frames of its first chunk: sent again as a probe
-    admitted_at: float | None = None  # monotonic time the merger's cursor was seen past last_seq; None: not yet
-    probed_at: float | None = None  # monotonic time of the last probe (or of admission)
+    # seq of its last chunk, in the stream of its fragment's shard
+    last_seq: int
+    # frames of its first chunk: sent again as a probe
+    first_chunk: list
+    # monotonic time the merger's cursor was seen past last_seq; None: not yet
+    admitted_at: float | None = None
+    # monotonic time of the last probe (or of admission)
+    probed_at: float | None = None
 
 
 class Uplink:
     """Shared by three threads: the loop (`publish`, `drain`), the publisher (`run`) and the
     receiver (`on_ack`, `resend`, `probe`).  `lock` guards everything they share."""
 
-    def __init__(self, name: str, model: str, epoch: int, sync: SyncConfig, shaper: LinkShaper, stop: threading.Event,
-                 shards: int = 1, merger_epochs: dict[str, int] | None = None) -> None:
-        self.name, self.model, self.epoch, self.sync, self.shaper, self.stop = name, model, epoch, sync, shaper, stop
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        epoch: int,
+        sync: SyncConfig,
+        shaper: LinkShaper,
+        stop: threading.Event,
+        shards: int = 1,
+        merger_epochs: dict[str, int] | None = None,
+    ) -> None:
+        self.name, self.model, self.epoch, self.sync, self.shaper, self.stop = (
+            name,
+            model,
+            epoch,
+            sync,
+            shaper,
+            stop,
+        )
         self.codec = protocol.Codec(sync.codec, sync.block)
         self.lock = threading.Condition()
         self.outbox = Outbox()
-        self.in_flight = False  # the publisher has taken a delta off the outbox and not finished sending it
-        self.residuals: dict[str, np.ndarray] = {}  # error feedback: what quantization left out, added to the next delta
+        # the publisher has taken a delta off the outbox and not finished sending it
+        self.in_flight = False
+        # error feedback: what quantization left out, added to the next delta
+        self.residuals: dict[str, np.ndarray] = {}
         # each stream has the whole retransmit budget (a delta that fits one merger's fits each
         # shard's): the island holds at most `shards` times it
-        self.streams = [Stream(RetransmitBuffer(max_messages=sync.retransmit_messages, max_bytes=sync.retransmit_bytes))
-                        for _ in range(shards)]
-        self.unsettled: dict[int, SentDelta] = {}  # by delta id
-        self.settled: set[int] = set()  # delta ids with a result (an ack can arrive twice)
-        self.results: collections.Counter[str] = collections.Counter()  # folded, rejected, unknown, dropped/<reason>
+        self.streams = [
+            Stream(
+                RetransmitBuffer(
+                    max_messages=sync.retransmit_messages, max_bytes=sync.retransmit_bytes
+                )
+            )
+            for _ in range(shards)
+        ]
+        # by delta id
+        self.unsettled: dict[int, SentDelta] = {}
+        # delta ids with a result (an ack can arrive twice)
+        self.settled: set[int] = set()
+        # folded, rejected, unknown, dropped/<reason>
+        self.results: collections.Counter[str] = collections.Counter()
         # newest epoch heard from each merger (by name), on acks and, when shared with the Downlink,
-        # on snapshots: a replaced merger's acks are ignored once its successor has been heard at all
+        # on snapshots: a replaced merger's acks are ignored once its successor has been heard at
+        # all
         self.merger_epochs: dict[str, int] = {} if merger_epochs is None else merger_epochs
         # fragment -> deltas of it settled without a fold (rejected, or given up on): a blocking
         # island waiting for such a delta's fold must stop waiting
@@ -101,7 +139,9 @@ class Uplink:
         deadline = time.monotonic() + timeout_s
         with self.lock:
             while time.monotonic() < deadline:
-                settled = self.results["folded"] + self.results["rejected"] + self.results["unknown"]
+                settled = (
+                    self.results["folded"] + self.results["rejected"] + self.results["unknown"]
+                )
                 if not self.outbox and not self.in_flight and settled >= self.deltas_sent:
                     return True
                 self.lock.wait(timeout=POLL_MS / 1000)
@@ -112,9 +152,9 @@ class Uplink:
             self.lock.notify_all()
 
     def take_residuals(self, paths) -> dict[str, np.ndarray]:
-        """The error-feedback residuals of `paths` (what quantization has not delivered yet), removed
-        from here: the loop keeps them in the island's own parameters from now on (a rebase), and
-        its next delta, taken against the new anchor, carries them."""
+        """The error-feedback residuals of `paths` (what quantization has not delivered yet),
+        removed from here: the loop keeps them in the island's own parameters from now on (a
+        rebase), and its next delta, taken against the new anchor, carries them."""
         with self.lock:
             return {path: self.residuals.pop(path) for path in paths if path in self.residuals}
 
@@ -125,17 +165,28 @@ class Uplink:
         while not self.stop.is_set():
             with self.lock:
                 pending = None
-                while not self.stop.is_set() and time.monotonic() < next_heartbeat and (pending := self.outbox.take(self._room_for)) is None:
+                while (
+                    not self.stop.is_set()
+                    and time.monotonic() < next_heartbeat
+                    and (pending := self.outbox.take(self._room_for)) is None
+                ):
                     self.lock.wait(timeout=POLL_MS / 1000)
                 if self.stop.is_set():
-                    if pending is not None:  # taken as the link closed: back where it was, unsent
+                    # taken as the link closed: back where it was, unsent
+                    if pending is not None:
                         self.outbox.put(pending)
                     break
                 self.in_flight = pending is not None
-            if time.monotonic() >= next_heartbeat:  # tells each shard our last seq of its stream: tail loss shows up
+            # tells each shard our last seq of its stream: tail loss shows up
+            if time.monotonic() >= next_heartbeat:
                 for index, stream in enumerate(self.streams):
-                    beat = protocol.Heartbeat(sender=self.name, epoch=self.epoch, seq=stream.seq, stream=index,
-                                              tokens=self.trained_tokens)
+                    beat = protocol.Heartbeat(
+                        sender=self.name,
+                        epoch=self.epoch,
+                        seq=stream.seq,
+                        stream=index,
+                        tokens=self.trained_tokens,
+                    )
                     pub.send_multipart(protocol.encode(beat))
                 next_heartbeat = time.monotonic() + HEARTBEAT_S
             if pending is None:
@@ -148,29 +199,48 @@ class Uplink:
 
     def _send(self, pub: zmq.Socket, delta_id: int, pending: PendingDelta) -> None:
         delta = pending.delta
-        if self.sync.error_feedback:  # the loop may take residuals meanwhile (take_residuals): hand them over whole
+        # the loop may take residuals meanwhile (take_residuals): hand them over whole
+        if self.sync.error_feedback:
             with self.lock:
-                residuals = {path: self.residuals.pop(path) for path in delta if path in self.residuals}
+                residuals = {
+                    path: self.residuals.pop(path) for path in delta if path in self.residuals
+                }
             delta, kept = protocol.compensate(delta, residuals, self.codec)
             with self.lock:
                 self.residuals.update(kept)
         plans = protocol.split_fragment(delta, self.codec, self.sync.chunk_bytes)
         stream, first = self.streams[shard_of(pending.fragment, len(self.streams))], None
         for index, plan in enumerate(plans):
-            frames = protocol.encode(protocol.DeltaChunk(
-                sender=self.name, epoch=self.epoch, seq=stream.seq + 1, delta_id=delta_id, fragment=pending.fragment,
-                base_version=pending.base_version, chunk_index=index, chunk_count=len(plans), steps=pending.steps, tokens=pending.tokens,
-                model=self.model, codec=self.codec, slices=plan.slices, payloads=plan.payloads))
+            frames = protocol.encode(
+                protocol.DeltaChunk(
+                    sender=self.name,
+                    epoch=self.epoch,
+                    seq=stream.seq + 1,
+                    delta_id=delta_id,
+                    fragment=pending.fragment,
+                    base_version=pending.base_version,
+                    chunk_index=index,
+                    chunk_count=len(plans),
+                    steps=pending.steps,
+                    tokens=pending.tokens,
+                    model=self.model,
+                    codec=self.codec,
+                    slices=plan.slices,
+                    payloads=plan.payloads,
+                )
+            )
             nbytes = sum(memoryview(f).nbytes for f in frames)
             if not self._wait_for_room(stream, nbytes):
                 return
             _, arrives = self.shaper.schedule(nbytes, time.monotonic())
-            self._sleep_until(arrives)  # this thread waits for the emulated wire, never the loop
+            # this thread waits for the emulated wire, never the loop
+            self._sleep_until(arrives)
             if self.stop.is_set():
                 return
             with self.lock:
                 stream.seq += 1
-                stream.kept.add(stream.seq, frames, nbytes)  # until the shard's cursor covers it
+                # until the shard's cursor covers it
+                stream.kept.add(stream.seq, frames, nbytes)
             pub.send_multipart(frames, copy=False)
             self.bytes_sent += nbytes
             first = first or frames
@@ -188,12 +258,19 @@ class Uplink:
         if len(self.streams) == 1:
             return True
         kept = self.streams[shard_of(pending.fragment, len(self.streams))].kept
-        nbytes = sum(self.codec.encoded_nbytes(int(np.size(value))) for value in pending.delta.values())
-        chunks = -(-nbytes // self.sync.chunk_bytes) + len(pending.delta)  # at most: a chunk boundary inside each tensor
-        return not len(kept) or (len(kept) + chunks <= kept.max_messages and kept.nbytes + nbytes + chunks * 4096 <= kept.max_bytes)
+        nbytes = sum(
+            self.codec.encoded_nbytes(int(np.size(value))) for value in pending.delta.values()
+        )
+        # at most: a chunk boundary inside each tensor
+        chunks = -(-nbytes // self.sync.chunk_bytes) + len(pending.delta)
+        return not len(kept) or (
+            len(kept) + chunks <= kept.max_messages
+            and kept.nbytes + nbytes + chunks * 4096 <= kept.max_bytes
+        )
 
     def _wait_for_room(self, stream: Stream, nbytes: int) -> bool:
-        """Backpressure: a full retransmit buffer stops this thread (the loop's outbox keeps summing)."""
+        """Backpressure: a full retransmit buffer stops this thread (the loop's outbox keeps
+        summing)."""
         with self.lock:
             while not stream.kept.has_room(nbytes):
                 if self.stop.is_set():
@@ -218,7 +295,11 @@ class Uplink:
             self.merger_epochs[ack.sender] = max(ack.epoch, self.merger_epochs.get(ack.sender, 0))
             self.heard_tokens = max(self.heard_tokens, ack.tokens)
             for result in ack.results:
-                if result.island == self.name and result.epoch == self.epoch and result.delta_id not in self.settled:
+                if (
+                    result.island == self.name
+                    and result.epoch == self.epoch
+                    and result.delta_id not in self.settled
+                ):
                     self.settled.add(result.delta_id)
                     self.unsettled.pop(result.delta_id, None)
                     self.results[result.status] += 1
@@ -231,7 +312,9 @@ class Uplink:
                     stream.cursor = max(stream.cursor, cursor.seq)
             self.lock.notify_all()
 
-    def resend(self, request: protocol.ResendRequest, send: Callable[[list], bool], shard: int = 0) -> None:
+    def resend(
+        self, request: protocol.ResendRequest, send: Callable[[list], bool], shard: int = 0
+    ) -> None:
         """The kept chunks of `shard`'s stream that it asks for, point to point (not on the bus).
         `send` never blocks; what it cannot send now the receiver asks for again."""
         if request.target != self.name or request.target_epoch != self.epoch:
@@ -248,24 +331,39 @@ class Uplink:
         shards = len(self.streams)
         with self.lock:
             for sent in self.unsettled.values():
-                if sent.admitted_at is None and sent.last_seq <= self.streams[shard_of(sent.fragment, shards)].cursor:  # admitted (logged) now
+                # admitted (logged) now
+                if (
+                    sent.admitted_at is None
+                    and sent.last_seq <= self.streams[shard_of(sent.fragment, shards)].cursor
+                ):
                     sent.admitted_at = sent.probed_at = now
             timeout_s = self.sync.settle_timeout_s
-            expired = [d for d, sent in self.unsettled.items() if sent.admitted_at is not None and now - sent.admitted_at > timeout_s]
-            for delta_id in expired:  # the merger does not know it (e.g. rejected, then restarted): stop asking
+            expired = [
+                d
+                for d, sent in self.unsettled.items()
+                if sent.admitted_at is not None and now - sent.admitted_at > timeout_s
+            ]
+            # the merger does not know it (e.g. rejected, then restarted): stop asking
+            for delta_id in expired:
                 self.unfolded[self.unsettled.pop(delta_id).fragment] += 1
-                self.settled.add(delta_id)  # a late answer is not counted twice
+                # a late answer is not counted twice
+                self.settled.add(delta_id)
                 self.results["unknown"] += 1
             if expired:
                 self.lock.notify_all()
-            due = [sent for sent in self.unsettled.values() if sent.probed_at is not None and now - sent.probed_at >= PROBE_AFTER_S]
+            due = [
+                sent
+                for sent in self.unsettled.values()
+                if sent.probed_at is not None and now - sent.probed_at >= PROBE_AFTER_S
+            ]
             for sent in due:
                 sent.probed_at = now
         for sent in due:
             if send(sent.first_chunk, shard_of(sent.fragment, shards)):
                 self.probes += 1
 
-    # ---- one stream (no shards): what tests and benchmarks look at ---------------------------------
+    # ---- one stream (no shards): what tests and benchmarks look at
+    # ---------------------------------
     @property
     def seq(self) -> int:
         """The last seq sent on the first stream (the only one without merger shards)."""

@@ -29,19 +29,23 @@ class Candidate:
     steps: int
     tokens: int
     model: str
-    tensors: Mapping[str, np.ndarray]  # path -> float32 delta (anchor - theta)
+    # path -> float32 delta (anchor - theta)
+    tensors: Mapping[str, np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     admitted: bool
-    reason: str  # "" when admitted; a stable label otherwise (metric key merger/rejected/<label>)
+    # "" when admitted; a stable label otherwise (metric key merger/rejected/<label>)
+    reason: str
     detail: str
     staleness: int
-    norm: float = 0.0  # the delta's Euclidean norm (float64), once the checks got that far
+    # the delta's Euclidean norm (float64), once the checks got that far
+    norm: float = 0.0
 
 
-FLOAT32_SAFE_NORM = float(np.sqrt(np.finfo(np.float32).max))  # ~1.8e19: squares of larger values overflow float32
+# ~1.8e19: squares of larger values overflow float32
+FLOAT32_SAFE_NORM = float(np.sqrt(np.finfo(np.float32).max))
 
 
 def delta_norm(tensors: Mapping[str, np.ndarray | CodedTensor]) -> float:
@@ -58,8 +62,15 @@ def delta_norm(tensors: Mapping[str, np.ndarray | CodedTensor]) -> float:
     return float(np.sqrt(total))
 
 
-def admit(candidate: Candidate, *, version: int, layout: Mapping[str, tuple[int, ...]], model: str, max_staleness: int,
-          norm_limit: float | None = None) -> Verdict:
+def admit(
+    candidate: Candidate,
+    *,
+    version: int,
+    layout: Mapping[str, tuple[int, ...]],
+    model: str,
+    max_staleness: int,
+    norm_limit: float | None = None,
+) -> Verdict:
     """Judge `candidate` against fragment state `version` whose tensors have shapes `layout`, and
     its norm against `norm_limit` (None: not judged)."""
     staleness = version - candidate.base_version
@@ -70,25 +81,47 @@ def admit(candidate: Candidate, *, version: int, layout: Mapping[str, tuple[int,
     if candidate.model != model:
         return reject("model_mismatch", f"model fingerprint {candidate.model} != {model}")
     if set(candidate.tensors) != set(layout):
-        missing, extra = sorted(set(layout) - set(candidate.tensors)), sorted(set(candidate.tensors) - set(layout))
-        return reject("layout_mismatch", f"fragment {candidate.fragment}: missing {missing[:3]}, unexpected {extra[:3]}")
+        missing, extra = (
+            sorted(set(layout) - set(candidate.tensors)),
+            sorted(set(candidate.tensors) - set(layout)),
+        )
+        return reject(
+            "layout_mismatch",
+            f"fragment {candidate.fragment}: missing {missing[:3]}, unexpected {extra[:3]}",
+        )
     for path, shape in layout.items():
         if tuple(candidate.tensors[path].shape) != tuple(shape):
-            return reject("layout_mismatch", f"{path}: shape {candidate.tensors[path].shape} != {tuple(shape)}")
+            return reject(
+                "layout_mismatch",
+                f"{path}: shape {candidate.tensors[path].shape} != {tuple(shape)}",
+            )
     if staleness < 0:
-        return reject("future_base", f"base version {candidate.base_version} is ahead of version {version}")
+        return reject(
+            "future_base", f"base version {candidate.base_version} is ahead of version {version}"
+        )
     if staleness > max_staleness:
         return reject("stale", f"staleness {staleness} > {max_staleness}")
     if candidate.steps < 1 or candidate.tokens < 1:
-        return reject("empty", f"steps={candidate.steps}, tokens={candidate.tokens}: nothing was trained")
+        return reject(
+            "empty", f"steps={candidate.steps}, tokens={candidate.tokens}: nothing was trained"
+        )
     for path, delta in candidate.tensors.items():
         if isinstance(delta, CodedTensor):
-            continue  # int records: scales were checked finite and bounded when decoded from the wire
+            # int records: scales were checked finite and bounded when decoded from the wire
+            continue
         if not np.isfinite(delta).all():
             return reject("non_finite", f"{path} holds NaN or Inf")
     norm = delta_norm(candidate.tensors)
     if not np.isfinite(norm) or norm >= FLOAT32_SAFE_NORM:
-        return Verdict(False, "non_finite", f"norm {norm:.4g} overflows float32 arithmetic", staleness, norm)
+        return Verdict(
+            False, "non_finite", f"norm {norm:.4g} overflows float32 arithmetic", staleness, norm
+        )
     if norm_limit is not None and norm > norm_limit:
-        return Verdict(False, "outlier_norm", f"norm {norm:.4g} > limit {norm_limit:.4g} (outlier_factor x recent norms)", staleness, norm)
+        return Verdict(
+            False,
+            "outlier_norm",
+            f"norm {norm:.4g} > limit {norm_limit:.4g} (outlier_factor x recent norms)",
+            staleness,
+            norm,
+        )
     return Verdict(True, "", "", staleness, norm)

@@ -39,7 +39,11 @@ def _array(entry: dict) -> np.ndarray:
 def _entry(value) -> dict:
     """An array's entry; `data` views its bytes (`save` writes them as a blob)."""
     array = np.ascontiguousarray(np.asarray(value))
-    return {"dtype": array.dtype.str, "shape": list(array.shape), "data": memoryview(array.reshape(-1)).cast("B")}
+    return {
+        "dtype": array.dtype.str,
+        "shape": list(array.shape),
+        "data": memoryview(array.reshape(-1)).cast("B"),
+    }
 
 
 def _arrays(content: dict):
@@ -54,16 +58,26 @@ def export_state(core: MergerCore, next_index: int) -> dict:
         "next_index": next_index,
         "digest": core.digest(),
         "fragments": [
-            {"version": s.version, "params": {p: _entry(v) for p, v in s.params.items()},
-             "opt_leaves": [_entry(leaf) for leaf in jax.tree_util.tree_leaves(s.opt_state)]}
+            {
+                "version": s.version,
+                "params": {p: _entry(v) for p, v in s.params.items()},
+                "opt_leaves": [_entry(leaf) for leaf in jax.tree_util.tree_leaves(s.opt_state)],
+            }
             for s in core.states
         ],
         "pending": [p.wal_index for queue in core.pending for p in queue],
-        "settled": [[r.island, r.epoch, r.delta_id, r.fragment, r.status, r.version, r.reason] for r in core.settled.values()],
+        "settled": [
+            [r.island, r.epoch, r.delta_id, r.fragment, r.status, r.version, r.reason]
+            for r in core.settled.values()
+        ],
         "cursors": [[island, epoch, seq] for island, (epoch, seq) in sorted(core.cursors.items())],
-        "recent": [[fragment, island, at, weight] for fragment, contributions in enumerate(core.last_contributions)
-                   for island, (at, weight) in sorted(contributions.items())],
-        # the poisoning defence's references (merger/outliers.py): a restarted merger judges as this one did
+        "recent": [
+            [fragment, island, at, weight]
+            for fragment, contributions in enumerate(core.last_contributions)
+            for island, (at, weight) in sorted(contributions.items())
+        ],
+        # the poisoning defence's references (merger/outliers.py): a restarted merger judges as this
+        # one did
         "norms": [history.export() for history in core.norms],
         "moves": [history.export() for history in core.moves],
     }
@@ -75,18 +89,24 @@ def import_state(core: MergerCore, data: dict) -> None:
         params = {p: _array(v).astype(np.float32, copy=False) for p, v in entry["params"].items()}
         template = core.optimizer.init([params[p] for p in sorted(params)])
         treedef = jax.tree_util.tree_structure(template)
-        opt_state = jax.tree_util.tree_unflatten(treedef, [jax.numpy.asarray(_array(leaf)) for leaf in entry["opt_leaves"]])
+        opt_state = jax.tree_util.tree_unflatten(
+            treedef, [jax.numpy.asarray(_array(leaf)) for leaf in entry["opt_leaves"]]
+        )
         core.states[fragment] = FragmentState(entry["version"], params, opt_state)
     core.cursors = {island: (epoch, seq) for island, epoch, seq in data.get("cursors", [])}
     core.last_contributions = [{} for _ in core.fragments]
-    for fragment, island, at, weight in data.get("recent", []):  # the key on disk; absent from older checkpoints
+    # the key on disk; absent from older checkpoints
+    for fragment, island, at, weight in data.get("recent", []):
         core.last_contributions[fragment][island] = (at, weight)
-    for key in ("norms", "moves"):  # absent from older checkpoints: the references start empty
+    # absent from older checkpoints: the references start empty
+    for key in ("norms", "moves"):
         for history, exported in zip(getattr(core, key), data.get(key, [])):
             history.restore(exported)
     core.settled.clear()
     for island, epoch, delta_id, fragment, status, version, reason in data["settled"]:
-        core.settled[(island, epoch, delta_id)] = DeltaResult(island, epoch, delta_id, fragment, status, version, reason)
+        core.settled[(island, epoch, delta_id)] = DeltaResult(
+            island, epoch, delta_id, fragment, status, version, reason
+        )
 
 
 def save(directory: str | Path, core: MergerCore, next_index: int) -> Path:
@@ -105,7 +125,8 @@ def save(directory: str | Path, core: MergerCore, next_index: int) -> Path:
         with open(temporary, "wb") as handle:
             handle.write(_HEADER.pack(len(meta), crc32(meta)))
             handle.write(meta)
-            handle.writelines(blobs)  # straight from the arrays: no copy
+            # straight from the arrays: no copy
+            handle.writelines(blobs)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, final)
@@ -114,7 +135,8 @@ def save(directory: str | Path, core: MergerCore, next_index: int) -> Path:
             os.fsync(fd)
         finally:
             os.close(fd)
-    except OSError as error:  # a full disk: no half-written file stays behind (the log holds everything)
+    # a full disk: no half-written file stays behind (the log holds everything)
+    except OSError as error:
         temporary.unlink(missing_ok=True)
         raise StorageError(f"cannot write checkpoint {final}: {error.strerror or error}") from error
     return final
@@ -144,7 +166,8 @@ def read(path: Path) -> dict | None:
         if blobs:
             for entry in _arrays(content):
                 entry["data"] = blobs[entry.pop("blob")]
-    except (KeyError, IndexError, TypeError, AttributeError):  # a map that does not name its arrays' blobs
+    # a map that does not name its arrays' blobs
+    except (KeyError, IndexError, TypeError, AttributeError):
         return None
     return content
 

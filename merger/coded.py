@@ -40,7 +40,8 @@ KERNELS_VERSION = 1
 
 
 def _parts(codes: jax.Array, bits: int) -> list[jax.Array]:
-    """uint8 (..., C) codes -> the int32 levels each byte holds, one array per position in the byte."""
+    """uint8 (..., C) codes -> the int32 levels each byte holds, one array per position in the
+    byte."""
     if bits == 8:
         return [jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.int32)]
     c = codes.astype(jnp.int32)
@@ -51,7 +52,9 @@ def _parts(codes: jax.Array, bits: int) -> list[jax.Array]:
 
 def _interleave(parts: Sequence[jax.Array]) -> jax.Array:
     """Per-position arrays (..., C) -> (..., K) in value order (PROTOCOL.md §Codecs)."""
-    return parts[0] if len(parts) == 1 else jnp.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)
+    return (
+        parts[0] if len(parts) == 1 else jnp.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)
+    )
 
 
 def parts_per_byte(bits: int) -> int:
@@ -68,8 +71,8 @@ def _halving_sum(x: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("bits",))
 def block_square_sums(codes: jax.Array, bits: int) -> jax.Array:
-    """(M, B, C) codes -> (M, B) int32: sum of squared levels per block (exact, so any order will do:
-    bytes are not unpacked into value order)."""
+    """(M, B, C) codes -> (M, B) int32: sum of squared levels per block (exact, so any order will
+    do: bytes are not unpacked into value order)."""
     return _halving_sum(sum(q * q for q in _parts(codes, bits)))
 
 
@@ -89,7 +92,9 @@ def _accumulate(u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: 
 
 
 @functools.partial(jax.jit, static_argnames=("bits",), donate_argnums=(0,))
-def accumulate(u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: int) -> list[jax.Array]:
+def accumulate(
+    u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: int
+) -> list[jax.Array]:
     """u (per position in the byte, (B, C) each) + sum_m factors_m * levels_m over (G, B, C) codes
     and (G, B) factors, m in order.  Kept per position: interleaving once per fold, not once per
     delta, made this 2x faster."""
@@ -97,27 +102,39 @@ def accumulate(u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: i
 
 
 @functools.partial(jax.jit, static_argnames=("bits",))
-def accumulate_last(u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+def accumulate_last(
+    u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: int
+) -> tuple[jax.Array, jax.Array]:
     """`accumulate` for a round's last group: (u in value order (B, K), per-block sums of u^2)."""
     return _accumulate(u, codes, factors, bits, last=True)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "last"))
-def accumulate_first(zero: jax.Array, codes: jax.Array, factors: jax.Array, bits: int, last: bool = False):
+def accumulate_first(
+    zero: jax.Array, codes: jax.Array, factors: jax.Array, bits: int, last: bool = False
+):
     """`accumulate` onto u = `zero` (a float32 scalar 0, passed in): a round's first group, without
     allocating and filling a zero u first.  A zero known at compile time would let XLA drop the
     additions and contract the first products differently (1 ulp off the sequential order)."""
-    return _accumulate([jnp.broadcast_to(zero, codes.shape[1:])] * parts_per_byte(bits), codes, factors, bits, last)
+    return _accumulate(
+        [jnp.broadcast_to(zero, codes.shape[1:])] * parts_per_byte(bits), codes, factors, bits, last
+    )
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def sparse_accumulate(u: jax.Array, index: jax.Array, levels: jax.Array, factors: jax.Array) -> jax.Array:
+def sparse_accumulate(
+    u: jax.Array, index: jax.Array, levels: jax.Array, factors: jax.Array
+) -> jax.Array:
     """u (T, K) plus, for each of G deltas in order, factors (G, T) times levels (G, T, k) at the
     kept positions index (G, T, k) of each block: distinct per delta and block, so each addition
     lands once per delta and the order of the sums is fixed."""
     rows = jnp.arange(u.shape[0])[:, None]
     for m in range(index.shape[0]):
-        u = u.at[rows, index[m]].add(levels[m].astype(jnp.float32) * factors[m][:, None], indices_are_sorted=True, unique_indices=True)
+        u = u.at[rows, index[m]].add(
+            levels[m].astype(jnp.float32) * factors[m][:, None],
+            indices_are_sorted=True,
+            unique_indices=True,
+        )
     return u
 
 
@@ -127,11 +144,13 @@ def block_squares(u: jax.Array) -> jax.Array:
     return _halving_sum(u * u)
 
 
-GROUPS = (1, 2, 4, 8)  # deltas per kernel call: a round of any size compiles at most these shapes
+# deltas per kernel call: a round of any size compiles at most these shapes
+GROUPS = (1, 2, 4, 8)
 
 
 def groups(count: int) -> list[tuple[int, int, int]]:
-    """(first, used, padded size) groups covering `count` deltas: 8 at a time, then the smallest that fits."""
+    """(first, used, padded size) groups covering `count` deltas: 8 at a time, then the smallest
+    that fits."""
     out, first = [], 0
     while first < count:
         left = count - first
@@ -146,10 +165,14 @@ def _padded(arrays: list[np.ndarray], size: int) -> np.ndarray:
     return np.stack(arrays + [np.zeros_like(arrays[0])] * (size - len(arrays)))
 
 
-def _pseudo_gradient(tiles: list[jax.Array], block_scale: jax.Array, layout: tuple) -> list[jax.Array]:
-    """The tiles of u (value order, (T, K) each), times block_scale, cut into the fragment's tensors:
-    layout = ((first block, count, shape), ...).  Each tensor is assembled from slices of just the
-    tiles it spans (concatenating every tile first made XLA copy the whole fragment twice: 2x slower)."""
+def _pseudo_gradient(
+    tiles: list[jax.Array], block_scale: jax.Array, layout: tuple
+) -> list[jax.Array]:
+    """The tiles of u (value order, (T, K) each), times block_scale, cut into the fragment's
+    tensors: layout = ((first block, count, shape), ...).  Each tensor is assembled from slices of
+    just the tiles it spans (concatenating every tile first made XLA copy the whole fragment twice:
+    2x slower).
+    """
     size, K = tiles[0].shape
     out = []
     for b0, count, shape in layout:
@@ -174,7 +197,14 @@ def _outer_step(optimizer: optax.GradientTransformation):
     optimizer = optax.with_extra_args_support(optimizer)
 
     @functools.partial(jax.jit, static_argnames=("layout",))
-    def step(params: list, opt_state, tiles: list, block_scale: jax.Array, share: jax.Array, layout: tuple):
+    def step(
+        params: list,
+        opt_state,
+        tiles: list,
+        block_scale: jax.Array,
+        share: jax.Array,
+        layout: tuple,
+    ):
         # the barrier: computed once, not again inside each use the optimizer makes of it (slower)
         pseudo = jax.lax.optimization_barrier(_pseudo_gradient(tiles, block_scale, layout))
         updates, opt_state = optimizer.update(pseudo, opt_state, params, share=share)
@@ -183,21 +213,26 @@ def _outer_step(optimizer: optax.GradientTransformation):
     return step
 
 
-TILE_BLOCKS = 8192  # blocks per kernel call: fragments of any size run the same few compiled shapes
+# blocks per kernel call: fragments of any size run the same few compiled shapes
+TILE_BLOCKS = 8192
 
 
 def tile_blocks(blocks: int) -> int:
-    """Tile size for a fragment of `blocks` blocks: TILE_BLOCKS, or the power of two >= blocks (>= 16)."""
+    """Tile size for a fragment of `blocks` blocks: TILE_BLOCKS, or the power of two >= blocks (>=
+    16)."""
     return min(TILE_BLOCKS, max(16, 1 << (blocks - 1).bit_length()))
 
 
-def warm_up(fragment_values: Sequence[int], block: int = 256, bits: int = 4, stopping=lambda: False) -> None:
+def warm_up(
+    fragment_values: Sequence[int], block: int = 256, bits: int = 4, stopping=lambda: False
+) -> None:
     """Compile the kernels ahead of the first rounds, for fragments of these sizes (values) and one
     codec (int4, block 256 by default: the islands' default).  `stopping()` true: return before
     the next compilation (one cannot be cut short, and a process must not exit during one)."""
     for tile in sorted({tile_blocks(-(-values // block)) for values in fragment_values}):
         codes = np.zeros((tile, block * bits // 8), np.uint8)
-        for size in GROUPS:  # a round's first group, the groups after it; the last one of each
+        # a round's first group, the groups after it; the last one of each
+        for size in GROUPS:
             if stopping():
                 return
             group, factors = _padded([codes], size), np.zeros((size, tile), np.float32)
@@ -215,10 +250,11 @@ def _code_tiles(deltas: list[list[np.ndarray]], size: int, T: int, n_tiles: int)
     passes over the codes."""
     C = deltas[0][0].shape[1]
     buffer = _aligned_empty((n_tiles, size, T, C))
-    buffer[:, len(deltas):] = 0
+    buffer[:, len(deltas) :] = 0
     for m, tensors in enumerate(deltas):
         row = 0
-        for codes in tensors:  # rows [row, row + len(codes)) of this delta, cut at tile boundaries
+        # rows [row, row + len(codes)) of this delta, cut at tile boundaries
+        for codes in tensors:
             done = 0
             while done < len(codes):
                 t, r = divmod(row + done, T)
@@ -228,8 +264,10 @@ def _code_tiles(deltas: list[list[np.ndarray]], size: int, T: int, n_tiles: int)
             row += len(codes)
         t, r = divmod(row, T)
         if t < n_tiles:
-            buffer[t, m, r:] = 0  # the last tile's padding blocks: zero codes (and factor 0)
-    return [jax.device_put(buffer[i]) for i in range(n_tiles)]  # aligned: XLA reads the buffer itself, no copy
+            # the last tile's padding blocks: zero codes (and factor 0)
+            buffer[t, m, r:] = 0
+    # aligned: XLA reads the buffer itself, no copy
+    return [jax.device_put(buffer[i]) for i in range(n_tiles)]
 
 
 def _aligned_empty(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
@@ -246,24 +284,41 @@ def _sum64(x: np.ndarray) -> float:
     return float(np.add.reduce(np.asarray(x, dtype=np.float64)))
 
 
-def merge(tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[float], plain: dict[str, bool]) -> tuple[dict, list[float], float]:
+def merge(
+    tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[float], plain: dict[str, bool]
+) -> tuple[dict, list[float], float]:
     """The merged pseudo-gradient of one round (canonical order, normalised weights), the fragment
     norm of every delta, and the merged norm.  `plain[path]`: weighted average instead of RDA."""
-    paths, tiles, block_scale, layout, delta_norms, merged_norm = _direction(tensors, weights, plain)
+    paths, tiles, block_scale, layout, delta_norms, merged_norm = _direction(
+        tensors, weights, plain
+    )
     return dict(zip(paths, split(tiles, block_scale, layout))), delta_norms, merged_norm
 
 
-def merge_and_step(optimizer: optax.GradientTransformation, params: dict, opt_state, tensors: Sequence[dict[str, CodedTensor]],
-                   weights: Sequence[float], plain: dict[str, bool], share: float = 1.0) -> tuple[dict, object, list[float], float]:
-    """`merge` and the outer step (optimizer state over the path-ordered params, as `outer.make_step`;
-    `share`: the fold's share of a round, for the optimizer), the pseudo-gradient built inside the
-    step: (new params, new optimizer state, delta norms, merged norm)."""
-    paths, tiles, block_scale, layout, delta_norms, merged_norm = _direction(tensors, weights, plain)
-    new, opt_state = _outer_step(optimizer)([params[p] for p in paths], opt_state, tiles, block_scale, np.float32(share), layout)
+def merge_and_step(
+    optimizer: optax.GradientTransformation,
+    params: dict,
+    opt_state,
+    tensors: Sequence[dict[str, CodedTensor]],
+    weights: Sequence[float],
+    plain: dict[str, bool],
+    share: float = 1.0,
+) -> tuple[dict, object, list[float], float]:
+    """`merge` and the outer step (optimizer state over the path-ordered params, as
+    `outer.make_step`; `share`: the fold's share of a round, for the optimizer), the pseudo-gradient
+    built inside the step: (new params, new optimizer state, delta norms, merged norm)."""
+    paths, tiles, block_scale, layout, delta_norms, merged_norm = _direction(
+        tensors, weights, plain
+    )
+    new, opt_state = _outer_step(optimizer)(
+        [params[p] for p in paths], opt_state, tiles, block_scale, np.float32(share), layout
+    )
     return dict(zip(paths, new)), opt_state, delta_norms, merged_norm
 
 
-def _direction(tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[float], plain: dict[str, bool]):
+def _direction(
+    tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[float], plain: dict[str, bool]
+):
     paths = sorted(tensors[0])
     codec = tensors[0][paths[0]].codec
     spans, layout, start = {}, [], 0
@@ -282,20 +337,39 @@ def _direction(tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[floa
     if codec.sparse:
         kept = [_sparse_levels([t[p] for p in paths], n_tiles * T) for t in tensors]
         scales = [s.astype(np.float64) for s, _, _ in kept]
-        squares = np.stack([(levels.astype(np.int64) ** 2).sum(axis=1)[:start] for _, _, levels in kept]).astype(np.float64)
+        squares = np.stack(
+            [(levels.astype(np.int64) ** 2).sum(axis=1)[:start] for _, _, levels in kept]
+        ).astype(np.float64)
     else:
-        codes = [_code_tiles([[t[p].codes for p in paths] for t in tensors[a : a + n]], g, T, n_tiles) for a, n, g in plan]
+        codes = [
+            _code_tiles([[t[p].codes for p in paths] for t in tensors[a : a + n]], g, T, n_tiles)
+            for a, n, g in plan
+        ]
         scales = [np.concatenate([t[p].scales for p in paths]).astype(np.float64) for t in tensors]
         squares = np.concatenate(
-            [np.concatenate([np.asarray(block_square_sums(group[i], codec.bits))[:n] for group, (_, n, _) in zip(codes, plan)])
-             for i in range(n_tiles)], axis=1)[:, :start].astype(np.float64)
-    norms = [{p: float(np.sqrt(_sum64(scale[b0:b1] ** 2 * sq[b0:b1]))) for p, (b0, b1) in spans.items()} for scale, sq in zip(scales, squares)]
-    factors = np.zeros((len(tensors), n_tiles * T), dtype=np.float64)  # padding blocks: factor 0, inert
+            [
+                np.concatenate(
+                    [
+                        np.asarray(block_square_sums(group[i], codec.bits))[:n]
+                        for group, (_, n, _) in zip(codes, plan)
+                    ]
+                )
+                for i in range(n_tiles)
+            ],
+            axis=1,
+        )[:, :start].astype(np.float64)
+    norms = [
+        {p: float(np.sqrt(_sum64(scale[b0:b1] ** 2 * sq[b0:b1]))) for p, (b0, b1) in spans.items()}
+        for scale, sq in zip(scales, squares)
+    ]
+    # padding blocks: factor 0, inert
+    factors = np.zeros((len(tensors), n_tiles * T), dtype=np.float64)
     for m, (weight, scale) in enumerate(zip(weights, scales)):
         for path, (b0, b1) in spans.items():
             if plain[path]:
                 factors[m, b0:b1] = weight * scale[b0:b1]
-            elif norms[m][path] > 0:  # a zero delta contributes no direction
+            # a zero delta contributes no direction
+            elif norms[m][path] > 0:
                 factors[m, b0:b1] = weight / norms[m][path] * scale[b0:b1]
     factors = list(factors.astype(np.float32))
     tiles, sums = [], []
@@ -304,15 +378,25 @@ def _direction(tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[floa
             u = jnp.zeros((T, codec.block), jnp.float32)
             for a, n, g in plan:
                 index = tile([k[1] for k in kept[a : a + n]], i, g)
-                index[n:] = np.arange(index.shape[-1], dtype=np.int32)  # padding deltas: distinct positions, level 0
-                u = sparse_accumulate(u, index, tile([k[2] for k in kept[a : a + n]], i, g), tile(factors[a : a + n], i, g))
+                # padding deltas: distinct positions, level 0
+                index[n:] = np.arange(index.shape[-1], dtype=np.int32)
+                u = sparse_accumulate(
+                    u,
+                    index,
+                    tile([k[2] for k in kept[a : a + n]], i, g),
+                    tile(factors[a : a + n], i, g),
+                )
             tiles.append(u)
             sums.append(block_squares(u))
             continue
         (_, n, g), single = plan[0], len(plan) == 1
-        u = accumulate_first(np.float32(0), codes[0][i], tile(factors[:n], i, g), codec.bits, last=single)
+        u = accumulate_first(
+            np.float32(0), codes[0][i], tile(factors[:n], i, g), codec.bits, last=single
+        )
         for k, (group, (a, n, g)) in enumerate(zip(codes[1:], plan[1:]), start=2):
-            u = (accumulate_last if k == len(plan) else accumulate)(u, group[i], tile(factors[a : a + n], i, g), codec.bits)
+            u = (accumulate_last if k == len(plan) else accumulate)(
+                u, group[i], tile(factors[a : a + n], i, g), codec.bits
+            )
         tiles.append(u[0])
         sums.append(u[1])
     u_squares = np.concatenate([np.asarray(s) for s in sums])
@@ -331,9 +415,12 @@ def _direction(tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[floa
     return paths, tiles, block_scale, tuple(layout), delta_norms, float(np.sqrt(merged_sq))
 
 
-def _sparse_levels(tensors: Sequence[CodedTensor], blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _sparse_levels(
+    tensors: Sequence[CodedTensor], blocks: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A sparse delta's (scales, indices int32, levels int8) over its tensors in order, padded with
-    empty blocks (distinct positions, level 0) to `blocks`; a tensor's padding values get level 0."""
+    empty blocks (distinct positions, level 0) to `blocks`; a tensor's padding values get level 0.
+    """
     parts = []
     for t in tensors:
         scale, index, levels = sparse.unpack(t.records, t.codec.block, t.codec.bits)
@@ -341,11 +428,21 @@ def _sparse_levels(tensors: Sequence[CodedTensor], blocks: int) -> tuple[np.ndar
         parts.append((scale, index, levels))
     pad = blocks - sum(len(p[0]) for p in parts)
     k = parts[0][1].shape[1]
-    parts.append((np.zeros(pad, np.float32), np.broadcast_to(np.arange(k, dtype=np.int32), (pad, k)), np.zeros((pad, k), np.int8)))
+    parts.append(
+        (
+            np.zeros(pad, np.float32),
+            np.broadcast_to(np.arange(k, dtype=np.int32), (pad, k)),
+            np.zeros((pad, k), np.int8),
+        )
+    )
     return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
 
 
 def mergeable(contributions_tensors: Sequence[dict]) -> bool:
     """Every tensor of every contribution is coded, with one codec and one block size."""
-    codecs = {(t.codec.name, t.codec.block) if isinstance(t, CodedTensor) else None for tensors in contributions_tensors for t in tensors.values()}
+    codecs = {
+        (t.codec.name, t.codec.block) if isinstance(t, CodedTensor) else None
+        for tensors in contributions_tensors
+        for t in tensors.values()
+    }
     return len(codecs) == 1 and None not in codecs

@@ -21,19 +21,38 @@ import numpy as np
 from dloco.merger import coded, rda, records
 from dloco.merger.admission import Candidate, admit, delta_norm
 from dloco.merger.config import MergerConfig
-from dloco.merger.fold import Contribution, FoldReport, FragmentState, canonical, counters, fold, init_state, per_island
+from dloco.merger.fold import (
+    Contribution,
+    FoldReport,
+    FragmentState,
+    canonical,
+    counters,
+    fold,
+    init_state,
+    per_island,
+)
 from dloco.merger.fold import plain as fold_plain
 from dloco.merger.outer import make_step, outer_optimizer
 from dloco.merger.outliers import COLD_LIMIT, NormHistory, Quarantine
 from dloco.merger.round_policy import ArrivalStats, decide, observe
 from dloco.merger.weighting import capped, fold_share, raw_weights, recent_others
-from dloco.protocol import Assembled, Codec, CodedTensor, DeltaResult, DlocoError, model_fingerprint, partition
+from dloco.protocol import (
+    Assembled,
+    Codec,
+    CodedTensor,
+    DeltaResult,
+    DlocoError,
+    model_fingerprint,
+    partition,
+)
 
-DeltaKey = tuple[str, int, int]  # (island, epoch, delta_id)
+# (island, epoch, delta_id)
+DeltaKey = tuple[str, int, int]
 
 
 class ReplayError(DlocoError):
-    """The log does not describe a consistent history (a fold names an unknown delta, versions skip)."""
+    """The log does not describe a consistent history (a fold names an unknown delta, versions
+    skip)."""
 
 
 class Log(Protocol):
@@ -48,8 +67,10 @@ class StartedFold:
     version: int
     members: list[Contribution]
     results: list[DeltaResult]
-    share: float = 1.0  # of a whole round (weighting.fold_share)
-    caps: dict[str, float] | None = None  # island -> the most its part may move the fragment (fold.guard)
+    # of a whole round (weighting.fold_share)
+    share: float = 1.0
+    # island -> the most its part may move the fragment (fold.guard)
+    caps: dict[str, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,41 +82,66 @@ class Pending:
 
 
 class MergerCore:
-    def __init__(self, config: MergerConfig, model: str, fragments: Sequence[Sequence[str]], params: Mapping[str, np.ndarray],
-                 log: Log | None = None, remember: int = 1 << 16) -> None:
+    def __init__(
+        self,
+        config: MergerConfig,
+        model: str,
+        fragments: Sequence[Sequence[str]],
+        params: Mapping[str, np.ndarray],
+        log: Log | None = None,
+        remember: int = 1 << 16,
+    ) -> None:
         self.config, self.model, self.log, self.remember = config, model, log, remember
         self.fragments = [list(f) for f in fragments]
         self.optimizer = outer_optimizer(config.outer)
         self._step = make_step(self.optimizer)
-        self.layouts = [{path: tuple(np.shape(params[path])) for path in paths} for paths in self.fragments]
-        self.states = [init_state({path: params[path] for path in paths}, self.optimizer) for paths in self.fragments]
+        self.layouts = [
+            {path: tuple(np.shape(params[path])) for path in paths} for paths in self.fragments
+        ]
+        self.states = [
+            init_state({path: params[path] for path in paths}, self.optimizer)
+            for paths in self.fragments
+        ]
         self.pending: list[list[Pending]] = [[] for _ in self.fragments]
-        self._pending_keys: set[DeltaKey] = set()  # of every delta in `pending`
-        self._started: dict[int, int] = {}  # fragment -> version of its latest started fold
+        # of every delta in `pending`
+        self._pending_keys: set[DeltaKey] = set()
+        # fragment -> version of its latest started fold
+        self._started: dict[int, int] = {}
         self.history: list[dict[str, ArrivalStats]] = [{} for _ in self.fragments]
-        # per fragment, (predicted next arrival, island) sorted: the round policy looks only at islands
-        # predicted near `now`, not at every island's history (thousands of islands)
+        # per fragment, (predicted next arrival, island) sorted: the round policy looks only at
+        # islands predicted near `now`, not at every island's history (thousands of islands)
         self._predicted: list[list[tuple[float, str]]] = [[] for _ in self.fragments]
         # per fragment, island -> (version of the fold that took its latest delta, that delta's raw
-        # weight): who makes up a whole round, for merge.share_window (checkpointed; replay rebuilds it)
+        # weight): who makes up a whole round, for merge.share_window (checkpointed; replay rebuilds
+        # it)
         self.last_contributions: list[dict[str, tuple[int, float]]] = [{} for _ in self.fragments]
         self.settled: collections.OrderedDict[DeltaKey, DeltaResult] = collections.OrderedDict()
         self.rejected: collections.Counter[str] = collections.Counter()
         # per fragment (merger/outliers.py; checkpointed, rebuilt by replay): recent admitted delta
-        # norms, the outlier check's reference; and what each island's part of a fold moved it, the guard's
+        # norms, the outlier check's reference; and what each island's part of a fold moved it, the
+        # guard's
         self.norms = [NormHistory() for _ in self.fragments]
         self.moves = [NormHistory() for _ in self.fragments]
         self.quarantine = Quarantine()
-        self.quarantined: list[tuple[str, str, float]] = []  # (island, last reason, seconds): newly quarantined, for the caller to log
-        # island -> (epoch, seq): stream messages up to seq are settled and were acknowledged as such
+        # (island, last reason, seconds): newly quarantined, for the caller to log
+        self.quarantined: list[tuple[str, str, float]] = []
+        # island -> (epoch, seq): stream messages up to seq are settled and were acknowledged as
+        # such
         self.cursors: dict[str, tuple[int, int]] = {}
-        self.owned: frozenset[int] | None = None  # a merger shard's fragments (None: every one); others are rejected
+        # a merger shard's fragments (None: every one); others are rejected
+        self.owned: frozenset[int] | None = None
         if log is not None and log.next_index == 0:
             log.append(*records.genesis_record(config.to_dict(), model, self.fragments, params))
 
     @classmethod
     def from_genesis(cls, record: dict, log: Log | None = None) -> MergerCore:
-        return cls(MergerConfig.from_dict(record["config"]), record["model"], record["fragments"], records.params_from_genesis(record), log)
+        return cls(
+            MergerConfig.from_dict(record["config"]),
+            record["model"],
+            record["fragments"],
+            records.params_from_genesis(record),
+            log,
+        )
 
     # ---- live path -----------------------------------------------------------------------------
     def submit(self, assembled: Assembled, now: float) -> DeltaResult | None:
@@ -103,20 +149,39 @@ class MergerCore:
         (rejected now, or a duplicate of a settled delta); None when it waits for a fold."""
         head = assembled.header
         key = (head.sender, head.epoch, head.delta_id)
-        settled = (key in self.settled or self._is_pending(key) or head.fragment >= len(self.fragments)
-                   or (self.owned is not None and head.fragment not in self.owned)
-                   or self.quarantine.held(head.sender, now) > 0)  # decided before its tensors are looked at
-        candidate = Candidate(head.sender, head.epoch, head.delta_id, head.fragment, head.base_version, head.steps, head.tokens,
-                              head.model, {} if settled else records.delta_tensors(assembled))
-        return self.offer(candidate, now, lambda staleness: records.delta_record(assembled, staleness))
+        settled = (
+            key in self.settled
+            or self._is_pending(key)
+            or head.fragment >= len(self.fragments)
+            or (self.owned is not None and head.fragment not in self.owned)
+            # decided before its tensors are looked at
+            or self.quarantine.held(head.sender, now) > 0
+        )
+        candidate = Candidate(
+            head.sender,
+            head.epoch,
+            head.delta_id,
+            head.fragment,
+            head.base_version,
+            head.steps,
+            head.tokens,
+            head.model,
+            {} if settled else records.delta_tensors(assembled),
+        )
+        return self.offer(
+            candidate, now, lambda staleness: records.delta_record(assembled, staleness)
+        )
 
     def offer(self, candidate: Candidate, now: float, record=None) -> DeltaResult | None:
-        """`submit` for a delta already decoded: the merger's whole decision about one delta (duplicate,
-        quarantine, admission, outlier history, queueing for the round policy), which the simulator
-        (sim/) drives with tiny tensors.  `record(staleness)`: the log record of an admitted delta
-        (None: nothing is logged)."""
+        """`submit` for a delta already decoded: the merger's whole decision about one delta
+        (duplicate, quarantine, admission, outlier history, queueing for the round policy), which
+        the simulator (sim/) drives with tiny tensors.  `record(staleness)`: the log record of an
+        admitted delta (None: nothing is logged)."""
         if self.log is not None and record is None:
-            raise ValueError("a merger with a log needs each admitted delta's log record: replay folds from the log alone")
+            raise ValueError(
+                "a merger with a log needs each admitted delta's log record: replay folds from the"
+                " log alone"
+            )
         key = (candidate.island, candidate.epoch, candidate.delta_id)
         if key in self.settled:
             return self.settled[key]
@@ -125,22 +190,50 @@ class MergerCore:
         if candidate.fragment >= len(self.fragments):
             return self._reject(key, candidate.fragment, "unknown_fragment")
         if self.owned is not None and candidate.fragment not in self.owned:
-            return self._reject(key, candidate.fragment, f"fragment {candidate.fragment} belongs to another merger shard", "other_shard")
+            return self._reject(
+                key,
+                candidate.fragment,
+                f"fragment {candidate.fragment} belongs to another merger shard",
+                "other_shard",
+            )
         if (left := self.quarantine.held(candidate.island, now)) > 0:
-            return self._reject(key, candidate.fragment,
-                                f"quarantined: {candidate.island} is refused for {left:.0f} s more after repeated hostile deltas", "quarantined")
+            return self._reject(
+                key,
+                candidate.fragment,
+                f"quarantined: {candidate.island} is refused for {left:.0f} s more after repeated"
+                " hostile deltas",
+                "quarantined",
+            )
         history = self.norms[candidate.fragment]
-        verdict = admit(candidate, version=self.version(candidate.fragment), layout=self.layouts[candidate.fragment], model=self.model,
-                        max_staleness=self.config.merge.max_staleness,
-                        norm_limit=history.limit(candidate.island, self.config.merge.outlier_factor))
+        verdict = admit(
+            candidate,
+            version=self.version(candidate.fragment),
+            layout=self.layouts[candidate.fragment],
+            model=self.model,
+            max_staleness=self.config.merge.max_staleness,
+            norm_limit=history.limit(candidate.island, self.config.merge.outlier_factor),
+        )
         if self.quarantine.judge(candidate.island, verdict.reason, now):
             self.quarantined.append((candidate.island, verdict.reason, self.quarantine.seconds))
         if not verdict.admitted:
-            return self._reject(key, candidate.fragment, f"{verdict.reason}: {verdict.detail}"[:256], verdict.reason)
+            return self._reject(
+                key, candidate.fragment, f"{verdict.reason}: {verdict.detail}"[:256], verdict.reason
+            )
         history.record(candidate.island, verdict.norm)
-        wal_index = self.log.append(*record(verdict.staleness)) if self.log is not None and record is not None else None
-        contribution = Contribution(candidate.island, candidate.epoch, candidate.delta_id, verdict.staleness, candidate.tokens,
-                                    candidate.steps, candidate.tensors)
+        wal_index = (
+            self.log.append(*record(verdict.staleness))
+            if self.log is not None and record is not None
+            else None
+        )
+        contribution = Contribution(
+            candidate.island,
+            candidate.epoch,
+            candidate.delta_id,
+            verdict.staleness,
+            candidate.tokens,
+            candidate.steps,
+            candidate.tensors,
+        )
         self._enqueue(Pending(contribution, candidate.fragment, now, wal_index))
         return None
 
@@ -155,7 +248,12 @@ class MergerCore:
         for fragment, queue in enumerate(self.pending):
             if not queue or fragment in busy:
                 continue
-            decision = decide(now, [(p.contribution.island, p.arrived) for p in queue], self._predicted_near(fragment, now), self.config.round)
+            decision = decide(
+                now,
+                [(p.contribution.island, p.arrived) for p in queue],
+                self._predicted_near(fragment, now),
+                self.config.round,
+            )
             if decision.fold:
                 ready.append(fragment)
             elif decision.wait_until is not None:
@@ -167,8 +265,12 @@ class MergerCore:
         holds snapshots (round_policy.snapshot_due; a fragment whose second round has not begun is
         held by what the others know of a round).  With `now`, an island silent on a fragment for
         more than two of its intervals has left (or stalled): its interval no longer counts."""
-        return [stats.interval for history in self.history for stats in history.values()
-                if now is None or stats.interval is None or now - stats.last <= 2 * stats.interval]
+        return [
+            stats.interval
+            for history in self.history
+            for stats in history.values()
+            if now is None or stats.interval is None or now - stats.last <= 2 * stats.interval
+        ]
 
     def version(self, fragment: int) -> int:
         """The fragment's version: its latest fold, counting one started and still computing."""
@@ -177,22 +279,45 @@ class MergerCore:
     def start_fold(self, fragment: int) -> StartedFold:
         """Take every pending delta of `fragment` as a round: from now on the fragment is at the
         round's version (admission counts staleness against it), the fold is logged and its deltas
-        settled.  The parameters come from `compute_fold` (possibly on another thread) and `install`."""
+        settled.  The parameters come from `compute_fold` (possibly on another thread) and
+        `install`.
+        """
         queue, self.pending[fragment] = self.pending[fragment], []
         members = [p.contribution for p in queue]
         self._pending_keys -= {_key(c) for c in members}
         version = self._started[fragment] = self.version(fragment) + 1
         if self.log is not None:
-            self.log.append(records.fold_record(fragment, version, [(c.island, c.epoch, c.delta_id) for c in members]))
+            self.log.append(
+                records.fold_record(
+                    fragment, version, [(c.island, c.epoch, c.delta_id) for c in members]
+                )
+            )
         share = self._take_share(fragment, members, version)
-        return StartedFold(fragment, version, members, self._settle_folded(fragment, members, version), share, self._caps(fragment, members))
+        return StartedFold(
+            fragment,
+            version,
+            members,
+            self._settle_folded(fragment, members, version),
+            share,
+            self._caps(fragment, members),
+        )
 
     def compute_fold(self, started: StartedFold) -> tuple[FragmentState, FoldReport]:
         """The state after a started round, from the fragment's current state, without installing it
         (any thread; the fragment's previous round must be installed)."""
-        state, report = fold(self.states[started.fragment], started.members, self.config.merge, self._step, started.share, started.caps)
+        state, report = fold(
+            self.states[started.fragment],
+            started.members,
+            self.config.merge,
+            self._step,
+            started.share,
+            started.caps,
+        )
         if report.version != started.version:
-            raise ReplayError(f"fold of fragment {started.fragment} produced version {report.version}, expected {started.version}")
+            raise ReplayError(
+                f"fold of fragment {started.fragment} produced version {report.version}, expected"
+                f" {started.version}"
+            )
         return state, report
 
     def install(self, fragment: int, state: FragmentState, report: FoldReport) -> None:
@@ -209,7 +334,8 @@ class MergerCore:
         return report
 
     def fold(self, fragment: int) -> tuple[FoldReport, list[DeltaResult]]:
-        """Fold every pending delta of `fragment` now; log the fold; return the report and results."""
+        """Fold every pending delta of `fragment` now; log the fold; return the report and
+        results."""
         started = self.start_fold(fragment)
         return self.finish_fold(started), started.results
 
@@ -225,23 +351,36 @@ class MergerCore:
         if record["type"] == records.DELTA:
             contribution = records.contribution_from_record(record)
             if not requeue:
-                self.norms[record["fragment"]].record(contribution.island, delta_norm(contribution.tensors))  # as admission did
-            self._enqueue(Pending(contribution, record["fragment"], 0.0, index), observe_arrival=False)
+                # as admission did
+                self.norms[record["fragment"]].record(
+                    contribution.island, delta_norm(contribution.tensors)
+                )
+            self._enqueue(
+                Pending(contribution, record["fragment"], 0.0, index), observe_arrival=False
+            )
             return None
         if record["type"] != records.FOLD:
             raise ReplayError(f"log record {index} has unexpected type {record['type']!r}")
         fragment, wanted = record["fragment"], [tuple(m) for m in record["members"]]
         queue = self.pending[fragment]
-        by_key = {(p.contribution.island, p.contribution.epoch, p.contribution.delta_id): p for p in queue}
+        by_key = {
+            (p.contribution.island, p.contribution.epoch, p.contribution.delta_id): p for p in queue
+        }
         missing = [key for key in wanted if key not in by_key]
         if missing:
-            raise ReplayError(f"log record {index}: fold of fragment {fragment} names deltas not in the log: {missing[:3]}")
+            raise ReplayError(
+                f"log record {index}: fold of fragment {fragment} names deltas not in the log:"
+                f" {missing[:3]}"
+            )
         self.pending[fragment] = [p for key, p in by_key.items() if key not in set(wanted)]
         members = [by_key[key].contribution for key in wanted]
         self._pending_keys -= set(wanted)
         report = self._apply_fold(fragment, members)
         if report.version != record["version"]:
-            raise ReplayError(f"log record {index}: fold produced version {report.version}, log says {record['version']}")
+            raise ReplayError(
+                f"log record {index}: fold produced version {report.version}, log says"
+                f" {record['version']}"
+            )
         self._settle_folded(fragment, members, report.version)
         return report
 
@@ -252,7 +391,12 @@ class MergerCore:
         if not changed:
             return False
         if self.log is not None:
-            self.log.append({"type": records.CURSORS, "cursors": [[i, e, s] for i, (e, s) in sorted(changed.items())]})
+            self.log.append(
+                {
+                    "type": records.CURSORS,
+                    "cursors": [[i, e, s] for i, (e, s) in sorted(changed.items())],
+                }
+            )
         self.cursors.update(changed)
         return True
 
@@ -261,14 +405,29 @@ class MergerCore:
         and every fragment's outer step, ahead of the first deltas (`codec`: the islands' default).
         Results are thrown away; safe on another thread; `stopping()` true: return before the next
         compilation."""
-        coded.warm_up([sum(int(np.prod(shape)) for shape in layout.values()) for layout in self.layouts], codec.block, codec.bits, stopping)
+        coded.warm_up(
+            [sum(int(np.prod(shape)) for shape in layout.values()) for layout in self.layouts],
+            codec.block,
+            codec.bits,
+            stopping,
+        )
         for fragment, state in enumerate(list(self.states)):
             if stopping():
                 return
-            zero = {path: CodedTensor(codec, shape, np.zeros((-(-int(np.prod(shape)) // codec.block), codec.record_nbytes), np.uint8))
-                    for path, shape in self.layouts[fragment].items()}
+            zero = {
+                path: CodedTensor(
+                    codec,
+                    shape,
+                    np.zeros(
+                        (-(-int(np.prod(shape)) // codec.block), codec.record_nbytes), np.uint8
+                    ),
+                )
+                for path, shape in self.layouts[fragment].items()
+            }
             plain = {path: fold_plain(path, self.config.merge) for path in zero}
-            new, *_ = coded.merge_and_step(self.optimizer, state.params, state.opt_state, [zero], [0.0], plain)
+            new, *_ = coded.merge_and_step(
+                self.optimizer, state.params, state.opt_state, [zero], [0.0], plain
+            )
             jax.block_until_ready(new)
 
     def digest(self) -> str:
@@ -289,17 +448,30 @@ class MergerCore:
                 bisect.insort(predicted, (new.last + new.interval, island))
 
     def _predicted_near(self, fragment: int, now: float) -> dict[str, ArrivalStats]:
-        """The arrival history of the islands whose next delta is predicted within (now - grace_slack,
-        now + grace_cap]: the only ones `decide` can wait for (its deadline is at most now + grace_cap,
-        and it drops predictions older than the slack), so its decision is the one over every island."""
-        predicted, config, history = self._predicted[fragment], self.config.round, self.history[fragment]
+        """The arrival history of the islands whose next delta is predicted within (now -
+        grace_slack, now + grace_cap]: the only ones `decide` can wait for (its deadline is at most
+        now + grace_cap, and it drops predictions older than the slack), so its decision is the one
+        over every island.
+        """
+        predicted, config, history = (
+            self._predicted[fragment],
+            self.config.round,
+            self.history[fragment],
+        )
         lo = bisect.bisect_left(predicted, (now - config.grace_slack_s,))
         hi = bisect.bisect_right(predicted, (now + config.grace_cap_s, "\U0010ffff"))
         return {island: history[island] for _, island in predicted[lo:hi]}
 
     def _apply_fold(self, fragment: int, members: list[Contribution]) -> FoldReport:
         share = self._take_share(fragment, members, self.states[fragment].version + 1)
-        state, report = fold(self.states[fragment], members, self.config.merge, self._step, share, self._caps(fragment, members))
+        state, report = fold(
+            self.states[fragment],
+            members,
+            self.config.merge,
+            self._step,
+            share,
+            self._caps(fragment, members),
+        )
         self.install(fragment, state, report)
         return report
 
@@ -315,24 +487,35 @@ class MergerCore:
             reference = self.moves[fragment].reference(island, "max")
             if reference is None:
                 if cold is None:
-                    cold = COLD_LIMIT * rda.fragment_norm({p: np.asarray(v) for p, v in self.states[fragment].params.items()})
+                    cold = COLD_LIMIT * rda.fragment_norm(
+                        {p: np.asarray(v) for p, v in self.states[fragment].params.items()}
+                    )
                 reference, factor_here = cold, 1.0
             else:
                 factor_here = factor
-            if reference > 0:  # a zero reference (a fragment at zero, or that nobody moves) caps nothing
+            # a zero reference (a fragment at zero, or that nobody moves) caps nothing
+            if reference > 0:
                 caps[island] = factor_here * reference
         return caps
 
     def _take_share(self, fragment: int, members: list[Contribution], version: int) -> float:
-        """The share of a round a fold of `members` makes `version` with; note their contributions."""
+        """The share of a round a fold of `members` makes `version` with; note their
+        contributions."""
         window = self.config.merge.share_window
         if window == 0:
             return 1.0
-        groups = per_island(canonical(members))  # an island's deltas weigh as one, as the fold weighs them
+        # an island's deltas weigh as one, as the fold weighs them
+        groups = per_island(canonical(members))
         contributions = self.last_contributions[fragment]
-        others = recent_others(contributions, {group[0].island for group in groups}, version, window)
-        raw = capped(raw_weights([counters(group) for group in groups], self.config.merge.staleness_power), others,
-                     self.config.merge.max_weight_ratio)  # noted capped: one island's claims do not shrink the others' shares
+        others = recent_others(
+            contributions, {group[0].island for group in groups}, version, window
+        )
+        raw = capped(
+            raw_weights([counters(group) for group in groups], self.config.merge.staleness_power),
+            others,
+            # noted capped: one island's claims do not shrink the others' shares
+            self.config.merge.max_weight_ratio,
+        )
         pairs = [(group[0].island, weight) for group, weight in zip(groups, raw)]
         share = fold_share(pairs, contributions, version, window)
         mine: dict[str, float] = {}
@@ -343,13 +526,20 @@ class MergerCore:
             del contributions[island]
         return share
 
-    def _settle_folded(self, fragment: int, members: list[Contribution], version: int) -> list[DeltaResult]:
-        results = [DeltaResult(c.island, c.epoch, c.delta_id, fragment, "folded", version, "") for c in members]
+    def _settle_folded(
+        self, fragment: int, members: list[Contribution], version: int
+    ) -> list[DeltaResult]:
+        results = [
+            DeltaResult(c.island, c.epoch, c.delta_id, fragment, "folded", version, "")
+            for c in members
+        ]
         for result in results:
             self._remember((result.island, result.epoch, result.delta_id), result)
         return results
 
-    def _reject(self, key: DeltaKey, fragment: int, reason: str, label: str | None = None) -> DeltaResult:
+    def _reject(
+        self, key: DeltaKey, fragment: int, reason: str, label: str | None = None
+    ) -> DeltaResult:
         self.rejected[label or reason] += 1
         version = self.version(fragment) if fragment < len(self.states) else 0
         result = DeltaResult(key[0], key[1], key[2], fragment, "rejected", version, reason)

@@ -28,8 +28,10 @@ from dloco.protocol import CodedTensor
 
 class FragmentState(NamedTuple):
     version: int
-    params: dict[str, np.ndarray | jax.Array]  # path -> float32 global value of the fragment (np.asarray for numpy)
-    opt_state: Any  # the outer optimizer's state for these params
+    # path -> float32 global value of the fragment (np.asarray for numpy)
+    params: dict[str, np.ndarray | jax.Array]
+    # the outer optimizer's state for these params
+    opt_state: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +42,8 @@ class Contribution:
     staleness: int
     tokens: int
     steps: int
-    tensors: Mapping[str, np.ndarray | CodedTensor]  # path -> float32 delta, or its int records
+    # path -> float32 delta, or its int records
+    tensors: Mapping[str, np.ndarray | CodedTensor]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +54,15 @@ class FoldReport:
     contributors: tuple[str, ...]
     delta_ids: tuple[int, ...]
     staleness: tuple[int, ...]
-    steps: tuple[int, ...]  # inner steps of work each delta carries
-    weights: tuple[float, ...]  # they sum to the fold's share of a round (1 unless merge.share_window is set)
+    # inner steps of work each delta carries
+    steps: tuple[int, ...]
+    # they sum to the fold's share of a round (1 unless merge.share_window is set)
+    weights: tuple[float, ...]
     delta_norms: tuple[float, ...]
     merged_norm: float
     # per island (its deltas of the fold taken as one): how far its part moved the fragment, its
-    # weight times its delta's norm, after the guard (`guard`); and the islands whose part was clipped
+    # weight times its delta's norm, after the guard (`guard`); and the islands whose part was
+    # clipped
     movements: tuple[tuple[str, float], ...] = ()
     clipped: tuple[str, ...] = ()
 
@@ -78,7 +84,11 @@ def per_island(ordered: Sequence[Contribution]) -> list[list[Contribution]]:
 
 def counters(group: Sequence[Contribution]) -> tuple[int, int, int]:
     """(tokens, steps, staleness) of one island's deltas taken as one (see `combined`)."""
-    return sum(c.tokens for c in group), sum(c.steps for c in group), max(c.staleness for c in group)
+    return (
+        sum(c.tokens for c in group),
+        sum(c.steps for c in group),
+        max(c.staleness for c in group),
+    )
 
 
 def combined(group: Sequence[Contribution]) -> Contribution:
@@ -94,7 +104,9 @@ def combined(group: Sequence[Contribution]) -> Contribution:
             total += _float(c.tensors[path])
         tensors[path] = total
     tokens, steps, staleness = counters(group)
-    return Contribution(group[0].island, group[0].epoch, group[0].delta_id, staleness, tokens, steps, tensors)
+    return Contribution(
+        group[0].island, group[0].epoch, group[0].delta_id, staleness, tokens, steps, tensors
+    )
 
 
 def split_weight(group: Sequence[Contribution], weight: float) -> list[float]:
@@ -109,7 +121,9 @@ def plain(path: str, config: MergeConfig) -> bool:
     return config.method == "average" or any(marker in path for marker in config.average_paths)
 
 
-def merge(contributions: Sequence[Contribution], config: MergeConfig, share: float = 1.0) -> tuple[dict[str, np.ndarray], list[float]]:
+def merge(
+    contributions: Sequence[Contribution], config: MergeConfig, share: float = 1.0
+) -> tuple[dict[str, np.ndarray], list[float]]:
     """The merged pseudo-gradient of a round, scaled by `share`, and the weights used (canonical
     order, one per island: see `combined`; normalised to sum to `share`).  Float tensors; coded
     ones (CodedTensor) are decoded first (`fold` merges them from codes)."""
@@ -120,31 +134,49 @@ def merge(contributions: Sequence[Contribution], config: MergeConfig, share: flo
 
 def fold_weights(members: Sequence[Contribution], config: MergeConfig, share: float) -> list[float]:
     """Each island's weight in a fold (its deltas combined), normalised to sum to `share`."""
-    return [x * share for x in contribution_weights([(c.tokens, c.steps, c.staleness) for c in members], config.staleness_power,
-                                                    config.max_weight_ratio)]
+    return [
+        x * share
+        for x in contribution_weights(
+            [(c.tokens, c.steps, c.staleness) for c in members],
+            config.staleness_power,
+            config.max_weight_ratio,
+        )
+    ]
 
 
-def _merged(members: Sequence[Contribution], w: Sequence[float], config: MergeConfig) -> dict[str, np.ndarray]:
+def _merged(
+    members: Sequence[Contribution], w: Sequence[float], config: MergeConfig
+) -> dict[str, np.ndarray]:
     merged = {}
     for path in members[0].tensors:
         deltas = [_float(c.tensors[path]) for c in members]
-        merged[path] = (rda.weighted_average if plain(path, config) else rda.radial_directional_average)(deltas, w)
+        merged[path] = (
+            rda.weighted_average if plain(path, config) else rda.radial_directional_average
+        )(deltas, w)
     return merged
 
 
-def guard(members: Sequence[Contribution], w: Sequence[float], norms: Sequence[float],
-          caps: Mapping[str, float]) -> tuple[list[Contribution], list[float], list[str]]:
+def guard(
+    members: Sequence[Contribution],
+    w: Sequence[float],
+    norms: Sequence[float],
+    caps: Mapping[str, float],
+) -> tuple[list[Contribution], list[float], list[str]]:
     """What each island's part of a fold may move the fragment: its weight times its delta's norm
     (`norms`: fold's `part_norm`), at most `caps[island]` (merger/outliers.py: a multiple of the
     other islands' recent movements).  A part past its cap is scaled down to it (its values float32
-    from then on).  Returns the members, each one's movement after the guard, and the islands clipped."""
+    from then on).  Returns the members, each one's movement after the guard, and the islands
+    clipped.
+    """
     out, movements, clipped = [], [], []
     for member, weight, norm in zip(members, w, norms):
         movement = weight * norm
         cap = caps.get(member.island)
         if cap is not None and movement > cap:
             scale = np.float32(cap / movement)
-            member = dataclasses.replace(member, tensors={p: _float(t) * scale for p, t in member.tensors.items()})
+            member = dataclasses.replace(
+                member, tensors={p: _float(t) * scale for p, t in member.tensors.items()}
+            )
             movement = cap
             clipped.append(member.island)
         out.append(member)
@@ -153,9 +185,9 @@ def guard(members: Sequence[Contribution], w: Sequence[float], norms: Sequence[f
 
 
 def part_norm(group: Sequence[Contribution]) -> float:
-    """An island's deltas of one fold, as the guard measures them: the sum of their norms as admission
-    measured each (an int-coded delta's bound from its scales, no pass over its values); at least
-    the norm of their sum."""
+    """An island's deltas of one fold, as the guard measures them: the sum of their norms as
+    admission measured each (an int-coded delta's bound from its scales, no pass over its values);
+    at least the norm of their sum."""
     return sum(delta_norm(c.tensors) for c in group)
 
 
@@ -163,14 +195,19 @@ def _float(tensor) -> np.ndarray:
     return tensor.decode() if isinstance(tensor, CodedTensor) else tensor
 
 
-def fold(state: FragmentState, contributions: Sequence[Contribution], config: MergeConfig,
-         step: Callable[[Any, Any, Any], tuple[Any, Any]], share: float = 1.0,
-         caps: Mapping[str, float] | None = None) -> tuple[FragmentState, FoldReport]:
-    """Apply one round; `step` is `outer.make_step(optimizer)`; the merged delta is scaled by `share`
-    (weighting.fold_share: 1 unless the merger scales folds by their share of a round); `caps`:
-    island -> the most its part may move the fragment (`guard`; None: no guard).  A round whose
-    deltas are all coded with one int codec is merged from the codes, its outer step taken there
-    (merger/coded.py); any other is merged from float32."""
+def fold(
+    state: FragmentState,
+    contributions: Sequence[Contribution],
+    config: MergeConfig,
+    step: Callable[[Any, Any, Any], tuple[Any, Any]],
+    share: float = 1.0,
+    caps: Mapping[str, float] | None = None,
+) -> tuple[FragmentState, FoldReport]:
+    """Apply one round; `step` is `outer.make_step(optimizer)`; the merged delta is scaled by
+    `share` (weighting.fold_share: 1 unless the merger scales folds by their share of a round);
+    `caps`: island -> the most its part may move the fragment (`guard`; None: no guard).  A round
+    whose deltas are all coded with one int codec is merged from the codes, its outer step taken
+    there (merger/coded.py); any other is merged from float32."""
     if not contributions:
         raise ValueError("fold needs at least one contribution")
     ordered = canonical(contributions)
@@ -179,17 +216,30 @@ def fold(state: FragmentState, contributions: Sequence[Contribution], config: Me
     w = fold_weights(members, config, share)
     movements, clipped = [], []
     if caps is not None:
-        members, movements, clipped = guard(members, w, [part_norm(group) for group in groups], caps)
+        members, movements, clipped = guard(
+            members, w, [part_norm(group) for group in groups], caps
+        )
     if coded.mergeable([c.tensors for c in members]):
         params, opt_state, delta_norms, merged_norm = coded.merge_and_step(
-            step.optimizer, state.params, state.opt_state, [c.tensors for c in members], w, {p: plain(p, config) for p in members[0].tensors}, share)
+            step.optimizer,
+            state.params,
+            state.opt_state,
+            [c.tensors for c in members],
+            w,
+            {p: plain(p, config) for p in members[0].tensors},
+            share,
+        )
     else:
         merged = _merged(members, w, config)
-        delta_norms = [rda.fragment_norm({p: _float(t) for p, t in c.tensors.items()}) for c in ordered]
+        delta_norms = [
+            rda.fragment_norm({p: _float(t) for p, t in c.tensors.items()}) for c in ordered
+        ]
         merged_norm = rda.fragment_norm(merged)
         params, opt_state = step(state.params, state.opt_state, merged, share)
-    new_params = dict(params)  # XLA arrays: the next fold starts from them without a copy (np.asarray views them)
-    report = FoldReport(  # one entry per delta (an island's combined deltas share its weight: split_weight)
+    # XLA arrays: the next fold starts from them without a copy (np.asarray views them)
+    new_params = dict(params)
+    # one entry per delta (an island's combined deltas share its weight: split_weight)
+    report = FoldReport(
         version=state.version + 1,
         contributors=tuple(c.island for c in ordered),
         delta_ids=tuple(c.delta_id for c in ordered),

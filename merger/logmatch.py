@@ -27,7 +27,8 @@ from dloco.merger import records
 from dloco.merger.wal import _fsync_dir, _scan, _segments, read_records
 from dloco.protocol.checksum import crc32
 
-Terms = list[tuple[int, int]]  # (the term's epoch, index of its first record), oldest first; the genesis's term has epoch 0
+# (the term's epoch, index of its first record), oldest first; the genesis's term has epoch 0
+Terms = list[tuple[int, int]]
 
 
 def terms_of(directory: str | Path) -> tuple[Terms, int, int]:
@@ -47,9 +48,9 @@ def newest_epoch(terms: Sequence[tuple[int, int]]) -> int:
 
 
 def genesis_id(record: dict) -> int:
-    """What names a run: the CRC-32 of its genesis record packed as msgpack, each of its blobs (under
-    "blobs", as the log reads them back) replaced by the blob's own CRC-32 (a standby never follows
-    another run's log)."""
+    """What names a run: the CRC-32 of its genesis record packed as msgpack, each of its blobs
+    (under "blobs", as the log reads them back) replaced by the blob's own CRC-32 (a standby never
+    follows another run's log)."""
     if "blobs" in record:
         record = {**record, "blobs": [crc32(blob) for blob in record["blobs"]]}
     return crc32(msgpack.packb(record, use_bin_type=True))
@@ -67,7 +68,12 @@ def _ends(terms: Sequence[tuple[int, int]], length: int) -> dict[tuple[int, int]
     return {(epoch, start): end for (epoch, start), end in zip(terms, starts)}
 
 
-def agreed_length(mine: Sequence[tuple[int, int]], my_length: int, theirs: Sequence[tuple[int, int]], their_length: int) -> int:
+def agreed_length(
+    mine: Sequence[tuple[int, int]],
+    my_length: int,
+    theirs: Sequence[tuple[int, int]],
+    their_length: int,
+) -> int:
     """How many records, from the start, two logs hold in common (0: not even the genesis)."""
     my_ends, their_ends = _ends(mine, my_length), _ends(theirs, their_length)
     shared = [key for key in their_ends if key in my_ends]
@@ -77,7 +83,9 @@ def agreed_length(mine: Sequence[tuple[int, int]], my_length: int, theirs: Seque
     return min(my_ends[newest], their_ends[newest])
 
 
-def set_aside_from(directory: str | Path, index: int, checkpoints: str | Path | None = None) -> list[str]:
+def set_aside_from(
+    directory: str | Path, index: int, checkpoints: str | Path | None = None
+) -> list[str]:
     """Move the log's records from `index` on (and checkpoints that cover any of them) to
     DIR/discarded/<index>/, never deleting them.  Returns the names of what was moved."""
     directory = Path(directory)
@@ -99,7 +107,8 @@ def set_aside_from(directory: str | Path, index: int, checkpoints: str | Path | 
         aside.mkdir(parents=True, exist_ok=True)
         with open(segment, "r+b") as handle:
             handle.seek(cut)
-            with open(aside / segment.name, "wb") as copy:  # on disk before the original is cut
+            # on disk before the original is cut
+            with open(aside / segment.name, "wb") as copy:
                 copy.write(handle.read())
                 os.fsync(copy.fileno())
             _fsync_dir(aside)

@@ -1,4 +1,5 @@
-"""Keep freed memory in the merger process instead of handing it back to the kernel after every fold.
+"""Keep freed memory in the merger process instead of handing it back to the kernel after every
+fold.
 
 A fold allocates the fragment's new parameters and momentum (two float32 copies of the fragment)
 and frees the previous ones; reassembly allocates a buffer per delta.  glibc's malloc serves
@@ -24,11 +25,17 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -2, -3, -8  # glibc <malloc.h>
-MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses more on 64-bit (HEAP_MAX_SIZE / 2)
-TRIM_THRESHOLD = 512 << 20  # freed bytes a heap may keep (the benchmark's fragments free ~50 MB per fold)
-TOP_PAD = 64 << 20  # grow the heap in steps this large, fewer brk calls
-ARENAS = 1  # every thread allocates from the main heap (the merger's allocations are few and large: measured no slower)
+# glibc <malloc.h>
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -2, -3, -8
+# glibc refuses more on 64-bit (HEAP_MAX_SIZE / 2)
+MMAP_THRESHOLD_MAX = 32 << 20
+# freed bytes a heap may keep (the benchmark's fragments free ~50 MB per fold)
+TRIM_THRESHOLD = 512 << 20
+# grow the heap in steps this large, fewer brk calls
+TOP_PAD = 64 << 20
+# every thread allocates from the main heap (the merger's allocations are few and large: measured no
+# slower)
+ARENAS = 1
 
 
 def keep_freed_memory(trim_threshold: int = TRIM_THRESHOLD) -> bool:
@@ -38,6 +45,10 @@ def keep_freed_memory(trim_threshold: int = TRIM_THRESHOLD) -> bool:
     mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
     if mallopt is None:
         return False
-    settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_TRIM_THRESHOLD, trim_threshold), (M_TOP_PAD, TOP_PAD),
-                (M_ARENA_MAX, ARENAS))
+    settings = (
+        (M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX),
+        (M_TRIM_THRESHOLD, trim_threshold),
+        (M_TOP_PAD, TOP_PAD),
+        (M_ARENA_MAX, ARENAS),
+    )
     return all(mallopt(option, value) == 1 for option, value in settings)

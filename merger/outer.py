@@ -39,35 +39,51 @@ from dloco.merger.config import OuterConfig
 
 
 class DelayedNesterovState(NamedTuple):
-    count: jax.Array  # folds since the start, int32
+    # folds since the start, int32
+    count: jax.Array
     momentum: optax.Updates
-    accumulated: optax.Updates  # sum of pseudo-gradients since the last momentum update
+    # sum of pseudo-gradients since the last momentum update
+    accumulated: optax.Updates
 
 
-def delayed_nesterov(learning_rate: float, momentum: float, delay: int) -> optax.GradientTransformation:
+def delayed_nesterov(
+    learning_rate: float, momentum: float, delay: int
+) -> optax.GradientTransformation:
     def init(params: optax.Params) -> DelayedNesterovState:
         zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
         return DelayedNesterovState(jnp.zeros([], jnp.int32), zeros, zeros)
 
-    def update(grads: optax.Updates, state: DelayedNesterovState, params: optax.Params | None = None):
+    def update(
+        grads: optax.Updates, state: DelayedNesterovState, params: optax.Params | None = None
+    ):
         del params
         count = state.count + 1
         accumulated = jax.tree_util.tree_map(jnp.add, state.accumulated, grads)
         due = count % delay == 0
-        new_momentum = jax.tree_util.tree_map(lambda m, a: jnp.where(due, momentum * m + a / delay, m), state.momentum, accumulated)
-        updates = jax.tree_util.tree_map(
-            lambda g, m: -learning_rate * (g / delay + jnp.where(due, momentum * m, jnp.zeros_like(m))), grads, new_momentum
+        new_momentum = jax.tree_util.tree_map(
+            lambda m, a: jnp.where(due, momentum * m + a / delay, m), state.momentum, accumulated
         )
-        accumulated = jax.tree_util.tree_map(lambda a: jnp.where(due, jnp.zeros_like(a), a), accumulated)
+        updates = jax.tree_util.tree_map(
+            lambda g, m: (
+                -learning_rate * (g / delay + jnp.where(due, momentum * m, jnp.zeros_like(m)))
+            ),
+            grads,
+            new_momentum,
+        )
+        accumulated = jax.tree_util.tree_map(
+            lambda a: jnp.where(due, jnp.zeros_like(a), a), accumulated
+        )
         return updates, DelayedNesterovState(count, new_momentum, accumulated)
 
     return optax.GradientTransformation(init, update)
 
 
 class RoundNesterovState(NamedTuple):
-    credit: jax.Array  # share of a round folded since the momentum's last update, float32
+    # share of a round folded since the momentum's last update, float32
+    credit: jax.Array
     momentum: optax.Updates
-    accumulated: optax.Updates  # sum of pseudo-gradients since the momentum's last update
+    # sum of pseudo-gradients since the momentum's last update
+    accumulated: optax.Updates
 
 
 def round_nesterov(learning_rate: float, momentum: float) -> optax.GradientTransformationExtraArgs:
@@ -75,15 +91,33 @@ def round_nesterov(learning_rate: float, momentum: float) -> optax.GradientTrans
         zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
         return RoundNesterovState(jnp.zeros([], jnp.float32), zeros, zeros)
 
-    def update(grads: optax.Updates, state: RoundNesterovState, params: optax.Params | None = None, *, share=1.0, **extra):
+    def update(
+        grads: optax.Updates,
+        state: RoundNesterovState,
+        params: optax.Params | None = None,
+        *,
+        share=1.0,
+        **extra,
+    ):
         del params, extra
         credit = state.credit + jnp.asarray(share, jnp.float32)
         accumulated = jax.tree_util.tree_map(jnp.add, state.accumulated, grads)
-        due = credit >= 1.0 - 1e-6  # a whole round folded (float sums of quarters, thirds)
-        new_momentum = jax.tree_util.tree_map(lambda m, a: jnp.where(due, momentum * m + a, m), state.momentum, accumulated)
-        updates = jax.tree_util.tree_map(lambda g, m: -learning_rate * (g + jnp.where(due, momentum * m, jnp.zeros_like(m))), grads, new_momentum)
-        accumulated = jax.tree_util.tree_map(lambda a: jnp.where(due, jnp.zeros_like(a), a), accumulated)
-        return updates, RoundNesterovState(jnp.where(due, credit - 1.0, credit), new_momentum, accumulated)
+        # a whole round folded (float sums of quarters, thirds)
+        due = credit >= 1.0 - 1e-6
+        new_momentum = jax.tree_util.tree_map(
+            lambda m, a: jnp.where(due, momentum * m + a, m), state.momentum, accumulated
+        )
+        updates = jax.tree_util.tree_map(
+            lambda g, m: -learning_rate * (g + jnp.where(due, momentum * m, jnp.zeros_like(m))),
+            grads,
+            new_momentum,
+        )
+        accumulated = jax.tree_util.tree_map(
+            lambda a: jnp.where(due, jnp.zeros_like(a), a), accumulated
+        )
+        return updates, RoundNesterovState(
+            jnp.where(due, credit - 1.0, credit), new_momentum, accumulated
+        )
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -93,7 +127,9 @@ def outer_optimizer(config: OuterConfig) -> optax.GradientTransformationExtraArg
     """One optimizer object per configuration: compiled fold steps (keyed by it) are shared by every
     core built from the same configuration — a recovered or benchmarked core never recompiles."""
     if config.kind == "nesterov":
-        return optax.with_extra_args_support(optax.sgd(config.lr, momentum=config.momentum, nesterov=True))
+        return optax.with_extra_args_support(
+            optax.sgd(config.lr, momentum=config.momentum, nesterov=True)
+        )
     if config.kind == "sgd":
         return optax.with_extra_args_support(optax.sgd(config.lr))
     if config.kind == "round_nesterov":
@@ -104,14 +140,16 @@ def outer_optimizer(config: OuterConfig) -> optax.GradientTransformationExtraArg
 @functools.lru_cache(maxsize=32)
 def make_step(optimizer: optax.GradientTransformation):
     """``(params, opt_state, pseudo_gradient, share=1.0) -> (params, opt_state)`` over path-keyed
-    dicts; `share` is the fold's share of a round (a traced argument: one compilation for every value).
+    dicts; `share` is the fold's share of a round (a traced argument: one compilation for every
+    value).
 
     The jitted core sees lists in path order, so fragments whose tensors have the same shapes
     share one compilation whatever their paths.  Cached per optimizer (and `outer_optimizer` per
     configuration), so every core of one configuration shares the compiled step.
     """
 
-    optimizer = optax.with_extra_args_support(optimizer)  # the same object for one that takes them
+    # the same object for one that takes them
+    optimizer = optax.with_extra_args_support(optimizer)
 
     @jax.jit
     def flat_step(params, opt_state, pseudo_gradient, share):
@@ -120,8 +158,14 @@ def make_step(optimizer: optax.GradientTransformation):
 
     def step(params, opt_state, pseudo_gradient, share: float = 1.0):
         paths = sorted(params)
-        new_params, opt_state = flat_step([params[p] for p in paths], opt_state, [pseudo_gradient[p] for p in paths], np.float32(share))
+        new_params, opt_state = flat_step(
+            [params[p] for p in paths],
+            opt_state,
+            [pseudo_gradient[p] for p in paths],
+            np.float32(share),
+        )
         return dict(zip(paths, new_params)), opt_state
 
-    step.optimizer = optimizer  # rounds merged from codes take their outer step in merger/coded.py
+    # rounds merged from codes take their outer step in merger/coded.py
+    step.optimizer = optimizer
     return step

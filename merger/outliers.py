@@ -3,7 +3,8 @@
 Two histories per fragment, each of recent values per island:
 - the norms of admitted deltas (`NormHistory` in `norms`): a delta more than `outlier_factor`
   times the median of the *other* islands' medians (while there are none, its own median) is
-  rejected as an outlier at arrival (counted, logged, acknowledged, and a strike towards quarantine);
+  rejected as an outlier at arrival (counted, logged, acknowledged, and a strike towards
+quarantine);
 - what each island's part of a fold moved the fragment (its weight in the fold times the norm of
   its combined delta; `moves`): a fold clips an island's part to `clip_factor` times the largest of
   the *other* islands' medians (merger/fold.py `guard`).
@@ -13,8 +14,9 @@ a burst) raises what it may send: the reference is the other islands' behaviour,
 cannot walk.  An island's median counts once it holds `min_own` values, so a new island's first
 deltas do not set anyone's reference.  Before any other island has a reference (a cluster of one
 island, or the first folds of a run), an island's part of a fold may move a fragment by at most
-COLD_LIMIT times the fragment's own norm.  A zero reference caps nothing.  Both histories are checkpointed and rebuilt by replay, so a restarted merger
-or a standby that takes over judges with the same references (merger/checkpoint.py).
+COLD_LIMIT times the fragment's own norm.  A zero reference caps nothing.  Both histories are
+checkpointed and rebuilt by replay, so a restarted merger or a standby that takes over judges with
+the same references (merger/checkpoint.py).
 
 An island whose deltas are rejected as hostile `strikes` times in a row (outliers, non-finite
 values, shapes or bases that no honest island sends) is quarantined: its deltas are refused for
@@ -28,7 +30,8 @@ import collections
 import statistics
 
 HOSTILE = frozenset({"outlier_norm", "non_finite", "layout_mismatch", "future_base"})
-COLD_LIMIT = 0.5  # without a reference, one island's part of a fold moves a fragment by at most this times its norm
+# without a reference, one island's part of a fold moves a fragment by at most this times its norm
+COLD_LIMIT = 0.5
 # (the tiny LM's first folds move a fragment by about a tenth of its norm)
 
 
@@ -41,11 +44,14 @@ class NormHistory:
     def __init__(self, window: int = 16, min_own: int = 4) -> None:
         self.window, self.min_own = window, min_own
         self.norms: dict[str, collections.deque[float]] = {}
-        self.medians: dict[str, float] = {}  # of the islands with at least min_own values
-        self._sorted: list[float] = []  # those medians, sorted
+        # of the islands with at least min_own values
+        self.medians: dict[str, float] = {}
+        # those medians, sorted
+        self._sorted: list[float] = []
 
     def reference(self, island: str, statistic: str = "median") -> float | None:
-        """The median (or "max") over the other islands' medians; None when no other island has one."""
+        """The median (or "max") over the other islands' medians; None when no other island has
+        one."""
         values, own = self._sorted, self.medians.get(island)
         n = len(values) - (own is not None)
         if n <= 0:
@@ -54,16 +60,17 @@ class NormHistory:
 
         def at(k: int) -> float:
             return values[k + (k >= skip)]
+
         if statistic == "max":
             return at(n - 1)
         middle = n // 2
         return at(middle) if n % 2 else (at(middle - 1) + at(middle)) / 2
 
     def limit(self, island: str, factor: float) -> float | None:
-        """The largest norm `island`'s next delta may have: `factor` times the other islands' median,
-        or while no other island has one, its own (an island alone is judged against itself: a jump
-        is caught, a ramp is not, and nobody else's work is at stake until another island has a
-        history); None: no judgement (factor 0, or no history yet)."""
+        """The largest norm `island`'s next delta may have: `factor` times the other islands'
+        median, or while no other island has one, its own (an island alone is judged against itself:
+        a jump is caught, a ramp is not, and nobody else's work is at stake until another island has
+        a history); None: no judgement (factor 0, or no history yet)."""
         if factor <= 0:
             return None
         reference = self.reference(island)
@@ -91,7 +98,8 @@ class NormHistory:
 
 
 class Quarantine:
-    """Islands refused for a while after repeated hostile rejections; `now` is the caller's clock."""
+    """Islands refused for a while after repeated hostile rejections; `now` is the caller's
+    clock."""
 
     def __init__(self, strikes: int = 5, seconds: float = 60.0) -> None:
         self.strikes, self.seconds = strikes, seconds
@@ -106,7 +114,8 @@ class Quarantine:
         return max(0.0, left)
 
     def judge(self, island: str, reason: str, now: float) -> bool:
-        """Note a delta's outcome (reason "" = admitted); True when this puts `island` in quarantine."""
+        """Note a delta's outcome (reason "" = admitted); True when this puts `island` in
+        quarantine."""
         if reason not in HOSTILE:
             if not reason:
                 self.count.pop(island, None)

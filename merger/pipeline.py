@@ -39,12 +39,17 @@ from dloco.merger.wal import WriteAheadLog
 @dataclasses.dataclass
 class Fold:
     started: StartedFold
-    began: float  # perf_counter when started
-    durable: int  # write-ahead-log ticket covering the fold and its deltas
-    report: FoldReport | None = None  # set by the worker, with state
-    state: FragmentState | None = None  # the fragment after this fold (publish this, not the core's newest)
+    # perf_counter when started
+    began: float
+    # write-ahead-log ticket covering the fold and its deltas
+    durable: int
+    # set by the worker, with state
+    report: FoldReport | None = None
+    # the fragment after this fold (publish this, not the core's newest)
+    state: FragmentState | None = None
     error: BaseException | None = None
-    compute_s: float = 0.0  # seconds the worker spent on it
+    # seconds the worker spent on it
+    compute_s: float = 0.0
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     @property
@@ -57,10 +62,13 @@ class Fold:
 
 
 class FoldPipeline:
-    def __init__(self, core: MergerCore, wal: WriteAheadLog | None, context: zmq.Context | None = None) -> None:
+    def __init__(
+        self, core: MergerCore, wal: WriteAheadLog | None, context: zmq.Context | None = None
+    ) -> None:
         self.core, self.wal = core, wal
         self.in_flight: collections.deque[Fold] = collections.deque()
-        self.signal: zmq.Socket | None = None  # readable when a fold has finished computing (poll it)
+        # readable when a fold has finished computing (poll it)
+        self.signal: zmq.Socket | None = None
         self._notify: zmq.Socket | None = None
         if context is not None:
             endpoint = f"inproc://folds-{id(self)}"
@@ -68,8 +76,10 @@ class FoldPipeline:
             self.signal.bind(endpoint)
             self._notify = context.socket(zmq.PAIR)
             self._notify.connect(endpoint)
-        self.failed: BaseException | None = None  # a fold raised: nothing more is computed or announced
-        self.barrier = None  # called with a fold's log ticket before it is announced (replication: the standby has it)
+        # a fold raised: nothing more is computed or announced
+        self.failed: BaseException | None = None
+        # called with a fold's log ticket before it is announced (replication: the standby has it)
+        self.barrier = None
         self._work: queue.Queue[Fold | None] = queue.Queue()
         self._worker = threading.Thread(target=self._compute_each, name="fold-worker", daemon=True)
         self._worker.start()
@@ -79,7 +89,8 @@ class FoldPipeline:
         is still computing (its deltas wait for the next round); return when to decide again."""
         if self.failed is not None:
             raise self.failed
-        busy = {fold.fragment for fold in self.in_flight}  # one fold per fragment in flight: versions never run ahead of what is computed
+        # one fold per fragment in flight: versions never run ahead of what is computed
+        busy = {fold.fragment for fold in self.in_flight}
         ready, wake = self.core.due(now, busy)
         for fragment in ready:
             began = time.perf_counter()
@@ -106,7 +117,8 @@ class FoldPipeline:
                 raise fold.error
             done.append(self.in_flight.popleft())
         if done and self.wal is not None:
-            self.wal.wait_durable(done[-1].durable)  # durable before anyone is told
+            # durable before anyone is told
+            self.wal.wait_durable(done[-1].durable)
             if self.barrier is not None:
                 self.barrier(done[-1].durable)
         for fold in done:
@@ -132,12 +144,14 @@ class FoldPipeline:
             try:
                 fold.state, fold.report = self.core.compute_fold(fold.started)
                 jax.block_until_ready(list(fold.state.params.values()))
-            except BaseException as error:  # handed to the loop's thread, which raises it
+            # handed to the loop's thread, which raises it
+            except BaseException as error:
                 fold.error = error
             fold.compute_s = time.perf_counter() - began
             fold.done.set()
             if self._notify is not None:
                 try:
                     self._notify.send(b"", zmq.NOBLOCK)
-                except zmq.ZMQError:  # signals already queued, or closing: the loop looks anyway
+                # signals already queued, or closing: the loop looks anyway
+                except zmq.ZMQError:
                     pass

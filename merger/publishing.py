@@ -18,40 +18,70 @@ from dloco.protocol import downlink
 
 class SnapshotPublishing:
     def snapshot_frames(self, fragment: int, on_bus: bool = True, state=None) -> list:
-        """Frames of a snapshot of `fragment` (the current one unless `state` is given).  Point-to-point
-        replies (on_bus False) are not part of the bus stream: they carry the last stream seq instead of a new one.
+        """Frames of a snapshot of `fragment` (the current one unless `state` is given).
+        Point-to-point replies (on_bus False) are not part of the bus stream: they carry the last
+        stream seq instead of a new one.
 
         With a diff codec, `snapshot_form` chooses: a full snapshot, on the bus the change since the
-        served value (protocol/downlink.py), or point to point the served value itself, exact (fp32, or
-        the full snapshots' codec while the value is representable in it)."""
+        served value (protocol/downlink.py), or point to point the served value itself, exact (fp32,
+        or the full snapshots' codec while the value is representable in it)."""
         state = self.core.states[fragment] if state is None else state
 
-        def params():  # host copies: not needed for a diff merger's catch-up reply
+        # host copies: not needed for a diff merger's catch-up reply
+        def params():
             return {p: np.asarray(v) for p, v in state.params.items()}
 
-        full_codec, limit = protocol.Codec(self.config.snapshots.snapshot_codec), self.config.max_chunk_bytes
+        full_codec, limit = (
+            protocol.Codec(self.config.snapshots.snapshot_codec),
+            self.config.max_chunk_bytes,
+        )
         version, base, digest = state.version, None, None
         if self.config.snapshots.snapshot_diff_codec == "none":
             codec, plans = full_codec, protocol.split_fragment(params(), full_codec, limit)
         else:
             served = self.served.get(fragment)
-            form = snapshot_form(state.version, None if served is None else served.version, on_bus, self.config.snapshots.snapshot_full_every)
+            form = snapshot_form(
+                state.version,
+                None if served is None else served.version,
+                on_bus,
+                self.config.snapshots.snapshot_full_every,
+            )
             if form == FULL:
                 codec = full_codec
                 served, plans = downlink.full(params(), state.version, full_codec, limit)
             elif form == DIFF:
-                base, codec = served.version, protocol.Codec(self.config.snapshots.snapshot_diff_codec)
+                base, codec = (
+                    served.version,
+                    protocol.Codec(self.config.snapshots.snapshot_diff_codec),
+                )
                 served, plans = downlink.diff(params(), served, state.version, codec, limit)
-            else:  # exact: fp32, or the full snapshots' codec while S is representable in it (joins at the start)
+            # exact: fp32, or the full snapshots' codec while S is representable in it (joins at the
+            # start)
+            else:
                 codec, plans = downlink.reply(served, full_codec, limit)
             self.served[fragment] = served
             version, digest = served.version, served.digest
             self.count("merger/snapshot_catch_up" if not on_bus else f"merger/snapshot_{form}")
-        return [protocol.encode(protocol.SnapshotChunk(
-                    sender=self.config.sender, epoch=self.epoch, seq=self.next_seq() if on_bus else self.seq, fragment=fragment, version=version,
-                    chunk_index=index, chunk_count=len(plans), model=self.core.model, codec=codec,
-                    slices=plan.slices, payloads=plan.payloads, base_version=base, digest=digest))
-                for index, plan in enumerate(plans)]
+        return [
+            protocol.encode(
+                protocol.SnapshotChunk(
+                    sender=self.config.sender,
+                    epoch=self.epoch,
+                    seq=self.next_seq() if on_bus else self.seq,
+                    fragment=fragment,
+                    version=version,
+                    chunk_index=index,
+                    chunk_count=len(plans),
+                    model=self.core.model,
+                    codec=codec,
+                    slices=plan.slices,
+                    payloads=plan.payloads,
+                    base_version=base,
+                    digest=digest,
+                )
+            )
+            for index, plan in enumerate(plans)
+        ]
 
     def publish_snapshot(self, fragment: int, state=None) -> None:
         for frames in self.snapshot_frames(fragment, state=state):
@@ -62,11 +92,20 @@ class SnapshotPublishing:
     def offer_snapshot(self, fragment: int, state) -> None:
         """A fold's snapshot goes on the bus now, or is held until the islands' mean round has
         passed since the fragment's last one (round_policy.snapshot_due; the round as seen on any
-        fragment, so holding starts in the first round of later fragments): then one snapshot carries
-        every fold in between.  Islands adopt what arrives, so fewer snapshots cost freshness only,
-        and with diff snapshots the islands together receive what they send instead of N times it."""
+        fragment, so holding starts in the first round of later fragments): then one snapshot
+        carries every fold in between.  Islands adopt what arrives, so fewer snapshots cost
+        freshness only, and with diff snapshots the islands together receive what they send instead
+        of N times it.
+        """
         now = time.monotonic()
-        if snapshot_due(self.published_at.get(fragment), self.core.arrival_intervals(now), self.config.snapshots.snapshot_every_round) <= now:
+        if (
+            snapshot_due(
+                self.published_at.get(fragment),
+                self.core.arrival_intervals(now),
+                self.config.snapshots.snapshot_every_round,
+            )
+            <= now
+        ):
             self.publish_snapshot(fragment, state)
         else:
             self.unpublished.add(fragment)
@@ -77,7 +116,11 @@ class SnapshotPublishing:
         the next one is."""
         wake, intervals = None, self.core.arrival_intervals(now)
         for fragment in sorted(self.unpublished):
-            due = snapshot_due(self.published_at.get(fragment), intervals, self.config.snapshots.snapshot_every_round)
+            due = snapshot_due(
+                self.published_at.get(fragment),
+                intervals,
+                self.config.snapshots.snapshot_every_round,
+            )
             if due <= now:
                 self.publish_snapshot(fragment)
             else:
@@ -85,10 +128,11 @@ class SnapshotPublishing:
         return wake
 
     def answer_catch_up(self, identity: bytes, fragments) -> None:
-        """Each fragment's value, point to point, never blocking: a peer that does not read (its queue
-        full) loses the reply and asks again.  Each peer has a budget of replies (round_policy.
-        CatchUpBudget: the whole model twice, refilled at the whole model a second); a request beyond
-        it is refused (counted), so no peer keeps the loop encoding whole fragments."""
+        """Each fragment's value, point to point, never blocking: a peer that does not read (its
+        queue full) loses the reply and asks again.  Each peer has a budget of replies
+        (round_policy. CatchUpBudget: the whole model twice, refilled at the whole model a second);
+        a request beyond it is refused (counted), so no peer keeps the loop encoding whole
+        fragments."""
         budget = self.catch_up_budgets.setdefault(identity, CatchUpBudget(len(self.core.fragments)))
         for fragment in fragments:
             if fragment >= len(self.core.fragments):
@@ -99,5 +143,6 @@ class SnapshotPublishing:
             try:
                 for frames_out in self.snapshot_frames(fragment, on_bus=False):
                     self.control.send_multipart([identity, *frames_out], zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError:  # Again: its queue is full; EHOSTUNREACH: it has gone meanwhile
+            # Again: its queue is full; EHOSTUNREACH: it has gone meanwhile
+            except zmq.ZMQError:
                 self.count("merger/catch_up_dropped")

@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-_PIECE = 1 << 16  # values per partial sum: keeps the squared temporaries in cache
+# values per partial sum: keeps the squared temporaries in cache
+_PIECE = 1 << 16
 
 
 def norm(x: np.ndarray) -> float:
@@ -43,7 +44,9 @@ def weighted_average(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> 
     return out
 
 
-def radial_directional_average(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+def radial_directional_average(
+    deltas: Sequence[np.ndarray], weights: Sequence[float]
+) -> np.ndarray:
     norms = [norm(d) for d in deltas]
     radius = sum(w * n for w, n in zip(weights, norms))
     direction = np.zeros(np.shape(deltas[0]), dtype=np.float32)

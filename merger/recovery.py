@@ -42,16 +42,22 @@ def recover(run_dir: str | Path, log: Log | None = None) -> MergerCore:
     if saved is not None:
         checkpoint.import_state(core, saved)
         if core.digest() != saved["digest"]:
-            raise ReplayError(f"checkpoint at record {saved['next_index']} does not reproduce its own digest")
+            raise ReplayError(
+                f"checkpoint at record {saved['next_index']} does not reproduce its own digest"
+            )
         next_index, pending = saved["next_index"], set(saved["pending"])
-    end = 0  # from the record before the checkpoint's position: the log must reach it
+    # from the record before the checkpoint's position: the log must reach it
+    end = 0
     for index, record in read_records(wal_dir(run_dir), min(pending | {next_index - 1})):
         end = index + 1
         if index >= next_index or index in pending:
             core.apply_record(record, index, requeue=index < next_index)
-    if end < next_index:  # a checkpoint is written after a sync: those records were durable, and are gone
-        raise ReplayError(f"checkpoint at record {next_index} lies beyond the end of the write-ahead log (its last record is "
-                          f"{end - 1}): records the checkpoint covers are missing")
+    # a checkpoint is written after a sync: those records were durable, and are gone
+    if end < next_index:
+        raise ReplayError(
+            f"checkpoint at record {next_index} lies beyond the end of the write-ahead log (its"
+            f" last record is {end - 1}): records the checkpoint covers are missing"
+        )
     core.log = log
     return core
 
@@ -61,7 +67,11 @@ def software_mismatch(run_dir: str | Path) -> str | None:
     return records.software_mismatch(_genesis(Path(run_dir)))
 
 
-def replay(run_dir: str | Path, on_fold: Callable[[int, dict, FoldReport, MergerCore], None], strict: bool = True) -> Iterator[tuple[int, str, str]]:
+def replay(
+    run_dir: str | Path,
+    on_fold: Callable[[int, dict, FoldReport, MergerCore], None],
+    strict: bool = True,
+) -> Iterator[tuple[int, str, str]]:
     """Replay the whole log from genesis.  Calls on_fold after every fold record; yields
     (next_index, checkpoint digest, replayed digest) at every checkpoint position."""
     run_dir = Path(run_dir)
@@ -83,4 +93,7 @@ def replay(run_dir: str | Path, on_fold: Callable[[int, dict, FoldReport, Merger
         if position == index + 1:
             yield position, digest, core.digest()
         else:
-            raise ReplayError(f"checkpoint at record {position} lies beyond the end of the log (last record {index})")
+            raise ReplayError(
+                f"checkpoint at record {position} lies beyond the end of the log (last record"
+                f" {index})"
+            )

@@ -37,14 +37,26 @@ from dloco.bus.sockets import open_socket
 from dloco.merger import records
 from dloco.merger import replication_wire as wire
 from dloco.merger.logmatch import agreed_length
-from dloco.merger.replication_wire import ReplicationConfig, ReplicationError, decode, encode, fragment_digest, record_frames
+from dloco.merger.replication_wire import (
+    ReplicationConfig,
+    ReplicationError,
+    decode,
+    encode,
+    fragment_digest,
+    record_frames,
+)
 from dloco.merger.wal import read_records
 from dloco.protocol.errors import DlocoError
 
-TAIL_BYTES = 256 << 20  # recent records kept in memory for the standby; older ones are read back from the log
-WINDOW_BYTES = 256 << 20  # sent to the standby beyond what it has stored (its memory for records in flight)
-SEND_BATCH = 256  # records sent per turn of the stream thread before it looks at its socket again
-CAUGHT_UP_RECORDS = 64  # a standby within this many records of the primary's log counts as caught up (sync mode then waits for it)
+# recent records kept in memory for the standby; older ones are read back from the log
+TAIL_BYTES = 256 << 20
+# sent to the standby beyond what it has stored (its memory for records in flight)
+WINDOW_BYTES = 256 << 20
+# records sent per turn of the stream thread before it looks at its socket again
+SEND_BATCH = 256
+# a standby within this many records of the primary's log counts as caught up (sync mode then waits
+# for it)
+CAUGHT_UP_RECORDS = 64
 
 
 class Fenced(DlocoError):
@@ -70,14 +82,22 @@ class ReplicatedLog:
 @dataclasses.dataclass
 class Follower:
     identity: bytes
-    generation: int  # of the `follow` it answers: `stored` of an earlier one is ignored
-    next: int  # the next record to send
-    stored: int  # records on its disk
-    heard: float  # monotonic
-    progressed: float  # when `stored` last moved (or it was level with the log)
-    reported: bool = False  # has said what it stored since it joined
-    caught_up: bool = False  # has stored all but the last CAUGHT_UP_RECORDS records at some point since it joined
-    in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)  # (index, bytes) sent, not yet stored
+    # of the `follow` it answers: `stored` of an earlier one is ignored
+    generation: int
+    # the next record to send
+    next: int
+    # records on its disk
+    stored: int
+    # monotonic
+    heard: float
+    # when `stored` last moved (or it was level with the log)
+    progressed: float
+    # has said what it stored since it joined
+    reported: bool = False
+    # has stored all but the last CAUGHT_UP_RECORDS records at some point since it joined
+    caught_up: bool = False
+    # (index, bytes) sent, not yet stored
+    in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)
     in_flight_bytes: int = 0
 
 
@@ -86,35 +106,64 @@ class ReplicationServer:
     stream thread owns the sockets.  `state`: "alone" (no standby, or one dropped), "catching_up",
     "sync" (the standby is within CAUGHT_UP_RECORDS of the log: sync mode waits for it)."""
 
-    def __init__(self, context: zmq.Context, config: ReplicationConfig, security: Security, sender: str, wal, wal_directory: Path,
-                 epoch: int, terms: list[tuple[int, int]], term: int, genesis: int, log) -> None:
+    def __init__(
+        self,
+        context: zmq.Context,
+        config: ReplicationConfig,
+        security: Security,
+        sender: str,
+        wal,
+        wal_directory: Path,
+        epoch: int,
+        terms: list[tuple[int, int]],
+        term: int,
+        genesis: int,
+        log,
+    ) -> None:
         self.config, self.wal, self.directory, self.epoch = config, wal, Path(wal_directory), epoch
-        self.log = log.bind(role="merger", sender=sender)  # the stream thread has none of the loop thread's context
-        self.terms, self.term, self.genesis = list(terms), term, genesis  # terms: (epoch, first index); term: this one's number
+        # the stream thread has none of the loop thread's context
+        self.log = log.bind(role="merger", sender=sender)
+        # terms: (epoch, first index); term: this one's number
+        self.terms, self.term, self.genesis = list(terms), term, genesis
         self.cond = threading.Condition()
         self.tail: collections.deque[tuple[int, list, int]] = collections.deque()
         self.tail_bytes = 0
-        self.length = wal.next_index  # records appended so far
+        # records appended so far
+        self.length = wal.next_index
         self.follower: Follower | None = None
         self.state, self.fenced_by = "alone", None
         self.digests: collections.deque = collections.deque()
         self.fold_index: dict[tuple[int, int], int] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self._stopping = False
-        self._socket = open_socket(context, zmq.ROUTER, config.endpoint, security, sender, domain="replication", send_hwm=0,
-                                   report=lambda message: self.log.warning("auth_refused", detail=message))  # WINDOW_BYTES bounds it
+        self._socket = open_socket(
+            context,
+            zmq.ROUTER,
+            config.endpoint,
+            security,
+            sender,
+            domain="replication",
+            send_hwm=0,
+            # WINDOW_BYTES bounds it
+            report=lambda message: self.log.warning("auth_refused", detail=message),
+        )
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._fence = None
-        if config.peer:  # tell the peer, should it be an old primary come back, that it is fenced
-            self._fence = open_socket(context, zmq.DEALER, config.peer, security, sender, immediate=True)
+        # tell the peer, should it be an old primary come back, that it is fenced
+        if config.peer:
+            self._fence = open_socket(
+                context, zmq.DEALER, config.peer, security, sender, immediate=True
+            )
         endpoint = f"inproc://replication-{id(self)}"
         self._wake_in = context.socket(zmq.PAIR)
         self._wake_in.bind(endpoint)
         self._hashed_in = context.socket(zmq.PAIR)
         self._hashed_in.bind(f"inproc://replication-hashed-{id(self)}")
-        self._wake = context.socket(zmq.PAIR)  # the loop's end
+        # the loop's end
+        self._wake = context.socket(zmq.PAIR)
         self._wake.connect(endpoint)
-        self._hasher_wake = context.socket(zmq.PAIR)  # the hashing thread's own end (a socket per thread)
+        # the hashing thread's own end (a socket per thread)
+        self._hasher_wake = context.socket(zmq.PAIR)
         self._hasher_wake.connect(f"inproc://replication-hashed-{id(self)}")
         self._to_hash: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="replication", daemon=True)
@@ -140,11 +189,14 @@ class ReplicationServer:
         self._signal()
 
     def folded(self, fragment: int, version: int, state) -> None:
-        """A fold is computed: its digest goes to the standby (hashed on a thread of its own: a large
-        fragment's hash must delay neither the loop nor the leases)."""
+        """A fold is computed: its digest goes to the standby (hashed on a thread of its own: a
+        large fragment's hash must delay neither the loop nor the leases)."""
         with self.cond:
             index = self.fold_index.pop((fragment, version), None)
-            listening = self.follower is not None and time.monotonic() - self.follower.heard <= self.config.lease_s
+            listening = (
+                self.follower is not None
+                and time.monotonic() - self.follower.heard <= self.config.lease_s
+            )
         if index is not None and listening:
             self._to_hash.put((index, fragment, state.params))
 
@@ -161,14 +213,22 @@ class ReplicationServer:
         dropped; at once in async mode or with no standby in sync.  Raises Fenced once a newer
         primary said so: nothing may be published after that."""
         with self.cond:
-            while (self.config.mode == "sync" and self.state == "sync" and self.follower is not None and self.follower.stored < length
-                   and not self._stopping and self.fenced_by is None):
+            while (
+                self.config.mode == "sync"
+                and self.state == "sync"
+                and self.follower is not None
+                and self.follower.stored < length
+                and not self._stopping
+                and self.fenced_by is None
+            ):
                 self.cond.wait(timeout=self.config.lease_s / 6)
         self.check_fenced()
 
     def check_fenced(self) -> None:
         if self.fenced_by is not None:
-            raise Fenced(f"a merger with epoch {self.fenced_by} has taken over (this one's is {self.epoch})")
+            raise Fenced(
+                f"a merger with epoch {self.fenced_by} has taken over (this one's is {self.epoch})"
+            )
 
     def close(self) -> None:
         with self.cond:
@@ -178,9 +238,20 @@ class ReplicationServer:
         self._to_hash.put(None)
         self._thread.join(timeout=30)
         self._hasher.join(timeout=30)
-        sockets = [self._wake, self._hasher_wake] if self._thread.is_alive() else [self._wake, self._hasher_wake, self._wake_in,
-                                                                                  self._hashed_in, self._socket, self._fence]
-        for socket in sockets:  # a thread still running keeps its own (the context's destruction ends them)
+        sockets = (
+            [self._wake, self._hasher_wake]
+            if self._thread.is_alive()
+            else [
+                self._wake,
+                self._hasher_wake,
+                self._wake_in,
+                self._hashed_in,
+                self._socket,
+                self._fence,
+            ]
+        )
+        # a thread still running keeps its own (the context's destruction ends them)
+        for socket in sockets:
             if socket is not None:
                 socket.close(linger=0)
 
@@ -220,10 +291,14 @@ class ReplicationServer:
                 self._judge(time.monotonic())
             except Exception as error:  # noqa: BLE001 — whatever breaks the stream must not hold the primary's acks
                 self.counters["errors"] += 1
-                if self.counters["errors"] & (self.counters["errors"] - 1) == 0:  # the 1st, 2nd, 4th, 8th, ...
-                    self.log.error("replication_error", error=repr(error)[:500], errors=self.counters["errors"])
+                # the 1st, 2nd, 4th, 8th, ...
+                if self.counters["errors"] & (self.counters["errors"] - 1) == 0:
+                    self.log.error(
+                        "replication_error", error=repr(error)[:500], errors=self.counters["errors"]
+                    )
                 self._drop("stream error")
-                time.sleep(self.config.lease_s / 6)  # a lasting fault (a corrupt segment) is not retried in a tight loop
+                # a lasting fault (a corrupt segment) is not retried in a tight loop
+                time.sleep(self.config.lease_s / 6)
 
     def _receive(self) -> None:
         for _ in range(SEND_BATCH):
@@ -235,7 +310,9 @@ class ReplicationServer:
                 kind, body, _ = decode(frames)
             except ReplicationError as error:
                 self.counters[f"rejected/{error.reason}"] += 1
-                self.log.warning("replication_message_rejected", reason=error.reason, detail=str(error)[:200])
+                self.log.warning(
+                    "replication_message_rejected", reason=error.reason, detail=str(error)[:200]
+                )
                 continue
             if kind == wire.FOLLOW:
                 self._on_follow(identity, body)
@@ -244,7 +321,9 @@ class ReplicationServer:
             elif kind == wire.FENCE and body["epoch"] > self.epoch:
                 with self.cond:
                     if self.fenced_by is None:
-                        self.log.warning("fenced", by_epoch=body["epoch"], by_term=body["term"], epoch=self.epoch)
+                        self.log.warning(
+                            "fenced", by_epoch=body["epoch"], by_term=body["term"], epoch=self.epoch
+                        )
                     self.fenced_by = body["epoch"]
                     self.cond.notify_all()
             elif kind != wire.FENCE:
@@ -253,15 +332,36 @@ class ReplicationServer:
     def _on_follow(self, identity: bytes, body: dict) -> None:
         length, theirs = body["length"], [tuple(t) for t in body["terms"]]
         if length > 0 and body["genesis"] != self.genesis:
-            self._send(identity, encode(wire.REFUSED, {"why": "its log is another run's (its genesis record differs from this primary's)"}))
+            self._send(
+                identity,
+                encode(
+                    wire.REFUSED,
+                    {
+                        "why": (
+                            "its log is another run's (its genesis record differs from this"
+                            " primary's)"
+                        )
+                    },
+                ),
+            )
             self.log.error("standby_refused", why="genesis differs")
             return
         now = time.monotonic()
         with self.cond:
             at = agreed_length(self.terms, self.length, theirs, length) if length > 0 else 0
-            # a standby in sync that follows again (a reconnect, a lost record) with its log whole stays in sync
+            # a standby in sync that follows again (a reconnect, a lost record) with its log whole
+            # stays in sync
             caught_up = self.state == "sync" and at >= self.length - CAUGHT_UP_RECORDS
-            self.follower = Follower(identity, body["generation"], at, at, now, now, reported=caught_up, caught_up=caught_up)
+            self.follower = Follower(
+                identity,
+                body["generation"],
+                at,
+                at,
+                now,
+                now,
+                reported=caught_up,
+                caught_up=caught_up,
+            )
             self._set_state("sync" if caught_up else "catching_up")
         self.log.info("standby_following", its_length=length, common=at, length=self.length)
         self._send(identity, encode(wire.START, {"at": at, "generation": body["generation"]}))
@@ -269,8 +369,13 @@ class ReplicationServer:
     def _on_stored(self, identity: bytes, body: dict) -> None:
         with self.cond:
             follower = self.follower
-            if follower is None or follower.identity != identity or follower.generation != body["generation"]:
-                return  # an answer to an earlier follow
+            if (
+                follower is None
+                or follower.identity != identity
+                or follower.generation != body["generation"]
+            ):
+                # an answer to an earlier follow
+                return
             now = time.monotonic()
             if body["length"] > follower.stored:
                 follower.stored, follower.progressed = body["length"], now
@@ -282,21 +387,37 @@ class ReplicationServer:
     def _leases(self) -> None:
         term = self.term
         if self.follower is not None:
-            self._send(self.follower.identity, encode(wire.LEASE, {"epoch": self.epoch, "term": term, "length": self.length,
-                                                              "lease_s": self.config.lease_s, "state": self.state}))
+            self._send(
+                self.follower.identity,
+                encode(
+                    wire.LEASE,
+                    {
+                        "epoch": self.epoch,
+                        "term": term,
+                        "length": self.length,
+                        "lease_s": self.config.lease_s,
+                        "state": self.state,
+                    },
+                ),
+            )
         if self._fence is not None:
             try:
-                self._fence.send_multipart(encode(wire.FENCE, {"epoch": self.epoch, "term": term}), zmq.NOBLOCK)
-            except zmq.ZMQError:  # nobody there: nothing to fence
+                self._fence.send_multipart(
+                    encode(wire.FENCE, {"epoch": self.epoch, "term": term}), zmq.NOBLOCK
+                )
+            # nobody there: nothing to fence
+            except zmq.ZMQError:
                 pass
 
     def _send(self, identity: bytes, frames: list) -> bool:
         try:
             self._socket.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
             return True
-        except zmq.Again:  # its queue is full: the stream resumes from the same record next turn
+        # its queue is full: the stream resumes from the same record next turn
+        except zmq.Again:
             self.counters["send_full"] += 1
-        except zmq.ZMQError:  # EHOSTUNREACH: it has gone; it says `follow` again when back
+        # EHOSTUNREACH: it has gone; it says `follow` again when back
+        except zmq.ZMQError:
             self.counters["send_unroutable"] += 1
         return False
 
@@ -307,7 +428,10 @@ class ReplicationServer:
         with self.cond:
             first = self.tail[0][0] if self.tail else self.length
             if start >= first:
-                return [self.tail[i] for i in range(start - first, min(len(self.tail), start - first + SEND_BATCH))]
+                return [
+                    self.tail[i]
+                    for i in range(start - first, min(len(self.tail), start - first + SEND_BATCH))
+                ]
         out, total = [], 0
         for index, record in read_records(self.directory, start):
             if index >= min(first, self.wal.durable) or total >= budget:
@@ -320,14 +444,28 @@ class ReplicationServer:
 
     def _stream(self) -> None:
         follower = self.follower
-        if follower is None or follower.next >= self.length or follower.in_flight_bytes >= WINDOW_BYTES:
+        if (
+            follower is None
+            or follower.next >= self.length
+            or follower.in_flight_bytes >= WINDOW_BYTES
+        ):
             return
         if time.monotonic() - follower.heard > self.config.lease_s:
-            return  # not heard from lately: nothing is read or sent for it until it answers a lease
-        if (not self.tail or follower.next < self.tail[0][0]) and follower.in_flight_bytes > WINDOW_BYTES // 2:
-            return  # from disk: refill in large steps, each a pass over the segments it reads
-        for index, frames, nbytes in self._frames_of(follower.next, WINDOW_BYTES - follower.in_flight_bytes):
-            if index != follower.next or follower.in_flight_bytes >= WINDOW_BYTES or not self._send(follower.identity, frames):
+            # not heard from lately: nothing is read or sent for it until it answers a lease
+            return
+        if (
+            not self.tail or follower.next < self.tail[0][0]
+        ) and follower.in_flight_bytes > WINDOW_BYTES // 2:
+            # from disk: refill in large steps, each a pass over the segments it reads
+            return
+        for index, frames, nbytes in self._frames_of(
+            follower.next, WINDOW_BYTES - follower.in_flight_bytes
+        ):
+            if (
+                index != follower.next
+                or follower.in_flight_bytes >= WINDOW_BYTES
+                or not self._send(follower.identity, frames)
+            ):
                 return
             with self.cond:
                 follower.next += 1
@@ -339,7 +477,10 @@ class ReplicationServer:
         while self.digests and self.follower is not None:
             with self.cond:
                 index, fragment, digest = self.digests.popleft()
-            self._send(self.follower.identity, encode(wire.DIGEST, {"index": index, "fragment": fragment, "sha256": digest}))
+            self._send(
+                self.follower.identity,
+                encode(wire.DIGEST, {"index": index, "fragment": fragment, "sha256": digest}),
+            )
 
     def _judge(self, now: float) -> None:
         with self.cond:
@@ -353,26 +494,34 @@ class ReplicationServer:
                 why = "silent for two leases"
             elif self.state != "alone" and now - follower.progressed > 2 * self.config.lease_s:
                 why = "its stored length has not moved for two leases"
-            elif (not follower.caught_up and follower.reported and follower.stored >= self.length - CAUGHT_UP_RECORDS
-                  and now - follower.heard < self.config.lease_s):
+            elif (
+                not follower.caught_up
+                and follower.reported
+                and follower.stored >= self.length - CAUGHT_UP_RECORDS
+                and now - follower.heard < self.config.lease_s
+            ):
                 follower.caught_up = True
                 self._set_state("sync")
         if why is not None:
             self._drop(why)
 
     def _drop(self, why: str) -> None:
-        """Acknowledgements stop waiting for the standby.  It still gets leases (state "alone"), so a
-        live standby does not take over, and the stream resumes from what it has stored (a record
+        """Acknowledgements stop waiting for the standby.  It still gets leases (state "alone"), so
+        a live standby does not take over, and the stream resumes from what it has stored (a record
         lost on the way is sent again); it is in sync again once caught up."""
         with self.cond:
             follower = self.follower
-            if follower is not None:  # back in sync only after it says what it stored again
+            # back in sync only after it says what it stored again
+            if follower is not None:
                 follower.caught_up = follower.reported = False
                 follower.next, follower.progressed = follower.stored, time.monotonic()
                 follower.in_flight.clear()
                 follower.in_flight_bytes = 0
-            self.digests.clear()  # fragments' parameters: not kept for a standby that may not take them
-            self._set_state("alone", why=why, stored=follower.stored if follower is not None else None)
+            # fragments' parameters: not kept for a standby that may not take them
+            self.digests.clear()
+            self._set_state(
+                "alone", why=why, stored=follower.stored if follower is not None else None
+            )
 
     def _set_state(self, state: str, **detail) -> None:
         """With the lock held."""
@@ -380,12 +529,22 @@ class ReplicationServer:
             return
         before, self.state = self.state, state
         self.cond.notify_all()
-        (self.log.warning if state == "alone" else self.log.info)("replication", state=state, was=before, length=self.length,
-                                                                  mode=self.config.mode, **detail)
+        (self.log.warning if state == "alone" else self.log.info)(
+            "replication",
+            state=state,
+            was=before,
+            length=self.length,
+            mode=self.config.mode,
+            **detail,
+        )
 
     def snapshot(self) -> dict:
         """For metrics and the status: state, records the standby lacks on disk."""
         with self.cond:
             follower = self.follower
-            return {"state": self.state, "lag": self.length - follower.stored if follower is not None else None,
-                    "fenced_by": self.fenced_by, **dict(self.counters)}
+            return {
+                "state": self.state,
+                "lag": self.length - follower.stored if follower is not None else None,
+                "fenced_by": self.fenced_by,
+                **dict(self.counters),
+            }

@@ -20,8 +20,16 @@ from dloco.protocol.checksum import crc32
 from dloco.protocol.errors import ConfigError, DlocoError
 
 MODES = ("sync", "async", "off")
-FOLLOW, START, RECORD, LEASE, STORED, DIGEST, FENCE, REFUSED = (b"follow", b"start", b"record", b"lease", b"stored", b"digest",
-                                                                  b"fence", b"refused")
+FOLLOW, START, RECORD, LEASE, STORED, DIGEST, FENCE, REFUSED = (
+    b"follow",
+    b"start",
+    b"record",
+    b"lease",
+    b"stored",
+    b"digest",
+    b"fence",
+    b"refused",
+)
 
 
 def _int(value) -> bool:
@@ -29,7 +37,9 @@ def _int(value) -> bool:
 
 
 def _terms(value) -> bool:
-    return isinstance(value, list) and all(isinstance(t, list) and len(t) == 2 and all(map(_int, t)) for t in value)
+    return isinstance(value, list) and all(
+        isinstance(t, list) and len(t) == 2 and all(map(_int, t)) for t in value
+    )
 
 
 def _crcs(value) -> bool:
@@ -41,7 +51,13 @@ FIELDS = {
     FOLLOW: {"length": _int, "terms": _terms, "genesis": _int, "generation": _int},
     START: {"at": _int, "generation": _int},
     RECORD: {"index": _int, "crcs": _crcs},
-    LEASE: {"epoch": _int, "term": _int, "length": _int, "lease_s": lambda v: type(v) in (int, float), "state": lambda v: isinstance(v, str)},
+    LEASE: {
+        "epoch": _int,
+        "term": _int,
+        "length": _int,
+        "lease_s": lambda v: type(v) in (int, float),
+        "state": lambda v: isinstance(v, str),
+    },
     STORED: {"length": _int, "generation": _int},
     DIGEST: {"index": _int, "fragment": _int, "sha256": lambda v: isinstance(v, str)},
     FENCE: {"epoch": _int, "term": _int},
@@ -74,7 +90,11 @@ def decode(frames: Sequence) -> tuple[bytes, dict, list]:
         raise ReplicationError("body", f"{kind.decode()}: undecodable body: {error}") from None
     if not isinstance(body, dict):
         raise ReplicationError("body", f"{kind.decode()}: the body is not a map")
-    wrong = [field for field, check in FIELDS[kind].items() if field not in body or not check(body[field])]
+    wrong = [
+        field
+        for field, check in FIELDS[kind].items()
+        if field not in body or not check(body[field])
+    ]
     if wrong:
         raise ReplicationError("body", f"{kind.decode()}: missing or mistyped {', '.join(wrong)}")
     return kind, body, list(frames[2:])
@@ -82,19 +102,30 @@ def decode(frames: Sequence) -> tuple[bytes, dict, list]:
 
 def record_frames(index: int, record: dict, blobs: Sequence[tuple[Any, int | None]]) -> list:
     """A log record as it travels: header (index, blob CRCs), the record's map, its blobs."""
-    return encode(RECORD, {"index": index, "crcs": [crc for _, crc in blobs]}, msgpack.packb(record, use_bin_type=True),
-                  *[memoryview(buffer).cast("B") for buffer, _ in blobs])
+    return encode(
+        RECORD,
+        {"index": index, "crcs": [crc for _, crc in blobs]},
+        msgpack.packb(record, use_bin_type=True),
+        *[memoryview(buffer).cast("B") for buffer, _ in blobs],
+    )
 
 
 def read_record(body: dict, rest: list) -> tuple[int, dict, list[tuple[memoryview, int | None]]]:
-    """(index, record, blobs with CRCs) of a `record` message; a blob whose CRC is given is checked."""
+    """(index, record, blobs with CRCs) of a `record` message; a blob whose CRC is given is
+    checked."""
     try:
         record = msgpack.unpackb(rest[0], raw=False, strict_map_key=False)
     except (IndexError, ValueError, TypeError, msgpack.UnpackException) as error:
         raise ReplicationError("record", f"record {body['index']}: undecodable: {error}") from None
     crcs, blobs = body["crcs"], [memoryview(frame) for frame in rest[1:]]
-    if not isinstance(record, dict) or not isinstance(record.get("type"), str) or len(crcs) != len(blobs):
-        raise ReplicationError("record", f"record {body['index']}: {len(blobs)} blobs for {len(crcs)} CRCs, or no type")
+    if (
+        not isinstance(record, dict)
+        or not isinstance(record.get("type"), str)
+        or len(crcs) != len(blobs)
+    ):
+        raise ReplicationError(
+            "record", f"record {body['index']}: {len(blobs)} blobs for {len(crcs)} CRCs, or no type"
+        )
     for number, (blob, crc) in enumerate(zip(blobs, crcs)):
         if crc is not None and crc32(blob) != crc:
             raise ReplicationError("record", f"record {body['index']}: blob {number} fails its CRC")
@@ -123,23 +154,34 @@ def check_lease(lease_s: object, name: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ReplicationConfig:
-    mode: str = "off"  # sync | async | off
-    endpoint: str = ""  # ROUTER this merger binds while it is the primary ('@tcp://...')
-    peer: str = ""  # the other merger's replication endpoint: followed as a standby, fenced after a takeover
-    lease_s: float = 3.0  # a standby takes over after this long without the primary's lease; the primary drops it after twice this
-    standby: bool = False  # start as the standby of `peer`
+    # sync | async | off
+    mode: str = "off"
+    # ROUTER this merger binds while it is the primary ('@tcp://...')
+    endpoint: str = ""
+    # the other merger's replication endpoint: followed as a standby, fenced after a takeover
+    peer: str = ""
+    # a standby takes over after this long without the primary's lease; the primary drops it after
+    # twice this
+    lease_s: float = 3.0
+    # start as the standby of `peer`
+    standby: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"replication mode must be one of {MODES}, got {self.mode!r}")
         check_lease(self.lease_s, "the lease (--lease)")
         if self.mode != "off" and not self.endpoint:
-            raise ConfigError("replication needs --replication-endpoint (where this merger serves its log as the primary)")
+            raise ConfigError(
+                "replication needs --replication-endpoint (where this merger serves its log as the"
+                " primary)"
+            )
         if self.standby and not self.peer:
             raise ConfigError("a standby needs the primary's replication endpoint (--standby-of)")
         if self.peer and self.mode == "off":
-            raise ConfigError("a merger with a peer streams its log when it is the primary: give --replication-endpoint "
-                             "(and --replication sync or async)")
+            raise ConfigError(
+                "a merger with a peer streams its log when it is the primary: give"
+                " --replication-endpoint (and --replication sync or async)"
+            )
 
     @property
     def on(self) -> bool:

@@ -22,12 +22,14 @@ from dloco.merger.standby import Diverged, Refused, Standby
 from dloco.telemetry import prom
 from dloco.telemetry.logs import configure_logging
 
-EXIT_DIVERGED = 5  # a standby whose state differs from its primary's (an alarm: never promote it)
+# a standby whose state differs from its primary's (an alarm: never promote it)
+EXIT_DIVERGED = 5
 EXIT_REFUSED = 2
 
 
 def run_merger_roles(config: ServiceConfig, core_factory=None) -> tuple[int, MergerService | None]:
-    """Run until stopped; returns the exit code and the last primary service (None if never primary)."""
+    """Run until stopped; returns the exit code and the last primary service (None if never
+    primary)."""
     replication: ReplicationConfig = config.replication
     if not replication.peer:
         service = MergerService(config, core_factory=core_factory)
@@ -36,7 +38,8 @@ def run_merger_roles(config: ServiceConfig, core_factory=None) -> tuple[int, Mer
     context = zmq.Context()
     probe, service, standby, stop = not replication.standby, None, None, threading.Event()
 
-    def on_signal(*_) -> None:  # whichever role runs now stops (a standby taking over meanwhile too)
+    # whichever role runs now stops (a standby taking over meanwhile too)
+    def on_signal(*_) -> None:
         stop.set()
         for role in (standby, service):
             if role is not None:
@@ -56,11 +59,14 @@ def run_merger_roles(config: ServiceConfig, core_factory=None) -> tuple[int, Mer
                 log.error("standby_stopped", error=str(error))
                 standby.close()
                 return (EXIT_DIVERGED if isinstance(error, Diverged) else EXIT_REFUSED), service
-            except BaseException:  # a full disk, a corrupt log: the process ends, its log, lock and compilation closed first
+            # a full disk, a corrupt log: the process ends, its log, lock and compilation closed
+            # first
+            except BaseException:
                 _stop_metrics(metrics)
                 standby.close()
                 raise
-            _stop_metrics(metrics)  # the primary serves the same port
+            # the primary serves the same port
+            _stop_metrics(metrics)
             if takeover is None:
                 standby.close()
                 if standby.stopping:
@@ -68,14 +74,18 @@ def run_merger_roles(config: ServiceConfig, core_factory=None) -> tuple[int, Mer
                     return 0, service
                 log.info("no_primary", peer=replication.peer, waited_s=2 * replication.lease_s)
                 if core_factory is None and standby.wal.next_index == 0:
-                    raise ConfigError(f"{config.run_dir} holds no log, no primary answers at {replication.peer}, and no --init-npz was given")
+                    raise ConfigError(
+                        f"{config.run_dir} holds no log, no primary answers at {replication.peer},"
+                        " and no --init-npz was given"
+                    )
             service = MergerService(config, core_factory=core_factory, takeover=takeover)
             service.stopping = stop.is_set()
             standby = None
             code = service.run(signals=False)
             if service.fenced is None:
                 return code, service
-            probe = False  # stepped down: follow the merger that fenced us
+            # stepped down: follow the merger that fenced us
+            probe = False
         return 0, service
     finally:
         context.destroy(linger=0)
@@ -85,8 +95,15 @@ def serve_standby_metrics(config: ServiceConfig, standby: Standby):
     """The standby's metrics on the merger's port (None without one): role, log, folds compared."""
     if config.metrics_port is None:
         return None
-    return prom.serve(config.metrics_port, config.metrics_host, prom.registry_of(
-        lambda: prom.replication_families("standby", None, None, standby.wal.next_index, standby.compared)))
+    return prom.serve(
+        config.metrics_port,
+        config.metrics_host,
+        prom.registry_of(
+            lambda: prom.replication_families(
+                "standby", None, None, standby.wal.next_index, standby.compared
+            )
+        ),
+    )
 
 
 def _stop_metrics(server) -> None:

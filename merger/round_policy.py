@@ -22,22 +22,26 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from dloco.merger.config import RoundConfig
 
-
-ABSENCE = 4  # intervals: a longer gap between an island's deltas of a fragment starts its history again (observe)
+# intervals: a longer gap between an island's deltas of a fragment starts its history again
+# (observe)
+ABSENCE = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class ArrivalStats:
     """One island's arrival history for one fragment."""
 
-    last: float  # time of its latest delta
-    interval: float | None  # EMA of the time between its deltas; None after a single arrival
+    # time of its latest delta
+    last: float
+    # EMA of the time between its deltas; None after a single arrival
+    interval: float | None
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
     fold: bool
-    wait_until: float | None  # when to decide again if not folding; None: only on the next arrival
+    # when to decide again if not folding; None: only on the next arrival
+    wait_until: float | None
 
 
 def observe(stats: ArrivalStats | None, now: float, alpha: float) -> ArrivalStats:
@@ -55,12 +59,18 @@ def observe(stats: ArrivalStats | None, now: float, alpha: float) -> ArrivalStat
     return ArrivalStats(last=now, interval=interval)
 
 
-def decide(now: float, pending: Sequence[tuple[str, float]], history: Mapping[str, ArrivalStats], config: RoundConfig) -> Decision:
+def decide(
+    now: float,
+    pending: Sequence[tuple[str, float]],
+    history: Mapping[str, ArrivalStats],
+    config: RoundConfig,
+) -> Decision:
     """`pending`: (island, arrival time) of admitted deltas not folded yet, oldest first."""
     if not pending:
         return Decision(False, None)
     oldest = min(t for _, t in pending)
-    first: dict[str, float] = {}  # each island's earliest pending arrival
+    # each island's earliest pending arrival
+    first: dict[str, float] = {}
     for island, at in pending:
         first[island] = min(at, first.get(island, at))
     if len(first) < config.quorum:
@@ -74,7 +84,9 @@ def decide(now: float, pending: Sequence[tuple[str, float]], history: Mapping[st
     predictions = [
         stats.last + stats.interval
         for island, stats in history.items()
-        if island not in waiting_for and stats.interval is not None and now < stats.last + stats.interval + config.grace_slack_s
+        if island not in waiting_for
+        and stats.interval is not None
+        and now < stats.last + stats.interval + config.grace_slack_s
     ]
     upcoming = [p for p in predictions if p <= deadline]
     if not upcoming:
@@ -82,7 +94,9 @@ def decide(now: float, pending: Sequence[tuple[str, float]], history: Mapping[st
     return Decision(False, min(min(upcoming) + config.grace_slack_s, deadline))
 
 
-def snapshot_due(last_published: float | None, intervals: Iterable[float | None], every_round: float) -> float:
+def snapshot_due(
+    last_published: float | None, intervals: Iterable[float | None], every_round: float
+) -> float:
     """When a fragment's next snapshot may go on the bus: `every_round` times the mean of
     `intervals` (each island's EMA interval between its deltas of one fragment, over every fragment:
     each island sends every fragment once per round, so the mean is the islands' mean round) after

@@ -29,14 +29,17 @@ class RunDirLock:
         except BlockingIOError:
             holder = os.pread(self.fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
             os.close(self.fd)
-            raise RunDirInUse(f"{run_dir} is in use by another merger (pid {holder}, lock {self.path}); "
-                              "stop it first, or give this one another --run-dir") from None
+            raise RunDirInUse(
+                f"{run_dir} is in use by another merger (pid {holder}, lock {self.path}); "
+                "stop it first, or give this one another --run-dir"
+            ) from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
 
     def release(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)  # closing the descriptor drops the flock
+            # closing the descriptor drops the flock
+            os.close(self.fd)
             self.fd = -1
 
 
@@ -50,8 +53,15 @@ def check_shard(run_dir: Path, shard: int, shards: int) -> None:
     if path.exists():
         theirs = path.read_text().strip()
         if theirs != mine:
-            raise ConfigError(f"{run_dir} is the run directory of merger shard {theirs}, not {mine}: give this shard its own --run-dir")
-    elif shards > 1 and (run_dir / "wal").exists():  # a log from before shards were recorded: an unsharded merger's
-        raise ConfigError(f"{run_dir} holds the log of an unsharded merger, not of shard {mine}: give this shard its own --run-dir")
+            raise ConfigError(
+                f"{run_dir} is the run directory of merger shard {theirs}, not {mine}: give this"
+                " shard its own --run-dir"
+            )
+    # a log from before shards were recorded: an unsharded merger's
+    elif shards > 1 and (run_dir / "wal").exists():
+        raise ConfigError(
+            f"{run_dir} holds the log of an unsharded merger, not of shard {mine}: give this shard"
+            " its own --run-dir"
+        )
     else:
         path.write_text(mine + "\n")

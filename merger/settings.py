@@ -15,24 +15,35 @@ from dloco.merger.replication_wire import ReplicationConfig
 @dataclasses.dataclass(frozen=True)
 class ServiceConfig:
     run_dir: Path
-    delta_endpoint: str  # SUB
-    snapshot_endpoint: str  # PUB
-    control_endpoint: str  # ROUTER
+    # SUB
+    delta_endpoint: str
+    # PUB
+    snapshot_endpoint: str
+    # ROUTER
+    control_endpoint: str
     sender: str = "merger"
     # the forms fragments go out in, and how often (merger/config.py)
     snapshots: SnapshotConfig = SnapshotConfig()
     max_chunk_bytes: int = protocol.DEFAULT_MAX_CHUNK_BYTES
     fsync: str = "batch"
-    checkpoint_every: int = 50  # folds between checkpoints
+    # folds between checkpoints
+    checkpoint_every: int = 50
     reassembly_ttl_s: float = 60.0
-    reassembly_bytes: int = 512 << 20  # partial deltas, in all (each island: half of it)
-    held_bytes: int = 256 << 20  # stream messages held beyond a gap, in all (each island: half of it)
-    peer_timeout_s: float = 10.0  # an island silent this long (no chunk, no heartbeat) is logged as gone
-    security: Security = Security(None, "merger")  # plaintext unless keys are given
-    metrics_port: int | None = None  # Prometheus metrics served on this port (telemetry/prom.py); None: off
+    # partial deltas, in all (each island: half of it)
+    reassembly_bytes: int = 512 << 20
+    # stream messages held beyond a gap, in all (each island: half of it)
+    held_bytes: int = 256 << 20
+    # an island silent this long (no chunk, no heartbeat) is logged as gone
+    peer_timeout_s: float = 10.0
+    # plaintext unless keys are given
+    security: Security = Security(None, "merger")
+    # Prometheus metrics served on this port (telemetry/prom.py); None: off
+    metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
-    replication: ReplicationConfig = ReplicationConfig()  # a standby, its stream and lease (merger/replication.py)
-    shard: int = 0  # this merger folds the fragments f with f % shards == shard (merger/sharding.py)
+    # a standby, its stream and lease (merger/replication.py)
+    replication: ReplicationConfig = ReplicationConfig()
+    # this merger folds the fragments f with f % shards == shard (merger/sharding.py)
+    shard: int = 0
     shards: int = 1
 
     def owns(self, fragment: int) -> bool:

@@ -16,11 +16,14 @@ FULL, DIFF, REPLY = "full", "diff", "reply"
 
 
 def snapshot_form(version: int, served_version: int | None, on_bus: bool, full_every: int) -> str:
-    """FULL, DIFF or REPLY for a snapshot of `version`, given the version served so far (None: none)."""
+    """FULL, DIFF or REPLY for a snapshot of `version`, given the version served so far (None:
+    none)."""
     if served_version is None:
         return FULL
     if not on_bus:
         return REPLY
-    if version <= served_version or (full_every and version // full_every > served_version // full_every):
+    if version <= served_version or (
+        full_every and version // full_every > served_version // full_every
+    ):
         return FULL
     return DIFF

@@ -1,4 +1,5 @@
-"""The standby merger: a bit-identical copy of the primary's state, kept from its log (merger/replication.py).
+"""The standby merger: a bit-identical copy of the primary's state, kept from its log
+(merger/replication.py).
 
 It connects a DEALER to the primary's replication endpoint, says where its own log ends, sets
 aside what the primary's log does not hold, then appends and applies every record the primary
@@ -50,9 +51,12 @@ from dloco.protocol.errors import DlocoError
 
 POLL_MS = 50
 DRAIN_LIMIT = 256
-RECEIVE_HWM = 4096  # records queued from the primary (it sends at most replication.WINDOW_BYTES beyond what we stored)
-UNAPPLIED_BYTES = 256 << 20  # stored records' payloads waiting to be applied: beyond this the socket waits (a catch-up's memory)
-DIGESTS_KEPT = 4096  # fold digests awaiting their other half (a fold the primary made alone never gets one)
+# records queued from the primary (it sends at most replication.WINDOW_BYTES beyond what we stored)
+RECEIVE_HWM = 4096
+# stored records' payloads waiting to be applied: beyond this the socket waits (a catch-up's memory)
+UNAPPLIED_BYTES = 256 << 20
+# fold digests awaiting their other half (a fold the primary made alone never gets one)
+DIGESTS_KEPT = 4096
 
 
 class Diverged(DlocoError):
@@ -71,12 +75,16 @@ class Takeover:
     wal: WriteAheadLog
     lock: RunDirLock
     epoch: int
-    terms: list[tuple[int, int]]  # (epoch, first index) of each term of its log
-    term: int  # its term's number
+    # (epoch, first index) of each term of its log
+    terms: list[tuple[int, int]]
+    # its term's number
+    term: int
 
 
 class Standby:
-    def __init__(self, config: ServiceConfig, replication: ReplicationConfig, context: zmq.Context, log) -> None:
+    def __init__(
+        self, config: ServiceConfig, replication: ReplicationConfig, context: zmq.Context, log
+    ) -> None:
         self.config, self.replication, self.context, self.log = config, replication, context, log
         self.lock = RunDirLock(config.run_dir)
         self.stopping, self.warming = False, None
@@ -85,16 +93,26 @@ class Standby:
         except BaseException:
             self.lock.release()
             raise
-        self.primary_epoch, self.primary_term, self.primary_length, self.primary_state, self.heard = 0, 0, 0, "", None
-        self.generation, self.started = 0, False  # our latest `follow`, and whether its `start` has come
-        self.digests: collections.OrderedDict[int, tuple[int, str]] = collections.OrderedDict()  # fold index -> (fragment, ours)
-        self.theirs: collections.OrderedDict[int, str] = collections.OrderedDict()  # fold index -> the primary's digest
+        (
+            self.primary_epoch,
+            self.primary_term,
+            self.primary_length,
+            self.primary_state,
+            self.heard,
+        ) = (0, 0, 0, "", None)
+        # our latest `follow`, and whether its `start` has come
+        self.generation, self.started = 0, False
+        # fold index -> (fragment, ours)
+        self.digests: collections.OrderedDict[int, tuple[int, str]] = collections.OrderedDict()
+        # fold index -> the primary's digest
+        self.theirs: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.folds = self.compared = 0
 
     def _open(self) -> None:
         """Open the log and rebuild the state from it (none while the log is empty)."""
         self.wal = WriteAheadLog(wal_dir(self.config.run_dir), fsync=self.config.fsync)
-        self.unapplied: collections.deque[tuple[int, dict]] = collections.deque()  # stored, not yet applied
+        # stored, not yet applied
+        self.unapplied: collections.deque[tuple[int, dict]] = collections.deque()
         self.unapplied_bytes, self.refollow = 0, False
         self.terms, _, self.term = terms_of(wal_dir(self.config.run_dir))
         self.core = recover(self.config.run_dir) if self.wal.next_index > 0 else None
@@ -106,45 +124,86 @@ class Standby:
         """Compile the fold kernels in the background (as the primary does), so the first folds
         applied here do not stall the stream for a compilation."""
         core = self.core
-        self.warming = threading.Thread(target=lambda: core.warm_up(stopping=lambda: self.stopping), name="warm-up", daemon=True)
+        self.warming = threading.Thread(
+            target=lambda: core.warm_up(stopping=lambda: self.stopping), name="warm-up", daemon=True
+        )
         self.warming.start()
 
     def follow(self, probe: bool = False) -> Takeover | None:
         """Follow the primary until its lease lapses (a Takeover), or, probing, until two leases
         passed without a primary (None).  Raises Diverged, Refused; returns None when stopped."""
-        dealer = open_socket(self.context, zmq.DEALER, self.replication.peer, self.config.security, self.config.sender,
-                             receive_hwm=RECEIVE_HWM, immediate=True)
-        began, unsynced, next_checkpoint = time.monotonic(), False, self.folds + self.config.checkpoint_every
+        dealer = open_socket(
+            self.context,
+            zmq.DEALER,
+            self.replication.peer,
+            self.config.security,
+            self.config.sender,
+            receive_hwm=RECEIVE_HWM,
+            immediate=True,
+        )
+        began, unsynced, next_checkpoint = (
+            time.monotonic(),
+            False,
+            self.folds + self.config.checkpoint_every,
+        )
         self.asked = -float("inf")
-        self.log.info("following", peer=self.replication.peer, length=self.wal.next_index, probe=probe)
+        self.log.info(
+            "following", peer=self.replication.peer, length=self.wal.next_index, probe=probe
+        )
         try:
             while not self.stopping:
                 dealer.poll(POLL_MS)
-                for _ in range(DRAIN_LIMIT if self.unapplied_bytes < UNAPPLIED_BYTES else 0):  # full: apply first
+                # full: apply first
+                for _ in range(DRAIN_LIMIT if self.unapplied_bytes < UNAPPLIED_BYTES else 0):
                     try:
                         frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     unsynced |= self._on_message([f.buffer for f in frames], dealer)
-                if unsynced:  # stored first, applied after: the primary waits for the disk, not for our folds
+                # stored first, applied after: the primary waits for the disk, not for our folds
+                if unsynced:
                     self.wal.sync()
                     unsynced = False
                     self._stored(dealer)
-                self._apply_stored(deadline=time.monotonic() + self.replication.lease_s / 6)  # then back to the socket
+                # then back to the socket
+                self._apply_stored(deadline=time.monotonic() + self.replication.lease_s / 6)
                 if self.folds >= next_checkpoint and not self.unapplied:
-                    checkpoint.save(checkpoint_dir(self.config.run_dir), self.core, self.wal.next_index)
+                    checkpoint.save(
+                        checkpoint_dir(self.config.run_dir), self.core, self.wal.next_index
+                    )
                     next_checkpoint = self.folds + self.config.checkpoint_every
                 if dealer.poll(0) or self.unapplied:
-                    continue  # more to do first: silence is judged on an empty queue
+                    # more to do first: silence is judged on an empty queue
+                    continue
                 now = time.monotonic()
-                if self.refollow or now - max(self.asked, self.heard or -float("inf")) > self.replication.lease_s / 3:
-                    # at start, after a lost record, and whenever the primary is silent: a restarted primary learns of us so
+                if (
+                    self.refollow
+                    or now - max(self.asked, self.heard or -float("inf"))
+                    > self.replication.lease_s / 3
+                ):
+                    # at start, after a lost record, and whenever the primary is silent: a restarted
+                    # primary learns of us so
                     self.generation += 1
-                    sent = _send(dealer, encode(FOLLOW, {"length": self.wal.next_index, "terms": self.terms, "genesis": self.genesis,
-                                                         "generation": self.generation}))
-                    if sent:  # unsent (no primary bound yet): again next turn
+                    sent = _send(
+                        dealer,
+                        encode(
+                            FOLLOW,
+                            {
+                                "length": self.wal.next_index,
+                                "terms": self.terms,
+                                "genesis": self.genesis,
+                                "generation": self.generation,
+                            },
+                        ),
+                    )
+                    # unsent (no primary bound yet): again next turn
+                    if sent:
                         self.asked, self.started, self.refollow = now, False, False
-                if self.heard is not None and now - self.heard > self.replication.lease_s and self.core is not None:
+                if (
+                    self.heard is not None
+                    and now - self.heard > self.replication.lease_s
+                    and self.core is not None
+                ):
                     return self._take_over(now)
                 if probe and self.heard is None and now - began > 2 * self.replication.lease_s:
                     return None
@@ -157,29 +216,39 @@ class Standby:
         try:
             kind, body, rest = decode(frames)
         except ReplicationError as error:
-            self.log.warning("replication_message_rejected", reason=error.reason, detail=str(error)[:200])
+            self.log.warning(
+                "replication_message_rejected", reason=error.reason, detail=str(error)[:200]
+            )
             return False
         self.heard = time.monotonic()
         if kind == LEASE:
-            self.primary_epoch, self.primary_term = max(self.primary_epoch, body["epoch"]), body["term"]
+            self.primary_epoch, self.primary_term = (
+                max(self.primary_epoch, body["epoch"]),
+                body["term"],
+            )
             self.primary_length, self.primary_state = body["length"], body["state"]
             self._stored(dealer)
         elif kind == START and body["generation"] == self.generation:
             self._start_at(body["at"])
             self.started = True
-        elif kind == RECORD and self.started:  # records before our latest follow's start belong to an earlier stream
+        # records before our latest follow's start belong to an earlier stream
+        elif kind == RECORD and self.started:
             return self._on_record(body, rest)
         elif kind == DIGEST:
             self._compare(body["index"], body["sha256"], None)
         elif kind == REFUSED:
-            raise Refused(f"the primary at {self.replication.peer} refuses this standby: {body['why']}")
+            raise Refused(
+                f"the primary at {self.replication.peer} refuses this standby: {body['why']}"
+            )
         return False
 
     def _stored(self, dealer: zmq.Socket) -> None:
         """Say how much of the log is on our disk, for the stream our latest follow started (before
         its `start`, records may still be set aside)."""
         if self.started:
-            _send(dealer, encode(STORED, {"length": self.wal.durable, "generation": self.generation}))
+            _send(
+                dealer, encode(STORED, {"length": self.wal.durable, "generation": self.generation})
+            )
 
     def _start_at(self, at: int) -> None:
         if at >= self.wal.next_index:
@@ -187,32 +256,51 @@ class Standby:
         self.digests.clear()
         self.theirs.clear()
         self.wal.close()
-        moved = set_aside_from(wal_dir(self.config.run_dir), at, checkpoint_dir(self.config.run_dir))
-        self.log.warning("log_set_aside", from_index=at, moved=moved, why="the primary's log does not hold these records")
+        moved = set_aside_from(
+            wal_dir(self.config.run_dir), at, checkpoint_dir(self.config.run_dir)
+        )
+        self.log.warning(
+            "log_set_aside",
+            from_index=at,
+            moved=moved,
+            why="the primary's log does not hold these records",
+        )
         self._open()
 
     def _on_record(self, body: dict, rest: list) -> bool:
         try:
             index, record, blobs = read_record(body, rest)
         except ReplicationError as error:
-            self.log.warning("replication_message_rejected", reason=error.reason, detail=str(error)[:200])
-            self.refollow = True  # follow again from where our log ends: the primary resends from there
+            self.log.warning(
+                "replication_message_rejected", reason=error.reason, detail=str(error)[:200]
+            )
+            # follow again from where our log ends: the primary resends from there
+            self.refollow = True
             return False
         if index != self.wal.next_index:
-            self.refollow |= index > self.wal.next_index  # beyond a gap: a record was lost on the way
+            # beyond a gap: a record was lost on the way
+            self.refollow |= index > self.wal.next_index
             return False
         if record["type"] != records.GENESIS and self.core is None:
             raise Diverged(f"record {index} arrived before any genesis record")
         self.wal.append(record, blobs)
         if record["type"] == records.GENESIS:
-            record = {**record, "blobs": [blob for blob, _ in blobs]} if blobs else record  # as the log reads it back
-            self.core, self.terms, self.term, self.genesis = MergerCore.from_genesis(record), [(0, 0)], 0, genesis_id(record)
+            # as the log reads it back
+            record = {**record, "blobs": [blob for blob, _ in blobs]} if blobs else record
+            self.core, self.terms, self.term, self.genesis = (
+                MergerCore.from_genesis(record),
+                [(0, 0)],
+                0,
+                genesis_id(record),
+            )
             self._warm_up()
             return True
         if record["type"] == records.TERM:
             self.terms.append((record["epoch"], index))
             self.term = max(self.term, record["term"])
-        self.unapplied.append((index, {**record, "blobs": [blob for blob, _ in blobs]} if blobs else record))
+        self.unapplied.append(
+            (index, {**record, "blobs": [blob for blob, _ in blobs]} if blobs else record)
+        )
         self.unapplied_bytes += sum(blob.nbytes for blob, _ in blobs)
         return True
 
@@ -229,14 +317,17 @@ class Standby:
             if report is not None:
                 self.folds += 1
                 fragment = record["fragment"]
-                self._compare(index, None, (fragment, fragment_digest(self.core.states[fragment].params)))
+                self._compare(
+                    index, None, (fragment, fragment_digest(self.core.states[fragment].params))
+                )
             if time.monotonic() >= deadline:
                 return
 
     def _compare(self, index: int, theirs: str | None, ours: tuple[int, str] | None) -> None:
         if ours is not None:
             if index not in self.theirs:
-                _keep(self.digests, index, ours)  # a fold the primary made while it had no standby never gets its digest
+                # a fold the primary made while it had no standby never gets its digest
+                _keep(self.digests, index, ours)
                 return
             theirs = self.theirs.pop(index)
         else:
@@ -245,25 +336,38 @@ class Standby:
                 return
             ours = self.digests.pop(index)
         if ours[1] != theirs:
-            raise Diverged(f"fragment {ours[0]} after log record {index}: digest {ours[1][:16]}… here, {theirs[:16]}… at the primary")
+            raise Diverged(
+                f"fragment {ours[0]} after log record {index}: digest {ours[1][:16]}… here,"
+                f" {theirs[:16]}… at the primary"
+            )
         self.compared += 1
 
     def _take_over(self, now: float) -> Takeover:
         self._apply_stored()
-        epoch = max(time.time_ns(), self.primary_epoch + 1, newest_epoch(self.terms) + 1)  # above every epoch it has seen
+        # above every epoch it has seen
+        epoch = max(time.time_ns(), self.primary_epoch + 1, newest_epoch(self.terms) + 1)
         term = max(self.term, self.primary_term) + 1
         self.terms.append((epoch, self.wal.append(records.term_record(term, epoch))))
         self.wal.sync()
         behind = self.primary_length - (self.wal.next_index - 1)
         (self.log.error if behind > 0 else self.log.warning)(
-            "taking_over", silent_s=round(now - self.heard, 3), epoch=epoch, term=term, length=self.wal.next_index,
-            versions=[state.version for state in self.core.states], folds_compared=self.compared,
-            primary_said=self.primary_state, behind_records=max(0, behind))
+            "taking_over",
+            silent_s=round(now - self.heard, 3),
+            epoch=epoch,
+            term=term,
+            length=self.wal.next_index,
+            versions=[state.version for state in self.core.states],
+            folds_compared=self.compared,
+            primary_said=self.primary_state,
+            behind_records=max(0, behind),
+        )
         return Takeover(self.core, self.wal, self.lock, epoch, self.terms, term)
 
     def close(self) -> None:
-        if self.warming is not None:  # a stopping standby's warm-up ends after the compilation under way
-            self.warming.join(timeout=120)  # exiting while XLA compiles on another thread aborts the process
+        # a stopping standby's warm-up ends after the compilation under way
+        if self.warming is not None:
+            # exiting while XLA compiles on another thread aborts the process
+            self.warming.join(timeout=120)
         self.wal.close()
         self.lock.release()
 
@@ -278,5 +382,6 @@ def _send(dealer: zmq.Socket, frames: list) -> bool:
     try:
         dealer.send_multipart(frames, zmq.NOBLOCK)
         return True
-    except zmq.ZMQError:  # not connected (the primary is down or restarting): asked again later
+    # not connected (the primary is down or restarting): asked again later
+    except zmq.ZMQError:
         return False

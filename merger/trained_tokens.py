@@ -24,9 +24,13 @@ import dataclasses
 
 @dataclasses.dataclass
 class _Life:
-    claimed: int = 0  # the largest `tokens` of this life's heartbeats
-    per_fragment: dict[int, int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
-    largest: int = 0  # the largest single delta's tokens
+    # the largest `tokens` of this life's heartbeats
+    claimed: int = 0
+    per_fragment: dict[int, int] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(int)
+    )
+    # the largest single delta's tokens
+    largest: int = 0
 
     def backed(self) -> int:
         """What the life's deltas back: its most-covered fragment plus one round in hand."""

@@ -5,7 +5,8 @@ record), each a run of records::
 
     u32 little-endian  meta length
     u32 little-endian  CRC-32 (zlib) of the meta
-    meta               one msgpack map; a record with blobs lists them: "blobs": [[nbytes, crc32], ...]
+    meta               one msgpack map; a record with blobs lists them: "blobs": [[nbytes, crc32],
+...]
     blobs              raw bytes, back to back, each checked by its own CRC-32
 
 Blobs are written as they are (no copy into the msgpack) with a CRC the caller may already know:
@@ -50,7 +51,8 @@ from dloco.protocol.checksum import crc32
 from dloco.protocol.errors import DlocoError
 
 _HEADER = struct.Struct("<II")
-MAX_META_BYTES = 1 << 31  # a record's map; its blobs may be any size (a genesis record's are the model)
+# a record's map; its blobs may be any size (a genesis record's are the model)
+MAX_META_BYTES = 1 << 31
 FSYNC_POLICIES = ("always", "batch", "never")
 
 
@@ -87,10 +89,22 @@ def _scan(segment: Path, first_index: int) -> Iterator[tuple[int, int, int, Any,
             yield index, offset, len(data), None, "torn: payload cut short"
             return
         if crc32(view[offset + _HEADER.size : end]) != crc:
-            yield index, offset, end, None, "torn: checksum mismatch at end of log" if end == len(data) else "checksum mismatch"
+            yield (
+                index,
+                offset,
+                end,
+                None,
+                (
+                    "torn: checksum mismatch at end of log"
+                    if end == len(data)
+                    else "checksum mismatch"
+                ),
+            )
             return
         try:
-            record = msgpack.unpackb(view[offset + _HEADER.size : end], raw=False, strict_map_key=False)
+            record = msgpack.unpackb(
+                view[offset + _HEADER.size : end], raw=False, strict_map_key=False
+            )
             listed = record.get("blobs", ()) if isinstance(record, dict) else ()
             sizes = [(int(n), int(c)) for n, c in listed]
         except (ValueError, TypeError, msgpack.UnpackException) as error:
@@ -104,9 +118,19 @@ def _scan(segment: Path, first_index: int) -> Iterator[tuple[int, int, int, Any,
         for number, (nbytes, blob_crc) in enumerate(sizes):
             blob = view[end : end + nbytes]
             end += nbytes
-            if crc32(blob) != blob_crc:  # in the last record of the log: a write the crash cut short
-                yield index, offset, record_end, None, (f"torn: checksum mismatch of blob {number} at end of log" if record_end == len(data)
-                                                        else f"checksum mismatch of blob {number}")
+            # in the last record of the log: a write the crash cut short
+            if crc32(blob) != blob_crc:
+                yield (
+                    index,
+                    offset,
+                    record_end,
+                    None,
+                    (
+                        f"torn: checksum mismatch of blob {number} at end of log"
+                        if record_end == len(data)
+                        else f"checksum mismatch of blob {number}"
+                    ),
+                )
                 return
             blobs.append(blob)
         if sizes:
@@ -115,23 +139,34 @@ def _scan(segment: Path, first_index: int) -> Iterator[tuple[int, int, int, Any,
         offset, index = end, index + 1
 
 
-def read_records(directory: str | Path, start: int = 0, allow_torn_tail: bool = True) -> Iterator[tuple[int, dict]]:
+def read_records(
+    directory: str | Path, start: int = 0, allow_torn_tail: bool = True
+) -> Iterator[tuple[int, dict]]:
     """Every valid record with index >= start, in order.  A torn tail ends the iteration quietly
     (or raises, with allow_torn_tail=False); corruption anywhere else raises LogCorruption."""
     segments = _segments(Path(directory))
-    expected = None  # the index the next segment must start at (segments are named by their first record)
+    # the index the next segment must start at (segments are named by their first record)
+    expected = None
     for position, segment in enumerate(segments):
         first = int(segment.stem)
         if position + 1 < len(segments) and int(segments[position + 1].stem) <= start:
             continue
-        if expected is not None and first != expected:  # records expected..first-1 are missing
-            if allow_torn_tail:  # the earlier segment lost its tail: the log ends there, as after a torn record
+        # records expected..first-1 are missing
+        if expected is not None and first != expected:
+            # the earlier segment lost its tail: the log ends there, as after a torn record
+            if allow_torn_tail:
                 return
-            raise LogCorruption(segment, 0, expected, f"records {expected}..{first - 1} are missing (the segment starts at {first})")
+            raise LogCorruption(
+                segment,
+                0,
+                expected,
+                f"records {expected}..{first - 1} are missing (the segment starts at {first})",
+            )
         expected = first
         for index, offset, _, record, problem in _scan(segment, first):
             if problem:
-                if allow_torn_tail and problem.startswith("torn"):  # the log ends here (later segments: never durable)
+                # the log ends here (later segments: never durable)
+                if allow_torn_tail and problem.startswith("torn"):
                     return
                 raise LogCorruption(segment, offset, index, problem)
             expected = index + 1
@@ -140,21 +175,31 @@ def read_records(directory: str | Path, start: int = 0, allow_torn_tail: bool = 
 
 
 class WriteAheadLog:
-    def __init__(self, directory: str | Path, segment_bytes: int = 64 << 20, fsync: str = "batch") -> None:
+    def __init__(
+        self, directory: str | Path, segment_bytes: int = 64 << 20, fsync: str = "batch"
+    ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise DlocoError(f"wal fsync policy must be one of {FSYNC_POLICIES}, got {fsync!r}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.segment_bytes, self.fsync = segment_bytes, fsync
-        self.bytes_appended = 0  # by this process (metrics)
-        self.on_fsync = None  # called with each fsync's seconds (metrics)
+        # by this process (metrics)
+        self.bytes_appended = 0
+        # called with each fsync's seconds (metrics)
+        self.on_fsync = None
         self.truncated_bytes = 0
-        self.discarded: list[str] = []  # segments set aside after a torn record (see the module docstring)
-        self._cond = threading.Condition()  # guards the fields below; fsync runs with it released
-        self._wanted = self._durable = 0  # tickets: record indexes flushed / made durable
-        self._rotated: list[int] = []  # descriptors of full segments not yet fsynced, oldest first
-        self._directory_dirty = False  # a segment was created since the directory's last fsync
-        self._syncing = False  # a thread is fsyncing (the lock released): others wait their turn
+        # segments set aside after a torn record (see the module docstring)
+        self.discarded: list[str] = []
+        # guards the fields below; fsync runs with it released
+        self._cond = threading.Condition()
+        # tickets: record indexes flushed / made durable
+        self._wanted = self._durable = 0
+        # descriptors of full segments not yet fsynced, oldest first
+        self._rotated: list[int] = []
+        # a segment was created since the directory's last fsync
+        self._directory_dirty = False
+        # a thread is fsyncing (the lock released): others wait their turn
+        self._syncing = False
         self._syncer: threading.Thread | None = None
         self._closing, self._error = False, None
         self.next_index = self._recover()
@@ -162,15 +207,23 @@ class WriteAheadLog:
         self._open_segment(self.next_index, reuse_last=True)
 
     def _recover(self) -> int:
-        """Index after the last valid record; truncate a torn tail (and set aside any segments after it)."""
+        """Index after the last valid record; truncate a torn tail (and set aside any segments after
+        it)."""
         segments = _segments(self.directory)
         if not segments:
             return 0
         if int(segments[0].stem) != 0:
-            raise LogCorruption(segments[0], 0, 0, f"the log's first segment starts at record {int(segments[0].stem)}: records before it are missing")
+            raise LogCorruption(
+                segments[0],
+                0,
+                0,
+                f"the log's first segment starts at record {int(segments[0].stem)}: records before"
+                " it are missing",
+            )
         next_index = 0
         for position, segment in enumerate(segments):
-            if int(segment.stem) != next_index:  # the previous segment lost its tail at a record boundary
+            # the previous segment lost its tail at a record boundary
+            if int(segment.stem) != next_index:
                 self._discard(segments[position:], next_index)
                 return next_index
             good_end = 0
@@ -192,11 +245,13 @@ class WriteAheadLog:
         return next_index
 
     def _discard(self, segments: list[Path], torn_index: int) -> None:
-        """Move segments written after a torn record (never durable) to DIR/discarded/<its index>[-n]/."""
+        """Move segments written after a torn record (never durable) to DIR/discarded/<its
+        index>[-n]/."""
         if not segments:
             return
         aside, n = self.directory / "discarded" / f"{torn_index:012d}", 1
-        while aside.exists():  # set aside at this index before: keep that too
+        # set aside at this index before: keep that too
+        while aside.exists():
             n += 1
             aside = self.directory / "discarded" / f"{torn_index:012d}-{n}"
         aside.mkdir(parents=True)
@@ -208,11 +263,15 @@ class WriteAheadLog:
 
     def _open_segment(self, first_index: int, reuse_last: bool = False) -> None:
         segments = _segments(self.directory)
-        path = segments[-1] if reuse_last and segments else self.directory / f"{first_index:012d}.seg"
-        if self._file is not None:  # a full segment: the next sync fsyncs it (a duplicate descriptor) first
+        path = (
+            segments[-1] if reuse_last and segments else self.directory / f"{first_index:012d}.seg"
+        )
+        # a full segment: the next sync fsyncs it (a duplicate descriptor) first
+        if self._file is not None:
             self._file.flush()
             new = open(path, "ab")
-            with self._cond:  # the syncer reads self._file under the lock: it never sees a closed one
+            # the syncer reads self._file under the lock: it never sees a closed one
+            with self._cond:
                 if self.fsync != "never":
                     self._rotated.append(os.dup(self._file.fileno()))
                     self._directory_dirty = True
@@ -228,7 +287,13 @@ class WriteAheadLog:
         return its index.  Durable on return when fsync == "always"."""
         views = [memoryview(buffer).cast("B") for buffer, _ in blobs]
         if blobs:
-            record = {**record, "blobs": [[v.nbytes, crc32(v) if crc is None else crc] for v, (_, crc) in zip(views, blobs)]}
+            record = {
+                **record,
+                "blobs": [
+                    [v.nbytes, crc32(v) if crc is None else crc]
+                    for v, (_, crc) in zip(views, blobs)
+                ],
+            }
         meta = msgpack.packb(record, use_bin_type=True)
         if len(meta) >= MAX_META_BYTES:
             raise DlocoError(f"log record's map of {len(meta)} bytes exceeds {MAX_META_BYTES}")
@@ -238,14 +303,19 @@ class WriteAheadLog:
                 self._open_segment(self.next_index)
             self._file.write(_HEADER.pack(len(meta), crc32(meta)) + meta)
             for view in views:
-                self._file.write(view)  # large writes go straight to the file, no copy
+                # large writes go straight to the file, no copy
+                self._file.write(view)
         except OSError as error:
-            raise StorageError(f"cannot append to the write-ahead log in {self.directory}: {error.strerror or error}") from error
+            raise StorageError(
+                f"cannot append to the write-ahead log in {self.directory}:"
+                f" {error.strerror or error}"
+            ) from error
         self._segment_size += size
         self.bytes_appended += size
         index, self.next_index = self.next_index, self.next_index + 1
         if self.fsync == "always":
-            self.sync()  # covers this record: the ticket is the index after it
+            # covers this record: the ticket is the index after it
+            self.sync()
         return index
 
     @property
@@ -257,10 +327,13 @@ class WriteAheadLog:
         try:
             self._file.flush()
         except OSError as error:
-            raise StorageError(f"cannot write the write-ahead log in {self.directory}: {error.strerror or error}") from error
+            raise StorageError(
+                f"cannot write the write-ahead log in {self.directory}: {error.strerror or error}"
+            ) from error
 
     def sync_async(self) -> int:
-        """Start making everything appended so far durable; returns the ticket for `wait_durable`."""
+        """Start making everything appended so far durable; returns the ticket for
+        `wait_durable`."""
         self._flush()
         ticket = self.next_index
         if self.fsync == "never":
@@ -269,7 +342,9 @@ class WriteAheadLog:
         with self._cond:
             self._wanted = max(self._wanted, ticket)
             if self._syncer is None:
-                self._syncer = threading.Thread(target=self._sync_loop, name="wal-fsync", daemon=True)
+                self._syncer = threading.Thread(
+                    target=self._sync_loop, name="wal-fsync", daemon=True
+                )
                 self._syncer.start()
             self._cond.notify_all()
         return ticket
@@ -312,7 +387,8 @@ class WriteAheadLog:
         if self._durable >= target or self._error is not None:
             return
         try:
-            current = os.dup(self._file.fileno())  # a duplicate: rotation may close the file meanwhile
+            # a duplicate: rotation may close the file meanwhile
+            current = os.dup(self._file.fileno())
         except (OSError, ValueError) as error:
             self._error = StorageError(f"fsync of the write-ahead log failed: {error}")
             self._cond.notify_all()
@@ -332,8 +408,12 @@ class WriteAheadLog:
             seconds = time.perf_counter() - began
         except OSError as error:
             failure = StorageError(f"fsync of the write-ahead log failed: {error}")
-        except BaseException as error:  # e.g. KeyboardInterrupt: the taken segments are not known to be on disk
-            failure, interrupted = DlocoError(f"fsync of the write-ahead log was interrupted: {error!r}"), error
+        # e.g. KeyboardInterrupt: the taken segments are not known to be on disk
+        except BaseException as error:
+            failure, interrupted = (
+                DlocoError(f"fsync of the write-ahead log was interrupted: {error!r}"),
+                error,
+            )
         finally:
             for fd in (*rotated, current):
                 try:
@@ -364,12 +444,14 @@ class WriteAheadLog:
             if self._syncer is not None:
                 self._syncer.join(timeout=60)
             with self._cond:
-                for fd in self._rotated:  # only after a failed sync
+                # only after a failed sync
+                for fd in self._rotated:
                     os.close(fd)
                 self._rotated = []
                 try:
                     self._file.close()
-                except OSError:  # a full disk: the sync above raised already; what did not reach it is a torn tail
+                # a full disk: the sync above raised already; what did not reach it is a torn tail
+                except OSError:
                     pass
                 self._file = None
 

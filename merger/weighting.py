@@ -14,7 +14,9 @@ from collections.abc import Mapping, Sequence
 
 def token_weight(tokens: int, steps: int) -> float:
     if steps < 1 or tokens < 0:
-        raise ValueError(f"token_weight needs steps >= 1 and tokens >= 0, got tokens={tokens}, steps={steps}")
+        raise ValueError(
+            f"token_weight needs steps >= 1 and tokens >= 0, got tokens={tokens}, steps={steps}"
+        )
     return float(tokens) * float(tokens) / float(steps)
 
 
@@ -25,8 +27,8 @@ def staleness_discount(staleness: int, power: float) -> float:
 
 
 def capped(weights: Sequence[float], others: Sequence[float], ratio: float) -> list[float]:
-    """Each weight at most `ratio` times the largest of the rest (the other entries and `others`, the
-    recent weights of islands not in the list): an island's weight is what it claims (tokens,
+    """Each weight at most `ratio` times the largest of the rest (the other entries and `others`,
+    the recent weights of islands not in the list): an island's weight is what it claims (tokens,
     steps), so no island may outweigh the heaviest other one more than `ratio` times.  Unchanged
     with ratio 0, or with nobody else to compare to."""
     if ratio <= 0:
@@ -38,8 +40,11 @@ def capped(weights: Sequence[float], others: Sequence[float], ratio: float) -> l
     return out
 
 
-def weights(counters: list[tuple[int, int, int]], power: float, max_ratio: float = 0.0) -> list[float]:
-    """Weights of (tokens, steps, staleness) triples, capped (`capped`, within the list), normalised to sum to 1."""
+def weights(
+    counters: list[tuple[int, int, int]], power: float, max_ratio: float = 0.0
+) -> list[float]:
+    """Weights of (tokens, steps, staleness) triples, capped (`capped`, within the list), normalised
+    to sum to 1."""
     raw = capped(raw_weights(counters, power), (), max_ratio)
     total = sum(raw)
     if total <= 0:
@@ -49,29 +54,48 @@ def weights(counters: list[tuple[int, int, int]], power: float, max_ratio: float
 
 def raw_weights(counters: list[tuple[int, int, int]], power: float) -> list[float]:
     """Unnormalised weights of (tokens, steps, staleness) triples."""
-    return [token_weight(tokens, steps) * staleness_discount(staleness, power) for tokens, steps, staleness in counters]
+    return [
+        token_weight(tokens, steps) * staleness_discount(staleness, power)
+        for tokens, steps, staleness in counters
+    ]
 
 
-def fold_share(members: Sequence[tuple[str, float]], last_contributions: Mapping[str, tuple[int, float]], version: int, window: int) -> float:
+def fold_share(
+    members: Sequence[tuple[str, float]],
+    last_contributions: Mapping[str, tuple[int, float]],
+    version: int,
+    window: int,
+) -> float:
     """The fraction of a whole round's weight that a fold of `members` ((island, raw weight) pairs)
     carries, when it makes the fragment's `version`.
 
     A whole round: the fold's members plus every other island that contributed to this fragment
-    within the last `window` versions (`last_contributions`: island -> (version of the fold that took its last
-    delta, that delta's raw weight)).  A fold of every active island's delta (a synchronous round)
-    has share 1; one island's delta out of four equal ones, 1/4; an island gone for more than
-    `window` versions stops counting.  window = 0: always 1 (every fold a whole step).
+    within the last `window` versions (`last_contributions`: island -> (version of the fold that
+    took its last delta, that delta's raw weight)).  A fold of every active island's delta (a
+    synchronous round) has share 1; one island's delta out of four equal ones, 1/4; an island gone
+    for more than `window` versions stops counting.  window = 0: always 1 (every fold a whole step).
     """
     if window == 0:
         return 1.0
     islands = {island for island, _ in members}
     active = recent_others(last_contributions, islands, version, window)
     own = sum(weight for _, weight in members)
-    if own <= 0:  # weightless deltas (no tokens): count islands instead, as `weights` does
+    # weightless deltas (no tokens): count islands instead, as `weights` does
+    if own <= 0:
         return len(islands) / (len(islands) + len(active))
     return own / (own + sum(active))
 
 
-def recent_others(last_contributions: Mapping[str, tuple[int, float]], islands: set[str], version: int, window: int) -> list[float]:
-    """The last raw weights of the islands not in `islands` that contributed within `window` versions."""
-    return [weight for island, (at, weight) in last_contributions.items() if island not in islands and version - at <= window]
+def recent_others(
+    last_contributions: Mapping[str, tuple[int, float]],
+    islands: set[str],
+    version: int,
+    window: int,
+) -> list[float]:
+    """The last raw weights of the islands not in `islands` that contributed within `window`
+    versions."""
+    return [
+        weight
+        for island, (at, weight) in last_contributions.items()
+        if island not in islands and version - at <= window
+    ]

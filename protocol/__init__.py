@@ -7,7 +7,12 @@ this package is its reference implementation.
     message = protocol.decode(frames)      # raises protocol.ProtocolError, and nothing else
 """
 
-from dloco.protocol.chunking import DEFAULT_MAX_CHUNK_BYTES, ChunkPlan, model_fingerprint, split_fragment
+from dloco.protocol.chunking import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    ChunkPlan,
+    model_fingerprint,
+    split_fragment,
+)
 from dloco.protocol.encoding import encode
 from dloco.protocol.error_feedback import compensate, quantize_with_feedback
 from dloco.protocol.errors import DlocoError, EncodeError, ProtocolError
@@ -36,11 +41,41 @@ from dloco.protocol.reassembly import Assembled, Reassembler, message_key
 
 __all__ = [
     "CodedTensor",
-    "CODEC_NAMES", "DEFAULT_BLOCK", "DEFAULT_LIMITS", "DEFAULT_MAX_CHUNK_BYTES", "MESSAGE_TYPES",
-    "PROTOCOL_VERSION", "STREAM_KINDS", "Ack", "Assembled", "ChunkPlan", "Codec", "Cursor",
-    "DeltaChunk", "DeltaResult", "DlocoError", "EncodeError", "Heartbeat", "Hello", "Kind",
-    "Limits", "Message", "ProtocolError", "Reassembler", "ResendRequest", "SnapshotChunk",
-    "SnapshotRequest", "TensorSlice", "compensate", "decode", "encode", "message_key",
-    "model_fingerprint", "partition", "peek_sender", "quantize_with_feedback", "split_fragment",
+    "CODEC_NAMES",
+    "DEFAULT_BLOCK",
+    "DEFAULT_LIMITS",
+    "DEFAULT_MAX_CHUNK_BYTES",
+    "MESSAGE_TYPES",
+    "PROTOCOL_VERSION",
+    "STREAM_KINDS",
+    "Ack",
+    "Assembled",
+    "ChunkPlan",
+    "Codec",
+    "Cursor",
+    "DeltaChunk",
+    "DeltaResult",
+    "DlocoError",
+    "EncodeError",
+    "Heartbeat",
+    "Hello",
+    "Kind",
+    "Limits",
+    "Message",
+    "ProtocolError",
+    "Reassembler",
+    "ResendRequest",
+    "SnapshotChunk",
+    "SnapshotRequest",
+    "TensorSlice",
+    "compensate",
+    "decode",
+    "encode",
+    "message_key",
+    "model_fingerprint",
+    "partition",
+    "peek_sender",
+    "quantize_with_feedback",
+    "split_fragment",
     "subscribable",
 ]

@@ -61,16 +61,27 @@ def dtype_name(array: np.ndarray) -> str:
     return name
 
 
-def split_fragment(tensors: Mapping[str, np.ndarray], codec: Codec, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-                   limits: Limits = DEFAULT_LIMITS) -> list[ChunkPlan]:
+def split_fragment(
+    tensors: Mapping[str, np.ndarray],
+    codec: Codec,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    limits: Limits = DEFAULT_LIMITS,
+) -> list[ChunkPlan]:
     """Encode every tensor with `codec` and pack the encodings into chunks of ≤ max_chunk_bytes
     payload bytes that a decoder with `limits` accepts (the greedy fill of the module docstring)."""
     if max_chunk_bytes < codec.record_nbytes:
-        raise EncodeError(f"max_chunk_bytes={max_chunk_bytes} is smaller than one {codec.name} record ({codec.record_nbytes} bytes)")
+        raise EncodeError(
+            f"max_chunk_bytes={max_chunk_bytes} is smaller than one {codec.name} record"
+            f" ({codec.record_nbytes} bytes)"
+        )
     if max_chunk_bytes > limits.max_payload_bytes:
-        raise EncodeError(f"max_chunk_bytes={max_chunk_bytes} exceeds the decoders' payload limit of {limits.max_payload_bytes}")
+        raise EncodeError(
+            f"max_chunk_bytes={max_chunk_bytes} exceeds the decoders' payload limit of"
+            f" {limits.max_payload_bytes}"
+        )
     header_room = limits.max_header_bytes - HEADER_RESERVE_BYTES
-    unit_values = codec.granule  # values per indivisible unit
+    # values per indivisible unit
+    unit_values = codec.granule
     unit_bytes = codec.encoded_nbytes(unit_values)
     chunks: list[ChunkPlan] = []
     slices: list[TensorSlice] = []
@@ -84,17 +95,26 @@ def split_fragment(tensors: Mapping[str, np.ndarray], codec: Codec, max_chunk_by
         _check_tensor(path, shape, limits)
         bound = slice_header_bound(path, len(shape))
         if bound > header_room:
-            raise EncodeError(f"a slice map of {path} may take {bound} header bytes, more than the {header_room} a chunk has for slices")
+            raise EncodeError(
+                f"a slice map of {path} may take {bound} header bytes, more than the {header_room}"
+                " a chunk has for slices"
+            )
         encoded_U = memoryview(codec.encode(np.asarray(array, dtype=np.float32).reshape(-1)))
         start = 0
         while start < array.size:
-            if room < unit_bytes or len(slices) == limits.max_slices or header_used + bound > header_room:
+            if (
+                room < unit_bytes
+                or len(slices) == limits.max_slices
+                or header_used + bound > header_room
+            ):
                 chunks.append(ChunkPlan(tuple(slices), tuple(payloads)))
                 slices, payloads, room, header_used = [], [], max_chunk_bytes, 0
             count = min((room // unit_bytes) * unit_values, array.size - start)
             offset = (start // unit_values) * unit_bytes
             nbytes = codec.encoded_nbytes(count)
-            slices.append(TensorSlice(path=path, dtype=dtype, shape=shape, start=start, count=count))
+            slices.append(
+                TensorSlice(path=path, dtype=dtype, shape=shape, start=start, count=count)
+            )
             payloads.append(encoded_U[offset : offset + nbytes])
             room -= nbytes
             header_used += bound
@@ -109,9 +129,15 @@ def split_fragment(tensors: Mapping[str, np.ndarray], codec: Codec, max_chunk_by
 def _check_tensor(path: str, shape: tuple[int, ...], limits: Limits) -> None:
     """Refuse a tensor that no decoder with `limits` would accept in a slice map."""
     if len(path) > limits.max_path_len or not PATH.fullmatch(path):
-        raise EncodeError(f"tensor path {path[:80]!r} must match {PATH.pattern} and be at most {limits.max_path_len} characters")
+        raise EncodeError(
+            f"tensor path {path[:80]!r} must match {PATH.pattern} and be at most"
+            f" {limits.max_path_len} characters"
+        )
     if len(shape) > limits.max_ndim or math.prod(shape) > limits.max_tensor_values:
-        raise EncodeError(f"tensor {path} of shape {shape} has more than {limits.max_ndim} dimensions or {limits.max_tensor_values} values")
+        raise EncodeError(
+            f"tensor {path} of shape {shape} has more than {limits.max_ndim} dimensions or"
+            f" {limits.max_tensor_values} values"
+        )
 
 
 def model_fingerprint(tensors: Mapping[str, np.ndarray | tuple[tuple[int, ...], str]]) -> str:
@@ -123,6 +149,8 @@ def model_fingerprint(tensors: Mapping[str, np.ndarray | tuple[tuple[int, ...], 
     digest = hashlib.sha256()
     for path in sorted(tensors):
         value = tensors[path]
-        shape, dtype = (value.shape, np.dtype(value.dtype).name) if hasattr(value, "shape") else value
+        shape, dtype = (
+            (value.shape, np.dtype(value.dtype).name) if hasattr(value, "shape") else value
+        )
         digest.update(f"{path}|{','.join(map(str, shape))}|{dtype}\n".encode())
     return digest.hexdigest()[:16]

@@ -38,11 +38,13 @@ class Served:
 
     version: int
     tensors: Mapping[str, np.ndarray]
-    digest: int | None  # None: a full snapshot from a merger that sends no diffs (nothing to check against)
+    # None: a full snapshot from a merger that sends no diffs (nothing to check against)
+    digest: int | None
 
 
 def digest(tensors: Mapping[str, np.ndarray]) -> int:
-    """CRC-32 over each tensor's path (UTF-8) and float32 little-endian values, in sorted path order."""
+    """CRC-32 over each tensor's path (UTF-8) and float32 little-endian values, in sorted path
+    order."""
     crc = 0
     for path in sorted(tensors):
         crc = crc32(path.encode(), crc)
@@ -50,8 +52,14 @@ def digest(tensors: Mapping[str, np.ndarray]) -> int:
     return crc
 
 
-def _decoded(plans: list[ChunkPlan], codec: Codec, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    return decode_slices(codec, shapes, ((item, payload) for plan in plans for item, payload in zip(plan.slices, plan.payloads)))
+def _decoded(
+    plans: list[ChunkPlan], codec: Codec, shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, np.ndarray]:
+    return decode_slices(
+        codec,
+        shapes,
+        ((item, payload) for plan in plans for item, payload in zip(plan.slices, plan.payloads)),
+    )
 
 
 def _carried(theta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -59,7 +67,9 @@ def _carried(theta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {path: np.asarray(value, np.float32) for path, value in theta.items() if np.size(value)}
 
 
-def full(theta: Mapping[str, np.ndarray], version: int, codec: Codec, max_chunk_bytes: int) -> tuple[Served, list[ChunkPlan]]:
+def full(
+    theta: Mapping[str, np.ndarray], version: int, codec: Codec, max_chunk_bytes: int
+) -> tuple[Served, list[ChunkPlan]]:
     """A full snapshot of `theta` in `codec`: its chunks and the value its receivers will hold."""
     carried = _carried(theta)
     plans = split_fragment(carried, codec, max_chunk_bytes)
@@ -67,14 +77,26 @@ def full(theta: Mapping[str, np.ndarray], version: int, codec: Codec, max_chunk_
     return Served(version, held, digest(held)), plans
 
 
-def diff(theta: Mapping[str, np.ndarray], served: Served, version: int, codec: Codec, max_chunk_bytes: int) -> tuple[Served, list[ChunkPlan]]:
+def diff(
+    theta: Mapping[str, np.ndarray],
+    served: Served,
+    version: int,
+    codec: Codec,
+    max_chunk_bytes: int,
+) -> tuple[Served, list[ChunkPlan]]:
     """A diff snapshot taking receivers from `served` to (about) `theta` at `version`."""
     carried = _carried(theta)
     if set(carried) != set(served.tensors) or version <= served.version:
-        raise EncodeError(f"a diff needs the served tensors and a newer version (served {served.version}, asked {version})")
+        raise EncodeError(
+            f"a diff needs the served tensors and a newer version (served {served.version}, asked"
+            f" {version})"
+        )
     change = {path: carried[path] - served.tensors[path] for path in carried}
     plans = split_fragment(change, codec, max_chunk_bytes)
-    held = apply(served.tensors, _decoded(plans, codec, {path: value.shape for path, value in change.items()}))
+    held = apply(
+        served.tensors,
+        _decoded(plans, codec, {path: value.shape for path, value in change.items()}),
+    )
     return Served(version, held, digest(held)), plans
 
 
@@ -86,20 +108,32 @@ def reply(served: Served, preferred: Codec, max_chunk_bytes: int) -> tuple[Codec
     if preferred.name != "fp32":
         plans = split_fragment(tensors, preferred, max_chunk_bytes)
         decoded = _decoded(plans, preferred, {path: value.shape for path, value in tensors.items()})
-        if all(np.array_equal(decoded[path].view(np.uint32), value.view(np.uint32)) for path, value in tensors.items()):
+        if all(
+            np.array_equal(decoded[path].view(np.uint32), value.view(np.uint32))
+            for path, value in tensors.items()
+        ):
             return preferred, plans
     fp32 = Codec("fp32")
     return fp32, split_fragment(tensors, fp32, max_chunk_bytes)
 
 
-def apply(held: Mapping[str, np.ndarray], change: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def apply(
+    held: Mapping[str, np.ndarray], change: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
     """held + change in float32, added into `change`'s arrays (they become the new value: a diff
     costs no third copy of its fragment)."""
-    return {path: np.add(held[path], change[path], out=change[path], dtype=np.float32) for path in held}
+    return {
+        path: np.add(held[path], change[path], out=change[path], dtype=np.float32) for path in held
+    }
 
 
-def receive(held: Served | None, version: int, base_version: int | None, expected: int | None,
-            tensors: Mapping[str, np.ndarray]) -> tuple[Served | None, str]:
+def receive(
+    held: Served | None,
+    version: int,
+    base_version: int | None,
+    expected: int | None,
+    tensors: Mapping[str, np.ndarray],
+) -> tuple[Served | None, str]:
     """What a receiver holds after a complete snapshot, and what happened:
     ``full`` / ``diff``: a newer value, adopt it; ``old``: nothing newer, ignore it;
     ``missing`` (a diff, no value held), ``gap`` (a diff from a version not held), ``mismatch``
@@ -108,7 +142,12 @@ def receive(held: Served | None, version: int, base_version: int | None, expecte
     caller's own) are added to in place: they are the new value."""
     if base_version is None:
         newer = held is None or version > held.version
-        replaced = held is not None and version == held.version and expected is not None and expected != held.digest
+        replaced = (
+            held is not None
+            and version == held.version
+            and expected is not None
+            and expected != held.digest
+        )
         if not (newer or replaced):
             return held, "old"
         if expected is not None and digest(tensors) != expected:

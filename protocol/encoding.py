@@ -18,7 +18,8 @@ from dloco.protocol.framing import _READERS, _FieldReader
 from dloco.protocol.limits import DEFAULT_LIMITS
 from dloco.protocol.messages import PROTOCOL_VERSION, DeltaChunk, Kind, Message, SnapshotChunk
 
-OPTIONAL_FIELDS = frozenset({"base_version", "digest"})  # of a snapshot: left out of the header when None
+# of a snapshot: left out of the header when None
+OPTIONAL_FIELDS = frozenset({"base_version", "digest"})
 
 
 def encode(message: Message) -> list[bytes | memoryview]:
@@ -39,7 +40,9 @@ def header_of(message: Message) -> tuple[dict[str, Any], list[memoryview]]:
     payloads: list[memoryview] = []
     for field in dataclasses.fields(message):
         value = getattr(message, field.name)
-        if field.name == "payloads" or (value is None and field.name in OPTIONAL_FIELDS and isinstance(message, SnapshotChunk)):
+        if field.name == "payloads" or (
+            value is None and field.name in OPTIONAL_FIELDS and isinstance(message, SnapshotChunk)
+        ):
             continue
         if field.name == "codec":
             header["codec"], header["block"] = value.name, value.block
@@ -64,7 +67,9 @@ def _check_header(kind: Kind, header: dict[str, Any], payloads: list[memoryview]
         _READERS[kind](fields, tuple(payloads), DEFAULT_LIMITS)
         fields.finish(extra_allowed={"v", "kind"})
     except ProtocolError as error:
-        raise EncodeError(f"{kind} would be refused by its receivers ({error.reason}): {error.detail}") from None
+        raise EncodeError(
+            f"{kind} would be refused by its receivers ({error.reason}): {error.detail}"
+        ) from None
 
 
 def _byte_view(buffer: Any) -> memoryview:
@@ -74,16 +79,28 @@ def _byte_view(buffer: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _slice_headers(message: DeltaChunk | SnapshotChunk, payloads: list[memoryview]) -> list[dict[str, Any]]:
+def _slice_headers(
+    message: DeltaChunk | SnapshotChunk, payloads: list[memoryview]
+) -> list[dict[str, Any]]:
     if len(payloads) != len(message.slices):
         raise EncodeError(f"{len(message.slices)} slices but {len(payloads)} payloads")
     out = []
     for item, payload in zip(message.slices, payloads):
         expected = message.codec.encoded_nbytes(item.count)
         if payload.nbytes != expected:
-            raise EncodeError(f"payload of {item.path} is {payload.nbytes} bytes, {message.codec.name} needs {expected}")
+            raise EncodeError(
+                f"payload of {item.path} is {payload.nbytes} bytes, {message.codec.name} needs"
+                f" {expected}"
+            )
         out.append(
-            {"path": item.path, "dtype": item.dtype, "shape": list(item.shape), "start": item.start,
-             "count": item.count, "nbytes": payload.nbytes, "crc32": crc32(payload)}
+            {
+                "path": item.path,
+                "dtype": item.dtype,
+                "shape": list(item.shape),
+                "start": item.start,
+                "count": item.count,
+                "nbytes": payload.nbytes,
+                "crc32": crc32(payload),
+            }
         )
     return out

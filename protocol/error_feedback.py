@@ -1,8 +1,8 @@
-"""Error feedback: carry what quantization lost into the next delta (Karimireddy et al. 2019, EF-SGD;
-the mechanism that keeps int2 from collapsing in SparseLoCo).
+"""Error feedback: carry what quantization lost into the next delta (Karimireddy et al. 2019,
+EF-SGD; the mechanism that keeps int2 from collapsing in SparseLoCo).
 
-With residual e_t (zero at the start): send Q(d_t + e_t) and keep e_{t+1} = (d_t + e_t) - Q(d_t + e_t).
-Summed over rounds, what was sent equals what was meant minus the last residual:
+With residual e_t (zero at the start): send Q(d_t + e_t) and keep e_{t+1} = (d_t + e_t) - Q(d_t +
+e_t). Summed over rounds, what was sent equals what was meant minus the last residual:
 ``sum_t Q_t = sum_t d_t - e_T``, so no part of a delta is lost for good, only delayed.
 Pure functions: values in, values out.
 """
@@ -16,8 +16,11 @@ import numpy as np
 from dloco.protocol.quantization import Codec
 
 
-def quantize_with_feedback(delta_N: np.ndarray, residual_N: np.ndarray | None, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
-    """Encode delta + residual; return (encoded bytes, new residual).  `residual_N` None means zero."""
+def quantize_with_feedback(
+    delta_N: np.ndarray, residual_N: np.ndarray | None, codec: Codec
+) -> tuple[np.ndarray, np.ndarray]:
+    """Encode delta + residual; return (encoded bytes, new residual).  `residual_N` None means
+    zero."""
     target_N = np.asarray(delta_N, dtype=np.float32).reshape(-1)
     if residual_N is not None:
         target_N = target_N + residual_N.reshape(-1)
@@ -26,7 +29,9 @@ def quantize_with_feedback(delta_N: np.ndarray, residual_N: np.ndarray | None, c
     return encoded_U, residual_N.reshape(np.shape(delta_N))
 
 
-def compensate(fragment: Mapping[str, np.ndarray], residuals: Mapping[str, np.ndarray], codec: Codec) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def compensate(
+    fragment: Mapping[str, np.ndarray], residuals: Mapping[str, np.ndarray], codec: Codec
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Per-tensor error feedback over a fragment.
 
     Returns (what the receiver will decode, new residuals).  Hand the first to

@@ -15,11 +15,14 @@ from dloco.protocol.errors import EncodeError
 
 
 def partition(shapes: Mapping[str, tuple[int, ...]], fragments: int) -> list[list[str]]:
-    """Paths of each fragment (each list sorted), for `fragments` >= 1 and at most one per tensor."""
+    """Paths of each fragment (each list sorted), for `fragments` >= 1 and at most one per
+    tensor."""
     if not isinstance(fragments, int) or fragments < 1:
         raise EncodeError(f"the number of fragments must be an int >= 1, got {fragments!r}")
     if fragments > len(shapes):
-        raise EncodeError(f"{fragments} fragments but only {len(shapes)} tensors: every fragment needs one")
+        raise EncodeError(
+            f"{fragments} fragments but only {len(shapes)} tensors: every fragment needs one"
+        )
     loads = [0] * fragments
     members: list[list[str]] = [[] for _ in range(fragments)]
     for path in sorted(shapes, key=lambda p: (-math.prod(shapes[p]), p)):

@@ -53,7 +53,8 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         return _decode(frames, limits)
     except ProtocolError:
         raise
-    except RecursionError as error:  # pathological nesting that slipped past msgpack's own guard
+    # pathological nesting that slipped past msgpack's own guard
+    except RecursionError as error:
         raise ProtocolError("header_msgpack", f"header nesting too deep: {error}") from None
 
 
@@ -61,12 +62,17 @@ def _decode(frames: Sequence[Any], limits: Limits) -> Message:
     if not isinstance(frames, (list, tuple)) or len(frames) < 2:
         raise ProtocolError("frame_count", "a message has at least 2 frames (topic, header)")
     if len(frames) > 2 + limits.max_slices:
-        raise ProtocolError("frame_count", f"{len(frames)} frames exceed the limit of {2 + limits.max_slices}")
+        raise ProtocolError(
+            "frame_count", f"{len(frames)} frames exceed the limit of {2 + limits.max_slices}"
+        )
     views = [_view(frame, index) for index, frame in enumerate(frames)]
     header = _unpack_header(views[1], limits)
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
-        raise ProtocolError("version", f"protocol version {version!r} is not supported (this peer speaks {PROTOCOL_VERSION})")
+        raise ProtocolError(
+            "version",
+            f"protocol version {version!r} is not supported (this peer speaks {PROTOCOL_VERSION})",
+        )
     kind_name = header.get("kind")
     try:
         kind = Kind(kind_name)
@@ -76,7 +82,7 @@ def _decode(frames: Sequence[Any], limits: Limits) -> Message:
     payloads = tuple(views[2:])
     message = _READERS[kind](fields, payloads, limits)
     fields.finish(extra_allowed={"v", "kind"})
-    topic = bytes(views[0][:MAX_TOPIC_BYTES + 1])
+    topic = bytes(views[0][: MAX_TOPIC_BYTES + 1])
     if topic != message.topic.encode("ascii"):
         raise ProtocolError("topic", f"topic {topic[:80]!r} does not match {message.topic!r}")
     if isinstance(message, (DeltaChunk, SnapshotChunk)):
@@ -92,33 +98,52 @@ def _view(frame: Any, index: int) -> memoryview:
         if not view.c_contiguous:
             raise ProtocolError("frame_type", f"frame {index} is not a contiguous buffer")
         return view if view.ndim == 1 and view.format == "B" else view.cast("B")
-    except (TypeError, ValueError, BufferError):  # not a buffer, released, or of an uncastable format
-        raise ProtocolError("frame_type", f"frame {index} ({type(frame).__name__}) is not a readable byte buffer") from None
+    # not a buffer, released, or of an uncastable format
+    except (TypeError, ValueError, BufferError):
+        raise ProtocolError(
+            "frame_type", f"frame {index} ({type(frame).__name__}) is not a readable byte buffer"
+        ) from None
 
 
 def peek_sender(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> tuple[str, int]:
     """(sender, epoch) from a message's header, without validating the rest (the broker checks who
     sent what it forwards; receivers decode it whole).  ProtocolError if they cannot be read."""
     if len(frames) < 2:
-        raise ProtocolError("frame_count", f"a message has at least 2 frames (topic, header), got {len(frames)}")
+        raise ProtocolError(
+            "frame_count", f"a message has at least 2 frames (topic, header), got {len(frames)}"
+        )
     header = _unpack_header(_view(frames[1], 1), limits)
     sender, epoch = header.get("sender"), header.get("epoch")
     if type(sender) is not str or type(epoch) is not int:
-        raise ProtocolError("field_type", "the header's sender and epoch must be a string and an int")
+        raise ProtocolError(
+            "field_type", "the header's sender and epoch must be a string and an int"
+        )
     return sender, epoch
 
 
 def _unpack_header(view: memoryview, limits: Limits) -> dict:
     if view.nbytes > limits.max_header_bytes:
-        raise ProtocolError("header_too_large", f"header of {view.nbytes} bytes exceeds {limits.max_header_bytes}")
+        raise ProtocolError(
+            "header_too_large", f"header of {view.nbytes} bytes exceeds {limits.max_header_bytes}"
+        )
     cap = limits.max_header_bytes
     try:
         header = msgpack.unpackb(
-            view, raw=False, strict_map_key=True, use_list=True, object_pairs_hook=_unique_keys, max_str_len=cap,
-            max_bin_len=cap, max_array_len=cap, max_map_len=cap, max_ext_len=cap,
+            view,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            object_pairs_hook=_unique_keys,
+            max_str_len=cap,
+            max_bin_len=cap,
+            max_array_len=cap,
+            max_map_len=cap,
+            max_ext_len=cap,
         )
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as error:
-        raise ProtocolError("header_msgpack", f"header is not valid msgpack: {type(error).__name__}: {error}") from None
+        raise ProtocolError(
+            "header_msgpack", f"header is not valid msgpack: {type(error).__name__}: {error}"
+        ) from None
     if not isinstance(header, dict):
         raise ProtocolError("header_type", f"header must be a map, got {type(header).__name__}")
     return header
@@ -134,19 +159,32 @@ def _unique_keys(pairs: list[tuple[Any, Any]]) -> dict:
     return result
 
 
-def _check_payloads(codec: Codec, slices: tuple[TensorSlice, ...], payloads: tuple[memoryview, ...], limits: Limits) -> None:
+def _check_payloads(
+    codec: Codec, slices: tuple[TensorSlice, ...], payloads: tuple[memoryview, ...], limits: Limits
+) -> None:
     """The payload frames of a chunk whose header was valid: count, total size, then frame by frame
     length, checksum and values."""
     if len(payloads) != len(slices):
-        raise ProtocolError("frame_count", f"{len(slices)} slices need {len(slices)} payload frames, got {len(payloads)}")
+        raise ProtocolError(
+            "frame_count",
+            f"{len(slices)} slices need {len(slices)} payload frames, got {len(payloads)}",
+        )
     total = sum(p.nbytes for p in payloads)
     if total > limits.max_payload_bytes:
-        raise ProtocolError("payload_too_large", f"payload of {total} bytes exceeds {limits.max_payload_bytes}")
+        raise ProtocolError(
+            "payload_too_large", f"payload of {total} bytes exceeds {limits.max_payload_bytes}"
+        )
     for index, (item, payload) in enumerate(zip(slices, payloads)):
         if payload.nbytes != codec.encoded_nbytes(item.count):
-            raise ProtocolError("length", f"payload frame {index} has {payload.nbytes} bytes, its slice says {codec.encoded_nbytes(item.count)}")
+            raise ProtocolError(
+                "length",
+                f"payload frame {index} has {payload.nbytes} bytes, its slice says"
+                f" {codec.encoded_nbytes(item.count)}",
+            )
         if crc32(payload) != item.crc32:
-            raise ProtocolError("checksum", f"crc32 of payload frame {index} does not match its slice")
+            raise ProtocolError(
+                "checksum", f"crc32 of payload frame {index} does not match its slice"
+            )
         codec.validate(payload, item.count)
 
 
@@ -155,7 +193,9 @@ class _FieldReader:
 
     def __init__(self, mapping: Any, where: str, limits: Limits) -> None:
         if not isinstance(mapping, dict):
-            raise ProtocolError("field_type", f"{where} must be a map, got {type(mapping).__name__}")
+            raise ProtocolError(
+                "field_type", f"{where} must be a map, got {type(mapping).__name__}"
+            )
         self.mapping, self.where, self.limits, self.seen = mapping, where, limits, set()
 
     def get(self, key: str) -> Any:
@@ -167,23 +207,43 @@ class _FieldReader:
     def uint(self, key: str, below: int = _U64) -> int:
         value = self.get(key)
         if type(value) is not int or not 0 <= value < below:
-            raise ProtocolError("field_value", f"{self.where}.{key} must be an int in [0, {below}), got {_show(value)}")
+            raise ProtocolError(
+                "field_value",
+                f"{self.where}.{key} must be an int in [0, {below}), got {_show(value)}",
+            )
         return value
 
-    def text(self, key: str, pattern: re.Pattern = IDENT, max_len: int | None = None, allow_empty: bool = False) -> str:
+    def text(
+        self,
+        key: str,
+        pattern: re.Pattern = IDENT,
+        max_len: int | None = None,
+        allow_empty: bool = False,
+    ) -> str:
         value = self.get(key)
         max_len = max_len or self.limits.max_ident_len
         if not isinstance(value, str) or len(value) > max_len:
-            raise ProtocolError("field_value", f"{self.where}.{key} must be a string of at most {max_len} chars, got {_show(value)}")
+            raise ProtocolError(
+                "field_value",
+                f"{self.where}.{key} must be a string of at most {max_len} chars, got"
+                f" {_show(value)}",
+            )
         if not (allow_empty and value == "") and not pattern.fullmatch(value):
-            raise ProtocolError("field_value", f"{self.where}.{key} has characters outside {pattern.pattern}: {_show(value)}")
+            raise ProtocolError(
+                "field_value",
+                f"{self.where}.{key} has characters outside {pattern.pattern}: {_show(value)}",
+            )
         return value
 
     def items(self, key: str, min_len: int = 0, max_len: int | None = None) -> list:
         value = self.get(key)
         max_len = max_len or self.limits.max_list_len
         if not isinstance(value, list) or not min_len <= len(value) <= max_len:
-            raise ProtocolError("field_value", f"{self.where}.{key} must be a list of {min_len} to {max_len} entries, got {_show(value)}")
+            raise ProtocolError(
+                "field_value",
+                f"{self.where}.{key} must be a list of {min_len} to {max_len} entries, got"
+                f" {_show(value)}",
+            )
         return value
 
     def nested(self, key: str, index: int, item: Any) -> _FieldReader:
@@ -192,7 +252,9 @@ class _FieldReader:
     def finish(self, extra_allowed: frozenset | set = frozenset()) -> None:
         unknown = set(self.mapping) - self.seen - set(extra_allowed)
         if unknown:
-            raise ProtocolError("unknown_field", f"{self.where} has unknown fields {sorted(map(str, unknown))[:5]}")
+            raise ProtocolError(
+                "unknown_field", f"{self.where} has unknown fields {sorted(map(str, unknown))[:5]}"
+            )
 
 
 def _show(value: Any) -> str:
@@ -203,7 +265,11 @@ def _show(value: Any) -> str:
 # Each reader checks its fields in the order of the kind's table in PROTOCOL.md §3 (a call's
 # arguments are evaluated left to right), so the first faulty field names the reason.
 def _envelope(fields: _FieldReader) -> dict[str, Any]:
-    return {"sender": fields.text("sender"), "epoch": fields.uint("epoch"), "seq": fields.uint("seq")}
+    return {
+        "sender": fields.text("sender"),
+        "epoch": fields.uint("epoch"),
+        "seq": fields.uint("seq"),
+    }
 
 
 def _read_position(fields: _FieldReader, limits: Limits) -> dict[str, int]:
@@ -226,11 +292,15 @@ def _read_codec(fields: _FieldReader) -> Codec:
 
 
 def _read_content(fields: _FieldReader, limits: Limits) -> dict[str, Any]:
-    """`model`, `codec`, `block` and `slices` of a chunk (its payloads are checked after the topic)."""
+    """`model`, `codec`, `block` and `slices` of a chunk (its payloads are checked after the
+    topic)."""
     model = fields.text("model")
     codec = _read_codec(fields)
     entries = fields.items("slices", min_len=1, max_len=limits.max_slices)
-    slices = tuple(_read_slice(fields.nested("slices", i, entry), codec, limits) for i, entry in enumerate(entries))
+    slices = tuple(
+        _read_slice(fields.nested("slices", i, entry), codec, limits)
+        for i, entry in enumerate(entries)
+    )
     return {"model": model, "codec": codec, "slices": slices}
 
 
@@ -238,59 +308,115 @@ def _read_slice(fields: _FieldReader, codec: Codec, limits: Limits) -> TensorSli
     path = fields.text("path", pattern=PATH, max_len=limits.max_path_len)
     dtype = fields.text("dtype")
     if dtype not in TENSOR_DTYPES:
-        raise ProtocolError("field_value", f"{fields.where}.dtype {dtype!r} is not one of {TENSOR_DTYPES}")
+        raise ProtocolError(
+            "field_value", f"{fields.where}.dtype {dtype!r} is not one of {TENSOR_DTYPES}"
+        )
     dims = fields.get("shape")
     if not isinstance(dims, list):
-        raise ProtocolError("field_value", f"{fields.where}.shape must be a list, got {_show(dims)}")
+        raise ProtocolError(
+            "field_value", f"{fields.where}.shape must be a list, got {_show(dims)}"
+        )
     if len(dims) > limits.max_ndim or any(type(d) is not int or d < 1 for d in dims):
-        raise ProtocolError("shape", f"{fields.where}.shape must be at most {limits.max_ndim} positive ints, got {_show(dims)}")
-    size = math.prod(dims)  # exact (Python ints): no overflow, no allocation
+        raise ProtocolError(
+            "shape",
+            f"{fields.where}.shape must be at most {limits.max_ndim} positive ints, got"
+            f" {_show(dims)}",
+        )
+    # exact (Python ints): no overflow, no allocation
+    size = math.prod(dims)
     if size > limits.max_tensor_values:
-        raise ProtocolError("shape", f"{fields.where}: tensor of {size} values exceeds {limits.max_tensor_values}")
+        raise ProtocolError(
+            "shape", f"{fields.where}: tensor of {size} values exceeds {limits.max_tensor_values}"
+        )
     start, count = fields.uint("start"), fields.uint("count")
     if count < 1 or start + count > size or start % codec.granule:
-        raise ProtocolError("slice_bounds", f"{fields.where}: values [{start}, {start + count}) do not fit a tensor of {size} aligned to {codec.granule}")
+        raise ProtocolError(
+            "slice_bounds",
+            f"{fields.where}: values [{start}, {start + count}) do not fit a tensor of {size}"
+            f" aligned to {codec.granule}",
+        )
     nbytes = fields.uint("nbytes")
     if nbytes != codec.encoded_nbytes(count):
-        raise ProtocolError("length", f"{fields.where}: {count} {codec.name} values take {codec.encoded_nbytes(count)} bytes, header says {nbytes}")
+        raise ProtocolError(
+            "length",
+            f"{fields.where}: {count} {codec.name} values take {codec.encoded_nbytes(count)} bytes,"
+            f" header says {nbytes}",
+        )
     crc = fields.uint("crc32", below=1 << 32)
     fields.finish()
-    return TensorSlice(path=path, dtype=dtype, shape=tuple(dims), start=start, count=count, crc32=crc)
-
-
-def _read_delta(fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Limits) -> DeltaChunk:
-    return DeltaChunk(
-        **_envelope(fields), delta_id=fields.uint("delta_id"), fragment=fields.uint("fragment"),
-        base_version=fields.uint("base_version"), **_read_position(fields, limits), steps=fields.uint("steps"),
-        tokens=fields.uint("tokens"), **_read_content(fields, limits), payloads=payloads,
+    return TensorSlice(
+        path=path, dtype=dtype, shape=tuple(dims), start=start, count=count, crc32=crc
     )
 
 
-def _read_snapshot(fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Limits) -> SnapshotChunk:
+def _read_delta(
+    fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Limits
+) -> DeltaChunk:
+    return DeltaChunk(
+        **_envelope(fields),
+        delta_id=fields.uint("delta_id"),
+        fragment=fields.uint("fragment"),
+        base_version=fields.uint("base_version"),
+        **_read_position(fields, limits),
+        steps=fields.uint("steps"),
+        tokens=fields.uint("tokens"),
+        **_read_content(fields, limits),
+        payloads=payloads,
+    )
+
+
+def _read_snapshot(
+    fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Limits
+) -> SnapshotChunk:
     head = {**_envelope(fields), "fragment": fields.uint("fragment")}
     version = fields.uint("version")
     head.update(_read_position(fields, limits), **_read_content(fields, limits))
     base = fields.uint("base_version") if "base_version" in fields.mapping else None
     digest = fields.uint("digest", below=1 << 32) if "digest" in fields.mapping else None
     if base is not None and (base >= version or digest is None):
-        raise ProtocolError("field_value", f"snapshot.base_version must be below version ({version}) and come with a digest, got {base}")
-    return SnapshotChunk(**head, version=version, payloads=payloads, base_version=base, digest=digest)
+        raise ProtocolError(
+            "field_value",
+            f"snapshot.base_version must be below version ({version}) and come with a digest, got"
+            f" {base}",
+        )
+    return SnapshotChunk(
+        **head, version=version, payloads=payloads, base_version=base, digest=digest
+    )
 
 
 def _read_hello(fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Limits) -> Hello:
-    head = {**_envelope(fields), "role": fields.text("role"), "region": fields.text("region"), "model": fields.text("model")}
+    head = {
+        **_envelope(fields),
+        "role": fields.text("role"),
+        "region": fields.text("region"),
+        "model": fields.text("model"),
+    }
     codecs = fields.items("codecs")
     if any(c not in CODEC_NAMES for c in codecs):
         raise ProtocolError("codec", f"hello lists unknown codecs {_show(codecs)}")
     return Hello(**head, codecs=tuple(codecs))
 
 
-def _read_resend(fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Limits) -> ResendRequest:
-    head = {**_envelope(fields), "target": fields.text("target"), "target_epoch": fields.uint("target_epoch")}
+def _read_resend(
+    fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Limits
+) -> ResendRequest:
+    head = {
+        **_envelope(fields),
+        "target": fields.text("target"),
+        "target_epoch": fields.uint("target_epoch"),
+    }
     ranges = fields.items("ranges")
     for pair in ranges:
-        if not (isinstance(pair, list) and len(pair) == 2 and all(type(s) is int and 0 < s < _U64 for s in pair) and pair[0] <= pair[1]):
-            raise ProtocolError("field_value", f"resend range must be [first, last] with 0 < first <= last, got {_show(pair)}")
+        if not (
+            isinstance(pair, list)
+            and len(pair) == 2
+            and all(type(s) is int and 0 < s < _U64 for s in pair)
+            and pair[0] <= pair[1]
+        ):
+            raise ProtocolError(
+                "field_value",
+                f"resend range must be [first, last] with 0 < first <= last, got {_show(pair)}",
+            )
     return ResendRequest(**head, ranges=tuple((a, b) for a, b in ranges))
 
 
@@ -302,21 +428,43 @@ def _read_ack(fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Li
         f.finish()
     for i, entry in enumerate(fields.items("results")):
         f = fields.nested("results", i, entry)
-        head = {"island": f.text("island"), "epoch": f.uint("epoch"), "delta_id": f.uint("delta_id"), "fragment": f.uint("fragment")}
+        head = {
+            "island": f.text("island"),
+            "epoch": f.uint("epoch"),
+            "delta_id": f.uint("delta_id"),
+            "fragment": f.uint("fragment"),
+        }
         status = f.text("status")
         if status not in DeltaResult.STATUSES:
-            raise ProtocolError("field_value", f"{f.where}.status must be one of {DeltaResult.STATUSES}, got {_show(status)}")
-        results.append(DeltaResult(**head, status=status, version=f.uint("version"),
-                                   reason=f.text("reason", pattern=REASON, max_len=limits.max_reason_len, allow_empty=True)))
+            raise ProtocolError(
+                "field_value",
+                f"{f.where}.status must be one of {DeltaResult.STATUSES}, got {_show(status)}",
+            )
+        results.append(
+            DeltaResult(
+                **head,
+                status=status,
+                version=f.uint("version"),
+                reason=f.text(
+                    "reason", pattern=REASON, max_len=limits.max_reason_len, allow_empty=True
+                ),
+            )
+        )
         f.finish()
-    return Ack(**envelope, cursors=tuple(cursors), results=tuple(results), tokens=fields.uint("tokens"))
+    return Ack(
+        **envelope, cursors=tuple(cursors), results=tuple(results), tokens=fields.uint("tokens")
+    )
 
 
-def _read_snapshot_request(fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Limits) -> SnapshotRequest:
+def _read_snapshot_request(
+    fields: _FieldReader, payloads: tuple[memoryview, ...], limits: Limits
+) -> SnapshotRequest:
     envelope = _envelope(fields)
     fragments = fields.items("fragments")
     if any(type(f) is not int or not 0 <= f < _U64 for f in fragments):
-        raise ProtocolError("field_value", f"snapshot_request.fragments must be ints >= 0, got {_show(fragments)}")
+        raise ProtocolError(
+            "field_value", f"snapshot_request.fragments must be ints >= 0, got {_show(fragments)}"
+        )
     return SnapshotRequest(**envelope, fragments=tuple(fragments))
 
 
@@ -324,7 +472,8 @@ _READERS: dict[Kind, Callable[[_FieldReader, tuple[memoryview, ...], Limits], Me
     Kind.DELTA: _read_delta,
     Kind.SNAPSHOT: _read_snapshot,
     Kind.HEARTBEAT: lambda fields, payloads, limits: MESSAGE_TYPES[Kind.HEARTBEAT](
-        **_envelope(fields), stream=fields.uint("stream", MAX_SHARDS), tokens=fields.uint("tokens")),
+        **_envelope(fields), stream=fields.uint("stream", MAX_SHARDS), tokens=fields.uint("tokens")
+    ),
     Kind.HELLO: _read_hello,
     Kind.RESEND: _read_resend,
     Kind.ACK: _read_ack,

@@ -9,16 +9,22 @@ import re
 
 from dloco.protocol.errors import EncodeError
 
-IDENT = re.compile(r"[A-Za-z0-9._:@-]+")  # sender, region, role, model, target, island, codec, dtype
-PATH = re.compile(r"[A-Za-z0-9._:@/\[\]-]+")  # tensor paths
-REASON = re.compile(r"[ -~]+")  # a result's reason: printable ASCII
+# sender, region, role, model, target, island, codec, dtype
+IDENT = re.compile(r"[A-Za-z0-9._:@-]+")
+# tensor paths
+PATH = re.compile(r"[A-Za-z0-9._:@/\[\]-]+")
+# a result's reason: printable ASCII
+REASON = re.compile(r"[ -~]+")
 MAX_TOPIC_BYTES = 64
 # What a subscriber may subscribe to on a bus (the broker passes nothing else to the publishers,
 # PROTOCOL.md §2): everything, or a prefix of the protocol's topics at a fragment or stream number
 # below 10,000.  What publishers are asked to filter on is then bounded (about 33,000 topics of at
 # most 16 bytes) whatever subscribers send.
-SUBSCRIPTION = re.compile(rb"|ack|hello|resend|snapshot_request|(?:delta|heartbeat)/(?:[0-9]{1,4}/)?|snapshot/[0-9]{0,4}")
-MAX_SUBSCRIPTION_BYTES = 16  # the longest topic SUBSCRIPTION admits: "snapshot_request"
+SUBSCRIPTION = re.compile(
+    rb"|ack|hello|resend|snapshot_request|(?:delta|heartbeat)/(?:[0-9]{1,4}/)?|snapshot/[0-9]{0,4}"
+)
+# the longest topic SUBSCRIPTION admits: "snapshot_request"
+MAX_SUBSCRIPTION_BYTES = 16
 
 
 def subscribable(topic: bytes) -> bool:
@@ -31,14 +37,20 @@ class Limits:
     """Bounds a decoder enforces before trusting any size in a header."""
 
     max_header_bytes: int = 64 * 1024
-    max_payload_bytes: int = 64 * 1024 * 1024  # per message, all payload frames together
-    max_slices: int = 1024  # per chunk
-    max_chunks: int = 1 << 20  # chunk_count of one delta or snapshot
-    max_tensor_values: int = 1 << 34  # values in one tensor
+    # per message, all payload frames together
+    max_payload_bytes: int = 64 * 1024 * 1024
+    # per chunk
+    max_slices: int = 1024
+    # chunk_count of one delta or snapshot
+    max_chunks: int = 1 << 20
+    # values in one tensor
+    max_tensor_values: int = 1 << 34
     max_ndim: int = 8
-    max_ident_len: int = 64  # sender, region, model, role, codec names
+    # sender, region, model, role, codec names
+    max_ident_len: int = 64
     max_path_len: int = 256
-    max_list_len: int = 1024  # ranges, cursors, results, fragments, codecs
+    # ranges, cursors, results, fragments, codecs
+    max_list_len: int = 1024
     max_reason_len: int = 256
 
     def __post_init__(self) -> None:

@@ -42,11 +42,16 @@ TENSOR_DTYPES = ("float32", "bfloat16", "float16", "float64")
 class TensorSlice:
     """Values [start, start + count) of the flattened (C-order) tensor `path`."""
 
-    path: str  # "/"-joined parameter path, e.g. "blocks/0/attn/qkv/kernel"
-    dtype: str  # the tensor's dtype in the model, one of TENSOR_DTYPES
-    shape: tuple[int, ...]  # the whole tensor's shape
-    start: int  # first value carried, a multiple of the codec's granule
-    count: int  # values carried, >= 1
+    # "/"-joined parameter path, e.g. "blocks/0/attn/qkv/kernel"
+    path: str
+    # the tensor's dtype in the model, one of TENSOR_DTYPES
+    dtype: str
+    # the whole tensor's shape
+    shape: tuple[int, ...]
+    # first value carried, a multiple of the codec's granule
+    start: int
+    # values carried, >= 1
+    count: int
     # CRC-32 of the payload as the frame header carried it (decode checked it): the merger's log
     # stores it instead of computing a second one.  Not part of a slice's identity.
     crc32: int | None = dataclasses.field(default=None, compare=False)
@@ -64,20 +69,27 @@ class DeltaChunk:
     sender: str
     epoch: int
     seq: int
-    delta_id: int  # per-sender delta counter; all chunks of one delta share it
+    # per-sender delta counter; all chunks of one delta share it
+    delta_id: int
     fragment: int
-    base_version: int  # version of the fragment snapshot this delta was computed against
+    # version of the fragment snapshot this delta was computed against
+    base_version: int
     chunk_index: int
     chunk_count: int
-    steps: int  # inner steps since the anchor was adopted
-    tokens: int  # tokens trained on since the anchor was adopted
-    model: str  # model fingerprint (structure hash); must match the merger's
+    # inner steps since the anchor was adopted
+    steps: int
+    # tokens trained on since the anchor was adopted
+    tokens: int
+    # model fingerprint (structure hash); must match the merger's
+    model: str
     codec: Codec
     slices: tuple[TensorSlice, ...]
-    payloads: tuple[Buffer, ...]  # payloads[i] encodes slices[i] with `codec`
+    # payloads[i] encodes slices[i] with `codec`
+    payloads: tuple[Buffer, ...]
 
     @property
-    def topic(self) -> str:  # the closing "/": a shard subscribed to delta/1/ does not get delta/10/
+    # the closing "/": a shard subscribed to delta/1/ does not get delta/10/
+    def topic(self) -> str:
         return f"delta/{self.fragment}/"
 
 
@@ -100,7 +112,8 @@ class SnapshotChunk:
     # A *diff* snapshot (compressed downlink, protocol/downlink.py) carries the change of the served
     # value from version `base_version` to `version`; a full one carries the value and no base.
     base_version: int | None = None
-    digest: int | None = None  # CRC-32 of the served value after this snapshot; required with a base
+    # CRC-32 of the served value after this snapshot; required with a base
+    digest: int | None = None
 
     @property
     def topic(self) -> str:
@@ -134,7 +147,8 @@ class Hello:
     sender: str
     epoch: int
     seq: int
-    role: str  # what the process is, any identifier (e.g. "island", "merger", "observer"); informative only
+    # what the process is, any identifier (e.g. "island", "merger", "observer"); informative only
+    role: str
     region: str
     model: str
     codecs: tuple[str, ...]
@@ -154,7 +168,8 @@ class ResendRequest:
     seq: int
     target: str
     target_epoch: int
-    ranges: tuple[tuple[int, int], ...]  # inclusive [first, last] seq ranges, first <= last
+    # inclusive [first, last] seq ranges, first <= last
+    ranges: tuple[tuple[int, int], ...]
 
     @property
     def topic(self) -> str:
@@ -178,9 +193,12 @@ class DeltaResult:
     epoch: int
     delta_id: int
     fragment: int
-    status: str  # "folded" | "rejected"
-    version: int  # the fragment version after the fold (folded) or at rejection (rejected)
-    reason: str  # "" when folded
+    # "folded" | "rejected"
+    status: str
+    # the fragment version after the fold (folded) or at rejection (rejected)
+    version: int
+    # "" when folded
+    reason: str
 
     STATUSES: ClassVar[tuple[str, ...]] = ("folded", "rejected")
 
@@ -221,5 +239,6 @@ class SnapshotRequest:
 
 Message = Union[DeltaChunk, SnapshotChunk, Heartbeat, Hello, ResendRequest, Ack, SnapshotRequest]
 MESSAGE_TYPES: dict[Kind, type] = {
-    cls.kind: cls for cls in (DeltaChunk, SnapshotChunk, Heartbeat, Hello, ResendRequest, Ack, SnapshotRequest)
+    cls.kind: cls
+    for cls in (DeltaChunk, SnapshotChunk, Heartbeat, Hello, ResendRequest, Ack, SnapshotRequest)
 }

@@ -42,8 +42,9 @@ _pools_lock = threading.Lock()
 def _pool(threads: int) -> ThreadPoolExecutor:
     with _pools_lock:
         if threads not in _pools:
-            _pools[threads] = ThreadPoolExecutor(max_workers=threads,
-                                                 thread_name_prefix=THREAD_PREFIX)
+            _pools[threads] = ThreadPoolExecutor(
+                max_workers=threads, thread_name_prefix=THREAD_PREFIX
+            )
         return _pools[threads]
 
 

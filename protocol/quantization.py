@@ -46,7 +46,9 @@ _BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int2": 2, **sparse.SPARS
 # Largest code magnitude a decoder may meet: int8 -128, int4 nibble 0 = -8, int2 code 3 = +2.
 _LARGEST_CODE = {"int8": 128, "int4": 8, "int2": 2}
 # Largest valid scale, by bits: FLT_MAX / largest code (exact in float32: c is a power of two).
-_MAX_SCALE = {_BITS[n]: np.float32(np.finfo(np.float32).max) / np.float32(_LARGEST_CODE[n]) for n in _LEVELS}
+_MAX_SCALE = {
+    _BITS[n]: np.float32(np.finfo(np.float32).max) / np.float32(_LARGEST_CODE[n]) for n in _LEVELS
+}
 
 
 def _unpack_table(bits: int) -> np.ndarray:
@@ -63,9 +65,11 @@ class Codec:
     """One wire encoding.  `block` matters only for the blockwise (int) codecs."""
 
     name: str
-    block: int = DEFAULT_BLOCK  # values per block; a power of two in [8, 65536]
+    # values per block; a power of two in [8, 65536]
+    block: int = DEFAULT_BLOCK
 
-    _tables: ClassVar[dict[int, np.ndarray]] = {2: _unpack_table(2)}  # int4 decodes by arithmetic (_dequantize_rows)
+    # int4 decodes by arithmetic (_dequantize_rows)
+    _tables: ClassVar[dict[int, np.ndarray]] = {2: _unpack_table(2)}
 
     def __post_init__(self) -> None:
         if self.name not in CODEC_NAMES:
@@ -74,7 +78,9 @@ class Codec:
         if not isinstance(block, int) or isinstance(block, bool):
             raise EncodeError(f"codec block must be an int, got {block!r}")
         if not MIN_BLOCK <= block <= MAX_BLOCK or block & (block - 1):
-            raise EncodeError(f"codec block must be a power of two in [{MIN_BLOCK}, {MAX_BLOCK}], got {block}")
+            raise EncodeError(
+                f"codec block must be a power of two in [{MIN_BLOCK}, {MAX_BLOCK}], got {block}"
+            )
         if self.sparse:
             sparse.check_block(self.name, block)
 
@@ -143,33 +149,58 @@ class Codec:
         data_U = np.frombuffer(buf, dtype=np.uint8)
         expected = self.encoded_nbytes(count)
         if data_U.size != expected:
-            raise ProtocolError("length", f"{self.name} payload of {count} values must be {expected} bytes, got {data_U.size}")
+            raise ProtocolError(
+                "length",
+                f"{self.name} payload of {count} values must be {expected} bytes, got"
+                f" {data_U.size}",
+            )
         if self.sparse:
             sparse.validate(data_U, self.block, self.bits, self.name)
         elif self.blockwise:
             scale_B = data_U.reshape(-1, self.record_nbytes)[:, :_SCALE_BYTES].view("<f4")
-            # The largest code magnitude (int8 -128, int4 -8, int2 +2) times the scale must stay finite.
-            # The sign bit must be clear: -0.0 is refused too (encoders write +0.0 for a flushed block).
-            if not (np.isfinite(scale_B).all() and (scale_B <= _MAX_SCALE[self.bits]).all() and not np.signbit(scale_B).any()):
-                raise ProtocolError("non_finite", f"{self.name} block scale is negative (or -0.0), NaN, Inf, or so large that decoded values overflow")
+            # The largest code magnitude (int8 -128, int4 -8, int2 +2) times the scale must stay
+            # finite. The sign bit must be clear: -0.0 is refused too (encoders write +0.0 for a
+            # flushed block).
+            if not (
+                np.isfinite(scale_B).all()
+                and (scale_B <= _MAX_SCALE[self.bits]).all()
+                and not np.signbit(scale_B).any()
+            ):
+                raise ProtocolError(
+                    "non_finite",
+                    f"{self.name} block scale is negative (or -0.0), NaN, Inf, or so large that"
+                    " decoded values overflow",
+                )
         elif self.name == "fp32":
             if not np.isfinite(data_U.view("<f4")).all():
                 raise ProtocolError("non_finite", "fp32 payload holds NaN or Inf")
-        else:  # bf16: exponent all ones means Inf or NaN
+        # bf16: exponent all ones means Inf or NaN
+        else:
             if ((data_U.view("<u2") & 0x7F80) == 0x7F80).any():
                 raise ProtocolError("non_finite", "bf16 payload holds NaN or Inf")
 
     def decode(
-        self, buf: memoryview | bytes | np.ndarray, count: int, out: np.ndarray | None = None, threads: int = DEFAULT_THREADS
+        self,
+        buf: memoryview | bytes | np.ndarray,
+        count: int,
+        out: np.ndarray | None = None,
+        threads: int = DEFAULT_THREADS,
     ) -> np.ndarray:
-        """Decode `count` values from `buf` (already `validate`d) into float32 `out` (allocated if None)."""
+        """Decode `count` values from `buf` (already `validate`d) into float32 `out` (allocated if
+        None)."""
         data_U = np.frombuffer(buf, dtype=np.uint8)
         if data_U.size != self.encoded_nbytes(count):
-            raise ProtocolError("length", f"{self.name} payload of {count} values must be {self.encoded_nbytes(count)} bytes, got {data_U.size}")
+            raise ProtocolError(
+                "length",
+                f"{self.name} payload of {count} values must be {self.encoded_nbytes(count)} bytes,"
+                f" got {data_U.size}",
+            )
         if out is None:
             out = np.empty(count, dtype=np.float32)
         if out.shape != (count,) or out.dtype != np.float32:
-            raise EncodeError(f"out must be float32 of shape ({count},), got {out.dtype} {out.shape}")
+            raise EncodeError(
+                f"out must be float32 of shape ({count},), got {out.dtype} {out.shape}"
+            )
         if self.name == "fp32":
             np.copyto(out, data_U.view("<f4"))
         elif self.name == "bf16":
@@ -188,7 +219,9 @@ class Codec:
 
 def _require_finite(x_N: np.ndarray) -> None:
     if not np.isfinite(x_N).all():
-        raise EncodeError(f"cannot encode non-finite values ({np.count_nonzero(~np.isfinite(x_N))} NaN/Inf)")
+        raise EncodeError(
+            f"cannot encode non-finite values ({np.count_nonzero(~np.isfinite(x_N))} NaN/Inf)"
+        )
 
 
 def _encode_bf16(x_N: np.ndarray, threads: int) -> np.ndarray:
@@ -226,13 +259,22 @@ def _encode_blocks(x_N: np.ndarray, name: str, block: int, threads: int) -> np.n
     full_BxK = x_N[: n_full * block].reshape(n_full, block)
 
     def quantize_piece(r0: int, r1: int) -> None:
-        _quantize_rows(full_BxK[r0:r1], scale_B[r0:r1], codes_BxC[r0:r1], levels, bits, work_buffers(rows, block))
+        _quantize_rows(
+            full_BxK[r0:r1],
+            scale_B[r0:r1],
+            codes_BxC[r0:r1],
+            levels,
+            bits,
+            work_buffers(rows, block),
+        )
 
     run_pieces(quantize_piece, n_full, rows, threads)
     if tail:
         padded_1xK = np.zeros((1, block), dtype=np.float32)
         padded_1xK[0, :tail] = x_N[n_full * block :]
-        _quantize_rows(padded_1xK, scale_B[n_full:], codes_BxC[n_full:], levels, bits, work_buffers(1, block))
+        _quantize_rows(
+            padded_1xK, scale_B[n_full:], codes_BxC[n_full:], levels, bits, work_buffers(1, block)
+        )
     return rec_BxR
 
 
@@ -246,10 +288,14 @@ def _quantize_rows(x_RxK, scale_R, codes_RxC, levels: int, bits: int, work: Work
     normal_R = absmax_R >= _FLUSH_BELOW
     scale_R[:] = np.where(normal_R, absmax_R / np.float32(levels), np.float32(0))
     if (scale_R > _MAX_SCALE[bits]).any():
-        raise EncodeError(f"values too large for int{bits}: |x| of {absmax_R.max():.4g} needs a scale above {_MAX_SCALE[bits]:.4g}, which no decoder accepts")
+        raise EncodeError(
+            f"values too large for int{bits}: |x| of {absmax_R.max():.4g} needs a scale above"
+            f" {_MAX_SCALE[bits]:.4g}, which no decoder accepts"
+        )
     inverse_R = np.divide(np.float32(levels), absmax_R, out=np.zeros_like(absmax_R), where=normal_R)
     np.multiply(x_RxK, inverse_R[:, None], out=t_RxK)
-    np.rint(t_RxK, out=t_RxK)  # round half to even; |q| <= levels since |x| <= absmax
+    # round half to even; |q| <= levels since |x| <= absmax
+    np.rint(t_RxK, out=t_RxK)
     if bits == 8:
         np.copyto(codes_RxC.view(np.int8), t_RxK, casting="unsafe")
         return
@@ -268,7 +314,9 @@ def _quantize_rows(x_RxK, scale_R, codes_RxC, levels: int, bits: int, work: Work
         np.copyto(codes_RxC, packed_RxQ, casting="unsafe")
 
 
-def _decode_blocks(data_U: np.ndarray, codec: Codec, count: int, out_N: np.ndarray, threads: int) -> None:
+def _decode_blocks(
+    data_U: np.ndarray, codec: Codec, count: int, out_N: np.ndarray, threads: int
+) -> None:
     block, bits = codec.block, codec.bits
     rec_BxR = data_U.reshape(-1, codec.record_nbytes)
     n_blocks = rec_BxR.shape[0]
@@ -321,14 +369,21 @@ class CodedTensor:
 
     codec: Codec
     shape: tuple[int, ...]
-    records: np.ndarray  # uint8, (blocks, codec.record_nbytes)
+    # uint8, (blocks, codec.record_nbytes)
+    records: np.ndarray
 
     def __post_init__(self) -> None:
         if not self.codec.blockwise:
             raise EncodeError(f"CodedTensor needs a blockwise codec, got {self.codec.name}")
         blocks = -(-self.count // self.codec.block)
-        if self.records.dtype != np.uint8 or self.records.shape != (blocks, self.codec.record_nbytes):
-            raise EncodeError(f"records of {self.shape} must be uint8 ({blocks}, {self.codec.record_nbytes}), got {self.records.dtype} {self.records.shape}")
+        if self.records.dtype != np.uint8 or self.records.shape != (
+            blocks,
+            self.codec.record_nbytes,
+        ):
+            raise EncodeError(
+                f"records of {self.shape} must be uint8 ({blocks}, {self.codec.record_nbytes}), got"
+                f" {self.records.dtype} {self.records.shape}"
+            )
 
     @property
     def count(self) -> int:

@@ -5,11 +5,12 @@ no clock: callers pass ``now`` (seconds, any monotonic origin), so it is determi
 testable.  Memory is bounded: every chunk is charged its payload bytes plus a fixed overhead per
 chunk and per slice (the Python objects that describe it), the total stays under ``max_bytes`` and
 each sender's under ``max_sender_bytes`` (least recently extended partials are evicted first, the
-sender's own first; a message that alone would exceed its sender's budget is refused), and a partial that receives nothing for ``ttl_s`` is dropped.  The last ``remember``
-completed keys are kept, so late duplicates of a finished message are ignored rather than
-assembled again; older duplicates are the sequencing layer's to filter (PROTOCOL.md §6).  A
-message whose slices do not tile its tensors is dropped whole and not remembered, like an evicted
-one: its chunks, sent again, are reassembled afresh.  PROTOCOL.md §7 gives the order of the checks.
+sender's own first; a message that alone would exceed its sender's budget is refused), and a partial
+that receives nothing for ``ttl_s`` is dropped.  The last ``remember`` completed keys are kept, so
+late duplicates of a finished message are ignored rather than assembled again; older duplicates are
+the sequencing layer's to filter (PROTOCOL.md §6).  A message whose slices do not tile its tensors
+is dropped whole and not remembered, like an evicted one: its chunks, sent again, are reassembled
+afresh.  PROTOCOL.md §7 gives the order of the checks.
 
 ``stream=True`` (islands' snapshots): each chunk is decoded on arrival into float32 arrays of its
 message's tensors (the *staging* values, allocated as each tensor is first named) and its payloads
@@ -46,42 +47,68 @@ class Assembled:
     """A complete delta or snapshot: decoded float32 tensors plus the chunks' shared header."""
 
     key: tuple
-    header: Chunk  # the first chunk received; its whole-message fields hold for all chunks
-    tensors: dict[str, np.ndarray | CodedTensor]  # path -> float32 array of the tensor's shape (CodedTensor: see Reassembler)
-    seqs: tuple[int, ...]  # stream seq of every chunk, in chunk order
-    wire_bytes: int  # payload bytes received for it (duplicates excluded)
-    chunks: tuple[Chunk, ...]  # the chunks in index order (their payloads: views of received frames)
+    # the first chunk received; its whole-message fields hold for all chunks
+    header: Chunk
+    # path -> float32 array of the tensor's shape (CodedTensor: see Reassembler)
+    tensors: dict[str, np.ndarray | CodedTensor]
+    # stream seq of every chunk, in chunk order
+    seqs: tuple[int, ...]
+    # payload bytes received for it (duplicates excluded)
+    wire_bytes: int
+    # the chunks in index order (their payloads: views of received frames)
+    chunks: tuple[Chunk, ...]
 
 
-def decode_slices(codec: Codec, shapes: Mapping[str, tuple[int, ...]], pieces: Iterable[tuple[TensorSlice, Any]]) -> dict[str, np.ndarray]:
+def decode_slices(
+    codec: Codec, shapes: Mapping[str, tuple[int, ...]], pieces: Iterable[tuple[TensorSlice, Any]]
+) -> dict[str, np.ndarray]:
     """Float32 tensors of `shapes` from (slice, payload) pairs that together cover them: how every
     receiver decodes, so a sender that calls it knows bit for bit what its receivers hold."""
-    flats = {path: np.empty(int(np.prod(shape, dtype=np.int64)), dtype=np.float32) for path, shape in shapes.items()}
+    flats = {
+        path: np.empty(int(np.prod(shape, dtype=np.int64)), dtype=np.float32)
+        for path, shape in shapes.items()
+    }
     for item, payload in pieces:
-        codec.decode(payload, item.count, out=flats[item.path][item.start : item.start + item.count])
+        codec.decode(
+            payload, item.count, out=flats[item.path][item.start : item.start + item.count]
+        )
     return {path: flat.reshape(shapes[path]) for path, flat in flats.items()}
 
 
 def message_key(chunk: Chunk) -> tuple:
     if isinstance(chunk, DeltaChunk):
         return (chunk.sender, chunk.epoch, "delta", chunk.delta_id)
-    return (chunk.sender, chunk.epoch, "snapshot", chunk.fragment, chunk.version, chunk.base_version)
+    return (
+        chunk.sender,
+        chunk.epoch,
+        "snapshot",
+        chunk.fragment,
+        chunk.version,
+        chunk.base_version,
+    )
 
 
 def _identity(chunk: Chunk) -> tuple:
-    return tuple(getattr(chunk, f.name) for f in dataclasses.fields(chunk) if f.name not in _PER_CHUNK_FIELDS)
+    return tuple(
+        getattr(chunk, f.name) for f in dataclasses.fields(chunk) if f.name not in _PER_CHUNK_FIELDS
+    )
 
 
 @dataclasses.dataclass
 class _Partial:
     first: Chunk
-    touched: float  # time of the latest chunk: the TTL runs from here
+    # time of the latest chunk: the TTL runs from here
+    touched: float
     chunks: dict[int, Chunk] = dataclasses.field(default_factory=dict)
     tensors: dict[str, tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
-    spans: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)  # sorted, disjoint, coalesced
-    nbytes: int = 0  # payload bytes
-    charged: int = 0  # payload plus overhead, counted against max_bytes (stream: overhead only)
-    staged: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # stream: path -> flat float32 values so far
+    # sorted, disjoint, coalesced
+    spans: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    # payload bytes
+    nbytes: int = 0
+    # payload plus overhead, counted against max_bytes (stream: overhead only)
+    charged: int = 0
+    # stream: path -> flat float32 values so far
+    staged: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     staged_bytes: int = 0
 
 
@@ -96,26 +123,51 @@ class ReassemblyStats:
 
 
 class Reassembler:
-    def __init__(self, ttl_s: float = 60.0, max_bytes: int = 256 << 20, max_partials: int = 1024, remember: int = 4096,
-                 decode: bool = True, max_sender_bytes: int | None = None, stream: bool = False,
-                 max_staged_bytes: int | None = None) -> None:
-        """decode=False: tensors of a blockwise (int) codec come out as `CodedTensor` (their records),
-        others decoded as usual.  `max_sender_bytes` (default: `max_bytes`) bounds what one sender's
-        partials hold: past it, that sender's own least recently extended partials go first.
-        `stream`, `max_staged_bytes`: see the module docstring."""
+    def __init__(
+        self,
+        ttl_s: float = 60.0,
+        max_bytes: int = 256 << 20,
+        max_partials: int = 1024,
+        remember: int = 4096,
+        decode: bool = True,
+        max_sender_bytes: int | None = None,
+        stream: bool = False,
+        max_staged_bytes: int | None = None,
+    ) -> None:
+        """decode=False: tensors of a blockwise (int) codec come out as `CodedTensor` (their
+        records), others decoded as usual.  `max_sender_bytes` (default: `max_bytes`) bounds what
+        one sender's partials hold: past it, that sender's own least recently extended partials go
+        first. `stream`, `max_staged_bytes`: see the module docstring."""
         self.decode, self.stream = decode, stream
         max_sender_bytes = max_bytes if max_sender_bytes is None else max_sender_bytes
         max_staged_bytes = max_bytes if max_staged_bytes is None else max_staged_bytes
-        if not (ttl_s > 0 and max_bytes > 0 and max_partials > 0 and remember > 0 and max_sender_bytes > 0 and max_staged_bytes > 0):
-            raise EncodeError(f"Reassembler bounds must be positive: ttl_s={ttl_s}, max_bytes={max_bytes}, max_partials={max_partials}, "
-                              f"remember={remember}, max_sender_bytes={max_sender_bytes}, max_staged_bytes={max_staged_bytes}")
+        if not (
+            ttl_s > 0
+            and max_bytes > 0
+            and max_partials > 0
+            and remember > 0
+            and max_sender_bytes > 0
+            and max_staged_bytes > 0
+        ):
+            raise EncodeError(
+                f"Reassembler bounds must be positive: ttl_s={ttl_s}, max_bytes={max_bytes},"
+                f" max_partials={max_partials}, remember={remember},"
+                f" max_sender_bytes={max_sender_bytes}, max_staged_bytes={max_staged_bytes}"
+            )
         if stream and not decode:
             raise EncodeError("a streaming Reassembler decodes: stream=True needs decode=True")
-        self.ttl_s, self.max_bytes, self.max_partials, self.remember = ttl_s, max_bytes, max_partials, remember
+        self.ttl_s, self.max_bytes, self.max_partials, self.remember = (
+            ttl_s,
+            max_bytes,
+            max_partials,
+            remember,
+        )
         self.max_sender_bytes = min(max_sender_bytes, max_bytes)
         self.max_staged_bytes = max_staged_bytes
-        self.staged_bytes = 0  # stream: float32 values held by partials
-        self._partials: collections.OrderedDict[tuple, _Partial] = collections.OrderedDict()  # oldest first
+        # stream: float32 values held by partials
+        self.staged_bytes = 0
+        # oldest first
+        self._partials: collections.OrderedDict[tuple, _Partial] = collections.OrderedDict()
         self._done: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self.held_bytes = 0
         self.sender_bytes: collections.Counter[str] = collections.Counter()
@@ -139,7 +191,11 @@ class Reassembler:
             self.stats.duplicates += 1
             return None
         size = sum(memoryview(p).nbytes for p in chunk.payloads)
-        cost = (0 if self.stream else size) + CHUNK_OVERHEAD_BYTES + SLICE_OVERHEAD_BYTES * len(chunk.slices)
+        cost = (
+            (0 if self.stream else size)
+            + CHUNK_OVERHEAD_BYTES
+            + SLICE_OVERHEAD_BYTES * len(chunk.slices)
+        )
         partial = self._partials.get(key)
         if partial is None:
             partial = _Partial(first=chunk, touched=now)
@@ -152,20 +208,27 @@ class Reassembler:
         if partial.charged + cost > self.max_sender_bytes:
             if key in self._partials:
                 self._drop(key)
-            self._reject(f"message {key} needs more than the reassembly budget of {self.max_sender_bytes} bytes", "reassembly_budget")
+            self._reject(
+                f"message {key} needs more than the reassembly budget of {self.max_sender_bytes}"
+                " bytes",
+                "reassembly_budget",
+            )
         new_spans = self._check_slices(partial, chunk)
         staging = self._staging(partial, chunk) if self.stream else 0
         self._make_room(cost, keep=key, new=key not in self._partials, staging=staging)
         self._partials[key] = partial
-        self._partials.move_to_end(key)  # most recently extended last: evicted last
+        # most recently extended last: evicted last
+        self._partials.move_to_end(key)
         partial.touched = now
         if self.stream:
             try:
                 self._stage(partial, chunk, staging)
-            except ValueError as error:  # a payload its codec cannot decode: nothing of the message is kept
+            # a payload its codec cannot decode: nothing of the message is kept
+            except ValueError as error:
                 self._drop(key)
                 self._reject(f"chunk {chunk.chunk_index} of {key} does not decode: {error}")
-            chunk = dataclasses.replace(chunk, payloads=())  # decoded: the frames are let go
+            # decoded: the frames are let go
+            chunk = dataclasses.replace(chunk, payloads=())
         partial.chunks[chunk.chunk_index] = chunk
         partial.spans.update(new_spans)
         for item in chunk.slices:
@@ -180,7 +243,12 @@ class Reassembler:
 
     def lowest_seq(self, sender: str, epoch: int) -> int | None:
         """Smallest stream seq among chunks held for incomplete messages of (sender, epoch)."""
-        seqs = [chunk.seq for key, partial in self._partials.items() if key[:2] == (sender, epoch) for chunk in partial.chunks.values()]
+        seqs = [
+            chunk.seq
+            for key, partial in self._partials.items()
+            if key[:2] == (sender, epoch)
+            for chunk in partial.chunks.values()
+        ]
         return min(seqs) if seqs else None
 
     def delivered(self, key: tuple) -> bool:
@@ -188,8 +256,11 @@ class Reassembler:
         return key in self._done
 
     def evict(self, now: float) -> list[tuple]:
-        """Drop partial messages that received nothing for longer than the TTL; return their keys."""
-        expired = [key for key, partial in self._partials.items() if now - partial.touched > self.ttl_s]
+        """Drop partial messages that received nothing for longer than the TTL; return their
+        keys."""
+        expired = [
+            key for key, partial in self._partials.items() if now - partial.touched > self.ttl_s
+        ]
         for key in expired:
             self._drop(key)
             self.stats.evicted_ttl += 1
@@ -205,12 +276,20 @@ class Reassembler:
 
     def _check_same_message(self, partial: _Partial, chunk: Chunk) -> None:
         if _identity(chunk) != _identity(partial.first):
-            self._reject(f"chunk {chunk.chunk_index} of {message_key(chunk)} disagrees with earlier chunks on whole-message fields")
+            self._reject(
+                f"chunk {chunk.chunk_index} of {message_key(chunk)} disagrees with earlier chunks"
+                " on whole-message fields"
+            )
 
     def _check_duplicate(self, earlier: Chunk, chunk: Chunk) -> None:
-        """A repeat of a held index is ignored only if it is the same chunk: same slices, same payload checksums."""
-        if earlier.slices != chunk.slices or [s.crc32 for s in earlier.slices] != [s.crc32 for s in chunk.slices]:
-            self._reject(f"two different chunks claim index {chunk.chunk_index} of {message_key(chunk)}")
+        """A repeat of a held index is ignored only if it is the same chunk: same slices, same
+        payload checksums."""
+        if earlier.slices != chunk.slices or [s.crc32 for s in earlier.slices] != [
+            s.crc32 for s in chunk.slices
+        ]:
+            self._reject(
+                f"two different chunks claim index {chunk.chunk_index} of {message_key(chunk)}"
+            )
 
     def _check_slices(self, partial: _Partial, chunk: Chunk) -> dict[str, list[tuple[int, int]]]:
         """Spans per tensor after adding this chunk's slices (sorted), or reject an overlap."""
@@ -219,7 +298,10 @@ class Reassembler:
         for item in chunk.slices:
             known = layouts.setdefault(item.path, (item.dtype, item.shape))
             if known != (item.dtype, item.shape):
-                self._reject(f"tensor {item.path} changes dtype/shape between chunks: {known} vs {(item.dtype, item.shape)}")
+                self._reject(
+                    f"tensor {item.path} changes dtype/shape between chunks: {known} vs"
+                    f" {(item.dtype, item.shape)}"
+                )
             spans = updated.get(item.path)
             if spans is None:
                 spans = updated[item.path] = list(partial.spans.get(item.path, []))
@@ -227,7 +309,10 @@ class Reassembler:
             at = bisect.bisect_left(spans, (lo, hi))
             for other_lo, other_hi in spans[max(0, at - 1) : at + 1]:
                 if lo < other_hi and other_lo < hi:
-                    self._reject(f"tensor {item.path} values {(lo, hi)} overlap values {(other_lo, other_hi)} of another chunk")
+                    self._reject(
+                        f"tensor {item.path} values {(lo, hi)} overlap values"
+                        f" {(other_lo, other_hi)} of another chunk"
+                    )
             # Coalesce with touching neighbours: in-order chunking keeps one span per tensor.
             if at > 0 and spans[at - 1][1] == lo:
                 at -= 1
@@ -240,34 +325,49 @@ class Reassembler:
     def _staging(self, partial: _Partial, chunk: Chunk) -> int:
         """Bytes of the staging values this chunk's tensors add (refused if the message alone would
         need more than `max_staged_bytes`)."""
-        fresh = {item.path: int(np.prod(item.shape, dtype=np.int64)) for item in chunk.slices if item.path not in partial.staged}
+        fresh = {
+            item.path: int(np.prod(item.shape, dtype=np.int64))
+            for item in chunk.slices
+            if item.path not in partial.staged
+        }
         added = 4 * sum(fresh.values())
         if partial.staged_bytes + added > self.max_staged_bytes:
             if message_key(chunk) in self._partials:
                 self._drop(message_key(chunk))
-            self._reject(f"message {message_key(chunk)} needs more than the staging budget of {self.max_staged_bytes} bytes",
-                         "reassembly_budget")
+            self._reject(
+                f"message {message_key(chunk)} needs more than the staging budget of"
+                f" {self.max_staged_bytes} bytes",
+                "reassembly_budget",
+            )
         return added
 
     def _stage(self, partial: _Partial, chunk: Chunk, added: int) -> None:
         for item, payload in zip(chunk.slices, chunk.payloads):
             values = partial.staged.get(item.path)
             if values is None:
-                values = partial.staged[item.path] = np.empty(int(np.prod(item.shape, dtype=np.int64)), dtype=np.float32)
-            chunk.codec.decode(payload, item.count, out=values[item.start : item.start + item.count])
+                values = partial.staged[item.path] = np.empty(
+                    int(np.prod(item.shape, dtype=np.int64)), dtype=np.float32
+                )
+            chunk.codec.decode(
+                payload, item.count, out=values[item.start : item.start + item.count]
+            )
         partial.staged_bytes += added
         self.staged_bytes += added
 
     def _make_room(self, cost: int, keep: tuple, new: bool, staging: int = 0) -> None:
         sender = keep[0]
-        while self.sender_bytes[sender] + cost > self.max_sender_bytes:  # the sender's own partials first
+        # the sender's own partials first
+        while self.sender_bytes[sender] + cost > self.max_sender_bytes:
             oldest = next((k for k in self._partials if k[0] == sender and k != keep), None)
             if oldest is None:
                 break
             self._drop(oldest)
             self.stats.evicted_memory += 1
-        while self._partials and (self.held_bytes + cost > self.max_bytes or (new and len(self._partials) >= self.max_partials)
-                                  or self.staged_bytes + staging > self.max_staged_bytes):
+        while self._partials and (
+            self.held_bytes + cost > self.max_bytes
+            or (new and len(self._partials) >= self.max_partials)
+            or self.staged_bytes + staging > self.max_staged_bytes
+        ):
             oldest = next((k for k in self._partials if k != keep), None)
             if oldest is None:
                 break
@@ -293,25 +393,47 @@ class Reassembler:
             covered = sum(hi - lo for lo, hi in partial.spans[path])
             size = int(np.prod(shape, dtype=np.int64))
             if covered != size:
-                self._drop(key)  # not remembered: the message was never delivered
-                self._reject(f"tensor {path} of {key} has {covered} of {size} values after all chunks arrived")
+                # not remembered: the message was never delivered
+                self._drop(key)
+                self._reject(
+                    f"tensor {path} of {key} has {covered} of {size} values after all chunks"
+                    " arrived"
+                )
         self._finish(key)
         ordered = [partial.chunks[i] for i in sorted(partial.chunks)]
         codec = partial.first.codec
         if self.stream:
-            tensors = {path: partial.staged[path].reshape(shape) for path, (_, shape) in partial.tensors.items()}
-        elif not self.decode and codec.blockwise:  # keep the records; block-aligned slices concatenate
+            tensors = {
+                path: partial.staged[path].reshape(shape)
+                for path, (_, shape) in partial.tensors.items()
+            }
+        # keep the records; block-aligned slices concatenate
+        elif not self.decode and codec.blockwise:
             pieces: dict[str, list[tuple[int, memoryview]]] = {path: [] for path in partial.tensors}
             for chunk in ordered:
                 for item, payload in zip(chunk.slices, chunk.payloads):
                     pieces[item.path].append((item.start, payload))
             tensors = {}
             for path, (_, shape) in partial.tensors.items():
-                data = np.concatenate([np.frombuffer(p, np.uint8) for _, p in sorted(pieces[path], key=lambda piece: piece[0])])
-                tensors[path] = CodedTensor(codec, tuple(shape), data.reshape(-1, codec.record_nbytes))
+                data = np.concatenate(
+                    [
+                        np.frombuffer(p, np.uint8)
+                        for _, p in sorted(pieces[path], key=lambda piece: piece[0])
+                    ]
+                )
+                tensors[path] = CodedTensor(
+                    codec, tuple(shape), data.reshape(-1, codec.record_nbytes)
+                )
         else:
-            tensors = decode_slices(codec, {path: shape for path, (_, shape) in partial.tensors.items()},
-                                    ((item, payload) for chunk in ordered for item, payload in zip(chunk.slices, chunk.payloads)))
+            tensors = decode_slices(
+                codec,
+                {path: shape for path, (_, shape) in partial.tensors.items()},
+                (
+                    (item, payload)
+                    for chunk in ordered
+                    for item, payload in zip(chunk.slices, chunk.payloads)
+                ),
+            )
         self.stats.completed += 1
         return Assembled(
             key=key,

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dloco.protocol.errors import ConfigError
 
-MAX_SHARDS = 1024  # Heartbeat.stream is below this
+# Heartbeat.stream is below this
+MAX_SHARDS = 1024
 # P, the fragments a model is cut into, where neither side is told (islands and mergers must agree)
 DEFAULT_FRAGMENTS = 4
 
@@ -31,7 +32,10 @@ def parse(text: str) -> tuple[int, int]:
     """`I/N` (--shard) as (I, N); ConfigError naming what is wrong."""
     index, slash, count = text.partition("/")
     if not (slash and index.isdigit() and count.isdigit()):
-        raise ConfigError(f"--shard must be I/N (this shard's index and the number of shards, e.g. 0/2), got {text!r}")
+        raise ConfigError(
+            "--shard must be I/N (this shard's index and the number of shards, e.g. 0/2), got"
+            f" {text!r}"
+        )
     index, count = int(index), int(count)
     if not 1 <= count <= MAX_SHARDS or not 0 <= index < count:
         raise ConfigError(f"--shard {text}: need 1 <= N <= {MAX_SHARDS} and 0 <= I < N")
@@ -43,12 +47,17 @@ def shard_name(given: str | None, shard: int, shards: int) -> str:
     `shard` (islands tell the shards apart by it), or by default the `merger` family's."""
     if given is None:
         return names("merger", shards)[shard]
-    if shards == 1:  # one merger: any name (islands have one control endpoint)
+    # one merger: any name (islands have one control endpoint)
+    if shards == 1:
         return given
     base = given.rsplit(".", 1)[0] if shard > 0 else given
-    if names(base, shards)[shard] != given or (shard == 0 and given.rpartition(".")[2].isdigit() and "." in given):
-        raise ConfigError(f"--name {given} for shard {shard}/{shards}: shard 0 is named BASE and shard I > 0 BASE.I "
-                          f"(islands tell the shards apart by it), e.g. {names('merger', shards)[shard]}")
+    if names(base, shards)[shard] != given or (
+        shard == 0 and given.rpartition(".")[2].isdigit() and "." in given
+    ):
+        raise ConfigError(
+            f"--name {given} for shard {shard}/{shards}: shard 0 is named BASE and shard I > 0"
+            f" BASE.I (islands tell the shards apart by it), e.g. {names('merger', shards)[shard]}"
+        )
     return given
 
 
@@ -57,4 +66,6 @@ def subscriptions(shard: int, shards: int, fragments: int) -> list[bytes]:
     heartbeats (the closing "/" keeps delta/1/ from matching delta/10/)."""
     if shards == 1:
         return [b"delta/", b"heartbeat/0/"]
-    return [f"delta/{f}/".encode() for f in owned(shard, shards, fragments)] + [f"heartbeat/{shard}/".encode()]
+    return [f"delta/{f}/".encode() for f in owned(shard, shards, fragments)] + [
+        f"heartbeat/{shard}/".encode()
+    ]

@@ -8,8 +8,8 @@ Pure numpy; no I/O.  `quantization.Codec` dispatches here; the layout is PROTOCO
 Indices are strictly increasing and below ``block``; of equal magnitudes the higher index is kept
 (the tail block's padding before its values).  With ``M = 2**(bits - 1)`` magnitudes a code
 holds ``m - 1`` (m in 1..M) in its low ``bits - 1`` bits and the sign in its top bit; the value is
-``±m × scale`` with ``scale = absmax(kept) / M`` and ``m = clip(round_half_even(|x| / scale), 1, M)``.
-Codes are packed like int4/int2: code j of the block in bits ``bits·(j mod per_byte)`` of byte
+``±m × scale`` with ``scale = absmax(kept) / M`` and ``m = clip(round_half_even(|x| / scale), 1,
+M)``. Codes are packed like int4/int2: code j of the block in bits ``bits·(j mod per_byte)`` of byte
 ``j div per_byte``.  A block whose largest magnitude is below 2**-120 is flushed: scale +0.0,
 indices 0..keep-1, codes 0 (it decodes to zeros).  Values not kept decode to 0.
 
@@ -25,8 +25,10 @@ import numpy as np
 from dloco.protocol.errors import EncodeError, ProtocolError
 
 SPARSE_BITS = {"topk2": 2, "topk4": 4}
-KEEP_EVERY = 32  # one value kept per this many: 3.125 %
-MIN_SPARSE_BLOCK = 128  # keep >= 4, so that a block's codes fill whole bytes
+# one value kept per this many: 3.125 %
+KEEP_EVERY = 32
+# keep >= 4, so that a block's codes fill whole bytes
+MIN_SPARSE_BLOCK = 128
 _SCALE_BYTES = 4
 _FLUSH_BELOW = np.float32(2.0**-120)
 
@@ -51,7 +53,10 @@ def max_scale(bits: int) -> np.float32:
 
 def check_block(name: str, block: int) -> None:
     if block < MIN_SPARSE_BLOCK:
-        raise EncodeError(f"codec {name} needs a block of at least {MIN_SPARSE_BLOCK} values (keeps block / {KEEP_EVERY}), got {block}")
+        raise EncodeError(
+            f"codec {name} needs a block of at least {MIN_SPARSE_BLOCK} values (keeps block /"
+            f" {KEEP_EVERY}), got {block}"
+        )
 
 
 def _fields(data_U: np.ndarray, block: int, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -79,7 +84,9 @@ def unpack(data_U: np.ndarray, block: int, bits: int) -> tuple[np.ndarray, np.nd
 def encode(x_N: np.ndarray, block: int, bits: int) -> np.ndarray:
     """Records (blocks, record_nbytes) of a flat finite float32 vector."""
     if not np.isfinite(x_N).all():
-        raise EncodeError(f"cannot encode non-finite values ({np.count_nonzero(~np.isfinite(x_N))} NaN/Inf)")
+        raise EncodeError(
+            f"cannot encode non-finite values ({np.count_nonzero(~np.isfinite(x_N))} NaN/Inf)"
+        )
     k, n_blocks = keep(block), -(-x_N.size // block)
     x_BxK = np.zeros(n_blocks * block, np.float32)
     x_BxK[: x_N.size] = x_N
@@ -87,7 +94,9 @@ def encode(x_N: np.ndarray, block: int, bits: int) -> np.ndarray:
     # The k largest magnitudes, ties to the higher index (padding first): the float32 bits of |x|
     # order like the values, so (bits, index) is a unique key and the choice never depends on the
     # sort.  A decoded block then encodes to the same bytes, tail blocks included.
-    key = (np.abs(x_BxK).view(np.uint32).astype(np.uint64) << np.uint64(32)) | np.arange(block, dtype=np.uint64)
+    key = (np.abs(x_BxK).view(np.uint32).astype(np.uint64) << np.uint64(32)) | np.arange(
+        block, dtype=np.uint64
+    )
     index_BxK = np.sort(np.argpartition(key, block - k, axis=1)[:, block - k :], axis=1)
     kept_BxK = np.take_along_axis(x_BxK, index_BxK, axis=1)
     absmax_B = np.abs(kept_BxK).max(axis=1)
@@ -106,17 +115,32 @@ def encode(x_N: np.ndarray, block: int, bits: int) -> np.ndarray:
     packed = np.bitwise_or.reduce(shifted, axis=2).astype(np.uint8)
     index_dtype = np.uint8 if index_bytes(block) == 1 else np.dtype("<u2")
     indices = index_BxK.astype(index_dtype).view(np.uint8).reshape(n_blocks, -1)
-    return np.concatenate([scale_B.astype("<f4").view(np.uint8).reshape(n_blocks, _SCALE_BYTES), indices, packed], axis=1)
+    return np.concatenate(
+        [scale_B.astype("<f4").view(np.uint8).reshape(n_blocks, _SCALE_BYTES), indices, packed],
+        axis=1,
+    )
 
 
 def validate(data_U: np.ndarray, block: int, bits: int, name: str) -> None:
-    """Raise ProtocolError unless every record has a valid scale and strictly increasing indices below `block`."""
+    """Raise ProtocolError unless every record has a valid scale and strictly increasing indices
+    below `block`."""
     scale_B, index_BxK, _ = _fields(data_U, block, bits)
-    if not (np.isfinite(scale_B).all() and (scale_B <= max_scale(bits)).all() and not np.signbit(scale_B).any()):
-        raise ProtocolError("non_finite", f"{name} block scale is negative (or -0.0), NaN, Inf, or so large that decoded values overflow")
+    if not (
+        np.isfinite(scale_B).all()
+        and (scale_B <= max_scale(bits)).all()
+        and not np.signbit(scale_B).any()
+    ):
+        raise ProtocolError(
+            "non_finite",
+            f"{name} block scale is negative (or -0.0), NaN, Inf, or so large that decoded values"
+            " overflow",
+        )
     index = index_BxK.astype(np.int32)
     if (index[:, -1] >= block).any() or (np.diff(index, axis=1) <= 0).any():
-        raise ProtocolError("sparse_index", f"{name} indices must be strictly increasing and below the block of {block}")
+        raise ProtocolError(
+            "sparse_index",
+            f"{name} indices must be strictly increasing and below the block of {block}",
+        )
 
 
 def decode(data_U: np.ndarray, block: int, bits: int, count: int, out_N: np.ndarray) -> None:
@@ -127,7 +151,8 @@ def decode(data_U: np.ndarray, block: int, bits: int, count: int, out_N: np.ndar
 
 
 def squared_norm(data_U: np.ndarray, block: int, bits: int, count: int) -> float:
-    """The decoded values' sum of squares (exact levels, float64 scales), the tail block's padding left out."""
+    """The decoded values' sum of squares (exact levels, float64 scales), the tail block's padding
+    left out."""
     scale_B, index_BxK, levels = unpack(data_U, block, bits)
     squares = levels.astype(np.int64) ** 2
     squares[-1][index_BxK[-1] >= count - block * (len(scale_B) - 1)] = 0

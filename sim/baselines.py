@@ -7,7 +7,8 @@ other every round.
   buckets are reduced while the rest of the backward runs.
 - sync-diloco: every H steps a ring all-reduce of each island's whole-model delta among the islands
   (the scenario's codec, or `diloco_codec`), no merger in the path; with an overlap depth tau
-  (`overlap_steps`) the exchange may hide behind tau inner steps of the next round.  Its tokens count
+  (`overlap_steps`) the exchange may hide behind tau inner steps of the next round.  Its tokens
+count
   q(H) each (sim/quality.py), sync-dp's 1.
 
 A round takes the slowest island's compute plus the exchange that does not hide; an island's
@@ -29,16 +30,23 @@ BF16_BYTES = 2
 @dataclasses.dataclass(frozen=True)
 class SyncResult:
     mode: str
-    round_s: float  # one synchronous round: compute of the slowest island plus the exchange
+    # one synchronous round: compute of the slowest island plus the exchange
+    round_s: float
     exchange_s: float
     steps_per_round: int
-    utilisation: dict[str, float]  # island -> compute share of a round
-    tokens_s: float  # cluster tokens per second without failures
-    useful_tokens_s: float  # times q of its interval: sync-DP-equivalent tokens
+    # island -> compute share of a round
+    utilisation: dict[str, float]
+    # cluster tokens per second without failures
+    tokens_s: float
+    # times q of its interval: sync-DP-equivalent tokens
+    useful_tokens_s: float
     bytes_up_per_token: float
     bytes_down_per_token: float
-    goodput: float  # with the scenario's failures: useful_tokens_s x the share of time nobody is down, over the chips' peak
-    practice: str  # what was assumed, in words
+    # with the scenario's failures: useful_tokens_s x the share of time nobody is down, over the
+    # chips' peak
+    goodput: float
+    # what was assumed, in words
+    practice: str
 
 
 def _link_bps(value: float | None) -> float:
@@ -51,7 +59,8 @@ def _stalled_share(s: Scenario) -> float:
 
 
 def _ring(s: Scenario, nbytes: float) -> tuple[float, float]:
-    """(bytes each island moves each way, seconds) of a ring all-reduce of `nbytes` among the islands."""
+    """(bytes each island moves each way, seconds) of a ring all-reduce of `nbytes` among the
+    islands."""
     n = len(s.islands)
     if n == 1:
         return 0.0, 0.0
@@ -65,7 +74,10 @@ def sync_dp(s: Scenario) -> SyncResult:
     moved, exchange = _ring(s, BF16_BYTES * s.params)
     backward = 2 / 3 * max(i.step_s for i in s.islands)
     exposed = exchange - min(s.dp_overlap * exchange, backward)
-    practice = f"ring all-reduce of bf16 gradients every step, {s.dp_overlap:.0%} of it may hide behind the backward pass"
+    practice = (
+        f"ring all-reduce of bf16 gradients every step, {s.dp_overlap:.0%} of it may hide behind"
+        " the backward pass"
+    )
     return _result("sync-dp", s, 1, exposed, moved, moved, 1.0, practice)
 
 
@@ -73,16 +85,40 @@ def sync_diloco(s: Scenario) -> SyncResult:
     codec = s.diloco_codec or s.codec
     moved, exchange = _ring(s, wire_bytes(s.params, Codec(codec, s.block)))
     exposed = max(0.0, exchange - s.overlap_steps * max(i.step_s for i in s.islands))
-    practice = f"ring all-reduce of {codec} deltas every {s.interval} steps, overlap depth {s.overlap_steps} steps"
-    return _result("sync-diloco", s, s.interval, exposed, moved, moved, s.quality(s.interval), practice)
+    practice = (
+        f"ring all-reduce of {codec} deltas every {s.interval} steps, overlap depth"
+        f" {s.overlap_steps} steps"
+    )
+    return _result(
+        "sync-diloco", s, s.interval, exposed, moved, moved, s.quality(s.interval), practice
+    )
 
 
-def _result(mode: str, s: Scenario, steps: int, exchange: float, up: float, down: float, quality: float, practice: str) -> SyncResult:
+def _result(
+    mode: str,
+    s: Scenario,
+    steps: int,
+    exchange: float,
+    up: float,
+    down: float,
+    quality: float,
+    practice: str,
+) -> SyncResult:
     compute = steps * max(i.step_s for i in s.islands)
     round_s = compute + exchange
     tokens = steps * sum(i.tokens_per_step for i in s.islands)
     tokens_s = tokens / round_s
     per_island_tokens = tokens / len(s.islands)
-    return SyncResult(mode, round_s, exchange, steps, {i.name: steps * i.step_s / round_s for i in s.islands}, tokens_s, tokens_s * quality,
-                      up / per_island_tokens, down / per_island_tokens,
-                      tokens_s * quality * (1 - _stalled_share(s)) / s.peak_tokens_s, practice)
+    return SyncResult(
+        mode,
+        round_s,
+        exchange,
+        steps,
+        {i.name: steps * i.step_s / round_s for i in s.islands},
+        tokens_s,
+        tokens_s * quality,
+        up / per_island_tokens,
+        down / per_island_tokens,
+        tokens_s * quality * (1 - _stalled_share(s)) / s.peak_tokens_s,
+        practice,
+    )

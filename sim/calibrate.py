@@ -1,11 +1,12 @@
-"""`dloco plan --calibrate RUN_DIR`: simulate a finished `dloco up` run and set prediction beside measurement.
+"""`dloco plan --calibrate RUN_DIR`: simulate a finished `dloco up` run and set prediction beside
+measurement.
 
 The scenario comes from the run itself: its regions, links and settings (RUN_DIR/cluster.json, or
 the cluster file given), each island's measured step time (its metrics, compile step left out) and
 start, the merger's measured fold time (its log), and every fragment's bytes on the wire from
-encoding the run's own initial model (init.npz) with the real codecs and chunking.  What is compared:
-compute utilisation per island, folds per fragment, bytes per token up and down per island, and the
-staleness of the folded deltas.
+encoding the run's own initial model (init.npz) with the real codecs and chunking.  What is
+compared: compute utilisation per island, folds per fragment, bytes per token up and down per
+island, and the staleness of the folded deltas.
 """
 
 from __future__ import annotations
@@ -36,19 +37,31 @@ def load_run(run_dir: Path, config: Path | None = None) -> tuple[Scenario, dict]
     else:
         cluster = RunCluster.read(run_dir)
     if cluster.mode != "decoupled" or cluster.sync.adoption != "rebase":
-        raise RunDirError(f"{run_dir}: calibration simulates decoupled runs with adoption 'rebase', this one ran "
-                          f"{cluster.mode} with {cluster.sync.adoption!r}")
+        raise RunDirError(
+            f"{run_dir}: calibration simulates decoupled runs with adoption 'rebase', this one ran "
+            f"{cluster.mode} with {cluster.sync.adoption!r}"
+        )
     islands, measured, reference = [], {"islands": {}}, None
     series = {}
     for region in cluster.regions:
         events = read_events(run_dir / "metrics" / f"{region.name}.jsonl")
         if any(e.get("life", 0) for e in events):
-            raise RunDirError(f"{run_dir}: island {region.name} restarted; calibration simulates runs without chaos")
-        steps = [e for e in events if e.get("step", 0) >= 1 and "wall" in e and not e.get("deferred")]  # deferred: evaluated after training
+            raise RunDirError(
+                f"{run_dir}: island {region.name} restarted; calibration simulates runs without"
+                " chaos"
+            )
+        # deferred: evaluated after training
+        steps = [
+            e for e in events if e.get("step", 0) >= 1 and "wall" in e and not e.get("deferred")
+        ]
         if len(steps) < 3:
-            raise RunDirError(f"{run_dir}: island {region.name} has {len(steps)} steps in its metrics; calibration needs a finished run")
+            raise RunDirError(
+                f"{run_dir}: island {region.name} has {len(steps)} steps in its metrics;"
+                " calibration needs a finished run"
+            )
         series[region.name] = steps
-        begun = steps[0]["wall"] - steps[0]["time"]  # its training loop's start
+        # its training loop's start
+        begun = steps[0]["wall"] - steps[0]["time"]
         reference = begun if reference is None else min(reference, begun)
     end = 0.0
     for region in cluster.regions:
@@ -58,19 +71,46 @@ def load_run(run_dir: Path, config: Path | None = None) -> tuple[Scenario, dict]
         tokens_per_step = round(last["tokens"] / last["step"])
         end = max(end, last["wall"] - reference)
         link = Link(_bps(region.uplink_mbps), _bps(region.downlink_mbps), region.rtt_ms / 1000)
-        gaps = [b["time"] - a["time"] for a, b in zip(steps[1:], steps[2:]) if b["step"] == a["step"] + 1]
+        gaps = [
+            b["time"] - a["time"]
+            for a, b in zip(steps[1:], steps[2:])
+            if b["step"] == a["step"] + 1
+        ]
         cv = statistics.pstdev(gaps) / statistics.mean(gaps) if len(gaps) > 1 else 0.0
-        islands.append(Island(region.name, step_s, tokens_per_step, link, start_s=max(0.0, first["wall"] - reference - step_s), step_cv=cv,
-                              interval=region.interval))  # decoupled (checked above): a region's own H, if it has one
-        # bytes up: from the island's summary after its drain when there is one (every delta of its work
-        # sent; its last step's line misses what its uplink still had queued, as much as the link lags)
-        done = [e for e in read_events(run_dir / "logs" / f"{region.name}.log") if isinstance(e, dict) and e.get("event") == "done"]
-        sent = done[-1]["bytes_sent"] / done[-1]["tokens"] if done and "bytes_sent" in done[-1] and done[-1].get("tokens") else None
+        islands.append(
+            Island(
+                region.name,
+                step_s,
+                tokens_per_step,
+                link,
+                start_s=max(0.0, first["wall"] - reference - step_s),
+                step_cv=cv,
+                # decoupled (checked above): a region's own H, if it has one
+                interval=region.interval,
+            )
+        )
+        # bytes up: from the island's summary after its drain when there is one (every delta of its
+        # work sent; its last step's line misses what its uplink still had queued, as much as the
+        # link lags)
+        done = [
+            e
+            for e in read_events(run_dir / "logs" / f"{region.name}.log")
+            if isinstance(e, dict) and e.get("event") == "done"
+        ]
+        sent = (
+            done[-1]["bytes_sent"] / done[-1]["tokens"]
+            if done and "bytes_sent" in done[-1] and done[-1].get("tokens")
+            else None
+        )
         measured["islands"][region.name] = {
-            "compute_util": last["compute_util"], "steps": last["step"], "step_s": step_s,
+            "compute_util": last["compute_util"],
+            "steps": last["step"],
+            "step_s": step_s,
             "bytes_up_per_token": sent if sent is not None else last["bytes_sent"] / last["tokens"],
-            "bytes_down_per_token": last["bytes_received"] / last["tokens"]}
-    folds = merger_folds(run_dir)  # every shard's (and a standby's after a takeover)
+            "bytes_down_per_token": last["bytes_received"] / last["tokens"],
+        }
+    # every shard's (and a standby's after a takeover)
+    folds = merger_folds(run_dir)
     if not folds:
         raise RunDirError(f"{run_dir}: the merger's log has no folds")
     sync, merger = cluster.sync, cluster.merger
@@ -78,9 +118,20 @@ def load_run(run_dir: Path, config: Path | None = None) -> tuple[Scenario, dict]
     measured["folds_per_fragment"] = [per_fragment[p] for p in range(sync.fragments)]
     measured["staleness"] = collections.Counter(s for e in folds for s in e["staleness"])
     fold_s = statistics.median(e["fold_ms"] for e in folds) / 1000
-    scenario = Scenario(tuple(islands), _params(run_dir), sync.fragments, sync.interval, sync.codec, sync.block, merger=merger,
-                        merger_bytes_s=1e15, fold_overhead_s=fold_s, duration_s=end, restart_s=0.0,
-                        wire=_wire(run_dir, sync, merger))
+    scenario = Scenario(
+        tuple(islands),
+        _params(run_dir),
+        sync.fragments,
+        sync.interval,
+        sync.codec,
+        sync.block,
+        merger=merger,
+        merger_bytes_s=1e15,
+        fold_overhead_s=fold_s,
+        duration_s=end,
+        restart_s=0.0,
+        wire=_wire(run_dir, sync, merger),
+    )
     return scenario, measured
 
 
@@ -110,19 +161,47 @@ def _wire(run_dir: Path, sync, merger) -> tuple[tuple[int, int, int], ...]:
         plans = protocol.split_fragment(tensors, codec, limit)
         total = 0
         for index, plan in enumerate(plans):
-            message = protocol.DeltaChunk(sender="calibrate", epoch=1, seq=1, delta_id=1, fragment=0, base_version=0, chunk_index=index,
-                                          chunk_count=len(plans), steps=1, tokens=1, model="0" * 16, codec=codec,
-                                          slices=plan.slices, payloads=plan.payloads)
+            message = protocol.DeltaChunk(
+                sender="calibrate",
+                epoch=1,
+                seq=1,
+                delta_id=1,
+                fragment=0,
+                base_version=0,
+                chunk_index=index,
+                chunk_count=len(plans),
+                steps=1,
+                tokens=1,
+                model="0" * 16,
+                codec=codec,
+                slices=plan.slices,
+                payloads=plan.payloads,
+            )
             total += sum(memoryview(frame).nbytes for frame in protocol.encode(message))
         return total
 
     wire = []
     for paths in protocol.partition(shapes, sync.fragments):
         part = {path: zeros[path] for path in paths}
-        full = nbytes(part, protocol.Codec(merger.snapshot_codec, sync.block), protocol.DEFAULT_MAX_CHUNK_BYTES)
+        full = nbytes(
+            part,
+            protocol.Codec(merger.snapshot_codec, sync.block),
+            protocol.DEFAULT_MAX_CHUNK_BYTES,
+        )
         diff = merger.snapshot_diff_codec
-        wire.append((nbytes(part, protocol.Codec(sync.codec, sync.block), sync.chunk_bytes),
-                     full if diff == "none" else nbytes(part, protocol.Codec(diff, sync.block), protocol.DEFAULT_MAX_CHUNK_BYTES), full))
+        wire.append(
+            (
+                nbytes(part, protocol.Codec(sync.codec, sync.block), sync.chunk_bytes),
+                (
+                    full
+                    if diff == "none"
+                    else nbytes(
+                        part, protocol.Codec(diff, sync.block), protocol.DEFAULT_MAX_CHUNK_BYTES
+                    )
+                ),
+                full,
+            )
+        )
     return tuple(wire)
 
 
@@ -133,23 +212,45 @@ def calibrate(run_dir: Path, config: Path | None = None) -> dict:
     for run, spec in zip(result.islands, scenario.islands):
         m = measured["islands"][run.name]
         life = scenario.duration_s - spec.start_s
-        predicted = {"compute_util": run.compute_s / life if life > 0 else 0.0,
-                     "bytes_up_per_token": run.bytes_up / max(run.trained_tokens, 1),
-                     "bytes_down_per_token": run.bytes_down / max(run.trained_tokens, 1)}
+        predicted = {
+            "compute_util": run.compute_s / life if life > 0 else 0.0,
+            "bytes_up_per_token": run.bytes_up / max(run.trained_tokens, 1),
+            "bytes_down_per_token": run.bytes_down / max(run.trained_tokens, 1),
+        }
         for key, value in predicted.items():
             rows.append(_row(f"{run.name}: {key.replace('_', ' ')}", value, m[key]))
     for fragment, (got, want) in enumerate(zip(result.folds, measured["folds_per_fragment"])):
         rows.append(_row(f"folds of fragment {fragment}", got, want))
     sim_stale, run_stale = _distribution(result.staleness), _distribution(measured["staleness"])
-    rows.append(_row("mean staleness of folded deltas", _mean(result.staleness), _mean(measured["staleness"]), absolute=0.15))
-    return {"rows": rows, "staleness": {"simulated": sim_stale, "measured": run_stale},
-            "within": sum(row["within"] for row in rows), "of": len(rows), "duration_s": scenario.duration_s}
+    rows.append(
+        _row(
+            "mean staleness of folded deltas",
+            _mean(result.staleness),
+            _mean(measured["staleness"]),
+            absolute=0.15,
+        )
+    )
+    return {
+        "rows": rows,
+        "staleness": {"simulated": sim_stale, "measured": run_stale},
+        "within": sum(row["within"] for row in rows),
+        "of": len(rows),
+        "duration_s": scenario.duration_s,
+    }
 
 
 def _row(name: str, predicted: float, measured: float, absolute: float = 0.0) -> dict:
-    error = (predicted - measured) / measured if measured else (0.0 if predicted == 0 else float("inf"))
+    error = (
+        (predicted - measured) / measured if measured else (0.0 if predicted == 0 else float("inf"))
+    )
     within = abs(error) <= TOLERANCE or abs(predicted - measured) <= absolute
-    return {"metric": name, "predicted": predicted, "measured": measured, "error": error, "within": within}
+    return {
+        "metric": name,
+        "predicted": predicted,
+        "measured": measured,
+        "error": error,
+        "within": within,
+    }
 
 
 def _distribution(counts: collections.Counter) -> dict[int, float]:
@@ -163,15 +264,33 @@ def _mean(counts: collections.Counter) -> float:
 
 
 def markdown(c: dict, run_dir: Path) -> str:
-    lines = [f"# dloco plan --calibrate {run_dir}", "",
-             f"{c['within']} of {c['of']} within {TOLERANCE:.0%} (mean staleness: or within 0.15 versions); "
-             f"{c['duration_s']:.0f} s simulated.", "",
-             "| metric | predicted | measured | error |", "|---|---|---|---|"]
+    lines = [
+        f"# dloco plan --calibrate {run_dir}",
+        "",
+        (
+            f"{c['within']} of {c['of']} within {TOLERANCE:.0%} (mean staleness: or within 0.15"
+            f" versions); {c['duration_s']:.0f} s simulated."
+        ),
+        "",
+        "| metric | predicted | measured | error |",
+        "|---|---|---|---|",
+    ]
     for row in c["rows"]:
-        lines.append(f"| {row['metric']} | {row['predicted']:.4g} | {row['measured']:.4g} | {row['error']:+.1%}{'' if row['within'] else ' **out**'} |")
+        lines.append(
+            f"| {row['metric']} | {row['predicted']:.4g} | {row['measured']:.4g} |"
+            f" {row['error']:+.1%}{'' if row['within'] else ' **out**'} |"
+        )
     sim, run = c["staleness"]["simulated"], c["staleness"]["measured"]
-    lines += ["", "Staleness of folded deltas (share of deltas):", "", "| staleness | predicted | measured |", "|---|---|---|"]
-    lines += [f"| {k} | {sim.get(k, 0):.3f} | {run.get(k, 0):.3f} |" for k in sorted(set(sim) | set(run))]
+    lines += [
+        "",
+        "Staleness of folded deltas (share of deltas):",
+        "",
+        "| staleness | predicted | measured |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {k} | {sim.get(k, 0):.3f} | {run.get(k, 0):.3f} |" for k in sorted(set(sim) | set(run))
+    ]
     return "\n".join(lines) + "\n"
 
 

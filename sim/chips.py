@@ -15,13 +15,17 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Chip:
     name: str
-    bf16_flops: float  # peak, dense, per chip
+    # peak, dense, per chip
+    bf16_flops: float
 
 
-CHIPS = {chip.name: chip for chip in (
-    Chip("tpu-v6e", 918e12),
-    Chip("tpu-v5p", 459e12),
-    Chip("tpu-v5e", 197e12),
-    Chip("h100", 989e12),
-    Chip("a100", 312e12),
-)}
+CHIPS = {
+    chip.name: chip
+    for chip in (
+        Chip("tpu-v6e", 918e12),
+        Chip("tpu-v5p", 459e12),
+        Chip("tpu-v5e", 197e12),
+        Chip("h100", 989e12),
+        Chip("a100", 312e12),
+    )
+}

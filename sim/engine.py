@@ -1,4 +1,5 @@
-"""A decoupled run in virtual time: the real decision code against simulated clocks, links and compute.
+"""A decoupled run in virtual time: the real decision code against simulated clocks, links and
+compute.
 
 What is real (imported, not restated): the merger's `MergerCore` (admission and the staleness
 bound, duplicates, the outlier history, the round policy's quorum and adaptive grace, token weights
@@ -8,14 +9,15 @@ the island's fragment schedule (`exchange.due_offset`: P staggered fragments eve
 `Outbox` (a fragment's unsent deltas summed) and the uplink's `LinkShaper`.
 
 What is modelled: a step takes `step_s` (with `step_cv`, k steps take a normal k step_s, standard
-deviation sqrt(k) step_cv step_s, seeded per island: real islands drift apart); a delta is its codec's encoded size plus a chunk header;
-links are FIFO pipes (rate, one-way latency = RTT / 2; the next message starts when the previous
-one's last byte left), the merger's own link too when it has one; a fold worker per merger shard
-folds `merger_bytes_s` of coded deltas per second plus a fixed overhead; an island adopts (rebases onto) every snapshot that has arrived when it sends, so a
-delta's base version is the newest one arrived by then.  A failed island loses its unsent work
-(what it trained since its last send, its outbox, a delta half on the wire) and comes back after
-`down_s`, joining again: a full snapshot of every fragment down, and `restart_s` to compile.  What counts: a folded token,
-worth q(the steps its delta covered, sim/quality.py).
+deviation sqrt(k) step_cv step_s, seeded per island: real islands drift apart); a delta is its
+codec's encoded size plus a chunk header; links are FIFO pipes (rate, one-way latency = RTT / 2; the
+next message starts when the previous one's last byte left), the merger's own link too when it has
+one; a fold worker per merger shard folds `merger_bytes_s` of coded deltas per second plus a fixed
+overhead; an island adopts (rebases onto) every snapshot that has arrived when it sends, so a
+delta's base version is the newest one arrived by then.  A failed island loses its unsent work (what
+it trained since its last send, its outbox, a delta half on the wire) and comes back after `down_s`,
+joining again: a full snapshot of every fragment down, and `restart_s` to compile.  What counts: a
+folded token, worth q(the steps its delta covered, sim/quality.py).
 """
 
 from __future__ import annotations
@@ -39,9 +41,12 @@ from dloco.protocol import Codec, model_fingerprint
 from dloco.sim.results import IslandRun, SimResult
 from dloco.sim.scenario import Scenario
 
-CHUNK_HEADER_BYTES = 300  # msgpack header and frame overhead per chunk (measured: protocol.encode of a delta chunk)
-PRUNE_EVERY = 4096  # published snapshots per fragment between prunings of those every island has seen
-CHUNK_BYTES = SyncConfig.chunk_bytes  # payload bytes per chunk
+# msgpack header and frame overhead per chunk (measured: protocol.encode of a delta chunk)
+CHUNK_HEADER_BYTES = 300
+# published snapshots per fragment between prunings of those every island has seen
+PRUNE_EVERY = 4096
+# payload bytes per chunk
+CHUNK_BYTES = SyncConfig.chunk_bytes
 
 
 def wire_bytes(values: int, codec: Codec) -> int:
@@ -51,7 +56,8 @@ def wire_bytes(values: int, codec: Codec) -> int:
 
 
 def fragment_sizes(params: int, fragments: int) -> list[int]:
-    """Values per fragment: the model cut into P nearly equal parts (protocol.partition balances by bytes)."""
+    """Values per fragment: the model cut into P nearly equal parts (protocol.partition balances by
+    bytes)."""
     return [params // fragments + (1 if p < params % fragments else 0) for p in range(fragments)]
 
 
@@ -59,20 +65,26 @@ class _Island:
     def __init__(self, index: int, spec, scenario: Scenario) -> None:
         self.index, self.spec, self.run = index, spec, IslandRun(spec.name)
         self.alive, self.epoch, self.delta_id = False, 0, 0
-        self.died_at: dict[int, float] = {}  # epoch -> when that life ended
-        self.in_flight = self.in_flight_useful = 0.0  # deltas taken from its outbox and not yet at the merger (any life's): tokens, x q
-        self.rng = random.Random(scenario.seed * 1_000_003 + index)  # its step times' noise (spec.step_cv)
+        # epoch -> when that life ended
+        self.died_at: dict[int, float] = {}
+        # deltas taken from its outbox and not yet at the merger (any life's): tokens, x q
+        self.in_flight = self.in_flight_useful = 0.0
+        # its step times' noise (spec.step_cv)
+        self.rng = random.Random(scenario.seed * 1_000_003 + index)
         self.fragments = scenario.fragments
         self.new_life(scenario)
 
     def new_life(self, scenario: Scenario) -> None:
         self.epoch += 1
-        self.step, self.clock = 0, math.inf  # steps of this life, and when the last of them ended (set when it joins)
-        self.unsent_steps = [0] * self.fragments  # per fragment, since its last send
+        # steps of this life, and when the last of them ended (set when it joins)
+        self.step, self.clock = 0, math.inf
+        # per fragment, since its last send
+        self.unsent_steps = [0] * self.fragments
         self.outbox = Outbox()
         link = self.spec.link
         self.uplink = LinkShaper(None if link.up_bps is None else link.up_bps / 8, link.rtt_s / 2)
-        self.wire: tuple[PendingDelta, float] | None = None  # the delta being sent, and when its last byte leaves
+        # the delta being sent, and when its last byte leaves
+        self.wire: tuple[PendingDelta, float] | None = None
 
 
 class Simulation:
@@ -82,21 +94,34 @@ class Simulation:
         self.codec = Codec(scenario.codec, scenario.block)
         snapshots = self.snapshots = scenario.snapshots
         if scenario.wire is not None:
-            self.delta_bytes, self.snapshot_bytes, self.full_bytes = (list(column) for column in zip(*scenario.wire))
+            self.delta_bytes, self.snapshot_bytes, self.full_bytes = (
+                list(column) for column in zip(*scenario.wire)
+            )
         else:
             self.delta_bytes = [wire_bytes(n, self.codec) for n in self.sizes]
-            self.full_bytes = [wire_bytes(n, Codec(snapshots.snapshot_codec, scenario.block)) for n in self.sizes]
+            self.full_bytes = [
+                wire_bytes(n, Codec(snapshots.snapshot_codec, scenario.block)) for n in self.sizes
+            ]
             diff = snapshots.snapshot_diff_codec
-            self.snapshot_bytes = self.full_bytes if diff == "none" else [wire_bytes(n, Codec(diff, scenario.block)) for n in self.sizes]
-        # a rejoining island gets the served value exactly: fp32 once diffs have moved it off the full codec (downlink.reply)
+            self.snapshot_bytes = (
+                self.full_bytes
+                if diff == "none"
+                else [wire_bytes(n, Codec(diff, scenario.block)) for n in self.sizes]
+            )
+        # a rejoining island gets the served value exactly: fp32 once diffs have moved it off the
+        # full codec (downlink.reply)
         fp32 = [wire_bytes(n, Codec("fp32")) for n in self.sizes]
         self.rejoin_bytes = self.full_bytes if snapshots.snapshot_diff_codec == "none" else fp32
         params = {f"fragment{p}": np.zeros(1, np.float32) for p in range(scenario.fragments)}
-        self.core = MergerCore(scenario.math, model_fingerprint(params), [[path] for path in params], params)
+        self.core = MergerCore(
+            scenario.math, model_fingerprint(params), [[path] for path in params], params
+        )
         self.islands = [_Island(i, spec, scenario) for i, spec in enumerate(scenario.islands)]
         self.by_name = {island.spec.name: island for island in self.islands}
         n = len(self.islands)
-        self.down_rate = np.array([np.inf if i.link.down_bps is None else i.link.down_bps / 8 for i in scenario.islands])
+        self.down_rate = np.array(
+            [np.inf if i.link.down_bps is None else i.link.down_bps / 8 for i in scenario.islands]
+        )
         self.down_latency = np.array([i.link.rtt_s / 2 for i in scenario.islands])
         self.down_free = np.zeros(n)
         self.down_bytes = np.zeros(n, np.int64)
@@ -109,8 +134,10 @@ class Simulation:
         self.published_at: dict[int, float] = {}
         self.held: set[int] = set()
         self.folding: set[int] = set()
-        self.worker_free, self.fold_busy_s = [0.0] * scenario.merger_shards, 0.0  # a fold worker per shard
-        self.link_in_free = self.link_out_free = 0.0  # the merger's own link, each way
+        # a fold worker per shard
+        self.worker_free, self.fold_busy_s = [0.0] * scenario.merger_shards, 0.0
+        # the merger's own link, each way
+        self.link_in_free = self.link_out_free = 0.0
         self.pending_bytes = self.peak_pending_bytes = 0
         self.pending_tokens = 0.0
         self.intervals: list[list[int]] = [[] for _ in self.sizes]
@@ -120,7 +147,8 @@ class Simulation:
         self.queue: list = []
         self.counter = 0
         self.wake: float | None = None
-        self.publish_at = math.inf  # when publish_due is next called
+        # when publish_due is next called
+        self.publish_at = math.inf
 
     # ---- the event queue -------------------------------------------------------------------------
     def at(self, when: float, kind: str, *data) -> None:
@@ -137,16 +165,31 @@ class Simulation:
             now, _, kind, data = heapq.heappop(self.queue)
             events += 1
             getattr(self, f"_on_{kind}")(now, *data)
-        for island in self.islands:  # the steps of the last stretch, up to the end
+        # the steps of the last stretch, up to the end
+        for island in self.islands:
             if island.alive:
-                self._train_until(island, self._steps_by(island, self.s.duration_s), self.s.duration_s)
+                self._train_until(
+                    island, self._steps_by(island, self.s.duration_s), self.s.duration_s
+                )
                 unsent, useful = self._undecided(island)
                 island.run.undecided_tokens = (unsent + island.in_flight) / self.s.fragments
                 island.run.undecided_useful = (useful + island.in_flight_useful) / self.s.fragments
             island.run.bytes_down = int(self.down_bytes[island.index])
         backlog = [max(0.0, free - self.s.duration_s) for free in self.worker_free]
-        return SimResult(self.s, [island.run for island in self.islands], self.folds, self.staleness, self.folded_tokens,
-                         self.fold_busy_s, self.peak_pending_bytes, events, self.intervals, self.pending_bytes, self.pending_tokens, backlog)
+        return SimResult(
+            self.s,
+            [island.run for island in self.islands],
+            self.folds,
+            self.staleness,
+            self.folded_tokens,
+            self.fold_busy_s,
+            self.peak_pending_bytes,
+            events,
+            self.intervals,
+            self.pending_bytes,
+            self.pending_tokens,
+            backlog,
+        )
 
     # ---- islands ---------------------------------------------------------------------------------
     def _on_join(self, now: float, island: _Island) -> None:
@@ -156,36 +199,53 @@ class Simulation:
         mask = np.arange(len(self.islands)) == island.index
         for fragment, nbytes in enumerate(self.full_bytes if first else self.rejoin_bytes):
             if not (first and island.spec.holds_model):
-                arrived = float(self._send_down(mask, nbytes, self._merger_out(nbytes, now))[island.index])
+                arrived = float(
+                    self._send_down(mask, nbytes, self._merger_out(nbytes, now))[island.index]
+                )
             self.seen[island.index, fragment] = len(self.published[fragment]) - 1
         island.joined_versions = list(self.installed)
-        island.clock = arrived + (0.0 if first else self.s.restart_s)  # a restart: the download, then compiling
+        # a restart: the download, then compiling
+        island.clock = arrived + (0.0 if first else self.s.restart_s)
         if first:
             island.run.startup_s = island.clock - now
         self._next_due(island)
 
     def _undecided(self, island: _Island) -> tuple[float, float]:
-        """At the end: the tokens in the outbox and not yet due, and what they will be worth at best.
-        A queued delta leaves once the uplink has sent what is ahead of it, and the outbox sums its
-        fragment's next deltas into it meanwhile: it will cover its steps plus that wait."""
+        """At the end: the tokens in the outbox and not yet due, and what they will be worth at
+        best. A queued delta leaves once the uplink has sent what is ahead of it, and the outbox
+        sums its fragment's next deltas into it meanwhile: it will cover its steps plus that
+        wait."""
         end, spec = self.s.duration_s, island.spec
         rate = None if spec.link.up_bps is None else spec.link.up_bps / 8
         leaves, covers = max(end, island.uplink.free_at), {}
         tokens = useful = 0.0
         while (delta := island.outbox.take()) is not None:
             covers[delta.fragment] = delta.steps + (leaves - end) / spec.step_s
-            tokens, useful = tokens + delta.tokens, useful + delta.tokens * self.s.quality(covers[delta.fragment])
+            tokens, useful = (
+                tokens + delta.tokens,
+                useful + delta.tokens * self.s.quality(covers[delta.fragment]),
+            )
             leaves += self.delta_bytes[delta.fragment] / rate if rate else 0.0
         h = spec.interval or self.s.interval
-        due = [(steps * spec.tokens_per_step, covers.get(f, h)) for f, steps in enumerate(island.unsent_steps)]  # on time, or summed
-        return tokens + sum(t for t, _ in due), useful + sum(t * self.s.quality(steps) for t, steps in due)
+        # on time, or summed
+        due = [
+            (steps * spec.tokens_per_step, covers.get(f, h))
+            for f, steps in enumerate(island.unsent_steps)
+        ]
+        return tokens + sum(t for t, _ in due), useful + sum(
+            t * self.s.quality(steps) for t, steps in due
+        )
 
     def _steps_by(self, island: _Island, when: float) -> int:
         """Steps of this life done by `when` (before its next due step, which has its own event)."""
-        return min(island.next_due - 1, island.step + max(0, int((when - island.clock) / island.spec.step_s + 1e-9)))
+        return min(
+            island.next_due - 1,
+            island.step + max(0, int((when - island.clock) / island.spec.step_s + 1e-9)),
+        )
 
     def _train_until(self, island: _Island, step: int, now: float) -> None:
-        """The island trained from its clock until `now` (busy all along), completing steps up to `step`."""
+        """The island trained from its clock until `now` (busy all along), completing steps up to
+        `step`."""
         island.run.compute_s += max(0.0, now - island.clock)
         island.clock = max(island.clock, now)
         done = step - island.step
@@ -204,7 +264,10 @@ class Simulation:
         steps, spec = nxt - island.step, island.spec
         seconds = steps * spec.step_s
         if spec.step_cv > 0:
-            seconds = max(0.1 * seconds, island.rng.gauss(seconds, math.sqrt(steps) * spec.step_cv * spec.step_s))
+            seconds = max(
+                0.1 * seconds,
+                island.rng.gauss(seconds, math.sqrt(steps) * spec.step_cv * spec.step_s),
+            )
         self.at(island.clock + seconds, "due", island, island.epoch, nxt)
 
     def _on_due(self, now: float, island: _Island, epoch: int, step: int) -> None:
@@ -217,13 +280,20 @@ class Simulation:
             if steps <= 0:
                 continue
             island.unsent_steps[fragment] = 0
-            delta = PendingDelta(fragment, self._version_at(island, fragment, now), {}, steps, steps * island.spec.tokens_per_step)
+            delta = PendingDelta(
+                fragment,
+                self._version_at(island, fragment, now),
+                {},
+                steps,
+                steps * island.spec.tokens_per_step,
+            )
             island.run.deltas_summed += island.outbox.put(delta)
         self._send_next(island, now)
         self._next_due(island)
 
     def _version_at(self, island: _Island, fragment: int, now: float) -> int:
-        """The newest version of `fragment` that has reached `island` by `now` (it joined with one)."""
+        """The newest version of `fragment` that has reached `island` by `now` (it joined with
+        one)."""
         published, i = self.published[fragment], island.index
         lo = self.seen[i, fragment] + 1
         hi = bisect.bisect_right(published, now, lo=lo, key=lambda entry: entry[1][i])
@@ -241,7 +311,14 @@ class Simulation:
         island.in_flight_useful += delta.tokens * self.s.quality(delta.steps)
         island.run.bytes_up += nbytes
         self.at(sent, "sent", island, island.epoch)
-        self.at(arrives, "arrive" if self.s.merger_link_bps is None else "at_merger_link", island, island.epoch, delta, sent)
+        self.at(
+            arrives,
+            "arrive" if self.s.merger_link_bps is None else "at_merger_link",
+            island,
+            island.epoch,
+            delta,
+            sent,
+        )
 
     def _on_sent(self, now: float, island: _Island, epoch: int) -> None:
         if epoch == island.epoch:
@@ -254,10 +331,12 @@ class Simulation:
         self._train_until(island, self._steps_by(island, now), now)
         run, p = island.run, self.s.fragments
         run.failures += 1
-        lost = sum(island.unsent_steps) * island.spec.tokens_per_step  # each fragment's work since its last send
+        # each fragment's work since its last send
+        lost = sum(island.unsent_steps) * island.spec.tokens_per_step
         while (delta := island.outbox.take()) is not None:
             lost += delta.tokens
-        if island.wire is not None and island.wire[1] > now:  # half on the wire: the merger never gets it whole
+        # half on the wire: the merger never gets it whole
+        if island.wire is not None and island.wire[1] > now:
             lost += island.wire[0].tokens
             island.in_flight -= island.wire[0].tokens
             island.in_flight_useful -= island.wire[0].tokens * self.s.quality(island.wire[0].steps)
@@ -268,27 +347,45 @@ class Simulation:
         self.at(now + down_s, "join", island)
 
     # ---- the merger ------------------------------------------------------------------------------
-    def _on_at_merger_link(self, now: float, island: _Island, epoch: int, delta: PendingDelta, sent: float) -> None:
+    def _on_at_merger_link(
+        self, now: float, island: _Island, epoch: int, delta: PendingDelta, sent: float
+    ) -> None:
         """A delta reaches the merger's own link (FIFO, shared by every island's deltas)."""
-        self.link_in_free = max(now, self.link_in_free) + self.delta_bytes[delta.fragment] * 8 / self.s.merger_link_bps
+        self.link_in_free = (
+            max(now, self.link_in_free)
+            + self.delta_bytes[delta.fragment] * 8 / self.s.merger_link_bps
+        )
         self.at(self.link_in_free, "arrive", island, epoch, delta, sent)
 
     def _merger_out(self, nbytes: int, now: float) -> float:
-        """When `nbytes` handed over at `now` have left the merger's own link (to the broker, which fans out)."""
+        """When `nbytes` handed over at `now` have left the merger's own link (to the broker, which
+        fans out)."""
         if self.s.merger_link_bps is None:
             return now
         self.link_out_free = max(now, self.link_out_free) + nbytes * 8 / self.s.merger_link_bps
         return self.link_out_free
 
-    def _on_arrive(self, now: float, island: _Island, epoch: int, delta: PendingDelta, sent: float) -> None:
-        if sent > island.died_at.get(epoch, math.inf):  # its sender died before the last byte left (counted lost then)
+    def _on_arrive(
+        self, now: float, island: _Island, epoch: int, delta: PendingDelta, sent: float
+    ) -> None:
+        # its sender died before the last byte left (counted lost then)
+        if sent > island.died_at.get(epoch, math.inf):
             return
         island.in_flight -= delta.tokens
         island.in_flight_useful -= delta.tokens * self.s.quality(delta.steps)
         island.delta_id += 1
         island.run.deltas_sent += 1
-        candidate = Candidate(island.spec.name, epoch, island.delta_id, delta.fragment, delta.base_version, delta.steps, delta.tokens,
-                              self.core.model, {f"fragment{delta.fragment}": np.ones(1, np.float32)})
+        candidate = Candidate(
+            island.spec.name,
+            epoch,
+            island.delta_id,
+            delta.fragment,
+            delta.base_version,
+            delta.steps,
+            delta.tokens,
+            self.core.model,
+            {f"fragment{delta.fragment}": np.ones(1, np.float32)},
+        )
         result = self.core.offer(candidate, now)
         if result is not None and result.status == "rejected":
             island.run.lost_tokens += delta.tokens / self.s.fragments
@@ -302,7 +399,8 @@ class Simulation:
         self._dispatch(now)
 
     def _dispatch(self, now: float) -> None:
-        """FoldPipeline.dispatch: every fold the round policy calls for, one in flight per fragment."""
+        """FoldPipeline.dispatch: every fold the round policy calls for, one in flight per
+        fragment."""
         ready, wake = self.core.due(now, self.folding)
         for fragment in ready:
             started = self.core.start_fold(fragment)
@@ -337,24 +435,33 @@ class Simulation:
             run.intervals.append(member.steps)
             self.intervals[fragment].append(member.steps)
         every = self.snapshots.snapshot_every_round
-        due = snapshot_due(self.published_at.get(fragment), self.core.arrival_intervals(now) if every > 0 else [], every)  # 0: -inf, now
+        # 0: -inf, now
+        due = snapshot_due(
+            self.published_at.get(fragment),
+            self.core.arrival_intervals(now) if every > 0 else [],
+            every,
+        )
         if due <= now:
             self._publish(fragment, now)
-        else:  # SnapshotPublishing.offer_snapshot: held, then published by publish_due
+        # SnapshotPublishing.offer_snapshot: held, then published by publish_due
+        else:
             self.held.add(fragment)
             self._publish_wake(due)
         self._dispatch(now)
 
     def _on_publish_due(self, now: float) -> None:
-        if now >= self.publish_at:  # else superseded by an earlier call
+        # else superseded by an earlier call
+        if now >= self.publish_at:
             self._publish_held(now)
 
     def _publish_held(self, now: float) -> None:
-        """SnapshotPublishing.publish_due: the held snapshots that are due go out (an arrival may have
-        shortened a round, so this runs on arrivals too)."""
+        """SnapshotPublishing.publish_due: the held snapshots that are due go out (an arrival may
+        have shortened a round, so this runs on arrivals too)."""
         intervals, wake = _mean_round(self.core.arrival_intervals(now)), math.inf
         for fragment in sorted(self.held):
-            due = snapshot_due(self.published_at.get(fragment), intervals, self.snapshots.snapshot_every_round)
+            due = snapshot_due(
+                self.published_at.get(fragment), intervals, self.snapshots.snapshot_every_round
+            )
             if due <= now:
                 self._publish(fragment, now)
             else:
@@ -368,12 +475,14 @@ class Simulation:
             self.at(when, "publish_due")
 
     def _publish(self, fragment: int, now: float) -> None:
-        """A snapshot (a diff, or the whole fragment) to every island that is up, each over its downlink."""
+        """A snapshot (a diff, or the whole fragment) to every island that is up, each over its
+        downlink."""
         nbytes = self.snapshot_bytes[fragment]
         arrival = self._send_down(self.receiving, nbytes, self._merger_out(nbytes, now))
         published = self.published[fragment]
         published.append((self.installed[fragment], arrival))
-        if len(published) % PRUNE_EVERY == 0:  # what every island that is up has seen is looked up no more
+        # what every island that is up has seen is looked up no more
+        if len(published) % PRUNE_EVERY == 0:
             done = int(self.seen[self.receiving, fragment].min(initial=len(published) - 1))
             if done > 0:
                 del published[:done]

@@ -1,6 +1,6 @@
-"""What the simulator is asked: islands (compute and links), the model's size, the exchange's and the
-merger's settings, and failures.  Typed and validated, the offender named; read from TOML or built
-from presets (sim/presets.py).
+"""What the simulator is asked: islands (compute and links), the model's size, the exchange's and
+the merger's settings, and failures.  Typed and validated, the offender named; read from TOML or
+built from presets (sim/presets.py).
 
 Units: seconds, bits per second for links (as links are sold), bytes on the wire, parameters.
 """
@@ -24,21 +24,26 @@ from dloco.sim.quality import MEASURED, QualityCurve
 # one fold worker, as `dloco bench merger` measures it on a 2-core CPU machine (BENCHMARKS.md).
 DEFAULT_MERGER_BYTES_S = 0.13e9
 # sync-DP's all-reduce overlaps the backward pass for all but the gradients computed last (the first
-# layers'): PyTorch DDP's gradient buckets, each reduced as soon as it is complete.  The share of the
-# gradient's exchange that can hide behind the backward pass (itself 2/3 of a step), when nothing better is known.
+# layers'): PyTorch DDP's gradient buckets, each reduced as soon as it is complete.  The share of
+# the gradient's exchange that can hide behind the backward pass (itself 2/3 of a step), when
+# nothing better is known.
 DEFAULT_DP_OVERLAP = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    up_bps: float | None = None  # None: unlimited
+    # None: unlimited
+    up_bps: float | None = None
     down_bps: float | None = None
     rtt_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("up_bps", "down_bps"):
             value = getattr(self, name)
-            require(value is None or value > 0, f"link {name} must be > 0 bits/s or unlimited, got {value}")
+            require(
+                value is None or value > 0,
+                f"link {name} must be > 0 bits/s or unlimited, got {value}",
+            )
         require(self.rtt_s >= 0, f"link rtt_s must be >= 0, got {self.rtt_s}")
 
     def scaled(self, bps: float) -> Link:
@@ -48,78 +53,146 @@ class Link:
 @dataclasses.dataclass(frozen=True)
 class Island:
     name: str
-    step_s: float  # one inner step, on this island's chips
+    # one inner step, on this island's chips
+    step_s: float
     tokens_per_step: int
     link: Link = Link()
-    start_s: float = 0.0  # when its first step starts (joining, compiling)
-    step_cv: float = 0.0  # the coefficient of variation of one step's time (0: every step exactly step_s)
-    interval: int = 0  # its own H (0: the scenario's)
-    holds_model: bool = False  # it starts holding the model (a checkpoint on its disk): no download before its first step
+    # when its first step starts (joining, compiling)
+    start_s: float = 0.0
+    # the coefficient of variation of one step's time (0: every step exactly step_s)
+    step_cv: float = 0.0
+    # its own H (0: the scenario's)
+    interval: int = 0
+    # it starts holding the model (a checkpoint on its disk): no download before its first step
+    holds_model: bool = False
 
     def __post_init__(self) -> None:
         require(bool(self.name), "an island needs a name")
-        require(type(self.interval) is int and self.interval >= 0, f"island {self.name}: interval must be an int >= 0, got {self.interval!r}")
+        require(
+            type(self.interval) is int and self.interval >= 0,
+            f"island {self.name}: interval must be an int >= 0, got {self.interval!r}",
+        )
         require(self.step_s > 0, f"island {self.name}: step_s must be > 0, got {self.step_s}")
-        require(self.tokens_per_step >= 1, f"island {self.name}: tokens_per_step must be >= 1, got {self.tokens_per_step}")
+        require(
+            self.tokens_per_step >= 1,
+            f"island {self.name}: tokens_per_step must be >= 1, got {self.tokens_per_step}",
+        )
         require(self.start_s >= 0, f"island {self.name}: start_s must be >= 0, got {self.start_s}")
-        require(0 <= self.step_cv <= 10, f"island {self.name}: step_cv must be in [0, 10], got {self.step_cv}")
+        require(
+            0 <= self.step_cv <= 10,
+            f"island {self.name}: step_cv must be in [0, 10], got {self.step_cv}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
     island: str
-    at_s: float  # the island dies (kill -9: unsent work is lost)
-    down_s: float  # and is back this long after, joining again (a full snapshot down, restart_s to compile)
+    # the island dies (kill -9: unsent work is lost)
+    at_s: float
+    # and is back this long after, joining again (a full snapshot down, restart_s to compile)
+    down_s: float
 
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     islands: tuple[Island, ...]
-    params: int  # model parameters
-    fragments: int = 4  # P
-    interval: int = 48  # H
-    codec: str = "int4"  # the deltas' codec (uplink)
+    # model parameters
+    params: int
+    # P
+    fragments: int = 4
+    # H
+    interval: int = 48
+    # the deltas' codec (uplink)
+    codec: str = "int4"
     block: int = 256
-    merger: MergerSection = MergerSection()  # the merger's settings, as a cluster file's [merger] gives them
-    merger_bytes_s: float | None = None  # coded delta bytes one fold worker folds per second (None: DEFAULT_MERGER_BYTES_S, said so)
-    fold_overhead_s: float = 0.002  # per fold, whatever its size (bookkeeping, the outer step's dispatch)
-    merger_shards: int = 1  # merger processes, fragment p on shard p % shards, each with its own fold worker
-    merger_link_bps: float | None = None  # the merger's own link, each way (deltas in, snapshots out to the broker); None: unlimited
-    quality: QualityCurve = MEASURED  # what a folded token is worth against the steps its delta covered (sim/quality.py)
-    dp_overlap: float = DEFAULT_DP_OVERLAP  # sync-DP: the share of its all-reduce that may hide behind the backward pass
-    diloco_codec: str = ""  # sync-DiLoCo's all-reduce codec ("": the scenario's `codec`; "bf16" as published)
-    overlap_steps: int = 0  # sync-DiLoCo's overlap depth tau: its exchange may hide behind tau inner steps of the next round
+    # the merger's settings, as a cluster file's [merger] gives them
+    merger: MergerSection = MergerSection()
+    # coded delta bytes one fold worker folds per second (None: DEFAULT_MERGER_BYTES_S, said so)
+    merger_bytes_s: float | None = None
+    # per fold, whatever its size (bookkeeping, the outer step's dispatch)
+    fold_overhead_s: float = 0.002
+    # merger processes, fragment p on shard p % shards, each with its own fold worker
+    merger_shards: int = 1
+    # the merger's own link, each way (deltas in, snapshots out to the broker); None: unlimited
+    merger_link_bps: float | None = None
+    # what a folded token is worth against the steps its delta covered (sim/quality.py)
+    quality: QualityCurve = MEASURED
+    # sync-DP: the share of its all-reduce that may hide behind the backward pass
+    dp_overlap: float = DEFAULT_DP_OVERLAP
+    # sync-DiLoCo's all-reduce codec ("": the scenario's `codec`; "bf16" as published)
+    diloco_codec: str = ""
+    # sync-DiLoCo's overlap depth tau: its exchange may hide behind tau inner steps of the next
+    # round
+    overlap_steps: int = 0
     duration_s: float = 3600.0
-    restart_s: float = 60.0  # a restarted island's start-up (compiling), on top of downloading the model again
+    # a restarted island's start-up (compiling), on top of downloading the model again
+    restart_s: float = 60.0
     failures: tuple[Failure, ...] = ()
     # per fragment, (delta, snapshot on the bus, full snapshot) bytes on the wire when known exactly
     # (calibration encodes the run's real model); None: from `params` and the codecs (sim/engine.py)
     wire: tuple[tuple[int, int, int], ...] | None = None
-    seed: int = 0  # of the step times' noise
+    # of the step times' noise
+    seed: int = 0
 
     def __post_init__(self) -> None:
         require(len(self.islands) >= 1, "a scenario needs at least one island")
         names = [island.name for island in self.islands]
-        require(len(set(names)) == len(names), f"island names must be unique, got duplicates in {names[:8]}")
-        require(self.params >= self.fragments >= 1, f"params ({self.params}) must be >= fragments ({self.fragments}) >= 1")
-        require(self.interval >= self.fragments, f"interval H ({self.interval}) must be >= fragments P ({self.fragments})")
+        require(
+            len(set(names)) == len(names),
+            f"island names must be unique, got duplicates in {names[:8]}",
+        )
+        require(
+            self.params >= self.fragments >= 1,
+            f"params ({self.params}) must be >= fragments ({self.fragments}) >= 1",
+        )
+        require(
+            self.interval >= self.fragments,
+            f"interval H ({self.interval}) must be >= fragments P ({self.fragments})",
+        )
         for island in self.islands:
-            require(not island.interval or island.interval >= self.fragments,
-                    f"island {island.name}: interval H ({island.interval}) must be >= fragments P ({self.fragments})")
-        require(self.codec in CODEC_NAMES, f"codec must be one of {CODEC_NAMES}, got {self.codec!r}")
-        require((self.merger_bytes_s is None or self.merger_bytes_s > 0) and self.fold_overhead_s >= 0,
-                "merger_gbps must be > 0 and fold_overhead_s >= 0")
-        require(type(self.merger_shards) is int and 1 <= self.merger_shards <= self.fragments,
-                f"merger_shards must be an int in [1, fragments = {self.fragments}], got {self.merger_shards!r}")
-        require(self.merger_link_bps is None or self.merger_link_bps > 0, f"merger_link_gbps must be > 0, got {self.merger_link_bps}")
+            require(
+                not island.interval or island.interval >= self.fragments,
+                f"island {island.name}: interval H ({island.interval}) must be >= fragments P"
+                f" ({self.fragments})",
+            )
+        require(
+            self.codec in CODEC_NAMES, f"codec must be one of {CODEC_NAMES}, got {self.codec!r}"
+        )
+        require(
+            (self.merger_bytes_s is None or self.merger_bytes_s > 0) and self.fold_overhead_s >= 0,
+            "merger_gbps must be > 0 and fold_overhead_s >= 0",
+        )
+        require(
+            type(self.merger_shards) is int and 1 <= self.merger_shards <= self.fragments,
+            f"merger_shards must be an int in [1, fragments = {self.fragments}], got"
+            f" {self.merger_shards!r}",
+        )
+        require(
+            self.merger_link_bps is None or self.merger_link_bps > 0,
+            f"merger_link_gbps must be > 0, got {self.merger_link_bps}",
+        )
         require(0 <= self.dp_overlap <= 1, f"dp_overlap must be in [0, 1], got {self.dp_overlap}")
-        require(self.diloco_codec in ("", *CODEC_NAMES), f"diloco_codec must be one of {CODEC_NAMES}, got {self.diloco_codec!r}")
-        require(type(self.overlap_steps) is int and self.overlap_steps >= 0, f"overlap_steps must be an int >= 0, got {self.overlap_steps!r}")
-        require(self.duration_s > 0 and self.restart_s >= 0, "duration_s must be > 0 and restart_s >= 0")
-        require(self.wire is None or len(self.wire) == self.fragments, f"wire needs one entry per fragment ({self.fragments})")
+        require(
+            self.diloco_codec in ("", *CODEC_NAMES),
+            f"diloco_codec must be one of {CODEC_NAMES}, got {self.diloco_codec!r}",
+        )
+        require(
+            type(self.overlap_steps) is int and self.overlap_steps >= 0,
+            f"overlap_steps must be an int >= 0, got {self.overlap_steps!r}",
+        )
+        require(
+            self.duration_s > 0 and self.restart_s >= 0, "duration_s must be > 0 and restart_s >= 0"
+        )
+        require(
+            self.wire is None or len(self.wire) == self.fragments,
+            f"wire needs one entry per fragment ({self.fragments})",
+        )
         for failure in self.failures:
             require(failure.island in names, f"failure names unknown island {failure.island!r}")
-            require(failure.at_s >= 0 and failure.down_s >= 0, f"failure of {failure.island}: at_s and down_s must be >= 0")
+            require(
+                failure.at_s >= 0 and failure.down_s >= 0,
+                f"failure of {failure.island}: at_s and down_s must be >= 0",
+            )
 
     @property
     def math(self) -> MergerConfig:
@@ -128,7 +201,9 @@ class Scenario:
     @property
     def snapshots(self) -> SnapshotConfig:
         m = self.merger
-        return SnapshotConfig(m.snapshot_codec, m.snapshot_diff_codec, m.snapshot_full_every, m.snapshot_every_round)
+        return SnapshotConfig(
+            m.snapshot_codec, m.snapshot_diff_codec, m.snapshot_full_every, m.snapshot_every_round
+        )
 
     @property
     def fold_bytes_s(self) -> float:
@@ -140,7 +215,10 @@ class Scenario:
 
     def with_links(self, bps: float, only: str | None = None) -> Scenario:
         """Every island's links (or only island `only`'s) at `bps` both ways, RTTs kept."""
-        islands = tuple(dataclasses.replace(i, link=i.link.scaled(bps)) if only in (None, i.name) else i for i in self.islands)
+        islands = tuple(
+            dataclasses.replace(i, link=i.link.scaled(bps)) if only in (None, i.name) else i
+            for i in self.islands
+        )
         return dataclasses.replace(self, islands=islands)
 
     def longest_round_s(self) -> float:
@@ -162,19 +240,24 @@ class Scenario:
         return dataclasses.replace(self, failures=tuple(failures))
 
 
-def step_seconds(params: float, tokens_per_step: float, chips: int, peak_flops: float, mfu: float) -> float:
+def step_seconds(
+    params: float, tokens_per_step: float, chips: int, peak_flops: float, mfu: float
+) -> float:
     """One step's time from its FLOPs: 6 N D (forward and backward of a dense Transformer) over the
     chips' peak times MFU."""
-    require(chips >= 1 and peak_flops > 0 and 0 < mfu <= 1, f"chips ({chips}) >= 1, peak_flops > 0 and mfu in (0, 1], got mfu {mfu}")
+    require(
+        chips >= 1 and peak_flops > 0 and 0 < mfu <= 1,
+        f"chips ({chips}) >= 1, peak_flops > 0 and mfu in (0, 1], got mfu {mfu}",
+    )
     return 6.0 * params * tokens_per_step / (chips * peak_flops * mfu)
 
 
 def load(path: str | Path) -> Scenario:
-    """A scenario file (TOML): [model] params, [sync] fragments/interval/codec, [merger] the merger's
-    keys (merger/config.py), [sim] duration_s/restart_s/merger_gbps/mtbf_s/down_s, and [[islands]]
-    name, count, step_s or chip/chips/mfu, tokens_per_step, up_gbps, down_gbps, rtt_ms, step_cv, interval,
-    holds_model.  [sim] also: merger_shards, merger_link_gbps, fold_overhead_s, dp_overlap, diloco_codec,
-    overlap_steps; [quality] intervals and factors (sim/quality.py)."""
+    """A scenario file (TOML): [model] params, [sync] fragments/interval/codec, [merger] the
+    merger's keys (merger/config.py), [sim] duration_s/restart_s/merger_gbps/mtbf_s/down_s, and
+    [[islands]] name, count, step_s or chip/chips/mfu, tokens_per_step, up_gbps, down_gbps, rtt_ms,
+    step_cv, interval, holds_model.  [sim] also: merger_shards, merger_link_gbps, fold_overhead_s,
+    dp_overlap, diloco_codec, overlap_steps; [quality] intervals and factors (sim/quality.py)."""
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
@@ -183,44 +266,126 @@ def load(path: str | Path) -> Scenario:
     unknown = set(data) - {"model", "sync", "merger", "sim", "islands", "quality"}
     require(not unknown, f"{path}: unknown sections {sorted(unknown)}")
     params = data.get("model", {}).get("params")
-    require(isinstance(params, (int, float)) and params >= 1, f"{path}: [model] params must be a number >= 1, got {params!r}")
+    require(
+        isinstance(params, (int, float)) and params >= 1,
+        f"{path}: [model] params must be a number >= 1, got {params!r}",
+    )
     islands = []
     for entry in data.get("islands", []):
-        extra = set(entry) - {"name", "count", "step_s", "chip", "chips", "mfu", "tokens_per_step", "up_gbps", "down_gbps", "rtt_ms", "step_cv", "interval",
-                                  "holds_model"}
+        extra = set(entry) - {
+            "name",
+            "count",
+            "step_s",
+            "chip",
+            "chips",
+            "mfu",
+            "tokens_per_step",
+            "up_gbps",
+            "down_gbps",
+            "rtt_ms",
+            "step_cv",
+            "interval",
+            "holds_model",
+        }
         require(not extra, f"{path}: unknown keys in [[islands]]: {sorted(extra)}")
         tokens = entry.get("tokens_per_step", 0)
         if "step_s" in entry:
             step = float(entry["step_s"])
         else:
             chip = entry.get("chip")
-            require(chip in CHIPS, f"{path}: island {entry.get('name')!r} needs step_s, or chip (one of {sorted(CHIPS)}) and chips")
-            step = step_seconds(params, tokens, int(entry.get("chips", 1)), CHIPS[chip].bf16_flops, float(entry.get("mfu", 0.4)))
-        link = Link(_bps(entry.get("up_gbps")), _bps(entry.get("down_gbps")), float(entry.get("rtt_ms", 0.0)) / 1000)
+            require(
+                chip in CHIPS,
+                f"{path}: island {entry.get('name')!r} needs step_s, or chip (one of"
+                f" {sorted(CHIPS)}) and chips",
+            )
+            step = step_seconds(
+                params,
+                tokens,
+                int(entry.get("chips", 1)),
+                CHIPS[chip].bf16_flops,
+                float(entry.get("mfu", 0.4)),
+            )
+        link = Link(
+            _bps(entry.get("up_gbps")),
+            _bps(entry.get("down_gbps")),
+            float(entry.get("rtt_ms", 0.0)) / 1000,
+        )
         count = int(entry.get("count", 1))
         for k in range(count):
             name = entry["name"] if count == 1 else f"{entry['name']}-{k}"
-            islands.append(Island(name, step, int(tokens), link, step_cv=float(entry.get("step_cv", 0.0)), interval=entry.get("interval", 0),
-                                  holds_model=bool(entry.get("holds_model", False))))
-    sync, sim, merger, quality = data.get("sync", {}), data.get("sim", {}), data.get("merger", {}), data.get("quality")
-    for section, keys in (("model", {"params"}), ("sync", {"fragments", "interval", "codec", "block"}),
-                          ("sim", {"duration_s", "restart_s", "merger_gbps", "mtbf_s", "down_s", "seed", "merger_shards", "merger_link_gbps",
-                                   "fold_overhead_s", "dp_overlap", "diloco_codec", "overlap_steps"}),
-                          ("quality", {"intervals", "factors", "source"})):
+            islands.append(
+                Island(
+                    name,
+                    step,
+                    int(tokens),
+                    link,
+                    step_cv=float(entry.get("step_cv", 0.0)),
+                    interval=entry.get("interval", 0),
+                    holds_model=bool(entry.get("holds_model", False)),
+                )
+            )
+    sync, sim, merger, quality = (
+        data.get("sync", {}),
+        data.get("sim", {}),
+        data.get("merger", {}),
+        data.get("quality"),
+    )
+    for section, keys in (
+        ("model", {"params"}),
+        ("sync", {"fragments", "interval", "codec", "block"}),
+        (
+            "sim",
+            {
+                "duration_s",
+                "restart_s",
+                "merger_gbps",
+                "mtbf_s",
+                "down_s",
+                "seed",
+                "merger_shards",
+                "merger_link_gbps",
+                "fold_overhead_s",
+                "dp_overlap",
+                "diloco_codec",
+                "overlap_steps",
+            },
+        ),
+        ("quality", {"intervals", "factors", "source"}),
+    ):
         extra = set(data.get(section, {})) - keys
         require(not extra, f"{path}: unknown keys in [{section}]: {sorted(extra)}")
-    scenario = Scenario(tuple(islands), int(params), int(sync.get("fragments", 4)), int(sync.get("interval", 48)), sync.get("codec", "int4"),
-                        int(sync.get("block", 256)), seed=int(sim.get("seed", 0)),
-                        merger=_merger_section(path, merger),
-                        merger_bytes_s=None if "merger_gbps" not in sim else float(sim["merger_gbps"]) * 1e9 / 8,
-                        fold_overhead_s=float(sim.get("fold_overhead_s", 0.002)), merger_shards=sim.get("merger_shards", 1),
-                        merger_link_bps=_bps(sim.get("merger_link_gbps")), dp_overlap=float(sim.get("dp_overlap", DEFAULT_DP_OVERLAP)),
-                        diloco_codec=sim.get("diloco_codec", ""), overlap_steps=sim.get("overlap_steps", 0),
-                        quality=MEASURED if quality is None else QualityCurve.of(quality.get("intervals", []), quality.get("factors", []),
-                                                                                 str(quality.get("source", path.name))),
-                        duration_s=float(sim.get("duration_s", 3600.0)), restart_s=float(sim.get("restart_s", 60.0)))
+    scenario = Scenario(
+        tuple(islands),
+        int(params),
+        int(sync.get("fragments", 4)),
+        int(sync.get("interval", 48)),
+        sync.get("codec", "int4"),
+        int(sync.get("block", 256)),
+        seed=int(sim.get("seed", 0)),
+        merger=_merger_section(path, merger),
+        merger_bytes_s=None if "merger_gbps" not in sim else float(sim["merger_gbps"]) * 1e9 / 8,
+        fold_overhead_s=float(sim.get("fold_overhead_s", 0.002)),
+        merger_shards=sim.get("merger_shards", 1),
+        merger_link_bps=_bps(sim.get("merger_link_gbps")),
+        dp_overlap=float(sim.get("dp_overlap", DEFAULT_DP_OVERLAP)),
+        diloco_codec=sim.get("diloco_codec", ""),
+        overlap_steps=sim.get("overlap_steps", 0),
+        quality=(
+            MEASURED
+            if quality is None
+            else QualityCurve.of(
+                quality.get("intervals", []),
+                quality.get("factors", []),
+                str(quality.get("source", path.name)),
+            )
+        ),
+        duration_s=float(sim.get("duration_s", 3600.0)),
+        restart_s=float(sim.get("restart_s", 60.0)),
+    )
     if "mtbf_s" in sim:
-        scenario = scenario.with_mtbf(float(sim["mtbf_s"]), float(sim.get("down_s", 600.0)), int(sim.get("seed", 0)))
+        scenario = scenario.with_mtbf(
+            float(sim["mtbf_s"]), float(sim.get("down_s", 600.0)), int(sim.get("seed", 0))
+        )
     return scenario
 
 

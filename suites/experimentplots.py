@@ -1,6 +1,6 @@
-"""The plots of an experiment suite (suites/experiments.py, results from suites/suiteresults.py): the islands' held-out loss against
-tokens and against time, one colour per run and one line per island life, and the merger's model
-rebuilt from its log (`<suite>_global.png`)."""
+"""The plots of an experiment suite (suites/experiments.py, results from suites/suiteresults.py):
+the islands' held-out loss against tokens and against time, one colour per run and one line per
+island life, and the merger's model rebuilt from its log (`<suite>_global.png`)."""
 
 from __future__ import annotations
 
@@ -17,28 +17,57 @@ def plot(name: str, results: list[RunResult], out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     made = []
-    for x_key, label in (("tokens", "tokens trained by the island"), ("since_start", "seconds since the cluster's first step")):
+    for x_key, label in (
+        ("tokens", "tokens trained by the island"),
+        ("since_start", "seconds since the cluster's first step"),
+    ):
         figure, axes = plt.subplots(figsize=(7, 4))
         for index, r in enumerate(results):
             color = f"C{index}"
-            segments = [[e for e in events if e.get("life", 0) == life] for events in r.evals.values() for life in sorted({e.get("life", 0) for e in events})]
-            for i, segment in enumerate(segments):  # one line per island and life (a restarted island's tokens start at 0 again)
-                axes.plot([e[x_key] for e in segment], [e["eval_loss"] for e in segment], color=color, alpha=0.8, label=r.label if i == 0 else None)
+            segments = [
+                [e for e in events if e.get("life", 0) == life]
+                for events in r.evals.values()
+                for life in sorted({e.get("life", 0) for e in events})
+            ]
+            # one line per island and life (a restarted island's tokens start at 0 again)
+            for i, segment in enumerate(segments):
+                axes.plot(
+                    [e[x_key] for e in segment],
+                    [e["eval_loss"] for e in segment],
+                    color=color,
+                    alpha=0.8,
+                    label=r.label if i == 0 else None,
+                )
         axes.set_xlabel(label)
         axes.set_ylabel("island held-out loss (nats/byte)")
         axes.set_title(f"{name}: one line per island, one colour per run")
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
-        made.append(_save(plt, figure, out_dir / f"{name}_loss_vs_{'tokens' if x_key == 'tokens' else 'time'}.png"))
+        made.append(
+            _save(
+                plt,
+                figure,
+                out_dir / f"{name}_loss_vs_{'tokens' if x_key == 'tokens' else 'time'}.png",
+            )
+        )
     if any(r.global_curve for r in results):
         figure, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
         for index, r in enumerate(results):
             for axes, x_key in ((by_tokens, "cluster_tokens"), (by_time, "since_start")):
-                axes.plot([p[x_key] for p in r.global_curve], [p["eval_loss"] for p in r.global_curve], marker="o", color=f"C{index}", label=r.label)
+                axes.plot(
+                    [p[x_key] for p in r.global_curve],
+                    [p["eval_loss"] for p in r.global_curve],
+                    marker="o",
+                    color=f"C{index}",
+                    label=r.label,
+                )
         by_tokens.set_xlabel("tokens trained by the whole cluster")
         by_time.set_xlabel("seconds since the cluster's first step")
         by_tokens.set_ylabel("held-out loss of the merger's model (nats/byte)")
-        figure.suptitle(f"{name}: the merger's global model, rebuilt from its log (initial loss {results[0].global_before:.2f})")
+        figure.suptitle(
+            f"{name}: the merger's global model, rebuilt from its log (initial loss"
+            f" {results[0].global_before:.2f})"
+        )
         for axes in (by_tokens, by_time):
             axes.grid(alpha=0.3)
         by_tokens.legend(fontsize=8)

@@ -11,9 +11,9 @@ reach the budget, as the cluster's islands do.
 
 What it saves is the bus: the cluster's sync-dp moves the whole model through the merger at every
 step (fp32 up and down, the write-ahead log on disk), about 3 s per step on two cores against
-about 0.5 s here.  Its loss per step is the cluster's (`tests/test_quality_suite.py` compares the two
-on the quick model); its seconds per step are not, and the quality suite takes those from a short
-run through the bus (`sync-dp-linked`).
+about 0.5 s here.  Its loss per step is the cluster's (`tests/test_quality_suite.py` compares the
+two on the quick model); its seconds per step are not, and the quality suite takes those from a
+short run through the bus (`sync-dp-linked`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from dloco.cluster.config import ClusterConfig
 from dloco.cluster.records import run_task
 from dloco.protocol.errors import ConfigError
 
-RESULT = "in_process.json"  # a finished run's curve, in its run directory
+# a finished run's curve, in its run directory
+RESULT = "in_process.json"
 
 
 @dataclasses.dataclass
@@ -43,7 +44,8 @@ class InProcessRun:
     cluster_tokens: int
     before: float
     after: float
-    curve: list[dict]  # {"step", "cluster_tokens", "since_start", "eval_loss"}, the last one at the end
+    # {"step", "cluster_tokens", "since_start", "eval_loss"}, the last one at the end
+    curve: list[dict]
     seconds: float
 
     def save(self, run_dir: Path) -> None:
@@ -60,10 +62,13 @@ class InProcessRun:
 
 
 def average(values: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """The element-wise mean of several islands' parameters (float32, as the merger's fp32 average)."""
+    """The element-wise mean of several islands' parameters (float32, as the merger's fp32
+    average)."""
     if not values:
         raise ValueError("nothing to average")
-    return {path: np.mean([v[path] for v in values], axis=0, dtype=np.float32) for path in values[0]}
+    return {
+        path: np.mean([v[path] for v in values], axis=0, dtype=np.float32) for path in values[0]
+    }
 
 
 def train_sync_dp(config: ClusterConfig, log=lambda line: None) -> InProcessRun:
@@ -74,12 +79,19 @@ def train_sync_dp(config: ClusterConfig, log=lambda line: None) -> InProcessRun:
     from dloco.island.train import Trainer
 
     if config.mode != "sync-dp" or not config.tokens:
-        raise ConfigError(f"in-process training is for mode sync-dp with a token budget, got mode {config.mode!r}, tokens {config.tokens}")
+        raise ConfigError(
+            "in-process training is for mode sync-dp with a token budget, got mode"
+            f" {config.mode!r}, tokens {config.tokens}"
+        )
     run = run_task(config)
-    train = TrainConfig(batch=run.batch, seed=run.seed, eval_every=config.eval_every, budget_tokens=config.tokens)
+    train = TrainConfig(
+        batch=run.batch, seed=run.seed, eval_every=config.eval_every, budget_tokens=config.tokens
+    )
     islands = []
     for index in range(run.islands):
-        task = build(run.task, TaskContext(index, run.islands, run.seed, run.batch, 10**9, run.options))
+        task = build(
+            run.task, TaskContext(index, run.islands, run.seed, run.batch, 10**9, run.options)
+        )
         islands.append((task, Trainer(task.model, task.loss, train, task.optimizer, task.metrics)))
     evaluate = islands[0][1].evaluate
     held_out = islands[0][0].eval_batches
@@ -104,6 +116,25 @@ def train_sync_dp(config: ClusterConfig, log=lambda line: None) -> InProcessRun:
             trainer.set_params(mean)
         rounds += 1
         if rounds % config.eval_every == 0 or heard >= config.tokens:
-            curve.append({"step": rounds, "cluster_tokens": tokens, "since_start": time.monotonic() - started, "eval_loss": evaluate(held_out)})
-            log(f"sync-dp in one process: round {rounds}, {tokens:,} of {config.tokens:,} cluster tokens, held-out loss {curve[-1]['eval_loss']:.4f}")
-    return InProcessRun(config.tokens, run.islands, rounds, tokens, before, curve[-1]["eval_loss"], curve, time.monotonic() - started)
+            curve.append(
+                {
+                    "step": rounds,
+                    "cluster_tokens": tokens,
+                    "since_start": time.monotonic() - started,
+                    "eval_loss": evaluate(held_out),
+                }
+            )
+            log(
+                f"sync-dp in one process: round {rounds}, {tokens:,} of {config.tokens:,} cluster"
+                f" tokens, held-out loss {curve[-1]['eval_loss']:.4f}"
+            )
+    return InProcessRun(
+        config.tokens,
+        run.islands,
+        rounds,
+        tokens,
+        before,
+        curve[-1]["eval_loss"],
+        curve,
+        time.monotonic() - started,
+    )

@@ -29,24 +29,31 @@ from dloco.cluster.chaos import ChaosEvent
 from dloco.protocol.errors import ConfigError
 
 TIMEOUT_S = HEARTBEAT_TIMEOUT_MS / 1000
-WARMUP_S = 40.0  # the islands compile and join before the first fault
+# the islands compile and join before the first fault
+WARMUP_S = 40.0
 # the last recovery at least this long before the end: everyone rejoins and is folded again
 TAIL_S = 50.0
-GAP_S = (8.0, 20.0)  # between one recovery and the next fault
-AFTER_MERGER_S = 25.0  # ... after a merger's: the restarted one catches up as the standby first
-LOSSES = (2, 5, 10)  # percent
+# between one recovery and the next fault
+GAP_S = (8.0, 20.0)
+# ... after a merger's: the restarted one catches up as the standby first
+AFTER_MERGER_S = 25.0
+# percent
+LOSSES = (2, 5, 10)
 
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
     action: str
     recovery: str
-    target: str  # "island" (one drawn), "merger" (the primary when it fires) or "broker"
+    # "island" (one drawn), "merger" (the primary when it fires) or "broker"
+    target: str
     length_s: tuple[float, float]
-    network: bool = False  # needs the namespaces
+    # needs the namespaces
+    network: bool = False
 
 
-KINDS = {  # the first comes first in every schedule
+# the first comes first in every schedule
+KINDS = {
     "merger-kill": Kind("kill", "restart", "merger", (10.0, 20.0)),
     "island-kill": Kind("kill", "restart", "island", (5.0, 20.0)),
     "partition": Kind("partition", "heal", "island", (2 * TIMEOUT_S, 8 * TIMEOUT_S), network=True),

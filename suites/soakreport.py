@@ -85,7 +85,8 @@ def check_run(run_dir: Path, config) -> list[soakcheck.Check]:
     last = {
         name: (
             events[-1]["event"] if events else None
-        )  # an island prints its summary after `done`: not an event
+            # an island prints its summary after `done`: not an event
+        )
         for name in (*islands, *mergers, "broker")
         for events in [[e for e in read_events(run_dir / "logs" / f"{name}.log") if "event" in e]]
     }
@@ -173,7 +174,8 @@ def write_up(
         "| t (s) | fault | target | length (s) | others' step rate during | recovery |",
         "|---|---|---|---|---|---|",
     ]
-    by_when = {row["when"]: row for row in rows if "when" in row}  # each event's own text: exact
+    # each event's own text: exact
+    by_when = {row["when"]: row for row in rows if "when" in row}
     for fault in faults:
         start, end = (str(event) for event in fault.events())
         row, back = by_when.get(start), by_when.get(end)

@@ -2,10 +2,10 @@
 
 Over the emulated WAN a `sync-dp` run trains ~19 steps in 300 s, so a time-to-target against it can
 only use an early-training loss.  Its loss per step, however, does not depend on the link (every
-step is one barrier-averaged step, however long the barrier takes).  So the `speedup` suite also runs
-`sync-dp-full-speed`, the same cluster without link emulation, for as many steps as the decoupled
-run's cluster tokens take, and each of its steps is given the wall-clock time a step took in the
-emulated `sync-dp` run.  Pure functions of the runs' island evaluations (`RunResult.evals`).
+step is one barrier-averaged step, however long the barrier takes).  So the `speedup` suite also
+runs `sync-dp-full-speed`, the same cluster without link emulation, for as many steps as the
+decoupled run's cluster tokens take, and each of its steps is given the wall-clock time a step took
+in the emulated `sync-dp` run.  Pure functions of the runs' island evaluations (`RunResult.evals`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import math
 import statistics
 from collections.abc import Sequence
 
-FULL_SPEED = "sync-dp-full-speed"  # the suite's run of sync-dp without link emulation
+# the suite's run of sync-dp without link emulation
+FULL_SPEED = "sync-dp-full-speed"
 
 
 def first_life(events: Sequence[dict]) -> list[dict]:
@@ -28,7 +29,10 @@ def seconds_per_step(evals: dict[str, list[dict]]) -> float | None:
     for events in evals.values():
         points = sorted(first_life(events), key=lambda e: e["step"])
         if len(points) >= 2 and points[-1]["step"] > points[0]["step"]:
-            rates.append((points[-1]["since_start"] - points[0]["since_start"]) / (points[-1]["step"] - points[0]["step"]))
+            rates.append(
+                (points[-1]["since_start"] - points[0]["since_start"])
+                / (points[-1]["step"] - points[0]["step"])
+            )
     return statistics.median(rates) if rates else None
 
 
@@ -42,7 +46,8 @@ def mean_curve(evals: dict[str, list[dict]]) -> list[tuple[int, float]]:
 
 
 def steps_to(curve: Sequence[tuple[int, float]], target: float) -> float | None:
-    """The step at which `curve` first reaches `target`, linearly between evaluations; None if never."""
+    """The step at which `curve` first reaches `target`, linearly between evaluations; None if
+    never."""
     for (s0, l0), (s1, l1) in zip([(0, math.inf), *curve], curve):
         if l1 <= target:
             if not math.isfinite(l0) or l0 == l1:
@@ -53,11 +58,17 @@ def steps_to(curve: Sequence[tuple[int, float]], target: float) -> float | None:
 
 def final_loss(evals: dict[str, list[dict]]) -> float | None:
     """A run's final loss: the best of its islands' last evaluations (first life)."""
-    finals = [max(first_life(events), key=lambda e: e["step"])["eval_loss"] for events in evals.values() if first_life(events)]
+    finals = [
+        max(first_life(events), key=lambda e: e["step"])["eval_loss"]
+        for events in evals.values()
+        if first_life(events)
+    ]
     return min(finals) if finals else None
 
 
-def extrapolated_seconds(full_speed: dict[str, list[dict]], emulated: dict[str, list[dict]], target: float) -> float | None:
+def extrapolated_seconds(
+    full_speed: dict[str, list[dict]], emulated: dict[str, list[dict]], target: float
+) -> float | None:
     """Seconds `sync-dp` would take over the emulated links to reach `target`: the full-speed run's
     steps to it times the emulated run's seconds per step.  None when either is unknown."""
     steps, per_step = steps_to(mean_curve(full_speed), target), seconds_per_step(emulated)

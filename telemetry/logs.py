@@ -57,7 +57,8 @@ class StdoutRotation:
             if not stat.S_ISREG(os.fstat(1).st_mode):
                 return None
             path = os.readlink("/proc/self/fd/1")
-        except OSError:  # no /proc (not Linux), or stdout closed
+        # no /proc (not Linux), or stdout closed
+        except OSError:
             return None
         if not os.path.isabs(path) or path.endswith(" (deleted)"):
             return None
@@ -72,7 +73,8 @@ class StdoutRotation:
             try:
                 if os.fstat(1).st_size >= self.max_bytes:
                     self.rotate()
-            except OSError as error:  # a full disk or a removed folder: keep writing where we are
+            # a full disk or a removed folder: keep writing where we are
+            except OSError as error:
                 print(
                     f"log rotation failed, continuing in {self.path}: {error}",
                     file=sys.stderr,
@@ -85,10 +87,12 @@ class StdoutRotation:
         sys.stdout.flush()
         sys.stderr.flush()
         same = _same_file(1, 2)
-        older = 0  # the segments there are, up to keep
+        # the segments there are, up to keep
+        older = 0
         while older < self.keep and os.path.exists(rotated_name(self.path, older + 1)):
             older += 1
-        for index in range(min(older, self.keep - 1), -1, -1):  # at keep, the oldest is replaced
+        # at keep, the oldest is replaced
+        for index in range(min(older, self.keep - 1), -1, -1):
             os.replace(rotated_name(self.path, index), rotated_name(self.path, index + 1))
         fresh = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
@@ -143,7 +147,8 @@ def configure_logging(
     role: str, level: str = "info", **context: str
 ) -> structlog.stdlib.BoundLogger:
     global _rotation, _rotation_checked
-    if not _rotation_checked:  # once per process, however many times it configures its logs
+    # once per process, however many times it configures its logs
+    if not _rotation_checked:
         try:
             _rotation, _rotation_checked = StdoutRotation.of_stdout(), True
         except LogConfigError as error:

@@ -1,4 +1,5 @@
-"""Per-message log lines at most once per interval per key, with the count left out ("N more since").
+"""Per-message log lines at most once per interval per key, with the count left out ("N more
+since").
 
 A peer can send messages far faster than a log should grow: one line per refused heartbeat or
 `hello` let one island key write tens of megabytes of merger log onto the write-ahead log's disk.
@@ -19,12 +20,16 @@ class Throttle:
 
     def __init__(self, interval_s: float = 1.0, max_keys: int = 4096) -> None:
         if interval_s <= 0 or max_keys < 1:
-            raise ValueError(f"a throttle needs interval_s > 0 and max_keys >= 1, got {interval_s}, {max_keys}")
+            raise ValueError(
+                f"a throttle needs interval_s > 0 and max_keys >= 1, got {interval_s}, {max_keys}"
+            )
         self.interval_s, self.max_keys = interval_s, max_keys
-        self._last: collections.OrderedDict[object, tuple[float, int]] = collections.OrderedDict()  # key -> (admitted at, left out since)
+        # key -> (admitted at, left out since)
+        self._last: collections.OrderedDict[object, tuple[float, int]] = collections.OrderedDict()
 
     def admit(self, key: object, now: float) -> int | None:
-        """None: leave this one out.  Otherwise how many were left out since the last admitted one."""
+        """None: leave this one out.  Otherwise how many were left out since the last admitted
+        one."""
         if key in self._last:
             at, skipped = self._last[key]
             if now - at < self.interval_s:
@@ -39,7 +44,8 @@ class Throttle:
         return skipped
 
     def take_left_out(self) -> list[tuple[object, int]]:
-        """(key, count) of every key with events left out since its last admitted one; counts reset."""
+        """(key, count) of every key with events left out since its last admitted one; counts
+        reset."""
         out = [(key, skipped) for key, (_, skipped) in self._last.items() if skipped]
         for key, _ in out:
             self._last[key] = (self._last[key][0], 0)
@@ -50,8 +56,13 @@ class ThrottledLog:
     """`log.warning(event, **fields)` at most once per interval per (event, fields named by `by`);
     an emitted line carries `left_out=N` when N lines were left out since the last one."""
 
-    def __init__(self, log, by: tuple[str, ...] = ("peer", "island", "sender", "reason", "socket"), interval_s: float = 1.0,
-                 clock=time.monotonic) -> None:
+    def __init__(
+        self,
+        log,
+        by: tuple[str, ...] = ("peer", "island", "sender", "reason", "socket"),
+        interval_s: float = 1.0,
+        clock=time.monotonic,
+    ) -> None:
         self.log, self.by, self.clock = log, by, clock
         self.throttle = Throttle(interval_s)
 
@@ -59,13 +70,20 @@ class ThrottledLog:
         key = (event, *(fields.get(name) for name in self.by))
         left_out = self.throttle.admit(key, self.clock())
         if left_out is not None:
-            getattr(self.log, level)(event, **fields, **({"left_out": left_out} if left_out else {}))
+            getattr(self.log, level)(
+                event, **fields, **({"left_out": left_out} if left_out else {})
+            )
 
     def flush(self) -> None:
-        """One line per key with lines left out since its last one (a process stopping says them all),
-        marked `flushed`: it stands for those only."""
+        """One line per key with lines left out since its last one (a process stopping says them
+        all), marked `flushed`: it stands for those only."""
         for (event, *named), left_out in self.throttle.take_left_out():
-            self.log.info(event, **{name: value for name, value in zip(self.by, named) if value is not None}, left_out=left_out, flushed=True)
+            self.log.info(
+                event,
+                **{name: value for name, value in zip(self.by, named) if value is not None},
+                left_out=left_out,
+                flushed=True,
+            )
 
     def info(self, event: str, **fields) -> None:
         self._emit("info", event, fields)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 
 def small_profile(duration_s: float, eval_every: int, regions: str, max_steps: int = 0) -> str:
-    """TOML with the tests' tiny model, sync and merger settings; `regions` holds the [[regions]] tables.
-    With max_steps the run is bounded by work and duration_s is only its limit."""
+    """TOML with the tests' tiny model, sync and merger settings; `regions` holds the [[regions]]
+    tables. With max_steps the run is bounded by work and duration_s is only its limit."""
     return f"""
 [run]
 duration_s = {duration_s}

@@ -37,7 +37,8 @@ def test_a_1e6x_delta_after_a_restart_or_takeover_is_rejected(key):
 
 def test_a_1e6x_delta_on_a_fresh_merger_moves_a_fragment_by_at_most_half_its_norm():
     """Before any other island has a reference, the cold limit: one part moves a fragment by at most
-    COLD_LIMIT of its norm (the outer momentum carries it on: the norm after stays under twice it)."""
+    COLD_LIMIT of its norm (the outer momentum carries it on: the norm after stays under twice it).
+    """
     outcome = attacks.run_attack("fresh-1e6", honest=1)
     assert outcome.clipped == 1 and outcome.norm_after < 2.0 * outcome.norm_before
 
@@ -49,9 +50,13 @@ def _member(island, values, tokens=100, steps=10):
 def test_the_guard_scales_a_part_down_to_its_cap():
     """Weights 0.5 and 0.5, deltas of norm 5 and 2: movements 2.5 and 1.0; caps 1.0 for a (it is
     scaled by 0.4 to norm 2) and none for b."""
-    members, movements, clipped = guard([_member("a", [3.0, 4.0]), _member("b", [0.0, 2.0])], [0.5, 0.5], [5.0, 2.0], {"a": 1.0})
+    members, movements, clipped = guard(
+        [_member("a", [3.0, 4.0]), _member("b", [0.0, 2.0])], [0.5, 0.5], [5.0, 2.0], {"a": 1.0}
+    )
     assert movements == [1.0, 1.0] and clipped == ["a"]
-    assert np.allclose(members[0].tensors["w"], [1.2, 1.6]) and members[1].tensors["w"].tolist() == [0.0, 2.0]
+    assert np.allclose(members[0].tensors["w"], [1.2, 1.6]) and members[1].tensors[
+        "w"
+    ].tolist() == [0.0, 2.0]
     same, movements, clipped = guard([_member("a", [3.0, 4.0])], [0.5], [5.0], {"a": 2.5})
     assert movements == [2.5] and clipped == [] and same[0].tensors["w"].tolist() == [3.0, 4.0]
 
@@ -65,20 +70,47 @@ def test_a_parts_norm_is_the_sum_of_its_deltas_norms_as_admitted():
     assert part_norm([_member("a", [3.0, 4.0]), _member("a", [0.0, 2.0])]) == 7.0
     codec = protocol.Codec("int4")
     values = np.linspace(-1, 1, 300, dtype=np.float32)
-    coded = Contribution("a", 1, 1, 0, 1, 1, {"w": protocol.CodedTensor(codec, (300,), codec.encode(values).reshape(-1, codec.record_nbytes))})
+    coded = Contribution(
+        "a",
+        1,
+        1,
+        0,
+        1,
+        1,
+        {
+            "w": protocol.CodedTensor(
+                codec, (300,), codec.encode(values).reshape(-1, codec.record_nbytes)
+            )
+        },
+    )
     assert part_norm([coded]) == delta_norm(coded.tensors) >= float(np.linalg.norm(values))
 
 
 def test_the_caps_follow_the_other_islands_movements_and_start_cold():
-    params = {"w": np.array([6.0, 8.0], np.float32)}  # norm 10
-    core = MergerCore(MergerConfig(MergeConfig(clip_factor=2.0)), protocol.model_fingerprint(params), [["w"]], params)
+    # norm 10
+    params = {"w": np.array([6.0, 8.0], np.float32)}
+    core = MergerCore(
+        MergerConfig(MergeConfig(clip_factor=2.0)),
+        protocol.model_fingerprint(params),
+        [["w"]],
+        params,
+    )
     members = [_member("a", [0.0, 0.0]), _member("b", [0.0, 0.0])]
     assert core._caps(0, members) == {"a": COLD_LIMIT * 10.0, "b": COLD_LIMIT * 10.0}
     for value in (1.0, 3.0, 2.0, 2.0):
-        core.moves[0].record("a", value)  # median 2.0
+        # median 2.0
+        core.moves[0].record("a", value)
     for value in (5.0, 5.0, 5.0, 7.0):
-        core.moves[0].record("c", value)  # median 5.0
-    assert core._caps(0, members) == {"a": 10.0, "b": 10.0}  # a: 2 x c's 5; b: 2 x the larger of a's 2 and c's 5
-    assert core._caps(0, [_member("c", [0.0, 0.0])]) == {"c": 4.0}  # 2 x a's 2: c's own history does not count
-    off = MergerCore(MergerConfig(MergeConfig(clip_factor=0.0)), protocol.model_fingerprint(params), [["w"]], params)
+        # median 5.0
+        core.moves[0].record("c", value)
+    # a: 2 x c's 5; b: 2 x the larger of a's 2 and c's 5
+    assert core._caps(0, members) == {"a": 10.0, "b": 10.0}
+    # 2 x a's 2: c's own history does not count
+    assert core._caps(0, [_member("c", [0.0, 0.0])]) == {"c": 4.0}
+    off = MergerCore(
+        MergerConfig(MergeConfig(clip_factor=0.0)),
+        protocol.model_fingerprint(params),
+        [["w"]],
+        params,
+    )
     assert off._caps(0, members) is None

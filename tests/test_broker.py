@@ -22,10 +22,15 @@ class BrokerProcess:
     def __init__(self, tmp: Path, *extra: str) -> None:
         self.ports = free_ports(4)
         names = ("--delta-in", "--delta-out", "--snapshot-in", "--snapshot-out")
-        args = [a for name, port in zip(names, self.ports) for a in (name, f"tcp://127.0.0.1:{port}")]
+        args = [
+            a for name, port in zip(names, self.ports) for a in (name, f"tcp://127.0.0.1:{port}")
+        ]
         self.log = tmp / f"broker-{self.ports[0]}.log"
-        self.process = subprocess.Popen([sys.executable, "-m", "dloco", "broker", *args, "--stats-every", "1", *extra],
-                                        stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "dloco", "broker", *args, "--stats-every", "1", *extra],
+            stdout=open(self.log, "wb"),
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 60
         while "broker_started" not in self.log.read_text():
             assert self.process.poll() is None, self.log.read_text()
@@ -46,7 +51,11 @@ class BrokerProcess:
             return -9
 
     def events(self, name: str) -> list[dict]:
-        return [json.loads(line) for line in self.log.read_text().splitlines() if f'"event": "{name}"' in line]
+        return [
+            json.loads(line)
+            for line in self.log.read_text().splitlines()
+            if f'"event": "{name}"' in line
+        ]
 
 
 @pytest.fixture
@@ -114,28 +123,53 @@ def test_curve_admits_listed_keys_only_and_logs_refusals(tmp_path, context):
         merger = Identity.load(keys, "merger", server="broker")
         stranger = Identity.load(keys, "stranger", server="broker")
         pub, sub = pair(context, broker, 0, island, merger)
-        assert received(pub, sub, frames=heartbeat("island-0")) >= 20  # both listed: traffic flows, encrypted
+        # both listed: traffic flows, encrypted
+        assert received(pub, sub, frames=heartbeat("island-0")) >= 20
         pub, sub = pair(context, broker, 0, stranger, merger)
-        assert received(pub, sub, wait_s=2.0, frames=heartbeat("stranger")) == 0  # unknown publisher: refused
+        # unknown publisher: refused
+        assert received(pub, sub, wait_s=2.0, frames=heartbeat("stranger")) == 0
         pub, sub = pair(context, broker, 0, island, None)
-        assert received(pub, sub, wait_s=2.0, frames=heartbeat("island-0")) == 0  # plaintext subscriber cannot talk to a secure broker
+        # plaintext subscriber cannot talk to a secure broker
+        assert received(pub, sub, wait_s=2.0, frames=heartbeat("island-0")) == 0
     finally:
         code = broker.stop()
     assert code == 0
-    assert broker.events("auth_refused") and broker.events("broker_stopped")[-1]["auth_refused"] >= 2
+    assert (
+        broker.events("auth_refused") and broker.events("broker_stopped")[-1]["auth_refused"] >= 2
+    )
 
 
 def test_the_allow_list_is_read_by_role_and_its_mistakes_are_named(tmp_path):
     from dloco.bus.security import ConfigError, load_allow_list
 
     keys, allow = tmp_path / "keys", tmp_path / "allow"
-    made = subprocess.run([sys.executable, "-m", "dloco", "keys", str(keys), "island-0", "island-1", "--allow", str(allow), "--role", "island"],
-                          capture_output=True, text=True, timeout=60)
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dloco",
+            "keys",
+            str(keys),
+            "island-0",
+            "island-1",
+            "--allow",
+            str(allow),
+            "--role",
+            "island",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert made.returncode == 0 and "listed island-0, island-1 as island" in made.stdout
     create_keys(keys, ["merger"])
     write_allow_list(keys, allow, {"merger": ["merger"]})
     peers = load_allow_list(allow)
-    assert sorted((p.role, p.name) for p in peers.values()) == [("island", "island-0"), ("island", "island-1"), ("merger", "merger")]
+    assert sorted((p.role, p.name) for p in peers.values()) == [
+        ("island", "island-0"),
+        ("island", "island-1"),
+        ("merger", "merger"),
+    ]
     (allow / "merger" / "island-0.key").write_bytes((keys / "island-0.key").read_bytes())
     with pytest.raises(ConfigError, match="also listed as island/island-0"):
         load_allow_list(allow)
@@ -152,9 +186,16 @@ def test_the_allow_list_is_read_by_role_and_its_mistakes_are_named(tmp_path):
 def test_keys_are_private_and_bad_invocations_are_clear(tmp_path):
     for path in create_keys(tmp_path / "k", ["broker"]):
         assert path.stat().st_mode & 0o777 == 0o600
-    run = subprocess.run([sys.executable, "-m", "dloco", "broker"], capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "dloco", "broker"], capture_output=True, text=True, timeout=60
+    )
     assert run.returncode == 2 and "CURVE is on by default" in run.stderr
-    run = subprocess.run([sys.executable, "-m", "dloco", "broker", "--insecure", "--delta-in", "nonsense://x"], capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "dloco", "broker", "--insecure", "--delta-in", "nonsense://x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 2 and "cannot bind" in run.stderr and "Traceback" not in run.stderr
 
 
@@ -167,17 +208,20 @@ def test_only_the_protocols_subscriptions_reach_the_publishers(tmp_path, context
     flood_count = 5000
     broker = BrokerProcess(tmp_path, "--insecure")
     try:
-        upstream = context.socket(zmq.XPUB)  # a publisher that sees the subscriptions reaching it
+        # a publisher that sees the subscriptions reaching it
+        upstream = context.socket(zmq.XPUB)
         upstream.setsockopt(zmq.LINGER, 0)
         upstream.connect(broker.endpoint(2))
         flood, honest, second = (context.socket(zmq.SUB) for _ in range(3))
-        flood.setsockopt(zmq.SNDHWM, 0)  # else ZeroMQ keeps only the first 1,000 subscriptions in its queue
+        # else ZeroMQ keeps only the first 1,000 subscriptions in its queue
+        flood.setsockopt(zmq.SNDHWM, 0)
         for socket in (flood, honest):
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(broker.endpoint(3))
         for i in range(flood_count - 1):
             flood.setsockopt(zmq.SUBSCRIBE, b"z%05d" % i)
-        flood.setsockopt(zmq.SUBSCRIBE, b"snapshot/12345")  # a fragment number past the protocol's
+        # a fragment number past the protocol's
+        flood.setsockopt(zmq.SUBSCRIBE, b"snapshot/12345")
         honest.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
         seen = []
         while b"\x01snapshot/" not in seen:
@@ -190,26 +234,55 @@ def test_only_the_protocols_subscriptions_reach_the_publishers(tmp_path, context
         assert received(upstream, second, frames=[b"snapshot/0", b"header", b"x" * 100]) >= 20
         honest.setsockopt(zmq.UNSUBSCRIBE, b"snapshot/")
         deadline = time.monotonic() + 30
-        while (broker.events("broker_stats") or [{}])[-1].get("refused", {}).get("snapshot/subscription", 0) < flood_count:
+        while (broker.events("broker_stats") or [{}])[-1].get("refused", {}).get(
+            "snapshot/subscription", 0
+        ) < flood_count:
             assert time.monotonic() < deadline, broker.events("broker_stats")[-1:]
             time.sleep(0.2)
-        assert received(upstream, second, frames=[b"snapshot/0", b"header", b"x" * 100]) >= 20  # still fed
+        # still fed
+        assert received(upstream, second, frames=[b"snapshot/0", b"header", b"x" * 100]) >= 20
     finally:
         code = broker.stop()
-    assert code == 0 and seen == [b"\x01snapshot/"]  # nothing of the flood upstream
-    assert not upstream.poll(0)  # nor the second subscription of the same topic, nor the first's unsubscription
+    # nothing of the flood upstream
+    assert code == 0 and seen == [b"\x01snapshot/"]
+    # nor the second subscription of the same topic, nor the first's unsubscription
+    assert not upstream.poll(0)
     stopped = broker.events("broker_stopped")[-1]
     assert stopped["refused"]["snapshot/subscription"] == flood_count
     assert stopped["subscriptions"] == {"snapshot/subscribe": 1}
-    assert len(broker.events("subscription_refused")) <= 60  # a line a second at most
+    # a line a second at most
+    assert len(broker.events("subscription_refused")) <= 60
 
 
 def test_the_subscriptions_the_protocol_makes_by_hand():
     from dloco.protocol import subscribable
     from dloco.protocol.limits import MAX_SUBSCRIPTION_BYTES
 
-    made = [b"", b"ack", b"hello", b"resend", b"snapshot_request", b"delta/", b"delta/0/", b"delta/9999/", b"heartbeat/",
-            b"heartbeat/3/", b"snapshot/", b"snapshot/12"]
-    assert all(subscribable(topic) for topic in made) and max(map(len, made)) == MAX_SUBSCRIPTION_BYTES
-    for topic in (b"delta/3", b"delta/10000/", b"snapshot/12345", b"acks", b"x" * 500, b"delta//", b"heartbeat/a/", b"\x00ack"):
+    made = [
+        b"",
+        b"ack",
+        b"hello",
+        b"resend",
+        b"snapshot_request",
+        b"delta/",
+        b"delta/0/",
+        b"delta/9999/",
+        b"heartbeat/",
+        b"heartbeat/3/",
+        b"snapshot/",
+        b"snapshot/12",
+    ]
+    assert (
+        all(subscribable(topic) for topic in made) and max(map(len, made)) == MAX_SUBSCRIPTION_BYTES
+    )
+    for topic in (
+        b"delta/3",
+        b"delta/10000/",
+        b"snapshot/12345",
+        b"acks",
+        b"x" * 500,
+        b"delta//",
+        b"heartbeat/a/",
+        b"\x00ack",
+    ):
         assert not subscribable(topic), topic

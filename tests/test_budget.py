@@ -26,13 +26,19 @@ from tests.conftest import header_of, reason_of, with_header
 from tests.test_merger_process import free_ports
 
 
-@pytest.mark.parametrize(("tokens", "budget", "p", "rate"), [
-    (0, 1000, 0.0, 1.0),
-    (250, 1000, 0.25, 0.1 + 0.45 * (1 + math.sqrt(0.5))),  # cos(pi/4) = sqrt(1/2): 0.868198
-    (500, 1000, 0.5, 0.55),  # half-way: the mean of 1 and the floor
-    (1000, 1000, 1.0, 0.1),
-    (5000, 1000, 1.0, 0.1),  # past the budget: the floor, not below it
-])
+@pytest.mark.parametrize(
+    ("tokens", "budget", "p", "rate"),
+    [
+        (0, 1000, 0.0, 1.0),
+        # cos(pi/4) = sqrt(1/2): 0.868198
+        (250, 1000, 0.25, 0.1 + 0.45 * (1 + math.sqrt(0.5))),
+        # half-way: the mean of 1 and the floor
+        (500, 1000, 0.5, 0.55),
+        (1000, 1000, 1.0, 0.1),
+        # past the budget: the floor, not below it
+        (5000, 1000, 1.0, 0.1),
+    ],
+)
 def test_the_decay_at_given_cluster_tokens(tokens, budget, p, rate):
     assert schedule.progress(tokens, budget) == p
     assert schedule.decay(schedule.progress(tokens, budget)) == pytest.approx(rate, abs=1e-12)
@@ -43,7 +49,8 @@ def test_fast_and_slow_islands_at_the_same_cluster_tokens_take_the_same_rate():
     island (3,000 tokens of its own) and a slow one (1,000) that heard 6,000 are at one point."""
     fast, slow = schedule.cluster_view(6000, 3000), schedule.cluster_view(6000, 1000)
     assert fast == slow == 6000
-    assert schedule.cluster_view(0, 1000) == 1000  # standalone, or before any ack
+    # standalone, or before any ack
+    assert schedule.cluster_view(0, 1000) == 1000
     with pytest.raises(ValueError):
         schedule.progress(10, 0)
 
@@ -68,26 +75,34 @@ def test_the_trainers_step_is_scaled_by_the_decay():
 
 
 def test_without_a_budget_the_rate_scale_is_refused():
-    trainer = Trainer(Line(), lambda model, batch: (model.w[...] * batch).sum(), TrainConfig(batch=1))
+    trainer = Trainer(
+        Line(), lambda model, batch: (model.w[...] * batch).sum(), TrainConfig(batch=1)
+    )
     with pytest.raises(protocol.DlocoError, match="token budget"):
         trainer.set_rate_scale(0.5)
 
 
 def test_the_merger_counts_claims_only_as_far_as_deltas_back_them():
     count = TrainedTokens()
-    count.heartbeat("a", 1, 10**6)  # before any delta: not a life yet
+    # before any delta: not a life yet
+    count.heartbeat("a", 1, 10**6)
     assert count.total == 0 and not count.lives
     count.delta("a", 1, 0, 100)
     count.delta("a", 1, 1, 100)
-    count.delta("a", 1, 0, 100)  # fragment 0 is the most covered: 200 trained at its last send
+    # fragment 0 is the most covered: 200 trained at its last send
+    count.delta("a", 1, 0, 100)
     assert count.total == 200
-    count.heartbeat("a", 1, 250)  # within one round (the largest delta, 100) of what deltas back
+    # within one round (the largest delta, 100) of what deltas back
+    count.heartbeat("a", 1, 250)
     assert count.total == 250
-    count.heartbeat("a", 1, 2**60)  # a claim past it counts as 200 + 100
+    # a claim past it counts as 200 + 100
+    count.heartbeat("a", 1, 2**60)
     assert count.total == 300
-    count.heartbeat("a", 1, 5)  # the largest claim stays
+    # the largest claim stays
+    count.heartbeat("a", 1, 5)
     assert count.total == 300
-    count.delta("a", 2, 0, 40)  # a's next life: both count
+    # a's next life: both count
+    count.delta("a", 2, 0, 40)
     count.delta("b", 7, 0, 60)
     assert count.total == 300 + 40 + 60
 
@@ -106,7 +121,9 @@ def test_heartbeat_and_ack_carry_tokens_and_refuse_a_bad_count():
 
 
 def test_a_budget_reaches_every_island_in_every_mode_and_refuses_a_second_bound():
-    base = cluster_config.ClusterConfig(regions=(cluster_config.Region("a"), cluster_config.Region("b", slowdown=2.0)))
+    base = cluster_config.ClusterConfig(
+        regions=(cluster_config.Region("a"), cluster_config.Region("b", slowdown=2.0))
+    )
     for mode in ("decoupled", "sync-diloco", "sync-dp"):
         cluster = base.with_mode(mode).with_tokens(50_000)
         lines = commands(cluster, _addresses(), "run")
@@ -124,32 +141,105 @@ def _addresses():
     return Addresses(("1", "2", "3", "4"), "5")
 
 
-TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--batch", "8", "--seed", "0"]
+TINY = [
+    "--width",
+    "32",
+    "--depth",
+    "1",
+    "--heads",
+    "2",
+    "--context",
+    "32",
+    "--batch",
+    "8",
+    "--seed",
+    "0",
+]
 
 
-@pytest.mark.e2e  # a merger process and two training islands: -m e2e
+# a merger process and two training islands: -m e2e
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_merger_and_two_islands_one_at_half_speed_follow_one_budget(tmp_path):
     init = tmp_path / "init.npz"
-    subprocess.run([sys.executable, "-m", "dloco", "island", "--write-init", str(init), *TINY], check=True, capture_output=True,
-                   timeout=120)
-    ports, steps, budget = free_ports(3), 80, 2 * 80 * 8 * 32  # two islands' tokens: 80 steps of 8 x 32
-    merger = subprocess.Popen([sys.executable, "-m", "dloco", "merger", "--run-dir", str(tmp_path / "m"), "--init-npz", str(init),
-                               "--fragments", "2", "--delta-endpoint", f"@tcp://127.0.0.1:{ports[0]}",
-                               "--snapshot-endpoint", f"@tcp://127.0.0.1:{ports[1]}",
-                               "--control-endpoint", f"@tcp://127.0.0.1:{ports[2]}", "--insecure"],
-                              stdout=open(tmp_path / "merger.log", "wb"), stderr=subprocess.STDOUT)
+    subprocess.run(
+        [sys.executable, "-m", "dloco", "island", "--write-init", str(init), *TINY],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    # two islands' tokens: 80 steps of 8 x 32
+    ports, steps, budget = free_ports(3), 80, 2 * 80 * 8 * 32
+    merger = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dloco",
+            "merger",
+            "--run-dir",
+            str(tmp_path / "m"),
+            "--init-npz",
+            str(init),
+            "--fragments",
+            "2",
+            "--delta-endpoint",
+            f"@tcp://127.0.0.1:{ports[0]}",
+            "--snapshot-endpoint",
+            f"@tcp://127.0.0.1:{ports[1]}",
+            "--control-endpoint",
+            f"@tcp://127.0.0.1:{ports[2]}",
+            "--insecure",
+        ],
+        stdout=open(tmp_path / "merger.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     islands = []
     try:
         for i, slowdown in enumerate(("1", "2")):
-            islands.append(subprocess.Popen(
-                [sys.executable, "-m", "dloco", "island", "--name", f"isl-{i}", "--island-index", str(i), "--islands", "2", *TINY,
-                 "--max-steps", str(steps), "--budget-tokens", str(budget), "--slowdown", slowdown, "--eval-every", "1000",
-                 "--fragments", "2", "--interval", "4", "--delta-endpoint", f"tcp://127.0.0.1:{ports[0]}",
-                 "--snapshot-endpoint", f"tcp://127.0.0.1:{ports[1]}", "--control-endpoint", f"tcp://127.0.0.1:{ports[2]}",
-                 "--metrics-out", str(tmp_path / f"isl-{i}.jsonl"), "--insecure"],
-                stdout=subprocess.PIPE, stderr=open(tmp_path / f"isl-{i}.err", "wb")))
-        summaries = [json.loads(p.communicate(timeout=240)[0].decode().strip().splitlines()[-1]) for p in islands]
+            islands.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "dloco",
+                        "island",
+                        "--name",
+                        f"isl-{i}",
+                        "--island-index",
+                        str(i),
+                        "--islands",
+                        "2",
+                        *TINY,
+                        "--max-steps",
+                        str(steps),
+                        "--budget-tokens",
+                        str(budget),
+                        "--slowdown",
+                        slowdown,
+                        "--eval-every",
+                        "1000",
+                        "--fragments",
+                        "2",
+                        "--interval",
+                        "4",
+                        "--delta-endpoint",
+                        f"tcp://127.0.0.1:{ports[0]}",
+                        "--snapshot-endpoint",
+                        f"tcp://127.0.0.1:{ports[1]}",
+                        "--control-endpoint",
+                        f"tcp://127.0.0.1:{ports[2]}",
+                        "--metrics-out",
+                        str(tmp_path / f"isl-{i}.jsonl"),
+                        "--insecure",
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=open(tmp_path / f"isl-{i}.err", "wb"),
+                )
+            )
+        summaries = [
+            json.loads(p.communicate(timeout=240)[0].decode().strip().splitlines()[-1])
+            for p in islands
+        ]
     finally:
         for p in [*islands, merger]:
             if p.poll() is None:
@@ -183,4 +273,5 @@ def test_a_global_model_worse_than_its_start_or_every_island_is_reported_loudly(
     assert lines[0] == "## WARNING: the global model"
     assert "worse than it started: held-out loss 1.144 → 1.613" in lines[2]
     assert "worse than every island's last held-out loss (a 0.740, b 1.090)" in lines[3]
-    assert len(warnings(6.0, 2.6, {"a": 2.5, "b": 2.4})) == 5  # worse than every island only: one finding
+    # worse than every island only: one finding
+    assert len(warnings(6.0, 2.6, {"a": 2.5, "b": 2.4})) == 5

@@ -19,8 +19,17 @@ from dloco.merger.replication_wire import MIN_LEASE_S, ReplicationConfig
 from dloco.merger.settings import ServiceConfig
 from dloco.protocol.errors import ConfigError
 
-MERGER = ["merger", "--run-dir", "r", "--delta-endpoint", "tcp://a:1", "--snapshot-endpoint", "tcp://a:2",
-          "--control-endpoint", "tcp://a:3"]
+MERGER = [
+    "merger",
+    "--run-dir",
+    "r",
+    "--delta-endpoint",
+    "tcp://a:1",
+    "--snapshot-endpoint",
+    "tcp://a:2",
+    "--control-endpoint",
+    "tcp://a:3",
+]
 
 
 def test_an_island_without_flags_trains_and_exchanges_with_the_dataclasses_defaults():
@@ -34,7 +43,11 @@ def test_a_merger_without_flags_folds_publishes_and_keeps_its_log_with_the_datac
     assert merger_config(args) == MergerConfig()
     assert snapshot_config(args) == SnapshotConfig()
     service = ServiceConfig("r", "a", "b", "c")
-    assert (args.fsync, args.checkpoint_every, args.peer_timeout) == (service.fsync, service.checkpoint_every, service.peer_timeout_s)
+    assert (args.fsync, args.checkpoint_every, args.peer_timeout) == (
+        service.fsync,
+        service.checkpoint_every,
+        service.peer_timeout_s,
+    )
     assert args.receive_mib << 20 == service.reassembly_bytes + service.held_bytes
     assert args.lease == ReplicationConfig().lease_s and args.fragments == SyncConfig().fragments
 
@@ -42,28 +55,48 @@ def test_a_merger_without_flags_folds_publishes_and_keeps_its_log_with_the_datac
 def test_a_broker_without_flags_has_the_dataclasses_budget():
     args = build_parser().parse_args(["broker", "--insecure"])
     defaults = BrokerConfig(())
-    assert (args.memory_mib << 20, args.chunk_bytes, args.stats_every) == (defaults.memory_bytes, defaults.chunk_bytes,
-                                                                          defaults.stats_every_s)
+    assert (args.memory_mib << 20, args.chunk_bytes, args.stats_every) == (
+        defaults.memory_bytes,
+        defaults.chunk_bytes,
+        defaults.stats_every_s,
+    )
 
 
 def test_a_cluster_file_that_leaves_keys_out_gets_the_processes_defaults():
     cluster = ClusterConfig(regions=(Region("a"),))
-    assert cluster.eval_every == TrainConfig().eval_every and cluster.model.batch == TrainConfig().batch
+    assert (
+        cluster.eval_every == TrainConfig().eval_every
+        and cluster.model.batch == TrainConfig().batch
+    )
     assert cluster.sync == SyncConfig()
     section, merge, outer, rounds = MergerSection(), MergeConfig(), OuterConfig(), RoundConfig()
-    assert (section.max_staleness, section.merge, section.share_window) == (merge.max_staleness, merge.method, merge.share_window)
+    assert (section.max_staleness, section.merge, section.share_window) == (
+        merge.max_staleness,
+        merge.method,
+        merge.share_window,
+    )
     assert (section.outer, section.outer_lr, section.delay) == (outer.kind, outer.lr, outer.delay)
-    assert (section.quorum, section.quorum_timeout_s, section.grace_cap_s) == (rounds.quorum, rounds.quorum_timeout_s,
-                                                                               rounds.grace_cap_s)
+    assert (section.quorum, section.quorum_timeout_s, section.grace_cap_s) == (
+        rounds.quorum,
+        rounds.quorum_timeout_s,
+        rounds.grace_cap_s,
+    )
     snapshots = SnapshotConfig()
-    assert {f.name: getattr(section, f.name) for f in dataclasses.fields(SnapshotConfig)} == dataclasses.asdict(snapshots)
+    assert {
+        f.name: getattr(section, f.name) for f in dataclasses.fields(SnapshotConfig)
+    } == dataclasses.asdict(snapshots)
     assert section.lease_s == ReplicationConfig().lease_s
 
 
 def test_one_chunk_size_and_one_no_diff_codec():
-    assert SyncConfig().chunk_bytes == BrokerConfig(()).chunk_bytes == ServiceConfig("r", "a", "b", "c").max_chunk_bytes \
+    assert (
+        SyncConfig().chunk_bytes
+        == BrokerConfig(()).chunk_bytes
+        == ServiceConfig("r", "a", "b", "c").max_chunk_bytes
         == protocol.DEFAULT_MAX_CHUNK_BYTES
-    # the merger's service holds the same SnapshotConfig as the CLI and the cluster file ("none": no diffs)
+    )
+    # the merger's service holds the same SnapshotConfig as the CLI and the cluster file ("none": no
+    # diffs)
     assert ServiceConfig("r", "a", "b", "c").snapshots.snapshot_diff_codec == "none"
 
 

@@ -1,5 +1,5 @@
-"""Compressed downlink (protocol/downlink.py): the served value, by hand; receivers rebuild it bit for
-bit through the real framing and reassembly; a diff that does not apply is refused (the island's
+"""Compressed downlink (protocol/downlink.py): the served value, by hand; receivers rebuild it bit
+for bit through the real framing and reassembly; a diff that does not apply is refused (the island's
 side of that, asking again, is in test_island_network.py)."""
 
 from __future__ import annotations
@@ -17,33 +17,48 @@ F32 = np.float32
 
 
 def test_digest_by_hand():
-    one = np.array([1.0], F32)  # 0x3f800000, little-endian
+    # 0x3f800000, little-endian
+    one = np.array([1.0], F32)
     assert downlink.digest({"a": one}) == zlib.crc32(b"\x00\x00\x80\x3f", zlib.crc32(b"a"))
-    two = {"b": np.array([2.0], F32), "a": one}  # sorted by path, whatever the insertion order
-    assert downlink.digest(two) == zlib.crc32(b"\x00\x00\x00\x40", zlib.crc32(b"b", zlib.crc32(b"\x00\x00\x80\x3f", zlib.crc32(b"a"))))
-    assert downlink.digest({"a": np.array([-0.0], F32)}) != downlink.digest({"a": np.array([0.0], F32)})  # bytes, not values
+    # sorted by path, whatever the insertion order
+    two = {"b": np.array([2.0], F32), "a": one}
+    assert downlink.digest(two) == zlib.crc32(
+        b"\x00\x00\x00\x40", zlib.crc32(b"b", zlib.crc32(b"\x00\x00\x80\x3f", zlib.crc32(b"a")))
+    )
+    # bytes, not values
+    assert downlink.digest({"a": np.array([-0.0], F32)}) != downlink.digest(
+        {"a": np.array([0.0], F32)}
+    )
 
 
 def test_a_full_snapshot_serves_what_its_codec_decodes():
     theta = {"w": np.array([1.0, 1.0 + 2.0**-10, 3.0], F32), "empty": np.zeros((0, 4), F32)}
     served, plans = downlink.full(theta, 5, protocol.Codec("bf16"), 1 << 20)
-    assert served.version == 5 and set(served.tensors) == {"w"}  # zero-size tensors carry nothing
-    np.testing.assert_array_equal(served.tensors["w"], [1.0, 1.0, 3.0])  # bf16 keeps 8 significant bits: 1 + 2^-10 -> 1
+    # zero-size tensors carry nothing
+    assert served.version == 5 and set(served.tensors) == {"w"}
+    # bf16 keeps 8 significant bits: 1 + 2^-10 -> 1
+    np.testing.assert_array_equal(served.tensors["w"], [1.0, 1.0, 3.0])
     assert served.digest == downlink.digest({"w": np.array([1.0, 1.0, 3.0], F32)})
     assert sum(p.nbytes for p in plans) == 6
 
 
 def test_a_reply_is_bf16_while_the_served_value_is_bf16_and_fp32_after_a_diff():
-    """1 + 2^-10 is not a bf16 value: after a full bf16 snapshot S = [1, 1, 3] is, so a reply in bf16
-    (6 bytes) is exact; a diff then moves w[0] by about 0.001, which bf16 cannot hold next to 1, and
-    the reply falls back to fp32 (12 bytes) — exact either way."""
+    """1 + 2^-10 is not a bf16 value: after a full bf16 snapshot S = [1, 1, 3] is, so a reply in
+    bf16 (6 bytes) is exact; a diff then moves w[0] by about 0.001, which bf16 cannot hold next to
+    1, and the reply falls back to fp32 (12 bytes) — exact either way."""
     bf16 = protocol.Codec("bf16")
     theta = {"w": np.array([1.0, 1.0 + 2.0**-10, 3.0], F32)}
     served, _ = downlink.full(theta, 1, bf16, 1 << 20)
     codec, plans = downlink.reply(served, bf16, 1 << 20)
     assert codec.name == "bf16" and sum(p.nbytes for p in plans) == 6
-    served, _ = downlink.diff({"w": np.array([1.001, 1.0, 3.0], F32)}, served, 2, protocol.Codec("int4", block=8), 1 << 20)
-    assert served.tensors["w"][0] != 1.0 and served.tensors["w"][0].astype(np.float32).view(np.uint32) & 0xFFFF  # not a bf16 value
+    served, _ = downlink.diff(
+        {"w": np.array([1.001, 1.0, 3.0], F32)}, served, 2, protocol.Codec("int4", block=8), 1 << 20
+    )
+    # not a bf16 value
+    assert (
+        served.tensors["w"][0] != 1.0
+        and served.tensors["w"][0].astype(np.float32).view(np.uint32) & 0xFFFF
+    )
     codec, plans = downlink.reply(served, bf16, 1 << 20)
     assert codec.name == "fp32" and sum(p.nbytes for p in plans) == 12
     for codec_, plans_ in ((codec, plans), downlink.reply(served, protocol.Codec("fp32"), 1 << 20)):
@@ -55,10 +70,15 @@ def test_an_int8_full_snapshot_is_replied_in_int8_exactly():
     """The cluster profile's join: S_0 = int8 of the initial model, so a reply re-encodes it in int8
     (a quarter of fp32) and the receiver decodes S_0 bit for bit."""
     int8 = protocol.Codec("int8")
-    theta = {"w": (np.random.default_rng(3).standard_normal(5000) * 0.02).astype(F32), "b": np.linspace(-1, 1, 300, dtype=F32)}
+    theta = {
+        "w": (np.random.default_rng(3).standard_normal(5000) * 0.02).astype(F32),
+        "b": np.linspace(-1, 1, 300, dtype=F32),
+    }
     served, _ = downlink.full(theta, 0, int8, 1 << 20)
     codec, plans = downlink.reply(served, int8, 1 << 20)
-    assert codec.name == "int8" and sum(p.nbytes for p in plans) == int8.encoded_nbytes(5000) + int8.encoded_nbytes(300)
+    assert codec.name == "int8" and sum(p.nbytes for p in plans) == int8.encoded_nbytes(
+        5000
+    ) + int8.encoded_nbytes(300)
     decoded = downlink._decoded(plans, codec, {"w": (5000,), "b": (300,)})
     assert all(decoded[p].tobytes() == served.tensors[p].tobytes() for p in theta)
     assert downlink.digest(decoded) == served.digest
@@ -73,14 +93,17 @@ def test_a_diff_carries_the_previous_diffs_error():
     theta = {"w": np.array([7, 3.4, 0, 0, 0, 0, 0, 0], F32)}
     first, plans = downlink.diff(theta, zero, 1, int4, 1 << 20)
     np.testing.assert_array_equal(first.tensors["w"], [7, 3, 0, 0, 0, 0, 0, 0])
-    assert sum(p.nbytes for p in plans) == 4 + 4  # one record: float32 scale + 8 nibbles
+    # one record: float32 scale + 8 nibbles
+    assert sum(p.nbytes for p in plans) == 4 + 4
     second, _ = downlink.diff(theta, first, 2, int4, 1 << 20)
     np.testing.assert_allclose(second.tensors["w"], theta["w"], rtol=0, atol=1e-6)
     assert (second.version, second.digest) == (2, downlink.digest(second.tensors))
     with pytest.raises(protocol.EncodeError):
-        downlink.diff(theta, second, 2, int4, 1 << 20)  # not newer
+        # not newer
+        downlink.diff(theta, second, 2, int4, 1 << 20)
     with pytest.raises(protocol.EncodeError):
-        downlink.diff({"v": np.ones(8, F32)}, second, 3, int4, 1 << 20)  # other tensors
+        # other tensors
+        downlink.diff({"v": np.ones(8, F32)}, second, 3, int4, 1 << 20)
 
 
 def test_receive_rules_by_hand():
@@ -92,11 +115,15 @@ def test_receive_rules_by_hand():
 
     assert downlink.receive(None, 3, None, None, a)[1] == "full"
     assert downlink.receive(held, 2, None, 7, a) == (held, "old")
-    assert downlink.receive(held, 3, None, held.digest, a) == (held, "old")  # the value already held
-    replaced, outcome = downlink.receive(held, 3, None, good, after)  # same version, other value: a restarted merger
+    # the value already held
+    assert downlink.receive(held, 3, None, held.digest, a) == (held, "old")
+    # same version, other value: a restarted merger
+    replaced, outcome = downlink.receive(held, 3, None, good, after)
     assert outcome == "full" and replaced.digest == good
-    assert downlink.receive(held, 4, None, good ^ 1, after) == (held, "mismatch")  # a full value is checked too
-    assert downlink.receive(held, 4, None, None, after)[0].digest is None  # a merger without diffs names no digest
+    # a full value is checked too
+    assert downlink.receive(held, 4, None, good ^ 1, after) == (held, "mismatch")
+    # a merger without diffs names no digest
+    assert downlink.receive(held, 4, None, None, after)[0].digest is None
 
     value, outcome = downlink.receive(held, 4, 3, good, change)
     assert outcome == "diff" and value.version == 4 and value.digest == good
@@ -106,20 +133,41 @@ def test_receive_rules_by_hand():
     assert downlink.receive(held, 4, 3, good, {"v": change["w"]}) == (held, "gap")
     assert downlink.receive(None, 4, 3, good, change) == (None, "missing")
     assert downlink.receive(held, 3, 2, good, change) == (held, "old")
-    assert downlink.ASK_AGAIN == {"missing", "gap", "mismatch"} and downlink.ADOPT == {"full", "diff"}
+    assert downlink.ASK_AGAIN == {"missing", "gap", "mismatch"} and downlink.ADOPT == {
+        "full",
+        "diff",
+    }
 
 
 def snapshot_frames(served_plans, version, codec, base=None, digest=None, seq=1, epoch=1):
-    return [protocol.encode(protocol.SnapshotChunk(sender="merger", epoch=epoch, seq=seq + i, fragment=0, version=version, chunk_index=i,
-                                                   chunk_count=len(served_plans), model="m", codec=codec, slices=plan.slices,
-                                                   payloads=plan.payloads, base_version=base, digest=digest))
-            for i, plan in enumerate(served_plans)]
+    return [
+        protocol.encode(
+            protocol.SnapshotChunk(
+                sender="merger",
+                epoch=epoch,
+                seq=seq + i,
+                fragment=0,
+                version=version,
+                chunk_index=i,
+                chunk_count=len(served_plans),
+                model="m",
+                codec=codec,
+                slices=plan.slices,
+                payloads=plan.payloads,
+                base_version=base,
+                digest=digest,
+            )
+        )
+        for i, plan in enumerate(served_plans)
+    ]
 
 
-@pytest.mark.parametrize("stream", [False, True])  # decoded at completion, or chunk by chunk as islands do
+# decoded at completion, or chunk by chunk as islands do
+@pytest.mark.parametrize("stream", [False, True])
 def test_receivers_rebuild_the_served_value_bit_for_bit_through_the_wire(stream):
     """Sender: a full bf16 snapshot, then 20 int4 diffs of a drifting model, cut into small chunks.
-    Receiver: the real decoder and reassembler, chunks in reverse order.  Same bytes every version."""
+    Receiver: the real decoder and reassembler, chunks in reverse order.  Same bytes every version.
+    """
     rng = np.random.default_rng(0)
     theta = {"a": rng.normal(size=(64, 33)).astype(F32), "b": rng.normal(size=(1000,)).astype(F32)}
     bf16, int4 = protocol.Codec("bf16"), protocol.Codec("int4", block=64)
@@ -130,12 +178,16 @@ def test_receivers_rebuild_the_served_value_bit_for_bit_through_the_wire(stream)
         if version:
             theta = {p: v + 0.01 * rng.normal(size=v.shape).astype(F32) for p, v in theta.items()}
             served, plans = downlink.diff(theta, served, version, int4, 512)
-            frames = snapshot_frames(plans, version, int4, base=version - 1, digest=served.digest, seq=100 * version)
+            frames = snapshot_frames(
+                plans, version, int4, base=version - 1, digest=served.digest, seq=100 * version
+            )
         assert len(frames) >= (1 if version == 0 else 2)
         for chunk in reversed(frames):
             assembled = reassembler.add(protocol.decode(chunk), now=0.0)
         head = assembled.header
-        held, outcome = downlink.receive(held, head.version, head.base_version, head.digest, assembled.tensors)
+        held, outcome = downlink.receive(
+            held, head.version, head.base_version, head.digest, assembled.tensors
+        )
         assert outcome == ("full" if version == 0 else "diff") and held.digest == served.digest
         for path in theta:
             np.testing.assert_array_equal(held.tensors[path], served.tensors[path])
@@ -145,16 +197,34 @@ def test_receivers_rebuild_the_served_value_bit_for_bit_through_the_wire(stream)
 
 def test_a_snapshot_header_carries_base_and_digest_only_for_diffs():
     plan = protocol.split_fragment({"w": np.ones(8, F32)}, protocol.Codec("fp32"))[0]
-    full = protocol.encode(protocol.SnapshotChunk(sender="m", epoch=1, seq=1, fragment=0, version=2, chunk_index=0, chunk_count=1,
-                                                  model="m", codec=protocol.Codec("fp32"), slices=plan.slices, payloads=plan.payloads))
-    assert b"base_version" not in bytes(full[1]) and b"digest" not in bytes(full[1])  # what peers before diffs sent and accept
+    full = protocol.encode(
+        protocol.SnapshotChunk(
+            sender="m",
+            epoch=1,
+            seq=1,
+            fragment=0,
+            version=2,
+            chunk_index=0,
+            chunk_count=1,
+            model="m",
+            codec=protocol.Codec("fp32"),
+            slices=plan.slices,
+            payloads=plan.payloads,
+        )
+    )
+    # what peers before diffs sent and accept
+    assert b"base_version" not in bytes(full[1]) and b"digest" not in bytes(full[1])
     decoded = protocol.decode(full)
     assert decoded.base_version is None and decoded.digest is None
     diff = snapshot_frames([plan], 2, protocol.Codec("fp32"), base=1, digest=123)[0]
     decoded = protocol.decode(diff)
     assert (decoded.base_version, decoded.digest) == (1, 123)
     header = msgpack.unpackb(bytes(diff[1]))
-    for base, digest, reason in ((2, 5, "field_value"), (1, None, "field_value"), (1, 1 << 32, "field_value")):
+    for base, digest, reason in (
+        (2, 5, "field_value"),
+        (1, None, "field_value"),
+        (1, 1 << 32, "field_value"),
+    ):
         changed = {**header, "base_version": base, "digest": digest}
         if digest is None:
             del changed["digest"]

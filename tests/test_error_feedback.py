@@ -43,10 +43,15 @@ def test_residual_is_bounded_by_half_a_step():
 
 def test_compensate_over_a_fragment_matches_the_per_tensor_helper():
     rng = np.random.default_rng(2)
-    fragment = {"a": rng.standard_normal((30, 7)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float32)}
+    fragment = {
+        "a": rng.standard_normal((30, 7)).astype(np.float32),
+        "b": rng.standard_normal(5).astype(np.float32),
+    }
     residuals = {"a": rng.standard_normal((30, 7)).astype(np.float32) * 0.1}
     sent, kept = compensate(fragment, residuals, Codec("int4"))
-    encoded, expected_residual = quantize_with_feedback(fragment["a"], residuals["a"], Codec("int4"))
+    encoded, expected_residual = quantize_with_feedback(
+        fragment["a"], residuals["a"], Codec("int4")
+    )
     assert np.array_equal(kept["a"], expected_residual) and kept["a"].shape == (30, 7)
     assert np.array_equal(sent["a"].reshape(-1), Codec("int4").decode(encoded, 210))
     assert np.array_equal(sent["b"] + kept["b"], fragment["b"])

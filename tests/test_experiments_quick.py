@@ -17,35 +17,58 @@ from dloco.analysis.runinfo import read_events, read_metrics
 from dloco.suites import experiments, suiteresults
 
 pytestmark = [pytest.mark.experiments, pytest.mark.timeout(1800)]
-FAST = ("us-east", "us-west")  # the shipped profile's full-speed islands
+# the shipped profile's full-speed islands
+FAST = ("us-east", "us-west")
 SLOW = ("eu-older-hw", "asia-older-hw")
 
 
 def quick(name: str, tmp_path) -> dict[str, suiteresults.RunResult]:
     text, results = experiments.run_suite(name, tmp_path, quick=True, log=lambda line: None)
-    assert f"## `{name}`" in text and (tmp_path / "experiments" / f"{name}_loss_vs_time.png").exists()
+    assert (
+        f"## `{name}`" in text and (tmp_path / "experiments" / f"{name}_loss_vs_time.png").exists()
+    )
     for r in results:
         assert r.exit_code == 0, r.label
         # bounded by work: every island trained the suite's steps (every life)
-        assert all(sum(e.get("step", 0) > 0 for e in read_metrics(r.run_dir / "metrics" / f"{island}.jsonl")) >= r.config.max_steps
-                   for island in r.last), r.label
-        assert r.global_after is not None and r.global_after < r.global_before, f"{r.label} did not train"
-        # the merger's model rebuilt from its log during the run, and at the suite's equal cluster tokens
-        assert len(r.global_curve) == suiteresults.GLOBAL_POINTS and r.global_curve[-1]["eval_loss"] < r.global_before, r.label
-        # at equal cluster tokens a synchronous run may not have folded yet (its model is then the initial one)
+        assert all(
+            sum(
+                e.get("step", 0) > 0
+                for e in read_metrics(r.run_dir / "metrics" / f"{island}.jsonl")
+            )
+            >= r.config.max_steps
+            for island in r.last
+        ), r.label
+        assert r.global_after is not None and r.global_after < r.global_before, (
+            f"{r.label} did not train"
+        )
+        # the merger's model rebuilt from its log during the run, and at the suite's equal cluster
+        # tokens
+        assert (
+            len(r.global_curve) == suiteresults.GLOBAL_POINTS
+            and r.global_curve[-1]["eval_loss"] < r.global_before
+        ), r.label
+        # at equal cluster tokens a synchronous run may not have folded yet (its model is then the
+        # initial one)
         assert r.global_equal is not None and r.global_equal <= r.global_before, r.label
-        # two accountings agree: the cluster's tokens at its last step are the islands' totals (every life)
+        # two accountings agree: the cluster's tokens at its last step are the islands' totals
+        # (every life)
         tokens = [p["cluster_tokens"] for p in r.global_curve]
-        assert tokens == sorted(tokens) and tokens[-1] == suiteresults.cluster_tokens(r) > tokens[0], r.label
+        assert (
+            tokens == sorted(tokens) and tokens[-1] == suiteresults.cluster_tokens(r) > tokens[0]
+        ), r.label
     assert (tmp_path / "experiments" / f"{name}_global.png").exists()
     return {r.label: r for r in results}
 
 
 def test_speedup_decoupled_never_waits_and_sends_far_fewer_bytes_than_data_parallel(tmp_path):
-    """Who waits on whom: a sync-dp island waits for the barrier at every step, a decoupled one never
-    does; and the bytes.  Time to a loss and utilisation are reported in the suite's table, not asserted."""
+    """Who waits on whom: a sync-dp island waits for the barrier at every step, a decoupled one
+    never does; and the bytes.  Time to a loss and utilisation are reported in the suite's table,
+    not asserted.
+    """
     runs = quick("speedup", tmp_path)
-    assert suiteresults.bytes_per_token(runs["sync-dp"]) > 20 * suiteresults.bytes_per_token(runs["decoupled"])
+    assert suiteresults.bytes_per_token(runs["sync-dp"]) > 20 * suiteresults.bytes_per_token(
+        runs["decoupled"]
+    )
     for island in runs["decoupled"].last:
         assert _steps(runs["decoupled"], island)[-1]["wait_s"] == 0, island
         waits = [e["wait_s"] for e in _steps(runs["sync-dp"], island)]
@@ -54,25 +77,43 @@ def test_speedup_decoupled_never_waits_and_sends_far_fewer_bytes_than_data_paral
 
 
 def _steps(result, island) -> list[dict]:
-    return [e for e in read_metrics(result.run_dir / "metrics" / f"{island}.jsonl") if e.get("step", 0) > 0]
+    return [
+        e
+        for e in read_metrics(result.run_dir / "metrics" / f"{island}.jsonl")
+        if e.get("step", 0) > 0
+    ]
 
 
 def test_heterogeneous_only_sync_diloco_makes_fast_islands_wait_for_slow_ones(tmp_path):
     runs = quick("heterogeneous", tmp_path)
     # tabulating the suite's runs again (dloco experiment --from) gives the same table
-    again, _ = experiments.run_suite("heterogeneous", tmp_path / "again", quick=True, log=lambda line: None, reuse=(tmp_path,))
+    again, _ = experiments.run_suite(
+        "heterogeneous", tmp_path / "again", quick=True, log=lambda line: None, reuse=(tmp_path,)
+    )
     rows = lambda text: [line for line in text.splitlines() if line.startswith("| ")]  # noqa: E731
-    assert rows(again) == rows((tmp_path / "heterogeneous.md").read_text()) and len(rows(again)) == 1 + len(runs)  # the header and a row per run
+    # the header and a row per run
+    assert rows(again) == rows((tmp_path / "heterogeneous.md").read_text()) and len(
+        rows(again)
+    ) == 1 + len(runs)
     interval = runs["sync-diloco-mixed"].config.effective()[0].interval
-    # sync-diloco: every island at the barrier, and after the first round (which also waits out compilation) the fast ones wait for the slow ones
+    # sync-diloco: every island at the barrier, and after the first round (which also waits out
+    # compilation) the fast ones wait for the slow ones
     sync = {island: _steps(runs["sync-diloco-mixed"], island) for island in FAST + SLOW}
-    assert max(len(s) for s in sync.values()) - min(len(s) for s in sync.values()) <= interval, {i: len(s) for i, s in sync.items()}
-    waited = {island: s[-1]["wait_s"] - next(e for e in s if e["step"] == interval)["wait_s"] for island, s in sync.items()}
+    assert max(len(s) for s in sync.values()) - min(len(s) for s in sync.values()) <= interval, {
+        i: len(s) for i, s in sync.items()
+    }
+    waited = {
+        island: s[-1]["wait_s"] - next(e for e in s if e["step"] == interval)["wait_s"]
+        for island, s in sync.items()
+    }
     assert min(waited[i] for i in FAST) > max(waited[i] for i in SLOW), waited
-    # decoupled: nobody waits, so in the time the slow islands train their steps the fast ones (twice the quota) train more
+    # decoupled: nobody waits, so in the time the slow islands train their steps the fast ones
+    # (twice the quota) train more
     decoupled = {island: _steps(runs["decoupled-mixed"], island) for island in FAST + SLOW}
     assert all(s[-1]["wait_s"] == 0 for s in decoupled.values())
-    assert min(len(decoupled[i]) for i in FAST) > max(len(decoupled[i]) for i in SLOW), {i: len(s) for i, s in decoupled.items()}
+    assert min(len(decoupled[i]) for i in FAST) > max(len(decoupled[i]) for i in SLOW), {
+        i: len(s) for i, s in decoupled.items()
+    }
 
 
 def _between(events: list[dict], start: float, end: float) -> list[dict]:
@@ -91,13 +132,19 @@ def test_faults_survivors_keep_stepping_in_decoupled_and_stall_in_sync_diloco(tm
             steps = _steps(runs[label], island)
             inside = _between(steps, kill, restart)
             before = [e for e in steps if e["wall"] < kill]
-            out[island] = (len(inside), (inside[-1]["wait_s"] if inside else 0.0) - (before[-1]["wait_s"] if before else 0.0))
+            out[island] = (
+                len(inside),
+                (inside[-1]["wait_s"] if inside else 0.0)
+                - (before[-1]["wait_s"] if before else 0.0),
+            )
         return out
 
     decoupled, sync = during_island_kill("decoupled"), during_island_kill("sync-diloco")
-    # decoupled: the schedule waited for us-east's steps; us-west, as fast, kept stepping too, and neither ever waited
+    # decoupled: the schedule waited for us-east's steps; us-west, as fast, kept stepping too, and
+    # neither ever waited
     assert all(steps >= 10 and waited == 0 for steps, waited in decoupled.values()), decoupled
-    # sync-diloco: a round without the killed island waits for the merger's quorum timeout before it folds
+    # sync-diloco: a round without the killed island waits for the merger's quorum timeout before it
+    # folds
     timeout = runs["sync-diloco"].config.effective()[1].quorum_timeout_s
     assert all(waited >= 0.5 * timeout for _, waited in sync.values()), sync
 
@@ -111,7 +158,9 @@ def test_quantization_fewer_bits_fewer_bytes(tmp_path):
 def test_quantization_sync_int4_sends_fewer_bytes(tmp_path):
     """sync-diloco: int4 deltas cost less than half of fp32's bytes per token."""
     runs = quick("quantization-sync", tmp_path)
-    assert suiteresults.bytes_per_token(runs["int4"]) < 0.5 * suiteresults.bytes_per_token(runs["fp32"])
+    assert suiteresults.bytes_per_token(runs["int4"]) < 0.5 * suiteresults.bytes_per_token(
+        runs["fp32"]
+    )
 
 
 def test_adoption_rebase_keeps_every_step_of_work_and_replace_drops_some(tmp_path):
@@ -137,21 +186,26 @@ def test_adoption_rebase_keeps_every_step_of_work_and_replace_drops_some(tmp_pat
                 seen.add(key)
         return later, short
 
-    (later, short), (later_replaced, short_replaced) = (later_deltas_short_of_an_interval(label) for label in ("rebase-uniform", "replace-uniform"))
+    (later, short), (later_replaced, short_replaced) = (
+        later_deltas_short_of_an_interval(label) for label in ("rebase-uniform", "replace-uniform")
+    )
     assert later >= 8 and short == 0, (later, short)
     assert later_replaced >= 8 and short_replaced >= 1, (later_replaced, short_replaced)
 
 
 def test_merging_every_rule_trains(tmp_path):
-    runs = quick("merging", tmp_path)  # quick() checks each lowered the global held-out loss
+    # quick() checks each lowered the global held-out loss
+    runs = quick("merging", tmp_path)
     assert set(runs) == {"average-4-islands", "rda-4-islands", "round-nesterov-lr0.7-4-islands"}
 
 
 def test_downlink_diffs_cut_the_bytes(tmp_path):
     runs = quick("downlink", tmp_path)
-    assert suiteresults.bytes_per_token(runs["int4-diff"]) < 0.7 * suiteresults.bytes_per_token(runs["bf16-full"])
-    # The held run only has to train here (quick() checks it): with the tiny model a round lasts about a
-    # second and few folds are held. Holding is tested in tests/test_merger_process.py.
+    assert suiteresults.bytes_per_token(runs["int4-diff"]) < 0.7 * suiteresults.bytes_per_token(
+        runs["bf16-full"]
+    )
+    # The held run only has to train here (quick() checks it): with the tiny model a round lasts
+    # about a second and few folds are held. Holding is tested in tests/test_merger_process.py.
 
 
 def test_quality_a_larger_budget_gives_every_mode_a_better_global_model(tmp_path):
@@ -165,25 +219,44 @@ def test_quality_a_larger_budget_gives_every_mode_a_better_global_model(tmp_path
     for mode in qualityreport.MODES:
         runs = [by_label[qualityreport.label(mode, budget)] for budget in (small, large)]
         for r in runs:
-            assert suiteresults.cluster_tokens(r) >= r.config.tokens, r.label  # ended by its budget, not by the clock
+            # ended by its budget, not by the clock
+            assert suiteresults.cluster_tokens(r) >= r.config.tokens, r.label
             assert r.global_after is not None and r.global_after < r.global_before, r.label
         assert runs[1].global_after < runs[0].global_after, mode
-    assert "| decoupled vs sync-dp |" in text.replace("decoupled vs sync-dp | decoupled vs sync-diloco", "decoupled vs sync-dp |")
-    assert (tmp_path / "experiments" / "quality_loss_vs_budget.png").exists() and (tmp_path / "quality.md").exists()
+    assert "| decoupled vs sync-dp |" in text.replace(
+        "decoupled vs sync-dp | decoupled vs sync-diloco", "decoupled vs sync-dp |"
+    )
+    assert (tmp_path / "experiments" / "quality_loss_vs_budget.png").exists() and (
+        tmp_path / "quality.md"
+    ).exists()
     assert qualityreport.wall_clock(results)["seconds_per_step_linked"] > 0
 
 
 def test_quality_sync_dp_in_one_process_is_the_clusters_sync_dp(tmp_path):
-    """The same budget, the quick model: sync-dp through the bus (four island processes, the merger's
-    fp32 average) and in one process (suites/inprocess.py) end within 1 % of each other, after the
-    same number of steps give or take the island's one-round-late view of the budget."""
+    """The same budget, the quick model: sync-dp through the bus (four island processes, the
+    merger's fp32 average) and in one process (suites/inprocess.py) end within 1 % of each other,
+    after the same number of steps give or take the island's one-round-late view of the budget."""
     from dloco.suites import quality, qualityreport
 
     budget = quality.QUICK_BUDGETS[0]
     name = qualityreport.label("sync-dp", budget)
-    _, (bus,) = quality.run_suite(tmp_path / "bus", quick=True, budgets=(budget,), only=(name,), sync_dp_on_bus=True, log=lambda line: None)
-    _, (alone,) = quality.run_suite(tmp_path / "alone", quick=True, budgets=(budget,), only=(name,), log=lambda line: None)
-    assert (tmp_path / "alone" / "quality" / name / "in_process.json").exists() and not (tmp_path / "alone" / "quality" / name / "merger").exists()
-    assert abs(alone.global_after - bus.global_after) < 0.01 * bus.global_after, (alone.global_after, bus.global_after)
+    _, (bus,) = quality.run_suite(
+        tmp_path / "bus",
+        quick=True,
+        budgets=(budget,),
+        only=(name,),
+        sync_dp_on_bus=True,
+        log=lambda line: None,
+    )
+    _, (alone,) = quality.run_suite(
+        tmp_path / "alone", quick=True, budgets=(budget,), only=(name,), log=lambda line: None
+    )
+    assert (tmp_path / "alone" / "quality" / name / "in_process.json").exists() and not (
+        tmp_path / "alone" / "quality" / name / "merger"
+    ).exists()
+    assert abs(alone.global_after - bus.global_after) < 0.01 * bus.global_after, (
+        alone.global_after,
+        bus.global_after,
+    )
     steps = {max(e["step"] for e in events) for events in bus.evals.values()}
     assert all(abs(s - next(iter(alone.last.values()))["step"]) <= 1 for s in steps), steps

@@ -1,4 +1,5 @@
-"""Round trips of every message kind, zero-copy payloads, and one test per decode rejection reason."""
+"""Round trips of every message kind, zero-copy payloads, and one test per decode rejection
+reason."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import pytest
 
 from dloco import protocol
 from dloco.protocol import Codec, decode, encode
-from tests.conftest import delta_messages, header_of, make_fragment, one_of_each_kind, reason_of, with_header
+from tests.conftest import (
+    delta_messages,
+    header_of,
+    make_fragment,
+    one_of_each_kind,
+    reason_of,
+    with_header,
+)
 
 
 def same(a, b) -> bool:
@@ -48,25 +56,60 @@ def test_delta_round_trips_with_every_codec(fragment, name):
 def test_chunk_headers_are_self_describing(fragment):
     message = delta_messages(fragment, Codec("int4"), max_chunk_bytes=1 << 20)[0]
     header = msgpack.unpackb(encode(message)[1])
-    for key in ("fragment", "base_version", "chunk_index", "chunk_count", "delta_id", "steps", "tokens", "model", "codec", "block"):
+    for key in (
+        "fragment",
+        "base_version",
+        "chunk_index",
+        "chunk_count",
+        "delta_id",
+        "steps",
+        "tokens",
+        "model",
+        "codec",
+        "block",
+    ):
         assert key in header
-    assert set(header["slices"][0]) == {"path", "dtype", "shape", "start", "count", "nbytes", "crc32"}
+    assert set(header["slices"][0]) == {
+        "path",
+        "dtype",
+        "shape",
+        "start",
+        "count",
+        "nbytes",
+        "crc32",
+    }
 
 
 def test_payloads_are_zero_copy_both_ways(fragment):
     x = np.arange(1000, dtype=np.float32)
     plan = protocol.split_fragment({"w": x}, Codec("fp32"))[0]
-    message = protocol.SnapshotChunk(sender="m", epoch=1, seq=1, fragment=0, version=1, chunk_index=0, chunk_count=1,
-                                     model="abc", codec=Codec("fp32"), slices=plan.slices, payloads=plan.payloads)
+    message = protocol.SnapshotChunk(
+        sender="m",
+        epoch=1,
+        seq=1,
+        fragment=0,
+        version=1,
+        chunk_index=0,
+        chunk_count=1,
+        model="abc",
+        codec=Codec("fp32"),
+        slices=plan.slices,
+        payloads=plan.payloads,
+    )
     frames = encode(message)
-    assert np.shares_memory(np.frombuffer(frames[2], dtype=np.float32), x)  # fp32 snapshot: the parameter buffer itself
+    # fp32 snapshot: the parameter buffer itself
+    assert np.shares_memory(np.frombuffer(frames[2], dtype=np.float32), x)
     received = [bytes(frames[0]), bytes(frames[1]), bytearray(frames[2])]
     decoded = decode(received)
-    assert decoded.payloads[0].obj is received[2]  # a view of the received frame, not a copy
+    # a view of the received frame, not a copy
+    assert decoded.payloads[0].obj is received[2]
 
 
 def test_protocol_imports_neither_zmq_nor_jax():
-    code = "import sys, dloco.protocol; bad = {'zmq', 'jax', 'flax'} & set(sys.modules); assert not bad, bad"
+    code = (
+        "import sys, dloco.protocol; bad = {'zmq', 'jax', 'flax'} & set(sys.modules); assert not"
+        " bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -78,7 +121,9 @@ def delta():
 
 def test_rejects_wrong_version(delta):
     frames, header = header_of(delta)
-    assert reason_of(with_header(frames, {**header, "v": protocol.PROTOCOL_VERSION + 1})) == "version"
+    assert (
+        reason_of(with_header(frames, {**header, "v": protocol.PROTOCOL_VERSION + 1})) == "version"
+    )
 
 
 def test_rejects_unknown_kind(delta):
@@ -88,7 +133,10 @@ def test_rejects_unknown_kind(delta):
 
 def test_rejects_missing_and_unknown_fields(delta):
     frames, header = header_of(delta)
-    assert reason_of(with_header(frames, {k: v for k, v in header.items() if k != "base_version"})) == "missing_field"
+    assert (
+        reason_of(with_header(frames, {k: v for k, v in header.items() if k != "base_version"}))
+        == "missing_field"
+    )
     assert reason_of(with_header(frames, {**header, "colour": "blue"})) == "unknown_field"
     slices = [{**header["slices"][0], "extra": 1}, *header["slices"][1:]]
     assert reason_of(with_header(frames, {**header, "slices": slices})) == "unknown_field"
@@ -126,27 +174,46 @@ def test_rejects_unreadable_frames(delta):
 def test_rejects_booleans_floats_and_repeated_keys(delta):
     frames, header = header_of(delta)
     assert reason_of(with_header(frames, {**header, "v": True})) == "version"
-    assert reason_of(with_header(frames, {**header, "v": 1})) == "version"  # version 1 had no diff snapshots
-    assert reason_of(with_header(frames, {**header, "v": float(protocol.PROTOCOL_VERSION)})) == "version"
+    # version 1 had no diff snapshots
+    assert reason_of(with_header(frames, {**header, "v": 1})) == "version"
+    assert (
+        reason_of(with_header(frames, {**header, "v": float(protocol.PROTOCOL_VERSION)}))
+        == "version"
+    )
     packed = msgpack.packb(header)
     # append a second "seq" entry by hand: bump the map16 length and add the pair
     assert packed[0] == 0xDE
     count = int.from_bytes(packed[1:3], "big")
-    repeated = b"\xde" + (count + 1).to_bytes(2, "big") + packed[3:] + msgpack.packb("seq") + msgpack.packb(999)
+    repeated = (
+        b"\xde"
+        + (count + 1).to_bytes(2, "big")
+        + packed[3:]
+        + msgpack.packb("seq")
+        + msgpack.packb(999)
+    )
     assert reason_of([frames[0], repeated, *frames[2:]]) == "header_msgpack"
 
 
 def test_rejects_length_mismatch(delta):
     frames, header = header_of(delta)
     assert reason_of([*frames[:2], frames[2][:-1], *frames[3:]]) == "length"
-    slices = [{**header["slices"][0], "count": header["slices"][0]["count"] - 256}, *header["slices"][1:]]
+    slices = [
+        {**header["slices"][0], "count": header["slices"][0]["count"] - 256},
+        *header["slices"][1:],
+    ]
     assert reason_of(with_header(frames, {**header, "slices": slices})) == "length"
 
 
 def test_rejects_chunk_index_out_of_range(delta):
     frames, header = header_of(delta)
-    assert reason_of(with_header(frames, {**header, "chunk_index": header["chunk_count"]})) == "chunk_index"
-    assert reason_of(with_header(frames, {**header, "chunk_count": 0, "chunk_index": 0})) == "chunk_index"
+    assert (
+        reason_of(with_header(frames, {**header, "chunk_index": header["chunk_count"]}))
+        == "chunk_index"
+    )
+    assert (
+        reason_of(with_header(frames, {**header, "chunk_count": 0, "chunk_index": 0}))
+        == "chunk_index"
+    )
 
 
 def test_rejects_checksum_mismatch(delta):
@@ -159,10 +226,22 @@ def test_rejects_checksum_mismatch(delta):
 def test_rejects_nan_in_payload():
     x = np.ones(64, dtype=np.float32)
     plan = protocol.split_fragment({"w": x}, Codec("fp32"))[0]
-    message = protocol.SnapshotChunk(sender="m", epoch=1, seq=1, fragment=0, version=1, chunk_index=0, chunk_count=1,
-                                     model="abc", codec=Codec("fp32"), slices=plan.slices, payloads=plan.payloads)
+    message = protocol.SnapshotChunk(
+        sender="m",
+        epoch=1,
+        seq=1,
+        fragment=0,
+        version=1,
+        chunk_index=0,
+        chunk_count=1,
+        model="abc",
+        codec=Codec("fp32"),
+        slices=plan.slices,
+        payloads=plan.payloads,
+    )
     frames = [bytes(f) for f in encode(message)]
-    x[5] = np.nan  # the sender's buffer changed after the checksum: still refused, as non-finite
+    # the sender's buffer changed after the checksum: still refused, as non-finite
+    x[5] = np.nan
     poisoned = encode(message)
     assert reason_of([bytes(f) for f in poisoned]) == "non_finite"
     assert decode(frames).slices == plan.slices
@@ -176,7 +255,19 @@ def test_rejects_absurd_sizes_without_allocating(delta):
     assert reason_of(frames, protocol.Limits(max_payload_bytes=10)) == "payload_too_large"
 
 
-@pytest.mark.parametrize("key,value", [("seq", -1), ("epoch", True), ("fragment", 1.5), ("sender", ""), ("sender", "a b"), ("model", 7), ("codec", "int3"), ("block", 100)])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("seq", -1),
+        ("epoch", True),
+        ("fragment", 1.5),
+        ("sender", ""),
+        ("sender", "a b"),
+        ("model", 7),
+        ("codec", "int3"),
+        ("block", 100),
+    ],
+)
 def test_rejects_mistyped_fields(delta, key, value):
     frames, header = header_of(delta)
     assert reason_of(with_header(frames, {**header, key: value})) in {"field_value", "codec"}
@@ -190,8 +281,22 @@ def test_rejects_topic_mismatch(delta):
 def test_rejects_misaligned_or_out_of_bounds_slices(delta):
     frames, header = header_of(delta)
     first = header["slices"][0]
-    assert reason_of(with_header(frames, {**header, "slices": [{**first, "start": 1}, *header["slices"][1:]]})) == "slice_bounds"
-    assert reason_of(with_header(frames, {**header, "slices": [{**first, "shape": [1]}, *header["slices"][1:]]})) == "slice_bounds"
+    assert (
+        reason_of(
+            with_header(
+                frames, {**header, "slices": [{**first, "start": 1}, *header["slices"][1:]]}
+            )
+        )
+        == "slice_bounds"
+    )
+    assert (
+        reason_of(
+            with_header(
+                frames, {**header, "slices": [{**first, "shape": [1]}, *header["slices"][1:]]}
+            )
+        )
+        == "slice_bounds"
+    )
 
 
 def test_encode_refuses_inconsistent_messages(delta):
@@ -204,13 +309,17 @@ def test_encode_refuses_inconsistent_messages(delta):
 
 
 def test_the_checksum_is_zlibs_crc32_by_isal():
-    """protocol.checksum.crc32: the same values and chaining as zlib's, from ISA-L (a dependency)."""
+    """protocol.checksum.crc32: the same values and chaining as zlib's, from ISA-L (a
+    dependency)."""
     import zlib
 
     from dloco.protocol import checksum
 
     data = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
-    assert checksum.crc32(b"123456789") == 0xCBF43926  # the check value PROTOCOL.md §3.4 names
-    assert checksum.crc32(data) == zlib.crc32(data) and checksum.crc32(data[7:], 12345) == zlib.crc32(data[7:], 12345)
+    # the check value PROTOCOL.md §3.4 names
+    assert checksum.crc32(b"123456789") == 0xCBF43926
+    assert checksum.crc32(data) == zlib.crc32(data) and checksum.crc32(
+        data[7:], 12345
+    ) == zlib.crc32(data[7:], 12345)
     assert checksum.crc32(memoryview(data)[3:1000]) == zlib.crc32(data[3:1000])
     assert "isal" in checksum.crc32.__module__

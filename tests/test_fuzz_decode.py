@@ -17,13 +17,28 @@ from dloco.protocol import ProtocolError, decode, encode
 from tests.conftest import one_of_each_kind
 
 VALID = [[bytes(f) for f in encode(m)] for m in one_of_each_kind()]
+
+
 def fuzz(examples: int) -> settings:
     """Settings for `examples` cases, times DLOCO_FUZZ_SCALE (default 1) for longer hunts."""
-    return settings(max_examples=examples * int(os.environ.get("DLOCO_FUZZ_SCALE", "1")), deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    return settings(
+        max_examples=examples * int(os.environ.get("DLOCO_FUZZ_SCALE", "1")),
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
+
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats() | st.text(max_size=20) | st.binary(max_size=20),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -42,7 +57,11 @@ def test_random_frames(frames):
 
 
 @fuzz(3000)
-@given(st.sampled_from(range(len(VALID))), st.integers(0, 1 << 30), st.lists(st.tuples(st.integers(0, 1 << 30), st.integers(0, 255)), min_size=1, max_size=4))
+@given(
+    st.sampled_from(range(len(VALID))),
+    st.integers(0, 1 << 30),
+    st.lists(st.tuples(st.integers(0, 1 << 30), st.integers(0, 255)), min_size=1, max_size=4),
+)
 def test_byte_flips_in_header_and_payload(which, frame_pick, flips):
     frames = list(VALID[which])
     index = 1 + frame_pick % (len(frames) - 1)
@@ -55,7 +74,12 @@ def test_byte_flips_in_header_and_payload(which, frame_pick, flips):
 
 
 @fuzz(1500)
-@given(st.sampled_from(range(len(VALID))), st.integers(0, 1 << 30), st.integers(0, 3), st.binary(max_size=16))
+@given(
+    st.sampled_from(range(len(VALID))),
+    st.integers(0, 1 << 30),
+    st.integers(0, 3),
+    st.binary(max_size=16),
+)
 def test_truncated_dropped_or_extra_frames(which, pick, action, extra):
     frames = list(VALID[which])
     index = pick % len(frames)
@@ -96,7 +120,12 @@ def _paths(node, prefix=()):
 
 
 @fuzz(4000)
-@given(st.sampled_from(range(len(VALID))), st.integers(0, 1 << 30), msgpack_values, st.sampled_from(["replace", "drop", "add"]))
+@given(
+    st.sampled_from(range(len(VALID))),
+    st.integers(0, 1 << 30),
+    msgpack_values,
+    st.sampled_from(["replace", "drop", "add"]),
+)
 def test_structured_header_mutations(which, pick, value, action):
     frames = list(VALID[which])
     header = msgpack.unpackb(frames[1])

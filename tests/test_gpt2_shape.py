@@ -21,16 +21,46 @@ def test_the_124m_preset_runs_through_dloco_up(tmp_path):
     from dloco.analysis.runinfo import merger_folds
 
     profile = (ROOT / "examples" / "gpt2-124m.toml").read_text()
-    assert "size = \"124m\"" in profile and "max_steps = 8" in profile
-    (tmp_path / "c.toml").write_text(profile.replace("max_steps = 8", "max_steps = 4").replace("context = 128", "context = 64"))
+    assert 'size = "124m"' in profile and "max_steps = 8" in profile
+    (tmp_path / "c.toml").write_text(
+        profile.replace("max_steps = 8", "max_steps = 4").replace("context = 128", "context = 64")
+    )
     run = tmp_path / "run"
-    up = subprocess.run([sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run)],
-                        capture_output=True, text=True, timeout=860, cwd=ROOT)
+    up = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dloco",
+            "up",
+            "--config",
+            str(tmp_path / "c.toml"),
+            "--run-dir",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=860,
+        cwd=ROOT,
+    )
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
-    models = [json.loads(line) for name in ("east", "west") for line in open(run / "logs" / f"{name}.log") if '"event": "model"' in line]
-    assert [m["params"] for m in models] == [123_665_664] * 2  # 124.4 M at 1,024 positions; 64 here
+    models = [
+        json.loads(line)
+        for name in ("east", "west")
+        for line in open(run / "logs" / f"{name}.log")
+        if '"event": "model"' in line
+    ]
+    # 124.4 M at 1,024 positions; 64 here
+    assert [m["params"] for m in models] == [123_665_664] * 2
     folds = merger_folds(run)
     assert {name for fold in folds for name in fold["contributors"]} == {"east", "west"}
     for name in ("east", "west"):
-        done = next(json.loads(line) for line in open(run / "logs" / f"{name}.log") if '"event": "done"' in line)
-        assert done["acks"].get("folded", 0) >= 1 and done["snapshots"].get("full", 0) >= 4 and done["snapshots"].get("diff", 0) >= 1, done
+        done = next(
+            json.loads(line)
+            for line in open(run / "logs" / f"{name}.log")
+            if '"event": "done"' in line
+        )
+        assert (
+            done["acks"].get("folded", 0) >= 1
+            and done["snapshots"].get("full", 0) >= 4
+            and done["snapshots"].get("diff", 0) >= 1
+        ), done

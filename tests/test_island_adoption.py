@@ -17,7 +17,8 @@ TRAIN = TrainConfig(batch=4, eval_every=10_000, max_steps=8)
 
 
 class ScriptedLink:
-    """Takes the island's deltas; hands it `snapshot` (fragment 0 at `version`) once, after `at_step` steps."""
+    """Takes the island's deltas; hands it `snapshot` (fragment 0 at `version`) once, after
+    `at_step` steps."""
 
     def __init__(self, loop_steps: list[int], at_step: int, version: int = 1) -> None:
         self.bytes_sent = self.bytes_received = 0
@@ -27,7 +28,9 @@ class ScriptedLink:
         self.loop_steps, self.at_step, self.version = loop_steps, at_step, version
 
     def publish(self, fragment, base_version, delta, steps, tokens) -> None:
-        self.published.append((fragment, base_version, {p: v.copy() for p, v in delta.items()}, steps, tokens))
+        self.published.append(
+            (fragment, base_version, {p: v.copy() for p, v in delta.items()}, steps, tokens)
+        )
 
     def snapshots(self):
         if self.snapshot is not None and self.loop_steps[0] >= self.at_step:
@@ -52,8 +55,16 @@ def run(corpus_parts, adoption: str, snapshot_of_start: bool) -> ScriptedLink:
     link = ScriptedLink(steps, at_step=5)
     if snapshot_of_start:
         link.snapshot = {p: v.copy() for p, v in start.items()}
-    loop = IslandLoop(trainer, data.Batches(shard, 4, 32, 0, 0), evaluation, TRAIN,
-                      SyncConfig(fragments=1, interval=8, adoption=adoption), MetricsWriter(None), link=link, count=bytelm.count_tokens)
+    loop = IslandLoop(
+        trainer,
+        data.Batches(shard, 4, 32, 0, 0),
+        evaluation,
+        TRAIN,
+        SyncConfig(fragments=1, interval=8, adoption=adoption),
+        MetricsWriter(None),
+        link=link,
+        count=bytelm.count_tokens,
+    )
     exchange = loop._exchange
 
     def counting(step: int) -> None:
@@ -66,22 +77,32 @@ def run(corpus_parts, adoption: str, snapshot_of_start: bool) -> ScriptedLink:
 
 
 @pytest.mark.timeout(240)
-def test_a_snapshot_between_sends_keeps_the_islands_work_with_rebase_and_drops_it_with_replace(corpus_parts):
+def test_a_snapshot_between_sends_keeps_the_islands_work_with_rebase_and_drops_it_with_replace(
+    corpus_parts,
+):
     undisturbed = run(corpus_parts, "rebase", snapshot_of_start=False)
     rebased = run(corpus_parts, "rebase", snapshot_of_start=True)
     replaced = run(corpus_parts, "replace", snapshot_of_start=True)
-    (_, base0, delta0, steps0, tokens0), = undisturbed.published
-    (_, base1, delta1, steps1, tokens1), = rebased.published
-    (_, base2, delta2, steps2, tokens2), = replaced.published
+    ((_, base0, delta0, steps0, tokens0),) = undisturbed.published
+    ((_, base1, delta1, steps1, tokens1),) = rebased.published
+    ((_, base2, delta2, steps2, tokens2),) = replaced.published
     # rebase: the same 8 steps of work, now based on version 1 (a snapshot equal to the start moves
-    # nothing but rounding: start + (theta - start) is theta to within an ulp; 3e-8 here, deltas ~1e-3)
-    assert (base0, steps0, tokens0) == (0, 8, 8 * 4 * 32) and (base1, steps1, tokens1) == (1, 8, 8 * 4 * 32)
+    # nothing but rounding: start + (theta - start) is theta to within an ulp; 3e-8 here, deltas
+    # ~1e-3)
+    assert (base0, steps0, tokens0) == (0, 8, 8 * 4 * 32) and (base1, steps1, tokens1) == (
+        1,
+        8,
+        8 * 4 * 32,
+    )
     for path in delta0:
         np.testing.assert_allclose(delta1[path], delta0[path], rtol=1e-3, atol=1e-6)
     # replace: the first 5 steps are thrown away; the delta carries 3 steps of work
     assert (base2, steps2, tokens2) == (1, 3, 3 * 4 * 32)
-    norm = lambda delta: float(np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in delta.values())))  # noqa: E731
-    assert norm(delta2) < 0.8 * norm(delta0)  # 0.105 vs 0.165 here (the learning rate is still warming up)
+    norm = lambda delta: float(
+        np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in delta.values()))
+    )  # noqa: E731
+    # 0.105 vs 0.165 here (the learning rate is still warming up)
+    assert norm(delta2) < 0.8 * norm(delta0)
 
 
 def test_rebase_puts_the_unsent_progress_on_the_newest_of_several_arrivals(corpus_parts):
@@ -89,12 +110,20 @@ def test_rebase_puts_the_unsent_progress_on_the_newest_of_several_arrivals(corpu
     progress since its anchor goes on top of it: theta = Theta_2 + (theta - anchor)."""
     shard, evaluation = corpus_parts
     trainer = bytelm.trainer(TINY, TRAIN)
-    loop = IslandLoop(trainer, data.Batches(shard, 4, 32, 0, 0), evaluation, TRAIN, SyncConfig(fragments=2, interval=8),
-                      MetricsWriter(None), count=bytelm.count_tokens)
+    loop = IslandLoop(
+        trainer,
+        data.Batches(shard, 4, 32, 0, 0),
+        evaluation,
+        TRAIN,
+        SyncConfig(fragments=2, interval=8),
+        MetricsWriter(None),
+        count=bytelm.count_tokens,
+    )
     fragment = 0
     paths = list(loop.progress[fragment].anchor)
     anchor = {p: loop.progress[fragment].anchor[p].copy() for p in paths}
-    for _ in range(3):  # progress since the anchor
+    # progress since the anchor
+    for _ in range(3):
         trainer.step(loop.batches.next())
     loop.progress[fragment].steps, loop.progress[fragment].tokens = 3, 384
     theta = trainer.params()
@@ -105,7 +134,8 @@ def test_rebase_puts_the_unsent_progress_on_the_newest_of_several_arrivals(corpu
     after = trainer.params()
     for p in paths:
         np.testing.assert_allclose(after[p], newer[p] + (theta[p] - anchor[p]), rtol=0, atol=1e-6)
-    for p, v in other.items():  # the other fragment is untouched
+    # the other fragment is untouched
+    for p, v in other.items():
         np.testing.assert_array_equal(after[p], v)
     progress = loop.progress[fragment]
     assert (progress.version, progress.steps, progress.tokens) == (2, 3, 384)
@@ -116,20 +146,34 @@ def test_rebase_puts_the_unsent_progress_on_the_newest_of_several_arrivals(corpu
 
 
 def test_a_leaving_island_sends_every_fragments_unsent_work_once(corpus_parts):
-    """P = 2, H = 8: fragment 0 goes out at step 4 (and would at 12), fragment 1 at step 8.  Stopping
-    after step 10, the flush sends fragment 0's 6 steps and fragment 1's 2, each from its last send."""
+    """P = 2, H = 8: fragment 0 goes out at step 4 (and would at 12), fragment 1 at step 8.
+    Stopping after step 10, the flush sends fragment 0's 6 steps and fragment 1's 2, each from its
+    last send.
+    """
     shard, evaluation = corpus_parts
     trainer = bytelm.trainer(TINY, TRAIN)
     link = ScriptedLink([0], at_step=10**9)
-    loop = IslandLoop(trainer, data.Batches(shard, 4, 32, 0, 0), evaluation, TRAIN, SyncConfig(fragments=2, interval=8),
-                      MetricsWriter(None), link=link, count=bytelm.count_tokens)
+    loop = IslandLoop(
+        trainer,
+        data.Batches(shard, 4, 32, 0, 0),
+        evaluation,
+        TRAIN,
+        SyncConfig(fragments=2, interval=8),
+        MetricsWriter(None),
+        link=link,
+        count=bytelm.count_tokens,
+    )
     loop.run(10)
     assert [(f, steps) for f, _, _, steps, _ in link.published] == [(0, 4), (1, 8)]
     anchors = {f: {p: v.copy() for p, v in loop.progress[f].anchor.items()} for f in (0, 1)}
     theta = trainer.params()
     assert loop.flush() == 2
-    assert [(f, steps, tokens) for f, _, _, steps, tokens in link.published[2:]] == [(0, 6, 6 * 4 * 32), (1, 2, 2 * 4 * 32)]
+    assert [(f, steps, tokens) for f, _, _, steps, tokens in link.published[2:]] == [
+        (0, 6, 6 * 4 * 32),
+        (1, 2, 2 * 4 * 32),
+    ]
     for fragment, _, delta, _, _ in link.published[2:]:
         for p, v in delta.items():
             np.testing.assert_array_equal(v, anchors[fragment][p] - theta[p])
-    assert loop.flush() == 0 and len(link.published) == 4  # nothing is sent twice
+    # nothing is sent twice
+    assert loop.flush() == 0 and len(link.published) == 4

@@ -13,7 +13,16 @@ from dloco.island.config import ConfigError, ModelConfig, SyncConfig, TrainConfi
 def test_schedule_staggers_fragments_by_hand():
     # P=4, H=50: offsets (p+1)*50//4 mod 50 = 12, 25, 37, 0
     due = {step: exchange.due_fragments(step, 4, 50) for step in range(1, 101)}
-    assert {step: f for step, f in due.items() if f} == {12: [0], 25: [1], 37: [2], 50: [3], 62: [0], 75: [1], 87: [2], 100: [3]}
+    assert {step: f for step, f in due.items() if f} == {
+        12: [0],
+        25: [1],
+        37: [2],
+        50: [3],
+        62: [0],
+        75: [1],
+        87: [2],
+        100: [3],
+    }
 
 
 @pytest.mark.parametrize("fragments_,interval", [(1, 1), (3, 10), (4, 50), (24, 24), (5, 7)])
@@ -28,7 +37,9 @@ def test_each_fragment_is_due_every_h_steps_and_never_two_at_once(fragments_, in
 def test_partition_is_the_one_the_merger_computes():
     shapes = {"a": (128, 64), "b": (64,), "c": (64, 256), "d": (3,)}
     # c (16384 values) -> 0; a (8192) -> 1; b (64) and d (3) -> 1, still the lighter one
-    assert exchange.partition(shapes, 2) == protocol.partition(shapes, 2) == [["c"], ["a", "b", "d"]]
+    assert (
+        exchange.partition(shapes, 2) == protocol.partition(shapes, 2) == [["c"], ["a", "b", "d"]]
+    )
 
 
 def test_pseudo_gradient_and_adoption_by_hand():
@@ -37,31 +48,51 @@ def test_pseudo_gradient_and_adoption_by_hand():
     assert exchange.pseudo_gradient(anchor, theta)["w"].tolist() == [0.5, -1.0]
     snapshot = {"w": np.array([2.0, 2.0], np.float32)}
     assert exchange.adopt(theta, snapshot, 0.0)["w"].tolist() == [2.0, 2.0]
-    assert exchange.adopt(theta, snapshot, 0.5)["w"].tolist() == [1.25, 2.5]  # 0.5*theta + 0.5*Theta
-    # rebase: Theta + (theta - anchor) = [2 + (0.5 - 1), 2 + (3 - 2)]; the next delta against Theta is the
-    # island's whole progress since its anchor, -(theta - anchor)
+    # 0.5*theta + 0.5*Theta
+    assert exchange.adopt(theta, snapshot, 0.5)["w"].tolist() == [1.25, 2.5]
+    # rebase: Theta + (theta - anchor) = [2 + (0.5 - 1), 2 + (3 - 2)]; the next delta against Theta
+    # is the island's whole progress since its anchor, -(theta - anchor)
     rebased = exchange.rebase(theta, anchor, snapshot)
     assert rebased["w"].tolist() == [1.5, 3.0] and rebased["w"].dtype == np.float32
-    assert exchange.pseudo_gradient(snapshot, rebased)["w"].tolist() == exchange.pseudo_gradient(anchor, theta)["w"].tolist()
-    # with error feedback's residual r (delta units, not delivered yet): Theta + (theta - anchor) - r, and the
-    # next delta is the progress plus r: [0.5 + 0.25, -1.0 - 0.5]
+    assert (
+        exchange.pseudo_gradient(snapshot, rebased)["w"].tolist()
+        == exchange.pseudo_gradient(anchor, theta)["w"].tolist()
+    )
+    # with error feedback's residual r (delta units, not delivered yet): Theta + (theta - anchor) -
+    # r, and the next delta is the progress plus r: [0.5 + 0.25, -1.0 - 0.5]
     residual = {"w": np.array([0.25, -0.5], np.float32)}
     carried = exchange.rebase(theta, anchor, snapshot, residual)
-    assert carried["w"].tolist() == [1.25, 3.5] and exchange.pseudo_gradient(snapshot, carried)["w"].tolist() == [0.75, -1.5]
+    assert carried["w"].tolist() == [1.25, 3.5] and exchange.pseudo_gradient(snapshot, carried)[
+        "w"
+    ].tolist() == [0.75, -1.5]
 
 
-@pytest.mark.parametrize("make", [lambda: ModelConfig(width=130, heads=4), lambda: ModelConfig(depth=0), lambda: TrainConfig(lr=0),
-                                  lambda: TrainConfig(schedule="linear"), lambda: SyncConfig(fragments=4, interval=3),
-                                  lambda: SyncConfig(codec="int3"), lambda: SyncConfig(alpha=1.0, adoption="replace"),
-                                  lambda: SyncConfig(adoption="merge"), lambda: SyncConfig(alpha=0.5)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ModelConfig(width=130, heads=4),
+        lambda: ModelConfig(depth=0),
+        lambda: TrainConfig(lr=0),
+        lambda: TrainConfig(schedule="linear"),
+        lambda: SyncConfig(fragments=4, interval=3),
+        lambda: SyncConfig(codec="int3"),
+        lambda: SyncConfig(alpha=1.0, adoption="replace"),
+        lambda: SyncConfig(adoption="merge"),
+        lambda: SyncConfig(alpha=0.5),
+    ],
+)
 def test_bad_configuration_names_the_value(make):
     with pytest.raises(ConfigError):
         make()
 
 
 def test_a_blocking_wait_ends_on_a_newer_version_or_a_delta_settled_without_a_fold():
-    sent = {0: 4, 1: 4}  # both fragments sent, based on version 4
-    assert not exchange.fold_wait_over(sent, {0: 5, 1: 4}, {}, {})  # fragment 1 not back yet
+    # both fragments sent, based on version 4
+    sent = {0: 4, 1: 4}
+    # fragment 1 not back yet
+    assert not exchange.fold_wait_over(sent, {0: 5, 1: 4}, {}, {})
     assert exchange.fold_wait_over(sent, {0: 5, 1: 5}, {}, {})
-    assert exchange.fold_wait_over(sent, {0: 5, 1: 4}, {1: 2}, {1: 3})  # fragment 1's delta was rejected since
-    assert not exchange.fold_wait_over(sent, {0: 5, 1: 4}, {1: 3}, {1: 3, 0: 9})  # an older rejection does not count
+    # fragment 1's delta was rejected since
+    assert exchange.fold_wait_over(sent, {0: 5, 1: 4}, {1: 2}, {1: 3})
+    # an older rejection does not count
+    assert not exchange.fold_wait_over(sent, {0: 5, 1: 4}, {1: 3}, {1: 3, 0: 9})

@@ -25,14 +25,22 @@ def corpus():
 def test_shards_are_disjoint_deterministic_and_share_one_eval_split(corpus):
     shards, evaluation = data.split(corpus, 3)
     total = sum(s.size for s in shards) + evaluation.size
-    assert total == corpus.tokens_N.size and evaluation.size == pytest.approx(0.05 * total, rel=0.01)
+    assert total == corpus.tokens_N.size and evaluation.size == pytest.approx(
+        0.05 * total, rel=0.01
+    )
     ends = [np.shares_memory(a, b) for i, a in enumerate(shards) for b in shards[i + 1 :]]
     assert not any(ends)
     again = data.load()
-    assert again.digest == corpus.digest and corpus.files > 100  # the stdlib: hundreds of files
-    a, b = data.Batches(shards[1], 4, 32, seed=0, island=1), data.Batches(shards[1], 4, 32, seed=0, island=1)
+    # the stdlib: hundreds of files
+    assert again.digest == corpus.digest and corpus.files > 100
+    a, b = (
+        data.Batches(shards[1], 4, 32, seed=0, island=1),
+        data.Batches(shards[1], 4, 32, seed=0, island=1),
+    )
     assert np.array_equal(a.next(), b.next())
-    assert not np.array_equal(data.Batches(shards[1], 4, 32, 0, 1).next(), data.Batches(shards[1], 4, 32, 0, 2).next())
+    assert not np.array_equal(
+        data.Batches(shards[1], 4, 32, 0, 1).next(), data.Batches(shards[1], 4, 32, 0, 2).next()
+    )
 
 
 def test_any_folder_of_text_is_a_corpus_and_tiny_ones_are_refused(tmp_path):
@@ -51,7 +59,10 @@ def test_any_folder_of_text_is_a_corpus_and_tiny_ones_are_refused(tmp_path):
 def test_training_lowers_the_held_out_loss(corpus):
     shards, evaluation = data.split(corpus, 1)
     trainer = bytelm.trainer(TINY, TrainConfig(batch=8, lr=1e-2, warmup=5, max_steps=60))
-    batches, held_out = data.Batches(shards[0], 8, 32, 0, 0), data.eval_batches(evaluation, 8, 32, 4)
+    batches, held_out = (
+        data.Batches(shards[0], 8, 32, 0, 0),
+        data.eval_batches(evaluation, 8, 32, 4),
+    )
     before = trainer.evaluate(held_out)
     for _ in range(60):
         trainer.step(batches.next())
@@ -82,12 +93,24 @@ print(json.dumps({"devices": len(jax.devices()), "losses": [trainer.step(batches
 
 
 def run_with_devices(count: int) -> dict:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={count}", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", RUN_STEPS], capture_output=True, text=True, env=env, timeout=180, check=True)
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={count}",
+        "JAX_PLATFORMS": "cpu",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", RUN_STEPS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.e2e  # two training processes of 20 s: -m e2e keeps the default run within its budget
+# two training processes of 20 s: -m e2e keeps the default run within its budget
+@pytest.mark.e2e
 def test_four_devices_give_the_loss_of_one_for_the_same_global_batch():
     one, four = run_with_devices(1), run_with_devices(4)
     assert (one["devices"], four["devices"]) == (1, 4)

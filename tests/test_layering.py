@@ -26,14 +26,19 @@ PROCESS_PACKAGES = ("island", "merger", "broker", "bus", "protocol", "telemetry"
 # the launcher, the analysis, the suites, the CLI, the benchmarks and the simulator
 NOT_FOR_PROCESSES = ("cluster", "analysis", "suites", "dloco", "benchmarks", "sim")
 # package -> what it may not import
-NOT_FOR = {"cluster": ("suites", "dloco", "sim"), "analysis": ("cluster", "suites", "dloco", "sim"),
-           "suites": ("dloco",), "sim": ("suites", "dloco")}
+NOT_FOR = {
+    "cluster": ("suites", "dloco", "sim"),
+    "analysis": ("cluster", "suites", "dloco", "sim"),
+    "suites": ("dloco",),
+    "sim": ("suites", "dloco"),
+}
 NOT_FOR_PROTOCOL = ("zmq", "jax", "jaxlib", "flax", "optax")
 MAX_LINES = 400
 
 
 def module_name(path: Path) -> str:
-    """The name a file imports as: protocol/framing.py is dloco.protocol.framing, tests stay tests."""
+    """The name a file imports as: protocol/framing.py is dloco.protocol.framing, tests stay
+    tests."""
     folder, *rest = path.relative_to(ROOT).with_suffix("").parts
     if rest and rest[-1] == "__init__":
         rest = rest[:-1]
@@ -54,22 +59,31 @@ def package_of(module: str) -> str | None:
 
 def source_files() -> list[Path]:
     """Every .py file of the project: its packages and its tests."""
-    return sorted(path for top in (*PACKAGES, "tests") for path in (ROOT / top).rglob("*.py")
-                  if "__pycache__" not in path.parts)
+    return sorted(
+        path
+        for top in (*PACKAGES, "tests")
+        for path in (ROOT / top).rglob("*.py")
+        if "__pycache__" not in path.parts
+    )
 
 
 def every_python_file() -> list[Path]:
     """Every .py file in the checkout but for environments, build output and runs."""
     skipped = ("build", "dist", "runs", "node_modules", "__pycache__")
+
     def kept(folder: str) -> bool:
         return not (folder.startswith(".") or folder in skipped or folder.endswith(".egg-info"))
 
-    return sorted(path for path in ROOT.rglob("*.py") if all(kept(folder) for folder in path.relative_to(ROOT).parts[:-1]))
+    return sorted(
+        path
+        for path in ROOT.rglob("*.py")
+        if all(kept(folder) for folder in path.relative_to(ROOT).parts[:-1])
+    )
 
 
 def imported_names(path: Path) -> list[tuple[str, tuple[str, ...]]]:
-    """(module, names) of every import in the file: `import a.b` gives ("a.b", ()), `from a import b, c`
-    gives ("a", ("b", "c")); relative imports are made absolute."""
+    """(module, names) of every import in the file: `import a.b` gives ("a.b", ()), `from a import
+    b, c` gives ("a", ("b", "c")); relative imports are made absolute."""
     package = module_name(path).split(".")
     if path.name != "__init__.py":
         package = package[:-1]
@@ -78,7 +92,14 @@ def imported_names(path: Path) -> list[tuple[str, tuple[str, ...]]]:
         if isinstance(node, ast.Import):
             found += [(alias.name, ()) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else [])) if node.level else node.module
+            base = (
+                ".".join(
+                    package[: len(package) - node.level + 1]
+                    + ([node.module] if node.module else [])
+                )
+                if node.level
+                else node.module
+            )
             found.append((base, tuple(alias.name for alias in node.names)))
     return found
 
@@ -97,7 +118,8 @@ def graph() -> dict[str, set[str]]:
 
     for name, path in files.items():
         for module, names in imported_names(path):
-            targets = [resolve(f"{module}.{n}") for n in names] or [resolve(module)]  # `from a import b`: a.b if a module, else a
+            # `from a import b`: a.b if a module, else a
+            targets = [resolve(f"{module}.{n}") for n in names] or [resolve(module)]
             edges[name] |= {target for target in targets if target is not None and target != name}
     return edges
 
@@ -156,7 +178,9 @@ def imported_packages(path: Path) -> set[str]:
     `from dloco.merger.fold import fold` both give "merger")."""
     found = set()
     for module, names in imported_names(path):
-        targets = [f"{module}.{name}" for name in names] if module == "dloco" and names else [module]
+        targets = (
+            [f"{module}.{name}" for name in names] if module == "dloco" and names else [module]
+        )
         found |= {package for target in targets if (package := package_of(target)) is not None}
     return found
 
@@ -177,50 +201,80 @@ def test_no_two_packages_import_each_other_even_through_others():
 
 
 def test_the_package_cycle_finder_sees_a_cycle_through_different_modules():
-    edges = {"dloco.analysis.report": {"dloco.cluster.config"}, "dloco.cluster.config": set(),
-             "dloco.cluster.launcher": {"dloco.analysis.verdict"}, "dloco.analysis.verdict": set(),
-             "tests.test_x": {"dloco.cluster.launcher"}}
-    assert cycles(edges) == [] and cycles(package_graph(edges)) == [frozenset({"analysis", "cluster"})]
+    edges = {
+        "dloco.analysis.report": {"dloco.cluster.config"},
+        "dloco.cluster.config": set(),
+        "dloco.cluster.launcher": {"dloco.analysis.verdict"},
+        "dloco.analysis.verdict": set(),
+        "tests.test_x": {"dloco.cluster.launcher"},
+    }
+    assert cycles(edges) == [] and cycles(package_graph(edges)) == [
+        frozenset({"analysis", "cluster"})
+    ]
 
 
 def test_every_import_of_the_project_goes_through_its_one_name():
     """`import protocol` would load protocol/ a second time under another name (and fail outside
     a checkout); every file says `dloco.protocol`."""
     bare = set(FOLDERS.values()) - {"dloco"}
-    offending = [f"{path.relative_to(ROOT)}: {module}" for path in source_files()
-                 for module, _ in imported_names(path) if module.split(".")[0] in bare]
+    offending = [
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in source_files()
+        for module, _ in imported_names(path)
+        if module.split(".")[0] in bare
+    ]
     assert not offending, offending
 
 
 def test_process_packages_import_nothing_from_the_orchestrator_or_the_benchmarks():
-    offending = [f"{path.relative_to(ROOT)}: {package}" for path in source_files()
-                 if folder_of(path) in PROCESS_PACKAGES
-                 for package in imported_packages(path) if package in NOT_FOR_PROCESSES]
+    offending = [
+        f"{path.relative_to(ROOT)}: {package}"
+        for path in source_files()
+        if folder_of(path) in PROCESS_PACKAGES
+        for package in imported_packages(path)
+        if package in NOT_FOR_PROCESSES
+    ]
     assert not offending, offending
 
 
 def test_the_launcher_and_the_analysis_import_neither_the_suites_nor_the_cli_nor_upwards():
-    offending = [f"{path.relative_to(ROOT)}: {package}" for path in source_files()
-                 if folder_of(path) in NOT_FOR
-                 for package in imported_packages(path) if package in NOT_FOR[folder_of(path)]]
+    offending = [
+        f"{path.relative_to(ROOT)}: {package}"
+        for path in source_files()
+        if folder_of(path) in NOT_FOR
+        for package in imported_packages(path)
+        if package in NOT_FOR[folder_of(path)]
+    ]
     assert not offending, offending
 
 
 def test_protocol_imports_no_zmq_or_jax():
-    offending = [f"{path.relative_to(ROOT)}: {module}" for path in source_files()
-                 if folder_of(path) == "protocol"
-                 for module, _ in imported_names(path) if module.split(".")[0] in NOT_FOR_PROTOCOL]
+    offending = [
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in source_files()
+        if folder_of(path) == "protocol"
+        for module, _ in imported_names(path)
+        if module.split(".")[0] in NOT_FOR_PROTOCOL
+    ]
     assert not offending, offending
 
 
 def test_no_source_file_is_over_400_lines():
-    long = {str(path.relative_to(ROOT)): n for path in every_python_file() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in every_python_file()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, long
 
 
 def test_the_rules_see_the_whole_project():
     """Guards the guards: every process package is scanned, and a function-level import counts."""
-    assert set(PROCESS_PACKAGES) <= set(PACKAGES) and set(NOT_FOR_PROCESSES) <= set(PACKAGES) and set(NOT_FOR) <= set(PACKAGES)
+    assert (
+        set(PROCESS_PACKAGES) <= set(PACKAGES)
+        and set(NOT_FOR_PROCESSES) <= set(PACKAGES)
+        and set(NOT_FOR) <= set(PACKAGES)
+    )
     edges = graph()
     # imported inside run_merger, not at module level
     assert "dloco.merger.roles" in edges["dloco.merger.main"]

@@ -19,7 +19,11 @@ from tests.cluster_helpers import small_profile
 
 STEPS = 80
 ISLANDS = ("a", "b", "slow")
-PROFILE = small_profile(300, 20, """
+PROFILE = (
+    small_profile(
+        300,
+        20,
+        """
 [[regions]]
 name = "a"
 [[regions]]
@@ -27,8 +31,15 @@ name = "b"
 [[regions]]
 name = "slow"
 slowdown = 2.0
-""", max_steps=STEPS).replace("interval = 10", 'interval = 10\ncodec = "topk2"\nerror_feedback = true').replace(
-    'snapshot_diff_codec = "int4"', 'snapshot_diff_codec = "int2"\nsnapshot_every_round = 1.0\nmax_staleness = 8')
+""",
+        max_steps=STEPS,
+    )
+    .replace("interval = 10", 'interval = 10\ncodec = "topk2"\nerror_feedback = true')
+    .replace(
+        'snapshot_diff_codec = "int4"',
+        'snapshot_diff_codec = "int2"\nsnapshot_every_round = 1.0\nmax_staleness = 8',
+    )
+)
 
 
 @pytest.mark.e2e
@@ -36,17 +47,39 @@ slowdown = 2.0
 def test_topk2_deltas_train_and_held_int2_diffs_apply_with_matching_digests(tmp_path):
     (tmp_path / "c.toml").write_text(PROFILE)
     run = tmp_path / "run"
-    up = subprocess.run([sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run)],
-                        capture_output=True, text=True, timeout=560)
+    up = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dloco",
+            "up",
+            "--config",
+            str(tmp_path / "c.toml"),
+            "--run-dir",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=560,
+    )
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
     folds = merger_folds(run)
     assert {name for fold in folds for name in fold["contributors"]} == set(ISLANDS), folds[:3]
     for name in ISLANDS:
-        done = next(json.loads(line) for line in open(run / "logs" / f"{name}.log") if '"event": "done"' in line)
-        # every diff applied to the value the merger served (no island asked again), each carrying at
-        # least one fold
-        assert 2 <= done["snapshots"].get("diff", 0) <= len(folds) and done["snapshots"].get("mismatch", 0) == 0, (done, len(folds))
-        last = [e for e in read_events(run / "metrics" / f"{name}.jsonl") if e.get("step", 0) > 0][-1]
+        done = next(
+            json.loads(line)
+            for line in open(run / "logs" / f"{name}.log")
+            if '"event": "done"' in line
+        )
+        # every diff applied to the value the merger served (no island asked again), each carrying
+        # at least one fold
+        assert (
+            2 <= done["snapshots"].get("diff", 0) <= len(folds)
+            and done["snapshots"].get("mismatch", 0) == 0
+        ), (done, len(folds))
+        last = [e for e in read_events(run / "metrics" / f"{name}.jsonl") if e.get("step", 0) > 0][
+            -1
+        ]
         assert 0 < last["bytes_received_values"] < last["bytes_received"], last
     report = (run / "report.md").read_text()
     row = next(line for line in report.splitlines() if line.startswith("| ") and "| {" in line)

@@ -39,8 +39,10 @@ def test_a_link_is_counted_up_down_and_up_again_with_its_endpoint():
         server = context.socket(zmq.ROUTER)
         server.bind(f"tcp://127.0.0.1:{port}")
         _until(
-            lambda: watcher.summary()["merger"]["up"] == 2, "the link back once its peer is"
-        )  # ZeroMQ reconnects by itself
+            lambda: watcher.summary()["merger"]["up"] == 2,
+            "the link back once its peer is",
+            # ZeroMQ reconnects by itself
+        )
         assert [(event, label) for event, label, _ in reports][:3] == [
             ("link_up", "merger"),
             ("link_down", "merger"),

@@ -16,7 +16,8 @@ from dloco.telemetry.logs import LogConfigError, rotation_settings
 def test_json_lines_are_read_incrementally(tmp_path):
     path = tmp_path / "a.jsonl"
     lines = JsonTail(path)
-    assert lines.new() == []  # not there yet
+    # not there yet
+    assert lines.new() == []
     path.write_text('{"step": 1}\n{"step": 2}\n{"ste')
     assert lines.new() == [{"step": 1}, {"step": 2}]
     with open(path, "a") as handle:
@@ -31,10 +32,12 @@ def test_segments_are_read_oldest_first(tmp_path):
     (tmp_path / "m.log.2").write_text('{"i": 1}\n')
     (tmp_path / "m.log.1").write_text('{"i": 2}\n{"i": 3}\n')
     assert log_segments(path) == [tmp_path / "m.log.2", tmp_path / "m.log.1", path]
-    assert read_events(path) == [{"i": 1}, {"i": 2}, {"i": 3}]  # the current file not written yet
+    # the current file not written yet
+    assert read_events(path) == [{"i": 1}, {"i": 2}, {"i": 3}]
     path.write_text('{"i": 4}\n{"i": ')
     assert [e["i"] for e in read_events(path)] == [1, 2, 3, 4]
-    (tmp_path / "m.log.4").write_text('{"i": 0}\n')  # past a gap: not a segment of this file
+    # past a gap: not a segment of this file
+    (tmp_path / "m.log.4").write_text('{"i": 0}\n')
     assert log_segments(path)[0] == tmp_path / "m.log.2"
 
 
@@ -43,17 +46,21 @@ def test_a_tail_follows_its_file_across_rotations(tmp_path):
     path.write_text('{"i": 1}\n')
     (tmp_path / "m.log.1").write_text('{"i": 0}\n')
     tail = JsonTail(path)
-    assert tail.new() == [{"i": 0}, {"i": 1}]  # the first look takes what was rotated out before it
+    # the first look takes what was rotated out before it
+    assert tail.new() == [{"i": 0}, {"i": 1}]
     with open(path, "a") as handle:
-        handle.write('{"i": 2}\n{"i"')  # half a line, then the writer finishes it and rotates
+        # half a line, then the writer finishes it and rotates
+        handle.write('{"i": 2}\n{"i"')
     assert tail.new() == [{"i": 2}]
     with open(path, "a") as handle:
         handle.write(": 3}\n")
     os.replace(tmp_path / "m.log.1", tmp_path / "m.log.2")
     os.replace(path, tmp_path / "m.log.1")
-    assert tail.new() == []  # between the rename and the new file
+    # between the rename and the new file
+    assert tail.new() == []
     path.write_text('{"i": 4}\n')
-    assert tail.new() == [{"i": 3}, {"i": 4}]  # the rest of the old file, then the new one
+    # the rest of the old file, then the new one
+    assert tail.new() == [{"i": 3}, {"i": 4}]
     assert tail.new() == []
 
 
@@ -98,7 +105,8 @@ def _write(tmp_path, lines: int, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_a_process_rotates_its_own_log_file_and_keeps_it_bounded(tmp_path):
-    assert _write(tmp_path, 3000).returncode == 0  # about 440 kB of lines: 22 times the limit
+    # about 440 kB of lines: 22 times the limit
+    assert _write(tmp_path, 3000).returncode == 0
     path = tmp_path / "writer.log"
     segments = log_segments(path)
     assert [p.name for p in segments] == ["writer.log.2", "writer.log.1", "writer.log"]
@@ -114,10 +122,12 @@ def test_a_process_rotates_its_own_log_file_and_keeps_it_bounded(tmp_path):
     kept = [e["i"] for e in read_events(path) if e.get("event") == "line"]
     assert (
         kept == list(range(kept[0], 3000)) and kept[0] > 0
-    )  # the newest lines, none missing, in order
+        # the newest lines, none missing, in order
+    )
     assert path.read_text().endswith(
         "the last words, on stderr\n"
-    )  # stderr followed stdout to the new file
+        # stderr followed stdout to the new file
+    )
 
 
 def test_rotation_is_off_at_zero_and_bad_settings_are_refused(tmp_path):

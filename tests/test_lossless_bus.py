@@ -29,7 +29,14 @@ CHUNKS = 200
 class SlowReceiver:
     """Binds its ROUTER and cursor PUB; SUB binds too, or connects to a broker."""
 
-    def __init__(self, sub_endpoint: str, control_port: int, cursor_port: int, read_delay_s: float = 0.002, answer_probes: bool = True) -> None:
+    def __init__(
+        self,
+        sub_endpoint: str,
+        control_port: int,
+        cursor_port: int,
+        read_delay_s: float = 0.002,
+        answer_probes: bool = True,
+    ) -> None:
         self.answer_probes = answer_probes
         self.context = zmq.Context()
         self.sub = self.context.socket(zmq.SUB)
@@ -37,14 +44,21 @@ class SlowReceiver:
         self.sub.setsockopt(zmq.RCVBUF, 4096)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        (self.sub.bind if sub_endpoint.startswith("@") else self.sub.connect)(sub_endpoint.removeprefix("@"))
+        (self.sub.bind if sub_endpoint.startswith("@") else self.sub.connect)(
+            sub_endpoint.removeprefix("@")
+        )
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind(f"tcp://127.0.0.1:{control_port}")
         self.cursor_pub = self.context.socket(zmq.PUB)
         self.cursor_pub.setsockopt(zmq.LINGER, 0)
         self.cursor_pub.bind(f"tcp://127.0.0.1:{cursor_port}")
-        self.tracker, self.delivered, self.read_delay_s, self.probed = GapTracker(), [], read_delay_s, []
+        self.tracker, self.delivered, self.read_delay_s, self.probed = (
+            GapTracker(),
+            [],
+            read_delay_s,
+            [],
+        )
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
@@ -54,7 +68,10 @@ class SlowReceiver:
         if isinstance(message, protocol.Heartbeat):
             self.tracker.heartbeat(message.sender, message.epoch, message.seq)
         elif isinstance(message, protocol.DeltaChunk):
-            self.delivered += [m.seq for m in self.tracker.receive(message.sender, message.epoch, message.seq, message)]
+            self.delivered += [
+                m.seq
+                for m in self.tracker.receive(message.sender, message.epoch, message.seq, message)
+            ]
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -65,27 +82,60 @@ class SlowReceiver:
             events = dict(poller.poll(20))
             if self.sub in events:
                 self.on_frames(self.sub.recv_multipart())
-                time.sleep(self.read_delay_s)  # a slow reader
+                # a slow reader
+                time.sleep(self.read_delay_s)
             if self.router in events:
                 identity, *body = self.router.recv_multipart()
                 message = protocol.decode(body)
                 stream = self.tracker.streams.get(message.sender)
-                if message.kind == protocol.Kind.DELTA and stream is not None and message.seq <= stream.delivered:
+                if (
+                    message.kind == protocol.Kind.DELTA
+                    and stream is not None
+                    and message.seq <= stream.delivered
+                ):
                     self.probed.append(message.delta_id)
                     if not self.answer_probes:
-                        continue  # a repeat of a delivered delta: say its result (the merger's re-ack)
-                    result = protocol.DeltaResult(message.sender, message.epoch, message.delta_id, message.fragment, "folded", 1, "")
-                    self.cursor_pub.send_multipart(protocol.encode(protocol.Ack(sender="merger", epoch=1, seq=1, cursors=(), results=(result,))))
+                        # a repeat of a delivered delta: say its result (the merger's re-ack)
+                        continue
+                    result = protocol.DeltaResult(
+                        message.sender,
+                        message.epoch,
+                        message.delta_id,
+                        message.fragment,
+                        "folded",
+                        1,
+                        "",
+                    )
+                    self.cursor_pub.send_multipart(
+                        protocol.encode(
+                            protocol.Ack(
+                                sender="merger", epoch=1, seq=1, cursors=(), results=(result,)
+                            )
+                        )
+                    )
                 elif message.kind == protocol.Kind.DELTA:
                     self.on_frames(body)
             if time.monotonic() >= next_round:
                 next_round = time.monotonic() + 0.2
                 for island, stream in self.tracker.streams.items():
                     if ranges := self.tracker.missing(island):
-                        request = protocol.ResendRequest(sender="merger", epoch=1, seq=0, target=island, target_epoch=stream.epoch, ranges=tuple(ranges))
+                        request = protocol.ResendRequest(
+                            sender="merger",
+                            epoch=1,
+                            seq=0,
+                            target=island,
+                            target_epoch=stream.epoch,
+                            ranges=tuple(ranges),
+                        )
                         self.router.send_multipart([island.encode(), *protocol.encode(request)])
                     cursor = protocol.Cursor(island, stream.epoch, stream.delivered)
-                    self.cursor_pub.send_multipart(protocol.encode(protocol.Ack(sender="merger", epoch=1, seq=1, cursors=(cursor,), results=())))
+                    self.cursor_pub.send_multipart(
+                        protocol.encode(
+                            protocol.Ack(
+                                sender="merger", epoch=1, seq=1, cursors=(cursor,), results=()
+                            )
+                        )
+                    )
 
     def close(self) -> None:
         self.stop.set()
@@ -95,7 +145,14 @@ class SlowReceiver:
 
 def sender(delta_endpoint: str, control_port: int, cursor_port: int) -> NetworkLink:
     sync = SyncConfig(fragments=1, interval=1, codec="fp32", chunk_bytes=1024, send_hwm=4)
-    return NetworkLink("island-a", "m", sync, delta_endpoint, f"tcp://127.0.0.1:{cursor_port}", f"tcp://127.0.0.1:{control_port}")
+    return NetworkLink(
+        "island-a",
+        "m",
+        sync,
+        delta_endpoint,
+        f"tcp://127.0.0.1:{cursor_port}",
+        f"tcp://127.0.0.1:{control_port}",
+    )
 
 
 def wait_for(condition, timeout_s: float, what: str) -> None:
@@ -105,7 +162,8 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-DELTA = {"w": np.arange(CHUNKS * 256, dtype=np.float32)}  # fp32, 1 KiB chunks: 200 chunks
+# fp32, 1 KiB chunks: 200 chunks
+DELTA = {"w": np.arange(CHUNKS * 256, dtype=np.float32)}
 
 
 @pytest.mark.timeout(120)
@@ -116,11 +174,19 @@ def test_overflowing_a_slow_subscriber_loses_nothing():
     try:
         time.sleep(0.5)
         link.publish(0, 0, DELTA, 1, 1)
-        wait_for(lambda: len(receiver.delivered) >= CHUNKS, 60, f"delivered {len(receiver.delivered)} of {CHUNKS}")
+        wait_for(
+            lambda: len(receiver.delivered) >= CHUNKS,
+            60,
+            f"delivered {len(receiver.delivered)} of {CHUNKS}",
+        )
         time.sleep(0.5)
-        assert receiver.delivered == list(range(1, CHUNKS + 1))  # each once, in order
-        assert link.uplink.resent > 0  # the loss was real and the resend path filled it
-        wait_for(lambda: len(link.uplink.kept) == 0, 10, "retransmit buffer not released by cursors")
+        # each once, in order
+        assert receiver.delivered == list(range(1, CHUNKS + 1))
+        # the loss was real and the resend path filled it
+        assert link.uplink.resent > 0
+        wait_for(
+            lambda: len(link.uplink.kept) == 0, 10, "retransmit buffer not released by cursors"
+        )
     finally:
         link.close()
         receiver.close()
@@ -132,11 +198,21 @@ def test_messages_sent_before_the_subscriber_exists_are_recovered():
     link = sender(f"tcp://127.0.0.1:{data_port}", control_port, cursor_port)
     try:
         link.publish(0, 0, DELTA, 1, 1)
-        wait_for(lambda: link.uplink.seq == CHUNKS, 30, "sender did not send")  # all 200 went out to nobody
-        receiver = SlowReceiver(f"@tcp://127.0.0.1:{data_port}", control_port, cursor_port, read_delay_s=0)
+        # all 200 went out to nobody
+        wait_for(lambda: link.uplink.seq == CHUNKS, 30, "sender did not send")
+        receiver = SlowReceiver(
+            f"@tcp://127.0.0.1:{data_port}", control_port, cursor_port, read_delay_s=0
+        )
         try:
-            wait_for(lambda: len(receiver.delivered) >= CHUNKS, 60, f"delivered {len(receiver.delivered)} of {CHUNKS}")
-            assert receiver.delivered == list(range(1, CHUNKS + 1)) and link.uplink.resent >= CHUNKS - 4
+            wait_for(
+                lambda: len(receiver.delivered) >= CHUNKS,
+                60,
+                f"delivered {len(receiver.delivered)} of {CHUNKS}",
+            )
+            assert (
+                receiver.delivered == list(range(1, CHUNKS + 1))
+                and link.uplink.resent >= CHUNKS - 4
+            )
         finally:
             receiver.close()
     finally:
@@ -156,13 +232,24 @@ def test_kill_9_of_the_broker_mid_stream_loses_nothing(tmp_path):
         wait_for(lambda: len(receiver.delivered) >= 20, 30, "nothing got through the broker")
         broker.process.send_signal(signal.SIGKILL)
         broker.process.wait(timeout=10)
-        link.publish(0, 0, DELTA, 1, 1)  # a second delta while the broker is down: 200 more chunks
+        # a second delta while the broker is down: 200 more chunks
+        link.publish(0, 0, DELTA, 1, 1)
         time.sleep(0.5)
-        restarted = subprocess.Popen(broker.process.args, stdout=open(tmp_path / "broker-2.log", "wb"), stderr=subprocess.STDOUT)
-        wait_for(lambda: len(receiver.delivered) >= 2 * CHUNKS, 90, f"delivered {len(receiver.delivered)} of {2 * CHUNKS}")
+        restarted = subprocess.Popen(
+            broker.process.args,
+            stdout=open(tmp_path / "broker-2.log", "wb"),
+            stderr=subprocess.STDOUT,
+        )
+        wait_for(
+            lambda: len(receiver.delivered) >= 2 * CHUNKS,
+            90,
+            f"delivered {len(receiver.delivered)} of {2 * CHUNKS}",
+        )
         time.sleep(0.5)
-        assert receiver.delivered == list(range(1, 2 * CHUNKS + 1))  # before, during and after: each once, in order
-        assert link.uplink.resent > 0  # what the dead broker swallowed came back point to point
+        # before, during and after: each once, in order
+        assert receiver.delivered == list(range(1, 2 * CHUNKS + 1))
+        # what the dead broker swallowed came back point to point
+        assert link.uplink.resent > 0
     finally:
         link.close()
         receiver.close()
@@ -177,16 +264,30 @@ def test_kill_9_of_the_broker_mid_stream_loses_nothing(tmp_path):
 
 def test_a_full_retransmit_buffer_stops_the_publisher_not_the_loop():
     data_port, control_port, cursor_port = free_ports(3)
-    sync = SyncConfig(fragments=1, interval=1, codec="fp32", chunk_bytes=1024, retransmit_messages=10)
-    link = NetworkLink("island-a", "m", sync, f"tcp://127.0.0.1:{data_port}", f"tcp://127.0.0.1:{cursor_port}", f"tcp://127.0.0.1:{control_port}")
-    try:  # nobody acknowledges anything
+    sync = SyncConfig(
+        fragments=1, interval=1, codec="fp32", chunk_bytes=1024, retransmit_messages=10
+    )
+    link = NetworkLink(
+        "island-a",
+        "m",
+        sync,
+        f"tcp://127.0.0.1:{data_port}",
+        f"tcp://127.0.0.1:{cursor_port}",
+        f"tcp://127.0.0.1:{control_port}",
+    )
+    # nobody acknowledges anything
+    try:
         started = time.monotonic()
         for _ in range(5):
-            link.publish(0, 0, DELTA, 1, 1)  # returns at once every time
-        assert time.monotonic() - started < 5.0  # a blocking publish would never return: nobody acknowledges
+            # returns at once every time
+            link.publish(0, 0, DELTA, 1, 1)
+        # a blocking publish would never return: nobody acknowledges
+        assert time.monotonic() - started < 5.0
         wait_for(lambda: link.uplink.backpressure_waits > 0, 10, "publisher never waited")
-        assert link.uplink.seq == 10 and len(link.uplink.kept) == 10  # stopped at the bound; nothing discarded
-        assert link.summed >= 3  # later deltas wait in the outbox, summed
+        # stopped at the bound; nothing discarded
+        assert link.uplink.seq == 10 and len(link.uplink.kept) == 10
+        # later deltas wait in the outbox, summed
+        assert link.summed >= 3
     finally:
         link.close()
 
@@ -196,13 +297,16 @@ def test_a_lost_result_is_asked_for_again_and_the_drain_completes():
     was published while the broker was down): the island re-sends the delta's first chunk point to
     point, the receiver answers with the result, and the drain at the end completes."""
     data_port, control_port, cursor_port = free_ports(3)
-    receiver = SlowReceiver(f"@tcp://127.0.0.1:{data_port}", control_port, cursor_port, read_delay_s=0)
+    receiver = SlowReceiver(
+        f"@tcp://127.0.0.1:{data_port}", control_port, cursor_port, read_delay_s=0
+    )
     link = sender(f"tcp://127.0.0.1:{data_port}", control_port, cursor_port)
     try:
         time.sleep(0.5)
         link.publish(0, 0, DELTA, 1, 1)
         wait_for(lambda: len(receiver.delivered) == CHUNKS, 30, "the delta did not get through")
-        assert not link.drain(1.0)  # admitted (cursor) but unsettled: no result yet
+        # admitted (cursor) but unsettled: no result yet
+        assert not link.drain(1.0)
         assert link.drain(15.0), (link.results, link.uplink.probes)
         assert receiver.probed == [1] and link.uplink.probes == 1 and link.results["folded"] == 1
     finally:
@@ -215,33 +319,64 @@ def test_the_drain_waits_for_a_delta_still_on_its_way_out():
     (200 KiB at 1 Mbit/s, ~1.7 s): the drain is not complete until it is sent and settled — else
     the link is closed under it and the island's last work is lost."""
     data_port, control_port, cursor_port = free_ports(3)
-    receiver = SlowReceiver(f"@tcp://127.0.0.1:{data_port}", control_port, cursor_port, read_delay_s=0)
+    receiver = SlowReceiver(
+        f"@tcp://127.0.0.1:{data_port}", control_port, cursor_port, read_delay_s=0
+    )
     sync = SyncConfig(fragments=1, interval=1, codec="fp32", chunk_bytes=1024)
-    link = NetworkLink("island-a", "m", sync, f"tcp://127.0.0.1:{data_port}", f"tcp://127.0.0.1:{cursor_port}",
-                       f"tcp://127.0.0.1:{control_port}", uplink=LinkShaper.from_mbps(1.0))
+    link = NetworkLink(
+        "island-a",
+        "m",
+        sync,
+        f"tcp://127.0.0.1:{data_port}",
+        f"tcp://127.0.0.1:{cursor_port}",
+        f"tcp://127.0.0.1:{control_port}",
+        uplink=LinkShaper.from_mbps(1.0),
+    )
     try:
         time.sleep(0.5)
         link.publish(0, 0, DELTA, 1, 1)
-        wait_for(lambda: link.bytes_sent > 0, 10, "the delta did not start")  # off the outbox, on the wire
+        # off the outbox, on the wire
+        wait_for(lambda: link.bytes_sent > 0, 10, "the delta did not start")
         assert not link.drain(0.3) and link.deltas_sent == 0
         assert link.drain(30.0), (link.results, link.deltas_sent)
-        assert link.deltas_sent == 1 and link.results["folded"] == 1 and len(receiver.delivered) == CHUNKS
+        assert (
+            link.deltas_sent == 1
+            and link.results["folded"] == 1
+            and len(receiver.delivered) == CHUNKS
+        )
     finally:
         link.close()
         receiver.close()
 
 
 def test_a_result_nobody_knows_is_given_up_after_the_settle_timeout():
-    """A merger that restarted after rejecting a delta has no record of it: the island stops asking."""
+    """A merger that restarted after rejecting a delta has no record of it: the island stops
+    asking."""
     data_port, control_port, cursor_port = free_ports(3)
-    receiver = SlowReceiver(f"@tcp://127.0.0.1:{data_port}", control_port, cursor_port, read_delay_s=0, answer_probes=False)
+    receiver = SlowReceiver(
+        f"@tcp://127.0.0.1:{data_port}",
+        control_port,
+        cursor_port,
+        read_delay_s=0,
+        answer_probes=False,
+    )
     sync = SyncConfig(fragments=1, interval=1, codec="fp32", chunk_bytes=1024, settle_timeout_s=4.0)
-    link = NetworkLink("island-a", "m", sync, f"tcp://127.0.0.1:{data_port}", f"tcp://127.0.0.1:{cursor_port}", f"tcp://127.0.0.1:{control_port}")
+    link = NetworkLink(
+        "island-a",
+        "m",
+        sync,
+        f"tcp://127.0.0.1:{data_port}",
+        f"tcp://127.0.0.1:{cursor_port}",
+        f"tcp://127.0.0.1:{control_port}",
+    )
     try:
         time.sleep(0.5)
         link.publish(0, 0, DELTA, 1, 1)
         assert link.drain(20.0), link.results
-        assert link.results["unknown"] == 1 and link.results["folded"] == 0 and receiver.probed == [1]  # asked once (at 3 s), then gave up
+        # asked once (at 3 s), then gave up
+        assert (
+            link.results["unknown"] == 1 and link.results["folded"] == 0 and receiver.probed == [1]
+        )
     finally:
         link.close()
         receiver.close()

@@ -1,5 +1,6 @@
 """Merging straight from int codes (merger/coded.py) against hand-derived values and against the
-float32 path on the decoded deltas; live and replay take the same path (tests/test_merger_log.py)."""
+float32 path on the decoded deltas; live and replay take the same path (tests/test_merger_log.py).
+"""
 
 from __future__ import annotations
 
@@ -19,65 +20,121 @@ INT4_8 = Codec("int4", 8)
 
 
 def record(scale: float, codes: list[int]) -> np.ndarray:
-    return np.concatenate([np.frombuffer(np.float32(scale).tobytes(), np.uint8), np.array(codes, np.uint8)])
+    return np.concatenate(
+        [np.frombuffer(np.float32(scale).tobytes(), np.uint8), np.array(codes, np.uint8)]
+    )
 
 
 def test_two_hand_made_int4_deltas():
-    # A: scale 0.5, level +1 at value 0 (low nibble 9); B: scale 1, level +2 at value 1 (high nibble 10); the rest level 0 (nibble 8).
+    # A: scale 0.5, level +1 at value 0 (low nibble 9); B: scale 1, level +2 at value 1 (high nibble
+    # 10); the rest level 0 (nibble 8).
     a = CodedTensor(INT4_8, (8,), record(0.5, [0x89, 0x88, 0x88, 0x88])[None, :])
     b = CodedTensor(INT4_8, (8,), record(1.0, [0xA8, 0x88, 0x88, 0x88])[None, :])
-    assert a.decode().tolist() == [0.5, 0, 0, 0, 0, 0, 0, 0] and b.decode().tolist() == [0, 2, 0, 0, 0, 0, 0, 0]
+    assert a.decode().tolist() == [0.5, 0, 0, 0, 0, 0, 0, 0] and b.decode().tolist() == [
+        0,
+        2,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+    ]
     merged, norms, merged_norm = coded.merge([{"w": a}, {"w": b}], [0.5, 0.5], {"w": False})
-    # RDA: r = .5*.5 + .5*2 = 1.25; u = .5*e0 + .5*e1; merged = 1.25 * u / |u| = 1.25/sqrt(2) (e0 + e1)
+    # RDA: r = .5*.5 + .5*2 = 1.25; u = .5*e0 + .5*e1; merged = 1.25 * u / |u| = 1.25/sqrt(2) (e0 +
+    # e1)
     assert norms == [0.5, 2.0] and merged_norm == pytest.approx(1.25)
-    np.testing.assert_allclose(np.asarray(merged["w"]), [1.25 / np.sqrt(2)] * 2 + [0] * 6, rtol=1e-6)
-    merged, _, merged_norm = coded.merge([{"w": a}, {"w": b}], [0.5, 0.5], {"w": True})  # weighted average: .25 e0 + e1
+    np.testing.assert_allclose(
+        np.asarray(merged["w"]), [1.25 / np.sqrt(2)] * 2 + [0] * 6, rtol=1e-6
+    )
+    # weighted average: .25 e0 + e1
+    merged, _, merged_norm = coded.merge([{"w": a}, {"w": b}], [0.5, 0.5], {"w": True})
     np.testing.assert_allclose(np.asarray(merged["w"]), [0.25, 1, 0, 0, 0, 0, 0, 0], rtol=1e-7)
     assert merged_norm == pytest.approx(np.sqrt(0.25**2 + 1))
 
 
 def test_a_zero_delta_gives_no_direction_and_one_delta_comes_back_unchanged():
     zero = CodedTensor(INT4_8, (8,), record(0.0, [0x88] * 4)[None, :])
-    b = CodedTensor(INT4_8, (8,), record(1.0, [0xA8, 0x88, 0x88, 0x8F])[None, :])  # +2 at value 1, +7 at value 7
+    # +2 at value 1, +7 at value 7
+    b = CodedTensor(INT4_8, (8,), record(1.0, [0xA8, 0x88, 0x88, 0x8F])[None, :])
     alone, norms, _ = coded.merge([{"w": b}], [1.0], {"w": False})
     np.testing.assert_array_equal(np.asarray(alone["w"]), b.decode())
     with_zero, norms, _ = coded.merge([{"w": zero}, {"w": b}], [0.5, 0.5], {"w": False})
-    assert norms[0] == 0.0  # RDA: radius halves, direction is b's alone
+    # RDA: radius halves, direction is b's alone
+    assert norms[0] == 0.0
     np.testing.assert_allclose(np.asarray(with_zero["w"]), 0.5 * b.decode(), rtol=1e-6)
     nothing, _, merged_norm = coded.merge([{"w": zero}], [1.0], {"w": False})
     assert merged_norm == 0.0 and not np.asarray(nothing["w"]).any()
 
 
 def test_two_hand_made_sparse_deltas():
-    # topk2, block 128: keep 4 per block; code = (m - 1) | sign << 1, four codes per byte, first in bits 0-1.
-    # A: scale 0.5, +2 at 3, -1 at 9, +1 at 20, -2 at 127 -> codes 1, 2, 0, 3 = 0b11_00_10_01
-    # B: scale 1.0, +1 at 3, +1 at 4, +1 at 5, +1 at 6 -> codes 0, 0, 0, 0
+    # topk2, block 128: keep 4 per block; code = (m - 1) | sign << 1, four codes per byte, first in
+    # bits 0-1. A: scale 0.5, +2 at 3, -1 at 9, +1 at 20, -2 at 127 -> codes 1, 2, 0, 3 =
+    # 0b11_00_10_01 B: scale 1.0, +1 at 3, +1 at 4, +1 at 5, +1 at 6 -> codes 0, 0, 0, 0
     topk2 = Codec("topk2", 128)
-    a = CodedTensor(topk2, (128,), np.concatenate([record(0.5, []), np.array([3, 9, 20, 127, 0b11001001], np.uint8)])[None, :])
-    b = CodedTensor(topk2, (128,), np.concatenate([record(1.0, []), np.array([3, 4, 5, 6, 0], np.uint8)])[None, :])
+    a = CodedTensor(
+        topk2,
+        (128,),
+        np.concatenate([record(0.5, []), np.array([3, 9, 20, 127, 0b11001001], np.uint8)])[None, :],
+    )
+    b = CodedTensor(
+        topk2,
+        (128,),
+        np.concatenate([record(1.0, []), np.array([3, 4, 5, 6, 0], np.uint8)])[None, :],
+    )
     da, db = a.decode(), b.decode()
     assert {i: da[i] for i in np.flatnonzero(da)} == {3: 1.0, 9: -0.5, 20: 0.5, 127: -1.0}
     assert {i: db[i] for i in np.flatnonzero(db)} == {3: 1.0, 4: 1.0, 5: 1.0, 6: 1.0}
-    merged, norms, merged_norm = coded.merge([{"w": a}, {"w": b}], [0.5, 0.5], {"w": True})  # weighted average
+    # weighted average
+    merged, norms, merged_norm = coded.merge([{"w": a}, {"w": b}], [0.5, 0.5], {"w": True})
     expected = 0.5 * da + 0.5 * db
     np.testing.assert_array_equal(np.asarray(merged["w"]), expected)
-    assert norms == [pytest.approx(np.sqrt(1 + 0.25 + 0.25 + 1)), 2.0] and merged_norm == pytest.approx(np.linalg.norm(expected))
-    assert a.squared_norm_bound() == pytest.approx(2.5)  # sparse: the exact value
+    assert norms == [
+        pytest.approx(np.sqrt(1 + 0.25 + 0.25 + 1)),
+        2.0,
+    ] and merged_norm == pytest.approx(np.linalg.norm(expected))
+    # sparse: the exact value
+    assert a.squared_norm_bound() == pytest.approx(2.5)
 
 
-@pytest.mark.parametrize("name,block", [("int8", 64), ("int4", 64), ("int2", 64), ("topk2", 128), ("topk4", 128)])
+@pytest.mark.parametrize(
+    "name,block", [("int8", 64), ("int4", 64), ("int2", 64), ("topk2", 128), ("topk4", 128)]
+)
 def test_codes_merge_like_the_decoded_floats(name, block):
     codec, rng = Codec(name, block), np.random.default_rng(3)
-    shapes = {"a/kernel": (13, 17), "b/bias": (5,), "c/kernel": (64, 3)}  # padded last blocks, a tensor smaller than a block
-    deltas = [{p: CodedTensor(codec, s, codec.encode((rng.standard_normal(s) * 10.0**-m).astype(np.float32).reshape(-1)).reshape(-1, codec.record_nbytes))
-               for p, s in shapes.items()} for m in range(10 if codec.sparse else 3)]  # sparse: groups of 8 and 2
-    contributions = [Contribution(f"i{m}", 1, 1, 0, 100 * (m + 1), 10, d) for m, d in enumerate(deltas)]
+    # padded last blocks, a tensor smaller than a block
+    shapes = {"a/kernel": (13, 17), "b/bias": (5,), "c/kernel": (64, 3)}
+    deltas = [
+        {
+            p: CodedTensor(
+                codec,
+                s,
+                codec.encode(
+                    (rng.standard_normal(s) * 10.0**-m).astype(np.float32).reshape(-1)
+                ).reshape(-1, codec.record_nbytes),
+            )
+            # sparse: groups of 8 and 2
+            for p, s in shapes.items()
+        }
+        for m in range(10 if codec.sparse else 3)
+    ]
+    contributions = [
+        Contribution(f"i{m}", 1, 1, 0, 100 * (m + 1), 10, d) for m, d in enumerate(deltas)
+    ]
     for method in ("rda", "average"):
         config = MergeConfig(method=method, average_paths=("bias",))
-        expected, weights = merge(contributions, config)  # the float path on decoded values
-        got, norms, merged_norm = coded.merge(deltas, weights, {p: method == "average" or "bias" in p for p in shapes})
+        # the float path on decoded values
+        expected, weights = merge(contributions, config)
+        got, norms, merged_norm = coded.merge(
+            deltas, weights, {p: method == "average" or "bias" in p for p in shapes}
+        )
         for path in shapes:
-            np.testing.assert_allclose(np.asarray(got[path]), expected[path], rtol=2e-5, atol=1e-7 * np.abs(expected[path]).max())
+            np.testing.assert_allclose(
+                np.asarray(got[path]),
+                expected[path],
+                rtol=2e-5,
+                atol=1e-7 * np.abs(expected[path]).max(),
+            )
         floats = [{p: t.decode() for p, t in d.items()} for d in deltas]
         np.testing.assert_allclose(norms, [rda.fragment_norm(f) for f in floats], rtol=1e-6)
         assert merged_norm == pytest.approx(rda.fragment_norm(expected), rel=1e-5)
@@ -88,8 +145,19 @@ def test_fold_uses_the_codes_and_is_deterministic():
     shapes = {"w": (300, 40), "v": (7,)}
     params = {p: rng.standard_normal(s).astype(np.float32) for p, s in shapes.items()}
     step = make_step(outer_optimizer(OuterConfig()))
-    deltas = [{p: CodedTensor(codec, s, codec.encode((rng.standard_normal(s) * 1e-2).astype(np.float32).reshape(-1)).reshape(-1, codec.record_nbytes))
-               for p, s in shapes.items()} for _ in range(2)]
+    deltas = [
+        {
+            p: CodedTensor(
+                codec,
+                s,
+                codec.encode(
+                    (rng.standard_normal(s) * 1e-2).astype(np.float32).reshape(-1)
+                ).reshape(-1, codec.record_nbytes),
+            )
+            for p, s in shapes.items()
+        }
+        for _ in range(2)
+    ]
     members = [Contribution(f"i{m}", 1, m, 0, 50, 5, d) for m, d in enumerate(deltas)]
     results = []
     for _ in range(2):
@@ -100,22 +168,50 @@ def test_fold_uses_the_codes_and_is_deterministic():
     assert results[0] == results[1] and report.version == 3
     assert coded.mergeable([m.tensors for m in members])
     assert not coded.mergeable([members[0].tensors, {p: t.decode() for p, t in deltas[1].items()}])
-    assert not coded.mergeable([{p: CodedTensor(Codec("int8"), t.shape, Codec("int8").encode(t.decode().reshape(-1)).reshape(-1, Codec("int8").record_nbytes))
-                                 for p, t in deltas[0].items()}, deltas[1]])
+    assert not coded.mergeable(
+        [
+            {
+                p: CodedTensor(
+                    Codec("int8"),
+                    t.shape,
+                    Codec("int8")
+                    .encode(t.decode().reshape(-1))
+                    .reshape(-1, Codec("int8").record_nbytes),
+                )
+                for p, t in deltas[0].items()
+            },
+            deltas[1],
+        ]
+    )
     with pytest.raises(protocol.EncodeError, match="records of"):
         CodedTensor(codec, (3, 3), np.zeros((2, codec.record_nbytes), np.uint8))
 
 
 def test_rounds_of_any_size_use_few_kernel_shapes_and_the_same_order(monkeypatch):
-    assert coded.groups(1) == [(0, 1, 1)] and coded.groups(3) == [(0, 3, 4)] and coded.groups(11) == [(0, 8, 8), (8, 3, 4)]
+    assert (
+        coded.groups(1) == [(0, 1, 1)]
+        and coded.groups(3) == [(0, 3, 4)]
+        and coded.groups(11) == [(0, 8, 8), (8, 3, 4)]
+    )
     codec, rng = Codec("int4", 8), np.random.default_rng(9)
-    deltas = [{"w": CodedTensor(codec, (40,), codec.encode(rng.standard_normal(40).astype(np.float32)).reshape(-1, codec.record_nbytes))}
-              for _ in range(11)]
+    deltas = [
+        {
+            "w": CodedTensor(
+                codec,
+                (40,),
+                codec.encode(rng.standard_normal(40).astype(np.float32)).reshape(
+                    -1, codec.record_nbytes
+                ),
+            )
+        }
+        for _ in range(11)
+    ]
     weights = list(rng.random(11))
     grouped, _, _ = coded.merge(deltas, weights, {"w": True})
     expected = sum(np.float32(w) * d["w"].decode() for w, d in zip(weights, deltas))
     np.testing.assert_allclose(np.asarray(grouped["w"]), expected, rtol=1e-5, atol=1e-6)
-    monkeypatch.setattr(coded, "GROUPS", (1,))  # one delta per kernel call: the same sequential sum, bit for bit
+    # one delta per kernel call: the same sequential sum, bit for bit
+    monkeypatch.setattr(coded, "GROUPS", (1,))
     single, _, _ = coded.merge(deltas, weights, {"w": True})
     assert np.asarray(single["w"]).tobytes() == np.asarray(grouped["w"]).tobytes()
 
@@ -128,10 +224,36 @@ def test_the_fold_share_reaches_the_outer_optimizer_on_both_paths():
     params = {p: rng.standard_normal(s).astype(np.float32) for p, s in shapes.items()}
     optimizer = outer_optimizer(OuterConfig("round_nesterov"))
     step = make_step(optimizer)
-    coded_members = [[Contribution("a", 1, k, 0, 50, 5, {p: CodedTensor(codec, s, codec.encode((rng.standard_normal(s) * 1e-2).astype(np.float32)
-                                                                                               .reshape(-1)).reshape(-1, codec.record_nbytes)) for p, s in shapes.items()})]
-                     for k in range(4)]
-    float_members = [[dataclasses.replace(m, tensors={p: t.decode() for p, t in m.tensors.items()}) for m in members] for members in coded_members]
+    coded_members = [
+        [
+            Contribution(
+                "a",
+                1,
+                k,
+                0,
+                50,
+                5,
+                {
+                    p: CodedTensor(
+                        codec,
+                        s,
+                        codec.encode(
+                            (rng.standard_normal(s) * 1e-2).astype(np.float32).reshape(-1)
+                        ).reshape(-1, codec.record_nbytes),
+                    )
+                    for p, s in shapes.items()
+                },
+            )
+        ]
+        for k in range(4)
+    ]
+    float_members = [
+        [
+            dataclasses.replace(m, tensors={p: t.decode() for p, t in m.tensors.items()})
+            for m in members
+        ]
+        for members in coded_members
+    ]
     ends = []
     for rounds in (coded_members, float_members):
         state, momenta = init_state(params, optimizer), []
@@ -139,7 +261,11 @@ def test_the_fold_share_reaches_the_outer_optimizer_on_both_paths():
             state, _ = fold(state, members, MergeConfig(), step, share=0.5)
             momenta.append(np.asarray(state.opt_state.momentum[0]).copy())
         ends.append(state)
-        assert np.array_equal(momenta[0], np.zeros_like(momenta[0])) and not np.array_equal(momenta[1], momenta[0])
+        assert np.array_equal(momenta[0], np.zeros_like(momenta[0])) and not np.array_equal(
+            momenta[1], momenta[0]
+        )
         assert np.array_equal(momenta[2], momenta[1]) and not np.array_equal(momenta[3], momenta[2])
     for path in shapes:
-        np.testing.assert_allclose(np.asarray(ends[0].params[path]), np.asarray(ends[1].params[path]), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(ends[0].params[path]), np.asarray(ends[1].params[path]), rtol=1e-5, atol=1e-6
+        )

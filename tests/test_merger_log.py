@@ -33,7 +33,15 @@ def drive(core, rounds, seed=0, checkpoint_at=None, run_dir=None, codec="int4"):
         for island in ("a", "b", "c"):
             delta_id += 1
             base = max(0, core.states[fragment].version - (delta_id % 3))
-            chunks = delta_chunks(core.fragments[fragment], island, delta_id, fragment, base, seed + delta_id, codec=codec)
+            chunks = delta_chunks(
+                core.fragments[fragment],
+                island,
+                delta_id,
+                fragment,
+                base,
+                seed + delta_id,
+                codec=codec,
+            )
             core.submit(assemble(chunks), now=float(r))
         ready, _ = core.due(now=float(r) + 100)
         for f in ready:
@@ -42,12 +50,15 @@ def drive(core, rounds, seed=0, checkpoint_at=None, run_dir=None, codec="int4"):
             checkpoint.save(checkpoint_dir(run_dir), core, core.log.next_index)
 
 
-@pytest.mark.parametrize("codec", ["int4", "topk2"])  # folds from int codes, from sparse ones
+# folds from int codes, from sparse ones
+@pytest.mark.parametrize("codec", ["int4", "topk2"])
 def test_recovery_and_replay_reproduce_the_live_state(tmp_path, codec):
     core, wal = new_core(tmp_path)
     drive(core, rounds=6, checkpoint_at=3, run_dir=tmp_path, codec=codec)
     # one more admitted delta that is logged but not folded when the "crash" happens
-    core.submit(assemble(delta_chunks(core.fragments[0], "d", 99, 0, core.states[0].version, 7)), now=50.0)
+    core.submit(
+        assemble(delta_chunks(core.fragments[0], "d", 99, 0, core.states[0].version, 7)), now=50.0
+    )
     wal.close()
     live = core.digest()
     recovered = recover(tmp_path)
@@ -66,7 +77,9 @@ def test_recovery_equals_an_uninterrupted_run_when_folding_resumes(tmp_path):
     crashed, wal2 = new_core(tmp_path / "crashed")
     drive(crashed, rounds=4, checkpoint_at=1, run_dir=tmp_path / "crashed")
     wal2.close()
-    resumed = recover(tmp_path / "crashed", log=WriteAheadLog(wal_dir(tmp_path / "crashed"), fsync="never"))
+    resumed = recover(
+        tmp_path / "crashed", log=WriteAheadLog(wal_dir(tmp_path / "crashed"), fsync="never")
+    )
     # continue with the same rounds 4..7 (same delta ids and seeds as the straight run)
     delta_id = 12
     for r in range(4, 8):
@@ -74,7 +87,14 @@ def test_recovery_equals_an_uninterrupted_run_when_folding_resumes(tmp_path):
         for island in ("a", "b", "c"):
             delta_id += 1
             base = max(0, resumed.states[fragment].version - (delta_id % 3))
-            resumed.submit(assemble(delta_chunks(resumed.fragments[fragment], island, delta_id, fragment, base, delta_id)), now=float(r))
+            resumed.submit(
+                assemble(
+                    delta_chunks(
+                        resumed.fragments[fragment], island, delta_id, fragment, base, delta_id
+                    )
+                ),
+                now=float(r),
+            )
         for f in resumed.due(now=float(r) + 100)[0]:
             resumed.fold(f)
     assert resumed.digest() == straight.digest()
@@ -84,16 +104,22 @@ def test_rejected_and_duplicate_deltas_never_change_state(tmp_path):
     core, wal = new_core(tmp_path)
     before = core.digest()
     stale = delta_chunks(core.fragments[0], "a", 1, 0, 0, 1)
-    wrong_model = [dataclasses.replace(c, model="0123456789abcdef") for c in delta_chunks(core.fragments[0], "b", 2, 0, 0, 2)]
-    core.states[0] = core.states[0]._replace(version=5)  # pretend five folds happened: base 0 is too stale
+    wrong_model = [
+        dataclasses.replace(c, model="0123456789abcdef")
+        for c in delta_chunks(core.fragments[0], "b", 2, 0, 0, 2)
+    ]
+    # pretend five folds happened: base 0 is too stale
+    core.states[0] = core.states[0]._replace(version=5)
     results = [core.submit(assemble(stale), 0.0), core.submit(assemble(wrong_model), 0.0)]
     assert [r.reason.split(":")[0] for r in results] == ["stale", "model_mismatch"]
-    assert core.submit(assemble(stale), 0.0) == results[0]  # a duplicate gets the same answer
+    # a duplicate gets the same answer
+    assert core.submit(assemble(stale), 0.0) == results[0]
     core.states[0] = core.states[0]._replace(version=0)
     assert core.digest() == before and all(not q for q in core.pending)
     assert core.rejected == {"stale": 1, "model_mismatch": 1}
     wal.close()
-    assert [r["type"] for _, r in read_records(wal_dir(tmp_path))] == ["genesis"]  # nothing rejected was logged
+    # nothing rejected was logged
+    assert [r["type"] for _, r in read_records(wal_dir(tmp_path))] == ["genesis"]
 
 
 def test_replay_names_a_corrupt_record(tmp_path):
@@ -126,7 +152,14 @@ def test_fold_shares_survive_a_checkpoint_and_replay(tmp_path, outer):
         shares = []
         for delta_id in range(first, last):
             fragment, island = delta_id % 2, "abc"[delta_id % 3]
-            chunks = delta_chunks(core.fragments[fragment], island, delta_id, fragment, core.states[fragment].version, delta_id)
+            chunks = delta_chunks(
+                core.fragments[fragment],
+                island,
+                delta_id,
+                fragment,
+                core.states[fragment].version,
+                delta_id,
+            )
             core.submit(assemble(chunks), now=float(delta_id))
             started = core.start_fold(fragment)
             core.finish_fold(started)
@@ -142,7 +175,9 @@ def test_fold_shares_survive_a_checkpoint_and_replay(tmp_path, outer):
     crashed, wal2 = core_at(tmp_path / "crashed")
     single_folds(crashed, 1, 11, checkpoint_at=7, run_dir=tmp_path / "crashed")
     wal2.close()
-    resumed = recover(tmp_path / "crashed", log=WriteAheadLog(wal_dir(tmp_path / "crashed"), fsync="never"))
+    resumed = recover(
+        tmp_path / "crashed", log=WriteAheadLog(wal_dir(tmp_path / "crashed"), fsync="never")
+    )
     assert resumed.last_contributions == crashed.last_contributions
     assert single_folds(resumed, 11, 19) == shares[10:]
     assert resumed.digest() == straight.digest()
@@ -152,8 +187,9 @@ def test_fold_shares_survive_a_checkpoint_and_replay(tmp_path, outer):
 
 
 def test_the_log_says_which_fold_kernels_and_jax_wrote_it(tmp_path):
-    """Replay reproduces bytes only with the same kernels and jax: the genesis record names them, and
-    a log written with others (or before the record named them) gets a note instead of silence."""
+    """Replay reproduces bytes only with the same kernels and jax: the genesis record names them,
+    and a log written with others (or before the record named them) gets a note instead of
+    silence."""
     import jax
 
     from dloco.merger import records
@@ -166,22 +202,33 @@ def test_the_log_says_which_fold_kernels_and_jax_wrote_it(tmp_path):
     assert genesis["software"] == {"fold_kernels": KERNELS_VERSION, "jax": jax.__version__}
     assert software_mismatch(tmp_path) is None
     older = records.software_mismatch({**genesis, "software": {"fold_kernels": 1, "jax": "0.4.30"}})
-    assert "fold kernels v1, jax 0.4.30" in older and f"v{KERNELS_VERSION}, jax {jax.__version__}" in older
-    assert "not recorded" in records.software_mismatch({k: v for k, v in genesis.items() if k != "software"})
+    assert (
+        "fold kernels v1, jax 0.4.30" in older
+        and f"v{KERNELS_VERSION}, jax {jax.__version__}" in older
+    )
+    assert "not recorded" in records.software_mismatch(
+        {k: v for k, v in genesis.items() if k != "software"}
+    )
 
 
 def test_a_checkpoint_beyond_the_end_of_the_log_is_an_error_not_a_silent_restart(tmp_path):
     """A checkpoint is written after a sync, so the records it covers were durable: a log that ends
-    before it lost acknowledged records, and recovery says so instead of resuming from the checkpoint."""
+    before it lost acknowledged records, and recovery says so instead of resuming from the
+    checkpoint.
+    """
     core, wal = new_core(tmp_path)
     drive(core, rounds=4)
-    checkpoint.save(checkpoint_dir(tmp_path), core, core.log.next_index)  # at the very end: a clean shutdown
+    # at the very end: a clean shutdown
+    checkpoint.save(checkpoint_dir(tmp_path), core, core.log.next_index)
     wal.close()
     assert recover(tmp_path).digest() == core.digest()
     (segment,) = wal_dir(tmp_path).glob("*.seg")
     with open(segment, "r+b") as handle:
-        handle.truncate(segment.stat().st_size - 5)  # the last record, covered by the checkpoint, damaged
-    with pytest.raises(ReplayError, match=f"checkpoint at record {core.log.next_index} lies beyond the end"):
+        # the last record, covered by the checkpoint, damaged
+        handle.truncate(segment.stat().st_size - 5)
+    with pytest.raises(
+        ReplayError, match=f"checkpoint at record {core.log.next_index} lies beyond the end"
+    ):
         recover(tmp_path)
 
 
@@ -196,11 +243,18 @@ def test_the_genesis_record_carries_the_model_as_blobs_without_copying_it(tmp_pa
     from dloco.merger import records
     from dloco.merger.logmatch import genesis_id, genesis_of
 
-    params = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b/c": np.full(5, -1.5, np.float32)}
+    params = {
+        "a": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "b/c": np.full(5, -1.5, np.float32),
+    }
     record, blobs = records.genesis_record({}, "m", [["a"], ["b/c"]], params)
     assert "params" not in record and record["tensors"] == [["a", [2, 3]], ["b/c", [5]]]
-    assert [np.shares_memory(np.frombuffer(b, np.float32), params[p]) for (b, _), p in zip(blobs, ("a", "b/c"))] == [True, True]
-    assert len(msgpack.packb(record)) < 300  # the map names the tensors; the values are the blobs'
+    assert [
+        np.shares_memory(np.frombuffer(b, np.float32), params[p])
+        for (b, _), p in zip(blobs, ("a", "b/c"))
+    ] == [True, True]
+    # the map names the tensors; the values are the blobs'
+    assert len(msgpack.packb(record)) < 300
 
     wal = WriteAheadLog(tmp_path / "wal", fsync="never")
     wal.append(record, blobs)
@@ -208,20 +262,34 @@ def test_the_genesis_record_carries_the_model_as_blobs_without_copying_it(tmp_pa
     ((_, read),) = list(read_records(tmp_path / "wal"))
     back = records.params_from_genesis(read)
     assert {p: v.tolist() for p, v in back.items()} == {p: v.tolist() for p, v in params.items()}
-    assert all(v.dtype == np.float32 and v.flags.aligned for v in back.values())  # copied only where a blob lies at an odd offset
-    assert genesis_id({**record, "blobs": [b for b, _ in blobs]}) == genesis_id(read) == genesis_of(tmp_path)
-    other, other_blobs = records.genesis_record({}, "m", [["a"], ["b/c"]], {**params, "b/c": np.zeros(5, np.float32)})
-    assert genesis_id({**other, "run": record["run"], "blobs": [b for b, _ in other_blobs]}) != genesis_id(read)  # the values count
+    # copied only where a blob lies at an odd offset
+    assert all(v.dtype == np.float32 and v.flags.aligned for v in back.values())
+    assert (
+        genesis_id({**record, "blobs": [b for b, _ in blobs]})
+        == genesis_id(read)
+        == genesis_of(tmp_path)
+    )
+    other, other_blobs = records.genesis_record(
+        {}, "m", [["a"], ["b/c"]], {**params, "b/c": np.zeros(5, np.float32)}
+    )
+    # the values count
+    assert genesis_id(
+        {**other, "run": record["run"], "blobs": [b for b, _ in other_blobs]}
+    ) != genesis_id(read)
 
     older = {k: v for k, v in record.items() if k != "tensors"}
     older["params"] = {p: {"shape": list(v.shape), "data": v.tobytes()} for p, v in params.items()}
-    assert {p: v.tolist() for p, v in records.params_from_genesis(older).items()} == {p: v.tolist() for p, v in params.items()}
+    assert {p: v.tolist() for p, v in records.params_from_genesis(older).items()} == {
+        p: v.tolist() for p, v in params.items()
+    }
 
 
 def test_a_checkpoint_writes_its_arrays_as_blobs_and_reads_them_back_verified(tmp_path):
-    """A checkpoint's arrays go to the file as raw blobs (the map stays small) and come back as views
-    with their bytes unchanged; one flipped byte in a blob, or a blob cut short, makes the file
-    unreadable (None: recovery takes an older one); a checkpoint from before the blobs still loads."""
+    """A checkpoint's arrays go to the file as raw blobs (the map stays small) and come back as
+    views with their bytes unchanged; one flipped byte in a blob, or a blob cut short, makes the
+    file unreadable (None: recovery takes an older one); a checkpoint from before the blobs still
+    loads.
+    """
     import msgpack
     import numpy as np
 
@@ -232,18 +300,22 @@ def test_a_checkpoint_writes_its_arrays_as_blobs_and_reads_them_back_verified(tm
     data = path.read_bytes()
     (length,) = np.frombuffer(data[:4], "<u4")
     arrays = sum(int(np.asarray(v).nbytes) for s in core.states for v in s.params.values())
-    assert length < 4096 < arrays < len(data)  # the values are outside the map
+    # the values are outside the map
+    assert length < 4096 < arrays < len(data)
     saved = checkpoint.read(path)
     assert saved["digest"] == core.digest()
     fresh = new_core(tmp_path / "fresh")[0]
     checkpoint.import_state(fresh, saved)
-    assert fresh.digest() == core.digest() and [s.version for s in fresh.states] == [s.version for s in core.states]
+    assert fresh.digest() == core.digest() and [s.version for s in fresh.states] == [
+        s.version for s in core.states
+    ]
 
     for damaged in (data[:-1], data[:-5] + bytes([data[-5] ^ 1]) + data[-4:]):
         path.write_bytes(damaged)
         assert checkpoint.read(path) is None
 
-    older = checkpoint.export_state(core, wal.next_index)  # the former layout: every array's bytes in the map
+    # the former layout: every array's bytes in the map
+    older = checkpoint.export_state(core, wal.next_index)
     for fragment in older["fragments"]:
         for entry in [*fragment["params"].values(), *fragment["opt_leaves"]]:
             entry["data"] = bytes(entry["data"])

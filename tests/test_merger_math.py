@@ -1,4 +1,5 @@
-"""The merger's pure core against hand-derived values: admission, weights, RDA, outer steps, rounds, fold."""
+"""The merger's pure core against hand-derived values: admission, weights, RDA, outer steps, rounds,
+fold."""
 
 from __future__ import annotations
 
@@ -21,25 +22,51 @@ LAYOUT = {"w": (2, 2), "b": (2,)}
 
 
 def candidate(**overrides) -> admission.Candidate:
-    fields = dict(island="a", epoch=1, delta_id=1, fragment=0, base_version=3, steps=10, tokens=1000, model="m",
-                  tensors={"w": np.ones((2, 2), np.float32), "b": np.zeros(2, np.float32)})
+    fields = dict(
+        island="a",
+        epoch=1,
+        delta_id=1,
+        fragment=0,
+        base_version=3,
+        steps=10,
+        tokens=1000,
+        model="m",
+        tensors={"w": np.ones((2, 2), np.float32), "b": np.zeros(2, np.float32)},
+    )
     return admission.Candidate(**{**fields, **overrides})
 
 
-@pytest.mark.parametrize("overrides,reason,staleness", [
-    ({}, "", 2),
-    ({"base_version": 5}, "", 0),
-    ({"base_version": 2}, "stale", 3),
-    ({"base_version": 6}, "future_base", -1),
-    ({"model": "other"}, "model_mismatch", 2),
-    ({"tensors": {"w": np.ones((2, 2), np.float32)}}, "layout_mismatch", 2),
-    ({"tensors": {"w": np.ones((4,), np.float32), "b": np.zeros(2, np.float32)}}, "layout_mismatch", 2),
-    ({"steps": 0}, "empty", 2),
-    ({"tensors": {"w": np.full((2, 2), np.nan, np.float32), "b": np.zeros(2, np.float32)}}, "non_finite", 2),
-])
+@pytest.mark.parametrize(
+    "overrides,reason,staleness",
+    [
+        ({}, "", 2),
+        ({"base_version": 5}, "", 0),
+        ({"base_version": 2}, "stale", 3),
+        ({"base_version": 6}, "future_base", -1),
+        ({"model": "other"}, "model_mismatch", 2),
+        ({"tensors": {"w": np.ones((2, 2), np.float32)}}, "layout_mismatch", 2),
+        (
+            {"tensors": {"w": np.ones((4,), np.float32), "b": np.zeros(2, np.float32)}},
+            "layout_mismatch",
+            2,
+        ),
+        ({"steps": 0}, "empty", 2),
+        (
+            {"tensors": {"w": np.full((2, 2), np.nan, np.float32), "b": np.zeros(2, np.float32)}},
+            "non_finite",
+            2,
+        ),
+    ],
+)
 def test_admission(overrides, reason, staleness):
-    verdict = admission.admit(candidate(**overrides), version=5, layout=LAYOUT, model="m", max_staleness=2)
-    assert (verdict.admitted, verdict.reason, verdict.staleness) == (reason == "", reason, staleness)
+    verdict = admission.admit(
+        candidate(**overrides), version=5, layout=LAYOUT, model="m", max_staleness=2
+    )
+    assert (verdict.admitted, verdict.reason, verdict.staleness) == (
+        reason == "",
+        reason,
+        staleness,
+    )
 
 
 def test_token_weights_by_hand():
@@ -51,8 +78,11 @@ def test_token_weights_by_hand():
 
 def test_rda_by_hand():
     d1, d2 = np.array([3, 0], np.float32), np.array([0, 4], np.float32)
-    # r = (3 + 4) / 2 = 3.5 ; u = ([1,0] + [0,1]) / 2 -> unit [1,1]/sqrt2 ; merged = 3.5/sqrt2 * [1, 1]
-    assert rda.radial_directional_average([d1, d2], [0.5, 0.5]) == pytest.approx(np.full(2, 3.5 / np.sqrt(2)), rel=1e-6)
+    # r = (3 + 4) / 2 = 3.5 ; u = ([1,0] + [0,1]) / 2 -> unit [1,1]/sqrt2 ; merged = 3.5/sqrt2 * [1,
+    # 1]
+    assert rda.radial_directional_average([d1, d2], [0.5, 0.5]) == pytest.approx(
+        np.full(2, 3.5 / np.sqrt(2)), rel=1e-6
+    )
     assert rda.weighted_average([d1, d2], [0.5, 0.5]) == pytest.approx([1.5, 2.0])
 
 
@@ -78,7 +108,8 @@ def run_outer(config: OuterConfig, grads: list[float]) -> list[float]:
     optimizer = outer.outer_optimizer(config)
     step = outer.make_step(optimizer)
     params = {"p": jnp.zeros(())}
-    state = optimizer.init([params["p"]])  # make_step keeps optimizer state over the path-ordered list
+    # make_step keeps optimizer state over the path-ordered list
+    state = optimizer.init([params["p"]])
     trace = []
     for g in grads:
         params, state = step(params, state, {"p": jnp.asarray(g, jnp.float32)})
@@ -88,20 +119,27 @@ def run_outer(config: OuterConfig, grads: list[float]) -> list[float]:
 
 def test_nesterov_by_hand():
     # m1 = 1, p1 = -0.7 (1 + 0.9*1) = -1.33 ; m2 = 1.9, p2 = p1 - 0.7 (1 + 0.9*1.9) = -3.227
-    assert run_outer(OuterConfig("nesterov", lr=0.7, momentum=0.9), [1, 1]) == pytest.approx([-1.33, -3.227], rel=1e-6)
+    assert run_outer(OuterConfig("nesterov", lr=0.7, momentum=0.9), [1, 1]) == pytest.approx(
+        [-1.33, -3.227], rel=1e-6
+    )
 
 
 def test_delayed_nesterov_by_hand():
     # N=2: plain 0.7*1/2 steps; every 2nd fold m <- 0.9 m + mean(g) and an extra 0.7*0.9*m step
     expected = [-0.35, -1.33, -1.68, -3.227]
-    assert run_outer(OuterConfig("delayed_nesterov", lr=0.7, momentum=0.9, delay=2), [1, 1, 1, 1]) == pytest.approx(expected, rel=1e-6)
+    assert run_outer(
+        OuterConfig("delayed_nesterov", lr=0.7, momentum=0.9, delay=2), [1, 1, 1, 1]
+    ) == pytest.approx(expected, rel=1e-6)
 
 
 def test_delayed_nesterov_with_delay_1_is_optax_nesterov():
     rng = np.random.default_rng(1)
     grads = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(6)]
     results = []
-    for optimizer in (outer.delayed_nesterov(0.7, 0.9, 1), optax.sgd(0.7, momentum=0.9, nesterov=True)):
+    for optimizer in (
+        outer.delayed_nesterov(0.7, 0.9, 1),
+        optax.sgd(0.7, momentum=0.9, nesterov=True),
+    ):
         params, state = {"w": jnp.ones((3, 4))}, None
         state = optimizer.init(params)
         for g in grads:
@@ -123,17 +161,27 @@ def run_outer_shares(config: OuterConfig, grads: list[float], shares: list[float
 
 
 def test_round_nesterov_by_hand():
-    # halves: fold 1 a plain step -0.7; fold 2 completes a round: m = 0.9*0 + (1 + 1) = 2, step -0.7 (1 + 0.9*2)
-    # -> -2.66; fold 3 -0.7 -> -3.36; fold 4: m = 0.9*2 + 2 = 3.8, step -0.7 (1 + 0.9*3.8) -> -6.454
+    # halves: fold 1 a plain step -0.7; fold 2 completes a round: m = 0.9*0 + (1 + 1) = 2, step -0.7
+    # (1 + 0.9*2) -> -2.66; fold 3 -0.7 -> -3.36; fold 4: m = 0.9*2 + 2 = 3.8, step -0.7 (1 +
+    # 0.9*3.8) -> -6.454
     config = OuterConfig("round_nesterov", lr=0.7, momentum=0.9)
-    assert run_outer_shares(config, [1, 1, 1, 1], [0.5] * 4) == pytest.approx([-0.7, -2.66, -3.36, -6.454], rel=1e-6)
+    assert run_outer_shares(config, [1, 1, 1, 1], [0.5] * 4) == pytest.approx(
+        [-0.7, -2.66, -3.36, -6.454], rel=1e-6
+    )
     # at each round's end, where Nesterov takes one step on the round's sum (2): -2.66, -6.454
-    assert run_outer(OuterConfig("nesterov", lr=0.7, momentum=0.9), [2, 2]) == pytest.approx([-2.66, -6.454], rel=1e-6)
-    # thirds add up to a round despite float rounding; a whole round (share 1) at once is Nesterov itself
-    assert run_outer_shares(config, [1, 1, 1], [1 / 3] * 3)[-1] == pytest.approx(-0.7 * 2 - 0.7 * (1 + 0.9 * 3), rel=1e-6)
+    assert run_outer(OuterConfig("nesterov", lr=0.7, momentum=0.9), [2, 2]) == pytest.approx(
+        [-2.66, -6.454], rel=1e-6
+    )
+    # thirds add up to a round despite float rounding; a whole round (share 1) at once is Nesterov
+    # itself
+    assert run_outer_shares(config, [1, 1, 1], [1 / 3] * 3)[-1] == pytest.approx(
+        -0.7 * 2 - 0.7 * (1 + 0.9 * 3), rel=1e-6
+    )
     assert run_outer_shares(config, [1, 1], [1.0, 1.0]) == pytest.approx([-1.33, -3.227], rel=1e-6)
     # the other optimizers take the share and ignore it
-    assert run_outer_shares(OuterConfig("nesterov", lr=0.7, momentum=0.9), [1, 1], [0.25, 0.25]) == pytest.approx([-1.33, -3.227], rel=1e-6)
+    assert run_outer_shares(
+        OuterConfig("nesterov", lr=0.7, momentum=0.9), [1, 1], [0.25, 0.25]
+    ) == pytest.approx([-1.33, -3.227], rel=1e-6)
 
 
 def test_outer_step_matches_a_direct_optax_reference():
@@ -149,7 +197,9 @@ def test_outer_step_matches_a_direct_optax_reference():
     step = outer.make_step(outer.outer_optimizer(OuterConfig()))
     for g in grads:
         state, _ = fold(state, [Contribution("a", 1, 1, 0, 100, 10, g)], MergeConfig(), step)
-    assert state.version == 3 and np.allclose(state.params["w"], np.asarray(ref_params["w"]), rtol=1e-6, atol=1e-6)
+    assert state.version == 3 and np.allclose(
+        state.params["w"], np.asarray(ref_params["w"]), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_one_island_with_plain_sgd_lr_1_lands_on_its_parameters():
@@ -158,25 +208,57 @@ def test_one_island_with_plain_sgd_lr_1_lands_on_its_parameters():
     delta = {"w": anchor["w"] - theta["w"]}
     config = OuterConfig("sgd", lr=1.0)
     state = init_state(anchor, outer.outer_optimizer(config))
-    state, report = fold(state, [Contribution("a", 1, 1, 0, 64, 4, delta)], MergeConfig(), outer.make_step(outer.outer_optimizer(config)))
-    assert np.array_equal(state.params["w"], theta["w"]) and report.version == 1 and report.weights == (1.0,)
+    state, report = fold(
+        state,
+        [Contribution("a", 1, 1, 0, 64, 4, delta)],
+        MergeConfig(),
+        outer.make_step(outer.outer_optimizer(config)),
+    )
+    assert (
+        np.array_equal(state.params["w"], theta["w"])
+        and report.version == 1
+        and report.weights == (1.0,)
+    )
 
 
 def test_fold_is_order_independent_and_deterministic():
     rng = np.random.default_rng(3)
-    contributions = [Contribution(f"i{k}", 1, k, k % 2, 100 + k, 10, {"w": rng.standard_normal(50).astype(np.float32),
-                                                                        "embed/table": rng.standard_normal(7).astype(np.float32)})
-                     for k in range(5)]
+    contributions = [
+        Contribution(
+            f"i{k}",
+            1,
+            k,
+            k % 2,
+            100 + k,
+            10,
+            {
+                "w": rng.standard_normal(50).astype(np.float32),
+                "embed/table": rng.standard_normal(7).astype(np.float32),
+            },
+        )
+        for k in range(5)
+    ]
     config = OuterConfig()
     step = outer.make_step(outer.outer_optimizer(config))
-    start = init_state({"w": np.zeros(50, np.float32), "embed/table": np.zeros(7, np.float32)}, outer.outer_optimizer(config))
+    start = init_state(
+        {"w": np.zeros(50, np.float32), "embed/table": np.zeros(7, np.float32)},
+        outer.outer_optimizer(config),
+    )
     results = []
     for _ in range(3):
         shuffled = random.Random(len(results)).sample(contributions, len(contributions))
         state, report = fold(start, shuffled, MergeConfig(), step)
-        results.append((state.params["w"].tobytes(), state.params["embed/table"].tobytes(), report.contributors))
+        results.append(
+            (
+                state.params["w"].tobytes(),
+                state.params["embed/table"].tobytes(),
+                report.contributors,
+            )
+        )
     assert results[0] == results[1] == results[2]
-    assert report.contributors == ("i0", "i1", "i2", "i3", "i4") and sum(report.weights) == pytest.approx(1.0)
+    assert report.contributors == ("i0", "i1", "i2", "i3", "i4") and sum(
+        report.weights
+    ) == pytest.approx(1.0)
 
 
 def test_an_islands_deltas_in_one_fold_are_summed_before_weighting():
@@ -184,18 +266,39 @@ def test_an_islands_deltas_in_one_fold_are_summed_before_weighting():
     tokens) count as one delta of their sum (400 tokens, 40 steps: weight 400**2/40 = 4000) beside
     b's (200 tokens, 20 steps: 2000).  Plain average, SGD lr 1: the parameters move by
     -(2/3 (a1 + a2) + 1/3 b); the report gives each delta its part of a's weight by tokens."""
-    a1, a2, b = np.array([3.0, 0.0], np.float32), np.array([0.0, 6.0], np.float32), np.array([-3.0, 3.0], np.float32)
+    a1, a2, b = (
+        np.array([3.0, 0.0], np.float32),
+        np.array([0.0, 6.0], np.float32),
+        np.array([-3.0, 3.0], np.float32),
+    )
     config = OuterConfig("sgd", lr=1.0)
     step = outer.make_step(outer.outer_optimizer(config))
     state = init_state({"w": np.zeros(2, np.float32)}, outer.outer_optimizer(config))
-    members = [Contribution("b", 1, 7, 0, 200, 20, {"w": b}), Contribution("a", 1, 2, 1, 300, 30, {"w": a2}),
-               Contribution("a", 1, 1, 2, 100, 10, {"w": a1})]
+    members = [
+        Contribution("b", 1, 7, 0, 200, 20, {"w": b}),
+        Contribution("a", 1, 2, 1, 300, 30, {"w": a2}),
+        Contribution("a", 1, 1, 2, 100, 10, {"w": a1}),
+    ]
     after, report = fold(state, members, MergeConfig(method="average"), step)
-    np.testing.assert_allclose(after.params["w"], -np.array([2 / 3 * 3 + 1 / 3 * -3, 2 / 3 * 6 + 1 / 3 * 3], np.float32), rtol=1e-6)
-    assert report.contributors == ("a", "a", "b") and report.delta_ids == (1, 2, 7) and report.steps == (10, 30, 20)
+    np.testing.assert_allclose(
+        after.params["w"],
+        -np.array([2 / 3 * 3 + 1 / 3 * -3, 2 / 3 * 6 + 1 / 3 * 3], np.float32),
+        rtol=1e-6,
+    )
+    assert (
+        report.contributors == ("a", "a", "b")
+        and report.delta_ids == (1, 2, 7)
+        and report.steps == (10, 30, 20)
+    )
     assert report.weights == pytest.approx((2 / 3 * 1 / 4, 2 / 3 * 3 / 4, 1 / 3))
-    # the same fold with a's deltas sent as one (the staleness of its older piece) lands on the same bytes
-    one, _ = fold(state, [Contribution("a", 1, 1, 2, 400, 40, {"w": a1 + a2}), members[0]], MergeConfig(method="average"), step)
+    # the same fold with a's deltas sent as one (the staleness of its older piece) lands on the same
+    # bytes
+    one, _ = fold(
+        state,
+        [Contribution("a", 1, 1, 2, 400, 40, {"w": a1 + a2}), members[0]],
+        MergeConfig(method="average"),
+        step,
+    )
     assert one.params["w"].tobytes() == after.params["w"].tobytes()
     # deltas of another epoch (a restarted island: another trajectory) are not summed with them
     # (weights 3000 : 1000 : 2000, a plain weighted mean: -(1/2 a2 + 1/6 a1 + 1/3 b))
@@ -206,7 +309,9 @@ def test_an_islands_deltas_in_one_fold_are_summed_before_weighting():
 
 # ---- rounds ----------------------------------------------------------------------------------
 def test_quorum_one_folds_immediately():
-    assert round_policy.decide(5.0, [("a", 5.0)], {}, RoundConfig(quorum=1)) == round_policy.Decision(True, None)
+    assert round_policy.decide(
+        5.0, [("a", 5.0)], {}, RoundConfig(quorum=1)
+    ) == round_policy.Decision(True, None)
 
 
 def test_quorum_waits_but_never_past_the_timeout():
@@ -218,26 +323,44 @@ def test_quorum_waits_but_never_past_the_timeout():
 def test_the_quorum_counts_islands_not_deltas():
     config = RoundConfig(quorum=2, quorum_timeout_s=30)
     # a's second delta (it gave up waiting for a fold and sent its next) does not stand in for b
-    assert round_policy.decide(5.0, [("a", 0.0), ("a", 4.0)], {}, config) == round_policy.Decision(False, 30.0)
-    assert round_policy.decide(30.0, [("a", 0.0), ("a", 4.0)], {}, config).fold  # the timeout still holds
+    assert round_policy.decide(5.0, [("a", 0.0), ("a", 4.0)], {}, config) == round_policy.Decision(
+        False, 30.0
+    )
+    # the timeout still holds
+    assert round_policy.decide(30.0, [("a", 0.0), ("a", 4.0)], {}, config).fold
     # b arrives: quorum met at b's arrival, and with no grace window the round folds
-    assert round_policy.decide(6.0, [("a", 0.0), ("a", 4.0), ("b", 6.0)], {}, RoundConfig(quorum=2, grace_cap_s=0.0)).fold
+    assert round_policy.decide(
+        6.0, [("a", 0.0), ("a", 4.0), ("b", 6.0)], {}, RoundConfig(quorum=2, grace_cap_s=0.0)
+    ).fold
     # the grace cap counts from the moment the K-th island arrived (6.0), not the K-th delta (4.0)
-    history = {"c": round_policy.ArrivalStats(0.0, 6.5)}  # c due at 6.5
-    decision = round_policy.decide(6.0, [("a", 0.0), ("a", 4.0), ("b", 6.0)], history, RoundConfig(quorum=2, grace_cap_s=1.0, grace_slack_s=0.05))
+    # c due at 6.5
+    history = {"c": round_policy.ArrivalStats(0.0, 6.5)}
+    decision = round_policy.decide(
+        6.0,
+        [("a", 0.0), ("a", 4.0), ("b", 6.0)],
+        history,
+        RoundConfig(quorum=2, grace_cap_s=1.0, grace_slack_s=0.05),
+    )
     assert decision == round_policy.Decision(False, pytest.approx(6.55))
 
 
 def test_a_late_island_within_the_grace_window_is_waited_for():
     config = RoundConfig(quorum=1, grace_cap_s=1.0, grace_slack_s=0.05)
-    history = {"a": round_policy.ArrivalStats(10.0, 1.0), "b": round_policy.ArrivalStats(9.5, 0.8)}  # b due at 10.3
+    # b due at 10.3
+    history = {"a": round_policy.ArrivalStats(10.0, 1.0), "b": round_policy.ArrivalStats(9.5, 0.8)}
     decision = round_policy.decide(10.0, [("a", 10.0)], history, config)
     assert decision == round_policy.Decision(False, pytest.approx(10.35))
     # b arrives in time and is included; nobody else is due: fold
     history["b"] = round_policy.observe(history["b"], 10.3, config.ema_alpha)
     assert round_policy.decide(10.3, [("a", 10.0), ("b", 10.3)], history, config).fold
-    # had b not come, the round is decided again at the wait's end and the passed prediction no longer holds it
-    assert round_policy.decide(decision.wait_until, [("a", 10.0)], {**history, "b": round_policy.ArrivalStats(9.5, 0.8)}, config).fold
+    # had b not come, the round is decided again at the wait's end and the passed prediction no
+    # longer holds it
+    assert round_policy.decide(
+        decision.wait_until,
+        [("a", 10.0)],
+        {**history, "b": round_policy.ArrivalStats(9.5, 0.8)},
+        config,
+    ).fold
 
 
 def test_islands_predicted_after_the_cap_are_not_waited_for():
@@ -246,61 +369,111 @@ def test_islands_predicted_after_the_cap_are_not_waited_for():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.floats(0, 100), min_size=1, max_size=5), st.dictionaries(st.sampled_from("abcdefgh"), st.tuples(st.floats(0, 100), st.floats(0.01, 20)), max_size=6),
-       st.floats(0, 120), st.integers(1, 4), st.floats(0, 5))
+@given(
+    st.lists(st.floats(0, 100), min_size=1, max_size=5),
+    st.dictionaries(
+        st.sampled_from("abcdefgh"), st.tuples(st.floats(0, 100), st.floats(0.01, 20)), max_size=6
+    ),
+    st.floats(0, 120),
+    st.integers(1, 4),
+    st.floats(0, 5),
+)
 def test_the_grace_window_never_exceeds_its_cap(arrivals, history, now, quorum, cap):
     pending = [(f"p{i}", t) for i, t in enumerate(sorted(arrivals))]
     config = RoundConfig(quorum=quorum, grace_cap_s=cap)
-    stats = {k: round_policy.ArrivalStats(last, interval) for k, (last, interval) in history.items()}
+    stats = {
+        k: round_policy.ArrivalStats(last, interval) for k, (last, interval) in history.items()
+    }
     decision = round_policy.decide(max(now, pending[0][1]), pending, stats, config)
     if decision.wait_until is not None:
-        limit = pending[quorum - 1][1] + cap if len(pending) >= quorum else pending[0][1] + config.quorum_timeout_s
+        limit = (
+            pending[quorum - 1][1] + cap
+            if len(pending) >= quorum
+            else pending[0][1] + config.quorum_timeout_s
+        )
         assert decision.wait_until <= limit + 1e-9
 
 
 def test_observe_updates_the_ema():
     stats = round_policy.observe(None, 1.0, 0.5)
-    stats = round_policy.observe(stats, 3.0, 0.5)  # first gap 2
-    stats = round_policy.observe(stats, 4.0, 0.5)  # 0.5*1 + 0.5*2
+    # first gap 2
+    stats = round_policy.observe(stats, 3.0, 0.5)
+    # 0.5*1 + 0.5*2
+    stats = round_policy.observe(stats, 4.0, 0.5)
     assert stats == round_policy.ArrivalStats(4.0, 1.5)
 
 
 def test_snapshot_due_by_hand():
     due = round_policy.snapshot_due
-    intervals = [4.0, 8.0, None]  # a fast island, a slow one, one seen once (no interval yet)
-    assert due(100.0, intervals, 1.0) == 106.0  # once per mean round of the islands ((4 + 8) / 2 s)
+    # a fast island, a slow one, one seen once (no interval yet)
+    intervals = [4.0, 8.0, None]
+    # once per mean round of the islands ((4 + 8) / 2 s)
+    assert due(100.0, intervals, 1.0) == 106.0
     assert due(100.0, intervals, 0.5) == 103.0
-    assert due(100.0, intervals, 0.0) == -math.inf  # off: after every fold
-    assert due(None, intervals, 1.0) == -math.inf  # nothing published yet
-    assert due(100.0, [None, None], 1.0) == -math.inf  # no interval known yet: no reason to hold
+    # off: after every fold
+    assert due(100.0, intervals, 0.0) == -math.inf
+    # nothing published yet
+    assert due(None, intervals, 1.0) == -math.inf
+    # no interval known yet: no reason to hold
+    assert due(100.0, [None, None], 1.0) == -math.inf
     assert due(100.0, [], 1.0) == -math.inf
 
 
-@pytest.mark.parametrize("make", [lambda: OuterConfig(kind="adam"), lambda: OuterConfig(lr=0), lambda: OuterConfig(delay=0),
-                                  lambda: MergeConfig(method="median"), lambda: MergeConfig(max_staleness=-1), lambda: RoundConfig(quorum=0)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: OuterConfig(kind="adam"),
+        lambda: OuterConfig(lr=0),
+        lambda: OuterConfig(delay=0),
+        lambda: MergeConfig(method="median"),
+        lambda: MergeConfig(max_staleness=-1),
+        lambda: RoundConfig(quorum=0),
+    ],
+)
 def test_bad_configuration_names_the_value(make):
     with pytest.raises(ConfigError):
         make()
 
 
 def test_fold_share_by_hand():
-    recent = {"b": (5, 1.0), "c": (5, 2.0), "d": (1, 1.0)}  # d last contributed 6 versions before 7: gone for window 4
-    assert weighting.fold_share([("a", 1.0)], recent, version=7, window=4) == 1.0 / (1.0 + 1.0 + 2.0)
-    assert weighting.fold_share([("a", 1.0)], recent, version=7, window=6) == 1.0 / (1.0 + 1.0 + 2.0 + 1.0)
-    assert weighting.fold_share([("a", 1.0), ("b", 3.0), ("c", 1.0)], recent, version=7, window=4) == 1.0  # a whole round
-    assert weighting.fold_share([("a", 1.0), ("a", 1.0)], recent, version=7, window=4) == 2.0 / 5.0  # two of a's deltas
-    assert weighting.fold_share([("a", 0.0)], recent, version=7, window=4) == 1.0 / 3.0  # weightless: count islands
-    assert weighting.fold_share([("a", 1.0)], recent, version=7, window=0) == 1.0  # off
-    assert weighting.fold_share([("a", 1.0)], {}, version=1, window=4) == 1.0  # nobody else known yet
+    # d last contributed 6 versions before 7: gone for window 4
+    recent = {"b": (5, 1.0), "c": (5, 2.0), "d": (1, 1.0)}
+    assert weighting.fold_share([("a", 1.0)], recent, version=7, window=4) == 1.0 / (
+        1.0 + 1.0 + 2.0
+    )
+    assert weighting.fold_share([("a", 1.0)], recent, version=7, window=6) == 1.0 / (
+        1.0 + 1.0 + 2.0 + 1.0
+    )
+    # a whole round
+    assert (
+        weighting.fold_share([("a", 1.0), ("b", 3.0), ("c", 1.0)], recent, version=7, window=4)
+        == 1.0
+    )
+    # two of a's deltas
+    assert weighting.fold_share([("a", 1.0), ("a", 1.0)], recent, version=7, window=4) == 2.0 / 5.0
+    # weightless: count islands
+    assert weighting.fold_share([("a", 0.0)], recent, version=7, window=4) == 1.0 / 3.0
+    # off
+    assert weighting.fold_share([("a", 1.0)], recent, version=7, window=0) == 1.0
+    # nobody else known yet
+    assert weighting.fold_share([("a", 1.0)], {}, version=1, window=4) == 1.0
 
 
 def test_no_islands_claimed_weight_outweighs_the_heaviest_other_more_than_the_ratio():
-    assert weighting.capped([1.0, 100.0], [], 8) == [1.0, 8.0]  # 100 > 8 x 1
-    assert weighting.capped([100.0], [2.0, 5.0], 8) == [40.0]  # against the recent others: 8 x 5
-    assert weighting.capped([3.0, 4.0], [], 8) == [3.0, 4.0] and weighting.capped([1.0, 100.0], [], 0) == [1.0, 100.0]
-    assert weighting.capped([5.0], [], 8) == [5.0]  # nobody to compare to
-    # a fold of an island claiming 1000x the tokens beside an honest one: 8/9 of it, not 1e6/(1e6 + 1)
-    assert weighting.weights([(1000 * 640, 20, 0), (640, 20, 0)], power=0, max_ratio=8) == pytest.approx([8 / 9, 1 / 9])
+    # 100 > 8 x 1
+    assert weighting.capped([1.0, 100.0], [], 8) == [1.0, 8.0]
+    # against the recent others: 8 x 5
+    assert weighting.capped([100.0], [2.0, 5.0], 8) == [40.0]
+    assert weighting.capped([3.0, 4.0], [], 8) == [3.0, 4.0] and weighting.capped(
+        [1.0, 100.0], [], 0
+    ) == [1.0, 100.0]
+    # nobody to compare to
+    assert weighting.capped([5.0], [], 8) == [5.0]
+    # a fold of an island claiming 1000x the tokens beside an honest one: 8/9 of it, not 1e6/(1e6 +
+    # 1)
+    assert weighting.weights(
+        [(1000 * 640, 20, 0), (640, 20, 0)], power=0, max_ratio=8
+    ) == pytest.approx([8 / 9, 1 / 9])
 
 
 def test_a_forged_token_count_does_not_take_over_the_fragment():
@@ -314,10 +487,15 @@ def test_a_forged_token_count_does_not_take_over_the_fragment():
 
     params = initial_params()
     parts = protocol.partition({p: a.shape for p, a in params.items()}, 1)
-    core = MergerCore(MergerConfig(MergeConfig(share_window=8)), protocol.model_fingerprint(params), parts, params)
+    core = MergerCore(
+        MergerConfig(MergeConfig(share_window=8)), protocol.model_fingerprint(params), parts, params
+    )
 
     def fold(island, delta_id, tokens):
-        chunks = [dataclasses.replace(c, tokens=tokens) for c in delta_chunks(parts[0], island, delta_id, 0, core.states[0].version, delta_id)]
+        chunks = [
+            dataclasses.replace(c, tokens=tokens)
+            for c in delta_chunks(parts[0], island, delta_id, 0, core.states[0].version, delta_id)
+        ]
         assert core.submit(assemble(chunks), now=0.0) is None
         started = core.start_fold(0)
         core.finish_fold(started)
@@ -329,14 +507,19 @@ def test_a_forged_token_count_does_not_take_over_the_fragment():
 
 
 def test_a_fold_is_scaled_by_its_share():
-    """Plain SGD, lr 1: the parameters move by exactly share x the merged delta (RDA of one delta: itself)."""
+    """Plain SGD, lr 1: the parameters move by exactly share x the merged delta (RDA of one delta:
+    itself)."""
     config = OuterConfig("sgd", lr=1.0)
     anchor = {"w": np.array([1.0, 2.0], np.float32)}
     delta = {"w": np.array([0.5, -0.5], np.float32)}
     step = outer.make_step(outer.outer_optimizer(config))
     state = init_state(anchor, outer.outer_optimizer(config))
-    after, report = fold(state, [Contribution("a", 1, 1, 0, 64, 4, delta)], MergeConfig(), step, share=0.25)
-    np.testing.assert_array_equal(after.params["w"], np.array([1.0 - 0.125, 2.0 + 0.125], np.float32))
+    after, report = fold(
+        state, [Contribution("a", 1, 1, 0, 64, 4, delta)], MergeConfig(), step, share=0.25
+    )
+    np.testing.assert_array_equal(
+        after.params["w"], np.array([1.0 - 0.125, 2.0 + 0.125], np.float32)
+    )
     assert report.weights == (0.25,)
 
 
@@ -350,18 +533,31 @@ def test_single_island_folds_add_up_to_a_round():
 
     params = initial_params()
     parts = protocol.partition({p: a.shape for p, a in params.items()}, 1)
-    core = MergerCore(MergerConfig(MergeConfig(share_window=8)), protocol.model_fingerprint(params), parts, params)
+    core = MergerCore(
+        MergerConfig(MergeConfig(share_window=8)), protocol.model_fingerprint(params), parts, params
+    )
     shares, delta_id = [], 0
     for island in ("a", "b", "c", "d", "a", "b"):
         delta_id += 1
-        core.submit(assemble(delta_chunks(parts[0], island, delta_id, 0, core.states[0].version, 3 * delta_id)), now=0.0)  # equal tokens
+        # equal tokens
+        core.submit(
+            assemble(
+                delta_chunks(parts[0], island, delta_id, 0, core.states[0].version, 3 * delta_id)
+            ),
+            now=0.0,
+        )
         started = core.start_fold(0)
         shares.append(started.share)
         core.finish_fold(started)
     assert shares == [1.0, 1 / 2, 1 / 3, 1 / 4, 1 / 4, 1 / 4]
     for island in ("a", "b", "c", "d"):
         delta_id += 1
-        core.submit(assemble(delta_chunks(parts[0], island, delta_id, 0, core.states[0].version, 3 * delta_id)), now=0.0)
+        core.submit(
+            assemble(
+                delta_chunks(parts[0], island, delta_id, 0, core.states[0].version, 3 * delta_id)
+            ),
+            now=0.0,
+        )
     assert core.start_fold(0).share == 1.0
 
 
@@ -376,13 +572,31 @@ def test_the_merger_asks_the_round_policy_about_nearby_islands_only_and_decides_
     rng = random.Random(7)
     params = {"w": np.zeros(1, np.float32)}
     for quorum, cap in ((1, 1.0), (3, 2.5), (2, 0.0)):
-        core = MergerCore(MergerConfig(round=RoundConfig(quorum=quorum, grace_cap_s=cap)), model_fingerprint(params), [["w"]], params)
+        core = MergerCore(
+            MergerConfig(round=RoundConfig(quorum=quorum, grace_cap_s=cap)),
+            model_fingerprint(params),
+            [["w"]],
+            params,
+        )
         now, delta_id = 0.0, 0
         for _ in range(600):
             now += rng.expovariate(4.0)
             island = f"i{rng.randrange(40)}"
             delta_id += 1
-            core.offer(admission.Candidate(island, 1, delta_id, 0, core.version(0), 10, 100, core.model, {"w": np.ones(1, np.float32)}), now)
+            core.offer(
+                admission.Candidate(
+                    island,
+                    1,
+                    delta_id,
+                    0,
+                    core.version(0),
+                    10,
+                    100,
+                    core.model,
+                    {"w": np.ones(1, np.float32)},
+                ),
+                now,
+            )
             for probe in (now, now + rng.uniform(0, 3)):
                 pending = [(p.contribution.island, p.arrived) for p in core.pending[0]]
                 full = round_policy.decide(probe, pending, core.history[0], core.config.round)
@@ -390,5 +604,3 @@ def test_the_merger_asks_the_round_policy_about_nearby_islands_only_and_decides_
                 assert (bool(ready), wake) == (full.fold, full.wait_until)
             if rng.random() < 0.3:
                 core.start_fold(0)
-
-

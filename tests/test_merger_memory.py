@@ -29,21 +29,31 @@ print(applied, faults() - before)
 
 
 def probe(mode: str) -> tuple[str, int]:
-    run = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr
     applied, faults = run.stdout.split()
     return applied, int(faults)
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc", reason="glibc's mallopt")
+@pytest.mark.skipif(
+    platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc", reason="glibc's mallopt"
+)
 def test_freed_blocks_are_reused_without_page_faults():
     applied, kept = probe("keep")
     assert applied == "True"
     _, default = probe("default")
-    pages = 20 * 4 * (12 << 20) // 4096  # 245,760: every round faulting in every page afresh
-    # glibc's defaults hand part of every round's freed memory back (20,360 faults here, ~4 MiB a round)
-    assert default > pages // 20, f"glibc's defaults should give freed blocks back and fault them in again: {default} faults"
-    assert kept < pages // 100, f"{kept} page faults in 20 rounds with freed memory kept (defaults: {default})"
+    # 245,760: every round faulting in every page afresh
+    pages = 20 * 4 * (12 << 20) // 4096
+    # glibc's defaults hand part of every round's freed memory back (20,360 faults here, ~4 MiB a
+    # round)
+    assert default > pages // 20, (
+        f"glibc's defaults should give freed blocks back and fault them in again: {default} faults"
+    )
+    assert kept < pages // 100, (
+        f"{kept} page faults in 20 rounds with freed memory kept (defaults: {default})"
+    )
 
 
 # Two threads alive at once, taking turns: each allocates 64 MiB in 1 MiB blocks (heap blocks, under
@@ -74,11 +84,19 @@ print(applied, (rss() - before) >> 20)
 """
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc", reason="glibc's mallopt")
+@pytest.mark.skipif(
+    platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc", reason="glibc's mallopt"
+)
 def test_threads_share_one_heap_so_freed_memory_is_kept_once_not_per_thread():
     """What one thread freed, another reuses: the kept memory is bounded once for the process
-    (glibc's default gives a contending thread an arena of its own, which keeps its own freed blocks)."""
-    run = subprocess.run([sys.executable, "-c", TURNS, "keep"], capture_output=True, text=True, timeout=120)
+    (glibc's default gives a contending thread an arena of its own, which keeps its own freed
+    blocks).
+    """
+    run = subprocess.run(
+        [sys.executable, "-c", TURNS, "keep"], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr
     applied, rose = run.stdout.split()
-    assert applied == "True" and int(rose) < 100, f"the resident set rose {rose} MiB for two threads' 64 MiB turns"
+    assert applied == "True" and int(rose) < 100, (
+        f"the resident set rose {rose} MiB for two threads' 64 MiB turns"
+    )

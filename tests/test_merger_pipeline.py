@@ -40,7 +40,9 @@ def test_pipelined_folds_reach_the_same_state_as_folding_in_place(tmp_path):
     announced = []
     for fragment, island, delta_id, base in deltas(in_place, 12):
         for core in (in_place, piped):
-            chunks = delta_chunks(core.fragments[fragment], island, delta_id, fragment, base, seed=delta_id)
+            chunks = delta_chunks(
+                core.fragments[fragment], island, delta_id, fragment, base, seed=delta_id
+            )
             assert core.submit(assemble(chunks), now=float(delta_id)) is None
         for f in in_place.due(now=float(delta_id))[0]:
             in_place.fold(f)
@@ -48,14 +50,20 @@ def test_pipelined_folds_reach_the_same_state_as_folding_in_place(tmp_path):
         announced += pipeline.finished(wait=True)
     assert [f.report.version for f in announced if f.fragment == 0] == list(range(1, 7))
     assert all(f.state.version == f.report.version for f in announced)
-    assert wal_b.durable >= announced[-1].durable  # nothing announced before it is on disk
+    # nothing announced before it is on disk
+    assert wal_b.durable >= announced[-1].durable
     pipeline.close()
     wal_a.close()
     wal_b.close()
     assert piped.digest() == in_place.digest()
     folds = []
-    list(replay(tmp_path / "b", on_fold=lambda index, record, report, core: folds.append(core.digest())))
-    assert len(folds) == len(announced) and folds[-1] == piped.digest()  # the log alone gives it too
+    list(
+        replay(
+            tmp_path / "b", on_fold=lambda index, record, report, core: folds.append(core.digest())
+        )
+    )
+    # the log alone gives it too
+    assert len(folds) == len(announced) and folds[-1] == piped.digest()
 
 
 def test_a_fragment_has_one_fold_in_flight_and_admission_counts_it(tmp_path):
@@ -65,17 +73,23 @@ def test_a_fragment_has_one_fold_in_flight_and_admission_counts_it(tmp_path):
     try:
         core.submit(assemble(delta_chunks(core.fragments[0], "a", 1, 0, 0, seed=1)), now=0.0)
         pipeline.dispatch(now=0.0)
-        assert len(pipeline.in_flight) == 1 and core.version(0) == 1  # the round's version, computed or not
+        # the round's version, computed or not
+        assert len(pipeline.in_flight) == 1 and core.version(0) == 1
         core.submit(assemble(delta_chunks(core.fragments[0], "b", 2, 0, 0, seed=2)), now=0.0)
-        assert core.pending[0][0].contribution.staleness == 1  # counted against the started fold
-        if pipeline.in_flight:  # still computing: the second round waits for it
+        # counted against the started fold
+        assert core.pending[0][0].contribution.staleness == 1
+        # still computing: the second round waits for it
+        if pipeline.in_flight:
             pipeline.dispatch(now=0.0)
             assert len(pipeline.in_flight) <= 1
-        assert pipeline.signal.poll(10_000)  # the worker says when a fold is done
+        # the worker says when a fold is done
+        assert pipeline.signal.poll(10_000)
         done = pipeline.finished(wait=True)
         pipeline.dispatch(now=0.0)
         done += pipeline.finished(wait=True)
-        assert [f.report.version for f in done] == [1, 2] and [f.report.contributors for f in done] == [("a",), ("b",)]
+        assert [f.report.version for f in done] == [1, 2] and [
+            f.report.contributors for f in done
+        ] == [("a",), ("b",)]
     finally:
         pipeline.close()
         context.destroy(linger=0)
@@ -96,8 +110,10 @@ def test_a_failed_fold_stops_the_pipeline_and_is_raised_on_the_loop_thread(tmp_p
     with pytest.raises(RuntimeError, match="kernel failed"):
         pipeline.finished(wait=True)
     with pytest.raises(RuntimeError, match="kernel failed"):
-        pipeline.dispatch(now=1.0)  # nothing more is started
-    assert pipeline.close() == [] and core.states[1] is before  # never installed: a checkpoint now would lie
+        # nothing more is started
+        pipeline.dispatch(now=1.0)
+    # never installed: a checkpoint now would lie
+    assert pipeline.close() == [] and core.states[1] is before
     wal.close()
 
 
@@ -106,8 +122,10 @@ def test_the_worker_never_installs_a_fold_before_it_is_announced(tmp_path):
     pipeline = FoldPipeline(core, wal)
     core.submit(assemble(delta_chunks(core.fragments[0], "a", 1, 0, 0, seed=4)), now=0.0)
     pipeline.dispatch(now=0.0)
-    pipeline.in_flight[0].done.wait(60)  # computed, not yet handed over
-    assert core.states[0].version == 0 and core.version(0) == 1  # catch-up requests still get version 0
+    # computed, not yet handed over
+    pipeline.in_flight[0].done.wait(60)
+    # catch-up requests still get version 0
+    assert core.states[0].version == 0 and core.version(0) == 1
     (fold,) = pipeline.finished()
     assert core.states[0] is fold.state and fold.state.version == 1 and wal.durable >= fold.durable
     pipeline.close()

@@ -24,18 +24,30 @@ from dloco.protocol.errors import ConfigError
 def test_shards_by_hand():
     assert [shards.shard_of(f, 3) for f in range(7)] == [0, 1, 2, 0, 1, 2, 0]
     assert shards.owned(1, 3, 8) == [1, 4, 7] and shards.owned(0, 1, 3) == [0, 1, 2]
-    assert shards.names("merger", 3) == ["merger", "merger.1", "merger.2"] and shards.names("m", 1) == ["m"]
+    assert shards.names("merger", 3) == ["merger", "merger.1", "merger.2"] and shards.names(
+        "m", 1
+    ) == ["m"]
     assert shards.parse("1/4") == (1, 4)
     for bad in ("1", "4/4", "-1/2", "a/b", "0/0", "1/2000"):
         with pytest.raises(ConfigError, match="--shard"):
             shards.parse(bad)
     assert shards.shard_name(None, 2, 3) == "merger.2" and shards.shard_name(None, 0, 3) == "merger"
     assert shards.shard_name("eu", 0, 2) == "eu" and shards.shard_name("eu.1", 1, 2) == "eu.1"
-    for given, shard in (("merger", 1), ("merger.2", 1), ("merger.1", 0)):  # islands tell the shards apart by name
+    # islands tell the shards apart by name
+    for given, shard in (("merger", 1), ("merger.2", 1), ("merger.1", 0)):
         with pytest.raises(ConfigError, match="shard 0 is named BASE"):
             shards.shard_name(given, shard, 3)
-    assert shards.shard_name("eu.2", 0, 1) == "eu.2"  # one merger: any name
-    assert shards.subscriptions(1, 2, 12) == [b"delta/1/", b"delta/3/", b"delta/5/", b"delta/7/", b"delta/9/", b"delta/11/", b"heartbeat/1/"]
+    # one merger: any name
+    assert shards.shard_name("eu.2", 0, 1) == "eu.2"
+    assert shards.subscriptions(1, 2, 12) == [
+        b"delta/1/",
+        b"delta/3/",
+        b"delta/5/",
+        b"delta/7/",
+        b"delta/9/",
+        b"delta/11/",
+        b"heartbeat/1/",
+    ]
     assert shards.subscriptions(0, 1, 12) == [b"delta/", b"heartbeat/0/"]
 
 
@@ -44,7 +56,8 @@ def test_the_shards_of_a_run_are_found_by_index_and_a_missing_one_is_named(tmp_p
 
     for name in ("merger", "merger.2", "merger.1.bak", "merger.x"):
         (tmp_path / name).mkdir()
-    with pytest.raises(RunDirError, match="merger.1 are missing"):  # fragment f is shard f % N's: a gap would shift them
+    # fragment f is shard f % N's: a gap would shift them
+    with pytest.raises(RunDirError, match="merger.1 are missing"):
         shard_run_dirs(tmp_path)
     (tmp_path / "merger.1").mkdir()
     assert [p.name for p in shard_run_dirs(tmp_path)] == ["merger", "merger.1", "merger.2"]
@@ -57,10 +70,12 @@ def test_the_shards_of_a_run_are_found_by_index_and_a_missing_one_is_named(tmp_p
 def test_a_run_directory_belongs_to_one_shard(tmp_path):
     (tmp_path / "a").mkdir()
     check_shard(tmp_path / "a", 1, 2)
-    check_shard(tmp_path / "a", 1, 2)  # the same shard again: fine
+    # the same shard again: fine
+    check_shard(tmp_path / "a", 1, 2)
     with pytest.raises(ConfigError, match="merger shard 1/2, not 0/2"):
         check_shard(tmp_path / "a", 0, 2)
-    (tmp_path / "b" / "wal").mkdir(parents=True)  # an unsharded merger's log, from before shards were recorded
+    # an unsharded merger's log, from before shards were recorded
+    (tmp_path / "b" / "wal").mkdir(parents=True)
     with pytest.raises(ConfigError, match="unsharded merger"):
         check_shard(tmp_path / "b", 0, 2)
     check_shard(tmp_path / "b", 0, 1)
@@ -73,32 +88,64 @@ def test_a_cluster_with_two_merger_shards_wires_every_island_to_both():
 
     config = ClusterConfig(regions=(Region("east"),), merger=MergerSection(shards=2))
     assert config.process_names == ["east", "merger", "merger.1", "broker"]
-    commands = topology.commands(config, topology.Addresses(("1", "2", "3", "4"), "5", shard_control_ports=("9",)), "/run")
+    commands = topology.commands(
+        config, topology.Addresses(("1", "2", "3", "4"), "5", shard_control_ports=("9",)), "/run"
+    )
     parser = build_parser()
     zero, one, east = (parser.parse_args(commands[name]) for name in ("merger", "merger.1", "east"))
-    assert (zero.shard, zero.name, str(zero.run_dir)) == ("0/2", None, "/run/merger")  # None: merger (protocol.shards.shard_name)
-    assert (one.shard, one.name, str(one.run_dir), one.control_endpoint) == ("1/2", "merger.1", "/run/merger.1", "@tcp://127.0.0.1:9")
+    # None: merger (protocol.shards.shard_name)
+    assert (zero.shard, zero.name, str(zero.run_dir)) == ("0/2", None, "/run/merger")
+    assert (one.shard, one.name, str(one.run_dir), one.control_endpoint) == (
+        "1/2",
+        "merger.1",
+        "/run/merger.1",
+        "@tcp://127.0.0.1:9",
+    )
     assert east.control_endpoint == ["tcp://127.0.0.1:5", "tcp://127.0.0.1:9"]
     assert parser.parse_args(commands["evaluator"]).control_endpoint == east.control_endpoint
     import yaml
 
     from dloco.cluster import compose
 
-    services = yaml.safe_load(compose.render(config, "cluster.toml"))["services"]  # one service per shard, every island wired to both
-    assert services["merger.1"]["command"][services["merger.1"]["command"].index("--shard") + 1] == "1/2"
+    # one service per shard, every island wired to both
+    services = yaml.safe_load(compose.render(config, "cluster.toml"))["services"]
+    assert (
+        services["merger.1"]["command"][services["merger.1"]["command"].index("--shard") + 1]
+        == "1/2"
+    )
     assert "tcp://merger.1:${DLOCO_CONTROL_PORT_MERGER_1:-5571}" in services["east"]["command"]
     assert set(services["east"]["depends_on"]) == {"merger", "merger.1"}
     with pytest.raises(ConfigError, match="standby per shard"):
         MergerSection(shards=2, standby=True)
     with pytest.raises(ConfigError, match="must not exceed sync.fragments"):
-        config.with_mode("sync-diloco")  # it folds the whole model as one fragment
+        # it folds the whole model as one fragment
+        config.with_mode("sync-diloco")
 
 
 def _dloco(*args, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dloco", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dloco", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kwargs,
+    )
 
 
-MODEL = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--batch", "8", "--seed", "5"]
+MODEL = [
+    "--width",
+    "32",
+    "--depth",
+    "1",
+    "--heads",
+    "2",
+    "--context",
+    "32",
+    "--batch",
+    "8",
+    "--seed",
+    "5",
+]
 
 
 def _synchronous_run(tmp_path, count: int) -> list[dict]:
@@ -110,18 +157,89 @@ def _synchronous_run(tmp_path, count: int) -> list[dict]:
     assert _dloco("island", "--write-init", init, *MODEL).wait(timeout=300) == 0
     ports = [str(p) for p in free_ports(4 + count)]
     at = [f"tcp://127.0.0.1:{p}" for p in ports]
-    processes = [_dloco("broker", "--insecure", "--delta-in", at[0], "--delta-out", at[1], "--snapshot-in", at[2], "--snapshot-out", at[3])]
+    processes = [
+        _dloco(
+            "broker",
+            "--insecure",
+            "--delta-in",
+            at[0],
+            "--delta-out",
+            at[1],
+            "--snapshot-in",
+            at[2],
+            "--snapshot-out",
+            at[3],
+        )
+    ]
     try:
         for index, name in enumerate(shards.names("merger", count)):
-            processes.append(_dloco("merger", "--insecure", "--run-dir", base / name, "--init-npz", init, "--fragments", 2, "--name", name,
-                                    "--shard", f"{index}/{count}", "--delta-endpoint", at[1], "--snapshot-endpoint", at[2],
-                                    "--control-endpoint", f"@{at[4 + index]}", "--quorum", 2, "--quorum-timeout", 300, "--grace-cap", 0,
-                                    "--share-window", 0, "--outer", "nesterov", "--outer-lr", 0.7))
+            processes.append(
+                _dloco(
+                    "merger",
+                    "--insecure",
+                    "--run-dir",
+                    base / name,
+                    "--init-npz",
+                    init,
+                    "--fragments",
+                    2,
+                    "--name",
+                    name,
+                    "--shard",
+                    f"{index}/{count}",
+                    "--delta-endpoint",
+                    at[1],
+                    "--snapshot-endpoint",
+                    at[2],
+                    "--control-endpoint",
+                    f"@{at[4 + index]}",
+                    "--quorum",
+                    2,
+                    "--quorum-timeout",
+                    300,
+                    "--grace-cap",
+                    0,
+                    "--share-window",
+                    0,
+                    "--outer",
+                    "nesterov",
+                    "--outer-lr",
+                    0.7,
+                )
+            )
         controls = [arg for endpoint in at[4:] for arg in ("--control-endpoint", endpoint)]
-        islands = [_dloco("island", "--insecure", "--name", name, "--islands", 2, "--island-index", index, *MODEL, "--max-steps", 40,
-                          "--fragments", 2, "--interval", 10, "--blocking", "--delta-endpoint", at[0], "--snapshot-endpoint", at[3],
-                          *controls, "--metrics-out", base / f"{name}.jsonl", "--eval-every", 40, "--settle-timeout", 400)
-                   for index, name in enumerate(("a", "b"))]
+        islands = [
+            _dloco(
+                "island",
+                "--insecure",
+                "--name",
+                name,
+                "--islands",
+                2,
+                "--island-index",
+                index,
+                *MODEL,
+                "--max-steps",
+                40,
+                "--fragments",
+                2,
+                "--interval",
+                10,
+                "--blocking",
+                "--delta-endpoint",
+                at[0],
+                "--snapshot-endpoint",
+                at[3],
+                *controls,
+                "--metrics-out",
+                base / f"{name}.jsonl",
+                "--eval-every",
+                40,
+                "--settle-timeout",
+                400,
+            )
+            for index, name in enumerate(("a", "b"))
+        ]
         for island in islands:
             out, _ = island.communicate(timeout=400)
             assert island.returncode == 0, out[-3000:]
@@ -134,26 +252,46 @@ def _synchronous_run(tmp_path, count: int) -> list[dict]:
             process.kill()
             process.wait(timeout=30)
     for name in shards.names("merger", count):
-        replay = subprocess.run([sys.executable, "-m", "dloco", "replay", str(base / name), "--verify", "--every", "1000000"],
-                                capture_output=True, text=True, timeout=300)
-        assert replay.returncode == 0 and "ok sha256=" in replay.stdout, replay.stdout[-2000:] + replay.stderr[-2000:]
-    return [checkpoint.latest(checkpoint_dir(base / name)) for name in shards.names("merger", count)]
+        replay = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dloco",
+                "replay",
+                str(base / name),
+                "--verify",
+                "--every",
+                "1000000",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert replay.returncode == 0 and "ok sha256=" in replay.stdout, (
+            replay.stdout[-2000:] + replay.stderr[-2000:]
+        )
+    return [
+        checkpoint.latest(checkpoint_dir(base / name)) for name in shards.names("merger", count)
+    ]
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_two_shards_fold_the_bytes_one_merger_folds(tmp_path):
-    one, = _synchronous_run(tmp_path, 1)
+    (one,) = _synchronous_run(tmp_path, 1)
     split = _synchronous_run(tmp_path, 2)
     for fragment in range(2):
         mine = split[shards.shard_of(fragment, 2)]["fragments"][fragment]
         theirs = one["fragments"][fragment]
-        assert int(mine["version"]) == int(theirs["version"]) >= 4  # every island's 4 deltas of it, one round per fold
+        # every island's 4 deltas of it, one round per fold
+        assert int(mine["version"]) == int(theirs["version"]) >= 4
         assert params_of({"fragments": [mine]}).keys() == params_of({"fragments": [theirs]}).keys()
         for path in mine["params"]:
             assert mine["params"][path]["data"] == theirs["params"][path]["data"], (fragment, path)
         other = split[1 - shards.shard_of(fragment, 2)]["fragments"][fragment]
-        assert int(other["version"]) == 0  # the other shard never folded it
-    with np.load(tmp_path / "shards1" / "init.npz") as init:  # and the run did train: every fragment moved
+        # the other shard never folded it
+        assert int(other["version"]) == 0
+    # and the run did train: every fragment moved
+    with np.load(tmp_path / "shards1" / "init.npz") as init:
         folded = params_of(one)
         assert all(not np.array_equal(folded[path], init[path]) for path in init.files)

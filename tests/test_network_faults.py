@@ -1,8 +1,9 @@
-"""Faults of the network, not of processes: `dloco up` with `[run] network = "netns"` puts every host
-in a network namespace of its own behind a router (cluster/netns.py), and chaos partitions links
-(no reset: TCP stays established, only ZMTP heartbeats notice), drops one direction, or drops a
-share of the packets.  Partitions last multiples of the heartbeat timeout; everything asserted is a
-count or an order of events (folds, acks, steps, log records), whatever CPU share each process gets.
+"""Faults of the network, not of processes: `dloco up` with `[run] network = "netns"` puts every
+host in a network namespace of its own behind a router (cluster/netns.py), and chaos partitions
+links (no reset: TCP stays established, only ZMTP heartbeats notice), drops one direction, or drops
+a share of the packets.  Partitions last multiples of the heartbeat timeout; everything asserted is
+a count or an order of events (folds, acks, steps, log records), whatever CPU share each process
+gets.
 
 Root and network namespaces are needed (CI has both: .ci/run sets DLOCO_REQUIRE_NETNS, so that a
 machine without them fails there instead of skipping)."""
@@ -50,25 +51,49 @@ def namespaces():
 
 
 def _up(tmp_path, schedule: str, max_steps: int = 100, timeout: int = 900):
-    profile = small_profile(timeout - 100, 50, REGIONS, max_steps=max_steps).replace("[run]\n", '[run]\nnetwork = "netns"\n')
+    profile = small_profile(timeout - 100, 50, REGIONS, max_steps=max_steps).replace(
+        "[run]\n", '[run]\nnetwork = "netns"\n'
+    )
     (tmp_path / "c.toml").write_text(profile)
     run = tmp_path / "run"
-    up = subprocess.run([sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run), "--chaos", schedule],
-                        capture_output=True, text=True, timeout=timeout)
+    up = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dloco",
+            "up",
+            "--config",
+            str(tmp_path / "c.toml"),
+            "--run-dir",
+            str(run),
+            "--chaos",
+            schedule,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
     executed = read_events(run / "chaos.jsonl")
     assert [e["when"] for e in executed] == schedule.split(","), executed
     leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "dloco-" not in leftover  # `dloco up` removed its namespaces as it stopped
+    # `dloco up` removed its namespaces as it stopped
+    assert "dloco-" not in leftover
     return run, [e["wall"] for e in executed]
 
 
 def _steps_between(run, island, start, end):
-    return sum(1 for e in read_metrics(run / "metrics" / f"{island}.jsonl") if e.get("step", 0) > 0 and start <= e["wall"] < end)
+    return sum(
+        1
+        for e in read_metrics(run / "metrics" / f"{island}.jsonl")
+        if e.get("step", 0) > 0 and start <= e["wall"] < end
+    )
 
 
 def _folded_islands(run, start, end):
-    return set().union(*(set(e["contributors"]) for e in merger_folds(run) if start <= wall(e) < end))
+    return set().union(
+        *(set(e["contributors"]) for e in merger_folds(run) if start <= wall(e) < end)
+    )
 
 
 def _settled_once(run, wal="merger"):
@@ -76,52 +101,91 @@ def _settled_once(run, wal="merger"):
     each island counted as folded is in the log, and every one it sent was settled (folded or
     rejected) but for those whose ack had not come when it stopped (`unknown`: the drain at the
     end waits 30 s).  Returns the islands' summaries."""
-    folded = collections.Counter(tuple(m) for _, record in read_records(run / wal / "wal") if record.get("type") == "fold"
-                                 for m in record["members"])
+    folded = collections.Counter(
+        tuple(m)
+        for _, record in read_records(run / wal / "wal")
+        if record.get("type") == "fold"
+        for m in record["members"]
+    )
     assert folded and max(folded.values()) == 1, folded.most_common(3)
     done = {}
     for island in ("a", "b"):
-        done[island] = [e for e in read_events(run / "logs" / f"{island}.log") if e.get("event") == "done"][-1]
+        done[island] = [
+            e for e in read_events(run / "logs" / f"{island}.log") if e.get("event") == "done"
+        ][-1]
         acks, logged = done[island]["acks"], sum(1 for member in folded if member[0] == island)
-        assert acks.get("folded", 0) + acks.get("rejected", 0) + acks.get("unknown", 0) == done[island]["deltas_sent"] > 0, done[island]
-        assert acks.get("folded", 0) <= logged <= acks.get("folded", 0) + acks.get("unknown", 0), (island, acks, logged)
+        assert (
+            acks.get("folded", 0) + acks.get("rejected", 0) + acks.get("unknown", 0)
+            == done[island]["deltas_sent"]
+            > 0
+        ), done[island]
+        assert acks.get("folded", 0) <= logged <= acks.get("folded", 0) + acks.get("unknown", 0), (
+            island,
+            acks,
+            logged,
+        )
     return done
 
 
 def _rejections_logged(run, island) -> int:
-    """The merger's count of `island`'s rejected deltas: its throttled lines, and the lines each left out."""
-    lines = [e for e in read_events(run / "logs" / "merger.log") if e.get("event") == "delta_rejected" and e.get("island") == island]
+    """The merger's count of `island`'s rejected deltas: its throttled lines, and the lines each
+    left out."""
+    lines = [
+        e
+        for e in read_events(run / "logs" / "merger.log")
+        if e.get("event") == "delta_rejected" and e.get("island") == island
+    ]
     return sum((0 if e.get("flushed") else 1) + e.get("left_out", 0) for e in lines)
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(1000)
-def test_an_island_partitioned_for_2x_then_20x_the_heartbeat_timeout_trains_on_and_resyncs(tmp_path):
+def test_an_island_partitioned_for_2x_then_20x_the_heartbeat_timeout_trains_on_and_resyncs(
+    tmp_path,
+):
     """a is cut off (both ways, silently) for 2x, then 20x the heartbeat timeout, and trains on
     meanwhile.  b keeps training and being folded; a's work queued during the cut is folded or
     rejected as stale on healing, each counted in the merger's log; a resyncs and is folded again
     (each cut after the first, and the run's end, wait for two folds of a's deltas after a heal:
-    the schedule's completion is the check); nothing is folded twice.  The cuts leave a's connections
-    half-open (no reset): only the heartbeats can tell, and a's link watcher logs each of its three
-    sockets going down during every cut and coming back after it (a link not dropped in time would
-    have resumed silently once healed)."""
+    the schedule's completion is the check); nothing is folded twice.  The cuts leave a's
+    connections half-open (no reset): only the heartbeats can tell, and a's link watcher logs each
+    of its three sockets going down during every cut and coming back after it (a link not dropped in
+    time would have resumed silently once healed)."""
     short, long = 2 * TIMEOUT_S, 20 * TIMEOUT_S
     schedule = f"partition:a@step=40,heal:a@+{short:g},partition:a@a.folds=+2,heal:a@+{long:g},heal:a@a.folds=+2"
     run, (cut1, _, cut2, healed2, _) = _up(tmp_path, schedule)
-    assert _steps_between(run, "a", cut2, healed2) >= 20 and _steps_between(run, "b", cut2, healed2) >= 20
-    assert "b" in _folded_islands(run, cut2 + TIMEOUT_S, healed2) and "a" not in _folded_islands(run, cut2 + TIMEOUT_S, healed2)
+    assert (
+        _steps_between(run, "a", cut2, healed2) >= 20
+        and _steps_between(run, "b", cut2, healed2) >= 20
+    )
+    assert "b" in _folded_islands(run, cut2 + TIMEOUT_S, healed2) and "a" not in _folded_islands(
+        run, cut2 + TIMEOUT_S, healed2
+    )
     merger = read_events(run / "logs" / "merger.log")
-    assert [e["event"] for e in merger if e.get("island") == "a" and e.get("event") in ("island_gone", "island_back")][-2:] == \
-        ["island_gone", "island_back"]
+    assert [
+        e["event"]
+        for e in merger
+        if e.get("island") == "a" and e.get("event") in ("island_gone", "island_back")
+    ][-2:] == ["island_gone", "island_back"]
     done = _settled_once(run)
     assert done["a"]["acks"].get("rejected", 0) == _rejections_logged(run, "a")
     island = read_events(run / "logs" / "a.log")
     for cut, next_cut in ((cut1, cut2), (cut2, float("inf"))):
-        changes = [(e["event"], e["socket"]) for e in island if e.get("event") in ("link_down", "link_up") and cut < wall(e) < next_cut]
+        changes = [
+            (e["event"], e["socket"])
+            for e in island
+            if e.get("event") in ("link_down", "link_up") and cut < wall(e) < next_cut
+        ]
         for socket in ("delta-bus", "snapshot-bus", "merger"):
             mine = [event for event, name in changes if name == socket]
-            assert "link_down" in mine and "link_up" in mine[mine.index("link_down"):], (socket, changes)
-    assert all(done["a"]["links"][socket]["down"] >= 2 for socket in ("delta-bus", "snapshot-bus", "merger")), done["a"]["links"]
+            assert "link_down" in mine and "link_up" in mine[mine.index("link_down") :], (
+                socket,
+                changes,
+            )
+    assert all(
+        done["a"]["links"][socket]["down"] >= 2
+        for socket in ("delta-bus", "snapshot-bus", "merger")
+    ), done["a"]["links"]
 
 
 @pytest.mark.e2e
@@ -134,12 +198,17 @@ def test_one_way_partitions_and_packet_loss_lose_nothing(tmp_path):
     cut and during the loss (TCP resends).  The router counts what it dropped; every delta a sent is
     settled once, nothing folded twice."""
     cut = 3 * TIMEOUT_S
-    schedule = (f"partition-out:a@step=40,heal:a@+{cut:g},partition-in:a@a.folds=+2,heal:a@+{cut:g},"
-                f"loss-2:a@a.folds=+2,loss-10:a@a.folds=+30,heal:a@a.folds=+10,heal:a@+{3 * TIMEOUT_S:g}")
+    schedule = (
+        f"partition-out:a@step=40,heal:a@+{cut:g},partition-in:a@a.folds=+2,heal:a@+{cut:g},"
+        f"loss-2:a@a.folds=+2,loss-10:a@a.folds=+30,heal:a@a.folds=+10,heal:a@+{3 * TIMEOUT_S:g}"
+    )
     run, (out_cut, out_healed, in_cut, in_healed, *_) = _up(tmp_path, schedule)
     dropped = [e.get("dropped_packets") for e in read_events(run / "chaos.jsonl")]
     assert all(n > 0 for n in dropped[1:2] + dropped[3:4] + dropped[5:7]), dropped
-    assert _steps_between(run, "a", out_cut, out_healed) >= 10 and _steps_between(run, "a", in_cut, in_healed) >= 10
+    assert (
+        _steps_between(run, "a", out_cut, out_healed) >= 10
+        and _steps_between(run, "a", in_cut, in_healed) >= 10
+    )
     _settled_once(run)
 
 
@@ -150,8 +219,11 @@ def test_the_merger_partitioned_from_the_broker_loses_no_acked_delta(tmp_path):
     meanwhile, and after healing every acked delta is in the log exactly once."""
     schedule = f"partition:merger@folds=6,heal:merger@+{4 * TIMEOUT_S:g},heal:merger@a.step=+60"
     run, (cut, healed, _) = _up(tmp_path, schedule)
-    assert _steps_between(run, "a", cut, healed) >= 20 and _steps_between(run, "b", cut, healed) >= 20
-    assert not _folded_islands(run, cut + TIMEOUT_S, healed)  # what it had received before the cut may still fold
+    assert (
+        _steps_between(run, "a", cut, healed) >= 20 and _steps_between(run, "b", cut, healed) >= 20
+    )
+    # what it had received before the cut may still fold
+    assert not _folded_islands(run, cut + TIMEOUT_S, healed)
     assert {"a", "b"} <= _folded_islands(run, healed, float("inf"))
     _settled_once(run)
     report = json.dumps(read_events(run / "chaos.jsonl"))
@@ -161,29 +233,62 @@ def test_the_merger_partitioned_from_the_broker_loses_no_acked_delta(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.timeout(1000)
 def test_a_primary_and_standby_partitioned_from_each_other_but_not_from_the_broker(tmp_path):
-    """The split-brain case: the primary and its standby lose each other for 6x the heartbeat timeout
-    (ten leases), both still reaching the broker and the islands.  The standby takes over under a
-    newer epoch once its lease runs out; the old primary, alone after two leases, folds what it still
-    can (deltas whose bases are the new primary's versions it rejects) and is fenced on healing: it steps down, sets its
-    unreplicated records aside and follows.  Every delta the islands counted as folded is in the new
-    primary's log, exactly once (PROTOCOL.md §12 says what holds without a quorum)."""
-    profile = small_profile(900, 50, REGIONS, max_steps=100).replace("[run]\n", '[run]\nnetwork = "netns"\n')
-    (tmp_path / "c.toml").write_text(profile.replace("share_window = 8", "share_window = 8\nstandby = true"))
+    """The split-brain case: the primary and its standby lose each other for 6x the heartbeat
+    timeout (ten leases), both still reaching the broker and the islands.  The standby takes over
+    under a newer epoch once its lease runs out; the old primary, alone after two leases, folds what
+    it still can (deltas whose bases are the new primary's versions it rejects) and is fenced on
+    healing: it steps down, sets its unreplicated records aside and follows.  Every delta the
+    islands counted as folded is in the new primary's log, exactly once (PROTOCOL.md §12 says what
+    holds without a quorum)."""
+    profile = small_profile(900, 50, REGIONS, max_steps=100).replace(
+        "[run]\n", '[run]\nnetwork = "netns"\n'
+    )
+    (tmp_path / "c.toml").write_text(
+        profile.replace("share_window = 8", "share_window = 8\nstandby = true")
+    )
     schedule = f"partition-from-standby:merger@folds=10,heal:merger@+{6 * TIMEOUT_S:g},heal:merger@+{4 * TIMEOUT_S:g}"
     run = tmp_path / "run"
-    up = subprocess.run([sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run), "--chaos", schedule],
-                        capture_output=True, text=True, timeout=900)
+    up = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dloco",
+            "up",
+            "--config",
+            str(tmp_path / "c.toml"),
+            "--run-dir",
+            str(run),
+            "--chaos",
+            schedule,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
     cut, healed, _ = (e["wall"] for e in read_events(run / "chaos.jsonl"))
     standby, merger = (read_events(run / "logs" / f"{name}.log") for name in ("standby", "merger"))
     took = [wall(e) for e in standby if e.get("event") == "taking_over"]
-    assert len(took) == 1 and cut < took[0] < healed  # one takeover, during the cut
-    fenced = [(e["event"], wall(e)) for e in merger if e.get("event") in ("fenced", "stepped_down", "log_set_aside")]
-    assert [name for name, _ in fenced] == ["fenced", "stepped_down", "log_set_aside"] and all(w > healed for _, w in fenced)
+    # one takeover, during the cut
+    assert len(took) == 1 and cut < took[0] < healed
+    fenced = [
+        (e["event"], wall(e))
+        for e in merger
+        if e.get("event") in ("fenced", "stepped_down", "log_set_aside")
+    ]
+    assert [name for name, _ in fenced] == ["fenced", "stepped_down", "log_set_aside"] and all(
+        w > healed for _, w in fenced
+    )
     # Two mergers have no quorum: the old primary folds again only once it has declared itself alone
-    # (two leases of silence; acks waited for the standby's disk until then), and those records are set aside.
-    alone = [wall(e) for e in merger if e.get("event") == "replication" and e.get("state") == "alone" and wall(e) > cut]
+    # (two leases of silence; acks waited for the standby's disk until then), and those records are
+    # set aside.
+    alone = [
+        wall(e)
+        for e in merger
+        if e.get("event") == "replication" and e.get("state") == "alone" and wall(e) > cut
+    ]
     late = [wall(e) for e in merger if e.get("event") == "fold" and wall(e) > took[0]]
     assert alone and all(w >= alone[0] for w in late)
-    _settled_once(run, wal="standby")  # the new primary's log: nothing the islands counted as folded is missing from it
+    # the new primary's log: nothing the islands counted as folded is missing from it
+    _settled_once(run, wal="standby")
     assert {"a", "b"} <= _folded_islands(run, healed, float("inf"))

@@ -1,5 +1,6 @@
-"""Poisoning defence against hand-derived values: delta norms (float, and bounds for coded), the norm limit,
-the outlier and overflow verdicts, quarantine; and the merger core refusing a poisoned delta."""
+"""Poisoning defence against hand-derived values: delta norms (float, and bounds for coded), the
+norm limit, the outlier and overflow verdicts, quarantine; and the merger core refusing a poisoned
+delta."""
 
 from __future__ import annotations
 
@@ -16,11 +17,23 @@ LAYOUT = {"w": (2, 2), "b": (2,)}
 
 
 def candidate(w, b=(0.0, 0.0)) -> admission.Candidate:
-    return admission.Candidate("a", 1, 1, 0, 5, 10, 1000, "m", {"w": np.asarray(w, np.float32).reshape(2, 2), "b": np.asarray(b, np.float32)})
+    return admission.Candidate(
+        "a",
+        1,
+        1,
+        0,
+        5,
+        10,
+        1000,
+        "m",
+        {"w": np.asarray(w, np.float32).reshape(2, 2), "b": np.asarray(b, np.float32)},
+    )
 
 
 def judge(c, limit=None) -> admission.Verdict:
-    return admission.admit(c, version=5, layout=LAYOUT, model="m", max_staleness=2, norm_limit=limit)
+    return admission.admit(
+        c, version=5, layout=LAYOUT, model="m", max_staleness=2, norm_limit=limit
+    )
 
 
 def test_the_norm_is_that_of_all_values_in_float64():
@@ -33,10 +46,15 @@ def test_the_norm_is_that_of_all_values_in_float64():
 
 
 def test_finite_values_whose_squares_overflow_float32_are_non_finite():
-    """3e38 is a finite float32, but its square is not: the fold's float32 norms would be Infinity."""
+    """3e38 is a finite float32, but its square is not: the fold's float32 norms would be
+    Infinity."""
     verdict = judge(candidate([3e38, 0.0, 0.0, 0.0]))
-    assert (verdict.admitted, verdict.reason) == (False, "non_finite") and "overflows" in verdict.detail
-    assert judge(candidate([1.85e19, 0.0, 0.0, 0.0])).reason == "non_finite"  # past sqrt(float32 max) = 1.8447e19
+    assert (verdict.admitted, verdict.reason) == (
+        False,
+        "non_finite",
+    ) and "overflows" in verdict.detail
+    # past sqrt(float32 max) = 1.8447e19
+    assert judge(candidate([1.85e19, 0.0, 0.0, 0.0])).reason == "non_finite"
     assert judge(candidate([1.84e19, 0.0, 0.0, 0.0])).admitted
 
 
@@ -47,34 +65,46 @@ def test_a_coded_deltas_norm_is_bounded_from_its_scales(codec, largest):
     values = (np.random.default_rng(1).standard_normal(1000) * 0.01).astype(np.float32)
     c = protocol.Codec(codec)
     tensor = protocol.CodedTensor(c, (1000,), c.encode(values).reshape(-1, c.record_nbytes))
-    by_hand = sum(n * (largest * float(s)) ** 2 for n, s in zip([256, 256, 256, 232], tensor.scales))
-    assert admission.delta_norm({"x": tensor}) == pytest.approx(by_hand ** 0.5, rel=1e-12)
+    by_hand = sum(
+        n * (largest * float(s)) ** 2 for n, s in zip([256, 256, 256, 232], tensor.scales)
+    )
+    assert admission.delta_norm({"x": tensor}) == pytest.approx(by_hand**0.5, rel=1e-12)
     decoded = tensor.decode().astype(np.float64)
     assert float(np.sqrt(decoded @ decoded)) <= admission.delta_norm({"x": tensor})
 
 
 def test_the_reference_is_the_other_islands_medians_never_the_senders_own():
     history = NormHistory(window=4, min_own=2)
-    assert history.limit("a", 10.0) is None  # no history: nothing is judged
+    # no history: nothing is judged
+    assert history.limit("a", 10.0) is None
     for island, norm in [("a", 1.0), ("a", 3.0), ("b", 2.0)]:
         history.record(island, norm)
-    assert history.limit("b", 10.0) == 20.0  # a's median 2.0 (of 1, 3)
-    assert history.limit("a", 10.0) == 20.0  # b holds 1 norm < min_own 2: a, alone, is judged against its own median
-    assert history.limit("c", 10.0) == 20.0  # a newcomer: against a's
+    # a's median 2.0 (of 1, 3)
+    assert history.limit("b", 10.0) == 20.0
+    # b holds 1 norm < min_own 2: a, alone, is judged against its own median
+    assert history.limit("a", 10.0) == 20.0
+    # a newcomer: against a's
+    assert history.limit("c", 10.0) == 20.0
     history.record("b", 4.0)
     history.record("c", 6.0)
     history.record("c", 8.0)
     # medians: a 2.0, b 3.0, c 7.0
-    assert history.limit("a", 10.0) == 50.0  # the median of b's 3 and c's 7
-    assert history.limit("c", 10.0) == 25.0  # of a's 2 and b's 3: c's own 7 does not raise it
+    # the median of b's 3 and c's 7
+    assert history.limit("a", 10.0) == 50.0
+    # of a's 2 and b's 3: c's own 7 does not raise it
+    assert history.limit("c", 10.0) == 25.0
     assert history.reference("a", "max") == 7.0 and history.reference("c", "max") == 3.0
-    for norm in (100.0, 140.0, 196.0, 274.0):  # c ramps: its own median climbs, its limit does not
+    # c ramps: its own median climbs, its limit does not
+    for norm in (100.0, 140.0, 196.0, 274.0):
         history.record("c", norm)
     assert history.medians["c"] == 168.0 and history.limit("c", 10.0) == 25.0
     for _ in range(4):
-        history.record("a", 0.001)  # a's median falls to 0.001
-    assert history.limit("b", 10.0) == pytest.approx(10.0 * (0.001 + 168.0) / 2)  # b's reference: a and c
-    assert history.limit("a", 0.0) is None  # factor 0: off
+        # a's median falls to 0.001
+        history.record("a", 0.001)
+    # b's reference: a and c
+    assert history.limit("b", 10.0) == pytest.approx(10.0 * (0.001 + 168.0) / 2)
+    # factor 0: off
+    assert history.limit("a", 0.0) is None
 
 
 def test_a_history_survives_export_and_restore():
@@ -83,17 +113,32 @@ def test_a_history_survives_export_and_restore():
         history.record(island, norm)
     again = NormHistory(window=3, min_own=2)
     again.restore(history.export())
-    assert again.export() == {"a": [2.0, 3.0, 4.0], "b": [5.0]} and again.medians == {"a": 3.0} and again.reference("b") == 3.0
+    assert (
+        again.export() == {"a": [2.0, 3.0, 4.0], "b": [5.0]}
+        and again.medians == {"a": 3.0}
+        and again.reference("b") == 3.0
+    )
 
 
 def test_quarantine_after_consecutive_hostile_rejections():
     quarantine = Quarantine(strikes=3, seconds=60.0)
-    assert not quarantine.judge("x", "outlier_norm", 0.0) and not quarantine.judge("x", "non_finite", 1.0)
-    assert not quarantine.judge("x", "", 2.0)  # an admitted delta clears the strikes
-    assert not quarantine.judge("x", "stale", 3.0)  # a stale delta is no sign of hostility
-    assert not quarantine.judge("x", "outlier_norm", 4.0) and not quarantine.judge("x", "layout_mismatch", 5.0)
-    assert quarantine.judge("x", "future_base", 6.0)  # the third in a row
-    assert quarantine.held("x", 6.0) == 60.0 and quarantine.held("x", 65.0) == 1.0 and quarantine.held("y", 6.0) == 0.0
+    assert not quarantine.judge("x", "outlier_norm", 0.0) and not quarantine.judge(
+        "x", "non_finite", 1.0
+    )
+    # an admitted delta clears the strikes
+    assert not quarantine.judge("x", "", 2.0)
+    # a stale delta is no sign of hostility
+    assert not quarantine.judge("x", "stale", 3.0)
+    assert not quarantine.judge("x", "outlier_norm", 4.0) and not quarantine.judge(
+        "x", "layout_mismatch", 5.0
+    )
+    # the third in a row
+    assert quarantine.judge("x", "future_base", 6.0)
+    assert (
+        quarantine.held("x", 6.0) == 60.0
+        and quarantine.held("x", 65.0) == 1.0
+        and quarantine.held("y", 6.0) == 0.0
+    )
     assert quarantine.held("x", 66.0) == 0.0 and "x" not in quarantine.until
 
 
@@ -104,8 +149,8 @@ def test_the_outlier_factor_is_validated():
 
 
 def test_the_core_rejects_a_poisoned_delta_and_quarantines_its_sender():
-    """Honest deltas of norm ~0.45 build the history; a 1e6x delta is rejected as outlier_norm and the
-    global model does not move; five in a row quarantine the island, whose next honest delta is
+    """Honest deltas of norm ~0.45 build the history; a 1e6x delta is rejected as outlier_norm and
+    the global model does not move; five in a row quarantine the island, whose next honest delta is
     refused until the quarantine ends, then admitted again.  Another island is unaffected."""
     from tests.merger_helpers import assemble, delta_chunks, initial_params
 
@@ -114,10 +159,22 @@ def test_the_core_rejects_a_poisoned_delta_and_quarantines_its_sender():
     core = MergerCore(MergerConfig(), protocol.model_fingerprint(params), parts, params)
 
     def send(island, delta_id, scale=1.0, now=0.0):
-        chunks = delta_chunks(parts[0], island, delta_id, 0, core.states[0].version, seed=delta_id, codec="fp32")
+        chunks = delta_chunks(
+            parts[0], island, delta_id, 0, core.states[0].version, seed=delta_id, codec="fp32"
+        )
         if scale != 1.0:
-            chunks = [protocol.DeltaChunk(**{**c.__dict__, "payloads": tuple(
-                (np.frombuffer(p, np.float32) * np.float32(scale)).tobytes() for p in c.payloads)}) for c in chunks]
+            chunks = [
+                protocol.DeltaChunk(
+                    **{
+                        **c.__dict__,
+                        "payloads": tuple(
+                            (np.frombuffer(p, np.float32) * np.float32(scale)).tobytes()
+                            for p in c.payloads
+                        ),
+                    }
+                )
+                for c in chunks
+            ]
         return core.submit(assemble(chunks), now)
 
     for delta_id in range(1, 9):
@@ -125,10 +182,18 @@ def test_the_core_rejects_a_poisoned_delta_and_quarantines_its_sender():
         core.fold(0)
     before = core.digest()
     result = send("a", 100, scale=1e6)
-    assert (result.status, result.reason.split(":")[0]) == ("rejected", "outlier_norm") and core.digest() == before
+    assert (result.status, result.reason.split(":")[0]) == (
+        "rejected",
+        "outlier_norm",
+    ) and core.digest() == before
     for delta_id in range(101, 105):
         send("a", delta_id, scale=1e6, now=1.0)
     assert core.quarantined == [("a", "outlier_norm", 60.0)] and core.rejected["outlier_norm"] == 5
-    assert send("a", 200, now=30.0).reason.startswith("quarantined") and core.rejected["quarantined"] == 1
-    assert send("b", 201, now=30.0) is None  # b is unaffected
-    assert send("a", 202, now=61.5) is None  # the quarantine is over
+    assert (
+        send("a", 200, now=30.0).reason.startswith("quarantined")
+        and core.rejected["quarantined"] == 1
+    )
+    # b is unaffected
+    assert send("b", 201, now=30.0) is None
+    # the quarantine is over
+    assert send("a", 202, now=61.5) is None

@@ -21,21 +21,27 @@ SPEC = (ROOT / "PROTOCOL.md").read_text(encoding="utf-8")
 
 
 def test_d1_a_kept_negative_zero_carries_the_sign_bit_and_decodes_to_minus_scale():
-    codec = protocol.Codec("topk2", 128)  # k = 4 values kept per block
+    # k = 4 values kept per block
+    codec = protocol.Codec("topk2", 128)
     x = np.zeros(128, np.float32)
     x[3] = 4.0
-    x[127] = -0.0  # a tie among zeros goes to the higher index: kept
+    # a tie among zeros goes to the higher index: kept
+    x[127] = -0.0
     decoded = np.empty(128, np.float32)
     codec.decode(codec.encode(x), 128, out=decoded)
-    assert decoded[3] == 4.0 and decoded[127] == -2.0  # scale a / M = 4 / 2; m = 1, sign bit set
-    assert decoded[126] == 2.0 and decoded[125] == 2.0  # kept +0.0: +scale
+    # scale a / M = 4 / 2; m = 1, sign bit set
+    assert decoded[3] == 4.0 and decoded[127] == -2.0
+    # kept +0.0: +scale
+    assert decoded[126] == 2.0 and decoded[125] == 2.0
     assert "1 for a negative value, and for −0.0" in SPEC and "a kept −0.0 to `−scale`" in SPEC
     assert set(SPARSE_BITS) == {"topk2", "topk4"}
 
 
 def test_d2_a_full_snapshot_whose_digest_differs_is_not_used_and_is_asked_for_again():
     value = {"w": np.arange(4, dtype=np.float32)}
-    held = downlink.Served(3, {"w": np.zeros(4, np.float32)}, downlink.digest({"w": np.zeros(4, np.float32)}))
+    held = downlink.Served(
+        3, {"w": np.zeros(4, np.float32)}, downlink.digest({"w": np.zeros(4, np.float32)})
+    )
     kept, outcome = downlink.receive(held, 5, None, downlink.digest(value) ^ 1, value)
     assert (outcome, kept) == ("mismatch", held)
     _, outcome = downlink.receive(held, 5, None, downlink.digest(value), value)
@@ -58,9 +64,16 @@ def test_d3_islands_send_heartbeats_and_answer_resends_the_merger_does_neither()
     island, merger = _constructed("island"), _constructed("merger")
     assert "Heartbeat" in island and "ResendRequest" not in island
     assert "ResendRequest" in merger and "Heartbeat" not in merger
-    assert "Hello" not in island | merger  # optional, and the reference processes send none
-    for line in ("the merger sends none", "islands never send one, and a merger ignores one sent to it",
-                 "The merger keeps no retransmit buffer, sends no heartbeat and ignores a\n  `resend` addressed to it"):
+    # optional, and the reference processes send none
+    assert "Hello" not in island | merger
+    for line in (
+        "the merger sends none",
+        "islands never send one, and a merger ignores one sent to it",
+        (
+            "The merger keeps no retransmit buffer, sends no heartbeat and ignores a\n  `resend`"
+            " addressed to it"
+        ),
+    ):
         assert line in SPEC, line
 
 
@@ -71,9 +84,22 @@ def test_d4_a_chunk_refused_at_check_5_evicts_nothing():
     model = protocol.model_fingerprint({"w": np.ones(64, np.float32)})
 
     def chunk(delta_id, slices, payloads, count=2):
-        return protocol.DeltaChunk(sender="a", epoch=1, seq=delta_id, delta_id=delta_id, fragment=0, base_version=0, chunk_index=0,
-                                   chunk_count=count, steps=1, tokens=1, model=model, codec=protocol.Codec("fp32"),
-                                   slices=slices, payloads=payloads)
+        return protocol.DeltaChunk(
+            sender="a",
+            epoch=1,
+            seq=delta_id,
+            delta_id=delta_id,
+            fragment=0,
+            base_version=0,
+            chunk_index=0,
+            chunk_count=count,
+            steps=1,
+            tokens=1,
+            model=model,
+            codec=protocol.Codec("fp32"),
+            slices=slices,
+            payloads=payloads,
+        )
 
     half = protocol.TensorSlice("w", "float32", (64,), 0, 32, 0)
     first = chunk(1, (half,), (np.ones(32, np.float32),))
@@ -83,36 +109,57 @@ def test_d4_a_chunk_refused_at_check_5_evicts_nothing():
     overlapping = chunk(2, (half, half), (np.ones(32, np.float32), np.ones(32, np.float32)))
     with pytest.raises(protocol.ProtocolError) as refused:
         reassembler.add(overlapping, 0.0)
-    assert refused.value.reason == "inconsistent" and reassembler.held_bytes == cost  # message 1 is still held
+    # message 1 is still held
+    assert refused.value.reason == "inconsistent" and reassembler.held_bytes == cost
     whole = chunk(3, plan.slices, plan.payloads, count=1)
-    assert reassembler.add(whole, 0.0) is not None  # a good chunk does make room: message 1 evicted
+    # a good chunk does make room: message 1 evicted
+    assert reassembler.add(whole, 0.0) is not None
     assert reassembler.held_bytes == 0 and reassembler.stats.evicted_memory == 1
     assert "Only a chunk that passes all five is charged" in SPEC
 
 
 def test_d5_shards_of_a_merger_named_x_are_x_and_x_dot_i():
     assert shards.names("X", 3) == ["X", "X.1", "X.2"]
-    assert [shards.shard_name("X" if i == 0 else f"X.{i}", i, 3) for i in range(3)] == ["X", "X.1", "X.2"]
+    assert [shards.shard_name("X" if i == 0 else f"X.{i}", i, 3) for i in range(3)] == [
+        "X",
+        "X.1",
+        "X.2",
+    ]
     assert "`X` for shard 0, `X.I` for shard I > 0" in SPEC
 
 
 def test_d6_the_replication_stream_is_given_field_by_field():
-    section = SPEC[SPEC.index("## 12."):SPEC.index("## 13.")]
-    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| [^|]+ \| (.*?) \|[^|]*\|$", section, re.M)}
+    section = SPEC[SPEC.index("## 12.") : SPEC.index("## 13.")]
+    rows = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"^\| `(\w+)` \| [^|]+ \| (.*?) \|[^|]*\|$", section, re.M)
+    }
     for kind, fields in FIELDS.items():
         listed = set(re.findall(r"`(\w+)` \(", rows[kind.decode()]))
         assert listed == set(fields), (kind, listed, set(fields))
-    for record_type in (records.GENESIS, records.DELTA, records.FOLD, records.CURSORS, records.TERM):
+    for record_type in (
+        records.GENESIS,
+        records.DELTA,
+        records.FOLD,
+        records.CURSORS,
+        records.TERM,
+    ):
         assert f"| `{record_type}` |" in section, record_type
     assert "64 lower-case hex digits" in section and "`lease_s` (int or float: seconds)" in section
 
 
-@pytest.mark.parametrize("message", [
-    protocol.Heartbeat(sender="a b", epoch=1, seq=1),
-    protocol.ResendRequest(sender="merger", epoch=1, seq=1, target="a", target_epoch=1, ranges=((0, 1),)),
-    protocol.Heartbeat(sender="a", epoch=1, seq=1, stream=1024),
-    protocol.Ack(sender="m", epoch=1, seq=1, cursors=(), results=(), tokens=-1),
-], ids=["sender-with-space", "resend-range-from-0", "heartbeat-stream-1024", "negative-tokens"])
+@pytest.mark.parametrize(
+    "message",
+    [
+        protocol.Heartbeat(sender="a b", epoch=1, seq=1),
+        protocol.ResendRequest(
+            sender="merger", epoch=1, seq=1, target="a", target_epoch=1, ranges=((0, 1),)
+        ),
+        protocol.Heartbeat(sender="a", epoch=1, seq=1, stream=1024),
+        protocol.Ack(sender="m", epoch=1, seq=1, cursors=(), results=(), tokens=-1),
+    ],
+    ids=["sender-with-space", "resend-range-from-0", "heartbeat-stream-1024", "negative-tokens"],
+)
 def test_d7_the_encoder_refuses_what_its_decoder_would(message):
     with pytest.raises(protocol.EncodeError, match="refused by its receivers"):
         protocol.encode(message)

@@ -35,14 +35,20 @@ def test_the_limits_are_the_documented_ones():
     limits = protocol.DEFAULT_LIMITS
     assert (limits.max_header_bytes, limits.max_payload_bytes) == (65_536, 64 << 20)
     assert "at most 65,536 bytes" in section("2") and "(default 64 MiB)" in section("4")
-    assert limits.max_slices == limits.max_list_len == 1024 and "holds at most 1,024\nentries" in section("3")
+    assert (
+        limits.max_slices == limits.max_list_len == 1024
+        and "holds at most 1,024\nentries" in section("3")
+    )
     assert (limits.max_chunks, limits.max_tensor_values, limits.max_ndim) == (1 << 20, 1 << 34, 8)
     assert (limits.max_ident_len, limits.max_path_len, limits.max_reason_len) == (64, 256, 256)
 
 
 def test_every_reason_the_code_raises_is_documented_and_no_other():
     source = "".join(path.read_text() for path in (ROOT / "protocol").glob("*.py"))
-    raised = set(re.findall(r'ProtocolError\("([a-z_]+)"', source)) | {"inconsistent", "reassembly_budget"}
+    raised = set(re.findall(r'ProtocolError\("([a-z_]+)"', source)) | {
+        "inconsistent",
+        "reassembly_budget",
+    }
     decode_table = set(re.findall(r"^\| `([a-z_]+)`(?: / `([a-z_]+)`)? \|", section("4"), re.M))
     documented = {reason for row in decode_table for reason in row if reason}
     assert raised - {"inconsistent", "reassembly_budget"} == documented
@@ -58,8 +64,24 @@ def test_the_worked_example_is_what_the_codec_writes():
 def test_the_chunking_and_reassembly_constants_are_the_documented_ones():
     text = section("7")
     assert "`88 + len(path) + 9 × ndim`" in text and slice_header_bound("ab", 3) == 88 + 2 + 27
-    assert f"{65_536 - HEADER_RESERVE_BYTES:,} header bytes" in text and f"{HEADER_RESERVE_BYTES:,} bytes kept" in text
-    assert f"plus {CHUNK_OVERHEAD_BYTES:,} bytes, plus {SLICE_OVERHEAD_BYTES:,} bytes\nper slice" in text
+    assert (
+        f"{65_536 - HEADER_RESERVE_BYTES:,} header bytes" in text
+        and f"{HEADER_RESERVE_BYTES:,} bytes kept" in text
+    )
+    assert (
+        f"plus {CHUNK_OVERHEAD_BYTES:,} bytes, plus {SLICE_OVERHEAD_BYTES:,} bytes\nper slice"
+        in text
+    )
     reassembler = protocol.Reassembler()
-    assert (reassembler.ttl_s, reassembler.max_bytes, reassembler.max_partials, reassembler.remember) == (60.0, 256 << 20, 1024, 4096)
-    assert "(reference:\n60 s)" in text and "256 MiB" in text and "At most 1,024 incomplete" in text and "last 4,096 delivered" in text
+    assert (
+        reassembler.ttl_s,
+        reassembler.max_bytes,
+        reassembler.max_partials,
+        reassembler.remember,
+    ) == (60.0, 256 << 20, 1024, 4096)
+    assert (
+        "(reference:\n60 s)" in text
+        and "256 MiB" in text
+        and "At most 1,024 incomplete" in text
+        and "last 4,096 delivered" in text
+    )

@@ -31,69 +31,145 @@ def test_labels_name_mode_and_budget():
 def test_the_plan_runs_every_mode_at_every_budget_each_ended_by_it():
     base = cluster_config.load()
     runs = dict(quality.plan(base, (1_000_000, 4_000_000), quick=False))
-    assert list(runs) == ["sync-dp@1M", "sync-diloco@1M", "decoupled@1M", "sync-dp@4M", "sync-diloco@4M", "decoupled@4M",
-                          qualityreport.LINKED]
+    assert list(runs) == [
+        "sync-dp@1M",
+        "sync-diloco@1M",
+        "decoupled@1M",
+        "sync-dp@4M",
+        "sync-diloco@4M",
+        "decoupled@4M",
+        qualityreport.LINKED,
+    ]
     for name, config in runs.items():
-        if name == qualityreport.LINKED:  # over the links, bounded by steps: its seconds per step
-            assert (config.mode, config.tokens, config.max_steps) == ("sync-dp", 0, quality.LINKED_STEPS)
+        # over the links, bounded by steps: its seconds per step
+        if name == qualityreport.LINKED:
+            assert (config.mode, config.tokens, config.max_steps) == (
+                "sync-dp",
+                0,
+                quality.LINKED_STEPS,
+            )
             assert config.regions == base.regions
             continue
         mode, _, _ = name.partition("@")
         assert (config.mode, config.max_steps, config.chaos) == (mode, 0, ())
         assert config.tokens == (1_000_000 if name.endswith("@1M") else 4_000_000)
-        assert config.duration_s >= quality.LIMIT_S_PER_KTOKEN * config.tokens / 1000  # only a limit
+        # only a limit
+        assert config.duration_s >= quality.LIMIT_S_PER_KTOKEN * config.tokens / 1000
         # sync-dp at full speed; the others over the profile's links
         assert all(r.uplink_mbps is None for r in config.regions) == (mode == "sync-dp")
     quick = dict(quality.plan(base, quality.QUICK_BUDGETS, quick=True))
     decoupled = quick[qualityreport.label("decoupled", quality.QUICK_BUDGETS[0])]
-    assert decoupled.model == quality.QUICK_MODEL and decoupled.sync.interval == quality.QUICK_INTERVAL
+    assert (
+        decoupled.model == quality.QUICK_MODEL and decoupled.sync.interval == quality.QUICK_INTERVAL
+    )
     # half-speed regions keep half the interval
-    assert sorted({decoupled.interval_of(r) for r in decoupled.regions}) == [quality.QUICK_INTERVAL // 2, quality.QUICK_INTERVAL]
+    assert sorted({decoupled.interval_of(r) for r in decoupled.regions}) == [
+        quality.QUICK_INTERVAL // 2,
+        quality.QUICK_INTERVAL,
+    ]
 
 
 def _result(label, config, after, curve=(), evals=None, last=None):
-    return RunResult(label, config, 0, 6.0, after, evals or {}, last or {}, global_curve=list(curve))
+    return RunResult(
+        label, config, 0, 6.0, after, evals or {}, last or {}, global_curve=list(curve)
+    )
 
 
 def test_the_wall_clock_claim_both_ways_by_hand():
     base = cluster_config.load()
     runs = dict(quality.plan(base, (1_000_000,), quick=False))
     # sync-dp over the links: 20 s per step (steps 3 and 12 evaluated 180 s apart)
-    linked = _result(qualityreport.LINKED, runs[qualityreport.LINKED], 5.0,
-                     evals={"a": [{"step": 3, "since_start": 60.0, "eval_loss": 5.0}, {"step": 12, "since_start": 240.0, "eval_loss": 4.8}]})
+    linked = _result(
+        qualityreport.LINKED,
+        runs[qualityreport.LINKED],
+        5.0,
+        evals={
+            "a": [
+                {"step": 3, "since_start": 60.0, "eval_loss": 5.0},
+                {"step": 12, "since_start": 240.0, "eval_loss": 4.8},
+            ]
+        },
+    )
     # sync-dp at full speed: loss 3.0 at step 100, 2.0 at step 300 (its last step), linear between
-    dp = _result("sync-dp@1M", runs["sync-dp@1M"], 2.0, last={"a": {"step": 300}},
-                 evals={"a": [{"step": 100, "since_start": 1.0, "eval_loss": 3.0}, {"step": 300, "since_start": 3.0, "eval_loss": 2.0}]})
+    dp = _result(
+        "sync-dp@1M",
+        runs["sync-dp@1M"],
+        2.0,
+        last={"a": {"step": 300}},
+        evals={
+            "a": [
+                {"step": 100, "since_start": 1.0, "eval_loss": 3.0},
+                {"step": 300, "since_start": 3.0, "eval_loss": 2.0},
+            ]
+        },
+    )
     # decoupled: global model 3.0 at 100 s, 2.2 at 200 s (its end), 2.1 never
-    dec = _result("decoupled@1M", runs["decoupled@1M"], 2.2,
-                  curve=[{"since_start": 100.0, "eval_loss": 3.0, "cluster_tokens": 1}, {"since_start": 200.0, "eval_loss": 2.2, "cluster_tokens": 2}])
+    dec = _result(
+        "decoupled@1M",
+        runs["decoupled@1M"],
+        2.2,
+        curve=[
+            {"since_start": 100.0, "eval_loss": 3.0, "cluster_tokens": 1},
+            {"since_start": 200.0, "eval_loss": 2.2, "cluster_tokens": 2},
+        ],
+    )
     clock = qualityreport.wall_clock([linked, dp, dec])
     assert clock["seconds_per_step_linked"] == 20.0 and clock["decoupled_seconds"] == 200.0
     # sync-dp reaches 2.2 at step 260 (100 + 0.8 x 200): 5,200 s, 26x decoupled's 200 s
-    assert clock["sync_dp_to_decoupled_final_s"] == pytest.approx(5200.0) and clock["speedup_to_decoupled_final"] == pytest.approx(26.0)
+    assert clock["sync_dp_to_decoupled_final_s"] == pytest.approx(5200.0) and clock[
+        "speedup_to_decoupled_final"
+    ] == pytest.approx(26.0)
     # decoupled never reached sync-dp's 2.0: no ratio that way
     assert clock["decoupled_to_sync_dp_final_s"] is None and "speedup_to_sync_dp_final" not in clock
-    dp.global_after = 2.6  # had sync-dp ended at 2.6: decoupled got there at 150 s, against sync-dp's 300 steps x 20 s
+    # had sync-dp ended at 2.6: decoupled got there at 150 s, against sync-dp's 300 steps x 20 s
+    dp.global_after = 2.6
     clock = qualityreport.wall_clock([linked, dp, dec])
-    assert clock["decoupled_to_sync_dp_final_s"] == pytest.approx(150.0) and clock["speedup_to_sync_dp_final"] == pytest.approx(40.0)
-    assert qualityreport.wall_clock([dp, dec]) == {}  # without the linked run: no claim
+    assert clock["decoupled_to_sync_dp_final_s"] == pytest.approx(150.0) and clock[
+        "speedup_to_sync_dp_final"
+    ] == pytest.approx(40.0)
+    # without the linked run: no claim
+    assert qualityreport.wall_clock([dp, dec]) == {}
     # The goals, judged: decoupled 2.2 against sync-dp's 2.6 (-15.4 %), 40x the best way
     assert qualityreport.goal_lines([linked, dp, dec]) == [
         "- goal, decoupled within 1.5% of sync-dp: met (-15.4%)",
-        "- goal, decoupled >= 20x sooner to a final loss: met (best of the two ways: 40.0x)", ""]
-    dp.global_after = 2.0  # sync-dp ends at 2.0: decoupled 10 % behind; 26x the one way there is
-    assert qualityreport.goal_lines([dp, dec]) == ["- goal, decoupled within 1.5% of sync-dp: MISSED (+10.0%)", ""]
-    slow_linked = _result(qualityreport.LINKED, runs[qualityreport.LINKED], 5.0,
-                          evals={"a": [{"step": 3, "since_start": 60.0, "eval_loss": 5.0}, {"step": 12, "since_start": 105.0, "eval_loss": 4.8}]})
-    # 5 s per step: sync-dp to 2.2 in 260 x 5 = 1,300 s, 6.5x decoupled's 200 s: missed by 20 / 6.5 = 3.1x
-    assert qualityreport.goal_lines([slow_linked, dp, dec])[1] == "- goal, decoupled >= 20x sooner to a final loss: MISSED by 3.1x (best of the two ways: 6.5x)"
-    assert qualityreport.gap(2.2, 2.0) == pytest.approx(0.1) and qualityreport.gap(None, 2.0) is None
+        "- goal, decoupled >= 20x sooner to a final loss: met (best of the two ways: 40.0x)",
+        "",
+    ]
+    # sync-dp ends at 2.0: decoupled 10 % behind; 26x the one way there is
+    dp.global_after = 2.0
+    assert qualityreport.goal_lines([dp, dec]) == [
+        "- goal, decoupled within 1.5% of sync-dp: MISSED (+10.0%)",
+        "",
+    ]
+    slow_linked = _result(
+        qualityreport.LINKED,
+        runs[qualityreport.LINKED],
+        5.0,
+        evals={
+            "a": [
+                {"step": 3, "since_start": 60.0, "eval_loss": 5.0},
+                {"step": 12, "since_start": 105.0, "eval_loss": 4.8},
+            ]
+        },
+    )
+    # 5 s per step: sync-dp to 2.2 in 260 x 5 = 1,300 s, 6.5x decoupled's 200 s: missed by 20 / 6.5
+    # = 3.1x
+    assert (
+        qualityreport.goal_lines([slow_linked, dp, dec])[1]
+        == "- goal, decoupled >= 20x sooner to a final loss: MISSED by 3.1x (best of the two ways:"
+        " 6.5x)"
+    )
+    assert (
+        qualityreport.gap(2.2, 2.0) == pytest.approx(0.1) and qualityreport.gap(None, 2.0) is None
+    )
 
 
 def test_sync_dp_in_one_process_averages_the_islands_parameters():
     from dloco.suites import inprocess
 
-    mean = inprocess.average([{"w": np.array([1.0, 2.0], np.float32)}, {"w": np.array([3.0, -2.0], np.float32)}])
+    mean = inprocess.average(
+        [{"w": np.array([1.0, 2.0], np.float32)}, {"w": np.array([3.0, -2.0], np.float32)}]
+    )
     assert mean["w"].dtype == np.float32 and mean["w"].tolist() == [2.0, 0.0]
     with pytest.raises(ValueError):
         inprocess.average([])
@@ -113,10 +189,18 @@ def test_sync_dp_in_one_process_reports_the_initial_loss_and_the_curve_it_traine
 
     from dloco.suites import inprocess, quality
 
-    config = dataclasses.replace(cluster_config.load().with_mode("sync-dp").with_tokens(4096), model=quality.QUICK_MODEL, eval_every=2)
+    config = dataclasses.replace(
+        cluster_config.load().with_mode("sync-dp").with_tokens(4096),
+        model=quality.QUICK_MODEL,
+        eval_every=2,
+    )
     run = inprocess.train_sync_dp(config)
     # four islands of 8 sequences of 32 bytes: 1,024 tokens a round; an island hears the cluster's
     # count a round late, so the fifth round is the one that sees 4,096 and stops
-    assert run.rounds == 5 and run.cluster_tokens == 5120 and [p["cluster_tokens"] for p in run.curve] == [2048, 4096, 5120]
+    assert (
+        run.rounds == 5
+        and run.cluster_tokens == 5120
+        and [p["cluster_tokens"] for p in run.curve] == [2048, 4096, 5120]
+    )
     # the initial model's held-out loss (a byte model starts near ln 256 = 5.55), not a token count
     assert 4.5 < run.before < 7.0 and run.after == run.curve[-1]["eval_loss"] < run.before

@@ -1,4 +1,5 @@
-"""Codecs against hand-derived bytes and bounds derived from the codec definition (PROTOCOL.md §Codecs)."""
+"""Codecs against hand-derived bytes and bounds derived from the codec definition (PROTOCOL.md
+§Codecs)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 from dloco.protocol import Codec, EncodeError, ProtocolError
 
 LEVELS = {"int8": 127, "int4": 7, "int2": 1}
-FLUSH = 2.0**-120  # blocks with a smaller absmax are flushed to zero
+# blocks with a smaller absmax are flushed to zero
+FLUSH = 2.0**-120
 EPS = 2.0**-23
 
 
@@ -30,7 +32,14 @@ def blockwise_bound(x: np.ndarray, name: str, block: int) -> np.ndarray:
     return np.repeat(bound, block)[: x.size]
 
 
-GRID = list(itertools.product(["int8", "int4", "int2"], [8, 64, 256, 1024], [1, 7, 255, 256, 257, 3 * 256 + 5, 10_000], [1e-20, 1e-4, 1.0, 1e20]))
+GRID = list(
+    itertools.product(
+        ["int8", "int4", "int2"],
+        [8, 64, 256, 1024],
+        [1, 7, 255, 256, 257, 3 * 256 + 5, 10_000],
+        [1e-20, 1e-4, 1.0, 1e20],
+    )
+)
 
 
 @pytest.mark.parametrize("name,block,size,magnitude", GRID)
@@ -57,13 +66,16 @@ def test_fp32_is_lossless_and_bf16_within_2_pow_minus_8(size):
 def test_int8_bytes_by_hand():
     x = np.array([1, -0.5, 0.25, 0, 0, 0, 0, 0], dtype=np.float32)
     # scale = 1/127; q = rint(127 x) = 127, rint(-63.5) = -64 (half to even), rint(31.75) = 32
-    expected = struct.pack("<f", np.float32(1) / np.float32(127)) + bytes([127, 256 - 64, 32, 0, 0, 0, 0, 0])
+    expected = struct.pack("<f", np.float32(1) / np.float32(127)) + bytes(
+        [127, 256 - 64, 32, 0, 0, 0, 0, 0]
+    )
     assert Codec("int8", 8).encode(x).tobytes() == expected
 
 
 def test_int4_bytes_by_hand():
     x = np.array([7, -7, 3.5, 1, 0, -2, 6.5, 0.5], dtype=np.float32)
-    # scale 1; q = 7 -7 4 1 0 -2 6 0 (3.5 -> 4, 6.5 -> 6, 0.5 -> 0: half to even); stored q+8, low nibble first
+    # scale 1; q = 7 -7 4 1 0 -2 6 0 (3.5 -> 4, 6.5 -> 6, 0.5 -> 0: half to even); stored q+8, low
+    # nibble first
     expected = struct.pack("<f", 1.0) + bytes([0x1F, 0x9C, 0x68, 0x8E])
     assert Codec("int4", 8).encode(x).tobytes() == expected
 
@@ -84,7 +96,8 @@ def test_bf16_rounds_to_nearest_even_by_hand():
 @pytest.mark.parametrize("tiny", [1e-40, 2e-38, 1e-37, 7e-37])
 def test_zero_subnormal_and_tiny_blocks_flush_to_zero(tiny):
     x = np.zeros(20, dtype=np.float32)
-    x[10:] = tiny  # L/absmax would overflow float32 for absmax < L/FLT_MAX (3.7e-37 at L=127)
+    # L/absmax would overflow float32 for absmax < L/FLT_MAX (3.7e-37 at L=127)
+    x[10:] = tiny
     for name in LEVELS:
         encoded = Codec(name, 8).encode(x)
         scales = encoded.reshape(-1, Codec(name, 8).record_nbytes)[:, :4].copy().view("<f4").ravel()
@@ -106,12 +119,14 @@ LARGEST_CODE = {"int8": 128, "int4": 8, "int2": 2}
 
 
 def scale_of(absmax: np.float32, name: str) -> np.float32:
-    return np.float32(absmax) / np.float32(LEVELS[name])  # float32 division, as PROTOCOL.md §5 says
+    # float32 division, as PROTOCOL.md §5 says
+    return np.float32(absmax) / np.float32(LEVELS[name])
 
 
 @pytest.mark.parametrize("name", ["int8", "int4", "int2"])
 def test_the_encoder_refuses_exactly_the_scales_the_decoder_refuses(name):
-    """§5: a block is refused iff its float32 scale a / L is above FLT_MAX / c, the decoder's bound."""
+    """§5: a block is refused iff its float32 scale a / L is above FLT_MAX / c, the decoder's
+    bound."""
     codec, bound = Codec(name, 8), FLT_MAX / np.float32(LARGEST_CODE[name])
     largest = np.float32(float(bound) * LEVELS[name])
     while scale_of(largest, name) > bound:
@@ -119,38 +134,51 @@ def test_the_encoder_refuses_exactly_the_scales_the_decoder_refuses(name):
     while scale_of(np.nextafter(largest, FLT_MAX), name) <= bound:
         largest = np.nextafter(largest, FLT_MAX)
     below = largest
-    for _ in range(20):  # the 20 largest encodable absmax values all encode, and decode finite
+    # the 20 largest encodable absmax values all encode, and decode finite
+    for _ in range(20):
         encoded = codec.encode(np.array([below, -below / 2, 0, 1, 2, 3, 4, 5], dtype=np.float32))
         codec.validate(encoded, 8)
         assert np.isfinite(codec.decode(encoded, 8)).all()
         below = np.nextafter(below, np.float32(0))
     above = np.nextafter(largest, np.float32(np.inf))
-    for _ in range(20):  # the next 20 are refused, and the scale they would need is one decoders refuse
+    # the next 20 are refused, and the scale they would need is one decoders refuse
+    for _ in range(20):
         with pytest.raises(EncodeError, match="too large"):
             codec.encode(np.full(8, -above, dtype=np.float32))
-        record = np.frombuffer(struct.pack("<f", scale_of(above, name)) + bytes(codec.record_nbytes - 4), dtype=np.uint8)
+        record = np.frombuffer(
+            struct.pack("<f", scale_of(above, name)) + bytes(codec.record_nbytes - 4),
+            dtype=np.uint8,
+        )
         with pytest.raises(ProtocolError, match="non_finite"):
             codec.validate(record, 8)
         if above == FLT_MAX:
             break
         above = np.nextafter(above, np.float32(np.inf))
-    assert f"{float(largest):.3g}" == {"int8": "3.38e+38", "int4": "2.98e+38", "int2": "1.7e+38"}[name]
+    assert (
+        f"{float(largest):.3g}" == {"int8": "3.38e+38", "int4": "2.98e+38", "int2": "1.7e+38"}[name]
+    )
 
 
-@pytest.mark.parametrize("name,padded_from,pad", [("int8", 3, 0x00), ("int4", 2, 0x88), ("int2", 1, 0x55)])
+@pytest.mark.parametrize(
+    "name,padded_from,pad", [("int8", 3, 0x00), ("int4", 2, 0x88), ("int2", 1, 0x55)]
+)
 def test_the_last_block_is_padded_with_the_value_zero(name, padded_from, pad):
     """§5: padding is the value 0, so its codes are those of q = 0 (int8 0, int4 8, int2 1)."""
     codec = Codec(name, 16)
-    x = np.array([0.5, -1.0, 0.25], dtype=np.float32)  # 3 of 16 values
+    # 3 of 16 values
+    x = np.array([0.5, -1.0, 0.25], dtype=np.float32)
     record = codec.encode(x)
     codes = record[4:]
     assert record.size == codec.record_nbytes and np.all(codes[padded_from:] == pad)
     if name == "int4":
-        assert codes[1] >> 4 == 8  # value 3, the first padding value, in the high nibble of byte 1
+        # value 3, the first padding value, in the high nibble of byte 1
+        assert codes[1] >> 4 == 8
     if name == "int2":
-        assert codes[0] >> 6 == 1  # value 3 in bits 6..7 of byte 0
+        # value 3 in bits 6..7 of byte 0
+        assert codes[0] >> 6 == 1
     changed = record.copy()
-    changed[4 + padded_from :] = 0xFF - pad  # decoders ignore the padding codes, whatever they are
+    # decoders ignore the padding codes, whatever they are
+    changed[4 + padded_from :] = 0xFF - pad
     assert np.array_equal(codec.decode(changed, 3), codec.decode(record, 3))
 
 
@@ -165,12 +193,20 @@ def test_deterministic_and_thread_count_independent(name):
     one = Codec(name).encode(x, threads=1)
     assert np.array_equal(one, Codec(name).encode(x, threads=1))
     assert np.array_equal(one, Codec(name).encode(x, threads=3))
-    assert np.array_equal(Codec(name).decode(one, x.size, threads=1), Codec(name).decode(one, x.size, threads=3))
+    assert np.array_equal(
+        Codec(name).decode(one, x.size, threads=1), Codec(name).decode(one, x.size, threads=3)
+    )
 
 
 def test_wire_bytes_per_value_at_block_256():
-    assert Codec("int4").wire_bytes_per_value() == pytest.approx(0.515625) and Codec("int4").wire_bytes_per_value() <= 0.53
-    assert Codec("int8").wire_bytes_per_value() == pytest.approx(1.015625) and Codec("int8").wire_bytes_per_value() <= 1.02
+    assert (
+        Codec("int4").wire_bytes_per_value() == pytest.approx(0.515625)
+        and Codec("int4").wire_bytes_per_value() <= 0.53
+    )
+    assert (
+        Codec("int8").wire_bytes_per_value() == pytest.approx(1.015625)
+        and Codec("int8").wire_bytes_per_value() <= 1.02
+    )
     assert Codec("int2").wire_bytes_per_value() == pytest.approx(0.265625)
 
 
@@ -188,15 +224,24 @@ def test_int4_decodes_every_byte_by_hand_on_every_path():
     # the scale in float32.  Two thousand blocks put the decoder on its threaded pieces too.
     scale = np.float32(0.1)
     record = struct.pack("<f", scale) + bytes(range(256))
-    expected = np.array([[(b & 15) - 8, (b >> 4) - 8] for b in range(256)], dtype=np.float32).reshape(-1) * scale
-    assert Codec("int4", 512).decode(record, 512).view(np.uint32).tolist() == expected.view(np.uint32).tolist()
+    expected = (
+        np.array([[(b & 15) - 8, (b >> 4) - 8] for b in range(256)], dtype=np.float32).reshape(-1)
+        * scale
+    )
+    assert (
+        Codec("int4", 512).decode(record, 512).view(np.uint32).tolist()
+        == expected.view(np.uint32).tolist()
+    )
     many = Codec("int4", 512).decode(record * 2000, 512 * 2000, threads=2)
     assert np.array_equal(many.view(np.uint32), np.tile(expected, 2000).view(np.uint32))
-    tail = Codec("int4", 512).decode(record, 300)  # a last block cut short
+    # a last block cut short
+    tail = Codec("int4", 512).decode(record, 300)
     assert np.array_equal(tail.view(np.uint32), expected[:300].view(np.uint32))
 
 
-@pytest.mark.parametrize("scale", [-1.0, -0.0, -1e-45, float("nan"), float("-nan"), float("inf"), 3e38])
+@pytest.mark.parametrize(
+    "scale", [-1.0, -0.0, -1e-45, float("nan"), float("-nan"), float("inf"), 3e38]
+)
 def test_validate_rejects_bad_scales(scale):
     record = np.frombuffer(struct.pack("<f", scale) + bytes(4), dtype=np.uint8)
     with pytest.raises(ProtocolError) as info:
@@ -206,7 +251,8 @@ def test_validate_rejects_bad_scales(scale):
 
 def test_largest_valid_scale_decodes_finite():
     scale = Codec("int8", 8).max_scale
-    record = np.frombuffer(struct.pack("<f", scale) + bytes([0x80] * 8), dtype=np.uint8)  # every code -128
+    # every code -128
+    record = np.frombuffer(struct.pack("<f", scale) + bytes([0x80] * 8), dtype=np.uint8)
     Codec("int8", 8).validate(record, 8)
     assert np.isfinite(Codec("int8", 8).decode(record, 8)).all()
 

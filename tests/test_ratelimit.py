@@ -1,4 +1,5 @@
-"""Per-message log lines once a second per key (telemetry/ratelimit.py), against hand-derived clocks."""
+"""Per-message log lines once a second per key (telemetry/ratelimit.py), against hand-derived
+clocks."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ def test_one_event_per_interval_per_key_with_the_count_left_out():
     throttle = Throttle(interval_s=1.0)
     assert throttle.admit("a", 0.0) == 0
     assert throttle.admit("a", 0.5) is None and throttle.admit("a", 0.9) is None
-    assert throttle.admit("b", 0.9) == 0  # another key is not held back
-    assert throttle.admit("a", 1.0) == 2  # a second on: two were left out since
+    # another key is not held back
+    assert throttle.admit("b", 0.9) == 0
+    # a second on: two were left out since
+    assert throttle.admit("a", 1.0) == 2
     assert throttle.admit("a", 1.5) is None
     assert throttle.admit("a", 5.0) == 1
 
@@ -20,7 +23,8 @@ def test_one_event_per_interval_per_key_with_the_count_left_out():
 def test_the_keys_held_are_bounded():
     throttle = Throttle(interval_s=10.0, max_keys=2)
     assert [throttle.admit(key, 0.0) for key in ("a", "b", "c")] == [0, 0, 0]
-    assert throttle.admit("a", 1.0) == 0  # a was dropped for c: admitted again, its count lost
+    # a was dropped for c: admitted again, its count lost
+    assert throttle.admit("a", 1.0) == 0
     assert throttle.admit("c", 1.0) is None
     with pytest.raises(ValueError):
         Throttle(interval_s=0)
@@ -64,6 +68,10 @@ def test_a_flush_says_what_was_left_out_since():
         log.warning("message_rejected", peer="x", reason="epoch_ahead")
     log.info("hello", peer="y")
     log.flush()
-    assert recorder.lines[-1] == ("message_rejected", {"peer": "x", "reason": "epoch_ahead", "left_out": 3, "flushed": True})
+    assert recorder.lines[-1] == (
+        "message_rejected",
+        {"peer": "x", "reason": "epoch_ahead", "left_out": 3, "flushed": True},
+    )
     log.flush()
-    assert len(recorder.lines) == 3  # nothing more left out
+    # nothing more left out
+    assert len(recorder.lines) == 3

@@ -35,27 +35,45 @@ from dloco.protocol.errors import DlocoError
 from tests.test_broker import BrokerProcess, heartbeat, pair
 
 
-@pytest.mark.parametrize("mine, my_length, theirs, their_length, agreed", [  # terms: (epoch, first index)
-    ([(0, 0)], 10, [(0, 0)], 10, 10),  # the same log
-    ([(0, 0)], 10, [(0, 0)], 6, 6),  # a standby behind
-    ([(0, 0)], 10, [(0, 0)], 12, 10),  # a standby ahead in the same term: the primary lost an unsynced tail
-    ([(0, 0), (1, 8)], 15, [(0, 0)], 11, 8),  # the standby took over at 8; the old primary wrote 8..10 meanwhile
-    ([(0, 0), (2, 9)], 20, [(0, 0), (1, 8)], 12, 8),  # a term the primary never saw: back to the last shared one
-    ([(0, 0), (1, 8)], 15, [(0, 0), (1, 8)], 13, 13),  # both in term 1
-    ([(0, 0), (500, 100)], 150, [(0, 0), (400, 100)], 201, 100),  # two primaries opened a term at 100: their epochs differ
-    ([(0, 0)], 10, [], 0, 0),  # an empty log
-])
-def test_the_logs_agree_up_to_where_their_newest_shared_term_ends_in_either(mine, my_length, theirs, their_length, agreed):
+# terms: (epoch, first index)
+@pytest.mark.parametrize(
+    "mine, my_length, theirs, their_length, agreed",
+    [
+        # the same log
+        ([(0, 0)], 10, [(0, 0)], 10, 10),
+        # a standby behind
+        ([(0, 0)], 10, [(0, 0)], 6, 6),
+        # a standby ahead in the same term: the primary lost an unsynced tail
+        ([(0, 0)], 10, [(0, 0)], 12, 10),
+        # the standby took over at 8; the old primary wrote 8..10 meanwhile
+        ([(0, 0), (1, 8)], 15, [(0, 0)], 11, 8),
+        # a term the primary never saw: back to the last shared one
+        ([(0, 0), (2, 9)], 20, [(0, 0), (1, 8)], 12, 8),
+        # both in term 1
+        ([(0, 0), (1, 8)], 15, [(0, 0), (1, 8)], 13, 13),
+        # two primaries opened a term at 100: their epochs differ
+        ([(0, 0), (500, 100)], 150, [(0, 0), (400, 100)], 201, 100),
+        # an empty log
+        ([(0, 0)], 10, [], 0, 0),
+    ],
+)
+def test_the_logs_agree_up_to_where_their_newest_shared_term_ends_in_either(
+    mine, my_length, theirs, their_length, agreed
+):
     assert agreed_length(mine, my_length, theirs, their_length) == agreed
 
 
 def _log(directory, count: int, term_at: int | None = None) -> WriteAheadLog:
-    wal = WriteAheadLog(directory, segment_bytes=300, fsync="never")  # a few records per segment
+    # a few records per segment
+    wal = WriteAheadLog(directory, segment_bytes=300, fsync="never")
     for index in range(count):
         if index == term_at:
             wal.append(records.term_record(1, 99))
         else:
-            wal.append({"type": "cursors", "cursors": [["a", 1, index]]}, [(np.full(40, index, np.uint8), None)])
+            wal.append(
+                {"type": "cursors", "cursors": [["a", 1, index]]},
+                [(np.full(40, index, np.uint8), None)],
+            )
     return wal
 
 
@@ -65,11 +83,19 @@ def test_a_log_set_aside_from_a_record_keeps_everything_before_it_and_moves_the_
     (tmp_path / "ckpt").mkdir()
     for n in (5, 7, 9):
         (tmp_path / "ckpt" / f"{n:012d}.ckpt").write_bytes(b"x")
-    assert terms_of(tmp_path / "wal") == ([(0, 0), (99, 9)], 12, 1)  # terms by epoch; the newest term number
+    # terms by epoch; the newest term number
+    assert terms_of(tmp_path / "wal") == ([(0, 0), (99, 9)], 12, 1)
     moved = set_aside_from(tmp_path / "wal", 7, tmp_path / "ckpt")
     assert [index for index, _ in read_records(tmp_path / "wal")] == list(range(7))
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"{5:012d}.ckpt", f"{7:012d}.ckpt"]  # 9 covered records 7, 8
-    assert f"{9:012d}.ckpt" in moved and len(list((tmp_path / "wal" / "discarded" / f"{7:012d}").iterdir())) >= 2
+    # 9 covered records 7, 8
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        f"{5:012d}.ckpt",
+        f"{7:012d}.ckpt",
+    ]
+    assert (
+        f"{9:012d}.ckpt" in moved
+        and len(list((tmp_path / "wal" / "discarded" / f"{7:012d}").iterdir())) >= 2
+    )
     reopened = WriteAheadLog(tmp_path / "wal", segment_bytes=300, fsync="never")
     assert reopened.next_index == 7
     assert reopened.append({"type": "cursors", "cursors": []}) == 7
@@ -91,15 +117,31 @@ def test_a_record_travels_with_its_blobs_and_their_crcs_and_a_damaged_blob_is_re
     assert error.value.reason == "record"
 
 
-@pytest.mark.parametrize("frames, reason", [
-    ([b"follow"], "frames"),
-    ([b"hello", msgpack.packb({})], "kind"),
-    ([FOLLOW, b"\xc1"], "body"),  # 0xc1 is never valid msgpack
-    ([FOLLOW, msgpack.packb({"length": 3})], "body"),  # terms and genesis missing
-    ([FOLLOW, msgpack.packb({"length": "3", "terms": [[0, 0]], "genesis": 1, "generation": 1})], "body"),  # a string for an int
-    ([FOLLOW, msgpack.packb({"length": 3, "terms": [[0]], "genesis": 1, "generation": 1})], "body"),  # a term without its index
-    ([FOLLOW, msgpack.packb([1, 2])], "body"),
-])
+@pytest.mark.parametrize(
+    "frames, reason",
+    [
+        ([b"follow"], "frames"),
+        ([b"hello", msgpack.packb({})], "kind"),
+        # 0xc1 is never valid msgpack
+        ([FOLLOW, b"\xc1"], "body"),
+        # terms and genesis missing
+        ([FOLLOW, msgpack.packb({"length": 3})], "body"),
+        # a string for an int
+        (
+            [
+                FOLLOW,
+                msgpack.packb({"length": "3", "terms": [[0, 0]], "genesis": 1, "generation": 1}),
+            ],
+            "body",
+        ),
+        # a term without its index
+        (
+            [FOLLOW, msgpack.packb({"length": 3, "terms": [[0]], "genesis": 1, "generation": 1})],
+            "body",
+        ),
+        ([FOLLOW, msgpack.packb([1, 2])], "body"),
+    ],
+)
 def test_a_malformed_replication_message_is_a_typed_error(frames, reason):
     with pytest.raises(ReplicationError) as error:
         decode(frames)
@@ -111,13 +153,16 @@ def test_follow_round_trips():
     assert decode(encode(FOLLOW, body)) == (FOLLOW, body, [])
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"mode": "both"}, "replication mode"),
-    ({"mode": "sync"}, "--replication-endpoint"),
-    ({"mode": "off", "standby": True}, "--standby-of"),
-    ({"mode": "off", "peer": "tcp://h:1"}, "--replication-endpoint"),
-    ({"mode": "sync", "endpoint": "@tcp://*:1", "lease_s": 0}, "lease"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"mode": "both"}, "replication mode"),
+        ({"mode": "sync"}, "--replication-endpoint"),
+        ({"mode": "off", "standby": True}, "--standby-of"),
+        ({"mode": "off", "peer": "tcp://h:1"}, "--replication-endpoint"),
+        ({"mode": "sync", "endpoint": "@tcp://*:1", "lease_s": 0}, "lease"),
+    ],
+)
 def test_bad_replication_settings_are_refused_with_what_to_give(kwargs, words):
     with pytest.raises(DlocoError, match=words):
         ReplicationConfig(**kwargs)
@@ -135,10 +180,26 @@ def test_an_island_ignores_acks_from_an_older_epoch_of_their_sender():
     uplink = Uplink("a", "m", 5, SyncConfig(), LinkShaper(None), threading.Event())
     result = protocol.DeltaResult("a", 5, 1, 0, "folded", 3, "")
     uplink.on_ack(protocol.Ack(sender="merger", epoch=200, seq=1, cursors=(), results=()))
-    uplink.on_ack(protocol.Ack(sender="merger", epoch=100, seq=9, cursors=(protocol.Cursor("a", 5, 4),), results=(result,)))
+    uplink.on_ack(
+        protocol.Ack(
+            sender="merger",
+            epoch=100,
+            seq=9,
+            cursors=(protocol.Cursor("a", 5, 4),),
+            results=(result,),
+        )
+    )
     assert uplink.cursor == 0 and 1 not in uplink.settled
     assert uplink.results["dropped/old_epoch"] == 1
-    uplink.on_ack(protocol.Ack(sender="merger", epoch=200, seq=2, cursors=(protocol.Cursor("a", 5, 4),), results=(result,)))
+    uplink.on_ack(
+        protocol.Ack(
+            sender="merger",
+            epoch=200,
+            seq=2,
+            cursors=(protocol.Cursor("a", 5, 4),),
+            results=(result,),
+        )
+    )
     assert uplink.cursor == 4 and 1 in uplink.settled
 
 
@@ -146,29 +207,79 @@ def test_once_a_newer_merger_epoch_came_on_a_snapshot_an_older_epochs_ack_settle
     """After a split the old primary, alone, may answer a probe point to point (past the broker's
     fencing): the island's one record of epochs, shared by its snapshots and its acks, drops it."""
     epochs: dict[str, int] = {}
-    uplink = Uplink("a", "m", 5, SyncConfig(), LinkShaper(None), threading.Event(), merger_epochs=epochs)
+    uplink = Uplink(
+        "a", "m", 5, SyncConfig(), LinkShaper(None), threading.Event(), merger_epochs=epochs
+    )
     downlink = Downlink("a", 5, merger_epochs=epochs)
-    old = protocol.Ack(sender="merger", epoch=100, seq=1, cursors=(), results=(protocol.DeltaResult("a", 5, 1, 0, "folded", 3, ""),))
-    downlink.on_snapshot(protocol.SnapshotChunk(sender="merger", epoch=200, seq=1, fragment=0, version=7, base_version=0, chunk_index=0,
-                                                chunk_count=1, model="m", codec=protocol.Codec("fp32"), slices=(), payloads=()), {}, 0.0)
+    old = protocol.Ack(
+        sender="merger",
+        epoch=100,
+        seq=1,
+        cursors=(),
+        results=(protocol.DeltaResult("a", 5, 1, 0, "folded", 3, ""),),
+    )
+    downlink.on_snapshot(
+        protocol.SnapshotChunk(
+            sender="merger",
+            epoch=200,
+            seq=1,
+            fragment=0,
+            version=7,
+            base_version=0,
+            chunk_index=0,
+            chunk_count=1,
+            model="m",
+            codec=protocol.Codec("fp32"),
+            slices=(),
+            payloads=(),
+        ),
+        {},
+        0.0,
+    )
     uplink.on_ack(old)
-    assert 1 not in uplink.settled and uplink.results["dropped/old_epoch"] == 1 and epochs == {"merger": 200}
+    assert (
+        1 not in uplink.settled
+        and uplink.results["dropped/old_epoch"] == 1
+        and epochs == {"merger": 200}
+    )
 
 
 def test_an_island_adopts_snapshots_of_newer_merger_epochs_only_and_records_their_order():
     downlink = Downlink("a", 5)
 
     def full(epoch: int, version: int) -> None:
-        downlink.on_snapshot(protocol.SnapshotChunk(sender="merger", epoch=epoch, seq=1, fragment=0, version=version, base_version=None,
-                                                    chunk_index=0, chunk_count=1, model="m", codec=protocol.Codec("fp32"), slices=(),
-                                                    payloads=()), {}, 0.0)
+        downlink.on_snapshot(
+            protocol.SnapshotChunk(
+                sender="merger",
+                epoch=epoch,
+                seq=1,
+                fragment=0,
+                version=version,
+                base_version=None,
+                chunk_index=0,
+                chunk_count=1,
+                model="m",
+                codec=protocol.Codec("fp32"),
+                slices=(),
+                payloads=(),
+            ),
+            {},
+            0.0,
+        )
 
     full(200, 7)
     full(200, 8)
-    full(100, 9)  # a fenced primary's, late: refused
-    full(300, 9)  # the new primary's
-    full(200, 10)  # the old epoch again: refused, whatever its version
-    assert downlink.adopted_epochs == {"merger": [200, 300]} and downlink.results["old_epoch"] == 2 and downlink.results["full"] == 3
+    # a fenced primary's, late: refused
+    full(100, 9)
+    # the new primary's
+    full(300, 9)
+    # the old epoch again: refused, whatever its version
+    full(200, 10)
+    assert (
+        downlink.adopted_epochs == {"merger": [200, 300]}
+        and downlink.results["old_epoch"] == 2
+        and downlink.results["full"] == 3
+    )
 
 
 @pytest.mark.timeout(120)
@@ -178,12 +289,15 @@ def test_the_broker_drops_snapshot_bus_messages_from_an_older_epoch_of_their_sen
     try:
         pub, sub = pair(context, broker, 1)
         deadline = time.monotonic() + 30
-        while not sub.poll(50):  # until the subscription is through
+        # until the subscription is through
+        while not sub.poll(50):
             pub.send_multipart(heartbeat("merger", epoch=500))
             assert time.monotonic() < deadline
         for _ in range(10):
-            pub.send_multipart(heartbeat("merger", epoch=400))  # a replaced merger
-        pub.send_multipart(heartbeat("other", epoch=1))  # another sender has its own epochs
+            # a replaced merger
+            pub.send_multipart(heartbeat("merger", epoch=400))
+        # another sender has its own epochs
+        pub.send_multipart(heartbeat("other", epoch=1))
         pub.send_multipart(heartbeat("merger", epoch=600))
         seen = []
         while not seen or seen[-1] != ("merger", 600):
@@ -200,11 +314,14 @@ def test_the_broker_drops_snapshot_bus_messages_from_an_older_epoch_of_their_sen
 def test_a_standby_whose_fold_differs_from_the_primarys_raises_whichever_digest_comes_second():
     from dloco.merger.standby import Diverged, Standby
 
-    standby = object.__new__(Standby)  # only its digest book-keeping: no sockets, no log
+    # only its digest book-keeping: no sockets, no log
+    standby = object.__new__(Standby)
     standby.digests, standby.theirs, standby.compared = {}, {}, 0
-    standby._compare(7, None, (1, "aa"))  # ours first
+    # ours first
+    standby._compare(7, None, (1, "aa"))
     standby._compare(7, "aa", None)
-    standby._compare(9, "bb", None)  # theirs first
+    # theirs first
+    standby._compare(9, "bb", None)
     standby._compare(9, None, (0, "bb"))
     assert standby.compared == 2 and not standby.digests and not standby.theirs
     standby._compare(11, "cc", None)
@@ -215,8 +332,13 @@ def test_a_standby_whose_fold_differs_from_the_primarys_raises_whichever_digest_
 def test_the_live_view_names_a_mergers_role_from_its_log_events_only():
     from dloco.cluster.liveview import role_line
 
-    assert role_line({"event": "fold"}, None) is None  # a merger without a peer: no role line at all
+    # a merger without a peer: no role line at all
+    assert role_line({"event": "fold"}, None) is None
     assert role_line({"event": "following"}, None) == "standby"
     assert role_line({"event": "fold"}, "standby") == "standby"
-    assert role_line({"event": "replication", "state": "alone"}, "primary").startswith("primary, standby alone")
-    assert role_line({"event": "taking_over", "epoch": 7}, "standby") == "primary (took over, epoch 7)"
+    assert role_line({"event": "replication", "state": "alone"}, "primary").startswith(
+        "primary, standby alone"
+    )
+    assert (
+        role_line({"event": "taking_over", "epoch": 7}, "standby") == "primary (took over, epoch 7)"
+    )

@@ -13,38 +13,102 @@ from dloco.bus.security import create_keys, write_allow_list
 from tests.test_broker import BrokerProcess
 from tests.test_merger_process import free_port
 
-TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--batch", "8", "--seed", "0"]
+TINY = [
+    "--width",
+    "32",
+    "--depth",
+    "1",
+    "--heads",
+    "2",
+    "--context",
+    "32",
+    "--batch",
+    "8",
+    "--seed",
+    "0",
+]
 
 
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "dloco", *args]
 
 
-@pytest.mark.e2e  # a broker, a merger and two training islands over CURVE: -m e2e
+# a broker, a merger and two training islands over CURVE: -m e2e
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_training_through_a_curve_broker(tmp_path):
     keys, allow = tmp_path / "keys", tmp_path / "allow"
     create_keys(keys, ["broker", "merger", "island-0", "stranger"])
     write_allow_list(keys, allow, {"merger": ["merger"], "island": ["island-0"]})
     init = tmp_path / "init.npz"
-    subprocess.run(cli("island", "--write-init", str(init), *TINY), check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        cli("island", "--write-init", str(init), *TINY),
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     broker = BrokerProcess(tmp_path, "--keys", str(keys), "--allow", str(allow))
     control = free_port()
-    merger = subprocess.Popen(cli("merger", "--run-dir", str(tmp_path / "m"), "--init-npz", str(init), "--fragments", "2",
-                                  "--delta-endpoint", broker.endpoint(1), "--snapshot-endpoint", broker.endpoint(2),
-                                  "--control-endpoint", f"@tcp://127.0.0.1:{control}", "--keys", str(keys), "--allow", str(allow)),
-                              stdout=open(tmp_path / "merger.log", "wb"), stderr=subprocess.STDOUT)
+    merger = subprocess.Popen(
+        cli(
+            "merger",
+            "--run-dir",
+            str(tmp_path / "m"),
+            "--init-npz",
+            str(init),
+            "--fragments",
+            "2",
+            "--delta-endpoint",
+            broker.endpoint(1),
+            "--snapshot-endpoint",
+            broker.endpoint(2),
+            "--control-endpoint",
+            f"@tcp://127.0.0.1:{control}",
+            "--keys",
+            str(keys),
+            "--allow",
+            str(allow),
+        ),
+        stdout=open(tmp_path / "merger.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
 
     def island(name: str, join_timeout: str) -> subprocess.CompletedProcess:
-        return subprocess.run(cli("island", "--name", name, *TINY, "--max-steps", "40", "--eval-every", "40", "--fragments", "2",
-                                  "--interval", "10", "--delta-endpoint", broker.endpoint(0), "--snapshot-endpoint", broker.endpoint(3),
-                                  "--control-endpoint", f"tcp://127.0.0.1:{control}", "--keys", str(keys), "--join-timeout", join_timeout),
-                              capture_output=True, text=True, timeout=200)
+        return subprocess.run(
+            cli(
+                "island",
+                "--name",
+                name,
+                *TINY,
+                "--max-steps",
+                "40",
+                "--eval-every",
+                "40",
+                "--fragments",
+                "2",
+                "--interval",
+                "10",
+                "--delta-endpoint",
+                broker.endpoint(0),
+                "--snapshot-endpoint",
+                broker.endpoint(3),
+                "--control-endpoint",
+                f"tcp://127.0.0.1:{control}",
+                "--keys",
+                str(keys),
+                "--join-timeout",
+                join_timeout,
+            ),
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
 
     try:
         good = island("island-0", "60")
         bad = island("stranger", "5")
-    finally:  # stop everything first, judge afterwards: nothing may outlive the test
+    # stop everything first, judge afterwards: nothing may outlive the test
+    finally:
         merger.terminate()
         merger_code = merger.wait(timeout=30)
         broker_code = broker.stop()
@@ -53,4 +117,5 @@ def test_training_through_a_curve_broker(tmp_path):
     summary = json.loads(good.stdout.strip().splitlines()[-1])
     assert summary["deltas_sent"] >= 6 and summary["acks"].get("folded", 0) >= 3, summary
     assert bad.returncode == 2 and "no snapshot of fragments" in bad.stderr
-    assert broker.events("broker_stopped")[-1]["auth_refused"] >= 1  # the stranger was turned away at the broker
+    # the stranger was turned away at the broker
+    assert broker.events("broker_stopped")[-1]["auth_refused"] >= 1

@@ -10,7 +10,8 @@ from dloco.bus.sequencing import GapTracker, RetransmitBuffer
 def test_in_order_exactly_once_with_gaps_and_duplicates():
     tracker = GapTracker()
     assert tracker.receive("a", 1, 1, "m1") == ["m1"]
-    assert tracker.receive("a", 1, 3, "m3") == []  # 2 is missing: hold 3
+    # 2 is missing: hold 3
+    assert tracker.receive("a", 1, 3, "m3") == []
     assert tracker.receive("a", 1, 5, "m5") == []
     assert tracker.missing("a") == [(2, 2), (4, 4)]
     assert tracker.receive("a", 1, 2, "m2") == ["m2", "m3"]
@@ -22,7 +23,8 @@ def test_in_order_exactly_once_with_gaps_and_duplicates():
 def test_heartbeats_reveal_tail_loss():
     tracker = GapTracker()
     tracker.receive("a", 1, 1, "m1")
-    tracker.heartbeat("a", 1, 4)  # the sender sent up to 4; we have 1
+    # the sender sent up to 4; we have 1
+    tracker.heartbeat("a", 1, 4)
     assert tracker.missing("a") == [(2, 4)]
 
 
@@ -48,13 +50,23 @@ def test_held_bytes_are_bounded_per_sender_and_in_all_and_senders_in_number():
     tracker = GapTracker(max_held_bytes=800, max_sender_bytes=500, max_senders=2)
     for seq in range(2, 10):
         tracker.receive("a", 1, seq, f"a{seq}", nbytes=200)
-    assert tracker.streams["a"].held_bytes == 400 and tracker.overflow == 6 and tracker.missing("a") == [(1, 1), (4, 9)]
+    assert (
+        tracker.streams["a"].held_bytes == 400
+        and tracker.overflow == 6
+        and tracker.missing("a") == [(1, 1), (4, 9)]
+    )
     for seq in range(2, 5):
-        tracker.receive("b", 1, seq, f"b{seq}", nbytes=200)  # b holds 2 (total 800), its third is past the total
+        # b holds 2 (total 800), its third is past the total
+        tracker.receive("b", 1, seq, f"b{seq}", nbytes=200)
     assert tracker.held_bytes == 800 and tracker.overflow == 7
-    assert tracker.receive("c", 1, 1, "c1") == [] and tracker.refused_senders == 1  # a third sender name: refused
-    assert tracker.receive("a", 1, 1, "a1", nbytes=200) == ["a1", "a2", "a3"] and tracker.held_bytes == 400
-    tracker.receive("b", 2, 1, "b-new")  # b restarted: its old incarnation's held bytes are freed
+    # a third sender name: refused
+    assert tracker.receive("c", 1, 1, "c1") == [] and tracker.refused_senders == 1
+    assert (
+        tracker.receive("a", 1, 1, "a1", nbytes=200) == ["a1", "a2", "a3"]
+        and tracker.held_bytes == 400
+    )
+    # b restarted: its old incarnation's held bytes are freed
+    tracker.receive("b", 2, 1, "b-new")
     assert tracker.held_bytes == 0 and tracker.streams["b"].held_bytes == 0
 
 
@@ -67,20 +79,24 @@ def test_retransmit_buffer_keeps_until_released_and_pushes_back_when_full():
         buffer.add(4, "m4", 100)
     assert buffer.get([(2, 3), (7, 9)]) == [(2, "m2"), (3, "m3")]
     assert buffer.release(2) == 2 and len(buffer) == 1 and buffer.nbytes == 100
-    assert buffer.get([(1, 3)]) == [(3, "m3")]  # released means acknowledged: nothing to resend
+    # released means acknowledged: nothing to resend
+    assert buffer.get([(1, 3)]) == [(3, "m3")]
     assert buffer.has_room(900) and not buffer.has_room(901)
-    assert RetransmitBuffer(max_bytes=10).has_room(50)  # an empty buffer always takes one message
+    # an empty buffer always takes one message
+    assert RetransmitBuffer(max_bytes=10).has_room(50)
 
 
 def test_a_gap_given_up_delivers_what_was_held_after_it_and_the_next_gap_stays():
     tracker = GapTracker()
     tracker.receive("a", 1, 1, "m1")
-    for seq in (4, 5, 8):  # 2-3 and 6-7 are missing
+    # 2-3 and 6-7 are missing
+    for seq in (4, 5, 8):
         assert tracker.receive("a", 1, seq, f"m{seq}") == []
     assert tracker.skip_gap("a") == (["m4", "m5"], (2, 3))
     assert tracker.cursor("a") == (1, 5) and tracker.missing("a") == [(6, 7)]
     assert tracker.skip_gap("a") == (["m8"], (6, 7))
-    tracker.heartbeat("a", 1, 10)  # a lost tail: given up, nothing to deliver
+    # a lost tail: given up, nothing to deliver
+    tracker.heartbeat("a", 1, 10)
     assert tracker.skip_gap("a") == ([], (9, 10)) and tracker.cursor("a") == (1, 10)
     assert tracker.skip_gap("a") == ([], None) and tracker.skip_gap("nobody") == ([], None)
     assert tracker.held_bytes == 0

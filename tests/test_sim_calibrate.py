@@ -1,4 +1,5 @@
-"""`dloco plan --calibrate` on a real run: a two-island `dloco up`, then its prediction beside what it measured."""
+"""`dloco plan --calibrate` on a real run: a two-island `dloco up`, then its prediction beside what
+it measured."""
 
 from __future__ import annotations
 
@@ -14,24 +15,60 @@ from cluster_helpers import small_profile
 @pytest.mark.timeout(600)
 def test_a_finished_run_is_simulated_and_set_beside_its_measurements(tmp_path):
     """The run records its regions and settings (cluster.json); the simulation of it predicts every
-    island's bytes up per token within 15 %: a delta's size is the codec's and the framing's, its tokens
-    H steps' worth, whatever CPU share the islands got.  Folds and staleness depend on timing, so they
-    are reported, not bounded here (EXPERIMENTS.md has the shipped profile's calibration)."""
-    regions = '[[regions]]\nname = "fast"\nuplink_mbps = 8\n[[regions]]\nname = "slow"\nslowdown = 2.0\nuplink_mbps = 4\nrtt_ms = 80\n'
+    island's bytes up per token within 15 %: a delta's size is the codec's and the framing's, its
+    tokens H steps' worth, whatever CPU share the islands got.  Folds and staleness depend on
+    timing, so they are reported, not bounded here (EXPERIMENTS.md has the shipped profile's
+    calibration)."""
+    regions = (
+        '[[regions]]\nname = "fast"\nuplink_mbps = 8\n[[regions]]\nname = "slow"\nslowdown ='
+        " 2.0\nuplink_mbps = 4\nrtt_ms = 80\n"
+    )
     (tmp_path / "c.toml").write_text(small_profile(300, 20, regions, max_steps=60))
     run = tmp_path / "run"
-    up = subprocess.run([sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "c.toml"), "--run-dir", str(run)],
-                        capture_output=True, text=True, timeout=540)
+    up = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dloco",
+            "up",
+            "--config",
+            str(tmp_path / "c.toml"),
+            "--run-dir",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
     assert json.loads((run / "cluster.json").read_text())["sync"]["interval"] == 10
-    got = subprocess.run([sys.executable, "-m", "dloco", "plan", "--calibrate", str(run), "--json"], capture_output=True, text=True, timeout=120)
+    got = subprocess.run(
+        [sys.executable, "-m", "dloco", "plan", "--calibrate", str(run), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert got.returncode == 0, got.stderr[-2000:]
     rows = {row["metric"]: row for row in json.loads(got.stdout)["rows"]}
     for name in ("fast", "slow"):
         assert rows[f"{name}: bytes up per token"]["within"], rows[f"{name}: bytes up per token"]
         assert f"{name}: compute util" in rows and f"{name}: bytes down per token" in rows
-    assert rows["folds of fragment 0"]["predicted"] > 0 and rows["folds of fragment 1"]["measured"] > 0
-    markdown = subprocess.run([sys.executable, "-m", "dloco", "plan", "--calibrate", str(run)], capture_output=True, text=True, timeout=120)
-    assert markdown.returncode == 0 and "| metric | predicted | measured | error |" in markdown.stdout
-    missing = subprocess.run([sys.executable, "-m", "dloco", "plan", "--calibrate", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert (
+        rows["folds of fragment 0"]["predicted"] > 0 and rows["folds of fragment 1"]["measured"] > 0
+    )
+    markdown = subprocess.run(
+        [sys.executable, "-m", "dloco", "plan", "--calibrate", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        markdown.returncode == 0 and "| metric | predicted | measured | error |" in markdown.stdout
+    )
+    missing = subprocess.run(
+        [sys.executable, "-m", "dloco", "plan", "--calibrate", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 2 and "cluster.json" in missing.stderr

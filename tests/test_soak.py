@@ -27,7 +27,8 @@ def test_a_schedule_is_the_seeds_a_takeover_first_one_fault_at_a_time_and_healed
     assert faults[0].kind == "merger-kill" and faults[0].start_s == soak.WARMUP_S
     assert {f.kind for f in faults[: len(soak.KINDS)]} == set(
         soak.KINDS
-    )  # every kind once before any repeats
+        # every kind once before any repeats
+    )
     for before, after in itertools.pairwise(faults):
         assert after.start_s >= before.start_s + before.length_s + soak.GAP_S[0]
     assert faults[-1].start_s + faults[-1].length_s <= 1800 - soak.TAIL_S
@@ -46,14 +47,16 @@ def test_a_schedule_is_the_seeds_a_takeover_first_one_fault_at_a_time_and_healed
     }
     assert (
         soak.plan(11, soak.WARMUP_S + soak.TAIL_S, islands, network=True) == []
-    )  # no room for a fault
+        # no room for a fault
+    )
 
 
 def test_folds_and_versions_by_hand():
     assert soakcheck.folded_once([("a", 1, 1), ("a", 1, 2), ("b", 9, 1)]).ok
     twice = soakcheck.folded_once([("a", 1, 1), ("b", 9, 1), ("a", 1, 1)])
     assert not twice.ok and "('a', 1, 1)" in twice.detail
-    assert not soakcheck.folded_once([]).ok  # nothing folded: nothing shown
+    # nothing folded: nothing shown
+    assert not soakcheck.folded_once([]).ok
     assert soakcheck.versions_increase([(0, 1), (1, 1), (0, 2), (1, 5)]).ok
     back = soakcheck.versions_increase([(0, 1), (0, 3), (1, 1), (0, 3)])
     assert not back.ok and "(0, 3, 3)" in back.detail
@@ -66,17 +69,21 @@ def test_acked_deltas_against_the_log_by_hand():
         "b": {"epoch": 8, "deltas_sent": 7, "acks": {"folded": 5, "unknown": 2}},
     }
     assert soakcheck.acked_in_log(
-        done, logged
-    ).ok  # b: 5 acked folded, 6 in the log (one ack never came)
+        done,
+        logged,
+        # b: 5 acked folded, 6 in the log (one ack never came)
+    ).ok
     lost = {
         **done,
         "a": {**done["a"], "acks": {"folded": 6, "unknown": 1}},
-    }  # a counted 6 folded, the log has 5 of its life
+        # a counted 6 folded, the log has 5 of its life
+    }
     assert not soakcheck.acked_in_log(lost, logged).ok
     unsettled = {
         **done,
         "b": {**done["b"], "deltas_sent": 8},
-    }  # one send neither folded, rejected nor unknown
+        # one send neither folded, rejected nor unknown
+    }
     assert not soakcheck.acked_in_log(unsettled, logged).ok
 
 
@@ -115,7 +122,8 @@ def test_one_primary_and_monotone_epochs_by_hand():
     assert not back.ok and "adopted epoch 10 of merger after 20" in back.detail
     assert soakcheck.epochs_monotone(
         {"a": [("merger", 20), ("merger.1", 10)]}
-    ).ok  # each shard has its own epochs
+        # each shard has its own epochs
+    ).ok
 
 
 def test_replay_and_improvement_by_hand():
@@ -132,7 +140,8 @@ def test_replay_and_improvement_by_hand():
     ).ok
     never_back = soakcheck.stopped_cleanly(
         {"merger": "stopped", "standby": "fold", "a": "done"}
-    )  # killed mid-run, never restarted
+        # killed mid-run, never restarted
+    )
     assert (
         not never_back.ok
         and "'standby': 'fold'" in never_back.detail
@@ -165,10 +174,12 @@ def test_rate_ratios_by_hand():
     ratios = soakcheck.rate_ratios({"a": sorted(clean + faulted), "b": b}, faults, (0.0, 100.0))
     assert ratios["a"] == pytest.approx(2.0) and ratios["b"] == pytest.approx(
         1.0
-    )  # b's faulted time: c's 15 s only
+        # b's faulted time: c's 15 s only
+    )
     assert soakcheck.rate_ratios({"a": clean}, [], (0.0, 100.0)) == {
         "a": None
-    }  # nothing faulted: no ratio
+        # nothing faulted: no ratio
+    }
     check = soakcheck.rates_kept({"a": 0.95, "b": 0.85, "c": None})
     assert (
         not check.ok
@@ -214,13 +225,15 @@ def test_a_four_minute_soak_keeps_every_invariant(tmp_path):
     planned = soak.schedule(soak.plan(7, 240, islands, network))
     assert [e["when"] for e in read_events(run / "chaos.jsonl")] == planned.split(
         ","
-    )  # every fault and recovery happened
+        # every fault and recovery happened
+    )
     took = [
         e
         for name in ("merger", "standby")
         for e in read_events(run / "logs" / f"{name}.log")
         if e.get("event") == "taking_over"
     ]
-    assert took  # the first fault, the primary's kill, was a takeover
+    # the first fault, the primary's kill, was a takeover
+    assert took
     failed = [line for line in report.splitlines() if "| **no** |" in line]
     assert all("(timing)" in row for row in failed), failed

@@ -18,10 +18,17 @@ def test_the_worked_example_of_protocol_md():
     encoded = Codec("topk2", 128).encode(x)
     assert encoded.tobytes().hex(" ") == "00 00 00 40 03 09 14 7f c9"
     decoded = Codec("topk2", 128).decode(encoded, 128)
-    assert {int(i): float(decoded[i]) for i in np.flatnonzero(decoded)} == {3: 4.0, 9: -2.0, 20: 2.0, 127: -4.0}
+    assert {int(i): float(decoded[i]) for i in np.flatnonzero(decoded)} == {
+        3: 4.0,
+        9: -2.0,
+        20: 2.0,
+        127: -4.0,
+    }
 
 
-@pytest.mark.parametrize("name,block", [("topk2", 128), ("topk2", 256), ("topk4", 256), ("topk4", 1024)])
+@pytest.mark.parametrize(
+    "name,block", [("topk2", 128), ("topk2", 256), ("topk4", 256), ("topk4", 1024)]
+)
 @pytest.mark.parametrize("size", [1, 100, 256, 3 * 1024 + 17])
 def test_sizes_kept_values_and_error(name, block, size):
     codec, rng = Codec(name, block), np.random.default_rng(size)
@@ -35,34 +42,57 @@ def test_sizes_kept_values_and_error(name, block, size):
         xb, db = x[b : b + block], decoded[b : b + block]
         kept = np.flatnonzero(db)
         assert len(kept) == min(block // 32, len(xb))
-        if len(xb) > len(kept):  # the kept values are the largest, and the rest decode to 0
+        # the kept values are the largest, and the rest decode to 0
+        if len(xb) > len(kept):
             assert np.abs(xb[kept]).min() >= np.abs(np.delete(xb, kept)).max()
         scale = np.abs(xb).max() / M
         assert np.all(np.sign(db[kept]) == np.sign(xb[kept]))
-        big = np.abs(xb[kept]) >= scale  # at or above the smallest level: within half a step
+        # at or above the smallest level: within half a step
+        big = np.abs(xb[kept]) >= scale
         assert np.all(np.abs(db[kept] - xb[kept])[big] <= scale / 2 * (1 + 1e-6))
-    np.testing.assert_array_equal(codec.encode(decoded), encoded)  # a decoded value encodes to the same bytes
+    # a decoded value encodes to the same bytes
+    np.testing.assert_array_equal(codec.encode(decoded), encoded)
 
 
 def test_a_block_of_zeros_is_flushed_and_decodes_to_zero():
     codec = Codec("topk4", 256)
     encoded = codec.encode(np.zeros(256, np.float32))
-    assert encoded[:4].tobytes() == bytes(4) and list(encoded[4:12]) == list(range(8)) and not encoded[12:].any()
+    assert (
+        encoded[:4].tobytes() == bytes(4)
+        and list(encoded[4:12]) == list(range(8))
+        and not encoded[12:].any()
+    )
     assert not codec.decode(encoded, 256).any()
 
 
-@pytest.mark.parametrize("indices,ok", [((3, 9, 20, 127), True), ((3, 3, 20, 127), False), ((9, 3, 20, 127), False), ((3, 9, 20, 128), False)])
+@pytest.mark.parametrize(
+    "indices,ok",
+    [
+        ((3, 9, 20, 127), True),
+        ((3, 3, 20, 127), False),
+        ((9, 3, 20, 127), False),
+        ((3, 9, 20, 128), False),
+    ],
+)
 def test_validate_wants_strictly_increasing_indices_below_the_block(indices, ok):
-    record = np.concatenate([np.frombuffer(np.float32(1.0).tobytes(), np.uint8), np.array([*indices, 0], np.uint8)])
+    record = np.concatenate(
+        [np.frombuffer(np.float32(1.0).tobytes(), np.uint8), np.array([*indices, 0], np.uint8)]
+    )
     if ok:
         Codec("topk2", 128).validate(record, 128)
     else:
         with pytest.raises(ProtocolError) as info:
             Codec("topk2", 128).validate(record, 128)
         assert info.value.reason == "sparse_index"
-    wide = np.concatenate([np.frombuffer(np.float32(1.0).tobytes(), np.uint8), np.arange(16, dtype="<u2").view(np.uint8),
-                           np.zeros(4, np.uint8)])
-    Codec("topk2", 512).validate(wide, 512)  # block > 256: uint16 indices
+    wide = np.concatenate(
+        [
+            np.frombuffer(np.float32(1.0).tobytes(), np.uint8),
+            np.arange(16, dtype="<u2").view(np.uint8),
+            np.zeros(4, np.uint8),
+        ]
+    )
+    # block > 256: uint16 indices
+    Codec("topk2", 512).validate(wide, 512)
     wide[4 + 30 : 4 + 32] = np.array([512], "<u2").view(np.uint8)
     with pytest.raises(ProtocolError):
         Codec("topk2", 512).validate(wide, 512)
@@ -70,7 +100,9 @@ def test_validate_wants_strictly_increasing_indices_below_the_block(indices, ok)
 
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0, -0.0, 1.8e38])
 def test_validate_rejects_bad_scales(scale):
-    record = np.concatenate([np.frombuffer(np.float32(scale).tobytes(), np.uint8), np.array([0, 1, 2, 3, 0], np.uint8)])
+    record = np.concatenate(
+        [np.frombuffer(np.float32(scale).tobytes(), np.uint8), np.array([0, 1, 2, 3, 0], np.uint8)]
+    )
     with pytest.raises(ProtocolError) as info:
         Codec("topk2", 128).validate(record, 128)
     assert info.value.reason == "non_finite"
@@ -94,7 +126,12 @@ def test_with_error_feedback_nothing_is_lost_for_good():
     """The running sum of what was sent tracks the running sum of what was meant within the last
     residual, which stays bounded; without feedback the gap grows with every round."""
     codec, rng = Codec("topk2", 256), np.random.default_rng(7)
-    residual, sent, meant, plain = None, np.zeros(4096, np.float32), np.zeros(4096, np.float32), np.zeros(4096, np.float32)
+    residual, sent, meant, plain = (
+        None,
+        np.zeros(4096, np.float32),
+        np.zeros(4096, np.float32),
+        np.zeros(4096, np.float32),
+    )
     gaps = []
     for _ in range(60):
         delta = (rng.standard_normal(4096) * 1e-2).astype(np.float32)
@@ -104,20 +141,25 @@ def test_with_error_feedback_nothing_is_lost_for_good():
         meant += delta
         np.testing.assert_allclose(sent + residual, meant, atol=1e-5)
         gaps.append(np.linalg.norm(meant - sent))
-    assert max(gaps[30:]) < 1.5 * max(gaps[:30])  # bounded
+    # bounded
+    assert max(gaps[30:]) < 1.5 * max(gaps[:30])
     assert np.linalg.norm(meant - plain) > 3 * gaps[-1]
 
 
 def test_ties_go_to_the_higher_index_so_a_tail_block_with_zeros_encodes_again_to_the_same_bytes():
     """127 values, two of them nonzero, block 128 (keep 4): the padding value (index 127) and the
-    highest zero in range (126) fill the other two places; a decoded vector encodes to the same bytes."""
+    highest zero in range (126) fill the other two places; a decoded vector encodes to the same
+    bytes.
+    """
     codec = Codec("topk2", 128)
     d = np.zeros(127, np.float32)
     d[16], d[92] = -3.0, 1.0
     encoded = codec.encode(d)
     assert list(encoded[4:8]) == [16, 92, 126, 127]
     decoded = codec.decode(encoded, 127)
-    assert sorted(np.flatnonzero(decoded)) == [16, 92, 126]  # the kept zero decodes to +scale (error feedback carries it)
+    # the kept zero decodes to +scale (error feedback carries it)
+    assert sorted(np.flatnonzero(decoded)) == [16, 92, 126]
     np.testing.assert_array_equal(codec.encode(decoded), encoded)
     sent, kept = compensate({"w": d}, {}, codec)
-    np.testing.assert_array_equal(codec.decode(codec.encode(sent["w"]), 127), sent["w"])  # what goes out is what feedback counted
+    # what goes out is what feedback counted
+    np.testing.assert_array_equal(codec.decode(codec.encode(sent["w"]), 127), sent["w"])

@@ -28,15 +28,19 @@ from tests.cluster_helpers import small_profile
 from tests.merger_helpers import delta_chunks, initial_params
 from tests.test_broker import BrokerProcess
 
-LEASE_S = 3.0  # the default: a primary starved of CPU for longer than this on a busy machine would lose its lease
-WAIT_S = 90.0  # a generous bound on any one wait: it only ends a broken test
+# the default: a primary starved of CPU for longer than this on a busy machine would lose its lease
+LEASE_S = 3.0
+# a generous bound on any one wait: it only ends a broken test
+WAIT_S = 90.0
 PARAMS = initial_params()
 PARTS = protocol.partition({p: a.shape for p, a in PARAMS.items()}, 2)
 
 
 def _chunks(delta_id: int, versions: dict[int, int]) -> list[protocol.DeltaChunk]:
     fragment = delta_id % 2
-    return delta_chunks(PARTS[fragment], "a", delta_id, fragment, versions.get(fragment, 0), seed=delta_id)
+    return delta_chunks(
+        PARTS[fragment], "a", delta_id, fragment, versions.get(fragment, 0), seed=delta_id
+    )
 
 
 @dataclasses.dataclass
@@ -44,11 +48,14 @@ class Merger:
     run_dir: Path
     args: list[str]
     process: subprocess.Popen | None = None
-    life: int = 0  # this life's log file: logs/<name>.<life>.log
+    # this life's log file: logs/<name>.<life>.log
+    life: int = 0
 
     def start(self) -> None:
         self.life += 1
-        self.process = subprocess.Popen(self.args, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            self.args, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT
+        )
 
     @property
     def log_path(self) -> Path:
@@ -73,7 +80,9 @@ class Merger:
             found = [e for e in self.events(name) if all(e.get(k) == v for k, v in fields.items())]
             if len(found) >= count:
                 return found[count - 1]
-            assert self.process.poll() is None, f"{self.run_dir.name} exited {self.process.returncode} waiting for {name}"
+            assert self.process.poll() is None, (
+                f"{self.run_dir.name} exited {self.process.returncode} waiting for {name}"
+            )
             time.sleep(0.05)
         raise TimeoutError(f"{self.run_dir.name}: no {name} {fields} within {WAIT_S} s")
 
@@ -90,18 +99,67 @@ class Pair:
         self.broker = BrokerProcess(tmp, "--insecure")
         control, replication, (self.metrics_port,) = free_ports(2), free_ports(2), free_ports(1)
         self.control = [f"tcp://127.0.0.1:{port}" for port in control]
-        common = [sys.executable, "-m", "dloco", "merger", "--fragments", "2", "--delta-endpoint", self.broker.endpoint(1),
-                  "--snapshot-endpoint", self.broker.endpoint(2), "--checkpoint-every", "3", "--fsync", "always", "--max-staleness", "3",
-                  "--insecure", "--lease", str(LEASE_S), "--replication", mode]
+        common = [
+            sys.executable,
+            "-m",
+            "dloco",
+            "merger",
+            "--fragments",
+            "2",
+            "--delta-endpoint",
+            self.broker.endpoint(1),
+            "--snapshot-endpoint",
+            self.broker.endpoint(2),
+            "--checkpoint-every",
+            "3",
+            "--fsync",
+            "always",
+            "--max-staleness",
+            "3",
+            "--insecure",
+            "--lease",
+            str(LEASE_S),
+            "--replication",
+            mode,
+        ]
         ends = [f"tcp://127.0.0.1:{port}" for port in replication]
-        self.a = Merger(tmp / "a", [*common, "--run-dir", str(tmp / "a"), "--control-endpoint", f"@{self.control[0]}",
-                                    "--replication-endpoint", f"@{ends[0]}", "--peer", ends[1], "--init-npz", str(init_npz),
-                                    "--metrics-port", str(self.metrics_port)])
-        self.b = Merger(tmp / "b", [*common, "--run-dir", str(tmp / "b"), "--control-endpoint", f"@{self.control[1]}",
-                                    "--replication-endpoint", f"@{ends[1]}", "--standby-of", ends[0]])
+        self.a = Merger(
+            tmp / "a",
+            [
+                *common,
+                "--run-dir",
+                str(tmp / "a"),
+                "--control-endpoint",
+                f"@{self.control[0]}",
+                "--replication-endpoint",
+                f"@{ends[0]}",
+                "--peer",
+                ends[1],
+                "--init-npz",
+                str(init_npz),
+                "--metrics-port",
+                str(self.metrics_port),
+            ],
+        )
+        self.b = Merger(
+            tmp / "b",
+            [
+                *common,
+                "--run-dir",
+                str(tmp / "b"),
+                "--control-endpoint",
+                f"@{self.control[1]}",
+                "--replication-endpoint",
+                f"@{ends[1]}",
+                "--standby-of",
+                ends[0],
+            ],
+        )
         self.a.start()
         self.b.start()
-        self.island = StreamIsland(self.broker.endpoint(0), self.broker.endpoint(3), self.control, _chunks)
+        self.island = StreamIsland(
+            self.broker.endpoint(0), self.broker.endpoint(3), self.control, _chunks
+        )
 
     def close(self) -> None:
         self.island.close()
@@ -126,11 +184,20 @@ def settle(island: StreamIsland, deltas) -> None:
 
 
 def logged_deltas(run_dir: Path) -> set[int]:
-    return {r["delta_id"] for _, r in read_records(wal_dir(run_dir)) if r["type"] == records.DELTA and r["island"] == "a"}
+    return {
+        r["delta_id"]
+        for _, r in read_records(wal_dir(run_dir))
+        if r["type"] == records.DELTA and r["island"] == "a"
+    }
 
 
 def replay_verify(run_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dloco", "replay", str(run_dir), "--verify"], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dloco", "replay", str(run_dir), "--verify"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.e2e
@@ -148,16 +215,20 @@ def test_lost_primary_and_disk_the_standby_takes_over_with_every_acknowledged_de
     settle(p.island, range(7, 10))
     took = p.b.wait_for("taking_over")
     assert took["epoch"] > old_epoch
-    assert p.island.settled[9][0] == took["epoch"]  # settled by the new primary
-    assert acknowledged <= logged_deltas(p.b.run_dir)  # nothing acknowledged was lost with the primary's disk
+    # settled by the new primary
+    assert p.island.settled[9][0] == took["epoch"]
+    # nothing acknowledged was lost with the primary's disk
+    assert acknowledged <= logged_deltas(p.b.run_dir)
 
-    p.a.start()  # the old primary, same command, empty disk: it finds its successor and follows it
+    # the old primary, same command, empty disk: it finds its successor and follows it
+    p.a.start()
     p.a.wait_for("following")
     assert not p.a.events("genesis")
     p.b.wait_for("replication", state="sync")
     settle(p.island, range(10, 12))
     assert p.b.stop() == 0
-    assert p.a.stop() == 0  # a standby stopped by SIGTERM; a digest mismatch would have been exit 5
+    # a standby stopped by SIGTERM; a digest mismatch would have been exit 5
+    assert p.a.stop() == 0
     assert logged_deltas(p.a.run_dir) == logged_deltas(p.b.run_dir) == set(range(1, 12))
     for merger in (p.b, p.a):
         result = replay_verify(merger.run_dir)
@@ -181,15 +252,18 @@ def test_a_primary_paused_past_its_lease_is_fenced_and_steps_down(pair):
     p = pair()
     settle(p.island, range(1, 5))
     p.a.wait_for("replication", state="sync")
-    p.a.process.send_signal(signal.SIGSTOP)  # a partition, as the standby sees it: no lease
+    # a partition, as the standby sees it: no lease
+    p.a.process.send_signal(signal.SIGSTOP)
     try:
         took = p.b.wait_for("taking_over")
-        settle(p.island, range(5, 7))  # the new primary settles what the island sends meanwhile
+        # the new primary settles what the island sends meanwhile
+        settle(p.island, range(5, 7))
     finally:
         p.a.process.send_signal(signal.SIGCONT)
     p.a.wait_for("fenced")
     p.a.wait_for("stepped_down")
-    p.a.wait_for("following", count=2)  # its first life's probe, then the follow after stepping down
+    # its first life's probe, then the follow after stepping down
+    p.a.wait_for("following", count=2)
     p.b.wait_for("replication", state="sync")
     settle(p.island, range(7, 9))
     assert acks_in_epoch_order(p.island)
@@ -226,19 +300,32 @@ def test_a_primary_whose_standby_dies_goes_on_alone_and_says_so(pair):
     p.b.process.wait(timeout=10)
     settle(p.island, range(3, 7))
     p.a.wait_for("replication", state="alone")
-    assert len({epoch for epoch, _ in p.island.acks}) == 1  # the same primary all along
-    metrics = urllib.request.urlopen(f"http://127.0.0.1:{p.metrics_port}/metrics", timeout=10).read().decode()
-    assert 'dloco_merger_replication{state="alone"} 1.0' in metrics and 'dloco_merger_role{role="primary"} 1.0' in metrics
-    p.b.start()  # back: it follows from where its log ends and the primary is in sync again
+    # the same primary all along
+    assert len({epoch for epoch, _ in p.island.acks}) == 1
+    metrics = (
+        urllib.request.urlopen(f"http://127.0.0.1:{p.metrics_port}/metrics", timeout=10)
+        .read()
+        .decode()
+    )
+    assert (
+        'dloco_merger_replication{state="alone"} 1.0' in metrics
+        and 'dloco_merger_role{role="primary"} 1.0' in metrics
+    )
+    # back: it follows from where its log ends and the primary is in sync again
+    p.b.start()
     p.a.wait_for("replication", state="sync", count=2)
     assert p.island.send_until_settled(7).status == "folded"
     assert p.a.stop() == 0
-    assert p.b.wait_for("taking_over")  # its primary gone, the standby takes over: stop it too
+    # its primary gone, the standby takes over: stop it too
+    assert p.b.wait_for("taking_over")
     assert p.b.stop() == 0
     assert logged_deltas(p.b.run_dir) == logged_deltas(p.a.run_dir) == set(range(1, 8))
 
 
-STANDBY_PROFILE = small_profile(400, 25, """
+STANDBY_PROFILE = small_profile(
+    400,
+    25,
+    """
 [[regions]]
 name = "a"
 slowdown = 2.0
@@ -246,7 +333,9 @@ slowdown = 2.0
 [[regions]]
 name = "b"
 slowdown = 2.0
-""", max_steps=200).replace("share_window = 8", "share_window = 8\nstandby = true")
+""",
+    max_steps=200,
+).replace("share_window = 8", "share_window = 8\nstandby = true")
 # The primary's machine is lost after 10 folds; once a has made 60 more steps (the standby took over
 # meanwhile) it comes back, empty.
 STANDBY_SCHEDULE = "lose-disk:merger@folds=10,restart:merger@a.step=+60"
@@ -257,27 +346,63 @@ STANDBY_SCHEDULE = "lose-disk:merger@folds=10,restart:merger@a.step=+60"
 def test_dloco_up_with_a_standby_survives_the_loss_of_the_primary_and_its_disk(tmp_path):
     (tmp_path / "standby.toml").write_text(STANDBY_PROFILE)
     run = tmp_path / "run"
-    up = subprocess.run([sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "standby.toml"), "--run-dir", str(run),
-                         "--chaos", STANDBY_SCHEDULE, "--status-port", "-1"], capture_output=True, text=True, timeout=800)
+    up = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dloco",
+            "up",
+            "--config",
+            str(tmp_path / "standby.toml"),
+            "--run-dir",
+            str(run),
+            "--chaos",
+            STANDBY_SCHEDULE,
+            "--status-port",
+            "-1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
     lost, back = read_events(run / "chaos.jsonl")
-    assert (lost["process"], back["process"]) == ("merger", "merger")  # the primary at the time was the merger process
+    # the primary at the time was the merger process
+    assert (lost["process"], back["process"]) == ("merger", "merger")
     took = [e for e in read_events(run / "logs" / "standby.log") if e.get("event") == "taking_over"]
     assert len(took) == 1 and took[0]["length"] > 0
     merger_events = [e.get("event") for e in read_events(run / "logs" / "merger.log")]
-    assert merger_events.count("genesis") == 1 and merger_events.count("following") == 2  # its second life follows the standby
+    # its second life follows the standby
+    assert merger_events.count("genesis") == 1 and merger_events.count("following") == 2
     # the islands trained on through the loss, and the new primary folded both of them
-    steps = {name: [e["wall"] for e in read_metrics(run / "metrics" / f"{name}.jsonl") if e.get("step", 0) > 0] for name in "ab"}
-    assert sum(lost["wall"] <= w < back["wall"] for w in steps["b"]) >= 30  # b trained on while no merger was there
+    steps = {
+        name: [
+            e["wall"]
+            for e in read_metrics(run / "metrics" / f"{name}.jsonl")
+            if e.get("step", 0) > 0
+        ]
+        for name in "ab"
+    }
+    # b trained on while no merger was there
+    assert sum(lost["wall"] <= w < back["wall"] for w in steps["b"]) >= 30
     after = [set(e["contributors"]) for e in merger_folds(run) if wall(e) > lost["wall"]]
     assert {"a", "b"} <= set().union(*after)
-    for island in "ab":  # every delta each island sent was settled: none acknowledged and lost
-        done = [e for e in read_events(run / "logs" / f"{island}.log") if e.get("event") == "done"][-1]
-        assert done["acks"].get("folded", 0) + done["acks"].get("rejected", 0) == done["deltas_sent"] > 0, done
+    # every delta each island sent was settled: none acknowledged and lost
+    for island in "ab":
+        done = [e for e in read_events(run / "logs" / f"{island}.log") if e.get("event") == "done"][
+            -1
+        ]
+        assert (
+            done["acks"].get("folded", 0) + done["acks"].get("rejected", 0)
+            == done["deltas_sent"]
+            > 0
+        ), done
     row = next(r for r in chaos_effects(run, ["a", "b"]) if r["action"] == "lose-disk")
     assert row["first_fold_s"] is not None
-    for merger in ("standby", "merger"):  # the new primary's log, and the copy the old one rebuilt from it
+    # the new primary's log, and the copy the old one rebuilt from it
+    for merger in ("standby", "merger"):
         replay = replay_verify(run / merger)
         assert replay.returncode == 0, replay.stderr
     assert "FAILED" not in (run / "report.md").read_text()
-    assert any(line.startswith("mergers: merger ") for line in up.stdout.splitlines())  # the live view names each merger's role
+    # the live view names each merger's role
+    assert any(line.startswith("mergers: merger ") for line in up.stdout.splitlines())

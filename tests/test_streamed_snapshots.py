@@ -1,5 +1,6 @@
-"""Islands reassemble snapshots streamed: each chunk decoded into the fragment's staging values as it
-comes, its frames let go; a fragment larger than the chunk budget joins within the model's size."""
+"""Islands reassemble snapshots streamed: each chunk decoded into the fragment's staging values as
+it comes, its frames let go; a fragment larger than the chunk budget joins within the model's
+size."""
 
 from __future__ import annotations
 
@@ -14,25 +15,50 @@ from dloco.protocol import downlink
 from dloco.protocol.reassembly import CHUNK_OVERHEAD_BYTES, SLICE_OVERHEAD_BYTES
 
 F32 = np.float32
-VALUES = 4 << 20  # a 16 MiB fp32 fragment in two tensors
+# a 16 MiB fp32 fragment in two tensors
+VALUES = 4 << 20
 CHUNK = 256 << 10
 
 
 def snapshot(plans, version, codec, base=None, digest=None, seq=1):
     """Each chunk's frames as bytes on the wire."""
-    return [[bytes(f) for f in protocol.encode(protocol.SnapshotChunk(
-        sender="merger", epoch=1, seq=seq + i, fragment=0, version=version, chunk_index=i, chunk_count=len(plans), model="m",
-        codec=codec, slices=plan.slices, payloads=plan.payloads, base_version=base, digest=digest))] for i, plan in enumerate(plans)]
+    return [
+        [
+            bytes(f)
+            for f in protocol.encode(
+                protocol.SnapshotChunk(
+                    sender="merger",
+                    epoch=1,
+                    seq=seq + i,
+                    fragment=0,
+                    version=version,
+                    chunk_index=i,
+                    chunk_count=len(plans),
+                    model="m",
+                    codec=codec,
+                    slices=plan.slices,
+                    payloads=plan.payloads,
+                    base_version=base,
+                    digest=digest,
+                )
+            )
+        ]
+        for i, plan in enumerate(plans)
+    ]
 
 
 def received(frames: list[bytes]):
-    """A chunk as a receiver decodes it, its frames in buffers of their own (as ZeroMQ hands them over)."""
+    """A chunk as a receiver decodes it, its frames in buffers of their own (as ZeroMQ hands them
+    over)."""
     return protocol.decode([memoryview(bytearray(f)) for f in frames])
 
 
 def fragment(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {"a/w": rng.normal(size=(1024, VALUES // 2048)).astype(F32), "b/w": rng.normal(size=VALUES // 2).astype(F32)}
+    return {
+        "a/w": rng.normal(size=(1024, VALUES // 2048)).astype(F32),
+        "b/w": rng.normal(size=VALUES // 2).astype(F32),
+    }
 
 
 def chunk_budget(count: int) -> int:
@@ -48,7 +74,8 @@ def adopt(reassembler: protocol.Reassembler, snapshots) -> tuple[Downlink, list[
         tracemalloc.start()
         for frames in chunks:
             assembled = reassembler.add(received(frames), 0.0)
-            assert (assembled is None) == (frames is not chunks[-1])  # nothing half-made is handed over
+            # nothing half-made is handed over
+            assert (assembled is None) == (frames is not chunks[-1])
         island.on_snapshot(assembled.header, assembled.tensors, 0.0)
         peaks.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
@@ -61,17 +88,27 @@ def test_a_fragment_larger_than_the_budget_joins_and_follows_a_diff_within_the_m
     is 1/20 of that, into an island's downlink: both adopted, bit for bit the merger's served
     value, and the peak of what the receiving side allocated stays within the fragment's fp32 size,
     plus one chunk's values being decoded, plus the chunk budget.  Decoding at completion is refused
-    at this budget, and with room a full snapshot needs more: its payloads and its values at once."""
+    at this budget, and with room a full snapshot needs more: its payloads and its values at once.
+    """
     theta = fragment(0)
     fp32, int4 = protocol.Codec("fp32"), protocol.Codec("int4")
     served, plans = downlink.full(theta, 1, fp32, CHUNK)
     moved = {path: value + F32(0.01) * fragment(1)[path] for path, value in theta.items()}
     served_after, diff_plans = downlink.diff(moved, served, 2, int4, CHUNK)
-    snapshots = [(1, snapshot(plans, 1, fp32, digest=served.digest)), (2, snapshot(diff_plans, 2, int4, base=1, digest=served_after.digest, seq=1000))]
+    snapshots = [
+        (1, snapshot(plans, 1, fp32, digest=served.digest)),
+        (2, snapshot(diff_plans, 2, int4, base=1, digest=served_after.digest, seq=1000)),
+    ]
     budget = 2 * chunk_budget(max(len(chunks) for _, chunks in snapshots))
     value_bytes = 4 * VALUES
-    # one slice being decoded: its float32 values and the codec's workspace (int4: levels, then floats)
-    decoding = 8 * max(item.count for _, chunks in snapshots for frames in chunks for item in received(frames).slices)
+    # one slice being decoded: its float32 values and the codec's workspace (int4: levels, then
+    # floats)
+    decoding = 8 * max(
+        item.count
+        for _, chunks in snapshots
+        for frames in chunks
+        for item in received(frames).slices
+    )
     assert budget < value_bytes // 20 and decoding <= value_bytes // 4
 
     with pytest.raises(protocol.ProtocolError, match="reassembly budget"):
@@ -109,10 +146,18 @@ def test_staging_is_bounded_released_with_its_partial_and_never_handed_over_half
     reassembler.evict(10.0)
     assert reassembler.staged_bytes == 0 and reassembler.stats.evicted_ttl == 1
 
-    other = [received(f) for f in snapshot(downlink.full(small, 2, codec, 4096)[1], 2, codec, seq=50)]  # another version: another message
+    # another version: another message
+    other = [
+        received(f) for f in snapshot(downlink.full(small, 2, codec, 4096)[1], 2, codec, seq=50)
+    ]
     reassembler.add(chunks[0], 20.0)
-    reassembler.add(other[0], 21.0)  # its staging does not fit beside the first's: the older partial goes
-    assert reassembler.staged_bytes == 4 * 4096 and reassembler.stats.evicted_memory == 1 and len(reassembler) == 1
+    # its staging does not fit beside the first's: the older partial goes
+    reassembler.add(other[0], 21.0)
+    assert (
+        reassembler.staged_bytes == 4 * 4096
+        and reassembler.stats.evicted_memory == 1
+        and len(reassembler) == 1
+    )
     for chunk in other[1:]:
         done = reassembler.add(chunk, 22.0)
     assert np.array_equal(done.tensors["w"], small["w"]) and reassembler.staged_bytes == 0

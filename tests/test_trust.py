@@ -27,7 +27,9 @@ ISLANDS = ["island-0", "island-1"]
 def secure_broker(tmp_path):
     keys, allow = tmp_path / "keys", tmp_path / "allow"
     create_keys(keys, ["broker", "merger", *ISLANDS, "watcher"])
-    write_allow_list(keys, allow, {"merger": ["merger"], "island": ISLANDS, "observer": ["watcher"]})
+    write_allow_list(
+        keys, allow, {"merger": ["merger"], "island": ISLANDS, "observer": ["watcher"]}
+    )
     broker = BrokerProcess(tmp_path, "--keys", str(keys), "--allow", str(allow))
     context = zmq.Context()
     yield broker, context, (lambda name: Identity.load(keys, name, server="broker"))
@@ -50,12 +52,25 @@ def forged_snapshot() -> list:
     """A whole fragment of 7.0s at version 2**40, in the merger's name."""
     values = {path: np.full(initial_params()[path].shape, 7.0, np.float32) for path in PARTS[0]}
     plan = protocol.split_fragment(values, protocol.Codec("fp32"), 1 << 20)[0]
-    return protocol.encode(protocol.SnapshotChunk(
-        sender="merger", epoch=1, seq=1, fragment=0, version=2 ** 40, chunk_index=0, chunk_count=1,
-        model=protocol.model_fingerprint(initial_params()), codec=protocol.Codec("fp32"), slices=plan.slices, payloads=plan.payloads))
+    return protocol.encode(
+        protocol.SnapshotChunk(
+            sender="merger",
+            epoch=1,
+            seq=1,
+            fragment=0,
+            version=2**40,
+            chunk_index=0,
+            chunk_count=1,
+            model=protocol.model_fingerprint(initial_params()),
+            codec=protocol.Codec("fp32"),
+            slices=plan.slices,
+            payloads=plan.payloads,
+        )
+    )
 
 
-@pytest.mark.e2e  # a CURVE broker process under attack: -m e2e
+# a CURVE broker process under attack: -m e2e
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_an_island_key_can_neither_publish_snapshots_nor_read_deltas(secure_broker):
     """Attack: island-0's key publishes a forged snapshot on the snapshot bus, in the merger's name,
@@ -65,19 +80,24 @@ def test_an_island_key_can_neither_publish_snapshots_nor_read_deltas(secure_brok
     forger = client(context, zmq.PUB, key("island-0"), broker.endpoint(2))
     assert received(forger, victim, wait_s=3.0, frames=forged_snapshot()) == 0
     merger = client(context, zmq.PUB, key("merger"), broker.endpoint(2))
-    assert received(merger, victim, count=3, frames=heartbeat("merger")) == 3  # the merger's key is admitted there
+    # the merger's key is admitted there
+    assert received(merger, victim, count=3, frames=heartbeat("merger")) == 3
     reader = client(context, zmq.SUB, key("island-0"), broker.endpoint(1))
     publisher = client(context, zmq.PUB, key("island-1"), broker.endpoint(0))
     assert received(publisher, reader, wait_s=3.0, frames=heartbeat("island-1")) == 0
     observer = client(context, zmq.SUB, key("watcher"), broker.endpoint(1))
-    assert received(publisher, observer, count=3, frames=heartbeat("island-1")) == 3  # an observer may read deltas
+    # an observer may read deltas
+    assert received(publisher, observer, count=3, frames=heartbeat("island-1")) == 3
     assert broker.stop() == 0
     refusals = [event["detail"] for event in broker.events("auth_refused")]
-    assert any("DENIED (role)" in detail and "name=island-0 role=island" in detail for detail in refusals), refusals
+    assert any(
+        "DENIED (role)" in detail and "name=island-0 role=island" in detail for detail in refusals
+    ), refusals
     assert broker.events("broker_stopped")[-1]["auth_refused"] >= 2
 
 
-@pytest.mark.e2e  # a CURVE broker process under attack: -m e2e
+# a CURVE broker process under attack: -m e2e
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_no_peer_speaks_for_another(secure_broker):
     """Attacks: island-0's key sends a heartbeat as island-1 with epoch 2**64-1 (before: island-1
@@ -86,8 +106,11 @@ def test_no_peer_speaks_for_another(secure_broker):
     broker, context, key = secure_broker
     merger = client(context, zmq.SUB, key("merger"), broker.endpoint(1))
     attacker = client(context, zmq.PUB, key("island-0"), broker.endpoint(0))
-    assert received(attacker, merger, count=3, frames=heartbeat("island-0")) == 3  # in its own name: forwarded
-    assert received(attacker, merger, wait_s=2.0, frames=heartbeat("island-1", epoch=2 ** 64 - 1)) == 0
+    # in its own name: forwarded
+    assert received(attacker, merger, count=3, frames=heartbeat("island-0")) == 3
+    assert (
+        received(attacker, merger, wait_s=2.0, frames=heartbeat("island-1", epoch=2**64 - 1)) == 0
+    )
     captured = delta_chunks(PARTS[0], "island-0", 1, 0, 0, seed=1)[0]
     replayer = client(context, zmq.PUB, key("island-1"), broker.endpoint(0))
     replayed = protocol.encode(dataclasses.replace(captured, epoch=captured.epoch + 1))
@@ -99,13 +122,15 @@ def test_no_peer_speaks_for_another(secure_broker):
     assert {("island-0", "island-1"), ("island-1", "island-0")} <= logged, logged
 
 
-@pytest.mark.e2e  # a CURVE broker process under attack: -m e2e
+# a CURVE broker process under attack: -m e2e
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_plaintext_attempts_are_counted_and_logged_at_a_bounded_rate(secure_broker):
     """Attack: plaintext connections to the CURVE broker.  Before, they were refused unseen."""
     broker, context, _ = secure_broker
     began = time.monotonic()
-    plain = [client(context, zmq.PUB, None, broker.endpoint(0)) for _ in range(20)]  # each is refused at least once
+    # each is refused at least once
+    plain = [client(context, zmq.PUB, None, broker.endpoint(0)) for _ in range(20)]
     deadline = time.monotonic() + 60
     while not [e for e in broker.events("broker_stats") if e["auth_refused"] >= 20]:
         assert time.monotonic() < deadline, broker.events("broker_stats")[-1:]
@@ -114,8 +139,11 @@ def test_plaintext_attempts_are_counted_and_logged_at_a_bounded_rate(secure_brok
     elapsed = time.monotonic() - began
     lines = [e["detail"] for e in broker.events("auth_refused")]
     assert lines and all("DENIED (handshake)" in line for line in lines), lines
-    assert any("MECHANISM_MISMATCH" in line for line in lines) or any("HANDSHAKE_FAILED_NO_DETAIL" in line for line in lines), lines
-    assert len(lines) <= elapsed + 1  # at most one line a second, however many attempts
+    assert any("MECHANISM_MISMATCH" in line for line in lines) or any(
+        "HANDSHAKE_FAILED_NO_DETAIL" in line for line in lines
+    ), lines
+    # at most one line a second, however many attempts
+    assert len(lines) <= elapsed + 1
 
 
 def bound_merger(tmp_path, keys, allow) -> tuple[subprocess.Popen, Path, tuple[int, int, int]]:
@@ -125,19 +153,42 @@ def bound_merger(tmp_path, keys, allow) -> tuple[subprocess.Popen, Path, tuple[i
     np.savez(init, **initial_params())
     ports = free_port(), free_port(), free_port()
     log = tmp_path / "merger.log"
-    merger = subprocess.Popen([sys.executable, "-m", "dloco", "merger", "--run-dir", str(tmp_path / "run"), "--init-npz", str(init),
-                               "--fragments", "2", "--delta-endpoint", f"@tcp://127.0.0.1:{ports[0]}",
-                               "--snapshot-endpoint", f"@tcp://127.0.0.1:{ports[1]}", "--control-endpoint", f"@tcp://127.0.0.1:{ports[2]}",
-                               "--keys", str(keys), "--allow", str(allow)], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    merger = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dloco",
+            "merger",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--init-npz",
+            str(init),
+            "--fragments",
+            "2",
+            "--delta-endpoint",
+            f"@tcp://127.0.0.1:{ports[0]}",
+            "--snapshot-endpoint",
+            f"@tcp://127.0.0.1:{ports[1]}",
+            "--control-endpoint",
+            f"@tcp://127.0.0.1:{ports[2]}",
+            "--keys",
+            str(keys),
+            "--allow",
+            str(allow),
+        ],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+    )
     return merger, log, ports
 
 
-@pytest.mark.e2e  # a merger process under attack: -m e2e
+# a merger process under attack: -m e2e
+@pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_the_merger_checks_who_sends_on_the_sockets_it_binds(tmp_path):
-    """Attack on a merger without a broker (its delta SUB and control ROUTER bound, CURVE): island-1's
-    key sends a heartbeat and a resend in island-0's name, and a DEALER with island-0's routing id.
-    Each is refused as sender_mismatch, counted and logged."""
+    """Attack on a merger without a broker (its delta SUB and control ROUTER bound, CURVE):
+    island-1's key sends a heartbeat and a resend in island-0's name, and a DEALER with island-0's
+    routing id. Each is refused as sender_mismatch, counted and logged."""
     keys, allow = tmp_path / "keys", tmp_path / "allow"
     create_keys(keys, ["merger", *ISLANDS])
     write_allow_list(keys, allow, {"island": ISLANDS})
@@ -155,7 +206,7 @@ def test_the_merger_checks_who_sends_on_the_sockets_it_binds(tmp_path):
         deadline = time.monotonic() + 60
         while log.read_text().count('"sender_mismatch"') < 4:
             assert time.monotonic() < deadline and merger.poll() is None, log.read_text()[-2000:]
-            pub.send_multipart(heartbeat("island-0", epoch=2 ** 63))
+            pub.send_multipart(heartbeat("island-0", epoch=2**63))
             dealer.send_multipart(resend)
             time.sleep(0.2)
     finally:
@@ -164,15 +215,26 @@ def test_the_merger_checks_who_sends_on_the_sockets_it_binds(tmp_path):
         code = merger.wait(timeout=60)
     assert code == 0
     events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
-    refused = [e for e in events if e.get("event") == "message_rejected" and e.get("reason") == "sender_mismatch"]
+    refused = [
+        e
+        for e in events
+        if e.get("event") == "message_rejected" and e.get("reason") == "sender_mismatch"
+    ]
     assert refused and {e["peer"] for e in refused} == {"island-1"}
-    # once a second per peer and socket (telemetry/ratelimit.py): the bus's heartbeat and the control socket's resend each have lines
+    # once a second per peer and socket (telemetry/ratelimit.py): the bus's heartbeat and the
+    # control socket's resend each have lines
     assert "routing id 'island-0'" in " ".join(e.get("claimed", "") for e in refused)
     assert {e.get("socket") for e in refused} == {"bus", "control"}
-    assert next(e for e in events if e.get("event") == "stopped")["counters"]["merger/rejected/sender_mismatch"] >= 3
+    assert (
+        next(e for e in events if e.get("event") == "stopped")["counters"][
+            "merger/rejected/sender_mismatch"
+        ]
+        >= 3
+    )
 
 
-@pytest.mark.e2e  # a merger process under attack: -m e2e
+# a merger process under attack: -m e2e
+@pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_poisoned_deltas_are_rejected_and_the_next_honest_one_folds(tmp_path):
     """Attacks on a real merger (plaintext, direct): after eight honest deltas, one of 1e6 x their
@@ -184,23 +246,41 @@ def test_poisoned_deltas_are_rejected_and_the_next_honest_one_folds(tmp_path):
     np.savez(init, **initial_params())
     merger = start_merger(tmp_path / "run", island, init)
     try:
-        for delta_id in range(1, 17):  # eight of each fragment: enough history to judge by
+        # eight of each fragment: enough history to judge by
+        for delta_id in range(1, 17):
             assert island.send_until_settled(delta_id, island.chunks(delta_id)).status == "folded"
 
         def scaled(delta_id: int, scale: float):
-            chunks = delta_chunks(PARTS[0], "a", delta_id, 0, island.versions[0], seed=delta_id, codec="fp32")
-            chunks = [dataclasses.replace(c, payloads=tuple(
-                (np.frombuffer(p, np.float32).astype(np.float64) * scale).clip(-3e38, 3e38).astype(np.float32).tobytes() for p in c.payloads)) for c in chunks]
+            chunks = delta_chunks(
+                PARTS[0], "a", delta_id, 0, island.versions[0], seed=delta_id, codec="fp32"
+            )
+            chunks = [
+                dataclasses.replace(
+                    c,
+                    payloads=tuple(
+                        (np.frombuffer(p, np.float32).astype(np.float64) * scale)
+                        .clip(-3e38, 3e38)
+                        .astype(np.float32)
+                        .tobytes()
+                        for p in c.payloads
+                    ),
+                )
+                for c in chunks
+            ]
             island.by_delta[delta_id] = island.frames_of(chunks)
             return island.by_delta[delta_id]
 
         big = island.send_until_settled(100, scaled(100, 1e6))
         assert (big.status, big.reason.split(":")[0]) == ("rejected", "outlier_norm"), big
-        huge = island.send_until_settled(102, scaled(102, 1e42))  # values up to 3e38: finite float32s, whose squares are not
+        # values up to 3e38: finite float32s, whose squares are not
+        huge = island.send_until_settled(102, scaled(102, 1e42))
         assert (huge.status, huge.reason.split(":")[0]) == ("rejected", "non_finite"), huge
         assert island.send_until_settled(104, island.chunks(104)).status == "folded"
-        for _ in range(3):  # its own epoch far ahead (before: the stream reset, every later message of epoch 1 stale)
-            island.pub.send_multipart(protocol.encode(protocol.Heartbeat(sender="a", epoch=2 ** 64 - 1, seq=0)))
+        # its own epoch far ahead (before: the stream reset, every later message of epoch 1 stale)
+        for _ in range(3):
+            island.pub.send_multipart(
+                protocol.encode(protocol.Heartbeat(sender="a", epoch=2**64 - 1, seq=0))
+            )
         assert island.send_until_settled(106, island.chunks(106)).status == "folded"
         stop(merger)
         assert '"epoch_ahead"' in (tmp_path / "run.log").read_text()
@@ -210,32 +290,42 @@ def test_poisoned_deltas_are_rejected_and_the_next_honest_one_folds(tmp_path):
         island.close()
 
 
-@pytest.mark.e2e  # a merger process under a flood: -m e2e
+# a merger process under a flood: -m e2e
+@pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_a_flood_of_refused_heartbeats_and_hellos_writes_a_few_log_lines(tmp_path):
     """One key sends 5,000 heartbeats with an epoch far ahead and 5,000 hellos (before: one log line
     each, 23.6 MB of merger log for 50,000 of each).  Every one is counted; the log gets at most a
-    line a second per peer and reason, each saying how many it left out (the last ones when it stops);
-    an honest delta still folds."""
+    line a second per peer and reason, each saying how many it left out (the last ones when it
+    stops); an honest delta still folds."""
     island = Island(tmp_path)
     init = tmp_path / "init.npz"
     np.savez(init, **initial_params())
     merger = start_merger(tmp_path / "run", island, init)
     try:
         assert island.send_until_settled(1, island.chunks(1)).status == "folded"
-        hello = protocol.Hello(sender="a", epoch=1, seq=0, role="island", region="r", model="m", codecs=("int4",))
+        hello = protocol.Hello(
+            sender="a", epoch=1, seq=0, role="island", region="r", model="m", codecs=("int4",)
+        )
         for _ in range(5000):
-            island.pub.send_multipart(protocol.encode(protocol.Heartbeat(sender="a", epoch=2 ** 63, seq=0)))
+            island.pub.send_multipart(
+                protocol.encode(protocol.Heartbeat(sender="a", epoch=2**63, seq=0))
+            )
             island.dealer.send_multipart(protocol.encode(hello))
         assert island.send_until_settled(2, island.chunks(2)).status == "folded"
         stop(merger)
-        events = [json.loads(line) for line in (tmp_path / "run.log").read_text().splitlines() if line.startswith("{")]
+        events = [
+            json.loads(line)
+            for line in (tmp_path / "run.log").read_text().splitlines()
+            if line.startswith("{")
+        ]
         refused = [e for e in events if e.get("reason") == "epoch_ahead"]
         hellos = [e for e in events if e.get("event") == "hello"]
         counters = next(e for e in events if e.get("event") == "stopped")["counters"]
         assert counters["merger/rejected/epoch_ahead"] == 5000
         assert 1 <= len(refused) <= 60 and 1 <= len(hellos) <= 60, (len(refused), len(hellos))
-        assert sum(e.get("left_out", 0) + (not e.get("flushed")) for e in refused) == 5000  # each line: itself and those it left out
+        # each line: itself and those it left out
+        assert sum(e.get("left_out", 0) + (not e.get("flushed")) for e in refused) == 5000
     finally:
         if merger.poll() is None:
             merger.kill()
@@ -247,33 +337,56 @@ def rss_mib(pid: int, field: str = "VmRSS") -> float:
     return int(line.split()[1]) / 1024
 
 
-@pytest.mark.e2e  # a merger process under attack: -m e2e
+# a merger process under attack: -m e2e
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_partial_and_out_of_order_floods_stay_within_the_receive_budget(tmp_path, init_npz):
     """Attacks: 200 deltas of 1 MiB of which only the first chunk ever comes (before: RSS +410 MB),
-    then 200 chunks of 1 MiB after a seq that never comes (before: held outside any budget, +410 MB).
-    With --receive-mib 96 the merger's peak RSS grows by at most the budget plus ZeroMQ's queue
+    then 200 chunks of 1 MiB after a seq that never comes (before: held outside any budget, +410
+    MB). With --receive-mib 96 the merger's peak RSS grows by at most the budget plus ZeroMQ's queue
     and a margin; evictions are logged; an honest delta still folds."""
     island = Island(tmp_path)
     merger = start_merger(tmp_path / "run", island, init_npz, "--receive-mib", "96")
     try:
         assert island.send_until_settled(1, island.chunks(1)).status == "folded"
         before = rss_mib(merger.pid)
-        half = np.zeros(1 << 18, np.float32)  # 1 MiB
-        plans = protocol.split_fragment({"x": np.concatenate([half, half])}, protocol.Codec("fp32"), 1 << 20)
+        # 1 MiB
+        half = np.zeros(1 << 18, np.float32)
+        plans = protocol.split_fragment(
+            {"x": np.concatenate([half, half])}, protocol.Codec("fp32"), 1 << 20
+        )
         model = protocol.model_fingerprint(initial_params())
 
         def chunk(seq: int, delta_id: int) -> list:
-            return protocol.encode(protocol.DeltaChunk(
-                sender="evil", epoch=1, seq=seq, delta_id=delta_id, fragment=0, base_version=0, chunk_index=0, chunk_count=len(plans),
-                steps=1, tokens=1, model=model, codec=protocol.Codec("fp32"), slices=plans[0].slices, payloads=plans[0].payloads))
+            return protocol.encode(
+                protocol.DeltaChunk(
+                    sender="evil",
+                    epoch=1,
+                    seq=seq,
+                    delta_id=delta_id,
+                    fragment=0,
+                    base_version=0,
+                    chunk_index=0,
+                    chunk_count=len(plans),
+                    steps=1,
+                    tokens=1,
+                    model=model,
+                    codec=protocol.Codec("fp32"),
+                    slices=plans[0].slices,
+                    payloads=plans[0].payloads,
+                )
+            )
 
-        seqs = [*range(1, 201), *range(202, 402)]  # seq 201 never comes
+        # seq 201 never comes
+        seqs = [*range(1, 201), *range(202, 402)]
         for seq in seqs:
             island.pub.send_multipart(chunk(seq, delta_id=seq))
-            island.pub.send_multipart(protocol.encode(protocol.Heartbeat(sender="evil", epoch=1, seq=seq)))
+            island.pub.send_multipart(
+                protocol.encode(protocol.Heartbeat(sender="evil", epoch=1, seq=seq))
+            )
             time.sleep(0.002)
-        assert island.send_until_settled(2, island.chunks(2)).status == "folded"  # processed after the flood: all of it was seen
+        # processed after the flood: all of it was seen
+        assert island.send_until_settled(2, island.chunks(2)).status == "folded"
         peak = rss_mib(merger.pid, "VmHWM")
         print(f"merger RSS before the flood {before:.0f} MiB, peak {peak:.0f} MiB")
         stop(merger)
@@ -281,14 +394,22 @@ def test_partial_and_out_of_order_floods_stay_within_the_receive_budget(tmp_path
         if merger.poll() is None:
             merger.kill()
         island.close()
-    budget, queue, margin = 96, 32, 64  # MiB: --receive-mib, ZeroMQ's queue (held budget / 1 MiB chunks), allocator and copies
+    # MiB: --receive-mib, ZeroMQ's queue (held budget / 1 MiB chunks), allocator and copies
+    budget, queue, margin = 96, 32, 64
     assert peak - before <= budget + queue + margin, (before, peak)
-    events = [json.loads(line) for line in (tmp_path / "run.log").read_text().splitlines() if line.startswith("{")]
+    events = [
+        json.loads(line)
+        for line in (tmp_path / "run.log").read_text().splitlines()
+        if line.startswith("{")
+    ]
     evicted = next(e for e in events if e.get("event") == "stopped")["evicted"]
-    assert evicted["partial_memory"] + evicted["held_overflow"] > 0 and any(e.get("event") == "receive_evicted" for e in events), evicted
+    assert evicted["partial_memory"] + evicted["held_overflow"] > 0 and any(
+        e.get("event") == "receive_evicted" for e in events
+    ), evicted
 
 
-@pytest.mark.e2e  # a merger process under attack: -m e2e
+# a merger process under attack: -m e2e
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_an_observer_may_ask_for_snapshots_but_never_send_a_delta(tmp_path):
     """The evaluator's role: an observer key on the merger's control socket gets its catch-up
@@ -307,7 +428,9 @@ def test_an_observer_may_ask_for_snapshots_but_never_send_a_delta(tmp_path):
         make_client(dealer, Identity.load(keys, "watcher", server="merger"))
         dealer.connect(f"tcp://127.0.0.1:{control}")
         forged = protocol.encode(delta_chunks(PARTS[0], "watcher", 1, 0, 0, seed=1)[0])
-        ask = protocol.encode(protocol.SnapshotRequest(sender="watcher", epoch=1, seq=0, fragments=(0,)))
+        ask = protocol.encode(
+            protocol.SnapshotRequest(sender="watcher", epoch=1, seq=0, fragments=(0,))
+        )
         deadline = time.monotonic() + 60
         while not (replies and '"observer_delta"' in log.read_text()):
             assert time.monotonic() < deadline and merger.poll() is None, log.read_text()[-2000:]

@@ -31,7 +31,8 @@ def test_a_torn_last_record_is_truncated_on_open(tmp_path, cut):
     (segment,) = tmp_path.glob("*.seg")
     size = segment.stat().st_size
     with open(segment, "r+b") as handle:
-        handle.truncate(size - cut)  # a crash in the middle of writing record 2
+        # a crash in the middle of writing record 2
+        handle.truncate(size - cut)
     assert [i for i, _ in read_records(tmp_path)] == [0, 1]
     with pytest.raises(LogCorruption, match="record 2"):
         list(read_records(tmp_path, allow_torn_tail=False))
@@ -47,12 +48,17 @@ def test_a_flipped_byte_in_the_middle_is_corruption_naming_the_record(tmp_path):
     (segment,) = tmp_path.glob("*.seg")
     data = bytearray(segment.read_bytes())
     record_size = len(data) // 5
-    data[2 * record_size + 20] ^= 0xFF  # inside record 2's payload
+    # inside record 2's payload
+    data[2 * record_size + 20] ^= 0xFF
     segment.write_bytes(bytes(data))
-    with pytest.raises(LogCorruption, match=r"log record 2 \(000000000000.seg at byte \d+\) is corrupt: checksum mismatch"):
+    with pytest.raises(
+        LogCorruption,
+        match=r"log record 2 \(000000000000.seg at byte \d+\) is corrupt: checksum mismatch",
+    ):
         list(read_records(tmp_path))
     with pytest.raises(LogCorruption):
-        WriteAheadLog(tmp_path)  # never append after a hole
+        # never append after a hole
+        WriteAheadLog(tmp_path)
 
 
 def test_bad_fsync_policy_is_refused(tmp_path):
@@ -67,14 +73,20 @@ def test_blobs_are_written_raw_and_checked_by_their_own_crc(tmp_path):
     blob = bytes(range(256)) * 40
     assert log.append({"i": 0}, [(blob, zlib.crc32(blob)), (b"tail", None)]) == 0
     assert log.append({"i": 1}) == 1
-    ticket = log.sync_async()  # the fsync runs on the log's thread; wait_durable returns once it is done
+    # the fsync runs on the log's thread; wait_durable returns once it is done
+    ticket = log.sync_async()
     log.wait_durable(ticket)
     log.close()
     (index, record), (_, plain) = list(read_records(tmp_path))
-    assert [bytes(b) for b in record["blobs"]] == [blob, b"tail"] and record["i"] == 0 and "blobs" not in plain
+    assert (
+        [bytes(b) for b in record["blobs"]] == [blob, b"tail"]
+        and record["i"] == 0
+        and "blobs" not in plain
+    )
     segment = next(tmp_path.glob("*.seg"))
     data = bytearray(segment.read_bytes())
-    assert data.count(blob) == 1  # stored as is, not re-encoded
+    # stored as is, not re-encoded
+    assert data.count(blob) == 1
     data[data.index(blob) + 100] ^= 0xFF
     segment.write_bytes(bytes(data))
     with pytest.raises(LogCorruption, match=r"log record 0 .* checksum mismatch of blob 0"):
@@ -93,7 +105,9 @@ def test_a_torn_blob_at_the_end_is_truncated(tmp_path):
     assert WriteAheadLog(tmp_path, fsync="never").next_index == 1
 
 
-def test_a_full_segment_is_fsynced_by_the_next_sync_not_by_the_append_that_fills_it(tmp_path, monkeypatch):
+def test_a_full_segment_is_fsynced_by_the_next_sync_not_by_the_append_that_fills_it(
+    tmp_path, monkeypatch
+):
     """Rotation does not wait for the disk on the appending thread; the next sync fsyncs the full
     segments oldest first, then the directory, then the current segment — only then is anything
     after them durable."""
@@ -112,13 +126,15 @@ def test_a_full_segment_is_fsynced_by_the_next_sync_not_by_the_append_that_fills
     for i in range(30):
         log.append({"i": i, "blob": bytes(100)})
     segments = sorted(p.name for p in tmp_path.glob("*.seg"))
-    assert len(segments) >= 3 and synced == []  # full segments closed, nothing waited for
+    # full segments closed, nothing waited for
+    assert len(segments) >= 3 and synced == []
     log.sync()
     assert synced == [*segments[:-1], tmp_path.name, segments[-1]] and log.durable == 30
     synced.clear()
     ticket = log.sync_async()
     log.wait_durable(ticket)
-    assert synced == []  # nothing new: nothing to do
+    # nothing new: nothing to do
+    assert synced == []
     log.append({"i": 30})
     log.wait_durable(log.sync_async())
     assert synced == [segments[-1]] and log.durable == 31
@@ -126,7 +142,9 @@ def test_a_full_segment_is_fsynced_by_the_next_sync_not_by_the_append_that_fills
     assert [r["i"] for _, r in read_records(tmp_path)] == list(range(31))
 
 
-def test_a_torn_record_in_an_earlier_segment_ends_the_log_and_later_segments_are_set_aside(tmp_path):
+def test_a_torn_record_in_an_earlier_segment_ends_the_log_and_later_segments_are_set_aside(
+    tmp_path,
+):
     """After a power failure, a full segment's tail may be missing while a later segment reached
     the disk: those later records were never durable (a sync fsyncs segments in order), so the log
     ends at the tear; the later segments are kept under discarded/, not deleted."""
@@ -136,14 +154,19 @@ def test_a_torn_record_in_an_earlier_segment_ends_the_log_and_later_segments_are
     torn = segments[1]
     first_after = int(segments[2].stem)
     with open(torn, "r+b") as handle:
-        handle.truncate(torn.stat().st_size - 7)  # the last record of segment 1 cut short
-    lost = first_after - 1  # that record's index
-    assert [i for i, _ in read_records(tmp_path)] == list(range(lost))  # readers stop at the tear
+        # the last record of segment 1 cut short
+        handle.truncate(torn.stat().st_size - 7)
+    # that record's index
+    lost = first_after - 1
+    # readers stop at the tear
+    assert [i for i, _ in read_records(tmp_path)] == list(range(lost))
     with pytest.raises(LogCorruption, match=f"record {lost} "):
         list(read_records(tmp_path, allow_torn_tail=False))
     log = WriteAheadLog(tmp_path, segment_bytes=1000, fsync="never")
     assert log.next_index == lost and log.discarded == [p.name for p in segments[2:]]
-    assert sorted(p.name for p in (tmp_path / "discarded" / f"{lost:012d}").iterdir()) == [p.name for p in segments[2:]]
+    assert sorted(p.name for p in (tmp_path / "discarded" / f"{lost:012d}").iterdir()) == [
+        p.name for p in segments[2:]
+    ]
     assert log.append({"i": "after"}) == lost
     log.close()
     assert [r["i"] for _, r in read_records(tmp_path)] == [*range(lost), "after"]
@@ -153,7 +176,8 @@ def test_a_flipped_byte_in_an_earlier_segment_is_still_corruption(tmp_path):
     fill(tmp_path, 40, segment_bytes=1000)
     segment = sorted(tmp_path.glob("*.seg"))[1]
     data = bytearray(segment.read_bytes())
-    data[20] ^= 0x01  # inside the first record's meta: not at the end of the segment
+    # inside the first record's meta: not at the end of the segment
+    data[20] ^= 0x01
     segment.write_bytes(bytes(data))
     with pytest.raises(LogCorruption, match="checksum mismatch"):
         WriteAheadLog(tmp_path, segment_bytes=1000, fsync="never")
@@ -203,14 +227,21 @@ def test_an_earlier_segment_that_lost_whole_records_ends_the_log_too(tmp_path):
 
     fill(tmp_path, 40, segment_bytes=1000)
     segments = sorted(tmp_path.glob("*.seg"))
-    (last_index, last_offset, *_), = [row for row in _scan(segments[1], int(segments[1].stem))][-1:]
+    ((last_index, last_offset, *_),) = [row for row in _scan(segments[1], int(segments[1].stem))][
+        -1:
+    ]
     with open(segments[1], "r+b") as handle:
-        handle.truncate(last_offset)  # segment 1 loses its last record, cleanly
+        # segment 1 loses its last record, cleanly
+        handle.truncate(last_offset)
     assert [i for i, _ in read_records(tmp_path)] == list(range(last_index))
     with pytest.raises(LogCorruption, match=f"records {last_index}..{last_index} are missing"):
         list(read_records(tmp_path, allow_torn_tail=False))
     log = WriteAheadLog(tmp_path, segment_bytes=1000, fsync="never")
-    assert log.next_index == last_index and log.truncated_bytes == 0 and log.discarded == [p.name for p in segments[2:]]
+    assert (
+        log.next_index == last_index
+        and log.truncated_bytes == 0
+        and log.discarded == [p.name for p in segments[2:]]
+    )
     log.close()
     first = sorted(tmp_path.glob("*.seg"))[0]
     os.rename(first, first.with_name("000000000001.seg"))
