@@ -50,14 +50,17 @@ def open_socket(
     kernel_buffer_bytes: int | None = None,
     domain: str | None = None,
     immediate: bool = False,
+    before_attach: Callable[[zmq.Socket], None] | None = None,
 ) -> zmq.Socket:
     """A socket of `kind`, set up and attached to `endpoint`.
 
     `server` names the key of what a connecting socket reaches (CURVE client); `report` receives
     the ZAP handler's refusals (CURVE server).  `identity` is a DEALER's routing id; the high-water
     marks (messages) and kernel buffers (bytes) keep ZeroMQ's defaults when None.  `domain` names a
-    bound socket's place (bus.security.SOCKET_ROLES): the roles it admits.  `immediate`: queue
-    messages only to completed connections (a connecting socket with no peer up refuses sends)."""
+    bound socket's place (bus.keys.SOCKET_ROLES): the roles it admits.  `immediate`: queue
+    messages only to completed connections (a connecting socket with no peer up refuses sends).
+    `before_attach`: called with the socket before it binds or connects (a link watcher's monitor
+    attached there sees the first connection too)."""
     socket = context.socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
     if identity is not None:
@@ -80,5 +83,7 @@ def open_socket(
         if value is not None:
             socket.setsockopt(option, value)
     security.secure(context, socket, endpoint, server, report=report, domain=domain)
+    if before_attach is not None:
+        before_attach(socket)
     attach(socket, endpoint)
     return socket

@@ -25,7 +25,9 @@ class MergerLinks:
         security: Security,
         server: str,
         identity: str,
+        watch=None,
     ) -> None:
+        """`watch(socket, label)`: a link watcher's, called before each dealer connects."""
         self.names = shards.names(server, len(endpoints))
         self.dealers = [
             open_socket(
@@ -36,6 +38,7 @@ class MergerLinks:
                 name,
                 identity=identity,
                 immediate="," in endpoint,
+                before_attach=None if watch is None else lambda socket, n=name: watch(socket, n),
             )
             for endpoint, name in zip(endpoints, self.names)
         ]

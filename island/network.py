@@ -50,6 +50,8 @@ class Route:
 class NetworkLink:
     """`uplink` and `downlink` are the emulated links' shapers (None: unlimited)."""
 
+    # Over 60 lines: the link's state, set up in one place before its two threads start (both read
+    # all of it).
     def __init__(
         self,
         name: str,
@@ -204,8 +206,8 @@ class NetworkLink:
             self.security,
             self.delta_route.server,
             send_hwm=self.uplink.sync.send_hwm,
+            before_attach=lambda socket: self.links.watch(socket, "delta-bus"),
         )
-        self.links.watch(pub, "delta-bus")
         self.uplink.run(pub)
         pub.close(linger=0)
 
@@ -216,6 +218,7 @@ class NetworkLink:
             self.snapshot_route.endpoint,
             self.security,
             self.snapshot_route.server,
+            before_attach=lambda socket: self.links.watch(socket, "snapshot-bus"),
         )
         sub.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
         sub.setsockopt(zmq.SUBSCRIBE, b"ack")
@@ -223,13 +226,13 @@ class NetworkLink:
         # mergers' control sockets ("A,B"), queueing only to one that is up (the primary binds its
         # own)
         self._mergers = MergerLinks(
-            self._context, self.control_endpoints, self.security, self.control_server, self.name
+            self._context,
+            self.control_endpoints,
+            self.security,
+            self.control_server,
+            self.name,
+            watch=self.links.watch,
         )
-        for socket, label in (
-            (sub, "snapshot-bus"),
-            *zip(self._mergers.dealers, self._mergers.names),
-        ):
-            self.links.watch(socket, label)
         ask_all = {
             shard: protocol.encode(self.downlink.ask_for_all(time.monotonic()))
             for shard in range(self._mergers.count)

@@ -28,9 +28,13 @@ def test_a_link_is_counted_up_down_and_up_again_with_its_endpoint():
         server = context.socket(zmq.ROUTER)
         port = server.bind_to_random_port("tcp://127.0.0.1")
         client = open_socket(
-            context, zmq.DEALER, f"tcp://127.0.0.1:{port}", Security(None, "island"), "merger"
+            context,
+            zmq.DEALER,
+            f"tcp://127.0.0.1:{port}",
+            Security(None, "island"),
+            "merger",
+            before_attach=lambda socket: watcher.watch(socket, "merger"),
         )
-        watcher.watch(client, "merger")
         _until(lambda: watcher.summary() == {"merger": {"up": 1, "down": 0}}, "the link up")
         server.close(linger=0)
         _until(
