@@ -1,5 +1,6 @@
 """The report a run leaves behind: report.md with a table per island and for the global model, and
-PNG plots (held-out loss against wall clock and tokens, bytes on the wire, compute utilisation)."""
+PNG plots (analysis/plots.py: held-out loss against wall clock and tokens, bytes on the wire,
+compute utilisation)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import re
 from pathlib import Path
 
 from dloco.analysis import sampling
-from dloco.analysis.globalmodel import Evaluator, cluster_tokens_at
+from dloco.analysis.globalmodel import Evaluator
+from dloco.analysis.plots import write_plots
 from dloco.analysis.runinfo import (
     RunTask,
     chaos_effects,
@@ -58,102 +60,6 @@ def global_eval(task: RunTask, run_dir: Path) -> tuple[dict[str, float], dict[st
     final global model (None without a checkpoint), on the islands' held-out batches."""
     evaluator = Evaluator(task, run_dir)
     return evaluator.initial(), evaluator.final()
-
-
-def _plots(run_dir: Path, metrics: dict[str, list[dict]], global_curve: list[dict]) -> list[str]:
-    """The islands' curves, with `global_curve` (the evaluator's lines: wall, eval_loss) on the loss
-    over time and on its own plot."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plots = run_dir / "plots"
-    plots.mkdir(exist_ok=True)
-    made = []
-    clock = "seconds since the cluster's first step"
-    specs = [
-        ("eval_loss_vs_time.png", "time", "eval_loss", clock, "held-out loss (the task's)"),
-        (
-            "eval_loss_vs_tokens.png",
-            "tokens",
-            "eval_loss",
-            "tokens trained by the island (each life from 0)",
-            "held-out loss (the task's)",
-        ),
-        (
-            "bytes_on_wire.png",
-            "time",
-            "bytes_sent",
-            clock,
-            "bytes sent (solid) / received (dashed)",
-        ),
-        ("compute_util.png", "time", "compute_util", clock, "compute utilisation"),
-    ]
-    # One clock for every island (wall time from the cluster's first step), one line per island and
-    # life: a restarted island's own clock, tokens and byte counters start again from 0.
-    split = {
-        name: lives([e for e in events if "step" in e and "wall" in e])
-        for name, events in metrics.items()
-    }
-    began = min(
-        (e["wall"] for runs in split.values() for life in runs for e in life if e["step"] > 0),
-        default=0.0,
-    )
-
-    def x(event: dict, key: str) -> float:
-        return event["wall"] - began if key == "time" else event[key]
-
-    for filename, x_key, y_key, x_label, y_label in specs:
-        figure, axes = plt.subplots(figsize=(7, 4))
-        for index, (name, runs) in enumerate(split.items()):
-            labelled = False
-            for life in runs:
-                points = [(x(e, x_key), e[y_key]) for e in life if y_key in e]
-                if points:
-                    axes.plot(*zip(*points), color=f"C{index}", label=None if labelled else name)
-                    labelled = True
-                if y_key == "bytes_sent" and (
-                    received := [
-                        (x(e, "time"), e["bytes_received"]) for e in life if "bytes_received" in e
-                    ]
-                ):
-                    axes.plot(*zip(*received), linestyle="--", color=f"C{index}")
-        if filename == "eval_loss_vs_time.png" and global_curve:
-            axes.plot(
-                [p["wall"] - began for p in global_curve],
-                [p["eval_loss"] for p in global_curve],
-                color="black",
-                linewidth=2.5,
-                marker=".",
-                label="global model (merger's)",
-            )
-        axes.set_xlabel(x_label)
-        axes.set_ylabel(y_label)
-        axes.grid(alpha=0.3)
-        if axes.get_legend_handles_labels()[0]:
-            axes.legend(fontsize=8)
-        figure.tight_layout()
-        figure.savefig(plots / filename, dpi=100)
-        plt.close(figure)
-        made.append(f"plots/{filename}")
-    # the one model the cluster trains, against the compute the whole cluster spent
-    if global_curve:
-        figure, axes = plt.subplots(figsize=(7, 4))
-        axes.plot(
-            [cluster_tokens_at(split, p["wall"]) for p in global_curve],
-            [p["eval_loss"] for p in global_curve],
-            color="black",
-            marker=".",
-        )
-        axes.set_xlabel("tokens trained by the whole cluster (every island, every life)")
-        axes.set_ylabel("held-out loss of the global model")
-        axes.grid(alpha=0.3)
-        figure.tight_layout()
-        figure.savefig(plots / "global_loss_vs_cluster_tokens.png", dpi=100)
-        plt.close(figure)
-        made.append("plots/global_loss_vs_cluster_tokens.png")
-    return made
 
 
 def _seconds(value: float | None) -> str:
@@ -284,7 +190,6 @@ def write_report(
     """report.md and plots/.  `problems`: why the run failed (analysis.verdict), listed first."""
     metrics = {name: read_metrics(run_dir / "metrics" / f"{name}.jsonl") for name in plan.names}
     folds = merger_folds(run_dir)
-    folded_by = collections.Counter(name for fold in folds for name in fold["contributors"])
     evaluator = Evaluator(plan.task, run_dir)
     before, after = evaluator.initial(), evaluator.final()
     lines = [
@@ -297,7 +202,50 @@ def write_report(
     ]
     if problems:
         lines += ["## FAILED", "", *(f"- {problem}" for problem in problems), ""]
+    islands, island_finals = _islands_table(plan, metrics, folds, exit_codes)
+    lines += islands
+    lines += _global_table(folds, before, after, exit_codes)
+    lines += warnings(before["loss"], after and after["loss"], island_finals)
+    lines += _chaos_section(chaos_effects(run_dir, plan.names))
+    global_curve = [
+        e for e in read_events(run_dir / "global.jsonl") if "eval_loss" in e and "wall" in e
+    ]
+    if global_curve:
+        lines += [
+            (
+                f"The global model during the run: {len(global_curve)} evaluations by the evaluator"
+                f" (it follows the snapshot bus), held-out loss {global_curve[0]['eval_loss']:.3f}"
+                f" → {global_curve[-1]['eval_loss']:.3f} at versions"
+                f" {global_curve[-1].get('versions')}."
+            ),
+            "",
+        ]
+    lines += ["## Plots", ""] + [
+        f"![{p}]({p})" for p in write_plots(run_dir, metrics, global_curve)
+    ]
     lines += [
+        "",
+        (
+            "Logs: `logs/<process>.log` (JSON lines); island metrics: `metrics/<region>.jsonl`; the"
+            " merger's write-ahead log and checkpoints: `merger/` (`dloco replay` rebuilds the"
+            " model from it; `dloco export` writes it as safetensors)."
+        ),
+        "",
+    ]
+    # last: the sample's text may be anything, and the tables above are read back (read_exit_codes)
+    if after is not None:
+        lines += sampling.report_lines(plan.task, run_dir, evaluator.trainer)
+    report = run_dir / "report.md"
+    report.write_text("\n".join(lines))
+    return report
+
+
+def _islands_table(
+    plan: RunOutline, metrics: dict[str, list[dict]], folds: list[dict], exit_codes: dict
+) -> tuple[list[str], dict[str, float]]:
+    """The islands' table (read back by read_exit_codes), and each island's last held-out loss."""
+    folded_by = collections.Counter(name for fold in folds for name in fold["contributors"])
+    lines = [
         "## Islands",
         "",
         (
@@ -325,10 +273,17 @@ def write_report(
             f" {last.get('bytes_sent', 0):,} | {last.get('bytes_received', 0):,} |"
             f" {folded_by.get(region.name, 0)} | {exit_codes.get(region.name)} |"
         )
+    return lines, island_finals
+
+
+def _global_table(
+    folds: list[dict], before: dict[str, float], after: dict[str, float] | None, exit_codes: dict
+) -> list[str]:
+    """The global model's table (read back by read_exit_codes), and its other held-out metrics."""
     versions = collections.defaultdict(int)
     for fold in folds:
         versions[fold["fragment"]] = max(versions[fold["fragment"]], fold["version"])
-    lines += [
+    lines = [
         "",
         "## Global model (the merger's)",
         "",
@@ -345,42 +300,11 @@ def write_report(
         "",
     ]
     if extra := [name for name in before if name != "loss"]:
-        lines += [
-            (
-                "Held-out"
-                f" {', '.join(f'{name} {before[name]:.4g} → {after[name]:.4g}' if after else f'{name} {before[name]:.4g} (initial)' for name in extra)}"
-                " (initial → final global model)."
-            ),
-            "",
-        ]
-    lines += warnings(before["loss"], after and after["loss"], island_finals)
-    lines += _chaos_section(chaos_effects(run_dir, plan.names))
-    global_curve = [
-        e for e in read_events(run_dir / "global.jsonl") if "eval_loss" in e and "wall" in e
-    ]
-    if global_curve:
-        lines += [
-            (
-                f"The global model during the run: {len(global_curve)} evaluations by the evaluator"
-                f" (it follows the snapshot bus), held-out loss {global_curve[0]['eval_loss']:.3f}"
-                f" → {global_curve[-1]['eval_loss']:.3f} at versions"
-                f" {global_curve[-1].get('versions')}."
-            ),
-            "",
-        ]
-    lines += ["## Plots", ""] + [f"![{p}]({p})" for p in _plots(run_dir, metrics, global_curve)]
-    lines += [
-        "",
-        (
-            "Logs: `logs/<process>.log` (JSON lines); island metrics: `metrics/<region>.jsonl`; the"
-            " merger's write-ahead log and checkpoints: `merger/` (`dloco replay` rebuilds the"
-            " model from it; `dloco export` writes it as safetensors)."
-        ),
-        "",
-    ]
-    # last: the sample's text may be anything, and the tables above are read back (read_exit_codes)
-    if after is not None:
-        lines += sampling.report_lines(plan.task, run_dir, evaluator.trainer)
-    report = run_dir / "report.md"
-    report.write_text("\n".join(lines))
-    return report
+        held = ", ".join(
+            f"{name} {before[name]:.4g} → {after[name]:.4g}"
+            if after
+            else f"{name} {before[name]:.4g} (initial)"
+            for name in extra
+        )
+        lines += [f"Held-out {held} (initial → final global model).", ""]
+    return lines

@@ -31,7 +31,7 @@ def _measure(
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     if keys is not None:
-        from dloco.bus.security import Identity, make_client
+        from dloco.bus.keys import Identity, make_client
 
         make_client(sub, Identity.load(keys, "merger", server="broker"))
     (sub.bind if bind_sub else sub.connect)(endpoint_out)
@@ -98,7 +98,7 @@ def run(
     }
     with tempfile.TemporaryDirectory(prefix="dloco-bench-bus-") as tmp:
         keys = Path(tmp)
-        from dloco.bus.security import create_keys, write_allow_list
+        from dloco.bus.keys import create_keys, write_allow_list
 
         create_keys(keys, ["broker", "island-0", "merger"])
         write_allow_list(keys, keys / "allow", {"island": ["island-0"], "merger": ["merger"]})
@@ -155,7 +155,7 @@ def _send(endpoint: str, count: int, keys: str | None) -> None:
     pub.setsockopt(zmq.SNDHWM, 0)
     pub.setsockopt(zmq.LINGER, -1)
     if keys:
-        from dloco.bus.security import Identity, make_client
+        from dloco.bus.keys import Identity, make_client
 
         make_client(pub, Identity.load(keys, "island-0", server="broker"))
     pub.connect(endpoint)

@@ -73,47 +73,56 @@ def run(
     for name in protocol.CODEC_NAMES:
         log(f"bench codec: {name} ...")
         codec = protocol.Codec(name, block)
-        encoded = codec.encode(x_N, threads=threads)
-        quantize = median_seconds(lambda codec=codec: codec.encode(x_N, threads=threads), reps)
-        dequantize = median_seconds(
-            lambda codec=codec, encoded=encoded: codec.decode(
-                encoded, x_N.size, out=out_N, threads=threads
-            ),
-            reps,
-        )
-        error = float(np.max(np.abs(out_N - x_N)) / np.max(np.abs(x_N)))
-        frames = [protocol.encode(message) for message in _delta_chunks(deltas, codec)]
-        wire = sum(memoryview(f).nbytes for fs in frames for f in fs)
-        messages = list(_delta_chunks(deltas, codec))
-        frame_encode = median_seconds(
-            lambda messages=messages: [protocol.encode(m) for m in messages], reps
-        )
-        frame_decode = median_seconds(
-            lambda frames=frames: [protocol.decode(fs) for fs in frames], reps
-        )
-        result["codecs"][name] = {
-            "quantize_gbps": round(gbps(x_N.nbytes, quantize), 3),
-            "dequantize_gbps": round(gbps(x_N.nbytes, dequantize), 3),
-            "roundtrip_max_rel_err": error,
-            "wire_bytes_per_param": round(wire / x_N.size, 5),
-            "frame_encode_gbps": round(gbps(wire, frame_encode), 3),
-            "frame_decode_gbps": round(gbps(wire, frame_decode), 3),
-        }
+        result["codecs"][name] = _codec_figures(codec, deltas, x_N, out_N, threads, reps)
         measure_memcpy()
     result["memcpy_gbps"] = round(statistics.median(memcpy), 3)
-    # the checksum every payload byte passes three times, vs zlib's
-    raw = memoryview(x_N).cast("B")
-    result["crc32_gbps"] = round(
-        gbps(raw.nbytes, median_seconds(lambda: checksum.crc32(raw), reps)), 3
-    )
-    result["zlib_crc32_gbps"] = round(
-        gbps(raw.nbytes, median_seconds(lambda: zlib.crc32(raw), reps)), 3
-    )
-    result["crc32_vs_zlib"] = round(result["crc32_gbps"] / result["zlib_crc32_gbps"], 2)
+    result.update(_crc32_figures(memoryview(x_N).cast("B"), reps))
     for stats in result["codecs"].values():
         stats["quantize_vs_memcpy"] = round(stats["quantize_gbps"] / result["memcpy_gbps"], 3)
         stats["dequantize_vs_memcpy"] = round(stats["dequantize_gbps"] / result["memcpy_gbps"], 3)
     return result
+
+
+def _codec_figures(
+    codec: protocol.Codec,
+    deltas: dict[str, np.ndarray],
+    x_N: np.ndarray,
+    out_N: np.ndarray,
+    threads: int,
+    reps: int,
+) -> dict:
+    """One codec's rates, round-trip error and wire bytes over `x_N` (`deltas` concatenated);
+    `out_N` receives the decoded values."""
+    encoded = codec.encode(x_N, threads=threads)
+    quantize = median_seconds(lambda: codec.encode(x_N, threads=threads), reps)
+    dequantize = median_seconds(
+        lambda: codec.decode(encoded, x_N.size, out=out_N, threads=threads), reps
+    )
+    error = float(np.max(np.abs(out_N - x_N)) / np.max(np.abs(x_N)))
+    frames = [protocol.encode(message) for message in _delta_chunks(deltas, codec)]
+    wire = sum(memoryview(f).nbytes for fs in frames for f in fs)
+    messages = list(_delta_chunks(deltas, codec))
+    frame_encode = median_seconds(lambda: [protocol.encode(m) for m in messages], reps)
+    frame_decode = median_seconds(lambda: [protocol.decode(fs) for fs in frames], reps)
+    return {
+        "quantize_gbps": round(gbps(x_N.nbytes, quantize), 3),
+        "dequantize_gbps": round(gbps(x_N.nbytes, dequantize), 3),
+        "roundtrip_max_rel_err": error,
+        "wire_bytes_per_param": round(wire / x_N.size, 5),
+        "frame_encode_gbps": round(gbps(wire, frame_encode), 3),
+        "frame_decode_gbps": round(gbps(wire, frame_decode), 3),
+    }
+
+
+def _crc32_figures(raw: memoryview, reps: int) -> dict:
+    """The checksum every payload byte passes three times, against zlib's, over `raw`."""
+    crc32 = round(gbps(raw.nbytes, median_seconds(lambda: checksum.crc32(raw), reps)), 3)
+    zlib_crc32 = round(gbps(raw.nbytes, median_seconds(lambda: zlib.crc32(raw), reps)), 3)
+    return {
+        "crc32_gbps": crc32,
+        "zlib_crc32_gbps": zlib_crc32,
+        "crc32_vs_zlib": round(crc32 / zlib_crc32, 2),
+    }
 
 
 def _delta_chunks(deltas: dict[str, np.ndarray], codec: protocol.Codec):

@@ -10,7 +10,9 @@ import sys
 from dloco.cliargs import float_at_least
 
 
+# Over 60 lines: the bench suites' flags, a table read top to bottom, one suite after another.
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
+    """`dloco bench SUITE` and each suite's flags; `run_bench` runs the suite."""
     bench = commands.add_parser("bench", help="run a benchmark and print its figures")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
     codec = suites.add_parser(

@@ -180,7 +180,51 @@ def _chunks(delta_id: int, versions: dict[int, int]) -> list[protocol.DeltaChunk
 
 
 def _one(tmp: Path, broker: list[str], lease_s: float, number: int) -> dict:
-    control, replication = free_ports(2), free_ports(2)
+    """One failover: a fresh primary and standby, a few deltas folded, the primary killed; the
+    seconds to the first delta settled under the new epoch, and to the standby's takeover."""
+    control = free_ports(2)
+    (a, a_log), (b, b_log) = _mergers(tmp, broker, lease_s, number, control)
+    island = StreamIsland(broker[0], broker[3], [f"tcp://127.0.0.1:{p}" for p in control], _chunks)
+    try:
+        for delta_id in range(1, 5):
+            island.send_until_settled(delta_id)
+        wait_for(a_log, "replication", a, state="sync")
+        a.send_signal(signal.SIGKILL)
+        killed, killed_wall = time.monotonic(), time.time()
+        a.wait(timeout=10)
+        old = island.settled[4][0]
+        delta_id = 5
+        # what the island sent meanwhile may be settled by the dying primary: the first under the
+        # new epoch counts
+        while True:
+            island.send_until_settled(delta_id)
+            if island.settled[delta_id][0] != old:
+                break
+            delta_id += 1
+        first_fold_s = time.monotonic() - killed
+        took = wait_for(b_log, "taking_over", b)
+        return {
+            "first_fold_s": round(first_fold_s, 3),
+            "takeover_s": round(_wall(took) - killed_wall, 3),
+            "silent_s": took["silent_s"],
+        }
+    finally:
+        island.close()
+        for process in (a, b):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+
+
+def _mergers(
+    tmp: Path, broker: list[str], lease_s: float, number: int, control: list[int]
+) -> tuple[tuple[subprocess.Popen, Path], tuple[subprocess.Popen, Path]]:
+    """A fresh primary `dloco merger` (a) and its standby (b), sync replication, on the broker's
+    buses: each process with its log."""
+    replication = free_ports(2)
     init = tmp / "init.npz"
     np.savez(init, **{p: np.zeros(s, np.float32) for p, s in SHAPES.items()})
     common = [
@@ -226,39 +270,7 @@ def _one(tmp: Path, broker: list[str], lease_s: float, number: int) -> dict:
         f"tcp://127.0.0.1:{replication[0]}",
         log=b_log,
     )
-    island = StreamIsland(broker[0], broker[3], [f"tcp://127.0.0.1:{p}" for p in control], _chunks)
-    try:
-        for delta_id in range(1, 5):
-            island.send_until_settled(delta_id)
-        wait_for(a_log, "replication", a, state="sync")
-        a.send_signal(signal.SIGKILL)
-        killed, killed_wall = time.monotonic(), time.time()
-        a.wait(timeout=10)
-        old = island.settled[4][0]
-        delta_id = 5
-        # what the island sent meanwhile may be settled by the dying primary: the first under the
-        # new epoch counts
-        while True:
-            island.send_until_settled(delta_id)
-            if island.settled[delta_id][0] != old:
-                break
-            delta_id += 1
-        first_fold_s = time.monotonic() - killed
-        took = wait_for(b_log, "taking_over", b)
-        return {
-            "first_fold_s": round(first_fold_s, 3),
-            "takeover_s": round(_wall(took) - killed_wall, 3),
-            "silent_s": took["silent_s"],
-        }
-    finally:
-        island.close()
-        for process in (a, b):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+    return (a, a_log), (b, b_log)
 
 
 def _wall(event: dict) -> float:

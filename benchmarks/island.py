@@ -54,17 +54,7 @@ def run(
         for round_ in range(rounds):
             for mode in ("standalone", "publishing"):
                 log(f"bench island: round {round_ + 1}/{rounds}, {mode}, {steps} steps ...")
-                link = None
-                if mode == "publishing":
-                    link = NetworkLink(
-                        "bench",
-                        "bench",
-                        sync,
-                        f"tcp://127.0.0.1:{port}",
-                        "tcp://127.0.0.1:9",
-                        "tcp://127.0.0.1:9",
-                        uplink=LinkShaper(None),
-                    )
+                link = _publishing_link(sync, port) if mode == "publishing" else None
                 loop = IslandLoop(
                     bytelm.trainer(model, train),
                     data.Batches(shards[0], train.batch, model.context, round_, 0),
@@ -101,6 +91,20 @@ def run(
         "ratio": round(publishing / standalone, 3),
         "all_rates": {k: [round(r, 3) for r in v] for k, v in rates.items()},
     }
+
+
+def _publishing_link(sync: SyncConfig, port: int) -> NetworkLink:
+    """The island's link with publishing on: deltas to the sink on `port` over an unshaped uplink;
+    its snapshot and control endpoints lead nowhere (port 9)."""
+    return NetworkLink(
+        "bench",
+        "bench",
+        sync,
+        f"tcp://127.0.0.1:{port}",
+        "tcp://127.0.0.1:9",
+        "tcp://127.0.0.1:9",
+        uplink=LinkShaper(None),
+    )
 
 
 def summary(result: dict) -> str:

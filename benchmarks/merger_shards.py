@@ -1,6 +1,6 @@
 """`dloco bench merger --shards 1,2`: merger ingest with the fragments split over S merger shards.
 
-For each S, S shard processes run side by side, each the real pipeline of benchmarks/merger.py
+For each S, S shard processes run side by side, each the real pipeline of benchmarks/merger_pass.py
 over its own fragments' deltas (f % S == its index: what the islands' publishers send it once
 they filter by topic), with its own sender process.  The shards start every pass together (the
 parent releases them at once); the pass's aggregate ingest is all shards' wire bytes over the
@@ -155,7 +155,7 @@ def _child(args: argparse.Namespace) -> None:
     import zmq
 
     from dloco.benchmarks.delta_sender import synthetic_shapes
-    from dloco.benchmarks.merger import _merger_pass, _warm_up
+    from dloco.benchmarks.merger_pass import merger_pass, warm_up
     from dloco.merger.config import MergeConfig, MergerConfig, RoundConfig
     from dloco.merger.memory import keep_freed_memory
     from dloco.protocol import shards
@@ -167,13 +167,13 @@ def _child(args: argparse.Namespace) -> None:
         MergeConfig(max_staleness=args.rounds),
         round=RoundConfig(quorum=args.islands, grace_cap_s=0.0),
     )
-    _warm_up(config, synthetic_shapes(args.params, args.fragments), args.fragments, args.islands)
+    warm_up(config, synthetic_shapes(args.params, args.fragments), args.fragments, args.islands)
     context = zmq.Context()
     for _ in range(1 + args.passes):
         print("ready", flush=True)
         if sys.stdin.readline().strip() != "go":
             return
-        result = _merger_pass(
+        result = merger_pass(
             context, config, args.params, args.fragments, args.islands, args.rounds, owned=owned
         )
         print(

@@ -58,6 +58,8 @@ def island_state_process(conn, shapes: dict, fragments: int) -> None:
 
 
 def _measure(shapes: dict, fragments: int) -> dict:
+    """The baseline (the training state), the exchange state built phase by phase, and what each
+    structure holds at the end."""
     # the training state: not counted
     theta = init_params(shapes, seed=1)
     change = {
@@ -65,7 +67,7 @@ def _measure(shapes: dict, fragments: int) -> dict:
         for shape in set(shapes.values())
     }
     parts = protocol.partition(shapes, fragments)
-    model, epoch, fp32 = protocol.model_fingerprint(theta), time.time_ns(), protocol.Codec("fp32")
+    model, epoch = protocol.model_fingerprint(theta), time.time_ns()
     sync = SyncConfig(fragments=fragments, error_feedback=True)
     context = zmq.Context()
     pub = context.socket(zmq.PUB)
@@ -79,7 +81,36 @@ def _measure(shapes: dict, fragments: int) -> dict:
     gc.collect()
     rises = PeakRises()
 
-    # the merger's full snapshots, as received
+    anchors = _join(receiver, reassembler, theta, parts, model)
+    gc.collect()
+    rises.after("join")
+
+    _send_round(uplink, pub, theta, change, anchors, parts)
+    gc.collect()
+    rises.after("sends")
+
+    served = [t for held in receiver.served.values() for t in held.tensors.values()]
+    anchored = [a for values in anchors.values() for a in values.values()]
+    held = {
+        "served": unique_nbytes(served),
+        "anchors": unique_nbytes(served + anchored) - unique_nbytes(served),
+        "error_feedback": unique_nbytes(list(uplink.residuals.values())),
+        "retransmit": uplink.kept.nbytes,
+    }
+    context.destroy(linger=0)
+    return {"memory_kib": rises.figures(), "held_bytes": held, "outbox_pending": len(uplink.outbox)}
+
+
+def _join(
+    receiver: Downlink,
+    reassembler: protocol.Reassembler,
+    theta: dict,
+    parts: list[list[str]],
+    model: str,
+) -> dict[int, dict[str, np.ndarray]]:
+    """The merger's full fp32 snapshots of `theta`, as received and handed to the downlink; the
+    anchors are the values served (IslandLoop.join: no copy)."""
+    fp32 = protocol.Codec("fp32")
     for fragment, paths in enumerate(parts):
         value = {p: theta[p] for p in paths}
         plans = protocol.split_fragment(value, fp32)
@@ -103,13 +134,22 @@ def _measure(shapes: dict, fragments: int) -> dict:
         del plans, plan, chunk
         receiver.on_snapshot(assembled.header, assembled.tensors, 0.0)
         del assembled
-    anchors = {
+    return {
         fragment: {p: np.asarray(v, np.float32) for p, v in tensors.items()}
         for fragment, _, tensors in receiver.ready(math.inf)
     }
-    gc.collect()
-    rises.after("join")
 
+
+def _send_round(
+    uplink: Uplink,
+    pub: zmq.Socket,
+    theta: dict,
+    change: dict,
+    anchors: dict[int, dict[str, np.ndarray]],
+    parts: list[list[str]],
+) -> None:
+    """Per fragment a step of training, the pseudo-gradient into the outbox, a host copy of theta
+    as the new anchor, and the uplink's send (error feedback on; the chunks kept to retransmit)."""
     for fragment, paths in enumerate(parts):
         for path in paths:
             theta[path] += change[theta[path].shape]
@@ -121,16 +161,3 @@ def _measure(shapes: dict, fragments: int) -> dict:
         )
         anchors[fragment] = {p: value.copy() for p, value in current.items()}
         uplink._send(pub, fragment + 1, uplink.outbox.take())
-    gc.collect()
-    rises.after("sends")
-
-    served = [t for held in receiver.served.values() for t in held.tensors.values()]
-    anchored = [a for values in anchors.values() for a in values.values()]
-    held = {
-        "served": unique_nbytes(served),
-        "anchors": unique_nbytes(served + anchored) - unique_nbytes(served),
-        "error_feedback": unique_nbytes(list(uplink.residuals.values())),
-        "retransmit": uplink.kept.nbytes,
-    }
-    context.destroy(linger=0)
-    return {"memory_kib": rises.figures(), "held_bytes": held, "outbox_pending": len(uplink.outbox)}

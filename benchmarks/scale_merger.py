@@ -8,8 +8,9 @@ write-ahead log, fold kernels compiled), and serves the conductor's commands on 
   quiet: subscriptions have propagated (ZeroMQ's slow joiner) and nothing stale is left;
 - ``call``: probe the snapshot bus with empty acks until the conductor hears one;
 - ``join``: publish every fragment in full, as `MergerService.run` does at start;
-- ``round``: take `expected` delta chunks (`on_delta_frames`, then the fold pipeline: reassemble,
-  admit, log, fold) and announce the folds (`announce`: the snapshot diff, its frames, the acks);
+- ``round``: take `expected` delta chunks (`Receiver.on_delta_frames`, then the fold pipeline:
+  reassemble, admit, log, fold) and announce the folds (`announce`: the snapshot diff, its frames,
+  the acks);
 - ``finish``: the resident memory at the start, its peak, what each phase added to the peak, and
   the service's counters.
 
@@ -99,11 +100,11 @@ def _serve(conn, shapes: dict, fragments: int, config: ServiceConfig) -> None:
             elif command == "call":
                 _call(conn, service)
             elif command == "join":
-                seq = service.seq
+                seq = service.stamp.seq
                 for fragment in range(len(service.core.fragments)):
-                    service.publish_snapshot(fragment)
+                    service.publisher.publish(fragment)
                 rises.after("join")
-                conn.send(("published", service.seq - seq))
+                conn.send(("published", service.stamp.seq - seq))
             elif command == "round":
                 conn.send(("round", *_round(service, rises, *args)))
             elif command == "finish":
@@ -144,7 +145,9 @@ def _held(service: MergerService) -> dict[str, int]:
         "optimizer": sum(state.values()),
         "other_jax_arrays": other,
         "served": sum(
-            value.nbytes for held in service.served.values() for value in held.tensors.values()
+            value.nbytes
+            for held in service.publisher.served.values()
+            for value in held.tensors.values()
         ),
     }
 
@@ -154,7 +157,7 @@ def _listen(conn, service: MergerService) -> None:
         raise TimeoutError("no probe arrived on the delta bus within 60 s")
     conn.send(("heard",))
     while service.delta_sub.poll(QUIET_MS):
-        service.on_delta_frames(
+        service.receiver.on_delta_frames(
             [frame.buffer for frame in service.delta_sub.recv_multipart(copy=False)]
         )
     conn.send(("quiet",))
@@ -164,8 +167,8 @@ def _call(conn, service: MergerService) -> None:
     probe = protocol.encode(
         protocol.Ack(
             sender=service.config.sender,
-            epoch=service.epoch,
-            seq=service.seq,
+            epoch=service.stamp.epoch,
+            seq=service.stamp.seq,
             cursors=(),
             results=(),
         )
@@ -187,7 +190,7 @@ def _round(
     computed and durable; the announcement is the snapshot diffs and the acks."""
 
     def handle(frames: list) -> None:
-        service.on_delta_frames(frames)
+        service.receiver.on_delta_frames(frames)
         # the fold computes on while the next chunks are taken
         service.pipeline.dispatch(time.monotonic())
 
@@ -199,8 +202,8 @@ def _round(
         service.pipeline.dispatch(math.inf)
     ingest_s = receive_s + time.perf_counter() - began
     rises.after("ingest")
-    seq, began = service.seq, time.perf_counter()
-    service.announce(folds)
+    seq, began = service.stamp.seq, time.perf_counter()
+    service.announcer.announce(folds)
     announce_s = time.perf_counter() - began
     rises.after("announce")
-    return ingest_s, announce_s, service.seq - seq, len(folds)
+    return ingest_s, announce_s, service.stamp.seq - seq, len(folds)

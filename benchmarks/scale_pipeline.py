@@ -11,11 +11,11 @@ five stages that run one after the other, so that each is timed alone:
    int4 quantization, `split_fragment`, frame encoding, PUB to the broker, retransmit buffer);
 2. broker_forward: the broker's forwarding (`Broker._forward`, over its real XSUB/XPUB sockets,
    driven from this thread) until every chunk has passed;
-3. merger_ingest: in the merger, `MergerService.on_delta_frames` for every chunk (decode, gap
-   tracking, reassembly, admission, write-ahead log) and the fold pipeline until every fold is
-   computed and durable;
-4. snapshot_diff: in the merger, `MergerService.announce`: per fold the int4 diff from the value
-   served (protocol/downlink.py), its frames on the snapshot PUB, then the acks;
+3. merger_ingest: in the merger, `Receiver.on_delta_frames` (merger/receiving.py) for every chunk
+   (decode, gap tracking, reassembly, admission, write-ahead log) and the fold pipeline until
+   every fold is computed and durable;
+4. snapshot_diff: in the merger, `Announcer.announce` (merger/announcing.py): per fold the int4 diff
+   from the value served (protocol/downlink.py), its frames on the snapshot PUB, then the acks;
 5. island_adopt: the snapshot frames and acks received (the island's SUB, straight from the
    merger's PUB: the broker's forward is measured once, on the delta bus), reassembled, applied to
    the value held (`island.snapshots.Downlink.on_snapshot`: `downlink.receive`, digest checked)
@@ -251,28 +251,8 @@ def measure(shapes: dict, fragments: int, reps: int, log: Callable[[str], None])
         try:
             island = _Island(context, shapes, fragments, endpoint[0], ports[2])
             _expect(conn, merger, "ready")
-            _join_buses(conn, merger, island, pump)
-            conn.send(("join",))
-            (published,) = _expect(conn, merger, "published")
-            island.receive(published)
-            island.joined = True
-            if len(island.downlink.served) != fragments:
-                raise ScaleBenchError(
-                    f"the island joined {len(island.downlink.served)} of {fragments} fragments: "
-                    f"{dict(island.downlink.results)}"
-                )
-            samples: dict[str, list[float]] = {}
-            for number in range(reps + 1):
-                log(f"round {number + 1}/{reps + 1}{' (warm-up)' if number == 0 else ''} ...")
-                stage = _round(conn, merger, island, pump)
-                if island.downlink.results["diff"] != fragments * (number + 1):
-                    raise ScaleBenchError(
-                        f"round {number + 1}: the island adopted {island.downlink.results['diff']}"
-                        f" diffs, expected {fragments * (number + 1)}:"
-                        f" {dict(island.downlink.results)}"
-                    )
-                for name, seconds in stage.items():
-                    samples.setdefault(name, []).extend([seconds] if number else [])
+            _join(conn, merger, island, pump, fragments)
+            samples = _rounds(conn, merger, island, pump, fragments, reps, log)
             conn.send(("finish",))
             memory, counters = _expect(conn, merger, "finished")
             merger.join(timeout=60)
@@ -289,6 +269,45 @@ def measure(shapes: dict, fragments: int, reps: int, log: Callable[[str], None])
         "full_snapshot_reassembly_bytes": island.full_snapshot_cost,
         "island_reassembly_budget": island.island_budget,
     }
+
+
+def _join(conn, merger, island: _Island, pump: _BrokerPump, fragments: int) -> None:
+    """Both buses joined, then every fragment adopted from the merger's full snapshot."""
+    _join_buses(conn, merger, island, pump)
+    conn.send(("join",))
+    (published,) = _expect(conn, merger, "published")
+    island.receive(published)
+    island.joined = True
+    if len(island.downlink.served) != fragments:
+        raise ScaleBenchError(
+            f"the island joined {len(island.downlink.served)} of {fragments} fragments: "
+            f"{dict(island.downlink.results)}"
+        )
+
+
+def _rounds(
+    conn,
+    merger,
+    island: _Island,
+    pump: _BrokerPump,
+    fragments: int,
+    reps: int,
+    log: Callable[[str], None],
+) -> dict[str, list[float]]:
+    """One warm-up round, then `reps` timed ones: each stage's seconds per timed round."""
+    samples: dict[str, list[float]] = {}
+    for number in range(reps + 1):
+        log(f"round {number + 1}/{reps + 1}{' (warm-up)' if number == 0 else ''} ...")
+        stage = _round(conn, merger, island, pump)
+        if island.downlink.results["diff"] != fragments * (number + 1):
+            raise ScaleBenchError(
+                f"round {number + 1}: the island adopted {island.downlink.results['diff']}"
+                f" diffs, expected {fragments * (number + 1)}:"
+                f" {dict(island.downlink.results)}"
+            )
+        for name, seconds in stage.items():
+            samples.setdefault(name, []).extend([seconds] if number else [])
+    return samples
 
 
 def _round(conn, merger, island: _Island, pump: _BrokerPump) -> dict[str, float]:

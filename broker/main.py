@@ -10,6 +10,12 @@ from dloco.cliargs import add_metrics_flags
 
 
 def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
+    add_broker_command(commands, positive_int)
+    add_keys_command(commands)
+
+
+def add_broker_command(commands: argparse._SubParsersAction, positive_int) -> None:
+    """`dloco broker`: the buses' endpoints, keys, queue budget and metrics."""
     from dloco.broker.proxy import BrokerConfig
 
     broker = commands.add_parser(
@@ -57,6 +63,9 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     add_metrics_flags(broker)
     broker.set_defaults(run=run_broker)
 
+
+def add_keys_command(commands: argparse._SubParsersAction) -> None:
+    """`dloco keys`: key pairs to create, and optionally the allow-list role they get."""
     keys = commands.add_parser("keys", help="create CURVE key pairs (mode 0600), one per component")
     keys.add_argument("directory", type=Path)
     keys.add_argument("names", nargs="+", help="e.g. broker merger island-0 island-1")
@@ -68,7 +77,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
     keys.add_argument(
         "--role",
         choices=("island", "merger", "observer"),
-        help="the role the keys get in --allow (bus/security.py SOCKET_ROLES)",
+        help="the role the keys get in --allow (bus/keys.py SOCKET_ROLES)",
     )
     keys.set_defaults(run=run_keys)
 
@@ -122,7 +131,7 @@ def run_broker(args: argparse.Namespace) -> int:
 
 
 def run_keys(args: argparse.Namespace) -> int:
-    from dloco.bus.security import create_keys, write_allow_list
+    from dloco.bus.keys import create_keys, write_allow_list
     from dloco.protocol import DlocoError
 
     try:

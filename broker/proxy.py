@@ -1,7 +1,7 @@
 """The broker process: two XSUB/XPUB proxies (delta bus, snapshot bus) in one poll loop.
 
 Publishers connect to a bus's XSUB side, subscribers to its XPUB side; subscriptions flow back
-from XPUB to XSUB.  With CURVE each side admits its roles only (bus.security.SOCKET_ROLES: islands
+from XPUB to XSUB.  With CURVE each side admits its roles only (bus.keys.SOCKET_ROLES: islands
 publish deltas, the merger snapshots and acks), and every message's header must name the peer
 that sent it (its key's name, ZAP's User-Id): one whose `sender` is another's is dropped, counted
 as `sender_mismatch` and logged with both names (at most once a second per peer), so no peer can

@@ -6,7 +6,7 @@ socket's monitor, and each event reaches `on_event(label, event)`.  Two uses:
   down, counted.  Down covers a reset peer and a half-open link: a partition drops packets without a
   reset, TCP still calls the connection established, and only the ZMTP heartbeats
   (bus/sockets.py) notice; ZeroMQ then disconnects and reconnects by itself.
-- bus/security.py's HandshakeWatcher: handshakes refused before authentication.
+- bus/zap.py's HandshakeWatcher: handshakes refused before authentication.
 """
 
 from __future__ import annotations

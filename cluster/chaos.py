@@ -32,6 +32,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping
+from pathlib import Path
 
 from dloco.protocol.errors import ConfigError, require
 
@@ -183,6 +184,45 @@ def parse(text: str) -> tuple[ChaosEvent, ...]:
     return in_order(events)
 
 
+_CHAOS_POINTS = {"at_s", "at_step", "at_folds"}
+
+
+def from_table(path: Path, entry: dict) -> ChaosEvent:
+    """A [[chaos]] table of the cluster file at `path`: action, target and one point (at_s, or
+    at_step or at_folds with an optional island), `relative = true` to count it from the event
+    before."""
+    points = _CHAOS_POINTS & set(entry)
+    allowed = {"action", "target", *_CHAOS_POINTS, "island", "relative"}
+    require(
+        {"action", "target"} <= set(entry)
+        and len(points) == 1
+        and set(entry) <= allowed
+        and ("island" not in entry or "at_s" not in entry),
+        f"{path}: a [[chaos]] entry needs action, target and one of at_s, at_step or at_folds (the"
+        f" last two with an optional island) (and optionally relative), got {sorted(entry)}",
+    )
+    relative = entry.get("relative", False)
+    (point,) = points
+    value = entry[point]
+    if point == "at_s":
+        require(
+            type(value) in (int, float),
+            f"{path}: [[chaos]] at_s must be a number of seconds, got {value!r}",
+        )
+        return ChaosEvent(
+            float(value), str(entry["action"]), str(entry["target"]), relative=relative
+        )
+    require(type(value) is int, f"{path}: [[chaos]] {point} must be an int, got {value!r}")
+    return ChaosEvent(
+        None,
+        str(entry["action"]),
+        str(entry["target"]),
+        **{point: value},
+        island=str(entry["island"]) if "island" in entry else None,
+        relative=relative,
+    )
+
+
 def in_order(events: list[ChaosEvent]) -> tuple[ChaosEvent, ...]:
     """The firing order: as given, except that a schedule of absolute seconds alone is sorted by
     time."""
@@ -202,7 +242,7 @@ def check(
     """Every target exists; in firing order, a process is killed only while running and restarted
     only after a kill; an event waits only for the steps of an island that is running then.
     `groups`: a process -> every process of its island (a multi-host island goes down and comes
-    back as a whole: cluster/launcher.py)."""
+    back as a whole: cluster/processes.py)."""
     islands = (
         [p for p in processes if not is_merger(p) and p != "broker"] if islands is None else islands
     )

@@ -1,27 +1,28 @@
-"""The cluster file (TOML): regions with their hardware and links, model, sync and merger settings.
+"""The cluster file (TOML) and the ClusterConfig it loads: regions with their hardware and links,
+model, sync and merger settings, the run's bounds, mode and chaos schedule.
 
 Typed and frozen; unknown keys and out-of-range values are errors that name the key.  The sections
-are the processes' own configurations: [sync] is the island's SyncConfig, [model] and [merger] take
-their defaults and checks from the island's ModelConfig/TrainConfig and the merger's MergerConfig
-and SnapshotConfig, so each default lives in one place.  The shipped profile,
-`cluster/profiles/default.toml`, overrides them visibly (its comments document the link scaling).
+are the processes' own configurations, each checked by itself ([[regions]], [model] and [merger]
+in cluster.sections; [sync] is the island's SyncConfig), so each default lives in one place;
+ClusterConfig checks that they fit together under the run mode's overrides (cluster.modes).  The
+shipped profile, `cluster/profiles/default.toml`, overrides them visibly (its comments document the
+link scaling).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import tomllib
 from pathlib import Path
 
-from dloco.cluster.chaos import ChaosEvent, check, in_order, is_network
+from dloco.cliargs import field_names
+from dloco.cluster.chaos import ChaosEvent, check, from_table, in_order, is_network
 from dloco.cluster.cpuquota import quota_us
-from dloco.island.config import MODEL_SIZES, ModelConfig, SyncConfig, TrainConfig
-from dloco.island.task import BUILTIN
-from dloco.merger.config import MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
-from dloco.merger.replication_wire import ReplicationConfig, check_lease
+from dloco.cluster.modes import ALL_ISLANDS, MODES
+from dloco.cluster.sections import MergerSection, ModelSection, Region
+from dloco.island.config import SyncConfig, TrainConfig
+from dloco.island.flags import SYNC_FLAGS
 from dloco.protocol.errors import ConfigError, require
-from dloco.protocol.shards import names as shard_names
 
 DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "default.toml"
 
@@ -30,216 +31,6 @@ DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "default.toml"
 RESERVED_NAMES = frozenset(
     {"merger", "standby", "broker", "evaluator", "prepare", "status", "prometheus", "grafana"}
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Region:
-    name: str
-    # each step takes this many times its compute (older hardware)
-    slowdown: float = 1.0
-    # None: unlimited
-    uplink_mbps: float | None = None
-    downlink_mbps: float | None = None
-    rtt_ms: float = 0.0
-    # processes of the island (jax.distributed, island/group.py): one per host of the region
-    hosts: int = 1
-    # H of this region's island (0: [sync] interval); the synchronous modes give every island theirs
-    interval: int = 0
-
-    def __post_init__(self) -> None:
-        require(
-            self.name.replace("-", "").replace("_", "").isalnum(),
-            f"region name must be letters, digits, '-' or '_', got {self.name!r}",
-        )
-        require(
-            type(self.hosts) is int and 1 <= self.hosts <= 64,
-            f"region {self.name}: hosts must be an int in [1, 64], got {self.hosts!r}",
-        )
-        require(
-            self.slowdown >= 1, f"region {self.name}: slowdown must be >= 1, got {self.slowdown}"
-        )
-        for key in ("uplink_mbps", "downlink_mbps"):
-            value = getattr(self, key)
-            require(
-                value is None or value > 0, f"region {self.name}: {key} must be > 0, got {value}"
-            )
-        require(self.rtt_ms >= 0, f"region {self.name}: rtt_ms must be >= 0, got {self.rtt_ms}")
-        require(
-            type(self.interval) is int and self.interval >= 0,
-            f"region {self.name}: interval must be an int >= 0 (0: [sync] interval), got"
-            f" {self.interval!r}",
-        )
-
-    @property
-    def processes(self) -> list[str]:
-        """The island's process names: the region's own (process 0, which holds the bus links),
-        then `NAME.1`, `NAME.2`, ... for the other hosts."""
-        return [self.name, *(f"{self.name}.{index}" for index in range(1, self.hosts))]
-
-
-_MODEL_FIELDS = {field.name for field in dataclasses.fields(ModelConfig)}
-
-
-@contextlib.contextmanager
-def _section_named(section: str):
-    """A process config's error names its own key (`round.quorum`): say which section of the cluster
-    file set it."""
-    try:
-        yield
-    except ConfigError as error:
-        raise ConfigError(f"[{section}] {error}") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSection:
-    """[model]: what the islands train and their batch.  `task` names the task function
-    (island/task.py; a relative PATH.py is the cluster file's neighbour); size, width, ... corpus
-    and tokens are the built-in LM's options (island/bytelm.py), unset: the preset's or the data's.
-    Other tasks take their options from [task]."""
-
-    task: str = BUILTIN
-    size: str | None = None
-    width: int | None = None
-    depth: int | None = None
-    heads: int | None = None
-    # tokens (bytes) per sequence
-    context: int | None = None
-    vocab: int | None = None
-    corpus: str | None = None
-    tokens: str | None = None
-    # sequences (examples) per step
-    batch: int = TrainConfig.batch
-
-    def __post_init__(self) -> None:
-        require(
-            type(self.task) is str and ":" in self.task,
-            f"model.task must be 'PATH.py:FUNCTION' or 'MODULE:FUNCTION', got {self.task!r}",
-        )
-        for key in ("size", "corpus", "tokens"):
-            require(
-                getattr(self, key) is None or type(getattr(self, key)) is str,
-                f"model.{key} must be a string, got {getattr(self, key)!r}",
-            )
-        for key in ("width", "depth", "heads", "context", "vocab", "batch"):
-            value = getattr(self, key)
-            require(
-                value is None or (type(value) is int and value >= 1),
-                f"model.{key} must be a positive int, got {value!r}",
-            )
-        require(
-            self.size is None or self.size in MODEL_SIZES,
-            f"model.size must be one of {sorted(MODEL_SIZES)}, got {self.size!r}",
-        )
-        require(
-            not (self.corpus and self.tokens),
-            "model: give corpus (text) or tokens (a token file), not both",
-        )
-        require(
-            self.task == BUILTIN or not self.lm_options(),
-            f"model: {sorted(self.lm_options())} are the built-in LM's options; "
-            f"task {self.task} takes its options from [task]",
-        )
-        with _section_named("model"):
-            # the shape alone (the data's vocabulary is checked when an island loads it)
-            if self.task == BUILTIN:
-                preset = {
-                    **MODEL_SIZES[self.size or "tiny"],
-                    **{k: v for k, v in self.lm_options().items() if k in _MODEL_FIELDS},
-                }
-                ModelConfig(**preset)
-            TrainConfig(batch=self.batch)
-
-    def lm_options(self) -> dict:
-        """The built-in LM's options that are set."""
-        return {
-            key: getattr(self, key)
-            for key in ("size", "width", "depth", "heads", "context", "vocab", "corpus", "tokens")
-            if getattr(self, key) is not None
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class MergerSection:
-    """[merger]: the merger's command line, one flat section.  Defaults and checks are the merger's
-    own: MergerConfig's merge, outer and round parts, and SnapshotConfig."""
-
-    # S, in versions
-    max_staleness: int = MergeConfig.max_staleness
-    merge: str = MergeConfig.method
-    share_window: int = MergeConfig.share_window
-    outer: str = OuterConfig.kind
-    outer_lr: float = OuterConfig.lr
-    # delayed_nesterov: momentum once per N folds
-    delay: int = OuterConfig.delay
-    # K: islands
-    quorum: int = RoundConfig.quorum
-    quorum_timeout_s: float = RoundConfig.quorum_timeout_s
-    grace_cap_s: float = RoundConfig.grace_cap_s
-    snapshot_codec: str = SnapshotConfig.snapshot_codec
-    snapshot_diff_codec: str = SnapshotConfig.snapshot_diff_codec
-    snapshot_full_every: int = SnapshotConfig.snapshot_full_every
-    snapshot_every_round: float = SnapshotConfig.snapshot_every_round
-    # a hot standby merger beside the primary (PROTOCOL.md §12)
-    standby: bool = False
-    # with a standby: sync | async
-    replication: str = "sync"
-    lease_s: float = ReplicationConfig.lease_s
-    # merger processes, each folding the fragments f with f % shards == its index
-    # (protocol/shards.py)
-    shards: int = 1
-
-    def __post_init__(self) -> None:
-        require(
-            type(self.standby) is bool,
-            f"merger.standby must be true or false, got {self.standby!r}",
-        )
-        require(
-            type(self.shards) is int and 1 <= self.shards <= 64,
-            f"merger.shards must be an int in [1, 64], got {self.shards!r}",
-        )
-        require(
-            self.shards == 1 or not self.standby,
-            "merger.standby with merger.shards > 1: a standby per shard is not built yet;"
-            " choose one",
-        )
-        require(
-            self.replication in ("sync", "async"),
-            f"merger.replication must be sync or async, got {self.replication!r}",
-        )
-        check_lease(self.lease_s, "merger.lease_s")
-        timeout = self.quorum_timeout_s
-        require(
-            type(timeout) in (int, float) and 0 < timeout < float("inf"),
-            f"merger.quorum_timeout_s must be a number of seconds > 0, got {timeout!r}",
-        )
-        with _section_named("merger"):
-            self.math()
-        SnapshotConfig(
-            self.snapshot_codec,
-            self.snapshot_diff_codec,
-            self.snapshot_full_every,
-            self.snapshot_every_round,
-        )
-
-    @property
-    def processes(self) -> list[str]:
-        """The merger's process names: `merger` (shard 0), `merger.1`, ...; then `standby`."""
-        return [*shard_names("merger", self.shards), *(["standby"] if self.standby else [])]
-
-    def math(self) -> MergerConfig:
-        """The merger's MergerConfig these settings give (the outer momentum is the merger's
-        default)."""
-        return MergerConfig(
-            MergeConfig(
-                method=self.merge, max_staleness=self.max_staleness, share_window=self.share_window
-            ),
-            OuterConfig(kind=self.outer, lr=self.outer_lr, delay=self.delay),
-            RoundConfig(
-                quorum=self.quorum,
-                quorum_timeout_s=self.quorum_timeout_s,
-                grace_cap_s=self.grace_cap_s,
-            ),
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +70,22 @@ class ClusterConfig:
     network: str = "loopback"
 
     def __post_init__(self) -> None:
+        self._check_regions()
+        self._check_run()
+        self._check_sections()
+        self._check_hosts()
+        check(
+            self.chaos,
+            self.process_names,
+            [r.name for r in self.regions],
+            {p: r.processes for r in self.regions for p in r.processes},
+        )
+        self._check_mode_and_network()
+        self._check_synchronisation()
+        self._check_island_cpus()
+
+    def _check_regions(self) -> None:
+        """At least one region; names unique and none a name of the cluster's other processes."""
         require(len(self.regions) >= 1, "a cluster needs at least one region")
         require(
             len({r.name for r in self.regions}) == len(self.regions), "region names must be unique"
@@ -289,6 +96,9 @@ class ClusterConfig:
             f"{', '.join(map(repr, taken))}: not a region name (the cluster's other processes and"
             f" services: {', '.join(sorted(RESERVED_NAMES))})",
         )
+
+    def _check_run(self) -> None:
+        """[run]'s bounds and evaluation settings, and [task]'s values."""
         require(self.duration_s > 0, f"run.duration_s must be > 0, got {self.duration_s}")
         require(
             type(self.max_steps) is int and self.max_steps >= 0,
@@ -301,6 +111,10 @@ class ClusterConfig:
         require(
             not (self.tokens and self.max_steps),
             "run.tokens and run.max_steps both bound the run: give one",
+        )
+        require(
+            type(self.eval_every) is int and self.eval_every >= 1,
+            f"run.eval_every must be a positive int, got {self.eval_every!r}",
         )
         require(
             type(self.eval_early) is bool,
@@ -318,6 +132,10 @@ class ClusterConfig:
             "[task] values must be strings, numbers or booleans under identifier keys, got"
             f" {dict(self.task_options)!r}",
         )
+
+    def _check_sections(self) -> None:
+        """[model], [sync] and [merger] are their dataclasses (checked by their own
+        `__post_init__`)."""
         for name, kind in (
             ("model", ModelSection),
             ("sync", SyncConfig),
@@ -327,6 +145,9 @@ class ClusterConfig:
                 type(getattr(self, name)) is kind,
                 f"ClusterConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}",
             )
+
+    def _check_hosts(self) -> None:
+        """A region of several hosts: no eval trace, and a batch its hosts split evenly."""
         for region in self.regions:
             require(
                 region.hosts == 1 or not self.eval_trace,
@@ -338,12 +159,9 @@ class ClusterConfig:
                 f"region {region.name}: model.batch ({self.model.batch}) must be divisible by its"
                 f" hosts ({region.hosts}): each takes an equal part",
             )
-        check(
-            self.chaos,
-            self.process_names,
-            [r.name for r in self.regions],
-            {p: r.processes for r in self.regions for p in r.processes},
-        )
+
+    def _check_mode_and_network(self) -> None:
+        """A known mode and network; the network's faults only on a network of namespaces."""
         require(self.mode in MODES, f"run.mode must be one of {sorted(MODES)}, got {self.mode!r}")
         require(
             self.network in NETWORKS, f"run.network must be one of {NETWORKS}, got {self.network!r}"
@@ -353,6 +171,10 @@ class ClusterConfig:
             not faults or self.network == "netns",
             f'chaos {", ".join(faults[:3])}: faults of the network need run.network = "netns"',
         )
+
+    def _check_synchronisation(self) -> None:
+        """The settings after the mode's overrides fit together: shards, fragments, intervals,
+        the run's steps and the synchronous modes' timeouts."""
         sync, merger = self.effective()
         require(
             merger.shards <= sync.fragments,
@@ -378,6 +200,9 @@ class ClusterConfig:
             f" ({merger.quorum_timeout_s}) in mode {self.mode}: an island would stop waiting for a"
             " round the merger still waits to complete",
         )
+
+    def _check_island_cpus(self) -> None:
+        """run.island_cpus: a number of cores, and a quota the kernel can set for every region."""
         cpus = self.island_cpus
         require(
             type(cpus) in (int, float) and 0 <= cpus < float("inf"),
@@ -437,62 +262,6 @@ class ClusterConfig:
         return self if schedule is None else dataclasses.replace(self, chaos=schedule)
 
 
-# The run modes: the same islands, links and corpus; only how they synchronise differs.
-# sync-diloco: classic DiLoCo — the whole model (P = 1) every H steps, every island blocks until the
-#   merger has all N deltas and returns the new global model.
-# Both synchronous modes fold every island's delta at once with a whole outer step (share_window 0),
-# as classic DiLoCo and data parallelism do (sync-diloco with DiLoCo's Nesterov at lr 0.7, whatever
-# the profile sets for decoupled folds), and publish every fold at once (snapshot_every_round 0):
-# their islands wait for it.  A round waits for every island up to the quorum timeout (30 s): at
-# H = 48 the half-speed islands finish ~25 s after the fast ones, inside it; at H = 96 (~50 s) a
-# round would go on without them, so H = 96 in a synchronous mode is not classic DiLoCo here.  (A
-# longer timeout alone does not help: an island gives up waiting for its delta's fold after 60 s and
-# trains on; the quorum counts islands, so its next delta does not complete a round without the
-# slow ones, but the round still waits only up to the timeout.)
-# sync-dp: a stand-in for data-parallel all-reduce — every step each island sends its full fp32
-#   change and blocks until the merger returns the average (outer SGD, lr 1: the new global model is
-#   the mean of the islands' models), so the bytes and the barrier per step are those of an
-#   all-reduce of fp32 gradients.
-@dataclasses.dataclass(frozen=True)
-class Mode:
-    """A run mode's overrides of the [sync] and [merger] sections (dataclasses.replace
-    arguments)."""
-
-    sync: dict = dataclasses.field(default_factory=dict)
-    # quorum ALL_ISLANDS: the cluster's number of islands
-    merger: dict = dataclasses.field(default_factory=dict)
-
-
-ALL_ISLANDS = "all"
-MODES = {
-    "decoupled": Mode(),
-    "sync-diloco": Mode(
-        sync={"fragments": 1, "blocking": True},
-        merger={
-            "quorum": ALL_ISLANDS,
-            "grace_cap_s": 0.0,
-            "share_window": 0,
-            "snapshot_every_round": 0.0,
-            "outer": "nesterov",
-            "outer_lr": 0.7,
-        },
-    ),
-    "sync-dp": Mode(
-        sync={"fragments": 1, "interval": 1, "codec": "fp32", "blocking": True},
-        merger={
-            "quorum": ALL_ISLANDS,
-            "grace_cap_s": 0.0,
-            "merge": "average",
-            "outer": "sgd",
-            "outer_lr": 1.0,
-            "snapshot_codec": "fp32",
-            "snapshot_diff_codec": "none",
-            "share_window": 0,
-            "snapshot_every_round": 0.0,
-        },
-    ),
-}
-
 # The keys a cluster file may set: those that reach the processes' command lines
 # (cluster/topology.py).
 _RUN_KEYS = {
@@ -508,16 +277,8 @@ _RUN_KEYS = {
     "network",
 }
 NETWORKS = ("loopback", "netns")
-SYNC_KEYS = {
-    "fragments",
-    "interval",
-    "codec",
-    "adoption",
-    "alpha",
-    "error_feedback",
-    "flush_on_leave",
-    "settle_timeout_s",
-}
+# [sync]: the island's exchange flags but `blocking`, which the mode sets
+SYNC_KEYS = set(field_names(SYNC_FLAGS)) - {"blocking"}
 _SECTIONS = {
     "run": _RUN_KEYS,
     "model": {f.name for f in dataclasses.fields(ModelSection)},
@@ -550,7 +311,7 @@ def load(path: str | Path | None = None) -> ClusterConfig:
             regions.append(Region(**entry))
         except TypeError as error:
             raise ConfigError(f"{path}: bad [[regions]] entry {entry}: {error}") from None
-    chaos = [_chaos_event(path, entry) for entry in data.get("chaos", [])]
+    chaos = [from_table(path, entry) for entry in data.get("chaos", [])]
     defaults = ClusterConfig(regions=(Region("x"),))
     run = data.get("run", {})
     return ClusterConfig(
@@ -609,41 +370,3 @@ def _section(path: Path, name: str, kind: type, data: dict):
             types, what = _KINDS[type(getattr(kind, key))]
             require(type(value) in types, f"{path}: {name}.{key} must be {what}, got {value!r}")
         raise
-
-
-_CHAOS_POINTS = {"at_s", "at_step", "at_folds"}
-
-
-def _chaos_event(path: Path, entry: dict) -> ChaosEvent:
-    """A [[chaos]] table: action, target and one point (at_s, or at_step or at_folds with an
-    optional island), `relative = true` to count it from the event before."""
-    points = _CHAOS_POINTS & set(entry)
-    allowed = {"action", "target", *_CHAOS_POINTS, "island", "relative"}
-    require(
-        {"action", "target"} <= set(entry)
-        and len(points) == 1
-        and set(entry) <= allowed
-        and ("island" not in entry or "at_s" not in entry),
-        f"{path}: a [[chaos]] entry needs action, target and one of at_s, at_step or at_folds (the"
-        f" last two with an optional island) (and optionally relative), got {sorted(entry)}",
-    )
-    relative = entry.get("relative", False)
-    (point,) = points
-    value = entry[point]
-    if point == "at_s":
-        require(
-            type(value) in (int, float),
-            f"{path}: [[chaos]] at_s must be a number of seconds, got {value!r}",
-        )
-        return ChaosEvent(
-            float(value), str(entry["action"]), str(entry["target"]), relative=relative
-        )
-    require(type(value) is int, f"{path}: [[chaos]] {point} must be an int, got {value!r}")
-    return ChaosEvent(
-        None,
-        str(entry["action"]),
-        str(entry["target"]),
-        **{point: value},
-        island=str(entry["island"]) if "island" in entry else None,
-        relative=relative,
-    )

@@ -2,8 +2,10 @@
 machine, CURVE on, logs per process under the run directory; a live view while it runs; a clean
 stop at the end or on Ctrl-C (islands first, so they send their last deltas, then merger, broker);
 then the report.  `--chaos` kills and restarts processes on a schedule (cluster.chaos);
-`--compose FILE` takes the processes from a docker-compose file instead (cluster.compose), started
-in dependency order with their health checks awaited.
+`--compose FILE` takes the processes from a docker-compose file instead (cluster.localcompose),
+started in dependency order with their health checks awaited.  The processes are
+cluster.processes' to start and stop, the run's progress cluster.watch's to follow; here the run is
+prepared, started, ended and reported.
 
 A run lasts `duration_s`, or, with `max_steps`, until every island that is up has trained that
 many steps (every life), the chaos schedule has run, and every island has trained two intervals
@@ -23,42 +25,28 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import time
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 from dloco.analysis import verdict
-from dloco.analysis.runinfo import RunProgress, island_stage, merger_role
-from dloco.bus.security import create_keys, write_allow_list
-from dloco.cluster import chaos, compose, cpuquota, netns, status, topology
-from dloco.cluster.chaos import MERGERS, is_merger
-from dloco.cluster.compose import Service
+from dloco.bus.keys import create_keys, write_allow_list
+from dloco.cluster import localcompose, netns, status, topology
+from dloco.cluster.chaos import is_merger
 from dloco.cluster.config import ClusterConfig
-from dloco.cluster.liveview import LiveView
+from dloco.cluster.localcompose import Service
 from dloco.cluster.ports import free_ports
+from dloco.cluster.processes import AUXILIARY, Cluster, LaunchError
 from dloco.cluster.records import RunCluster, outline, run_task
-from dloco.protocol.errors import DlocoError
+from dloco.cluster.watch import Watch
 from dloco.protocol.shards import names as shard_names
 
 # in a run directory: where each process serves its Prometheus metrics
 ENDPOINTS = "endpoints.json"
-# their end is reported, never a run's failure: the islands and the merger train without them
-AUXILIARY = ("evaluator", "status")
-# an island drains (up to 30 s), then may evaluate its --eval-trace (up to 90 s)
-STOP_TIMEOUT_S = 150.0
-# the rest of a multi-host island whose process was killed: it drains (up to 30 s) and exits
-GROUP_END_TIMEOUT_S = 60.0
 # a run that failed or did not train; one stopped by Ctrl-C or SIGTERM
 EXIT_FAILED, EXIT_INTERRUPTED = 1, 130
-# in a started process's environment: the launcher it dies with
-LAUNCHER_PID = "DLOCO_LAUNCHER_PID"
-
-
-class LaunchError(DlocoError):
-    """The cluster could not be prepared or started."""
 
 
 def share_compilations() -> Path:
@@ -135,237 +123,6 @@ def native_services(config: ClusterConfig, run_dir: Path) -> dict[str, Service]:
     return {name: Service(dloco(*args), cpus=cpus.get(name)) for name, args in commands.items()}
 
 
-class Cluster:
-    def __init__(
-        self,
-        config: ClusterConfig,
-        run_dir: Path,
-        services: dict[str, Service],
-        order: list[str],
-        network: netns.Network | None = None,
-    ) -> None:
-        self.config, self.run_dir, self.services, self.order, self.network = (
-            config,
-            run_dir,
-            services,
-            order,
-            network,
-        )
-        self.faults = netns.Faults(network) if network is not None else None
-        self.processes: dict[str, subprocess.Popen] = {}
-        # killed on purpose (chaos), not yet restarted
-        self.down: set[str] = set()
-        # chaos target -> the process its kill killed (a merger's role moves)
-        self.killed_as: dict[str, str] = {}
-        # A multi-host island's processes (config.Region.processes) go down and come back together:
-        # when one dies the others end by themselves (island/group.py), and a restart starts them
-        # all.
-        self.groups = {
-            name: region.processes for region in config.regions for name in region.processes
-        }
-        # what this run starts
-        capped = {name: services[name].cpus for name in order if services[name].cpus}
-        self.quotas = None
-        # before anything starts: a machine without the controller fails here, with the reason
-        if capped:
-            self.quotas = cpuquota.CpuQuotas(cpuquota.detect(), f"dloco-{os.getpid()}")
-            try:
-                for name, cores in capped.items():
-                    self.quotas.create(name, cores)
-            except cpuquota.CpuQuotaError:
-                self.quotas.close()
-                raise
-
-    # ---- processes -----------------------------------------------------------------------------
-    def start(self, name: str) -> None:
-        service = self.services[name]
-        # The process stops itself if this launcher dies, however it dies (dloco/cli.py:
-        # stop_with_launcher).
-        env = {**os.environ, **service.env, LAUNCHER_PID: str(os.getpid())}
-        # A capped island enters its quota's group itself, after compiling (island/cpugroup.py).
-        command = (
-            [*service.command, "--cpu-cgroup", str(self.quotas.groups[name])]
-            if service.cpus
-            else service.command
-        )
-        with open(self.run_dir / "logs" / f"{name}.log", "ab") as log:
-            # A POSIX session of its own: a terminal's Ctrl-C reaches only the launcher, which stops
-            # the rest in order.
-            self.processes[name] = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        self.down.discard(name)
-
-    def start_all(self) -> None:
-        """In dependency order; a dependency's condition (completed, healthy, started) is awaited
-        first."""
-        for name in self.order:
-            for other, condition in self.services[name].depends.items():
-                if condition == "service_healthy":
-                    self.wait_healthy(other)
-            self.start(name)
-            if self.services[name].one_shot:
-                code = self.processes.pop(name).wait(timeout=600)
-                if code != 0:
-                    raise LaunchError(
-                        f"{name} exited with {code}; see {self.run_dir / 'logs' / (name + '.log')}"
-                    )
-
-    def wait_healthy(self, name: str) -> None:
-        service = self.services[name]
-        for _ in range(service.health_retries):
-            if self.processes[name].poll() is not None:
-                raise LaunchError(
-                    f"{name} exited with {self.processes[name].returncode} before it was healthy;"
-                    f" see {self.run_dir / 'logs'}"
-                )
-            if subprocess.run(service.health, capture_output=True, timeout=60).returncode == 0:
-                return
-            time.sleep(service.health_interval_s)
-        raise LaunchError(f"{name} did not become healthy: {' '.join(service.health)}")
-
-    def resolve(self, target: str) -> str:
-        """The process a chaos target names: with a standby, `merger` is whichever merger is the
-        primary now (its log's last role event), `standby` the other."""
-        if target not in MERGERS or "standby" not in self.services:
-            return target
-        running = [
-            name
-            for name in MERGERS
-            if name in self.processes and self.processes[name].poll() is None
-        ]
-        primary = next(
-            (
-                name
-                for name in running
-                if merger_role(self.run_dir / "logs" / f"{name}.log") == "primary"
-            ),
-            None,
-        )
-        chosen = (
-            primary
-            if target == "merger"
-            else next((name for name in running if name != primary), None)
-        )
-        if chosen is None:
-            raise LaunchError(
-                f"chaos: no {'primary' if target == 'merger' else 'standby'} merger is running now "
-                f"(running: {', '.join(running) or 'none'})"
-            )
-        return chosen
-
-    def act(self, action: str, target: str) -> int | None:
-        """A chaos event: a process's (kill, lose-disk, restart) or its host's link's
-        (cluster/netns.py)."""
-        if not chaos.is_network(action):
-            return getattr(self, action.replace("-", "_"))(target)
-        # a region's processes share its host
-        regions = {process: r.name for r in self.config.regions for process in r.processes}
-        self.faults.act(action, target, lambda name: regions.get(name) or self.resolve(name))
-        return None
-
-    def effect(self, target: str) -> dict:
-        """What the last network event on `target` measured (for chaos.jsonl)."""
-        return self.faults.effect.pop(target, {}) if self.faults else {}
-
-    def kill(self, name: str) -> int | None:
-        """kill -9: no signal handler runs, nothing is flushed or drained.  Returns the exit status
-        of a process that had already ended by itself (None when it was running)."""
-        target, name = name, self.resolve(name)
-        # not `name = self.killed_as[name] = ...`: that keys the map by the new name
-        self.killed_as[target] = name
-        process = self.processes[name]
-        ended = process.poll()
-        if ended is None:
-            process.kill()
-        process.wait(timeout=30)
-        self.down.update(self.groups.get(name, [name]))
-        return ended
-
-    def lose_disk(self, name: str) -> int | None:
-        """A merger's machine lost: kill -9, and its run directory deleted."""
-        ended = self.kill(name)
-        shutil.rmtree(self.run_dir / self.killed_as[name], ignore_errors=True)
-        return ended
-
-    def restart(self, name: str) -> None:
-        """Start a killed process again; every process of a multi-host island, once the others of
-        it have ended (they end by themselves within the group's timeout; else they are killed)."""
-        name = self.killed_as.pop(name, name)
-        # the killed one has been reaped: only the others are waited for
-        for member in self.groups.get(name, [name]):
-            if member in self.processes and self.processes[member].poll() is None:
-                try:
-                    self.processes[member].wait(timeout=GROUP_END_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    self.processes[member].kill()
-                    self.processes[member].wait(timeout=30)
-        for member in self.groups.get(name, [name]):
-            self.start(member)
-
-    def quota_summary(self) -> str | None:
-        """One line on the CPU quotas (None without), with a warning when they add up to more than
-        the cores this launcher may use: then they do not keep the islands from slowing each other.
-        """
-        if self.quotas is None:
-            return None
-        cores = {name: self.services[name].cpus for name in self.order if self.services[name].cpus}
-        total, machine = sum(cores.values()), len(os.sched_getaffinity(0))
-        line = (
-            f"dloco up: CPU quotas (cgroup v{self.quotas.controller.version}, {self.quotas.root}): "
-            + ", ".join(f"{name} {value:g}" for name, value in cores.items())
-            + f" cores; {total:g} of {machine}"
-        )
-        if total > machine:
-            line += (
-                f"; WARNING: more than the machine's {machine} cores, so the islands still compete"
-                " for CPU"
-            )
-        return line
-
-    def unexpectedly_dead(self) -> list[str]:
-        """Processes the run needs that ended by themselves (not killed on purpose)."""
-        return [
-            n
-            for n, p in self.processes.items()
-            if n not in self.down and n not in AUXILIARY and p.poll() is not None
-        ]
-
-    def auxiliary_ended(self) -> dict[str, int]:
-        """Auxiliary processes (AUXILIARY) that ended by themselves: name -> exit status."""
-        return {
-            n: p.returncode
-            for n, p in self.processes.items()
-            if n in AUXILIARY and p.poll() is not None
-        }
-
-    def stop_all(self) -> dict[str, int]:
-        """Islands first (they finish the step, send and drain), then the evaluator and the status
-        page, then the merger (final checkpoint), then the broker."""
-        codes = {}
-        islands = [
-            n for n in self.processes if not is_merger(n) and n not in ("broker", *AUXILIARY)
-        ]
-        # both mergers at once: a standby that outlived its primary would take over
-        for group in (
-            islands,
-            [n for n in self.processes if n in AUXILIARY],
-            [n for n in self.processes if is_merger(n)],
-            ["broker"],
-        ):
-            for name in group:
-                if name in self.processes and self.processes[name].poll() is None:
-                    self.processes[name].send_signal(signal.SIGTERM)
-            for name in group:
-                if name in self.processes:
-                    try:
-                        codes[name] = self.processes[name].wait(timeout=STOP_TIMEOUT_S)
-                    except subprocess.TimeoutExpired:
-                        self.processes[name].kill()
-                        codes[name] = self.processes[name].wait(timeout=10)
-        return codes
-
-
 def run(
     config: ClusterConfig,
     run_dir: Path,
@@ -384,240 +141,139 @@ def run(
     run_dir = run_dir.resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     share_compilations()
-    # or each host in a network namespace of its own (cluster/netns.py)
     network = None
     if compose_file is None:
-        network = netns.Network(netns.host_names(config)) if config.network == "netns" else None
-        services = (
-            netns.services(config, run_dir, network)
-            if network
-            else native_services(config, run_dir)
-        )
-        order = [
-            "broker",
-            *config.merger.processes,
-            "evaluator",
-            *(p for r in config.regions for p in r.processes),
-        ]
+        network, services, order = _own_services(config, run_dir)
     else:
-        if config.network == "netns":
-            raise LaunchError(
-                'run.network = "netns" starts its own processes in namespaces: not with --compose'
-            )
-        variables = compose.port_variables(compose_file.read_text())
-        ports = dict(zip(variables, map(str, free_ports(len(variables))), strict=True))
-        services = compose.load(compose_file, {"DLOCO_RUN_DIR": str(run_dir), **ports})
-        order = compose.start_order(services, wanted)
-        unknown = [
-            n
-            for n in order
-            if n not in ("prepare", "broker", "evaluator", "status")
-            and not is_merger(n)
-            and n not in config.process_names
-        ]
-        if unknown:
-            raise LaunchError(
-                f"{compose_file}: services {unknown} are not regions of the cluster file"
-            )
-        config = dataclasses.replace(
-            config, regions=tuple(r for r in config.regions if r.name in order)
-        )
+        config, services, order = _compose_services(config, run_dir, compose_file, wanted)
     try:
         cluster = Cluster(config, run_dir, services, order, network)
     except BaseException:
         if network is not None:
             network.close()
         raise
-    islands = [r.name for r in config.regions]
-    interval = {region.name: config.interval_of(region) for region in config.regions}
-    progress = RunProgress(run_dir, islands)
-    interrupted, problems, dead = False, [], []
-
-    def on_interrupt(*_) -> None:
-        nonlocal interrupted
-        interrupted = True
-
-    previous = {sig: signal.signal(sig, on_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    pending = list(config.chaos)
-    page, warned = None, set()
+    watch = Watch(cluster, out)
+    previous = {sig: signal.signal(sig, watch.interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    page = None
     try:
         # cluster/status.py: the live page, from the run directory's files
         if status_port is not None:
-            page = status.serve(run_dir, islands, status_port)
-            print(
-                f"dloco up: status page at http://127.0.0.1:{page.server_address[1]}/",
-                file=out,
-                flush=True,
-            )
-        print(f"dloco up: preparing {run_dir} (keys, initial model) ...", file=out, flush=True)
+            page = status.serve(run_dir, watch.islands, status_port)
+            watch.say(f"dloco up: status page at http://127.0.0.1:{page.server_address[1]}/")
+        watch.say(f"dloco up: preparing {run_dir} (keys, initial model) ...")
         if (quotas := cluster.quota_summary()) is not None:
-            print(quotas, file=out, flush=True)
+            watch.say(quotas)
         if compose_file is None:
             prepare(config, run_dir)
         cluster.start_all()
-        # the run's clock (duration, chaos times) starts with the processes
-        started = time.monotonic()
-        view = LiveView(config, run_dir, out)
-        with open(run_dir / "chaos.jsonl", "a") as chaos_log:
-            # where the run was when the last event fired
-            armed = chaos.Progress(0.0, dict(progress.steps), 0, dict(progress.folded))
-            while not interrupted:
-                progress.update()
-                now = chaos.Progress(
-                    time.monotonic() - started,
-                    dict(progress.steps),
-                    progress.folds,
-                    dict(progress.folded),
-                )
-                # before any kill: a crash must not pass for a chaos kill
-                dead = cluster.unexpectedly_dead()
-                # with a budget an island stops by itself once it hears the budget is spent
-                if config.tokens:
-                    dead = [
-                        name
-                        for name in dead
-                        if not (
-                            name.partition(".")[0] in islands
-                            and cluster.processes[name].returncode == 0
-                        )
-                    ]
-                for name, code in cluster.auxiliary_ended().items():
-                    if name not in warned:
-                        warned.add(name)
-                        print(
-                            f"dloco up: WARNING: {name} exited with {code} (see"
-                            f" {run_dir / 'logs' / name}.log); the run goes on without it",
-                            file=out,
-                            flush=True,
-                        )
-                while not dead and pending and chaos.due(pending[0], now, armed):
-                    event = pending.pop(0)
-                    # it had ended by itself
-                    if cluster.act(event.action, event.target) is not None:
-                        dead = [event.target]
-                        break
-                    chaos_log.write(
-                        json.dumps(
-                            {
-                                "at_s": round(now.elapsed_s, 3),
-                                "wall": time.time(),
-                                "action": event.action,
-                                "target": event.target,
-                                "process": cluster.killed_as.get(event.target, event.target),
-                                "when": str(event),
-                                **cluster.effect(event.target),
-                            }
-                        )
-                        + "\n"
-                    )
-                    chaos_log.flush()
-                    print(f"dloco up: chaos {event} done", file=out, flush=True)
-                    armed = now
-                if dead:
-                    print(
-                        f"dloco up: {', '.join(dead)} exited early; see {run_dir / 'logs'}",
-                        file=out,
-                        flush=True,
-                    )
-                    problems.append(
-                        f"{', '.join(dead)} exited early"
-                        f" ({', '.join(f'{n} {cluster.processes[n].returncode}' for n in dead)})"
-                    )
-                    break
-                wanted = verdict.targets(
-                    islands,
-                    cluster.down,
-                    config.max_steps,
-                    interval,
-                    armed.steps if config.chaos and not pending else None,
-                )
-                left = verdict.short(progress.steps, wanted)
-                if config.max_steps and not left and not pending:
-                    break
-                spent = progress.tokens >= config.tokens or all(
-                    cluster.processes[name].poll() is not None
-                    for name in cluster.processes
-                    if name.partition(".")[0] in islands
-                )
-                if config.tokens and spent and not pending:
-                    break
-                if now.elapsed_s >= config.duration_s:
-                    if config.tokens:
-                        problems += verdict.budget_unspent(
-                            progress.tokens, config.tokens, config.duration_s
-                        )
-                        problems += verdict.unreached(
-                            [str(e) for e in pending],
-                            progress.steps,
-                            progress.folds,
-                            progress.folded,
-                        )
-                    if config.max_steps:
-                        stages = {
-                            name: island_stage(
-                                run_dir / "logs" / f"{name}.log",
-                                progress.last_step[name],
-                                progress.steps[name],
-                                target,
-                            )
-                            for name, target in left.items()
-                        }
-                        problems += verdict.unfinished(stages, config.duration_s)
-                        problems += verdict.unreached(
-                            [str(e) for e in pending],
-                            progress.steps,
-                            progress.folds,
-                            progress.folded,
-                        )
-                    break
-                view.refresh(now.elapsed_s)
-                time.sleep(0.25 if pending or config.max_steps or config.tokens else 1.0)
+        watch.run()
     finally:
-        print("dloco up: stopping (islands, then merger, then broker) ...", file=out, flush=True)
-        codes = cluster.stop_all()
-        if network is not None:
-            network.close()
-        if cluster.quotas is not None:
-            for group in cluster.quotas.close():
-                print(f"dloco up: could not remove the cgroup {group}", file=out, flush=True)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if page is not None:
-            page.shutdown()
-            page.server_close()
+        codes = _stop(watch, previous, page)
+    return _report(watch, codes)
+
+
+def _own_services(
+    config: ClusterConfig, run_dir: Path
+) -> tuple[netns.Network | None, dict[str, Service], list[str]]:
+    """The cluster file's processes and their start order: on this machine's loopback, or each host
+    in a network namespace of its own (cluster/netns.py; the network is returned, to be closed)."""
+    network = netns.Network(netns.host_names(config)) if config.network == "netns" else None
+    services = (
+        netns.services(config, run_dir, network) if network else native_services(config, run_dir)
+    )
+    order = [
+        "broker",
+        *config.merger.processes,
+        "evaluator",
+        *(p for r in config.regions for p in r.processes),
+    ]
+    return network, services, order
+
+
+def _compose_services(
+    config: ClusterConfig, run_dir: Path, compose_file: Path, wanted: list[str] | None
+) -> tuple[ClusterConfig, dict[str, Service], list[str]]:
+    """A compose file's services (`wanted` and what they need) as local processes, each port
+    variable a free port, in their start order; `config` narrowed to the regions they run."""
+    if config.network == "netns":
+        raise LaunchError(
+            'run.network = "netns" starts its own processes in namespaces: not with --compose'
+        )
+    variables = localcompose.port_variables(compose_file.read_text())
+    ports = dict(zip(variables, map(str, free_ports(len(variables))), strict=True))
+    services = localcompose.load(compose_file, {"DLOCO_RUN_DIR": str(run_dir), **ports})
+    order = localcompose.start_order(services, wanted)
+    unknown = [
+        n
+        for n in order
+        if n not in ("prepare", "broker", "evaluator", "status")
+        and not is_merger(n)
+        and n not in config.process_names
+    ]
+    if unknown:
+        raise LaunchError(f"{compose_file}: services {unknown} are not regions of the cluster file")
+    config = dataclasses.replace(
+        config, regions=tuple(r for r in config.regions if r.name in order)
+    )
+    return config, services, order
+
+
+def _stop(watch: Watch, previous: dict, page: ThreadingHTTPServer | None) -> dict[str, int]:
+    """Every process stopped in order (their exit statuses returned), the network and the CPU
+    quotas removed, the signal handlers put back (`previous`), the status page closed."""
+    cluster = watch.cluster
+    watch.say("dloco up: stopping (islands, then merger, then broker) ...")
+    codes = cluster.stop_all()
+    if cluster.network is not None:
+        cluster.network.close()
+    if cluster.quotas is not None:
+        for group in cluster.quotas.close():
+            watch.say(f"dloco up: could not remove the cgroup {group}")
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    if page is not None:
+        page.shutdown()
+        page.server_close()
+    return codes
+
+
+def _report(watch: Watch, codes: dict[str, int]) -> int:
+    """The run's end: which processes failed, the report written (report.md, plots), the problems
+    printed; returns the exit status."""
     from dloco.analysis.report import write_report
 
+    cluster, progress, problems = watch.cluster, watch.progress, watch.problems
+    run_dir = watch.run_dir
     progress.update()
     failed = {
         name: code
         for name, code in codes.items()
-        if code != 0 and name not in cluster.down and name not in dead and name not in AUXILIARY
+        if code != 0
+        and name not in cluster.down
+        and name not in watch.dead
+        and name not in AUXILIARY
     }
-    for name in sorted(set(codes) & set(AUXILIARY) - warned):
+    for name in sorted(set(codes) & set(AUXILIARY) - watch.warned):
         if codes[name] != 0:
-            print(
+            watch.say(
                 f"dloco up: WARNING: {name} exited with {codes[name]} (see"
-                f" {run_dir / 'logs' / name}.log)",
-                file=out,
-                flush=True,
+                f" {run_dir / 'logs' / name}.log)"
             )
     if failed:
         problems.append(
             "exit status " + ", ".join(f"{name} {code}" for name, code in failed.items())
         )
-    if not interrupted and not problems:
-        problems += verdict.untrained(progress.steps, progress.folds, interval)
-    report = write_report(outline(config), run_dir, codes, problems)
+    if not watch.interrupted and not problems:
+        problems += verdict.untrained(progress.steps, progress.folds, watch.interval)
+    path = write_report(outline(watch.config), run_dir, codes, problems)
     for problem in problems:
-        print(f"dloco up: FAILED: {problem}", file=out, flush=True)
-    if "\n## WARNING: the global model\n" in report.read_text():
-        print(
+        watch.say(f"dloco up: FAILED: {problem}")
+    if "\n## WARNING: the global model\n" in path.read_text():
+        watch.say(
             "dloco up: WARNING: the global model ended worse than it started or than every island"
-            f" (see {report})",
-            file=out,
-            flush=True,
+            f" (see {path})"
         )
-    print(f"dloco up: report at {report}", file=out, flush=True)
-    if interrupted:
+    watch.say(f"dloco up: report at {path}")
+    if watch.interrupted:
         return EXIT_INTERRUPTED
     return EXIT_FAILED if problems else 0

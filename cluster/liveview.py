@@ -38,30 +38,43 @@ class LiveView:
                 f"{'region':16} {'step':>6} {'tok/s':>8} {'util':>5} {'eval':>6}"
                 f" {'snapshot versions':>18} {'sent':>8} {'recv':>8}"
             ),
+            *(self.region_line(region.name) for region in self.config.regions),
+            *self.merger_lines(),
         ]
-        for region in self.config.regions:
-            # not: after training
-            events = [
-                e
-                for e in last_events(self.run_dir / "metrics" / f"{region.name}.jsonl")
-                if not e.get("deferred")
-            ]
-            if not events:
-                lines.append(f"{region.name:16} {'(joining)':>6}")
-                continue
-            last = events[-1]
-            for event in events:
-                if "eval_loss" in event:
-                    self.eval_loss[region.name] = event["eval_loss"]
-            rate = last.get("tokens", 0) / max(last.get("time", 0) or 1e-9, 1e-9)
-            versions = ",".join(str(v) for v in last.get("snapshot_version", []))
-            lines.append(
-                f"{region.name:16} {last.get('step', 0):>6} {rate:>8.0f}"
-                f" {last.get('compute_util', 0):>5.2f}"
-                f" {self.eval_loss.get(region.name, float('nan')):>6.3f} {versions:>18}"
-                f" {_bytes(last.get('bytes_sent', 0)):>8}"
-                f" {_bytes(last.get('bytes_received', 0)):>8}"
-            )
+        text = "\n".join(lines)
+        if self.tty:
+            self.out.write("\x1b[H\x1b[2J" + text + "\n")
+        else:
+            self.out.write(text + "\n\n")
+        self.out.flush()
+
+    def region_line(self, region: str) -> str:
+        """The table's row of an island: its last metrics, and its last evaluation."""
+        # not: after training
+        events = [
+            e
+            for e in last_events(self.run_dir / "metrics" / f"{region}.jsonl")
+            if not e.get("deferred")
+        ]
+        if not events:
+            return f"{region:16} {'(joining)':>6}"
+        last = events[-1]
+        for event in events:
+            if "eval_loss" in event:
+                self.eval_loss[region] = event["eval_loss"]
+        rate = last.get("tokens", 0) / max(last.get("time", 0) or 1e-9, 1e-9)
+        versions = ",".join(str(v) for v in last.get("snapshot_version", []))
+        return (
+            f"{region:16} {last.get('step', 0):>6} {rate:>8.0f}"
+            f" {last.get('compute_util', 0):>5.2f}"
+            f" {self.eval_loss.get(region, float('nan')):>6.3f} {versions:>18}"
+            f" {_bytes(last.get('bytes_sent', 0)):>8}"
+            f" {_bytes(last.get('bytes_received', 0)):>8}"
+        )
+
+    def merger_lines(self) -> list[str]:
+        """The mergers' last fold and, with a standby, each merger's role."""
+        lines = []
         logs = merger_logs(self.run_dir)
         folds = sorted(
             (
@@ -93,12 +106,7 @@ class LiveView:
                     for name, what in sorted(self.role.items())
                 )
             )
-        text = "\n".join(lines)
-        if self.tty:
-            self.out.write("\x1b[H\x1b[2J" + text + "\n")
-        else:
-            self.out.write(text + "\n\n")
-        self.out.flush()
+        return lines
 
     def header(self, elapsed: float) -> str:
         total = self.config.duration_s

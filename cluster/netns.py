@@ -278,7 +278,7 @@ def services(config, run_dir, network: Network) -> dict:
     import sys
 
     from dloco.cluster import topology
-    from dloco.cluster.compose import Service
+    from dloco.cluster.localcompose import Service
 
     mergers = config.merger.processes
     shards = [name for name in mergers if name.startswith("merger.")]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from dloco.analysis.report import IslandOutline, RunOutline
 from dloco.analysis.runinfo import RunDirError, RunTask
-from dloco.cluster.config import ClusterConfig, MergerSection, Region
+from dloco.cluster.config import ClusterConfig
+from dloco.cluster.sections import MergerSection, Region
 from dloco.cluster.topology import task_option_pairs
 from dloco.island.config import SyncConfig
 from dloco.island.task import parse_options

@@ -110,24 +110,6 @@ class RunFiles:
         now = time.time() if now is None else now
         with self.lock:
             began = self.began if self.began < float("inf") else now
-            islands = []
-            for name in self.regions:
-                last = self.last[name]
-                seconds = last.get("time") or 0.0
-                islands.append(
-                    {
-                        "name": name,
-                        "step": last.get("step"),
-                        "tokens": last.get("tokens"),
-                        "tokens_per_s": last.get("tokens", 0) / seconds if seconds > 0 else None,
-                        "compute_util": last.get("compute_util"),
-                        "eval_loss": self.evals[name][-1]["loss"] if self.evals[name] else None,
-                        "last_seen_s": now - last["wall"] if "wall" in last else None,
-                        "versions": last.get("snapshot_version", []),
-                        "bytes_sent": last.get("bytes_sent"),
-                        "bytes_received": last.get("bytes_received"),
-                    }
-                )
             curves = {
                 name: thin(
                     [
@@ -165,23 +147,42 @@ class RunFiles:
                 }
                 for e in self.chaos
             ]
-            try:
-                metrics = json.loads((self.run_dir / "endpoints.json").read_text()).get(
-                    "metrics", {}
-                )
-            except (OSError, ValueError):
-                metrics = {}
             return {
                 "run_dir": str(self.run_dir),
                 "elapsed_s": now - began,
-                "metrics": metrics,
-                "islands": islands,
+                "metrics": self.metric_endpoints(),
+                "islands": [self.island(name, now) for name in self.regions],
                 "folds": folds,
                 "fold_count": self.fold_count,
                 "curves": curves,
                 "global": global_curve,
                 "chaos": chaos,
             }
+
+    def island(self, name: str, now: float) -> dict:
+        """An island's row of the page: its last metrics and evaluation (under the lock)."""
+        last = self.last[name]
+        seconds = last.get("time") or 0.0
+        return {
+            "name": name,
+            "step": last.get("step"),
+            "tokens": last.get("tokens"),
+            "tokens_per_s": last.get("tokens", 0) / seconds if seconds > 0 else None,
+            "compute_util": last.get("compute_util"),
+            "eval_loss": self.evals[name][-1]["loss"] if self.evals[name] else None,
+            "last_seen_s": now - last["wall"] if "wall" in last else None,
+            "versions": last.get("snapshot_version", []),
+            "bytes_sent": last.get("bytes_sent"),
+            "bytes_received": last.get("bytes_received"),
+        }
+
+    def metric_endpoints(self) -> dict:
+        """Where each process serves its Prometheus metrics (the run directory's endpoints.json;
+        none without it)."""
+        try:
+            return json.loads((self.run_dir / "endpoints.json").read_text()).get("metrics", {})
+        except (OSError, ValueError):
+            return {}
 
 
 def finite(value):

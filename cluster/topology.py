@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from dloco.cliargs import as_flags
 from dloco.cluster.config import ClusterConfig
-from dloco.island.config import SyncConfig
+from dloco.island.config import TrainConfig
+from dloco.island.flags import SYNC_FLAGS, TRAIN_FLAGS
+from dloco.merger.config import SnapshotConfig
+from dloco.merger.flags import SNAPSHOT_FLAGS, math_flags
 from dloco.protocol.shards import names as shard_names
 
 
@@ -87,225 +91,136 @@ def commands(
 ) -> dict[str, list[str]]:
     """`dloco` arguments (without the program) of the broker, the merger, the evaluator (the global
     model during the run, island/evaluator.py) and every island; `place` maps the task's host paths
-    to the islands' (model_args)."""
-    keys, b = f"{run_dir}/keys", at.broker_ports
+    to the islands' (model_args).  The typed configs' flags are written by the processes' own
+    tables (island/flags.py, merger/flags.py)."""
+    keys, bind = f"{run_dir}/keys", at.bind_host
+    ports = at.broker_ports
     out = {
         "broker": [
             "broker",
-            "--keys",
-            keys,
-            "--allow",
-            f"{run_dir}/allow",
-            "--delta-in",
-            f"tcp://{at.bind_host}:{b[0]}",
-            "--delta-out",
-            f"tcp://{at.bind_host}:{b[1]}",
-            "--snapshot-in",
-            f"tcp://{at.bind_host}:{b[2]}",
-            "--snapshot-out",
-            f"tcp://{at.bind_host}:{b[3]}",
-            "--stats-every",
-            5,
+            *_flags(keys=keys, allow=f"{run_dir}/allow", stats_every=5),
+            *_flags(delta_in=f"tcp://{bind}:{ports[0]}", delta_out=f"tcp://{bind}:{ports[1]}"),
+            *_flags(
+                snapshot_in=f"tcp://{bind}:{ports[2]}", snapshot_out=f"tcp://{bind}:{ports[3]}"
+            ),
         ]
     }
+    controls = _mergers(config, at, run_dir, out)
+    control = [arg for endpoint in controls for arg in ("--control-endpoint", endpoint)]
+    out["evaluator"] = [
+        "evaluator",
+        *_flags(name="evaluator", islands=len(config.regions)),
+        *model_args(config, place),
+        *_flags(keys=keys, snapshot_endpoint=at.broker(3)),
+        *control,
+        *_flags(metrics_out=f"{run_dir}/global.jsonl"),
+    ]
+    for index, region in enumerate(config.regions):
+        out.update(_island(config, at, run_dir, place, region, index, control))
+    return {name: [str(arg) for arg in [*args, *at.metrics(name)]] for name, args in out.items()}
+
+
+def _flags(**values) -> list:
+    """`--name value` for each keyword, in order (underscores written as dashes)."""
+    return [arg for name, value in values.items() for arg in (f"--{name.replace('_', '-')}", value)]
+
+
+def _mergers(config: ClusterConfig, at: Addresses, run_dir: str, out: dict) -> list[str]:
+    """The merger's command line (each shard's, the standby's) into `out`; returns the control
+    endpoints islands dial, one per shard in shard order ("A,B": a merger and its standby)."""
     sc, mc = config.effective()
-    # else the island's default
-    settle = (
-        ["--settle-timeout", sc.settle_timeout_s]
-        if sc.settle_timeout_s != SyncConfig.settle_timeout_s
-        else []
+    snapshots = SnapshotConfig(
+        mc.snapshot_codec, mc.snapshot_diff_codec, mc.snapshot_full_every, mc.snapshot_every_round
     )
     out["merger"] = [
         "merger",
-        "--run-dir",
-        f"{run_dir}/merger",
-        "--init-npz",
-        f"{run_dir}/init.npz",
-        "--fragments",
-        sc.fragments,
-        "--keys",
-        keys,
-        "--allow",
-        f"{run_dir}/allow",
-        "--delta-endpoint",
-        at.broker(1),
-        "--snapshot-endpoint",
-        at.broker(2),
-        "--control-endpoint",
-        f"@tcp://{at.bind_host}:{at.control_port}",
-        "--max-staleness",
-        mc.max_staleness,
-        "--quorum",
-        mc.quorum,
-        "--quorum-timeout",
-        mc.quorum_timeout_s,
-        "--grace-cap",
-        mc.grace_cap_s,
-        "--merge",
-        mc.merge,
-        "--outer",
-        mc.outer,
-        "--outer-lr",
-        mc.outer_lr,
-        "--delay",
-        mc.delay,
-        "--snapshot-codec",
-        mc.snapshot_codec,
-        "--snapshot-diff-codec",
-        mc.snapshot_diff_codec,
-        "--snapshot-full-every",
-        mc.snapshot_full_every,
-        "--share-window",
-        mc.share_window,
-        "--snapshot-every-round",
-        mc.snapshot_every_round,
+        *_flags(run_dir=f"{run_dir}/merger", init_npz=f"{run_dir}/init.npz"),
+        *_flags(fragments=sc.fragments, keys=f"{run_dir}/keys", allow=f"{run_dir}/allow"),
+        *_flags(delta_endpoint=at.broker(1), snapshot_endpoint=at.broker(2)),
+        *_flags(control_endpoint=f"@tcp://{at.bind_host}:{at.control_port}"),
+        *math_flags(mc.math()),
+        *as_flags(snapshots, SNAPSHOT_FLAGS),
     ]
-    control = f"tcp://{at.merger_host}:{at.control_port}"
-    # islands and the evaluator: one control endpoint per merger shard, in shard order
-    controls = [control]
+    controls = [f"tcp://{at.merger_host}:{at.control_port}"]
     if mc.shards > 1:
         shard0 = out["merger"]
         out["merger"] = [*shard0, "--shard", f"0/{mc.shards}"]
         for index, name in enumerate(shard_names("merger", mc.shards)[1:], 1):
-            port, host = (
-                at.shard_control_ports[index - 1],
-                (at.shard_hosts[index - 1] if at.shard_hosts else at.merger_host),
-            )
-            shard = _without(_without(shard0, "--run-dir"), "--control-endpoint")
+            port = at.shard_control_ports[index - 1]
+            host = at.shard_hosts[index - 1] if at.shard_hosts else at.merger_host
             out[name] = [
-                *shard,
-                "--run-dir",
-                f"{run_dir}/{name}",
-                "--control-endpoint",
-                f"@tcp://{at.bind_host}:{port}",
-                "--name",
-                name,
-                "--shard",
-                f"{index}/{mc.shards}",
+                *_without(_without(shard0, "--run-dir"), "--control-endpoint"),
+                *_flags(run_dir=f"{run_dir}/{name}"),
+                *_flags(control_endpoint=f"@tcp://{at.bind_host}:{port}"),
+                *_flags(name=name, shard=f"{index}/{mc.shards}"),
             ]
             controls.append(f"tcp://{host}:{port}")
     # the same merger twice (one key, one name): either may be the primary; islands reach both
     if mc.standby:
         standby_control, mine, its = at.standby_ports
-        pair = ["--replication", mc.replication, "--lease", mc.lease_s]
+        pair = _flags(replication=mc.replication, lease=mc.lease_s)
         standby = [
-            *out["merger"],
+            *_without(_without(out["merger"], "--init-npz"), "--control-endpoint"),
             *pair,
-            "--replication-endpoint",
-            f"@tcp://{at.bind_host}:{its}",
-            "--standby-of",
-            f"tcp://{at.merger_host}:{mine}",
+            *_flags(replication_endpoint=f"@tcp://{at.bind_host}:{its}"),
+            *_flags(standby_of=f"tcp://{at.merger_host}:{mine}"),
+            *_flags(control_endpoint=f"@tcp://{at.bind_host}:{standby_control}"),
         ]
-        out["standby"] = _without(_without(standby, "--init-npz"), "--control-endpoint") + [
-            "--control-endpoint",
-            f"@tcp://{at.bind_host}:{standby_control}",
-        ]
-        out["standby"][out["standby"].index("--run-dir") + 1] = f"{run_dir}/standby"
+        standby[standby.index("--run-dir") + 1] = f"{run_dir}/standby"
+        out["standby"] = standby
         out["merger"] += [
             *pair,
-            "--replication-endpoint",
-            f"@tcp://{at.bind_host}:{mine}",
-            "--peer",
-            f"tcp://{at.standby_host}:{its}",
+            *_flags(replication_endpoint=f"@tcp://{at.bind_host}:{mine}"),
+            *_flags(peer=f"tcp://{at.standby_host}:{its}"),
         ]
         controls[0] += f",tcp://{at.standby_host}:{standby_control}"
-    control = [arg for endpoint in controls for arg in ("--control-endpoint", endpoint)]
-    out["evaluator"] = [
-        "evaluator",
-        "--name",
-        "evaluator",
-        "--islands",
-        len(config.regions),
+    return controls
+
+
+def _island(config: ClusterConfig, at, run_dir: str, place, region, index: int, control) -> dict:
+    """The command line of `region`'s island: one process, or one per host (process 0, named as
+    the region, holds the bus links and the coordinator)."""
+    sc, _ = config.effective()
+    train = TrainConfig(
+        batch=config.model.batch,
+        seed=config.seed,
+        max_steps=10**9,
+        budget_tokens=config.tokens or 0,
+        eval_every=config.eval_every,
+        eval_early=config.eval_early,
+        eval_trace=config.eval_trace or 0,
+    )
+    sync = dataclasses.replace(sc, interval=config.interval_of(region))
+    links = {"uplink_mbps": region.uplink_mbps, "downlink_mbps": region.downlink_mbps}
+    island = [
+        "island",
+        *_flags(name=region.name, region=region.name),
+        *_flags(islands=len(config.regions), island_index=index),
         *model_args(config, place),
-        "--keys",
-        keys,
-        "--snapshot-endpoint",
-        at.broker(3),
+        *as_flags(train, TRAIN_FLAGS),
+        *as_flags(sync, SYNC_FLAGS),
+        # with island_cpus the quota slows a region down, not a sleep
+        *_flags(slowdown=1.0 if config.island_cpus else region.slowdown),
+        *_flags(**{name: value for name, value in links.items() if value}),
+        *_flags(rtt_ms=region.rtt_ms, keys=f"{run_dir}/keys"),
+        *_flags(delta_endpoint=at.broker(0), snapshot_endpoint=at.broker(3)),
         *control,
-        "--metrics-out",
-        f"{run_dir}/global.jsonl",
+        *_flags(metrics_out=f"{run_dir}/metrics/{region.name}.jsonl", join_timeout=300),
     ]
-    # with island_cpus the quota slows a region down, not a sleep
-    for index, region in enumerate(config.regions):
-        links = []
-        for flag, value in (
-            ("--uplink-mbps", region.uplink_mbps),
-            ("--downlink-mbps", region.downlink_mbps),
-        ):
-            links += [flag, value] if value else []
-        out[region.name] = [
-            "island",
-            "--name",
-            region.name,
-            "--region",
-            region.name,
-            "--islands",
-            len(config.regions),
-            "--island-index",
-            index,
-            *model_args(config, place),
-            "--max-steps",
-            10**9,
-            *(["--budget-tokens", config.tokens] if config.tokens else []),
-            "--eval-every",
-            config.eval_every,
-            *(["--eval-early"] if config.eval_early else []),
-            *(["--eval-trace", config.eval_trace] if config.eval_trace else []),
-            "--fragments",
-            sc.fragments,
-            "--interval",
-            config.interval_of(region),
-            "--codec",
-            sc.codec,
-            "--adoption",
-            sc.adoption,
-            "--alpha",
-            sc.alpha,
-            *(["--blocking"] if sc.blocking else []),
-            *(["--error-feedback"] if sc.error_feedback else []),
-            *(["--flush-on-leave"] if sc.flush_on_leave else []),
-            *settle,
-            "--slowdown",
-            1.0 if config.island_cpus else region.slowdown,
-            *links,
-            "--rtt-ms",
-            region.rtt_ms,
-            "--keys",
-            keys,
-            "--delta-endpoint",
-            at.broker(0),
-            "--snapshot-endpoint",
-            at.broker(3),
-            *control,
-            "--metrics-out",
-            f"{run_dir}/metrics/{region.name}.jsonl",
-            "--join-timeout",
-            300,
+    if region.hosts == 1:
+        return {region.name: island}
+    coordinator = f"{at.coordinator_host or region.name}:{at.coordinator_ports[region.name]}"
+    out = {}
+    for process, name in enumerate(region.processes):
+        own = island
+        if process > 0:
+            own = _without(island, "--metrics-out")
+            own += _flags(metrics_out=f"{run_dir}/metrics/{name}.jsonl")
+        out[name] = [
+            *own,
+            *_flags(coordinator=coordinator, num_processes=region.hosts, process_id=process),
         ]
-        # one process per host; process 0 (the region's name) holds the bus links and the
-        # coordinator
-        if region.hosts > 1:
-            coordinator = (
-                f"{at.coordinator_host or region.name}:{at.coordinator_ports[region.name]}"
-            )
-            island = out.pop(region.name)
-            for index, name in enumerate(region.processes):
-                own = (
-                    island
-                    if index == 0
-                    else _without(island, "--metrics-out")
-                    + ["--metrics-out", f"{run_dir}/metrics/{name}.jsonl"]
-                )
-                out[name] = [
-                    *own,
-                    "--coordinator",
-                    coordinator,
-                    "--num-processes",
-                    region.hosts,
-                    "--process-id",
-                    index,
-                ]
-    return {name: [str(arg) for arg in [*args, *at.metrics(name)]] for name, args in out.items()}
+    return out
 
 
 def _without(args: list, flag: str) -> list:

@@ -192,41 +192,9 @@ def load_tokens(path: str | Path) -> Corpus:
         if sidecar.is_file() and sidecar != path
         else None
     )
-    if path.suffix == ".npy":
-        try:
-            tokens_N = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError) as error:
-            raise CorpusError(f"{path} is not a readable .npy array: {error}") from None
-        if tokens_N.ndim != 1:
-            raise CorpusError(
-                f"{path} holds an array of shape {tokens_N.shape}; token ids are a 1-D array"
-            )
-        dtype = next(
-            (name for name, known in TOKEN_DTYPES.items() if tokens_N.dtype == known), None
-        )
-        if dtype is None:
-            raise CorpusError(
-                f"{path} holds {tokens_N.dtype} values; token ids are little-endian uint16 or"
-                " uint32"
-            )
-        if info is not None and info.dtype != dtype:
-            raise CorpusError(
-                f"{path} holds {dtype} ids but its sidecar {sidecar} says {info.dtype}"
-            )
-    else:
-        dtype = info.dtype if info is not None else "uint16"
-        size, item = path.stat().st_size, TOKEN_DTYPES[dtype].itemsize
-        if size % item:
-            raise CorpusError(
-                f"{path} is {size} bytes, not a multiple of {item} ({dtype} ids): truncated, or not"
-                f" {dtype}?"
-            )
-        # np.memmap refuses an empty file: say what is wrong instead
-        if size < MIN_TOKENS * item:
-            raise CorpusError(
-                f"token file {path} holds {size // item} tokens; at least {MIN_TOKENS:,} are needed"
-            )
-        tokens_N = np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r")
+    tokens_N, dtype = (
+        _open_npy(path, info, sidecar) if path.suffix == ".npy" else _open_raw(path, info)
+    )
     if tokens_N.size < MIN_TOKENS:
         raise CorpusError(
             f"token file {path} holds {tokens_N.size} tokens; at least {MIN_TOKENS:,} are needed"
@@ -251,6 +219,44 @@ def load_tokens(path: str | Path) -> Corpus:
         str(path),
         vocab,
     )
+
+
+def _open_npy(path: Path, info, sidecar: Path) -> tuple[np.ndarray, str]:
+    """A .npy token file, memory-mapped, and its dtype's name (checked against the sidecar)."""
+    try:
+        tokens_N = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as error:
+        raise CorpusError(f"{path} is not a readable .npy array: {error}") from None
+    if tokens_N.ndim != 1:
+        raise CorpusError(
+            f"{path} holds an array of shape {tokens_N.shape}; token ids are a 1-D array"
+        )
+    dtype = next((name for name, known in TOKEN_DTYPES.items() if tokens_N.dtype == known), None)
+    if dtype is None:
+        raise CorpusError(
+            f"{path} holds {tokens_N.dtype} values; token ids are little-endian uint16 or uint32"
+        )
+    if info is not None and info.dtype != dtype:
+        raise CorpusError(f"{path} holds {dtype} ids but its sidecar {sidecar} says {info.dtype}")
+    return tokens_N, dtype
+
+
+def _open_raw(path: Path, info) -> tuple[np.ndarray, str]:
+    """A raw token file (uint16 without a sidecar), memory-mapped, and its dtype's name."""
+    dtype = info.dtype if info is not None else "uint16"
+    size, item = path.stat().st_size, TOKEN_DTYPES[dtype].itemsize
+    if size % item:
+        raise CorpusError(
+            f"{path} is {size} bytes, not a multiple of {item} ({dtype} ids): truncated, or not"
+            f" {dtype}?"
+        )
+    # np.memmap refuses an empty file: say what is wrong instead
+    if size < MIN_TOKENS * item:
+        raise CorpusError(
+            f"token file {path} holds {size // item} tokens; at least {MIN_TOKENS:,} are needed"
+        )
+    tokens_N = np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r")
+    return tokens_N, dtype
 
 
 def split(

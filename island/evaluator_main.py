@@ -13,7 +13,7 @@ from dloco.cliargs import add_metrics_flags, float_at_least
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
-    from dloco.island.main import add_task_flags
+    from dloco.island.flags import add_task_flags
 
     evaluator = commands.add_parser(
         "evaluator",
@@ -88,6 +88,8 @@ def lower_priority(keep: set[int]) -> None:
             continue
 
 
+# Over 60 lines: the process's start, its following of the global model and its end, in order, with
+# what it opened closed in one `finally`.
 def run_evaluator(args: argparse.Namespace) -> int:
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -98,8 +100,8 @@ def run_evaluator(args: argparse.Namespace) -> int:
     from dloco.island import evaluator
     from dloco.island import task as tasks
     from dloco.island.config import TrainConfig
+    from dloco.island.flags import task_options
     from dloco.island.follower import SnapshotFollower
-    from dloco.island.main import task_options
     from dloco.island.metrics import MetricsWriter
     from dloco.island.train import Trainer
     from dloco.protocol import DlocoError, model_fingerprint

@@ -40,7 +40,8 @@ class GroupLost(DlocoError):
 # How the XLA runtime's failed statuses read (absl status codes), whichever Python type carries
 # them.
 _RUNTIME_STATUS = re.compile(
-    r"(UNKNOWN|INTERNAL|UNAVAILABLE|ABORTED|CANCELLED|DEADLINE_EXCEEDED|DATA_LOSS|FAILED_PRECONDITION): "
+    r"(UNKNOWN|INTERNAL|UNAVAILABLE|ABORTED|CANCELLED|DEADLINE_EXCEEDED|DATA_LOSS"
+    r"|FAILED_PRECONDITION): "
 )
 
 

@@ -13,18 +13,10 @@ import numpy as np
 
 from dloco.island import exchange, schedule
 from dloco.island.config import SyncConfig, TrainConfig
+from dloco.island.joining import wait_for_model
 from dloco.island.metrics import MetricsWriter
-from dloco.island.task import examples_in, first_difference
+from dloco.island.task import examples_in
 from dloco.island.train import Trainer
-from dloco.protocol.errors import DlocoError
-
-
-class JoinTimeout(DlocoError):
-    """The merger's initial snapshot did not arrive."""
-
-
-class ModelMismatch(DlocoError):
-    """The merger's model (parameter paths and shapes) is not the one this island's task builds."""
 
 
 class Link(Protocol):
@@ -82,14 +74,8 @@ class IslandLoop:
         self.trainer, self.batches, self.eval_batches = trainer, batches, eval_batches
         # what a batch adds to "tokens" (the task's Task.tokens_in)
         self.count = count if count is not None else examples_in
-        self.train, self.sync, self.metrics, self.link, self.slowdown, self.log = (
-            train,
-            sync,
-            metrics,
-            link,
-            slowdown,
-            log,
-        )
+        self.train, self.sync, self.metrics = train, sync, metrics
+        self.link, self.slowdown, self.log = link, slowdown, log
         # called once after step 1 (mostly compiling): a CPU quota starts there (island/cpugroup.py)
         self.on_compiled = on_compiled
         params = trainer.params()
@@ -123,54 +109,19 @@ class IslandLoop:
             self._agree()
 
     def _join(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        waiting = set(range(len(self.progress)))
         theta = self.trainer.params()
-        ours, theirs = {p: v.shape for p, v in theta.items()}, {}
-        while waiting and not self.stop_requested:
-            if time.monotonic() > deadline:
-                self._refuse_foreign(ours, final=True)
-                raise JoinTimeout(
-                    f"no snapshot of fragments {sorted(waiting)} within {timeout_s} s: is the"
-                    " merger running, with the same model?"
-                )
-            for fragment, version, tensors in self.link.snapshots():
-                theirs.update({p: np.shape(v) for p, v in tensors.items()})
-                # so far: what arrived
-                if (
-                    difference := first_difference(
-                        theirs, {p: ours[p] for p in theirs if p in ours}
-                    )
-                ) is not None:
-                    raise ModelMismatch(
-                        f"the merger trains another model than this task: {difference}"
-                    )
-                self._set(exchange.adopt(theta, tensors, 0.0))
-                self.progress[fragment] = FragmentProgress(
-                    {p: np.asarray(v, np.float32) for p, v in tensors.items()}, version
-                )
-                waiting.discard(fragment)
-            self._refuse_foreign(ours)
-            time.sleep(0.01)
-        if not waiting and (difference := first_difference(theirs, ours)) is not None:
-            raise ModelMismatch(f"the merger trains another model than this task: {difference}")
-
-    def _refuse_foreign(self, ours: Mapping[str, tuple[int, ...]], final: bool = False) -> None:
-        """The link drops snapshots of another model (their fingerprint is not this task's) and
-        keeps only their layout.  Once every fragment's has arrived (they come together, answering
-        the join's request), raise ModelMismatch naming the first differing path of the whole model;
-        at the join's deadline (`final`), the first one in what has arrived."""
-        foreign = getattr(self.link, "foreign", {})
-        if not foreign or (len(foreign) < len(self.progress) and not final):
-            return
-        theirs = {p: shape for layout in foreign.values() for p, shape in layout.items()}
-        compared = (
-            ours
-            if len(foreign) >= len(self.progress)
-            else {p: ours[p] for p in theirs if p in ours}
+        arrived = wait_for_model(
+            self.link,
+            {p: v.shape for p, v in theta.items()},
+            len(self.progress),
+            timeout_s,
+            lambda: self.stop_requested,
         )
-        if (difference := first_difference(theirs, compared)) is not None:
-            raise ModelMismatch(f"the merger trains another model than this task: {difference}")
+        for fragment, version, tensors in arrived:
+            self._set(exchange.adopt(theta, tensors, 0.0))
+            self.progress[fragment] = FragmentProgress(
+                {p: np.asarray(v, np.float32) for p, v in tensors.items()}, version
+            )
 
     def run(self, max_steps: int | None = None) -> dict:
         max_steps = max_steps or self.train.max_steps
@@ -180,57 +131,18 @@ class IslandLoop:
         self.metrics.write({"step": 0, "tokens": 0, **held_out, "time": 0.0, "wall": time.time()})
         loss, step = float("nan"), 0
         for step in range(1, max_steps + 1):
-            if (
-                self.group_stop if self.group is not None else self.stop_requested
-            ) or self.budget_spent:
+            if self._stopping():
                 step -= 1
                 break
-            batch = next(self.batches)
-            if self.train.budget_tokens:
-                self.trainer.set_rate_scale(schedule.decay(self.progress_ppm / 1e6))
-            began = time.perf_counter()
-            loss, grad_norm = self.trainer.step(batch)
-            compute = time.perf_counter() - began
-            # an older chip: the same work takes `slowdown` times as long (step 1 is mostly
-            # compiling)
-            if self.slowdown > 1 and step > 1:
-                time.sleep(compute * (self.slowdown - 1))
-            # step 1: compiling, not slowed down
-            self.compute_s += compute * self.slowdown if step > 1 else compute
-            if step == 1 and self.on_compiled is not None:
-                self.on_compiled()
-            step_tokens = self.count(batch)
-            self.tokens += step_tokens
-            for progress in self.progress:
-                progress.steps += 1
-                progress.tokens += step_tokens
-            self._follow_budget()
+            loss, grad_norm = self._step(step)
             if self.link is not None or self.group is not None:
                 self._exchange(step)
-            event = {
-                "step": step,
-                "tokens": self.tokens,
-                "loss": loss,
-                "grad_norm": grad_norm,
-                "time": time.perf_counter() - self.started,
-                "wall": time.time(),
-                "compute_util": self.compute_s / (time.perf_counter() - self.started),
-                "bytes_sent": getattr(self.link, "bytes_sent", 0),
-                "bytes_received": getattr(self.link, "bytes_received", 0),
-                "bytes_received_values": getattr(self.link, "bytes_received_values", 0),
-                "snapshot_version": [p.version for p in self.progress],
-                "wait_s": self.wait_s,
-            }
-            if self.train.budget_tokens:
-                event["budget_progress"] = self.progress_ppm / 1e6
+            event = self._event(step, loss, grad_norm)
             # a power of two
             early = (
                 self.train.eval_early and step < self.train.eval_every and step & (step - 1) == 0
             )
-            stopping = (
-                self.group_stop if self.group is not None else self.stop_requested
-            ) or self.budget_spent
-            if step % self.train.eval_every == 0 or early or step == max_steps or stopping:
+            if step % self.train.eval_every == 0 or early or step == max_steps or self._stopping():
                 event.update(self._evaluate())
                 eval_loss = event["eval_loss"]
                 if self.log is not None:
@@ -260,6 +172,57 @@ class IslandLoop:
             "compute_util": self.compute_s / wall,
             **({"budget_progress": self.progress_ppm / 1e6} if self.train.budget_tokens else {}),
         }
+
+    def _stopping(self) -> bool:
+        """A stop asked (of any process of the island, as agreed) or the token budget spent."""
+        return (
+            self.group_stop if self.group is not None else self.stop_requested
+        ) or self.budget_spent
+
+    def _step(self, step: int) -> tuple[float, float]:
+        """One inner step on the next batch, slowed down as an older chip would be; the tokens it
+        trained counted.  Returns (loss, gradient norm)."""
+        batch = next(self.batches)
+        if self.train.budget_tokens:
+            self.trainer.set_rate_scale(schedule.decay(self.progress_ppm / 1e6))
+        began = time.perf_counter()
+        loss, grad_norm = self.trainer.step(batch)
+        compute = time.perf_counter() - began
+        # an older chip: the same work takes `slowdown` times as long (step 1 is mostly
+        # compiling)
+        if self.slowdown > 1 and step > 1:
+            time.sleep(compute * (self.slowdown - 1))
+        # step 1: compiling, not slowed down
+        self.compute_s += compute * self.slowdown if step > 1 else compute
+        if step == 1 and self.on_compiled is not None:
+            self.on_compiled()
+        step_tokens = self.count(batch)
+        self.tokens += step_tokens
+        for progress in self.progress:
+            progress.steps += 1
+            progress.tokens += step_tokens
+        self._follow_budget()
+        return loss, grad_norm
+
+    def _event(self, step: int, loss: float, grad_norm: float) -> dict:
+        """The step's line of metrics (evaluations are added by `run`)."""
+        event = {
+            "step": step,
+            "tokens": self.tokens,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "time": time.perf_counter() - self.started,
+            "wall": time.time(),
+            "compute_util": self.compute_s / (time.perf_counter() - self.started),
+            "bytes_sent": getattr(self.link, "bytes_sent", 0),
+            "bytes_received": getattr(self.link, "bytes_received", 0),
+            "bytes_received_values": getattr(self.link, "bytes_received_values", 0),
+            "snapshot_version": [p.version for p in self.progress],
+            "wait_s": self.wait_s,
+        }
+        if self.train.budget_tokens:
+            event["budget_progress"] = self.progress_ppm / 1e6
+        return event
 
     @property
     def budget_spent(self) -> bool:

@@ -131,6 +131,8 @@ def decode_text(raw: bytes) -> tuple[str, bool]:
         return raw.decode("utf-8", errors="replace"), True
 
 
+# Over 60 lines: one token file written in its order: the old sidecar removed first, then the
+# tokenizer, the ids, and the sidecar last, so that a crash never leaves a sidecar beside other ids.
 def tokenize(
     src: str | Path | None,
     out: str | Path,

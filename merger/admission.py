@@ -80,21 +80,8 @@ def admit(
 
     if candidate.model != model:
         return reject("model_mismatch", f"model fingerprint {candidate.model} != {model}")
-    if set(candidate.tensors) != set(layout):
-        missing, extra = (
-            sorted(set(layout) - set(candidate.tensors)),
-            sorted(set(candidate.tensors) - set(layout)),
-        )
-        return reject(
-            "layout_mismatch",
-            f"fragment {candidate.fragment}: missing {missing[:3]}, unexpected {extra[:3]}",
-        )
-    for path, shape in layout.items():
-        if tuple(candidate.tensors[path].shape) != tuple(shape):
-            return reject(
-                "layout_mismatch",
-                f"{path}: shape {candidate.tensors[path].shape} != {tuple(shape)}",
-            )
+    if (mismatch := _layout_mismatch(candidate, layout)) is not None:
+        return reject("layout_mismatch", mismatch)
     if staleness < 0:
         return reject(
             "future_base", f"base version {candidate.base_version} is ahead of version {version}"
@@ -125,3 +112,18 @@ def admit(
             norm,
         )
     return Verdict(True, "", "", staleness, norm)
+
+
+def _layout_mismatch(candidate: Candidate, layout: Mapping[str, tuple[int, ...]]) -> str | None:
+    """How the delta's tensors differ from the fragment's `layout` (paths, then shapes); None: they
+    do not."""
+    if set(candidate.tensors) != set(layout):
+        missing, extra = (
+            sorted(set(layout) - set(candidate.tensors)),
+            sorted(set(candidate.tensors) - set(layout)),
+        )
+        return f"fragment {candidate.fragment}: missing {missing[:3]}, unexpected {extra[:3]}"
+    for path, shape in layout.items():
+        if tuple(candidate.tensors[path].shape) != tuple(shape):
+            return f"{path}: shape {candidate.tensors[path].shape} != {tuple(shape)}"
+    return None

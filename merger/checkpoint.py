@@ -6,10 +6,11 @@ yet folded.  Recovery = newest valid checkpoint + log records from the oldest su
 (records before N are used only to re-queue those pending deltas) + everything from N on.
 
 File: ``DIR/<N, 12 digits>.ckpt`` = u32 length, u32 CRC-32, msgpack map, then the arrays' bytes as
-raw blobs back to back (a write-ahead-log record, merger/wal.py: the map lists them as "blobs":
-[[nbytes, crc32], ...] and each array entry names its blob), so that saving copies no array and
-reading views them where they lie.  Checkpoints written before the blobs had each array's bytes in
-the map (`data`), and still read.  Written to a temporary name, fsynced, renamed, directory fsynced.
+raw blobs back to back (a write-ahead-log record, merger/wal_segments.py: the map lists them as
+"blobs": [[nbytes, crc32], ...] and each array entry names its blob), so that saving copies no
+array and reading views them where they lie.  Checkpoints written before the blobs had each
+array's bytes in the map (`data`), and still read.  Written to a temporary name, fsynced, renamed,
+directory fsynced.
 """
 
 from __future__ import annotations

@@ -11,20 +11,15 @@ of f_mb * level_mbj, one delta after another; each delta's indices are distinct,
 the additions is fixed too), so passes over the codes give the merged direction u (up to 8
 deltas per XLA call; a round's size is padded to 1, 2, 4 or 8 so that few shapes are ever
 compiled), and the radius/length rescaling of RDA (merger/rda.py) is one multiply on the way into
-the outer step.  u is accumulated per
-position in the byte (two arrays for int4) and interleaved into value order once, by the round's
-last kernel call, which also sums its squares per block; the outer step (`merge_and_step`) cuts
-it into the fragment's tensors in the same XLA computation, each tensor from slices of just the
-tiles it spans (never a concatenation of the whole fragment).  The fold waits on the host twice
-(norms, then lengths), so the merger runs it on a worker thread (merger/pipeline.py).  The
-passes over codes run as XLA kernels; every reduction whose order could vary is either over exact
-integers or a fixed halving tree, and the float64 sums over blocks are numpy pairwise sums over
+the outer step.  The passes and the outer step are XLA kernels (merger/coded_kernels.py); this
+module plans them (groups of deltas, tiles of blocks), lays the codes out for them and does the
+host's part.  The fold waits on the host twice (norms, then lengths), so the merger runs it on a
+worker thread (merger/pipeline.py).  The float64 sums over blocks are numpy pairwise sums over
 fixed slices, so the same log gives the same bytes (replay feeds the same records to this code).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -32,123 +27,28 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dloco.merger.coded_kernels import (
+    accumulate,
+    accumulate_first,
+    accumulate_last,
+    block_square_sums,
+    block_squares,
+    outer_step,
+    sparse_accumulate,
+    split,
+)
 from dloco.protocol import CodedTensor, sparse
 
-# Bumped whenever a change to these kernels moves results by as much as a rounding unit (logged in
-# the genesis record: `dloco replay` says when a log was written with other kernels or jax).
-KERNELS_VERSION = 1
-
-
-def _parts(codes: jax.Array, bits: int) -> list[jax.Array]:
-    """uint8 (..., C) codes -> the int32 levels each byte holds, one array per position in the
-    byte."""
-    if bits == 8:
-        return [jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.int32)]
-    c = codes.astype(jnp.int32)
-    if bits == 4:
-        return [(c & 15) - 8, (c >> 4) - 8]
-    return [((c >> (2 * k)) & 3) - 1 for k in range(4)]
-
-
-def _interleave(parts: Sequence[jax.Array]) -> jax.Array:
-    """Per-position arrays (..., C) -> (..., K) in value order (PROTOCOL.md §Codecs)."""
-    return (
-        parts[0] if len(parts) == 1 else jnp.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)
-    )
-
-
-def parts_per_byte(bits: int) -> int:
-    return 1 if bits == 8 else 8 // bits
-
-
-def _halving_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis (a power of two) in a fixed pairwise order."""
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
-
-
-@functools.partial(jax.jit, static_argnames=("bits",))
-def block_square_sums(codes: jax.Array, bits: int) -> jax.Array:
-    """(M, B, C) codes -> (M, B) int32: sum of squared levels per block (exact, so any order will
-    do: bytes are not unpacked into value order)."""
-    return _halving_sum(sum(q * q for q in _parts(codes, bits)))
-
-
-def _accumulate(u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: int, last: bool):
-    for m in range(codes.shape[0]):
-        f = factors[m][:, None]
-        u = [a + q.astype(jnp.float32) * f for a, q in zip(u, _parts(codes[m], bits))]
-    if not last:
-        return u
-    # The round's last group: u in value order and its per-block sum of squares (float32, fixed
-    # order: per position, then positions in order), from u still in registers — one pass over u
-    # less, and the outer step reads u without interleaving it (2 ms of 17 a fold).
-    total = _halving_sum(u[0] * u[0])
-    for a in u[1:]:
-        total = total + _halving_sum(a * a)
-    return _interleave(u), total
-
-
-@functools.partial(jax.jit, static_argnames=("bits",), donate_argnums=(0,))
-def accumulate(
-    u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: int
-) -> list[jax.Array]:
-    """u (per position in the byte, (B, C) each) + sum_m factors_m * levels_m over (G, B, C) codes
-    and (G, B) factors, m in order.  Kept per position: interleaving once per fold, not once per
-    delta, made this 2x faster."""
-    return _accumulate(u, codes, factors, bits, last=False)
-
-
-@functools.partial(jax.jit, static_argnames=("bits",))
-def accumulate_last(
-    u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: int
-) -> tuple[jax.Array, jax.Array]:
-    """`accumulate` for a round's last group: (u in value order (B, K), per-block sums of u^2)."""
-    return _accumulate(u, codes, factors, bits, last=True)
-
-
-@functools.partial(jax.jit, static_argnames=("bits", "last"))
-def accumulate_first(
-    zero: jax.Array, codes: jax.Array, factors: jax.Array, bits: int, last: bool = False
-):
-    """`accumulate` onto u = `zero` (a float32 scalar 0, passed in): a round's first group, without
-    allocating and filling a zero u first.  A zero known at compile time would let XLA drop the
-    additions and contract the first products differently (1 ulp off the sequential order)."""
-    return _accumulate(
-        [jnp.broadcast_to(zero, codes.shape[1:])] * parts_per_byte(bits), codes, factors, bits, last
-    )
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def sparse_accumulate(
-    u: jax.Array, index: jax.Array, levels: jax.Array, factors: jax.Array
-) -> jax.Array:
-    """u (T, K) plus, for each of G deltas in order, factors (G, T) times levels (G, T, k) at the
-    kept positions index (G, T, k) of each block: distinct per delta and block, so each addition
-    lands once per delta and the order of the sums is fixed."""
-    rows = jnp.arange(u.shape[0])[:, None]
-    for m in range(index.shape[0]):
-        u = u.at[rows, index[m]].add(
-            levels[m].astype(jnp.float32) * factors[m][:, None],
-            indices_are_sorted=True,
-            unique_indices=True,
-        )
-    return u
-
-
-@jax.jit
-def block_squares(u: jax.Array) -> jax.Array:
-    """(T, K) -> (T,) sums of squares per block, in a fixed order."""
-    return _halving_sum(u * u)
-
+# (first delta, deltas, padded size) of each kernel call over a round
+Plan = list[tuple[int, int, int]]
+# path -> (first block, end block) in the fragment
+Spans = dict[str, tuple[int, int]]
 
 # deltas per kernel call: a round of any size compiles at most these shapes
 GROUPS = (1, 2, 4, 8)
 
 
-def groups(count: int) -> list[tuple[int, int, int]]:
+def groups(count: int) -> Plan:
     """(first, used, padded size) groups covering `count` deltas: 8 at a time, then the smallest
     that fits."""
     out, first = [], 0
@@ -160,57 +60,9 @@ def groups(count: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _padded(arrays: list[np.ndarray], size: int) -> np.ndarray:
+def padded(arrays: list[np.ndarray], size: int) -> np.ndarray:
     """Stack, padding with zeros to `size` (a zero factor or a dropped row makes padding inert)."""
     return np.stack(arrays + [np.zeros_like(arrays[0])] * (size - len(arrays)))
-
-
-def _pseudo_gradient(
-    tiles: list[jax.Array], block_scale: jax.Array, layout: tuple
-) -> list[jax.Array]:
-    """The tiles of u (value order, (T, K) each), times block_scale, cut into the fragment's
-    tensors: layout = ((first block, count, shape), ...).  Each tensor is assembled from slices of
-    just the tiles it spans (concatenating every tile first made XLA copy the whole fragment twice:
-    2x slower).
-    """
-    size, K = tiles[0].shape
-    out = []
-    for b0, count, shape in layout:
-        b1 = b0 + -(-count // K)
-        pieces = []
-        for t in range(b0 // size, (b1 - 1) // size + 1):
-            r0, r1 = max(b0, t * size) - t * size, min(b1, (t + 1) * size) - t * size
-            pieces.append(tiles[t][r0:r1] * block_scale[t * size + r0 : t * size + r1, None])
-        flat = (pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)).reshape(-1)
-        out.append(flat[:count].reshape(shape))
-    return out
-
-
-split = jax.jit(_pseudo_gradient, static_argnames=("layout",))
-
-
-@functools.lru_cache(maxsize=32)
-def _outer_step(optimizer: optax.GradientTransformation):
-    """The outer step taking the pseudo-gradient as tiles: one XLA computation per fragment layout
-    (as `outer.make_step`, whose optimizer-state layout — a path-ordered list — it shares)."""
-
-    optimizer = optax.with_extra_args_support(optimizer)
-
-    @functools.partial(jax.jit, static_argnames=("layout",))
-    def step(
-        params: list,
-        opt_state,
-        tiles: list,
-        block_scale: jax.Array,
-        share: jax.Array,
-        layout: tuple,
-    ):
-        # the barrier: computed once, not again inside each use the optimizer makes of it (slower)
-        pseudo = jax.lax.optimization_barrier(_pseudo_gradient(tiles, block_scale, layout))
-        updates, opt_state = optimizer.update(pseudo, opt_state, params, share=share)
-        return optax.apply_updates(params, updates), opt_state
-
-    return step
 
 
 # blocks per kernel call: fragments of any size run the same few compiled shapes
@@ -221,26 +73,6 @@ def tile_blocks(blocks: int) -> int:
     """Tile size for a fragment of `blocks` blocks: TILE_BLOCKS, or the power of two >= blocks (>=
     16)."""
     return min(TILE_BLOCKS, max(16, 1 << (blocks - 1).bit_length()))
-
-
-def warm_up(
-    fragment_values: Sequence[int], block: int = 256, bits: int = 4, stopping=lambda: False
-) -> None:
-    """Compile the kernels ahead of the first rounds, for fragments of these sizes (values) and one
-    codec (int4, block 256 by default: the islands' default).  `stopping()` true: return before
-    the next compilation (one cannot be cut short, and a process must not exit during one)."""
-    for tile in sorted({tile_blocks(-(-values // block)) for values in fragment_values}):
-        codes = np.zeros((tile, block * bits // 8), np.uint8)
-        # a round's first group, the groups after it; the last one of each
-        for size in GROUPS:
-            if stopping():
-                return
-            group, factors = _padded([codes], size), np.zeros((size, tile), np.float32)
-            block_square_sums(group, bits).block_until_ready()
-            jax.block_until_ready(accumulate_first(np.float32(0), group, factors, bits, last=True))
-            u = accumulate_first(np.float32(0), group, factors, bits)
-            u = accumulate(u, group, factors, bits)
-            jax.block_until_ready(accumulate_last(u, group, factors, bits))
 
 
 def _code_tiles(deltas: list[list[np.ndarray]], size: int, T: int, n_tiles: int) -> list[jax.Array]:
@@ -310,7 +142,7 @@ def merge_and_step(
     paths, tiles, block_scale, layout, delta_norms, merged_norm = _direction(
         tensors, weights, plain
     )
-    new, opt_state = _outer_step(optimizer)(
+    new, opt_state = outer_step(optimizer)(
         [params[p] for p in paths], opt_state, tiles, block_scale, np.float32(share), layout
     )
     return dict(zip(paths, new)), opt_state, delta_norms, merged_norm
@@ -319,21 +151,14 @@ def merge_and_step(
 def _direction(
     tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[float], plain: dict[str, bool]
 ):
+    """One round's merged direction as tiles of u (value order), the per-block rescaling that makes
+    it RDA's (1 on plain paths), the fragment's layout, each delta's norm and the merged norm."""
     paths = sorted(tensors[0])
     codec = tensors[0][paths[0]].codec
-    spans, layout, start = {}, [], 0
-    for path in paths:
-        blocks = tensors[0][path].records.shape[0]
-        spans[path] = (start, start + blocks)
-        layout.append((start, tensors[0][path].count, tuple(tensors[0][path].shape)))
-        start += blocks
+    spans, layout, start = _layout(tensors[0], paths)
     T = tile_blocks(start)
     n_tiles = -(-start // T)
     plan = groups(len(tensors))
-
-    def tile(rows: list[np.ndarray], index: int, size: int) -> np.ndarray:
-        return _padded([r[index * T : (index + 1) * T] for r in rows], size)
-
     if codec.sparse:
         kept = [_sparse_levels([t[p] for p in paths], n_tiles * T) for t in tensors]
         scales = [s.astype(np.float64) for s, _, _ in kept]
@@ -346,24 +171,73 @@ def _direction(
             for a, n, g in plan
         ]
         scales = [np.concatenate([t[p].scales for p in paths]).astype(np.float64) for t in tensors]
-        squares = np.concatenate(
-            [
-                np.concatenate(
-                    [
-                        np.asarray(block_square_sums(group[i], codec.bits))[:n]
-                        for group, (_, n, _) in zip(codes, plan)
-                    ]
-                )
-                for i in range(n_tiles)
-            ],
-            axis=1,
-        )[:, :start].astype(np.float64)
+        squares = _code_squares(codes, plan, n_tiles, start, codec.bits)
     norms = [
         {p: float(np.sqrt(_sum64(scale[b0:b1] ** 2 * sq[b0:b1]))) for p, (b0, b1) in spans.items()}
         for scale, sq in zip(scales, squares)
     ]
+    factors = _factors(weights, scales, norms, spans, plain, n_tiles * T)
+    if codec.sparse:
+        tiles, sums = _accumulate_sparse(kept, factors, plan, T, n_tiles, codec.block)
+    else:
+        tiles, sums = _accumulate_codes(codes, factors, plan, T, n_tiles, codec.bits)
+    u_squares = np.concatenate([np.asarray(s) for s in sums])
+    block_scale, merged_norm = _rescale(u_squares, spans, weights, norms, plain, n_tiles * T)
+    delta_norms = [float(np.sqrt(sum(n[p] ** 2 for p in paths))) for n in norms]
+    return paths, tiles, block_scale, tuple(layout), delta_norms, merged_norm
+
+
+def _layout(first: dict[str, CodedTensor], paths: list[str]) -> tuple[Spans, list[tuple], int]:
+    """Each path's blocks in the fragment (start, end), the layout ((first block, count, shape),
+    ...) and the fragment's number of blocks."""
+    spans, layout, start = {}, [], 0
+    for path in paths:
+        blocks = first[path].records.shape[0]
+        spans[path] = (start, start + blocks)
+        layout.append((start, first[path].count, tuple(first[path].shape)))
+        start += blocks
+    return spans, layout, start
+
+
+def _tile(rows: list[np.ndarray], T: int, index: int, size: int) -> np.ndarray:
+    """Tile `index` (T blocks) of each delta's rows, padded with zero deltas to `size`."""
+    return padded([r[index * T : (index + 1) * T] for r in rows], size)
+
+
+def _code_squares(
+    codes: list[list[jax.Array]],
+    plan: Plan,
+    n_tiles: int,
+    blocks: int,
+    bits: int,
+) -> np.ndarray:
+    """(deltas, blocks) float64: each delta's sums of squared levels per block."""
+    return np.concatenate(
+        [
+            np.concatenate(
+                [
+                    np.asarray(block_square_sums(group[i], bits))[:n]
+                    for group, (_, n, _) in zip(codes, plan)
+                ]
+            )
+            for i in range(n_tiles)
+        ],
+        axis=1,
+    )[:, :blocks].astype(np.float64)
+
+
+def _factors(
+    weights: Sequence[float],
+    scales: list[np.ndarray],
+    norms: list[dict[str, float]],
+    spans: Spans,
+    plain: dict[str, bool],
+    blocks: int,
+) -> list[np.ndarray]:
+    """Each delta's float32 factor per block: weight * scale on plain paths, weight / norm * scale
+    (RDA) on the others."""
     # padding blocks: factor 0, inert
-    factors = np.zeros((len(tensors), n_tiles * T), dtype=np.float64)
+    factors = np.zeros((len(scales), blocks), dtype=np.float64)
     for m, (weight, scale) in enumerate(zip(weights, scales)):
         for path, (b0, b1) in spans.items():
             if plain[path]:
@@ -371,36 +245,72 @@ def _direction(
             # a zero delta contributes no direction
             elif norms[m][path] > 0:
                 factors[m, b0:b1] = weight / norms[m][path] * scale[b0:b1]
-    factors = list(factors.astype(np.float32))
+    return list(factors.astype(np.float32))
+
+
+def _accumulate_sparse(
+    kept: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    factors: list[np.ndarray],
+    plan: Plan,
+    T: int,
+    n_tiles: int,
+    block: int,
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """The tiles of u from sparse deltas' kept levels, and each tile's per-block sums of u^2."""
     tiles, sums = [], []
     for i in range(n_tiles):
-        if codec.sparse:
-            u = jnp.zeros((T, codec.block), jnp.float32)
-            for a, n, g in plan:
-                index = tile([k[1] for k in kept[a : a + n]], i, g)
-                # padding deltas: distinct positions, level 0
-                index[n:] = np.arange(index.shape[-1], dtype=np.int32)
-                u = sparse_accumulate(
-                    u,
-                    index,
-                    tile([k[2] for k in kept[a : a + n]], i, g),
-                    tile(factors[a : a + n], i, g),
-                )
-            tiles.append(u)
-            sums.append(block_squares(u))
-            continue
+        u = jnp.zeros((T, block), jnp.float32)
+        for a, n, g in plan:
+            index = _tile([k[1] for k in kept[a : a + n]], T, i, g)
+            # padding deltas: distinct positions, level 0
+            index[n:] = np.arange(index.shape[-1], dtype=np.int32)
+            u = sparse_accumulate(
+                u,
+                index,
+                _tile([k[2] for k in kept[a : a + n]], T, i, g),
+                _tile(factors[a : a + n], T, i, g),
+            )
+        tiles.append(u)
+        sums.append(block_squares(u))
+    return tiles, sums
+
+
+def _accumulate_codes(
+    codes: list[list[jax.Array]],
+    factors: list[np.ndarray],
+    plan: Plan,
+    T: int,
+    n_tiles: int,
+    bits: int,
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """The tiles of u from the deltas' code tiles, group after group, and each tile's per-block
+    sums of u^2 (from the round's last kernel call)."""
+    tiles, sums = [], []
+    for i in range(n_tiles):
         (_, n, g), single = plan[0], len(plan) == 1
         u = accumulate_first(
-            np.float32(0), codes[0][i], tile(factors[:n], i, g), codec.bits, last=single
+            np.float32(0), codes[0][i], _tile(factors[:n], T, i, g), bits, last=single
         )
         for k, (group, (a, n, g)) in enumerate(zip(codes[1:], plan[1:]), start=2):
             u = (accumulate_last if k == len(plan) else accumulate)(
-                u, group[i], tile(factors[a : a + n], i, g), codec.bits
+                u, group[i], _tile(factors[a : a + n], T, i, g), bits
             )
         tiles.append(u[0])
         sums.append(u[1])
-    u_squares = np.concatenate([np.asarray(s) for s in sums])
-    block_scale = np.ones(n_tiles * T, dtype=np.float32)
+    return tiles, sums
+
+
+def _rescale(
+    u_squares: np.ndarray,
+    spans: Spans,
+    weights: Sequence[float],
+    norms: list[dict[str, float]],
+    plain: dict[str, bool],
+    blocks: int,
+) -> tuple[np.ndarray, float]:
+    """RDA's rescaling of u per block (radius / length on each RDA path, 1 on plain ones) and the
+    merged norm, from u's per-block sums of squares."""
+    block_scale = np.ones(blocks, dtype=np.float32)
     merged_sq = 0.0
     for path, (b0, b1) in spans.items():
         length = float(np.sqrt(_sum64(u_squares[b0:b1])))
@@ -411,8 +321,7 @@ def _direction(
         factor = radius / length if length > 0 and radius > 0 else 0.0
         block_scale[b0:b1] = np.float32(factor)
         merged_sq += (factor * length) ** 2
-    delta_norms = [float(np.sqrt(sum(n[p] ** 2 for p in paths))) for n in norms]
-    return paths, tiles, block_scale, tuple(layout), delta_norms, float(np.sqrt(merged_sq))
+    return block_scale, float(np.sqrt(merged_sq))
 
 
 def _sparse_levels(

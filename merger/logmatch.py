@@ -24,7 +24,7 @@ from pathlib import Path
 import msgpack
 
 from dloco.merger import records
-from dloco.merger.wal import _fsync_dir, _scan, _segments, read_records
+from dloco.merger.wal_segments import _fsync_dir, _scan, _segments, read_records
 from dloco.protocol.checksum import crc32
 
 # (the term's epoch, index of its first record), oldest first; the genesis's term has epoch 0

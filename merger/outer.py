@@ -166,6 +166,6 @@ def make_step(optimizer: optax.GradientTransformation):
         )
         return dict(zip(paths, new_params)), opt_state
 
-    # rounds merged from codes take their outer step in merger/coded.py
+    # rounds merged from codes take their outer step in merger/coded_kernels.py
     step.optimizer = optimizer
     return step

@@ -7,7 +7,7 @@ Two histories per fragment, each of recent values per island:
 quarantine);
 - what each island's part of a fold moved the fragment (its weight in the fold times the norm of
   its combined delta; `moves`): a fold clips an island's part to `clip_factor` times the largest of
-  the *other* islands' medians (merger/fold.py `guard`).
+  the *other* islands' medians (`fold_caps`; merger/fold.py `guard` clips).
 
 A sender's own history never enters its own reference, so no sequence of its deltas (a slow ramp,
 a burst) raises what it may send: the reference is the other islands' behaviour, which one key
@@ -28,6 +28,12 @@ from __future__ import annotations
 import bisect
 import collections
 import statistics
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from dloco.merger import rda
 
 HOSTILE = frozenset({"outlier_norm", "non_finite", "layout_mismatch", "future_base"})
 # without a reference, one island's part of a fold moves a fragment by at most this times its norm
@@ -126,3 +132,26 @@ class Quarantine:
         del self.count[island]
         self.until[island] = now + self.seconds
         return True
+
+
+def fold_caps(
+    moves: NormHistory, params: Mapping[str, Any], islands: Iterable[str], factor: float
+) -> dict[str, float] | None:
+    """The guard's cap on each island's part of a fold (merger/fold.py `guard`): `factor`
+    (clip_factor) times the largest of the other islands' median movements in `moves`; without
+    one, COLD_LIMIT times the norm of the fragment's `params`.  None: the guard is off."""
+    if factor <= 0:
+        return None
+    caps, cold = {}, None
+    for island in islands:
+        reference = moves.reference(island, "max")
+        if reference is None:
+            if cold is None:
+                cold = COLD_LIMIT * rda.fragment_norm({p: np.asarray(v) for p, v in params.items()})
+            reference, factor_here = cold, 1.0
+        else:
+            factor_here = factor
+        # a zero reference (a fragment at zero, or that nobody moves) caps nothing
+        if reference > 0:
+            caps[island] = factor_here * reference
+    return caps

@@ -31,8 +31,9 @@ import time
 import jax
 import zmq
 
-from dloco.merger.core import MergerCore, StartedFold
+from dloco.merger.core import MergerCore
 from dloco.merger.fold import FoldReport, FragmentState
+from dloco.merger.rounds import StartedFold
 from dloco.merger.wal import WriteAheadLog
 
 

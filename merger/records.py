@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from dloco.merger.coded import KERNELS_VERSION
+from dloco.merger.admission import Candidate
+from dloco.merger.coded_kernels import KERNELS_VERSION
 from dloco.merger.fold import Contribution, FragmentState
 from dloco.protocol import Assembled, Codec, CodedTensor
 
@@ -150,6 +151,23 @@ def delta_tensors(assembled: Assembled) -> dict:
     )
 
 
+def delta_candidate(assembled: Assembled, tensors: bool = True) -> Candidate:
+    """A reassembled delta as admission sees it; `tensors` false: without them (a delta settled
+    before its tensors are looked at is not decoded)."""
+    head = assembled.header
+    return Candidate(
+        head.sender,
+        head.epoch,
+        head.delta_id,
+        head.fragment,
+        head.base_version,
+        head.steps,
+        head.tokens,
+        head.model,
+        delta_tensors(assembled) if tensors else {},
+    )
+
+
 def contribution_from_record(record: dict) -> Contribution:
     """The contribution as the live path admitted it (see `delta_tensors`)."""
     codec = Codec(record["codec"], record["block"])
@@ -190,6 +208,11 @@ def term_record(term: int, epoch: int) -> dict:
     """A standby took over (merger/replication.py): records from here on are term `term`'s, whose
     messages carry `epoch`.  Changes no state: replay passes over it."""
     return {"type": TERM, "term": term, "epoch": epoch}
+
+
+def cursors_record(cursors: Mapping[str, tuple[int, int]]) -> dict:
+    """Stream cursors, island -> (epoch, seq): its messages up to seq are settled."""
+    return {"type": CURSORS, "cursors": [[i, e, s] for i, (e, s) in sorted(cursors.items())]}
 
 
 def fold_record(fragment: int, version: int, members: Sequence[tuple[str, int, int]]) -> dict:

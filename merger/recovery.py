@@ -6,13 +6,17 @@ only, checking checkpoints on the way).
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from dloco.merger import checkpoint, records
 from dloco.merger.core import Log, MergerCore, ReplayError
 from dloco.merger.fold import FoldReport
-from dloco.merger.wal import read_records
+from dloco.merger.rundir import RunDirLock, check_shard
+from dloco.merger.wal import WriteAheadLog
+from dloco.merger.wal_segments import read_records
 
 
 def wal_dir(run_dir: str | Path) -> Path:
@@ -21,6 +25,42 @@ def wal_dir(run_dir: str | Path) -> Path:
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+@dataclasses.dataclass
+class Opened:
+    """A merger's durable state, ready to serve: its run directory's lock, its write-ahead log, the
+    core as the log left it (or new), and the epoch it serves under."""
+
+    lock: RunDirLock
+    wal: WriteAheadLog
+    core: MergerCore
+    epoch: int
+
+
+def open_run(config, core_factory: Callable[[WriteAheadLog], MergerCore], log) -> Opened:
+    """Lock `config.run_dir` (RunDirInUse when another merger runs there), open its log, and rebuild
+    the core from it, or make a new one with `core_factory` (which writes the genesis record) when
+    the log is empty.  A new epoch: this start's time.  `config`: merger.settings.ServiceConfig."""
+    lock = RunDirLock(config.run_dir)
+    check_shard(config.run_dir, config.shard, config.shards)
+    wal = WriteAheadLog(wal_dir(config.run_dir), fsync=config.fsync)
+    if wal.truncated_bytes or wal.discarded:
+        log.warning(
+            "wal_torn_tail_truncated", bytes=wal.truncated_bytes, segments_set_aside=wal.discarded
+        )
+    if wal.next_index > 0:
+        core = recover(config.run_dir, log=wal)
+        log.info(
+            "recovered",
+            next_index=wal.next_index,
+            versions=[s.version for s in core.states],
+            digest=core.digest(),
+        )
+    else:
+        core = core_factory(wal)
+        log.info("genesis", fragments=len(core.fragments), digest=core.digest())
+    return Opened(lock, wal, core, time.time_ns())
 
 
 def _genesis(run_dir: Path) -> dict:

@@ -27,6 +27,8 @@ EXIT_DIVERGED = 5
 EXIT_REFUSED = 2
 
 
+# Over 60 lines: the process's roles in one loop (standby until it takes over, primary until fenced,
+# then standby again), so that the signal handler reaches whichever role runs now.
 def run_merger_roles(config: ServiceConfig, core_factory=None) -> tuple[int, MergerService | None]:
     """Run until stopped; returns the exit code and the last primary service (None if never
     primary)."""

@@ -10,12 +10,15 @@ Rule (per fragment):
    earliest such prediction plus a small slack.  A prediction that has passed no longer counts,
    so each wait ends in a fold or a shorter wait; no wait goes past ``q + grace_cap``.
 
-Also here, as pure clock arithmetic: when snapshots are due (`snapshot_due`) and how many catch-up
-replies a peer may still have (`CatchUpBudget`).
+Also here: the arrival history a fragment keeps for the rule (`note_arrival`, with each island's
+predicted next arrival kept sorted, so that `predicted_near` hands `decide` only the islands it
+could wait for), and, as pure clock arithmetic, when snapshots are due (`snapshot_due`) and how
+many catch-up replies a peer may still have (`CatchUpBudget`).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -57,6 +60,39 @@ def observe(stats: ArrivalStats | None, now: float, alpha: float) -> ArrivalStat
         return ArrivalStats(last=now, interval=None)
     interval = gap if stats.interval is None else alpha * gap + (1 - alpha) * stats.interval
     return ArrivalStats(last=now, interval=interval)
+
+
+def note_arrival(
+    history: dict[str, ArrivalStats],
+    predicted: list[tuple[float, str]],
+    island: str,
+    arrived: float,
+    alpha: float,
+) -> None:
+    """Note a delta of `island` arriving at `arrived` in a fragment's history (`observe`) and in its
+    predictions: (predicted next arrival, island), kept sorted."""
+    old = history.get(island)
+    new = history[island] = observe(old, arrived, alpha)
+    if old is not None and old.interval is not None:
+        del predicted[bisect.bisect_left(predicted, (old.last + old.interval, island))]
+    if new.interval is not None:
+        bisect.insort(predicted, (new.last + new.interval, island))
+
+
+def predicted_near(
+    history: Mapping[str, ArrivalStats],
+    predicted: Sequence[tuple[float, str]],
+    now: float,
+    config: RoundConfig,
+) -> dict[str, ArrivalStats]:
+    """The arrival history of the islands whose next delta is predicted within (now -
+    grace_slack, now + grace_cap]: the only ones `decide` can wait for (its deadline is at most
+    now + grace_cap, and it drops predictions older than the slack), so its decision is the one
+    over every island.
+    """
+    lo = bisect.bisect_left(predicted, (now - config.grace_slack_s,))
+    hi = bisect.bisect_right(predicted, (now + config.grace_cap_s, "\U0010ffff"))
+    return {island: history[island] for _, island in predicted[lo:hi]}
 
 
 def decide(

@@ -51,7 +51,8 @@ from dloco.protocol.errors import DlocoError
 
 POLL_MS = 50
 DRAIN_LIMIT = 256
-# records queued from the primary (it sends at most replication.WINDOW_BYTES beyond what we stored)
+# records queued from the primary (it sends at most replication_stream.WINDOW_BYTES beyond what we
+# stored)
 RECEIVE_HWM = 4096
 # stored records' payloads waiting to be applied: beyond this the socket waits (a catch-up's memory)
 UNAPPLIED_BYTES = 256 << 20
@@ -141,11 +142,8 @@ class Standby:
             receive_hwm=RECEIVE_HWM,
             immediate=True,
         )
-        began, unsynced, next_checkpoint = (
-            time.monotonic(),
-            False,
-            self.folds + self.config.checkpoint_every,
-        )
+        began, unsynced = time.monotonic(), False
+        next_checkpoint = self.folds + self.config.checkpoint_every
         self.asked = -float("inf")
         self.log.info(
             "following", peer=self.replication.peer, length=self.wal.next_index, probe=probe
@@ -153,13 +151,7 @@ class Standby:
         try:
             while not self.stopping:
                 dealer.poll(POLL_MS)
-                # full: apply first
-                for _ in range(DRAIN_LIMIT if self.unapplied_bytes < UNAPPLIED_BYTES else 0):
-                    try:
-                        frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    unsynced |= self._on_message([f.buffer for f in frames], dealer)
+                unsynced |= self._receive(dealer)
                 # stored first, applied after: the primary waits for the disk, not for our folds
                 if unsynced:
                     self.wal.sync()
@@ -183,22 +175,7 @@ class Standby:
                 ):
                     # at start, after a lost record, and whenever the primary is silent: a restarted
                     # primary learns of us so
-                    self.generation += 1
-                    sent = _send(
-                        dealer,
-                        encode(
-                            FOLLOW,
-                            {
-                                "length": self.wal.next_index,
-                                "terms": self.terms,
-                                "genesis": self.genesis,
-                                "generation": self.generation,
-                            },
-                        ),
-                    )
-                    # unsent (no primary bound yet): again next turn
-                    if sent:
-                        self.asked, self.started, self.refollow = now, False, False
+                    self._follow_again(dealer, now)
                 if (
                     self.heard is not None
                     and now - self.heard > self.replication.lease_s
@@ -210,6 +187,37 @@ class Standby:
             return None
         finally:
             dealer.close(linger=0)
+
+    def _receive(self, dealer: zmq.Socket) -> bool:
+        """Take the messages waiting (DRAIN_LIMIT at most; none while the stored records not yet
+        applied are full: apply first); True when a record was appended."""
+        unsynced = False
+        for _ in range(DRAIN_LIMIT if self.unapplied_bytes < UNAPPLIED_BYTES else 0):
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            unsynced |= self._on_message([f.buffer for f in frames], dealer)
+        return unsynced
+
+    def _follow_again(self, dealer: zmq.Socket, now: float) -> None:
+        """Say where our log ends, as a new `follow` generation."""
+        self.generation += 1
+        sent = _send(
+            dealer,
+            encode(
+                FOLLOW,
+                {
+                    "length": self.wal.next_index,
+                    "terms": self.terms,
+                    "genesis": self.genesis,
+                    "generation": self.generation,
+                },
+            ),
+        )
+        # unsent (no primary bound yet): again next turn
+        if sent:
+            self.asked, self.started, self.refollow = now, False, False
 
     def _on_message(self, frames: list, dealer: zmq.Socket) -> bool:
         """Handle one message from the primary; True when a record was appended."""
@@ -312,7 +320,8 @@ class Standby:
             self.unapplied_bytes -= sum(blob.nbytes for blob in record.get("blobs", ()))
             try:
                 report = self.core.apply_record(record, index)
-            except Exception as error:  # noqa: BLE001 — whatever the reason, this state is not the primary's
+            # whatever the reason, this state is not the primary's
+            except Exception as error:  # noqa: BLE001
                 raise Diverged(f"log record {index} does not apply here: {error!r}") from error
             if report is not None:
                 self.folds += 1

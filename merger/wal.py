@@ -1,18 +1,9 @@
-"""Segmented write-ahead log: length-prefixed, checksummed msgpack records with raw blobs.
+"""Segmented write-ahead log: the writer, appending records and making them durable.
 
-On disk, ``DIR/<first-index>.seg`` files (12-digit, zero-padded record index of their first
-record), each a run of records::
-
-    u32 little-endian  meta length
-    u32 little-endian  CRC-32 (zlib) of the meta
-    meta               one msgpack map; a record with blobs lists them: "blobs": [[nbytes, crc32],
-...]
-    blobs              raw bytes, back to back, each checked by its own CRC-32
-
-Blobs are written as they are (no copy into the msgpack) with a CRC the caller may already know:
-the merger logs delta payloads with the CRC-32 their frame carried and decode verified, so a
-payload is checksummed once on its way in, and still verified when the log is read.  A record
-without blobs is the previous format exactly, so older logs read unchanged.
+The segment files and their records are merger/wal_segments.py's.  Blobs are written as they are
+(no copy into the msgpack) with a CRC the caller may already know: the merger logs delta payloads
+with the CRC-32 their frame carried and decode verified, so a payload is checksummed once on its
+way in, and still verified when the log is read.
 
 ``sync()`` makes everything appended durable; ``sync_async()`` hands the fsync to a background
 thread and returns a ticket for ``wait_durable`` — the merger starts the fsync when it dispatches a
@@ -23,13 +14,10 @@ old segment and of the directory happen with the next sync, in order — older s
 directory, then the current one — before anything after them is called durable.  (Waiting on
 the merger's receiving thread would cost 30-50 ms per 64 MiB segment.)
 
-Opening a log for append scans every segment.  The log ends at the first torn write: a record
-cut short, or whose checksum fails with nothing after it in its segment, is truncated away; a
-segment that ends before the next one begins lost whole records.  Segments after that point were
-written after it, so never durable (only a power failure leaves them behind): they are moved to
-``DIR/discarded/<index where the log ends>/``, not deleted.  Any other bad record is corruption
-and raises `LogCorruption` naming the segment, offset and record index, so nothing written and
-acknowledged is ever silently dropped.
+Opening a log for append scans every segment and truncates a torn tail away (what ends the log:
+merger/wal_segments.py).  Segments after that point were written after it, so never durable (only
+a power failure leaves them behind): they are moved to ``DIR/discarded/<index where the log
+ends>/``, not deleted.  Any other bad record raises `LogCorruption`.
 
 ``fsync``: "always" (every append is durable before `append` returns), "batch" (durable after
 `sync()`, which the service calls before it acknowledges), "never" (tests, benchmarks).
@@ -38,140 +26,31 @@ acknowledged is ever silently dropped.
 from __future__ import annotations
 
 import os
-import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
+from dloco.merger.wal_segments import (
+    _HEADER,
+    MAX_META_BYTES,
+    LogCorruption,
+    _fsync_dir,
+    _scan,
+    _segments,
+)
 from dloco.protocol.checksum import crc32
 from dloco.protocol.errors import DlocoError
 
-_HEADER = struct.Struct("<II")
-# a record's map; its blobs may be any size (a genesis record's are the model)
-MAX_META_BYTES = 1 << 31
 FSYNC_POLICIES = ("always", "batch", "never")
 
 
 class StorageError(DlocoError):
     """The run directory's disk refused a write or an fsync (full, read-only, failing).  What is on
     disk stays valid: a record cut short is a torn tail, which a restart truncates."""
-
-
-class LogCorruption(DlocoError):
-    """A record in the middle of the log is unreadable."""
-
-    def __init__(self, segment: Path, offset: int, index: int, why: str) -> None:
-        super().__init__(f"log record {index} ({segment.name} at byte {offset}) is corrupt: {why}")
-        self.segment, self.offset, self.index = segment, offset, index
-
-
-def _segments(directory: Path) -> list[Path]:
-    return sorted(directory.glob("*.seg"))
-
-
-def _scan(segment: Path, first_index: int) -> Iterator[tuple[int, int, int, Any, str]]:
-    """Yield (index, offset, end, record | None, problem) for each record of one segment file.
-    A record's blobs come back as memoryviews under "blobs"."""
-    data = segment.read_bytes()
-    view = memoryview(data)
-    offset, index = 0, first_index
-    while offset < len(data):
-        if len(data) - offset < _HEADER.size:
-            yield index, offset, len(data), None, "torn: header cut short"
-            return
-        length, crc = _HEADER.unpack_from(data, offset)
-        end = offset + _HEADER.size + length
-        if end > len(data):
-            yield index, offset, len(data), None, "torn: payload cut short"
-            return
-        if crc32(view[offset + _HEADER.size : end]) != crc:
-            yield (
-                index,
-                offset,
-                end,
-                None,
-                (
-                    "torn: checksum mismatch at end of log"
-                    if end == len(data)
-                    else "checksum mismatch"
-                ),
-            )
-            return
-        try:
-            record = msgpack.unpackb(
-                view[offset + _HEADER.size : end], raw=False, strict_map_key=False
-            )
-            listed = record.get("blobs", ()) if isinstance(record, dict) else ()
-            sizes = [(int(n), int(c)) for n, c in listed]
-        except (ValueError, TypeError, msgpack.UnpackException) as error:
-            yield index, offset, end, None, f"undecodable payload: {error}"
-            return
-        record_end = end + sum(nbytes for nbytes, _ in sizes)
-        if record_end > len(data):
-            yield index, offset, len(data), None, "torn: blob cut short"
-            return
-        blobs = []
-        for number, (nbytes, blob_crc) in enumerate(sizes):
-            blob = view[end : end + nbytes]
-            end += nbytes
-            # in the last record of the log: a write the crash cut short
-            if crc32(blob) != blob_crc:
-                yield (
-                    index,
-                    offset,
-                    record_end,
-                    None,
-                    (
-                        f"torn: checksum mismatch of blob {number} at end of log"
-                        if record_end == len(data)
-                        else f"checksum mismatch of blob {number}"
-                    ),
-                )
-                return
-            blobs.append(blob)
-        if sizes:
-            record["blobs"] = blobs
-        yield index, offset, end, record, ""
-        offset, index = end, index + 1
-
-
-def read_records(
-    directory: str | Path, start: int = 0, allow_torn_tail: bool = True
-) -> Iterator[tuple[int, dict]]:
-    """Every valid record with index >= start, in order.  A torn tail ends the iteration quietly
-    (or raises, with allow_torn_tail=False); corruption anywhere else raises LogCorruption."""
-    segments = _segments(Path(directory))
-    # the index the next segment must start at (segments are named by their first record)
-    expected = None
-    for position, segment in enumerate(segments):
-        first = int(segment.stem)
-        if position + 1 < len(segments) and int(segments[position + 1].stem) <= start:
-            continue
-        # records expected..first-1 are missing
-        if expected is not None and first != expected:
-            # the earlier segment lost its tail: the log ends there, as after a torn record
-            if allow_torn_tail:
-                return
-            raise LogCorruption(
-                segment,
-                0,
-                expected,
-                f"records {expected}..{first - 1} are missing (the segment starts at {first})",
-            )
-        expected = first
-        for index, offset, _, record, problem in _scan(segment, first):
-            if problem:
-                # the log ends here (later segments: never durable)
-                if allow_torn_tail and problem.startswith("torn"):
-                    return
-                raise LogCorruption(segment, offset, index, problem)
-            expected = index + 1
-            if index >= start:
-                yield index, record
 
 
 class WriteAheadLog:
@@ -454,11 +333,3 @@ class WriteAheadLog:
                 except OSError:
                     pass
                 self._file = None
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

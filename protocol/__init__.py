@@ -7,6 +7,7 @@ this package is its reference implementation.
     message = protocol.decode(frames)      # raises protocol.ProtocolError, and nothing else
 """
 
+from dloco.protocol.assembly import Assembled, message_key
 from dloco.protocol.chunking import (
     DEFAULT_MAX_CHUNK_BYTES,
     ChunkPlan,
@@ -37,7 +38,7 @@ from dloco.protocol.messages import (
     TensorSlice,
 )
 from dloco.protocol.quantization import CODEC_NAMES, DEFAULT_BLOCK, Codec, CodedTensor
-from dloco.protocol.reassembly import Assembled, Reassembler, message_key
+from dloco.protocol.reassembly import Reassembler
 
 __all__ = [
     "CodedTensor",

@@ -69,16 +69,7 @@ def split_fragment(
 ) -> list[ChunkPlan]:
     """Encode every tensor with `codec` and pack the encodings into chunks of ≤ max_chunk_bytes
     payload bytes that a decoder with `limits` accepts (the greedy fill of the module docstring)."""
-    if max_chunk_bytes < codec.record_nbytes:
-        raise EncodeError(
-            f"max_chunk_bytes={max_chunk_bytes} is smaller than one {codec.name} record"
-            f" ({codec.record_nbytes} bytes)"
-        )
-    if max_chunk_bytes > limits.max_payload_bytes:
-        raise EncodeError(
-            f"max_chunk_bytes={max_chunk_bytes} exceeds the decoders' payload limit of"
-            f" {limits.max_payload_bytes}"
-        )
+    _check_chunk_bytes(codec, max_chunk_bytes, limits)
     header_room = limits.max_header_bytes - HEADER_RESERVE_BYTES
     # values per indivisible unit
     unit_values = codec.granule
@@ -92,13 +83,7 @@ def split_fragment(
         if array.size == 0:
             continue
         dtype, shape = dtype_name(array), tuple(int(d) for d in array.shape)
-        _check_tensor(path, shape, limits)
-        bound = slice_header_bound(path, len(shape))
-        if bound > header_room:
-            raise EncodeError(
-                f"a slice map of {path} may take {bound} header bytes, more than the {header_room}"
-                " a chunk has for slices"
-            )
+        bound = _slice_bound(path, shape, header_room, limits)
         encoded_U = memoryview(codec.encode(np.asarray(array, dtype=np.float32).reshape(-1)))
         start = 0
         while start < array.size:
@@ -124,6 +109,33 @@ def split_fragment(
     if len(chunks) > limits.max_chunks:
         raise EncodeError(f"{len(chunks)} chunks exceed the decoders' limit of {limits.max_chunks}")
     return chunks
+
+
+def _check_chunk_bytes(codec: Codec, max_chunk_bytes: int, limits: Limits) -> None:
+    """Refuse a chunk size below one `codec` record or above the decoders' payload limit."""
+    if max_chunk_bytes < codec.record_nbytes:
+        raise EncodeError(
+            f"max_chunk_bytes={max_chunk_bytes} is smaller than one {codec.name} record"
+            f" ({codec.record_nbytes} bytes)"
+        )
+    if max_chunk_bytes > limits.max_payload_bytes:
+        raise EncodeError(
+            f"max_chunk_bytes={max_chunk_bytes} exceeds the decoders' payload limit of"
+            f" {limits.max_payload_bytes}"
+        )
+
+
+def _slice_bound(path: str, shape: tuple[int, ...], header_room: int, limits: Limits) -> int:
+    """Header bytes one slice of the tensor may take; refuse a tensor that no decoder accepts or
+    whose slice map would not fit a chunk's header."""
+    _check_tensor(path, shape, limits)
+    bound = slice_header_bound(path, len(shape))
+    if bound > header_room:
+        raise EncodeError(
+            f"a slice map of {path} may take {bound} header bytes, more than the {header_room}"
+            " a chunk has for slices"
+        )
+    return bound
 
 
 def _check_tensor(path: str, shape: tuple[int, ...], limits: Limits) -> None:

@@ -10,7 +10,7 @@ a receiver that applied a diff to anything but ``S_b`` (a diff lost on the bus, 
 sees the digest differ and asks for the value again (catch-up, sent exact: fp32, or the full
 snapshots' codec while S is exactly representable in it).
 
-Both ends decode with `protocol.reassembly.decode_slices` and add in float32 numpy, so the served
+Both ends decode with `protocol.assembly.decode_slices` and add in float32 numpy, so the served
 value is the same bytes on every machine.  Pure numpy: no sockets, no clocks.
 """
 
@@ -21,11 +21,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from dloco.protocol.assembly import decode_slices
 from dloco.protocol.checksum import crc32
 from dloco.protocol.chunking import ChunkPlan, split_fragment
 from dloco.protocol.errors import EncodeError
 from dloco.protocol.quantization import Codec
-from dloco.protocol.reassembly import decode_slices
 
 # What a receiver makes of a snapshot (`receive`): adopt the value, ignore it, or ask again.
 ADOPT = frozenset({"full", "diff"})

@@ -14,7 +14,7 @@ import msgpack
 
 from dloco.protocol.checksum import crc32
 from dloco.protocol.errors import EncodeError, ProtocolError
-from dloco.protocol.framing import _READERS, _FieldReader
+from dloco.protocol.headers import READERS, FieldReader
 from dloco.protocol.limits import DEFAULT_LIMITS
 from dloco.protocol.messages import PROTOCOL_VERSION, DeltaChunk, Kind, Message, SnapshotChunk
 
@@ -63,8 +63,8 @@ def _check_header(kind: Kind, header: dict[str, Any], payloads: list[memoryview]
     never emits what a receiver must refuse (a sender `a b`, a resend range [0, 1], a heartbeat
     stream of 1,024).  Payload bytes are the codecs' to get right and are not re-read here."""
     try:
-        fields = _FieldReader(header, f"{kind} header", DEFAULT_LIMITS)
-        _READERS[kind](fields, tuple(payloads), DEFAULT_LIMITS)
+        fields = FieldReader(header, f"{kind} header", DEFAULT_LIMITS)
+        READERS[kind](fields, tuple(payloads), DEFAULT_LIMITS)
         fields.finish(extra_allowed={"v", "kind"})
     except ProtocolError as error:
         raise EncodeError(

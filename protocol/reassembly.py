@@ -10,7 +10,8 @@ that receives nothing for ``ttl_s`` is dropped.  The last ``remember`` completed
 late duplicates of a finished message are ignored rather than assembled again; older duplicates are
 the sequencing layer's to filter (PROTOCOL.md §6).  A message whose slices do not tile its tensors
 is dropped whole and not remembered, like an evicted one: its chunks, sent again, are reassembled
-afresh.  PROTOCOL.md §7 gives the order of the checks.
+afresh.  PROTOCOL.md §7 gives the order of the checks; protocol/assembly.py holds the pure parts
+(spans of values delivered, the tensors of a complete message).
 
 ``stream=True`` (islands' snapshots): each chunk is decoded on arrival into float32 arrays of its
 message's tensors (the *staging* values, allocated as each tensor is first named) and its payloads
@@ -23,75 +24,25 @@ is complete and its slices tile every tensor; a partial dropped for any reason t
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
-from collections.abc import Iterable, Mapping
-from typing import Any, Union
 
 import numpy as np
 
+from dloco.protocol.assembly import (
+    Assembled,
+    Chunk,
+    add_spans,
+    coded_tensors,
+    decode_slices,
+    message_fields,
+    message_key,
+)
 from dloco.protocol.errors import EncodeError, ProtocolError
-from dloco.protocol.messages import DeltaChunk, SnapshotChunk, TensorSlice
-from dloco.protocol.quantization import Codec, CodedTensor
 
-Chunk = Union[DeltaChunk, SnapshotChunk]
 # Charged per chunk and per slice on top of payload bytes: measured Python object sizes, rounded up.
 CHUNK_OVERHEAD_BYTES = 4096
 SLICE_OVERHEAD_BYTES = 1024
-_PER_CHUNK_FIELDS = frozenset({"seq", "chunk_index", "slices", "payloads"})
-
-
-@dataclasses.dataclass(frozen=True)
-class Assembled:
-    """A complete delta or snapshot: decoded float32 tensors plus the chunks' shared header."""
-
-    key: tuple
-    # the first chunk received; its whole-message fields hold for all chunks
-    header: Chunk
-    # path -> float32 array of the tensor's shape (CodedTensor: see Reassembler)
-    tensors: dict[str, np.ndarray | CodedTensor]
-    # stream seq of every chunk, in chunk order
-    seqs: tuple[int, ...]
-    # payload bytes received for it (duplicates excluded)
-    wire_bytes: int
-    # the chunks in index order (their payloads: views of received frames)
-    chunks: tuple[Chunk, ...]
-
-
-def decode_slices(
-    codec: Codec, shapes: Mapping[str, tuple[int, ...]], pieces: Iterable[tuple[TensorSlice, Any]]
-) -> dict[str, np.ndarray]:
-    """Float32 tensors of `shapes` from (slice, payload) pairs that together cover them: how every
-    receiver decodes, so a sender that calls it knows bit for bit what its receivers hold."""
-    flats = {
-        path: np.empty(int(np.prod(shape, dtype=np.int64)), dtype=np.float32)
-        for path, shape in shapes.items()
-    }
-    for item, payload in pieces:
-        codec.decode(
-            payload, item.count, out=flats[item.path][item.start : item.start + item.count]
-        )
-    return {path: flat.reshape(shapes[path]) for path, flat in flats.items()}
-
-
-def message_key(chunk: Chunk) -> tuple:
-    if isinstance(chunk, DeltaChunk):
-        return (chunk.sender, chunk.epoch, "delta", chunk.delta_id)
-    return (
-        chunk.sender,
-        chunk.epoch,
-        "snapshot",
-        chunk.fragment,
-        chunk.version,
-        chunk.base_version,
-    )
-
-
-def _identity(chunk: Chunk) -> tuple:
-    return tuple(
-        getattr(chunk, f.name) for f in dataclasses.fields(chunk) if f.name not in _PER_CHUNK_FIELDS
-    )
 
 
 @dataclasses.dataclass
@@ -229,14 +180,7 @@ class Reassembler:
                 self._reject(f"chunk {chunk.chunk_index} of {key} does not decode: {error}")
             # decoded: the frames are let go
             chunk = dataclasses.replace(chunk, payloads=())
-        partial.chunks[chunk.chunk_index] = chunk
-        partial.spans.update(new_spans)
-        for item in chunk.slices:
-            partial.tensors.setdefault(item.path, (item.dtype, item.shape))
-        partial.nbytes += size
-        partial.charged += cost
-        self.held_bytes += cost
-        self.sender_bytes[key[0]] += cost
+        self._hold(key, partial, chunk, new_spans, size, cost)
         if len(partial.chunks) < chunk.chunk_count:
             return None
         return self._complete(key, partial)
@@ -275,7 +219,7 @@ class Reassembler:
         raise ProtocolError(reason, detail)
 
     def _check_same_message(self, partial: _Partial, chunk: Chunk) -> None:
-        if _identity(chunk) != _identity(partial.first):
+        if message_fields(chunk) != message_fields(partial.first):
             self._reject(
                 f"chunk {chunk.chunk_index} of {message_key(chunk)} disagrees with earlier chunks"
                 " on whole-message fields"
@@ -293,34 +237,10 @@ class Reassembler:
 
     def _check_slices(self, partial: _Partial, chunk: Chunk) -> dict[str, list[tuple[int, int]]]:
         """Spans per tensor after adding this chunk's slices (sorted), or reject an overlap."""
-        updated: dict[str, list[tuple[int, int]]] = {}
-        layouts = dict(partial.tensors)
-        for item in chunk.slices:
-            known = layouts.setdefault(item.path, (item.dtype, item.shape))
-            if known != (item.dtype, item.shape):
-                self._reject(
-                    f"tensor {item.path} changes dtype/shape between chunks: {known} vs"
-                    f" {(item.dtype, item.shape)}"
-                )
-            spans = updated.get(item.path)
-            if spans is None:
-                spans = updated[item.path] = list(partial.spans.get(item.path, []))
-            lo, hi = item.start, item.start + item.count
-            at = bisect.bisect_left(spans, (lo, hi))
-            for other_lo, other_hi in spans[max(0, at - 1) : at + 1]:
-                if lo < other_hi and other_lo < hi:
-                    self._reject(
-                        f"tensor {item.path} values {(lo, hi)} overlap values"
-                        f" {(other_lo, other_hi)} of another chunk"
-                    )
-            # Coalesce with touching neighbours: in-order chunking keeps one span per tensor.
-            if at > 0 and spans[at - 1][1] == lo:
-                at -= 1
-                lo = spans.pop(at)[0]
-            if at < len(spans) and spans[at][0] == hi:
-                hi = spans.pop(at)[1]
-            spans.insert(at, (lo, hi))
-        return updated
+        try:
+            return add_spans(partial.tensors, partial.spans, chunk.slices)
+        except ProtocolError as error:
+            self._reject(error.detail)
 
     def _staging(self, partial: _Partial, chunk: Chunk) -> int:
         """Bytes of the staging values this chunk's tensors add (refused if the message alone would
@@ -353,6 +273,19 @@ class Reassembler:
             )
         partial.staged_bytes += added
         self.staged_bytes += added
+
+    def _hold(
+        self, key: tuple, partial: _Partial, chunk: Chunk, spans: dict, size: int, cost: int
+    ) -> None:
+        """Record an accepted chunk in its partial: its slices' spans and layouts, its bytes."""
+        partial.chunks[chunk.chunk_index] = chunk
+        partial.spans.update(spans)
+        for item in chunk.slices:
+            partial.tensors.setdefault(item.path, (item.dtype, item.shape))
+        partial.nbytes += size
+        partial.charged += cost
+        self.held_bytes += cost
+        self.sender_bytes[key[0]] += cost
 
     def _make_room(self, cost: int, keep: tuple, new: bool, staging: int = 0) -> None:
         sender = keep[0]
@@ -409,21 +342,9 @@ class Reassembler:
             }
         # keep the records; block-aligned slices concatenate
         elif not self.decode and codec.blockwise:
-            pieces: dict[str, list[tuple[int, memoryview]]] = {path: [] for path in partial.tensors}
-            for chunk in ordered:
-                for item, payload in zip(chunk.slices, chunk.payloads):
-                    pieces[item.path].append((item.start, payload))
-            tensors = {}
-            for path, (_, shape) in partial.tensors.items():
-                data = np.concatenate(
-                    [
-                        np.frombuffer(p, np.uint8)
-                        for _, p in sorted(pieces[path], key=lambda piece: piece[0])
-                    ]
-                )
-                tensors[path] = CodedTensor(
-                    codec, tuple(shape), data.reshape(-1, codec.record_nbytes)
-                )
+            tensors = coded_tensors(
+                codec, {path: shape for path, (_, shape) in partial.tensors.items()}, ordered
+            )
         else:
             tensors = decode_slices(
                 codec,

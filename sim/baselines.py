@@ -8,8 +8,7 @@ other every round.
 - sync-diloco: every H steps a ring all-reduce of each island's whole-model delta among the islands
   (the scenario's codec, or `diloco_codec`), no merger in the path; with an overlap depth tau
   (`overlap_steps`) the exchange may hide behind tau inner steps of the next round.  Its tokens
-count
-  q(H) each (sim/quality.py), sync-dp's 1.
+  count q(H) each (sim/quality.py), sync-dp's 1.
 
 A round takes the slowest island's compute plus the exchange that does not hide; an island's
 utilisation is its own compute over that.  A failure anywhere stops every island for the failed
@@ -21,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 
 from dloco.protocol import Codec
-from dloco.sim.engine import wire_bytes
 from dloco.sim.scenario import Scenario
+from dloco.sim.wire import wire_bytes
 
 BF16_BYTES = 2
 

@@ -30,85 +30,20 @@ TOLERANCE = 0.15
 def load_run(run_dir: Path, config: Path | None = None) -> tuple[Scenario, dict]:
     """(the scenario of a finished run, what was measured in it)."""
     run_dir = Path(run_dir)
-    if config is not None:
-        from dloco.cluster.config import load
-
-        cluster = RunCluster.of(load(config))
-    else:
-        cluster = RunCluster.read(run_dir)
-    if cluster.mode != "decoupled" or cluster.sync.adoption != "rebase":
-        raise RunDirError(
-            f"{run_dir}: calibration simulates decoupled runs with adoption 'rebase', this one ran "
-            f"{cluster.mode} with {cluster.sync.adoption!r}"
-        )
-    islands, measured, reference = [], {"islands": {}}, None
-    series = {}
+    cluster = _cluster(run_dir, config)
+    series = {region.name: _steps(run_dir, region.name) for region in cluster.regions}
+    # the earliest start of an island's training loop
+    reference = min(
+        (steps[0]["wall"] - steps[0]["time"] for steps in series.values()), default=None
+    )
+    islands, measured = [], {"islands": {}}
     for region in cluster.regions:
-        events = read_events(run_dir / "metrics" / f"{region.name}.jsonl")
-        if any(e.get("life", 0) for e in events):
-            raise RunDirError(
-                f"{run_dir}: island {region.name} restarted; calibration simulates runs without"
-                " chaos"
-            )
-        # deferred: evaluated after training
-        steps = [
-            e for e in events if e.get("step", 0) >= 1 and "wall" in e and not e.get("deferred")
-        ]
-        if len(steps) < 3:
-            raise RunDirError(
-                f"{run_dir}: island {region.name} has {len(steps)} steps in its metrics;"
-                " calibration needs a finished run"
-            )
-        series[region.name] = steps
-        # its training loop's start
-        begun = steps[0]["wall"] - steps[0]["time"]
-        reference = begun if reference is None else min(reference, begun)
-    end = 0.0
-    for region in cluster.regions:
-        steps = series[region.name]
-        first, last = steps[0], steps[-1]
-        step_s = (last["time"] - first["time"]) / (last["step"] - first["step"])
-        tokens_per_step = round(last["tokens"] / last["step"])
-        end = max(end, last["wall"] - reference)
-        link = Link(_bps(region.uplink_mbps), _bps(region.downlink_mbps), region.rtt_ms / 1000)
-        gaps = [
-            b["time"] - a["time"]
-            for a, b in zip(steps[1:], steps[2:])
-            if b["step"] == a["step"] + 1
-        ]
-        cv = statistics.pstdev(gaps) / statistics.mean(gaps) if len(gaps) > 1 else 0.0
-        islands.append(
-            Island(
-                region.name,
-                step_s,
-                tokens_per_step,
-                link,
-                start_s=max(0.0, first["wall"] - reference - step_s),
-                step_cv=cv,
-                # decoupled (checked above): a region's own H, if it has one
-                interval=region.interval,
-            )
+        island = _island(region, series[region.name], reference)
+        islands.append(island)
+        measured["islands"][region.name] = _measured_island(
+            run_dir, region.name, series[region.name], island.step_s
         )
-        # bytes up: from the island's summary after its drain when there is one (every delta of its
-        # work sent; its last step's line misses what its uplink still had queued, as much as the
-        # link lags)
-        done = [
-            e
-            for e in read_events(run_dir / "logs" / f"{region.name}.log")
-            if isinstance(e, dict) and e.get("event") == "done"
-        ]
-        sent = (
-            done[-1]["bytes_sent"] / done[-1]["tokens"]
-            if done and "bytes_sent" in done[-1] and done[-1].get("tokens")
-            else None
-        )
-        measured["islands"][region.name] = {
-            "compute_util": last["compute_util"],
-            "steps": last["step"],
-            "step_s": step_s,
-            "bytes_up_per_token": sent if sent is not None else last["bytes_sent"] / last["tokens"],
-            "bytes_down_per_token": last["bytes_received"] / last["tokens"],
-        }
+    end = max([0.0, *(steps[-1]["wall"] - reference for steps in series.values())])
     # every shard's (and a standby's after a takeover)
     folds = merger_folds(run_dir)
     if not folds:
@@ -133,6 +68,87 @@ def load_run(run_dir: Path, config: Path | None = None) -> tuple[Scenario, dict]
         wire=_wire(run_dir, sync, merger),
     )
     return scenario, measured
+
+
+def _cluster(run_dir: Path, config: Path | None) -> RunCluster:
+    """The run's cluster (RUN_DIR/cluster.json, or the cluster file `config`), if calibration can
+    simulate it."""
+    if config is not None:
+        from dloco.cluster.config import load
+
+        cluster = RunCluster.of(load(config))
+    else:
+        cluster = RunCluster.read(run_dir)
+    if cluster.mode != "decoupled" or cluster.sync.adoption != "rebase":
+        raise RunDirError(
+            f"{run_dir}: calibration simulates decoupled runs with adoption 'rebase', this one ran "
+            f"{cluster.mode} with {cluster.sync.adoption!r}"
+        )
+    return cluster
+
+
+def _steps(run_dir: Path, name: str) -> list[dict]:
+    """Island `name`'s steps as its metrics log them, those evaluated after training left out."""
+    events = read_events(run_dir / "metrics" / f"{name}.jsonl")
+    if any(e.get("life", 0) for e in events):
+        raise RunDirError(
+            f"{run_dir}: island {name} restarted; calibration simulates runs without chaos"
+        )
+    # deferred: evaluated after training
+    steps = [e for e in events if e.get("step", 0) >= 1 and "wall" in e and not e.get("deferred")]
+    if len(steps) < 3:
+        raise RunDirError(
+            f"{run_dir}: island {name} has {len(steps)} steps in its metrics;"
+            " calibration needs a finished run"
+        )
+    return steps
+
+
+def _island(region, steps: list[dict], reference: float) -> Island:
+    """A region as the simulator's island: its link, and its step time, noise and start measured
+    (`reference`: the cluster's first training loop's start)."""
+    first, last = steps[0], steps[-1]
+    step_s = (last["time"] - first["time"]) / (last["step"] - first["step"])
+    link = Link(_bps(region.uplink_mbps), _bps(region.downlink_mbps), region.rtt_ms / 1000)
+    gaps = [
+        b["time"] - a["time"] for a, b in zip(steps[1:], steps[2:]) if b["step"] == a["step"] + 1
+    ]
+    cv = statistics.pstdev(gaps) / statistics.mean(gaps) if len(gaps) > 1 else 0.0
+    return Island(
+        region.name,
+        step_s,
+        round(last["tokens"] / last["step"]),
+        link,
+        start_s=max(0.0, first["wall"] - reference - step_s),
+        step_cv=cv,
+        # decoupled (checked above): a region's own H, if it has one
+        interval=region.interval,
+    )
+
+
+def _measured_island(run_dir: Path, name: str, steps: list[dict], step_s: float) -> dict:
+    """What island `name` measured: compute utilisation, steps, step time, bytes per token."""
+    last = steps[-1]
+    # bytes up: from the island's summary after its drain when there is one (every delta of its
+    # work sent; its last step's line misses what its uplink still had queued, as much as the
+    # link lags)
+    done = [
+        e
+        for e in read_events(run_dir / "logs" / f"{name}.log")
+        if isinstance(e, dict) and e.get("event") == "done"
+    ]
+    sent = (
+        done[-1]["bytes_sent"] / done[-1]["tokens"]
+        if done and "bytes_sent" in done[-1] and done[-1].get("tokens")
+        else None
+    )
+    return {
+        "compute_util": last["compute_util"],
+        "steps": last["step"],
+        "step_s": step_s,
+        "bytes_up_per_token": sent if sent is not None else last["bytes_sent"] / last["tokens"],
+        "bytes_down_per_token": last["bytes_received"] / last["tokens"],
+    }
 
 
 def _bps(mbps: float | None) -> float | None:

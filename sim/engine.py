@@ -6,7 +6,8 @@ bound, duplicates, the outlier history, the round policy's quorum and adaptive g
 and shares, versions) driven through `MergerCore.offer` with one-value tensors; the fold
 pipeline's rule of one fold in flight per fragment; `round_policy.snapshot_due` holding snapshots;
 the island's fragment schedule (`exchange.due_offset`: P staggered fragments every H steps), its
-`Outbox` (a fragment's unsent deltas summed) and the uplink's `LinkShaper`.
+`Outbox` (a fragment's unsent deltas summed) and the uplink's `LinkShaper` (an island in virtual
+time: sim/islands.py).
 
 What is modelled: a step takes `step_s` (with `step_cv`, k steps take a normal k step_s, standard
 deviation sqrt(k) step_cv step_s, seeded per island: real islands drift apart); a delta is its
@@ -17,119 +18,49 @@ overhead; an island adopts (rebases onto) every snapshot that has arrived when i
 delta's base version is the newest one arrived by then.  A failed island loses its unsent work (what
 it trained since its last send, its outbox, a delta half on the wire) and comes back after `down_s`,
 joining again: a full snapshot of every fragment down, and `restart_s` to compile.  What counts: a
-folded token, worth q(the steps its delta covered, sim/quality.py).
+folded token, worth q(the steps its delta covered, sim/quality.py).  Bytes on the wire:
+sim/wire.py; downlinks and published snapshots: sim/delivery.py.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import heapq
 import math
-import random
 
 import numpy as np
 
-from dloco.island.config import SyncConfig
 from dloco.island.exchange import due_offset
-from dloco.island.outbox import Outbox, PendingDelta
-from dloco.island.shaper import LinkShaper
+from dloco.island.outbox import PendingDelta
 from dloco.merger.admission import Candidate
 from dloco.merger.core import MergerCore
 from dloco.merger.round_policy import snapshot_due
-from dloco.protocol import Codec, model_fingerprint
-from dloco.sim.results import IslandRun, SimResult
+from dloco.protocol import model_fingerprint
+from dloco.sim.delivery import Downlinks, Published
+from dloco.sim.islands import SimIsland
+from dloco.sim.results import SimResult
 from dloco.sim.scenario import Scenario
-
-# msgpack header and frame overhead per chunk (measured: protocol.encode of a delta chunk)
-CHUNK_HEADER_BYTES = 300
-# published snapshots per fragment between prunings of those every island has seen
-PRUNE_EVERY = 4096
-# payload bytes per chunk
-CHUNK_BYTES = SyncConfig.chunk_bytes
-
-
-def wire_bytes(values: int, codec: Codec) -> int:
-    """Bytes on the wire of `values` values in `codec`, chunked."""
-    payload = codec.encoded_nbytes(values)
-    return payload + CHUNK_HEADER_BYTES * max(1, math.ceil(payload / CHUNK_BYTES))
-
-
-def fragment_sizes(params: int, fragments: int) -> list[int]:
-    """Values per fragment: the model cut into P nearly equal parts (protocol.partition balances by
-    bytes)."""
-    return [params // fragments + (1 if p < params % fragments else 0) for p in range(fragments)]
-
-
-class _Island:
-    def __init__(self, index: int, spec, scenario: Scenario) -> None:
-        self.index, self.spec, self.run = index, spec, IslandRun(spec.name)
-        self.alive, self.epoch, self.delta_id = False, 0, 0
-        # epoch -> when that life ended
-        self.died_at: dict[int, float] = {}
-        # deltas taken from its outbox and not yet at the merger (any life's): tokens, x q
-        self.in_flight = self.in_flight_useful = 0.0
-        # its step times' noise (spec.step_cv)
-        self.rng = random.Random(scenario.seed * 1_000_003 + index)
-        self.fragments = scenario.fragments
-        self.new_life(scenario)
-
-    def new_life(self, scenario: Scenario) -> None:
-        self.epoch += 1
-        # steps of this life, and when the last of them ended (set when it joins)
-        self.step, self.clock = 0, math.inf
-        # per fragment, since its last send
-        self.unsent_steps = [0] * self.fragments
-        self.outbox = Outbox()
-        link = self.spec.link
-        self.uplink = LinkShaper(None if link.up_bps is None else link.up_bps / 8, link.rtt_s / 2)
-        # the delta being sent, and when its last byte leaves
-        self.wire: tuple[PendingDelta, float] | None = None
+from dloco.sim.wire import fragment_sizes, wire_sizes
 
 
 class Simulation:
     def __init__(self, scenario: Scenario) -> None:
         self.s = scenario
         self.sizes = fragment_sizes(scenario.params, scenario.fragments)
-        self.codec = Codec(scenario.codec, scenario.block)
-        snapshots = self.snapshots = scenario.snapshots
-        if scenario.wire is not None:
-            self.delta_bytes, self.snapshot_bytes, self.full_bytes = (
-                list(column) for column in zip(*scenario.wire)
-            )
-        else:
-            self.delta_bytes = [wire_bytes(n, self.codec) for n in self.sizes]
-            self.full_bytes = [
-                wire_bytes(n, Codec(snapshots.snapshot_codec, scenario.block)) for n in self.sizes
-            ]
-            diff = snapshots.snapshot_diff_codec
-            self.snapshot_bytes = (
-                self.full_bytes
-                if diff == "none"
-                else [wire_bytes(n, Codec(diff, scenario.block)) for n in self.sizes]
-            )
-        # a rejoining island gets the served value exactly: fp32 once diffs have moved it off the
-        # full codec (downlink.reply)
-        fp32 = [wire_bytes(n, Codec("fp32")) for n in self.sizes]
-        self.rejoin_bytes = self.full_bytes if snapshots.snapshot_diff_codec == "none" else fp32
+        self.snapshots = scenario.snapshots
+        self.delta_bytes, self.snapshot_bytes, self.full_bytes, self.rejoin_bytes = wire_sizes(
+            scenario
+        )
         params = {f"fragment{p}": np.zeros(1, np.float32) for p in range(scenario.fragments)}
         self.core = MergerCore(
             scenario.math, model_fingerprint(params), [[path] for path in params], params
         )
-        self.islands = [_Island(i, spec, scenario) for i, spec in enumerate(scenario.islands)]
+        self.islands = [SimIsland(i, spec, scenario) for i, spec in enumerate(scenario.islands)]
         self.by_name = {island.spec.name: island for island in self.islands}
         n = len(self.islands)
-        self.down_rate = np.array(
-            [np.inf if i.link.down_bps is None else i.link.down_bps / 8 for i in scenario.islands]
-        )
-        self.down_latency = np.array([i.link.rtt_s / 2 for i in scenario.islands])
-        self.down_free = np.zeros(n)
-        self.down_bytes = np.zeros(n, np.int64)
+        self.downlinks = Downlinks(scenario.islands)
         self.receiving = np.zeros(n, bool)
-        # per fragment: published versions and when each reached each island (inf: never); per
-        # island and fragment the index of the newest one it has (arrivals are FIFO per island)
-        self.published: list[list[tuple[int, np.ndarray]]] = [[] for _ in self.sizes]
-        self.seen = np.full((n, scenario.fragments), -1, np.int64)
+        self.published = Published(n, scenario.fragments)
         self.installed = [0] * scenario.fragments
         self.published_at: dict[int, float] = {}
         self.held: set[int] = set()
@@ -168,13 +99,11 @@ class Simulation:
         # the steps of the last stretch, up to the end
         for island in self.islands:
             if island.alive:
-                self._train_until(
-                    island, self._steps_by(island, self.s.duration_s), self.s.duration_s
-                )
-                unsent, useful = self._undecided(island)
+                island.train_until(island.steps_by(self.s.duration_s), self.s.duration_s)
+                unsent, useful = island.undecided(self.s, self.delta_bytes)
                 island.run.undecided_tokens = (unsent + island.in_flight) / self.s.fragments
                 island.run.undecided_useful = (useful + island.in_flight_useful) / self.s.fragments
-            island.run.bytes_down = int(self.down_bytes[island.index])
+            island.run.bytes_down = int(self.downlinks.bytes[island.index])
         backlog = [max(0.0, free - self.s.duration_s) for free in self.worker_free]
         return SimResult(
             self.s,
@@ -192,7 +121,7 @@ class Simulation:
         )
 
     # ---- islands ---------------------------------------------------------------------------------
-    def _on_join(self, now: float, island: _Island) -> None:
+    def _on_join(self, now: float, island: SimIsland) -> None:
         """(Re)start: every fragment's current value down in full, then the first step."""
         island.alive, self.receiving[island.index] = True, True
         arrived, first = now, not island.run.failures
@@ -200,9 +129,9 @@ class Simulation:
         for fragment, nbytes in enumerate(self.full_bytes if first else self.rejoin_bytes):
             if not (first and island.spec.holds_model):
                 arrived = float(
-                    self._send_down(mask, nbytes, self._merger_out(nbytes, now))[island.index]
+                    self.downlinks.send(mask, nbytes, self._merger_out(nbytes, now))[island.index]
                 )
-            self.seen[island.index, fragment] = len(self.published[fragment]) - 1
+            self.published.joined(island.index, fragment)
         island.joined_versions = list(self.installed)
         # a restart: the download, then compiling
         island.clock = arrived + (0.0 if first else self.s.restart_s)
@@ -210,70 +139,17 @@ class Simulation:
             island.run.startup_s = island.clock - now
         self._next_due(island)
 
-    def _undecided(self, island: _Island) -> tuple[float, float]:
-        """At the end: the tokens in the outbox and not yet due, and what they will be worth at
-        best. A queued delta leaves once the uplink has sent what is ahead of it, and the outbox
-        sums its fragment's next deltas into it meanwhile: it will cover its steps plus that
-        wait."""
-        end, spec = self.s.duration_s, island.spec
-        rate = None if spec.link.up_bps is None else spec.link.up_bps / 8
-        leaves, covers = max(end, island.uplink.free_at), {}
-        tokens = useful = 0.0
-        while (delta := island.outbox.take()) is not None:
-            covers[delta.fragment] = delta.steps + (leaves - end) / spec.step_s
-            tokens, useful = (
-                tokens + delta.tokens,
-                useful + delta.tokens * self.s.quality(covers[delta.fragment]),
-            )
-            leaves += self.delta_bytes[delta.fragment] / rate if rate else 0.0
-        h = spec.interval or self.s.interval
-        # on time, or summed
-        due = [
-            (steps * spec.tokens_per_step, covers.get(f, h))
-            for f, steps in enumerate(island.unsent_steps)
-        ]
-        return tokens + sum(t for t, _ in due), useful + sum(
-            t * self.s.quality(steps) for t, steps in due
+    def _next_due(self, island: SimIsland) -> None:
+        """The island's next step after which a fragment is due, as an event."""
+        nxt, seconds = island.set_next_due(
+            island.spec.interval or self.s.interval, self.s.fragments
         )
-
-    def _steps_by(self, island: _Island, when: float) -> int:
-        """Steps of this life done by `when` (before its next due step, which has its own event)."""
-        return min(
-            island.next_due - 1,
-            island.step + max(0, int((when - island.clock) / island.spec.step_s + 1e-9)),
-        )
-
-    def _train_until(self, island: _Island, step: int, now: float) -> None:
-        """The island trained from its clock until `now` (busy all along), completing steps up to
-        `step`."""
-        island.run.compute_s += max(0.0, now - island.clock)
-        island.clock = max(island.clock, now)
-        done = step - island.step
-        if done <= 0:
-            return
-        island.step = step
-        island.run.trained_tokens += done * island.spec.tokens_per_step
-        island.unsent_steps = [n + done for n in island.unsent_steps]
-
-    def _next_due(self, island: _Island) -> None:
-        """The island's next step after which a fragment is due (exchange.due_offset)."""
-        h, p = island.spec.interval or self.s.interval, self.s.fragments
-        step = island.step + 1
-        nxt = min(step + (due_offset(f, p, h) - step) % h for f in range(p))
-        island.next_due = nxt
-        steps, spec = nxt - island.step, island.spec
-        seconds = steps * spec.step_s
-        if spec.step_cv > 0:
-            seconds = max(
-                0.1 * seconds,
-                island.rng.gauss(seconds, math.sqrt(steps) * spec.step_cv * spec.step_s),
-            )
         self.at(island.clock + seconds, "due", island, island.epoch, nxt)
 
-    def _on_due(self, now: float, island: _Island, epoch: int, step: int) -> None:
+    def _on_due(self, now: float, island: SimIsland, epoch: int, step: int) -> None:
         if not island.alive or epoch != island.epoch:
             return
-        self._train_until(island, step, now)
+        island.train_until(step, now)
         h, p = island.spec.interval or self.s.interval, self.s.fragments
         for fragment in (f for f in range(p) if step % h == due_offset(f, p, h)):
             steps = island.unsent_steps[fragment]
@@ -291,16 +167,13 @@ class Simulation:
         self._send_next(island, now)
         self._next_due(island)
 
-    def _version_at(self, island: _Island, fragment: int, now: float) -> int:
+    def _version_at(self, island: SimIsland, fragment: int, now: float) -> int:
         """The newest version of `fragment` that has reached `island` by `now` (it joined with
         one)."""
-        published, i = self.published[fragment], island.index
-        lo = self.seen[i, fragment] + 1
-        hi = bisect.bisect_right(published, now, lo=lo, key=lambda entry: entry[1][i])
-        self.seen[i, fragment] = hi - 1
-        return max(island.joined_versions[fragment], published[hi - 1][0] if hi > 0 else 0)
+        newest = self.published.newest(island.index, fragment, now)
+        return max(island.joined_versions[fragment], newest)
 
-    def _send_next(self, island: _Island, now: float) -> None:
+    def _send_next(self, island: SimIsland, now: float) -> None:
         if island.wire is not None or not island.outbox:
             return
         delta = island.outbox.take()
@@ -320,15 +193,15 @@ class Simulation:
             sent,
         )
 
-    def _on_sent(self, now: float, island: _Island, epoch: int) -> None:
+    def _on_sent(self, now: float, island: SimIsland, epoch: int) -> None:
         if epoch == island.epoch:
             island.wire = None
             self._send_next(island, now)
 
-    def _on_fail(self, now: float, island: _Island, down_s: float) -> None:
+    def _on_fail(self, now: float, island: SimIsland, down_s: float) -> None:
         if not island.alive:
             return
-        self._train_until(island, self._steps_by(island, now), now)
+        island.train_until(island.steps_by(now), now)
         run, p = island.run, self.s.fragments
         run.failures += 1
         # each fragment's work since its last send
@@ -348,7 +221,7 @@ class Simulation:
 
     # ---- the merger ------------------------------------------------------------------------------
     def _on_at_merger_link(
-        self, now: float, island: _Island, epoch: int, delta: PendingDelta, sent: float
+        self, now: float, island: SimIsland, epoch: int, delta: PendingDelta, sent: float
     ) -> None:
         """A delta reaches the merger's own link (FIFO, shared by every island's deltas)."""
         self.link_in_free = (
@@ -366,7 +239,7 @@ class Simulation:
         return self.link_out_free
 
     def _on_arrive(
-        self, now: float, island: _Island, epoch: int, delta: PendingDelta, sent: float
+        self, now: float, island: SimIsland, epoch: int, delta: PendingDelta, sent: float
     ) -> None:
         # its sender died before the last byte left (counted lost then)
         if sent > island.died_at.get(epoch, math.inf):
@@ -443,7 +316,7 @@ class Simulation:
         )
         if due <= now:
             self._publish(fragment, now)
-        # SnapshotPublishing.offer_snapshot: held, then published by publish_due
+        # SnapshotPublisher.offer: held, then published by publish_due
         else:
             self.held.add(fragment)
             self._publish_wake(due)
@@ -455,7 +328,7 @@ class Simulation:
             self._publish_held(now)
 
     def _publish_held(self, now: float) -> None:
-        """SnapshotPublishing.publish_due: the held snapshots that are due go out (an arrival may
+        """SnapshotPublisher.publish_due: the held snapshots that are due go out (an arrival may
         have shortened a round, so this runs on arrivals too)."""
         intervals, wake = _mean_round(self.core.arrival_intervals(now)), math.inf
         for fragment in sorted(self.held):
@@ -478,25 +351,10 @@ class Simulation:
         """A snapshot (a diff, or the whole fragment) to every island that is up, each over its
         downlink."""
         nbytes = self.snapshot_bytes[fragment]
-        arrival = self._send_down(self.receiving, nbytes, self._merger_out(nbytes, now))
-        published = self.published[fragment]
-        published.append((self.installed[fragment], arrival))
-        # what every island that is up has seen is looked up no more
-        if len(published) % PRUNE_EVERY == 0:
-            done = int(self.seen[self.receiving, fragment].min(initial=len(published) - 1))
-            if done > 0:
-                del published[:done]
-                self.seen[:, fragment] = np.maximum(self.seen[:, fragment] - done, -1)
+        arrival = self.downlinks.send(self.receiving, nbytes, self._merger_out(nbytes, now))
+        self.published.add(fragment, self.installed[fragment], arrival, self.receiving)
         self.published_at[fragment] = now
         self.held.discard(fragment)
-
-    def _send_down(self, mask: np.ndarray, nbytes: int, now: float) -> np.ndarray:
-        """FIFO downlinks (LinkShaper's arithmetic over many islands at once): when `nbytes` handed
-        over at `now` reaches each island in `mask` (inf for the others)."""
-        sent = np.maximum(now, self.down_free) + nbytes / self.down_rate
-        self.down_free = np.where(mask, sent, self.down_free)
-        self.down_bytes += np.where(mask, nbytes, 0)
-        return np.where(mask, sent + self.down_latency, np.inf)
 
 
 def _mean_round(intervals: list[float | None]) -> list[float]:

@@ -11,16 +11,16 @@ import numpy as np
 
 from dloco.sim.baselines import sync_diloco, sync_dp
 from dloco.sim.engine import simulate
-from dloco.sim.plan import MODES, utilisation_at
 from dloco.sim.scenario import Scenario
+from dloco.sim.targetutil import MODES, utilisation_at
 
 # a failed island's downtime in the goodput sweep
 DOWN_S = 600.0
 
 
 def utilisation_sweep(s: Scenario, speeds_bps: list[float]) -> dict[str, list[float]]:
-    """The cluster's steady utilisation that counts (plan.utilisation_at) at each link speed (every
-    island's, both ways)."""
+    """The cluster's steady utilisation that counts (targetutil.utilisation_at) at each link speed
+    (every island's, both ways)."""
     return {mode: [utilisation_at(mode, s, bps) for bps in speeds_bps] for mode in MODES}
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dloco.cluster.config import MergerSection
+from dloco.cluster.sections import MergerSection
 from dloco.sim.chips import CHIPS
 from dloco.sim.scenario import Island, Link, Scenario, step_seconds
 

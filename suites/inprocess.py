@@ -1,6 +1,6 @@
 """`sync-dp` in one process: the cluster's sync-dp arithmetic without the bus.
 
-In the cluster's `sync-dp` mode (cluster/config.py MODES) every island takes one AdamW step on its
+In the cluster's `sync-dp` mode (cluster/modes.py MODES) every island takes one AdamW step on its
 own shard with its own optimizer state, sends the fp32 change, and the merger averages the islands'
 changes (outer SGD at lr 1) and every island adopts the average before its next step.  This module
 does the same in one process: one Trainer per island (its task built as that island builds it, so
@@ -71,19 +71,13 @@ def average(values: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     }
 
 
-def train_sync_dp(config: ClusterConfig, log=lambda line: None) -> InProcessRun:
-    """Train `config` (mode sync-dp, a token budget) in one process; see the module's docstring."""
-    from dloco.island import schedule
+def _islands(config: ClusterConfig, run) -> list[tuple]:
+    """Each island's (task, Trainer) for `run` (cluster.records.run_task's), trained to the
+    cluster's token budget."""
     from dloco.island.config import TrainConfig
     from dloco.island.task import TaskContext, build
     from dloco.island.train import Trainer
 
-    if config.mode != "sync-dp" or not config.tokens:
-        raise ConfigError(
-            "in-process training is for mode sync-dp with a token budget, got mode"
-            f" {config.mode!r}, tokens {config.tokens}"
-        )
-    run = run_task(config)
     train = TrainConfig(
         batch=run.batch, seed=run.seed, eval_every=config.eval_every, budget_tokens=config.tokens
     )
@@ -93,6 +87,20 @@ def train_sync_dp(config: ClusterConfig, log=lambda line: None) -> InProcessRun:
             run.task, TaskContext(index, run.islands, run.seed, run.batch, 10**9, run.options)
         )
         islands.append((task, Trainer(task.model, task.loss, train, task.optimizer, task.metrics)))
+    return islands
+
+
+def train_sync_dp(config: ClusterConfig, log=lambda line: None) -> InProcessRun:
+    """Train `config` (mode sync-dp, a token budget) in one process; see the module's docstring."""
+    from dloco.island import schedule
+
+    if config.mode != "sync-dp" or not config.tokens:
+        raise ConfigError(
+            "in-process training is for mode sync-dp with a token budget, got mode"
+            f" {config.mode!r}, tokens {config.tokens}"
+        )
+    run = run_task(config)
+    islands = _islands(config, run)
     evaluate = islands[0][1].evaluate
     held_out = islands[0][0].eval_batches
     started = time.monotonic()

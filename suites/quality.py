@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 from dloco.cluster import config as cluster_config
-from dloco.cluster.config import ClusterConfig, ModelSection
+from dloco.cluster.config import ClusterConfig
+from dloco.cluster.sections import ModelSection
 from dloco.protocol.errors import ConfigError, DlocoError
 from dloco.suites import inprocess
 from dloco.suites.qualityreport import LINKED, MODES, label, write_up
@@ -194,18 +195,8 @@ def run_suite(
 ) -> tuple[str, list]:
     """Run (or read back) every run of the suite into OUT/quality/<label>; write OUT/quality.md and
     OUT/experiments/quality_*.png; return the Markdown and each run's results."""
-    from dloco.cluster import launcher
-
     budgets = budgets or (QUICK_BUDGETS if quick else BUDGETS)
-    runs = plan(cluster_config.load(config_path), budgets, quick)
-    if only is not None:
-        unknown = sorted(set(only) - {name for name, _ in runs})
-        if unknown or not only:
-            raise ConfigError(
-                f"experiment quality has no run {', '.join(unknown) or '(none given)'}; "
-                f"its runs: {', '.join(name for name, _ in runs)}"
-            )
-        runs = [(name, config) for name, config in runs if name in only]
+    runs = _selected(plan(cluster_config.load(config_path), budgets, quick), only)
     started, results = time.monotonic(), []
     for index, (name, config) in enumerate(runs, 1):
         run_dir = out_dir / "quality" / name
@@ -223,24 +214,7 @@ def run_suite(
                 f" back from {run_dir}"
             )
         else:
-            bound = (
-                f"{config.tokens:,} cluster tokens"
-                if config.tokens
-                else f"{config.max_steps} steps per island"
-            )
-            log(
-                f"dloco experiment quality: run {index}/{len(runs)} {name} ({bound}, at most"
-                f" {config.duration_s:.0f} s) -> {run_dir}"
-            )
-            run_dir.mkdir(parents=True, exist_ok=True)
-            with open(run_dir / "up.out", "w") as out:
-                code = launcher.run(config, run_dir, out=out)
-            if code != 0:
-                raise DlocoError(
-                    f"quality: run {name} failed (exit {code}); see {report}. Nothing is tabulated;"
-                    " the runs that finished are read back when the suite is run again with this"
-                    " --out"
-                )
+            _launch(name, config, run_dir, f"{index}/{len(runs)}", log)
         results.append(collect(name, config, run_dir, 0))
     log(
         "dloco experiment quality: evaluating the merger's model during each run (replaying its"
@@ -262,3 +236,43 @@ def run_suite(
         + (f" --runs {','.join(only)}" if only else "")
     )
     return write_up(results, command, time.monotonic() - started, out_dir), results
+
+
+def _selected(
+    runs: list[tuple[str, ClusterConfig]], only: tuple[str, ...] | None
+) -> list[tuple[str, ClusterConfig]]:
+    """The suite's runs, only those named in `only` if given."""
+    if only is None:
+        return runs
+    unknown = sorted(set(only) - {name for name, _ in runs})
+    if unknown or not only:
+        raise ConfigError(
+            f"experiment quality has no run {', '.join(unknown) or '(none given)'}; "
+            f"its runs: {', '.join(name for name, _ in runs)}"
+        )
+    return [(name, config) for name, config in runs if name in only]
+
+
+def _launch(name: str, config: ClusterConfig, run_dir: Path, position: str, log) -> None:
+    """Run `name`, the suite's run at `position` (3/7), on the cluster (`dloco up` into RUN_DIR);
+    DlocoError if it failed."""
+    from dloco.cluster import launcher
+
+    bound = (
+        f"{config.tokens:,} cluster tokens"
+        if config.tokens
+        else f"{config.max_steps} steps per island"
+    )
+    log(
+        f"dloco experiment quality: run {position} {name} ({bound}, at most"
+        f" {config.duration_s:.0f} s) -> {run_dir}"
+    )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "up.out", "w") as out:
+        code = launcher.run(config, run_dir, out=out)
+    if code != 0:
+        raise DlocoError(
+            f"quality: run {name} failed (exit {code}); see {run_dir / 'report.md'}. Nothing is"
+            " tabulated; the runs that finished are read back when the suite is run again with"
+            " this --out"
+        )

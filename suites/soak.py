@@ -119,7 +119,7 @@ def soak_config(
 ) -> cluster_config.ClusterConfig:
     """The cluster file's regions and settings (default: the shipped profile), the tiny model, a
     standby, `seconds` long; in namespaces with `network`."""
-    from dloco.suites.experiments import QUICK_MODEL
+    from dloco.suites.catalog import QUICK_MODEL
 
     base = cluster_config.load(config_path)
     return dataclasses.replace(

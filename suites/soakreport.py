@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dloco.analysis import soakcheck
 from dloco.analysis.runinfo import chaos_effects, read_events, step_times
-from dloco.merger.wal import read_records
+from dloco.merger.wal_segments import read_records
 
 MERGERS = ("merger", "standby")
 
@@ -27,45 +27,14 @@ def _replay(directory: Path) -> list[tuple[int, str, str]] | str:
 def check_run(run_dir: Path, config) -> list[soakcheck.Check]:
     """Every check of analysis/soakcheck.py on a stopped run."""
     from dloco.analysis.report import global_eval
-    from dloco.analysis.runinfo import merger_run_dir
     from dloco.cluster.records import run_task
 
     islands = [region.name for region in config.regions]
     mergers = [name for name in MERGERS if (run_dir / name / "wal").exists()]
-    checks = []
-    for name in mergers:
-        folds = [
-            record
-            for _, record in read_records(run_dir / name / "wal")
-            if record.get("type") == "fold"
-        ]
-        for check in (
-            soakcheck.folded_once(m for f in folds for m in f["members"]),
-            soakcheck.versions_increase((f["fragment"], f["version"]) for f in folds),
-        ):
-            checks.append(soakcheck.Check(f"{check.name} ({name}'s log)", check.ok, check.detail))
-    final = merger_run_dir(run_dir)
-    logged = collections.Counter(
-        (m[0], m[1])
-        for _, record in read_records(final / "wal")
-        if record.get("type") == "fold"
-        for m in record["members"]
-    )
+    checks = _log_checks(run_dir, mergers)
+    logged = _final_log(run_dir)
     island_logs = {name: read_events(run_dir / "logs" / f"{name}.log") for name in islands}
-    dones = {
-        name: done[-1]
-        for name, events in island_logs.items()
-        if (done := [e for e in events if e.get("event") == "done"])
-    }
-    missing = sorted(set(islands) - set(dones))
-    acked = soakcheck.acked_in_log(dones, logged)
-    checks.append(
-        acked
-        if not missing
-        else soakcheck.Check(
-            acked.name, False, f"no `done` from {', '.join(missing)}; {acked.detail}"
-        )
-    )
+    checks.append(_acked(islands, island_logs, logged))
     checks.append(
         soakcheck.one_primary(
             {name: read_events(run_dir / "logs" / f"{name}.log") for name in mergers}
@@ -93,21 +62,72 @@ def check_run(run_dir: Path, config) -> list[soakcheck.Check]:
     checks.append(soakcheck.stopped_cleanly(last))
     before, after = global_eval(run_task(config), run_dir)
     checks.append(soakcheck.improved(before["loss"], after and after["loss"]))
+    checks += _rate_checks(run_dir, islands)
+    return checks
+
+
+def _log_checks(run_dir: Path, mergers: list[str]) -> list[soakcheck.Check]:
+    """Each merger's write-ahead log: every delta folded once, versions increasing."""
+    checks = []
+    for name in mergers:
+        folds = [
+            record
+            for _, record in read_records(run_dir / name / "wal")
+            if record.get("type") == "fold"
+        ]
+        for check in (
+            soakcheck.folded_once(m for f in folds for m in f["members"]),
+            soakcheck.versions_increase((f["fragment"], f["version"]) for f in folds),
+        ):
+            checks.append(soakcheck.Check(f"{check.name} ({name}'s log)", check.ok, check.detail))
+    return checks
+
+
+def _final_log(run_dir: Path) -> collections.Counter:
+    """The final primary's fold records: (island, epoch) -> its deltas folded."""
+    from dloco.analysis.runinfo import merger_run_dir
+
+    final = merger_run_dir(run_dir)
+    return collections.Counter(
+        (m[0], m[1])
+        for _, record in read_records(final / "wal")
+        if record.get("type") == "fold"
+        for m in record["members"]
+    )
+
+
+def _acked(islands: list[str], island_logs: dict, logged: collections.Counter) -> soakcheck.Check:
+    """Each island's acknowledged deltas (its last life's `done`) against the final primary's log,
+    and a `done` from every island."""
+    dones = {
+        name: done[-1]
+        for name, events in island_logs.items()
+        if (done := [e for e in events if e.get("event") == "done"])
+    }
+    missing = sorted(set(islands) - set(dones))
+    acked = soakcheck.acked_in_log(dones, logged)
+    if not missing:
+        return acked
+    return soakcheck.Check(
+        acked.name, False, f"no `done` from {', '.join(missing)}; {acked.detail}"
+    )
+
+
+def _rate_checks(run_dir: Path, islands: list[str]) -> list[soakcheck.Check]:
+    """The other islands' step rates through each fault (none when an island has no steps)."""
     steps, joins = step_times(run_dir, islands)
     executed = read_events(run_dir / "chaos.jsonl")
-    if all(steps.values()):
-        span = (
-            max(times[0] for times in steps.values() if times),
-            min(times[-1] for times in steps.values() if times),
+    if not all(steps.values()):
+        return []
+    span = (
+        max(times[0] for times in steps.values() if times),
+        min(times[-1] for times in steps.values() if times),
+    )
+    return [
+        soakcheck.rates_kept(
+            soakcheck.rate_ratios(steps, soakcheck.fault_intervals(executed, joins, span[1]), span)
         )
-        checks.append(
-            soakcheck.rates_kept(
-                soakcheck.rate_ratios(
-                    steps, soakcheck.fault_intervals(executed, joins, span[1]), span
-                )
-            )
-        )
-    return checks
+    ]
 
 
 def _recovery(row: dict) -> str:
@@ -159,14 +179,31 @@ def write_up(
         f"| {c.detail} |"
         for c in checks
     ]
+    lines += ["", *_faults_section(faults, rows)]
+    settings = "`[merger] standby = true`, the tiny model" + (
+        ', `[run] network = "netns"`' if no_network is None else ""
+    )
+    lines += [
+        "",
+        (
+            f"Replay the same faults: `dloco up --chaos '{chaos}'` with the same cluster file "
+            f"({settings}). Run directory: `{run_dir}`."
+        ),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _faults_section(faults, rows: list[dict]) -> list[str]:
+    """OUT/soak.md's faults: a row per fault (the others' step rate during it, its recovery), then
+    the others' step rates over all of them."""
     legend = (
         "Each fault and its recovery; the other islands' step rate over the whole fault against "
         "as long a stretch just before it (1.00 = undisturbed); the time from the recovery to the "
         "target's next folded delta (an island) or to the next fold (the broker), and for the "
         "primary merger from the fault to the next fold (the standby's, once it has taken over)."
     )
-    lines += [
-        "",
+    lines = [
         "## Faults",
         "",
         legend,
@@ -206,15 +243,4 @@ def write_up(
                 f"min {min(ratios):.2f}x over {len(ratios)} (island, fault) pairs."
             ),
         ]
-    settings = "`[merger] standby = true`, the tiny model" + (
-        ', `[run] network = "netns"`' if no_network is None else ""
-    )
-    lines += [
-        "",
-        (
-            f"Replay the same faults: `dloco up --chaos '{chaos}'` with the same cluster file "
-            f"({settings}). Run directory: `{run_dir}`."
-        ),
-        "",
-    ]
-    return "\n".join(lines)
+    return lines

@@ -199,6 +199,8 @@ def bytes_per_token(result: RunResult) -> float:
 def summarize(
     name: str, description: str, results: list[RunResult], command: str, seconds: float
 ) -> str:
+    """The suite's Markdown: its table, a row per run, each decoupled run against sync-dp, the
+    extrapolated sync-dp, the bytes suite's goals, each fault's effect, and the plots."""
     target = max(
         min(e["eval_loss"] for events in r.evals.values() for e in events)
         for r in results
@@ -232,69 +234,16 @@ def summarize(
         ),
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in results:
-        reach = time_to(r, target)
-        utils = ", ".join(
-            f"{name} {e.get('compute_util', float('nan')):.2f}" for name, e in r.last.items()
-        )
-        after = "n/a" if r.global_after is None else f"{r.global_after:.3f}"
-        at_equal = "n/a" if r.global_equal is None else f"{r.global_equal:.3f}"
-        lines.append(
-            f"| {r.label} | {r.global_before:.3f} → {after} | {at_equal} |"
-            f" {'not reached' if reach is None else f'{reach:.1f} s'} |"
-            f" {loss_at_tokens(r, equal_tokens):.3f} | {utils} | {bytes_per_token(r):,.0f} |"
-            f" {r.exit_code} |"
-        )
+    lines += [_row(r, target, equal_tokens) for r in results]
     dp = next((r for r in results if r.label == "sync-dp"), None)
-    for r in results:
-        if (
-            dp is not None
-            and r.label.startswith("decoupled")
-            and time_to(r, target)
-            and time_to(dp, target)
-        ):
-            lines += [
-                "",
-                (
-                    f"{r.label} vs sync-dp: {time_to(dp, target) / time_to(r, target):.1f}x faster"
-                    " to the target; "
-                    f"{bytes_per_token(dp) / bytes_per_token(r):.0f}x fewer bytes per token; "
-                    "loss at equal tokens"
-                    f" {100 * (loss_at_tokens(r, equal_tokens) / loss_at_tokens(dp, equal_tokens) - 1):+.1f} %."
-                ),
-            ]
+    if dp is not None:
+        lines += _against_sync_dp(results, dp, target, equal_tokens)
     full = next((r for r in results if r.label == speedup.FULL_SPEED), None)
     if dp is not None and full is not None:
         lines += [""] + _extrapolated(results, dp, full, target)
     if name == "bytes":
         lines += wirebytes.lines(results)
-    for r in results:
-        for row in r.chaos:
-            rates = (
-                ", ".join(
-                    f"{n} {v['ratio']:.2f}"
-                    for n, v in row["others"].items()
-                    if v["ratio"] is not None
-                )
-                or "-"
-            )
-            extra = (
-                f"; next fold after {row['first_fold_s']:.1f} s"
-                if row.get("first_fold_s") is not None
-                else ""
-            )
-            if row.get("during_absence"):
-                extra += (
-                    f"; over its whole {row['absence_s']:.0f} s absence vs as long before: "
-                    + ", ".join(
-                        f"{n} {v:.2f}" for n, v in row["during_absence"].items() if v is not None
-                    )
-                )
-            lines.append(
-                f"- {r.label}, {row['action']} {row['target']} at {row['at_s']:.0f} s: other"
-                f" islands' step rate after/before {rates}; folds {row['folds_before']} before /"
-                f" {row['folds_after']} after{extra}"
-            )
+    lines += [line for r in results for line in _fault_lines(r)]
     lines += [
         "",
         f"![{name}: loss vs tokens](experiments/{name}_loss_vs_tokens.png) ![{name}: loss vs"
@@ -309,6 +258,72 @@ def summarize(
     return "\n".join(lines)
 
 
+def _row(r: RunResult, target: float, equal_tokens: int) -> str:
+    """A run's row of the suite's table."""
+    reach = time_to(r, target)
+    utils = ", ".join(
+        f"{name} {e.get('compute_util', float('nan')):.2f}" for name, e in r.last.items()
+    )
+    after = "n/a" if r.global_after is None else f"{r.global_after:.3f}"
+    at_equal = "n/a" if r.global_equal is None else f"{r.global_equal:.3f}"
+    return (
+        f"| {r.label} | {r.global_before:.3f} → {after} | {at_equal} |"
+        f" {'not reached' if reach is None else f'{reach:.1f} s'} |"
+        f" {loss_at_tokens(r, equal_tokens):.3f} | {utils} | {bytes_per_token(r):,.0f} |"
+        f" {r.exit_code} |"
+    )
+
+
+def _against_sync_dp(
+    results: list[RunResult], dp: RunResult, target: float, equal_tokens: int
+) -> list[str]:
+    """Each decoupled run that reached the target against sync-dp: speed, bytes, loss."""
+    lines = []
+    for r in results:
+        if r.label.startswith("decoupled") and time_to(r, target) and time_to(dp, target):
+            equal = loss_at_tokens(r, equal_tokens) / loss_at_tokens(dp, equal_tokens) - 1
+            lines += [
+                "",
+                (
+                    f"{r.label} vs sync-dp: {time_to(dp, target) / time_to(r, target):.1f}x faster"
+                    " to the target; "
+                    f"{bytes_per_token(dp) / bytes_per_token(r):.0f}x fewer bytes per token; "
+                    f"loss at equal tokens {100 * equal:+.1f} %."
+                ),
+            ]
+    return lines
+
+
+def _fault_lines(r: RunResult) -> list[str]:
+    """A line per fault of run `r`: the other islands' step rate after against before, folds."""
+    lines = []
+    for row in r.chaos:
+        rates = (
+            ", ".join(
+                f"{n} {v['ratio']:.2f}" for n, v in row["others"].items() if v["ratio"] is not None
+            )
+            or "-"
+        )
+        extra = (
+            f"; next fold after {row['first_fold_s']:.1f} s"
+            if row.get("first_fold_s") is not None
+            else ""
+        )
+        if row.get("during_absence"):
+            extra += (
+                f"; over its whole {row['absence_s']:.0f} s absence vs as long before: "
+                + ", ".join(
+                    f"{n} {v:.2f}" for n, v in row["during_absence"].items() if v is not None
+                )
+            )
+        lines.append(
+            f"- {r.label}, {row['action']} {row['target']} at {row['at_s']:.0f} s: other"
+            f" islands' step rate after/before {rates}; folds {row['folds_before']} before /"
+            f" {row['folds_after']} after{extra}"
+        )
+    return lines
+
+
 def _extrapolated(
     results: list[RunResult], dp: RunResult, full: RunResult, target: float
 ) -> list[str]:
@@ -319,11 +334,13 @@ def _extrapolated(
         return [f"{speedup.FULL_SPEED}: too few evaluations to extrapolate sync-dp"]
     check = speedup.extrapolated_seconds(full.evals, dp.evals, target)
     lines = [
-        f"sync-dp extrapolated: {speedup.FULL_SPEED}'s loss per step ({curve[-1][0]} steps, mean"
-        f" island loss {curve[0][1]:.3f} → {curve[-1][1]:.3f}) at sync-dp's {per_step:.2f} s per"
-        " step over the emulated links. Check: to the target above"
-        f" {'never' if check is None else f'{check:.1f} s'} extrapolated,"
-        f" {_seconds_or(time_to(dp, target))} measured."
+        (
+            f"sync-dp extrapolated: {speedup.FULL_SPEED}'s loss per step ({curve[-1][0]} steps,"
+            f" mean island loss {curve[0][1]:.3f} → {curve[-1][1]:.3f}) at sync-dp's"
+            f" {per_step:.2f} s per step over the emulated links. Check: to the target above"
+            f" {'never' if check is None else f'{check:.1f} s'} extrapolated,"
+            f" {_seconds_or(time_to(dp, target))} measured."
+        )
     ]
     for r in results:
         final = speedup.final_loss(r.evals) if r.label.startswith("decoupled") else None

@@ -52,6 +52,8 @@ def delta_messages(
     ]
 
 
+# Over 60 lines: a table of literal messages, one of each kind (and the sparse payloads), read top
+# to bottom.
 def one_of_each_kind() -> list[protocol.Message]:
     """A valid message of every kind (chunks with real payloads)."""
     fragment = make_fragment()
@@ -178,7 +180,7 @@ def processes():
 
 @pytest.fixture
 def islands():
-    """Every test-side island (tests/test_merger_process.py Island) a test makes, closed after
+    """Every test-side island (tests/merger_process_helpers.py Island) a test makes, closed after
     it."""
     made = []
     yield made

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dloco.benchmarks import scale
+from dloco.benchmarks import scale, scale_goals
 from dloco.benchmarks.scale_island import unique_nbytes
 from dloco.benchmarks.scale_model import (
     bytes_per_param,
@@ -73,9 +73,9 @@ def test_350m_by_hand_and_every_size_just_below_its_target():
 
 
 def test_stage_figures_by_hand():
-    samples = {stage: [2.0, 1.0, 3.0] for stage in scale.STAGES}
-    figures = scale.stage_figures(samples, params=1_000_000_000, memcpy_s=0.5)
-    for stage in scale.STAGES:
+    samples = {stage: [2.0, 1.0, 3.0] for stage in scale_goals.STAGES}
+    figures = scale_goals.stage_figures(samples, params=1_000_000_000, memcpy_s=0.5)
+    for stage in scale_goals.STAGES:
         # median 2 s; 4e9 bytes / 2 s = 2 GB/s; memcpy did the same bytes in 0.5 s: 0.25 of its
         # speed; 2 ns per parameter
         assert figures[stage]["seconds"] == 2.0 and figures[stage]["gbps"] == pytest.approx(2.0)
@@ -85,10 +85,10 @@ def test_stage_figures_by_hand():
 
 
 def test_linear_fit_finds_the_fixed_part_and_the_slope():
-    assert scale.linear_fit(
+    assert scale_goals.linear_fit(
         [(1_000_000, 15_000_000.0), (2_000_000, 25_000_000.0), (4_000_000, 45_000_000.0)]
     ) == pytest.approx((5e6, 10.0))
-    assert scale.linear_fit([(1000, 20_000.0)]) == (0.0, 20.0)
+    assert scale_goals.linear_fit([(1000, 20_000.0)]) == (0.0, 20.0)
 
 
 def _size(label: str, params: int, ns: dict[str, float]) -> dict:
@@ -101,11 +101,11 @@ def _size(label: str, params: int, ns: dict[str, float]) -> dict:
 
 
 def test_linear_goal_names_the_stage_that_grew():
-    small = _size("10M", 10_000_000, {stage: 2.0 for stage in scale.STAGES})
+    small = _size("10M", 10_000_000, {stage: 2.0 for stage in scale_goals.STAGES})
     large = _size(
-        "100M", 100_000_000, {**{stage: 2.0 for stage in scale.STAGES}, "merger_ingest": 10.0}
+        "100M", 100_000_000, {**{stage: 2.0 for stage in scale_goals.STAGES}, "merger_ingest": 10.0}
     )
-    goal = scale.linear_goal([large, small])
+    goal = scale_goals.linear_goal([large, small])
     # 4 x 2 + 10 against 5 x 2
     assert goal["ratio"] == pytest.approx(18 / 10) and not goal["met"]
     assert goal["stage_growth"]["merger_ingest"] == pytest.approx(5.0) and goal["stage_growth"][
@@ -113,10 +113,10 @@ def test_linear_goal_names_the_stage_that_grew():
     ] == pytest.approx(1.0)
     assert goal["why"] == "merger_ingest: 10.00 ns/param at 100M against 2.00 at 10M (5.00x)"
     # 1.45x
-    assert scale.linear_goal(
-        [small, _size("20M", 20_000_000, {stage: 2.9 for stage in scale.STAGES})]
+    assert scale_goals.linear_goal(
+        [small, _size("20M", 20_000_000, {stage: 2.9 for stage in scale_goals.STAGES})]
     )["met"]
-    assert "why" not in scale.linear_goal([small])
+    assert "why" not in scale_goals.linear_goal([small])
 
 
 def test_memory_goals_say_what_misses_them():
@@ -130,7 +130,7 @@ def test_memory_goals_say_what_misses_them():
             "held_bytes_per_param": held,
         },
     }
-    goal = scale.merger_goal(merger)
+    goal = scale_goals.merger_goal(merger)
     # the last that rose
     assert not goal["met"] and goal["why"].startswith("the peak is set in phase ingest: the rounds")
     assert "holds 12.0 B/param (parameters 4.0, optimizer 4.0, served 4.0)" in goal["why"]
@@ -138,11 +138,11 @@ def test_memory_goals_say_what_misses_them():
         "peak after each phase: model 4.0, genesis 20.0, join 20.0, ingest 33.0, announce 33.0"
     )
     # at the limit
-    assert scale.merger_goal(
+    assert scale_goals.merger_goal(
         {"label": "1M", "merger": {"bytes_per_param": 12.0, "rise_bytes_per_param": {}}}
     )["met"]
     held = {"served": 4.0, "anchors": 4.0, "error_feedback": 4.0, "retransmit": 0.52}
-    goal = scale.island_goal(
+    goal = scale_goals.island_goal(
         {"label": "200M", "island": {"bytes_per_param": 14.7, "held_bytes_per_param": held}}
     )
     assert (
@@ -150,7 +150,7 @@ def test_memory_goals_say_what_misses_them():
         and goal["why"].startswith("served 4.00 B/param")
         and "retransmit 0.52" in goal["why"]
     )
-    assert "why" not in scale.island_goal(
+    assert "why" not in scale_goals.island_goal(
         {"label": "1M", "island": {"bytes_per_param": 7.9, "held_bytes_per_param": held}}
     )
 
@@ -205,7 +205,7 @@ def test_bench_scale_json_has_every_stage_and_the_memory_figures():
         and size["memcpy_gbps"] > 0
         and size["join"]["fits"]
     )
-    assert set(size["stages"]) == set(scale.STAGES)
+    assert set(size["stages"]) == set(scale_goals.STAGES)
     for stage, figures in size["stages"].items():
         assert figures["seconds"] > 0 and len(figures["samples_s"]) == 1, stage
         assert all(

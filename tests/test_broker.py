@@ -14,8 +14,8 @@ import pytest
 import zmq
 
 from dloco import protocol
-from dloco.bus.security import Identity, create_keys, make_client, write_allow_list
-from tests.test_merger_process import free_ports
+from dloco.bus.keys import Identity, create_keys, make_client, write_allow_list
+from dloco.cluster.ports import free_ports
 
 
 class BrokerProcess:
@@ -140,7 +140,8 @@ def test_curve_admits_listed_keys_only_and_logs_refusals(tmp_path, context):
 
 
 def test_the_allow_list_is_read_by_role_and_its_mistakes_are_named(tmp_path):
-    from dloco.bus.security import ConfigError, load_allow_list
+    from dloco.bus.keys import load_allow_list
+    from dloco.protocol.errors import ConfigError
 
     keys, allow = tmp_path / "keys", tmp_path / "allow"
     made = subprocess.run(

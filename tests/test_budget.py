@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,8 @@ from flax import nnx
 
 from dloco import protocol
 from dloco.cluster import config as cluster_config
+from dloco.cluster.ports import free_ports
+from dloco.cluster.sections import Region
 from dloco.cluster.topology import commands
 from dloco.island import schedule
 from dloco.island.config import TrainConfig
@@ -23,7 +26,7 @@ from dloco.island.train import Trainer
 from dloco.merger.trained_tokens import TrainedTokens
 from dloco.protocol.errors import ConfigError
 from tests.conftest import header_of, reason_of, with_header
-from tests.test_merger_process import free_ports
+from tests.merger_process_helpers import start_bound_merger
 
 
 @pytest.mark.parametrize(
@@ -121,9 +124,7 @@ def test_heartbeat_and_ack_carry_tokens_and_refuse_a_bad_count():
 
 
 def test_a_budget_reaches_every_island_in_every_mode_and_refuses_a_second_bound():
-    base = cluster_config.ClusterConfig(
-        regions=(cluster_config.Region("a"), cluster_config.Region("b", slowdown=2.0))
-    )
+    base = cluster_config.ClusterConfig(regions=(Region("a"), Region("b", slowdown=2.0)))
     for mode in ("decoupled", "sync-diloco", "sync-dp"):
         cluster = base.with_mode(mode).with_tokens(50_000)
         lines = commands(cluster, _addresses(), "run")
@@ -157,6 +158,51 @@ TINY = [
 ]
 
 
+def start_island(
+    tmp_path: Path, i: int, slowdown: str, ports: list[int], steps: int, budget: int
+) -> subprocess.Popen:
+    """Island `isl-{i}` of two at `slowdown`, `steps` steps under a budget of `budget` tokens,
+    against the merger at `ports`."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dloco",
+            "island",
+            "--name",
+            f"isl-{i}",
+            "--island-index",
+            str(i),
+            "--islands",
+            "2",
+            *TINY,
+            "--max-steps",
+            str(steps),
+            "--budget-tokens",
+            str(budget),
+            "--slowdown",
+            slowdown,
+            "--eval-every",
+            "1000",
+            "--fragments",
+            "2",
+            "--interval",
+            "4",
+            "--delta-endpoint",
+            f"tcp://127.0.0.1:{ports[0]}",
+            "--snapshot-endpoint",
+            f"tcp://127.0.0.1:{ports[1]}",
+            "--control-endpoint",
+            f"tcp://127.0.0.1:{ports[2]}",
+            "--metrics-out",
+            str(tmp_path / f"isl-{i}.jsonl"),
+            "--insecure",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / f"isl-{i}.err", "wb"),
+    )
+
+
 # a merger process and two training islands: -m e2e
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
@@ -170,72 +216,11 @@ def test_a_merger_and_two_islands_one_at_half_speed_follow_one_budget(tmp_path):
     )
     # two islands' tokens: 80 steps of 8 x 32
     ports, steps, budget = free_ports(3), 80, 2 * 80 * 8 * 32
-    merger = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dloco",
-            "merger",
-            "--run-dir",
-            str(tmp_path / "m"),
-            "--init-npz",
-            str(init),
-            "--fragments",
-            "2",
-            "--delta-endpoint",
-            f"@tcp://127.0.0.1:{ports[0]}",
-            "--snapshot-endpoint",
-            f"@tcp://127.0.0.1:{ports[1]}",
-            "--control-endpoint",
-            f"@tcp://127.0.0.1:{ports[2]}",
-            "--insecure",
-        ],
-        stdout=open(tmp_path / "merger.log", "wb"),
-        stderr=subprocess.STDOUT,
-    )
+    merger = start_bound_merger(tmp_path, init, ports)
     islands = []
     try:
         for i, slowdown in enumerate(("1", "2")):
-            islands.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "dloco",
-                        "island",
-                        "--name",
-                        f"isl-{i}",
-                        "--island-index",
-                        str(i),
-                        "--islands",
-                        "2",
-                        *TINY,
-                        "--max-steps",
-                        str(steps),
-                        "--budget-tokens",
-                        str(budget),
-                        "--slowdown",
-                        slowdown,
-                        "--eval-every",
-                        "1000",
-                        "--fragments",
-                        "2",
-                        "--interval",
-                        "4",
-                        "--delta-endpoint",
-                        f"tcp://127.0.0.1:{ports[0]}",
-                        "--snapshot-endpoint",
-                        f"tcp://127.0.0.1:{ports[1]}",
-                        "--control-endpoint",
-                        f"tcp://127.0.0.1:{ports[2]}",
-                        "--metrics-out",
-                        str(tmp_path / f"isl-{i}.jsonl"),
-                        "--insecure",
-                    ],
-                    stdout=subprocess.PIPE,
-                    stderr=open(tmp_path / f"isl-{i}.err", "wb"),
-                )
-            )
+            islands.append(start_island(tmp_path, i, slowdown, ports, steps, budget))
         summaries = [
             json.loads(p.communicate(timeout=240)[0].decode().strip().splitlines()[-1])
             for p in islands

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dloco.analysis import chaoseffects
-from dloco.cluster import chaos, config
+from dloco.cluster import chaos, config, sections
 from dloco.cluster.chaos import ChaosEvent
 from dloco.protocol.errors import ConfigError
 
@@ -76,6 +76,8 @@ def test_schedules_by_progress_keep_their_order_and_wait_only_for_running_island
         chaos.check(chaos.parse("partition:a@z.folds=+2"), processes)
 
 
+# Over 60 lines: a by-hand table of every kind of point (a process's steps, folds, seconds;
+# absolute, relative, an island's folds), each checked just before it and at it.
 def test_an_event_is_due_once_the_run_reaches_its_point():
     P, start = chaos.Progress, chaos.Progress(0.0, {}, 0)
     kill_c, restart_c, kill_merger, restart_merger = chaos.parse(
@@ -261,8 +263,8 @@ def test_a_kill_of_the_primary_and_its_restart_name_the_same_process_whichever_i
     import json
     import sys
 
-    from dloco.cluster.compose import Service
-    from dloco.cluster.launcher import Cluster
+    from dloco.cluster.localcompose import Service
+    from dloco.cluster.processes import Cluster
 
     (tmp_path / "logs").mkdir()
     # the merger process follows
@@ -270,7 +272,7 @@ def test_a_kill_of_the_primary_and_its_restart_name_the_same_process_whichever_i
     # the standby process leads
     (tmp_path / "logs" / "standby.log").write_text(json.dumps({"event": "taking_over"}) + "\n")
     asleep = Service([sys.executable, "-c", "import time; time.sleep(120)"])
-    regions = config.ClusterConfig(regions=(config.Region(name="a"),))
+    regions = config.ClusterConfig(regions=(sections.Region(name="a"),))
     cluster = Cluster(
         regions, tmp_path, {"merger": asleep, "standby": asleep}, ["merger", "standby"]
     )

@@ -68,6 +68,8 @@ def _steps_between(run, island, start, end):
     )
 
 
+# Over 60 lines: one cluster run checked in its schedule's order: an island, the merger, then the
+# broker killed and restarted, then the run as a whole.
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_island_merger_and_broker_crashes_are_survived(tmp_path):

@@ -82,6 +82,8 @@ def test_a_synchronous_island_waits_for_its_round_as_long_as_the_merger_does(tmp
     assert island[island.index("--settle-timeout") + 1] == "120.0"
 
 
+# Over 60 lines: one synchronous run checked in its order: a fold per round, lockstep, who waited,
+# the bytes sent, the report.
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["sync-diloco", "sync-dp"])

@@ -6,8 +6,60 @@ from __future__ import annotations
 
 import pytest
 
-from dloco.cluster import config
+from dloco.cluster import config, modes
 from dloco.protocol.errors import ConfigError
+
+# A cluster file that is refused, and what the refusal says (a regular expression).
+BAD_FILES = (
+    ("[run]\nspeed = 3\n", "unknown keys in \\[run\\]"),
+    ("[[regions]]\nname = 'a'\nslowdown = 0.5\n", "slowdown"),
+    ("[[regions]]\nname = 'a'\ncolor = 'red'\n", "unknown keys in \\[\\[regions\\]\\]"),
+    ("not toml", "cannot read"),
+    ("[sync]\ncodec = 'int3'\n[[regions]]\nname = 'a'\n", "sync.codec"),
+    ("[sync]\nadoption = 'merge'\n[[regions]]\nname = 'a'\n", "sync.adoption"),
+    ("[sync]\nalpha = 0.5\n[[regions]]\nname = 'a'\n", "sync.alpha"),
+    ("[sync]\ninterval = 2\n[[regions]]\nname = 'a'\n", "sync.interval"),
+    ("[run]\neval_every = 0\n[[regions]]\nname = 'a'\n", "run.eval_every"),
+    (
+        "[merger]\nsnapshot_diff_codec = 'int3'\n[[regions]]\nname = 'a'\n",
+        "merger.snapshot_diff_codec",
+    ),
+    (
+        "[merger]\nshare_window = -1\n[[regions]]\nname = 'a'\n",
+        "\\[merger\\] merge.share_window must be an int >= 0",
+    ),
+    (
+        "[merger]\nouter_lr = 'fast'\n[[regions]]\nname = 'a'\n",
+        "merger.outer_lr must be a number",
+    ),
+    (
+        "[model]\nwidth = 30\n[[regions]]\nname = 'a'\n",
+        "\\[model\\] model.width 30 must be a multiple of model.heads 4",
+    ),
+    (
+        "[merger]\nsnapshot_full_every = 1.5\n[[regions]]\nname = 'a'\n",
+        "merger.snapshot_full_every",
+    ),
+    (
+        "[merger]\nsnapshot_every_round = -0.5\n[[regions]]\nname = 'a'\n",
+        "merger.snapshot_every_round",
+    ),
+    ("[merger]\nsnapshot_codec = 'int4'\n[[regions]]\nname = 'a'\n", "merger.snapshot_codec"),
+    (
+        (
+            "[merger]\nsnapshot_codec = 'int8'\nsnapshot_diff_codec = 'none'\n[[regions]]\nname"
+            " = 'a'\n"
+        ),
+        "needs merger.snapshot_diff_codec",
+    ),
+    (
+        "[merger]\nsnapshot_every_round = 'often'\n[[regions]]\nname = 'a'\n",
+        "merger.snapshot_every_round",
+    ),
+    ("[run]\neval_trace = -1\n[[regions]]\nname = 'a'\n", "run.eval_trace"),
+    ("[sync]\nflush_on_leave = 'yes'\n[[regions]]\nname = 'a'\n", "sync.flush_on_leave"),
+    ("[run]\neval_trace = 4.5\n[[regions]]\nname = 'a'\n", "run.eval_trace"),
+)
 
 
 def test_cluster_files_are_checked(tmp_path):
@@ -20,55 +72,7 @@ def test_cluster_files_are_checked(tmp_path):
     ]
     assert [r.slowdown for r in default.regions] == [1.0, 1.0, 2.0, 2.0]
     bad = tmp_path / "bad.toml"
-    for text, message in (
-        ("[run]\nspeed = 3\n", "unknown keys in \\[run\\]"),
-        ("[[regions]]\nname = 'a'\nslowdown = 0.5\n", "slowdown"),
-        ("[[regions]]\nname = 'a'\ncolor = 'red'\n", "unknown keys in \\[\\[regions\\]\\]"),
-        ("not toml", "cannot read"),
-        ("[sync]\ncodec = 'int3'\n[[regions]]\nname = 'a'\n", "sync.codec"),
-        ("[sync]\nadoption = 'merge'\n[[regions]]\nname = 'a'\n", "sync.adoption"),
-        ("[sync]\nalpha = 0.5\n[[regions]]\nname = 'a'\n", "sync.alpha"),
-        ("[sync]\ninterval = 2\n[[regions]]\nname = 'a'\n", "sync.interval"),
-        (
-            "[merger]\nsnapshot_diff_codec = 'int3'\n[[regions]]\nname = 'a'\n",
-            "merger.snapshot_diff_codec",
-        ),
-        (
-            "[merger]\nshare_window = -1\n[[regions]]\nname = 'a'\n",
-            "\\[merger\\] merge.share_window must be an int >= 0",
-        ),
-        (
-            "[merger]\nouter_lr = 'fast'\n[[regions]]\nname = 'a'\n",
-            "merger.outer_lr must be a number",
-        ),
-        (
-            "[model]\nwidth = 30\n[[regions]]\nname = 'a'\n",
-            "\\[model\\] model.width 30 must be a multiple of model.heads 4",
-        ),
-        (
-            "[merger]\nsnapshot_full_every = 1.5\n[[regions]]\nname = 'a'\n",
-            "merger.snapshot_full_every",
-        ),
-        (
-            "[merger]\nsnapshot_every_round = -0.5\n[[regions]]\nname = 'a'\n",
-            "merger.snapshot_every_round",
-        ),
-        ("[merger]\nsnapshot_codec = 'int4'\n[[regions]]\nname = 'a'\n", "merger.snapshot_codec"),
-        (
-            (
-                "[merger]\nsnapshot_codec = 'int8'\nsnapshot_diff_codec = 'none'\n[[regions]]\nname"
-                " = 'a'\n"
-            ),
-            "needs merger.snapshot_diff_codec",
-        ),
-        (
-            "[merger]\nsnapshot_every_round = 'often'\n[[regions]]\nname = 'a'\n",
-            "merger.snapshot_every_round",
-        ),
-        ("[run]\neval_trace = -1\n[[regions]]\nname = 'a'\n", "run.eval_trace"),
-        ("[sync]\nflush_on_leave = 'yes'\n[[regions]]\nname = 'a'\n", "sync.flush_on_leave"),
-        ("[run]\neval_trace = 4.5\n[[regions]]\nname = 'a'\n", "run.eval_trace"),
-    ):
+    for text, message in BAD_FILES:
         bad.write_text(text)
         with pytest.raises(ConfigError, match=message):
             config.load(bad)
@@ -99,22 +103,14 @@ def test_flush_on_leave_and_eval_trace_reach_the_islands(tmp_path):
     assert "--flush-on-leave" not in default and "--eval-trace" not in default
 
 
-def test_every_setting_of_the_cluster_file_reaches_the_processes():
-    """The typed sections, after the mode's overrides, are what the merger's and the islands' own
-    command lines parse from topology's arguments: for the shipped profile, each mode and every
-    suite's runs.
-    """
+def every_cluster(default: config.ClusterConfig) -> list[config.ClusterConfig]:
+    """The shipped profile in each mode, every suite's runs of it, and it with an async standby."""
     import dataclasses
 
-    from dloco.cli import build_parser
-    from dloco.cluster import topology
-    from dloco.suites import experiments
+    from dloco.suites import catalog
 
-    parser, default = build_parser(), config.load()
-    clusters = [default.with_mode(mode) for mode in config.MODES]
-    clusters += [
-        transform(default) for _, runs in experiments.SUITES.values() for _, transform in runs
-    ]
+    clusters = [default.with_mode(mode) for mode in modes.MODES]
+    clusters += [transform(default) for _, runs in catalog.SUITES.values() for _, transform in runs]
     clusters.append(
         dataclasses.replace(
             default,
@@ -123,15 +119,25 @@ def test_every_setting_of_the_cluster_file_reaches_the_processes():
             ),
         )
     )
-    renamed = {
-        "quorum_timeout_s": "quorum_timeout",
-        "grace_cap_s": "grace_cap",
-        "settle_timeout_s": "settle_timeout",
-        "lease_s": "lease",
-    }
-    # with a standby only
-    pair = ("standby", "replication", "lease_s")
-    for cluster in clusters:
+    return clusters
+
+
+def test_every_setting_of_the_cluster_file_reaches_the_processes():
+    """The typed sections, after the mode's overrides, are what the merger's and the islands' own
+    command lines parse from topology's arguments: for the shipped profile, each mode and every
+    suite's runs.
+    """
+    import dataclasses
+
+    from dloco.cli import build_parser
+    from dloco.cliargs import from_args
+    from dloco.cluster import topology
+    from dloco.island.config import SyncConfig
+    from dloco.merger.config import SnapshotConfig
+    from dloco.merger.flags import merger_config
+
+    parser, default = build_parser(), config.load()
+    for cluster in every_cluster(default):
         sync, merger = cluster.effective()
         commands = topology.commands(
             cluster,
@@ -139,24 +145,30 @@ def test_every_setting_of_the_cluster_file_reaches_the_processes():
             "/run",
         )
         assert ("standby" in commands) == merger.standby
+        snapshots = SnapshotConfig(
+            merger.snapshot_codec,
+            merger.snapshot_diff_codec,
+            merger.snapshot_full_every,
+            merger.snapshot_every_round,
+        )
         for name in ("merger", "standby") if merger.standby else ("merger",):
             merger_args = parser.parse_args(commands[name])
             # one merger (shards: test_island_group, test_merger_shards)
             assert merger_args.shard == "0/1"
-            for field in dataclasses.fields(merger):
-                if field.name == "shards":
-                    continue
-                if field.name not in pair or merger.standby and field.name != "standby":
-                    assert getattr(merger_args, renamed.get(field.name, field.name)) == getattr(
-                        merger, field.name
-                    ), (cluster.mode, field.name)
-        assert merger_args.fragments == sync.fragments
-        island_args = parser.parse_args(commands[cluster.regions[0].name])
+            assert merger_config(merger_args) == merger.math(), cluster.mode
+            assert from_args(SnapshotConfig, merger_args) == snapshots, cluster.mode
+            if merger.standby:
+                assert (merger_args.replication, merger_args.lease) == (
+                    merger.replication,
+                    merger.lease_s,
+                )
+            assert merger_args.fragments == sync.fragments
+        region = cluster.regions[0]
+        island_args = parser.parse_args(commands[region.name])
+        expected = dataclasses.replace(sync, interval=cluster.interval_of(region))
+        island_sync = from_args(SyncConfig, island_args)
         for key in (*config.SYNC_KEYS, "blocking"):
-            assert getattr(island_args, renamed.get(key, key)) == getattr(sync, key), (
-                cluster.mode,
-                key,
-            )
+            assert getattr(island_sync, key) == getattr(expected, key), (cluster.mode, key)
         for field in dataclasses.fields(cluster.model):
             assert getattr(island_args, field.name) == getattr(cluster.model, field.name), (
                 field.name
@@ -168,7 +180,7 @@ def test_the_model_section_names_a_task_and_its_options_reach_the_islands(tmp_pa
     --task-option; the built-in LM's keys are refused for another task; sizes are checked."""
     from dloco.cli import build_parser
     from dloco.cluster import topology
-    from dloco.island.main import task_options
+    from dloco.island.flags import task_options
 
     (tmp_path / "sub").mkdir()
     path = tmp_path / "sub" / "c.toml"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dloco.cluster import compose, config
+from dloco.cluster import compose, config, localcompose
 from dloco.protocol.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,9 +100,8 @@ def test_the_monitoring_profile_scrapes_every_process_and_charts_only_metrics_th
     for name, spec in data["services"].items():
         command = spec.get("command", [])
         if "--metrics-port" in command:
-            served[name] = (
-                f"{name}:{compose.interpolate(command[command.index('--metrics-port') + 1], {})}"
-            )
+            port = command[command.index("--metrics-port") + 1]
+            served[name] = f"{name}:{localcompose.interpolate(port, {})}"
     assert targets == served and set(served) == {
         "broker",
         "merger",
@@ -144,13 +143,15 @@ def test_the_monitoring_profile_scrapes_every_process_and_charts_only_metrics_th
 def test_interpolation_follows_compose_rules():
     env = {"SET": "x", "EMPTY": ""}
     assert (
-        compose.interpolate("${SET:-d}/${UNSET:-d}/${EMPTY:-d}/${EMPTY-d}/${UNSET}/$SET/$$SET", env)
+        localcompose.interpolate(
+            "${SET:-d}/${UNSET:-d}/${EMPTY:-d}/${EMPTY-d}/${UNSET}/$SET/$$SET", env
+        )
         == "x/d/d//" + "/x/$SET"
     )
 
 
 def test_services_become_local_processes(tmp_path):
-    services = compose.load(
+    services = localcompose.load(
         COMPOSE_FILE,
         {"DLOCO_RUN_DIR": str(tmp_path), "DLOCO_CONTROL_PORT": "7000"},
         program=["dloco"],
@@ -170,34 +171,34 @@ def test_services_become_local_processes(tmp_path):
         merger.health == ["dloco", "probe", "tcp://127.0.0.1:7000"]
         and merger.env["JAX_PLATFORMS"] == "cpu"
     )
-    assert compose.start_order(services, ["asia-older-hw"]) == [
+    assert localcompose.start_order(services, ["asia-older-hw"]) == [
         "prepare",
         "broker",
         "merger",
         "asia-older-hw",
     ]
     with pytest.raises(ConfigError, match="unknown service 'nowhere'"):
-        compose.start_order(services, ["nowhere"])
+        localcompose.start_order(services, ["nowhere"])
     cyclic = {
-        "a": compose.Service(["x"], depends={"b": "service_started"}),
-        "b": compose.Service(["x"], depends={"a": "service_started"}),
+        "a": localcompose.Service(["x"], depends={"b": "service_started"}),
+        "b": localcompose.Service(["x"], depends={"a": "service_started"}),
     }
     with pytest.raises(ConfigError, match="dependency cycle: a -> b -> a"):
-        compose.start_order(cyclic)
+        localcompose.start_order(cyclic)
     unhealthy = tmp_path / "unhealthy.yml"
     unhealthy.write_text(
         "services:\n  a:\n    command: [x]\n  b:\n    command: [y]\n    depends_on:\n      a:"
         " {condition: service_healthy}\n"
     )
     with pytest.raises(ConfigError, match="waits for a to be healthy, but a has no healthcheck"):
-        compose.load(unhealthy, {})
+        localcompose.load(unhealthy, {})
     odd = tmp_path / "odd.yml"
     odd.write_text(
         "services:\n  a:\n    command: [x]\n    privileged: true\n  watch:\n    image: x\n   "
         " profiles: [monitoring]\n    odd: 1\n"
     )
     with pytest.raises(ConfigError, match="does not understand: \\['privileged'\\]"):
-        compose.load(odd, {})
+        localcompose.load(odd, {})
 
 
 def test_probe_reports_what_is_unhealthy(tmp_path):
@@ -319,7 +320,7 @@ def test_a_standby_is_a_service_that_follows_the_merger_and_islands_reach_both(t
         == "tcp://merger:${DLOCO_CONTROL_PORT:-5560},"
         "tcp://standby:${DLOCO_STANDBY_CONTROL_PORT:-5561}"
     )
-    services = compose.load(
+    services = localcompose.load(
         tmp_path / "docker-compose.yml", {"DLOCO_RUN_DIR": str(tmp_path)}, program=["dloco"]
     )
     local = services["us-east"].command

@@ -10,11 +10,12 @@ import pytest
 from dloco import protocol
 from dloco.broker.proxy import BrokerConfig
 from dloco.cli import build_parser
-from dloco.cluster.config import ClusterConfig, MergerSection, Region
+from dloco.cliargs import from_args
+from dloco.cluster.config import ClusterConfig
+from dloco.cluster.sections import MergerSection, Region
 from dloco.island.config import SyncConfig, TrainConfig
-from dloco.island.main import sync_config, train_config
 from dloco.merger.config import MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
-from dloco.merger.main import merger_config, snapshot_config
+from dloco.merger.flags import merger_config
 from dloco.merger.replication_wire import MIN_LEASE_S, ReplicationConfig
 from dloco.merger.settings import ServiceConfig
 from dloco.protocol.errors import ConfigError
@@ -34,14 +35,14 @@ MERGER = [
 
 def test_an_island_without_flags_trains_and_exchanges_with_the_dataclasses_defaults():
     args = build_parser().parse_args(["island"])
-    assert train_config(args) == TrainConfig()
-    assert sync_config(args) == SyncConfig()
+    assert from_args(TrainConfig, args) == TrainConfig()
+    assert from_args(SyncConfig, args) == SyncConfig()
 
 
 def test_a_merger_without_flags_folds_publishes_and_keeps_its_log_with_the_dataclasses_defaults():
     args = build_parser().parse_args(MERGER)
     assert merger_config(args) == MergerConfig()
-    assert snapshot_config(args) == SnapshotConfig()
+    assert from_args(SnapshotConfig, args) == SnapshotConfig()
     service = ServiceConfig("r", "a", "b", "c")
     assert (args.fsync, args.checkpoint_every, args.peer_timeout) == (
         service.fsync,

@@ -16,7 +16,7 @@ import pytest
 
 from dloco.analysis.report import read_exit_codes
 from dloco.analysis.runinfo import read_events
-from dloco.cluster import compose, config, cpuquota, topology
+from dloco.cluster import compose, config, cpuquota, localcompose, sections, topology
 from dloco.cluster.cpuquota import Controller, CpuQuotaError, find_controller, quota_us
 from dloco.island.cpugroup import CpuGroup, CpuGroupError
 from dloco.protocol.errors import ConfigError
@@ -156,7 +156,7 @@ def test_island_cpus_in_the_cluster_file(tmp_path):
 
 
 def test_a_capped_island_is_slowed_by_its_quota_not_by_sleeping():
-    regions = (config.Region("fast"), config.Region("slow", slowdown=2.0))
+    regions = (sections.Region("fast"), sections.Region("slow", slowdown=2.0))
     at = topology.Addresses(("1", "2", "3", "4"), "5")
 
     def slowdowns(cluster):
@@ -169,11 +169,11 @@ def test_a_capped_island_is_slowed_by_its_quota_not_by_sleeping():
 
 def test_compose_carries_the_quota_as_cpus(tmp_path):
     cluster = config.ClusterConfig(
-        (config.Region("fast"), config.Region("slow", slowdown=2.0)), island_cpus=0.5
+        (sections.Region("fast"), sections.Region("slow", slowdown=2.0)), island_cpus=0.5
     )
     path = tmp_path / "docker-compose.yml"
     path.write_text(compose.render(cluster, "cluster.toml"))
-    services = compose.load(path, {})
+    services = localcompose.load(path, {})
     assert {name: s.cpus for name, s in services.items()} == {
         "prepare": None,
         "broker": None,
@@ -201,7 +201,7 @@ def test_compose_carries_the_quota_as_cpus(tmp_path):
         assert broken != text
         path.write_text(broken)
         with pytest.raises(ConfigError, match=message):
-            compose.load(path, {})
+            localcompose.load(path, {})
 
 
 # ---- the kernel's enforcement

@@ -1,6 +1,6 @@
 """Compressed downlink (protocol/downlink.py): the served value, by hand; receivers rebuild it bit
 for bit through the real framing and reassembly; a diff that does not apply is refused (the island's
-side of that, asking again, is in test_island_network.py)."""
+side of that, asking again, is in test_link_receiving.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Every experiment suite's `--quick` variant, end to end, checking the direction of each result:
 real clusters of islands, merger and broker on loopback, the tiny model, every run bounded by work
-(experiments.QUICK_STEPS).  Minutes per suite, so outside the default test run:
+(catalog.QUICK_STEPS).  Minutes per suite, so outside the default test run:
 
     .venv/bin/python -m pytest -m experiments
 
@@ -205,7 +205,7 @@ def test_downlink_diffs_cut_the_bytes(tmp_path):
         runs["bf16-full"]
     )
     # The held run only has to train here (quick() checks it): with the tiny model a round lasts
-    # about a second and few folds are held. Holding is tested in tests/test_merger_process.py.
+    # about a second and few folds are held. Holding is tested in tests/test_merger_snapshots.py.
 
 
 def test_quality_a_larger_budget_gives_every_mode_a_better_global_model(tmp_path):

@@ -27,6 +27,8 @@ def _iso(seconds: float) -> str:
     )
 
 
+# Over 60 lines: one log in its order: four folds, then the moments read back as the merger's log
+# loses lines, and against a forged checkpoint.
 def test_the_model_at_a_moment_is_every_fold_made_by_then(tmp_path):
     params = initial_params()
     parts = protocol.partition({p: a.shape for p, a in params.items()}, 2)

@@ -18,9 +18,10 @@ import pytest
 from dloco.analysis import export
 from dloco.analysis.globalmodel import states_at
 from dloco.analysis.runinfo import lives, merger_folds, read_events, read_metrics, wall
-from dloco.cluster import chaos, compose, topology
-from dloco.cluster.config import ClusterConfig, Region
+from dloco.cluster import chaos, compose, localcompose, topology
+from dloco.cluster.config import ClusterConfig
 from dloco.cluster.ports import free_ports
+from dloco.cluster.sections import Region
 from dloco.island import group
 from dloco.protocol.errors import ConfigError
 from tests.cluster_helpers import small_profile
@@ -102,7 +103,7 @@ def test_a_two_host_region_is_two_processes_wired_to_one_coordinator(tmp_path):
     assert "east.1:" in rendered and "east:${DLOCO_COORDINATOR_PORT_EAST:-5600}" in rendered
     # `dloco up --compose`: the coordinator is process 0 on this machine
     (tmp_path / "compose.yml").write_text(rendered)
-    local = compose.load(tmp_path / "compose.yml", {"DLOCO_COORDINATOR_PORT_EAST": "7001"})[
+    local = localcompose.load(tmp_path / "compose.yml", {"DLOCO_COORDINATOR_PORT_EAST": "7001"})[
         "east.1"
     ].command
     assert local[local.index("--coordinator") + 1] == "127.0.0.1:7001"
@@ -236,14 +237,14 @@ name = "b"
 slowdown = 2.0
 """,
     max_steps=STEPS,
-).replace(
-    "share_window = 8", "share_window = 8\nshards = 2"
-)
+).replace("share_window = 8", "share_window = 8\nshards = 2")
 # a's second process dies at a's step 40; it and a's process 0 come back once b has made 60 more
 # steps: b cannot wait for a, or the restart never fires and the run fails.
 SCHEDULE = "kill:a.1@a.step=40,restart:a.1@b.step=+60"
 
 
+# Over 60 lines: one cluster run checked in its order: the group lost and rejoined, both processes
+# in step, b going on alone, each shard's log, the joined global model, the report.
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_a_two_host_island_trains_in_step_dies_alone_and_rejoins(tmp_path):

@@ -86,9 +86,12 @@ from dloco.island import bytelm, data
 from dloco.island.config import ModelConfig, TrainConfig
 
 corpus = data.load(); shards, _ = data.split(corpus, 1)
-trainer = bytelm.trainer(ModelConfig(width=32, depth=1, heads=2, context=32), TrainConfig(batch=8, lr=1e-2, warmup=2))
+trainer = bytelm.trainer(
+    ModelConfig(width=32, depth=1, heads=2, context=32), TrainConfig(batch=8, lr=1e-2, warmup=2)
+)
 batches = data.Batches(shards[0], 8, 32, 0, 0)
-print(json.dumps({"devices": len(jax.devices()), "losses": [trainer.step(batches.next())[0] for _ in range(5)]}))
+losses = [trainer.step(batches.next())[0] for _ in range(5)]
+print(json.dumps({"devices": len(jax.devices()), "losses": losses}))
 """
 
 

@@ -4,7 +4,7 @@ one per fragment per mean round down, applied by every island with a matching di
 work (steps), so what is asserted holds whatever share of the CPU a process gets: how many folds a
 held snapshot carries depends on the clock (the round is measured in seconds, and a loaded merger
 already folds a whole round at once), so that count is checked where the clock is the test's
-(test_merger_process.test_held_snapshots_carry_every_fold_and_the_last_one_goes_out)."""
+(test_merger_snapshots.test_held_snapshots_carry_every_fold_and_the_last_one_goes_out)."""
 
 from __future__ import annotations
 

@@ -17,11 +17,11 @@ import zmq
 
 from dloco import protocol
 from dloco.bus.sequencing import GapTracker
+from dloco.cluster.ports import free_ports
 from dloco.island.config import SyncConfig
 from dloco.island.network import NetworkLink
 from dloco.island.shaper import LinkShaper
 from tests.test_broker import BrokerProcess
-from tests.test_merger_process import free_ports
 
 CHUNKS = 200
 
@@ -117,25 +117,27 @@ class SlowReceiver:
                     self.on_frames(body)
             if time.monotonic() >= next_round:
                 next_round = time.monotonic() + 0.2
-                for island, stream in self.tracker.streams.items():
-                    if ranges := self.tracker.missing(island):
-                        request = protocol.ResendRequest(
-                            sender="merger",
-                            epoch=1,
-                            seq=0,
-                            target=island,
-                            target_epoch=stream.epoch,
-                            ranges=tuple(ranges),
-                        )
-                        self.router.send_multipart([island.encode(), *protocol.encode(request)])
-                    cursor = protocol.Cursor(island, stream.epoch, stream.delivered)
-                    self.cursor_pub.send_multipart(
-                        protocol.encode(
-                            protocol.Ack(
-                                sender="merger", epoch=1, seq=1, cursors=(cursor,), results=()
-                            )
-                        )
-                    )
+                self._ask_and_tell()
+
+    def _ask_and_tell(self) -> None:
+        """One round: ask each island for the gaps in its stream and publish its cursor."""
+        for island, stream in self.tracker.streams.items():
+            if ranges := self.tracker.missing(island):
+                request = protocol.ResendRequest(
+                    sender="merger",
+                    epoch=1,
+                    seq=0,
+                    target=island,
+                    target_epoch=stream.epoch,
+                    ranges=tuple(ranges),
+                )
+                self.router.send_multipart([island.encode(), *protocol.encode(request)])
+            cursor = protocol.Cursor(island, stream.epoch, stream.delivered)
+            self.cursor_pub.send_multipart(
+                protocol.encode(
+                    protocol.Ack(sender="merger", epoch=1, seq=1, cursors=(cursor,), results=())
+                )
+            )
 
     def close(self) -> None:
         self.stop.set()

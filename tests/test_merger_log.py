@@ -12,7 +12,8 @@ from dloco.merger import checkpoint
 from dloco.merger.config import MergeConfig, MergerConfig, OuterConfig
 from dloco.merger.core import MergerCore, ReplayError
 from dloco.merger.recovery import checkpoint_dir, recover, replay, wal_dir
-from dloco.merger.wal import LogCorruption, WriteAheadLog, read_records
+from dloco.merger.wal import WriteAheadLog
+from dloco.merger.wal_segments import LogCorruption, read_records
 from tests.merger_helpers import assemble, delta_chunks, initial_params
 
 CONFIG = MergerConfig(MergeConfig(max_staleness=2))
@@ -193,7 +194,7 @@ def test_the_log_says_which_fold_kernels_and_jax_wrote_it(tmp_path):
     import jax
 
     from dloco.merger import records
-    from dloco.merger.coded import KERNELS_VERSION
+    from dloco.merger.coded_kernels import KERNELS_VERSION
     from dloco.merger.recovery import software_mismatch
 
     core, wal = new_core(tmp_path)

@@ -23,7 +23,8 @@ state = []
 for round in range(30):
     if round == 10:
         before = faults()
-    state = [np.ones(3 << 20, np.float32) for _ in range(4)]  # the old ones are freed once these exist
+    # the old ones are freed once these exist
+    state = [np.ones(3 << 20, np.float32) for _ in range(4)]
 print(applied, faults() - before)
 """
 
@@ -64,7 +65,8 @@ import numpy as np
 from dloco.merger.memory import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "keep" else None
 def rss():
-    return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) << 10
+    line = next(line for line in open("/proc/self/status") if line.startswith("VmRSS"))
+    return int(line.split()[1]) << 10
 turns = [threading.Event() for _ in range(4)]
 def worker(mine):
     for turn in mine:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from dloco.merger.recovery import wal_dir
-from tests.test_merger_process import Island, free_port, start_merger, stop
+from tests.merger_process_helpers import Island, free_port, start_merger, stop
 
 
 # merger processes on one run directory: -m e2e

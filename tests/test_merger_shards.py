@@ -84,7 +84,8 @@ def test_a_run_directory_belongs_to_one_shard(tmp_path):
 def test_a_cluster_with_two_merger_shards_wires_every_island_to_both():
     from dloco.cli import build_parser
     from dloco.cluster import topology
-    from dloco.cluster.config import ClusterConfig, MergerSection, Region
+    from dloco.cluster.config import ClusterConfig
+    from dloco.cluster.sections import MergerSection, Region
 
     config = ClusterConfig(regions=(Region("east"),), merger=MergerSection(shards=2))
     assert config.process_names == ["east", "merger", "merger.1", "broker"]
@@ -148,6 +149,8 @@ MODEL = [
 ]
 
 
+# Over 60 lines: the broker's, each shard's and each island's command line, started in that order,
+# then waited for.
 def _synchronous_run(tmp_path, count: int) -> list[dict]:
     """Broker, `count` merger shards and two blocking islands (40 steps, fragments 2, H 10); the
     shards' final checkpoints."""

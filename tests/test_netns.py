@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from dloco.cluster import chaos, netns
-from dloco.cluster.config import ClusterConfig, Region
+from dloco.cluster.config import ClusterConfig
+from dloco.cluster.sections import Region
 from dloco.protocol.errors import ConfigError
 
 
@@ -48,12 +49,14 @@ def test_each_fault_is_router_rules_on_the_hosts_link():
 
 
 def test_dropped_packets_are_read_from_the_routers_counters():
-    listing = """Chain FORWARD (policy ACCEPT 10 packets, 900 bytes)
-    pkts      bytes target     prot opt in     out     source               destination
-      80     4800 DROP       0    --  d1r3   *       0.0.0.0/0            0.0.0.0/0
-      19     1140 DROP       0    --  *      d1r3    0.0.0.0/0            0.0.0.0/0            statistic mode random probability 0.1
-       7      420 DROP       0    --  d1r4   *       0.0.0.0/0            0.0.0.0/0
-"""
+    listing = (
+        "Chain FORWARD (policy ACCEPT 10 packets, 900 bytes)\n"
+        "    pkts      bytes target     prot opt in     out     source               destination\n"
+        "      80     4800 DROP       0    --  d1r3   *       0.0.0.0/0            0.0.0.0/0\n"
+        "      19     1140 DROP       0    --  *      d1r3    0.0.0.0/0            0.0.0.0/0"
+        "            statistic mode random probability 0.1\n"
+        "       7      420 DROP       0    --  d1r4   *       0.0.0.0/0            0.0.0.0/0\n"
+    )
     assert netns.dropped_packets(listing, "d1r3") == 99
     assert (
         netns.dropped_packets(listing, "d1r4") == 7 and netns.dropped_packets(listing, "d1r5") == 0
@@ -62,7 +65,8 @@ def test_dropped_packets_are_read_from_the_routers_counters():
 
 def test_network_chaos_parses_does_not_take_a_process_down_and_needs_netns():
     events = chaos.parse(
-        "partition:a@step=10,heal:a@+10,loss-2.5:a@b.step=+5,partition-in:merger@folds=3,heal:merger@+5"
+        "partition:a@step=10,heal:a@+10,loss-2.5:a@b.step=+5,"
+        "partition-in:merger@folds=3,heal:merger@+5"
     )
     assert [e.action for e in events] == ["partition", "heal", "loss-2.5", "partition-in", "heal"]
     assert all(chaos.is_network(e.action) for e in events) and not chaos.is_network("kill")

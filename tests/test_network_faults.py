@@ -21,7 +21,7 @@ import pytest
 from dloco.analysis.runinfo import merger_folds, read_events, read_metrics, wall
 from dloco.bus.sockets import HEARTBEAT_TIMEOUT_MS
 from dloco.cluster import netns
-from dloco.merger.wal import read_records
+from dloco.merger.wal_segments import read_records
 from tests.cluster_helpers import small_profile
 
 TIMEOUT_S = HEARTBEAT_TIMEOUT_MS / 1000
@@ -152,7 +152,10 @@ def test_an_island_partitioned_for_2x_then_20x_the_heartbeat_timeout_trains_on_a
     of its three sockets going down during every cut and coming back after it (a link not dropped in
     time would have resumed silently once healed)."""
     short, long = 2 * TIMEOUT_S, 20 * TIMEOUT_S
-    schedule = f"partition:a@step=40,heal:a@+{short:g},partition:a@a.folds=+2,heal:a@+{long:g},heal:a@a.folds=+2"
+    schedule = (
+        f"partition:a@step=40,heal:a@+{short:g},"
+        f"partition:a@a.folds=+2,heal:a@+{long:g},heal:a@a.folds=+2"
+    )
     run, (cut1, _, cut2, healed2, _) = _up(tmp_path, schedule)
     assert (
         _steps_between(run, "a", cut2, healed2) >= 20
@@ -230,6 +233,8 @@ def test_the_merger_partitioned_from_the_broker_loses_no_acked_delta(tmp_path):
     assert "partition" in report
 
 
+# Over 60 lines: one split-brain run in its order: the cluster under its schedule, then the
+# takeover, the fencing and the new primary's log, each checked against the cut.
 @pytest.mark.e2e
 @pytest.mark.timeout(1000)
 def test_a_primary_and_standby_partitioned_from_each_other_but_not_from_the_broker(tmp_path):
@@ -246,7 +251,10 @@ def test_a_primary_and_standby_partitioned_from_each_other_but_not_from_the_brok
     (tmp_path / "c.toml").write_text(
         profile.replace("share_window = 8", "share_window = 8\nstandby = true")
     )
-    schedule = f"partition-from-standby:merger@folds=10,heal:merger@+{6 * TIMEOUT_S:g},heal:merger@+{4 * TIMEOUT_S:g}"
+    schedule = (
+        f"partition-from-standby:merger@folds=10,"
+        f"heal:merger@+{6 * TIMEOUT_S:g},heal:merger@+{4 * TIMEOUT_S:g}"
+    )
     run = tmp_path / "run"
     up = subprocess.run(
         [

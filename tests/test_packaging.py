@@ -16,6 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Over 60 lines: one build in its order: a wheel from a copy of the sources, its names, then imports
+# from it alone.
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_the_wheel_installs_one_top_level_name(tmp_path):

@@ -45,7 +45,7 @@ def test_the_limits_are_the_documented_ones():
 
 def test_every_reason_the_code_raises_is_documented_and_no_other():
     source = "".join(path.read_text() for path in (ROOT / "protocol").glob("*.py"))
-    raised = set(re.findall(r'ProtocolError\("([a-z_]+)"', source)) | {
+    raised = set(re.findall(r'ProtocolError\(\s*"([a-z_]+)"', source)) | {
         "inconsistent",
         "reassembly_budget",
     }

@@ -10,7 +10,8 @@ from dloco.cluster import config, topology
 from dloco.cluster.records import RunCluster
 from dloco.protocol.errors import ConfigError
 from dloco.sim.engine import simulate
-from dloco.sim.scenario import Island, Scenario, load
+from dloco.sim.scenario import Island, Scenario
+from dloco.sim.scenariofile import load
 from tests import test_cluster_modes as modes
 from tests.test_sim import NO_GRACE
 

@@ -29,7 +29,8 @@ from dloco.merger.replication_wire import (
     read_record,
     record_frames,
 )
-from dloco.merger.wal import WriteAheadLog, read_records
+from dloco.merger.wal import WriteAheadLog
+from dloco.merger.wal_segments import read_records
 from dloco.protocol.checksum import crc32
 from dloco.protocol.errors import DlocoError
 from tests.test_broker import BrokerProcess, heartbeat, pair

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from dloco.analysis import verdict
-from dloco.analysis.runinfo import RunProgress, island_stage
+from dloco.analysis.progress import RunProgress, island_stage
 from dloco.cluster import config
 from dloco.protocol.errors import ConfigError
 

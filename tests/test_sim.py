@@ -8,13 +8,15 @@ import json
 
 import pytest
 
-from dloco.cluster.config import MergerSection
+from dloco.cluster.sections import MergerSection
 from dloco.protocol import Codec
 from dloco.protocol.errors import ConfigError
-from dloco.sim import baselines, plan, presets
+from dloco.sim import baselines, presets, targetutil
 from dloco.sim.chips import CHIPS
-from dloco.sim.engine import simulate, wire_bytes
-from dloco.sim.scenario import Failure, Island, Link, Scenario, load, step_seconds
+from dloco.sim.engine import simulate
+from dloco.sim.scenario import Failure, Island, Link, Scenario, step_seconds
+from dloco.sim.scenariofile import load
+from dloco.sim.wire import wire_bytes
 
 NO_GRACE = MergerSection(grace_cap_s=0.0, share_window=0)
 
@@ -34,7 +36,7 @@ def two_islands(merger=NO_GRACE, **kwargs) -> Scenario:
     )
 
 
-def test_two_lockstep_islands_with_infinite_bandwidth_fold_each_delta_alone_the_second_one_stale_by_one():
+def test_two_lockstep_islands_on_infinite_bandwidth_fold_each_delta_alone_the_second_stale_by_one():
     """Fragment 0 is due after steps 5, 15, ..., 95 and fragment 1 after 10, ..., 100: 10 deltas of
     each per island.  Both islands' deltas arrive at once; with quorum 1 and no grace the first
     folds alone (the fragment is then at the new version) and the second waits for that fold: 20
@@ -172,12 +174,12 @@ def test_target_util_inverts_utilisation_to_a_link_speed():
         duration_s=200.0,
         merger=MergerSection(max_staleness=1, grace_cap_s=0.0, share_window=0),
     )
-    target = plan.target_util(s, [0.9], scale="each")
+    target = targetutil.target_util(s, [0.9], scale="each")
     bps = target["gbps"]["0.9"]["a"]["decoupled"] * 1e9
     assert target["gbps"]["0.9"]["b"] is target["gbps"]["0.9"]["a"]
 
     def util(speed: float) -> float:
-        return plan.utilisation_at("decoupled", s, speed, "a")
+        return targetutil.utilisation_at("decoupled", s, speed, "a")
 
     assert util(bps) >= 0.9 > util(bps / 1.1)
 
@@ -190,9 +192,9 @@ def test_sync_target_util_is_the_closed_form_inverse():
         params=10**9,
         dp_overlap=0.0,
     )
-    bps = plan.target_util(s, [0.5])["gbps"]["0.5"]["all"]["sync-dp"] * 1e9
+    bps = targetutil.target_util(s, [0.5])["gbps"]["0.5"]["all"]["sync-dp"] * 1e9
     assert bps == pytest.approx(24e9, rel=2e-3)
-    assert plan.target_util(s.with_links(1e7), [0.5])["gbps"]["0.5"]["all"][
+    assert targetutil.target_util(s.with_links(1e7), [0.5])["gbps"]["0.5"]["all"][
         "sync-dp"
     ] * 1e9 == pytest.approx(bps, rel=2e-3)
 
@@ -275,7 +277,7 @@ def test_plots_are_written(tmp_path):
 def test_forgetting_snapshots_every_island_has_seen_changes_nothing(monkeypatch):
     """The simulator drops published snapshots that every island that is up has looked past (memory
     for long runs); a run pruning every 8 publishes gives what one that never prunes gives."""
-    from dloco.sim import engine
+    from dloco.sim import delivery
 
     s = Scenario(
         (
@@ -289,7 +291,7 @@ def test_forgetting_snapshots_every_island_has_seen_changes_nothing(monkeypatch)
         failures=(Failure("b", 700.0, 100.0),),
     )
     kept = simulate(s)
-    monkeypatch.setattr(engine, "PRUNE_EVERY", 8)
+    monkeypatch.setattr(delivery, "PRUNE_EVERY", 8)
     pruned = simulate(s)
     assert (pruned.folds, pruned.staleness, pruned.islands) == (
         kept.folds,

@@ -10,13 +10,15 @@ import math
 
 import pytest
 
-from dloco.cluster.config import MergerSection
+from dloco.cluster.sections import MergerSection
 from dloco.protocol import Codec
 from dloco.protocol.errors import ConfigError
-from dloco.sim import plan
-from dloco.sim.engine import simulate, wire_bytes
+from dloco.sim import plan, planreport, targetutil
+from dloco.sim.engine import simulate
 from dloco.sim.quality import MEASURED, QualityCurve, factor_from_loss
-from dloco.sim.scenario import Island, Link, Scenario, load
+from dloco.sim.scenario import Island, Link, Scenario
+from dloco.sim.scenariofile import load
+from dloco.sim.wire import wire_bytes
 
 NO_GRACE = MergerSection(grace_cap_s=0.0, share_window=0)
 PROFILE = MergerSection(
@@ -61,7 +63,7 @@ def test_the_quality_curve_is_linear_in_log_h_between_its_points_and_goes_on_pas
         QualityCurve(((1, 1.0), (48, 0.9), (24, 0.95)))
 
 
-def test_an_island_on_a_link_too_slow_for_its_deltas_loses_useful_tokens_as_its_real_interval_grows():
+def test_an_island_on_a_link_too_slow_for_its_deltas_loses_useful_tokens_as_its_interval_grows():
     """A delta takes 20 s on the uplink while one falls due every 10 s.  Sends at 10 s (steps 1-10),
     30 s (11-20), 50 s (21-40, the outbox summed two), 70 s (41-60) and 90 s (61-80, still on the
     wire at the end); 81-100 wait in the outbox.  Folded: 1,000 + 1,000 tokens at q(10) and 2,000 +
@@ -111,7 +113,7 @@ def test_an_overloaded_merger_cuts_useful_tokens_and_says_so():
         and report["merger"]["queued_tokens"] == 3000
         and report["merger"]["backlog_s"] == pytest.approx(9.5)
     )
-    assert "**overloaded**" in plan.markdown(report)
+    assert "**overloaded**" in planreport.markdown(report)
     two = Scenario(
         (Island("a", 1.0, 100),),
         params=1000,
@@ -143,12 +145,12 @@ def test_target_util_with_every_link_scaled_falls_with_link_speed_in_every_mode(
         quality=Q,
     )
     speeds = [1e9, 1e6, 3e5, 1e5]
-    for mode in plan.MODES:
-        utils = [plan.utilisation_at(mode, s, bps) for bps in speeds]
+    for mode in targetutil.MODES:
+        utils = [targetutil.utilisation_at(mode, s, bps) for bps in speeds]
         assert all(a >= b - 1e-9 for a, b in itertools.pairwise(utils)), (mode, utils)
         assert utils[0] > 0.9 and utils[-1] < 0.6, (mode, utils)
-    answer = plan.target_util(s, [0.5, 0.9])
-    for mode in plan.MODES:
+    answer = targetutil.target_util(s, [0.5, 0.9])
+    for mode in targetutil.MODES:
         assert answer["gbps"]["0.5"]["all"][mode] < answer["gbps"]["0.9"]["all"][mode], mode
 
 
@@ -158,12 +160,11 @@ def test_sync_dp_with_overlap_needs_less_bandwidth_than_without_by_the_overlappe
     overlapped (the backward pass, 2/3 s, hides f of it; f x 1/(19 (1 - f)) s fits in it for f <=
     0.9) the ring may take 1 / (19 (1 - f)) s: (1 - f) x 456 Gbit/s."""
     s = Scenario(tuple(Island(f"i{k}", 1.0, 1000) for k in range(4)), params=10**9, dp_overlap=0.0)
-    none = plan.target_util(s, [0.95])["gbps"]["0.95"]["all"]["sync-dp"]
+    none = targetutil.target_util(s, [0.95])["gbps"]["0.95"]["all"]["sync-dp"]
     assert none == pytest.approx(456, rel=2e-3)
     for share in (0.5, 0.9):
-        overlapped = plan.target_util(dataclasses.replace(s, dp_overlap=share), [0.95])["gbps"][
-            "0.95"
-        ]["all"]["sync-dp"]
+        varied = dataclasses.replace(s, dp_overlap=share)
+        overlapped = targetutil.target_util(varied, [0.95])["gbps"]["0.95"]["all"]["sync-dp"]
         assert overlapped == pytest.approx((1 - share) * none, rel=3e-3)
 
 

@@ -1,7 +1,8 @@
 """A hot-standby merger, as real processes on loopback: a broker, a primary and its standby, and a
 test-side island speaking the stream protocol through the broker.  The primary is killed with its
 disk, paused past its lease, or loses its standby; every test is bounded by work (deltas settled,
-events logged), never by a wall-clock figure."""
+events logged), never by a wall-clock figure.  (A standby under `dloco up`:
+tests/test_standby_cluster.py.)"""
 
 from __future__ import annotations
 
@@ -18,13 +19,11 @@ from pathlib import Path
 import pytest
 
 from dloco import protocol
-from dloco.analysis.runinfo import chaos_effects, merger_folds, read_events, read_metrics, wall
 from dloco.benchmarks.failover import StreamIsland
 from dloco.cluster.ports import free_ports
 from dloco.merger import records
 from dloco.merger.recovery import wal_dir
-from dloco.merger.wal import read_records
-from tests.cluster_helpers import small_profile
+from dloco.merger.wal_segments import read_records
 from tests.merger_helpers import delta_chunks, initial_params
 from tests.test_broker import BrokerProcess
 
@@ -91,6 +90,34 @@ class Merger:
         return self.process.wait(timeout=60)
 
 
+def merger_command(broker: BrokerProcess, mode: str) -> list[str]:
+    """The command line both mergers of a pair share: the broker's buses, a checkpoint every
+    3 records, fsync always, a lease of LEASE_S and replication `mode`."""
+    return [
+        sys.executable,
+        "-m",
+        "dloco",
+        "merger",
+        "--fragments",
+        "2",
+        "--delta-endpoint",
+        broker.endpoint(1),
+        "--snapshot-endpoint",
+        broker.endpoint(2),
+        "--checkpoint-every",
+        "3",
+        "--fsync",
+        "always",
+        "--max-staleness",
+        "3",
+        "--insecure",
+        "--lease",
+        str(LEASE_S),
+        "--replication",
+        mode,
+    ]
+
+
 class Pair:
     """A broker, merger A (the primary at start) and B (its standby), each with its control socket
     and replication endpoint on loopback."""
@@ -99,29 +126,7 @@ class Pair:
         self.broker = BrokerProcess(tmp, "--insecure")
         control, replication, (self.metrics_port,) = free_ports(2), free_ports(2), free_ports(1)
         self.control = [f"tcp://127.0.0.1:{port}" for port in control]
-        common = [
-            sys.executable,
-            "-m",
-            "dloco",
-            "merger",
-            "--fragments",
-            "2",
-            "--delta-endpoint",
-            self.broker.endpoint(1),
-            "--snapshot-endpoint",
-            self.broker.endpoint(2),
-            "--checkpoint-every",
-            "3",
-            "--fsync",
-            "always",
-            "--max-staleness",
-            "3",
-            "--insecure",
-            "--lease",
-            str(LEASE_S),
-            "--replication",
-            mode,
-        ]
+        common = merger_command(self.broker, mode)
         ends = [f"tcp://127.0.0.1:{port}" for port in replication]
         self.a = Merger(
             tmp / "a",
@@ -320,89 +325,3 @@ def test_a_primary_whose_standby_dies_goes_on_alone_and_says_so(pair):
     assert p.b.wait_for("taking_over")
     assert p.b.stop() == 0
     assert logged_deltas(p.b.run_dir) == logged_deltas(p.a.run_dir) == set(range(1, 8))
-
-
-STANDBY_PROFILE = small_profile(
-    400,
-    25,
-    """
-[[regions]]
-name = "a"
-slowdown = 2.0
-
-[[regions]]
-name = "b"
-slowdown = 2.0
-""",
-    max_steps=200,
-).replace("share_window = 8", "share_window = 8\nstandby = true")
-# The primary's machine is lost after 10 folds; once a has made 60 more steps (the standby took over
-# meanwhile) it comes back, empty.
-STANDBY_SCHEDULE = "lose-disk:merger@folds=10,restart:merger@a.step=+60"
-
-
-@pytest.mark.e2e
-@pytest.mark.timeout(900)
-def test_dloco_up_with_a_standby_survives_the_loss_of_the_primary_and_its_disk(tmp_path):
-    (tmp_path / "standby.toml").write_text(STANDBY_PROFILE)
-    run = tmp_path / "run"
-    up = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dloco",
-            "up",
-            "--config",
-            str(tmp_path / "standby.toml"),
-            "--run-dir",
-            str(run),
-            "--chaos",
-            STANDBY_SCHEDULE,
-            "--status-port",
-            "-1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=800,
-    )
-    assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
-    lost, back = read_events(run / "chaos.jsonl")
-    # the primary at the time was the merger process
-    assert (lost["process"], back["process"]) == ("merger", "merger")
-    took = [e for e in read_events(run / "logs" / "standby.log") if e.get("event") == "taking_over"]
-    assert len(took) == 1 and took[0]["length"] > 0
-    merger_events = [e.get("event") for e in read_events(run / "logs" / "merger.log")]
-    # its second life follows the standby
-    assert merger_events.count("genesis") == 1 and merger_events.count("following") == 2
-    # the islands trained on through the loss, and the new primary folded both of them
-    steps = {
-        name: [
-            e["wall"]
-            for e in read_metrics(run / "metrics" / f"{name}.jsonl")
-            if e.get("step", 0) > 0
-        ]
-        for name in "ab"
-    }
-    # b trained on while no merger was there
-    assert sum(lost["wall"] <= w < back["wall"] for w in steps["b"]) >= 30
-    after = [set(e["contributors"]) for e in merger_folds(run) if wall(e) > lost["wall"]]
-    assert {"a", "b"} <= set().union(*after)
-    # every delta each island sent was settled: none acknowledged and lost
-    for island in "ab":
-        done = [e for e in read_events(run / "logs" / f"{island}.log") if e.get("event") == "done"][
-            -1
-        ]
-        assert (
-            done["acks"].get("folded", 0) + done["acks"].get("rejected", 0)
-            == done["deltas_sent"]
-            > 0
-        ), done
-    row = next(r for r in chaos_effects(run, ["a", "b"]) if r["action"] == "lose-disk")
-    assert row["first_fold_s"] is not None
-    # the new primary's log, and the copy the old one rebuilt from it
-    for merger in ("standby", "merger"):
-        replay = replay_verify(run / merger)
-        assert replay.returncode == 0, replay.stderr
-    assert "FAILED" not in (run / "report.md").read_text()
-    # the live view names each merger's role
-    assert any(line.startswith("mergers: merger ") for line in up.stdout.splitlines())

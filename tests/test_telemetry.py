@@ -221,6 +221,7 @@ def write_lines(path, events) -> None:
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
 
 
+# Over 60 lines: a run directory's files written by hand, one file after another.
 @pytest.fixture
 def run_dir(tmp_path):
     """Two islands (west restarted once), three folds, two global evaluations and a chaos event, by

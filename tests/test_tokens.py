@@ -27,7 +27,7 @@ def write_sidecar(path, **fields) -> None:
 
 
 @pytest.mark.timeout(10)
-def test_a_raw_uint16_file_is_mapped_not_read_and_its_vocab_comes_from_the_sidecar_or_the_largest_id(
+def test_a_raw_uint16_file_is_mapped_not_read_its_vocab_from_the_sidecar_or_the_largest_id(
     tmp_path,
 ):
     # largest id 999

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dloco.merger.wal import LogCorruption, WriteAheadLog, read_records
+from dloco.merger.wal import WriteAheadLog
+from dloco.merger.wal_segments import LogCorruption, read_records
 
 
 def fill(directory, count, segment_bytes=1 << 20):
@@ -223,7 +224,7 @@ def test_an_earlier_segment_that_lost_whole_records_ends_the_log_too(tmp_path):
     name the missing records), and a log whose first segment is not record 0 is corruption."""
     import os
 
-    from dloco.merger.wal import _scan
+    from dloco.merger.wal_segments import _scan
 
     fill(tmp_path, 40, segment_bytes=1000)
     segments = sorted(tmp_path.glob("*.seg"))

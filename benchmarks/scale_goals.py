@@ -1,0 +1,158 @@
+"""`dloco bench scale`'s figures and goals, computed from the measurements (pure, tested against
+hand-derived values): each stage's rates, a linear fit of memory over the sizes, and the three
+goals judged at the largest size, a missed one naming the stage, phase or structure that misses it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+
+from dloco.benchmarks.timing import gbps
+
+STAGES = ("island_send", "broker_forward", "merger_ingest", "snapshot_diff", "island_adopt")
+# per-parameter cost at the largest size over that at the smallest
+LINEAR_LIMIT = 1.5
+# bytes of resident memory per parameter: parameters, momentum and the served value
+MERGER_LIMIT = 12.0
+# bytes of exchange state per parameter, error feedback on
+ISLAND_LIMIT = 8.0
+# What raises the merger's peak in each phase (benchmarks/scale_merger.py), for a missed goal's
+# reason.
+MERGER_PHASES = {
+    "model": "the initial model, as `dloco merger` loads it (4 B/param)",
+    "genesis": (
+        "the core's outer momentum (4 B/param; the genesis log record writes the parameters as they"
+        " lie)"
+    ),
+    "warm_up": (
+        "compiling the fold kernels and taking each fragment's outer step once (its new parameters"
+        " and momentum, thrown away; the allocator keeps what is freed)"
+    ),
+    "join": (
+        "the full snapshots: each fragment encoded in fp32 and decoded as the value served (4"
+        " B/param kept)"
+    ),
+    "ingest": (
+        "the rounds on top of the state (parameters, momentum and served value: 12 B/param): a"
+        " fold's new parameters and momentum beside the old, the diff's copies, and the freed"
+        " memory the allocator keeps (merger/memory.py: up to 512 MiB, one heap for every thread)"
+    ),
+    "announce": (
+        "the snapshot diffs (a host copy of the fragment, the change, its codes, the new served"
+        " value)"
+    ),
+}
+ISLAND_STRUCTURES = {
+    "served": "the merger's value as received, which diffs apply to",
+    "anchors": "each fragment's anchor, a host copy of theta at its last send",
+    "error_feedback": "what quantization left out, carried into the next delta",
+    "retransmit": "int4 chunks kept until the merger's cursor covers them",
+}
+
+
+def stage_figures(samples: dict[str, list[float]], params: int, memcpy_s: float) -> dict[str, dict]:
+    """Per stage: median seconds, GB/s of the 4 x params float32 bytes, ratio to memcpy (the same
+    bytes: memcpy seconds over the stage's), nanoseconds per parameter."""
+    figures = {}
+    for stage in STAGES:
+        seconds = statistics.median(samples[stage])
+        figures[stage] = {
+            "seconds": seconds,
+            "samples_s": list(samples[stage]),
+            "gbps": gbps(4 * params, seconds),
+            "vs_memcpy": memcpy_s / seconds,
+            "ns_per_param": seconds / params * 1e9,
+        }
+    return figures
+
+
+def linear_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares (fixed, per_param) of value = fixed + per_param * params; one point: (0, value
+    / params)."""
+    if len(points) == 1:
+        return 0.0, points[0][1] / points[0][0]
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum(
+        (x - mean_x) ** 2 for x, _ in points
+    )
+    return mean_y - slope * mean_x, slope
+
+
+def linear_goal(sizes: list[dict]) -> dict:
+    """Summed ns/param at the largest size over the smallest's; a miss names the stage that grew
+    most."""
+    small, large = min(sizes, key=lambda s: s["params"]), max(sizes, key=lambda s: s["params"])
+    ratio = large["ns_per_param"] / small["ns_per_param"]
+    growth = {
+        stage: large["stages"][stage]["ns_per_param"] / small["stages"][stage]["ns_per_param"]
+        for stage in STAGES
+    }
+    # the stage that adds most to the growth: its extra ns/param at the largest size
+    worst = max(
+        STAGES,
+        key=lambda stage: (
+            large["stages"][stage]["ns_per_param"] - small["stages"][stage]["ns_per_param"]
+        ),
+    )
+    goal = {
+        "limit": LINEAR_LIMIT,
+        "ratio": ratio,
+        "met": ratio <= LINEAR_LIMIT,
+        "stage_growth": growth,
+        "smallest": small["label"],
+        "largest": large["label"],
+    }
+    if not goal["met"]:
+        goal["why"] = (
+            f"{worst}: {large['stages'][worst]['ns_per_param']:.2f} ns/param at {large['label']}"
+            f" against {small['stages'][worst]['ns_per_param']:.2f} at {small['label']}"
+            f" ({growth[worst]:.2f}x)"
+        )
+    return goal
+
+
+def merger_goal(largest: dict) -> dict:
+    """The merger's bytes per parameter at the largest size.  A miss names the phase that set the
+    peak (the last that raised it), the state the merger holds, and the peak after each phase."""
+    value = largest["merger"]["bytes_per_param"]
+    goal = {
+        "limit": MERGER_LIMIT,
+        "bytes_per_param": value,
+        "met": value <= MERGER_LIMIT,
+        "size": largest["label"],
+    }
+    if not goal["met"]:
+        rises, held = (
+            largest["merger"]["rise_bytes_per_param"],
+            largest["merger"]["held_bytes_per_param"],
+        )
+        phase = [name for name, rise in rises.items() if rise > 0.05][-1]
+        peaks = itertools.accumulate(rises.values())
+        goal["why"] = (
+            f"the peak is set in phase {phase}: {MERGER_PHASES.get(phase, phase)}. The state itself"
+            f" holds {sum(held.values()):.1f} B/param ("
+            + ", ".join(f"{name} {b:.1f}" for name, b in held.items() if b)
+            + "); peak after each phase: "
+            + ", ".join(f"{name} {b:.1f}" for name, b in zip(rises, peaks))
+        )
+    return goal
+
+
+def island_goal(largest: dict) -> dict:
+    """The island's exchange state per parameter at the largest size; a miss names what it holds,
+    largest first."""
+    value = largest["island"]["bytes_per_param"]
+    goal = {
+        "limit": ISLAND_LIMIT,
+        "bytes_per_param": value,
+        "met": value <= ISLAND_LIMIT,
+        "size": largest["label"],
+    }
+    if not goal["met"]:
+        held = sorted(largest["island"]["held_bytes_per_param"].items(), key=lambda item: -item[1])
+        goal["why"] = "; ".join(
+            f"{name} {b:.2f} B/param ({ISLAND_STRUCTURES.get(name, name)})" for name, b in held
+        )
+    return goal

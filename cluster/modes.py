@@ -1,0 +1,64 @@
+"""The run modes: the decoupled mode this project is about, and the synchronous baselines it is
+measured against, each as its overrides of the cluster file's [sync] and [merger] sections
+(cluster.config applies them: ClusterConfig.effective)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+# The run modes: the same islands, links and corpus; only how they synchronise differs.
+# sync-diloco: classic DiLoCo — the whole model (P = 1) every H steps, every island blocks until the
+#   merger has all N deltas and returns the new global model.
+# Both synchronous modes fold every island's delta at once with a whole outer step (share_window 0),
+# as classic DiLoCo and data parallelism do (sync-diloco with DiLoCo's Nesterov at lr 0.7, whatever
+# the profile sets for decoupled folds), and publish every fold at once (snapshot_every_round 0):
+# their islands wait for it.  A round waits for every island up to the quorum timeout (30 s): at
+# H = 48 the half-speed islands finish ~25 s after the fast ones, inside it; at H = 96 (~50 s) a
+# round would go on without them, so H = 96 in a synchronous mode is not classic DiLoCo here.  (A
+# longer timeout alone does not help: an island gives up waiting for its delta's fold after 60 s and
+# trains on; the quorum counts islands, so its next delta does not complete a round without the
+# slow ones, but the round still waits only up to the timeout.)
+# sync-dp: a stand-in for data-parallel all-reduce — every step each island sends its full fp32
+#   change and blocks until the merger returns the average (outer SGD, lr 1: the new global model is
+#   the mean of the islands' models), so the bytes and the barrier per step are those of an
+#   all-reduce of fp32 gradients.
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """A run mode's overrides of the [sync] and [merger] sections (dataclasses.replace
+    arguments)."""
+
+    sync: dict = dataclasses.field(default_factory=dict)
+    # quorum ALL_ISLANDS: the cluster's number of islands
+    merger: dict = dataclasses.field(default_factory=dict)
+
+
+ALL_ISLANDS = "all"
+MODES = {
+    "decoupled": Mode(),
+    "sync-diloco": Mode(
+        sync={"fragments": 1, "blocking": True},
+        merger={
+            "quorum": ALL_ISLANDS,
+            "grace_cap_s": 0.0,
+            "share_window": 0,
+            "snapshot_every_round": 0.0,
+            "outer": "nesterov",
+            "outer_lr": 0.7,
+        },
+    ),
+    "sync-dp": Mode(
+        sync={"fragments": 1, "interval": 1, "codec": "fp32", "blocking": True},
+        merger={
+            "quorum": ALL_ISLANDS,
+            "grace_cap_s": 0.0,
+            "merge": "average",
+            "outer": "sgd",
+            "outer_lr": 1.0,
+            "snapshot_codec": "fp32",
+            "snapshot_diff_codec": "none",
+            "share_window": 0,
+            "snapshot_every_round": 0.0,
+        },
+    ),
+}

@@ -1,0 +1,100 @@
+"""The merger's connections, opened from its settings (merger.settings.ServiceConfig): its three
+sockets, and the stream of its write-ahead log to a standby.
+
+Sockets (endpoint strings: ``@tcp://...`` binds, ``tcp://...`` or ``>tcp://...`` connects):
+- ``delta_sub``  SUB on the delta bus (topics ``delta/``, ``heartbeat/0/``; a shard only its
+  fragments' ``delta/F/`` and its stream's ``heartbeat/I/``, protocol/shards.py): chunks from
+  islands;
+- ``snapshot_pub`` PUB on the snapshot bus: fragment snapshots and acks;
+- ``control`` ROUTER (binds): catch-up snapshot requests (Clone pattern), resend requests to
+  islands (routed by island name) and the chunks they resend, hellos.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import zmq
+
+from dloco.bus.sockets import open_socket
+from dloco.merger import records
+from dloco.merger.logmatch import genesis_of, newest_epoch, terms_of
+from dloco.merger.publishing import Stamp
+from dloco.merger.recovery import wal_dir
+from dloco.merger.replication import ReplicationServer
+from dloco.protocol import shards
+
+
+@dataclasses.dataclass
+class Sockets:
+    context: zmq.Context
+    delta_sub: zmq.Socket
+    snapshot_pub: zmq.Socket
+    control: zmq.Socket
+    # the fragments this merger (shard) folds and serves
+    owned: list[int]
+
+
+def open_sockets(config, fragments: int, log) -> Sockets:
+    """The merger's sockets in a new context; `fragments`: the model's count (a shard subscribes to
+    its own only)."""
+    context = zmq.Context()
+
+    def socket(kind: int, endpoint: str, server: str, domain: str, receive_hwm=None) -> zmq.Socket:
+        return open_socket(
+            context,
+            kind,
+            endpoint,
+            config.security,
+            server,
+            domain=domain,
+            receive_hwm=receive_hwm,
+            report=lambda message: log.warning("auth_refused", detail=message),
+        )
+
+    # ZeroMQ's queue of arrived deltas is part of the receive budget: beyond it they are dropped
+    # and asked for again (domain: bound without a broker)
+    delta_sub = socket(
+        zmq.SUB,
+        config.delta_endpoint,
+        server="broker",
+        domain="delta-in",
+        receive_hwm=max(16, config.held_bytes // config.max_chunk_bytes),
+    )
+    # ZeroMQ filters at the publishers
+    for topic in shards.subscriptions(config.shard, config.shards, fragments):
+        delta_sub.setsockopt(zmq.SUBSCRIBE, topic)
+    snapshot_pub = socket(zmq.PUB, config.snapshot_endpoint, server="broker", domain="snapshot-out")
+    control = socket(zmq.ROUTER, config.control_endpoint, server=config.sender, domain="control")
+    # an unknown island is an error we count, not a silent drop
+    control.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    owned = shards.owned(config.shard, config.shards, fragments)
+    return Sockets(context, delta_sub, snapshot_pub, control, owned)
+
+
+def start_replication(config, context, wal, stamp: Stamp, takeover, log) -> ReplicationServer:
+    """The log's stream to a standby.  A primary that did not take over (`takeover` None) starts a
+    term of its own (records it lost since it last streamed must not match its standby's copies of
+    them) with an epoch above every epoch its log names: `stamp.epoch` moves there."""
+    if takeover is not None:
+        terms, term = takeover.terms, takeover.term
+    else:
+        # the genesis record a new run just wrote, on disk where terms_of and genesis_of read
+        wal.sync()
+        terms, _, term = terms_of(wal_dir(config.run_dir))
+        stamp.epoch, term = max(stamp.epoch, newest_epoch(terms) + 1), term + 1
+        terms.append((stamp.epoch, wal.append(records.term_record(term, stamp.epoch))))
+        wal.sync()
+    return ReplicationServer(
+        context,
+        config.replication,
+        config.security,
+        config.sender,
+        wal,
+        wal_dir(config.run_dir),
+        stamp.epoch,
+        terms,
+        term,
+        genesis_of(config.run_dir),
+        log,
+    )
