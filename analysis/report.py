@@ -266,7 +266,8 @@ def _islands_table(
         seconds = last.get("time", 0) or float("nan")
         lines.append(
             f"| {region.name} | {region.speed} | {region.interval} |"
-            f" {region.uplink_mbps or '∞'}/{region.downlink_mbps or '∞'}, {region.rtt_ms:.0f} ms |"
+            f" {region.uplink_mbps or '∞'}/{region.downlink_mbps or '∞'},"
+            f" {region.rtt_ms:.0f} ms |"
             f" {last.get('step', 0)} | {last.get('tokens', 0):,} |"
             f" {last.get('step', 0) / seconds:.2f} | {last.get('compute_util', float('nan')):.3f} |"
             f" {last.get('loss', float('nan')):.3f} | {evals[-1] if evals else float('nan'):.3f} |"

@@ -8,8 +8,8 @@ import dataclasses
 
 
 # The run modes: the same islands, links and corpus; only how they synchronise differs.
-# sync-diloco: classic DiLoCo — the whole model (P = 1) every H steps, every island blocks until the
-#   merger has all N deltas and returns the new global model.
+# sync-diloco: classic DiLoCo — the whole model (P = 1) every H steps, every island blocks until
+#   the merger has all N deltas and returns the new global model.
 # Both synchronous modes fold every island's delta at once with a whole outer step (share_window 0),
 # as classic DiLoCo and data parallelism do (sync-diloco with DiLoCo's Nesterov at lr 0.7, whatever
 # the profile sets for decoupled folds), and publish every fold at once (snapshot_every_round 0):

@@ -5,7 +5,8 @@ peak at `max_steps`: island/train.py).  With a budget of N cluster tokens it war
 first steps and then decays over the cluster's progress p = min(1, tokens / N), the same p for a
 fast island and a slow one, as every island learns the cluster's tokens from the merger's acks:
 
-    rate(step, tokens) = peak · warmup(step) · decay(p),   decay(p) = f + (1 − f) · ½ (1 + cos π p)
+    rate(step, tokens) = peak · warmup(step) · decay(p)
+    decay(p) = f + (1 − f) · ½ (1 + cos π p)
 
 with f = FLOOR, the cosine's end as in the step schedule.  `decay` is applied as a multiplier on
 the optimizer's update (`Trainer.set_rate_scale`), so it reaches a task's own optimizer too.

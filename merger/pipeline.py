@@ -17,7 +17,8 @@ writes the core: `finished()` installs a fold's state on the loop's thread once 
 lose; a checkpoint waits until nothing is in flight.  After a failed fold the pipeline stops
 (`failed`): the service must not checkpoint, the log alone says what happened.  A fragment has
 at most one fold in flight, so the version islands base their deltas on is never more than one
-behind the merger's (a stall — a kernel compiling — delays folds instead of making deltas stale).
+behind the merger's (a stall — a kernel compiling — delays folds instead of making deltas
+stale).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ with the CRC-32 their frame carried and decode verified, so a payload is checksu
 way in, and still verified when the log is read.
 
 ``sync()`` makes everything appended durable; ``sync_async()`` hands the fsync to a background
-thread and returns a ticket for ``wait_durable`` — the merger starts the fsync when it dispatches a
-fold and waits for it only when the fold is computed and about to be announced.
+thread and returns a ticket for ``wait_durable`` — the merger starts the fsync when it dispatches
+a fold and waits for it only when the fold is computed and about to be announced.
 
 A full segment is closed and the next one opened without waiting for the disk: the fsync of the
 old segment and of the directory happen with the next sync, in order — older segments, the

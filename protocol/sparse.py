@@ -3,15 +3,18 @@ values of largest magnitude, each as its index and a signed 2- or 4-bit nonzero 
 
 Pure numpy; no I/O.  `quantization.Codec` dispatches here; the layout is PROTOCOL.md §5.  A record:
 
-    scale (float32) ‖ indices (keep × uint8, or × uint16 little-endian when block > 256) ‖ codes
+    scale (float32) ‖ indices (keep × uint8, or × uint16 when block > 256) ‖ codes
+
+(uint16 indices little-endian).
 
 Indices are strictly increasing and below ``block``; of equal magnitudes the higher index is kept
 (the tail block's padding before its values).  With ``M = 2**(bits - 1)`` magnitudes a code
 holds ``m - 1`` (m in 1..M) in its low ``bits - 1`` bits and the sign in its top bit; the value is
-``±m × scale`` with ``scale = absmax(kept) / M`` and ``m = clip(round_half_even(|x| / scale), 1,
-M)``. Codes are packed like int4/int2: code j of the block in bits ``bits·(j mod per_byte)`` of byte
-``j div per_byte``.  A block whose largest magnitude is below 2**-120 is flushed: scale +0.0,
-indices 0..keep-1, codes 0 (it decodes to zeros).  Values not kept decode to 0.
+``±m × scale`` with ``scale = absmax(kept) / M`` and
+``m = clip(round_half_even(|x| / scale), 1, M)``. Codes are packed like int4/int2: code j of the
+block in bits ``bits·(j mod per_byte)`` of byte ``j div per_byte``.  A block whose largest
+magnitude is below 2**-120 is flushed: scale +0.0, indices 0..keep-1, codes 0 (it decodes to
+zeros).  Values not kept decode to 0.
 
 A kept value of 0 (a block with fewer than ``keep`` nonzero values) decodes to ``+scale``: use
 these codecs with error feedback, which carries that error, and everything not kept, into the next

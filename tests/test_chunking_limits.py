@@ -139,7 +139,8 @@ def test_the_header_reserve_covers_every_other_field(kind):
 
 
 def greedy_reference(fragment, codec, max_chunk_bytes, max_slices, header_room):
-    """PROTOCOL.md §7's rule, written from the text: (path, start, count) of each chunk's slices."""
+    """PROTOCOL.md §7's rule, written from the text: (path, start, count) of each chunk's
+    slices."""
     unit, unit_bytes = codec.granule, codec.encoded_nbytes(codec.granule)
     chunks, current, room, used = [], [], max_chunk_bytes, 0
     for path in sorted(fragment):

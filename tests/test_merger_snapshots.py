@@ -17,8 +17,8 @@ from tests.merger_process_helpers import Island, start_merger, stop
 
 
 class SnapshotWatcher:
-    """Test-side receiver of a diff-sending merger: follows PROTOCOL.md §3.3 with the protocol's own
-    functions (bus and catch-up replies reassembled apart; a diff that does not apply: ask)."""
+    """Test-side receiver of a diff-sending merger: follows PROTOCOL.md §3.3 with the protocol's
+    own functions (bus and catch-up replies reassembled apart; a diff that does not apply: ask)."""
 
     def __init__(self, island: Island) -> None:
         self.context = zmq.Context()

@@ -33,7 +33,8 @@ def test_d1_a_kept_negative_zero_carries_the_sign_bit_and_decodes_to_minus_scale
     assert decoded[3] == 4.0 and decoded[127] == -2.0
     # kept +0.0: +scale
     assert decoded[126] == 2.0 and decoded[125] == 2.0
-    assert "1 for a negative value, and for −0.0" in SPEC and "a kept −0.0 to `−scale`" in SPEC
+    assert "1 for a negative value, and for −0.0" in SPEC
+    assert "a kept −0.0 to `−scale`" in SPEC
     assert set(SPARSE_BITS) == {"topk2", "topk4"}
 
 

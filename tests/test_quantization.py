@@ -21,7 +21,8 @@ def blockwise_bound(x: np.ndarray, name: str, block: int) -> np.ndarray:
     """Per-value error bound: scale/2 for rounding, plus float32 rounding of x*inv and q*scale.
 
     scale = absmax/L; the products x*(L/absmax) and q*scale each carry ≤ 1 ulp relative error of
-    values ≤ L and ≤ absmax, i.e. at most ≈ 2·L·scale·2**-23 in all; flushed blocks err ≤ 2**-120.
+    values ≤ L and ≤ absmax, i.e. at most ≈ 2·L·scale·2**-23 in all; flushed blocks err
+    ≤ 2**-120.
     """
     levels = LEVELS[name]
     padded = np.zeros(-(-x.size // block) * block, dtype=np.float32)

@@ -1,5 +1,6 @@
-"""The sparse codecs topk2/topk4 (protocol/sparse.py, PROTOCOL.md §5) against hand-derived bytes and
-their stated properties; the merger's fold from their records is in tests/test_merger_coded.py."""
+"""The sparse codecs topk2/topk4 (protocol/sparse.py, PROTOCOL.md §5) against hand-derived bytes
+and their stated properties; the merger's fold from their records is in
+tests/test_merger_coded.py."""
 
 from __future__ import annotations
 
