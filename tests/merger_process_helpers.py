@@ -183,3 +183,38 @@ def start_bound_merger(
         stdout=open(tmp_path / "merger.log", "wb"),
         stderr=subprocess.STDOUT,
     )
+
+
+# the built-in LM at its smallest, for islands started as processes
+TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32"]
+TINY += ["--batch", "8", "--seed", "0"]
+
+
+def start_connected_island(
+    tmp_path: Path, i: int, ports: list[int], *extra: str
+) -> subprocess.Popen:
+    """Training island `isl-{i}` of two (P = 2, the TINY model) against the merger bound at
+    `ports`, `extra` flags added; its metrics in tmp_path/isl-{i}.jsonl, stderr in isl-{i}.err."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dloco",
+            "island",
+            *["--name", f"isl-{i}", "--island-index", str(i), "--islands", "2", *TINY],
+            "--fragments",
+            "2",
+            *extra,
+            "--delta-endpoint",
+            f"tcp://127.0.0.1:{ports[0]}",
+            "--snapshot-endpoint",
+            f"tcp://127.0.0.1:{ports[1]}",
+            "--control-endpoint",
+            f"tcp://127.0.0.1:{ports[2]}",
+            "--metrics-out",
+            str(tmp_path / f"isl-{i}.jsonl"),
+            "--insecure",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / f"isl-{i}.err", "wb"),
+    )

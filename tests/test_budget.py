@@ -8,7 +8,6 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +25,7 @@ from dloco.island.train import Trainer
 from dloco.merger.trained_tokens import TrainedTokens
 from dloco.protocol.errors import ConfigError
 from tests.conftest import header_of, reason_of, with_header
-from tests.merger_process_helpers import start_bound_merger
+from tests.merger_process_helpers import TINY, start_bound_merger, start_connected_island
 
 
 @pytest.mark.parametrize(
@@ -142,67 +141,6 @@ def _addresses():
     return Addresses(("1", "2", "3", "4"), "5")
 
 
-TINY = [
-    "--width",
-    "32",
-    "--depth",
-    "1",
-    "--heads",
-    "2",
-    "--context",
-    "32",
-    "--batch",
-    "8",
-    "--seed",
-    "0",
-]
-
-
-def start_island(
-    tmp_path: Path, i: int, slowdown: str, ports: list[int], steps: int, budget: int
-) -> subprocess.Popen:
-    """Island `isl-{i}` of two at `slowdown`, `steps` steps under a budget of `budget` tokens,
-    against the merger at `ports`."""
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dloco",
-            "island",
-            "--name",
-            f"isl-{i}",
-            "--island-index",
-            str(i),
-            "--islands",
-            "2",
-            *TINY,
-            "--max-steps",
-            str(steps),
-            "--budget-tokens",
-            str(budget),
-            "--slowdown",
-            slowdown,
-            "--eval-every",
-            "1000",
-            "--fragments",
-            "2",
-            "--interval",
-            "4",
-            "--delta-endpoint",
-            f"tcp://127.0.0.1:{ports[0]}",
-            "--snapshot-endpoint",
-            f"tcp://127.0.0.1:{ports[1]}",
-            "--control-endpoint",
-            f"tcp://127.0.0.1:{ports[2]}",
-            "--metrics-out",
-            str(tmp_path / f"isl-{i}.jsonl"),
-            "--insecure",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=open(tmp_path / f"isl-{i}.err", "wb"),
-    )
-
-
 # a merger process and two training islands: -m e2e
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
@@ -220,7 +158,15 @@ def test_a_merger_and_two_islands_one_at_half_speed_follow_one_budget(tmp_path):
     islands = []
     try:
         for i, slowdown in enumerate(("1", "2")):
-            islands.append(start_island(tmp_path, i, slowdown, ports, steps, budget))
+            islands.append(
+                start_connected_island(
+                    tmp_path,
+                    i,
+                    ports,
+                    *["--max-steps", str(steps), "--budget-tokens", str(budget)],
+                    *["--slowdown", slowdown, "--eval-every", "1000", "--interval", "4"],
+                )
+            )
         summaries = [
             json.loads(p.communicate(timeout=240)[0].decode().strip().splitlines()[-1])
             for p in islands

@@ -8,67 +8,11 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from dloco.cluster.ports import free_ports
-from tests.merger_process_helpers import start_bound_merger
-
-TINY = [
-    "--width",
-    "32",
-    "--depth",
-    "1",
-    "--heads",
-    "2",
-    "--context",
-    "32",
-    "--batch",
-    "8",
-    "--seed",
-    "0",
-]
-
-
-def start_island(tmp_path: Path, i: int, ports: list[int]) -> subprocess.Popen:
-    """Training island `isl-{i}` of two, for 120 steps, against the merger at `ports`; island 0
-    flushes its unsent steps on leaving."""
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dloco",
-            "island",
-            "--name",
-            f"isl-{i}",
-            "--island-index",
-            str(i),
-            "--islands",
-            "2",
-            *TINY,
-            "--max-steps",
-            "120",
-            "--eval-every",
-            "60",
-            "--fragments",
-            "2",
-            "--interval",
-            "10",
-            *(["--flush-on-leave"] if i == 0 else []),
-            "--delta-endpoint",
-            f"tcp://127.0.0.1:{ports[0]}",
-            "--snapshot-endpoint",
-            f"tcp://127.0.0.1:{ports[1]}",
-            "--control-endpoint",
-            f"tcp://127.0.0.1:{ports[2]}",
-            "--metrics-out",
-            str(tmp_path / f"isl-{i}.jsonl"),
-            "--insecure",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=open(tmp_path / f"isl-{i}.err", "wb"),
-    )
+from tests.merger_process_helpers import TINY, start_bound_merger, start_connected_island
 
 
 # a merger process and two training islands: -m e2e
@@ -105,8 +49,10 @@ def test_merger_and_two_islands_exchange_and_fold(tmp_path, downlink):
     merger = start_bound_merger(tmp_path, init, ports, *downlink)
     islands = []
     try:
-        for i in range(2):
-            islands.append(start_island(tmp_path, i, ports))
+        run = ["--max-steps", "120", "--eval-every", "60", "--interval", "10"]
+        # island 0 flushes its unsent steps on leaving
+        islands.append(start_connected_island(tmp_path, 0, ports, *run, "--flush-on-leave"))
+        islands.append(start_connected_island(tmp_path, 1, ports, *run))
         summaries = [
             json.loads(p.communicate(timeout=180)[0].decode().strip().splitlines()[-1])
             for p in islands
