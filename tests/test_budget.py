@@ -109,6 +109,25 @@ def test_the_merger_counts_claims_only_as_far_as_deltas_back_them():
     assert count.total == 300 + 40 + 60
 
 
+def test_one_keys_claimed_tokens_count_at_most_a_few_times_the_other_islands():
+    count = TrainedTokens()
+    # alone in fragment 0: what it claims
+    count.delta("a", 1, 0, 2**40)
+    count.delta("a", 1, 0, 2**40)
+    assert count.total == 2**41
+    # b's 100 per delta there: a's two deltas count 4 x 100 each; b's in full
+    count.delta("b", 1, 0, 100)
+    assert count.total == 800 + 100
+    # a's heartbeat claim: at most one more delta in hand, within its limit (400)
+    count.heartbeat("a", 1, 2**60)
+    assert count.total == 1200 + 100
+    # islands within 4x of each other (batch, interval) count in full
+    honest = TrainedTokens()
+    for sender, tokens in (("fast", 200), ("slow", 100), ("fast", 200), ("slow", 100)):
+        honest.delta(sender, 1, 0, tokens)
+    assert honest.total == 400 + 200
+
+
 def test_heartbeat_and_ack_carry_tokens_and_refuse_a_bad_count():
     beat = protocol.Heartbeat(sender="a", epoch=1, seq=3, stream=0, tokens=123_456)
     ack = protocol.Ack(sender="merger", epoch=2, seq=9, cursors=(), results=(), tokens=2**40)
