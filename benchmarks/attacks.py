@@ -14,7 +14,10 @@ measured after a few more honest rounds (the outer momentum carries an attack on
 The model is one fragment of 4,096 values of norm ~12.8; an honest delta has norm ~0.26 (the
 probe's figures, issue 36), along a shared descent direction plus noise; the attacker pushes along
 a direction of its own.  Merger settings: the shipped profile's (share-scaled folds, staleness 8,
-Nesterov at 0.15), every delta folded on its own (quorum 1), unless an attack bunches its deltas.
+Nesterov at 0.15), every delta folded on arrival (quorum 1, no grace), unless an attack bunches its
+deltas, or the fragment has no reference for a pending island yet: then the round policy holds it
+for a second live island (round.cold_quorum; the attacker is live while it takes part).  A round is
+one second of the merger's clock.
 """
 
 from __future__ import annotations
@@ -28,14 +31,17 @@ import numpy as np
 
 from dloco import protocol
 from dloco.merger import checkpoint
-from dloco.merger.config import MergeConfig, MergerConfig, OuterConfig
+from dloco.merger.config import MergeConfig, MergerConfig, OuterConfig, RoundConfig
 from dloco.merger.core import MergerCore
 from dloco.merger.recovery import checkpoint_dir, recover, wal_dir
+from dloco.merger.trained_tokens import TrainedTokens
 from dloco.merger.wal import WriteAheadLog
 
 SIZE, INIT_STD, HONEST_NORM = 4096, 0.2, 0.26
 HONEST_TOKENS, HONEST_STEPS = 98_304, 48
-CONFIG = MergerConfig(MergeConfig(max_staleness=8, share_window=8), OuterConfig(lr=0.15))
+CONFIG = MergerConfig(
+    MergeConfig(max_staleness=8, share_window=8), OuterConfig(lr=0.15), RoundConfig(grace_cap_s=0.0)
+)
 WARMUP_ROUNDS, AFTER_ROUNDS = 6, 10
 
 
@@ -44,7 +50,8 @@ class Attack:
     """What the attacker sends: per attack round, its deltas as (multiple of the honest norm,
     claimed tokens); `bunched`: a round's deltas all arrive before the merger folds.  `restart`: the
     merger restarts (from its checkpoint and log) or is replaced by a standby that replays the log,
-    just before the attack; `cold`: the attack comes first, on a fresh merger."""
+    just before the attack; `cold`: the attack comes first, on a fresh merger, before any honest
+    island's delta of its round."""
 
     name: str
     rounds: tuple[tuple[tuple[float, int], ...], ...]
@@ -79,6 +86,9 @@ ATTACKS = {
     "fresh-1e6": Attack(
         "1e6x on a fresh merger (no reference yet)", (((1e6, HONEST_TOKENS),),), cold=True
     ),
+    "fresh-burst": Attack(
+        "10 deltas at 1e6x on a fresh merger", (((1e6, HONEST_TOKENS),) * 10,), cold=True
+    ),
 }
 
 
@@ -98,6 +108,10 @@ class Outcome:
     clipped: int
     # honest deltas refused (should be 0)
     honest_refused: int
+    # the trained tokens the merger counts for the attacker's key over the attack (its service's
+    # count, merger/trained_tokens.py), in honest deltas' worth; it sent `attacker_deltas`
+    tokens_counted: float = 0.0
+    attacker_deltas: int = 0
 
 
 def _unit(vector: np.ndarray) -> np.ndarray:
@@ -138,6 +152,9 @@ class _Cluster:
             self.clipped,
             self.moves,
         ) = (0.0, 0, 0, 0, 0, [])
+        # islands the merger hears from: the honest ones, and the attacker while it takes part
+        self.live = honest + 1
+        self.trained = TrainedTokens()
 
     def honest_delta(self, island: str) -> np.ndarray:
         return HONEST_NORM * _unit(
@@ -181,6 +198,7 @@ class _Cluster:
                 )
             )
         ][0]
+        self.trained.delta(island, 1, 0, tokens)
         result = self.core.submit(assembled, self.now)
         if result is not None and result.status != "folded":
             if island == "attacker":
@@ -188,8 +206,11 @@ class _Cluster:
             else:
                 self.honest_refused += 1
 
-    def fold(self) -> None:
+    def fold(self, now: bool = False) -> None:
+        """Fold what is pending if the round policy calls for it (`now`: whatever it says)."""
         if not self.core.pending[0]:
+            return
+        if not now and 0 not in self.core.due(self.now, (), self.live)[0]:
             return
         before = self.theta()
         report, _ = self.core.fold(0)
@@ -222,9 +243,13 @@ def _play(attack: Attack, honest: int, run_dir: Path, seed: int, hostile: bool) 
     if attack.restart:
         cluster.restart(attack.restart)
     cluster.norm_before = float(np.linalg.norm(cluster.theta()))
-    cluster.moves, cluster.attacker_folds = [], 0
+    cluster.moves, cluster.attacker_folds, cluster.clipped = [], 0, 0
+    cluster.attacker_tokens_before = cluster.trained.by_life().get(("attacker", 1), 0)
+    cluster.live -= not hostile
     for deltas in attack.rounds:
-        cluster.honest_round()
+        # on a fresh merger the attacker comes first, before any honest island has a delta in
+        if not attack.cold:
+            cluster.honest_round()
         for scale, tokens in deltas:
             if hostile:
                 cluster.send(
@@ -232,9 +257,12 @@ def _play(attack: Attack, honest: int, run_dir: Path, seed: int, hostile: bool) 
                 )
             if not attack.bunched:
                 cluster.fold()
-        cluster.fold()
+        if attack.cold:
+            cluster.honest_round()
+        cluster.fold(now=attack.bunched)
     for _ in range(AFTER_ROUNDS):
         cluster.honest_round()
+    cluster.fold(now=True)
     cluster.core.log.close()
     return cluster
 
@@ -261,6 +289,9 @@ def run_attack(key: str, honest: int = 1, seed: int = 0) -> Outcome:
         hostile.rejected,
         hostile.clipped,
         hostile.honest_refused + twin.honest_refused,
+        (hostile.trained.by_life().get(("attacker", 1), 0) - hostile.attacker_tokens_before)
+        / HONEST_TOKENS,
+        sum(len(deltas) for deltas in attack.rounds),
     )
 
 
@@ -283,14 +314,16 @@ def summary(result: dict) -> str:
     lines = [
         (
             "| attack (one island key) | islands | attacker's folds | moved the model, x honest"
-            " folds | fragment norm | rejected | clipped | honest deltas refused |"
+            " folds | fragment norm | rejected | clipped | honest deltas refused | trained tokens"
+            " counted for its deltas, x honest ones |"
         ),
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for o in result["outcomes"]:
         lines.append(
             f"| {ATTACKS[o['attack']].name} | {o['islands']} | {o['attacker_folds']} |"
             f" {o['ratio']:.2f} | {o['norm_before']:.1f} -> {o['norm_after']:.1f} | {o['rejected']}"
             f" | {o['clipped']} | {o['honest_refused']} |"
+            f" {o['tokens_counted'] / max(1, o['attacker_deltas']):.2f} |"
         )
     return "\n".join(lines)
