@@ -59,6 +59,8 @@ class Attack:
     # "" | "restart" | "takeover"
     restart: str = ""
     cold: bool = False
+    # cold, and no honest island live yet when the attacker sends
+    alone: bool = False
 
 
 def _ramp(ratio: float, count: int = 32) -> Attack:
@@ -88,6 +90,12 @@ ATTACKS = {
     ),
     "fresh-burst": Attack(
         "10 deltas at 1e6x on a fresh merger", (((1e6, HONEST_TOKENS),) * 10,), cold=True
+    ),
+    "fresh-alone": Attack(
+        "1e6x on a fresh merger, before any honest island is live (the limit)",
+        (((1e6, HONEST_TOKENS),),),
+        cold=True,
+        alone=True,
     ),
 }
 
@@ -246,10 +254,13 @@ def _play(attack: Attack, honest: int, run_dir: Path, seed: int, hostile: bool) 
     cluster.moves, cluster.attacker_folds, cluster.clipped = [], 0, 0
     cluster.attacker_tokens_before = cluster.trained.by_life().get(("attacker", 1), 0)
     cluster.live -= not hostile
+    live = cluster.live
     for deltas in attack.rounds:
         # on a fresh merger the attacker comes first, before any honest island has a delta in
         if not attack.cold:
             cluster.honest_round()
+        # no honest island heard from yet: nobody to wait for
+        cluster.live = int(hostile) if attack.alone else live
         for scale, tokens in deltas:
             if hostile:
                 cluster.send(
@@ -257,6 +268,7 @@ def _play(attack: Attack, honest: int, run_dir: Path, seed: int, hostile: bool) 
                 )
             if not attack.bunched:
                 cluster.fold()
+        cluster.live = live
         if attack.cold:
             cluster.honest_round()
         cluster.fold(now=attack.bunched)

@@ -63,6 +63,14 @@ def test_a_key_first_on_a_fresh_merger_waits_for_an_honest_island_and_is_cut_to_
     assert outcome.norm_after < 1.05 * outcome.norm_before
 
 
+def test_a_key_alone_on_a_fresh_merger_moves_a_fragment_by_at_most_half_its_norm():
+    """The limit: before any honest island is live there is nothing to judge a key by but the
+    fragment itself, so one part moves it by at most COLD_LIMIT of its norm (the outer momentum
+    carries it on: the norm after stays under twice it)."""
+    outcome = attacks.run_attack("fresh-alone", honest=1)
+    assert outcome.clipped == 1 and outcome.norm_after < 2.0 * outcome.norm_before
+
+
 def _member(island, values, tokens=100, steps=10):
     return Contribution(island, 1, 1, 0, tokens, steps, {"w": np.asarray(values, np.float32)})
 
