@@ -57,7 +57,8 @@ class FoldReport:
     staleness: tuple[int, ...]
     # inner steps of work each delta carries
     steps: tuple[int, ...]
-    # they sum to the fold's share of a round (1 unless merge.share_window is set)
+    # they sum to the fold's share of a round (1 unless merge.share_window is set), less what the
+    # guard cut (with merge.peer_guard it cuts a part's weight)
     weights: tuple[float, ...]
     delta_norms: tuple[float, ...]
     merged_norm: float
