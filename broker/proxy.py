@@ -13,8 +13,10 @@ epoch for the checks).
 A (un)subscription reaches the publishers only if it is one the protocol's subscribers make
 (protocol.subscribable); any other (a flood of distinct topics, a message that is no subscription)
 is refused, counted as `subscription` and logged at most once a second per bus, so subscribers
-cannot grow the publishers' (the merger's) memory.  The XPUB itself still holds what a subscriber
-subscribed to until it disconnects: ZeroMQ keeps that per connection and has no per-peer limit.
+cannot grow the publishers' (the merger's) memory.  The XPUB itself holds what a subscriber
+subscribed to until it disconnects, with no per-peer limit; with CURVE the broker charges every
+subscription to its peer (broker/subscriptions.py) and, past a budget, bans the peer and opens the
+bus's XPUB afresh, which frees all it held (`reopened`).
 High-water marks are sized in messages from a memory budget and the chunk size; XPUB_NODROP makes
 a full subscriber visible (the send fails with EAGAIN, the message is counted as `dropped`, never
 silently lost).  SIGTERM/SIGINT end the loop; sockets close with linger 0; exit 0.
@@ -29,6 +31,7 @@ import time
 
 import zmq
 
+from dloco.broker.subscriptions import BAN_S, SubscriptionBudget, Verdict
 from dloco.bus.security import Security
 from dloco.bus.sockets import open_socket
 from dloco.protocol import DEFAULT_MAX_CHUNK_BYTES, ProtocolError, peek_sender, subscribable
@@ -42,6 +45,8 @@ KERNEL_BUFFER_BYTES = 4 << 20
 FENCED_BUS = "snapshot"
 # one per direction of heavy traffic; faster than 1 with 1 MiB messages (dloco bench bus)
 IO_THREADS = 2
+# binding a reopened XPUB where the closed one listened: tries, 50 ms apart
+REBIND_TRIES = 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +91,7 @@ class Broker:
         try:
             for bus in config.buses:
                 inbound = self._socket(zmq.XSUB, bus.inbound, f"{bus.name}-in")
-                outbound = self._socket(zmq.XPUB, bus.outbound, f"{bus.name}-out")
-                outbound.setsockopt(zmq.XPUB_NODROP, 1)
-                self.pairs.append((bus.name, inbound, outbound))
+                self.pairs.append((bus.name, inbound, self._outbound(bus)))
         # a missing key or allowlist, a busy port: nothing keeps running
         except BaseException:
             Security.stop(self.context)
@@ -101,6 +104,12 @@ class Broker:
         self.refused = collections.Counter()
         # (un)subscriptions passed upstream
         self.subscriptions = collections.Counter()
+        # per bus: what its subscribers may make its XPUB hold, the topics passed upstream since
+        # it was opened, and how many times it was opened afresh
+        self.budgets = {bus.name: SubscriptionBudget() for bus in config.buses}
+        self.upstream: dict[str, set[bytes]] = {bus.name: set() for bus in config.buses}
+        self.reopened = collections.Counter()
+        self.poller, self.route = zmq.Poller(), {}
         self.last_warned: dict[str, float] = {}
         # snapshot bus: sender -> newest epoch (a lower one is a replaced merger)
         self.newest_epoch: dict[str, int] = {}
@@ -131,16 +140,27 @@ class Broker:
             domain=domain,
         )
 
+    def _outbound(self, bus: BusEndpoints) -> zmq.Socket:
+        """A bus's XPUB: a full subscriber is seen (NODROP); with CURVE every subscription reaches
+        the broker (VERBOSE), so that it can be charged to its peer."""
+        outbound = self._socket(zmq.XPUB, bus.outbound, f"{bus.name}-out")
+        outbound.setsockopt(zmq.XPUB_NODROP, 1)
+        if not self.config.security.insecure:
+            outbound.setsockopt(zmq.XPUB_VERBOSE, 1)
+        return outbound
+
+    def _routes(self) -> None:
+        """Poll every socket; each forwards to its pair's other."""
+        for name, inbound, outbound in self.pairs:
+            self.poller.register(inbound, zmq.POLLIN)
+            self.poller.register(outbound, zmq.POLLIN)
+            self.route[inbound] = (name, outbound, True)
+            self.route[outbound] = (name, inbound, False)
+
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: setattr(self, "stopping", True))
-        poller = zmq.Poller()
-        route = {}
-        for name, inbound, outbound in self.pairs:
-            poller.register(inbound, zmq.POLLIN)
-            poller.register(outbound, zmq.POLLIN)
-            route[inbound] = (name, outbound, True)
-            route[outbound] = (name, inbound, False)
+        self._routes()
         self.log.info(
             "broker_started",
             buses=[dataclasses.asdict(b) for b in self.config.buses],
@@ -150,9 +170,11 @@ class Broker:
         next_stats = time.monotonic() + self.config.stats_every_s
         try:
             while not self.stopping:
-                for socket in dict(poller.poll(POLL_MS)):
-                    name, target, is_data = route[socket]
-                    self._forward(socket, target, name, is_data)
+                for socket in dict(self.poller.poll(POLL_MS)):
+                    # not a socket reopened meanwhile
+                    if socket in self.route:
+                        name, target, is_data = self.route[socket]
+                        self._forward(socket, target, name, is_data)
                 if time.monotonic() >= next_stats:
                     self.log.info("broker_stats", **self.stats())
                     next_stats = time.monotonic() + self.config.stats_every_s
@@ -173,7 +195,9 @@ class Broker:
                 return
             # a (un)subscription travelling upstream
             if not is_data:
-                self._subscription(target, frames, bus)
+                if self._subscription(target, frames, bus):
+                    # the XPUB was opened afresh: `source` is closed
+                    return
                 continue
             key = f"{bus}/{topic_key(bytes(frames[0].buffer[:64]))}"
             if not self._admitted(frames, bus):
@@ -187,18 +211,29 @@ class Broker:
             self.messages[key] += 1
             self.bytes[key] += sum(len(f) for f in frames)
 
-    def _subscription(self, xsub: zmq.Socket, frames: list[zmq.Frame], bus: str) -> None:
-        """Pass a subscriber's (un)subscription to the publishers (the XPUB passes a topic's first
-        subscription and its last unsubscription) if it is one the protocol's subscribers make."""
+    def _subscription(self, xsub: zmq.Socket, frames: list[zmq.Frame], bus: str) -> bool:
+        """Charge a subscription to its peer (with CURVE) and pass it to the publishers if it is one
+        the protocol's subscribers make, and the first of its topic (the last unsubscription: the
+        XPUB passes only that).  True: it went past a budget and the bus's XPUB was opened afresh.
+        """
         data = (
             bytes(frames[0].buffer)
             if len(frames) == 1 and len(frames[0]) <= 1 + MAX_SUBSCRIPTION_BYTES
             else b""
         )
+        if not self.config.security.insecure and frames[0].buffer[:1] == b"\x01":
+            peer = frames[0].get("User-Id") or ""
+            verdict = self.budgets[bus].charge(peer, len(frames[0]) - 1, time.monotonic())
+            if verdict.reopen:
+                self._reopen(bus, peer, verdict)
+                return True
         if data[:1] in (b"\x00", b"\x01") and subscribable(data[1:]):
-            xsub.send_multipart(frames, copy=False)
-            self.subscriptions[f"{bus}/{'subscribe' if data[0] else 'unsubscribe'}"] += 1
-            return
+            topics, topic = self.upstream[bus], data[1:]
+            if (topic not in topics) if data[0] else (topic in topics):
+                (topics.add if data[0] else topics.discard)(topic)
+                xsub.send_multipart(frames, copy=False)
+                self.subscriptions[f"{bus}/{'subscribe' if data[0] else 'unsubscribe'}"] += 1
+            return False
         self.refused[f"{bus}/subscription"] += 1
         now = time.monotonic()
         if now - self.last_warned.get(f"{bus}/subscription", -1.0) >= 1.0:
@@ -210,6 +245,44 @@ class Broker:
                 frames=len(frames),
                 refused=self.refused[f"{bus}/subscription"],
             )
+        return False
+
+    def _reopen(self, bus: str, peer: str, verdict: Verdict) -> None:
+        """A bus's subscriptions went past a budget: ban the peer that took it past its own (ZAP
+        refuses its key), then close the bus's XPUB, which frees every topic it held, and bind a
+        new one; subscribers reconnect and subscribe again on their own."""
+        if verdict.peer_over:
+            Security.ban(self.context, peer, BAN_S)
+            self.refused[f"{bus}/subscription_budget"] += 1
+        index = next(i for i, (name, _, _) in enumerate(self.pairs) if name == bus)
+        name, inbound, old = self.pairs[index]
+        self.poller.unregister(old)
+        del self.route[old]
+        old.close(linger=0)
+        endpoints = next(b for b in self.config.buses if b.name == bus)
+        for attempt in range(REBIND_TRIES):
+            try:
+                outbound = self._outbound(endpoints)
+                break
+            # the closed socket's listener is still being torn down
+            except zmq.ZMQError:
+                if attempt == REBIND_TRIES - 1:
+                    raise
+                time.sleep(0.05)
+        self.pairs[index] = (name, inbound, outbound)
+        self._routes()
+        budget = self.budgets[bus]
+        self.log.warning(
+            "subscriptions_reopened",
+            bus=bus,
+            peer=peer,
+            banned_s=BAN_S if verdict.peer_over else 0,
+            why="peer budget" if verdict.peer_over else "bus budget",
+            held_bytes=budget.total,
+        )
+        budget.reopened()
+        self.upstream[bus].clear()
+        self.reopened[bus] += 1
 
     def _admitted(self, frames: list[zmq.Frame], bus: str) -> bool:
         """Whether to forward: with CURVE, the header's sender must be the peer whose key sent it;
@@ -259,5 +332,6 @@ class Broker:
             "dropped": dict(self.dropped),
             "refused": dict(self.refused),
             "subscriptions": dict(self.subscriptions),
+            "reopened": dict(self.reopened),
             "auth_refused": Security.refused(self.context),
         }

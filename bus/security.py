@@ -90,6 +90,15 @@ class Security:
         return 0 if started is None else started[1].count
 
     @staticmethod
+    def ban(context: zmq.Context, name: str, seconds: float) -> bool:
+        """Have the CURVE servers of `context` refuse `name`'s key for `seconds`; False without
+        them (plaintext)."""
+        started = _authenticators.get(id(context))
+        if started is not None:
+            started[0].ban(name, seconds)
+        return started is not None
+
+    @staticmethod
     def stop(context: zmq.Context) -> None:
         started = _authenticators.pop(id(context), None)
         if started is not None:

@@ -100,6 +100,12 @@ class RoleAuthenticator(ThreadAuthenticator):
         self.peers = peers
         # what pyzmq's own checks look at
         self.certs["*"] = {key: True for key in peers}
+        # name -> until when (time.monotonic) its key is refused
+        self.banned: dict[str, float] = {}
+
+    def ban(self, name: str, seconds: float) -> None:
+        """Refuse `name`'s key for `seconds` (its connections already open stay open)."""
+        self.banned[name] = time.monotonic() + seconds
 
     async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
         peer = self.peers.get(z85.encode(client_key))
@@ -119,6 +125,12 @@ class RoleAuthenticator(ThreadAuthenticator):
                 sorted(SOCKET_ROLES.get(domain, ())),
             )
             return False, b"Role not admitted"
+        left = self.banned.get(peer.name, 0.0) - time.monotonic()
+        if left > 0:
+            self.log.debug(
+                "DENIED (banned) domain=%s name=%s: for %.0f s more", domain, peer.name, left
+            )
+            return False, b"Banned"
         return True, b"OK"
 
     def curve_user_id(self, client_public_key: bytes) -> str:

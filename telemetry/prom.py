@@ -333,7 +333,8 @@ def broker_families(stats: Mapping[str, Mapping]) -> list:
             "dloco_broker_refused_messages",
             (
                 "messages refused: the header's sender is not its key, an older epoch, "
-                "an unreadable header, a subscription no subscriber of the protocol makes"
+                "an unreadable header, a subscription no subscriber of the protocol makes, "
+                "a subscription past its peer's budget"
             ),
             "refused",
             "reason",
@@ -349,10 +350,18 @@ def broker_families(stats: Mapping[str, Mapping]) -> list:
         for (bus, detail), value in sorted(by_bus(stats.get(key, {})).items()):
             family.add_metric([bus, detail], value)
         families.append(family)
+    reopened = CounterMetricFamily(
+        "dloco_broker_reopened_xpubs",
+        "times a bus's XPUB was opened afresh, its subscriptions past a budget",
+        labels=["bus"],
+    )
+    for bus, value in sorted(stats.get("reopened", {}).items()):
+        reopened.add_metric([bus], value)
+    families.append(reopened)
     families.append(
         _counter(
             "dloco_broker_refused_connections",
-            "connections refused by CURVE (key or role)",
+            "connections refused by CURVE (key, role, or a ban)",
             stats.get("auth_refused", 0),
         )
     )
