@@ -15,7 +15,7 @@ A (un)subscription reaches the publishers only if it is one the protocol's subsc
 is refused, counted as `subscription` and logged at most once a second per bus, so subscribers
 cannot grow the publishers' (the merger's) memory.  The XPUB itself holds what a subscriber
 subscribed to until it disconnects, with no per-peer limit; with CURVE the broker charges every
-subscription to its peer (broker/subscriptions.py) and, past a budget, bans the peer and opens the
+subscription to its peer (bus/subscriptions.py) and, past a budget, bans the peer and opens the
 bus's XPUB afresh, which frees all it held (`reopened`).
 High-water marks are sized in messages from a memory budget and the chunk size; XPUB_NODROP makes
 a full subscriber visible (the send fails with EAGAIN, the message is counted as `dropped`, never
@@ -31,9 +31,9 @@ import time
 
 import zmq
 
-from dloco.broker.subscriptions import BAN_S, SubscriptionBudget, Verdict
 from dloco.bus.security import Security
 from dloco.bus.sockets import open_socket
+from dloco.bus.subscriptions import BudgetedXPUB
 from dloco.protocol import DEFAULT_MAX_CHUNK_BYTES, ProtocolError, peek_sender, subscribable
 from dloco.protocol.limits import MAX_SUBSCRIPTION_BYTES
 from dloco.telemetry import prom
@@ -45,8 +45,6 @@ KERNEL_BUFFER_BYTES = 4 << 20
 FENCED_BUS = "snapshot"
 # one per direction of heavy traffic; faster than 1 with 1 MiB messages (dloco bench bus)
 IO_THREADS = 2
-# binding a reopened XPUB where the closed one listened: tries, 50 ms apart
-REBIND_TRIES = 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +86,9 @@ class Broker:
         self.config, self.log = config, log
         self.context = zmq.Context(io_threads=IO_THREADS)
         self.pairs = []
+        # with CURVE, per bus: its XPUB, charging subscriptions to their peers
+        self.gates: dict[str, BudgetedXPUB] = {}
+        self.poller, self.route = zmq.Poller(), {}
         try:
             for bus in config.buses:
                 inbound = self._socket(zmq.XSUB, bus.inbound, f"{bus.name}-in")
@@ -104,12 +105,10 @@ class Broker:
         self.refused = collections.Counter()
         # (un)subscriptions passed upstream
         self.subscriptions = collections.Counter()
-        # per bus: what its subscribers may make its XPUB hold, the topics passed upstream since
-        # it was opened, and how many times it was opened afresh
-        self.budgets = {bus.name: SubscriptionBudget() for bus in config.buses}
+        # per bus: the topics passed upstream since its XPUB was opened, and how many times it was
+        # opened afresh
         self.upstream: dict[str, set[bytes]] = {bus.name: set() for bus in config.buses}
         self.reopened = collections.Counter()
-        self.poller, self.route = zmq.Poller(), {}
         self.last_warned: dict[str, float] = {}
         # snapshot bus: sender -> newest epoch (a lower one is a replaced merger)
         self.newest_epoch: dict[str, int] = {}
@@ -141,13 +140,35 @@ class Broker:
         )
 
     def _outbound(self, bus: BusEndpoints) -> zmq.Socket:
-        """A bus's XPUB: a full subscriber is seen (NODROP); with CURVE every subscription reaches
-        the broker (VERBOSE), so that it can be charged to its peer."""
+        """A bus's XPUB; with CURVE, one whose subscriptions are charged to their peers."""
+        if self.config.security.insecure:
+            return self._xpub(bus)
+        gate = BudgetedXPUB(lambda: self._xpub(bus), self.context, self.log, f"{bus.name}-out")
+        gate.before_close = self._forget
+        gate.after_open = lambda new: self._adopt(bus.name, new)
+        self.gates[bus.name] = gate
+        return gate.socket
+
+    def _xpub(self, bus: BusEndpoints) -> zmq.Socket:
+        """A full subscriber is seen (NODROP); with CURVE every subscription reaches the broker
+        (VERBOSE)."""
         outbound = self._socket(zmq.XPUB, bus.outbound, f"{bus.name}-out")
         outbound.setsockopt(zmq.XPUB_NODROP, 1)
         if not self.config.security.insecure:
             outbound.setsockopt(zmq.XPUB_VERBOSE, 1)
         return outbound
+
+    def _forget(self, old: zmq.Socket) -> None:
+        self.poller.unregister(old)
+        self.route.pop(old, None)
+
+    def _adopt(self, name: str, new: zmq.Socket) -> None:
+        """A bus's XPUB opened afresh: it holds no subscription, and is polled from now on."""
+        index = next(i for i, pair in enumerate(self.pairs) if pair[0] == name)
+        self.pairs[index] = (name, self.pairs[index][1], new)
+        self.upstream[name].clear()
+        self.reopened[name] += 1
+        self._routes()
 
     def _routes(self) -> None:
         """Poll every socket; each forwards to its pair's other."""
@@ -221,11 +242,10 @@ class Broker:
             if len(frames) == 1 and len(frames[0]) <= 1 + MAX_SUBSCRIPTION_BYTES
             else b""
         )
-        if not self.config.security.insecure and frames[0].buffer[:1] == b"\x01":
-            peer = frames[0].get("User-Id") or ""
-            verdict = self.budgets[bus].charge(peer, len(frames[0]) - 1, time.monotonic())
-            if verdict.reopen:
-                self._reopen(bus, peer, verdict)
+        if (gate := self.gates.get(bus)) is not None:
+            banned = gate.banned
+            if gate.charge(frames):
+                self.refused[f"{bus}/subscription_budget"] += gate.banned - banned
                 return True
         if data[:1] in (b"\x00", b"\x01") and subscribable(data[1:]):
             topics, topic = self.upstream[bus], data[1:]
@@ -246,43 +266,6 @@ class Broker:
                 refused=self.refused[f"{bus}/subscription"],
             )
         return False
-
-    def _reopen(self, bus: str, peer: str, verdict: Verdict) -> None:
-        """A bus's subscriptions went past a budget: ban the peer that took it past its own (ZAP
-        refuses its key), then close the bus's XPUB, which frees every topic it held, and bind a
-        new one; subscribers reconnect and subscribe again on their own."""
-        if verdict.peer_over:
-            Security.ban(self.context, peer, BAN_S)
-            self.refused[f"{bus}/subscription_budget"] += 1
-        index = next(i for i, (name, _, _) in enumerate(self.pairs) if name == bus)
-        name, inbound, old = self.pairs[index]
-        self.poller.unregister(old)
-        del self.route[old]
-        old.close(linger=0)
-        endpoints = next(b for b in self.config.buses if b.name == bus)
-        for attempt in range(REBIND_TRIES):
-            try:
-                outbound = self._outbound(endpoints)
-                break
-            # the closed socket's listener is still being torn down
-            except zmq.ZMQError:
-                if attempt == REBIND_TRIES - 1:
-                    raise
-                time.sleep(0.05)
-        self.pairs[index] = (name, inbound, outbound)
-        self._routes()
-        budget = self.budgets[bus]
-        self.log.warning(
-            "subscriptions_reopened",
-            bus=bus,
-            peer=peer,
-            banned_s=BAN_S if verdict.peer_over else 0,
-            why="peer budget" if verdict.peer_over else "bus budget",
-            held_bytes=budget.total,
-        )
-        budget.reopened()
-        self.upstream[bus].clear()
-        self.reopened[bus] += 1
 
     def _admitted(self, frames: list[zmq.Frame], bus: str) -> bool:
         """Whether to forward: with CURVE, the header's sender must be the peer whose key sent it;

@@ -24,6 +24,7 @@ import zmq
 
 from dloco import protocol
 from dloco.bus.security import Security, peer_of
+from dloco.bus.subscriptions import BudgetedXPUB
 from dloco.merger.announcing import Announcer
 from dloco.merger.pipeline import FoldPipeline
 from dloco.merger.publishing import SnapshotPublisher, Stamp
@@ -192,6 +193,11 @@ class MergerService:
         poller.register(self.delta_sub, zmq.POLLIN)
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.pipeline.signal, zmq.POLLIN)
+        gate = self.snapshot_pub if isinstance(self.snapshot_pub, BudgetedXPUB) else None
+        if gate is not None:
+            poller.register(gate.socket, zmq.POLLIN)
+            gate.before_close = poller.unregister
+            gate.after_open = lambda new: poller.register(new, zmq.POLLIN)
         for fragment in self.owned:
             self.publisher.publish(fragment)
         wake = None
@@ -208,6 +214,8 @@ class MergerService:
                     self._drain(self.delta_sub, self.receiver.on_delta_frames)
                 if self.control in events:
                     self._drain(self.control, self.receiver.on_control_frames)
+                if gate is not None and gate.socket in events:
+                    self._charge_subscriptions(gate)
                 # first: a fragment whose fold finished may fold again now
                 self.announcer.announce(self.pipeline.finished())
                 wake = self.pipeline.dispatch(time.monotonic(), self.streams.live())
@@ -231,6 +239,17 @@ class MergerService:
         finally:
             self.shutdown()
         return 0 if self.storage_failed is None else EXIT_STORAGE
+
+    def _charge_subscriptions(self, gate: BudgetedXPUB) -> None:
+        """Islands' subscriptions to the snapshot socket this merger binds, charged to them."""
+        for _ in range(256):
+            try:
+                frames = gate.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if gate.charge(frames):
+                self.count("merger/subscriptions_reopened")
+                return
 
     def maintain_streams(self) -> None:
         """The streams' upkeep (resend requests, silent islands); takes in what a skipped gap

@@ -5,7 +5,8 @@ Sockets (endpoint strings: ``@tcp://...`` binds, ``tcp://...`` or ``>tcp://...``
 - ``delta_sub``  SUB on the delta bus (topics ``delta/``, ``heartbeat/0/``; a shard only its
   fragments' ``delta/F/`` and its stream's ``heartbeat/I/``, protocol/shards.py): chunks from
   islands;
-- ``snapshot_pub`` PUB on the snapshot bus: fragment snapshots and acks;
+- ``snapshot_pub`` PUB on the snapshot bus: fragment snapshots and acks (bound with CURVE: an XPUB
+  that charges its subscribers' subscriptions to them, bus/subscriptions.py);
 - ``control`` ROUTER (binds): catch-up snapshot requests (Clone pattern), resend requests to
   islands (routed by island name) and the chunks they resend, hellos.
 """
@@ -17,6 +18,7 @@ import dataclasses
 import zmq
 
 from dloco.bus.sockets import open_socket
+from dloco.bus.subscriptions import BudgetedXPUB
 from dloco.merger import records
 from dloco.merger.logmatch import genesis_of, newest_epoch, terms_of
 from dloco.merger.publishing import Stamp
@@ -29,7 +31,7 @@ from dloco.protocol import shards
 class Sockets:
     context: zmq.Context
     delta_sub: zmq.Socket
-    snapshot_pub: zmq.Socket
+    snapshot_pub: zmq.Socket | BudgetedXPUB
     control: zmq.Socket
     # the fragments this merger (shard) folds and serves
     owned: list[int]
@@ -64,12 +66,27 @@ def open_sockets(config, fragments: int, log) -> Sockets:
     # ZeroMQ filters at the publishers
     for topic in shards.subscriptions(config.shard, config.shards, fragments):
         delta_sub.setsockopt(zmq.SUBSCRIBE, topic)
-    snapshot_pub = socket(zmq.PUB, config.snapshot_endpoint, server="broker", domain="snapshot-out")
+    # islands subscribe here themselves (no broker): what they may make it hold is budgeted
+    if config.snapshot_endpoint.startswith("@") and not config.security.insecure:
+        snapshot_pub = BudgetedXPUB(
+            lambda: budgeted_xpub(socket, config.snapshot_endpoint), context, log, "snapshot"
+        )
+    else:
+        snapshot_pub = socket(
+            zmq.PUB, config.snapshot_endpoint, server="broker", domain="snapshot-out"
+        )
     control = socket(zmq.ROUTER, config.control_endpoint, server=config.sender, domain="control")
     # an unknown island is an error we count, not a silent drop
     control.setsockopt(zmq.ROUTER_MANDATORY, 1)
     owned = shards.owned(config.shard, config.shards, fragments)
     return Sockets(context, delta_sub, snapshot_pub, control, owned)
+
+
+def budgeted_xpub(socket, endpoint: str) -> zmq.Socket:
+    """The merger's own snapshot socket when it binds with CURVE: every subscription reaches it."""
+    made = socket(zmq.XPUB, endpoint, server="broker", domain="snapshot-out")
+    made.setsockopt(zmq.XPUB_VERBOSE, 1)
+    return made
 
 
 def start_replication(config, context, wal, stamp: Stamp, takeover, log) -> ReplicationServer:

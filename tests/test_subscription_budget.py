@@ -1,18 +1,21 @@
-"""Subscriptions within budgets (broker/subscriptions.py): the accounting by hand, and a CURVE
-broker as a real process whose snapshot bus one island key floods with distinct topics: the key is
-banned, the bus's XPUB opened afresh (what it held freed), and an honest subscriber fed again."""
+"""Subscriptions within budgets (bus/subscriptions.py): the accounting by hand, and a CURVE broker,
+and a merger binding its own sockets, as real processes whose snapshot socket one island key floods
+with distinct topics: the key is banned, the socket opened afresh (what it held freed), and an
+honest subscriber fed again."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 import pytest
 import zmq
 
-from dloco.broker.subscriptions import SUBSCRIPTION_COST, SubscriptionBudget, Verdict
 from dloco.bus.keys import Identity, create_keys, make_client, write_allow_list
+from dloco.bus.subscriptions import SUBSCRIPTION_COST, SubscriptionBudget, Verdict
 from tests.test_broker import BrokerProcess, heartbeat, received
+from tests.test_trust import ISLANDS, bound_merger, client
 from tests.test_untrusted_input import rss_mib
 
 
@@ -97,3 +100,63 @@ def test_a_key_flooding_subscriptions_is_banned_and_what_it_made_the_broker_hold
     assert stopped["refused"]["snapshot/subscription_budget"] >= 1
     assert stopped["reopened"]["snapshot"] == len(reopened)
     assert grown < 30, grown
+
+
+# a merger process under a flood of subscriptions: -m e2e
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_a_merger_that_binds_its_snapshot_socket_budgets_subscriptions_too(tmp_path):
+    """No broker: island-0 floods the merger's own snapshot socket with 10,000 random topics.  The
+    merger bans the key, opens the socket afresh (logged, counted), and island-1's subscription to
+    acks is fed again.  (Its memory is not measured here: its fold kernels compile meanwhile.)"""
+    keys, allow = tmp_path / "keys", tmp_path / "allow"
+    create_keys(keys, ["merger", *ISLANDS])
+    write_allow_list(keys, allow, {"island": ISLANDS})
+    merger, log, (delta, snapshot, _) = bound_merger(tmp_path, keys, allow)
+    context = zmq.Context()
+    endpoint = f"tcp://127.0.0.1:{snapshot}"
+    honest_key = Identity.load(keys, "island-1", server="merger")
+
+    def acked(wait_s: float = 60.0) -> bool:
+        """An ack reaches island-1: with a stream of its own (its heartbeats), its settled cursor
+        goes out every second, fold or not."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            beats.send_multipart(heartbeat("island-1"))
+            if honest.poll(200):
+                return True
+        return False
+
+    try:
+        beats = client(context, zmq.PUB, honest_key, f"tcp://127.0.0.1:{delta}")
+        honest = context.socket(zmq.SUB)
+        honest.setsockopt(zmq.LINGER, 0)
+        honest.setsockopt(zmq.SUBSCRIBE, b"ack")
+        make_client(honest, honest_key)
+        honest.connect(endpoint)
+        assert acked(), log.read_text()[-2000:]
+        flood = context.socket(zmq.SUB)
+        flood.setsockopt(zmq.LINGER, 0)
+        flood.setsockopt(zmq.SNDHWM, 0)
+        make_client(flood, Identity.load(keys, "island-0", server="merger"))
+        flood.connect(endpoint)
+        for _ in range(10_000):
+            flood.setsockopt(zmq.SUBSCRIBE, os.urandom(100).hex().encode())
+        deadline = time.monotonic() + 60
+        while '"subscriptions_reopened"' not in log.read_text():
+            assert time.monotonic() < deadline and merger.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.2)
+        while honest.poll(0):
+            honest.recv_multipart()
+        # reconnected and subscribed again on its own
+        assert acked()
+    finally:
+        context.destroy(linger=0)
+        merger.terminate()
+        code = merger.wait(timeout=60)
+    assert code == 0
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    reopened = [e for e in events if e.get("event") == "subscriptions_reopened"]
+    assert reopened[0]["peer"] == "island-0" and reopened[0]["why"] == "peer budget"
+    counters = next(e for e in events if e.get("event") == "stopped")["counters"]
+    assert counters["merger/subscriptions_reopened"] == len(reopened)
