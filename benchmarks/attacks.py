@@ -14,10 +14,7 @@ measured after a few more honest rounds (the outer momentum carries an attack on
 The model is one fragment of 4,096 values of norm ~12.8; an honest delta has norm ~0.26 (the
 probe's figures, issue 36), along a shared descent direction plus noise; the attacker pushes along
 a direction of its own.  Merger settings: the shipped profile's (share-scaled folds, staleness 8,
-Nesterov at 0.15), every delta folded on arrival (quorum 1, no grace), unless an attack bunches its
-deltas, or the fragment has no reference for a pending island yet: then the round policy holds it
-for a second live island (round.cold_quorum; the attacker is live while it takes part).  A round is
-one second of the merger's clock.
+Nesterov at 0.15), every delta folded on its own (quorum 1), unless an attack bunches its deltas.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ import numpy as np
 
 from dloco import protocol
 from dloco.merger import checkpoint
-from dloco.merger.config import MergeConfig, MergerConfig, OuterConfig, RoundConfig
+from dloco.merger.config import MergeConfig, MergerConfig, OuterConfig
 from dloco.merger.core import MergerCore
 from dloco.merger.recovery import checkpoint_dir, recover, wal_dir
 from dloco.merger.trained_tokens import TrainedTokens
@@ -39,9 +36,7 @@ from dloco.merger.wal import WriteAheadLog
 
 SIZE, INIT_STD, HONEST_NORM = 4096, 0.2, 0.26
 HONEST_TOKENS, HONEST_STEPS = 98_304, 48
-CONFIG = MergerConfig(
-    MergeConfig(max_staleness=8, share_window=8), OuterConfig(lr=0.15), RoundConfig(grace_cap_s=0.0)
-)
+CONFIG = MergerConfig(MergeConfig(max_staleness=8, share_window=8), OuterConfig(lr=0.15))
 WARMUP_ROUNDS, AFTER_ROUNDS = 6, 10
 
 
@@ -50,8 +45,7 @@ class Attack:
     """What the attacker sends: per attack round, its deltas as (multiple of the honest norm,
     claimed tokens); `bunched`: a round's deltas all arrive before the merger folds.  `restart`: the
     merger restarts (from its checkpoint and log) or is replaced by a standby that replays the log,
-    just before the attack; `cold`: the attack comes first, on a fresh merger, before any honest
-    island's delta of its round."""
+    just before the attack; `cold`: the attack comes first, on a fresh merger."""
 
     name: str
     rounds: tuple[tuple[tuple[float, int], ...], ...]
@@ -59,8 +53,6 @@ class Attack:
     # "" | "restart" | "takeover"
     restart: str = ""
     cold: bool = False
-    # cold, and no honest island live yet when the attacker sends
-    alone: bool = False
 
 
 def _ramp(ratio: float, count: int = 32) -> Attack:
@@ -90,12 +82,6 @@ ATTACKS = {
     ),
     "fresh-burst": Attack(
         "10 deltas at 1e6x on a fresh merger", (((1e6, HONEST_TOKENS),) * 10,), cold=True
-    ),
-    "fresh-alone": Attack(
-        "1e6x on a fresh merger, before any honest island is live (the limit)",
-        (((1e6, HONEST_TOKENS),),),
-        cold=True,
-        alone=True,
     ),
 }
 
@@ -160,8 +146,6 @@ class _Cluster:
             self.clipped,
             self.moves,
         ) = (0.0, 0, 0, 0, 0, [])
-        # islands the merger hears from: the honest ones, and the attacker while it takes part
-        self.live = honest + 1
         self.trained = TrainedTokens()
 
     def honest_delta(self, island: str) -> np.ndarray:
@@ -214,11 +198,8 @@ class _Cluster:
             else:
                 self.honest_refused += 1
 
-    def fold(self, now: bool = False) -> None:
-        """Fold what is pending if the round policy calls for it (`now`: whatever it says)."""
+    def fold(self) -> None:
         if not self.core.pending[0]:
-            return
-        if not now and 0 not in self.core.due(self.now, (), self.live)[0]:
             return
         before = self.theta()
         report, _ = self.core.fold(0)
@@ -253,14 +234,8 @@ def _play(attack: Attack, honest: int, run_dir: Path, seed: int, hostile: bool) 
     cluster.norm_before = float(np.linalg.norm(cluster.theta()))
     cluster.moves, cluster.attacker_folds, cluster.clipped = [], 0, 0
     cluster.attacker_tokens_before = cluster.trained.by_life().get(("attacker", 1), 0)
-    cluster.live -= not hostile
-    live = cluster.live
     for deltas in attack.rounds:
-        # on a fresh merger the attacker comes first, before any honest island has a delta in
-        if not attack.cold:
-            cluster.honest_round()
-        # no honest island heard from yet: nobody to wait for
-        cluster.live = int(hostile) if attack.alone else live
+        cluster.honest_round()
         for scale, tokens in deltas:
             if hostile:
                 cluster.send(
@@ -268,13 +243,9 @@ def _play(attack: Attack, honest: int, run_dir: Path, seed: int, hostile: bool) 
                 )
             if not attack.bunched:
                 cluster.fold()
-        cluster.live = live
-        if attack.cold:
-            cluster.honest_round()
-        cluster.fold(now=attack.bunched)
+        cluster.fold()
     for _ in range(AFTER_ROUNDS):
         cluster.honest_round()
-    cluster.fold(now=True)
     cluster.core.log.close()
     return cluster
 

@@ -161,8 +161,6 @@ class MergerSection:
     delay: int = OuterConfig.delay
     # K: islands
     quorum: int = RoundConfig.quorum
-    # islands a fragment's first folds wait for (merger/outliers.py)
-    cold_quorum: int = RoundConfig.cold_quorum
     quorum_timeout_s: float = RoundConfig.quorum_timeout_s
     grace_cap_s: float = RoundConfig.grace_cap_s
     snapshot_codec: str = SnapshotConfig.snapshot_codec
@@ -226,7 +224,6 @@ class MergerSection:
             OuterConfig(kind=self.outer, lr=self.outer_lr, delay=self.delay),
             RoundConfig(
                 quorum=self.quorum,
-                cold_quorum=self.cold_quorum,
                 quorum_timeout_s=self.quorum_timeout_s,
                 grace_cap_s=self.grace_cap_s,
             ),

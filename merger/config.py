@@ -65,13 +65,6 @@ class MergeConfig:
     # median movements per island's part (what an island's part moves it: its weight x its delta's
     # norm); a larger part is scaled down to it (merger/outliers.py, fold.guard).  0: no guard.
     clip_factor: float = 2.0
-    # Before any other island has folded in a fragment, an island's part of a fold moves it by at
-    # most the largest other part in the same fold (alone: outliers.COLD_LIMIT times its norm), and
-    # a movement counts towards the others' references from an island's first fold; a clipped part
-    # weighs less in the fold (its direction too, under rda), not only its values.  False (logs
-    # written before it): a reference counts from an island's fourth fold, until then every part is
-    # judged by the fragment's norm only, and a clipped part's values are scaled.
-    peer_guard: bool = True
     # No island's weight in a fold (tokens**2 / steps, as it claims them) exceeds this many times
     # the heaviest other island's, in the fold or among the fragment's recent contributors; 0: no
     # cap. 2 leaves the shipped profile's islands as they are (a half-speed region's H is half, so
@@ -110,10 +103,6 @@ class MergeConfig:
             self.clip_factor == 0 or self.clip_factor >= 1,
             f"merge.clip_factor must be 0 (off) or >= 1, got {self.clip_factor}",
         )
-        _require(
-            isinstance(self.peer_guard, bool),
-            f"merge.peer_guard must be true or false, got {self.peer_guard!r}",
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +113,6 @@ class RoundConfig:
     quorum: int = 1
     # fold with fewer than K once the oldest pending delta waited this long
     quorum_timeout_s: float = 30.0
-    # Until a fragment has a fold movement on record (merger/outliers.py), its fold waits for this
-    # many live islands, at most quorum_timeout_s: a key's first deltas on a fresh merger are judged
-    # against another island's, not the fragment's norm alone.  1: never.
-    cold_quorum: int = 2
     # never wait longer than this past the moment the quorum was met
     grace_cap_s: float = 1.0
     # wait this much past an island's predicted arrival
@@ -139,10 +124,6 @@ class RoundConfig:
         _require(
             isinstance(self.quorum, int) and self.quorum >= 1,
             f"round.quorum must be an int >= 1, got {self.quorum!r}",
-        )
-        _require(
-            isinstance(self.cold_quorum, int) and self.cold_quorum >= 1,
-            f"round.cold_quorum must be an int >= 1, got {self.cold_quorum!r}",
         )
         _require(
             self.quorum_timeout_s > 0,
@@ -225,8 +206,6 @@ class MergerConfig:
             merge = dict(data["merge"])
             # a log from before the guard: its folds were never clipped
             merge.setdefault("clip_factor", 0.0)
-            # nor judged against their peers in the fold
-            merge.setdefault("peer_guard", False)
             merge["average_paths"] = tuple(merge.get("average_paths", ()))
             return cls(
                 MergeConfig(**merge), OuterConfig(**data["outer"]), RoundConfig(**data["round"])

@@ -15,12 +15,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dloco.merger import outliers, records
+from dloco.merger import records
 from dloco.merger.admission import Candidate, admit, delta_norm
 from dloco.merger.config import MergerConfig
 from dloco.merger.fold import Contribution, FoldReport, FragmentState, fold, init_state
 from dloco.merger.outer import make_step, outer_optimizer
-from dloco.merger.outliers import NormHistory, Quarantine, fold_caps, movement_history
+from dloco.merger.outliers import NormHistory, Quarantine, fold_caps
 from dloco.merger.round_policy import ArrivalStats
 from dloco.merger.rounds import (
     DeltaKey,
@@ -86,7 +86,7 @@ class MergerCore:
         # norms, the outlier check's reference; and what each island's part of a fold moved it, the
         # guard's
         self.norms = [NormHistory() for _ in self.fragments]
-        self.moves = [movement_history(config.merge.peer_guard) for _ in self.fragments]
+        self.moves = [NormHistory() for _ in self.fragments]
         self.quarantine = Quarantine()
         # (island, last reason, seconds): newly quarantined, for the caller to log
         self.quarantined: list[tuple[str, str, float]] = []
@@ -194,15 +194,10 @@ class MergerCore:
             return reason, "quarantined"
         return None
 
-    def due(
-        self, now: float, busy: Collection[int] = (), live: int = 1
-    ) -> tuple[list[int], float | None]:
+    def due(self, now: float, busy: Collection[int] = ()) -> tuple[list[int], float | None]:
         """Fragments to fold now, and the earliest time a waiting fragment must be decided again
-        (RoundQueues.due: `busy` fragments are not looked at).  `live`: how many islands were heard
-        from lately: while a fragment has no fold movement on record, its fold waits for
-        round.cold_quorum of them, so that a key's first deltas are judged against another island's
-        part (merger/outliers.py `peer_quorum`)."""
-        return self.queues.due(now, busy, outliers.peer_quorum(self.moves, self.config.round, live))
+        (RoundQueues.due: `busy` fragments are not looked at)."""
+        return self.queues.due(now, busy)
 
     def arrival_intervals(self, now: float | None = None) -> list[float | None]:
         """Every island's EMA interval between its deltas of one fragment, over every fragment,
@@ -259,8 +254,8 @@ class MergerCore:
         """Make a computed round the fragment's state (what checkpoints and catch-up requests see)
         and note what each island's part moved it (the guard's history)."""
         self.states[fragment] = state
-        guard = self.config.merge.peer_guard
-        outliers.note_fold(self.moves[fragment], self.last_contributions[fragment], report, guard)
+        for island, movement in report.movements:
+            self.moves[fragment].record(island, movement)
 
     def finish_fold(self, started: StartedFold) -> FoldReport:
         """Compute a started round and install it."""
@@ -358,7 +353,6 @@ class MergerCore:
             self.states[fragment].params,
             {c.island for c in members},
             self.config.merge.clip_factor,
-            self.config.merge.peer_guard,
         )
 
     def _settle_folded(

@@ -69,15 +69,6 @@ MATH_FLAGS = (
                 help="K: islands with a delta pending before a fold (default 1: nobody waits)",
             ),
             Flag(
-                "cold_quorum",
-                type=_positive_int,
-                help=(
-                    "until a fragment has a fold movement on record, its fold waits for this many"
-                    " live islands, at most the quorum timeout, so that a key's first deltas are"
-                    " judged against another island's (default %(default)s; 1: never)"
-                ),
-            ),
-            Flag(
                 "quorum_timeout_s",
                 flag="--quorum-timeout",
                 help="fold with fewer than K once the oldest pending delta waited this long",

@@ -22,7 +22,6 @@ import numpy as np
 from dloco.merger import coded, rda
 from dloco.merger.admission import delta_norm
 from dloco.merger.config import MergeConfig
-from dloco.merger.outliers import Caps
 from dloco.merger.weighting import weights as contribution_weights
 from dloco.protocol import CodedTensor
 
@@ -57,8 +56,7 @@ class FoldReport:
     staleness: tuple[int, ...]
     # inner steps of work each delta carries
     steps: tuple[int, ...]
-    # they sum to the fold's share of a round (1 unless merge.share_window is set), less what the
-    # guard cut (with merge.peer_guard it cuts a part's weight)
+    # they sum to the fold's share of a round (1 unless merge.share_window is set)
     weights: tuple[float, ...]
     delta_norms: tuple[float, ...]
     merged_norm: float
@@ -162,36 +160,28 @@ def guard(
     members: Sequence[Contribution],
     w: Sequence[float],
     norms: Sequence[float],
-    caps: Caps,
-    by_weight: bool = True,
-) -> tuple[list[Contribution], list[float], list[float], dict[str, float]]:
+    caps: Mapping[str, float],
+) -> tuple[list[Contribution], list[float], list[str]]:
     """What each island's part of a fold may move the fragment: its weight times its delta's norm
-    (`norms`: fold's `part_norm`), at most `caps.of(island, ...)` (merger/outliers.py: a multiple
-    of the other islands' recent movements, or of their parts in this fold).  A part past its cap is
-    scaled down to it: its weight (`by_weight`, merge.peer_guard), so that it also weighs less in
-    the direction radial-directional averaging takes, or else its values (float32 from then on).
-    Returns the members, their weights, each one's movement after the guard, and the islands
-    clipped with the fraction of their part kept.
+    (`norms`: fold's `part_norm`), at most `caps[island]` (merger/outliers.py: a multiple of the
+    other islands' recent movements).  A part past its cap is scaled down to it (its values float32
+    from then on).  Returns the members, each one's movement after the guard, and the islands
+    clipped.
     """
-    raw = {member.island: weight * norm for member, weight, norm in zip(members, w, norms)}
-    out, weights, movements, clipped = [], [], [], {}
-    for member, weight in zip(members, w):
-        movement = raw[member.island]
-        cap = caps.of(member.island, raw)
+    out, movements, clipped = [], [], []
+    for member, weight, norm in zip(members, w, norms):
+        movement = weight * norm
+        cap = caps.get(member.island)
         if cap is not None and movement > cap:
-            if by_weight:
-                weight *= cap / movement
-            else:
-                scale = np.float32(cap / movement)
-                member = dataclasses.replace(
-                    member, tensors={p: _float(t) * scale for p, t in member.tensors.items()}
-                )
-            clipped[member.island] = cap / movement
+            scale = np.float32(cap / movement)
+            member = dataclasses.replace(
+                member, tensors={p: _float(t) * scale for p, t in member.tensors.items()}
+            )
             movement = cap
+            clipped.append(member.island)
         out.append(member)
-        weights.append(weight)
         movements.append(float(movement))
-    return out, weights, movements, clipped
+    return out, movements, clipped
 
 
 def part_norm(group: Sequence[Contribution]) -> float:
@@ -211,11 +201,11 @@ def fold(
     config: MergeConfig,
     step: Callable[[Any, Any, Any], tuple[Any, Any]],
     share: float = 1.0,
-    caps: Caps | None = None,
+    caps: Mapping[str, float] | None = None,
 ) -> tuple[FragmentState, FoldReport]:
     """Apply one round; `step` is `outer.make_step(optimizer)`; the merged delta is scaled by
     `share` (weighting.fold_share: 1 unless the merger scales folds by their share of a round);
-    `caps`: the most each island's part may move the fragment (`guard`; None: no guard).  A round
+    `caps`: island -> the most its part may move the fragment (`guard`; None: no guard).  A round
     whose deltas are all coded with one int codec is merged from the codes, its outer step taken
     there (merger/coded.py); any other is merged from float32."""
     if not contributions:
@@ -224,10 +214,10 @@ def fold(
     groups = per_island(ordered)
     members = [combined(group) for group in groups]
     w = fold_weights(members, config, share)
-    movements, clipped = [], {}
+    movements, clipped = [], []
     if caps is not None:
-        members, w, movements, clipped = guard(
-            members, w, [part_norm(group) for group in groups], caps, config.peer_guard
+        members, movements, clipped = guard(
+            members, w, [part_norm(group) for group in groups], caps
         )
     if coded.mergeable([c.tensors for c in members]):
         params, opt_state, delta_norms, merged_norm = coded.merge_and_step(

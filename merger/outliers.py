@@ -4,27 +4,19 @@ Two histories per fragment, each of recent values per island:
 - the norms of admitted deltas (`NormHistory` in `norms`): a delta more than `outlier_factor`
   times the median of the *other* islands' medians (while there are none, its own median) is
   rejected as an outlier at arrival (counted, logged, acknowledged, and a strike towards
-  quarantine);
+quarantine);
 - what each island's part of a fold moved the fragment (its weight in the fold times the norm of
   its combined delta; `moves`): a fold clips an island's part to `clip_factor` times the largest of
   the *other* islands' medians (`fold_caps`; merger/fold.py `guard` clips).
 
 A sender's own history never enters its own reference, so no sequence of its deltas (a slow ramp,
 a burst) raises what it may send: the reference is the other islands' behaviour, which one key
-cannot walk.  A delta-norm median counts once an island holds `min_own` (4) values, so a new
-island's first deltas do not set the outlier check's reference; a movement counts from an island's
-first fold (`MOVES_MIN_OWN`).
-
-Before any other island has folded in a fragment (the first folds of a run), an island has no
-reference there.  Until a fragment has a movement on record, the round policy holds its fold for a
-second live island (round.cold_quorum, `peer_quorum`), so that a key's first deltas on a fresh
-merger meet an honest island's; in that fold, a part without a reference moves the fragment by at
-most as much as the largest other part (`Caps.of`), and a part cut so sets no one's reference
-(merger/core.py `install`).  Alone in a fold (a cluster of one island, or no other island
-delivered within the quorum timeout), such a part moves the fragment by at most COLD_LIMIT times
-its norm.  A zero reference caps nothing.  Both histories are checkpointed and rebuilt by replay,
-so a restarted merger or a standby that takes over judges with the same references
-(merger/checkpoint.py).
+cannot walk.  An island's median counts once it holds `min_own` values, so a new island's first
+deltas do not set anyone's reference.  Before any other island has a reference (a cluster of one
+island, or the first folds of a run), an island's part of a fold may move a fragment by at most
+COLD_LIMIT times the fragment's own norm.  A zero reference caps nothing.  Both histories are
+checkpointed and rebuilt by replay, so a restarted merger or a standby that takes over judges with
+the same references (merger/checkpoint.py).
 
 An island whose deltas are rejected as hostile `strikes` times in a row (outliers, non-finite
 values, shapes or bases that no honest island sends) is quarantined: its deltas are refused for
@@ -35,23 +27,18 @@ from __future__ import annotations
 
 import bisect
 import collections
-import dataclasses
 import statistics
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
 from dloco.merger import rda
-from dloco.merger.config import RoundConfig
 
 HOSTILE = frozenset({"outlier_norm", "non_finite", "layout_mismatch", "future_base"})
 # without a reference, one island's part of a fold moves a fragment by at most this times its norm
 COLD_LIMIT = 0.5
 # (the tiny LM's first folds move a fragment by about a tenth of its norm)
-# a fold movement counts towards the guard's reference from an island's first fold
-# (merge.peer_guard; without it, from the fourth)
-MOVES_MIN_OWN = 1
 
 
 class NormHistory:
@@ -147,92 +134,24 @@ class Quarantine:
         return True
 
 
-def movement_history(peer_guard: bool) -> NormHistory:
-    """A fragment's history of fold movements (merge.peer_guard: a movement counts from an island's
-    first fold; without it, from its fourth)."""
-    return NormHistory(min_own=MOVES_MIN_OWN if peer_guard else 4)
-
-
-def peer_quorum(
-    moves: Sequence[NormHistory], config: RoundConfig, live: int
-) -> Callable[[int, Collection[str]], int] | None:
-    """The round policy's K per fragment (RoundQueues.due): round.cold_quorum, at most the `live`
-    islands, while that fragment's `moves` has nothing on record (no fold there has set a
-    reference); round.quorum after.  None: never more than round.quorum."""
-    cold, quorum = min(config.cold_quorum, live), config.quorum
-    if cold <= quorum:
-        return None
-    return lambda fragment, islands: quorum if moves[fragment].norms else cold
-
-
-class Folded(Protocol):
-    """What `note_fold` reads of a fold's report (merger/fold.py FoldReport)."""
-
-    version: int
-    movements: tuple[tuple[str, float], ...]
-    clipped: tuple[str, ...]
-
-
-def note_fold(
-    moves: NormHistory, recent: dict[str, tuple[int, float]], report: Folded, peer_guard: bool
-) -> None:
-    """Note in a fragment's `moves` what each island's part of a fold moved it (`report`).  With
-    `peer_guard`, a part clipped for want of a reference (its island had none when the fold was
-    judged) sets no one's reference, and holds no share of the next rounds: it leaves `recent` (the
-    core's last_contributions, merger/rounds.py `take_share`)."""
-    unjudged = {island for island in report.clipped if moves.reference(island, "max") is None}
-    for island, movement in report.movements:
-        if not (peer_guard and island in unjudged):
-            moves.record(island, movement)
-        elif recent.get(island, (None,))[0] == report.version:
-            del recent[island]
-
-
-@dataclasses.dataclass(frozen=True)
-class Caps:
-    """The guard's limits on the islands' parts of one fold (merger/fold.py `guard`)."""
-
-    # island -> clip_factor times the largest of the other islands' median movements; None: that
-    # reference is zero, which caps nothing
-    warm: dict[str, float | None]
-    # COLD_LIMIT times the fragment's norm: an island without a reference, alone in the fold
-    alone: float | None
-    # an island without a reference, with others in the fold: at most the largest of their parts'
-    # movements (merge.peer_guard; False: COLD_LIMIT alone)
-    peers: bool = False
-
-    def of(self, island: str, movements: Mapping[str, float]) -> float | None:
-        """The most `island`'s part may move the fragment; `movements`: every part's in this fold,
-        before the guard.  None: no cap."""
-        if island in self.warm:
-            return self.warm[island]
-        if self.peers:
-            others = max((m for other, m in movements.items() if other != island), default=0.0)
-            if others > 0:
-                return others
-        return self.alone
-
-
 def fold_caps(
-    moves: NormHistory,
-    params: Mapping[str, Any],
-    islands: Iterable[str],
-    factor: float,
-    peers: bool = True,
-) -> Caps | None:
-    """The guard's caps for a fold of `islands`' parts: `factor` (clip_factor) times the largest
-    of the other islands' median movements in `moves`; without one, at most the largest other part
-    in the fold (`peers`, merge.peer_guard), or alone COLD_LIMIT times the norm of the fragment's
-    `params`.  None: the guard is off."""
+    moves: NormHistory, params: Mapping[str, Any], islands: Iterable[str], factor: float
+) -> dict[str, float] | None:
+    """The guard's cap on each island's part of a fold (merger/fold.py `guard`): `factor`
+    (clip_factor) times the largest of the other islands' median movements in `moves`; without
+    one, COLD_LIMIT times the norm of the fragment's `params`.  None: the guard is off."""
     if factor <= 0:
         return None
-    islands = set(islands)
-    warm: dict[str, float | None] = {}
+    caps, cold = {}, None
     for island in islands:
         reference = moves.reference(island, "max")
-        if reference is not None:
-            warm[island] = factor * reference if reference > 0 else None
-    if len(warm) == len(islands):
-        return Caps(warm, None)
-    norm = rda.fragment_norm({p: np.asarray(v) for p, v in params.items()})
-    return Caps(warm, COLD_LIMIT * norm if norm > 0 else None, peers)
+        if reference is None:
+            if cold is None:
+                cold = COLD_LIMIT * rda.fragment_norm({p: np.asarray(v) for p, v in params.items()})
+            reference, factor_here = cold, 1.0
+        else:
+            factor_here = factor
+        # a zero reference (a fragment at zero, or that nobody moves) caps nothing
+        if reference > 0:
+            caps[island] = factor_here * reference
+    return caps

@@ -100,12 +100,8 @@ def decide(
     pending: Sequence[tuple[str, float]],
     history: Mapping[str, ArrivalStats],
     config: RoundConfig,
-    quorum: int | None = None,
 ) -> Decision:
-    """`pending`: (island, arrival time) of admitted deltas not folded yet, oldest first;
-    `quorum`: K for this fragment now (None: round.quorum; the core raises it while the fragment has
-    no reference for a pending island: merger/core.py `due`)."""
-    quorum = config.quorum if quorum is None else quorum
+    """`pending`: (island, arrival time) of admitted deltas not folded yet, oldest first."""
     if not pending:
         return Decision(False, None)
     oldest = min(t for _, t in pending)
@@ -113,10 +109,10 @@ def decide(
     first: dict[str, float] = {}
     for island, at in pending:
         first[island] = min(at, first.get(island, at))
-    if len(first) < quorum:
+    if len(first) < config.quorum:
         deadline = oldest + config.quorum_timeout_s
         return Decision(True, None) if now >= deadline else Decision(False, deadline)
-    quorum_met = sorted(first.values())[quorum - 1]
+    quorum_met = sorted(first.values())[config.quorum - 1]
     deadline = quorum_met + config.grace_cap_s
     if now >= deadline:
         return Decision(True, None)

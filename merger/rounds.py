@@ -11,12 +11,11 @@ notes its members' (version, weight) for the next, so the record is part of the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 
 from dloco.merger.admission import Candidate
 from dloco.merger.config import MergeConfig, RoundConfig
 from dloco.merger.fold import Contribution, canonical, counters, per_island
-from dloco.merger.outliers import Caps
 from dloco.merger.round_policy import ArrivalStats, decide, note_arrival, predicted_near
 from dloco.merger.weighting import capped, fold_share, raw_weights, recent_others
 from dloco.protocol import DeltaResult
@@ -33,8 +32,8 @@ class StartedFold:
     results: list[DeltaResult]
     # of a whole round (weighting.fold_share)
     share: float = 1.0
-    # the most each island's part may move the fragment (fold.guard)
-    caps: Caps | None = None
+    # island -> the most its part may move the fragment (fold.guard)
+    caps: dict[str, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,27 +145,19 @@ class RoundQueues:
         self.keys -= set(wanted)
         return [by_key[key].contribution for key in wanted], []
 
-    def due(
-        self,
-        now: float,
-        busy: Collection[int] = (),
-        quorum: Callable[[int, Collection[str]], int] | None = None,
-    ) -> tuple[list[int], float | None]:
+    def due(self, now: float, busy: Collection[int] = ()) -> tuple[list[int], float | None]:
         """Fragments to fold now, and the earliest time a waiting fragment must be decided again.
         Fragments in `busy` (a fold of theirs still computing: their deltas wait for the next round,
-        decided when it is done) are not looked at: with many islands their queues are long.
-        `quorum(fragment, pending islands)`: K for that fragment now (None: round.quorum)."""
+        decided when it is done) are not looked at: with many islands their queues are long."""
         ready, wake = [], None
         for fragment, queue in enumerate(self.pending):
             if not queue or fragment in busy:
                 continue
-            arrivals = [(p.contribution.island, p.arrived) for p in queue]
             decision = decide(
                 now,
-                arrivals,
+                [(p.contribution.island, p.arrived) for p in queue],
                 predicted_near(self.history[fragment], self.predicted[fragment], now, self.config),
                 self.config,
-                None if quorum is None else quorum(fragment, {island for island, _ in arrivals}),
             )
             if decision.fold:
                 ready.append(fragment)

@@ -274,8 +274,7 @@ class Simulation:
     def _dispatch(self, now: float) -> None:
         """FoldPipeline.dispatch: every fold the round policy calls for, one in flight per
         fragment."""
-        # the islands alive: the merger hears them
-        ready, wake = self.core.due(now, self.folding, int(self.receiving.sum()))
+        ready, wake = self.core.due(now, self.folding)
         for fragment in ready:
             started = self.core.start_fold(fragment)
             nbytes = self.delta_bytes[fragment] * len(started.members)
@@ -300,9 +299,6 @@ class Simulation:
         self.pending_bytes -= nbytes
         p = self.s.fragments
         for member in started.members:
-            # no fold is computed here: note it as the guard would (merger/outliers.py), so that
-            # the round policy knows the fragment has folded (round.cold_quorum)
-            self.core.moves[fragment].record(member.island, 0.0)
             self.staleness[member.staleness] += 1
             self.folded_tokens += member.tokens
             self.pending_tokens -= member.tokens / p

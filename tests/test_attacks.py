@@ -13,19 +13,10 @@ from dloco.benchmarks import attacks
 from dloco.merger.config import MergeConfig, MergerConfig
 from dloco.merger.core import MergerCore
 from dloco.merger.fold import Contribution, guard
-from dloco.merger.outliers import COLD_LIMIT, Caps
+from dloco.merger.outliers import COLD_LIMIT
 from dloco.merger.trained_tokens import CLAIM_RATIO
 
-POISONING = [
-    "ramp-1.2",
-    "ramp-1.4",
-    "ramp-2",
-    "burst",
-    "single-19x",
-    "tokens",
-    "fresh-1e6",
-    "fresh-burst",
-]
+POISONING = ["ramp-1.2", "ramp-1.4", "ramp-2", "burst", "single-19x", "tokens"]
 
 
 @pytest.mark.parametrize("islands", [2, 4])
@@ -54,20 +45,11 @@ def test_a_1e6x_delta_after_a_restart_or_takeover_is_rejected(key):
     assert outcome.ratio < 0.01
 
 
-@pytest.mark.parametrize("key", ["fresh-1e6", "fresh-burst"])
-def test_a_key_first_on_a_fresh_merger_waits_for_an_honest_island_and_is_cut_to_its_part(key):
-    """The attacker's deltas come before any honest one: the fold waits for the honest island (one
-    attacker fold, holding all its deltas), which cuts the attacker's part to the honest part."""
-    outcome = attacks.run_attack(key, honest=1)
-    assert (outcome.attacker_folds, outcome.clipped, outcome.rejected) == (1, 1, 0)
-    assert outcome.norm_after < 1.05 * outcome.norm_before
-
-
-def test_a_key_alone_on_a_fresh_merger_moves_a_fragment_by_at_most_half_its_norm():
-    """The limit: before any honest island is live there is nothing to judge a key by but the
-    fragment itself, so one part moves it by at most COLD_LIMIT of its norm (the outer momentum
-    carries it on: the norm after stays under twice it)."""
-    outcome = attacks.run_attack("fresh-alone", honest=1)
+def test_a_1e6x_delta_on_a_fresh_merger_moves_a_fragment_by_at_most_half_its_norm():
+    """Before any other island has a reference, the cold limit: one part moves a fragment by at most
+    COLD_LIMIT of its norm (the outer momentum carries it on: the norm after stays under twice it).
+    """
+    outcome = attacks.run_attack("fresh-1e6", honest=1)
     assert outcome.clipped == 1 and outcome.norm_after < 2.0 * outcome.norm_before
 
 
@@ -75,33 +57,18 @@ def _member(island, values, tokens=100, steps=10):
     return Contribution(island, 1, 1, 0, tokens, steps, {"w": np.asarray(values, np.float32)})
 
 
-def test_the_guard_scales_a_parts_weight_down_to_its_cap():
-    """Weights 0.5 and 0.5, deltas of norm 5 and 2: movements 2.5 and 1.0; a capped at 1.0: its
-    weight becomes 0.5 x 1.0 / 2.5 = 0.2, its values untouched (so it also weighs less in the
-    direction rda takes); b uncapped.  Without peer_guard (older logs) its values are scaled by 0.4
-    instead."""
-    caps = Caps({"a": 1.0, "b": None}, None)
-    members = [_member("a", [3.0, 4.0]), _member("b", [0.0, 2.0])]
-    same, weights, movements, clipped = guard(members, [0.5, 0.5], [5.0, 2.0], caps)
-    assert weights == pytest.approx([0.2, 0.5]) and movements == pytest.approx([1.0, 1.0])
-    assert clipped == {"a": pytest.approx(0.4)} and same[0].tensors["w"].tolist() == [3.0, 4.0]
-    scaled, weights, movements, _ = guard(members, [0.5, 0.5], [5.0, 2.0], caps, by_weight=False)
-    assert weights == [0.5, 0.5] and np.allclose(scaled[0].tensors["w"], [1.2, 1.6])
-    alone = Caps({"a": 2.5}, None)
-    same, weights, movements, clipped = guard([_member("a", [3.0, 4.0])], [0.5], [5.0], alone)
-    assert (weights, movements, clipped) == ([0.5], [2.5], {})
-
-
-def test_a_part_without_a_reference_is_held_to_the_largest_other_part_or_the_cold_limit():
-    """No history: a (movement 3) next to b (1) and c (2) is capped at c's 2, b and c at a's 3.
-    Alone, or next to parts that moved nothing: the cold limit; with peers off too.  A zero
-    reference (None) caps nothing."""
-    caps = Caps({}, 5.0, peers=True)
-    movements = {"a": 3.0, "b": 1.0, "c": 2.0}
-    assert [caps.of(i, movements) for i in "abc"] == [2.0, 3.0, 3.0]
-    assert caps.of("a", {"a": 3.0}) == 5.0 and caps.of("a", {"a": 3.0, "b": 0.0}) == 5.0
-    assert Caps({}, 5.0, peers=False).of("a", movements) == 5.0
-    assert Caps({"a": None}, 5.0, peers=True).of("a", movements) is None
+def test_the_guard_scales_a_part_down_to_its_cap():
+    """Weights 0.5 and 0.5, deltas of norm 5 and 2: movements 2.5 and 1.0; caps 1.0 for a (it is
+    scaled by 0.4 to norm 2) and none for b."""
+    members, movements, clipped = guard(
+        [_member("a", [3.0, 4.0]), _member("b", [0.0, 2.0])], [0.5, 0.5], [5.0, 2.0], {"a": 1.0}
+    )
+    assert movements == [1.0, 1.0] and clipped == ["a"]
+    assert np.allclose(members[0].tensors["w"], [1.2, 1.6]) and members[1].tensors[
+        "w"
+    ].tolist() == [0.0, 2.0]
+    same, movements, clipped = guard([_member("a", [3.0, 4.0])], [0.5], [5.0], {"a": 2.5})
+    assert movements == [2.5] and clipped == [] and same[0].tensors["w"].tolist() == [3.0, 4.0]
 
 
 def test_a_parts_norm_is_the_sum_of_its_deltas_norms_as_admitted():
@@ -139,19 +106,17 @@ def test_the_caps_follow_the_other_islands_movements_and_start_cold():
         params,
     )
     members = [_member("a", [0.0, 0.0]), _member("b", [0.0, 0.0])]
-    assert core._caps(0, members) == Caps({}, COLD_LIMIT * 10.0, peers=True)
+    assert core._caps(0, members) == {"a": COLD_LIMIT * 10.0, "b": COLD_LIMIT * 10.0}
     for value in (1.0, 3.0, 2.0, 2.0):
         # median 2.0
         core.moves[0].record("a", value)
-    # b: 2 x a's 2; a has no other island's history yet
-    assert core._caps(0, members) == Caps({"b": 4.0}, COLD_LIMIT * 10.0, peers=True)
     for value in (5.0, 5.0, 5.0, 7.0):
         # median 5.0
         core.moves[0].record("c", value)
     # a: 2 x c's 5; b: 2 x the larger of a's 2 and c's 5
-    assert core._caps(0, members) == Caps({"a": 10.0, "b": 10.0}, None)
+    assert core._caps(0, members) == {"a": 10.0, "b": 10.0}
     # 2 x a's 2: c's own history does not count
-    assert core._caps(0, [_member("c", [0.0, 0.0])]) == Caps({"c": 4.0}, None)
+    assert core._caps(0, [_member("c", [0.0, 0.0])]) == {"c": 4.0}
     off = MergerCore(
         MergerConfig(MergeConfig(clip_factor=0.0)),
         protocol.model_fingerprint(params),

@@ -38,23 +38,22 @@ def two_islands(merger=NO_GRACE, **kwargs) -> Scenario:
 
 def test_two_lockstep_islands_on_infinite_bandwidth_fold_each_delta_alone_the_second_stale_by_one():
     """Fragment 0 is due after steps 5, 15, ..., 95 and fragment 1 after 10, ..., 100: 10 deltas of
-    each per island.  Both islands' deltas arrive at once.  A fragment's first fold waits for a
-    second live island (round.cold_quorum), so it takes both; after it, with quorum 1 and no grace,
-    the first folds alone (the fragment is then at the new version) and the second waits for that
-    fold: 19 folds per fragment, 11 deltas with staleness 0 and 9 with 1.  Tokens: fragment 0's
+    each per island.  Both islands' deltas arrive at once; with quorum 1 and no grace the first
+    folds alone (the fragment is then at the new version) and the second waits for that fold: 20
+    folds per fragment, half the deltas with staleness 0 and half with 1.  Tokens: fragment 0's
     first delta carries 5 steps, every other 10: (500 + 9 x 1000 + 10 x 1000) x 2 islands.  Bytes
     up: 20 deltas of 500 int4 values (2 blocks of 4 + 128 bytes) and a 300-byte header; down: the
-    join (2 fp32 fragments of 2,000 bytes + header) and every one of the 38 folds as a full fp32
+    join (2 fp32 fragments of 2,000 bytes + header) and every one of the 40 folds as a full fp32
     fragment."""
     result = simulate(two_islands())
-    assert result.folds == [19, 19]
-    assert result.staleness == {0: 22, 1: 18}
+    assert result.folds == [20, 20]
+    assert result.staleness == {0: 20, 1: 20}
     assert result.folded_tokens == 2 * (500 + 9 * 1000 + 10 * 1000)
     assert wire_bytes(500, Codec("int4")) == 2 * (4 + 128) + 300
     for run in result.islands:
         assert (run.trained_tokens, run.lost_tokens, run.deltas_sent) == (10_000, 0, 20)
         assert run.bytes_up == 20 * 564
-        assert run.bytes_down == 2 * 2300 + 38 * 2300
+        assert run.bytes_down == 2 * 2300 + 40 * 2300
         # busy throughout (the last half step too), nothing lost
         assert result.utilisation(run) == pytest.approx(1.0)
 
@@ -121,8 +120,7 @@ def test_a_thin_uplink_sums_deltas_in_the_outbox():
 def test_the_simulator_runs_the_mergers_admission_a_stale_delta_is_rejected_and_its_work_lost():
     """b's link adds 30 s of latency each way, a's none: by the time b's delta arrives a has moved
     the fragment on by more than max_staleness = 1 versions, so b's work is lost (rejected
-    'stale').  The fragment's first fold does not wait for b (cold_quorum 1), whose first delta is
-    30 s away."""
+    'stale')."""
     far = Link(rtt_s=60.0)
     s = Scenario(
         (Island("a", 1.0, 100), Island("b", 1.0, 100, far)),
@@ -130,7 +128,7 @@ def test_the_simulator_runs_the_mergers_admission_a_stale_delta_is_rejected_and_
         fragments=1,
         interval=5,
         duration_s=300.0,
-        merger=MergerSection(max_staleness=1, cold_quorum=1, grace_cap_s=0.0, share_window=0),
+        merger=MergerSection(max_staleness=1, grace_cap_s=0.0, share_window=0),
     )
     result = simulate(s)
     a, b = result.islands
@@ -174,7 +172,7 @@ def test_target_util_inverts_utilisation_to_a_link_speed():
         fragments=2,
         interval=10,
         duration_s=200.0,
-        merger=MergerSection(max_staleness=1, cold_quorum=1, grace_cap_s=0.0, share_window=0),
+        merger=MergerSection(max_staleness=1, grace_cap_s=0.0, share_window=0),
     )
     target = targetutil.target_util(s, [0.9], scale="each")
     bps = target["gbps"]["0.9"]["a"]["decoupled"] * 1e9
