@@ -2,20 +2,21 @@
 socket that acts on it (`BudgetedXPUB`: the broker's buses, a merger's own snapshot socket).
 
 ZeroMQ's XPUB keeps every topic a subscriber sends until that connection closes, with no limit per
-peer and no way to drop one connection's topics.  So, with CURVE, each subscription is charged to
-the peer whose key sent it (ZAP's User-Id) and to the socket:
+peer and no way to drop one connection's topics.  The topics the protocol's subscribers use
+(protocol.subscribable) are a bounded set of short strings, so what they hold is bounded; each
+other subscription is charged, with CURVE, to the peer whose key sent it (ZAP's User-Id) and to
+the socket:
 
-- a peer's budget is a bucket of PEER_BYTES, refilled at that much per REFILL_S: an honest island
-  subscribes to a handful of topics of at most 16 bytes per connection (about 450 bytes with
-  SUBSCRIPTION_COST each), so it may reconnect dozens of times in a row;
+- a peer's budget is a bucket of PEER_BYTES, refilled at that much per REFILL_S (an honest peer is
+  never charged);
 - the socket's budget is TOTAL_BYTES of subscriptions since it was last opened.
 
 A subscription past its peer's budget bans that peer (ZAP refuses its key for BAN_S) and opens the
 XPUB afresh (closed, which frees every topic it held, and bound again); past the socket's budget
 (many keys, each within its own), it is opened afresh too.  Subscribers reconnect and subscribe
 again on their own (ZeroMQ's SUB does both); what was in flight to them is lost and recovered as
-any loss is (resends, catch-up).  So what an XPUB holds stays within TOTAL_BYTES plus one peer's
-budget, whatever the subscribers send.
+any loss is (resends, catch-up).  So what an XPUB holds beyond the protocol's own topics stays
+within TOTAL_BYTES plus one peer's budget, whatever the subscribers send.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from collections.abc import Callable
 import zmq
 
 from dloco.bus.security import Security
+from dloco.protocol import subscribable
+from dloco.protocol.limits import MAX_SUBSCRIPTION_BYTES
 
 # a subscription's bytes besides its topic: what one costs however short (the message, the trie)
 SUBSCRIPTION_COST = 64
@@ -102,9 +105,11 @@ class BudgetedXPUB:
         return self.socket.send_multipart(frames, *args, **kwargs)
 
     def charge(self, frames: list[zmq.Frame]) -> bool:
-        """Charge a message read from `socket`, if a subscription, to its peer; True: it went past
-        a budget and the socket was opened afresh (the one it was read from is closed)."""
-        if bytes(frames[0].buffer[:1]) != b"\x01":
+        """Charge a message read from `socket`, if a subscription to a topic the protocol's
+        subscribers never use, to its peer; True: it went past a budget and the socket was opened
+        afresh (the one it was read from is closed)."""
+        head = bytes(frames[0].buffer[: 1 + MAX_SUBSCRIPTION_BYTES + 1])
+        if head[:1] != b"\x01" or (len(frames) == 1 and subscribable(head[1:])):
             return False
         peer = frames[0].get("User-Id") or ""
         verdict = self.budget.charge(peer, len(frames[0]) - 1, time.monotonic())
