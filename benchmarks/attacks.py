@@ -10,6 +10,11 @@ folds would have moved it had they been honest folds:
 folds)
 
 measured after a few more honest rounds (the outer momentum carries an attack on after it ends).
+A third run, the control, sends the attacker's deltas at the honest norm (and honest token claims)
+along its direction: what any key can do without sending anything a merger could tell from an
+honest delta.  `vs_control` is the attack's movement over the control's: 1 is the floor of any
+defence that judges norms.  On a fresh merger the first measure reads high even for the control,
+since honest folds move little while the outer momentum builds up.
 
 The model is one fragment of 4,096 values of norm ~12.8; an honest delta has norm ~0.26 (the
 probe's figures, issue 36), along a shared descent direction plus noise; the attacker pushes along
@@ -106,6 +111,8 @@ class Outcome:
     # count, merger/trained_tokens.py), in honest deltas' worth; it sent `attacker_deltas`
     tokens_counted: float = 0.0
     attacker_deltas: int = 0
+    # the attack's movement over the control's (see the module's docstring)
+    vs_control: float = 0.0
 
 
 def _unit(vector: np.ndarray) -> np.ndarray:
@@ -225,7 +232,11 @@ class _Cluster:
         self.core = recover(self.run_dir, WriteAheadLog(wal_dir(self.run_dir), fsync="never"))
 
 
-def _play(attack: Attack, honest: int, run_dir: Path, seed: int, hostile: bool) -> _Cluster:
+def _play(
+    attack: Attack, honest: int, run_dir: Path, seed: int, hostile: bool, control: bool = False
+) -> _Cluster:
+    """The attack (`hostile`), its twin without it, or its `control` (each delta at the honest norm
+    and honest tokens)."""
     cluster = _Cluster(honest, run_dir, seed)
     for _ in range(0 if attack.cold else WARMUP_ROUNDS):
         cluster.honest_round(attacker_honest=True)
@@ -237,6 +248,8 @@ def _play(attack: Attack, honest: int, run_dir: Path, seed: int, hostile: bool) 
     for deltas in attack.rounds:
         cluster.honest_round()
         for scale, tokens in deltas:
+            if control:
+                scale, tokens = 1.0, HONEST_TOKENS
             if hostile:
                 cluster.send(
                     "attacker", (scale * HONEST_NORM * cluster.hostile).astype(np.float32), tokens
@@ -258,6 +271,7 @@ def run_attack(key: str, honest: int = 1, seed: int = 0) -> Outcome:
     try:
         hostile = _play(attack, honest, base / "attack", seed, hostile=True)
         twin = _play(attack, honest, base / "honest", seed, hostile=False)
+        control = _play(attack, honest, base / "control", seed, hostile=True, control=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     unit = float(np.mean(twin.moves))
@@ -275,6 +289,7 @@ def run_attack(key: str, honest: int = 1, seed: int = 0) -> Outcome:
         (hostile.trained.by_life().get(("attacker", 1), 0) - hostile.attacker_tokens_before)
         / HONEST_TOKENS,
         sum(len(deltas) for deltas in attack.rounds),
+        drift / float(np.linalg.norm(control.theta() - twin.theta())),
     )
 
 
@@ -298,9 +313,9 @@ def summary(result: dict) -> str:
         (
             "| attack (one island key) | islands | attacker's folds | moved the model, x honest"
             " folds | fragment norm | rejected | clipped | honest deltas refused | trained tokens"
-            " counted for its deltas, x honest ones |"
+            " counted for its deltas, x honest ones | x the same deltas at honest norm |"
         ),
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for o in result["outcomes"]:
         lines.append(
@@ -308,5 +323,6 @@ def summary(result: dict) -> str:
             f" {o['ratio']:.2f} | {o['norm_before']:.1f} -> {o['norm_after']:.1f} | {o['rejected']}"
             f" | {o['clipped']} | {o['honest_refused']} |"
             f" {o['tokens_counted'] / max(1, o['attacker_deltas']):.2f} |"
+            f" {o['vs_control']:.2f} |"
         )
     return "\n".join(lines)

@@ -65,6 +65,11 @@ class MergeConfig:
     # median movements per island's part (what an island's part moves it: its weight x its delta's
     # norm); a larger part is scaled down to it (merger/outliers.py, fold.guard).  0: no guard.
     clip_factor: float = 2.0
+    # Until an island has a movement reference in a fragment (its first folds on a fresh merger),
+    # each of its deltas counts in a fold with a norm of at most this many times the largest of the
+    # other islands' median delta norms there, however few they hold (merger/outliers.py
+    # delta_limits); a larger delta is scaled down.  0: off (only the fragment's norm bounds them).
+    cold_factor: float = 2.0
     # No island's weight in a fold (tokens**2 / steps, as it claims them) exceeds this many times
     # the heaviest other island's, in the fold or among the fragment's recent contributors; 0: no
     # cap. 2 leaves the shipped profile's islands as they are (a half-speed region's H is half, so
@@ -102,6 +107,10 @@ class MergeConfig:
         _require(
             self.clip_factor == 0 or self.clip_factor >= 1,
             f"merge.clip_factor must be 0 (off) or >= 1, got {self.clip_factor}",
+        )
+        _require(
+            self.cold_factor == 0 or self.cold_factor >= 1,
+            f"merge.cold_factor must be 0 (off) or >= 1, got {self.cold_factor}",
         )
 
 
@@ -206,6 +215,8 @@ class MergerConfig:
             merge = dict(data["merge"])
             # a log from before the guard: its folds were never clipped
             merge.setdefault("clip_factor", 0.0)
+            # nor a first fold's deltas limited by the other islands'
+            merge.setdefault("cold_factor", 0.0)
             merge["average_paths"] = tuple(merge.get("average_paths", ()))
             return cls(
                 MergeConfig(**merge), OuterConfig(**data["outer"]), RoundConfig(**data["round"])

@@ -20,7 +20,7 @@ from dloco.merger.admission import Candidate, admit, delta_norm
 from dloco.merger.config import MergerConfig
 from dloco.merger.fold import Contribution, FoldReport, FragmentState, fold, init_state
 from dloco.merger.outer import make_step, outer_optimizer
-from dloco.merger.outliers import NormHistory, Quarantine, fold_caps
+from dloco.merger.outliers import NormHistory, Quarantine, delta_limits, fold_caps
 from dloco.merger.round_policy import ArrivalStats
 from dloco.merger.rounds import (
     DeltaKey,
@@ -230,6 +230,7 @@ class MergerCore:
             self._settle_folded(fragment, members, version),
             share,
             self._caps(fragment, members),
+            self._limits(fragment, members),
         )
 
     def compute_fold(self, started: StartedFold) -> tuple[FragmentState, FoldReport]:
@@ -242,6 +243,7 @@ class MergerCore:
             self._step,
             started.share,
             started.caps,
+            started.limits,
         )
         if report.version != started.version:
             raise ReplayError(
@@ -341,6 +343,7 @@ class MergerCore:
             self._step,
             share,
             self._caps(fragment, members),
+            self._limits(fragment, members),
         )
         self.install(fragment, state, report)
         return report
@@ -348,12 +351,14 @@ class MergerCore:
     def _caps(self, fragment: int, members: list[Contribution]) -> dict[str, float] | None:
         """The guard's cap on each member island's part of a fold (outliers.fold_caps); None: the
         guard is off."""
-        return fold_caps(
-            self.moves[fragment],
-            self.states[fragment].params,
-            {c.island for c in members},
-            self.config.merge.clip_factor,
-        )
+        islands, factor = {c.island for c in members}, self.config.merge.clip_factor
+        return fold_caps(self.moves[fragment], self.states[fragment].params, islands, factor)
+
+    def _limits(self, fragment: int, members: list[Contribution]) -> dict[str, float] | None:
+        """Per member island without a movement reference, the most each of its deltas counts with
+        (outliers.delta_limits)."""
+        islands, factor = {c.island for c in members}, self.config.merge.cold_factor
+        return delta_limits(self.norms[fragment], self.moves[fragment], islands, factor)
 
     def _settle_folded(
         self, fragment: int, members: list[Contribution], version: int

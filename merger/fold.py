@@ -161,23 +161,28 @@ def guard(
     w: Sequence[float],
     norms: Sequence[float],
     caps: Mapping[str, float],
+    allowed: Sequence[float] | None = None,
 ) -> tuple[list[Contribution], list[float], list[str]]:
     """What each island's part of a fold may move the fragment: its weight times its delta's norm
     (`norms`: fold's `part_norm`), at most `caps[island]` (merger/outliers.py: a multiple of the
-    other islands' recent movements).  A part past its cap is scaled down to it (its values float32
-    from then on).  Returns the members, each one's movement after the guard, and the islands
-    clipped.
+    other islands' recent movements).  `allowed`: the norm each part may have before its cap is
+    applied (`part_allowed`: each of its deltas counted at most at a limit; None: its norm).  A part
+    past either is scaled down to it (its values float32 from then on).  Returns the members, each
+    one's movement after the guard, and the islands clipped.
     """
     out, movements, clipped = [], [], []
-    for member, weight, norm in zip(members, w, norms):
-        movement = weight * norm
+    for i, (member, weight, norm) in enumerate(zip(members, w, norms)):
+        kept = min(1.0, allowed[i] / norm) if allowed is not None and norm > 0 else 1.0
+        movement = weight * norm * kept
         cap = caps.get(member.island)
         if cap is not None and movement > cap:
-            scale = np.float32(cap / movement)
+            kept *= cap / movement
+            movement = cap
+        if kept < 1.0:
+            scale = np.float32(kept)
             member = dataclasses.replace(
                 member, tensors={p: _float(t) * scale for p, t in member.tensors.items()}
             )
-            movement = cap
             clipped.append(member.island)
         out.append(member)
         movements.append(float(movement))
@@ -191,6 +196,15 @@ def part_norm(group: Sequence[Contribution]) -> float:
     return sum(delta_norm(c.tensors) for c in group)
 
 
+def part_allowed(group: Sequence[Contribution], limit: float | None) -> float:
+    """The norm an island's part may keep when each of its deltas counts at most `limit`
+    (merger/outliers.py `delta_limits`: an island without a movement reference yet); None: no
+    limit, its `part_norm`.  A burst of large deltas keeps `limit` per delta, honest deltas below it
+    all of theirs."""
+    norms = [delta_norm(c.tensors) for c in group]
+    return sum(norms) if limit is None else sum(min(n, limit) for n in norms)
+
+
 def _float(tensor) -> np.ndarray:
     return tensor.decode() if isinstance(tensor, CodedTensor) else tensor
 
@@ -202,10 +216,12 @@ def fold(
     step: Callable[[Any, Any, Any], tuple[Any, Any]],
     share: float = 1.0,
     caps: Mapping[str, float] | None = None,
+    limits: Mapping[str, float] | None = None,
 ) -> tuple[FragmentState, FoldReport]:
     """Apply one round; `step` is `outer.make_step(optimizer)`; the merged delta is scaled by
     `share` (weighting.fold_share: 1 unless the merger scales folds by their share of a round);
-    `caps`: island -> the most its part may move the fragment (`guard`; None: no guard).  A round
+    `caps`: island -> the most its part may move the fragment (`guard`; None: no guard); `limits`:
+    island -> the norm each of its deltas counts with at most (`part_allowed`).  A round
     whose deltas are all coded with one int codec is merged from the codes, its outer step taken
     there (merger/coded.py); any other is merged from float32."""
     if not contributions:
@@ -216,8 +232,13 @@ def fold(
     w = fold_weights(members, config, share)
     movements, clipped = [], []
     if caps is not None:
+        allowed = (
+            [part_allowed(group, limits.get(group[0].island)) for group in groups]
+            if limits
+            else None
+        )
         members, movements, clipped = guard(
-            members, w, [part_norm(group) for group in groups], caps
+            members, w, [part_norm(group) for group in groups], caps, allowed
         )
     if coded.mergeable([c.tensors for c in members]):
         params, opt_state, delta_norms, merged_norm = coded.merge_and_step(

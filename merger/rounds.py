@@ -34,6 +34,8 @@ class StartedFold:
     share: float = 1.0
     # island -> the most its part may move the fragment (fold.guard)
     caps: dict[str, float] | None = None
+    # island -> the norm each of its deltas counts with at most (fold.part_allowed)
+    limits: dict[str, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ from dloco import protocol
 from dloco.benchmarks import attacks
 from dloco.merger.config import MergeConfig, MergerConfig
 from dloco.merger.core import MergerCore
-from dloco.merger.fold import Contribution, guard
-from dloco.merger.outliers import COLD_LIMIT
+from dloco.merger.fold import Contribution, guard, part_allowed
+from dloco.merger.outliers import COLD_LIMIT, NormHistory, delta_limits
 from dloco.merger.trained_tokens import CLAIM_RATIO
 
 POISONING = ["ramp-1.2", "ramp-1.4", "ramp-2", "burst", "single-19x", "tokens"]
@@ -45,12 +45,29 @@ def test_a_1e6x_delta_after_a_restart_or_takeover_is_rejected(key):
     assert outcome.ratio < 0.01
 
 
-def test_a_1e6x_delta_on_a_fresh_merger_moves_a_fragment_by_at_most_half_its_norm():
-    """Before any other island has a reference, the cold limit: one part moves a fragment by at most
-    COLD_LIMIT of its norm (the outer momentum carries it on: the norm after stays under twice it).
-    """
-    outcome = attacks.run_attack("fresh-1e6", honest=1)
-    assert outcome.clipped == 1 and outcome.norm_after < 2.0 * outcome.norm_before
+@pytest.mark.parametrize("islands", [2, 4])
+@pytest.mark.parametrize("key", ["fresh-1e6", "fresh-burst"])
+def test_1e6x_deltas_on_a_fresh_merger_count_as_twice_an_honest_islands(key, islands):
+    """On a fresh merger, once an honest island has sent a delta to the fragment, an island without
+    a movement reference has each delta counted at most cold_factor (2) times the other islands'
+    median delta norm: one 1e6x delta moves the model about as much as one honest-norm delta along
+    its direction (the control), ten at most about twice what ten of those do, and the fragment's
+    norm stays within 5 % (it went 12.8 -> 344,000 with no limit, and to 150-186 with only the
+    fragment's norm as one)."""
+    outcome = attacks.run_attack(key, honest=islands - 1)
+    assert outcome.clipped == outcome.attacker_folds >= 1 and outcome.honest_refused == 0
+    assert outcome.vs_control < 2.5, outcome
+    assert outcome.norm_after < 1.05 * outcome.norm_before, outcome
+
+
+def test_a_1e6x_delta_first_of_all_on_a_fresh_merger_moves_it_by_at_most_half_its_norm():
+    """A key that sends before any other island has sent a delta to the fragment meets only the cold
+    limit: its part of the fold (its pseudo-gradient, before the outer step) is at most COLD_LIMIT
+    of the fragment's norm."""
+    params = {"w": np.full(4, 5.0, np.float32)}  # norm 10
+    core = MergerCore(MergerConfig(), protocol.model_fingerprint(params), [["w"]], params)
+    report = core._apply_fold(0, [_member("a", [1e6, 0.0, 0.0, 0.0])])
+    assert report.clipped == ("a",) and np.isclose(dict(report.movements)["a"], COLD_LIMIT * 10.0)
 
 
 def _member(island, values, tokens=100, steps=10):
@@ -69,6 +86,37 @@ def test_the_guard_scales_a_part_down_to_its_cap():
     ].tolist() == [0.0, 2.0]
     same, movements, clipped = guard([_member("a", [3.0, 4.0])], [0.5], [5.0], {"a": 2.5})
     assert movements == [2.5] and clipped == [] and same[0].tensors["w"].tolist() == [3.0, 4.0]
+
+
+def test_a_cold_islands_deltas_count_at_most_their_limit_each():
+    """Limit 2: deltas of norms 5 and 1 may keep 2 + 1 = 3 of their 6; with weight 0.5 the part
+    moves 1.5, scaled by 0.5, then a cap of 1.0 scales it to 1/3 of its values."""
+    group = [_member("a", [3.0, 4.0]), _member("a", [0.0, 1.0])]
+    assert part_allowed(group, 2.0) == 3.0 and part_allowed(group, None) == 6.0
+    member = _member("a", [3.0, 5.0])
+    kept, movements, clipped = guard([member], [0.5], [6.0], {}, [3.0])
+    assert movements == [1.5] and clipped == ["a"]
+    assert np.allclose(kept[0].tensors["w"], [1.5, 2.5])
+    kept, movements, clipped = guard([member], [0.5], [6.0], {"a": 1.0}, [3.0])
+    assert np.isclose(movements[0], 1.0) and np.allclose(kept[0].tensors["w"], [1.0, 5.0 / 3])
+
+
+def test_the_cold_limits_follow_the_other_islands_delta_norms_until_a_movement_reference():
+    """a, b, c with delta-norm medians 1, 3 (one value is enough) and none: each island's limit is
+    2 x the largest of the others'; once another island has four movements on record, an island
+    has a movement reference and no limit."""
+    norms, moves = NormHistory(), NormHistory()
+    for value in (1.0, 0.5, 2.0):
+        norms.record("a", value)
+    norms.record("b", 3.0)
+    assert delta_limits(norms, moves, ["a", "b", "c"], 2.0) == {"a": 6.0, "b": 2.0, "c": 6.0}
+    assert delta_limits(norms, moves, ["a"], 0.0) is None
+    alone = NormHistory()
+    alone.record("a", 1.0)
+    assert delta_limits(alone, moves, ["a"], 2.0) == {}
+    for value in (1.0, 1.0, 1.0, 1.0):
+        moves.record("b", value)
+    assert delta_limits(norms, moves, ["a", "b"], 2.0) == {"b": 2.0}
 
 
 def test_a_parts_norm_is_the_sum_of_its_deltas_norms_as_admitted():
