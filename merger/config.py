@@ -66,9 +66,9 @@ class MergeConfig:
     # norm); a larger part is scaled down to it (merger/outliers.py, fold.guard).  0: no guard.
     clip_factor: float = 2.0
     # Until an island has a movement reference in a fragment (its first folds on a fresh merger),
-    # each of its deltas counts in a fold with a norm of at most this many times the largest of the
-    # other islands' median delta norms there, however few they hold (merger/outliers.py
-    # delta_limits); a larger delta is scaled down.  0: off (only the fragment's norm bounds them).
+    # each of its deltas counts in a fold with a norm of at most this many times the largest delta
+    # norm the other islands have on record there, however few (merger/outliers.py delta_limits); a
+    # larger delta is scaled down.  0: off (only the fragment's norm bounds them).
     cold_factor: float = 2.0
     # No island's weight in a fold (tokens**2 / steps, as it claims them) exceeds this many times
     # the heaviest other island's, in the fold or among the fragment's recent contributors; 0: no

@@ -168,16 +168,19 @@ def guard(
     other islands' recent movements).  `allowed`: the norm each part may have before its cap is
     applied (`part_allowed`: each of its deltas counted at most at a limit; None: its norm).  A part
     past either is scaled down to it (its values float32 from then on).  Returns the members, each
-    one's movement after the guard, and the islands clipped.
+    one's movement as the history records it (after its cap, before `allowed`: a limit that cuts an
+    honest island's early deltas must not lower every reference after it), and the islands
+    clipped.
     """
     out, movements, clipped = [], [], []
     for i, (member, weight, norm) in enumerate(zip(members, w, norms)):
         kept = min(1.0, allowed[i] / norm) if allowed is not None and norm > 0 else 1.0
-        movement = weight * norm * kept
+        movement = weight * norm
         cap = caps.get(member.island)
-        if cap is not None and movement > cap:
-            kept *= cap / movement
-            movement = cap
+        if cap is not None and movement * kept > cap:
+            kept *= cap / (movement * kept)
+        if cap is not None:
+            movement = min(movement, cap)
         if kept < 1.0:
             scale = np.float32(kept)
             member = dataclasses.replace(

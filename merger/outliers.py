@@ -15,7 +15,7 @@ cannot walk.  An island's median counts once it holds `min_own` values, so a new
 deltas do not set anyone's reference.  Before any other island has a reference (a cluster of one
 island, or the first folds of a run), an island's part of a fold may move a fragment by at most
 COLD_LIMIT times the fragment's own norm, and each of its deltas counts at most `cold_factor` times
-the largest of the other islands' median delta norms, however few they hold (`delta_limits`): a
+the largest delta norm the other islands have on record, however few (`delta_limits`): a
 key's 1e6x first delta, or a burst of them, beside an honest island's first delta keeps at most
 that.  A key that sends before any other island has sent a delta to the fragment meets only
 COLD_LIMIT.  A zero reference caps nothing.  Both histories are
@@ -166,21 +166,22 @@ def delta_limits(
 ) -> dict[str, float] | None:
     """For each of `islands` without a movement reference in `moves` (its first folds on a fresh
     merger, where `fold_caps` has only the fragment's norm): the most each of its deltas counts with
-    in a fold (merger/fold.py `part_allowed`), `factor` (merge.cold_factor) times the largest of
-    the other islands' median delta norms in `norms`, over whatever values they hold (one is
-    enough).  An island no other island has sent a delta beside gets none.  None: off."""
+    in a fold (merger/fold.py `part_allowed`), `factor` (merge.cold_factor) times the largest delta
+    norm any other island has on record in `norms` (one is enough).  The largest, not a median:
+    under a warm-up schedule an island's first deltas are tiny or zero, and one ahead of the others
+    sends larger ones than they have.  An island no other island has sent a nonzero delta beside
+    gets none.  None: off."""
     if factor <= 0:
         return None
     cold = [island for island in islands if moves.reference(island, "max") is None]
     if not cold:
         return {}
-    medians = sorted(
-        ((statistics.median(values), island) for island, values in norms.norms.items() if values),
-        reverse=True,
+    largest = sorted(
+        ((max(values), island) for island, values in norms.norms.items() if values), reverse=True
     )
     limits = {}
     for island in cold:
-        reference = next((median for median, other in medians if other != island), None)
+        reference = next((norm for norm, other in largest if other != island), None)
         if reference is not None and reference > 0:
             limits[island] = factor * reference
     return limits

@@ -171,7 +171,14 @@ def test_an_island_partitioned_for_2x_then_20x_the_heartbeat_timeout_trains_on_a
         if e.get("island") == "a" and e.get("event") in ("island_gone", "island_back")
     ][-2:] == ["island_gone", "island_back"]
     done = _settled_once(run)
-    assert done["a"]["acks"].get("rejected", 0) == _rejections_logged(run, "a")
+    # every rejection the merger logged reached a as one, or, on a busy machine, was given up as
+    # "unknown" after settle_timeout_s of asking (a's queue of a thousand stale deltas is rejected
+    # at once on healing)
+    acks, logged = done["a"]["acks"], _rejections_logged(run, "a")
+    assert acks.get("rejected", 0) <= logged <= acks.get("rejected", 0) + acks.get("unknown", 0), (
+        acks,
+        logged,
+    )
     island = read_events(run / "logs" / "a.log")
     for cut, next_cut in ((cut1, cut2), (cut2, float("inf"))):
         changes = [
