@@ -83,7 +83,9 @@ ATTACKS = {
         "1e6x right after a standby takes over", (((1e6, HONEST_TOKENS),),), restart="takeover"
     ),
     "fresh-1e6": Attack(
-        "1e6x on a fresh merger (no fold movements on record yet)", (((1e6, HONEST_TOKENS),),), cold=True
+        "1e6x on a fresh merger (no fold movements on record yet)",
+        (((1e6, HONEST_TOKENS),),),
+        cold=True,
     ),
     "fresh-burst": Attack(
         "10 deltas at 1e6x on a fresh merger", (((1e6, HONEST_TOKENS),) * 10,), cold=True

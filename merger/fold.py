@@ -208,6 +208,15 @@ def part_allowed(group: Sequence[Contribution], limit: float | None) -> float:
     return sum(norms) if limit is None else sum(min(n, limit) for n in norms)
 
 
+def _guarded(groups, members, w, caps, limits):
+    """`guard` over a fold's parts (`groups`: each island's deltas; `members`: each one combined),
+    with each cold island's deltas counted at most at its limit."""
+    allowed = (
+        [part_allowed(group, limits.get(group[0].island)) for group in groups] if limits else None
+    )
+    return guard(members, w, [part_norm(group) for group in groups], caps, allowed)
+
+
 def _float(tensor) -> np.ndarray:
     return tensor.decode() if isinstance(tensor, CodedTensor) else tensor
 
@@ -235,14 +244,7 @@ def fold(
     w = fold_weights(members, config, share)
     movements, clipped = [], []
     if caps is not None:
-        allowed = (
-            [part_allowed(group, limits.get(group[0].island)) for group in groups]
-            if limits
-            else None
-        )
-        members, movements, clipped = guard(
-            members, w, [part_norm(group) for group in groups], caps, allowed
-        )
+        members, movements, clipped = _guarded(groups, members, w, caps, limits)
     if coded.mergeable([c.tensors for c in members]):
         params, opt_state, delta_norms, merged_norm = coded.merge_and_step(
             step.optimizer,

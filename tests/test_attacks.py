@@ -50,10 +50,10 @@ def test_a_1e6x_delta_after_a_restart_or_takeover_is_rejected(key):
 def test_1e6x_deltas_on_a_fresh_merger_count_as_twice_an_honest_islands(key, islands):
     """On a fresh merger, once an honest island has sent a delta to the fragment, an island without
     a movement reference has each delta counted at most cold_factor (2) times the largest delta norm
-    the other islands have on record: one 1e6x delta moves the model about as much as one honest-norm delta along
-    its direction (the control), ten at most about twice what ten of those do, and the fragment's
-    norm stays within 5 % (it went 12.8 -> 344,000 with no limit, and to 150-186 with only the
-    fragment's norm as one)."""
+    the other islands have on record: one 1e6x delta moves the model about as much as one
+    honest-norm delta along its direction (the control), ten at most about twice what ten of those
+    do, and the fragment's norm stays within 5 % (it went 12.8 -> 344,000 with no limit, and to
+    150-186 with only the fragment's norm as one)."""
     outcome = attacks.run_attack(key, honest=islands - 1)
     assert outcome.clipped == outcome.attacker_folds >= 1 and outcome.honest_refused == 0
     assert outcome.vs_control < 2.5, outcome
@@ -64,7 +64,8 @@ def test_a_1e6x_delta_first_of_all_on_a_fresh_merger_moves_it_by_at_most_half_it
     """A key that sends before any other island has sent a delta to the fragment meets only the cold
     limit: its part of the fold (its pseudo-gradient, before the outer step) is at most COLD_LIMIT
     of the fragment's norm."""
-    params = {"w": np.full(4, 5.0, np.float32)}  # norm 10
+    # norm 10
+    params = {"w": np.full(4, 5.0, np.float32)}
     core = MergerCore(MergerConfig(), protocol.model_fingerprint(params), [["w"]], params)
     report = core._apply_fold(0, [_member("a", [1e6, 0.0, 0.0, 0.0])])
     assert report.clipped == ("a",) and np.isclose(dict(report.movements)["a"], COLD_LIMIT * 10.0)
