@@ -50,7 +50,9 @@ class Attack:
     """What the attacker sends: per attack round, its deltas as (multiple of the honest norm,
     claimed tokens); `bunched`: a round's deltas all arrive before the merger folds.  `restart`: the
     merger restarts (from its checkpoint and log) or is replaced by a standby that replays the log,
-    just before the attack; `cold`: the attack comes first, on a fresh merger."""
+    just before the attack; `cold`: the attack comes on a fresh merger; `first`: each attack round's
+    deltas come before the honest islands' (whose first fold the merger then holds for theirs:
+    round.cold_wait_s)."""
 
     name: str
     rounds: tuple[tuple[tuple[float, int], ...], ...]
@@ -58,6 +60,7 @@ class Attack:
     # "" | "restart" | "takeover"
     restart: str = ""
     cold: bool = False
+    first: bool = False
 
 
 def _ramp(ratio: float, count: int = 32) -> Attack:
@@ -89,6 +92,18 @@ ATTACKS = {
     ),
     "fresh-burst": Attack(
         "10 deltas at 1e6x on a fresh merger", (((1e6, HONEST_TOKENS),) * 10,), cold=True
+    ),
+    "first-1e6": Attack(
+        "1e6x on a fresh merger, before any honest delta",
+        (((1e6, HONEST_TOKENS),),),
+        cold=True,
+        first=True,
+    ),
+    "first-burst": Attack(
+        "10 deltas at 1e6x on a fresh merger, before any honest delta",
+        (((1e6, HONEST_TOKENS),) * 10,),
+        cold=True,
+        first=True,
     ),
 }
 
@@ -207,8 +222,12 @@ class _Cluster:
             else:
                 self.honest_refused += 1
 
-    def fold(self) -> None:
+    def fold(self, live: int | None = None) -> None:
+        """Fold what is pending; with `live` (islands heard from), unless the merger's round policy
+        holds it (MergerCore.due: a fresh merger's first fold waits for another island's)."""
         if not self.core.pending[0]:
+            return
+        if live is not None and not self.core.due(self.now, live=live)[0]:
             return
         before = self.theta()
         report, _ = self.core.fold(0)
@@ -248,7 +267,8 @@ def _play(
     cluster.moves, cluster.attacker_folds, cluster.clipped = [], 0, 0
     cluster.attacker_tokens_before = cluster.trained.by_life().get(("attacker", 1), 0)
     for deltas in attack.rounds:
-        cluster.honest_round()
+        if not attack.first:
+            cluster.honest_round()
         for scale, tokens in deltas:
             if control:
                 scale, tokens = 1.0, HONEST_TOKENS
@@ -257,7 +277,9 @@ def _play(
                     "attacker", (scale * HONEST_NORM * cluster.hostile).astype(np.float32), tokens
                 )
             if not attack.bunched:
-                cluster.fold()
+                cluster.fold(live=honest + 1 if attack.first else None)
+        if attack.first:
+            cluster.honest_round()
         cluster.fold()
     for _ in range(AFTER_ROUNDS):
         cluster.honest_round()

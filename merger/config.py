@@ -128,6 +128,12 @@ class RoundConfig:
     grace_slack_s: float = 0.05
     # smoothing of each island's inter-arrival time
     ema_alpha: float = 0.3
+    # While a pending island has nothing to be judged against in a fragment (no movement reference,
+    # and no other island has sent it a nonzero delta: a fresh merger's first folds) and another
+    # island is live, the fold waits at most this long past the oldest pending delta, so that a
+    # key that sends before the honest islands have trained meets their deltas
+    # (merger/outliers.py `unjudged`).  0: never waits.
+    cold_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         _require(
@@ -145,6 +151,7 @@ class RoundConfig:
         _require(
             0 < self.ema_alpha <= 1, f"round.ema_alpha must be in (0, 1], got {self.ema_alpha}"
         )
+        _require(self.cold_wait_s >= 0, f"round.cold_wait_s must be >= 0, got {self.cold_wait_s}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dloco.merger import records
+from dloco.merger import outliers, records
 from dloco.merger.admission import Candidate, admit, delta_norm
 from dloco.merger.config import MergerConfig
 from dloco.merger.fold import Contribution, FoldReport, FragmentState, fold, init_state
@@ -194,10 +194,14 @@ class MergerCore:
             return reason, "quarantined"
         return None
 
-    def due(self, now: float, busy: Collection[int] = ()) -> tuple[list[int], float | None]:
+    def due(
+        self, now: float, busy: Collection[int] = (), live: int = 1
+    ) -> tuple[list[int], float | None]:
         """Fragments to fold now, and the earliest time a waiting fragment must be decided again
-        (RoundQueues.due: `busy` fragments are not looked at)."""
-        return self.queues.due(now, busy)
+        (RoundQueues.due: `busy` fragments are not looked at; with `live` islands heard from lately,
+        a fresh merger's first folds wait for another's nonzero delta: outliers.holds)."""
+        held = self._unjudged if outliers.holds(self.config, live) else None
+        return self.queues.due(now, busy, held)
 
     def arrival_intervals(self, now: float | None = None) -> list[float | None]:
         """Every island's EMA interval between its deltas of one fragment, over every fragment,
@@ -354,9 +358,11 @@ class MergerCore:
         islands, factor = {c.island for c in members}, self.config.merge.clip_factor
         return fold_caps(self.moves[fragment], self.states[fragment].params, islands, factor)
 
+    def _unjudged(self, fragment: int, islands: set[str]) -> bool:
+        return outliers.unjudged(self.norms[fragment], self.moves[fragment], islands)
+
     def _limits(self, fragment: int, members: list[Contribution]) -> dict[str, float] | None:
-        """Per member island without a movement reference, the most each of its deltas counts with
-        (outliers.delta_limits)."""
+        """The most each delta of a member without a reference counts (outliers.delta_limits)."""
         islands, factor = {c.island for c in members}, self.config.merge.cold_factor
         return delta_limits(self.norms[fragment], self.moves[fragment], islands, factor)
 

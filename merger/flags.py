@@ -78,6 +78,15 @@ MATH_FLAGS = (
                 flag="--grace-cap",
                 help="seconds a round may wait for a predicted late island",
             ),
+            Flag(
+                "cold_wait_s",
+                flag="--cold-wait",
+                help=(
+                    "on a fresh merger, a fragment's fold waits this long at most for a second"
+                    " island's nonzero delta, so that a key's first deltas are judged against it"
+                    " (default %(default)s; 0: never)"
+                ),
+            ),
         ),
     ),
 )

@@ -185,3 +185,35 @@ def delta_limits(
         if reference is not None and reference > 0:
             limits[island] = factor * reference
     return limits
+
+
+def holds(config, live: int) -> bool:
+    """Whether a fresh merger's first folds wait for another island (merger/core.py `due`): with
+    `live` (islands heard from lately) at two or more, round.cold_wait_s set, and each delta judged
+    in a fold (merge.cold_factor, within the guard: merge.clip_factor)."""
+    merge = config.merge
+    return (
+        live >= 2
+        and config.round.cold_wait_s > 0
+        and merge.cold_factor > 0
+        and merge.clip_factor > 0
+    )
+
+
+def unjudged(norms: NormHistory, moves: NormHistory, islands: Iterable[str]) -> bool:
+    """Whether one of `islands` has a nonzero delta in `norms` and nothing to judge it against:
+    no movement reference in `moves`, and no other island with a nonzero delta norm there (a
+    fresh merger's first folds; merger/core.py `due` holds such a fold while another island is
+    live).  Zero deltas (a warm-up's first, or every island's in a synchronous baseline's first
+    round) are never held: they cannot move the model."""
+    # after a fragment's first folds every island has a reference: no pass over the histories
+    cold = [island for island in islands if moves.reference(island, "max") is None]
+    if not cold:
+        return False
+    largest = {island: max(values, default=0.0) for island, values in norms.norms.items()}
+    for island in cold:
+        if largest.get(island, 0.0) > 0 and not any(
+            norm > 0 for other, norm in largest.items() if other != island
+        ):
+            return True
+    return False

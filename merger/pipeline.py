@@ -86,14 +86,15 @@ class FoldPipeline:
         self._worker = threading.Thread(target=self._compute_each, name="fold-worker", daemon=True)
         self._worker.start()
 
-    def dispatch(self, now: float) -> float | None:
+    def dispatch(self, now: float, live: int = 1) -> float | None:
         """Start every fold the round policy calls for, except for a fragment whose previous fold
-        is still computing (its deltas wait for the next round); return when to decide again."""
+        is still computing (its deltas wait for the next round); return when to decide again.
+        `live`: islands heard from lately (core.due)."""
         if self.failed is not None:
             raise self.failed
         # one fold per fragment in flight: versions never run ahead of what is computed
         busy = {fold.fragment for fold in self.in_flight}
-        ready, wake = self.core.due(now, busy)
+        ready, wake = self.core.due(now, busy, live)
         for fragment in ready:
             began = time.perf_counter()
             started = self.core.start_fold(fragment)

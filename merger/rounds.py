@@ -11,7 +11,7 @@ notes its members' (version, weight) for the next, so the record is part of the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from dloco.merger.admission import Candidate
 from dloco.merger.config import MergeConfig, RoundConfig
@@ -147,14 +147,26 @@ class RoundQueues:
         self.keys -= set(wanted)
         return [by_key[key].contribution for key in wanted], []
 
-    def due(self, now: float, busy: Collection[int] = ()) -> tuple[list[int], float | None]:
+    def due(
+        self,
+        now: float,
+        busy: Collection[int] = (),
+        held: Callable[[int, set[str]], bool] | None = None,
+    ) -> tuple[list[int], float | None]:
         """Fragments to fold now, and the earliest time a waiting fragment must be decided again.
         Fragments in `busy` (a fold of theirs still computing: their deltas wait for the next round,
-        decided when it is done) are not looked at: with many islands their queues are long."""
+        decided when it is done) are not looked at: with many islands their queues are long.
+        `held(fragment, pending islands)`: the fragment waits, at most round.cold_wait_s past its
+        oldest pending delta (merger/core.py `due`)."""
         ready, wake = [], None
         for fragment, queue in enumerate(self.pending):
             if not queue or fragment in busy:
                 continue
+            if held is not None and held(fragment, {p.contribution.island for p in queue}):
+                until = min(p.arrived for p in queue) + self.config.cold_wait_s
+                if now < until:
+                    wake = until if wake is None else min(wake, until)
+                    continue
             decision = decide(
                 now,
                 [(p.contribution.island, p.arrived) for p in queue],

@@ -218,7 +218,7 @@ class MergerService:
                     self._charge_subscriptions(gate)
                 # first: a fragment whose fold finished may fold again now
                 self.announcer.announce(self.pipeline.finished())
-                wake = self.pipeline.dispatch(time.monotonic())
+                wake = self.pipeline.dispatch(time.monotonic(), self.streams.live())
                 next_snapshot = self.publisher.publish_due(time.monotonic())
                 wake = (
                     next_snapshot

@@ -56,6 +56,10 @@ class StreamKeeper:
             self.gone.discard(island)
             self.log.info("island_back", island=island)
 
+    def live(self) -> int:
+        """Islands heard from within peer_timeout_s (as of the last `maintain`)."""
+        return len(self.last_seen) - len(self.gone)
+
     def maintain(self, now: float) -> tuple[list, bool]:
         """Ask islands for what is missing; mark islands that went silent.  Returns the chunks that
         skipping a gap released (for the caller to take in, in order) and whether the settled

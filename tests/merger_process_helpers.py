@@ -26,16 +26,23 @@ def free_port() -> int:
 
 class Island:
     """Test-side island speaking the stream protocol: contiguous seqs, heartbeats, resends on
-    request (from an unbounded record of what it sent), and repeats a delta until it is settled."""
+    request (from an unbounded record of what it sent), and repeats a delta until it is settled.
+    `name`: its sender name; `beside`: another test island whose delta bus and merger it shares."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.context = zmq.Context()
-        self.pub = self.context.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.delta_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.snapshot_port, self.control_port = free_ports(2)
+    def __init__(self, tmp: Path, name: str = "a", beside: Island | None = None) -> None:
+        self.name, self.context = name, zmq.Context()
+        if beside is None:
+            self.pub = self.context.socket(zmq.PUB)
+            self.pub.setsockopt(zmq.LINGER, 0)
+            self.delta_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            self.snapshot_port, self.control_port = free_ports(2)
+        else:
+            self.pub, self.delta_port = beside.pub, beside.delta_port
+            self.snapshot_port, self.control_port = beside.snapshot_port, beside.control_port
         self.versions = [0, 0]
         self.epoch, self.seq, self.sent, self.by_delta = 1, 0, {}, {}
+        # times send_until_settled has sent its delta
+        self.rounds = 0
         self.sub = self.dealer = None
 
     def connect(self) -> None:
@@ -48,7 +55,7 @@ class Island:
         self.sub.connect(f"tcp://127.0.0.1:{self.snapshot_port}")
         self.dealer = self.context.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
-        self.dealer.setsockopt(zmq.IDENTITY, b"a")
+        self.dealer.setsockopt(zmq.IDENTITY, self.name.encode())
         self.dealer.connect(f"tcp://127.0.0.1:{self.control_port}")
 
     def frames_of(self, chunks) -> list[list]:
@@ -69,8 +76,11 @@ class Island:
             for f in frames:
                 self.pub.send_multipart(f)
             self.pub.send_multipart(
-                protocol.encode(protocol.Heartbeat(sender="a", epoch=self.epoch, seq=self.seq))
+                protocol.encode(
+                    protocol.Heartbeat(sender=self.name, epoch=self.epoch, seq=self.seq)
+                )
             )
+            self.rounds += 1
             until = time.monotonic() + 0.3
             while (left := until - time.monotonic()) > 0:
                 events = dict(zmq.Poller.poll(self._poller(), int(left * 1000) + 1))
@@ -82,7 +92,7 @@ class Island:
                 if self.sub in events:
                     ack = protocol.decode(self.sub.recv_multipart())
                     for result in ack.results:
-                        if result.island == "a" and result.delta_id == delta_id:
+                        if result.island == self.name and result.delta_id == delta_id:
                             if result.status == "folded":
                                 self.versions[result.fragment] = result.version
                             return result
@@ -98,7 +108,12 @@ class Island:
         fragment = delta_id % 2
         self.by_delta[delta_id] = self.frames_of(
             delta_chunks(
-                PARTS[fragment], "a", delta_id, fragment, self.versions[fragment], seed=delta_id
+                PARTS[fragment],
+                self.name,
+                delta_id,
+                fragment,
+                self.versions[fragment],
+                seed=delta_id,
             )
         )
         return self.by_delta[delta_id]

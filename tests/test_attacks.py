@@ -10,10 +10,11 @@ import pytest
 
 from dloco import protocol
 from dloco.benchmarks import attacks
-from dloco.merger.config import MergeConfig, MergerConfig
+from dloco.merger import admission
+from dloco.merger.config import MergeConfig, MergerConfig, RoundConfig
 from dloco.merger.core import MergerCore
 from dloco.merger.fold import Contribution, guard, part_allowed
-from dloco.merger.outliers import COLD_LIMIT, NormHistory, delta_limits
+from dloco.merger.outliers import COLD_LIMIT, NormHistory, delta_limits, holds, unjudged
 from dloco.merger.trained_tokens import CLAIM_RATIO
 
 POISONING = ["ramp-1.2", "ramp-1.4", "ramp-2", "burst", "single-19x", "tokens"]
@@ -46,14 +47,15 @@ def test_a_1e6x_delta_after_a_restart_or_takeover_is_rejected(key):
 
 
 @pytest.mark.parametrize("islands", [2, 4])
-@pytest.mark.parametrize("key", ["fresh-1e6", "fresh-burst"])
+@pytest.mark.parametrize("key", ["fresh-1e6", "fresh-burst", "first-1e6", "first-burst"])
 def test_1e6x_deltas_on_a_fresh_merger_count_as_twice_an_honest_islands(key, islands):
-    """On a fresh merger, once an honest island has sent a delta to the fragment, an island without
-    a movement reference has each delta counted at most cold_factor (2) times the largest delta norm
-    the other islands have on record: one 1e6x delta moves the model about as much as one
-    honest-norm delta along its direction (the control), ten at most about twice what ten of those
-    do, and the fragment's norm stays within 5 % (it went 12.8 -> 344,000 with no limit, and to
-    150-186 with only the fragment's norm as one)."""
+    """On a fresh merger, an island without a movement reference has each delta counted at most
+    cold_factor (2) times the largest delta norm the other islands have on record; a key that sends
+    before any honest island ("first-") has its fold held until one has (round.cold_wait_s).  One
+    1e6x delta moves the model about as much as one honest-norm delta along its direction (the
+    control), ten at most about twice what ten of those do, and the fragment's norm stays within
+    5 % (it went 12.8 -> 344,000 with no limit, and to 150-188 with only the fragment's norm as
+    one)."""
     outcome = attacks.run_attack(key, honest=islands - 1)
     assert outcome.clipped == outcome.attacker_folds >= 1 and outcome.honest_refused == 0
     assert outcome.vs_control < 2.5, outcome
@@ -122,3 +124,66 @@ def test_the_cold_limits_follow_the_other_islands_largest_delta_norm_until_a_mov
     for value in (1.0, 1.0, 1.0, 1.0):
         moves.record("b", value)
     assert delta_limits(norms, moves, ["a", "b"], 2.0) == {"b": 4.0}
+
+
+def _offer(core, island, delta_id, values, now):
+    core.offer(
+        admission.Candidate(
+            island,
+            1,
+            delta_id,
+            0,
+            core.version(0),
+            10,
+            100,
+            core.model,
+            {"w": np.asarray(values, np.float32)},
+        ),
+        now,
+    )
+
+
+def test_a_fresh_merger_holds_a_keys_first_fold_for_another_islands_nonzero_delta():
+    """b sends a 1e6-norm delta first: with two islands live, its fold waits (until 0 + cold_wait_s
+    = 30); a's zero delta (a warm-up's first) neither ends the wait nor waits itself; a's delta of
+    norm 1 ends it, and
+    the fold that takes all three counts b's delta at 2 x 1 (cold_factor x a's largest).  With one
+    island live, or past the wait, nothing is held."""
+    params = {"w": np.full(4, 5.0, np.float32)}
+    core = MergerCore(MergerConfig(), protocol.model_fingerprint(params), [["w"]], params)
+    _offer(core, "b", 1, [1e6, 0.0, 0.0, 0.0], 0.0)
+    assert core.due(1.0, live=2) == ([], 30.0)
+    assert core.due(1.0, live=1)[0] == [0] and core.due(30.0, live=2)[0] == [0]
+    _offer(core, "a", 1, [0.0, 0.0, 0.0, 0.0], 2.0)
+    assert core.due(3.0, live=2) == ([], 30.0)
+    _offer(core, "a", 2, [0.0, 1.0, 0.0, 0.0], 4.0)
+    assert core.due(5.0, live=2)[0] == [0]
+    started = core.start_fold(0)
+    assert started.limits == {"a": 2e6, "b": 2.0}
+    report = core.finish_fold(started)
+    assert report.clipped == ("b",)
+    # and never again in this fragment: both have a reference now
+    _offer(core, "b", 2, [1.0, 0.0, 0.0, 0.0], 6.0)
+    assert core.due(6.5, live=2)[0] == [0]
+
+
+def test_unjudged_means_a_nonzero_delta_with_no_reference_and_no_other_nonzero_delta():
+    norms, moves = NormHistory(), NormHistory()
+    # nothing sent, or only zeros: nothing to hold
+    assert not unjudged(norms, moves, ["a"])
+    norms.record("a", 0.0)
+    norms.record("b", 0.0)
+    assert not unjudged(norms, moves, ["a", "b"])
+    norms.record("a", 2.0)
+    assert unjudged(norms, moves, ["a"]) and not unjudged(norms, moves, ["b"])
+    norms.record("b", 0.5)
+    assert not unjudged(norms, moves, ["a", "b"])
+    alone = NormHistory()
+    alone.record("a", 2.0)
+    for value in (1.0, 1.0, 1.0, 1.0):
+        moves.record("c", value)
+    # a movement reference (c's) is enough
+    assert not unjudged(alone, moves, ["a"])
+    off = MergerConfig(round=RoundConfig(cold_wait_s=0.0))
+    assert holds(MergerConfig(), 2) and not holds(MergerConfig(), 1) and not holds(off, 2)
+    assert not holds(MergerConfig(MergeConfig(cold_factor=0.0)), 2)

@@ -4,6 +4,7 @@ budget.  Each test names the attack it replays."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import time
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from dloco import protocol
+from dloco.analysis.runinfo import read_events
 from tests.merger_helpers import delta_chunks, initial_params
 from tests.merger_process_helpers import PARTS, Island, start_merger, stop
 
@@ -71,6 +73,62 @@ def test_poisoned_deltas_are_rejected_and_the_next_honest_one_folds(tmp_path):
         if merger.poll() is None:
             merger.kill()
         island.close()
+
+
+# a merger process under attack: -m e2e
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_a_key_on_a_fresh_merger_is_judged_against_another_islands_part(tmp_path):
+    """A real merger (plaintext, direct) that has heard from two islands: b's first delta of
+    fragment 0, at 1e6x an honest norm (before: folded alone, bounded only by half the fragment's
+    norm), waits for a's (round.cold_wait_s, set past the test's own timeout), and the fold that
+    takes both counts b's delta at most twice a's: its log line names b clipped, and the merged
+    delta is about a's size."""
+    a = Island(tmp_path)
+    b = Island(tmp_path, "b", beside=a)
+    init = tmp_path / "init.npz"
+    np.savez(init, **initial_params())
+    merger = start_merger(tmp_path / "run", a, init, "--cold-wait", "600")
+    b.connect()
+    try:
+        # fragment 1 from each: both are heard from
+        for island in (a, b):
+            assert island.send_until_settled(1, island.chunks(1)).status == "folded"
+        hostile = [
+            dataclasses.replace(
+                c,
+                payloads=tuple(
+                    (np.frombuffer(p, np.float32) * np.float32(1e6)).tobytes() for p in c.payloads
+                ),
+            )
+            for c in delta_chunks(PARTS[0], "b", 2, 0, 0, seed=2, codec="fp32")
+        ]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            b.rounds = 0
+            pending = pool.submit(b.send_until_settled, 2, b.frames_of(hostile))
+            # b's delta sent five times: still not folded, it waits for another island's
+            while b.rounds < 5 and not pending.done():
+                time.sleep(0.05)
+            assert not pending.done()
+            honest = a.send_until_settled(2, a.chunks(2))
+            poisoned = pending.result(timeout=60)
+        assert (honest.status, poisoned.status) == ("folded", "folded")
+        assert honest.version == poisoned.version == 1
+        stop(merger)
+        folds = [
+            event
+            for event in read_events(tmp_path / "run.log")
+            if event.get("event") == "fold" and event["fragment"] == 0
+        ]
+        assert sorted(folds[0]["contributors"]) == ["a", "b"]
+        assert folds[0]["clipped"] == ["b"]
+        # b's delta counted at most twice a's: the merged delta is about a's size
+        assert folds[0]["merged_norm"] < 3 * min(folds[0]["delta_norms"])
+    finally:
+        if merger.poll() is None:
+            merger.kill()
+        b.close()
+        a.close()
 
 
 # a merger process under a flood: -m e2e
