@@ -83,7 +83,7 @@ def test_a_key_on_a_fresh_merger_is_judged_against_another_islands_part(tmp_path
     fragment 0, at 1e6x an honest norm (before: folded alone, bounded only by half the fragment's
     norm), waits for a's (round.cold_wait_s, set past the test's own timeout), and the fold that
     takes both counts b's delta at most twice a's: its log line names b clipped, and the merged
-    delta is about a's size."""
+    delta is a few times a's."""
     a = Island(tmp_path)
     b = Island(tmp_path, "b", beside=a)
     init = tmp_path / "init.npz"
@@ -122,8 +122,10 @@ def test_a_key_on_a_fresh_merger_is_judged_against_another_islands_part(tmp_path
         ]
         assert sorted(folds[0]["contributors"]) == ["a", "b"]
         assert folds[0]["clipped"] == ["b"]
-        # b's delta counted at most twice a's: the merged delta is about a's size
-        assert folds[0]["merged_norm"] < 3 * min(folds[0]["delta_norms"])
+        # b's delta counted at most twice a's norm as admission records it (for int4, a bound
+        # from the block scales, about 3x the norm of a Gaussian delta), and each weighs 1/2: the
+        # merged delta is a few times a's, where b's uncut would make it 2e5 times
+        assert folds[0]["merged_norm"] < 5 * min(folds[0]["delta_norms"])
     finally:
         if merger.poll() is None:
             merger.kill()
