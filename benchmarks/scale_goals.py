@@ -45,8 +45,8 @@ MERGER_PHASES = {
 }
 ISLAND_STRUCTURES = {
     "served": "the merger's value as received, which diffs apply to",
-    "anchors": "each fragment's anchor, a host copy of theta at its last send",
-    "error_feedback": "what quantization left out, carried into the next delta",
+    "anchors": "each fragment's progress at its last send, held in int8 (island/exchange.py)",
+    "error_feedback": "what quantization left out, carried into the next delta (int8)",
     "retransmit": "int4 chunks kept until the merger's cursor covers them",
 }
 

@@ -6,10 +6,10 @@ baseline.  Then the exchange state is built by the island's own code, as a run b
 - join: a full fp32 snapshot of every fragment, as frames, reassembled and handed to
   `Downlink.on_snapshot` (the served value, which diffs apply to); the anchors are those values
   (IslandLoop.join: no copy);
-- a round of sends: per fragment a step of training, the pseudo-gradient into the uplink's outbox,
-  a host copy of theta as the new anchor (`trainer.params()` makes one), and `Uplink._send` with
-  error feedback on (its residuals) onto a PUB with no subscriber, its chunks kept in the
-  retransmit buffer (no merger acknowledges them here).
+- a round of sends: per fragment a step of training, the delta into the uplink's outbox and the
+  anchor moved to theta (`exchange.advance`: the progress since the global value, held in int8),
+  and `Uplink._send` with error feedback on (its residuals, held in int8) onto a PUB with no
+  subscriber, its chunks kept in the retransmit buffer (no merger acknowledges them here).
 
 Reported: the resident memory at the baseline, its peak and what each phase added to the peak, and
 the bytes each structure holds at the end (arrays counted once however many structures share them).
@@ -90,11 +90,12 @@ def _measure(shapes: dict, fragments: int) -> dict:
     rises.after("sends")
 
     served = [t for held in receiver.served.values() for t in held.tensors.values()]
-    anchored = [a for values in anchors.values() for a in values.values()]
+    anchored = [a for anchor in anchors.values() for a in (anchor.offset or {}).values()]
+    anchored += [a for anchor in anchors.values() for a in anchor.base.values()]
     held = {
         "served": unique_nbytes(served),
         "anchors": unique_nbytes(served + anchored) - unique_nbytes(served),
-        "error_feedback": unique_nbytes(list(uplink.residuals.values())),
+        "error_feedback": unique_nbytes([held for held, _ in uplink.residuals.values()]),
         "retransmit": uplink.kept.nbytes,
     }
     context.destroy(linger=0)
@@ -107,7 +108,7 @@ def _join(
     theta: dict,
     parts: list[list[str]],
     model: str,
-) -> dict[int, dict[str, np.ndarray]]:
+) -> dict[int, exchange.Anchor]:
     """The merger's full fp32 snapshots of `theta`, as received and handed to the downlink; the
     anchors are the values served (IslandLoop.join: no copy)."""
     fp32 = protocol.Codec("fp32")
@@ -135,7 +136,7 @@ def _join(
         receiver.on_snapshot(assembled.header, assembled.tensors, 0.0)
         del assembled
     return {
-        fragment: {p: np.asarray(v, np.float32) for p, v in tensors.items()}
+        fragment: exchange.Anchor.adopted(tensors)
         for fragment, _, tensors in receiver.ready(math.inf)
     }
 
@@ -145,19 +146,16 @@ def _send_round(
     pub: zmq.Socket,
     theta: dict,
     change: dict,
-    anchors: dict[int, dict[str, np.ndarray]],
+    anchors: dict[int, exchange.Anchor],
     parts: list[list[str]],
 ) -> None:
-    """Per fragment a step of training, the pseudo-gradient into the outbox, a host copy of theta
-    as the new anchor, and the uplink's send (error feedback on; the chunks kept to retransmit)."""
+    """Per fragment a step of training, the delta into the outbox and the anchor moved to theta as
+    the loop does (exchange.advance: the progress held in int8), and the uplink's send (error
+    feedback on; the chunks kept to retransmit)."""
     for fragment, paths in enumerate(parts):
         for path in paths:
             theta[path] += change[theta[path].shape]
-        current = {p: theta[p] for p in paths}
-        uplink.publish(
-            PendingDelta(
-                fragment, 0, exchange.pseudo_gradient(anchors[fragment], current), 50, 50 * 16 * 128
-            )
-        )
-        anchors[fragment] = {p: value.copy() for p, value in current.items()}
+        delta, anchors[fragment] = exchange.advance(anchors[fragment], theta)
+        uplink.publish(PendingDelta(fragment, 0, delta, 50, 50 * 16 * 128))
+        del delta
         uplink._send(pub, fragment + 1, uplink.outbox.take())

@@ -7,7 +7,7 @@ full snapshot) each round carries one delta of every fragment, i.e. every parame
 five stages that run one after the other, so that each is timed alone:
 
 1. island_send: "train" (untimed: a fixed change added to theta), then per fragment the
-   pseudo-gradient (anchor - theta, `island.exchange`) and the uplink's send (`Uplink._send`:
+   delta (`exchange.advance`, as the loop's) and the uplink's send (`Uplink._send`:
    int4 quantization, `split_fragment`, frame encoding, PUB to the broker, retransmit buffer);
 2. broker_forward: the broker's forwarding (`Broker._forward`, over its real XSUB/XPUB sockets,
    driven from this thread) until every chunk has passed;
@@ -125,7 +125,8 @@ class _Island:
         self.parts = protocol.partition(shapes, fragments)
         self.model, epoch = protocol.model_fingerprint(self.theta), time.time_ns()
         self.progress = [
-            FragmentProgress({p: self.theta[p] for p in paths}) for paths in self.parts
+            FragmentProgress(exchange.Anchor({p: self.theta[p] for p in paths}))
+            for paths in self.parts
         ]
         security = Security(None, NAME)
         self.sync = SyncConfig(fragments=fragments)
@@ -171,21 +172,12 @@ class _Island:
                 self.theta[path] += self.change[self.theta[path].shape]
             began = time.perf_counter()
             progress = self.progress[fragment]
-            current = {p: self.theta[p] for p in paths}
-            self.uplink.publish(
-                PendingDelta(
-                    fragment,
-                    progress.version,
-                    exchange.pseudo_gradient(progress.anchor, current),
-                    STEPS,
-                    TOKENS,
-                )
-            )
+            # as the loop sends (IslandLoop._send)
+            delta, anchor = exchange.advance(progress.anchor, self.theta)
+            self.uplink.publish(PendingDelta(fragment, progress.version, delta, STEPS, TOKENS))
             self.deltas += 1
             self.uplink._send(self.pub, self.deltas, self.uplink.outbox.take())
-            # The loop's anchor is a host copy of theta at the send; nothing trains before the
-            # rebase below, so theta's arrays themselves serve (no copy of the model).
-            self.progress[fragment] = FragmentProgress(current, progress.version)
+            self.progress[fragment] = FragmentProgress(anchor, progress.version)
             seconds += time.perf_counter() - began
         return seconds, self.uplink.seq - seq
 
@@ -206,14 +198,12 @@ class _Island:
             # the join takes the value (IslandLoop.join); later ones rebase (IslandLoop._adopt)
             progress = self.progress[fragment]
             adopted = (
-                exchange.rebase(self.theta, progress.anchor, tensors)
+                exchange.rebase(self.theta, progress.anchor.values(), tensors)
                 if self.joined
                 else exchange.adopt(self.theta, tensors, 0.0)
             )
             self.theta.update(adopted)
-            self.progress[fragment] = FragmentProgress(
-                {p: np.asarray(v, np.float32) for p, v in tensors.items()}, version
-            )
+            self.progress[fragment] = FragmentProgress(exchange.Anchor.adopted(tensors), version)
 
     def drain(self) -> None:
         while self.sub.poll(QUIET_MS):

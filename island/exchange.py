@@ -8,11 +8,73 @@ due about every H/P steps (P = 4, H = 50: fragments 0..3 at steps 12, 25, 37, 50
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
 
 from dloco import protocol
+
+# How the island holds what is delta-sized between sends: a fragment's progress at its last send
+# (`Anchor.offset`) and error feedback's residuals (island/uplink.py): int8 in blocks of 256, 1.02
+# bytes per parameter against a float32 copy's 4.  The anchor's rounding is not lost (`advance`).
+HELD_CODEC = protocol.Codec("int8", 256)
+
+
+def held(value: np.ndarray, codec: protocol.Codec = HELD_CODEC) -> np.ndarray:
+    """`value` encoded with `codec` (flat bytes)."""
+    return codec.encode(np.asarray(value, np.float32).reshape(-1))
+
+
+def unheld(
+    encoded: np.ndarray, shape: tuple[int, ...], codec: protocol.Codec = HELD_CODEC
+) -> np.ndarray:
+    """The float32 value of `held` bytes, in `shape`."""
+    return codec.decode(encoded, int(np.prod(shape, dtype=np.int64))).reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Anchor:
+    """What a fragment's next delta is taken against: the global value last adopted (`base`: the
+    very arrays the downlink holds, no copy) plus, once the island has sent since, its progress at
+    that send (`offset`, path -> `held` bytes).  So an anchor costs the island 1 byte per parameter
+    beyond the global value, not a float32 copy of theta."""
+
+    base: Mapping[str, np.ndarray]
+    offset: Mapping[str, np.ndarray] | None = None
+
+    @classmethod
+    def adopted(cls, tensors: Mapping[str, np.ndarray]) -> Anchor:
+        """The anchor of a fragment just adopted: its global value, the arrays themselves."""
+        return cls({path: np.asarray(value, np.float32) for path, value in tensors.items()})
+
+    def value(self, path: str) -> np.ndarray:
+        base = np.asarray(self.base[path], np.float32)
+        if self.offset is None:
+            return base
+        return base + unheld(self.offset[path], base.shape)
+
+    def values(self) -> dict[str, np.ndarray]:
+        return {path: self.value(path) for path in self.base}
+
+    def __iter__(self):
+        return iter(self.base)
+
+
+def advance(
+    anchor: Anchor, theta: Mapping[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], Anchor]:
+    """A send: the delta, and the anchor the next delta counts from.  The new anchor is theta as
+    the island can hold it (base + the held progress since base), and the delta is the old anchor
+    minus the new one, not minus theta: what holding rounds off is in the next delta instead, so the
+    deltas sent add up to the change since the base, float32 rounding aside (pseudo_gradient
+    would lose it)."""
+    delta, offset = {}, {}
+    for path in anchor.base:
+        base = np.asarray(anchor.base[path], np.float32)
+        offset[path] = held(np.asarray(theta[path], np.float32) - base)
+        delta[path] = anchor.value(path) - (base + unheld(offset[path], base.shape))
+    return delta, Anchor(anchor.base, offset)
 
 
 def partition(shapes: Mapping[str, tuple[int, ...]], fragments: int) -> list[list[str]]:

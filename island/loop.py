@@ -47,7 +47,7 @@ class Link(Protocol):
 
 @dataclasses.dataclass
 class FragmentProgress:
-    anchor: dict[str, np.ndarray]
+    anchor: exchange.Anchor
     version: int = 0
     steps: int = 0
     tokens: int = 0
@@ -80,7 +80,9 @@ class IslandLoop:
         self.on_compiled = on_compiled
         params = trainer.params()
         self.parts = exchange.partition({p: v.shape for p, v in params.items()}, sync.fragments)
-        self.progress = [FragmentProgress({p: params[p] for p in paths}) for paths in self.parts]
+        self.progress = [
+            FragmentProgress(exchange.Anchor({p: params[p] for p in paths})) for paths in self.parts
+        ]
         self.tokens, self.compute_s, self.started = 0, 0.0, None
         # time spent blocked on the merger (synchronous modes only)
         self.wait_s = 0.0
@@ -119,9 +121,7 @@ class IslandLoop:
         )
         for fragment, version, tensors in arrived:
             self._set(exchange.adopt(theta, tensors, 0.0))
-            self.progress[fragment] = FragmentProgress(
-                {p: np.asarray(v, np.float32) for p, v in tensors.items()}, version
-            )
+            self.progress[fragment] = FragmentProgress(exchange.Anchor.adopted(tensors), version)
 
     def run(self, max_steps: int | None = None) -> dict:
         max_steps = max_steps or self.train.max_steps
@@ -236,8 +236,9 @@ class IslandLoop:
         leader has a link; every process then agrees on what it changed (`_agree`).
 
         A delta is the change since the fragment was last adopted *or sent*: anchor - theta, after
-        which the anchor moves to theta.  So two sends between adoptions carry disjoint work and
-        the merger never counts a step twice.  Adoption resets the anchor to the global value."""
+        which the anchor moves to theta (as held: exchange.advance).  So two sends between
+        adoptions carry disjoint work and the merger never counts a step twice.  Adoption resets
+        the anchor to the global value."""
         if self.link is not None:
             self._adopt(self.link.snapshots())
             due = [
@@ -307,11 +308,10 @@ class IslandLoop:
         theta = self.trainer.params()
         for fragment in due:
             progress = self.progress[fragment]
-            current = {p: theta[p] for p in progress.anchor}
-            delta = exchange.pseudo_gradient(progress.anchor, current)
+            # the next delta counts from here: what was just sent is never sent again
+            delta, anchor = exchange.advance(progress.anchor, theta)
             self.link.publish(fragment, progress.version, delta, progress.steps, progress.tokens)
-            # The next delta counts from here: what was just sent is never sent again.
-            self.progress[fragment] = FragmentProgress(current, progress.version)
+            self.progress[fragment] = FragmentProgress(anchor, progress.version)
 
     def _adopt(self, arrived: list) -> None:
         """Take newer global fragments.  With adoption "rebase" (the default) the island's progress
@@ -330,10 +330,10 @@ class IslandLoop:
         theta = self.trainer.params()
         for fragment, (version, tensors) in newest.items():
             progress = self.progress[fragment]
-            anchor = {p: np.asarray(v, np.float32) for p, v in tensors.items()}
+            anchor = exchange.Anchor.adopted(tensors)
             if self.sync.adoption == "rebase" and progress.steps > 0:
                 residual = self.link.take_residuals(tensors) if self.sync.error_feedback else {}
-                self._set(exchange.rebase(theta, progress.anchor, tensors, residual))
+                self._set(exchange.rebase(theta, progress.anchor.values(), tensors, residual))
                 self.progress[fragment] = FragmentProgress(
                     anchor, version, progress.steps, progress.tokens
                 )

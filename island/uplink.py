@@ -29,6 +29,7 @@ import zmq
 
 from dloco import protocol
 from dloco.bus.sequencing import RetransmitBuffer
+from dloco.island import exchange
 from dloco.island.config import SyncConfig
 from dloco.island.outbox import Outbox, PendingDelta
 from dloco.island.shaper import LinkShaper
@@ -96,8 +97,11 @@ class Uplink:
         self.outbox = Outbox()
         # the publisher has taken a delta off the outbox and not finished sending it
         self.in_flight = False
-        # error feedback: what quantization left out, added to the next delta
-        self.residuals: dict[str, np.ndarray] = {}
+        # error feedback: what quantization left out, added to the next delta (path -> the
+        # residual as held, exchange.held, and its shape): int8, a residual being at most half a
+        # step of its block, but bf16 for a sparse codec, which leaves most of a block in it.
+        self.residuals: dict[str, tuple[np.ndarray, tuple[int, ...]]] = {}
+        self.held_codec = protocol.Codec("bf16") if self.codec.sparse else exchange.HELD_CODEC
         # each stream has the whole retransmit budget (a delta that fits one merger's fits each
         # shard's): the island holds at most `shards` times it
         self.streams = [
@@ -156,7 +160,8 @@ class Uplink:
         removed from here: the loop keeps them in the island's own parameters from now on (a
         rebase), and its next delta, taken against the new anchor, carries them."""
         with self.lock:
-            return {path: self.residuals.pop(path) for path in paths if path in self.residuals}
+            taken = [(path, self.residuals.pop(path)) for path in paths if path in self.residuals]
+        return {path: exchange.unheld(*residual, self.held_codec) for path, residual in taken}
 
     # ---- the publisher thread --------------------------------------------------------------------
     def run(self, pub: zmq.Socket) -> None:
@@ -198,16 +203,7 @@ class Uplink:
                 self.lock.notify_all()
 
     def _send(self, pub: zmq.Socket, delta_id: int, pending: PendingDelta) -> None:
-        delta = pending.delta
-        # the loop may take residuals meanwhile (take_residuals): hand them over whole
-        if self.sync.error_feedback:
-            with self.lock:
-                residuals = {
-                    path: self.residuals.pop(path) for path in delta if path in self.residuals
-                }
-            delta, kept = protocol.compensate(delta, residuals, self.codec)
-            with self.lock:
-                self.residuals.update(kept)
+        delta = self._compensated(pending.delta) if self.sync.error_feedback else pending.delta
         plans = protocol.split_fragment(delta, self.codec, self.sync.chunk_bytes)
         stream, first = self.streams[shard_of(pending.fragment, len(self.streams))], None
         for index, plan in enumerate(plans):
@@ -248,6 +244,27 @@ class Uplink:
         with self.lock:
             if delta_id not in self.settled:
                 self.unsettled[delta_id] = SentDelta(pending.fragment, stream.seq, first)
+
+    def _compensated(self, delta: dict[str, np.ndarray]) -> dict[str, protocol.Encoded]:
+        """Error feedback (protocol.error_feedback) a tensor at a time: returns the encodings the
+        merger will decode.  The delta is this thread's alone now (the loop hands its arrays over):
+        each is compensated in place and let go, so the fragment is not held twice in float32.  The
+        loop may take residuals meanwhile (take_residuals): they are handed over whole."""
+        with self.lock:
+            residuals = {path: self.residuals.pop(path) for path in delta if path in self.residuals}
+        sent = {}
+        for path in list(delta):
+            target = delta.pop(path)
+            if path in residuals:
+                target += exchange.unheld(*residuals[path], self.held_codec)
+            encoded = self.codec.encode(target.reshape(-1))
+            sent[path] = protocol.Encoded(encoded, target.shape)
+            target -= self.codec.decode(encoded, target.size).reshape(target.shape)
+            residuals[path] = (exchange.held(target, self.held_codec), target.shape)
+            del target
+        with self.lock:
+            self.residuals.update(residuals)
+        return sent
 
     def _room_for(self, pending: PendingDelta) -> bool:
         """With merger shards, a delta starts only when its stream's retransmit buffer has room for

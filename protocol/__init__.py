@@ -11,6 +11,7 @@ from dloco.protocol.assembly import Assembled, message_key
 from dloco.protocol.chunking import (
     DEFAULT_MAX_CHUNK_BYTES,
     ChunkPlan,
+    Encoded,
     model_fingerprint,
     split_fragment,
 )
@@ -41,6 +42,7 @@ from dloco.protocol.quantization import CODEC_NAMES, DEFAULT_BLOCK, Codec, Coded
 from dloco.protocol.reassembly import Reassembler
 
 __all__ = [
+    "Encoded",
     "CodedTensor",
     "CODEC_NAMES",
     "DEFAULT_BLOCK",

@@ -54,6 +54,20 @@ class ChunkPlan:
         return sum(p.nbytes for p in self.payloads)
 
 
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """A float32 tensor already encoded with the fragment's codec (error feedback encodes each to
+    know what it leaves out): `split_fragment` packs these bytes as they are, so the sender never
+    holds the fragment's decoded value."""
+
+    data: np.ndarray
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
 def dtype_name(array: np.ndarray) -> str:
     name = np.dtype(array.dtype).name
     if name not in TENSOR_DTYPES:
@@ -62,7 +76,7 @@ def dtype_name(array: np.ndarray) -> str:
 
 
 def split_fragment(
-    tensors: Mapping[str, np.ndarray],
+    tensors: Mapping[str, np.ndarray | Encoded],
     codec: Codec,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     limits: Limits = DEFAULT_LIMITS,
@@ -79,12 +93,18 @@ def split_fragment(
     payloads: list[memoryview] = []
     room, header_used = max_chunk_bytes, 0
     for path in sorted(tensors):
-        array = np.asarray(tensors[path])
+        array = tensors[path]
+        if not isinstance(array, Encoded):
+            array = np.asarray(array)
         if array.size == 0:
             continue
-        dtype, shape = dtype_name(array), tuple(int(d) for d in array.shape)
+        dtype = "float32" if isinstance(array, Encoded) else dtype_name(array)
+        shape = tuple(int(d) for d in array.shape)
         bound = _slice_bound(path, shape, header_room, limits)
-        encoded_U = memoryview(codec.encode(np.asarray(array, dtype=np.float32).reshape(-1)))
+        if isinstance(array, Encoded):
+            encoded_U = memoryview(_checked(array, codec))
+        else:
+            encoded_U = memoryview(codec.encode(np.asarray(array, dtype=np.float32).reshape(-1)))
         start = 0
         while start < array.size:
             if (
@@ -166,3 +186,15 @@ def model_fingerprint(tensors: Mapping[str, np.ndarray | tuple[tuple[int, ...], 
         )
         digest.update(f"{path}|{','.join(map(str, shape))}|{dtype}\n".encode())
     return digest.hexdigest()[:16]
+
+
+def _checked(encoded: Encoded, codec: Codec) -> np.ndarray:
+    """The bytes of an Encoded tensor, flat, if they are as long as its values' encoding."""
+    data = np.asarray(encoded.data, np.uint8).reshape(-1)
+    expected = codec.encoded_nbytes(encoded.size)
+    if data.size != expected:
+        raise EncodeError(
+            f"an encoded tensor of {encoded.size} values must be {expected} bytes of {codec.name},"
+            f" got {data.size}"
+        )
+    return data

@@ -361,3 +361,23 @@ def test_partition_balances_bytes_deterministically():
         protocol.partition(shapes, 6)
     with pytest.raises(protocol.EncodeError):
         protocol.partition(shapes, 0)
+
+
+@pytest.mark.parametrize("name", ["int4", "int8", "bf16"])
+def test_a_fragment_already_encoded_is_cut_into_the_same_chunks(name):
+    """Error feedback hands split_fragment encodings (protocol.Encoded), not values: the chunks are
+    those of the values themselves, and bytes of the wrong length are refused."""
+    codec = Codec(name)
+    fragment = {p: v.astype(np.float32) for p, v in FRAGMENT.items()}
+    encoded = {
+        p: protocol.Encoded(codec.encode(v.reshape(-1)), v.shape) for p, v in fragment.items()
+    }
+    plans = protocol.split_fragment(fragment, codec, 1000)
+    assert [(c.slices, [bytes(p) for p in c.payloads]) for c in plans] == [
+        (c.slices, [bytes(p) for p in c.payloads])
+        for c in protocol.split_fragment(encoded, codec, 1000)
+    ]
+    path = sorted(fragment)[0]
+    cut = dict(encoded, **{path: protocol.Encoded(encoded[path].data[:-1], fragment[path].shape)})
+    with pytest.raises(protocol.EncodeError, match="must be"):
+        protocol.split_fragment(cut, codec, 1000)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
+from dloco.island import exchange
+from dloco.island.config import SyncConfig
+from dloco.island.shaper import LinkShaper
+from dloco.island.uplink import Uplink
 from dloco.protocol import Codec, compensate, quantize_with_feedback
 
 
@@ -58,3 +64,35 @@ def test_compensate_over_a_fragment_matches_the_per_tensor_helper():
     # re-encoding what is sent reproduces it to within a float32 ulp
     again = Codec("int4").decode(Codec("int4").encode(sent["a"]), 210).reshape(30, 7)
     assert np.allclose(again, sent["a"], rtol=2**-22, atol=0)
+
+
+def test_the_uplink_holds_residuals_in_int8_and_adds_them_to_the_next_delta():
+    """The uplink's error feedback (Uplink._compensated) sends what protocol.compensate sends, as
+    encodings (protocol.Encoded, which split_fragment packs as they are); it
+    holds each residual as exchange.held (1.02 bytes a value against float32's 4), to within half
+    an int8 step of the residual's block, and adds it, so held, to the next delta."""
+    sync = SyncConfig(fragments=1, error_feedback=True)
+    codec = Codec(sync.codec, sync.block)
+    uplink = Uplink("island-0", "model", 1, sync, LinkShaper(None), threading.Event())
+    rng = np.random.default_rng(3)
+    first = {"a": rng.standard_normal((64, 16)).astype(np.float32)}
+    expected, kept = compensate(first, {}, codec)
+    sent = uplink._compensated({"a": first["a"].copy()})
+
+    def decoded(encoded):
+        return codec.decode(encoded.data, encoded.size).reshape(encoded.shape)
+
+    assert sent["a"].shape == (64, 16) and np.array_equal(decoded(sent["a"]), expected["a"])
+    encoded, shape = uplink.residuals["a"]
+    assert shape == (64, 16) and encoded.dtype == np.uint8 and encoded.nbytes == 4 * (4 + 256)
+    held = exchange.unheld(encoded, shape)
+    steps = np.abs(kept["a"]).reshape(-1, 256).max(axis=1) / 127
+    assert (np.abs(held - kept["a"]).reshape(-1, 256) <= steps[:, None] / 2 + 1e-9).all()
+    # the next delta carries the residual as held
+    second = {"a": rng.standard_normal((64, 16)).astype(np.float32)}
+    expected, _ = compensate(second, {"a": held}, codec)
+    assert np.array_equal(
+        decoded(uplink._compensated({"a": second["a"].copy()})["a"]), expected["a"]
+    )
+    # a rebase takes them (IslandLoop._adopt): gone from the uplink
+    assert set(uplink.take_residuals(["a", "b"])) == {"a"} and not uplink.residuals

@@ -121,7 +121,7 @@ def test_rebase_puts_the_unsent_progress_on_the_newest_of_several_arrivals(corpu
     )
     fragment = 0
     paths = list(loop.progress[fragment].anchor)
-    anchor = {p: loop.progress[fragment].anchor[p].copy() for p in paths}
+    anchor = {p: loop.progress[fragment].anchor.value(p).copy() for p in paths}
     # progress since the anchor
     for _ in range(3):
         trainer.step(loop.batches.next())
@@ -139,7 +139,7 @@ def test_rebase_puts_the_unsent_progress_on_the_newest_of_several_arrivals(corpu
         np.testing.assert_array_equal(after[p], v)
     progress = loop.progress[fragment]
     assert (progress.version, progress.steps, progress.tokens) == (2, 3, 384)
-    assert all(np.array_equal(progress.anchor[p], newer[p]) for p in paths)
+    assert all(np.array_equal(progress.anchor.value(p), newer[p]) for p in paths)
     # an old version arriving late changes nothing
     loop._adopt([(fragment, 1, older)])
     assert all(np.array_equal(trainer.params()[p], after[p]) for p in paths)
@@ -165,15 +165,22 @@ def test_a_leaving_island_sends_every_fragments_unsent_work_once(corpus_parts):
     )
     loop.run(10)
     assert [(f, steps) for f, _, _, steps, _ in link.published] == [(0, 4), (1, 8)]
-    anchors = {f: {p: v.copy() for p, v in loop.progress[f].anchor.items()} for f in (0, 1)}
+    anchors = {f: loop.progress[f].anchor.values() for f in (0, 1)}
     theta = trainer.params()
     assert loop.flush() == 2
     assert [(f, steps, tokens) for f, _, _, steps, tokens in link.published[2:]] == [
         (0, 6, 6 * 4 * 32),
         (1, 2, 2 * 4 * 32),
     ]
+    # each is the change since the last send: what holding the anchor rounded off is in it too,
+    # so the deltas sent add up to the change since the fragment's base up to the anchor now
+    # held, whose rounding goes out with the next delta (exchange.advance)
     for fragment, _, delta, _, _ in link.published[2:]:
+        anchor = loop.progress[fragment].anchor
         for p, v in delta.items():
-            np.testing.assert_array_equal(v, anchors[fragment][p] - theta[p])
+            np.testing.assert_allclose(v, anchors[fragment][p] - theta[p], rtol=0, atol=1e-3)
+            np.testing.assert_array_equal(v, anchors[fragment][p] - anchor.value(p))
+            sent = sum(d[p] for f, _, d, _, _ in link.published if f == fragment)
+            np.testing.assert_allclose(sent, anchor.base[p] - anchor.value(p), rtol=0, atol=1e-6)
     # nothing is sent twice
     assert loop.flush() == 0 and len(link.published) == 4

@@ -25,6 +25,34 @@ def test_schedule_staggers_fragments_by_hand():
     }
 
 
+def test_an_anchor_is_held_in_int8_and_what_that_rounds_off_goes_out_in_the_next_delta():
+    base = {"w": np.array([1.0, 2.0, 3.0, 4.0], np.float32)}
+    anchor = exchange.Anchor(base)
+    # before a send the anchor is the global value itself: no copy
+    assert anchor.value("w") is base["w"] and list(anchor) == ["w"]
+    theta = {"w": base["w"] + np.array([0.5, 0.0, -0.2, 0.1], np.float32)}
+    delta, anchor = exchange.advance(anchor, theta)
+    # int8 absmax, one block: scale 0.5 / 127, codes 127, 0, rint(-50.8) = -51, rint(25.4) = 25
+    first = np.array([0.5, 0.0, -51 / 254, 25 / 254])
+    np.testing.assert_allclose(anchor.value("w") - base["w"], first, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(delta["w"], -first, rtol=0, atol=1e-6)
+    assert anchor.base["w"] is base["w"] and anchor.offset["w"].dtype == np.uint8
+    # 0.3 more on the second value: progress [0.5, 0.3, -0.2, 0.1] since the base, held as codes
+    # 127, rint(76.2) = 76, -51, 25; the delta is the old anchor minus the new one
+    theta = {"w": theta["w"] + np.array([0.0, 0.3, 0.0, 0.0], np.float32)}
+    delta, anchor = exchange.advance(anchor, theta)
+    np.testing.assert_allclose(delta["w"], [0.0, -76 / 254, 0.0, 0.0], rtol=0, atol=1e-6)
+    # the deltas add up to base - anchor; what they left out, theta - anchor, is the held
+    # progress's rounding (0.3 - 76/254 on the second value, the first send's on the last two): it
+    # stays in theta against the anchor, so the next delta (or a rebase) carries it
+    np.testing.assert_allclose(
+        theta["w"] - anchor.value("w"),
+        [0.0, 0.3 - 76 / 254, 51 / 254 - 0.2, 0.1 - 25 / 254],
+        rtol=0,
+        atol=1e-6,
+    )
+
+
 @pytest.mark.parametrize("fragments_,interval", [(1, 1), (3, 10), (4, 50), (24, 24), (5, 7)])
 def test_each_fragment_is_due_every_h_steps_and_never_two_at_once(fragments_, interval):
     steps = range(1, 3 * interval + 1)
