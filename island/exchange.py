@@ -21,6 +21,13 @@ from dloco import protocol
 HELD_CODEC = protocol.Codec("int8", 256)
 
 
+def residual_codec(codec: protocol.Codec) -> protocol.Codec:
+    """How error feedback's residuals of deltas sent with `codec` are held: int8 in the wire's
+    blocks (a residual is at most half a step of its block), but bf16 for a sparse codec, which
+    leaves most of each block in the residual, round after round."""
+    return protocol.Codec("bf16") if codec.sparse else protocol.Codec("int8", codec.block)
+
+
 def held(value: np.ndarray, codec: protocol.Codec = HELD_CODEC) -> np.ndarray:
     """`value` encoded with `codec` (flat bytes)."""
     return codec.encode(np.asarray(value, np.float32).reshape(-1))

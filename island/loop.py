@@ -331,13 +331,15 @@ class IslandLoop:
         for fragment, (version, tensors) in newest.items():
             progress = self.progress[fragment]
             anchor = exchange.Anchor.adopted(tensors)
-            if self.sync.adoption == "rebase" and progress.steps > 0:
+            # after a send theta - anchor is what holding the anchor rounded off: kept too
+            unsent = progress.steps > 0 or progress.anchor.offset is not None
+            if self.sync.adoption == "rebase" and unsent:
                 residual = self.link.take_residuals(tensors) if self.sync.error_feedback else {}
                 self._set(exchange.rebase(theta, progress.anchor.values(), tensors, residual))
                 self.progress[fragment] = FragmentProgress(
                     anchor, version, progress.steps, progress.tokens
                 )
-            # replace, or nothing unsent to keep (a blocking island right after its send): the same
+            # replace, or nothing unsent to keep: the same
             else:
                 self._set(exchange.adopt(theta, tensors, self.sync.alpha))
                 self.progress[fragment] = FragmentProgress(anchor, version)

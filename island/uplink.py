@@ -98,10 +98,9 @@ class Uplink:
         # the publisher has taken a delta off the outbox and not finished sending it
         self.in_flight = False
         # error feedback: what quantization left out, added to the next delta (path -> the
-        # residual as held, exchange.held, and its shape): int8, a residual being at most half a
-        # step of its block, but bf16 for a sparse codec, which leaves most of a block in it.
+        # residual as held, exchange.held, and its shape)
         self.residuals: dict[str, tuple[np.ndarray, tuple[int, ...]]] = {}
-        self.held_codec = protocol.Codec("bf16") if self.codec.sparse else exchange.HELD_CODEC
+        self.held_codec = exchange.residual_codec(self.codec)
         # each stream has the whole retransmit budget (a delta that fits one merger's fits each
         # shard's): the island holds at most `shards` times it
         self.streams = [
@@ -258,10 +257,11 @@ class Uplink:
             if path in residuals:
                 target += exchange.unheld(*residuals[path], self.held_codec)
             encoded = self.codec.encode(target.reshape(-1))
+            # fp32's encoding is a view of its input, which is about to become the residual
+            encoded = encoded.copy() if np.shares_memory(encoded, target) else encoded
             sent[path] = protocol.Encoded(encoded, target.shape)
             target -= self.codec.decode(encoded, target.size).reshape(target.shape)
             residuals[path] = (exchange.held(target, self.held_codec), target.shape)
-            del target
         with self.lock:
             self.residuals.update(residuals)
         return sent

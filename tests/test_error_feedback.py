@@ -66,12 +66,14 @@ def test_compensate_over_a_fragment_matches_the_per_tensor_helper():
     assert np.allclose(again, sent["a"], rtol=2**-22, atol=0)
 
 
-def test_the_uplink_holds_residuals_in_int8_and_adds_them_to_the_next_delta():
+@pytest.mark.parametrize("name", ["int4", "fp32", "topk2"])
+def test_the_uplink_holds_residuals_and_adds_them_to_the_next_delta(name):
     """The uplink's error feedback (Uplink._compensated) sends what protocol.compensate sends, as
-    encodings (protocol.Encoded, which split_fragment packs as they are); it
-    holds each residual as exchange.held (1.02 bytes a value against float32's 4), to within half
-    an int8 step of the residual's block, and adds it, so held, to the next delta."""
-    sync = SyncConfig(fragments=1, error_feedback=True)
+    encodings (protocol.Encoded, which split_fragment packs as they are); it holds each residual as
+    exchange.held (int8 in the codec's blocks, bf16 for a sparse codec), to within half a step of
+    that encoding, and adds it, so held, to the next delta.  fp32's encoding is a view of the
+    values: what is sent must not become the residual."""
+    sync = SyncConfig(fragments=1, codec=name, error_feedback=True)
     codec = Codec(sync.codec, sync.block)
     uplink = Uplink("island-0", "model", 1, sync, LinkShaper(None), threading.Event())
     rng = np.random.default_rng(3)
@@ -84,15 +86,19 @@ def test_the_uplink_holds_residuals_in_int8_and_adds_them_to_the_next_delta():
 
     assert sent["a"].shape == (64, 16) and np.array_equal(decoded(sent["a"]), expected["a"])
     encoded, shape = uplink.residuals["a"]
-    assert shape == (64, 16) and encoded.dtype == np.uint8 and encoded.nbytes == 4 * (4 + 256)
-    held = exchange.unheld(encoded, shape)
-    steps = np.abs(kept["a"]).reshape(-1, 256).max(axis=1) / 127
-    assert (np.abs(held - kept["a"]).reshape(-1, 256) <= steps[:, None] / 2 + 1e-9).all()
+    held = exchange.unheld(encoded, shape, uplink.held_codec)
+    if codec.sparse:
+        assert uplink.held_codec.name == "bf16" and encoded.nbytes == 2 * 1024
+        assert np.allclose(held, kept["a"], rtol=2**-8, atol=0)
+    else:
+        assert uplink.held_codec == Codec("int8", sync.block)
+        assert encoded.nbytes == 4 * (4 + 256) and shape == (64, 16)
+        steps = np.abs(kept["a"]).reshape(-1, 256).max(axis=1) / 127
+        assert (np.abs(held - kept["a"]).reshape(-1, 256) <= steps[:, None] / 2 + 1e-9).all()
     # the next delta carries the residual as held
     second = {"a": rng.standard_normal((64, 16)).astype(np.float32)}
     expected, _ = compensate(second, {"a": held}, codec)
-    assert np.array_equal(
-        decoded(uplink._compensated({"a": second["a"].copy()})["a"]), expected["a"]
-    )
+    again = uplink._compensated({"a": second["a"].copy()})["a"]
+    assert np.array_equal(decoded(again), expected["a"])
     # a rebase takes them (IslandLoop._adopt): gone from the uplink
     assert set(uplink.take_residuals(["a", "b"])) == {"a"} and not uplink.residuals

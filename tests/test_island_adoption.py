@@ -145,6 +145,43 @@ def test_rebase_puts_the_unsent_progress_on_the_newest_of_several_arrivals(corpu
     assert all(np.array_equal(trainer.params()[p], after[p]) for p in paths)
 
 
+def test_an_adoption_right_after_a_send_keeps_what_holding_the_anchor_rounded_off(corpus_parts):
+    """A blocking island adopts right after its send, with no steps unsent: theta - anchor is then
+    the int8 rounding of its progress (exchange.advance), which the rebase keeps on top of the new
+    value, so that the next delta carries it (overwriting theta would lose it every round)."""
+    shard, evaluation = corpus_parts
+    trainer = bytelm.trainer(TINY, TRAIN)
+    link = ScriptedLink([0], at_step=10**9)
+    loop = IslandLoop(
+        trainer,
+        data.Batches(shard, 4, 32, 0, 0),
+        evaluation,
+        TRAIN,
+        SyncConfig(fragments=2, interval=8),
+        MetricsWriter(None),
+        link=link,
+        count=bytelm.count_tokens,
+    )
+    # progress of a size int8 rounds off visibly (a few steps of a warming-up rate round to ulps)
+    rng = np.random.default_rng(0)
+    base = loop.progress[0].anchor.base
+    trainer.set_params(
+        {p: v + 0.05 * rng.standard_normal(v.shape, np.float32) for p, v in base.items()}
+    )
+    loop.progress[0].steps, loop.progress[0].tokens = 3, 384
+    loop._send([0])
+    anchor, theta = loop.progress[0].anchor, trainer.params()
+    rounding = {p: theta[p] - anchor.value(p) for p in anchor}
+    assert max(float(np.abs(r).max()) for r in rounding.values()) > 1e-4
+    newer = {p: anchor.base[p] - 2.0 for p in anchor}
+    loop._adopt([(0, 1, newer)])
+    after = trainer.params()
+    for p in anchor:
+        np.testing.assert_allclose(after[p], newer[p] + rounding[p], rtol=0, atol=1e-6)
+    progress = loop.progress[0]
+    assert progress.anchor.offset is None and (progress.version, progress.steps) == (1, 0)
+
+
 def test_a_leaving_island_sends_every_fragments_unsent_work_once(corpus_parts):
     """P = 2, H = 8: fragment 0 goes out at step 4 (and would at 12), fragment 1 at step 8.
     Stopping after step 10, the flush sends fragment 0's 6 steps and fragment 1's 2, each from its

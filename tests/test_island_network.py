@@ -46,7 +46,9 @@ def test_merger_and_two_islands_exchange_and_fold(tmp_path, downlink):
         timeout=120,
     )
     ports = free_ports(3)
-    merger = start_bound_merger(tmp_path, init, ports, *downlink)
+    # Each island trains its 120 steps in a few seconds: the first folds' wait for a second island
+    # (round.cold_wait_s) could outlast one island's whole run while the other is still starting.
+    merger = start_bound_merger(tmp_path, init, ports, *downlink, "--cold-wait", "0")
     islands = []
     try:
         run = ["--max-steps", "120", "--eval-every", "60", "--interval", "10"]
