@@ -15,9 +15,8 @@ import numpy as np
 
 from dloco import protocol
 
-# How the island holds what is delta-sized between sends: a fragment's progress at its last send
-# (`Anchor.offset`) and error feedback's residuals (island/uplink.py): int8 in blocks of 256, 1.02
-# bytes per parameter against a float32 copy's 4.  The anchor's rounding is not lost (`advance`).
+# How the island holds a fragment's progress at its last send (`Anchor.offset`): int8 in blocks of
+# 256, 1.02 bytes per parameter against a float32 copy's 4.  Its rounding is not lost (`advance`).
 HELD_CODEC = protocol.Codec("int8", 256)
 
 
