@@ -163,6 +163,8 @@ class MergerSection:
     quorum: int = RoundConfig.quorum
     quorum_timeout_s: float = RoundConfig.quorum_timeout_s
     grace_cap_s: float = RoundConfig.grace_cap_s
+    # a fresh merger's first fold waits at most this long for a second island (merger/outliers.py)
+    cold_wait_s: float = RoundConfig.cold_wait_s
     snapshot_codec: str = SnapshotConfig.snapshot_codec
     snapshot_diff_codec: str = SnapshotConfig.snapshot_diff_codec
     snapshot_full_every: int = SnapshotConfig.snapshot_full_every
@@ -226,5 +228,6 @@ class MergerSection:
                 quorum=self.quorum,
                 quorum_timeout_s=self.quorum_timeout_s,
                 grace_cap_s=self.grace_cap_s,
+                cold_wait_s=self.cold_wait_s,
             ),
         )

@@ -77,10 +77,11 @@ def test_a_cluster_file_that_leaves_keys_out_gets_the_processes_defaults():
         merge.share_window,
     )
     assert (section.outer, section.outer_lr, section.delay) == (outer.kind, outer.lr, outer.delay)
-    assert (section.quorum, section.quorum_timeout_s, section.grace_cap_s) == (
+    assert (section.quorum, section.quorum_timeout_s, section.grace_cap_s, section.cold_wait_s) == (
         rounds.quorum,
         rounds.quorum_timeout_s,
         rounds.grace_cap_s,
+        rounds.cold_wait_s,
     )
     snapshots = SnapshotConfig()
     assert {
@@ -112,3 +113,12 @@ def test_a_lease_is_checked_by_one_rule_with_one_error(lease, capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args([*MERGER, "--lease", str(lease)])
         assert "--lease" in capsys.readouterr().err
+
+
+def test_a_cluster_files_cold_wait_reaches_the_merger_and_is_checked():
+    from dloco.merger.flags import math_flags
+
+    flags = math_flags(MergerSection(cold_wait_s=0.0).math())
+    assert flags[flags.index("--cold-wait") + 1] in ("0.0", "0")
+    with pytest.raises(ConfigError, match="round.cold_wait_s must be >= 0"):
+        MergerSection(cold_wait_s=-1.0)

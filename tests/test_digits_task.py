@@ -200,6 +200,9 @@ fragments = 2
 interval = 20
 
 [merger]
+# each island trains for a few seconds: the first folds' wait for a second island could hold them
+# for the whole run
+cold_wait_s = 0
 max_staleness = 8
 outer_lr = 0.35
 share_window = 8
