@@ -173,7 +173,8 @@ def test_a_merger_and_two_islands_one_at_half_speed_follow_one_budget(tmp_path):
     )
     # two islands' tokens: 80 steps of 8 x 32
     ports, steps, budget = free_ports(3), 80, 2 * 80 * 8 * 32
-    merger = start_bound_merger(tmp_path, init, ports)
+    # islands of seconds: the first folds' wait for a second island could outlast one's run
+    merger = start_bound_merger(tmp_path, init, ports, "--cold-wait", "0")
     islands = []
     try:
         for i, slowdown in enumerate(("1", "2")):
