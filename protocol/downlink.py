@@ -23,7 +23,7 @@ import numpy as np
 
 from dloco.protocol.assembly import decode_slices
 from dloco.protocol.checksum import crc32
-from dloco.protocol.chunking import ChunkPlan, split_fragment
+from dloco.protocol.chunking import ChunkPlan, Encoded, split_fragment
 from dloco.protocol.errors import EncodeError
 from dloco.protocol.quantization import Codec
 
@@ -84,20 +84,51 @@ def diff(
     codec: Codec,
     max_chunk_bytes: int,
 ) -> tuple[Served, list[ChunkPlan]]:
-    """A diff snapshot taking receivers from `served` to (about) `theta` at `version`."""
+    """A diff snapshot taking receivers from `served` to (about) `theta` at `version`.
+
+    The sender's side, a tensor at a time: each change is encoded as soon as it is made, and the
+    served value moves on in place (`served`'s arrays become the new value's), so no copy of the
+    fragment is ever made: a tensor's change and its decoding are the only temporaries.  Every
+    tensor is encoded before any served array changes, so a refused encoding leaves `served`
+    whole."""
     carried = _carried(theta)
     if set(carried) != set(served.tensors) or version <= served.version:
         raise EncodeError(
             f"a diff needs the served tensors and a newer version (served {served.version}, asked"
             f" {version})"
         )
-    change = {path: carried[path] - served.tensors[path] for path in carried}
-    plans = split_fragment(change, codec, max_chunk_bytes)
-    held = apply(
-        served.tensors,
-        _decoded(plans, codec, {path: value.shape for path, value in change.items()}),
-    )
+    encoded = {}
+    for path in sorted(carried):
+        change = np.subtract(carried[path], served.tensors[path], dtype=np.float32)
+        encoded[path] = Encoded(codec.encode(change.reshape(-1)), change.shape)
+        del change
+    plans = split_fragment(encoded, codec, max_chunk_bytes)
+    held = {path: _writable(value) for path, value in served.tensors.items()}
+    _add_decoded(held, plans, codec)
     return Served(version, held, digest(held)), plans
+
+
+def _writable(value: np.ndarray) -> np.ndarray:
+    return value if value.flags.writeable else np.array(value, dtype=np.float32)
+
+
+def _add_decoded(held: dict[str, np.ndarray], plans: list[ChunkPlan], codec: Codec) -> None:
+    """held += the change `plans` carry, decoded slice by slice as a receiver decodes them
+    (`decode_slices`) and added in float32 a tensor at a time (tensors are whole in consecutive
+    slices: `split_fragment` packs them in path order)."""
+    pieces = [
+        (item, payload) for plan in plans for item, payload in zip(plan.slices, plan.payloads)
+    ]
+    start = 0
+    while start < len(pieces):
+        path = pieces[start][0].path
+        end = start
+        while end < len(pieces) and pieces[end][0].path == path:
+            end += 1
+        value = held[path]
+        change = decode_slices(codec, {path: value.shape}, pieces[start:end])[path]
+        np.add(value, change, out=value, dtype=np.float32)
+        start = end
 
 
 def reply(served: Served, preferred: Codec, max_chunk_bytes: int) -> tuple[Codec, list[ChunkPlan]]:

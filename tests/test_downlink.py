@@ -235,3 +235,51 @@ def test_a_snapshot_header_carries_base_and_digest_only_for_diffs():
         # and the encoder never emits it
         with pytest.raises(protocol.EncodeError, match="refused by its receivers"):
             snapshot_frames([plan], 2, protocol.Codec("fp32"), base=base, digest=digest)
+
+
+def test_the_senders_diff_moves_the_served_value_in_place_a_tensor_at_a_time():
+    """The merger's side of a diff of eight 1 MiB tensors through 64 KiB chunks: its served value is
+    what a receiver decodes from the chunks and adds, bit for bit; the served arrays are updated
+    where they lie; and what the diff allocates is the encodings plus about one tensor's change and
+    decoding (tracemalloc sees numpy's buffers), not the fragment twice."""
+    import tracemalloc
+
+    rng = np.random.default_rng(11)
+    shapes = {f"t{i}": (256, 1024) for i in range(8)}
+    theta = {p: rng.standard_normal(s).astype(F32) for p, s in shapes.items()}
+    int4 = protocol.Codec("int4")
+    served, _ = downlink.full(
+        {p: v + rng.standard_normal(v.shape).astype(F32) for p, v in theta.items()},
+        0,
+        protocol.Codec("fp32"),
+        1 << 16,
+    )
+    before = {p: v.copy() for p, v in served.tensors.items()}
+    arrays = {p: id(v) for p, v in served.tensors.items()}
+    tracemalloc.start()
+    new, plans = downlink.diff(theta, served, 1, int4, 1 << 16)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    received = downlink.apply(before, downlink._decoded(plans, int4, shapes))
+    assert all(new.tensors[p].tobytes() == received[p].tobytes() for p in shapes)
+    assert new.digest == downlink.digest(received) and new.version == 1
+    assert {p: id(v) for p, v in new.tensors.items()} == arrays
+    tensor, fragment = 1 << 20, 8 << 20
+    encodings = sum(p.nbytes for p in plans)
+    assert peak < encodings + 3 * tensor < fragment
+
+
+def test_a_diff_that_cannot_be_encoded_leaves_the_served_value_whole():
+    """A NaN in the last tensor: every tensor is encoded before any served array moves."""
+    served, _ = downlink.full(
+        {"a": np.zeros(8, F32), "b": np.zeros(8, F32)}, 0, protocol.Codec("fp32"), 1 << 20
+    )
+    with pytest.raises(protocol.EncodeError):
+        downlink.diff(
+            {"a": np.ones(8, F32), "b": np.array([np.nan] + [1.0] * 7, F32)},
+            served,
+            1,
+            protocol.Codec("int8", block=8),
+            1 << 20,
+        )
+    assert not served.tensors["a"].any() and not served.tensors["b"].any()
