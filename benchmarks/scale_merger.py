@@ -189,13 +189,18 @@ def _round(
     published, folds).  Ingest runs from the first chunk taken off the socket to the last fold
     computed and durable; the announcement is the snapshot diffs and the acks."""
 
+    folds = []
+
     def handle(frames: list) -> None:
         service.receiver.on_delta_frames(frames)
+        # as the service's loop: folds computed by now are installed (their fragment's previous
+        # state let go) before more start; their announcement is timed apart, below
+        folds.extend(service.pipeline.finished())
         # the fold computes on while the next chunks are taken
         service.pipeline.dispatch(time.monotonic())
 
     _, receive_s = receive_timed(service.delta_sub, expected, handle)
-    began, folds = time.perf_counter(), []
+    began = time.perf_counter()
     while service.pipeline.in_flight or any(service.core.pending):
         folds.extend(service.pipeline.finished(wait=True))
         # nothing more is coming: every pending delta folds now

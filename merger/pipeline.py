@@ -14,7 +14,9 @@ then logs, publishes the snapshot and acknowledges.  The worker signals each fin
 inproc socket the service polls, so it is noticed at once without busy polling.  The worker never
 writes the core: `finished()` installs a fold's state on the loop's thread once it is durable, so
 `MergerCore.states` (what catch-up requests and checkpoints get) never shows a fold a crash could
-lose; a checkpoint waits until nothing is in flight.  After a failed fold the pipeline stops
+lose; a checkpoint waits until nothing is in flight.  Each computed fold holds its fragment's new
+parameters and optimizer state beside the installed ones until then, so the worker computes the
+next fold only once the last one is installed (`HELD_COMPUTED`).  After a failed fold the pipeline stops
 (`failed`): the service must not checkpoint, the log alone says what happened.  A fragment has
 at most one fold in flight, so the version islands base their deltas on is never more than one
 behind the merger's (a stall — a kernel compiling — delays folds instead of making deltas
@@ -36,6 +38,12 @@ from dloco.merger.core import MergerCore
 from dloco.merger.fold import FoldReport, FragmentState
 from dloco.merger.rounds import StartedFold
 from dloco.merger.wal import WriteAheadLog
+
+
+# Computed folds not yet installed that the worker lets wait before it computes the next (each holds
+# a fragment's state a second time: while the loop receives, unbounded, they added up to most of the
+# model's state again).
+HELD_COMPUTED = 1
 
 
 @dataclasses.dataclass
@@ -83,6 +91,9 @@ class FoldPipeline:
         # called with a fold's log ticket before it is announced (replication: the standby has it)
         self.barrier = None
         self._work: queue.Queue[Fold | None] = queue.Queue()
+        # folds computed and not yet installed (`HELD_COMPUTED`), and whether closing
+        self._room = threading.Condition()
+        self._computed, self._closing = 0, False
         self._worker = threading.Thread(target=self._compute_each, name="fold-worker", daemon=True)
         self._worker.start()
 
@@ -105,7 +116,9 @@ class FoldPipeline:
 
     def finished(self, wait: bool = False) -> list[Fold]:
         """Folds computed by now (every one in flight with wait=True), oldest first, with the log
-        durable over them: from here on they may be announced.  A fold that failed re-raises."""
+        durable over them: from here on they may be announced.  Each is installed as soon as it is
+        durable, so the worker may compute the next one (`HELD_COMPUTED`).  A fold that failed
+        re-raises."""
         if self.signal is not None:
             while self.signal.poll(0):
                 self.signal.recv()
@@ -119,13 +132,15 @@ class FoldPipeline:
                 self.failed = fold.error
                 raise fold.error
             done.append(self.in_flight.popleft())
-        if done and self.wal is not None:
-            # durable before anyone is told
-            self.wal.wait_durable(done[-1].durable)
-            if self.barrier is not None:
-                self.barrier(done[-1].durable)
-        for fold in done:
+            if self.wal is not None:
+                # durable before anyone is told
+                self.wal.wait_durable(fold.durable)
             self.core.install(fold.fragment, fold.state, fold.report)
+            with self._room:
+                self._computed -= 1
+                self._room.notify()
+        if done and self.barrier is not None:
+            self.barrier(done[-1].durable)
         return done
 
     def close(self) -> list[Fold]:
@@ -134,6 +149,9 @@ class FoldPipeline:
         try:
             return self.finished(wait=True) if self.failed is None else []
         finally:
+            with self._room:
+                self._closing = True
+                self._room.notify()
             self._work.put(None)
             self._worker.join(timeout=60)
             for socket in (self._notify, self.signal):
@@ -143,10 +161,15 @@ class FoldPipeline:
 
     def _compute_each(self) -> None:
         while (fold := self._work.get()) is not None:
+            with self._room:
+                while self._computed >= HELD_COMPUTED and not self._closing:
+                    self._room.wait()
             began = time.perf_counter()
             try:
                 fold.state, fold.report = self.core.compute_fold(fold.started)
                 jax.block_until_ready(list(fold.state.params.values()))
+                with self._room:
+                    self._computed += 1
             # handed to the loop's thread, which raises it
             except BaseException as error:
                 fold.error = error

@@ -130,3 +130,46 @@ def test_the_worker_never_installs_a_fold_before_it_is_announced(tmp_path):
     assert core.states[0] is fold.state and fold.state.version == 1 and wal.durable >= fold.durable
     pipeline.close()
     wal.close()
+
+
+def test_the_worker_computes_the_next_fold_once_the_last_one_is_installed(tmp_path):
+    """Each computed fold holds its fragment's new state beside the installed one: the worker lets
+    one wait at a time (HELD_COMPUTED), so a loop busy elsewhere never has the model's state held
+    twice over.  Fragments 0 and 1 fold; nothing is installed until `finished()`."""
+    core, wal = new_core(tmp_path)
+    pipeline = FoldPipeline(core, wal)
+    for fragment in (0, 1):
+        chunks = delta_chunks(core.fragments[fragment], "a", fragment + 1, fragment, 0, seed=5)
+        core.submit(assemble(chunks), now=0.0)
+    pipeline.dispatch(now=0.0)
+    first, second = pipeline.in_flight
+    assert first.done.wait(60)
+    # waits for the first one's install (a wrong worker computes this small fold in milliseconds)
+    assert not second.done.wait(2.0)
+    (fold,) = pipeline.finished()
+    assert fold is first and core.states[0] is first.state
+    assert pipeline.finished(wait=True) == [second] and core.states[1] is second.state
+    pipeline.close()
+    wal.close()
+
+
+def test_closing_after_a_failed_fold_does_not_wait_for_an_install(tmp_path, monkeypatch):
+    """A fold computed after a failed one is never installed: closing still ends the worker."""
+    core, wal = new_core(tmp_path)
+    pipeline = FoldPipeline(core, wal)
+    compute = core.compute_fold
+
+    def first_fails(started):
+        if started.fragment == 0:
+            raise RuntimeError("kernel failed")
+        return compute(started)
+
+    monkeypatch.setattr(core, "compute_fold", first_fails)
+    for fragment in (0, 1):
+        chunks = delta_chunks(core.fragments[fragment], "a", fragment + 1, fragment, 0, seed=6)
+        core.submit(assemble(chunks), now=0.0)
+    pipeline.dispatch(now=0.0)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        pipeline.finished(wait=True)
+    assert pipeline.close() == [] and not pipeline._worker.is_alive()
+    wal.close()
