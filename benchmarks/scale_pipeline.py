@@ -24,8 +24,10 @@ five stages that run one after the other, so that each is timed alone:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
+import os
 import tempfile
 import threading
 import time
@@ -49,6 +51,7 @@ from dloco.island.outbox import PendingDelta
 from dloco.island.shaper import LinkShaper
 from dloco.island.snapshots import Downlink, reassembly_budget, snapshot_reassembler
 from dloco.island.uplink import Uplink
+from dloco.merger.memory import with_huge_pages
 from dloco.protocol.errors import DlocoError
 from dloco.protocol.reassembly import CHUNK_OVERHEAD_BYTES, SLICE_OVERHEAD_BYTES
 
@@ -210,6 +213,19 @@ class _Island:
             self.sub.recv_multipart()
 
 
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """os.environ is `env` within (a spawned process starts with it), as it was after."""
+    before = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 def measure(shapes: dict, fragments: int, reps: int, log: Callable[[str], None]) -> dict:
     """Join, one warm-up round, `reps` timed rounds.  Returns each stage's seconds per round, the
     merger's resident memory (KiB: at the start, its peak, each phase's rise) and what the joins
@@ -237,7 +253,9 @@ def measure(shapes: dict, fragments: int, reps: int, log: Callable[[str], None])
                 run_dir,
             ),
         )
-        merger.start()
+        # as `dloco up` starts a merger: its mapped blocks in huge pages (merger/memory.py)
+        with _environment(with_huge_pages(dict(os.environ))):
+            merger.start()
         try:
             island = _Island(context, shapes, fragments, endpoint[0], ports[2])
             _expect(conn, merger, "ready")

@@ -16,6 +16,7 @@ import yaml
 
 from dloco.cluster import monitoring, topology
 from dloco.cluster.config import ClusterConfig
+from dloco.merger.memory import with_huge_pages
 from dloco.protocol.errors import ConfigError, require
 
 # the run directory inside every container (a volume)
@@ -207,6 +208,9 @@ def _service(
         # a copy each: no YAML anchors
         "logging": {**LOGGING, "options": dict(LOGGING["options"])},
     }
+    # its mapped blocks in huge pages (merger/memory.py)
+    if command[0] == "merger":
+        spec["environment"] = with_huge_pages(spec["environment"])
     # they build the task
     if command[0] in ("island", "evaluator"):
         spec["volumes"] += input_volumes

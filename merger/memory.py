@@ -1,22 +1,24 @@
-"""Keep freed memory in the merger process instead of handing it back to the kernel after every
-fold.
+"""How the merger process uses memory: freed small blocks are kept, large ones given back at once.
 
 A fold allocates the fragment's new parameters and momentum (two float32 copies of the fragment)
-and frees the previous ones; reassembly allocates a buffer per delta.  glibc's malloc serves
-blocks above its mmap threshold (128 KiB, rising dynamically to at most 32 MiB) with a fresh
-mmap and trims freed heap tops back to the kernel, so with its defaults every fold touches tens of
-megabytes of new pages: one minor page fault per 4 KiB.  On the ingest benchmark's fragment (4 int4
-deltas x 6.3 M parameters, one core) a fold takes 37-45 ms with glibc's defaults and 26-29 ms with
-these settings (docs/benchmarks-archive.md).
+and frees the previous ones; reassembly allocates a buffer per delta; a snapshot diff a tensor's
+change.  Two costs pull apart:
 
-`keep_freed_memory` raises the mmap threshold to glibc's maximum (32 MiB: larger blocks are still
-mapped fresh — a fragment tensor above 8 M parameters pays the faults anyway) and lets the heap
-keep up to `trim_threshold` bytes of freed memory.  The cost is resident memory the process no
-longer needs at that moment, bounded by that threshold per malloc arena; and it makes every
-thread share one arena (glibc gives each thread that contends its own, up to 8 per core: the
-receiving thread, the fold worker, XLA's and the codec's threads each kept their own freed
-fragments).  On `dloco bench scale` at 200 M parameters one arena took the merger's peak from 32.2
-to 26.0 bytes per parameter, its ingest no slower (BENCHMARKS.md, "Cost of model size").
+- page faults: a block mapped fresh is faulted in a page at a time (4 KiB; with glibc's defaults
+  every fold touches tens of megabytes of new pages, 37-45 ms a fold on the ingest benchmark's
+  fragment against 26-29 ms with its freed memory kept: docs/benchmarks-archive.md);
+- holes: a heap gives memory back only from its top, so large blocks freed in its middle stay
+  resident.  With every block up to 32 MiB on the heap, `dloco bench scale` at 200 M parameters
+  (tensors of 16 MB) peaked at 24.6-25.2 bytes per parameter for 12.7 in use.
+
+`keep_freed_memory` maps blocks of `MMAP_THRESHOLD` (1 MiB) and more on their own, so freeing one
+gives it back whole, and lets the heap keep up to `trim_threshold` bytes of freed smaller blocks.
+It makes every thread share one arena (glibc gives each thread that contends its own, up to 8 per
+core, each keeping its own freed blocks).  Mapped blocks are faulted in cheaply when the process
+starts with `HUGE_PAGES` in GLIBC_TUNABLES (glibc 2.35+: transparent huge pages of 2 MiB for its
+mapped blocks, 512 times fewer faults); `dloco up` and compose start the merger so
+(`with_huge_pages`); a merger started by hand wants the variable too.  On the same benchmark:
+19.2-19.5 bytes per parameter at peak, ingest within 5 % (BENCHMARKS.md, "Cost of model size").
 Elsewhere than glibc (macOS, musl) it does nothing and says so.
 """
 
@@ -24,13 +26,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 
 # glibc <malloc.h>
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -2, -3, -8
-# glibc refuses more on 64-bit (HEAP_MAX_SIZE / 2)
-MMAP_THRESHOLD_MAX = 32 << 20
-# freed bytes a heap may keep (the benchmark's fragments free ~50 MB per fold)
-TRIM_THRESHOLD = 512 << 20
+# blocks this large and larger are mapped on their own: given back whole when freed
+MMAP_THRESHOLD = 1 << 20
+# freed bytes of smaller blocks the heap may keep
+TRIM_THRESHOLD = 64 << 20
 # grow the heap in steps this large, fewer brk calls
 TOP_PAD = 64 << 20
 # every thread allocates from the main heap (the merger's allocations are few and large: measured no
@@ -46,9 +49,26 @@ def keep_freed_memory(trim_threshold: int = TRIM_THRESHOLD) -> bool:
     if mallopt is None:
         return False
     settings = (
-        (M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX),
+        (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
         (M_TRIM_THRESHOLD, trim_threshold),
         (M_TOP_PAD, TOP_PAD),
         (M_ARENA_MAX, ARENAS),
     )
     return all(mallopt(option, value) == 1 for option, value in settings)
+
+
+# glibc's tunable that advises transparent huge pages for the blocks it maps (read at start only)
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+
+
+def with_huge_pages(env: dict[str, str]) -> dict[str, str]:
+    """`env` with HUGE_PAGES added to its GLIBC_TUNABLES (others kept): for a process to start."""
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+    if HUGE_PAGES not in tunables:
+        tunables.append(HUGE_PAGES)
+    return {**env, "GLIBC_TUNABLES": ":".join(tunables)}
+
+
+def huge_pages() -> bool:
+    """Whether this process started with HUGE_PAGES."""
+    return HUGE_PAGES in os.environ.get("GLIBC_TUNABLES", "").split(":")
