@@ -26,21 +26,22 @@ MERGER_PHASES = {
         " lie)"
     ),
     "warm_up": (
-        "compiling the fold kernels and taking each fragment's outer step once (its new parameters"
-        " and momentum, thrown away; the allocator keeps what is freed)"
+        "compiling the fold kernels and taking each fragment's outer step once (a device copy of its"
+        " initial values, its new parameters and momentum and the kernels' working arrays, thrown"
+        " away)"
     ),
     "join": (
         "the full snapshots: each fragment encoded in fp32 and decoded as the value served (4"
         " B/param kept)"
     ),
     "ingest": (
-        "the rounds on top of the state (parameters, momentum and served value: 12 B/param): a"
-        " fold's new parameters and momentum beside the old, the diff's copies, and the freed"
-        " memory the allocator keeps (merger/memory.py: up to 512 MiB, one heap for every thread)"
+        "the rounds on top of the state (parameters, momentum and served value: 12 B/param): one"
+        " fold at a time computed beside the installed state (merger/pipeline.py), each with its"
+        " fragment's new parameters and momentum, the merged direction and the pseudo-gradient,"
+        " and the first fold's device copy of the initial values; the deltas in flight"
     ),
     "announce": (
-        "the snapshot diffs (a host copy of the fragment, the change, its codes, the new served"
-        " value)"
+        "the snapshot diffs, a tensor at a time (its change and decoding) and the fragment's codes"
     ),
 }
 ISLAND_STRUCTURES = {
