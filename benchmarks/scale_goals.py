@@ -26,9 +26,9 @@ MERGER_PHASES = {
         " lie)"
     ),
     "warm_up": (
-        "compiling the fold kernels and taking each fragment's outer step once (a device copy of its"
-        " initial values, its new parameters and momentum and the kernels' working arrays, thrown"
-        " away)"
+        "compiling the fold kernels and taking each fragment's outer step once (a device copy of"
+        " its initial values, its new parameters and momentum and the kernels' working arrays,"
+        " thrown away)"
     ),
     "join": (
         "the full snapshots: each fragment encoded in fp32 and decoded as the value served (4"

@@ -16,11 +16,11 @@ writes the core: `finished()` installs a fold's state on the loop's thread once 
 `MergerCore.states` (what catch-up requests and checkpoints get) never shows a fold a crash could
 lose; a checkpoint waits until nothing is in flight.  Each computed fold holds its fragment's new
 parameters and optimizer state beside the installed ones until then, so the worker computes the
-next fold only once the last one is installed (`HELD_COMPUTED`).  After a failed fold the pipeline stops
-(`failed`): the service must not checkpoint, the log alone says what happened.  A fragment has
-at most one fold in flight, so the version islands base their deltas on is never more than one
-behind the merger's (a stall — a kernel compiling — delays folds instead of making deltas
-stale).
+next fold only once the last one is installed (`HELD_COMPUTED`).  After a failed fold the
+pipeline stops (`failed`): the service must not checkpoint, the log alone says what happened.  A
+fragment has at most one fold in flight, so the version islands base their deltas on is never
+more than one behind the merger's (a stall — a kernel compiling — delays folds instead of making
+deltas stale).
 """
 
 from __future__ import annotations

@@ -62,8 +62,8 @@ def test_freed_blocks_are_reused_without_page_faults():
     )
 
 
-# Two threads alive at once, taking turns: each allocates 64 MiB in 512 KiB blocks (heap blocks, under
-# the mmap threshold), writes them and frees them.  Prints how far the resident set rose.
+# Two threads alive at once, taking turns: each allocates 64 MiB in 512 KiB blocks (heap blocks,
+# under the mmap threshold), writes them and frees them.  Prints how far the resident set rose.
 TURNS = """
 import sys, threading
 import numpy as np
