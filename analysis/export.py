@@ -89,12 +89,15 @@ def latest_saved(run_dir: Path) -> dict | None:
 
 
 def combine(saved: list[dict]) -> dict:
-    """Several shards' checkpoints as one: every fragment at its highest version; the digests
-    joined."""
+    """Several shards' checkpoints as one: every fragment from the shard that holds it (a shard
+    holds its own fragments only; logs written before that hold the others unfolded) at its
+    highest version; the digests joined."""
     if len(saved) == 1:
         return saved[0]
     fragments = [
-        max((s["fragments"][i] for s in saved), key=lambda f: int(f["version"]))
+        max(
+            (s["fragments"][i] for s in saved), key=lambda f: (bool(f["params"]), int(f["version"]))
+        )
         for i in range(len(saved[0]["fragments"]))
     ]
     return {**saved[0], "fragments": fragments, "digest": "+".join(str(s["digest"]) for s in saved)}

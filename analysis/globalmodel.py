@@ -122,15 +122,29 @@ def states_at(run_dir: Path, walls: list[float]) -> list[dict[str, np.ndarray] |
         for shard, directory in enumerate(directories)
     ]
     found: list[dict[str, np.ndarray] | None] = []
+    initial: dict[int, list] = {}
     for at in range(len(walls)):
         held = [states[at] for states in by_shard]
         if all(states is None for states in held):
             found.append(None)
             continue
-        # a shard holds the others' fragments at their start
-        any_held = next(states for states in held if states is not None)
-        found.append(_params([(held[f % len(held)] or any_held)[f] for f in range(len(any_held))]))
+        fragments = len(next(states for states in held if states is not None))
+        found.append(_params([_of_owner(held, f, directories, initial) for f in range(fragments)]))
     return found
+
+
+def _of_owner(held: list, fragment: int, directories: list[Path], initial: dict[int, list]):
+    """`fragment`'s state from the shard that folds it (`held`: each shard's states, None before its
+    first fold), at its start where that shard has not folded yet (its genesis record: a shard
+    holds no other shard's fragment)."""
+    from dloco.merger.recovery import initial_states
+
+    owner = fragment % len(held)
+    if held[owner] is not None:
+        return held[owner][fragment]
+    if owner not in initial:
+        initial[owner] = initial_states(directories[owner])
+    return initial[owner][fragment]
 
 
 def _replayed_states(

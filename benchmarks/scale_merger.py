@@ -33,9 +33,9 @@ from dloco import protocol
 from dloco.benchmarks.scale_model import PeakRises, init_params
 from dloco.benchmarks.timing import receive_timed
 from dloco.merger.config import MergerConfig, RoundConfig, SnapshotConfig
-from dloco.merger.core import initial_core
 from dloco.merger.memory import keep_freed_memory
 from dloco.merger.service import MergerService, ServiceConfig
+from dloco.merger.starting import initial_core
 
 # between probes of a bus whose subscriptions may not have arrived yet
 PROBE_S = 0.02

@@ -1,6 +1,7 @@
 """The merger's state machine: admit, log, decide, fold.  No sockets and no clock reads.
 
-`MergerCore` owns the global model (one `FragmentState` per fragment) and applies the pure core
+`MergerCore` owns the global model (one `FragmentState` per fragment; a merger shard's core holds
+values for its own fragments only, and empty states for the others) and applies the pure core
 (`admission`, `round_policy`, `rounds`, `fold`).  It writes every admitted delta to the write-ahead
 log *before* it can be folded, and a fold record naming the round's members after each fold, so the
 log alone determines the model: replay and crash recovery feed the same records back through
@@ -36,8 +37,6 @@ from dloco.protocol import (
     Codec,
     DeltaResult,
     DlocoError,
-    model_fingerprint,
-    partition,
 )
 
 
@@ -66,12 +65,14 @@ class MergerCore:
         self.fragments = [list(f) for f in fragments]
         self.optimizer = outer_optimizer(config.outer)
         self._step = make_step(self.optimizer)
+        held = records.held_fragments(self.fragments, params)
         self.layouts = [
-            {path: tuple(np.shape(params[path])) for path in paths} for paths in self.fragments
+            {path: tuple(np.shape(params[path])) for path in paths} if mine else {}
+            for paths, mine in zip(self.fragments, held)
         ]
         self.states = [
-            init_state({path: params[path] for path in paths}, self.optimizer)
-            for paths in self.fragments
+            init_state({path: params[path] for path in paths} if mine else {}, self.optimizer)
+            for paths, mine in zip(self.fragments, held)
         ]
         self.queues = RoundQueues(len(self.fragments), config.round)
         # fragment -> version of its latest started fold
@@ -94,7 +95,7 @@ class MergerCore:
         # such
         self.cursors: dict[str, tuple[int, int]] = {}
         # a merger shard's fragments (None: every one); others are rejected
-        self.owned: frozenset[int] | None = None
+        self.owned = None if all(held) else frozenset(i for i, mine in enumerate(held) if mine)
         if log is not None and log.next_index == 0:
             log.append(*records.genesis_record(config.to_dict(), model, self.fragments, params))
 
@@ -329,9 +330,9 @@ class MergerCore:
         fragment's outer step, ahead of the first deltas (merger/warmup.py; `codec`: the islands'
         default).  Results are thrown away; safe on another thread; `stopping()` true: return
         before the next compilation."""
-        warm_up_folds(
-            self.optimizer, list(self.states), self.layouts, self.config.merge, codec, stopping
-        )
+        mine = [f for f, layout in enumerate(self.layouts) if layout]
+        states, layouts = [self.states[f] for f in mine], [self.layouts[f] for f in mine]
+        warm_up_folds(self.optimizer, states, layouts, self.config.merge, codec, stopping)
 
     def digest(self) -> str:
         return records.params_digest(self.states)
@@ -390,11 +391,3 @@ class MergerCore:
         self.settled[key] = result
         while len(self.settled) > self.remember:
             self.settled.popitem(last=False)
-
-
-def initial_core(config: MergerConfig, params: dict[str, np.ndarray], fragments: int):
-    """A factory for a fresh core: partition by bytes, fingerprint, genesis logged on creation."""
-    shapes = {path: tuple(a.shape) for path, a in params.items()}
-    parts = partition(shapes, fragments)
-    model = model_fingerprint(params)
-    return lambda wal: MergerCore(config, model, parts, params, log=wal)

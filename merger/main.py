@@ -6,8 +6,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from dloco.cliargs import from_args
 from dloco.merger.config import (
     ConfigError,
@@ -44,22 +42,20 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
 def run_merger(args: argparse.Namespace) -> int:
     import zmq
 
-    from dloco.merger.core import initial_core
     from dloco.merger.memory import keep_freed_memory
     from dloco.merger.roles import run_merger_roles
+    from dloco.merger.starting import initial_core, load_initial
+    from dloco.protocol.shards import parse as parse_shard
 
-    # folds reuse freed pages instead of faulting in fresh ones (merger/memory.py)
+    # small freed blocks kept for the next folds, large ones given back (merger/memory.py)
     keep_freed_memory()
     try:
         config = merger_config(args)
         factory = None
         if args.init_npz is not None:
-            with np.load(args.init_npz) as data:
-                factory = initial_core(
-                    config,
-                    {path: data[path].astype(np.float32) for path in data.files},
-                    args.fragments,
-                )
+            # a shard reads the values of its own fragments only
+            params, shapes = load_initial(args.init_npz, args.fragments, *parse_shard(args.shard))
+            factory = initial_core(config, params, args.fragments, shapes)
         elif not (args.run_dir / "wal").exists() and not (args.standby_of or args.peer):
             raise ConfigError(
                 f"{args.run_dir} holds no log to resume; give --init-npz to start a new run"

@@ -39,7 +39,6 @@ from dloco.merger.fold import FoldReport, FragmentState
 from dloco.merger.rounds import StartedFold
 from dloco.merger.wal import WriteAheadLog
 
-
 # Computed folds not yet installed that the worker lets wait before it computes the next (each holds
 # a fragment's state a second time: while the loop receives, unbounded, they added up to most of the
 # model's state again).

@@ -176,8 +176,12 @@ class SnapshotPublisher:
         a request beyond it is refused (counted), so no peer keeps the loop encoding whole
         fragments."""
         budget = self.catch_up_budgets.setdefault(identity, CatchUpBudget(len(self.core.fragments)))
+        owned = self.core.owned
         for fragment in fragments:
             if fragment >= len(self.core.fragments):
+                continue
+            if owned is not None and fragment not in owned:
+                self.count("merger/catch_up_other_shard")
                 continue
             if not budget.take(time.monotonic()):
                 self.count("merger/rejected/catch_up_rate")

@@ -43,6 +43,22 @@ def software_mismatch(genesis: dict) -> str | None:
     )
 
 
+def held_fragments(
+    fragments: Sequence[Sequence[str]], params: Mapping[str, np.ndarray]
+) -> list[bool]:
+    """Which fragments `params` holds every tensor of (a merger shard is given its own only); one
+    given in part is an error."""
+    held = []
+    for index, paths in enumerate(fragments):
+        given = sum(path in params for path in paths)
+        if 0 < given < len(paths):
+            raise ValueError(
+                f"the initial values hold {given} of fragment {index}'s {len(paths)} tensors"
+            )
+        held.append(given == len(paths))
+    return held
+
+
 def genesis_record(
     config: dict, model: str, fragments: Sequence[Sequence[str]], params: Mapping[str, np.ndarray]
 ) -> tuple[dict, list[tuple[memoryview, None]]]:

@@ -73,6 +73,12 @@ def _genesis(run_dir: Path) -> dict:
     raise ReplayError(f"{wal_dir(run_dir)}: the log is empty")
 
 
+def initial_states(run_dir: str | Path) -> list:
+    """Each fragment's state as the run's log starts it (its genesis record; a shard's holds its
+    own fragments only)."""
+    return MergerCore.from_genesis(_genesis(Path(run_dir))).states
+
+
 def recover(run_dir: str | Path, log: Log | None = None) -> MergerCore:
     """The state the merger had after its last logged record.  `log` is attached afterwards."""
     run_dir = Path(run_dir)

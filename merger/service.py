@@ -96,6 +96,11 @@ class MergerService:
         self.context, self.delta_sub = sockets.context, sockets.delta_sub
         self.snapshot_pub, self.control = sockets.snapshot_pub, sockets.control
         self.owned = sockets.owned
+        if self.core.owned not in (None, frozenset(self.owned)):
+            raise ConfigError(
+                f"{config.run_dir}'s log holds fragments {sorted(self.core.owned)} only; shard"
+                f" {config.shard}/{config.shards} folds {self.owned}"
+            )
         self.core.owned = frozenset(self.owned) if config.shards > 1 else None
         self.pipeline = FoldPipeline(self.core, self.wal, self.context)
         self.replication, self.fenced = None, None
