@@ -92,7 +92,12 @@ class MergerService:
             decode=False,
             max_sender_bytes=config.reassembly_bytes // 2,
         )
-        sockets = open_sockets(config, len(self.core.fragments), self.log)
+        sockets = open_sockets(
+            config,
+            len(self.core.fragments),
+            self.log,
+            sum(math.prod(shape) for layout in self.core.layouts for shape in layout.values()),
+        )
         self.context, self.delta_sub = sockets.context, sockets.delta_sub
         self.snapshot_pub, self.control = sockets.snapshot_pub, sockets.control
         self.owned = sockets.owned

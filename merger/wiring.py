@@ -37,12 +37,23 @@ class Sockets:
     owned: list[int]
 
 
-def open_sockets(config, fragments: int, log) -> Sockets:
+def snapshot_send_hwm(values: int, max_chunk_bytes: int) -> int:
+    """Messages the snapshot socket queues before it drops any: every fragment's full fp32 snapshot
+    at once (a join publishes them together: past ZeroMQ's default of 1000 messages, a model above
+    ~260 M parameters could lose part of its join, and `dloco bench scale` at 350 M never received
+    it whole), plus the default.  The queued frames are the snapshots' own (sent without copying),
+    so this bounds what a join holds."""
+    return 1000 + -(-4 * values // max_chunk_bytes)
+
+
+def open_sockets(config, fragments: int, log, values: int = 0) -> Sockets:
     """The merger's sockets in a new context; `fragments`: the model's count (a shard subscribes to
-    its own only)."""
+    its own only); `values`: the parameters it holds (its snapshot socket's queue)."""
     context = zmq.Context()
 
-    def socket(kind: int, endpoint: str, server: str, domain: str, receive_hwm=None) -> zmq.Socket:
+    def socket(
+        kind: int, endpoint: str, server: str, domain: str, receive_hwm=None, send_hwm=None
+    ) -> zmq.Socket:
         return open_socket(
             context,
             kind,
@@ -51,6 +62,7 @@ def open_sockets(config, fragments: int, log) -> Sockets:
             server,
             domain=domain,
             receive_hwm=receive_hwm,
+            send_hwm=send_hwm,
             report=lambda message: log.warning("auth_refused", detail=message),
         )
 
@@ -67,13 +79,21 @@ def open_sockets(config, fragments: int, log) -> Sockets:
     for topic in shards.subscriptions(config.shard, config.shards, fragments):
         delta_sub.setsockopt(zmq.SUBSCRIBE, topic)
     # islands subscribe here themselves (no broker): what they may make it hold is budgeted
+    send_hwm = snapshot_send_hwm(values, config.max_chunk_bytes)
     if config.snapshot_endpoint.startswith("@") and not config.security.insecure:
         snapshot_pub = BudgetedXPUB(
-            lambda: budgeted_xpub(socket, config.snapshot_endpoint), context, log, "snapshot"
+            lambda: budgeted_xpub(socket, config.snapshot_endpoint, send_hwm),
+            context,
+            log,
+            "snapshot",
         )
     else:
         snapshot_pub = socket(
-            zmq.PUB, config.snapshot_endpoint, server="broker", domain="snapshot-out"
+            zmq.PUB,
+            config.snapshot_endpoint,
+            server="broker",
+            domain="snapshot-out",
+            send_hwm=send_hwm,
         )
     control = socket(zmq.ROUTER, config.control_endpoint, server=config.sender, domain="control")
     # an unknown island is an error we count, not a silent drop
@@ -82,9 +102,9 @@ def open_sockets(config, fragments: int, log) -> Sockets:
     return Sockets(context, delta_sub, snapshot_pub, control, owned)
 
 
-def budgeted_xpub(socket, endpoint: str) -> zmq.Socket:
+def budgeted_xpub(socket, endpoint: str, send_hwm: int) -> zmq.Socket:
     """The merger's own snapshot socket when it binds with CURVE: every subscription reaches it."""
-    made = socket(zmq.XPUB, endpoint, server="broker", domain="snapshot-out")
+    made = socket(zmq.XPUB, endpoint, server="broker", domain="snapshot-out", send_hwm=send_hwm)
     made.setsockopt(zmq.XPUB_VERBOSE, 1)
     return made
 
