@@ -162,17 +162,18 @@ def guard(
     norms: Sequence[float],
     caps: Mapping[str, float],
     allowed: Sequence[float] | None = None,
-) -> tuple[list[Contribution], list[float], list[str]]:
+) -> tuple[list[Contribution], list[float], list[str], list[float]]:
     """What each island's part of a fold may move the fragment: its weight times its delta's norm
     (`norms`: fold's `part_norm`), at most `caps[island]` (merger/outliers.py: a multiple of the
     other islands' recent movements).  `allowed`: the norm each part may have before its cap is
     applied (`part_allowed`: each of its deltas counted at most at a limit; None: its norm).  A part
-    past either is scaled down to it (its values float32 from then on).  Returns the members, each
-    one's movement as the history records it (after its cap, before `allowed`: a limit that cuts an
-    honest island's early deltas must not lower every reference after it), and the islands
-    clipped.
+    past either is scaled down to it: a coded tensor by its block scales (it stays coded, so the
+    fold stays on codes: merger/coded.py), any other in float32.  Returns the members, each one's
+    movement as the history records it (after its cap, before `allowed`: a limit that cuts an
+    honest island's early deltas must not lower every reference after it), the islands clipped,
+    and the factor each member was scaled by (1: kept whole).
     """
-    out, movements, clipped = [], [], []
+    out, movements, clipped, factors = [], [], [], []
     for i, (member, weight, norm) in enumerate(zip(members, w, norms)):
         kept = min(1.0, allowed[i] / norm) if allowed is not None and norm > 0 else 1.0
         movement = weight * norm
@@ -184,12 +185,21 @@ def guard(
         if kept < 1.0:
             scale = np.float32(kept)
             member = dataclasses.replace(
-                member, tensors={p: _float(t) * scale for p, t in member.tensors.items()}
+                member, tensors={p: _scaled(t, scale) for p, t in member.tensors.items()}
             )
             clipped.append(member.island)
         out.append(member)
         movements.append(float(movement))
-    return out, movements, clipped
+        factors.append(min(kept, 1.0))
+    return out, movements, clipped, factors
+
+
+def _scaled(tensor, scale: np.float32):
+    """`tensor` times `scale`: a dense coded tensor's block scales scaled (its codes kept), any
+    other decoded and scaled in float32."""
+    if isinstance(tensor, CodedTensor) and not tensor.codec.sparse:
+        return tensor.scaled(scale)
+    return _float(tensor) * scale
 
 
 def part_norm(group: Sequence[Contribution]) -> float:
@@ -242,9 +252,9 @@ def fold(
     groups = per_island(ordered)
     members = [combined(group) for group in groups]
     w = fold_weights(members, config, share)
-    movements, clipped = [], []
+    movements, clipped, factors = [], [], [1.0] * len(members)
     if caps is not None:
-        members, movements, clipped = _guarded(groups, members, w, caps, limits)
+        members, movements, clipped, factors = _guarded(groups, members, w, caps, limits)
     if coded.mergeable([c.tensors for c in members]):
         params, opt_state, delta_norms, merged_norm = coded.merge_and_step(
             step.optimizer,
@@ -255,6 +265,12 @@ def fold(
             {p: plain(p, config) for p in members[0].tensors},
             share,
         )
+        # as sent: a clipped delta's norm before the guard scaled it (on codes: one delta per
+        # island; scaled to nothing, the bound admission measured)
+        delta_norms = [
+            n / f if f > 0 else delta_norm(c.tensors)
+            for n, f, c in zip(delta_norms, factors, ordered)
+        ]
     else:
         merged = _merged(members, w, config)
         delta_norms = [

@@ -18,7 +18,10 @@ core, each keeping its own freed blocks).  Mapped blocks are faulted in cheaply 
 starts with `HUGE_PAGES` in GLIBC_TUNABLES (glibc 2.35+: transparent huge pages of 2 MiB for its
 mapped blocks, 512 times fewer faults); `dloco up` and compose start the merger so
 (`with_huge_pages`); a merger started by hand wants the variable too.  On the same benchmark:
-19.2-19.5 bytes per parameter at peak, ingest within 5 % (BENCHMARKS.md, "Cost of model size").
+19.2-19.5 bytes per parameter at peak, ingest within 5 %; but `dloco bench merger` (25 M
+parameters, tensors of 12.6 MB, each fold's outputs now fresh pages) folds ~30 % slower, as every
+merger does once its tensors pass 32 MiB, glibc's most for the heap (BENCHMARKS.md, "Cost of model
+size").  Folding in place would spare both.
 Elsewhere than glibc (macOS, musl) it does nothing and says so.
 """
 

@@ -267,6 +267,16 @@ class CodedTensor:
     def decode(self) -> np.ndarray:
         return self.codec.decode(self.records.reshape(-1), self.count).reshape(self.shape)
 
+    def scaled(self, factor: np.float32) -> CodedTensor:
+        """This tensor times `factor` (0 <= factor <= 1), as records: every block's scale times it
+        in float32, the codes as they are (dense codecs: each value is scale times level)."""
+        if self.codec.sparse:
+            raise EncodeError("a sparse tensor's records are not scaled in place; decode it")
+        records = self.records.copy()
+        scales = records[:, : blockwise.SCALE_BYTES].view("<f4")
+        scales *= np.float32(factor)
+        return CodedTensor(self.codec, self.shape, records)
+
     def squared_norm_bound(self) -> float:
         """An upper bound of the sum of the decoded values' squares, from the scales alone: every
         value of a block is at most its largest level (int8 128, int4 8, int2 2) times the block's

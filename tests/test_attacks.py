@@ -80,14 +80,14 @@ def _member(island, values, tokens=100, steps=10):
 def test_the_guard_scales_a_part_down_to_its_cap():
     """Weights 0.5 and 0.5, deltas of norm 5 and 2: movements 2.5 and 1.0; caps 1.0 for a (it is
     scaled by 0.4 to norm 2) and none for b."""
-    members, movements, clipped = guard(
+    members, movements, clipped, _ = guard(
         [_member("a", [3.0, 4.0]), _member("b", [0.0, 2.0])], [0.5, 0.5], [5.0, 2.0], {"a": 1.0}
     )
     assert movements == [1.0, 1.0] and clipped == ["a"]
     assert np.allclose(members[0].tensors["w"], [1.2, 1.6]) and members[1].tensors[
         "w"
     ].tolist() == [0.0, 2.0]
-    same, movements, clipped = guard([_member("a", [3.0, 4.0])], [0.5], [5.0], {"a": 2.5})
+    same, movements, clipped, _ = guard([_member("a", [3.0, 4.0])], [0.5], [5.0], {"a": 2.5})
     assert movements == [2.5] and clipped == [] and same[0].tensors["w"].tolist() == [3.0, 4.0]
 
 
@@ -99,10 +99,10 @@ def test_a_cold_islands_deltas_count_at_most_their_limit_each():
     group = [_member("a", [3.0, 4.0]), _member("a", [0.0, 1.0])]
     assert part_allowed(group, 2.0) == 3.0 and part_allowed(group, None) == 6.0
     member = _member("a", [3.0, 5.0])
-    kept, movements, clipped = guard([member], [0.5], [6.0], {}, [3.0])
+    kept, movements, clipped, _ = guard([member], [0.5], [6.0], {}, [3.0])
     assert movements == [3.0] and clipped == ["a"]
     assert np.allclose(kept[0].tensors["w"], [1.5, 2.5])
-    kept, movements, clipped = guard([member], [0.5], [6.0], {"a": 1.0}, [3.0])
+    kept, movements, clipped, _ = guard([member], [0.5], [6.0], {"a": 1.0}, [3.0])
     assert movements == [1.0] and np.allclose(kept[0].tensors["w"], [1.0, 5.0 / 3])
 
 

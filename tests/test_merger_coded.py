@@ -12,7 +12,7 @@ import pytest
 from dloco import protocol
 from dloco.merger import coded, rda
 from dloco.merger.config import MergeConfig, OuterConfig
-from dloco.merger.fold import Contribution, fold, init_state, merge
+from dloco.merger.fold import Contribution, fold, init_state, merge, part_norm
 from dloco.merger.outer import make_step, outer_optimizer
 from dloco.protocol import Codec, CodedTensor
 
@@ -269,3 +269,64 @@ def test_the_fold_share_reaches_the_outer_optimizer_on_both_paths():
         np.testing.assert_allclose(
             np.asarray(ends[0].params[path]), np.asarray(ends[1].params[path]), rtol=1e-5, atol=1e-6
         )
+
+
+def test_a_coded_tensor_scaled_keeps_its_codes_and_scales_its_blocks():
+    # scale 0.5, levels +1 and +2: times 0.25, 0.125 a level
+    b = CodedTensor(INT4_8, (8,), record(0.5, [0xA9, 0x88, 0x88, 0x88])[None, :])
+    half = b.scaled(np.float32(0.25))
+    assert half.decode().tolist() == [0.125, 0.25, 0, 0, 0, 0, 0, 0]
+    assert half.codes.tobytes() == b.codes.tobytes() and b.scales.tolist() == [0.5]
+    sparse = Codec("topk2")
+    values = np.arange(256, dtype=np.float32)
+    with pytest.raises(protocol.EncodeError, match="sparse"):
+        CodedTensor(sparse, (256,), sparse.encode(values).reshape(1, -1)).scaled(np.float32(0.5))
+
+
+def test_a_fold_whose_delta_the_guard_clips_stays_on_the_codes(monkeypatch):
+    """Island a's int4 delta is capped to a quarter of its movement: the fold still merges from the
+    codes (a's block scales scaled), moves the model as the float32 path on the decoded, scaled
+    deltas does, and reports a's norm as sent."""
+    codec, rng = Codec("int4"), np.random.default_rng(7)
+    shapes = {"w": (64, 32)}
+    params = {"w": rng.standard_normal(shapes["w"]).astype(np.float32)}
+    step = make_step(outer_optimizer(OuterConfig()))
+
+    def coded_delta(size):
+        values = (rng.standard_normal(shapes["w"]) * size).astype(np.float32).reshape(-1)
+        return {"w": CodedTensor(codec, shapes["w"], codec.encode(values).reshape(-1, 128 + 4))}
+
+    members = [
+        Contribution("a", 1, 1, 0, 50, 5, coded_delta(1.0)),
+        Contribution("b", 1, 2, 0, 50, 5, coded_delta(0.01)),
+    ]
+    norms = [float(np.linalg.norm(m.tensors["w"].decode())) for m in members]
+    # weights 0.5 each; the guard measures a's part by admission's bound (`part_norm`)
+    caps = {"a": 0.25 * 0.5 * part_norm(members[:1]), "b": 1e9}
+    calls = []
+    monkeypatch.setattr(coded, "merge_and_step", _counting(coded.merge_and_step, calls))
+    fresh = init_state(params, outer_optimizer(OuterConfig()))
+    state, report = fold(fresh, members, MergeConfig(), step, caps=caps)
+    assert calls == [1] and report.clipped == ("a",)
+    assert report.delta_norms == pytest.approx(norms, rel=1e-5)
+    # the same bytes as folding a's delta scaled by a quarter beforehand
+    quarter = dataclasses.replace(members[0], tensors={"w": members[0].tensors["w"].scaled(0.25)})
+    same, _ = fold(fresh, [quarter, members[1]], MergeConfig(), step)
+    assert np.asarray(same.params["w"]).tobytes() == np.asarray(state.params["w"]).tobytes()
+    # and about what the float32 path makes of the decoded, scaled deltas
+    floats = [
+        dataclasses.replace(members[0], tensors={"w": members[0].tensors["w"].decode() * 0.25}),
+        dataclasses.replace(members[1], tensors={"w": members[1].tensors["w"].decode()}),
+    ]
+    by_floats, _ = fold(fresh, floats, MergeConfig(), step)
+    np.testing.assert_allclose(
+        np.asarray(state.params["w"]), np.asarray(by_floats.params["w"]), rtol=0, atol=1e-5
+    )
+
+
+def _counting(function, calls):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+
+    return counted
