@@ -255,29 +255,9 @@ def fold(
     movements, clipped, factors = [], [], [1.0] * len(members)
     if caps is not None:
         members, movements, clipped, factors = _guarded(groups, members, w, caps, limits)
-    if coded.mergeable([c.tensors for c in members]):
-        params, opt_state, delta_norms, merged_norm = coded.merge_and_step(
-            step.optimizer,
-            state.params,
-            state.opt_state,
-            [c.tensors for c in members],
-            w,
-            {p: plain(p, config) for p in members[0].tensors},
-            share,
-        )
-        # as sent: a clipped delta's norm before the guard scaled it (on codes: one delta per
-        # island; scaled to nothing, the bound admission measured)
-        delta_norms = [
-            n / f if f > 0 else delta_norm(c.tensors)
-            for n, f, c in zip(delta_norms, factors, ordered)
-        ]
-    else:
-        merged = _merged(members, w, config)
-        delta_norms = [
-            rda.fragment_norm({p: _float(t) for p, t in c.tensors.items()}) for c in ordered
-        ]
-        merged_norm = rda.fragment_norm(merged)
-        params, opt_state = step(state.params, state.opt_state, merged, share)
+    params, opt_state, delta_norms, merged_norm = _stepped(
+        state, ordered, members, w, factors, config, step, share
+    )
     # XLA arrays: the next fold starts from them without a copy (np.asarray views them)
     new_params = dict(params)
     # one entry per delta (an island's combined deltas share its weight: split_weight)
@@ -294,6 +274,33 @@ def fold(
         clipped=tuple(clipped),
     )
     return FragmentState(state.version + 1, new_params, opt_state), report
+
+
+def _stepped(state, ordered, members, w, factors, config, step, share):
+    """The outer step over a fold's members (after the guard; `factors`: what it scaled each by),
+    from their codes when every tensor is coded with one int codec, else from float32: (params,
+    optimizer state, each delta's norm as sent, the merged norm)."""
+    if coded.mergeable([c.tensors for c in members]):
+        params, opt_state, delta_norms, merged_norm = coded.merge_and_step(
+            step.optimizer,
+            state.params,
+            state.opt_state,
+            [c.tensors for c in members],
+            w,
+            {p: plain(p, config) for p in members[0].tensors},
+            share,
+        )
+        # as sent: a clipped delta's norm before the guard scaled it (on codes: one delta per
+        # island; scaled to nothing, the bound admission measured)
+        delta_norms = [
+            n / f if f > 0 else delta_norm(c.tensors)
+            for n, f, c in zip(delta_norms, factors, ordered)
+        ]
+        return params, opt_state, delta_norms, merged_norm
+    merged = _merged(members, w, config)
+    delta_norms = [rda.fragment_norm({p: _float(t) for p, t in c.tensors.items()}) for c in ordered]
+    params, opt_state = step(state.params, state.opt_state, merged, share)
+    return params, opt_state, delta_norms, rda.fragment_norm(merged)
 
 
 def init_state(params: Mapping[str, np.ndarray], optimizer) -> FragmentState:

@@ -92,21 +92,11 @@ class MergerService:
             decode=False,
             max_sender_bytes=config.reassembly_bytes // 2,
         )
-        sockets = open_sockets(
-            config,
-            len(self.core.fragments),
-            self.log,
-            sum(math.prod(shape) for layout in self.core.layouts for shape in layout.values()),
-        )
+        sockets = open_sockets(config, len(self.core.fragments), self.log, held_values(self.core))
         self.context, self.delta_sub = sockets.context, sockets.delta_sub
         self.snapshot_pub, self.control = sockets.snapshot_pub, sockets.control
         self.owned = sockets.owned
-        if self.core.owned not in (None, frozenset(self.owned)):
-            raise ConfigError(
-                f"{config.run_dir}'s log holds fragments {sorted(self.core.owned)} only; shard"
-                f" {config.shard}/{config.shards} folds {self.owned}"
-            )
-        self.core.owned = frozenset(self.owned) if config.shards > 1 else None
+        self._own_fragments(config)
         self.pipeline = FoldPipeline(self.core, self.wal, self.context)
         self.replication, self.fenced = None, None
         # the log goes to a standby too; in sync mode nothing is published before it has it
@@ -270,6 +260,16 @@ class MergerService:
         if cursors_due:
             self.announcer.publish_ack([])
 
+    def _own_fragments(self, config: ServiceConfig) -> None:
+        """The core folds this shard's fragments; a log holding other fragments than those is
+        another shard's (ConfigError)."""
+        if self.core.owned not in (None, frozenset(self.owned)):
+            raise ConfigError(
+                f"{config.run_dir}'s log holds fragments {sorted(self.core.owned)} only; shard"
+                f" {config.shard}/{config.shards} folds {self.owned}"
+            )
+        self.core.owned = frozenset(self.owned) if config.shards > 1 else None
+
     def _drain(self, socket: zmq.Socket, handle) -> None:
         for _ in range(DRAIN_LIMIT):
             try:
@@ -351,3 +351,8 @@ class MergerService:
                 "refused_senders": self.streams.tracker.refused_senders,
             },
         )
+
+
+def held_values(core) -> int:
+    """The parameters a core holds values of (a shard: its own fragments')."""
+    return sum(math.prod(shape) for layout in core.layouts for shape in layout.values())
