@@ -132,14 +132,14 @@ class FoldPipeline:
                 raise fold.error
             done.append(self.in_flight.popleft())
             if self.wal is not None:
-                # durable before anyone is told
+                # durable (and on the standby) before anyone is told or it is installed
                 self.wal.wait_durable(fold.durable)
+                if self.barrier is not None:
+                    self.barrier(fold.durable)
             self.core.install(fold.fragment, fold.state, fold.report)
             with self._room:
                 self._computed -= 1
                 self._room.notify()
-        if done and self.barrier is not None:
-            self.barrier(done[-1].durable)
         return done
 
     def close(self) -> list[Fold]:
