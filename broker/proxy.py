@@ -33,7 +33,7 @@ import zmq
 
 from dloco.bus.security import Security
 from dloco.bus.sockets import open_socket
-from dloco.bus.subscriptions import BudgetedXPUB
+from dloco.bus.subscriptions import BudgetedXPUB, give_back_freed
 from dloco.protocol import DEFAULT_MAX_CHUNK_BYTES, ProtocolError, peek_sender, subscribable
 from dloco.protocol.limits import MAX_SUBSCRIPTION_BYTES
 from dloco.telemetry import prom
@@ -81,6 +81,10 @@ def topic_key(topic: bytes) -> str:
     return topic.split(b"/", 1)[0][:32].decode("ascii", "replace")
 
 
+# stats ticks after a bus's XPUB is reopened that hand its freed subscriptions back to the kernel
+TRIMS_AFTER_REOPEN = 3
+
+
 class Broker:
     def __init__(self, config: BrokerConfig, log) -> None:
         self.config, self.log = config, log
@@ -109,6 +113,8 @@ class Broker:
         # opened afresh
         self.upstream: dict[str, set[bytes]] = {bus.name: set() for bus in config.buses}
         self.reopened = collections.Counter()
+        # stats ticks left that hand freed memory back after a reopening
+        self._trims_due = 0
         self.last_warned: dict[str, float] = {}
         # snapshot bus: sender -> newest epoch (a lower one is a replaced merger)
         self.newest_epoch: dict[str, int] = {}
@@ -168,6 +174,8 @@ class Broker:
         self.pairs[index] = (name, self.pairs[index][1], new)
         self.upstream[name].clear()
         self.reopened[name] += 1
+        # the old socket's subscriptions, freed by ZeroMQ's reaper meanwhile, handed back
+        self._trims_due = TRIMS_AFTER_REOPEN
         self._routes()
 
     def _routes(self) -> None:
@@ -197,6 +205,9 @@ class Broker:
                         name, target, is_data = self.route[socket]
                         self._forward(socket, target, name, is_data)
                 if time.monotonic() >= next_stats:
+                    if self._trims_due > 0:
+                        give_back_freed()
+                        self._trims_due -= 1
                     self.log.info("broker_stats", **self.stats())
                     next_stats = time.monotonic() + self.config.stats_every_s
         finally:

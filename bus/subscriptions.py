@@ -21,6 +21,8 @@ within TOTAL_BYTES plus one peer's budget, whatever the subscribers send.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import time
 from collections.abc import Callable
@@ -143,3 +145,17 @@ class BudgetedXPUB:
         self.budget.reopened()
         self.reopened += 1
         self.after_open(self.socket)
+
+
+def give_back_freed() -> bool:
+    """glibc's `malloc_trim(0)`: hand the kernel every whole free page of the heaps.  A closed
+    socket's subscriptions are freed among memory still in use, and a heap returns memory only from
+    its top, so without this they stay resident as holes.  ZeroMQ frees a closed socket on its
+    reaper thread, later: an owner calls this a few times after a reopening.  True where glibc has
+    it."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is None:
+        return False
+    trim(0)
+    return True
