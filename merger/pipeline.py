@@ -131,15 +131,18 @@ class FoldPipeline:
                 self.failed = fold.error
                 raise fold.error
             done.append(self.in_flight.popleft())
-            if self.wal is not None:
-                # durable (and on the standby) before anyone is told or it is installed
-                self.wal.wait_durable(fold.durable)
-                if self.barrier is not None:
-                    self.barrier(fold.durable)
-            self.core.install(fold.fragment, fold.state, fold.report)
-            with self._room:
-                self._computed -= 1
-                self._room.notify()
+            try:
+                if self.wal is not None:
+                    # durable (and on the standby) before anyone is told or it is installed
+                    self.wal.wait_durable(fold.durable)
+                    if self.barrier is not None:
+                        self.barrier(fold.durable)
+                self.core.install(fold.fragment, fold.state, fold.report)
+            # installed or given up (a fenced primary's barrier raises): the worker goes on
+            finally:
+                with self._room:
+                    self._computed -= 1
+                    self._room.notify()
         return done
 
     def close(self) -> list[Fold]:

@@ -173,3 +173,27 @@ def test_closing_after_a_failed_fold_does_not_wait_for_an_install(tmp_path, monk
         pipeline.finished(wait=True)
     assert pipeline.close() == [] and not pipeline._worker.is_alive()
     wal.close()
+
+
+def test_a_barrier_that_raises_does_not_leave_the_worker_waiting(tmp_path):
+    """A fenced primary's replication barrier raises on the first computed fold: the second is
+    still computed and closing ends the worker (it once waited for an install that never came)."""
+    core, wal = new_core(tmp_path)
+    pipeline = FoldPipeline(core, wal)
+
+    def fenced(ticket):
+        raise RuntimeError("fenced")
+
+    pipeline.barrier = fenced
+    for fragment in (0, 1):
+        chunks = delta_chunks(core.fragments[fragment], "a", fragment + 1, fragment, 0, seed=7)
+        core.submit(assemble(chunks), now=0.0)
+    pipeline.dispatch(now=0.0)
+    second = pipeline.in_flight[1]
+    with pytest.raises(RuntimeError, match="fenced"):
+        pipeline.finished(wait=True)
+    assert second.done.wait(60)
+    pipeline.barrier = None
+    pipeline.close()
+    assert not pipeline._worker.is_alive()
+    wal.close()
