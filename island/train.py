@@ -104,7 +104,10 @@ class Trainer:
                 )
             return {"loss": loss(model, batch), **extra}
 
-        self._step = nnx.jit(train_step)
+        # The step updates the parameters and optimizer state in place (donated): at 350m it
+        # peaked at 7.3 GB instead of 14 (AdamW's new state beside the old, then freed memory
+        # kept).  A buffer that a host view still holds (`params()` on CPU) is copied instead.
+        self._step = nnx.jit(train_step, donate_argnums=(0, 1))
         self._eval = nnx.jit(evaluate)
 
     def _put(self, batch):
@@ -148,7 +151,8 @@ class Trainer:
         return {name: float(np.mean([float(r[name]) for r in results])) for name in results[0]}
 
     def params(self) -> dict[str, np.ndarray]:
-        """Flat {path: float32 array} view of the parameters (a host copy)."""
+        """Flat {path: float32 array} of the parameters: on CPU views of the live buffers (a step
+        taken while one is held copies that buffer instead of updating it in place)."""
         return flat_params(self.model)
 
     def set_params(self, values: dict[str, np.ndarray]) -> None:

@@ -70,6 +70,23 @@ def test_training_lowers_the_held_out_loss(corpus):
     assert before > 5.0 and after < before - 1.5
 
 
+def test_a_step_updates_in_place_and_never_under_a_held_view(corpus):
+    """The step's parameters and optimizer state are donated: no second copy of the state.  A host
+    view taken before a step keeps the values it showed (that buffer is copied, not overwritten)."""
+    shards, _ = data.split(corpus, 1)
+    trainer = bytelm.trainer(TINY, TrainConfig(batch=4))
+    batches = data.Batches(shards[0], 4, 32, 0, 0)
+    trainer.step(batches.next())
+    before = trainer.model.head.kernel[...].unsafe_buffer_pointer()
+    trainer.step(batches.next())
+    assert trainer.model.head.kernel[...].unsafe_buffer_pointer() == before
+    view = trainer.params()["head/kernel"]
+    held = view.copy()
+    trainer.step(batches.next())
+    assert np.array_equal(view, held)
+    assert not np.array_equal(trainer.params()["head/kernel"], held)
+
+
 def test_nan_stops_the_island_with_a_clear_error(corpus):
     shards, _ = data.split(corpus, 1)
     trainer = bytelm.trainer(TINY, TrainConfig(batch=4))

@@ -28,6 +28,8 @@ def test_a_delta_settled_without_a_fold_is_counted_per_fragment():
         *(f"tcp://127.0.0.1:{p}" for p in free_ports(3)),
     )
     try:
+        # _on_frames is the receiver thread's: it may run once that thread has its links
+        _wait(lambda: getattr(link, "_mergers", None) is not None)
 
         def ack(seq, *results):
             message = protocol.Ack(
