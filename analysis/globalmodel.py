@@ -167,8 +167,9 @@ def _replayed_states(
         while progress["next"] < len(order) and walls[order[progress["next"]]] < at:
             found[order[progress["next"]]] = progress["states"]
             progress["next"] += 1
-        # states are replaced on a fold, never changed
-        progress["time"], progress["states"] = at, list(core.states)
+        # host views: a later fold of a fragment takes its step in place, on a copy of what a
+        # view holds
+        progress["time"], progress["states"] = at, [_viewed(state) for state in core.states]
 
     for position, expected, rebuilt in replay(directory, on_fold, strict=False):
         if expected != rebuilt:
@@ -182,6 +183,10 @@ def _replayed_states(
     for i in order[progress["next"] :]:
         found[i] = progress["states"]
     return found
+
+
+def _viewed(state):
+    return state._replace(params={path: np.asarray(v) for path, v in state.params.items()})
 
 
 def _params(states) -> dict[str, np.ndarray] | None:

@@ -26,9 +26,8 @@ MERGER_PHASES = {
         " lie)"
     ),
     "warm_up": (
-        "compiling the fold kernels and taking each fragment's outer step once (a device copy of"
-        " its initial values, its new parameters and momentum and the kernels' working arrays,"
-        " thrown away)"
+        "compiling the fold kernels (a zero delta merged per fragment: its merged direction and the"
+        " kernels' working arrays, thrown away; the outer step is compiled from shapes)"
     ),
     "join": (
         "the full snapshots: each fragment encoded in fp32 and decoded as the value served (4"
@@ -37,8 +36,8 @@ MERGER_PHASES = {
     "ingest": (
         "the rounds on top of the state (parameters, momentum and served value: 12 B/param): one"
         " fold at a time computed beside the installed state (merger/pipeline.py), each with its"
-        " fragment's new parameters and momentum, the merged direction and the pseudo-gradient,"
-        " and the first fold's device copy of the initial values; the deltas in flight"
+        " fragment's merged direction and pseudo-gradient (the outer step is taken in place), and"
+        " the first fold's device copy of the initial values; the deltas in flight"
     ),
     "announce": (
         "the snapshot diffs, a tensor at a time (its change and decoding) and the fragment's codes"

@@ -25,7 +25,6 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from dloco.merger.coded_kernels import (
     accumulate,
@@ -33,7 +32,6 @@ from dloco.merger.coded_kernels import (
     accumulate_last,
     block_square_sums,
     block_squares,
-    outer_step,
     sparse_accumulate,
     split,
 )
@@ -121,38 +119,16 @@ def merge(
 ) -> tuple[dict, list[float], float]:
     """The merged pseudo-gradient of one round (canonical order, normalised weights), the fragment
     norm of every delta, and the merged norm.  `plain[path]`: weighted average instead of RDA."""
-    paths, tiles, block_scale, layout, delta_norms, merged_norm = _direction(
-        tensors, weights, plain
-    )
+    paths, tiles, block_scale, layout, delta_norms, merged_norm = direction(tensors, weights, plain)
     return dict(zip(paths, split(tiles, block_scale, layout))), delta_norms, merged_norm
 
 
-def merge_and_step(
-    optimizer: optax.GradientTransformation,
-    params: dict,
-    opt_state,
-    tensors: Sequence[dict[str, CodedTensor]],
-    weights: Sequence[float],
-    plain: dict[str, bool],
-    share: float = 1.0,
-) -> tuple[dict, object, list[float], float]:
-    """`merge` and the outer step (optimizer state over the path-ordered params, as
-    `outer.make_step`; `share`: the fold's share of a round, for the optimizer), the pseudo-gradient
-    built inside the step: (new params, new optimizer state, delta norms, merged norm)."""
-    paths, tiles, block_scale, layout, delta_norms, merged_norm = _direction(
-        tensors, weights, plain
-    )
-    new, opt_state = outer_step(optimizer)(
-        [params[p] for p in paths], opt_state, tiles, block_scale, np.float32(share), layout
-    )
-    return dict(zip(paths, new)), opt_state, delta_norms, merged_norm
-
-
-def _direction(
+def direction(
     tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[float], plain: dict[str, bool]
 ):
-    """One round's merged direction as tiles of u (value order), the per-block rescaling that makes
-    it RDA's (1 on plain paths), the fragment's layout, each delta's norm and the merged norm."""
+    """One round's merged direction: (paths in order, tiles of u in value order, the per-block
+    rescaling that makes it RDA's (1 on plain paths), the fragment's layout, each delta's norm, the
+    merged norm).  The outer step takes the first four (coded_kernels.outer_step)."""
     paths = sorted(tensors[0])
     codec = tensors[0][paths[0]].codec
     spans, layout, start = _layout(tensors[0], paths)

@@ -154,14 +154,19 @@ def _pseudo_gradient(
 split = jax.jit(_pseudo_gradient, static_argnames=("layout",))
 
 
-@functools.lru_cache(maxsize=32)
-def outer_step(optimizer: optax.GradientTransformation):
+@functools.lru_cache(maxsize=64)
+def outer_step(optimizer: optax.GradientTransformation, *, in_place: bool = False):
     """The outer step taking the pseudo-gradient as tiles: one XLA computation per fragment layout
-    (as `outer.make_step`, whose optimizer-state layout — a path-ordered list — it shares)."""
+    (as `outer.make_step`, whose optimizer-state layout — a path-ordered list — it shares).
+    `in_place`: the parameters and optimizer state passed in are donated, the new ones written
+    over them (a buffer a host view still holds is copied instead).  Keyword-only: the cache would
+    hold a positional call apart, compiled again."""
 
     optimizer = optax.with_extra_args_support(optimizer)
 
-    @functools.partial(jax.jit, static_argnames=("layout",))
+    @functools.partial(
+        jax.jit, static_argnames=("layout",), donate_argnums=(0, 1) if in_place else ()
+    )
     def step(
         params: list,
         opt_state,

@@ -19,7 +19,16 @@ import numpy as np
 from dloco.merger import outliers, records
 from dloco.merger.admission import Candidate, admit, delta_norm
 from dloco.merger.config import MergerConfig
-from dloco.merger.fold import Contribution, FoldReport, FragmentState, fold, init_state
+from dloco.merger.fold import (
+    Contribution,
+    FoldReport,
+    FragmentState,
+    PendingStep,
+    ReplayError,
+    fold,
+    init_state,
+    taken,
+)
 from dloco.merger.outer import make_step, outer_optimizer
 from dloco.merger.outliers import NormHistory, Quarantine, delta_limits, fold_caps
 from dloco.merger.round_policy import ArrivalStats
@@ -32,17 +41,7 @@ from dloco.merger.rounds import (
     take_share,
 )
 from dloco.merger.warmup import warm_up_folds
-from dloco.protocol import (
-    Assembled,
-    Codec,
-    DeltaResult,
-    DlocoError,
-)
-
-
-class ReplayError(DlocoError):
-    """The log does not describe a consistent history (a fold names an unknown delta, versions
-    skip)."""
+from dloco.protocol import Assembled, Codec, DeltaResult
 
 
 class Log(Protocol):
@@ -238,9 +237,9 @@ class MergerCore:
             self._limits(fragment, members),
         )
 
-    def compute_fold(self, started: StartedFold) -> tuple[FragmentState, FoldReport]:
-        """The state after a started round, from the fragment's current state, without installing it
-        (any thread; the fragment's previous round must be installed)."""
+    def compute_fold(self, started: StartedFold) -> tuple[PendingStep, FoldReport]:
+        """A started round up to its outer step, from the fragment's current state, which `install`
+        takes (any thread; the fragment's previous round must be installed)."""
         state, report = fold(
             self.states[started.fragment],
             started.members,
@@ -249,6 +248,7 @@ class MergerCore:
             started.share,
             started.caps,
             started.limits,
+            in_place=True,
         )
         if report.version != started.version:
             raise ReplayError(
@@ -257,12 +257,16 @@ class MergerCore:
             )
         return state, report
 
-    def install(self, fragment: int, state: FragmentState, report: FoldReport) -> None:
-        """Make a computed round the fragment's state (what checkpoints and catch-up requests see)
-        and note what each island's part moved it (the guard's history)."""
-        self.states[fragment] = state
+    def install(
+        self, fragment: int, state: FragmentState | PendingStep, report: FoldReport
+    ) -> FragmentState:
+        """Make a computed round the fragment's state (what checkpoints and catch-up requests see),
+        a pending outer step taken in place on the state it replaces (`fold.taken`), and note what
+        each island's part moved it (the guard's history)."""
+        state = self.states[fragment] = taken(self.states[fragment], state, fragment)
         for island, movement in report.movements:
             self.moves[fragment].record(island, movement)
+        return state
 
     def finish_fold(self, started: StartedFold) -> FoldReport:
         """Compute a started round and install it."""
@@ -330,9 +334,8 @@ class MergerCore:
         fragment's outer step, ahead of the first deltas (merger/warmup.py; `codec`: the islands'
         default).  Results are thrown away; safe on another thread; `stopping()` true: return
         before the next compilation."""
-        mine = [f for f, layout in enumerate(self.layouts) if layout]
-        states, layouts = [self.states[f] for f in mine], [self.layouts[f] for f in mine]
-        warm_up_folds(self.optimizer, states, layouts, self.config.merge, codec, stopping)
+        layouts = [layout for layout in self.layouts if layout]
+        warm_up_folds(self.optimizer, layouts, self.config.merge, codec, stopping)
 
     def digest(self) -> str:
         return records.params_digest(self.states)
@@ -349,6 +352,7 @@ class MergerCore:
             share,
             self._caps(fragment, members),
             self._limits(fragment, members),
+            in_place=True,
         )
         self.install(fragment, state, report)
         return report

@@ -17,13 +17,22 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dloco.merger import coded, rda
 from dloco.merger.admission import delta_norm
+from dloco.merger.coded_kernels import outer_step
 from dloco.merger.config import MergeConfig
+from dloco.merger.outer import make_step
 from dloco.merger.weighting import weights as contribution_weights
 from dloco.protocol import CodedTensor
+from dloco.protocol.errors import DlocoError
+
+
+class ReplayError(DlocoError):
+    """The log does not describe a consistent history (a fold names an unknown delta, versions
+    skip)."""
 
 
 class FragmentState(NamedTuple):
@@ -32,6 +41,18 @@ class FragmentState(NamedTuple):
     params: dict[str, np.ndarray | jax.Array]
     # the outer optimizer's state for these params
     opt_state: Any
+
+
+class PendingStep(NamedTuple):
+    """A fold computed up to its outer step (`fold(..., in_place=True)`).  `take(state)` takes that
+    step on the installed `state`, donating its parameters and optimizer state (the new ones are
+    written over them), and returns (params, optimizer state): between the two, only the merged
+    direction (`direction`, the arrays the step reads) is held beside the state, not a second copy
+    of it.  `state` must be the one the fold was computed from (version - 1)."""
+
+    version: int
+    direction: list
+    take: Callable[[FragmentState], tuple[dict, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,13 +260,15 @@ def fold(
     share: float = 1.0,
     caps: Mapping[str, float] | None = None,
     limits: Mapping[str, float] | None = None,
-) -> tuple[FragmentState, FoldReport]:
+    in_place: bool = False,
+) -> tuple[FragmentState | PendingStep, FoldReport]:
     """Apply one round; `step` is `outer.make_step(optimizer)`; the merged delta is scaled by
     `share` (weighting.fold_share: 1 unless the merger scales folds by their share of a round);
     `caps`: island -> the most its part may move the fragment (`guard`; None: no guard); `limits`:
     island -> the norm each of its deltas counts with at most (`part_allowed`).  A round
     whose deltas are all coded with one int codec is merged from the codes, its outer step taken
-    there (merger/coded.py); any other is merged from float32."""
+    there (merger/coded.py); any other is merged from float32.  `in_place`: return the outer step
+    as a `PendingStep`, to be taken on `state` when it is installed (`MergerCore.install`)."""
     if not contributions:
         raise ValueError("fold needs at least one contribution")
     ordered = canonical(contributions)
@@ -255,11 +278,9 @@ def fold(
     movements, clipped, factors = [], [], [1.0] * len(members)
     if caps is not None:
         members, movements, clipped, factors = _guarded(groups, members, w, caps, limits)
-    params, opt_state, delta_norms, merged_norm = _stepped(
-        state, ordered, members, w, factors, config, step, share
+    take, direction, delta_norms, merged_norm = _stepped(
+        ordered, members, w, factors, config, step, share
     )
-    # XLA arrays: the next fold starts from them without a copy (np.asarray views them)
-    new_params = dict(params)
     # one entry per delta (an island's combined deltas share its weight: split_weight)
     report = FoldReport(
         version=state.version + 1,
@@ -273,22 +294,21 @@ def fold(
         movements=tuple((c.island, m) for c, m in zip(members, movements)),
         clipped=tuple(clipped),
     )
-    return FragmentState(state.version + 1, new_params, opt_state), report
+    if in_place:
+        return PendingStep(report.version, direction, lambda current: take(current, True)), report
+    # XLA arrays: the next fold starts from them without a copy (np.asarray views them)
+    params, opt_state = take(state, False)
+    return FragmentState(report.version, dict(params), opt_state), report
 
 
-def _stepped(state, ordered, members, w, factors, config, step, share):
-    """The outer step over a fold's members (after the guard; `factors`: what it scaled each by),
-    from their codes when every tensor is coded with one int codec, else from float32: (params,
-    optimizer state, each delta's norm as sent, the merged norm)."""
+def _stepped(ordered, members, w, factors, config, step, share):
+    """A fold's merged direction over its members (after the guard; `factors`: what it scaled each
+    by), from their codes when every tensor is coded with one int codec, else from float32:
+    (`take(state, in_place)`, which takes the outer step on `state` and returns (params, optimizer
+    state), the direction's arrays, each delta's norm as sent, the merged norm)."""
     if coded.mergeable([c.tensors for c in members]):
-        params, opt_state, delta_norms, merged_norm = coded.merge_and_step(
-            step.optimizer,
-            state.params,
-            state.opt_state,
-            [c.tensors for c in members],
-            w,
-            {p: plain(p, config) for p in members[0].tensors},
-            share,
+        paths, tiles, block_scale, layout, delta_norms, merged_norm = coded.direction(
+            [c.tensors for c in members], w, {p: plain(p, config) for p in members[0].tensors}
         )
         # as sent: a clipped delta's norm before the guard scaled it (on codes: one delta per
         # island; scaled to nothing, the bound admission measured)
@@ -296,11 +316,58 @@ def _stepped(state, ordered, members, w, factors, config, step, share):
             n / f if f > 0 else delta_norm(c.tensors)
             for n, f, c in zip(delta_norms, factors, ordered)
         ]
-        return params, opt_state, delta_norms, merged_norm
+
+        def take_coded(current: FragmentState, in_place: bool):
+            new, opt_state = outer_step(step.optimizer, in_place=in_place)(
+                [current.params[p] for p in paths],
+                current.opt_state,
+                tiles,
+                block_scale,
+                np.float32(share),
+                layout,
+            )
+            return dict(zip(paths, new)), opt_state
+
+        return take_coded, tiles, delta_norms, merged_norm
     merged = _merged(members, w, config)
     delta_norms = [rda.fragment_norm({p: _float(t) for p, t in c.tensors.items()}) for c in ordered]
-    params, opt_state = step(state.params, state.opt_state, merged, share)
-    return params, opt_state, delta_norms, rda.fragment_norm(merged)
+
+    def take_float(current: FragmentState, in_place: bool):
+        taking = make_step(step.optimizer, in_place=True) if in_place else step
+        return taking(current.params, current.opt_state, merged, share)
+
+    return take_float, list(merged.values()), delta_norms, rda.fragment_norm(merged)
+
+
+def taken(
+    current: FragmentState, state: FragmentState | PendingStep, fragment: int
+) -> FragmentState:
+    """`state`, its outer step taken first if pending: on `current`, the fragment's state it was
+    computed from, whose arrays are gone after it (a host view taken before keeps its values: XLA
+    copies that buffer instead)."""
+    if not isinstance(state, PendingStep):
+        return state
+    if state.version != current.version + 1:
+        raise ReplayError(
+            f"fold of fragment {fragment} to version {state.version} taken on version"
+            f" {current.version}"
+        )
+    return FragmentState(state.version, *state.take(_distinct(current)))
+
+
+def _distinct(state: FragmentState) -> FragmentState:
+    """`state` with no XLA array in it twice (an optimizer's state may share a buffer, and one
+    buffer cannot be donated twice): a repeated one is copied."""
+    seen = set()
+
+    def once(leaf):
+        if isinstance(leaf, jax.Array) and id(leaf) in seen:
+            return jnp.array(leaf, copy=True)
+        seen.add(id(leaf))
+        return leaf
+
+    params = {path: once(value) for path, value in state.params.items()}
+    return FragmentState(state.version, params, jax.tree_util.tree_map(once, state.opt_state))
 
 
 def init_state(params: Mapping[str, np.ndarray], optimizer) -> FragmentState:

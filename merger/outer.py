@@ -38,6 +38,10 @@ import optax
 from dloco.merger.config import OuterConfig
 
 
+def _zeros(params: optax.Params) -> optax.Params:
+    return jax.tree_util.tree_map(jnp.zeros_like, params)
+
+
 class DelayedNesterovState(NamedTuple):
     # folds since the start, int32
     count: jax.Array
@@ -50,8 +54,8 @@ def delayed_nesterov(
     learning_rate: float, momentum: float, delay: int
 ) -> optax.GradientTransformation:
     def init(params: optax.Params) -> DelayedNesterovState:
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-        return DelayedNesterovState(jnp.zeros([], jnp.int32), zeros, zeros)
+        # two buffers: a fold's step writes each over itself (donated)
+        return DelayedNesterovState(jnp.zeros([], jnp.int32), _zeros(params), _zeros(params))
 
     def update(
         grads: optax.Updates, state: DelayedNesterovState, params: optax.Params | None = None
@@ -88,8 +92,7 @@ class RoundNesterovState(NamedTuple):
 
 def round_nesterov(learning_rate: float, momentum: float) -> optax.GradientTransformationExtraArgs:
     def init(params: optax.Params) -> RoundNesterovState:
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-        return RoundNesterovState(jnp.zeros([], jnp.float32), zeros, zeros)
+        return RoundNesterovState(jnp.zeros([], jnp.float32), _zeros(params), _zeros(params))
 
     def update(
         grads: optax.Updates,
@@ -137,11 +140,13 @@ def outer_optimizer(config: OuterConfig) -> optax.GradientTransformationExtraArg
     return optax.with_extra_args_support(delayed_nesterov(config.lr, config.momentum, config.delay))
 
 
-@functools.lru_cache(maxsize=32)
-def make_step(optimizer: optax.GradientTransformation):
+@functools.lru_cache(maxsize=64)
+def make_step(optimizer: optax.GradientTransformation, *, in_place: bool = False):
     """``(params, opt_state, pseudo_gradient, share=1.0) -> (params, opt_state)`` over path-keyed
     dicts; `share` is the fold's share of a round (a traced argument: one compilation for every
-    value).
+    value).  `in_place`: the parameters and optimizer state passed in are donated (their buffers
+    hold the new ones; one a host view still holds is copied instead; keyword-only, as the cache
+    would hold a positional call apart).
 
     The jitted core sees lists in path order, so fragments whose tensors have the same shapes
     share one compilation whatever their paths.  Cached per optimizer (and `outer_optimizer` per
@@ -151,7 +156,7 @@ def make_step(optimizer: optax.GradientTransformation):
     # the same object for one that takes them
     optimizer = optax.with_extra_args_support(optimizer)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0, 1) if in_place else ())
     def flat_step(params, opt_state, pseudo_gradient, share):
         updates, opt_state = optimizer.update(pseudo_gradient, opt_state, params, share=share)
         return optax.apply_updates(params, updates), opt_state

@@ -14,9 +14,12 @@ then logs, publishes the snapshot and acknowledges.  The worker signals each fin
 inproc socket the service polls, so it is noticed at once without busy polling.  The worker never
 writes the core: `finished()` installs a fold's state on the loop's thread once it is durable, so
 `MergerCore.states` (what catch-up requests and checkpoints get) never shows a fold a crash could
-lose; a checkpoint waits until nothing is in flight.  Each computed fold holds its fragment's new
-parameters and optimizer state beside the installed ones until then, so the worker computes the
-next fold only once the last one is installed (`HELD_COMPUTED`).  After a failed fold the
+lose; a checkpoint waits until nothing is in flight.  The worker computes a fold up to its outer
+step (the merged direction); installing takes that step in place, over the fragment's parameters
+and optimizer state (`fold.PendingStep`), so what is not yet installed is never announced and no
+second copy of the state is made.  Each computed fold holds its direction (a fragment-sized array)
+until then, so the worker computes the next fold only once the last one is installed
+(`HELD_COMPUTED`).  After a failed fold the
 pipeline stops (`failed`): the service must not checkpoint, the log alone says what happened.  A
 fragment has at most one fold in flight, so the version islands base their deltas on is never
 more than one behind the merger's (a stall — a kernel compiling — delays folds instead of making
@@ -35,13 +38,13 @@ import jax
 import zmq
 
 from dloco.merger.core import MergerCore
-from dloco.merger.fold import FoldReport, FragmentState
+from dloco.merger.fold import FoldReport, FragmentState, PendingStep
 from dloco.merger.rounds import StartedFold
 from dloco.merger.wal import WriteAheadLog
 
 # Computed folds not yet installed that the worker lets wait before it computes the next (each holds
-# a fragment's state a second time: while the loop receives, unbounded, they added up to most of the
-# model's state again).
+# its merged direction, fragment-sized: while the loop receives, unbounded, computed folds added up
+# to most of the model's state again).
 HELD_COMPUTED = 1
 
 
@@ -54,8 +57,9 @@ class Fold:
     durable: int
     # set by the worker, with state
     report: FoldReport | None = None
-    # the fragment after this fold (publish this, not the core's newest)
-    state: FragmentState | None = None
+    # the fold up to its outer step, then (installed) the fragment after it: publish this, not the
+    # core's newest
+    state: PendingStep | FragmentState | None = None
     error: BaseException | None = None
     # seconds the worker spent on it
     compute_s: float = 0.0
@@ -137,7 +141,7 @@ class FoldPipeline:
                     self.wal.wait_durable(fold.durable)
                     if self.barrier is not None:
                         self.barrier(fold.durable)
-                self.core.install(fold.fragment, fold.state, fold.report)
+                fold.state = self.core.install(fold.fragment, fold.state, fold.report)
             # installed or given up (a fenced primary's barrier raises): the worker goes on
             finally:
                 with self._room:
@@ -169,7 +173,7 @@ class FoldPipeline:
             began = time.perf_counter()
             try:
                 fold.state, fold.report = self.core.compute_fold(fold.started)
-                jax.block_until_ready(list(fold.state.params.values()))
+                jax.block_until_ready(fold.state.direction)
                 with self._room:
                     self._computed += 1
             # handed to the loop's thread, which raises it

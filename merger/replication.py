@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zmq
 
 from dloco.bus.security import Security
@@ -133,7 +134,9 @@ class ReplicationServer:
                 and time.monotonic() - self.follower.heard <= self.config.lease_s
             )
         if index is not None and listening:
-            self.digests.put(index, fragment, state.params)
+            # host views, taken now: the next fold of this fragment takes its step over these
+            # arrays (while the views are held, on copies of them)
+            self.digests.put(index, fragment, {p: np.asarray(v) for p, v in state.params.items()})
 
     def barrier(self, length: int) -> None:
         """In sync mode, return once the standby has stored the first `length` records, or has been

@@ -3,9 +3,9 @@
 Folds from int codes run a few compiled shapes (merger/coded.py: groups of 1, 2, 4 or 8 deltas over
 tiles of a power of two blocks) and one outer step per fragment layout.  `warm_up_kernels`
 compiles the former for fragments of given sizes and one codec; `warm_up_folds` both, for a
-core's fragments, by folding a zero delta whose result is thrown away.  A compilation cannot be
-cut short, and a process must not exit during one: once `stopping()` is true, each returns before
-the next.
+core's fragments: the kernels by merging a zero delta, the step from the fragments' shapes.  A
+compilation cannot be cut short, and a process must not exit during one: once `stopping()` is
+true, each returns before the next.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from dloco.merger.coded_kernels import (
     accumulate_first,
     accumulate_last,
     block_square_sums,
+    outer_step,
 )
 from dloco.merger.config import MergeConfig
-from dloco.merger.fold import FragmentState
 from dloco.merger.fold import plain as fold_plain
 from dloco.protocol import Codec, CodedTensor
 
@@ -51,21 +51,22 @@ def warm_up_kernels(
 
 def warm_up_folds(
     optimizer: optax.GradientTransformation,
-    states: Sequence[FragmentState],
     layouts: Sequence[dict[str, tuple[int, ...]]],
     merge: MergeConfig,
     codec: Codec,
     stopping: Callable[[], bool],
 ) -> None:
     """Compile the kernels of folds from int codes for every fragment's size (`layouts`), and the
-    outer step of every fragment (`states`), for deltas in `codec`."""
+    in-place outer step of every fragment, for deltas in `codec`.  The step is compiled from the
+    shapes alone: the fragments' state is never read (a fold may take its step in place meanwhile)
+    and no copy of it is made."""
     warm_up_kernels(
         [sum(int(np.prod(shape)) for shape in layout.values()) for layout in layouts],
         codec.block,
         codec.bits,
         stopping,
     )
-    for fragment, state in enumerate(states):
+    for layout in layouts:
         if stopping():
             return
         zero = {
@@ -74,10 +75,16 @@ def warm_up_folds(
                 shape,
                 np.zeros((-(-int(np.prod(shape)) // codec.block), codec.record_nbytes), np.uint8),
             )
-            for path, shape in layouts[fragment].items()
+            for path, shape in layout.items()
         }
         plain = {path: fold_plain(path, merge) for path in zero}
-        new, *_ = coded.merge_and_step(
-            optimizer, state.params, state.opt_state, [zero], [0.0], plain
-        )
-        jax.block_until_ready(new)
+        paths, tiles, block_scale, kernel_layout, _, _ = coded.direction([zero], [0.0], plain)
+        params = [jax.ShapeDtypeStruct(layout[p], np.float32) for p in paths]
+        outer_step(optimizer, in_place=True).lower(
+            params,
+            jax.eval_shape(optimizer.init, params),
+            tiles,
+            block_scale,
+            np.float32(1),
+            kernel_layout,
+        ).compile()

@@ -304,7 +304,7 @@ def test_a_fold_whose_delta_the_guard_clips_stays_on_the_codes(monkeypatch):
     # weights 0.5 each; the guard measures a's part by admission's bound (`part_norm`)
     caps = {"a": 0.25 * 0.5 * part_norm(members[:1]), "b": 1e9}
     calls = []
-    monkeypatch.setattr(coded, "merge_and_step", _counting(coded.merge_and_step, calls))
+    monkeypatch.setattr(coded, "direction", _counting(coded.direction, calls))
     fresh = init_state(params, outer_optimizer(OuterConfig()))
     state, report = fold(fresh, members, MergeConfig(), step, caps=caps)
     assert calls == [1] and report.clipped == ("a",)
