@@ -44,7 +44,7 @@ def run_merger(args: argparse.Namespace) -> int:
 
     from dloco.merger.memory import keep_freed_memory
     from dloco.merger.roles import run_merger_roles
-    from dloco.merger.starting import initial_core, load_initial
+    from dloco.merger.starting import initial_core, load_initial, npz_shapes
     from dloco.protocol.shards import parse as parse_shard
 
     # small freed blocks kept for the next folds, large ones given back (merger/memory.py)
@@ -53,9 +53,15 @@ def run_merger(args: argparse.Namespace) -> int:
         config = merger_config(args)
         factory = None
         if args.init_npz is not None:
-            # a shard reads the values of its own fragments only
-            params, shapes = load_initial(args.init_npz, args.fragments, *parse_shard(args.shard))
-            factory = initial_core(config, params, args.fragments, shapes)
+            # read when a fresh core is made (never when the log resumes), by a shard only for its
+            # own fragments
+            shard, path = parse_shard(args.shard), args.init_npz
+            factory = initial_core(
+                config,
+                lambda: load_initial(path, args.fragments, *shard)[0],
+                args.fragments,
+                npz_shapes(path),
+            )
         elif not (args.run_dir / "wal").exists() and not (args.standby_of or args.peer):
             raise ConfigError(
                 f"{args.run_dir} holds no log to resume; give --init-npz to start a new run"

@@ -10,7 +10,7 @@ fragments only holds those (merger/core.py): the others are another shard's.
 from __future__ import annotations
 
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -24,13 +24,15 @@ from dloco.protocol.shards import owned
 
 def initial_core(
     config: MergerConfig,
-    params: Mapping[str, np.ndarray],
+    params: Mapping[str, np.ndarray] | Callable[[], Mapping[str, np.ndarray]],
     fragments: int,
     shapes: Mapping[str, tuple[int, ...]] | None = None,
 ):
     """A factory for a fresh core: partition by bytes, fingerprint, genesis logged on creation.
-    `params`: the values of the fragments it folds; `shapes`: every tensor's (None: `params` is
-    the whole model)."""
+    `params`: the values of the fragments it folds, or a function that reads them when the core is
+    made (the core then holds them alone, and its first folds free them: values kept here would
+    stay beside the core's for the whole run); `shapes`: every tensor's (None: `params` is the
+    whole model, a mapping)."""
     if shapes is None:
         shapes, model = (
             {path: tuple(a.shape) for path, a in params.items()},
@@ -41,7 +43,8 @@ def initial_core(
             {path: (tuple(shape), "float32") for path, shape in shapes.items()}
         )
     parts = partition(shapes, fragments)
-    return lambda wal: MergerCore(config, model, parts, params, log=wal)
+    values = params if callable(params) else lambda: params
+    return lambda wal: MergerCore(config, model, parts, values(), log=wal)
 
 
 def npz_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:

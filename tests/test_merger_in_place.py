@@ -4,6 +4,9 @@ that allocates, and never under a host view someone still holds."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import jax
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from dloco import protocol
 from dloco.merger.config import MergerConfig
 from dloco.merger.core import MergerCore, ReplayError
 from dloco.merger.fold import FragmentState, PendingStep, fold
+from dloco.merger.starting import initial_core
 from tests.merger_helpers import assemble, delta_chunks, initial_params
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -20,15 +24,19 @@ BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 def _core(params=None) -> MergerCore:
     params = initial_params() if params is None else params
     parts = protocol.partition({p: a.shape for p, a in params.items()}, 2)
-    core = MergerCore(MergerConfig(), protocol.model_fingerprint(params), parts, params)
-    core.initial = params
-    return core
+    return MergerCore(MergerConfig(), protocol.model_fingerprint(params), parts, params)
 
 
 def _send(core: MergerCore, fragment: int, island: str, delta_id: int, seed: int) -> None:
+    """A delta of `fragment` of the core's model (its shapes from the core's layouts)."""
     paths = core.fragments[fragment]
+    params = {
+        path: np.zeros(shape, np.float32)
+        for layout in core.layouts
+        for path, shape in layout.items()
+    }
     chunks = delta_chunks(
-        paths, island, delta_id, fragment, core.version(fragment), seed, params=core.initial
+        paths, island, delta_id, fragment, core.version(fragment), seed, params=params
     )
     assert core.submit(assemble(chunks), now=float(delta_id)) is None
 
@@ -115,6 +123,28 @@ def test_warm_up_compiles_the_step_a_fold_takes_without_reading_the_state():
     # the count can fail: a core not warmed up compiles its outer steps on its first folds
     cold = _core(_params({"a/w": (44, 24), "a/b": (24,), "c/w": (24, 60)}))
     assert _compiles_in_first_folds(cold) >= 2
+
+
+def test_initial_values_read_by_the_factory_are_freed_by_the_first_folds():
+    """`dloco merger --init-npz` hands the factory a reader, not the values: values kept outside
+    the core would stay beside its state for the whole run."""
+    read = []
+
+    def load():
+        read.append(initial_params())
+        return read[-1]
+
+    factory = initial_core(
+        MergerConfig(), load, 2, {p: a.shape for p, a in initial_params().items()}
+    )
+    core = factory(None)
+    loaded = [weakref.ref(value) for value in read.pop().values()]
+    assert all(ref() is not None for ref in loaded)
+    for fragment in (0, 1):
+        _send(core, fragment, "a", 1 + fragment, seed=fragment)
+        core.fold(fragment)
+    gc.collect()
+    assert [ref() for ref in loaded] == [None] * len(loaded)
 
 
 def _leaves(tree):
