@@ -1,8 +1,8 @@
 """How the merger process uses memory: freed small blocks are kept, large ones given back at once.
 
-A fold allocates the fragment's new parameters and momentum (two float32 copies of the fragment)
-and frees the previous ones; reassembly allocates a buffer per delta; a snapshot diff a tensor's
-change.  Two costs pull apart:
+A fold allocates its merged direction and, in its outer step, the pseudo-gradient (its new
+parameters and momentum are written over the old: merger/fold.py `PendingStep`); reassembly
+allocates a buffer per delta; a snapshot diff a tensor's change.  Two costs pull apart:
 
 - page faults: a block mapped fresh is faulted in a page at a time (4 KiB; with glibc's defaults
   every fold touches tens of megabytes of new pages, 37-45 ms a fold on the ingest benchmark's
@@ -19,9 +19,10 @@ starts with `HUGE_PAGES` in GLIBC_TUNABLES (glibc 2.35+: transparent huge pages 
 mapped blocks, 512 times fewer faults); `dloco up` and compose start the merger so
 (`with_huge_pages`); a merger started by hand wants the variable too.  On the same benchmark:
 19.2-19.5 bytes per parameter at peak, ingest within 5 %; but `dloco bench merger` (25 M
-parameters, tensors of 12.6 MB, each fold's outputs now fresh pages) folds ~30 % slower, as every
+parameters, tensors of 12.6 MB, each fold's outputs then fresh pages) folded ~30 % slower, as every
 merger does once its tensors pass 32 MiB, glibc's most for the heap (BENCHMARKS.md, "Cost of model
-size").  Folding in place would spare both.
+size").  Folds now write their new parameters and momentum over the old: those are no longer
+fresh pages (the direction and pseudo-gradient still are).
 Elsewhere than glibc (macOS, musl) it does nothing and says so.
 """
 
