@@ -16,10 +16,10 @@ writes the core: `finished()` installs a fold's state on the loop's thread once 
 `MergerCore.states` (what catch-up requests and checkpoints get) never shows a fold a crash could
 lose; a checkpoint waits until nothing is in flight.  The worker computes a fold up to its outer
 step (the merged direction); installing takes that step in place, over the fragment's parameters
-and optimizer state (`fold.PendingStep`), so what is not yet installed is never announced and no
-second copy of the state is made.  Each computed fold holds its direction (a fragment-sized array)
-until then, so the worker computes the next fold only once the last one is installed
-(`HELD_COMPUTED`).  After a failed fold the
+and optimizer state (`fold.PendingStep`), so no second copy of the state is made, and a fold
+whose log fails to become durable leaves the state as it was.  Each computed fold holds its
+direction (a fragment-sized array) until then, so the worker computes the next fold only once the
+last one is installed (`HELD_COMPUTED`).  After a failed fold (computed or installed) the
 pipeline stops (`failed`): the service must not checkpoint, the log alone says what happened.  A
 fragment has at most one fold in flight, so the version islands base their deltas on is never
 more than one behind the merger's (a stall — a kernel compiling — delays folds instead of making
@@ -141,7 +141,13 @@ class FoldPipeline:
                     self.wal.wait_durable(fold.durable)
                     if self.barrier is not None:
                         self.barrier(fold.durable)
-                fold.state = self.core.install(fold.fragment, fold.state, fold.report)
+                try:
+                    fold.state = self.core.install(fold.fragment, fold.state, fold.report)
+                # its step failed with the fragment's buffers handed to it: nothing more is
+                # installed, and no checkpoint taken (the log says what happened)
+                except BaseException as error:
+                    self.failed = error
+                    raise
             # installed or given up (a fenced primary's barrier raises): the worker goes on
             finally:
                 with self._room:

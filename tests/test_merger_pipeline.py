@@ -3,6 +3,7 @@ folding in place, one fold per fragment in flight, announced in order once the l
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import zmq
 
@@ -133,9 +134,9 @@ def test_the_worker_never_installs_a_fold_before_it_is_announced(tmp_path):
 
 
 def test_the_worker_computes_the_next_fold_once_the_last_one_is_installed(tmp_path):
-    """Each computed fold holds its fragment's new state beside the installed one: the worker lets
-    one wait at a time (HELD_COMPUTED), so a loop busy elsewhere never has the model's state held
-    twice over.  Fragments 0 and 1 fold; nothing is installed until `finished()`."""
+    """Each computed fold holds its merged direction (fragment-sized) until it is installed: the
+    worker lets one wait at a time (HELD_COMPUTED), so a loop busy elsewhere never has a model's
+    worth of them held.  Fragments 0 and 1 fold; nothing is installed until `finished()`."""
     core, wal = new_core(tmp_path)
     pipeline = FoldPipeline(core, wal)
     for fragment in (0, 1):
@@ -196,4 +197,53 @@ def test_a_barrier_that_raises_does_not_leave_the_worker_waiting(tmp_path):
     pipeline.barrier = None
     pipeline.close()
     assert not pipeline._worker.is_alive()
+    wal.close()
+
+
+def test_a_fold_given_up_before_its_install_leaves_the_state_as_it_was(tmp_path):
+    """The outer step is taken, in place, when a fold is installed: a fold given up before (a
+    fenced primary's barrier raises, or the log cannot be made durable) has not touched the
+    fragment's parameters."""
+    core, wal = new_core(tmp_path)
+    pipeline = FoldPipeline(core, wal)
+    # a first fold installed: the fragment's arrays are XLA's now (the next step could take them)
+    core.submit(assemble(delta_chunks(core.fragments[0], "a", 1, 0, 0, seed=8)), now=0.0)
+    pipeline.dispatch(now=0.0)
+    pipeline.finished(wait=True)
+    before = core.states[0]
+    values = {path: np.array(value) for path, value in before.params.items()}
+
+    def fenced(ticket):
+        raise RuntimeError("fenced")
+
+    pipeline.barrier = fenced
+    core.submit(assemble(delta_chunks(core.fragments[0], "a", 2, 0, 1, seed=9)), now=1.0)
+    pipeline.dispatch(now=1.0)
+    with pytest.raises(RuntimeError, match="fenced"):
+        pipeline.finished(wait=True)
+    assert core.states[0] is before and before.version == 1
+    assert not any(value.is_deleted() for value in before.params.values())
+    assert all(np.array_equal(before.params[p], values[p]) for p in values)
+    pipeline.barrier = None
+    pipeline.close()
+    wal.close()
+
+
+def test_an_install_that_fails_stops_the_pipeline(tmp_path, monkeypatch):
+    """Its step had the fragment's buffers: nothing more is installed or checkpointed."""
+    core, wal = new_core(tmp_path)
+    pipeline = FoldPipeline(core, wal)
+
+    def broken(fragment, state, report):
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(core, "install", broken)
+    core.submit(assemble(delta_chunks(core.fragments[0], "a", 1, 0, 0, seed=10)), now=0.0)
+    pipeline.dispatch(now=0.0)
+    with pytest.raises(RuntimeError, match="step failed"):
+        pipeline.finished(wait=True)
+    assert isinstance(pipeline.failed, RuntimeError)
+    with pytest.raises(RuntimeError, match="step failed"):
+        pipeline.dispatch(now=1.0)
+    assert pipeline.close() == [] and not pipeline._worker.is_alive()
     wal.close()
