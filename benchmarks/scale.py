@@ -50,10 +50,10 @@ from dloco.benchmarks.scale_pipeline import WAIT_S, ScaleBenchError, measure
 from dloco.benchmarks.timing import gbps, memcpy_seconds
 
 FRAGMENTS = 4
-# What a size needs at once: the merger's process (~26-35 B/param) beside this one's island side
-# (~15), measured at 200 M (BENCHMARKS.md), and the runtimes; a size that would not fit is refused
-# up front.
-NEED_BYTES_PER_PARAM = 50
+# What a size needs at once: the merger's process beside this one's island side, each ~17.5 B/param
+# at their peaks at 200 M with the runtimes (3.56 and 3.50 GB, at 14ba6df), and a margin; a size
+# that would not fit is refused up front.
+NEED_BYTES_PER_PARAM = 38
 NEED_FIXED_BYTES = 1 << 30
 
 
