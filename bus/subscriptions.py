@@ -21,14 +21,13 @@ within TOTAL_BYTES plus one peer's budget, whatever the subscribers send.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import time
 from collections.abc import Callable
 
 import zmq
 
+from dloco.bus import libc
 from dloco.bus.security import Security
 from dloco.protocol import subscribable
 from dloco.protocol.limits import MAX_SUBSCRIPTION_BYTES
@@ -153,8 +152,7 @@ def give_back_freed() -> bool:
     its top, so without this they stay resident as holes.  ZeroMQ frees a closed socket on its
     reaper thread, later: an owner calls this a few times after a reopening.  True where glibc has
     it."""
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    trim = libc.function("malloc_trim")
     if trim is None:
         return False
     trim(0)

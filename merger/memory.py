@@ -28,9 +28,9 @@ Elsewhere than glibc (macOS, musl) it does nothing and says so.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
+
+from dloco.bus import libc
 
 # glibc <malloc.h>
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -2, -3, -8
@@ -48,8 +48,7 @@ ARENAS = 1
 def keep_freed_memory(trim_threshold: int = TRIM_THRESHOLD) -> bool:
     """Apply the settings (before the process starts its threads: an arena a thread already has
     stays); True where glibc accepted all four, False where there is no mallopt."""
-    name = ctypes.util.find_library("c")
-    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    mallopt = libc.function("mallopt")
     if mallopt is None:
         return False
     settings = (
