@@ -159,6 +159,8 @@ class MergerSection:
     outer_lr: float = OuterConfig.lr
     # delayed_nesterov: momentum once per N folds
     delay: int = OuterConfig.delay
+    # float32 | bfloat16: the outer momentum's storage
+    momentum_dtype: str = OuterConfig.momentum_dtype
     # K: islands
     quorum: int = RoundConfig.quorum
     quorum_timeout_s: float = RoundConfig.quorum_timeout_s
@@ -223,7 +225,12 @@ class MergerSection:
             MergeConfig(
                 method=self.merge, max_staleness=self.max_staleness, share_window=self.share_window
             ),
-            OuterConfig(kind=self.outer, lr=self.outer_lr, delay=self.delay),
+            OuterConfig(
+                kind=self.outer,
+                lr=self.outer_lr,
+                delay=self.delay,
+                momentum_dtype=self.momentum_dtype,
+            ),
             RoundConfig(
                 quorum=self.quorum,
                 quorum_timeout_s=self.quorum_timeout_s,

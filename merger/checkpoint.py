@@ -41,9 +41,10 @@ def _entry(value) -> dict:
     """An array's entry; `data` views its bytes (`save` writes them as a blob)."""
     array = np.ascontiguousarray(np.asarray(value))
     return {
-        "dtype": array.dtype.str,
+        # bfloat16 (ml_dtypes) has no type string of its own ("<V2"); its name reads back
+        "dtype": array.dtype.name if array.dtype == jax.numpy.bfloat16 else array.dtype.str,
         "shape": list(array.shape),
-        "data": memoryview(array.reshape(-1)).cast("B"),
+        "data": memoryview(array.reshape(-1).view(np.uint8)),
     }
 
 
@@ -88,10 +89,15 @@ def import_state(core: MergerCore, data: dict) -> None:
     """Load exported state into a core built from the same genesis (pending deltas excluded)."""
     for fragment, entry in enumerate(data["fragments"]):
         params = {p: _array(v).astype(np.float32, copy=False) for p, v in entry["params"].items()}
-        template = core.optimizer.init([params[p] for p in sorted(params)])
+        template = jax.eval_shape(core.optimizer.init, [params[p] for p in sorted(params)])
         treedef = jax.tree_util.tree_structure(template)
+        # each leaf in the dtype this core keeps it in (a run resumed with another momentum_dtype)
         opt_state = jax.tree_util.tree_unflatten(
-            treedef, [jax.numpy.asarray(_array(leaf)) for leaf in entry["opt_leaves"]]
+            treedef,
+            [
+                jax.numpy.asarray(_array(leaf), dtype=kept.dtype)
+                for leaf, kept in zip(entry["opt_leaves"], jax.tree_util.tree_leaves(template))
+            ],
         )
         core.states[fragment] = FragmentState(entry["version"], params, opt_state)
     core.cursors = {island: (epoch, seq) for island, epoch, seq in data.get("cursors", [])}

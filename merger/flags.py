@@ -58,6 +58,12 @@ MATH_FLAGS = (
             Flag("lr", flag="--outer-lr"),
             Flag("momentum", flag="--outer-momentum"),
             Flag("delay", type=_positive_int, help="delayed_nesterov: momentum once per N folds"),
+            Flag(
+                "momentum_dtype",
+                flag="--outer-momentum-dtype",
+                choices=OuterConfig.MOMENTUM_DTYPES,
+                help="what the outer momentum is kept in (default %(default)s; bfloat16: half)",
+            ),
         ),
     ),
     (

@@ -23,6 +23,10 @@ island: shares are token weights, so two half-speed islands' deltas count as muc
 ones' but come half as often (with two of each, about 4/3 of a fast island's round).  A fold of a
 whole round (share 1: the synchronous modes, or share_window 0) is exactly Nesterov SGD.  Every
 optimizer's update takes the fold's share (optax extra args); the others ignore it.
+
+`outer.momentum_dtype = "bfloat16"` keeps the momentum (and the Delayed and Round variants' sum of
+pseudo-gradients) in 16 bits between folds, half the optimizer state's memory; each step is
+computed in float32 from it and only what is kept is rounded.
 """
 
 from __future__ import annotations
@@ -38,8 +42,40 @@ import optax
 from dloco.merger.config import OuterConfig
 
 
-def _zeros(params: optax.Params) -> optax.Params:
-    return jax.tree_util.tree_map(jnp.zeros_like, params)
+def _zeros(params: optax.Params, dtype) -> optax.Params:
+    return jax.tree_util.tree_map(lambda p: jnp.zeros_like(p, dtype=dtype), params)
+
+
+def _kept(tree: optax.Updates, dtype) -> optax.Updates:
+    """`tree` cast to the dtype the state is kept in (the arithmetic before is float32)."""
+    return jax.tree_util.tree_map(lambda x: x.astype(dtype), tree)
+
+
+def _float(tree: optax.Updates) -> optax.Updates:
+    return jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), tree)
+
+
+class NesterovState(NamedTuple):
+    momentum: optax.Updates
+
+
+def nesterov(learning_rate: float, momentum: float, dtype) -> optax.GradientTransformation:
+    """`optax.sgd(..., nesterov=True)` with its momentum kept in `dtype` and every product taken
+    in float32 (optax's own `accumulator_dtype` multiplies by the momentum rounded to it: 0.9 is
+    0.8984375 in bfloat16)."""
+
+    def init(params: optax.Params) -> NesterovState:
+        return NesterovState(_zeros(params, dtype))
+
+    def update(grads: optax.Updates, state: NesterovState, params: optax.Params | None = None):
+        del params
+        trace = jax.tree_util.tree_map(lambda g, m: g + momentum * m, grads, _float(state.momentum))
+        updates = jax.tree_util.tree_map(
+            lambda g, t: -learning_rate * (g + momentum * t), grads, trace
+        )
+        return updates, NesterovState(_kept(trace, dtype))
+
+    return optax.GradientTransformation(init, update)
 
 
 class DelayedNesterovState(NamedTuple):
@@ -51,21 +87,25 @@ class DelayedNesterovState(NamedTuple):
 
 
 def delayed_nesterov(
-    learning_rate: float, momentum: float, delay: int
+    learning_rate: float, momentum: float, delay: int, dtype=jnp.float32
 ) -> optax.GradientTransformation:
     def init(params: optax.Params) -> DelayedNesterovState:
         # two buffers: a fold's step writes each over itself (donated)
-        return DelayedNesterovState(jnp.zeros([], jnp.int32), _zeros(params), _zeros(params))
+        return DelayedNesterovState(
+            jnp.zeros([], jnp.int32), _zeros(params, dtype), _zeros(params, dtype)
+        )
 
     def update(
         grads: optax.Updates, state: DelayedNesterovState, params: optax.Params | None = None
     ):
         del params
         count = state.count + 1
-        accumulated = jax.tree_util.tree_map(jnp.add, state.accumulated, grads)
+        accumulated = jax.tree_util.tree_map(jnp.add, _float(state.accumulated), grads)
         due = count % delay == 0
         new_momentum = jax.tree_util.tree_map(
-            lambda m, a: jnp.where(due, momentum * m + a / delay, m), state.momentum, accumulated
+            lambda m, a: jnp.where(due, momentum * m + a / delay, m),
+            _float(state.momentum),
+            accumulated,
         )
         updates = jax.tree_util.tree_map(
             lambda g, m: (
@@ -77,7 +117,9 @@ def delayed_nesterov(
         accumulated = jax.tree_util.tree_map(
             lambda a: jnp.where(due, jnp.zeros_like(a), a), accumulated
         )
-        return updates, DelayedNesterovState(count, new_momentum, accumulated)
+        return updates, DelayedNesterovState(
+            count, _kept(new_momentum, dtype), _kept(accumulated, dtype)
+        )
 
     return optax.GradientTransformation(init, update)
 
@@ -90,9 +132,13 @@ class RoundNesterovState(NamedTuple):
     accumulated: optax.Updates
 
 
-def round_nesterov(learning_rate: float, momentum: float) -> optax.GradientTransformationExtraArgs:
+def round_nesterov(
+    learning_rate: float, momentum: float, dtype=jnp.float32
+) -> optax.GradientTransformationExtraArgs:
     def init(params: optax.Params) -> RoundNesterovState:
-        return RoundNesterovState(jnp.zeros([], jnp.float32), _zeros(params), _zeros(params))
+        return RoundNesterovState(
+            jnp.zeros([], jnp.float32), _zeros(params, dtype), _zeros(params, dtype)
+        )
 
     def update(
         grads: optax.Updates,
@@ -104,11 +150,11 @@ def round_nesterov(learning_rate: float, momentum: float) -> optax.GradientTrans
     ):
         del params, extra
         credit = state.credit + jnp.asarray(share, jnp.float32)
-        accumulated = jax.tree_util.tree_map(jnp.add, state.accumulated, grads)
+        accumulated = jax.tree_util.tree_map(jnp.add, _float(state.accumulated), grads)
         # a whole round folded (float sums of quarters, thirds)
         due = credit >= 1.0 - 1e-6
         new_momentum = jax.tree_util.tree_map(
-            lambda m, a: jnp.where(due, momentum * m + a, m), state.momentum, accumulated
+            lambda m, a: jnp.where(due, momentum * m + a, m), _float(state.momentum), accumulated
         )
         updates = jax.tree_util.tree_map(
             lambda g, m: -learning_rate * (g + jnp.where(due, momentum * m, jnp.zeros_like(m))),
@@ -119,7 +165,9 @@ def round_nesterov(learning_rate: float, momentum: float) -> optax.GradientTrans
             lambda a: jnp.where(due, jnp.zeros_like(a), a), accumulated
         )
         return updates, RoundNesterovState(
-            jnp.where(due, credit - 1.0, credit), new_momentum, accumulated
+            jnp.where(due, credit - 1.0, credit),
+            _kept(new_momentum, dtype),
+            _kept(accumulated, dtype),
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
@@ -129,15 +177,20 @@ def round_nesterov(learning_rate: float, momentum: float) -> optax.GradientTrans
 def outer_optimizer(config: OuterConfig) -> optax.GradientTransformationExtraArgs:
     """One optimizer object per configuration: compiled fold steps (keyed by it) are shared by every
     core built from the same configuration — a recovered or benchmarked core never recompiles."""
-    if config.kind == "nesterov":
+    dtype = jnp.dtype(config.momentum_dtype)
+    if config.kind == "nesterov" and dtype == jnp.float32:
         return optax.with_extra_args_support(
             optax.sgd(config.lr, momentum=config.momentum, nesterov=True)
         )
+    if config.kind == "nesterov":
+        return optax.with_extra_args_support(nesterov(config.lr, config.momentum, dtype))
     if config.kind == "sgd":
         return optax.with_extra_args_support(optax.sgd(config.lr))
     if config.kind == "round_nesterov":
-        return round_nesterov(config.lr, config.momentum)
-    return optax.with_extra_args_support(delayed_nesterov(config.lr, config.momentum, config.delay))
+        return round_nesterov(config.lr, config.momentum, dtype)
+    return optax.with_extra_args_support(
+        delayed_nesterov(config.lr, config.momentum, config.delay, dtype)
+    )
 
 
 @functools.lru_cache(maxsize=64)

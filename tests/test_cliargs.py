@@ -95,7 +95,9 @@ def test_the_merger_reads_back_what_its_tables_write():
 
     math = MergerConfig(
         MergeConfig(method="average", max_staleness=9, share_window=8),
-        OuterConfig(kind="delayed_nesterov", lr=0.5, momentum=0.8, delay=2),
+        OuterConfig(
+            kind="delayed_nesterov", lr=0.5, momentum=0.8, delay=2, momentum_dtype="bfloat16"
+        ),
         RoundConfig(quorum=2, quorum_timeout_s=5.0, grace_cap_s=0.5, cold_wait_s=12.0),
     )
     snapshots = SnapshotConfig("int8", "int4", 3, 1.0)

@@ -76,7 +76,12 @@ def test_a_cluster_file_that_leaves_keys_out_gets_the_processes_defaults():
         merge.method,
         merge.share_window,
     )
-    assert (section.outer, section.outer_lr, section.delay) == (outer.kind, outer.lr, outer.delay)
+    assert (section.outer, section.outer_lr, section.delay, section.momentum_dtype) == (
+        outer.kind,
+        outer.lr,
+        outer.delay,
+        outer.momentum_dtype,
+    )
     assert (section.quorum, section.quorum_timeout_s, section.grace_cap_s, section.cold_wait_s) == (
         rounds.quorum,
         rounds.quorum_timeout_s,

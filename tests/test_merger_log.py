@@ -135,13 +135,20 @@ def test_replay_names_a_corrupt_record(tmp_path):
         list(replay(tmp_path, lambda *a: None))
 
 
-@pytest.mark.parametrize("outer", ["nesterov", "round_nesterov"])
-def test_fold_shares_survive_a_checkpoint_and_replay(tmp_path, outer):
+@pytest.mark.parametrize(
+    "outer,dtype",
+    [("nesterov", "float32"), ("round_nesterov", "float32"), ("round_nesterov", "bfloat16")],
+)
+def test_fold_shares_survive_a_checkpoint_and_replay(tmp_path, outer, dtype):
     """share_window on, one island's delta per fold: the recent-contributor state that sets each
     fold's share is checkpointed, so recovery (checkpoint + tail) and replay from genesis land on
     the live digest, and the shares really were below 1.  round_nesterov: its share credit and
-    pending sum are optimizer state, checkpointed and replayed with the rest."""
-    config = MergerConfig(MergeConfig(max_staleness=4, share_window=6), outer=OuterConfig(outer))
+    pending sum are optimizer state, checkpointed and replayed with the rest (bfloat16: kept in
+    it, and read back as it was)."""
+    config = MergerConfig(
+        MergeConfig(max_staleness=4, share_window=6),
+        outer=OuterConfig(outer, momentum_dtype=dtype),
+    )
 
     def core_at(run_dir):
         params = initial_params()
@@ -180,11 +187,18 @@ def test_fold_shares_survive_a_checkpoint_and_replay(tmp_path, outer):
         tmp_path / "crashed", log=WriteAheadLog(wal_dir(tmp_path / "crashed"), fsync="never")
     )
     assert resumed.last_contributions == crashed.last_contributions
+    assert {str(leaf.dtype) for leaf in _state_leaves(resumed)} >= {dtype}
     assert single_folds(resumed, 11, 19) == shares[10:]
     assert resumed.digest() == straight.digest()
     digests = []
     list(replay(tmp_path / "straight", lambda index, record, report, c: digests.append(c.digest())))
     assert digests[-1] == straight.digest()
+
+
+def _state_leaves(core):
+    import jax
+
+    return [leaf for s in core.states for leaf in jax.tree_util.tree_leaves(s.opt_state)]
 
 
 def test_the_log_says_which_fold_kernels_and_jax_wrote_it(tmp_path):
