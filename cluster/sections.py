@@ -171,6 +171,8 @@ class MergerSection:
     snapshot_diff_codec: str = SnapshotConfig.snapshot_diff_codec
     snapshot_full_every: int = SnapshotConfig.snapshot_full_every
     snapshot_every_round: float = SnapshotConfig.snapshot_every_round
+    # fp32 | bf16: what the merger and the islands hold the served value in
+    served_dtype: str = SnapshotConfig.served_dtype
     # a hot standby merger beside the primary (PROTOCOL.md §12)
     standby: bool = False
     # with a standby: sync | async
@@ -206,17 +208,22 @@ class MergerSection:
         )
         with _section_named("merger"):
             self.math()
-        SnapshotConfig(
-            self.snapshot_codec,
-            self.snapshot_diff_codec,
-            self.snapshot_full_every,
-            self.snapshot_every_round,
-        )
+        self.snapshots()
 
     @property
     def processes(self) -> list[str]:
         """The merger's process names: `merger` (shard 0), `merger.1`, ...; then `standby`."""
         return [*shard_names("merger", self.shards), *(["standby"] if self.standby else [])]
+
+    def snapshots(self) -> SnapshotConfig:
+        """The merger's SnapshotConfig these settings give."""
+        return SnapshotConfig(
+            self.snapshot_codec,
+            self.snapshot_diff_codec,
+            self.snapshot_full_every,
+            self.snapshot_every_round,
+            self.served_dtype,
+        )
 
     def math(self) -> MergerConfig:
         """The merger's MergerConfig these settings give (the outer momentum is the merger's

@@ -10,7 +10,6 @@ from dloco.cliargs import as_flags
 from dloco.cluster.config import ClusterConfig
 from dloco.island.config import TrainConfig
 from dloco.island.flags import SYNC_FLAGS, TRAIN_FLAGS
-from dloco.merger.config import SnapshotConfig
 from dloco.merger.flags import SNAPSHOT_FLAGS, math_flags
 from dloco.protocol.shards import names as shard_names
 
@@ -129,9 +128,7 @@ def _mergers(config: ClusterConfig, at: Addresses, run_dir: str, out: dict) -> l
     """The merger's command line (each shard's, the standby's) into `out`; returns the control
     endpoints islands dial, one per shard in shard order ("A,B": a merger and its standby)."""
     sc, mc = config.effective()
-    snapshots = SnapshotConfig(
-        mc.snapshot_codec, mc.snapshot_diff_codec, mc.snapshot_full_every, mc.snapshot_every_round
-    )
+    snapshots = mc.snapshots()
     out["merger"] = [
         "merger",
         *_flags(run_dir=f"{run_dir}/merger", init_npz=f"{run_dir}/init.npz"),

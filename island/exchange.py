@@ -51,8 +51,9 @@ class Anchor:
 
     @classmethod
     def adopted(cls, tensors: Mapping[str, np.ndarray]) -> Anchor:
-        """The anchor of a fragment just adopted: its global value, the arrays themselves."""
-        return cls({path: np.asarray(value, np.float32) for path, value in tensors.items()})
+        """The anchor of a fragment just adopted: its global value, the arrays themselves (float32,
+        or bfloat16 when the merger serves it so: read as float32 a tensor at a time)."""
+        return cls(dict(tensors))
 
     def value(self, path: str) -> np.ndarray:
         base = np.asarray(self.base[path], np.float32)

@@ -111,7 +111,12 @@ class Downlink:
         self.merger_epochs[head.sender] = max(head.epoch, self.merger_epochs.get(head.sender, 0))
         fragment = head.fragment
         held, outcome = downlink.receive(
-            self.served.get(fragment), head.version, head.base_version, head.digest, tensors
+            self.served.get(fragment),
+            head.version,
+            head.base_version,
+            head.digest,
+            tensors,
+            head.served,
         )
         self.results[outcome] += 1
         if outcome in downlink.ASK_AGAIN:

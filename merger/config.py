@@ -178,6 +178,11 @@ class SnapshotConfig:
     snapshot_full_every: int = 0
     # a fragment's snapshot at most once per this many mean rounds of the islands (0: every fold)
     snapshot_every_round: float = 0.0
+    # with diffs: what the value served to islands is held in, by the merger and by every island
+    # ("bf16": half the memory on both ends; protocol/downlink.py)
+    served_dtype: str = "fp32"
+
+    SERVED_DTYPES = ("fp32", "bf16")
 
     def __post_init__(self) -> None:
         _require(
@@ -211,6 +216,20 @@ class SnapshotConfig:
             type(every) in (int, float) and 0 <= every < float("inf"),
             f"merger.snapshot_every_round must be a number >= 0, got {every!r}",
         )
+        _require(
+            self.served_dtype in self.SERVED_DTYPES,
+            f"merger.served_dtype must be one of {self.SERVED_DTYPES}, got {self.served_dtype!r}",
+        )
+        _require(
+            self.served_dtype == "fp32" or diff != "none",
+            "merger.served_dtype = 'bf16' needs merger.snapshot_diff_codec: only diff snapshots"
+            " keep a served value",
+        )
+
+    @property
+    def served(self) -> str | None:
+        """A snapshot's `served` field (None: float32)."""
+        return None if self.served_dtype == "fp32" else self.served_dtype
 
 
 @dataclasses.dataclass(frozen=True)

@@ -132,6 +132,14 @@ SNAPSHOT_FLAGS = (
             " rounds of folds old: keep --max-staleness above that"
         ),
     ),
+    Flag(
+        "served_dtype",
+        choices=SnapshotConfig.SERVED_DTYPES,
+        help=(
+            "with diffs: what the merger and the islands hold the served value in (default fp32;"
+            " bf16: half the memory)"
+        ),
+    ),
 )
 
 

@@ -66,13 +66,14 @@ class SnapshotPublisher:
             return {p: np.asarray(v) for p, v in state.params.items()}
 
         full_codec = protocol.Codec(self.config.snapshots.snapshot_codec)
-        version, base, digest = state.version, None, None
+        version, base, digest, served_dtype = state.version, None, None, None
         if self.config.snapshots.snapshot_diff_codec == "none":
             limit = self.config.max_chunk_bytes
             codec, plans = full_codec, protocol.split_fragment(params(), full_codec, limit)
         else:
             served, base, codec, plans = self._served_form(fragment, state.version, params, on_bus)
             version, digest = served.version, served.digest
+            served_dtype = self.config.snapshots.served
         return [
             protocol.encode(
                 protocol.SnapshotChunk(
@@ -89,6 +90,7 @@ class SnapshotPublisher:
                     payloads=plan.payloads,
                     base_version=base,
                     digest=digest,
+                    served=served_dtype,
                 )
             )
             for index, plan in enumerate(plans)
@@ -110,7 +112,9 @@ class SnapshotPublisher:
         )
         if form == FULL:
             codec = full_codec
-            served, plans = downlink.full(params(), version, full_codec, limit)
+            served, plans = downlink.full(
+                params(), version, full_codec, limit, self.config.snapshots.served
+            )
         elif form == DIFF:
             base, codec = (
                 served.version,

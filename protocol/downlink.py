@@ -11,7 +11,11 @@ sees the digest differ and asks for the value again (catch-up, sent exact: fp32,
 snapshots' codec while S is exactly representable in it).
 
 Both ends decode with `protocol.assembly.decode_slices` and add in float32 numpy, so the served
-value is the same bytes on every machine.  Pure numpy: no sockets, no clocks.
+value is the same bytes on every machine.  A merger may serve S in bfloat16 (a snapshot's
+``served = "bf16"``): every value of S is then rounded to it (nearest, ties to even) after each
+snapshot, ``S_v = bf16(S_b + decode_d(...))``, computed in float32 first; the next diff carries
+what the rounding left out, as it carries the codec's error.  Half the memory on both ends; the
+digest is still over S's values as float32.  Pure numpy: no sockets, no clocks.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+import ml_dtypes
 import numpy as np
 
 from dloco.protocol.assembly import decode_slices
@@ -32,9 +37,24 @@ ADOPT = frozenset({"full", "diff"})
 ASK_AGAIN = frozenset({"missing", "gap", "mismatch"})
 
 
+# what the served value is held in, by a snapshot's `served` (None: float32)
+SERVED_DTYPES = {None: np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def held_as(tensors: dict[str, np.ndarray], served: str | None) -> dict[str, np.ndarray]:
+    """Float32 `tensors` as a receiver holds them under `served`: themselves, or each rounded to
+    bfloat16 (a tensor at a time: its float32 array is let go of as its copy is made)."""
+    dtype = SERVED_DTYPES[served]
+    for path in list(tensors):
+        if tensors[path].dtype != dtype:
+            tensors[path] = tensors.pop(path).astype(dtype)
+    return tensors
+
+
 @dataclasses.dataclass(frozen=True)
 class Served:
-    """The value of one fragment a receiver holds at `version` (float32 tensors, as decoded)."""
+    """The value of one fragment a receiver holds at `version` (float32 tensors as decoded, or
+    bfloat16 under ``served = "bf16"``)."""
 
     version: int
     tensors: Mapping[str, np.ndarray]
@@ -68,12 +88,18 @@ def _carried(theta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def full(
-    theta: Mapping[str, np.ndarray], version: int, codec: Codec, max_chunk_bytes: int
+    theta: Mapping[str, np.ndarray],
+    version: int,
+    codec: Codec,
+    max_chunk_bytes: int,
+    served: str | None = None,
 ) -> tuple[Served, list[ChunkPlan]]:
-    """A full snapshot of `theta` in `codec`: its chunks and the value its receivers will hold."""
+    """A full snapshot of `theta` in `codec`: its chunks and the value its receivers will hold
+    (in `served`'s dtype)."""
     carried = _carried(theta)
     plans = split_fragment(carried, codec, max_chunk_bytes)
     held = _decoded(plans, codec, {path: value.shape for path, value in carried.items()})
+    held = held_as(held, served)
     return Served(version, held, digest(held)), plans
 
 
@@ -90,7 +116,7 @@ def diff(
     served value moves on in place (`served`'s arrays become the new value's), so no copy of the
     fragment is ever made: a tensor's change and its decoding are the only temporaries.  Every
     tensor is encoded before any served array changes, so a refused encoding leaves `served`
-    whole."""
+    whole.  The served value keeps its dtype (bfloat16: each sum rounded to it)."""
     carried = _carried(theta)
     if set(carried) != set(served.tensors) or version <= served.version:
         raise EncodeError(
@@ -109,13 +135,14 @@ def diff(
 
 
 def _writable(value: np.ndarray) -> np.ndarray:
-    return value if value.flags.writeable else np.array(value, dtype=np.float32)
+    return value if value.flags.writeable else np.array(value)
 
 
 def _add_decoded(held: dict[str, np.ndarray], plans: list[ChunkPlan], codec: Codec) -> None:
     """held += the change `plans` carry, decoded slice by slice as a receiver decodes them
-    (`decode_slices`) and added in float32 a tensor at a time (tensors are whole in consecutive
-    slices: `split_fragment` packs them in path order)."""
+    (`decode_slices`) and added in float32 a tensor at a time, the sum rounded to held's dtype as
+    `apply` rounds it (tensors are whole in consecutive slices: `split_fragment` packs them in
+    path order)."""
     pieces = [
         (item, payload) for plan in plans for item, payload in zip(plan.slices, plan.payloads)
     ]
@@ -134,28 +161,35 @@ def _add_decoded(held: dict[str, np.ndarray], plans: list[ChunkPlan], codec: Cod
 def reply(served: Served, preferred: Codec, max_chunk_bytes: int) -> tuple[Codec, list[ChunkPlan]]:
     """A point-to-point reply carrying `served` exactly: in `preferred` (the full snapshots' codec)
     when that gives back S bit for bit — as it does until the first diff after a full snapshot in
-    it, e.g. for every island joining at the start (bf16: half the bytes) — otherwise in fp32."""
+    it, e.g. for every island joining at the start (bf16: half the bytes) — otherwise in bf16
+    when S is held in it, else in fp32."""
     tensors = dict(served.tensors)
     if preferred.name != "fp32":
         plans = split_fragment(tensors, preferred, max_chunk_bytes)
         decoded = _decoded(plans, preferred, {path: value.shape for path, value in tensors.items()})
         if all(
-            np.array_equal(decoded[path].view(np.uint32), value.view(np.uint32))
+            np.array_equal(
+                decoded[path].view(np.uint32), np.asarray(value, np.float32).view(np.uint32)
+            )
             for path, value in tensors.items()
         ):
             return preferred, plans
-    fp32 = Codec("fp32")
-    return fp32, split_fragment(tensors, fp32, max_chunk_bytes)
+    exact = Codec(
+        "bf16" if all(v.dtype == SERVED_DTYPES["bf16"] for v in tensors.values()) else "fp32"
+    )
+    return exact, split_fragment(tensors, exact, max_chunk_bytes)
 
 
 def apply(
-    held: Mapping[str, np.ndarray], change: Mapping[str, np.ndarray]
+    held: Mapping[str, np.ndarray], change: dict[str, np.ndarray], served: str | None = None
 ) -> dict[str, np.ndarray]:
     """held + change in float32, added into `change`'s arrays (they become the new value: a diff
-    costs no third copy of its fragment)."""
-    return {
+    costs no third copy of its fragment), then held as `served` says (bfloat16: rounded, a
+    tensor at a time)."""
+    summed = {
         path: np.add(held[path], change[path], out=change[path], dtype=np.float32) for path in held
     }
+    return held_as(summed, served)
 
 
 def receive(
@@ -163,14 +197,16 @@ def receive(
     version: int,
     base_version: int | None,
     expected: int | None,
-    tensors: Mapping[str, np.ndarray],
+    tensors: dict[str, np.ndarray],
+    served: str | None = None,
 ) -> tuple[Served | None, str]:
     """What a receiver holds after a complete snapshot, and what happened:
     ``full`` / ``diff``: a newer value, adopt it; ``old``: nothing newer, ignore it;
     ``missing`` (a diff, no value held), ``gap`` (a diff from a version not held), ``mismatch``
     (the value, or the diff applied to the value held, does not have the digest the snapshot
     names): keep what is held and ask for the value again.  A diff's `tensors` (float32, the
-    caller's own) are added to in place: they are the new value."""
+    caller's own) are added to in place: they are the new value.  `served`: the snapshot's (the
+    value is held in bfloat16 under "bf16")."""
     if base_version is None:
         newer = held is None or version > held.version
         replaced = (
@@ -181,16 +217,17 @@ def receive(
         )
         if not (newer or replaced):
             return held, "old"
-        if expected is not None and digest(tensors) != expected:
+        value = held_as(dict(tensors), served)
+        if expected is not None and digest(value) != expected:
             return held, "mismatch"
-        return Served(version, dict(tensors), expected), "full"
+        return Served(version, value, expected), "full"
     if held is not None and version <= held.version:
         return held, "old"
     if held is None:
         return held, "missing"
     if base_version != held.version or set(tensors) != set(held.tensors):
         return held, "gap"
-    value = apply(held.tensors, tensors)
+    value = apply(held.tensors, tensors, served)
     if digest(value) != expected:
         return held, "mismatch"
     return Served(version, value, expected), "diff"

@@ -19,7 +19,7 @@ from dloco.protocol.limits import DEFAULT_LIMITS
 from dloco.protocol.messages import PROTOCOL_VERSION, DeltaChunk, Kind, Message, SnapshotChunk
 
 # of a snapshot: left out of the header when None
-OPTIONAL_FIELDS = frozenset({"base_version", "digest"})
+OPTIONAL_FIELDS = frozenset({"base_version", "digest", "served"})
 
 
 def encode(message: Message) -> list[bytes | memoryview]:

@@ -17,6 +17,7 @@ from dloco.protocol.errors import EncodeError, ProtocolError
 from dloco.protocol.limits import IDENT, PATH, REASON, Limits
 from dloco.protocol.messages import (
     MESSAGE_TYPES,
+    SERVED_DTYPES,
     TENSOR_DTYPES,
     Ack,
     Cursor,
@@ -227,8 +228,20 @@ def _read_snapshot(
             f"snapshot.base_version must be below version ({version}) and come with a digest, got"
             f" {base}",
         )
+    served = fields.get("served") if "served" in fields.mapping else None
+    if served is not None and (served not in SERVED_DTYPES or digest is None):
+        raise ProtocolError(
+            "field_value",
+            f"snapshot.served must be one of {sorted(SERVED_DTYPES)} and come with a digest, got"
+            f" {_show(served)}",
+        )
     return SnapshotChunk(
-        **head, version=version, payloads=payloads, base_version=base, digest=digest
+        **head,
+        version=version,
+        payloads=payloads,
+        base_version=base,
+        digest=digest,
+        served=served,
     )
 
 

@@ -18,8 +18,12 @@ from typing import ClassVar, Union
 from dloco.protocol.quantization import Codec
 
 # 2: snapshots may be diffs (base_version, digest); 3: a stream per merger shard (heartbeat.stream,
-# topics end in /); 4: trained tokens (heartbeat.tokens, ack.tokens) for the cluster's schedule
-PROTOCOL_VERSION = 4
+# topics end in /); 4: trained tokens (heartbeat.tokens, ack.tokens) for the cluster's schedule;
+# 5: a snapshot's served value may be held in bfloat16 (snapshot.served)
+PROTOCOL_VERSION = 5
+
+# a snapshot's `served`: what else than float32 receivers may hold the served value in
+SERVED_DTYPES = frozenset({"bf16"})
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -114,6 +118,9 @@ class SnapshotChunk:
     base_version: int | None = None
     # CRC-32 of the served value after this snapshot; required with a base
     digest: int | None = None
+    # "bf16": the served value is held in bfloat16, each value rounded after every snapshot
+    # (protocol/downlink.py); None: in float32.  Only with a digest
+    served: str | None = None
 
     @property
     def topic(self) -> str:

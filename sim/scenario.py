@@ -197,10 +197,7 @@ class Scenario:
 
     @property
     def snapshots(self) -> SnapshotConfig:
-        m = self.merger
-        return SnapshotConfig(
-            m.snapshot_codec, m.snapshot_diff_codec, m.snapshot_full_every, m.snapshot_every_round
-        )
+        return self.merger.snapshots()
 
     @property
     def fold_bytes_s(self) -> float:

@@ -56,6 +56,12 @@ BAD_FILES = (
         "[merger]\nsnapshot_every_round = 'often'\n[[regions]]\nname = 'a'\n",
         "merger.snapshot_every_round",
     ),
+    (
+        "[merger]\nserved_dtype = 'bf16'\nsnapshot_diff_codec = 'none'\n[[regions]]\nname = 'a'\n",
+        "merger.served_dtype = 'bf16' needs merger.snapshot_diff_codec",
+    ),
+    ("[merger]\nserved_dtype = 'fp16'\n[[regions]]\nname = 'a'\n", "merger.served_dtype"),
+    ("[merger]\nmomentum_dtype = 'fp16'\n[[regions]]\nname = 'a'\n", "momentum_dtype"),
     ("[run]\neval_trace = -1\n[[regions]]\nname = 'a'\n", "run.eval_trace"),
     ("[sync]\nflush_on_leave = 'yes'\n[[regions]]\nname = 'a'\n", "sync.flush_on_leave"),
     ("[run]\neval_trace = 4.5\n[[regions]]\nname = 'a'\n", "run.eval_trace"),

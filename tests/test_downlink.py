@@ -139,7 +139,9 @@ def test_receive_rules_by_hand():
     }
 
 
-def snapshot_frames(served_plans, version, codec, base=None, digest=None, seq=1, epoch=1):
+def snapshot_frames(
+    served_plans, version, codec, base=None, digest=None, seq=1, epoch=1, served=None
+):
     return [
         protocol.encode(
             protocol.SnapshotChunk(
@@ -156,40 +158,48 @@ def snapshot_frames(served_plans, version, codec, base=None, digest=None, seq=1,
                 payloads=plan.payloads,
                 base_version=base,
                 digest=digest,
+                served=served,
             )
         )
         for i, plan in enumerate(served_plans)
     ]
 
 
-# decoded at completion, or chunk by chunk as islands do
-@pytest.mark.parametrize("stream", [False, True])
-def test_receivers_rebuild_the_served_value_bit_for_bit_through_the_wire(stream):
+# decoded at completion, or chunk by chunk as islands do; the served value in float32 or bfloat16
+@pytest.mark.parametrize("stream,served_dtype", [(False, None), (True, None), (True, "bf16")])
+def test_receivers_rebuild_the_served_value_bit_for_bit_through_the_wire(stream, served_dtype):
     """Sender: a full bf16 snapshot, then 20 int4 diffs of a drifting model, cut into small chunks.
     Receiver: the real decoder and reassembler, chunks in reverse order.  Same bytes every version.
     """
     rng = np.random.default_rng(0)
     theta = {"a": rng.normal(size=(64, 33)).astype(F32), "b": rng.normal(size=(1000,)).astype(F32)}
     bf16, int4 = protocol.Codec("bf16"), protocol.Codec("int4", block=64)
-    served, plans = downlink.full(theta, 0, bf16, 1 << 20)
+    served, plans = downlink.full(theta, 0, bf16, 1 << 20, served_dtype)
     held, reassembler = None, protocol.Reassembler(stream=stream)
-    frames = snapshot_frames(plans, 0, bf16, digest=served.digest)
+    frames = snapshot_frames(plans, 0, bf16, digest=served.digest, served=served_dtype)
     for version in range(21):
         if version:
             theta = {p: v + 0.01 * rng.normal(size=v.shape).astype(F32) for p, v in theta.items()}
             served, plans = downlink.diff(theta, served, version, int4, 512)
             frames = snapshot_frames(
-                plans, version, int4, base=version - 1, digest=served.digest, seq=100 * version
+                plans,
+                version,
+                int4,
+                base=version - 1,
+                digest=served.digest,
+                seq=100 * version,
+                served=served_dtype,
             )
         assert len(frames) >= (1 if version == 0 else 2)
         for chunk in reversed(frames):
             assembled = reassembler.add(protocol.decode(chunk), now=0.0)
         head = assembled.header
         held, outcome = downlink.receive(
-            held, head.version, head.base_version, head.digest, assembled.tensors
+            held, head.version, head.base_version, head.digest, assembled.tensors, head.served
         )
         assert outcome == ("full" if version == 0 else "diff") and held.digest == served.digest
         for path in theta:
+            assert held.tensors[path].dtype == downlink.SERVED_DTYPES[served_dtype]
             np.testing.assert_array_equal(held.tensors[path], served.tensors[path])
     # error feedback keeps the served value within one diff's error of the model after 20 diffs
     assert max(float(np.abs(served.tensors[p] - theta[p]).max()) for p in theta) < 0.01
@@ -235,6 +245,47 @@ def test_a_snapshot_header_carries_base_and_digest_only_for_diffs():
         # and the encoder never emits it
         with pytest.raises(protocol.EncodeError, match="refused by its receivers"):
             snapshot_frames([plan], 2, protocol.Codec("fp32"), base=base, digest=digest)
+
+
+def test_a_bfloat16_served_value_is_rounded_after_each_snapshot_and_the_next_diff_carries_the_rest():
+    """bf16 keeps 8 significant bits: next to 1 its step is 2^-7 = 0.0078125.  fp32 diffs (no
+    codec error) of a model moving 0.003 a version: S = bf16(1 + 0.003) = 1 (below half a step);
+    the next diff is then 0.006, S = bf16(1.006) = 1.0078125; then 0.009 - 0.0078125 = 0.0011875,
+    S = bf16(1.0089...) = 1.0078125 again.  S stays within half a step of the model."""
+    fp32 = protocol.Codec("fp32")
+    served, _ = downlink.full({"w": np.array([1.0, 3.0], F32)}, 0, fp32, 1 << 20, "bf16")
+    assert served.tensors["w"].dtype == downlink.SERVED_DTYPES["bf16"]
+    held = []
+    for version in (1, 2, 3):
+        theta = {"w": np.array([1.0 + 0.003 * version, 3.0], F32)}
+        served, plans = downlink.diff(theta, served, version, fp32, 1 << 20)
+        held.append(float(served.tensors["w"][0]))
+        assert served.tensors["w"].nbytes == 4
+    assert held == [1.0, 1.0078125, 1.0078125]
+    assert served.digest == downlink.digest({"w": np.array([1.0078125, 3.0], F32)})
+    # a receiver applying the last diff to the bf16 value it held computes the same bytes
+    before = {"w": np.array([1.0078125, 3.0], F32).astype(downlink.SERVED_DTYPES["bf16"])}
+    change = downlink._decoded(plans, fp32, {"w": (2,)})
+    received, outcome = downlink.receive(
+        downlink.Served(2, before, None), 3, 2, served.digest, change, "bf16"
+    )
+    assert outcome == "diff" and received.tensors["w"].tobytes() == served.tensors["w"].tobytes()
+    # replied exactly in bf16 (4 bytes), not fp32 (8), when int8 cannot hold it
+    codec, plans = downlink.reply(served, protocol.Codec("int8"), 1 << 20)
+    assert codec.name == "bf16" and sum(p.nbytes for p in plans) == 4
+
+
+def test_served_comes_only_with_a_digest_and_names_bf16():
+    plan = protocol.split_fragment({"w": np.ones(8, F32)}, protocol.Codec("fp32"))[0]
+    frames = snapshot_frames([plan], 2, protocol.Codec("fp32"), base=1, digest=7, served="bf16")[0]
+    assert protocol.decode(frames).served == "bf16"
+    header = msgpack.unpackb(bytes(frames[1]))
+    for changed in ({**header, "served": "fp16"}, {**header, "served": 1}):
+        with pytest.raises(protocol.ProtocolError) as error:
+            protocol.decode([frames[0], msgpack.packb(changed), *frames[2:]])
+        assert error.value.reason == "field_value"
+    with pytest.raises(protocol.EncodeError, match="refused by its receivers"):
+        snapshot_frames([plan], 2, protocol.Codec("fp32"), served="bf16")
 
 
 def test_the_senders_diff_moves_the_served_value_in_place_a_tensor_at_a_time():

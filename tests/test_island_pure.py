@@ -8,6 +8,7 @@ import pytest
 from dloco import protocol
 from dloco.island import exchange
 from dloco.island.config import ConfigError, ModelConfig, SyncConfig, TrainConfig
+from dloco.protocol import downlink
 
 
 def test_schedule_staggers_fragments_by_hand():
@@ -51,6 +52,20 @@ def test_an_anchor_is_held_in_int8_and_what_that_rounds_off_goes_out_in_the_next
         rtol=0,
         atol=1e-6,
     )
+
+
+def test_an_anchor_on_a_bfloat16_value_keeps_it_and_takes_deltas_in_float32():
+    """A merger serving bf16 (snapshot `served`): the anchor holds the downlink's 2-byte arrays
+    themselves and reads them as float32 a tensor at a time."""
+    bf16 = downlink.SERVED_DTYPES["bf16"]
+    adopted = {"w": np.array([1.0, 2.0, 3.0, 4.0], np.float32).astype(bf16)}
+    anchor = exchange.Anchor.adopted(adopted)
+    assert anchor.base["w"] is adopted["w"] and anchor.value("w").dtype == np.float32
+    theta = {"w": np.array([1.5, 2.0, 2.8, 4.1], np.float32)}
+    delta, anchor = exchange.advance(anchor, theta)
+    # as for a float32 base (above): int8 codes 127, 0, -51, 25 of scale 0.5 / 127
+    np.testing.assert_allclose(delta["w"], [-0.5, 0.0, 51 / 254, -25 / 254], rtol=0, atol=1e-6)
+    assert anchor.base["w"] is adopted["w"]
 
 
 @pytest.mark.parametrize("fragments_,interval", [(1, 1), (3, 10), (4, 50), (24, 24), (5, 7)])

@@ -69,6 +69,7 @@ class SnapshotWatcher:
                     head.base_version,
                     head.digest,
                     done.tensors,
+                    head.served,
                 )
                 self.seen.append(
                     ("bus" if socket is self.sub else "reply", head.fragment, head.version, outcome)
@@ -168,13 +169,15 @@ def test_diff_snapshots_track_the_served_value_through_a_restart(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("served", ["fp32", "bf16"])
 def test_held_snapshots_carry_every_fold_and_the_last_one_goes_out(
-    tmp_path, init_npz, processes, islands
+    tmp_path, init_npz, processes, islands, served
 ):
     """--snapshot-every-round 3: after a fragment's first snapshot the next ones wait three of the
     island's intervals, so the bus carries fewer snapshots than folds; each diff applies (no gap,
     no mismatch), the last fold reaches the bus by the clock alone (no delta follows it), and what
-    the receiver built equals the merger's catch-up reply bit for bit."""
+    the receiver built equals the merger's catch-up reply bit for bit (bf16: held in bfloat16 at
+    both ends)."""
     islands.append(island := Island(tmp_path))
     watcher = SnapshotWatcher(island)
     processes.append(
@@ -186,6 +189,8 @@ def test_held_snapshots_carry_every_fold_and_the_last_one_goes_out(
             "int4",
             "--snapshot-every-round",
             "3",
+            "--served-dtype",
+            served,
         )
     )
     try:
@@ -208,6 +213,8 @@ def test_held_snapshots_carry_every_fold_and_the_last_one_goes_out(
             watcher.bases
         )
         assert_catch_up_matches(watcher, [3, 4])
+        held = {str(v.dtype) for s in watcher.held.values() for v in s.tensors.values()}
+        assert held == {"float32" if served == "fp32" else "bfloat16"}
         stop(processes[-1])
         assert "merger/snapshot_held" in (tmp_path / "m.log").read_text()
     finally:
