@@ -8,6 +8,7 @@ import json
 import sys
 
 from dloco.cliargs import float_at_least
+from dloco.merger.config import OuterConfig, SnapshotConfig
 
 
 # Over 60 lines: the bench suites' flags, a table read top to bottom, one suite after another.
@@ -167,7 +168,34 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
         default=3,
         help="timed rounds per size after a warm-up one; medians (default 3)",
     )
-    scale.set_defaults(run=run_bench, bench_params={"sizes": "sizes", "reps": "reps"})
+    scale.add_argument(
+        "--momentum-dtype",
+        choices=OuterConfig.MOMENTUM_DTYPES,
+        default=OuterConfig.momentum_dtype,
+        help="what the merger keeps its outer momentum in (default %(default)s)",
+    )
+    scale.add_argument(
+        "--fragments",
+        type=positive_int,
+        default=4,
+        help="P, fragments of the model: a fold holds one at a time (default %(default)s)",
+    )
+    scale.add_argument(
+        "--served-dtype",
+        choices=SnapshotConfig.SERVED_DTYPES,
+        default=SnapshotConfig.served_dtype,
+        help="what the merger and the island hold the served value in (default %(default)s)",
+    )
+    scale.set_defaults(
+        run=run_bench,
+        bench_params={
+            "sizes": "sizes",
+            "reps": "reps",
+            "momentum_dtype": "momentum_dtype",
+            "served_dtype": "served_dtype",
+            "fragments": "fragments",
+        },
+    )
 
 
 def shard_counts(text: str) -> list[int]:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dloco.benchmarks.scale_goals import (
+    ISLAND_PLAIN_LIMIT,
     STAGES,
     island_goal,
     linear_fit,
@@ -38,6 +39,7 @@ from dloco.benchmarks.scale_goals import (
     stage_figures,
 )
 from dloco.benchmarks.scale_island import island_state_process
+from dloco.benchmarks.scale_merger import MergerState
 from dloco.benchmarks.scale_model import (
     available_bytes,
     bytes_per_param,
@@ -48,6 +50,7 @@ from dloco.benchmarks.scale_model import (
 )
 from dloco.benchmarks.scale_pipeline import WAIT_S, ScaleBenchError, measure
 from dloco.benchmarks.timing import gbps, memcpy_seconds
+from dloco.merger.config import OuterConfig, SnapshotConfig
 
 FRAGMENTS = 4
 # What a size needs at once: the merger's process beside this one's island side, each ~17.5 B/param
@@ -67,19 +70,30 @@ def run(
     sizes: str = "10M,50M,125M,350M",
     reps: int = 3,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+    momentum_dtype: str = OuterConfig.momentum_dtype,
+    served_dtype: str = SnapshotConfig.served_dtype,
+    fragments: int = FRAGMENTS,
 ) -> dict:
     wanted_sizes = parse_sizes(sizes)
+    state = MergerState(
+        OuterConfig(momentum_dtype=momentum_dtype),
+        SnapshotConfig("fp32", "int4", served_dtype=served_dtype),
+    )
     _refuse_what_does_not_fit(wanted_sizes, available_bytes())
-    results = [_measure_size(label, wanted, reps, log) for label, wanted in wanted_sizes]
+    results = [
+        _measure_size(label, wanted, reps, fragments, state, log) for label, wanted in wanted_sizes
+    ]
     largest = max(results, key=lambda s: s["params"])
     return {
         "unit": (
             "GB/s of float32 parameter bytes (4 x params / seconds); vs_memcpy: np.copyto of the"
             " same bytes in the same run over the stage (1 = as fast as memcpy)"
         ),
-        "fragments": FRAGMENTS,
+        "fragments": fragments,
         "codec": "int4",
         "snapshot_diff_codec": "int4",
+        "momentum_dtype": momentum_dtype,
+        "served_dtype": served_dtype,
         "reps": reps,
         "cores": len(os.sched_getaffinity(0)),
         "sizes": results,
@@ -88,6 +102,7 @@ def run(
             "linear_cost": linear_goal(results),
             "merger_rss": merger_goal(largest),
             "island_rss": island_goal(largest),
+            "island_plain_rss": island_goal(largest, "island_plain", ISLAND_PLAIN_LIMIT),
         },
     }
 
@@ -104,7 +119,14 @@ def _refuse_what_does_not_fit(wanted_sizes: list[tuple[str, int]], available: in
             )
 
 
-def _measure_size(label: str, wanted: int, reps: int, log: Callable[[str], None]) -> dict:
+def _measure_size(
+    label: str,
+    wanted: int,
+    reps: int,
+    fragments: int,
+    state: MergerState,
+    log: Callable[[str], None],
+) -> dict:
     """One size: memcpy before and after the pipeline, the pipeline, the island's state."""
     shapes = model_shapes(wanted)
     params = count(shapes)
@@ -115,12 +137,15 @@ def _measure_size(label: str, wanted: int, reps: int, log: Callable[[str], None]
     say(f"{params:,} parameters in {len(shapes)} tensors; memcpy reference ...")
     memcpy = [_memcpy(shapes, reps)]
     say("pipeline (merger process starting: model, genesis, compiling) ...")
-    pipeline = measure(shapes, FRAGMENTS, reps, say)
+    pipeline = measure(shapes, fragments, reps, say, state)
     gc.collect()
     memcpy.append(_memcpy(shapes, reps))
     say("island exchange state (own process) ...")
-    island = _island_state(shapes)
-    result = _size_result(label, shapes, params, statistics.median(memcpy), pipeline, island)
+    islands = {
+        key: _island_state(shapes, fragments, state.snapshots.served, error_feedback)
+        for key, error_feedback in (("island", True), ("island_plain", False))
+    }
+    result = _size_result(label, shapes, params, statistics.median(memcpy), pipeline, islands)
     say(
         f"{result['ns_per_param']:.2f} ns/param over the stages; merger"
         f" {result['merger']['bytes_per_param']:.1f} B/param, island"
@@ -140,7 +165,7 @@ def _rss_fits(results: list[dict]) -> dict:
                 ),
             )
         )
-        for kind in ("merger", "island")
+        for kind in ("merger", "island", "island_plain")
     }
 
 
@@ -149,12 +174,12 @@ def _memcpy(shapes: dict, reps: int) -> float:
     return memcpy_seconds(arrays, reps)
 
 
-def _island_state(shapes: dict) -> dict:
+def _island_state(shapes: dict, fragments: int, served: str | None, error_feedback: bool) -> dict:
     spawn = multiprocessing.get_context("spawn")
     conn, child_conn = spawn.Pipe()
     process = spawn.Process(
         target=island_state_process,
-        args=(child_conn, shapes, FRAGMENTS),
+        args=(child_conn, shapes, fragments, served, error_feedback),
         name="bench-scale-island",
         daemon=True,
     )
@@ -173,7 +198,7 @@ def _island_state(shapes: dict) -> dict:
 
 
 def _size_result(
-    label: str, shapes: dict, params: int, memcpy_s: float, pipeline: dict, island: dict
+    label: str, shapes: dict, params: int, memcpy_s: float, pipeline: dict, islands: dict
 ) -> dict:
     stages = stage_figures(pipeline["stages"], params, memcpy_s)
     depth = depth_for(params)
@@ -196,11 +221,15 @@ def _size_result(
                 for name, nbytes in pipeline["merger_memory_kib"]["held"].items()
             },
         },
-        "island": {
-            **_memory(island["memory_kib"], params),
-            "held_bytes_per_param": {
-                name: nbytes / params for name, nbytes in island["held_bytes"].items()
-            },
+        # the island's exchange state, error feedback on ("island") and off ("island_plain")
+        **{
+            key: {
+                **_memory(island["memory_kib"], params),
+                "held_bytes_per_param": {
+                    name: nbytes / params for name, nbytes in island["held_bytes"].items()
+                },
+            }
+            for key, island in islands.items()
         },
         # A fp32 fragment larger than an island's reassembly budget
         # (island/snapshots.reassembly_budget) could not be joined by `dloco island`; this
@@ -254,6 +283,7 @@ def summary(result: dict) -> str:
     for name, goal, kind in (
         ("merger RSS", goals["merger_rss"], "merger"),
         ("island exchange state", goals["island_rss"], "island"),
+        ("island exchange state, no error feedback", goals["island_plain_rss"], "island_plain"),
     ):
         lines.append(
             f"goal {name}: {goal['bytes_per_param']:.1f} B/param at {goal['size']} (limit"

@@ -47,17 +47,19 @@ def unique_nbytes(arrays: list[np.ndarray]) -> int:
     return sum(bases.values())
 
 
-def island_state_process(conn, shapes: dict, fragments: int) -> None:
+def island_state_process(
+    conn, shapes: dict, fragments: int, served: str | None = None, error_feedback: bool = True
+) -> None:
     """Entry point of the spawned process: ("island", figures) or ("error", traceback) up the
     pipe."""
     try:
-        conn.send(("island", _measure(shapes, fragments)))
+        conn.send(("island", _measure(shapes, fragments, served, error_feedback)))
     # reported to the conductor, which raises it there
     except BaseException:
         conn.send(("error", traceback.format_exc()))
 
 
-def _measure(shapes: dict, fragments: int) -> dict:
+def _measure(shapes: dict, fragments: int, served: str | None, error_feedback: bool) -> dict:
     """The baseline (the training state), the exchange state built phase by phase, and what each
     structure holds at the end."""
     # the training state: not counted
@@ -68,7 +70,7 @@ def _measure(shapes: dict, fragments: int) -> dict:
     }
     parts = protocol.partition(shapes, fragments)
     model, epoch = protocol.model_fingerprint(theta), time.time_ns()
-    sync = SyncConfig(fragments=fragments, error_feedback=True)
+    sync = SyncConfig(fragments=fragments, error_feedback=error_feedback)
     context = zmq.Context()
     pub = context.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
@@ -81,7 +83,7 @@ def _measure(shapes: dict, fragments: int) -> dict:
     gc.collect()
     rises = PeakRises()
 
-    anchors = _join(receiver, reassembler, theta, parts, model)
+    anchors = _join(receiver, reassembler, theta, parts, model, served)
     gc.collect()
     rises.after("join")
 
@@ -108,13 +110,15 @@ def _join(
     theta: dict,
     parts: list[list[str]],
     model: str,
+    served: str | None,
 ) -> dict[int, exchange.Anchor]:
-    """The merger's full fp32 snapshots of `theta`, as received and handed to the downlink; the
-    anchors are the values served (IslandLoop.join: no copy)."""
+    """The merger's full fp32 snapshots of `theta`, as received and handed to the downlink (held
+    as `served` says); the anchors are the values served (IslandLoop.join: no copy)."""
     fp32 = protocol.Codec("fp32")
     for fragment, paths in enumerate(parts):
         value = {p: theta[p] for p in paths}
         plans = protocol.split_fragment(value, fp32)
+        digest = downlink.digest(downlink.held_as(dict(value), served))
         for index, plan in enumerate(plans):
             chunk = protocol.SnapshotChunk(
                 sender="merger",
@@ -129,7 +133,8 @@ def _join(
                 slices=plan.slices,
                 payloads=plan.payloads,
                 base_version=None,
-                digest=downlink.digest(value),
+                digest=digest,
+                served=served,
             )
             assembled = reassembler.add(protocol.decode(protocol.encode(chunk)), 0.0)
         del plans, plan, chunk

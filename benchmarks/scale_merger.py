@@ -20,6 +20,7 @@ stdout is its result.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -32,7 +33,7 @@ import jax
 from dloco import protocol
 from dloco.benchmarks.scale_model import PeakRises, init_params
 from dloco.benchmarks.timing import receive_timed
-from dloco.merger.config import MergerConfig, RoundConfig, SnapshotConfig
+from dloco.merger.config import MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
 from dloco.merger.memory import keep_freed_memory
 from dloco.merger.service import MergerService, ServiceConfig
 from dloco.merger.starting import initial_core
@@ -43,6 +44,15 @@ PROBE_S = 0.02
 QUIET_MS = 300
 
 
+@dataclasses.dataclass(frozen=True)
+class MergerState:
+    """What the benchmark's merger keeps its state in: its outer optimizer (momentum dtype) and
+    its snapshots (the default profile's downlink; the served value's dtype)."""
+
+    outer: OuterConfig = OuterConfig()
+    snapshots: SnapshotConfig = SnapshotConfig("fp32", "int4")
+
+
 def merger_process(
     conn,
     shapes: dict,
@@ -51,6 +61,7 @@ def merger_process(
     snapshot_endpoint: str,
     control_endpoint: str,
     run_dir: str,
+    state: MergerState,
 ) -> None:
     """Entry point of the spawned process; any failure goes back up the pipe as ("error",
     traceback)."""
@@ -65,17 +76,18 @@ def merger_process(
                 delta_endpoint=delta_endpoint,
                 snapshot_endpoint=snapshot_endpoint,
                 control_endpoint=control_endpoint,
-                # the default profile's downlink; no checkpoint
-                snapshots=SnapshotConfig("fp32", "int4"),
+                snapshots=state.snapshots,
+                # no checkpoint
                 checkpoint_every=1 << 30,
             ),
+            state.outer,
         )
     # reported to the conductor, which raises it there
     except BaseException:
         conn.send(("error", traceback.format_exc()))
 
 
-def _serve(conn, shapes: dict, fragments: int, config: ServiceConfig) -> None:
+def _serve(conn, shapes: dict, fragments: int, config: ServiceConfig, outer: OuterConfig) -> None:
     # as `dloco merger` does
     keep_freed_memory()
     rises = PeakRises()
@@ -83,7 +95,9 @@ def _serve(conn, shapes: dict, fragments: int, config: ServiceConfig) -> None:
     rises.after("model")
     # one island: fold each delta
     factory = initial_core(
-        MergerConfig(round=RoundConfig(quorum=1, grace_cap_s=0.0)), params, fragments
+        MergerConfig(outer=outer, round=RoundConfig(quorum=1, grace_cap_s=0.0)),
+        params,
+        fragments,
     )
     service = MergerService(config, factory)
     # the core holds the model now

@@ -37,7 +37,7 @@ import numpy as np
 import zmq
 
 from dloco import protocol
-from dloco.benchmarks.scale_merger import QUIET_MS, merger_process
+from dloco.benchmarks.scale_merger import QUIET_MS, MergerState, merger_process
 from dloco.benchmarks.scale_model import init_params
 from dloco.benchmarks.timing import receive_timed
 from dloco.broker.proxy import Broker, BrokerConfig, BusEndpoints
@@ -226,10 +226,16 @@ def _environment(env: dict[str, str]):
         os.environ.update(before)
 
 
-def measure(shapes: dict, fragments: int, reps: int, log: Callable[[str], None]) -> dict:
+def measure(
+    shapes: dict,
+    fragments: int,
+    reps: int,
+    log: Callable[[str], None],
+    state: MergerState = MergerState(),
+) -> dict:
     """Join, one warm-up round, `reps` timed rounds.  Returns each stage's seconds per round, the
     merger's resident memory (KiB: at the start, its peak, each phase's rise) and what the joins
-    needed.
+    needed.  `state`: what the merger keeps its state in.
     """
     spawn = multiprocessing.get_context("spawn")
     # broker in, broker out, island snapshot SUB, merger control
@@ -251,6 +257,7 @@ def measure(shapes: dict, fragments: int, reps: int, log: Callable[[str], None])
                 endpoint[2],
                 f"@{endpoint[3]}",
                 run_dir,
+                state,
             ),
         )
         # as `dloco up` starts a merger: its mapped blocks in huge pages (merger/memory.py)

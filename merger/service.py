@@ -24,7 +24,7 @@ import zmq
 
 from dloco import protocol
 from dloco.bus.security import Security, peer_of
-from dloco.bus.subscriptions import BudgetedXPUB
+from dloco.bus.subscriptions import BudgetedXPUB, give_back_freed
 from dloco.merger.announcing import Announcer
 from dloco.merger.pipeline import FoldPipeline
 from dloco.merger.publishing import SnapshotPublisher, Stamp
@@ -112,6 +112,8 @@ class MergerService:
 
     def _warm_up(self) -> None:
         self.core.warm_up(stopping=lambda: self.stopping)
+        # compiling left holes in the heap (freed, resident): give them back
+        give_back_freed()
 
     def _make_parts(self) -> None:
         """The objects that own the service's state: its publisher, stream keeper, announcer and

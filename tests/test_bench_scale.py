@@ -235,7 +235,10 @@ def test_bench_scale_json_has_every_stage_and_the_memory_figures():
         and 260 / 256 <= held["anchors"] == held["error_feedback"] < 1.03
         and 0.5 < held["retransmit"] < 0.6
     )
-    assert set(result["goals"]) == {"linear_cost", "merger_rss", "island_rss"}
+    assert set(result["goals"]) == {"linear_cost", "merger_rss", "island_rss", "island_plain_rss"}
+    # without error feedback: no residuals
+    plain = size["island_plain"]["held_bytes_per_param"]
+    assert plain["error_feedback"] == 0 and plain["served"] == held["served"]
     assert all(
         isinstance(goal["met"], bool) and (goal["met"] or goal["why"])
         for goal in result["goals"].values()
@@ -243,9 +246,47 @@ def test_bench_scale_json_has_every_stage_and_the_memory_figures():
     # one size: nothing to grow
     assert result["goals"]["linear_cost"]["ratio"] == 1.0
     table = scale.summary(result).splitlines()
-    assert any(line.split()[0] == "1M" for line in table[2:]) and table[-3].startswith(
+    assert any(line.split()[0] == "1M" for line in table[2:]) and table[-4].startswith(
         "goal linear cost"
     )
     # as at 350 M: the summary says an island could not join
     size["join"] = {**size["join"], "fits": False}
     assert "would not join" in scale.summary(result).splitlines()[-1]
+
+
+# a merger process, an island process and the broker's sockets: -m e2e
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_bench_scale_holds_16_bit_state_when_asked():
+    """--momentum-dtype bfloat16 --served-dtype bf16: the merger's momentum and served value and
+    the island's served value take 2 bytes a parameter; --fragments is the partition's."""
+    run = dloco(
+        "bench",
+        "scale",
+        "--json",
+        "--sizes",
+        "1M",
+        "--reps",
+        "1",
+        "--fragments",
+        "8",
+        "--momentum-dtype",
+        "bfloat16",
+        "--served-dtype",
+        "bf16",
+        timeout=280,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    assert (result["fragments"], result["momentum_dtype"], result["served_dtype"]) == (
+        8,
+        "bfloat16",
+        "bf16",
+    )
+    (size,) = result["sizes"]
+    assert size["merger"]["held_bytes_per_param"] == pytest.approx(
+        {"parameters": 4.0, "optimizer": 2.0, "other_jax_arrays": 0.0, "served": 2.0}
+    )
+    assert size["merger"]["counters"] == {"merger/snapshot_full": 8, "merger/snapshot_diff": 16}
+    for key in ("island", "island_plain"):
+        assert size[key]["held_bytes_per_param"]["served"] == 2.0
