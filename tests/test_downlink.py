@@ -247,7 +247,7 @@ def test_a_snapshot_header_carries_base_and_digest_only_for_diffs():
             snapshot_frames([plan], 2, protocol.Codec("fp32"), base=base, digest=digest)
 
 
-def test_a_bfloat16_served_value_is_rounded_after_each_snapshot_and_the_next_diff_carries_the_rest():
+def test_a_bfloat16_served_value_is_rounded_after_each_snapshot_the_next_diff_carries_it():
     """bf16 keeps 8 significant bits: next to 1 its step is 2^-7 = 0.0078125.  fp32 diffs (no
     codec error) of a model moving 0.003 a version: S = bf16(1 + 0.003) = 1 (below half a step);
     the next diff is then 0.006, S = bf16(1.006) = 1.0078125; then 0.009 - 0.0078125 = 0.0011875,
