@@ -57,6 +57,7 @@ MODES = {
             "outer_lr": 1.0,
             "snapshot_codec": "fp32",
             "snapshot_diff_codec": "none",
+            "served_dtype": "fp32",
             "share_window": 0,
             "snapshot_every_round": 0.0,
         },

@@ -44,6 +44,12 @@ def test_modes_set_what_synchronisation_means(tmp_path):
     )
     sync, merger = decoupled.with_mode("sync-diloco").effective()
     assert (sync.fragments, sync.interval, sync.blocking, merger.quorum) == (1, 10, True, 2)
+    # a profile that serves bf16 diffs: sync-dp's full fp32 snapshots keep no served value
+    path.write_text(PROFILE.replace("[merger]", "[merger]\nserved_dtype = 'bf16'"))
+    served = config.load(path)
+    assert served.merger.served_dtype == "bf16" and served.merger.snapshot_diff_codec != "none"
+    assert served.with_mode("sync-dp").effective()[1].served_dtype == "fp32"
+    path.write_text(PROFILE)
     path.write_text(PROFILE.replace("eval_every = 20", "eval_every = 20\nmode = 'lockstep'"))
     with pytest.raises(ConfigError, match="run.mode must be one of"):
         config.load(path)
