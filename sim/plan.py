@@ -9,6 +9,7 @@ import dataclasses
 
 import numpy as np
 
+from dloco.cluster.sections import MergerSection
 from dloco.sim.baselines import SyncResult, sync_diloco, sync_dp
 from dloco.sim.engine import simulate
 from dloco.sim.results import IslandRun, SimResult
@@ -17,8 +18,19 @@ from dloco.sim.scenario import Island, Scenario
 # fold workers busy this share of the run or more: at capacity, a backlog grows (reported, and its
 # deltas not counted)
 OVERLOADED = 0.95
-# the merger's fp32 value, its Nesterov momentum, and the last served value (diff snapshots)
-BYTES_PER_VALUE_MERGER = 4 + 4 + 4
+# the outer optimizer's buffers per parameter: Nesterov's momentum; Round and Delayed Nesterov's
+# momentum and a round's sum of pseudo-gradients (merger/outer.py)
+OUTER_BUFFERS = {"sgd": 0, "nesterov": 1, "round_nesterov": 2, "delayed_nesterov": 2}
+
+
+def merger_bytes_per_value(merger: MergerSection) -> int:
+    """What the merger holds per parameter: its float32 value, its outer optimizer's buffers (in
+    `momentum_dtype`) and, with diff snapshots, the value served to islands (in `served_dtype`)."""
+    buffers = OUTER_BUFFERS[merger.outer] * (2 if merger.momentum_dtype == "bfloat16" else 4)
+    served = (
+        0 if merger.snapshot_diff_codec == "none" else 2 if merger.served_dtype == "bf16" else 4
+    )
+    return 4 + buffers + served
 
 
 def plan(s: Scenario) -> dict:
@@ -169,7 +181,8 @@ def _merger_report(result: SimResult) -> dict:
         "backlog_s": max(result.backlog_s),
         "queued_bytes": result.queued_bytes,
         "queued_tokens": round(result.queued_tokens),
-        "memory_bytes": s.params * BYTES_PER_VALUE_MERGER + result.peak_pending_bytes,
+        "memory_bytes": s.params * merger_bytes_per_value(s.merger) + result.peak_pending_bytes,
+        "state_bytes_per_param": merger_bytes_per_value(s.merger),
         "peak_pending_bytes": result.peak_pending_bytes,
         "staleness": dict(sorted(result.staleness.items())),
     }

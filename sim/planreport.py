@@ -134,9 +134,9 @@ def _merger_markdown(sc: dict, cl: dict, mg: dict) -> list[str]:
             f" Gbit/s{assumed}{link}; fold workers busy {mg['fold_worker_busy']:.1%}"
         ),
         (
-            f"- memory: {mg['memory_bytes'] / 2**30:.3g} GiB (value, momentum and served value in"
-            f" fp32, plus at most {mg['peak_pending_bytes'] / 2**30:.3g} GiB of deltas waiting for"
-            " a fold)"
+            f"- memory: {mg['memory_bytes'] / 2**30:.3g} GiB (value, outer optimizer state and"
+            f" served value, {mg['state_bytes_per_param']} B per parameter, plus at most"
+            f" {mg['peak_pending_bytes'] / 2**30:.3g} GiB of deltas waiting for a fold)"
         ),
     ]
     if mg["overloaded"]:

@@ -299,3 +299,17 @@ def test_forgetting_snapshots_every_island_has_seen_changes_nothing(monkeypatch)
         kept.islands,
     )
     assert sum(kept.folds) > 100 and kept.islands[1].failures == 1
+
+
+def test_the_merger_memory_counts_the_state_in_its_dtypes():
+    from dloco.sim.plan import merger_bytes_per_value
+
+    # value 4 + Nesterov's momentum 4 + the served value of diff snapshots 4
+    section = MergerSection(snapshot_diff_codec="int4", snapshot_codec="int8")
+    assert merger_bytes_per_value(section) == 12
+    halves = dataclasses.replace(section, momentum_dtype="bfloat16", served_dtype="bf16")
+    assert merger_bytes_per_value(halves) == 4 + 2 + 2
+    # Round Nesterov keeps a round's sum beside its momentum; sgd keeps nothing; full snapshots
+    # keep no served value
+    assert merger_bytes_per_value(dataclasses.replace(halves, outer="round_nesterov")) == 10
+    assert merger_bytes_per_value(MergerSection(outer="sgd")) == 4
