@@ -100,7 +100,7 @@ def test_the_merger_reads_back_what_its_tables_write():
         ),
         RoundConfig(quorum=2, quorum_timeout_s=5.0, grace_cap_s=0.5, cold_wait_s=12.0),
     )
-    snapshots = SnapshotConfig("int8", "int4", 3, 1.0)
+    snapshots = SnapshotConfig("int8", "int4", 3, 1.0, "bf16")
     parts = zip((math.merge, math.outer, math.round), MATH_FLAGS)
     flags = [f for part, (_, table) in parts for f in as_flags(part, table)]
     flags += as_flags(snapshots, SNAPSHOT_FLAGS)
