@@ -62,13 +62,21 @@ class Served:
     digest: int | None
 
 
+# values a tensor in another dtype is read as float32 at a time, for its digest
+DIGEST_PIECE = 1 << 20
+
+
 def digest(tensors: Mapping[str, np.ndarray]) -> int:
     """CRC-32 over each tensor's path (UTF-8) and float32 little-endian values, in sorted path
-    order."""
+    order (a bfloat16 tensor converted a piece at a time: no float32 copy of it)."""
     crc = 0
     for path in sorted(tensors):
         crc = crc32(path.encode(), crc)
-        crc = crc32(memoryview(np.ascontiguousarray(tensors[path], dtype="<f4")).cast("B"), crc)
+        flat = np.asarray(tensors[path]).reshape(-1)
+        step = max(1, flat.size if flat.dtype == np.dtype("<f4") else DIGEST_PIECE)
+        for start in range(0, flat.size, step):
+            piece = np.ascontiguousarray(flat[start : start + step], dtype="<f4")
+            crc = crc32(memoryview(piece).cast("B"), crc)
     return crc
 
 
@@ -185,11 +193,11 @@ def apply(
 ) -> dict[str, np.ndarray]:
     """held + change in float32, added into `change`'s arrays (they become the new value: a diff
     costs no third copy of its fragment), then held as `served` says (bfloat16: rounded, a
-    tensor at a time)."""
-    summed = {
-        path: np.add(held[path], change[path], out=change[path], dtype=np.float32) for path in held
-    }
-    return held_as(summed, served)
+    tensor at a time, each float32 sum let go of as it is replaced in `change`, which is
+    returned)."""
+    for path in held:
+        np.add(held[path], change[path], out=change[path], dtype=np.float32)
+    return held_as(change, served)
 
 
 def receive(
@@ -206,7 +214,7 @@ def receive(
     (the value, or the diff applied to the value held, does not have the digest the snapshot
     names): keep what is held and ask for the value again.  A diff's `tensors` (float32, the
     caller's own) are added to in place: they are the new value.  `served`: the snapshot's (the
-    value is held in bfloat16 under "bf16")."""
+    value is held in bfloat16 under "bf16", each tensor of `tensors` replaced by its rounding)."""
     if base_version is None:
         newer = held is None or version > held.version
         replaced = (
@@ -217,10 +225,10 @@ def receive(
         )
         if not (newer or replaced):
             return held, "old"
-        value = held_as(dict(tensors), served)
+        value = held_as(tensors, served)
         if expected is not None and digest(value) != expected:
             return held, "mismatch"
-        return Served(version, value, expected), "full"
+        return Served(version, dict(value), expected), "full"
     if held is not None and version <= held.version:
         return held, "old"
     if held is None:
@@ -230,4 +238,4 @@ def receive(
     value = apply(held.tensors, tensors, served)
     if digest(value) != expected:
         return held, "mismatch"
-    return Served(version, value, expected), "diff"
+    return Served(version, dict(value), expected), "diff"

@@ -20,7 +20,7 @@ VALUES = 4 << 20
 CHUNK = 256 << 10
 
 
-def snapshot(plans, version, codec, base=None, digest=None, seq=1):
+def snapshot(plans, version, codec, base=None, digest=None, seq=1, served=None):
     """Each chunk's frames as bytes on the wire."""
     return [
         [
@@ -40,6 +40,7 @@ def snapshot(plans, version, codec, base=None, digest=None, seq=1):
                     payloads=plan.payloads,
                     base_version=base,
                     digest=digest,
+                    served=served,
                 )
             )
         ]
@@ -124,6 +125,37 @@ def test_a_fragment_larger_than_the_budget_joins_and_follows_a_diff_within_the_m
 
     _, whole = adopt(protocol.Reassembler(max_bytes=4 * value_bytes), snapshots)
     assert whole[0] > value_bytes + decoding + budget, [p / value_bytes for p in whole]
+
+
+def test_an_island_holds_a_bfloat16_served_value_in_half_the_bytes():
+    """A merger serving bf16 (snapshot `served`): the island's downlink rounds the full snapshot
+    and the diff's sum as the merger does, holds 2 bytes a value, bit for bit the merger's, and
+    adopting either stays within the bound above and one tensor's rounding (the value is staged
+    in float32, then each tensor rounded in turn)."""
+    theta = fragment(0)
+    int8, int4 = protocol.Codec("int8"), protocol.Codec("int4")
+    served, plans = downlink.full(theta, 1, int8, CHUNK, "bf16")
+    moved = {path: value + F32(0.01) * fragment(1)[path] for path, value in theta.items()}
+    served_after, diff_plans = downlink.diff(moved, served, 2, int4, CHUNK)
+    snapshots = [
+        (1, snapshot(plans, 1, int8, digest=served.digest, served="bf16")),
+        (2, snapshot(diff_plans, 2, int4, 1, served_after.digest, seq=1000, served="bf16")),
+    ]
+    budget = 2 * chunk_budget(max(len(chunks) for _, chunks in snapshots))
+    reassembler = protocol.Reassembler(max_bytes=budget, stream=True, max_staged_bytes=4 * VALUES)
+    island, peaks = adopt(reassembler, snapshots)
+    assert island.results == {"full": 1, "diff": 1}
+    held = island.served[0].tensors
+    assert sum(value.nbytes for value in held.values()) == 2 * VALUES
+    assert all(
+        held[path].tobytes() == value.tobytes() for path, value in served_after.tensors.items()
+    )
+    decoding = 8 * max(
+        item.count for _, chunks in snapshots for f in chunks for item in received(f).slices
+    )
+    # the float32 staging, one tensor's rounding beside it (its bf16 copy), decoding and budget
+    largest = 2 * max(value.size for value in theta.values())
+    assert max(peaks) <= 4 * VALUES + largest + decoding + budget, [p / (4 * VALUES) for p in peaks]
 
 
 def test_staging_is_bounded_released_with_its_partial_and_never_handed_over_half_made():
