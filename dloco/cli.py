@@ -2,7 +2,7 @@
 
 Each package adds its own subcommands; the launcher's and the tools' are in dloco.run_commands
 (up, experiment), dloco.compose_commands (status, prepare, report, compose, probe) and
-dloco.model_commands (tokenize, export, sample).
+dloco.model_commands (tokenize, export, sample, refold).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_commands.add_tokenize(commands)
     model_commands.add_export(commands)
     model_commands.add_sample(commands)
+    model_commands.add_refold(commands)
 
     from dloco.broker.main import add_commands as add_broker_commands
 

@@ -143,6 +143,50 @@ def _run_task(args: argparse.Namespace):
     return run_task(config.load(args.config)) if args.config is not None else None
 
 
+def add_refold(commands: argparse._SubParsersAction) -> None:
+    """`dloco refold RUN_DIR`: a run's logged deltas folded again with the momentum in another
+    dtype."""
+    refold = commands.add_parser(
+        "refold",
+        help=(
+            "fold a run's logged deltas again with the outer momentum kept in another dtype: how"
+            " far the model moves and both held-out losses"
+        ),
+    )
+    refold.add_argument("run_dir", type=Path, help="the run's directory (dloco up's RUN_DIR)")
+    refold.add_argument(
+        "--momentum-dtype",
+        choices=("float32", "bfloat16"),
+        default="bfloat16",
+        help="what to keep the momentum in (default %(default)s)",
+    )
+    refold.add_argument("--json", action="store_true", help="print one JSON object")
+    refold.set_defaults(run=_refold)
+
+
+def _refold(args: argparse.Namespace) -> int:
+    import json
+
+    from dloco.analysis.refold import compare
+    from dloco.protocol import DlocoError
+
+    try:
+        result = compare(args.run_dir, args.momentum_dtype)
+    except (DlocoError, OSError) as error:
+        print(f"dloco refold: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"dloco refold: {result['folds']} folds; momentum in {result['momentum_dtype']} instead of"
+        f" {result['logged_dtype']}: the model {result['relative_distance']:.2e} of its movement"
+        f" away; held-out loss {result['loss_logged']:.4f} logged,"
+        f" {result['loss_refolded']:.4f} refolded"
+    )
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from dloco.analysis import export
     from dloco.protocol import DlocoError

@@ -63,7 +63,8 @@ def open_run(config, core_factory: Callable[[WriteAheadLog], MergerCore], log) -
     return Opened(lock, wal, core, time.time_ns())
 
 
-def _genesis(run_dir: Path) -> dict:
+def genesis_record(run_dir: Path) -> dict:
+    """The first record of the log in `run_dir` (the merger's --run-dir)."""
     if not wal_dir(run_dir).is_dir():
         raise ReplayError(f"no write-ahead log at {wal_dir(run_dir)}")
     for index, record in read_records(wal_dir(run_dir)):
@@ -76,13 +77,13 @@ def _genesis(run_dir: Path) -> dict:
 def initial_states(run_dir: str | Path) -> list:
     """Each fragment's state as the run's log starts it (its genesis record; a shard's holds its
     own fragments only)."""
-    return MergerCore.from_genesis(_genesis(Path(run_dir))).states
+    return MergerCore.from_genesis(genesis_record(Path(run_dir))).states
 
 
 def recover(run_dir: str | Path, log: Log | None = None) -> MergerCore:
     """The state the merger had after its last logged record.  `log` is attached afterwards."""
     run_dir = Path(run_dir)
-    core = MergerCore.from_genesis(_genesis(run_dir))
+    core = MergerCore.from_genesis(genesis_record(run_dir))
     saved = checkpoint.latest(checkpoint_dir(run_dir))
     next_index, pending = 1, set()
     if saved is not None:
@@ -110,7 +111,7 @@ def recover(run_dir: str | Path, log: Log | None = None) -> MergerCore:
 
 def software_mismatch(run_dir: str | Path) -> str | None:
     """Why replaying this log may not reproduce its bytes (records.software_mismatch)."""
-    return records.software_mismatch(_genesis(Path(run_dir)))
+    return records.software_mismatch(genesis_record(Path(run_dir)))
 
 
 def replay(
@@ -121,7 +122,7 @@ def replay(
     """Replay the whole log from genesis.  Calls on_fold after every fold record; yields
     (next_index, checkpoint digest, replayed digest) at every checkpoint position."""
     run_dir = Path(run_dir)
-    core = MergerCore.from_genesis(_genesis(run_dir))
+    core = MergerCore.from_genesis(genesis_record(run_dir))
     expected = {}
     for path in checkpoint.all_checkpoints(checkpoint_dir(run_dir)):
         content = checkpoint.read(path)
