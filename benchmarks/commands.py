@@ -186,6 +186,15 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
         default=SnapshotConfig.served_dtype,
         help="what the merger and the island hold the served value in (default %(default)s)",
     )
+    scale.add_argument(
+        "--light-island",
+        action="store_true",
+        help=(
+            "the island side without a model (no theta, no anchors: its send and adoption leave"
+            " out exchange.advance and the rebase), for sizes where a whole island does not fit"
+            " beside the merger; the merger's stages and both memory figures are the same"
+        ),
+    )
     scale.set_defaults(
         run=run_bench,
         bench_params={
@@ -194,6 +203,7 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
             "momentum_dtype": "momentum_dtype",
             "served_dtype": "served_dtype",
             "fragments": "fragments",
+            "light_island": "light_island",
         },
     )
 

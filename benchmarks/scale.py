@@ -15,7 +15,10 @@ size's (linear growth); the merger at most 12 bytes per parameter; the island's 
 most 8.  A missed goal names the stage, phase or structure that misses it.  The computations on
 the figures are pure functions, tested against hand-derived values (benchmarks/scale_goals.py).  A
 size whose pipeline would not fit in the memory available is refused before anything runs (the
-machine may be shared).
+machine may be shared); the estimate counts the merger's state in its dtypes.  Where a whole
+island does not fit beside the merger, `--light-island` runs the island side without a model
+(benchmarks/scale_sides.py): the merger's two stages and both memory figures are measured as
+before, the island's two stages without `exchange.advance` and the rebase.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dloco.benchmarks import scale_goals
 from dloco.benchmarks.scale_goals import (
     ISLAND_PLAIN_LIMIT,
     STAGES,
@@ -53,17 +57,18 @@ from dloco.benchmarks.timing import gbps, memcpy_seconds
 from dloco.merger.config import OuterConfig, SnapshotConfig
 
 FRAGMENTS = 4
-# What a size needs at once: the merger's process beside this one's island side, each ~17.5 B/param
-# at their peaks at 200 M with the runtimes (3.56 and 3.50 GB, at 14ba6df), and a margin; a size
-# that would not fit is refused up front.
-NEED_BYTES_PER_PARAM = 38
-NEED_FIXED_BYTES = 1 << 30
+# bytes per value of the merger's state dtypes
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "fp32": 4, "bf16": 2}
 
 
-def memory_needed(params: int) -> int:
-    """Bytes of memory a size's pipeline holds at its peak, both processes together (an
-    estimate)."""
-    return NEED_FIXED_BYTES + NEED_BYTES_PER_PARAM * params
+def memory_needed(params: int, state: MergerState = MergerState(), light: bool = False) -> int:
+    """Bytes a size's pipeline holds at its peak, both processes together (an estimate)."""
+    return scale_goals.memory_needed(
+        params,
+        DTYPE_BYTES[state.outer.momentum_dtype],
+        DTYPE_BYTES[state.snapshots.served_dtype],
+        "light" if light else "full",
+    )
 
 
 def run(
@@ -73,15 +78,17 @@ def run(
     momentum_dtype: str = OuterConfig.momentum_dtype,
     served_dtype: str = SnapshotConfig.served_dtype,
     fragments: int = FRAGMENTS,
+    light_island: bool = False,
 ) -> dict:
     wanted_sizes = parse_sizes(sizes)
     state = MergerState(
         OuterConfig(momentum_dtype=momentum_dtype),
         SnapshotConfig("fp32", "int4", served_dtype=served_dtype),
     )
-    _refuse_what_does_not_fit(wanted_sizes, available_bytes())
+    _refuse_what_does_not_fit(wanted_sizes, available_bytes(), state, light_island)
     results = [
-        _measure_size(label, wanted, reps, fragments, state, log) for label, wanted in wanted_sizes
+        _measure_size(label, wanted, reps, fragments, state, light_island, log)
+        for label, wanted in wanted_sizes
     ]
     largest = max(results, key=lambda s: s["params"])
     return {
@@ -94,6 +101,8 @@ def run(
         "snapshot_diff_codec": "int4",
         "momentum_dtype": momentum_dtype,
         "served_dtype": served_dtype,
+        # the conductor's island: the measured code path, or the light one (benchmarks/scale_sides)
+        "island_side": "light" if light_island else "full",
         "reps": reps,
         "cores": len(os.sched_getaffinity(0)),
         "sizes": results,
@@ -107,15 +116,20 @@ def run(
     }
 
 
-def _refuse_what_does_not_fit(wanted_sizes: list[tuple[str, int]], available: int | None) -> None:
+def _refuse_what_does_not_fit(
+    wanted_sizes: list[tuple[str, int]], available: int | None, state: MergerState, light: bool
+) -> None:
     """ScaleBenchError for the first size that needs more memory than is available: a shared
     machine must not run out of memory halfway through."""
     for label, wanted in wanted_sizes:
-        if available is not None and memory_needed(wanted) > available:
+        need = memory_needed(wanted, state, light)
+        if available is not None and need > available:
             raise ScaleBenchError(
-                f"{label} needs about {memory_needed(wanted) / 1e9:.1f} GB at once"
-                f" ({NEED_BYTES_PER_PARAM} B/param: the merger and the island side),"
-                f" {available / 1e9:.1f} GB are available: give smaller --sizes"
+                f"{label} needs about {need / 1e9:.1f} GB at once"
+                f" ({(need - scale_goals.NEED_FIXED_BYTES) / wanted:.0f} B/param: the merger and"
+                f" the {'light ' if light else ''}island side), {available / 1e9:.1f} GB are"
+                " available: give smaller --sizes"
+                + ("" if light else ", or --light-island (no model on the island side)")
             )
 
 
@@ -125,6 +139,7 @@ def _measure_size(
     reps: int,
     fragments: int,
     state: MergerState,
+    light: bool,
     log: Callable[[str], None],
 ) -> dict:
     """One size: memcpy before and after the pipeline, the pipeline, the island's state."""
@@ -137,7 +152,7 @@ def _measure_size(
     say(f"{params:,} parameters in {len(shapes)} tensors; memcpy reference ...")
     memcpy = [_memcpy(shapes, reps)]
     say("pipeline (merger process starting: model, genesis, compiling) ...")
-    pipeline = measure(shapes, fragments, reps, say, state)
+    pipeline = measure(shapes, fragments, reps, say, state, light)
     gc.collect()
     memcpy.append(_memcpy(shapes, reps))
     say("island exchange state (own process) ...")
@@ -260,6 +275,12 @@ def summary(result: dict) -> str:
             "bench scale: each stage in GB/s of float32 parameter bytes (4 x params / s) and, in"
             f" brackets, x memcpy (np.copyto of the same bytes, this run); P={result['fragments']},"
             f" int4 up and down, median of {result['reps']} rounds, {result['cores']} cores"
+            + (
+                "; light island (no model: its send and adoption leave out exchange.advance and"
+                " the rebase)"
+                if result["island_side"] == "light"
+                else ""
+            )
         ),
         f"{'size':>6} {'params':>13} {'memcpy':>6} "
         + " ".join(f"{s.replace('_', ' '):>15}" for s in STAGES)

@@ -18,6 +18,24 @@ MERGER_LIMIT = 12.0
 # bytes of exchange state per parameter, error feedback on; off
 ISLAND_LIMIT = 8.0
 ISLAND_PLAIN_LIMIT = 4.5
+# What a size's pipeline holds at its peak, per parameter, beyond the state's own bytes (parameters
+# 4, momentum and served value in their dtypes): the merger's fold and runtime; the full island's
+# theta, anchors and their temporaries; the light island's staging and chunks in flight.  Set from
+# the peaks measured at 200 M (merger 17.5 B/param, island side 17.5 with float32 state) with a
+# margin.
+NEED_MERGER_ABOVE = 7
+NEED_ISLAND_ABOVE = {"full": 15, "light": 2}
+NEED_FIXED_BYTES = 1 << 30
+
+
+def memory_needed(params: int, momentum_bytes: int, served_bytes: int, island: str) -> int:
+    """Bytes a size's pipeline holds at its peak, both processes together (an estimate): the
+    merger's parameters, momentum and served value and what stands above them, and the island
+    side (`island`: "full" or "light") with its served value."""
+    merger = NEED_MERGER_ABOVE + 4 + momentum_bytes + served_bytes
+    return NEED_FIXED_BYTES + (merger + NEED_ISLAND_ABOVE[island] + served_bytes) * params
+
+
 # What raises the merger's peak in each phase (benchmarks/scale_merger.py), for a missed goal's
 # reason.
 MERGER_PHASES = {

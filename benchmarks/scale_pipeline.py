@@ -25,41 +25,20 @@ five stages that run one after the other, so that each is timed alone:
 from __future__ import annotations
 
 import contextlib
-import math
 import multiprocessing
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 
-import numpy as np
 import zmq
 
-from dloco import protocol
-from dloco.benchmarks.scale_merger import QUIET_MS, MergerState, merger_process
-from dloco.benchmarks.scale_model import init_params
-from dloco.benchmarks.timing import receive_timed
+from dloco.benchmarks.scale_merger import MergerState, merger_process
+from dloco.benchmarks.scale_sides import WAIT_S, LightIsland, PipelineIsland
 from dloco.broker.proxy import Broker, BrokerConfig, BusEndpoints
-from dloco.bus.security import Security
-from dloco.bus.sockets import open_socket
 from dloco.cluster.ports import free_ports
-from dloco.island import exchange
-from dloco.island.config import SyncConfig
-from dloco.island.loop import FragmentProgress
-from dloco.island.outbox import PendingDelta
-from dloco.island.shaper import LinkShaper
-from dloco.island.snapshots import Downlink, reassembly_budget, snapshot_reassembler
-from dloco.island.uplink import Uplink
 from dloco.merger.memory import with_huge_pages
 from dloco.protocol.errors import DlocoError
-from dloco.protocol.reassembly import CHUNK_OVERHEAD_BYTES, SLICE_OVERHEAD_BYTES
-
-# longest wait for the merger at any step (genesis and compiling at 350 M take a minute or two)
-WAIT_S = 900.0
-NAME = "island-0"
-# what a delta says it carries (H = 50 steps of the default batch)
-STEPS, TOKENS = 50, 50 * 16 * 128
 
 
 class ScaleBenchError(DlocoError):
@@ -109,110 +88,6 @@ class _BrokerPump:
         return time.perf_counter() - began
 
 
-class _Island:
-    """The island's exchange state and code path, with a theta standing in for the trainer's."""
-
-    def __init__(
-        self,
-        context: zmq.Context,
-        shapes: dict,
-        fragments: int,
-        delta_endpoint: str,
-        snapshot_port: int,
-    ) -> None:
-        self.theta = init_params(shapes, seed=1)
-        self.change = {
-            shape: init_params({"x": shape}, seed=2)["x"] * np.float32(0.05)
-            for shape in set(shapes.values())
-        }
-        self.parts = protocol.partition(shapes, fragments)
-        self.model, epoch = protocol.model_fingerprint(self.theta), time.time_ns()
-        self.progress = [
-            FragmentProgress(exchange.Anchor({p: self.theta[p] for p in paths}))
-            for paths in self.parts
-        ]
-        security = Security(None, NAME)
-        self.sync = SyncConfig(fragments=fragments)
-        self.pub = open_socket(
-            context, zmq.PUB, delta_endpoint, security, "broker", send_hwm=self.sync.send_hwm
-        )
-        # unbounded: a round's snapshots wait here while the merger works, and nothing may drop
-        self.sub = open_socket(
-            context, zmq.SUB, f"@tcp://127.0.0.1:{snapshot_port}", security, receive_hwm=0
-        )
-        for topic in (b"snapshot/", b"ack"):
-            self.sub.setsockopt(zmq.SUBSCRIBE, topic)
-        self.uplink = Uplink(
-            NAME, self.model, epoch, self.sync, LinkShaper(None), threading.Event()
-        )
-        self.downlink = Downlink(NAME, epoch)
-        # The join gets what it needs; the result says whether `dloco island`'s own budget holds a
-        # fragment's fp32 snapshot (it grows with the model: island/snapshots.reassembly_budget).
-        payload = max(4 * sum(int(np.prod(shapes[p])) for p in paths) for paths in self.parts)
-        # at least one slice each
-        chunks = -(-payload // self.sync.chunk_bytes)
-        self.full_snapshot_cost = payload + chunks * (CHUNK_OVERHEAD_BYTES + SLICE_OVERHEAD_BYTES)
-        # `dloco island`'s
-        self.island_budget = reassembly_budget(
-            4 * sum(int(np.prod(shape)) for shape in shapes.values())
-        )
-        # streamed, as `dloco island`
-        self.reassembler = snapshot_reassembler(2 * self.full_snapshot_cost)
-        self.deltas, self.joined = 0, False
-
-    def probe(self) -> None:
-        self.pub.send_multipart(
-            protocol.encode(
-                protocol.Heartbeat(sender=NAME, epoch=self.uplink.epoch, seq=self.uplink.seq)
-            )
-        )
-
-    def send_round(self) -> tuple[float, int]:
-        """Train (untimed), then send a delta of every fragment; returns (seconds, chunks sent)."""
-        seconds, seq = 0.0, self.uplink.seq
-        for fragment, paths in enumerate(self.parts):
-            for path in paths:
-                self.theta[path] += self.change[self.theta[path].shape]
-            began = time.perf_counter()
-            progress = self.progress[fragment]
-            # as the loop sends (IslandLoop._send)
-            delta, anchor = exchange.advance(progress.anchor, self.theta)
-            self.uplink.publish(PendingDelta(fragment, progress.version, delta, STEPS, TOKENS))
-            self.deltas += 1
-            self.uplink._send(self.pub, self.deltas, self.uplink.outbox.take())
-            self.progress[fragment] = FragmentProgress(anchor, progress.version)
-            seconds += time.perf_counter() - began
-        return seconds, self.uplink.seq - seq
-
-    def receive(self, expected: int) -> float:
-        """Take `expected` messages from the snapshot bus; seconds from the first to the last
-        adopted."""
-        return receive_timed(self.sub, expected, self.on_frames, timeout_s=WAIT_S)[1]
-
-    def on_frames(self, frames: list) -> None:
-        message = protocol.decode(frames)
-        if isinstance(message, protocol.Ack):
-            self.uplink.on_ack(message)
-            return
-        assembled = self.reassembler.add(message, time.monotonic())
-        if assembled is not None:
-            self.downlink.on_snapshot(assembled.header, assembled.tensors, 0.0)
-        for fragment, version, tensors in self.downlink.ready(math.inf):
-            # the join takes the value (IslandLoop.join); later ones rebase (IslandLoop._adopt)
-            progress = self.progress[fragment]
-            adopted = (
-                exchange.rebase(self.theta, progress.anchor.values(), tensors)
-                if self.joined
-                else exchange.adopt(self.theta, tensors, 0.0)
-            )
-            self.theta.update(adopted)
-            self.progress[fragment] = FragmentProgress(exchange.Anchor.adopted(tensors), version)
-
-    def drain(self) -> None:
-        while self.sub.poll(QUIET_MS):
-            self.sub.recv_multipart()
-
-
 @contextlib.contextmanager
 def _environment(env: dict[str, str]):
     """os.environ is `env` within (a spawned process starts with it), as it was after."""
@@ -232,6 +107,7 @@ def measure(
     reps: int,
     log: Callable[[str], None],
     state: MergerState = MergerState(),
+    light: bool = False,
 ) -> dict:
     """Join, one warm-up round, `reps` timed rounds.  Returns each stage's seconds per round, the
     merger's resident memory (KiB: at the start, its peak, each phase's rise) and what the joins
@@ -264,7 +140,8 @@ def measure(
         with _environment(with_huge_pages(dict(os.environ))):
             merger.start()
         try:
-            island = _Island(context, shapes, fragments, endpoint[0], ports[2])
+            side = LightIsland if light else PipelineIsland
+            island = side(context, shapes, fragments, endpoint[0], ports[2])
             _expect(conn, merger, "ready")
             _join(conn, merger, island, pump, fragments)
             samples = _rounds(conn, merger, island, pump, fragments, reps, log)
@@ -286,7 +163,7 @@ def measure(
     }
 
 
-def _join(conn, merger, island: _Island, pump: _BrokerPump, fragments: int) -> None:
+def _join(conn, merger, island: PipelineIsland, pump: _BrokerPump, fragments: int) -> None:
     """Both buses joined, then every fragment adopted from the merger's full snapshot."""
     _join_buses(conn, merger, island, pump)
     conn.send(("join",))
@@ -303,7 +180,7 @@ def _join(conn, merger, island: _Island, pump: _BrokerPump, fragments: int) -> N
 def _rounds(
     conn,
     merger,
-    island: _Island,
+    island: PipelineIsland,
     pump: _BrokerPump,
     fragments: int,
     reps: int,
@@ -325,7 +202,7 @@ def _rounds(
     return samples
 
 
-def _round(conn, merger, island: _Island, pump: _BrokerPump) -> dict[str, float]:
+def _round(conn, merger, island: PipelineIsland, pump: _BrokerPump) -> dict[str, float]:
     send_s, chunks = island.send_round()
     forward_s = pump.forward(chunks)
     conn.send(("round", chunks))
@@ -344,7 +221,7 @@ def _round(conn, merger, island: _Island, pump: _BrokerPump) -> dict[str, float]
     }
 
 
-def _join_buses(conn, merger, island: _Island, pump: _BrokerPump) -> None:
+def _join_buses(conn, merger, island: PipelineIsland, pump: _BrokerPump) -> None:
     """Probe both buses until a message gets through, then let them fall quiet (ZeroMQ's slow
     joiner: a PUB drops what it sends before a subscription has reached it)."""
     conn.send(("listen",))

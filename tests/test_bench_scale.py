@@ -173,8 +173,16 @@ def test_a_bad_size_is_refused_before_any_work():
 
 
 def test_memory_needed_by_hand():
-    # 8.67 GB: the two processes peaked at 3.56 and 3.50 GB at 200 M
+    # 8.67 GB: the two processes peaked at 3.56 and 3.50 GB at 200 M; the merger 7 above its 4 + 4
+    # + 4, the island side 15 above its served value's 4
     assert scale.memory_needed(200_000_000) == (1 << 30) + 38 * 200_000_000
+    # 16-bit momentum and served value, the light island: 7 + 4 + 2 + 2 and 2 + 2
+    state = scale.MergerState(
+        scale.OuterConfig(momentum_dtype="bfloat16"),
+        scale.SnapshotConfig("fp32", "int4", served_dtype="bf16"),
+    )
+    assert scale.memory_needed(10**9, state, light=True) == (1 << 30) + 19 * 10**9
+    assert scale.memory_needed(10**9, state) == (1 << 30) + 32 * 10**9
 
 
 @pytest.mark.skipif(
@@ -186,7 +194,10 @@ def test_a_size_too_large_for_this_machine_is_refused_before_any_work():
         run.returncode == 2
         and "1000G needs about 38001.1 GB" in run.stderr
         and "give smaller --sizes" in run.stderr
+        and "or --light-island" in run.stderr
     )
+    light = dloco("bench", "scale", "--sizes", "1000G", "--light-island", timeout=60)
+    assert light.returncode == 2 and "25001.1 GB" in light.stderr and "light island" in light.stderr
 
 
 # a merger process, an island process and the broker's sockets: -m e2e
@@ -290,3 +301,24 @@ def test_bench_scale_holds_16_bit_state_when_asked():
     assert size["merger"]["counters"] == {"merger/snapshot_full": 8, "merger/snapshot_diff": 16}
     for key in ("island", "island_plain"):
         assert size[key]["held_bytes_per_param"]["served"] == 2.0
+
+
+# a merger process, an island process and the broker's sockets: -m e2e
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_the_light_island_sends_and_checks_every_fragment():
+    """--light-island: no model on the island side, the merger's work and figures as before."""
+    run = dloco(
+        "bench", "scale", "--json", "--sizes", "1M", "--reps", "1", "--light-island", timeout=280
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    assert result["island_side"] == "light" and "light island" in scale.summary(result)
+    (size,) = result["sizes"]
+    # every fragment joined and a diff of each adopted per round (the pipeline checks both), and
+    # the merger's state as with the full island
+    assert size["merger"]["counters"] == {"merger/snapshot_full": 4, "merger/snapshot_diff": 8}
+    assert size["merger"]["held_bytes_per_param"] == pytest.approx(
+        {"parameters": 4.0, "optimizer": 4.0, "other_jax_arrays": 0.0, "served": 4.0}
+    )
+    assert all(figures["seconds"] > 0 for figures in size["stages"].values())
