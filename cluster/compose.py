@@ -92,7 +92,12 @@ def render(config: ClusterConfig, profile: str, config_dir: Path | None = None) 
     task file, corpus or token file must lie in that folder: it is mounted read-only into the
     containers.
     """
-    metered = ["broker", *config.merger.processes, "evaluator", *(r.name for r in config.regions)]
+    metered = [
+        "broker",
+        *config.merger.processes,
+        *(["evaluator"] if config.evaluator else []),
+        *(r.name for r in config.regions),
+    ]
     at = _addresses(config, metered)
     config_dir = (config_dir or Path(profile).parent).resolve()
     inputs = _inputs(config)
@@ -269,7 +274,8 @@ def _process_services(
                 stop_grace_period="60s",
                 **cpus,
             )
-    services["evaluator"] = service(commands["evaluator"], None, {"merger": "service_healthy"})
+    if config.evaluator:
+        services["evaluator"] = service(commands["evaluator"], None, {"merger": "service_healthy"})
     status_port = _port("DLOCO_STATUS_PORT", STATUS_PORT)
     services["status"] = service(
         ["status", RUN, "--host", "0.0.0.0", "--port", status_port],

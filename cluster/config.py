@@ -50,6 +50,9 @@ class ClusterConfig:
     # islands evaluate their first N steps after training (island --eval-trace; the experiment
     # suites use it)
     eval_trace: int = 0
+    # the evaluator process (the merger's global model evaluated during the run, for the status
+    # page and the report's global curve); false leaves it out: a model that fills the machine
+    evaluator: bool = True
     seed: int = 0
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     # [task]: the task function's options, KEY = VALUE
@@ -123,6 +126,10 @@ class ClusterConfig:
         require(
             type(self.eval_trace) is int and self.eval_trace >= 0,
             f"run.eval_trace must be an int >= 0, got {self.eval_trace!r}",
+        )
+        require(
+            type(self.evaluator) is bool,
+            f"run.evaluator must be true or false, got {self.evaluator!r}",
         )
         require(
             all(
@@ -271,6 +278,7 @@ _RUN_KEYS = {
     "eval_every",
     "eval_early",
     "eval_trace",
+    "evaluator",
     "seed",
     "mode",
     "island_cpus",
@@ -322,6 +330,7 @@ def load(path: str | Path | None = None) -> ClusterConfig:
         eval_every=int(run.get("eval_every", defaults.eval_every)),
         eval_early=run.get("eval_early", defaults.eval_early),
         eval_trace=run.get("eval_trace", defaults.eval_trace),
+        evaluator=run.get("evaluator", defaults.evaluator),
         seed=int(run.get("seed", defaults.seed)),
         mode=str(run.get("mode", "decoupled")),
         island_cpus=run.get("island_cpus", defaults.island_cpus),

@@ -184,9 +184,11 @@ def _own_services(
     order = [
         "broker",
         *config.merger.processes,
-        "evaluator",
+        *(["evaluator"] if config.evaluator else []),
         *(p for r in config.regions for p in r.processes),
     ]
+    if not config.evaluator:
+        services.pop("evaluator", None)
     return network, services, order
 
 

@@ -338,3 +338,18 @@ def test_a_standby_is_a_service_that_follows_the_merger_and_islands_reach_both(t
         cwd=ROOT,
     )
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_cluster_without_the_evaluator_has_no_such_service_nor_target(tmp_path):
+    profile = (ROOT / "cluster/profiles/default.toml").read_text()
+    assert "[run]\n" in profile
+    (tmp_path / "c.toml").write_text(profile.replace("[run]\n", "[run]\nevaluator = false\n", 1))
+    cluster = config.load(tmp_path / "c.toml")
+    assert cluster.evaluator is False and config.load().evaluator is True
+    text = compose.render(cluster, "c.toml", tmp_path)
+    assert "evaluator" not in yaml.safe_load(text)["services"]
+    # nor in the metrics scraped
+    assert "evaluator:" not in text and "evaluator" in compose.render(config.load(), "c.toml")
+    (tmp_path / "c.toml").write_text(profile.replace("[run]\n", '[run]\nevaluator = "no"\n', 1))
+    with pytest.raises(ConfigError, match="run.evaluator must be true or false"):
+        config.load(tmp_path / "c.toml")
