@@ -58,6 +58,10 @@ def run_island(args: argparse.Namespace) -> int:
     early_stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: early_stop.append(True))
+    # before any thread starts: freed large blocks go back to the kernel (merger/memory.py)
+    from dloco.merger.memory import keep_freed_memory
+
+    keep_freed_memory()
     from dloco.island import task as tasks
     from dloco.protocol import DlocoError
     from dloco.telemetry.logs import configure_logging
