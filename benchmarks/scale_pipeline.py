@@ -34,7 +34,7 @@ from collections.abc import Callable
 import zmq
 
 from dloco.benchmarks.scale_merger import MergerState, merger_process
-from dloco.benchmarks.scale_sides import WAIT_S, LightIsland, PipelineIsland
+from dloco.benchmarks.scale_sides import WAIT_S, LightIsland, PipelineIsland, round_size
 from dloco.broker.proxy import Broker, BrokerConfig, BusEndpoints
 from dloco.cluster.ports import free_ports
 from dloco.merger.memory import with_huge_pages
@@ -117,7 +117,14 @@ def measure(
     # broker in, broker out, island snapshot SUB, merger control
     ports = free_ports(4)
     endpoint = [f"tcp://127.0.0.1:{port}" for port in ports]
-    broker = Broker(BrokerConfig((BusEndpoints("delta", endpoint[0], endpoint[1]),)), _Silent())
+    # its queues hold a round (the merger takes none of it until the round has passed)
+    broker = Broker(
+        BrokerConfig(
+            (BusEndpoints("delta", endpoint[0], endpoint[1]),),
+            memory_bytes=max(BrokerConfig.memory_bytes, 2 * round_size(shapes)[0]),
+        ),
+        _Silent(),
+    )
     pump, context = _BrokerPump(broker), zmq.Context()
     conn, child_conn = spawn.Pipe()
     with tempfile.TemporaryDirectory(prefix="dloco-bench-scale-") as run_dir:

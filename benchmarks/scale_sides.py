@@ -35,6 +35,7 @@ from dloco.island.outbox import PendingDelta
 from dloco.island.shaper import LinkShaper
 from dloco.island.snapshots import Downlink, reassembly_budget, snapshot_reassembler
 from dloco.island.uplink import Uplink
+from dloco.protocol.chunking import DEFAULT_MAX_CHUNK_BYTES
 from dloco.protocol.reassembly import CHUNK_OVERHEAD_BYTES, SLICE_OVERHEAD_BYTES
 
 # longest wait for the merger at any step (genesis and compiling at 1 B take minutes)
@@ -42,6 +43,16 @@ WAIT_S = 900.0
 NAME = "island-0"
 # what a delta says it carries (H = 50 steps of the default batch)
 STEPS, TOKENS = 50, 50 * 16 * 128
+# an int4 delta's bytes per value: a nibble and a float32 scale per block of 256, with room for
+# the frames' headers
+ROUND_BYTES_PER_VALUE = 0.5 + 4 / 256 + 0.01
+
+
+def round_size(shapes: dict) -> tuple[int, int]:
+    """(bytes, chunks) of a round's int4 deltas, every fragment once: what the benchmark's queues
+    must hold while one thread sends a round, then forwards it, then lets the merger take it."""
+    nbytes = int(ROUND_BYTES_PER_VALUE * sum(int(np.prod(s)) for s in shapes.values()))
+    return nbytes, nbytes // DEFAULT_MAX_CHUNK_BYTES + len(shapes)
 
 
 class PipelineIsland:
@@ -66,7 +77,17 @@ class PipelineIsland:
             {path: (shape, "float32") for path, shape in shapes.items()}
         )
         security = Security(None, NAME)
-        self.sync = SyncConfig(fragments=fragments)
+        # The retransmit buffer and the PUB's queue hold a round's chunks: this one thread also
+        # forwards them, after sending them all, and only then does the merger acknowledge any (a
+        # real island's uplink waits for the acks of a full buffer, and its PUB is drained by the
+        # broker as it sends; here the wait would never end and the PUB would drop chunks).
+        round_bytes, round_chunks = round_size(shapes)
+        self.sync = SyncConfig(
+            fragments=fragments,
+            retransmit_bytes=max(SyncConfig.retransmit_bytes, 2 * round_bytes),
+            retransmit_messages=max(SyncConfig.retransmit_messages, 2 * round_chunks),
+            send_hwm=max(SyncConfig.send_hwm, 2 * round_chunks),
+        )
         self.pub = open_socket(
             context, zmq.PUB, delta_endpoint, security, "broker", send_hwm=self.sync.send_hwm
         )
