@@ -28,8 +28,8 @@ import zmq
 
 from dloco import protocol
 from dloco.benchmarks.scale_model import PeakRises, init_params
+from dloco.benchmarks.scale_sides import round_sync
 from dloco.island import exchange
-from dloco.island.config import SyncConfig
 from dloco.island.outbox import PendingDelta
 from dloco.island.shaper import LinkShaper
 from dloco.island.snapshots import Downlink
@@ -70,7 +70,7 @@ def _measure(shapes: dict, fragments: int, served: str | None, error_feedback: b
     }
     parts = protocol.partition(shapes, fragments)
     model, epoch = protocol.model_fingerprint(theta), time.time_ns()
-    sync = SyncConfig(fragments=fragments, error_feedback=error_feedback)
+    sync = round_sync(shapes, fragments, error_feedback)
     context = zmq.Context()
     pub = context.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)

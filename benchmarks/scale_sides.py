@@ -55,6 +55,22 @@ def round_size(shapes: dict) -> tuple[int, int]:
     return nbytes, nbytes // DEFAULT_MAX_CHUNK_BYTES + len(shapes)
 
 
+def round_sync(shapes: dict, fragments: int, error_feedback: bool = False) -> SyncConfig:
+    """The island's exchange settings with a retransmit buffer and a PUB queue that hold two
+    rounds: the benchmark's one thread sends a round, then forwards it, and only then does a merger
+    acknowledge any (none does, for the island-state process).  A real island's uplink waits for
+    the acks of a full buffer, and its PUB is drained by the broker as it sends; here the wait
+    would never end and the PUB would drop chunks."""
+    round_bytes, round_chunks = round_size(shapes)
+    return SyncConfig(
+        fragments=fragments,
+        error_feedback=error_feedback,
+        retransmit_bytes=max(SyncConfig.retransmit_bytes, 2 * round_bytes),
+        retransmit_messages=max(SyncConfig.retransmit_messages, 2 * round_chunks),
+        send_hwm=max(SyncConfig.send_hwm, 2 * round_chunks),
+    )
+
+
 class PipelineIsland:
     """The island's exchange state and code path, with a theta standing in for the trainer's."""
 
@@ -77,17 +93,7 @@ class PipelineIsland:
             {path: (shape, "float32") for path, shape in shapes.items()}
         )
         security = Security(None, NAME)
-        # The retransmit buffer and the PUB's queue hold a round's chunks: this one thread also
-        # forwards them, after sending them all, and only then does the merger acknowledge any (a
-        # real island's uplink waits for the acks of a full buffer, and its PUB is drained by the
-        # broker as it sends; here the wait would never end and the PUB would drop chunks).
-        round_bytes, round_chunks = round_size(shapes)
-        self.sync = SyncConfig(
-            fragments=fragments,
-            retransmit_bytes=max(SyncConfig.retransmit_bytes, 2 * round_bytes),
-            retransmit_messages=max(SyncConfig.retransmit_messages, 2 * round_chunks),
-            send_hwm=max(SyncConfig.send_hwm, 2 * round_chunks),
-        )
+        self.sync = round_sync(shapes, fragments)
         self.pub = open_socket(
             context, zmq.PUB, delta_endpoint, security, "broker", send_hwm=self.sync.send_hwm
         )
