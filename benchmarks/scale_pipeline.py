@@ -101,6 +101,18 @@ def _environment(env: dict[str, str]):
         os.environ.update(before)
 
 
+def _broker(shapes: dict, inbound: str, outbound: str) -> Broker:
+    """The delta bus's broker, its queues holding two rounds: the merger takes none of a round
+    until it has all passed."""
+    return Broker(
+        BrokerConfig(
+            (BusEndpoints("delta", inbound, outbound),),
+            memory_bytes=max(BrokerConfig.memory_bytes, 2 * round_size(shapes)[0]),
+        ),
+        _Silent(),
+    )
+
+
 def measure(
     shapes: dict,
     fragments: int,
@@ -117,14 +129,7 @@ def measure(
     # broker in, broker out, island snapshot SUB, merger control
     ports = free_ports(4)
     endpoint = [f"tcp://127.0.0.1:{port}" for port in ports]
-    # its queues hold a round (the merger takes none of it until the round has passed)
-    broker = Broker(
-        BrokerConfig(
-            (BusEndpoints("delta", endpoint[0], endpoint[1]),),
-            memory_bytes=max(BrokerConfig.memory_bytes, 2 * round_size(shapes)[0]),
-        ),
-        _Silent(),
-    )
+    broker = _broker(shapes, endpoint[0], endpoint[1])
     pump, context = _BrokerPump(broker), zmq.Context()
     conn, child_conn = spawn.Pipe()
     with tempfile.TemporaryDirectory(prefix="dloco-bench-scale-") as run_dir:

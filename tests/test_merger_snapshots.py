@@ -53,6 +53,19 @@ class SnapshotWatcher:
             )
         )
 
+    def join(self, fragments: int) -> None:
+        """Ask for every fragment and take each reply before anything folds: a reply still in
+        flight then could carry a version the bus's next diff is for, which would arrive old (the
+        start-up full snapshots on the bus may already hold every fragment)."""
+        mark = len(self.seen)
+        self.ask()
+        self.pump(
+            lambda: (
+                {f for source, f, *_ in self.seen[mark:] if source == "reply"}
+                >= set(range(fragments))
+            )
+        )
+
     def pump(self, until, timeout_s: float = 20.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not until():
@@ -109,8 +122,7 @@ def test_diff_snapshots_track_the_served_value_through_a_restart(
     watcher = SnapshotWatcher(island)
     processes.append(start_merger(tmp_path / "m", island, init_npz, *flags))
     try:
-        watcher.ask()
-        watcher.pump(lambda: watcher.holds([0, 0]))
+        watcher.join(2)
         watcher.wait_connected()
         # fragments alternate: fragment 1 to version 4, fragment 0 to 3
         for delta_id in range(1, 8):
@@ -194,8 +206,7 @@ def test_held_snapshots_carry_every_fold_and_the_last_one_goes_out(
         )
     )
     try:
-        watcher.ask()
-        watcher.pump(lambda: watcher.holds([0, 0]))
+        watcher.join(2)
         watcher.wait_connected()
         # fragment 1 to version 4, fragment 0 to 3
         for delta_id in range(1, 8):
