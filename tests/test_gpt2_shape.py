@@ -1,7 +1,7 @@
 """The built-in LM at GPT-2 small's and medium's shapes (124 M and 355 M parameters) through `dloco
 up`: the shipped examples/gpt2-124m.toml and gpt2-350m.toml, shortened to one interval per island.
 Deltas of ~15 and ~45 MB (int4) cross the bus, the merger folds every island's, and every island
-joins and adopts the merger's snapshots.  About three minutes and 10 GB, and four minutes and 21 GB,
+joins and adopts the merger's snapshots.  About three minutes and 10 GB, and four minutes and 20 GB,
 on 2 cores: -m e2e."""
 
 from __future__ import annotations
