@@ -159,4 +159,7 @@ def squared_norm(data_U: np.ndarray, block: int, bits: int, count: int) -> float
     scale_B, index_BxK, levels = unpack(data_U, block, bits)
     squares = levels.astype(np.int64) ** 2
     squares[-1][index_BxK[-1] >= count - block * (len(scale_B) - 1)] = 0
-    return float(np.dot(squares.sum(axis=1).astype(np.float64), scale_B.astype(np.float64) ** 2))
+    # a pairwise sum, not BLAS's dot (CodedTensor.squared_norm_bound says why)
+    return float(
+        np.add.reduce(squares.sum(axis=1).astype(np.float64) * scale_B.astype(np.float64) ** 2)
+    )

@@ -67,6 +67,16 @@ def test_a_zero_delta_gives_no_direction_and_one_delta_comes_back_unchanged():
     assert merged_norm == 0.0 and not np.asarray(nothing["w"]).any()
 
 
+def test_the_norm_bound_counts_each_block_at_its_largest_level():
+    # int4 in blocks of 8: levels up to 8 times the scale; 12 values = a full block (scale 0.5)
+    # and 4 values of a second (scale 2): 8 (8 x 0.5)^2 + 4 (8 x 2)^2 = 128 + 1024
+    codes = [0x88] * 4
+    tensor = CodedTensor(INT4_8, (12,), np.stack([record(0.5, codes), record(2.0, codes)]))
+    assert tensor.squared_norm_bound() == 1152.0
+    # one block, partly filled: 3 (8 x 0.25)^2
+    assert CodedTensor(INT4_8, (3,), record(0.25, codes)[None, :]).squared_norm_bound() == 12.0
+
+
 def test_two_hand_made_sparse_deltas():
     # topk2, block 128: keep 4 per block; code = (m - 1) | sign << 1, four codes per byte, first in
     # bits 0-1. A: scale 0.5, +2 at 3, -1 at 9, +1 at 20, -2 at 127 -> codes 1, 2, 0, 3 =
