@@ -23,6 +23,8 @@ parameters, tensors of 12.6 MB, each fold's outputs then fresh pages) folded ~30
 merger does once its tensors pass 32 MiB, glibc's most for the heap (BENCHMARKS.md, "Cost of model
 size").  Folds now write their new parameters and momentum over the old: those are no longer
 fresh pages (the direction and pseudo-gradient still are).
+The island calls `keep_freed_memory` too (island/main.py): in a 350m cluster an island's freed
+blocks stayed resident as holes (~8.5 GB between steps, ~11 GB at peak; ~5.5 and ~8.5 with it).
 Elsewhere than glibc (macOS, musl) it does nothing and says so.
 """
 
