@@ -57,16 +57,14 @@ from dloco.benchmarks.timing import gbps, memcpy_seconds
 from dloco.merger.config import OuterConfig, SnapshotConfig
 
 FRAGMENTS = 4
-# bytes per value of the merger's state dtypes
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "fp32": 4, "bf16": 2}
 
 
 def memory_needed(params: int, state: MergerState = MergerState(), light: bool = False) -> int:
     """Bytes a size's pipeline holds at its peak, both processes together (an estimate)."""
     return scale_goals.memory_needed(
         params,
-        DTYPE_BYTES[state.outer.momentum_dtype],
-        DTYPE_BYTES[state.snapshots.served_dtype],
+        OuterConfig.MOMENTUM_BYTES[state.outer.momentum_dtype],
+        SnapshotConfig.SERVED_BYTES[state.snapshots.served_dtype],
         "light" if light else "full",
     )
 

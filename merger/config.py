@@ -32,6 +32,8 @@ class OuterConfig:
 
     KINDS = ("nesterov", "round_nesterov", "delayed_nesterov", "sgd")
     MOMENTUM_DTYPES = ("float32", "bfloat16")
+    # bytes per value of each
+    MOMENTUM_BYTES = {"float32": 4, "bfloat16": 2}
 
     def __post_init__(self) -> None:
         _require(
@@ -183,6 +185,8 @@ class SnapshotConfig:
     served_dtype: str = "fp32"
 
     SERVED_DTYPES = ("fp32", "bf16")
+    # bytes per value of each
+    SERVED_BYTES = {"fp32": 4, "bf16": 2}
 
     def __post_init__(self) -> None:
         _require(

@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 
 from dloco.cluster.sections import MergerSection
+from dloco.merger.config import OuterConfig, SnapshotConfig
 from dloco.sim.baselines import SyncResult, sync_diloco, sync_dp
 from dloco.sim.engine import simulate
 from dloco.sim.results import IslandRun, SimResult
@@ -26,9 +27,11 @@ OUTER_BUFFERS = {"sgd": 0, "nesterov": 1, "round_nesterov": 2, "delayed_nesterov
 def merger_bytes_per_value(merger: MergerSection) -> int:
     """What the merger holds per parameter: its float32 value, its outer optimizer's buffers (in
     `momentum_dtype`) and, with diff snapshots, the value served to islands (in `served_dtype`)."""
-    buffers = OUTER_BUFFERS[merger.outer] * (2 if merger.momentum_dtype == "bfloat16" else 4)
+    buffers = OUTER_BUFFERS[merger.outer] * OuterConfig.MOMENTUM_BYTES[merger.momentum_dtype]
     served = (
-        0 if merger.snapshot_diff_codec == "none" else 2 if merger.served_dtype == "bf16" else 4
+        0
+        if merger.snapshot_diff_codec == "none"
+        else SnapshotConfig.SERVED_BYTES[merger.served_dtype]
     )
     return 4 + buffers + served
 
