@@ -6,16 +6,23 @@ A delta tensor arrives as records (scale_b, codes q_bi) with value d_bi = scale_
     u       = sum_m f_mb * q_mbi,  f_mb = c_m * scale_mb
               (RDA: c_m = w_m / ||d_m||; weighted average: c_m = w_m)
 
-(sparse codecs: d_bj = scale_b * level_bj at the block's kept indices only, so u is a scatter-add
-of f_mb * level_mbj, one delta after another; each delta's indices are distinct, so the order of
-the additions is fixed too), so passes over the codes give the merged direction u (up to 8
-deltas per XLA call; a round's size is padded to 1, 2, 4 or 8 so that few shapes are ever
-compiled), and the radius/length rescaling of RDA (merger/rda.py) is one multiply on the way into
-the outer step.  The passes and the outer step are XLA kernels (merger/coded_kernels.py); this
-module plans them (groups of deltas, tiles of blocks), lays the codes out for them and does the
-host's part.  The fold waits on the host twice (norms, then lengths), so the merger runs it on a
-worker thread (merger/pipeline.py).  The float64 sums over blocks are numpy pairwise sums over
-fixed slices, so the same log gives the same bytes (replay feeds the same records to this code).
+so passes over the codes give the merged direction u, and the radius/length rescaling of RDA
+(merger/rda.py) is one multiply on the way into the outer step.
+
+- Dense int codecs (`dense`): compiled loops over each delta's codes where they arrived
+  (merger/fold_loops.py): the products of levels per block give every norm (``||u_b||^2 =
+  sum_mn f_mb f_nb sum_i q_mbi q_nbi``, exact integers inside), then one pass per delta writes u,
+  rescaled on the last, into each tensor's float32 values; the outer step takes them as its
+  pseudo-gradient (`outer.make_step`).
+- Sparse codecs (`direction`): d_bj = scale_b * level_bj at the block's kept indices only, so u is
+  a scatter-add of f_mb * level_mbj, one delta after another (each delta's indices are distinct,
+  so the order of the additions is fixed), by XLA kernels over groups of up to 8 deltas (a
+  round's size padded to 1, 2, 4 or 8) and tiles of blocks, so that few shapes are ever compiled
+  (merger/coded_kernels.py, whose outer step takes u as tiles).
+
+The fold waits on the host between its passes, so the merger runs it on a worker thread
+(merger/pipeline.py).  The float64 sums over blocks are numpy pairwise sums over fixed slices, so
+the same log gives the same bytes (replay feeds the same records to this code).
 """
 
 from __future__ import annotations
@@ -26,11 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dloco.merger import fold_loops
 from dloco.merger.coded_kernels import (
-    accumulate,
-    accumulate_first,
-    accumulate_last,
-    block_square_sums,
     block_squares,
     sparse_accumulate,
     split,
@@ -73,33 +77,6 @@ def tile_blocks(blocks: int) -> int:
     return min(TILE_BLOCKS, max(16, 1 << (blocks - 1).bit_length()))
 
 
-def _code_tiles(deltas: list[list[np.ndarray]], size: int, T: int, n_tiles: int) -> list[jax.Array]:
-    """The codes of a group of deltas (each a list of its tensors' (blocks, C) codes, in fragment
-    order), padded with zero deltas to `size` and with zero blocks to n_tiles * T, as one device
-    array (size, T, C) per tile: built once, with one copy out of the records, and read by both
-    passes over the codes."""
-    C = deltas[0][0].shape[1]
-    buffer = _aligned_empty((n_tiles, size, T, C))
-    buffer[:, len(deltas) :] = 0
-    for m, tensors in enumerate(deltas):
-        row = 0
-        # rows [row, row + len(codes)) of this delta, cut at tile boundaries
-        for codes in tensors:
-            done = 0
-            while done < len(codes):
-                t, r = divmod(row + done, T)
-                k = min(len(codes) - done, T - r)
-                buffer[t, m, r : r + k] = codes[done : done + k]
-                done += k
-            row += len(codes)
-        t, r = divmod(row, T)
-        if t < n_tiles:
-            # the last tile's padding blocks: zero codes (and factor 0)
-            buffer[t, m, r:] = 0
-    # aligned: XLA reads the buffer itself, no copy
-    return [jax.device_put(buffer[i]) for i in range(n_tiles)]
-
-
 def _aligned_empty(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
     """An uninitialised uint8 array starting on an `align`-byte boundary, whose tiles (each a
     multiple of `align` bytes) jax.device_put hands to XLA without copying (it copies anything
@@ -119,44 +96,84 @@ def merge(
 ) -> tuple[dict, list[float], float]:
     """The merged pseudo-gradient of one round (canonical order, normalised weights), the fragment
     norm of every delta, and the merged norm.  `plain[path]`: weighted average instead of RDA."""
+    if not tensors[0][min(tensors[0])].codec.sparse:
+        return dense(tensors, weights, plain)
     paths, tiles, block_scale, layout, delta_norms, merged_norm = direction(tensors, weights, plain)
     return dict(zip(paths, split(tiles, block_scale, layout))), delta_norms, merged_norm
+
+
+def dense(
+    tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[float], plain: dict[str, bool]
+) -> tuple[dict[str, np.ndarray], list[float], float]:
+    """`merge` for the dense int codecs, by compiled loops over the codes (merger/fold_loops.py):
+    per block the products of every pair of deltas' levels give each delta's norm and u's, then
+    one pass per delta writes u, rescaled on the last, into each tensor's float32 values."""
+    paths = sorted(tensors[0])
+    bits = tensors[0][paths[0]].codec.bits
+    spans, _, start = _layout(tensors[0], paths)
+    codes = [[t[p].codes for p in paths] for t in tensors]
+    gram = {
+        (m, n): np.concatenate(
+            [fold_loops.products(a, b, bits) for a, b in zip(codes[m], codes[n])]
+        ).astype(np.float64)
+        for m in range(len(tensors))
+        for n in range(m, len(tensors))
+    }
+    scales = [np.concatenate([t[p].scales for p in paths]).astype(np.float64) for t in tensors]
+    norms = _norms(scales, [gram[m, m] for m in range(len(tensors))], spans)
+    factors = _factors(weights, scales, norms, spans, plain, start)
+    wide = [f.astype(np.float64) for f in factors]
+    # ||u_b||^2 = sum_m sum_n f_mb f_nb G_mnb, each pair once (the integers are exact)
+    u_squares = np.zeros(start)
+    for (m, n), g in gram.items():
+        u_squares += (wide[m] * wide[n] if m == n else 2 * wide[m] * wide[n]) * g
+    block_scale, merged_norm = _rescale(u_squares, spans, weights, norms, plain, start)
+    merged = {}
+    for i, path in enumerate(paths):
+        b0, b1 = spans[path]
+        out = _aligned_empty((tensors[0][path].count * 4,)).view(np.float32)
+        for m in range(len(tensors)):
+            fold_loops.accumulate_into(
+                out,
+                codes[m][i],
+                factors[m][b0:b1],
+                block_scale[b0:b1],
+                bits,
+                m == 0,
+                m == len(tensors) - 1,
+            )
+        merged[path] = out.reshape(tensors[0][path].shape)
+    delta_norms = [float(np.sqrt(sum(n[p] ** 2 for p in paths))) for n in norms]
+    return merged, delta_norms, merged_norm
+
+
+def _norms(scales: list[np.ndarray], squares: list[np.ndarray], spans: Spans) -> list[dict]:
+    """Each delta's norm per path, from its block scales and its sums of squared levels."""
+    return [
+        {p: float(np.sqrt(_sum64(scale[b0:b1] ** 2 * sq[b0:b1]))) for p, (b0, b1) in spans.items()}
+        for scale, sq in zip(scales, squares)
+    ]
 
 
 def direction(
     tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[float], plain: dict[str, bool]
 ):
-    """One round's merged direction: (paths in order, tiles of u in value order, the per-block
-    rescaling that makes it RDA's (1 on plain paths), the fragment's layout, each delta's norm, the
-    merged norm).  The outer step takes the first four (coded_kernels.outer_step)."""
+    """One round's merged direction from sparse codes: (paths in order, tiles of u in value order,
+    the per-block rescaling that makes it RDA's (1 on plain paths), the fragment's layout, each
+    delta's norm, the merged norm).  The outer step takes the first four
+    (coded_kernels.outer_step)."""
     paths = sorted(tensors[0])
     codec = tensors[0][paths[0]].codec
     spans, layout, start = _layout(tensors[0], paths)
     T = tile_blocks(start)
     n_tiles = -(-start // T)
     plan = groups(len(tensors))
-    if codec.sparse:
-        kept = [_sparse_levels([t[p] for p in paths], n_tiles * T) for t in tensors]
-        scales = [s.astype(np.float64) for s, _, _ in kept]
-        squares = np.stack(
-            [(levels.astype(np.int64) ** 2).sum(axis=1)[:start] for _, _, levels in kept]
-        ).astype(np.float64)
-    else:
-        codes = [
-            _code_tiles([[t[p].codes for p in paths] for t in tensors[a : a + n]], g, T, n_tiles)
-            for a, n, g in plan
-        ]
-        scales = [np.concatenate([t[p].scales for p in paths]).astype(np.float64) for t in tensors]
-        squares = _code_squares(codes, plan, n_tiles, start, codec.bits)
-    norms = [
-        {p: float(np.sqrt(_sum64(scale[b0:b1] ** 2 * sq[b0:b1]))) for p, (b0, b1) in spans.items()}
-        for scale, sq in zip(scales, squares)
-    ]
+    kept = [_sparse_levels([t[p] for p in paths], n_tiles * T) for t in tensors]
+    scales = [s.astype(np.float64) for s, _, _ in kept]
+    squares = [(levels.astype(np.int64) ** 2).sum(axis=1)[:start] for _, _, levels in kept]
+    norms = _norms(scales, [sq.astype(np.float64) for sq in squares], spans)
     factors = _factors(weights, scales, norms, spans, plain, n_tiles * T)
-    if codec.sparse:
-        tiles, sums = _accumulate_sparse(kept, factors, plan, T, n_tiles, codec.block)
-    else:
-        tiles, sums = _accumulate_codes(codes, factors, plan, T, n_tiles, codec.bits)
+    tiles, sums = _accumulate_sparse(kept, factors, plan, T, n_tiles, codec.block)
     u_squares = np.concatenate([np.asarray(s) for s in sums])
     block_scale, merged_norm = _rescale(u_squares, spans, weights, norms, plain, n_tiles * T)
     delta_norms = [float(np.sqrt(sum(n[p] ** 2 for p in paths))) for n in norms]
@@ -178,28 +195,6 @@ def _layout(first: dict[str, CodedTensor], paths: list[str]) -> tuple[Spans, lis
 def _tile(rows: list[np.ndarray], T: int, index: int, size: int) -> np.ndarray:
     """Tile `index` (T blocks) of each delta's rows, padded with zero deltas to `size`."""
     return padded([r[index * T : (index + 1) * T] for r in rows], size)
-
-
-def _code_squares(
-    codes: list[list[jax.Array]],
-    plan: Plan,
-    n_tiles: int,
-    blocks: int,
-    bits: int,
-) -> np.ndarray:
-    """(deltas, blocks) float64: each delta's sums of squared levels per block."""
-    return np.concatenate(
-        [
-            np.concatenate(
-                [
-                    np.asarray(block_square_sums(group[i], bits))[:n]
-                    for group, (_, n, _) in zip(codes, plan)
-                ]
-            )
-            for i in range(n_tiles)
-        ],
-        axis=1,
-    )[:, :blocks].astype(np.float64)
 
 
 def _factors(
@@ -248,31 +243,6 @@ def _accumulate_sparse(
             )
         tiles.append(u)
         sums.append(block_squares(u))
-    return tiles, sums
-
-
-def _accumulate_codes(
-    codes: list[list[jax.Array]],
-    factors: list[np.ndarray],
-    plan: Plan,
-    T: int,
-    n_tiles: int,
-    bits: int,
-) -> tuple[list[jax.Array], list[jax.Array]]:
-    """The tiles of u from the deltas' code tiles, group after group, and each tile's per-block
-    sums of u^2 (from the round's last kernel call)."""
-    tiles, sums = [], []
-    for i in range(n_tiles):
-        (_, n, g), single = plan[0], len(plan) == 1
-        u = accumulate_first(
-            np.float32(0), codes[0][i], _tile(factors[:n], T, i, g), bits, last=single
-        )
-        for k, (group, (a, n, g)) in enumerate(zip(codes[1:], plan[1:]), start=2):
-            u = (accumulate_last if k == len(plan) else accumulate)(
-                u, group[i], _tile(factors[a : a + n], T, i, g), bits
-            )
-        tiles.append(u[0])
-        sums.append(u[1])
     return tiles, sums
 
 

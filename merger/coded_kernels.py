@@ -1,10 +1,9 @@
-"""The XLA kernels of merging from codes (merger/coded.py): passes over a group of deltas' codes,
-and the outer step that takes the merged direction as tiles.
+"""The XLA kernels of merging from sparse codes (merger/coded.py): the scatter-adds of a group of
+deltas' kept levels, and the outer step that takes the merged direction as tiles.  (The dense int
+codecs fold by compiled loops: merger/fold_loops.py.)
 
-Levels are unpacked per position in the byte (two arrays for int4) and u is accumulated that way;
-the round's last kernel call interleaves u into value order and sums its squares per block.  Every
-reduction whose order could vary is either over exact integers or a fixed halving tree, so the
-same records give the same bytes (replay feeds the same records to this code).  The outer step
+Every reduction whose order could vary is either over exact integers or a fixed halving tree, so
+the same records give the same bytes (replay feeds the same records to this code).  The outer step
 (`outer_step`) cuts u into the fragment's tensors in the same XLA computation, each tensor from
 slices of just the tiles it spans (never a concatenation of the whole fragment).
 """
@@ -12,7 +11,6 @@ slices of just the tiles it spans (never a concatenation of the whole fragment).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,29 +20,9 @@ import optax
 # the genesis record: `dloco replay` says when a log was written with other kernels or jax).
 # 2: a fold whose delta the guard clipped stays on codes (its block scales scaled), where it was
 # merged from float32
-KERNELS_VERSION = 2
-
-
-def _parts(codes: jax.Array, bits: int) -> list[jax.Array]:
-    """uint8 (..., C) codes -> the int32 levels each byte holds, one array per position in the
-    byte."""
-    if bits == 8:
-        return [jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.int32)]
-    c = codes.astype(jnp.int32)
-    if bits == 4:
-        return [(c & 15) - 8, (c >> 4) - 8]
-    return [((c >> (2 * k)) & 3) - 1 for k in range(4)]
-
-
-def _interleave(parts: Sequence[jax.Array]) -> jax.Array:
-    """Per-position arrays (..., C) -> (..., K) in value order (PROTOCOL.md §Codecs)."""
-    return (
-        parts[0] if len(parts) == 1 else jnp.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)
-    )
-
-
-def parts_per_byte(bits: int) -> int:
-    return 1 if bits == 8 else 8 // bits
+# 3: dense int codes fold by compiled loops (merger/fold_loops.py): u's norm per block from the
+# exact products of levels, where it was a float32 sum of u's squares
+KERNELS_VERSION = 3
 
 
 def _halving_sum(x: jax.Array) -> jax.Array:
@@ -53,58 +31,6 @@ def _halving_sum(x: jax.Array) -> jax.Array:
         half = x.shape[-1] // 2
         x = x[..., :half] + x[..., half:]
     return x[..., 0]
-
-
-@functools.partial(jax.jit, static_argnames=("bits",))
-def block_square_sums(codes: jax.Array, bits: int) -> jax.Array:
-    """(M, B, C) codes -> (M, B) int32: sum of squared levels per block (exact, so any order will
-    do: bytes are not unpacked into value order)."""
-    return _halving_sum(sum(q * q for q in _parts(codes, bits)))
-
-
-def _accumulate(u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: int, last: bool):
-    for m in range(codes.shape[0]):
-        f = factors[m][:, None]
-        u = [a + q.astype(jnp.float32) * f for a, q in zip(u, _parts(codes[m], bits))]
-    if not last:
-        return u
-    # The round's last group: u in value order and its per-block sum of squares (float32, fixed
-    # order: per position, then positions in order), from u still in registers — one pass over u
-    # less, and the outer step reads u without interleaving it (2 ms of 17 a fold).
-    total = _halving_sum(u[0] * u[0])
-    for a in u[1:]:
-        total = total + _halving_sum(a * a)
-    return _interleave(u), total
-
-
-@functools.partial(jax.jit, static_argnames=("bits",), donate_argnums=(0,))
-def accumulate(
-    u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: int
-) -> list[jax.Array]:
-    """u (per position in the byte, (B, C) each) + sum_m factors_m * levels_m over (G, B, C) codes
-    and (G, B) factors, m in order.  Kept per position: interleaving once per fold, not once per
-    delta, made this 2x faster."""
-    return _accumulate(u, codes, factors, bits, last=False)
-
-
-@functools.partial(jax.jit, static_argnames=("bits",))
-def accumulate_last(
-    u: list[jax.Array], codes: jax.Array, factors: jax.Array, bits: int
-) -> tuple[jax.Array, jax.Array]:
-    """`accumulate` for a round's last group: (u in value order (B, K), per-block sums of u^2)."""
-    return _accumulate(u, codes, factors, bits, last=True)
-
-
-@functools.partial(jax.jit, static_argnames=("bits", "last"))
-def accumulate_first(
-    zero: jax.Array, codes: jax.Array, factors: jax.Array, bits: int, last: bool = False
-):
-    """`accumulate` onto u = `zero` (a float32 scalar 0, passed in): a round's first group, without
-    allocating and filling a zero u first.  A zero known at compile time would let XLA drop the
-    additions and contract the first products differently (1 ulp off the sequential order)."""
-    return _accumulate(
-        [jnp.broadcast_to(zero, codes.shape[1:])] * parts_per_byte(bits), codes, factors, bits, last
-    )
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

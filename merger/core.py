@@ -233,20 +233,21 @@ class MergerCore:
             members,
             self._settle_folded(fragment, members, version),
             share,
-            self._caps(fragment, members),
             self._limits(fragment, members),
         )
 
     def compute_fold(self, started: StartedFold) -> tuple[PendingStep, FoldReport]:
         """A started round up to its outer step, from the fragment's current state, which `install`
-        takes (any thread; the fragment's previous round must be installed)."""
+        takes (any thread; the fragment's previous round must be installed).  The guard's caps are
+        computed here, not at the start: only installing this fragment's folds moves them, and a
+        cold reference (the fragment's norm) is a pass over it, better off the receiving thread."""
         state, report = fold(
             self.states[started.fragment],
             started.members,
             self.config.merge,
             self._step,
             started.share,
-            started.caps,
+            self._caps(started.fragment, started.members),
             started.limits,
             in_place=True,
         )
@@ -330,12 +331,11 @@ class MergerCore:
         return True
 
     def warm_up(self, codec: Codec = Codec("int4"), stopping=lambda: False) -> None:
-        """Compile the kernels of folds from int codes for every fragment's size, and every
-        fragment's outer step, ahead of the first deltas (merger/warmup.py; `codec`: the islands'
-        default).  Results are thrown away; safe on another thread; `stopping()` true: return
-        before the next compilation."""
+        """Compile the loops of folds from int codes and every fragment's outer step, ahead of the
+        first deltas (merger/warmup.py; `codec`: the islands' default).  Results are thrown away;
+        safe on another thread; `stopping()` true: return before the next compilation."""
         layouts = [layout for layout in self.layouts if layout]
-        warm_up_folds(self.optimizer, layouts, self.config.merge, codec, stopping)
+        warm_up_folds(self.optimizer, layouts, codec, stopping)
 
     def digest(self) -> str:
         return records.params_digest(self.states)

@@ -306,18 +306,25 @@ def _stepped(ordered, members, w, factors, config, step, share):
     by), from their codes when every tensor is coded with one int codec, else from float32:
     (`take(state, in_place)`, which takes the outer step on `state` and returns (params, optimizer
     state), the direction's arrays, each delta's norm as sent, the merged norm)."""
-    if coded.mergeable([c.tensors for c in members]):
-        paths, tiles, block_scale, layout, delta_norms, merged_norm = coded.direction(
-            [c.tensors for c in members], w, {p: plain(p, config) for p in members[0].tensors}
-        )
-        # as sent: a clipped delta's norm before the guard scaled it (on codes: one delta per
-        # island; scaled to nothing, the bound admission measured)
+    tensors = [c.tensors for c in members]
+    if not coded.mergeable(tensors):
+        merged = _merged(members, w, config)
         delta_norms = [
-            n / f if f > 0 else delta_norm(c.tensors)
-            for n, f, c in zip(delta_norms, factors, ordered)
+            rda.fragment_norm({p: _float(t) for p, t in c.tensors.items()}) for c in ordered
         ]
+        return (
+            _taking(merged, step, share),
+            list(merged.values()),
+            delta_norms,
+            rda.fragment_norm(merged),
+        )
+    plains = {p: plain(p, config) for p in members[0].tensors}
+    if next(iter(tensors[0].values())).codec.sparse:
+        paths, tiles, block_scale, layout, delta_norms, merged_norm = coded.direction(
+            tensors, w, plains
+        )
 
-        def take_coded(current: FragmentState, in_place: bool):
+        def take_sparse(current: FragmentState, in_place: bool):
             new, opt_state = outer_step(step.optimizer, in_place=in_place)(
                 [current.params[p] for p in paths],
                 current.opt_state,
@@ -328,15 +335,28 @@ def _stepped(ordered, members, w, factors, config, step, share):
             )
             return dict(zip(paths, new)), opt_state
 
-        return take_coded, tiles, delta_norms, merged_norm
-    merged = _merged(members, w, config)
-    delta_norms = [rda.fragment_norm({p: _float(t) for p, t in c.tensors.items()}) for c in ordered]
+        take, direction = take_sparse, tiles
+    else:
+        merged, delta_norms, merged_norm = coded.dense(tensors, w, plains)
+        # aligned host buffers: XLA reads them where they are
+        merged = {p: jax.device_put(v) for p, v in merged.items()}
+        take, direction = _taking(merged, step, share), list(merged.values())
+    # as sent: a clipped delta's norm before the guard scaled it (on codes: one delta per island;
+    # scaled to nothing, the bound admission measured)
+    delta_norms = [
+        n / f if f > 0 else delta_norm(c.tensors) for n, f, c in zip(delta_norms, factors, ordered)
+    ]
+    return take, direction, delta_norms, merged_norm
 
-    def take_float(current: FragmentState, in_place: bool):
+
+def _taking(merged: dict, step, share: float):
+    """`take(state, in_place)` of a fold whose pseudo-gradient is `merged` (path -> array)."""
+
+    def take(current: FragmentState, in_place: bool):
         taking = make_step(step.optimizer, in_place=True) if in_place else step
         return taking(current.params, current.opt_state, merged, share)
 
-    return take_float, list(merged.values()), delta_norms, rda.fragment_norm(merged)
+    return take
 
 
 def taken(

@@ -224,6 +224,8 @@ def make_step(optimizer: optax.GradientTransformation, *, in_place: bool = False
         )
         return dict(zip(paths, new_params)), opt_state
 
-    # rounds merged from codes take their outer step in merger/coded_kernels.py
+    # rounds merged from sparse codes take their outer step in merger/coded_kernels.py
     step.optimizer = optimizer
+    # for compiling ahead (merger/warmup.py)
+    step.flat = flat_step
     return step

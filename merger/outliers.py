@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from dloco.merger import rda
+from dloco.merger import fold_loops
 
 HOSTILE = frozenset({"outlier_norm", "non_finite", "layout_mismatch", "future_base"})
 # without a reference, one island's part of a fold moves a fragment by at most this times its norm
@@ -151,7 +151,7 @@ def fold_caps(
         reference = moves.reference(island, "max")
         if reference is None:
             if cold is None:
-                cold = COLD_LIMIT * rda.fragment_norm({p: np.asarray(v) for p, v in params.items()})
+                cold = COLD_LIMIT * fold_loops.norm(np.asarray(v) for v in params.values())
             reference, factor_here = cold, 1.0
         else:
             factor_here = factor

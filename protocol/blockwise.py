@@ -18,7 +18,7 @@ from dloco.protocol.pieces import PASS_BYTES, WorkBuffers, run_pieces, work_buff
 SCALE_BYTES = 4
 # Blocks with a smaller absmax are flushed to zero: L / absmax must stay finite for L <= 127
 # (127 * 2**120 < FLT_MAX), and such values are far below anything a delta carries.
-_FLUSH_BELOW = np.float32(2.0**-120)
+FLUSH_BELOW = np.float32(2.0**-120)
 LEVELS = {"int8": 127, "int4": 7, "int2": 1}
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 # Largest code magnitude a decoder may meet: int8 -128, int4 nibble 0 = -8, int2 code 3 = +2.
@@ -85,7 +85,7 @@ def _quantize_rows(x_RxK, scale_R, codes_RxC, levels: int, bits: int, work: Work
     np.max(t_RxK, axis=1, out=absmax_R)
     if not np.isfinite(absmax_R).all():
         raise EncodeError("cannot encode non-finite values (NaN/Inf in a block)")
-    normal_R = absmax_R >= _FLUSH_BELOW
+    normal_R = absmax_R >= FLUSH_BELOW
     scale_R[:] = np.where(normal_R, absmax_R / np.float32(levels), np.float32(0))
     if (scale_R > MAX_SCALE[bits]).any():
         raise EncodeError(

@@ -35,6 +35,21 @@ def run_pieces(fn: Callable[[int, int], None], n: int, per_piece: int, threads: 
     list(_pool(threads).map(lambda b: fn(*b), bounds))
 
 
+def run_split(fn: Callable[[int, int], None], n: int, threads: int) -> None:
+    """Call fn(lo, hi) over [0, n) cut into `threads` contiguous parts, the last on the calling
+    thread: for compiled loops that release the GIL, which run at memory speed on a few long
+    parts (pieces handed out one by one cost them about half: merger/fold_loops.py)."""
+    threads = max(1, min(threads, MAX_THREADS, n))
+    cuts = [n * k // threads for k in range(threads + 1)]
+    if threads == 1 or threading.current_thread().name.startswith(THREAD_PREFIX):
+        fn(0, n)
+        return
+    futures = [_pool(threads - 1).submit(fn, lo, hi) for lo, hi in zip(cuts[:-2], cuts[1:-1])]
+    fn(cuts[-2], cuts[-1])
+    for future in futures:
+        future.result()
+
+
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 

@@ -197,25 +197,46 @@ def test_fold_uses_the_codes_and_is_deterministic():
         CodedTensor(codec, (3, 3), np.zeros((2, codec.record_nbytes), np.uint8))
 
 
-def test_rounds_of_any_size_use_few_kernel_shapes_and_the_same_order(monkeypatch):
+def _random_deltas(codec: Codec, count: int, deltas: int, rng) -> list[dict]:
+    return [
+        {
+            "w": CodedTensor(
+                codec,
+                (count,),
+                codec.encode(rng.standard_normal(count).astype(np.float32)).reshape(
+                    -1, codec.record_nbytes
+                ),
+            )
+        }
+        for _ in range(deltas)
+    ]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_a_dense_round_is_the_sequential_float32_sum_of_its_levels(name):
+    """Eleven deltas of 40 values (blocks of 8, the last one partial), weighted average: each value
+    is ((f_0 q_0 + f_1 q_1) + ...) in float32, f_m = w_m scale_m rounded to float32, bit for bit."""
+    codec, rng = Codec(name, 8), np.random.default_rng(9)
+    deltas = _random_deltas(codec, 40, 11, rng)
+    weights = list(rng.random(11))
+    merged, _, _ = coded.merge(deltas, weights, {"w": True})
+    expected = np.zeros(40, np.float32)
+    for weight, delta in zip(weights, deltas):
+        scales = delta["w"].scales.astype(np.float64)
+        levels = np.round(delta["w"].decode() / np.repeat(delta["w"].scales, 8)[:40])
+        factor = np.repeat((weight * scales).astype(np.float32), 8)[:40]
+        expected = expected + levels.astype(np.float32) * factor
+    assert np.asarray(merged["w"]).tobytes() == expected.tobytes()
+
+
+def test_sparse_rounds_of_any_size_use_few_kernel_shapes_and_the_same_order(monkeypatch):
     assert (
         coded.groups(1) == [(0, 1, 1)]
         and coded.groups(3) == [(0, 3, 4)]
         and coded.groups(11) == [(0, 8, 8), (8, 3, 4)]
     )
-    codec, rng = Codec("int4", 8), np.random.default_rng(9)
-    deltas = [
-        {
-            "w": CodedTensor(
-                codec,
-                (40,),
-                codec.encode(rng.standard_normal(40).astype(np.float32)).reshape(
-                    -1, codec.record_nbytes
-                ),
-            )
-        }
-        for _ in range(11)
-    ]
+    codec, rng = Codec("topk4", 128), np.random.default_rng(9)
+    deltas = _random_deltas(codec, 300, 11, rng)
     weights = list(rng.random(11))
     grouped, _, _ = coded.merge(deltas, weights, {"w": True})
     expected = sum(np.float32(w) * d["w"].decode() for w, d in zip(weights, deltas))
@@ -314,7 +335,7 @@ def test_a_fold_whose_delta_the_guard_clips_stays_on_the_codes(monkeypatch):
     # weights 0.5 each; the guard measures a's part by admission's bound (`part_norm`)
     caps = {"a": 0.25 * 0.5 * part_norm(members[:1]), "b": 1e9}
     calls = []
-    monkeypatch.setattr(coded, "direction", _counting(coded.direction, calls))
+    monkeypatch.setattr(coded, "dense", _counting(coded.dense, calls))
     fresh = init_state(params, outer_optimizer(OuterConfig()))
     state, report = fold(fresh, members, MergeConfig(), step, caps=caps)
     assert calls == [1] and report.clipped == ("a",)

@@ -84,7 +84,12 @@ def test_the_step_is_taken_over_the_previous_state_with_the_bytes_of_one_that_al
     copy = copy._replace(opt_state=[np.array(leaf) for leaf in _leaves(before.opt_state)])
     copy = copy._replace(opt_state=_rebuild(before.opt_state, copy.opt_state))
     expected, _ = fold(
-        copy, started.members, core.config.merge, core._step, started.share, started.caps
+        copy,
+        started.members,
+        core.config.merge,
+        core._step,
+        started.share,
+        core._caps(0, started.members),
     )
     installed = core.install(0, pending, report)
     assert installed is core.states[0] and installed.version == 3

@@ -1,0 +1,74 @@
+"""The compiled loops over int codes (merger/fold_loops.py) against hand-derived values and against
+the codec's own decoding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dloco.merger import fold_loops
+from dloco.protocol import Codec, CodedTensor
+
+
+def test_products_of_hand_made_int4_blocks():
+    # block 0: levels (+1, 0) and (+2, -3) in a, (+3, -1) and (0, +1) in b; block 1: a all -8
+    a = np.array([[0x89, 0x5A], [0x00, 0x00]], np.uint8)
+    b = np.array([[0x7B, 0x98], [0x88, 0x88]], np.uint8)
+    assert fold_loops.products(a, a, 4).tolist() == [1 + 4 + 9, 4 * 64]
+    assert fold_loops.products(a, b, 4).tolist() == [1 * 3 + 0 * -1 + 2 * 0 + -3 * 1, 0]
+
+
+def test_levels_of_int8_and_int2_bytes():
+    # int8: two's complement; int2: levels -1..2 from the low bits up
+    assert fold_loops.products(np.array([[0xFF, 0x80]], np.uint8), np.array([[2, 1]], np.uint8), 8)[
+        0
+    ] == (-1 * 2 + -128 * 1)
+    # 0b10_01_00_11: levels (3-1, 0-1, 1-1, 2-1) = (2, -1, 0, 1)
+    byte = np.array([[0b10010011]], np.uint8)
+    assert fold_loops.products(byte, byte, 2).tolist() == [4 + 1 + 0 + 1]
+
+
+def test_accumulate_into_writes_the_tensor_and_stops_at_its_last_value():
+    # one int4 block of 8 holding 5 values: levels (+1, -2, +3, 0, +7 | padding -8 -8 -8)
+    codes = np.array([[0x69, 0x8B, 0x0F, 0x00]], np.uint8)
+    out = np.full(5, 99.0, np.float32)
+    fold_loops.accumulate_into(
+        out, codes, np.float32([0.5]), np.float32([2.0]), 4, first=True, last=False
+    )
+    assert out.tolist() == [0.5, -1.0, 1.5, 0.0, 3.5]
+    fold_loops.accumulate_into(
+        out, codes, np.float32([0.25]), np.float32([2.0]), 4, first=False, last=True
+    )
+    # (0.5 q + 0.25 q) * 2
+    assert out.tolist() == [1.5, -3.0, 4.5, 0.0, 10.5]
+    with pytest.raises(ValueError, match="blocks of codes"):
+        fold_loops.accumulate_into(
+            np.zeros(9, np.float32), codes, np.float32([1]), np.float32([1]), 4, True, True
+        )
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_one_pass_decodes_as_the_codec_does_on_any_number_of_threads(name):
+    codec, rng = Codec(name, 64), np.random.default_rng(3)
+    count = 64 * 1000 + 17
+    tensor = CodedTensor(
+        codec,
+        (count,),
+        codec.encode(rng.standard_normal(count).astype(np.float32)).reshape(
+            -1, codec.record_nbytes
+        ),
+    )
+    ones = np.ones(len(tensor.scales), np.float32)
+    outs = []
+    for threads in (1, 3):
+        out = np.empty(count, np.float32)
+        fold_loops.accumulate_into(
+            out, tensor.codes, tensor.scales, ones, codec.bits, True, True, threads
+        )
+        outs.append(out)
+    assert outs[0].tobytes() == outs[1].tobytes() == tensor.decode().tobytes()
+    squares = fold_loops.products(tensor.codes, tensor.codes, codec.bits, threads=3)
+    levels = np.round(tensor.decode() / np.repeat(tensor.scales, 64)[:count]).astype(np.int64)
+    padded = np.concatenate([levels, np.zeros(64 * len(ones) - count, np.int64)])
+    # the encoder pads the last block with zeros: level 0
+    assert squares.tolist() == (padded.reshape(-1, 64) ** 2).sum(axis=1).tolist()
