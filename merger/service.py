@@ -39,6 +39,7 @@ from dloco.merger.streams import StreamKeeper
 from dloco.merger.trained_tokens import TrainedTokens
 from dloco.merger.wal import StorageError
 from dloco.merger.wiring import open_sockets, start_replication
+from dloco.protocol import code_loops
 from dloco.protocol.errors import ConfigError
 from dloco.telemetry import prom
 from dloco.telemetry.logs import configure_logging
@@ -112,6 +113,12 @@ class MergerService:
 
     def _warm_up(self) -> None:
         self.core.warm_up(stopping=lambda: self.stopping)
+        diff = self.config.snapshots.snapshot_diff_codec
+        if diff != "none" and not self.stopping:
+            codec = protocol.Codec(diff)
+            if codec.blockwise and not codec.sparse:
+                # the snapshot diff's loops (protocol/code_loops.py)
+                code_loops.warm_up(codec.bits, codec.block)
         # compiling left holes in the heap (freed, resident): give them back
         give_back_freed()
 

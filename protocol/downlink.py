@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
+from dloco.protocol import code_loops
 from dloco.protocol.assembly import decode_slices
 from dloco.protocol.checksum import crc32
 from dloco.protocol.chunking import ChunkPlan, Encoded, split_fragment
@@ -131,6 +132,8 @@ def diff(
             f"a diff needs the served tensors and a newer version (served {served.version}, asked"
             f" {version})"
         )
+    if _compiled(codec, served):
+        return _diff_compiled(carried, served, version, codec, max_chunk_bytes)
     encoded = {}
     for path in sorted(carried):
         change = np.subtract(carried[path], served.tensors[path], dtype=np.float32)
@@ -140,6 +143,41 @@ def diff(
     held = {path: _writable(value) for path, value in served.tensors.items()}
     _add_decoded(held, plans, codec)
     return Served(version, held, digest(held)), plans
+
+
+def _compiled(codec: Codec, served: Served) -> bool:
+    """Whether `diff` takes the compiled loops (protocol/code_loops.py): a dense int codec and a
+    float32 served value."""
+    return (
+        codec.blockwise
+        and not codec.sparse
+        and all(np.asarray(v).dtype == np.float32 for v in served.tensors.values())
+    )
+
+
+def _diff_compiled(carried, served: Served, version: int, codec: Codec, max_chunk_bytes: int):
+    """`diff` in two compiled passes a tensor: its change's records straight from theta and the
+    served value, then (once every tensor is encoded) their decoding added to it; the same bytes
+    as encoding the change and adding its decoding in numpy, without the change in memory."""
+    encoded = {
+        path: Encoded(
+            code_loops.encode_change(
+                carried[path], np.asarray(served.tensors[path]), codec.bits, codec.block
+            ).reshape(-1),
+            carried[path].shape,
+        )
+        for path in sorted(carried)
+    }
+    plans = split_fragment(encoded, codec, max_chunk_bytes)
+    held = {path: _contiguous(_writable(value)) for path, value in served.tensors.items()}
+    for path, value in held.items():
+        records = encoded[path].data.reshape(-1, codec.record_nbytes)
+        code_loops.add_decoded(value, records, codec.bits, codec.block)
+    return Served(version, held, digest(held)), plans
+
+
+def _contiguous(value: np.ndarray) -> np.ndarray:
+    return value if value.flags.c_contiguous else np.ascontiguousarray(value)
 
 
 def _writable(value: np.ndarray) -> np.ndarray:

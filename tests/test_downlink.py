@@ -334,3 +334,43 @@ def test_a_diff_that_cannot_be_encoded_leaves_the_served_value_whole():
             1 << 20,
         )
     assert not served.tensors["a"].any() and not served.tensors["b"].any()
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_the_compiled_diff_gives_the_bytes_of_encoding_the_change_in_numpy(name, monkeypatch):
+    """protocol/code_loops.py against the numpy path (the change encoded by `Codec.encode`, its
+    decoding added): the same payloads and served value, for tensors of whole blocks, of a
+    partial last block, smaller than a block, and unchanged (scale 0)."""
+    rng, codec = np.random.default_rng(5), protocol.Codec(name, block=64)
+    shapes = {"a": (100, 64), "b": (1013,), "c": (5,), "z": (64,)}
+    theta = {p: rng.standard_normal(s).astype(F32) for p, s in shapes.items()}
+    theta["z"][:] = 0
+    start = {p: v + rng.standard_normal(v.shape).astype(F32) * F32(0.01) for p, v in theta.items()}
+    start["z"][:] = 0
+    diffs = []
+    for compiled in (True, False):
+        monkeypatch.setattr(downlink, "_compiled", lambda codec, served, on=compiled: on)
+        served = downlink.Served(0, {p: v.copy() for p, v in start.items()}, 0)
+        diffs.append(downlink.diff(theta, served, 1, codec, 1 << 12))
+    (new, plans), (expected, expected_plans) = diffs
+    assert [bytes(p) for plan in plans for p in plan.payloads] == [
+        bytes(p) for plan in expected_plans for p in plan.payloads
+    ]
+    assert all(new.tensors[p].tobytes() == expected.tensors[p].tobytes() for p in shapes)
+    assert new.digest == expected.digest
+
+
+def test_a_compiled_diff_too_large_for_its_codec_leaves_the_served_value_whole():
+    """int8's largest scale is FLT_MAX / 128: a change of 3.39e38 needs 3.39e38 / 127, above it."""
+    served, _ = downlink.full(
+        {"a": np.zeros(8, F32), "b": np.zeros(8, F32)}, 0, protocol.Codec("fp32"), 1 << 20
+    )
+    with pytest.raises(protocol.EncodeError, match="too large"):
+        downlink.diff(
+            {"a": np.ones(8, F32), "b": np.full(8, 3.39e38, F32)},
+            served,
+            1,
+            protocol.Codec("int8", block=8),
+            1 << 20,
+        )
+    assert not served.tensors["a"].any() and not served.tensors["b"].any()
