@@ -134,15 +134,14 @@ class Codec:
         if self.sparse:
             sparse.validate(data_U, self.block, self.bits, self.name)
         elif self.blockwise:
-            scale_B = data_U.reshape(-1, self.record_nbytes)[:, : blockwise.SCALE_BYTES].view("<f4")
+            bits_B = data_U.reshape(-1, self.record_nbytes)[:, : blockwise.SCALE_BYTES].view("<u4")
             # The largest code magnitude (int8 -128, int4 -8, int2 +2) times the scale must stay
             # finite. The sign bit must be clear: -0.0 is refused too (encoders write +0.0 for a
-            # flushed block).
-            if not (
-                np.isfinite(scale_B).all()
-                and (scale_B <= blockwise.MAX_SCALE[self.bits]).all()
-                and not np.signbit(scale_B).any()
-            ):
+            # flushed block).  As unsigned integers, the bits of positive floats (and +Inf, then
+            # NaN) sort as the floats do, and every negative one's sort above them all: one
+            # comparison with the largest valid scale's bits says all three.
+            largest = np.float32(blockwise.MAX_SCALE[self.bits]).view("<u4")
+            if bits_B.size and bits_B.max() > largest:
                 raise ProtocolError(
                     "non_finite",
                     f"{self.name} block scale is negative (or -0.0), NaN, Inf, or so large that"
