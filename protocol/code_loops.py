@@ -171,3 +171,6 @@ def warm_up(bits: int, block: int) -> None:
     layout `encode_change` and `add_decoded` pass)."""
     theta, held = np.ones(block + 1, np.float32), np.zeros(block + 1, np.float32)
     add_decoded(held, encode_change(theta, held, bits, block), bits, block)
+    # theta as the merger passes it: a host view of an XLA array, read-only
+    theta.flags.writeable = False
+    encode_change(theta, held, bits, block)

@@ -26,7 +26,6 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
-from dloco.protocol import code_loops
 from dloco.protocol.assembly import decode_slices
 from dloco.protocol.checksum import crc32
 from dloco.protocol.chunking import ChunkPlan, Encoded, split_fragment
@@ -159,6 +158,9 @@ def _diff_compiled(carried, served: Served, version: int, codec: Codec, max_chun
     """`diff` in two compiled passes a tensor: its change's records straight from theta and the
     served value, then (once every tensor is encoded) their decoding added to it; the same bytes
     as encoding the change and adding its decoding in numpy, without the change in memory."""
+    # here, not at the top: a receiver (an island) never diffs, and need not load the compiler
+    from dloco.protocol import code_loops
+
     encoded = {
         path: Encoded(
             code_loops.encode_change(
