@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 
+import ml_dtypes
 import numba
 import numpy as np
 
@@ -43,14 +44,29 @@ def level_int2(c, j):  # pragma: no cover - compiled
 # bits -> (the level at position j of a byte, levels per byte, the level added before packing)
 LEVELS = {8: (level_int8, 1, 0), 4: (level_int4, 2, 8), 2: (level_int2, 4, 1)}
 
+SERVED_BF16 = np.dtype(ml_dtypes.bfloat16)
+
 # what `encode_change` returns: every block encodable, a non-finite value, a scale too large
 OK, NOT_FINITE, TOO_LARGE = 0, 1, 2
 _FLOAT32_MAX = np.float32(np.finfo(np.float32).max)
 
 
+@numba.njit(inline="always")
+def _row(held, r, wide, bits, floats):  # pragma: no cover - compiled
+    """Row r of the served value as float32: itself, or (bfloat16, held as uint16) each value's
+    bits widened into `floats`, a float32 view of `bits`."""
+    if not wide:
+        return held[r]
+    for i in range(held.shape[1]):
+        bits[i] = np.uint32(held[r, i]) << 16
+    return floats
+
+
 @functools.cache
-def _loops(bits: int):
-    """The encode and add loops of one codec, compiled at their first call."""
+def _loops(bits: int, wide: bool):
+    """The encode and add loops of one codec, compiled at their first call; `wide`: the served
+    value is bfloat16 (uint16 arrays), each sum rounded to it (nearest, ties to even, as
+    ml_dtypes rounds a finite float32)."""
     level, per, offset = LEVELS[bits]
     levels = np.float32(blockwise.LEVELS[{8: "int8", 4: "int4", 2: "int2"}[bits]])
     flush, max_scale, mask = blockwise.FLUSH_BELOW, blockwise.MAX_SCALE[bits], (1 << bits) - 1
@@ -61,14 +77,17 @@ def _loops(bits: int):
         status = OK
         width = theta.shape[1]
         most = np.zeros(lanes, np.float32)
+        bits_w = np.empty(width, np.uint32)
+        floats = bits_w.view(np.float32)
         for r in range(lo, hi):
+            row = _row(held, r, wide, bits_w, floats)
             # the block's absmax (over independent lanes: a max is exact in any order) and
             # whether any change is NaN or infinite
             most[:] = 0
             wild = False
             for i in range(0, width, lanes):
                 for lane in range(lanes):
-                    a = abs(theta[r, i + lane] - held[r, i + lane])
+                    a = abs(theta[r, i + lane] - row[i + lane])
                     wild |= not (a <= _FLOAT32_MAX)
                     most[lane] = max(most[lane], a)
             absmax = most.max()
@@ -84,7 +103,7 @@ def _loops(bits: int):
             for k in range(codes.shape[1]):
                 byte = 0
                 for j in range(per):
-                    x = theta[r, k * per + j] - held[r, k * per + j]
+                    x = theta[r, k * per + j] - row[k * per + j]
                     q = np.int32(np.rint(x * inverse)) + offset
                     byte |= (q & mask) << (bits * j)
                 codes[r, k] = byte
@@ -92,13 +111,19 @@ def _loops(bits: int):
 
     @numba.njit(nogil=True)
     def add(held, scales, codes, lo, hi):  # pragma: no cover - compiled
+        width = codes.shape[1] * per
+        bits_w = np.empty(width, np.uint32)
+        floats = bits_w.view(np.float32)
         for r in range(lo, hi):
             s = scales[r]
+            row = _row(held, r, wide, bits_w, floats)
             for k in range(codes.shape[1]):
                 for j in range(per):
-                    held[r, k * per + j] = (
-                        held[r, k * per + j] + np.float32(level(codes[r, k], j)) * s
-                    )
+                    row[k * per + j] = row[k * per + j] + np.float32(level(codes[r, k], j)) * s
+            if wide:
+                for i in range(width):
+                    u = bits_w[i]
+                    held[r, i] = np.uint16((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16)
 
     return encode, add
 
@@ -110,18 +135,26 @@ def _blocks(values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray | No
     rows = values[: full * width].reshape(full, width)
     if values.size == full * width:
         return rows, None
-    tail = np.zeros((1, width), np.float32)
+    tail = np.zeros((1, width), values.dtype)
     tail[0, : values.size - full * width] = values[full * width :]
     return rows, tail
+
+
+def _held(held: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The served value as the loops take it: float32, or bfloat16 as its uint16 bits."""
+    wide = held.dtype == SERVED_BF16
+    return (held.view(np.uint16) if wide else held), wide
 
 
 def encode_change(
     theta: np.ndarray, held: np.ndarray, bits: int, block: int, threads: int = DEFAULT_THREADS
 ) -> np.ndarray:
-    """Records (blocks, 4 + block * bits / 8) of ``theta - held`` (float32, the same shape) in the
-    int codec of `bits`, the bytes `blockwise.encode` gives for that change.  EncodeError as it
-    raises: a non-finite change, or one too large for the codec."""
-    encode = _loops(bits)[0]
+    """Records (blocks, 4 + block * bits / 8) of ``theta - held`` (float32 theta; held float32 or
+    bfloat16, the same shape) in the int codec of `bits`, the bytes `blockwise.encode` gives for
+    that change (computed in float32).  EncodeError as it raises: a non-finite change, or one too
+    large for the codec."""
+    held, wide = _held(held)
+    encode = _loops(bits, wide)[0]
     records = np.empty((-(-theta.size // block), blockwise.record_nbytes(block, bits)), np.uint8)
     scales = records[:, : blockwise.SCALE_BYTES].view("<f4")[:, 0]
     codes = records[:, blockwise.SCALE_BYTES :]
@@ -151,8 +184,10 @@ def encode_change(
 def add_decoded(
     held: np.ndarray, records: np.ndarray, bits: int, block: int, threads: int = DEFAULT_THREADS
 ) -> None:
-    """held (float32, any shape, contiguous) += the values `records` decode to, in float32."""
-    add = _loops(bits)[1]
+    """held (float32 or bfloat16, any shape, contiguous) += the values `records` decode to, in
+    float32 (bfloat16: the sum rounded to it)."""
+    held, wide = _held(held)
+    add = _loops(bits, wide)[1]
     flat = held.reshape(-1)
     scales = records[:, : blockwise.SCALE_BYTES].view("<f4")[:, 0]
     codes = records[:, blockwise.SCALE_BYTES :]
@@ -160,7 +195,7 @@ def add_decoded(
     rows = flat[: full * block].reshape(full, block)
     run_split(lambda lo, hi: add(rows, scales, codes, lo, hi), full, threads)
     if full < records.shape[0]:
-        tail = np.zeros((1, block), np.float32)
+        tail = np.zeros((1, block), flat.dtype)
         tail[0, : flat.size - full * block] = flat[full * block :]
         add(tail, scales[full:], codes[full:], 0, 1)
         flat[full * block :] = tail[0, : flat.size - full * block]
@@ -168,9 +203,10 @@ def add_decoded(
 
 def warm_up(bits: int, block: int) -> None:
     """Compile one codec's loops ahead: a diff of a tensor of one block and a value (every argument
-    layout `encode_change` and `add_decoded` pass)."""
-    theta, held = np.ones(block + 1, np.float32), np.zeros(block + 1, np.float32)
-    add_decoded(held, encode_change(theta, held, bits, block), bits, block)
-    # theta as the merger passes it: a host view of an XLA array, read-only
-    theta.flags.writeable = False
-    encode_change(theta, held, bits, block)
+    layout `encode_change` and `add_decoded` pass), for either served dtype."""
+    for dtype in (np.float32, SERVED_BF16):
+        theta, held = np.ones(block + 1, np.float32), np.zeros(block + 1, dtype)
+        add_decoded(held, encode_change(theta, held, bits, block), bits, block)
+        # theta as the merger passes it: a host view of an XLA array, read-only
+        theta.flags.writeable = False
+        encode_change(theta, held, bits, block)

@@ -145,13 +145,8 @@ def diff(
 
 
 def _compiled(codec: Codec, served: Served) -> bool:
-    """Whether `diff` takes the compiled loops (protocol/code_loops.py): a dense int codec and a
-    float32 served value."""
-    return (
-        codec.blockwise
-        and not codec.sparse
-        and all(np.asarray(v).dtype == np.float32 for v in served.tensors.values())
-    )
+    """Whether `diff` takes the compiled loops (protocol/code_loops.py): a dense int codec."""
+    return codec.blockwise and not codec.sparse
 
 
 def _diff_compiled(carried, served: Served, version: int, codec: Codec, max_chunk_bytes: int):

@@ -336,11 +336,15 @@ def test_a_diff_that_cannot_be_encoded_leaves_the_served_value_whole():
     assert not served.tensors["a"].any() and not served.tensors["b"].any()
 
 
+@pytest.mark.parametrize("served_dtype", [None, "bf16"])
 @pytest.mark.parametrize("name", ["int8", "int4", "int2"])
-def test_the_compiled_diff_gives_the_bytes_of_encoding_the_change_in_numpy(name, monkeypatch):
+def test_the_compiled_diff_gives_the_bytes_of_encoding_the_change_in_numpy(
+    name, served_dtype, monkeypatch
+):
     """protocol/code_loops.py against the numpy path (the change encoded by `Codec.encode`, its
-    decoding added): the same payloads and served value, for tensors of whole blocks, of a
-    partial last block, smaller than a block, and unchanged (scale 0)."""
+    decoding added, the sum rounded to bfloat16 by ml_dtypes): the same payloads and served
+    value, for tensors of whole blocks, of a partial last block, smaller than a block, and
+    unchanged (scale 0)."""
     rng, codec = np.random.default_rng(5), protocol.Codec(name, block=64)
     shapes = {"a": (100, 64), "b": (1013,), "c": (5,), "z": (64,)}
     theta = {p: rng.standard_normal(s).astype(F32) for p, s in shapes.items()}
@@ -350,7 +354,8 @@ def test_the_compiled_diff_gives_the_bytes_of_encoding_the_change_in_numpy(name,
     diffs = []
     for compiled in (True, False):
         monkeypatch.setattr(downlink, "_compiled", lambda codec, served, on=compiled: on)
-        served = downlink.Served(0, {p: v.copy() for p, v in start.items()}, 0)
+        held = downlink.held_as({p: v.copy() for p, v in start.items()}, served_dtype)
+        served = downlink.Served(0, held, 0)
         diffs.append(downlink.diff(theta, served, 1, codec, 1 << 12))
     (new, plans), (expected, expected_plans) = diffs
     assert [bytes(p) for plan in plans for p in plan.payloads] == [
