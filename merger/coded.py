@@ -106,43 +106,38 @@ def dense(
     tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[float], plain: dict[str, bool]
 ) -> tuple[dict[str, np.ndarray], list[float], float]:
     """`merge` for the dense int codecs, by compiled loops over the codes (merger/fold_loops.py):
-    per block the products of every pair of deltas' levels give each delta's norm and u's, then
-    one pass per delta writes u, rescaled on the last, into each tensor's float32 values."""
+    per block the products of every two deltas' levels give each delta's norm and u's, then one
+    pass over every delta's codes writes u, rescaled, into each tensor's float32 values."""
     paths = sorted(tensors[0])
-    bits = tensors[0][paths[0]].codec.bits
+    codec, count = tensors[0][paths[0]].codec, len(tensors)
     spans, _, start = _layout(tensors[0], paths)
-    codes = [[t[p].codes for p in paths] for t in tensors]
-    gram = {
-        (m, n): np.concatenate(
-            [fold_loops.products(a, b, bits) for a, b in zip(codes[m], codes[n])]
-        ).astype(np.float64)
-        for m in range(len(tensors))
-        for n in range(m, len(tensors))
-    }
+    # every delta's codes in one (M, blocks, C) array: each loop is one call over the fragment
+    # (a call per tensor handed the GIL back and forth dozens of times a fold, which a busy
+    # receiving thread made cost more than the loops themselves)
+    codes = np.empty((count, start, codec.block * codec.bits // 8), np.uint8)
+    for m, t in enumerate(tensors):
+        for path, (b0, b1) in spans.items():
+            codes[m, b0:b1] = t[path].codes
+    # (blocks, M, M): exact integers, in float64 for the sums below
+    gram = fold_loops.gram(codes, codec.bits).astype(np.float64)
     scales = [np.concatenate([t[p].scales for p in paths]).astype(np.float64) for t in tensors]
-    norms = _norms(scales, [gram[m, m] for m in range(len(tensors))], spans)
-    factors = _factors(weights, scales, norms, spans, plain, start)
-    wide = [f.astype(np.float64) for f in factors]
-    # ||u_b||^2 = sum_m sum_n f_mb f_nb G_mnb, each pair once (the integers are exact)
+    norms = _norms(scales, [gram[:, m, m] for m in range(count)], spans)
+    factors = np.stack(_factors(weights, scales, norms, spans, plain, start))
+    wide = factors.astype(np.float64)
+    # ||u_b||^2 = sum_m sum_n f_mb f_nb G_mnb, each pair once, in a fixed order
     u_squares = np.zeros(start)
-    for (m, n), g in gram.items():
-        u_squares += (wide[m] * wide[n] if m == n else 2 * wide[m] * wide[n]) * g
+    for m in range(count):
+        for n in range(m, count):
+            u_squares += (1 if m == n else 2) * wide[m] * wide[n] * gram[:, m, n]
     block_scale, merged_norm = _rescale(u_squares, spans, weights, norms, plain, start)
+    # whole blocks: each tensor a view from its first block (the last one's padding unused)
+    flat = _aligned_empty((start * codec.block * 4,)).view(np.float32)
+    fold_loops.merge_into(flat, codes, factors, block_scale, codec.bits)
     merged = {}
-    for i, path in enumerate(paths):
-        b0, b1 = spans[path]
-        out = _aligned_empty((tensors[0][path].count * 4,)).view(np.float32)
-        for m in range(len(tensors)):
-            fold_loops.accumulate_into(
-                out,
-                codes[m][i],
-                factors[m][b0:b1],
-                block_scale[b0:b1],
-                bits,
-                m == 0,
-                m == len(tensors) - 1,
-            )
-        merged[path] = out.reshape(tensors[0][path].shape)
+    for path, (b0, _) in spans.items():
+        tensor = tensors[0][path]
+        at = b0 * codec.block
+        merged[path] = flat[at : at + tensor.count].reshape(tensor.shape)
     delta_norms = [float(np.sqrt(sum(n[p] ** 2 for p in paths))) for n in norms]
     return merged, delta_norms, merged_norm
 

@@ -1,12 +1,14 @@
 """Compiled loops over blockwise int codes (int8, int4, int2) for folds merged from codes
-(merger/coded.py): each reads a delta's codes once, level by level, without unpacking them into
-arrays first.
+(merger/coded.py): each reads the codes once, level by level, without unpacking them into arrays
+first.
 
-- `products`: per block, the sum of a product of two deltas' levels (exact integers; a delta with
-  itself gives its squares).  Every norm a fold needs follows from these and the block scales:
-  ``||u_b||^2 = sum_m sum_m' f_mb f_m'b G_mm'b`` for ``u = sum_m f_m q_m``.
-- `accumulate_into`: ``out += f_b * q`` into a tensor's float32 values, and on the last delta
-  ``out *= s_b``: the merged pseudo-gradient written straight into the tensor's shape.
+- `gram`: per block, the sums of products of every two deltas' levels (exact integers; a delta
+  with itself gives its squares).  Every norm a fold needs follows from these and the block
+  scales: ``||u_b||^2 = sum_m sum_n f_mb f_nb G_mnb`` for ``u = sum_m f_m q_m``.
+- `merge_into`: ``(sum_m f_mb q_m) * s_b`` into float32 values: the merged pseudo-gradient.
+
+Both read a round's codes block by block, every delta's block once, through a block-sized buffer
+in L1.
 - `norm`: the Euclidean norm of float32 tensors (the guard's cold reference, a fragment's norm
   before every fold that has no other reference: merger/outliers.py), in a fixed order.
 
@@ -32,31 +34,47 @@ from dloco.protocol.pieces import DEFAULT_THREADS, run_split
 
 
 def _loops(level, per):
-    """The two loops of one codec: `level(byte, j)` is the level at position j of a byte."""
+    """The two loops of one codec: `level(byte, j)` is the level at position j of a byte.  Both
+    take a round's codes as one (M, B, C) array and read each block of every delta once."""
 
     @numba.njit(nogil=True)
-    def products(a, b, out, lo, hi):  # pragma: no cover - compiled
+    def gram(codes, out, lo, hi):  # pragma: no cover - compiled
+        deltas, width = codes.shape[0], codes.shape[2] * per
+        # a block's levels, delta by delta (in L1: each loop below runs over a block, vectorised)
+        q = np.empty((deltas, width), np.int32)
         for r in range(lo, hi):
-            total = np.int64(0)
-            for k in range(a.shape[1]):
-                for j in range(per):
-                    total += level(a[r, k], j) * level(b[r, k], j)
-            out[r] = total
+            for m in range(deltas):
+                for k in range(codes.shape[2]):
+                    for j in range(per):
+                        q[m, k * per + j] = level(codes[m, r, k], j)
+            out[r] = 0
+            for m in range(deltas):
+                for n in range(m, deltas):
+                    total = np.int64(0)
+                    for i in range(width):
+                        total += q[m, i] * q[n, i]
+                    out[r, m, n] = total
 
     @numba.njit(nogil=True)
-    def accumulate(out, codes, factor, scale, first, last, lo, hi):  # pragma: no cover
+    def merge(out, codes, factors, scale, lo, hi):  # pragma: no cover - compiled
+        width = codes.shape[2] * per
+        u = np.empty(width, np.float32)
         for r in range(lo, hi):
-            f, s = factor[r], scale[r]
-            for k in range(codes.shape[1]):
+            # in delta order, from the first: the sequential float32 sum, in a block of L1
+            f = factors[0, r]
+            for k in range(codes.shape[2]):
                 for j in range(per):
-                    v = np.float32(level(codes[r, k], j)) * f
-                    if not first:
-                        v = out[r, k * per + j] + v
-                    if last:
-                        v = v * s
-                    out[r, k * per + j] = v
+                    u[k * per + j] = np.float32(level(codes[0, r, k], j)) * f
+            for m in range(1, codes.shape[0]):
+                f = factors[m, r]
+                for k in range(codes.shape[2]):
+                    for j in range(per):
+                        u[k * per + j] = u[k * per + j] + np.float32(level(codes[m, r, k], j)) * f
+            s = scale[r]
+            for i in range(width):
+                out[r, i] = u[i] * s
 
-    return products, accumulate
+    return gram, merge
 
 
 # each codec's loops with its levels per byte as constants, so that they vectorise (one generic
@@ -88,43 +106,38 @@ def _square_sums(x, out, lo, hi):  # pragma: no cover - compiled
         out[part] = total
 
 
-def products(a: np.ndarray, b: np.ndarray, bits: int, threads: int = DEFAULT_THREADS) -> np.ndarray:
-    """(B, C) uint8 codes of two deltas -> (B,) int64: per block, the sum over its values of the
-    product of their levels."""
-    if a.shape != b.shape:
-        raise ValueError(f"codes of shapes {a.shape} and {b.shape} do not pair")
-    out = np.empty(a.shape[0], np.int64)
+def gram(codes: np.ndarray, bits: int, threads: int = DEFAULT_THREADS) -> np.ndarray:
+    """(M, B, C) uint8 codes of a round's deltas -> (B, M, M) int64: per block, the sums over its
+    values of the products of deltas m and n's levels (n >= m; zero below)."""
+    out = np.empty((codes.shape[1], codes.shape[0], codes.shape[0]), np.int64)
     loop = _LOOPS[bits][0]
-    run_split(lambda lo, hi: loop(a, b, out, lo, hi), a.shape[0], threads)
+    run_split(lambda lo, hi: loop(codes, out, lo, hi), codes.shape[1], threads)
     return out
 
 
-def accumulate_into(
+def merge_into(
     out: np.ndarray,
     codes: np.ndarray,
-    factor: np.ndarray,
+    factors: np.ndarray,
     scale: np.ndarray,
     bits: int,
-    first: bool,
-    last: bool,
     threads: int = DEFAULT_THREADS,
 ) -> None:
-    """out (a tensor's N float32 values, flat) <- (first ? 0 : out) + factor_b * level, then times
-    scale_b if `last`; codes (B, C) with B = ceil(N / block), factor and scale (B,) float32."""
-    width = codes.shape[1] * (8 // bits)
+    """out (a tensor's N float32 values, flat) <- (sum over m in order of factors_mb * level_m)
+    times scale_b, in float32; codes (M, B, C) with B = ceil(N / block), factors (M, B) and scale
+    (B,) float32."""
+    width = codes.shape[2] * (8 // bits)
     full, rest = divmod(out.shape[0], width)
-    if full + (rest > 0) != codes.shape[0]:
-        raise ValueError(f"{codes.shape[0]} blocks of codes for {out.shape[0]} values")
+    if full + (rest > 0) != codes.shape[1]:
+        raise ValueError(f"{codes.shape[1]} blocks of codes for {out.shape[0]} values")
     loop = _LOOPS[bits][1]
     # blocks as rows: the compiled loop indexes two dimensions (a flat index was 2x slower)
     values = out[: full * width].reshape(full, width)
-    run_split(lambda lo, hi: loop(values, codes, factor, scale, first, last, lo, hi), full, threads)
+    run_split(lambda lo, hi: loop(values, codes, factors, scale, lo, hi), full, threads)
     if rest:
         # the tensor's last block, partly padding: through a block-sized buffer
         tail = np.empty((1, width), np.float32)
-        if not first:
-            tail[0, :rest] = out[full * width :]
-        loop(tail, codes[full:], factor[full:], scale[full:], first, last, 0, 1)
+        loop(tail, codes[:, full:], factors[:, full:], scale[full:], 0, 1)
         out[full * width :] = tail[0, :rest]
 
 

@@ -22,8 +22,7 @@ from dloco.protocol import Codec, CodedTensor
 
 def warm_up_kernels(codec: Codec) -> None:
     """Compile the loops of folds: the guard's norm, and those of `codec`'s codes (dense int
-    codecs) by merging two small deltas: every argument layout the folds use (a tensor's full
-    blocks and its last, partial one)."""
+    codecs) by merging two small deltas (the loops take the same arrays for any number)."""
     # of numpy arrays (a fragment's first state) and of host views of XLA arrays (read-only, a
     # compilation of their own)
     held = np.zeros(3, np.float32)

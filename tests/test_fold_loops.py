@@ -10,40 +10,38 @@ from dloco.merger import fold_loops
 from dloco.protocol import Codec, CodedTensor
 
 
-def test_products_of_hand_made_int4_blocks():
+def test_the_gram_of_hand_made_int4_blocks():
     # block 0: levels (+1, 0) and (+2, -3) in a, (+3, -1) and (0, +1) in b; block 1: a all -8
     a = np.array([[0x89, 0x5A], [0x00, 0x00]], np.uint8)
     b = np.array([[0x7B, 0x98], [0x88, 0x88]], np.uint8)
-    assert fold_loops.products(a, a, 4).tolist() == [1 + 4 + 9, 4 * 64]
-    assert fold_loops.products(a, b, 4).tolist() == [1 * 3 + 0 * -1 + 2 * 0 + -3 * 1, 0]
+    gram = fold_loops.gram(np.stack([a, b]), 4)
+    # a.a, a.b / -, b.b per block (below the diagonal: zero)
+    assert gram[0].tolist() == [[1 + 4 + 9, 1 * 3 + 0 * -1 + 2 * 0 + -3 * 1], [0, 9 + 1 + 0 + 1]]
+    assert gram[1].tolist() == [[4 * 64, 0], [0, 0]]
+    assert fold_loops.gram(a[None], 4)[:, 0, 0].tolist() == [14, 256]
 
 
 def test_levels_of_int8_and_int2_bytes():
     # int8: two's complement; int2: levels -1..2 from the low bits up
-    assert fold_loops.products(np.array([[0xFF, 0x80]], np.uint8), np.array([[2, 1]], np.uint8), 8)[
-        0
-    ] == (-1 * 2 + -128 * 1)
+    pair = np.stack([np.array([[0xFF, 0x80]], np.uint8), np.array([[2, 1]], np.uint8)])
+    assert fold_loops.gram(pair, 8)[0, 0, 1] == -1 * 2 + -128 * 1
     # 0b10_01_00_11: levels (3-1, 0-1, 1-1, 2-1) = (2, -1, 0, 1)
-    byte = np.array([[0b10010011]], np.uint8)
-    assert fold_loops.products(byte, byte, 2).tolist() == [4 + 1 + 0 + 1]
+    byte = np.array([[[0b10010011]]], np.uint8)
+    assert fold_loops.gram(byte, 2)[:, 0, 0].tolist() == [4 + 1 + 0 + 1]
 
 
-def test_accumulate_into_writes_the_tensor_and_stops_at_its_last_value():
-    # one int4 block of 8 holding 5 values: levels (+1, -2, +3, 0, +7 | padding -8 -8 -8)
+def test_merge_into_writes_the_tensor_and_stops_at_its_last_value():
+    # one int4 block of 8 holding 5 values: levels (+1, -2, +3, 0, +7 | padding -8 -8 -8), twice
     codes = np.array([[0x69, 0x8B, 0x0F, 0x00]], np.uint8)
     out = np.full(5, 99.0, np.float32)
-    fold_loops.accumulate_into(
-        out, codes, np.float32([0.5]), np.float32([2.0]), 4, first=True, last=False
-    )
-    assert out.tolist() == [0.5, -1.0, 1.5, 0.0, 3.5]
-    fold_loops.accumulate_into(
-        out, codes, np.float32([0.25]), np.float32([2.0]), 4, first=False, last=True
+    fold_loops.merge_into(
+        out, np.stack([codes, codes]), np.float32([[0.5], [0.25]]), np.float32([2.0]), 4
     )
     # (0.5 q + 0.25 q) * 2
     assert out.tolist() == [1.5, -3.0, 4.5, 0.0, 10.5]
     with pytest.raises(ValueError, match="blocks of codes"):
-        fold_loops.accumulate_into(
-            np.zeros(9, np.float32), codes, np.float32([1]), np.float32([1]), 4, True, True
+        fold_loops.merge_into(
+            np.zeros(9, np.float32), codes[None], np.float32([[1]]), np.float32([1]), 4
         )
 
 
@@ -62,12 +60,11 @@ def test_one_pass_decodes_as_the_codec_does_on_any_number_of_threads(name):
     outs = []
     for threads in (1, 3):
         out = np.empty(count, np.float32)
-        fold_loops.accumulate_into(
-            out, tensor.codes, tensor.scales, ones, codec.bits, True, True, threads
-        )
+        codes = np.ascontiguousarray(tensor.codes)[None]
+        fold_loops.merge_into(out, codes, tensor.scales[None], ones, codec.bits, threads)
         outs.append(out)
     assert outs[0].tobytes() == outs[1].tobytes() == tensor.decode().tobytes()
-    squares = fold_loops.products(tensor.codes, tensor.codes, codec.bits, threads=3)
+    squares = fold_loops.gram(tensor.codes[None], codec.bits, threads=3)[:, 0, 0]
     levels = np.round(tensor.decode() / np.repeat(tensor.scales, 64)[:count]).astype(np.int64)
     padded = np.concatenate([levels, np.zeros(64 * len(ones) - count, np.int64)])
     # the encoder pads the last block with zeros: level 0
