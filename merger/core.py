@@ -233,21 +233,20 @@ class MergerCore:
             members,
             self._settle_folded(fragment, members, version),
             share,
+            self._caps(fragment, members),
             self._limits(fragment, members),
         )
 
     def compute_fold(self, started: StartedFold) -> tuple[PendingStep, FoldReport]:
         """A started round up to its outer step, from the fragment's current state, which `install`
-        takes (any thread; the fragment's previous round must be installed).  The guard's caps are
-        computed here, not at the start: only installing this fragment's folds moves them, and a
-        cold reference (the fragment's norm) is a pass over it, better off the receiving thread."""
+        takes (any thread; the fragment's previous round must be installed)."""
         state, report = fold(
             self.states[started.fragment],
             started.members,
             self.config.merge,
             self._step,
             started.share,
-            self._caps(started.fragment, started.members),
+            started.caps,
             started.limits,
             in_place=True,
         )

@@ -32,6 +32,8 @@ class StartedFold:
     results: list[DeltaResult]
     # of a whole round (weighting.fold_share)
     share: float = 1.0
+    # island -> the most its part may move the fragment (fold.guard)
+    caps: dict[str, float] | None = None
     # island -> the norm each of its deltas counts with at most (fold.part_allowed)
     limits: dict[str, float] | None = None
 

@@ -89,7 +89,7 @@ def test_the_step_is_taken_over_the_previous_state_with_the_bytes_of_one_that_al
         core.config.merge,
         core._step,
         started.share,
-        core._caps(0, started.members),
+        started.caps,
     )
     installed = core.install(0, pending, report)
     assert installed is core.states[0] and installed.version == 3
