@@ -63,11 +63,10 @@ def _row(held, r, wide, bits, floats):  # pragma: no cover - compiled
 
 
 @functools.cache
-def _loops(bits: int, wide: bool):
-    """The encode and add loops of one codec, compiled at their first call; `wide`: the served
-    value is bfloat16 (uint16 arrays), each sum rounded to it (nearest, ties to even, as
-    ml_dtypes rounds a finite float32)."""
-    level, per, offset = LEVELS[bits]
+def _encode_loop(bits: int, wide: bool):
+    """The encode loop of one codec, compiled at its first call; `wide`: the served value is
+    bfloat16 (uint16 arrays)."""
+    _, per, offset = LEVELS[bits]
     levels = np.float32(blockwise.LEVELS[{8: "int8", 4: "int4", 2: "int2"}[bits]])
     flush, max_scale, mask = blockwise.FLUSH_BELOW, blockwise.MAX_SCALE[bits], (1 << bits) - 1
     lanes = 8
@@ -109,6 +108,16 @@ def _loops(bits: int, wide: bool):
                 codes[r, k] = byte
         return status
 
+    return encode
+
+
+@functools.cache
+def _add_loop(bits: int, wide: bool):
+    """The add loop of one codec, compiled at its first call; `wide`: the served value is bfloat16
+    (uint16 arrays), each sum rounded to it (nearest, ties to even, as ml_dtypes rounds a finite
+    float32)."""
+    level, per, _ = LEVELS[bits]
+
     @numba.njit(nogil=True)
     def add(held, scales, codes, lo, hi):  # pragma: no cover - compiled
         width = codes.shape[1] * per
@@ -125,7 +134,7 @@ def _loops(bits: int, wide: bool):
                     u = bits_w[i]
                     held[r, i] = np.uint16((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16)
 
-    return encode, add
+    return add
 
 
 def _blocks(values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -154,7 +163,7 @@ def encode_change(
     that change (computed in float32).  EncodeError as it raises: a non-finite change, or one too
     large for the codec."""
     held, wide = _held(held)
-    encode = _loops(bits, wide)[0]
+    encode = _encode_loop(bits, wide)
     records = np.empty((-(-theta.size // block), blockwise.record_nbytes(block, bits)), np.uint8)
     scales = records[:, : blockwise.SCALE_BYTES].view("<f4")[:, 0]
     codes = records[:, blockwise.SCALE_BYTES :]
@@ -187,7 +196,7 @@ def add_decoded(
     """held (float32 or bfloat16, any shape, contiguous) += the values `records` decode to, in
     float32 (bfloat16: the sum rounded to it)."""
     held, wide = _held(held)
-    add = _loops(bits, wide)[1]
+    add = _add_loop(bits, wide)
     flat = held.reshape(-1)
     scales = records[:, : blockwise.SCALE_BYTES].view("<f4")[:, 0]
     codes = records[:, blockwise.SCALE_BYTES :]
