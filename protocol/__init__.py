@@ -1,7 +1,8 @@
 """The wire protocol between islands, broker and merger: messages, framing, codecs, chunking.
 
-Pure numpy + msgpack: this package imports neither zmq nor jax.  PROTOCOL.md is the specification;
-this package is its reference implementation.
+Numpy, msgpack and (for the snapshot diff's compiled loops, code_loops.py) numba: this package
+imports neither zmq nor jax.  PROTOCOL.md is the specification; this package is its reference
+implementation.
 
     frames = protocol.encode(message)      # [topic, header, *payloads]; send with copy=False
     message = protocol.decode(frames)      # raises protocol.ProtocolError, and nothing else

@@ -7,7 +7,7 @@ functions alike), parsed with `ast`, nothing imported or run.
   (dloco) or the benchmarks;
 - the launcher and the analysis import neither the suites nor the CLI, the analysis not the
   launcher (it takes plain values), and the suites not the CLI;
-- protocol imports no zmq, jax, flax or optax (it is pure numpy + msgpack);
+- protocol imports no zmq, jax, flax or optax (numpy, msgpack and numba's compiled loops);
 - no .py file is over 400 lines.
 """
 
