@@ -9,11 +9,11 @@ A delta tensor arrives as records (scale_b, codes q_bi) with value d_bi = scale_
 so passes over the codes give the merged direction u, and the radius/length rescaling of RDA
 (merger/rda.py) is one multiply on the way into the outer step.
 
-- Dense int codecs (`dense`): compiled loops over each delta's codes where they arrived
-  (merger/fold_loops.py): the products of levels per block give every norm (``||u_b||^2 =
-  sum_mn f_mb f_nb sum_i q_mbi q_nbi``, exact integers inside), then one pass per delta writes u,
-  rescaled on the last, into each tensor's float32 values; the outer step takes them as its
-  pseudo-gradient (`outer.make_step`).
+- Dense int codecs (`dense`): the round's codes laid out once as (deltas, blocks, bytes), then
+  two compiled loops over them (merger/fold_loops.py): the products of levels per block give
+  every norm (``||u_b||^2 = sum_mn f_mb f_nb sum_i q_mbi q_nbi``, exact integers inside), and one
+  pass writes u, rescaled, into float32 values that each tensor views; the outer step takes them
+  as its pseudo-gradient (`outer.make_step`).
 - Sparse codecs (`direction`): d_bj = scale_b * level_bj at the block's kept indices only, so u is
   a scatter-add of f_mb * level_mbj, one delta after another (each delta's indices are distinct,
   so the order of the additions is fixed), by XLA kernels over groups of up to 8 deltas (a

@@ -131,7 +131,7 @@ def diff(
             f"a diff needs the served tensors and a newer version (served {served.version}, asked"
             f" {version})"
         )
-    if _compiled(codec, served):
+    if _compiled(codec):
         return _diff_compiled(carried, served, version, codec, max_chunk_bytes)
     encoded = {}
     for path in sorted(carried):
@@ -144,7 +144,7 @@ def diff(
     return Served(version, held, digest(held)), plans
 
 
-def _compiled(codec: Codec, served: Served) -> bool:
+def _compiled(codec: Codec) -> bool:
     """Whether `diff` takes the compiled loops (protocol/code_loops.py): a dense int codec."""
     return codec.blockwise and not codec.sparse
 

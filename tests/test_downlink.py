@@ -353,7 +353,7 @@ def test_the_compiled_diff_gives_the_bytes_of_encoding_the_change_in_numpy(
     start["z"][:] = 0
     diffs = []
     for compiled in (True, False):
-        monkeypatch.setattr(downlink, "_compiled", lambda codec, served, on=compiled: on)
+        monkeypatch.setattr(downlink, "_compiled", lambda codec, on=compiled: on)
         held = downlink.held_as({p: v.copy() for p, v in start.items()}, served_dtype)
         served = downlink.Served(0, held, 0)
         diffs.append(downlink.diff(theta, served, 1, codec, 1 << 12))
