@@ -52,13 +52,13 @@ _FLOAT32_MAX = np.float32(np.finfo(np.float32).max)
 
 
 @numba.njit(inline="always")
-def _row(held, r, wide, bits, floats):  # pragma: no cover - compiled
+def _row(held, r, wide, words, floats):  # pragma: no cover - compiled
     """Row r of the served value as float32: itself, or (bfloat16, held as uint16) each value's
-    bits widened into `floats`, a float32 view of `bits`."""
+    bits widened into `words` (uint32), which `floats` views as float32."""
     if not wide:
         return held[r]
     for i in range(held.shape[1]):
-        bits[i] = np.uint32(held[r, i]) << 16
+        words[i] = np.uint32(held[r, i]) << 16
     return floats
 
 
