@@ -16,9 +16,9 @@ A byte's levels are those of protocol/code_loops.py (value ``per * k + j`` of a 
 j of its byte k: PROTOCOL.md §Codecs).  The loops are numba-compiled (no fast-math: no
 reassociation and no fused multiply-add, so every value is the same sequence of float32 roundings
 on any CPU, as replay and a standby need) and release the GIL; `protocol.pieces.run_split` runs
-them over a part of the blocks per thread.  They are compiled at their first call (about a second
-a codec; the merger's warm-up makes that call: merger/warmup.py).  Pure functions of arrays; no
-I/O.
+them over a part of the blocks per thread.  They are compiled at their first call and cached on
+disk (protocol/code_loops.py `compiled`; the merger's warm-up makes that call: merger/warmup.py).
+Pure functions of arrays; no I/O.
 """
 
 from __future__ import annotations
@@ -26,18 +26,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-import numba
 import numpy as np
 
-from dloco.protocol.code_loops import LEVELS
+from dloco.protocol.code_loops import LEVELS, compiled, level
 from dloco.protocol.pieces import DEFAULT_THREADS, run_split
 
 
-def _loops(level, per):
-    """The two loops of one codec: `level(byte, j)` is the level at position j of a byte.  Both
-    take a round's codes as one (M, B, C) array and read each block of every delta once."""
+def _loops(bits: int):
+    """The two loops of one codec (`level(byte, j, bits)`: the level at position j of a byte).
+    Both take a round's codes as one (M, B, C) array and read each block of every delta once."""
+    per = LEVELS[bits][0]
 
-    @numba.njit(nogil=True)
     def gram(codes, out, lo, hi):  # pragma: no cover - compiled
         deltas, width = codes.shape[0], codes.shape[2] * per
         # a block's levels, delta by delta (in L1: each loop below runs over a block, vectorised)
@@ -46,7 +45,7 @@ def _loops(level, per):
             for m in range(deltas):
                 for k in range(codes.shape[2]):
                     for j in range(per):
-                        q[m, k * per + j] = level(codes[m, r, k], j)
+                        q[m, k * per + j] = level(codes[m, r, k], j, bits)
             out[r] = 0
             for m in range(deltas):
                 for n in range(m, deltas):
@@ -55,7 +54,6 @@ def _loops(level, per):
                         total += q[m, i] * q[n, i]
                     out[r, m, n] = total
 
-    @numba.njit(nogil=True)
     def merge(out, codes, factors, scale, lo, hi):  # pragma: no cover - compiled
         width = codes.shape[2] * per
         u = np.empty(width, np.float32)
@@ -64,22 +62,24 @@ def _loops(level, per):
             f = factors[0, r]
             for k in range(codes.shape[2]):
                 for j in range(per):
-                    u[k * per + j] = np.float32(level(codes[0, r, k], j)) * f
+                    u[k * per + j] = np.float32(level(codes[0, r, k], j, bits)) * f
             for m in range(1, codes.shape[0]):
                 f = factors[m, r]
                 for k in range(codes.shape[2]):
                     for j in range(per):
-                        u[k * per + j] = u[k * per + j] + np.float32(level(codes[m, r, k], j)) * f
+                        u[k * per + j] = (
+                            u[k * per + j] + np.float32(level(codes[m, r, k], j, bits)) * f
+                        )
             s = scale[r]
             for i in range(width):
                 out[r, i] = u[i] * s
 
-    return gram, merge
+    return compiled(gram, f"gram_int{bits}"), compiled(merge, f"merge_int{bits}")
 
 
 # each codec's loops with its levels per byte as constants, so that they vectorise (one generic
 # loop over a runtime count was 5-25x slower)
-_LOOPS = {bits: _loops(level, per) for bits, (level, per, _) in LEVELS.items()}
+_LOOPS = {bits: _loops(bits) for bits in LEVELS}
 
 # values per partial sum of `norm`, and its independent running sums (lanes) within a part: a
 # fixed split, so that the order of additions depends on neither the threads nor the CPU
@@ -87,7 +87,6 @@ NORM_PART = 1 << 16
 NORM_LANES = 8
 
 
-@numba.njit(nogil=True)
 def _square_sums(x, out, lo, hi):  # pragma: no cover - compiled
     for part in range(lo, hi):
         start, end = part * NORM_PART, min(x.shape[0], (part + 1) * NORM_PART)
@@ -104,6 +103,9 @@ def _square_sums(x, out, lo, hi):  # pragma: no cover - compiled
         for lane in range(NORM_LANES):
             total += lanes[lane]
         out[part] = total
+
+
+_square_sums = compiled(_square_sums, "square_sums")
 
 
 def gram(codes: np.ndarray, bits: int, threads: int = DEFAULT_THREADS) -> np.ndarray:

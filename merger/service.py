@@ -118,7 +118,7 @@ class MergerService:
             codec = protocol.Codec(diff)
             if codec.blockwise and not codec.sparse:
                 # the snapshot diff's loops (protocol/code_loops.py)
-                code_loops.warm_up(codec.bits, codec.block)
+                code_loops.warm_up(codec.bits, codec.block, self.config.snapshots.served_dtype)
         # compiling left holes in the heap (freed, resident): give them back
         give_back_freed()
 

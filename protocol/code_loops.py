@@ -7,10 +7,10 @@ of a code byte, and the two passes of a snapshot diff (protocol/downlink.py `dif
 - `add_decoded`: ``held += decode(records)`` in float32, as a receiver's decoding and addition
   make it (`Codec.decode`, then numpy's add).
 
-Each codec's loops are compiled (numba, at their first call, about a second each) with its levels
-per byte as constants, so that they vectorise; no fast-math, so every value is the same float32
-roundings on any CPU.  They release the GIL: `pieces.run_split` runs them over a part of the blocks
-per thread.  Pure functions of arrays; no I/O.
+Each codec's loops are compiled (numba, at their first call, seconds each, then cached on disk:
+`compiled`) with its levels per byte as constants, so that they vectorise; no fast-math, so every
+value is the same float32 roundings on any CPU.  They release the GIL: `pieces.run_split` runs
+them over a part of the blocks per thread.  Pure functions of arrays; no I/O.
 """
 
 from __future__ import annotations
@@ -27,24 +27,22 @@ from dloco.protocol.pieces import DEFAULT_THREADS, run_split
 
 
 @numba.njit(inline="always")
-def level_int8(c, j):  # pragma: no cover - compiled
-    return np.int32(np.int8(c))
-
-
-@numba.njit(inline="always")
-def level_int4(c, j):  # pragma: no cover - compiled
-    return ((np.int32(c) >> (4 * j)) & 15) - 8
-
-
-@numba.njit(inline="always")
-def level_int2(c, j):  # pragma: no cover - compiled
+def level(c, j, bits):  # pragma: no cover - compiled
+    """The level at position j of code byte c, for `bits` (a constant where the loops call it, so
+    the compiler keeps one branch)."""
+    if bits == 8:
+        return np.int32(np.int8(c))
+    if bits == 4:
+        return ((np.int32(c) >> (4 * j)) & 15) - 8
     return ((np.int32(c) >> (2 * j)) & 3) - 1
 
 
-# bits -> (the level at position j of a byte, levels per byte, the level added before packing)
-LEVELS = {8: (level_int8, 1, 0), 4: (level_int4, 2, 8), 2: (level_int2, 4, 1)}
+# bits -> (levels per byte, the level added before packing)
+LEVELS = {8: (1, 0), 4: (2, 8), 2: (4, 1)}
 
 SERVED_BF16 = np.dtype(ml_dtypes.bfloat16)
+# a served value's dtype by its config name (merger.served_dtype)
+SERVED_DTYPES = {"fp32": np.dtype(np.float32), "bf16": SERVED_BF16}
 
 # what `encode_change` returns: every block encodable, a non-finite value, a scale too large
 OK, NOT_FINITE, TOO_LARGE = 0, 1, 2
@@ -62,34 +60,44 @@ def _row(held, r, wide, words, floats):  # pragma: no cover - compiled
     return floats
 
 
+def compiled(loop, name: str):
+    """`loop` compiled by numba at its first call, and cached on disk where numba finds a writable
+    place (`__pycache__` beside the loop's file, else its user-wide cache): a cache's key includes
+    the values the loop closes over (the codec's constants: numbers only, so that the key is the
+    same in every process), and `name` keeps each variant's files apart.  Compiling one takes
+    seconds; a process that finds it cached loads it in milliseconds.  (numba checks the loop's
+    own file for changes, not this one's `level`: a change to `level` wants the caches cleared.)
+    """
+    loop.__name__ = loop.__qualname__ = name
+    try:
+        return numba.njit(nogil=True, cache=True)(loop)
+    # no writable cache location: compiled in each process
+    except RuntimeError:
+        return numba.njit(nogil=True)(loop)
+
+
 @functools.cache
 def _encode_loop(bits: int, wide: bool):
     """The encode loop of one codec, compiled at its first call; `wide`: the served value is
     bfloat16 (uint16 arrays)."""
-    _, per, offset = LEVELS[bits]
+    per, offset = LEVELS[bits]
     levels = np.float32(blockwise.LEVELS[{8: "int8", 4: "int4", 2: "int2"}[bits]])
     flush, max_scale, mask = blockwise.FLUSH_BELOW, blockwise.MAX_SCALE[bits], (1 << bits) - 1
-    lanes = 8
 
-    @numba.njit(nogil=True)
     def encode(theta, held, scales, codes, lo, hi):  # pragma: no cover - compiled
         status = OK
         width = theta.shape[1]
-        most = np.zeros(lanes, np.float32)
         bits_w = np.empty(width, np.uint32)
         floats = bits_w.view(np.float32)
         for r in range(lo, hi):
             row = _row(held, r, wide, bits_w, floats)
-            # the block's absmax (over independent lanes: a max is exact in any order) and
-            # whether any change is NaN or infinite
-            most[:] = 0
+            # the block's absmax, and whether any change is NaN or infinite
+            absmax = np.float32(0)
             wild = False
-            for i in range(0, width, lanes):
-                for lane in range(lanes):
-                    a = abs(theta[r, i + lane] - row[i + lane])
-                    wild |= not (a <= _FLOAT32_MAX)
-                    most[lane] = max(most[lane], a)
-            absmax = most.max()
+            for i in range(width):
+                a = abs(theta[r, i] - row[i])
+                wild |= not (a <= _FLOAT32_MAX)
+                absmax = a if a > absmax else absmax
             if wild:
                 status = max(status, NOT_FINITE)
                 absmax = np.float32(0)
@@ -108,7 +116,7 @@ def _encode_loop(bits: int, wide: bool):
                 codes[r, k] = byte
         return status
 
-    return encode
+    return compiled(encode, f"encode_int{bits}_{'bf16' if wide else 'fp32'}")
 
 
 @functools.cache
@@ -116,9 +124,8 @@ def _add_loop(bits: int, wide: bool):
     """The add loop of one codec, compiled at its first call; `wide`: the served value is bfloat16
     (uint16 arrays), each sum rounded to it (nearest, ties to even, as ml_dtypes rounds a finite
     float32)."""
-    level, per, _ = LEVELS[bits]
+    per = LEVELS[bits][0]
 
-    @numba.njit(nogil=True)
     def add(held, scales, codes, lo, hi):  # pragma: no cover - compiled
         width = codes.shape[1] * per
         bits_w = np.empty(width, np.uint32)
@@ -128,13 +135,15 @@ def _add_loop(bits: int, wide: bool):
             row = _row(held, r, wide, bits_w, floats)
             for k in range(codes.shape[1]):
                 for j in range(per):
-                    row[k * per + j] = row[k * per + j] + np.float32(level(codes[r, k], j)) * s
+                    row[k * per + j] = (
+                        row[k * per + j] + np.float32(level(codes[r, k], j, bits)) * s
+                    )
             if wide:
                 for i in range(width):
                     u = bits_w[i]
                     held[r, i] = np.uint16((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16)
 
-    return add
+    return compiled(add, f"add_int{bits}_{'bf16' if wide else 'fp32'}")
 
 
 def _blocks(values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -147,6 +156,12 @@ def _blocks(values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray | No
     tail = np.zeros((1, width), values.dtype)
     tail[0, : values.size - full * width] = values[full * width :]
     return rows, tail
+
+
+def _read_only(values: np.ndarray) -> np.ndarray:
+    view = values.view()
+    view.flags.writeable = False
+    return view
 
 
 def _held(held: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -164,6 +179,8 @@ def encode_change(
     large for the codec."""
     held, wide = _held(held)
     encode = _encode_loop(bits, wide)
+    # read-only views: one compiled variant, whether the caller's arrays are writable or not
+    theta, held = _read_only(theta), _read_only(held)
     records = np.empty((-(-theta.size // block), blockwise.record_nbytes(block, bits)), np.uint8)
     scales = records[:, : blockwise.SCALE_BYTES].view("<f4")[:, 0]
     codes = records[:, blockwise.SCALE_BYTES :]
@@ -210,12 +227,10 @@ def add_decoded(
         flat[full * block :] = tail[0, : flat.size - full * block]
 
 
-def warm_up(bits: int, block: int) -> None:
-    """Compile one codec's loops ahead: a diff of a tensor of one block and a value (every argument
-    layout `encode_change` and `add_decoded` pass), for either served dtype."""
-    for dtype in (np.float32, SERVED_BF16):
+def warm_up(bits: int, block: int, served: str | None = None) -> None:
+    """Compile (or load from numba's cache) one codec's loops ahead: a diff of a tensor of one
+    block and a value (every argument layout `encode_change` and `add_decoded` pass), for the
+    served dtype `served` ("fp32" or "bf16"; None: both)."""
+    for dtype in (np.float32, SERVED_BF16) if served is None else (SERVED_DTYPES[served],):
         theta, held = np.ones(block + 1, np.float32), np.zeros(block + 1, dtype)
         add_decoded(held, encode_change(theta, held, bits, block), bits, block)
-        # theta as the merger passes it: a host view of an XLA array, read-only
-        theta.flags.writeable = False
-        encode_change(theta, held, bits, block)
