@@ -6,11 +6,11 @@ first.
   with itself gives its squares).  Every norm a fold needs follows from these and the block
   scales: ``||u_b||^2 = sum_m sum_n f_mb f_nb G_mnb`` for ``u = sum_m f_m q_m``.
 - `merge_into`: ``(sum_m f_mb q_m) * s_b`` into float32 values: the merged pseudo-gradient.
-
-Both read a round's codes block by block, every delta's block once, through a block-sized buffer
-in L1.
 - `norm`: the Euclidean norm of float32 tensors (the guard's cold reference, a fragment's norm
   before every fold that has no other reference: merger/outliers.py), in a fixed order.
+
+`gram` and `merge_into` read a round's codes block by block, every delta's block once, through a
+block-sized buffer in L1.
 
 A byte's levels are those of protocol/code_loops.py (value ``per * k + j`` of a block is position
 j of its byte k: PROTOCOL.md §Codecs).  The loops are numba-compiled (no fast-math: no
