@@ -179,8 +179,6 @@ def encode_change(
     large for the codec."""
     held, wide = _held(held)
     encode = _encode_loop(bits, wide)
-    # read-only views: one compiled variant, whether the caller's arrays are writable or not
-    theta, held = _read_only(theta), _read_only(held)
     records = np.empty((-(-theta.size // block), blockwise.record_nbytes(block, bits)), np.uint8)
     scales = records[:, : blockwise.SCALE_BYTES].view("<f4")[:, 0]
     codes = records[:, blockwise.SCALE_BYTES :]
@@ -190,6 +188,9 @@ def encode_change(
     for theta_rows, held_rows in parts:
         if theta_rows is None:
             continue
+        # read-only views: one compiled variant, whether the caller's arrays (or the padded last
+        # block) are writable or not
+        theta_rows, held_rows = _read_only(theta_rows), _read_only(held_rows)
         n, at = len(theta_rows), row
 
         def part(lo: int, hi: int) -> None:
