@@ -87,6 +87,40 @@ def _aligned_empty(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
     return raw[start : start + nbytes].reshape(shape)
 
 
+class Scratch:
+    """Memory one merger's folds from dense codes reuse: a fresh block is faulted in a page at a
+    time, ~1 ns a byte on this machine, 20x a copy into memory already mapped (merger/memory.py).
+    Two buffers: the round's codes (`dense` alone uses them), and the merged direction's float32
+    values, which the fold's outer step reads after `dense` returns (XLA takes them without a
+    copy): before writing those again, `values` waits until the arrays that step wrote are ready
+    (`read_by`).  Grown to the largest fragment; the codes shrink after a larger round than
+    usual."""
+
+    def __init__(self) -> None:
+        self._codes = np.empty(0, np.uint8)
+        self._values = np.empty(0, np.uint8)
+        self._readers: object = None
+
+    def codes(self, shape: tuple[int, ...]) -> np.ndarray:
+        size = int(np.prod(shape))
+        if not size <= self._codes.size <= 4 * size:
+            self._codes = np.empty(size, np.uint8)
+        return self._codes[:size].reshape(shape)
+
+    def values(self, nbytes: int) -> np.ndarray:
+        """`nbytes` of 64-byte aligned memory, once no outer step reads it any more."""
+        if self._readers is not None:
+            jax.block_until_ready(self._readers)
+            self._readers = None
+        if self._values.size < nbytes:
+            self._values = _aligned_empty((nbytes,))
+        return self._values[:nbytes]
+
+    def read_by(self, outputs: object) -> None:
+        """The arrays (any pytree) an outer step reading the last values writes."""
+        self._readers = outputs
+
+
 def _sum64(x: np.ndarray) -> float:
     return float(np.add.reduce(np.asarray(x, dtype=np.float64)))
 
@@ -103,18 +137,23 @@ def merge(
 
 
 def dense(
-    tensors: Sequence[dict[str, CodedTensor]], weights: Sequence[float], plain: dict[str, bool]
+    tensors: Sequence[dict[str, CodedTensor]],
+    weights: Sequence[float],
+    plain: dict[str, bool],
+    scratch: Scratch | None = None,
 ) -> tuple[dict[str, np.ndarray], list[float], float]:
     """`merge` for the dense int codecs, by compiled loops over the codes (merger/fold_loops.py):
     per block the products of every two deltas' levels give each delta's norm and u's, then one
-    pass over every delta's codes writes u, rescaled, into each tensor's float32 values."""
+    pass over every delta's codes writes u, rescaled, into each tensor's float32 values (in
+    `scratch`'s memory if given, else fresh)."""
+    scratch = Scratch() if scratch is None else scratch
     paths = sorted(tensors[0])
     codec, count = tensors[0][paths[0]].codec, len(tensors)
     spans, _, start = _layout(tensors[0], paths)
     # every delta's codes in one (M, blocks, C) array: each loop is one call over the fragment
     # (a call per tensor handed the GIL back and forth dozens of times a fold, which a busy
     # receiving thread made cost more than the loops themselves)
-    codes = np.empty((count, start, codec.block * codec.bits // 8), np.uint8)
+    codes = scratch.codes((count, start, codec.block * codec.bits // 8))
     for m, t in enumerate(tensors):
         for path, (b0, b1) in spans.items():
             codes[m, b0:b1] = t[path].codes
@@ -131,7 +170,7 @@ def dense(
             u_squares += (1 if m == n else 2) * wide[m] * wide[n] * gram[:, m, n]
     block_scale, merged_norm = _rescale(u_squares, spans, weights, norms, plain, start)
     # whole blocks: each tensor a view from its first block (the last one's padding unused)
-    flat = _aligned_empty((start * codec.block * 4,)).view(np.float32)
+    flat = scratch.values(start * codec.block * 4).view(np.float32)
     fold_loops.merge_into(flat, codes, factors, block_scale, codec.bits)
     merged = {}
     for path, (b0, _) in spans.items():

@@ -11,12 +11,12 @@ log alone determines the model: replay and crash recovery feed the same records 
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any, Protocol
 
 import numpy as np
 
-from dloco.merger import outliers, records
+from dloco.merger import coded, outliers, records
 from dloco.merger.admission import Candidate, admit, delta_norm
 from dloco.merger.config import MergerConfig
 from dloco.merger.fold import (
@@ -31,6 +31,7 @@ from dloco.merger.fold import (
 )
 from dloco.merger.outer import make_step, outer_optimizer
 from dloco.merger.outliers import NormHistory, Quarantine, delta_limits, fold_caps
+from dloco.merger.param_norms import ParamNorms
 from dloco.merger.round_policy import ArrivalStats
 from dloco.merger.rounds import (
     DeltaKey,
@@ -40,14 +41,9 @@ from dloco.merger.rounds import (
     contribution_of,
     take_share,
 )
+from dloco.merger.wal import Log
 from dloco.merger.warmup import warm_up_folds
 from dloco.protocol import Assembled, Codec, DeltaResult
-
-
-class Log(Protocol):
-    next_index: int
-
-    def append(self, record: dict, blobs: Sequence[tuple[Any, int | None]] = ()) -> int: ...
 
 
 class MergerCore:
@@ -88,6 +84,10 @@ class MergerCore:
         self.norms = [NormHistory() for _ in self.fragments]
         self.moves = [NormHistory() for _ in self.fragments]
         self.quarantine = Quarantine()
+        # the guard's cold reference, computed ahead (merger/param_norms.py)
+        self.param_norms = ParamNorms()
+        # memory every fold from dense codes reuses (coded.Scratch)
+        self.scratch = coded.Scratch()
         # (island, last reason, seconds): newly quarantined, for the caller to log
         self.quarantined: list[tuple[str, str, float]] = []
         # island -> (epoch, seq): stream messages up to seq are settled and were acknowledged as
@@ -233,8 +233,7 @@ class MergerCore:
             members,
             self._settle_folded(fragment, members, version),
             share,
-            self._caps(fragment, members),
-            self._limits(fragment, members),
+            *self._guard(fragment, members),
         )
 
     def compute_fold(self, started: StartedFold) -> tuple[PendingStep, FoldReport]:
@@ -249,6 +248,7 @@ class MergerCore:
             started.caps,
             started.limits,
             in_place=True,
+            scratch=self.scratch,
         )
         if report.version != started.version:
             raise ReplayError(
@@ -263,9 +263,14 @@ class MergerCore:
         """Make a computed round the fragment's state (what checkpoints and catch-up requests see),
         a pending outer step taken in place on the state it replaces (`fold.taken`), and note what
         each island's part moved it (the guard's history)."""
+        self.param_norms.settle(fragment)
         state = self.states[fragment] = taken(self.states[fragment], state, fragment)
+        # the step taken read the scratch's direction: done with it once these are written
+        self.scratch.read_by(state)
         for island, movement in report.movements:
             self.moves[fragment].record(island, movement)
+        # while an island has no reference, the next fold wants the guard's cold one
+        self.param_norms.installed(fragment, state.params, self.moves[fragment], report.movements)
         return state
 
     def finish_fold(self, started: StartedFold) -> FoldReport:
@@ -349,26 +354,25 @@ class MergerCore:
             self.config.merge,
             self._step,
             share,
-            self._caps(fragment, members),
-            self._limits(fragment, members),
+            *self._guard(fragment, members),
             in_place=True,
+            scratch=self.scratch,
         )
         self.install(fragment, state, report)
         return report
 
-    def _caps(self, fragment: int, members: list[Contribution]) -> dict[str, float] | None:
-        """The guard's cap on each member island's part of a fold (outliers.fold_caps); None: the
-        guard is off."""
-        islands, factor = {c.island for c in members}, self.config.merge.clip_factor
-        return fold_caps(self.moves[fragment], self.states[fragment].params, islands, factor)
+    def _guard(self, fragment: int, members: list[Contribution]) -> tuple[dict | None, dict | None]:
+        """The guard's cap on each member island's part of a fold (outliers.fold_caps) and the most
+        each delta of a member without a reference counts (outliers.delta_limits); None: off."""
+        islands, merge = {c.island for c in members}, self.config.merge
+        norm = functools.partial(self.param_norms.of, fragment, self.states[fragment].params)
+        return (
+            fold_caps(self.moves[fragment], norm, islands, merge.clip_factor),
+            delta_limits(self.norms[fragment], self.moves[fragment], islands, merge.cold_factor),
+        )
 
     def _unjudged(self, fragment: int, islands: set[str]) -> bool:
         return outliers.unjudged(self.norms[fragment], self.moves[fragment], islands)
-
-    def _limits(self, fragment: int, members: list[Contribution]) -> dict[str, float] | None:
-        """The most each delta of a member without a reference counts (outliers.delta_limits)."""
-        islands, factor = {c.island for c in members}, self.config.merge.cold_factor
-        return delta_limits(self.norms[fragment], self.moves[fragment], islands, factor)
 
     def _settle_folded(
         self, fragment: int, members: list[Contribution], version: int

@@ -261,6 +261,7 @@ def fold(
     caps: Mapping[str, float] | None = None,
     limits: Mapping[str, float] | None = None,
     in_place: bool = False,
+    scratch: coded.Scratch | None = None,
 ) -> tuple[FragmentState | PendingStep, FoldReport]:
     """Apply one round; `step` is `outer.make_step(optimizer)`; the merged delta is scaled by
     `share` (weighting.fold_share: 1 unless the merger scales folds by their share of a round);
@@ -268,7 +269,8 @@ def fold(
     island -> the norm each of its deltas counts with at most (`part_allowed`).  A round
     whose deltas are all coded with one int codec is merged from the codes, its outer step taken
     there (merger/coded.py); any other is merged from float32.  `in_place`: return the outer step
-    as a `PendingStep`, to be taken on `state` when it is installed (`MergerCore.install`)."""
+    as a `PendingStep`, to be taken on `state` when it is installed (`MergerCore.install`);
+    `scratch`: the memory a merge from dense codes reuses (coded.Scratch)."""
     if not contributions:
         raise ValueError("fold needs at least one contribution")
     ordered = canonical(contributions)
@@ -279,7 +281,7 @@ def fold(
     if caps is not None:
         members, movements, clipped, factors = _guarded(groups, members, w, caps, limits)
     take, direction, delta_norms, merged_norm = _stepped(
-        ordered, members, w, factors, config, step, share
+        ordered, members, w, factors, config, step, share, scratch
     )
     # one entry per delta (an island's combined deltas share its weight: split_weight)
     report = FoldReport(
@@ -301,7 +303,7 @@ def fold(
     return FragmentState(report.version, dict(params), opt_state), report
 
 
-def _stepped(ordered, members, w, factors, config, step, share):
+def _stepped(ordered, members, w, factors, config, step, share, scratch):
     """A fold's merged direction over its members (after the guard; `factors`: what it scaled each
     by), from their codes when every tensor is coded with one int codec, else from float32:
     (`take(state, in_place)`, which takes the outer step on `state` and returns (params, optimizer
@@ -337,7 +339,7 @@ def _stepped(ordered, members, w, factors, config, step, share):
 
         take, direction = take_sparse, tiles
     else:
-        merged, delta_norms, merged_norm = coded.dense(tensors, w, plains)
+        merged, delta_norms, merged_norm = coded.dense(tensors, w, plains, scratch)
         # aligned host buffers: XLA reads them where they are
         merged = {p: jax.device_put(v) for p, v in merged.items()}
         take, direction = _taking(merged, step, share), list(merged.values())

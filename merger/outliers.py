@@ -32,12 +32,7 @@ from __future__ import annotations
 import bisect
 import collections
 import statistics
-from collections.abc import Iterable, Mapping
-from typing import Any
-
-import numpy as np
-
-from dloco.merger import fold_loops
+from collections.abc import Callable, Iterable
 
 HOSTILE = frozenset({"outlier_norm", "non_finite", "layout_mismatch", "future_base"})
 # without a reference, one island's part of a fold moves a fragment by at most this times its norm
@@ -139,11 +134,12 @@ class Quarantine:
 
 
 def fold_caps(
-    moves: NormHistory, params: Mapping[str, Any], islands: Iterable[str], factor: float
+    moves: NormHistory, params_norm: Callable[[], float], islands: Iterable[str], factor: float
 ) -> dict[str, float] | None:
     """The guard's cap on each island's part of a fold (merger/fold.py `guard`): `factor`
     (clip_factor) times the largest of the other islands' median movements in `moves`; without
-    one, COLD_LIMIT times the norm of the fragment's `params`.  None: the guard is off."""
+    one, COLD_LIMIT times the norm of the fragment's parameters (`params_norm()`, asked for only
+    then).  None: the guard is off."""
     if factor <= 0:
         return None
     caps, cold = {}, None
@@ -151,7 +147,7 @@ def fold_caps(
         reference = moves.reference(island, "max")
         if reference is None:
             if cold is None:
-                cold = COLD_LIMIT * fold_loops.norm(np.asarray(v) for v in params.values())
+                cold = COLD_LIMIT * params_norm()
             reference, factor_here = cold, 1.0
         else:
             factor_here = factor

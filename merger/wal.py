@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 
@@ -46,6 +46,14 @@ from dloco.protocol.checksum import crc32
 from dloco.protocol.errors import DlocoError
 
 FSYNC_POLICIES = ("always", "batch", "never")
+
+
+class Log(Protocol):
+    """What the merger's core appends its records to (WriteAheadLog; tests give it others)."""
+
+    next_index: int
+
+    def append(self, record: dict, blobs: Sequence[tuple[Any, int | None]] = ()) -> int: ...
 
 
 class StorageError(DlocoError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -361,3 +362,37 @@ def _counting(function, calls):
         return function(*args, **kwargs)
 
     return counted
+
+
+def test_folds_reuse_the_scratch_once_the_step_that_read_it_is_done():
+    """A merger's folds write their direction into one buffer (coded.Scratch): the second fold's
+    values land where the first's were, after the step that read the first has written its
+    output, and are the bytes a fold into fresh memory gives."""
+    codec, rng = Codec("int4"), np.random.default_rng(11)
+
+    def deltas(count):
+        return [
+            {
+                p: CodedTensor(
+                    codec,
+                    (40, 16),
+                    codec.encode(rng.standard_normal(640).astype(np.float32)).reshape(-1, 132),
+                )
+                for p in ("a", "b")
+            }
+            for _ in range(count)
+        ]
+
+    plains = {"a": False, "b": True}
+    scratch = coded.Scratch()
+    first, _, _ = coded.dense(deltas(2), [0.5, 0.5], plains, scratch)
+    where = first["a"].ctypes.data
+    expected = np.asarray(first["a"]) * 2
+    read = jax.jit(lambda x: x * 2)(jax.device_put(first["a"]))
+    scratch.read_by(read)
+    second_deltas = deltas(3)
+    second, _, _ = coded.dense(second_deltas, [0.2, 0.3, 0.5], plains, scratch)
+    fresh, _, _ = coded.dense(second_deltas, [0.2, 0.3, 0.5], plains)
+    assert second["a"].ctypes.data == where
+    assert np.array_equal(np.asarray(read), expected)
+    assert all(second[p].tobytes() == fresh[p].tobytes() for p in plains)

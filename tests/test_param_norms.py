@@ -1,0 +1,89 @@
+"""The guard's cold reference computed ahead (merger/param_norms.py): the norm of a fragment's new
+parameters starts on its own thread when a fold leaves an island without a movement reference,
+the next fold takes it, and it is the same float as one computed when the fold starts."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+import numpy as np
+
+from dloco import protocol
+from dloco.merger.config import MergerConfig
+from dloco.merger.core import MergerCore
+from dloco.merger.fold import Contribution
+from dloco.merger.outliers import COLD_LIMIT, NormHistory
+from dloco.merger.param_norms import ParamNorms, norm_of
+
+
+class Watched(Mapping):
+    """Parameters that note which thread read their values."""
+
+    def __init__(self, params: dict) -> None:
+        self.params, self.readers = params, []
+
+    def __getitem__(self, key):
+        return self.params[key]
+
+    def __iter__(self):
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def values(self):
+        self.readers.append(threading.current_thread().name)
+        return self.params.values()
+
+
+def test_a_norm_started_ahead_is_taken_and_others_are_computed_on_the_spot():
+    norms = ParamNorms()
+    ahead = Watched({"w": np.array([3.0, 0.0], np.float32), "b": np.array([4.0], np.float32)})
+    norms.ahead(0, ahead)
+    norms.settle(0)
+    assert norms.of(0, ahead) == 5.0
+    assert len(ahead.readers) == 1 and ahead.readers[0].startswith("guard-norm")
+    # other parameters of the fragment (a state replaced since): computed here
+    other = Watched({"w": np.array([6.0, 8.0], np.float32)})
+    assert norms.of(0, other) == 10.0 and other.readers == [threading.current_thread().name]
+    # another fragment: nothing was started for it
+    assert norms.of(1, ahead) == 5.0 and len(ahead.readers) == 2
+
+
+def test_a_norm_starts_only_while_an_island_of_the_fold_has_no_reference():
+    norms, moves = ParamNorms(), NormHistory()
+    started = Watched({"w": np.ones(4, np.float32)})
+    norms.installed(0, started, moves, [("a", 1.0)])
+    norms.settle(0)
+    assert len(started.readers) == 1
+    # b and c have movement histories: each has the other's as its reference
+    for _ in range(moves.min_own):
+        moves.record("b", 1.0)
+        moves.record("c", 2.0)
+    skipped = Watched({"w": np.ones(4, np.float32)})
+    norms.installed(0, skipped, moves, [("b", 1.0), ("c", 2.0)])
+    norms.settle(0)
+    assert skipped.readers == []
+
+
+def test_a_lone_islands_cap_is_half_the_norm_of_the_parameters_before_its_fold():
+    """One island, so never a movement reference: each fold's cap is COLD_LIMIT times the norm of
+    the fragment's parameters as the previous fold left them, the norm computed ahead equal to one
+    computed now, bit for bit."""
+    rng = np.random.default_rng(3)
+    params = {"w": rng.normal(size=(64, 33)).astype(np.float32), "b": np.ones(7, np.float32)}
+    core = MergerCore(MergerConfig(), protocol.model_fingerprint(params), [["b", "w"]], params)
+
+    def member(delta_id: int, scale: float) -> Contribution:
+        tensors = {
+            p: (rng.normal(size=v.shape) * scale).astype(np.float32) for p, v in params.items()
+        }
+        return Contribution("a", 1, delta_id, 0, 100, 10, tensors)
+
+    core._apply_fold(0, [member(1, 0.01)])
+    for delta_id in (2, 3):
+        before = norm_of(dict(core.states[0].params))
+        report = core._apply_fold(0, [member(delta_id, 1e6)])
+        assert report.clipped == ("a",)
+        assert dict(report.movements)["a"] == COLD_LIMIT * before
