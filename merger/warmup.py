@@ -56,6 +56,6 @@ def warm_up_folds(
             return
         paths = sorted(layout)
         params = [jax.ShapeDtypeStruct(layout[p], np.float32) for p in paths]
-        make_step(optimizer, in_place=True).flat.lower(
-            params, jax.eval_shape(optimizer.init, params), params, np.float32(1)
-        ).compile()
+        make_step(optimizer, in_place=True).compile_for(
+            params, jax.eval_shape(optimizer.init, params)
+        )
