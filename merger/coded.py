@@ -156,7 +156,7 @@ def dense(
     codes = scratch.codes((count, start, codec.block * codec.bits // 8))
     for m, t in enumerate(tensors):
         for path, (b0, b1) in spans.items():
-            codes[m, b0:b1] = t[path].codes
+            t[path].codes_into(codes[m, b0:b1])
     # (blocks, M, M): exact integers, in float64 for the sums below
     gram = fold_loops.gram(codes, codec.bits).astype(np.float64)
     scales = [np.concatenate([t[p].scales for p in paths]).astype(np.float64) for t in tensors]
@@ -219,7 +219,7 @@ def _layout(first: dict[str, CodedTensor], paths: list[str]) -> tuple[Spans, lis
     ...) and the fragment's number of blocks."""
     spans, layout, start = {}, [], 0
     for path in paths:
-        blocks = first[path].records.shape[0]
+        blocks = first[path].blocks
         spans[path] = (start, start + blocks)
         layout.append((start, first[path].count, tuple(first[path].shape)))
         start += blocks

@@ -18,6 +18,7 @@ from dloco.merger.admission import Candidate
 from dloco.merger.coded_kernels import KERNELS_VERSION
 from dloco.merger.fold import Contribution, FragmentState
 from dloco.protocol import Assembled, Codec, CodedTensor
+from dloco.protocol.assembly import records_of
 
 GENESIS, DELTA, FOLD, CURSORS, TERM = "genesis", "delta", "fold", "cursors", "term"
 
@@ -141,13 +142,7 @@ def coded_tensors(
     for (path, shape, start), payload in zip(slices, payloads):
         pieces.setdefault(path, (tuple(shape), []))[1].append((start, payload))
     return {
-        path: CodedTensor(
-            codec,
-            shape,
-            np.concatenate(
-                [np.frombuffer(p, np.uint8) for _, p in sorted(parts, key=lambda x: x[0])]
-            ).reshape(-1, codec.record_nbytes),
-        )
+        path: CodedTensor(codec, shape, records_of(codec, parts))
         for path, (shape, parts) in pieces.items()
     }
 

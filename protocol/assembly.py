@@ -121,19 +121,22 @@ def decode_slices(
 def coded_tensors(
     codec: Codec, shapes: Mapping[str, tuple[int, ...]], chunks: Iterable[Chunk]
 ) -> dict[str, CodedTensor]:
-    """The records of a blockwise codec's tensors, not decoded: block-aligned slices
-    concatenate."""
+    """The records of a blockwise codec's tensors, not decoded: each tensor's block-aligned
+    slices, in order, are its parts (views of the payloads, not copied)."""
     pieces: dict[str, list[tuple[int, memoryview]]] = {path: [] for path in shapes}
     for chunk in chunks:
         for item, payload in zip(chunk.slices, chunk.payloads):
             pieces[item.path].append((item.start, payload))
-    tensors = {}
-    for path, shape in shapes.items():
-        data = np.concatenate(
-            [
-                np.frombuffer(p, np.uint8)
-                for _, p in sorted(pieces[path], key=lambda piece: piece[0])
-            ]
-        )
-        tensors[path] = CodedTensor(codec, tuple(shape), data.reshape(-1, codec.record_nbytes))
-    return tensors
+    return {
+        path: CodedTensor(codec, tuple(shape), records_of(codec, pieces[path]))
+        for path, shape in shapes.items()
+    }
+
+
+def records_of(codec: Codec, pieces: Iterable[tuple[int, Any]]) -> tuple[np.ndarray, ...]:
+    """(start, payload) pairs of one tensor as its records' parts in value order: read-only views
+    of the payloads (each a whole number of records: slices start on a block)."""
+    return tuple(
+        np.frombuffer(payload, np.uint8).reshape(-1, codec.record_nbytes)
+        for _, payload in sorted(pieces, key=lambda piece: piece[0])
+    )

@@ -26,6 +26,7 @@ touch L2, not DRAM (BENCHMARKS.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -227,24 +228,31 @@ def _encode_bf16(x_N: np.ndarray, threads: int) -> np.ndarray:
 class CodedTensor:
     """A tensor kept in its blockwise wire form (records: scale ‖ codes per block), for consumers
     that work on codes directly (the merger folds int deltas without materialising float32).
-    `decode()` gives the float32 values the codec defines."""
+    `decode()` gives the float32 values the codec defines.
+
+    `parts`: the records as one uint8 (blocks, codec.record_nbytes) array, or as several whose
+    blocks follow one another (a delta's chunks as they arrived: `records` joins them only when
+    asked, `scales` and `codes_into` read them where they are)."""
 
     codec: Codec
     shape: tuple[int, ...]
-    # uint8, (blocks, codec.record_nbytes)
-    records: np.ndarray
+    parts: np.ndarray | tuple[np.ndarray, ...]
 
     def __post_init__(self) -> None:
         if not self.codec.blockwise:
             raise EncodeError(f"CodedTensor needs a blockwise codec, got {self.codec.name}")
+        parts = (self.parts,) if isinstance(self.parts, np.ndarray) else tuple(self.parts)
+        object.__setattr__(self, "parts", parts)
         blocks = -(-self.count // self.codec.block)
-        if self.records.dtype != np.uint8 or self.records.shape != (
-            blocks,
-            self.codec.record_nbytes,
+        width = self.codec.record_nbytes
+        if (
+            not parts
+            or any(p.dtype != np.uint8 or p.ndim != 2 or p.shape[1] != width for p in parts)
+            or sum(p.shape[0] for p in parts) != blocks
         ):
             raise EncodeError(
-                f"records of {self.shape} must be uint8 ({blocks}, {self.codec.record_nbytes}), got"
-                f" {self.records.dtype} {self.records.shape}"
+                f"records of {self.shape} must be uint8 ({blocks}, {width}) in all, got"
+                f" {[(p.dtype, p.shape) for p in parts]}"
             )
 
     @property
@@ -252,16 +260,36 @@ class CodedTensor:
         return int(np.prod(self.shape, dtype=np.int64))
 
     @property
+    def blocks(self) -> int:
+        return sum(p.shape[0] for p in self.parts)
+
+    @functools.cached_property
+    def records(self) -> np.ndarray:
+        """uint8 (blocks, codec.record_nbytes): the parts joined (a copy when there are several)."""
+        return self.parts[0] if len(self.parts) == 1 else np.concatenate(self.parts)
+
+    @property
     def scales(self) -> np.ndarray:
         """float32 scale of every block."""
         return (
-            np.ascontiguousarray(self.records[:, : blockwise.SCALE_BYTES]).view("<f4").reshape(-1)
+            np.concatenate(
+                [np.ascontiguousarray(p[:, : blockwise.SCALE_BYTES]) for p in self.parts]
+            )
+            .view("<f4")
+            .reshape(-1)
         )
 
     @property
     def codes(self) -> np.ndarray:
         """uint8 (blocks, codes bytes per block), in the layout of the module docstring."""
         return self.records[:, blockwise.SCALE_BYTES :]
+
+    def codes_into(self, out: np.ndarray) -> None:
+        """Copy `codes` into `out` (blocks, codes bytes per block), part by part."""
+        at = 0
+        for part in self.parts:
+            out[at : at + part.shape[0]] = part[:, blockwise.SCALE_BYTES :]
+            at += part.shape[0]
 
     def decode(self) -> np.ndarray:
         return self.codec.decode(self.records.reshape(-1), self.count).reshape(self.shape)
