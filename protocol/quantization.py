@@ -268,16 +268,19 @@ class CodedTensor:
         """uint8 (blocks, codec.record_nbytes): the parts joined (a copy when there are several)."""
         return self.parts[0] if len(self.parts) == 1 else np.concatenate(self.parts)
 
-    @property
+    @functools.cached_property
     def scales(self) -> np.ndarray:
-        """float32 scale of every block."""
-        return (
+        """float32 scale of every block (gathered once: admission, the guard and the fold each
+        read them)."""
+        scales = (
             np.concatenate(
                 [np.ascontiguousarray(p[:, : blockwise.SCALE_BYTES]) for p in self.parts]
             )
             .view("<f4")
             .reshape(-1)
         )
+        scales.flags.writeable = False
+        return scales
 
     @property
     def codes(self) -> np.ndarray:
