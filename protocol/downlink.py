@@ -62,21 +62,31 @@ class Served:
     digest: int | None
 
 
-# values a tensor in another dtype is read as float32 at a time, for its digest
-DIGEST_PIECE = 1 << 20
+# values a tensor in another dtype is read as float32 at a time, for its digest (1 MiB: cache-sized)
+DIGEST_PIECE = 1 << 18
 
 
 def digest(tensors: Mapping[str, np.ndarray]) -> int:
     """CRC-32 over each tensor's path (UTF-8) and float32 little-endian values, in sorted path
-    order (a bfloat16 tensor converted a piece at a time: no float32 copy of it)."""
-    crc = 0
+    order (a tensor in another dtype converted a piece at a time into one reused buffer: no
+    float32 copy of it; a bfloat16 one by shifting its bits, exactly its float32 value)."""
+    crc, buffer = 0, None
     for path in sorted(tensors):
         crc = crc32(path.encode(), crc)
         flat = np.asarray(tensors[path]).reshape(-1)
-        step = max(1, flat.size if flat.dtype == np.dtype("<f4") else DIGEST_PIECE)
-        for start in range(0, flat.size, step):
-            piece = np.ascontiguousarray(flat[start : start + step], dtype="<f4")
-            crc = crc32(memoryview(piece).cast("B"), crc)
+        if flat.dtype == np.dtype("<f4"):
+            crc = crc32(memoryview(np.ascontiguousarray(flat)).cast("B"), crc)
+            continue
+        if buffer is None:
+            buffer = np.empty(DIGEST_PIECE, np.uint32)
+        for start in range(0, flat.size, DIGEST_PIECE):
+            part = flat[start : start + DIGEST_PIECE]
+            out = buffer[: part.size]
+            if part.dtype == SERVED_DTYPES["bf16"]:
+                np.left_shift(part.view(np.uint16), 16, out=out, dtype=np.uint32)
+            else:
+                out.view("<f4")[...] = part
+            crc = crc32(memoryview(out).cast("B"), crc)
     return crc
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import zlib
 
+import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
@@ -29,6 +30,19 @@ def test_digest_by_hand():
     assert downlink.digest({"a": np.array([-0.0], F32)}) != downlink.digest(
         {"a": np.array([0.0], F32)}
     )
+
+
+def test_the_digest_of_a_tensor_held_in_another_dtype_is_that_of_its_float32_values():
+    """bfloat16 (bits shifted), float16 and big-endian float32, over more than one piece: the
+    CRC of the float32 little-endian copy; NaN payloads and -0.0 kept."""
+    rng = np.random.default_rng(2)
+    values = rng.standard_normal(downlink.DIGEST_PIECE + 1000).astype(F32)
+    values[:3] = [np.nan, -0.0, np.inf]
+    bf16 = values.astype(ml_dtypes.bfloat16)
+    for held in (bf16, values.astype(np.float16), values.astype(">f4")):
+        as_float32 = np.asarray(held, "<f4")
+        expected = zlib.crc32(as_float32.tobytes(), zlib.crc32(b"w"))
+        assert downlink.digest({"w": held}) == expected, held.dtype
 
 
 def test_a_full_snapshot_serves_what_its_codec_decodes():
