@@ -44,24 +44,6 @@ def test_chunks_respect_the_budget_and_tile_every_tensor(name, max_chunk_bytes):
     assert covered == {path: a.size for path, a in FRAGMENT.items()}
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
-def test_coded_reassembly_keeps_the_payloads_where_they_arrived(name):
-    """decode=False (the merger's): a tensor's records are its chunks' payloads as parts, views of
-    the received frames, no copy; they decode to the codec's values."""
-    codec = Codec(name)
-    frames = [[bytes(f) for f in encode(m)] for m in delta_messages(FRAGMENT, codec, 700)]
-    chunks = [decode(f) for f in frames]
-    reassembler = Reassembler(decode=False)
-    (done,) = [r for m in chunks if (r := reassembler.add(m, 0.0))]
-    payloads = [np.frombuffer(p, np.uint8) for c in chunks for p in c.payloads]
-    for path, x in FRAGMENT.items():
-        tensor = done.tensors[path]
-        assert all(any(np.shares_memory(part, p) for p in payloads) for part in tensor.parts)
-        expected = codec.decode(codec.encode(x.reshape(-1)), x.size).reshape(x.shape)
-        assert np.array_equal(tensor.decode(), expected)
-    assert max(len(t.parts) for t in done.tensors.values()) > 1
-
-
 @pytest.mark.parametrize("name", protocol.CODEC_NAMES)
 def test_reassembly_equals_whole_tensor_decode(name):
     codec = Codec(name)

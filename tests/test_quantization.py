@@ -273,26 +273,3 @@ def test_bad_codec_configuration_is_a_clear_error(block):
         Codec("int8", block)
     with pytest.raises(EncodeError, match="unknown codec"):
         Codec("int3")
-
-
-def test_a_coded_tensor_in_parts_reads_as_the_joined_records():
-    """Records of 5 blocks as parts of 2 and 3 (a delta's chunks as they arrived): the same scales,
-    codes, values and norm bound as one array; parts that do not add up are refused."""
-    from dloco.protocol import CodedTensor
-
-    codec = Codec("int4", 8)
-    values = np.random.default_rng(4).standard_normal(37).astype(np.float32)
-    records = codec.encode(values).reshape(-1, codec.record_nbytes)
-    whole = CodedTensor(codec, (37,), records)
-    parts = CodedTensor(codec, (37,), (records[:2].copy(), records[2:].copy()))
-    assert parts.blocks == whole.blocks == 5 and len(parts.parts) == 2
-    assert parts.scales.tolist() == whole.scales.tolist()
-    out = np.zeros((5, 4), np.uint8)
-    parts.codes_into(out)
-    assert out.tobytes() == whole.codes.tobytes() == parts.codes.tobytes()
-    assert parts.decode().tobytes() == whole.decode().tobytes() == codec.decode(
-        records.reshape(-1), 37
-    ).tobytes()
-    assert parts.squared_norm_bound() == whole.squared_norm_bound()
-    with pytest.raises(EncodeError, match="must be uint8"):
-        CodedTensor(codec, (37,), (records[:2], records[3:]))
