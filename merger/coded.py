@@ -90,16 +90,18 @@ def _aligned_empty(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
 class Scratch:
     """Memory one merger's folds from dense codes reuse: a fresh block is faulted in a page at a
     time, ~1 ns a byte on this machine, 20x a copy into memory already mapped (merger/memory.py).
-    Two buffers: the round's codes (`dense` alone uses them), and the merged direction's float32
-    values, which the fold's outer step reads after `dense` returns (XLA takes them without a
-    copy): before writing those again, `values` waits until the arrays that step wrote are ready
-    (`read_by`).  Grown to the largest fragment; the codes shrink after a larger round than
-    usual."""
+    The round's codes (`dense` alone uses them), and two buffers for the merged direction's
+    float32 values, taken in turn: the fold's outer step reads a direction after `dense` returns
+    (XLA takes it without a copy), so before writing a buffer again `values` waits until the
+    arrays the step that read it wrote are ready (`read_by`); with two, a fold's direction is
+    written while the previous fold's step still runs.  Grown to the largest fragment; the codes
+    shrink after a larger round than usual."""
 
     def __init__(self) -> None:
         self._codes = np.empty(0, np.uint8)
-        self._values = np.empty(0, np.uint8)
-        self._readers: object = None
+        self._values = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
+        self._readers: list[object] = [None, None]
+        self._last = 1
 
     def codes(self, shape: tuple[int, ...]) -> np.ndarray:
         size = int(np.prod(shape))
@@ -109,16 +111,17 @@ class Scratch:
 
     def values(self, nbytes: int) -> np.ndarray:
         """`nbytes` of 64-byte aligned memory, once no outer step reads it any more."""
-        if self._readers is not None:
-            jax.block_until_ready(self._readers)
-            self._readers = None
-        if self._values.size < nbytes:
-            self._values = _aligned_empty((nbytes,))
-        return self._values[:nbytes]
+        i = self._last = 1 - self._last
+        if self._readers[i] is not None:
+            jax.block_until_ready(self._readers[i])
+            self._readers[i] = None
+        if self._values[i].size < nbytes:
+            self._values[i] = _aligned_empty((nbytes,))
+        return self._values[i][:nbytes]
 
     def read_by(self, outputs: object) -> None:
         """The arrays (any pytree) an outer step reading the last values writes."""
-        self._readers = outputs
+        self._readers[self._last] = outputs
 
 
 def _sum64(x: np.ndarray) -> float:

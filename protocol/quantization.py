@@ -302,10 +302,11 @@ class CodedTensor:
         in float32, the codes as they are (dense codecs: each value is scale times level)."""
         if self.codec.sparse:
             raise EncodeError("a sparse tensor's records are not scaled in place; decode it")
-        records = self.records.copy()
-        scales = records[:, : blockwise.SCALE_BYTES].view("<f4")
-        scales *= np.float32(factor)
-        return CodedTensor(self.codec, self.shape, records)
+        parts = tuple(part.copy() for part in self.parts)
+        for part in parts:
+            scales = part[:, : blockwise.SCALE_BYTES].view("<f4")
+            scales *= np.float32(factor)
+        return CodedTensor(self.codec, self.shape, parts)
 
     def squared_norm_bound(self) -> float:
         """An upper bound of the sum of the decoded values' squares, from the scales alone: every

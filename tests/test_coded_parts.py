@@ -31,6 +31,10 @@ def test_a_coded_tensor_in_parts_reads_as_the_joined_records():
         == codec.decode(records.reshape(-1), 37).tobytes()
     )
     assert parts.squared_norm_bound() == whole.squared_norm_bound()
+    # scaled part by part: the same records, never joined
+    half = parts.scaled(np.float32(0.5))
+    assert len(half.parts) == 2 and half.records.tobytes() == whole.scaled(0.5).records.tobytes()
+    assert parts.scales.tolist() == whole.scales.tolist()
     with pytest.raises(EncodeError, match="must be uint8"):
         CodedTensor(codec, (37,), (records[:2], records[3:]))
 

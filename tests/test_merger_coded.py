@@ -365,8 +365,8 @@ def _counting(function, calls):
 
 
 def test_folds_reuse_the_scratch_once_the_step_that_read_it_is_done():
-    """A merger's folds write their direction into one buffer (coded.Scratch): the second fold's
-    values land where the first's were, after the step that read the first has written its
+    """A merger's folds write their direction into two buffers in turn (coded.Scratch): the third
+    fold's values land where the first's were, after the step that read the first has written its
     output, and are the bytes a fold into fresh memory gives."""
     codec, rng = Codec("int4"), np.random.default_rng(11)
 
@@ -386,13 +386,15 @@ def test_folds_reuse_the_scratch_once_the_step_that_read_it_is_done():
     plains = {"a": False, "b": True}
     scratch = coded.Scratch()
     first, _, _ = coded.dense(deltas(2), [0.5, 0.5], plains, scratch)
-    where = first["a"].ctypes.data
     expected = np.asarray(first["a"]) * 2
     read = jax.jit(lambda x: x * 2)(jax.device_put(first["a"]))
     scratch.read_by(read)
-    second_deltas = deltas(3)
-    second, _, _ = coded.dense(second_deltas, [0.2, 0.3, 0.5], plains, scratch)
-    fresh, _, _ = coded.dense(second_deltas, [0.2, 0.3, 0.5], plains)
-    assert second["a"].ctypes.data == where
+    second, _, _ = coded.dense(deltas(1), [1.0], plains, scratch)
+    scratch.read_by(jax.jit(lambda x: x + 1)(jax.device_put(second["a"])))
+    assert not np.shares_memory(first["a"], second["a"])
+    third_deltas = deltas(3)
+    third, _, _ = coded.dense(third_deltas, [0.2, 0.3, 0.5], plains, scratch)
+    fresh, _, _ = coded.dense(third_deltas, [0.2, 0.3, 0.5], plains)
+    assert third["a"].ctypes.data == first["a"].ctypes.data
     assert np.array_equal(np.asarray(read), expected)
-    assert all(second[p].tobytes() == fresh[p].tobytes() for p in plains)
+    assert all(third[p].tobytes() == fresh[p].tobytes() for p in plains)
