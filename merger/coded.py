@@ -92,10 +92,12 @@ class Scratch:
     time, ~1 ns a byte on this machine, 20x a copy into memory already mapped (merger/memory.py).
     The round's codes (`dense` alone uses them), and two buffers for the merged direction's
     float32 values, taken in turn: the fold's outer step reads a direction after `dense` returns
-    (XLA takes it without a copy), so before writing a buffer again `values` waits until the
-    arrays the step that read it wrote are ready (`read_by`); with two, a fold's direction is
-    written while the previous fold's step still runs.  Grown to the largest fragment; the codes
-    shrink after a larger round than usual."""
+    (XLA takes it without a copy), so a fold's direction is written while the previous fold's step
+    may still run, into the other buffer.  `read_by` names the arrays a step reading the last
+    direction writes; `settle`, before the next step is taken (which may write over those
+    arrays), waits until they are ready: a buffer is written again only after the step that read
+    it is done.  Grown to the largest fragment; the codes shrink after a larger round than
+    usual."""
 
     def __init__(self) -> None:
         self._codes = np.empty(0, np.uint8)
@@ -110,11 +112,9 @@ class Scratch:
         return self._codes[:size].reshape(shape)
 
     def values(self, nbytes: int) -> np.ndarray:
-        """`nbytes` of 64-byte aligned memory, once no outer step reads it any more."""
+        """`nbytes` of 64-byte aligned memory that no outer step reads any more."""
         i = self._last = 1 - self._last
-        if self._readers[i] is not None:
-            jax.block_until_ready(self._readers[i])
-            self._readers[i] = None
+        self._wait(i)
         if self._values[i].size < nbytes:
             self._values[i] = _aligned_empty((nbytes,))
         return self._values[i][:nbytes]
@@ -122,6 +122,17 @@ class Scratch:
     def read_by(self, outputs: object) -> None:
         """The arrays (any pytree) an outer step reading the last values writes."""
         self._readers[self._last] = outputs
+
+    def settle(self) -> None:
+        """Wait for every step that reads a buffer (before a step that may donate their
+        outputs)."""
+        for i in (0, 1):
+            self._wait(i)
+
+    def _wait(self, i: int) -> None:
+        if self._readers[i] is not None:
+            jax.block_until_ready(self._readers[i])
+            self._readers[i] = None
 
 
 def _sum64(x: np.ndarray) -> float:

@@ -262,14 +262,14 @@ class MergerCore:
     ) -> FragmentState:
         """Make a computed round the fragment's state (what checkpoints and catch-up requests see),
         a pending outer step taken in place on the state it replaces (`fold.taken`), and note what
-        each island's part moved it (the guard's history)."""
+        each island's part moved it (the guard's history).  Whatever reads the state it replaces
+        (a norm computed ahead, a step reading the fold's scratch) is done first."""
         self.param_norms.settle(fragment)
+        self.scratch.settle()
         state = self.states[fragment] = taken(self.states[fragment], state, fragment)
-        # the step taken read the scratch's direction: done with it once these are written
         self.scratch.read_by(state)
         for island, movement in report.movements:
             self.moves[fragment].record(island, movement)
-        # while an island has no reference, the next fold wants the guard's cold one
         self.param_norms.installed(fragment, state.params, self.moves[fragment], report.movements)
         return state
 
