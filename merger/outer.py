@@ -26,7 +26,12 @@ optimizer's update takes the fold's share (optax extra args); the others ignore 
 
 `outer.momentum_dtype = "bfloat16"` keeps the momentum (and the Delayed and Round variants' sum of
 pseudo-gradients) in 16 bits between folds, half the optimizer state's memory; each step is
-computed in float32 from it and only what is kept is rounded.
+computed in float32 from it and only what is kept is rounded.  Such a state is stepped in place
+by two programs (`make_step`): the new parameters (reading the state), then the new state, each
+written over its own buffers.  One program reads the old state in two of XLA's loops and writes it
+in one, so XLA copies it first into fresh memory: at 25 M parameters 40 ms a step against 15 ms
+for the two.  The same arithmetic, the same bytes (tests/test_outer_split.py); the state's
+program passes no parameters to `update` (every optimizer of `outer_optimizer` ignores them).
 """
 
 from __future__ import annotations
@@ -201,13 +206,7 @@ def make_step(optimizer: optax.GradientTransformation, *, in_place: bool = False
     hold the new ones; one a host view still holds is copied instead; keyword-only, as the cache
     would hold a positional call apart).
 
-    In place, a state with arrays narrower than float32 (`momentum_dtype = "bfloat16"`) is
-    stepped by two programs: the new parameters (reading the state), then the new state, each
-    written over its own buffers.  One program reads the old state in two of XLA's loops and
-    writes it in one, so XLA copies it first into fresh memory: at 25 M parameters 40 ms a step
-    against 15 ms for the two.  The same arithmetic, the same bytes (tests/test_outer_split.py);
-    the state's program passes no parameters to `update` (every optimizer of `outer_optimizer`
-    ignores them).
+    In place, a state narrower than float32 is stepped by two programs (module docstring).
 
     The jitted core sees lists in path order, so fragments whose tensors have the same shapes
     share one compilation whatever their paths.  Cached per optimizer (and `outer_optimizer` per
@@ -245,26 +244,25 @@ def make_step(optimizer: optax.GradientTransformation, *, in_place: bool = False
             [pseudo_gradient[p] for p in paths],
             np.float32(share),
         ]
-        taken = programs(opt_state)
-        if len(taken) == 1:
+        if len(programs(opt_state)) == 1:
             new_params, opt_state = flat_step(*args)
         else:
-            new_params = params_step(*args)
-            opt_state = state_step(*args[1:])
+            new_params, opt_state = params_step(*args), state_step(*args[1:])
         return dict(zip(paths, new_params)), opt_state
-
-    def compile_for(params: list, opt_state) -> None:
-        """Compile the programs a step over these (shapes or arrays, params in path order)
-        runs."""
-        args = [params, opt_state, params, np.float32(1)]
-        for program, taken in programs(opt_state):
-            program.lower(*[args[i] for i in taken]).compile()
 
     # rounds merged from sparse codes take their outer step in merger/coded_kernels.py
     step.optimizer = optimizer
-    # for compiling ahead (merger/warmup.py)
-    step.compile_for = compile_for
+    # for compiling ahead (`compile_step`)
+    step.programs = programs
     return step
+
+
+def compile_step(step, params: list, opt_state) -> None:
+    """Compile the programs `step` (`make_step`'s) runs over these (shapes or arrays, params in
+    path order)."""
+    args = [params, opt_state, params, np.float32(1)]
+    for program, taken in step.programs(opt_state):
+        program.lower(*[args[i] for i in taken]).compile()
 
 
 def _narrow(opt_state) -> bool:

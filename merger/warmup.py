@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 from dloco.merger import coded, fold_loops
-from dloco.merger.outer import make_step
+from dloco.merger.outer import compile_step, make_step
 from dloco.protocol import Codec, CodedTensor
 
 
@@ -56,6 +56,6 @@ def warm_up_folds(
             return
         paths = sorted(layout)
         params = [jax.ShapeDtypeStruct(layout[p], np.float32) for p in paths]
-        make_step(optimizer, in_place=True).compile_for(
-            params, jax.eval_shape(optimizer.init, params)
+        compile_step(
+            make_step(optimizer, in_place=True), params, jax.eval_shape(optimizer.init, params)
         )
