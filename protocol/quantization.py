@@ -263,9 +263,10 @@ class CodedTensor:
     def blocks(self) -> int:
         return sum(p.shape[0] for p in self.parts)
 
-    @functools.cached_property
+    @property
     def records(self) -> np.ndarray:
-        """uint8 (blocks, codec.record_nbytes): the parts joined (a copy when there are several)."""
+        """uint8 (blocks, codec.record_nbytes): the parts joined (a copy when there are several,
+        not kept: the parts stay the tensor's only copy)."""
         return self.parts[0] if len(self.parts) == 1 else np.concatenate(self.parts)
 
     @functools.cached_property
