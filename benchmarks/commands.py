@@ -195,9 +195,21 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
             " beside the merger; the merger's stages and both memory figures are the same"
         ),
     )
+    scale.add_argument(
+        "--shards",
+        type=positive_int,
+        default=1,
+        help=(
+            "merger processes, each folding its share of the fragments (f %% N), as `dloco merger"
+            " --shard I/N`; memory is judged per shard, per parameter of its share; the merger's"
+            " stages are the shards' times summed (each takes its round in turn)"
+            " (default %(default)s)"
+        ),
+    )
     scale.set_defaults(
         run=run_bench,
         bench_params={
+            "shards": "shards",
             "sizes": "sizes",
             "reps": "reps",
             "momentum_dtype": "momentum_dtype",
@@ -231,7 +243,7 @@ def run_bench(args: argparse.Namespace) -> int:
         dict(args.bench_params),
     )
     # bench merger --shards: the same work over merger shard processes
-    if getattr(args, "shards", None):
+    if args.suite == "merger" and args.shards:
         if args.standby:
             print(
                 "dloco bench merger: --shards and --standby measure different things; give one",

@@ -8,17 +8,20 @@ over `reps` rounds (after one warm-up round) is given in GB/s of float32 paramet
 (4 x params / seconds) and as a ratio to memcpy: `np.copyto` of the same bytes, measured in the
 same run before and after the pipeline.  Memory: the merger's peak resident set above its imports
 (its own process, benchmarks/scale_merger.py) and the island's exchange state above its training
-state (benchmarks/scale_island.py), per parameter.
+state (benchmarks/scale_island.py), per parameter.  With `--shards N` the merger is N processes,
+each folding, logging and serving its share of the fragments; each one's memory is per parameter
+of its share, and the merger's figure is the largest of them.
 
 Goals, judged at the largest size: the summed per-parameter cost within 1.5x of the smallest
-size's (linear growth); the merger at most 12 bytes per parameter; the island's exchange state at
-most 8.  A missed goal names the stage, phase or structure that misses it.  The computations on
-the figures are pure functions, tested against hand-derived values (benchmarks/scale_goals.py).  A
-size whose pipeline would not fit in the memory available is refused before anything runs (the
-machine may be shared); the estimate counts the merger's state in its dtypes.  Where a whole
-island does not fit beside the merger, `--light-island` runs the island side without a model
-(benchmarks/scale_sides.py): the merger's two stages and both memory figures are measured as
-before, the island's two stages without `exchange.advance` and the rebase.
+size's (linear growth); the merger at most 12 bytes per parameter (with shards: each shard, of
+its share); the island's exchange state at most 8.  A missed goal names the stage, phase or
+structure that misses it.  The computations on the figures are pure functions, tested against
+hand-derived values (benchmarks/scale_goals.py).  A size whose pipeline would not fit in the
+memory available is refused before anything runs (the machine may be shared); the estimate counts
+the merger's state in its dtypes.  Where a whole island does not fit beside the merger,
+`--light-island` runs the island side without a model (benchmarks/scale_sides.py): the merger's
+two stages and both memory figures are measured as before, the island's two stages without
+`exchange.advance` and the rebase.
 """
 
 from __future__ import annotations
@@ -55,17 +58,21 @@ from dloco.benchmarks.scale_model import (
 from dloco.benchmarks.scale_pipeline import WAIT_S, ScaleBenchError, measure
 from dloco.benchmarks.timing import gbps, memcpy_seconds
 from dloco.merger.config import OuterConfig, SnapshotConfig
+from dloco.protocol import partition
 
 FRAGMENTS = 4
 
 
-def memory_needed(params: int, state: MergerState = MergerState(), light: bool = False) -> int:
-    """Bytes a size's pipeline holds at its peak, both processes together (an estimate)."""
+def memory_needed(
+    params: int, state: MergerState = MergerState(), light: bool = False, shards: int = 1
+) -> int:
+    """Bytes a size's pipeline holds at its peak, every process together (an estimate)."""
     return scale_goals.memory_needed(
         params,
         OuterConfig.MOMENTUM_BYTES[state.outer.momentum_dtype],
         SnapshotConfig.SERVED_BYTES[state.snapshots.served_dtype],
         "light" if light else "full",
+        shards,
     )
 
 
@@ -77,15 +84,21 @@ def run(
     served_dtype: str = SnapshotConfig.served_dtype,
     fragments: int = FRAGMENTS,
     light_island: bool = False,
+    shards: int = 1,
 ) -> dict:
     wanted_sizes = parse_sizes(sizes)
+    if not 1 <= shards <= fragments:
+        raise ScaleBenchError(
+            f"--shards {shards}: each merger shard folds at least one of the {fragments} fragments"
+            " (give 1 <= shards <= fragments)"
+        )
     state = MergerState(
         OuterConfig(momentum_dtype=momentum_dtype),
         SnapshotConfig("fp32", "int4", served_dtype=served_dtype),
     )
-    _refuse_what_does_not_fit(wanted_sizes, available_bytes(), state, light_island)
+    _refuse_what_does_not_fit(wanted_sizes, available_bytes(), state, light_island, shards)
     results = [
-        _measure_size(label, wanted, reps, fragments, state, light_island, log)
+        _measure_size(label, wanted, reps, fragments, state, light_island, shards, log)
         for label, wanted in wanted_sizes
     ]
     largest = max(results, key=lambda s: s["params"])
@@ -95,6 +108,9 @@ def run(
             " same bytes in the same run over the stage (1 = as fast as memcpy)"
         ),
         "fragments": fragments,
+        # merger processes, each folding its share of the fragments; "merger" is the one with the
+        # most bytes per parameter of its share
+        "shards": shards,
         "codec": "int4",
         "snapshot_diff_codec": "int4",
         "momentum_dtype": momentum_dtype,
@@ -115,16 +131,20 @@ def run(
 
 
 def _refuse_what_does_not_fit(
-    wanted_sizes: list[tuple[str, int]], available: int | None, state: MergerState, light: bool
+    wanted_sizes: list[tuple[str, int]],
+    available: int | None,
+    state: MergerState,
+    light: bool,
+    shards: int,
 ) -> None:
     """ScaleBenchError for the first size that needs more memory than is available: a shared
     machine must not run out of memory halfway through."""
     for label, wanted in wanted_sizes:
-        need = memory_needed(wanted, state, light)
+        need = memory_needed(wanted, state, light, shards)
         if available is not None and need > available:
             raise ScaleBenchError(
                 f"{label} needs about {need / 1e9:.1f} GB at once"
-                f" ({(need - scale_goals.NEED_FIXED_BYTES) / wanted:.0f} B/param: the merger and"
+                f" ({(need - scale_goals.fixed_bytes(shards)) / wanted:.0f} B/param: the merger and"
                 f" the {'light ' if light else ''}island side), {available / 1e9:.1f} GB are"
                 " available: give smaller --sizes"
                 + ("" if light else ", or --light-island (no model on the island side)")
@@ -138,6 +158,7 @@ def _measure_size(
     fragments: int,
     state: MergerState,
     light: bool,
+    shards: int,
     log: Callable[[str], None],
 ) -> dict:
     """One size: memcpy before and after the pipeline, the pipeline, the island's state."""
@@ -149,8 +170,11 @@ def _measure_size(
 
     say(f"{params:,} parameters in {len(shapes)} tensors; memcpy reference ...")
     memcpy = [_memcpy(shapes, reps)]
-    say("pipeline (merger process starting: model, genesis, compiling) ...")
-    pipeline = measure(shapes, fragments, reps, say, state, light)
+    say(
+        f"pipeline ({shards} merger process{'es' if shards > 1 else ''} starting: model, genesis,"
+        " compiling) ..."
+    )
+    pipeline = measure(shapes, fragments, reps, say, state, light, shards)
     gc.collect()
     memcpy.append(_memcpy(shapes, reps))
     say("island exchange state (own process) ...")
@@ -158,7 +182,7 @@ def _measure_size(
         key: _island_state(shapes, fragments, state.snapshots.served, error_feedback)
         for key, error_feedback in (("island", True), ("island_plain", False))
     }
-    result = _size_result(label, shapes, params, statistics.median(memcpy), pipeline, islands)
+    result = _size_result(label, shapes, fragments, statistics.median(memcpy), pipeline, islands)
     say(
         f"{result['ns_per_param']:.2f} ns/param over the stages; merger"
         f" {result['merger']['bytes_per_param']:.1f} B/param, island"
@@ -174,7 +198,12 @@ def _rss_fits(results: list[dict]) -> dict:
             zip(
                 ("fixed_bytes", "bytes_per_param"),
                 linear_fit(
-                    [(s["params"], s[kind]["bytes_per_param"] * s["params"]) for s in results]
+                    [
+                        (n, s[kind]["bytes_per_param"] * n)
+                        for s in results
+                        # a merger shard: per parameter of its share
+                        for n in [s[kind].get("params", s["params"])]
+                    ]
                 ),
             )
         )
@@ -211,10 +240,18 @@ def _island_state(shapes: dict, fragments: int, served: str | None, error_feedba
 
 
 def _size_result(
-    label: str, shapes: dict, params: int, memcpy_s: float, pipeline: dict, islands: dict
+    label: str, shapes: dict, fragments: int, memcpy_s: float, pipeline: dict, islands: dict
 ) -> dict:
+    params = count(shapes)
     stages = stage_figures(pipeline["stages"], params, memcpy_s)
     depth = depth_for(params)
+    parts = partition(shapes, fragments)
+    shards = [
+        _merger_memory(
+            shard, count({path: shapes[path] for f in shard["fragments"] for path in parts[f]})
+        )
+        for shard in pipeline["shards"]
+    ]
     return {
         "label": label,
         "params": params,
@@ -226,14 +263,9 @@ def _size_result(
         "stages": stages,
         "seconds_per_param": sum(s["seconds"] for s in stages.values()) / params,
         "ns_per_param": sum(s["ns_per_param"] for s in stages.values()),
-        "merger": {
-            **_memory(pipeline["merger_memory_kib"], params),
-            "counters": pipeline["merger_counters"],
-            "held_bytes_per_param": {
-                name: nbytes / params
-                for name, nbytes in pipeline["merger_memory_kib"]["held"].items()
-            },
-        },
+        # each merger shard per parameter of its own share; "merger": the one with the most
+        "merger_shards": shards,
+        "merger": max(shards, key=lambda shard: shard["bytes_per_param"]),
         # the island's exchange state, error feedback on ("island") and off ("island_plain")
         **{
             key: {
@@ -254,6 +286,18 @@ def _size_result(
                 pipeline["full_snapshot_reassembly_bytes"] <= pipeline["island_reassembly_budget"]
             ),
         },
+    }
+
+
+def _merger_memory(shard: dict, params: int) -> dict:
+    """A merger process's memory per parameter of the `params` it folds."""
+    kib = shard["memory_kib"]
+    return {
+        "fragments": shard["fragments"],
+        "params": params,
+        **_memory(kib, params),
+        "counters": shard["counters"],
+        "held_bytes_per_param": {name: nbytes / params for name, nbytes in kib["held"].items()},
     }
 
 
@@ -282,7 +326,8 @@ def summary(result: dict) -> str:
         ),
         f"{'size':>6} {'params':>13} {'memcpy':>6} "
         + " ".join(f"{s.replace('_', ' '):>15}" for s in STAGES)
-        + f" {'ns/param':>8} {'merger B/p':>10} {'island B/p':>10}",
+        + f" {'ns/param':>8} {'merger B/p' if result['shards'] == 1 else 'shard B/p':>10}"
+        + f" {'island B/p':>10}",
     ]
     for size in result["sizes"]:
         stages = " ".join(
@@ -300,7 +345,13 @@ def summary(result: dict) -> str:
         f" {linear['smallest']} (limit {linear['limit']}): {_verdict(linear)}"
     )
     for name, goal, kind in (
-        ("merger RSS", goals["merger_rss"], "merger"),
+        (
+            "merger RSS"
+            if result["shards"] == 1
+            else f"merger RSS (the most of {result['shards']} shards, per parameter of its share)",
+            goals["merger_rss"],
+            "merger",
+        ),
         ("island exchange state", goals["island_rss"], "island"),
         ("island exchange state, no error feedback", goals["island_plain_rss"], "island_plain"),
     ):
@@ -310,6 +361,16 @@ def summary(result: dict) -> str:
             f" {fit[kind]['fixed_bytes'] / 2**20:.0f} MiB + {fit[kind]['bytes_per_param']:.1f}"
             " B/param"
         )
+    if result["shards"] > 1:
+        for size in result["sizes"]:
+            lines.append(
+                f"merger shards at {size['label']}: "
+                + "; ".join(
+                    f"fragments {','.join(map(str, shard['fragments']))}: {shard['params']:,}"
+                    f" params, {shard['bytes_per_param']:.1f} B/param"
+                    for shard in size["merger_shards"]
+                )
+            )
     for size in result["sizes"]:
         join = size["join"]
         if not join["fits"]:

@@ -26,14 +26,23 @@ ISLAND_PLAIN_LIMIT = 4.5
 NEED_MERGER_ABOVE = 7
 NEED_ISLAND_ABOVE = {"full": 15, "light": 2}
 NEED_FIXED_BYTES = 1 << 30
+# each merger shard beyond the first: its imports, runtime and compiled kernels
+NEED_SHARD_BYTES = 1 << 29
 
 
-def memory_needed(params: int, momentum_bytes: int, served_bytes: int, island: str) -> int:
-    """Bytes a size's pipeline holds at its peak, both processes together (an estimate): the
-    merger's parameters, momentum and served value and what stands above them, and the island
-    side (`island`: "full" or "light") with its served value."""
+def fixed_bytes(shards: int) -> int:
+    """What the pipeline holds whatever the size: the processes' imports and runtimes."""
+    return NEED_FIXED_BYTES + (shards - 1) * NEED_SHARD_BYTES
+
+
+def memory_needed(
+    params: int, momentum_bytes: int, served_bytes: int, island: str, shards: int = 1
+) -> int:
+    """Bytes a size's pipeline holds at its peak, every process together (an estimate): the
+    merger's parameters, momentum and served value and what stands above them (shards hold a
+    share each), and the island side (`island`: "full" or "light") with its served value."""
     merger = NEED_MERGER_ABOVE + 4 + momentum_bytes + served_bytes
-    return NEED_FIXED_BYTES + (merger + NEED_ISLAND_ABOVE[island] + served_bytes) * params
+    return fixed_bytes(shards) + (merger + NEED_ISLAND_ABOVE[island] + served_bytes) * params
 
 
 # What raises the merger's peak in each phase (benchmarks/scale_merger.py), for a missed goal's
@@ -133,8 +142,9 @@ def linear_goal(sizes: list[dict]) -> dict:
 
 
 def merger_goal(largest: dict) -> dict:
-    """The merger's bytes per parameter at the largest size.  A miss names the phase that set the
-    peak (the last that raised it), the state the merger holds, and the peak after each phase."""
+    """The merger's bytes per parameter at the largest size (with shards: the shard with the most,
+    per parameter of its own share).  A miss names the phase that set the peak (the last that
+    raised it), the state the merger holds, and the peak after each phase."""
     value = largest["merger"]["bytes_per_param"]
     goal = {
         "limit": MERGER_LIMIT,

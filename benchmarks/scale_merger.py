@@ -1,13 +1,14 @@
 """The merger's half of `dloco bench scale`: the real `MergerService` in a process of its own.
 
 Spawned fresh for each model size, so that its peak resident memory is the merger's alone: the
-imports are its baseline, then it makes the model, starts the service (genesis record in the
-write-ahead log, fold kernels compiled), and serves the conductor's commands on a pipe:
+imports are its baseline, then it makes the model (a shard: its own fragments' values, as
+`dloco merger --shard I/N` reads them), starts the service (genesis record in the write-ahead log,
+fold kernels compiled), and serves the conductor's commands on a pipe:
 
 - ``listen``: until a message comes in on the delta bus (the broker's XPUB), then until the bus is
   quiet: subscriptions have propagated (ZeroMQ's slow joiner) and nothing stale is left;
 - ``call``: probe the snapshot bus with empty acks until the conductor hears one;
-- ``join``: publish every fragment in full, as `MergerService.run` does at start;
+- ``join``: publish every fragment it folds in full, as `MergerService.run` does at start;
 - ``round``: take `expected` delta chunks (`Receiver.on_delta_frames`, then the fold pipeline:
   reassemble, admit, log, fold) and announce the folds (`announce`: the snapshot diff, its frames,
   the acks);
@@ -37,6 +38,7 @@ from dloco.merger.config import MergerConfig, OuterConfig, RoundConfig, Snapshot
 from dloco.merger.memory import keep_freed_memory
 from dloco.merger.service import MergerService, ServiceConfig
 from dloco.merger.starting import initial_core
+from dloco.protocol import shards as sharding
 
 # between probes of a bus whose subscriptions may not have arrived yet
 PROBE_S = 0.02
@@ -62,9 +64,10 @@ def merger_process(
     control_endpoint: str,
     run_dir: str,
     state: MergerState,
+    shard: tuple[int, int] = (0, 1),
 ) -> None:
-    """Entry point of the spawned process; any failure goes back up the pipe as ("error",
-    traceback)."""
+    """Entry point of the spawned process, as merger shard `shard` (I, N); any failure goes back
+    up the pipe as ("error", traceback)."""
     sys.stdout = open(os.devnull, "w")
     try:
         _serve(
@@ -77,6 +80,9 @@ def merger_process(
                 snapshot_endpoint=snapshot_endpoint,
                 control_endpoint=control_endpoint,
                 snapshots=state.snapshots,
+                sender=sharding.names("merger", shard[1])[shard[0]],
+                shard=shard[0],
+                shards=shard[1],
                 # no checkpoint
                 checkpoint_every=1 << 30,
             ),
@@ -91,13 +97,20 @@ def _serve(conn, shapes: dict, fragments: int, config: ServiceConfig, outer: Out
     # as `dloco merger` does
     keep_freed_memory()
     rises = PeakRises()
-    params = init_params(shapes, seed=0)
+    parts = protocol.partition(shapes, fragments)
+    mine = [
+        path
+        for fragment in sharding.owned(config.shard, config.shards, fragments)
+        for path in parts[fragment]
+    ]
+    params = init_params({path: shapes[path] for path in mine}, seed=config.shard)
     rises.after("model")
     # one island: fold each delta
     factory = initial_core(
         MergerConfig(outer=outer, round=RoundConfig(quorum=1, grace_cap_s=0.0)),
         params,
         fragments,
+        shapes,
     )
     service = MergerService(config, factory)
     # the core holds the model now
@@ -115,7 +128,7 @@ def _serve(conn, shapes: dict, fragments: int, config: ServiceConfig, outer: Out
                 _call(conn, service)
             elif command == "join":
                 seq = service.stamp.seq
-                for fragment in range(len(service.core.fragments)):
+                for fragment in service.owned:
                     service.publisher.publish(fragment)
                 rises.after("join")
                 conn.send(("published", service.stamp.seq - seq))

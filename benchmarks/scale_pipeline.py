@@ -20,16 +20,24 @@ five stages that run one after the other, so that each is timed alone:
    merger's PUB: the broker's forward is measured once, on the delta bus), reassembled, applied to
    the value held (`island.snapshots.Downlink.on_snapshot`: `downlink.receive`, digest checked)
    and rebased into theta (`exchange.rebase`), acks releasing the retransmit buffer.
+
+With merger shards (`--shards N`) N merger processes each fold their share of the fragments
+(f % N), as `dloco merger --shard I/N`: the island sends each shard's deltas on its own stream, and
+the shards take their round in turn (the others' chunks wait in their sockets), so that the
+merger's two stages are the shards' times summed over the same parameters as one merger's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import tempfile
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 import zmq
 
@@ -39,6 +47,7 @@ from dloco.broker.proxy import Broker, BrokerConfig, BusEndpoints
 from dloco.cluster.ports import free_ports
 from dloco.merger.memory import with_huge_pages
 from dloco.protocol.errors import DlocoError
+from dloco.protocol.shards import owned
 
 
 class ScaleBenchError(DlocoError):
@@ -120,66 +129,89 @@ def measure(
     log: Callable[[str], None],
     state: MergerState = MergerState(),
     light: bool = False,
+    shards: int = 1,
 ) -> dict:
-    """Join, one warm-up round, `reps` timed rounds.  Returns each stage's seconds per round, the
-    merger's resident memory (KiB: at the start, its peak, each phase's rise) and what the joins
-    needed.  `state`: what the merger keeps its state in.
+    """Join, one warm-up round, `reps` timed rounds.  Returns each stage's seconds per round, each
+    merger shard's resident memory (KiB: at the start, its peak, each phase's rise) and counters,
+    and what the joins needed.  `state`: what the merger keeps its state in; `shards`: merger
+    processes, each folding its share of the fragments (protocol/shards.py).
     """
     spawn = multiprocessing.get_context("spawn")
-    # broker in, broker out, island snapshot SUB, merger control
-    ports = free_ports(4)
+    # broker in, broker out, island snapshot SUB, each shard's control
+    ports = free_ports(3 + shards)
     endpoint = [f"tcp://127.0.0.1:{port}" for port in ports]
     broker = _broker(shapes, endpoint[0], endpoint[1])
     pump, context = _BrokerPump(broker), zmq.Context()
-    conn, child_conn = spawn.Pipe()
+    mergers: list[_Merger] = []
     with tempfile.TemporaryDirectory(prefix="dloco-bench-scale-") as run_dir:
-        merger = spawn.Process(
-            target=merger_process,
-            name="bench-scale-merger",
-            daemon=True,
-            args=(
-                child_conn,
-                shapes,
-                fragments,
-                endpoint[1],
-                endpoint[2],
-                f"@{endpoint[3]}",
-                run_dir,
-                state,
-            ),
-        )
-        # as `dloco up` starts a merger: its mapped blocks in huge pages (merger/memory.py)
-        with _environment(with_huge_pages(dict(os.environ))):
-            merger.start()
         try:
+            for shard in range(shards):
+                conn, child_conn = spawn.Pipe()
+                process = spawn.Process(
+                    target=merger_process,
+                    name=f"bench-scale-merger-{shard}",
+                    daemon=True,
+                    args=(
+                        child_conn,
+                        shapes,
+                        fragments,
+                        endpoint[1],
+                        endpoint[2],
+                        f"@{endpoint[3 + shard]}",
+                        os.path.join(run_dir, f"shard-{shard}"),
+                        state,
+                        (shard, shards),
+                    ),
+                )
+                # as `dloco up` starts a merger: its mapped blocks in huge pages (merger/memory.py)
+                with _environment(with_huge_pages(dict(os.environ))):
+                    process.start()
+                mergers.append(_Merger(conn, process))
             side = LightIsland if light else PipelineIsland
-            island = side(context, shapes, fragments, endpoint[0], ports[2])
-            _expect(conn, merger, "ready")
-            _join(conn, merger, island, pump, fragments)
-            samples = _rounds(conn, merger, island, pump, fragments, reps, log)
-            conn.send(("finish",))
-            memory, counters = _expect(conn, merger, "finished")
-            merger.join(timeout=60)
+            island = side(context, shapes, fragments, endpoint[0], ports[2], shards)
+            for merger in mergers:
+                merger.expect("ready")
+            _join(mergers, island, pump, fragments)
+            samples = _rounds(mergers, island, pump, fragments, reps, log)
+            finished = []
+            for merger in mergers:
+                merger.conn.send(("finish",))
+                finished.append(merger.expect("finished"))
+            for merger in mergers:
+                merger.process.join(timeout=60)
         finally:
-            if merger.is_alive():
-                merger.terminate()
-                merger.join(timeout=30)
+            for merger in mergers:
+                if merger.process.is_alive():
+                    merger.process.terminate()
+                    merger.process.join(timeout=30)
             context.destroy(linger=0)
             broker.context.destroy(linger=0)
     return {
         "stages": samples,
-        "merger_memory_kib": memory,
-        "merger_counters": counters,
+        "shards": [
+            {
+                "fragments": owned(shard, shards, fragments),
+                "memory_kib": memory,
+                "counters": counters,
+            }
+            for shard, (memory, counters) in enumerate(finished)
+        ],
         "full_snapshot_reassembly_bytes": island.full_snapshot_cost,
         "island_reassembly_budget": island.island_budget,
     }
 
 
-def _join(conn, merger, island: PipelineIsland, pump: _BrokerPump, fragments: int) -> None:
-    """Both buses joined, then every fragment adopted from the merger's full snapshot."""
-    _join_buses(conn, merger, island, pump)
-    conn.send(("join",))
-    (published,) = _expect(conn, merger, "published")
+def _join(
+    mergers: list[_Merger], island: PipelineIsland, pump: _BrokerPump, fragments: int
+) -> None:
+    """Both buses joined with every shard, then every fragment adopted from its shard's full
+    snapshot."""
+    for shard, merger in enumerate(mergers):
+        _join_buses(merger, shard, island, pump)
+    published = 0
+    for merger in mergers:
+        merger.conn.send(("join",))
+        published += merger.expect("published")[0]
     island.receive(published)
     island.joined = True
     if len(island.downlink.served) != fragments:
@@ -190,8 +222,7 @@ def _join(conn, merger, island: PipelineIsland, pump: _BrokerPump, fragments: in
 
 
 def _rounds(
-    conn,
-    merger,
+    mergers: list[_Merger],
     island: PipelineIsland,
     pump: _BrokerPump,
     fragments: int,
@@ -202,7 +233,7 @@ def _rounds(
     samples: dict[str, list[float]] = {}
     for number in range(reps + 1):
         log(f"round {number + 1}/{reps + 1}{' (warm-up)' if number == 0 else ''} ...")
-        stage = _round(conn, merger, island, pump)
+        stage = _round(mergers, island, pump)
         if island.downlink.results["diff"] != fragments * (number + 1):
             raise ScaleBenchError(
                 f"round {number + 1}: the island adopted {island.downlink.results['diff']}"
@@ -214,11 +245,23 @@ def _rounds(
     return samples
 
 
-def _round(conn, merger, island: PipelineIsland, pump: _BrokerPump) -> dict[str, float]:
+def _round(mergers: list[_Merger], island: PipelineIsland, pump: _BrokerPump) -> dict[str, float]:
+    """One round; with shards, each takes its chunks and announces in turn (the others' wait in
+    their sockets), so that a merger stage's time is the shards' summed, over the same
+    parameters."""
     send_s, chunks = island.send_round()
-    forward_s = pump.forward(chunks)
-    conn.send(("round", chunks))
-    ingest_s, diff_s, published, folds = _expect(conn, merger, "round")
+    forward_s = pump.forward(sum(chunks))
+    ingest_s = diff_s = 0.0
+    published = folds = 0
+    for merger, expected in zip(mergers, chunks):
+        merger.conn.send(("round", expected))
+        ingest, diff, messages, folded = merger.expect("round")
+        ingest_s, diff_s, published, folds = (
+            ingest_s + ingest,
+            diff_s + diff,
+            published + messages,
+            folds + folded,
+        )
     if folds != len(island.parts):
         raise ScaleBenchError(
             f"the merger folded {folds} times, expected one fold per fragment ({len(island.parts)})"
@@ -233,41 +276,51 @@ def _round(conn, merger, island: PipelineIsland, pump: _BrokerPump) -> dict[str,
     }
 
 
-def _join_buses(conn, merger, island: PipelineIsland, pump: _BrokerPump) -> None:
+def _join_buses(merger: _Merger, shard: int, island: PipelineIsland, pump: _BrokerPump) -> None:
     """Probe both buses until a message gets through, then let them fall quiet (ZeroMQ's slow
     joiner: a PUB drops what it sends before a subscription has reached it)."""
-    conn.send(("listen",))
+    merger.conn.send(("listen",))
     deadline = time.monotonic() + WAIT_S
-    while not conn.poll(0):
-        if time.monotonic() > deadline or not merger.is_alive():
+    while not merger.conn.poll(0):
+        if time.monotonic() > deadline or not merger.process.is_alive():
             raise ScaleBenchError("the merger heard no probe on the delta bus")
-        island.probe()
+        island.probe(shard)
         pump.pump(20)
-    _expect(conn, merger, "heard")
-    while not conn.poll(0):
+    merger.expect("heard")
+    while not merger.conn.poll(0):
         pump.pump(50)
-    _expect(conn, merger, "quiet")
-    conn.send(("call",))
+    merger.expect("quiet")
+    merger.conn.send(("call",))
     if not island.sub.poll(int(WAIT_S * 1000)):
         raise ScaleBenchError("the island heard no probe on the snapshot bus")
-    conn.send(("heard",))
-    _expect(conn, merger, "stopped")
+    merger.conn.send(("heard",))
+    merger.expect("stopped")
     island.drain()
 
 
-def _expect(conn, merger, what: str) -> tuple:
-    """The merger's next answer, which must be `what`; its fields."""
-    deadline = time.monotonic() + WAIT_S
-    while not conn.poll(1.0):
-        if not merger.is_alive():
-            raise ScaleBenchError(
-                f"the merger exited (code {merger.exitcode}) before answering {what!r}"
-            )
-        if time.monotonic() > deadline:
-            raise ScaleBenchError(f"the merger did not answer {what!r} within {WAIT_S:.0f} s")
-    kind, *fields = conn.recv()
-    if kind == "error":
-        raise ScaleBenchError(f"the merger failed:\n{fields[0]}")
-    if kind != what:
-        raise ScaleBenchError(f"the merger answered {kind!r}, expected {what!r}")
-    return tuple(fields)
+@dataclasses.dataclass(frozen=True)
+class _Merger:
+    """A merger process (one shard) and its end of the command pipe."""
+
+    conn: Connection
+    process: BaseProcess
+
+    def expect(self, what: str) -> tuple:
+        """The merger's next answer, which must be `what`; its fields."""
+        deadline = time.monotonic() + WAIT_S
+        while not self.conn.poll(1.0):
+            if not self.process.is_alive():
+                raise ScaleBenchError(
+                    f"{self.process.name} exited (code {self.process.exitcode}) before answering"
+                    f" {what!r}"
+                )
+            if time.monotonic() > deadline:
+                raise ScaleBenchError(
+                    f"{self.process.name} did not answer {what!r} within {WAIT_S:.0f} s"
+                )
+        kind, *fields = self.conn.recv()
+        if kind == "error":
+            raise ScaleBenchError(f"{self.process.name} failed:\n{fields[0]}")
+        if kind != what:
+            raise ScaleBenchError(f"{self.process.name} answered {kind!r}, expected {what!r}")
+        return tuple(fields)

@@ -3,7 +3,8 @@ whose code path is measured, and a light one for sizes where a whole island does
 merger.
 
 - `PipelineIsland`: theta standing in for the trainer's, the anchors, the uplink and the downlink,
-  as `dloco island` holds them.  A round "trains" (a fixed change added to theta, untimed), sends
+  as `dloco island` holds them (with merger shards: a stream per shard, acks credited to the shard
+  that sent them).  A round "trains" (a fixed change added to theta, untimed), sends
   each fragment's delta (`exchange.advance`, `Uplink._send`) and adopts each diff
   (`Downlink.on_snapshot`, then `exchange.rebase` into theta).
 - `LightIsland` (`--light-island`): no theta and no anchors.  A round sends the fixed change itself
@@ -35,6 +36,7 @@ from dloco.island.outbox import PendingDelta
 from dloco.island.shaper import LinkShaper
 from dloco.island.snapshots import Downlink, reassembly_budget, snapshot_reassembler
 from dloco.island.uplink import Uplink
+from dloco.protocol import shards as sharding
 from dloco.protocol.chunking import DEFAULT_MAX_CHUNK_BYTES
 from dloco.protocol.reassembly import CHUNK_OVERHEAD_BYTES, SLICE_OVERHEAD_BYTES
 
@@ -81,6 +83,7 @@ class PipelineIsland:
         fragments: int,
         delta_endpoint: str,
         snapshot_port: int,
+        shards: int = 1,
     ) -> None:
         self.change = {
             shape: init_params({"x": shape}, seed=2)["x"] * np.float32(0.05)
@@ -104,8 +107,10 @@ class PipelineIsland:
         for topic in (b"snapshot/", b"ack"):
             self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.uplink = Uplink(
-            NAME, self.model, epoch, self.sync, LinkShaper(None), threading.Event()
+            NAME, self.model, epoch, self.sync, LinkShaper(None), threading.Event(), shards
         )
+        # the benchmark's mergers are named as `dloco merger --shard I/N` names them
+        self.mergers = sharding.names("merger", shards)
         self.downlink = Downlink(NAME, epoch)
         # The join gets what it needs; the result says whether `dloco island`'s own budget holds a
         # fragment's fp32 snapshot (it grows with the model: island/snapshots.reassembly_budget).
@@ -128,16 +133,21 @@ class PipelineIsland:
             for paths in self.parts
         ]
 
-    def probe(self) -> None:
-        self.pub.send_multipart(
-            protocol.encode(
-                protocol.Heartbeat(sender=NAME, epoch=self.uplink.epoch, seq=self.uplink.seq)
-            )
-        )
+    def probe(self, shard: int = 0) -> None:
+        """A heartbeat on `shard`'s stream: only that shard hears it (a probe left in another's
+        socket would be taken as one of its next round's chunks)."""
+        seq = self.uplink.streams[shard].seq
+        beat = protocol.Heartbeat(NAME, self.uplink.epoch, seq, stream=shard)
+        self.pub.send_multipart(protocol.encode(beat))
 
-    def send_round(self) -> tuple[float, int]:
-        """Train (untimed), then send a delta of every fragment; returns (seconds, chunks sent)."""
-        seconds, seq = 0.0, self.uplink.seq
+    def sent_since(self, seqs: list[int]) -> list[int]:
+        """Chunks sent on each shard's stream since its seq was `seqs`."""
+        return [stream.seq - seq for stream, seq in zip(self.uplink.streams, seqs)]
+
+    def send_round(self) -> tuple[float, list[int]]:
+        """Train (untimed), then send a delta of every fragment; returns (seconds, chunks sent on
+        each shard's stream)."""
+        seconds, seqs = 0.0, [stream.seq for stream in self.uplink.streams]
         for fragment, paths in enumerate(self.parts):
             for path in paths:
                 self.theta[path] += self.change[self.theta[path].shape]
@@ -148,7 +158,7 @@ class PipelineIsland:
             self._send(fragment, progress.version, delta)
             self.progress[fragment] = FragmentProgress(anchor, progress.version)
             seconds += time.perf_counter() - began
-        return seconds, self.uplink.seq - seq
+        return seconds, self.sent_since(seqs)
 
     def _send(self, fragment: int, version: int, delta: dict) -> None:
         self.uplink.publish(PendingDelta(fragment, version, delta, STEPS, TOKENS))
@@ -163,7 +173,7 @@ class PipelineIsland:
     def on_frames(self, frames: list) -> None:
         message = protocol.decode(frames)
         if isinstance(message, protocol.Ack):
-            self.uplink.on_ack(message)
+            self.uplink.on_ack(message, self.mergers.index(message.sender))
             return
         assembled = self.reassembler.add(message, time.monotonic())
         if assembled is not None:
@@ -195,14 +205,14 @@ class LightIsland(PipelineIsland):
         self.versions = [0] * len(self.parts)
         self.shapes = shapes
 
-    def send_round(self) -> tuple[float, int]:
-        seconds, seq = 0.0, self.uplink.seq
+    def send_round(self) -> tuple[float, list[int]]:
+        seconds, seqs = 0.0, [stream.seq for stream in self.uplink.streams]
         for fragment, paths in enumerate(self.parts):
             began = time.perf_counter()
             delta = {path: self.change[self.shapes[path]] for path in paths}
             self._send(fragment, self.versions[fragment], delta)
             seconds += time.perf_counter() - began
-        return seconds, self.uplink.seq - seq
+        return seconds, self.sent_since(seqs)
 
     def _adopt(self, fragment: int, version: int, tensors: dict) -> None:
         self.versions[fragment] = version

@@ -183,6 +183,13 @@ def test_memory_needed_by_hand():
     )
     assert scale.memory_needed(10**9, state, light=True) == (1 << 30) + 19 * 10**9
     assert scale.memory_needed(10**9, state) == (1 << 30) + 32 * 10**9
+    # two merger shards hold a share each: the same per parameter, a second process's runtime
+    assert scale.memory_needed(10**9, state, True, shards=2) == (3 << 29) + 19 * 10**9
+
+
+def test_more_shards_than_fragments_are_refused_before_any_work():
+    run = dloco("bench", "scale", "--sizes", "1M", "--fragments", "2", "--shards", "3", timeout=60)
+    assert run.returncode == 2 and "--shards 3" in run.stderr and "2 fragments" in run.stderr
 
 
 @pytest.mark.skipif(
@@ -321,4 +328,41 @@ def test_the_light_island_sends_and_checks_every_fragment():
     assert size["merger"]["held_bytes_per_param"] == pytest.approx(
         {"parameters": 4.0, "optimizer": 4.0, "other_jax_arrays": 0.0, "served": 4.0}
     )
+    assert all(figures["seconds"] > 0 for figures in size["stages"].values())
+
+
+# two merger processes, an island process and the broker's sockets: -m e2e
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_merger_shards_each_hold_and_serve_their_share():
+    """--shards 2: each shard process folds, holds and serves its own fragments; its memory is per
+    parameter of its share."""
+    run = dloco(
+        "bench",
+        "scale",
+        "--json",
+        "--sizes",
+        "1M",
+        "--reps",
+        "1",
+        "--light-island",
+        "--shards",
+        "2",
+        timeout=280,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    assert result["shards"] == 2 and "merger shards at 1M: fragments 0,2" in scale.summary(result)
+    (size,) = result["sizes"]
+    shards = size["merger_shards"]
+    assert [shard["fragments"] for shard in shards] == [[0, 2], [1, 3]]
+    assert sum(shard["params"] for shard in shards) == size["params"]
+    for shard in shards:
+        # its two fragments joined in full, then a diff of each per round (warm-up and one timed)
+        assert shard["counters"] == {"merger/snapshot_full": 2, "merger/snapshot_diff": 4}
+        # its share's parameters, momentum and served value, and nothing of the other shard's
+        assert shard["held_bytes_per_param"] == pytest.approx(
+            {"parameters": 4.0, "optimizer": 4.0, "other_jax_arrays": 0.0, "served": 4.0}
+        )
+    assert size["merger"] == max(shards, key=lambda shard: shard["bytes_per_param"])
     assert all(figures["seconds"] > 0 for figures in size["stages"].values())
