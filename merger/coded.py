@@ -155,12 +155,21 @@ def dense(
     weights: Sequence[float],
     plain: dict[str, bool],
     scratch: Scratch | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> tuple[dict[str, np.ndarray], list[float], float]:
     """`merge` for the dense int codecs, by compiled loops over the codes (merger/fold_loops.py):
     per block the products of every two deltas' levels give each delta's norm and u's, then one
     pass over every delta's codes writes u, rescaled, into each tensor's float32 values (in
-    `scratch`'s memory if given, else fresh)."""
+    `scratch`'s memory if given, else fresh).  `sizes`: how many of `tensors`, in order, each
+    member is (an island's several deltas of one fold, merged as their sum: its norm is the sum's,
+    from the products of its deltas' levels, and each of its deltas takes the member's factor);
+    None: one each.  `weights` are the members'; the norms returned are each delta's."""
     scratch = Scratch() if scratch is None else scratch
+    sizes = [1] * len(tensors) if sizes is None else list(sizes)
+    if sum(sizes) != len(tensors) or len(sizes) != len(weights) or min(sizes) < 1:
+        raise ValueError(
+            f"members of sizes {sizes} for {len(tensors)} deltas, {len(weights)} weights"
+        )
     paths = sorted(tensors[0])
     codec, count = tensors[0][paths[0]].codec, len(tensors)
     spans, _, start = _layout(tensors[0], paths)
@@ -174,8 +183,27 @@ def dense(
     # (blocks, M, M): exact integers, in float64 for the sums below
     gram = fold_loops.gram(codes, codec.bits).astype(np.float64)
     scales = [np.concatenate([t[p].scales for p in paths]).astype(np.float64) for t in tensors]
-    norms = _norms(scales, [gram[:, m, m] for m in range(count)], spans)
-    factors = np.stack(_factors(weights, scales, norms, spans, plain, start))
+    # each delta's sums of squares per block, and each member's (its deltas' sum)
+    squares = [scales[m] ** 2 * gram[:, m, m] for m in range(count)]
+    members = list(_members(sizes))
+    delta_norms = _norms(squares, spans)
+    norms = [
+        delta_norms[first]
+        if size == 1
+        else _norms([_sum_squares(scales, gram, first, size)], spans)[0]
+        for first, size in members
+    ]
+    # each delta with its member's weight and norm
+    factors = np.stack(
+        _factors(
+            [w for w, (_, size) in zip(weights, members) for _ in range(size)],
+            scales,
+            [n for n, (_, size) in zip(norms, members) for _ in range(size)],
+            spans,
+            plain,
+            start,
+        )
+    )
     wide = factors.astype(np.float64)
     # ||u_b||^2 = sum_m sum_n f_mb f_nb G_mnb, each pair once, in a fixed order
     u_squares = np.zeros(start)
@@ -191,15 +219,31 @@ def dense(
         tensor = tensors[0][path]
         at = b0 * codec.block
         merged[path] = flat[at : at + tensor.count].reshape(tensor.shape)
-    delta_norms = [float(np.sqrt(sum(n[p] ** 2 for p in paths))) for n in norms]
-    return merged, delta_norms, merged_norm
+    return merged, [float(np.sqrt(sum(n[p] ** 2 for p in paths))) for n in delta_norms], merged_norm
 
 
-def _norms(scales: list[np.ndarray], squares: list[np.ndarray], spans: Spans) -> list[dict]:
-    """Each delta's norm per path, from its block scales and its sums of squared levels."""
+def _members(sizes: Sequence[int]):
+    """(first delta, deltas) of each member."""
+    first = 0
+    for size in sizes:
+        yield first, size
+        first += size
+
+
+def _sum_squares(scales: list[np.ndarray], gram: np.ndarray, first: int, size: int) -> np.ndarray:
+    """Per block, the sum of squares of deltas first..first+size-1 added up:
+    sum_mn s_mb s_nb G_mnb, each pair once, in a fixed order."""
+    total = np.zeros(gram.shape[0])
+    for m in range(first, first + size):
+        for n in range(m, first + size):
+            total += (1 if m == n else 2) * scales[m] * scales[n] * gram[:, m, n]
+    return total
+
+
+def _norms(squares: list[np.ndarray], spans: Spans) -> list[dict]:
+    """Each delta's norm per path, from its sums of squares per block."""
     return [
-        {p: float(np.sqrt(_sum64(scale[b0:b1] ** 2 * sq[b0:b1]))) for p, (b0, b1) in spans.items()}
-        for scale, sq in zip(scales, squares)
+        {p: float(np.sqrt(_sum64(sq[b0:b1]))) for p, (b0, b1) in spans.items()} for sq in squares
     ]
 
 
@@ -219,7 +263,9 @@ def direction(
     kept = [_sparse_levels([t[p] for p in paths], n_tiles * T) for t in tensors]
     scales = [s.astype(np.float64) for s, _, _ in kept]
     squares = [(levels.astype(np.int64) ** 2).sum(axis=1)[:start] for _, _, levels in kept]
-    norms = _norms(scales, [sq.astype(np.float64) for sq in squares], spans)
+    norms = _norms(
+        [s[:start] ** 2 * sq.astype(np.float64) for s, sq in zip(scales, squares)], spans
+    )
     factors = _factors(weights, scales, norms, spans, plain, n_tiles * T)
     tiles, sums = _accumulate_sparse(kept, factors, plan, T, n_tiles, codec.block)
     u_squares = np.concatenate([np.asarray(s) for s in sums])

@@ -22,7 +22,9 @@ import optax
 # merged from float32
 # 3: dense int codes fold by compiled loops (merger/fold_loops.py): u's norm per block from the
 # exact products of levels, where it was a float32 sum of u's squares
-KERNELS_VERSION = 3
+# 4: an island's several dense-coded deltas of one fold merge from their codes as their sum
+# (merger/coded.py `dense`, `sizes`), where they were summed in float32 and merged from there
+KERNELS_VERSION = 4
 
 
 def _halving_sum(x: jax.Array) -> jax.Array:

@@ -8,6 +8,8 @@ Several deltas of one island (one epoch) in a round are consecutive, disjoint pi
 trajectory (an island's anchor moves on every send), so they are summed into one before weighting:
 a merger that fell behind and folds a backlog keeps all of each island's work, as if the island had
 sent one delta over the longer span, instead of averaging the pieces (which would keep ~1/n of it).
+Dense-coded deltas are merged as their sum straight from their codes (merger/coded.py `dense`);
+any others are summed in float32 (`combined`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 
 from dloco.merger import coded, rda
 from dloco.merger.admission import delta_norm
+from dloco.merger.clipping import guarded
 from dloco.merger.coded_kernels import outer_step
 from dloco.merger.config import MergeConfig
 from dloco.merger.outer import make_step
@@ -148,17 +151,20 @@ def merge(
     """The merged pseudo-gradient of a round, scaled by `share`, and the weights used (canonical
     order, one per island: see `combined`; normalised to sum to `share`).  Float tensors; coded
     ones (CodedTensor) are decoded first (`fold` merges them from codes)."""
-    ordered = [combined(group) for group in per_island(canonical(contributions))]
-    w = fold_weights(ordered, config, share)
-    return _merged(ordered, w, config), w
+    groups = per_island(canonical(contributions))
+    w = fold_weights(groups, config, share)
+    return _merged([combined(group) for group in groups], w, config), w
 
 
-def fold_weights(members: Sequence[Contribution], config: MergeConfig, share: float) -> list[float]:
-    """Each island's weight in a fold (its deltas combined), normalised to sum to `share`."""
+def fold_weights(
+    groups: Sequence[Sequence[Contribution]], config: MergeConfig, share: float
+) -> list[float]:
+    """Each island's weight in a fold (`groups`: its deltas, their counters taken together),
+    normalised to sum to `share`."""
     return [
         x * share
         for x in contribution_weights(
-            [(c.tokens, c.steps, c.staleness) for c in members],
+            [counters(group) for group in groups],
             config.staleness_power,
             config.max_weight_ratio,
         )
@@ -175,77 +181,6 @@ def _merged(
             rda.weighted_average if plain(path, config) else rda.radial_directional_average
         )(deltas, w)
     return merged
-
-
-def guard(
-    members: Sequence[Contribution],
-    w: Sequence[float],
-    norms: Sequence[float],
-    caps: Mapping[str, float],
-    allowed: Sequence[float] | None = None,
-) -> tuple[list[Contribution], list[float], list[str], list[float]]:
-    """What each island's part of a fold may move the fragment: its weight times its delta's norm
-    (`norms`: fold's `part_norm`), at most `caps[island]` (merger/outliers.py: a multiple of the
-    other islands' recent movements).  `allowed`: the norm each part may have before its cap is
-    applied (`part_allowed`: each of its deltas counted at most at a limit; None: its norm).  A part
-    past either is scaled down to it: a coded tensor by its block scales (it stays coded, so the
-    fold stays on codes: merger/coded.py), any other in float32.  Returns the members, each one's
-    movement as the history records it (after its cap, before `allowed`: a limit that cuts an
-    honest island's early deltas must not lower every reference after it), the islands clipped,
-    and the factor each member was scaled by (1: kept whole).
-    """
-    out, movements, clipped, factors = [], [], [], []
-    for i, (member, weight, norm) in enumerate(zip(members, w, norms)):
-        kept = min(1.0, allowed[i] / norm) if allowed is not None and norm > 0 else 1.0
-        movement = weight * norm
-        cap = caps.get(member.island)
-        if cap is not None and movement * kept > cap:
-            kept *= cap / (movement * kept)
-        if cap is not None:
-            movement = min(movement, cap)
-        if kept < 1.0:
-            scale = np.float32(kept)
-            member = dataclasses.replace(
-                member, tensors={p: _scaled(t, scale) for p, t in member.tensors.items()}
-            )
-            clipped.append(member.island)
-        out.append(member)
-        movements.append(float(movement))
-        factors.append(min(kept, 1.0))
-    return out, movements, clipped, factors
-
-
-def _scaled(tensor, scale: np.float32):
-    """`tensor` times `scale`: a dense coded tensor's block scales scaled (its codes kept), any
-    other decoded and scaled in float32."""
-    if isinstance(tensor, CodedTensor) and not tensor.codec.sparse:
-        return tensor.scaled(scale)
-    return _float(tensor) * scale
-
-
-def part_norm(group: Sequence[Contribution]) -> float:
-    """An island's deltas of one fold, as the guard measures them: the sum of their norms as
-    admission measured each (an int-coded delta's bound from its scales, no pass over its values);
-    at least the norm of their sum."""
-    return sum(delta_norm(c.tensors) for c in group)
-
-
-def part_allowed(group: Sequence[Contribution], limit: float | None) -> float:
-    """The norm an island's part may keep when each of its deltas counts at most `limit`
-    (merger/outliers.py `delta_limits`: an island without a movement reference yet); None: no
-    limit, its `part_norm`.  A burst of large deltas keeps `limit` per delta, honest deltas below it
-    all of theirs."""
-    norms = [delta_norm(c.tensors) for c in group]
-    return sum(norms) if limit is None else sum(min(n, limit) for n in norms)
-
-
-def _guarded(groups, members, w, caps, limits):
-    """`guard` over a fold's parts (`groups`: each island's deltas; `members`: each one combined),
-    with each cold island's deltas counted at most at its limit."""
-    allowed = (
-        [part_allowed(group, limits.get(group[0].island)) for group in groups] if limits else None
-    )
-    return guard(members, w, [part_norm(group) for group in groups], caps, allowed)
 
 
 def _float(tensor) -> np.ndarray:
@@ -275,14 +210,19 @@ def fold(
         raise ValueError("fold needs at least one contribution")
     ordered = canonical(contributions)
     groups = per_island(ordered)
-    members = [combined(group) for group in groups]
-    w = fold_weights(members, config, share)
-    movements, clipped, factors = [], [], [1.0] * len(members)
+    w = fold_weights(groups, config, share)
+    parts, movements, clipped, factors = groups, [], [], [1.0] * len(groups)
     if caps is not None:
-        members, movements, clipped, factors = _guarded(groups, members, w, caps, limits)
-    take, direction, delta_norms, merged_norm = _stepped(
-        ordered, members, w, factors, config, step, share, scratch
-    )
+        parts, movements, clipped, factors = guarded(groups, w, caps, limits)
+    take, direction, delta_norms, merged_norm = _stepped(parts, w, config, step, share, scratch)
+    # as sent: a clipped delta's norm before the guard scaled it (scaled to nothing: the bound
+    # admission measured)
+    delta_norms = [
+        n / f if f > 0 else delta_norm(c.tensors)
+        for n, f, c in zip(
+            delta_norms, [f for group, f in zip(groups, factors) for _ in group], ordered
+        )
+    ]
     # one entry per delta (an island's combined deltas share its weight: split_weight)
     report = FoldReport(
         version=state.version + 1,
@@ -293,7 +233,7 @@ def fold(
         weights=tuple(x for group, weight in zip(groups, w) for x in split_weight(group, weight)),
         delta_norms=tuple(delta_norms),
         merged_norm=merged_norm,
-        movements=tuple((c.island, m) for c, m in zip(members, movements)),
+        movements=tuple((group[0].island, m) for group, m in zip(groups, movements)),
         clipped=tuple(clipped),
     )
     if in_place:
@@ -303,16 +243,20 @@ def fold(
     return FragmentState(report.version, dict(params), opt_state), report
 
 
-def _stepped(ordered, members, w, factors, config, step, share, scratch):
-    """A fold's merged direction over its members (after the guard; `factors`: what it scaled each
-    by), from their codes when every tensor is coded with one int codec, else from float32:
-    (`take(state, in_place)`, which takes the outer step on `state` and returns (params, optimizer
-    state), the direction's arrays, each delta's norm as sent, the merged norm)."""
-    tensors = [c.tensors for c in members]
-    if not coded.mergeable(tensors):
-        merged = _merged(members, w, config)
+def _stepped(parts, w, config, step, share, scratch):
+    """A fold's merged direction over its parts (each island's deltas, after the guard), from their
+    codes when every tensor is coded with one int codec (an island's several sparse deltas are
+    summed in float32 first), else from float32: (`take(state, in_place)`, which takes the outer
+    step on `state` and returns (params, optimizer state), the direction's arrays, each delta's
+    norm, the merged norm)."""
+    deltas = [c for group in parts for c in group]
+    tensors = [c.tensors for c in deltas]
+    mergeable = coded.mergeable(tensors)
+    sparse_codes = mergeable and next(iter(tensors[0].values())).codec.sparse
+    if not mergeable or (sparse_codes and len(deltas) > len(parts)):
+        merged = _merged([combined(group) for group in parts], w, config)
         delta_norms = [
-            rda.fragment_norm({p: _float(t) for p, t in c.tensors.items()}) for c in ordered
+            rda.fragment_norm({p: _float(t) for p, t in c.tensors.items()}) for c in deltas
         ]
         return (
             _taking(merged, step, share),
@@ -320,8 +264,8 @@ def _stepped(ordered, members, w, factors, config, step, share, scratch):
             delta_norms,
             rda.fragment_norm(merged),
         )
-    plains = {p: plain(p, config) for p in members[0].tensors}
-    if next(iter(tensors[0].values())).codec.sparse:
+    plains = {p: plain(p, config) for p in tensors[0]}
+    if sparse_codes:
         paths, tiles, block_scale, layout, delta_norms, merged_norm = coded.direction(
             tensors, w, plains
         )
@@ -337,18 +281,13 @@ def _stepped(ordered, members, w, factors, config, step, share, scratch):
             )
             return dict(zip(paths, new)), opt_state
 
-        take, direction = take_sparse, tiles
-    else:
-        merged, delta_norms, merged_norm = coded.dense(tensors, w, plains, scratch)
-        # aligned host buffers: XLA reads them where they are
-        merged = {p: jax.device_put(v) for p, v in merged.items()}
-        take, direction = _taking(merged, step, share), list(merged.values())
-    # as sent: a clipped delta's norm before the guard scaled it (on codes: one delta per island;
-    # scaled to nothing, the bound admission measured)
-    delta_norms = [
-        n / f if f > 0 else delta_norm(c.tensors) for n, f, c in zip(delta_norms, factors, ordered)
-    ]
-    return take, direction, delta_norms, merged_norm
+        return take_sparse, tiles, delta_norms, merged_norm
+    merged, delta_norms, merged_norm = coded.dense(
+        tensors, w, plains, scratch, [len(group) for group in parts]
+    )
+    # aligned host buffers: XLA reads them where they are
+    merged = {p: jax.device_put(v) for p, v in merged.items()}
+    return _taking(merged, step, share), list(merged.values()), delta_norms, merged_norm
 
 
 def _taking(merged: dict, step, share: float):

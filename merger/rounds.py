@@ -32,7 +32,7 @@ class StartedFold:
     results: list[DeltaResult]
     # of a whole round (weighting.fold_share)
     share: float = 1.0
-    # island -> the most its part may move the fragment (fold.guard)
+    # island -> the most its part may move the fragment (merger/clipping.py)
     caps: dict[str, float] | None = None
     # island -> the norm each of its deltas counts with at most (fold.part_allowed)
     limits: dict[str, float] | None = None

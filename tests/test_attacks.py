@@ -11,9 +11,10 @@ import pytest
 from dloco import protocol
 from dloco.benchmarks import attacks
 from dloco.merger import admission
+from dloco.merger.clipping import guard, part_allowed
 from dloco.merger.config import MergeConfig, MergerConfig, RoundConfig
 from dloco.merger.core import MergerCore
-from dloco.merger.fold import Contribution, guard, part_allowed
+from dloco.merger.fold import Contribution
 from dloco.merger.outliers import COLD_LIMIT, NormHistory, delta_limits, holds, unjudged
 from dloco.merger.trained_tokens import CLAIM_RATIO
 

@@ -12,8 +12,9 @@ import pytest
 
 from dloco import protocol
 from dloco.merger import coded, rda
+from dloco.merger.clipping import part_norm
 from dloco.merger.config import MergeConfig, OuterConfig
-from dloco.merger.fold import Contribution, fold, init_state, merge, part_norm
+from dloco.merger.fold import Contribution, fold, init_state, merge
 from dloco.merger.outer import make_step, outer_optimizer
 from dloco.protocol import Codec, CodedTensor
 
