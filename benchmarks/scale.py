@@ -361,9 +361,17 @@ def summary(result: dict) -> str:
             f" {fit[kind]['fixed_bytes'] / 2**20:.0f} MiB + {fit[kind]['bytes_per_param']:.1f}"
             " B/param"
         )
+    lines.extend(_notes(result))
+    return "\n".join(lines)
+
+
+def _notes(result: dict) -> list[str]:
+    """Each merger shard's memory (with shards), and the sizes whose full snapshot an island's own
+    budget would not reassemble."""
+    notes = []
     if result["shards"] > 1:
         for size in result["sizes"]:
-            lines.append(
+            notes.append(
                 f"merger shards at {size['label']}: "
                 + "; ".join(
                     f"fragments {','.join(map(str, shard['fragments']))}: {shard['params']:,}"
@@ -378,13 +386,13 @@ def summary(result: dict) -> str:
                 join["full_snapshot_reassembly_bytes"] / 2**20,
                 join["island_reassembly_budget"] / 2**20,
             )
-            lines.append(
+            notes.append(
                 f"note: at {size['label']} a fragment's full fp32 snapshot needs {need:.0f} MiB to"
                 f" reassemble, over an island's {budget:.0f} MiB"
                 " (island/snapshots.reassembly_budget): `dloco island` would not join it; this"
                 " benchmark's island was given room"
             )
-    return "\n".join(lines)
+    return notes
 
 
 def _verdict(goal: dict) -> str:

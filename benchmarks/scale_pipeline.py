@@ -136,7 +136,6 @@ def measure(
     and what the joins needed.  `state`: what the merger keeps its state in; `shards`: merger
     processes, each folding its share of the fragments (protocol/shards.py).
     """
-    spawn = multiprocessing.get_context("spawn")
     # broker in, broker out, island snapshot SUB, each shard's control
     ports = free_ports(3 + shards)
     endpoint = [f"tcp://127.0.0.1:{port}" for port in ports]
@@ -146,27 +145,8 @@ def measure(
     with tempfile.TemporaryDirectory(prefix="dloco-bench-scale-") as run_dir:
         try:
             for shard in range(shards):
-                conn, child_conn = spawn.Pipe()
-                process = spawn.Process(
-                    target=merger_process,
-                    name=f"bench-scale-merger-{shard}",
-                    daemon=True,
-                    args=(
-                        child_conn,
-                        shapes,
-                        fragments,
-                        endpoint[1],
-                        endpoint[2],
-                        f"@{endpoint[3 + shard]}",
-                        os.path.join(run_dir, f"shard-{shard}"),
-                        state,
-                        (shard, shards),
-                    ),
-                )
-                # as `dloco up` starts a merger: its mapped blocks in huge pages (merger/memory.py)
-                with _environment(with_huge_pages(dict(os.environ))):
-                    process.start()
-                mergers.append(_Merger(conn, process))
+                args = (shapes, fragments, endpoint[1], endpoint[2], f"@{endpoint[3 + shard]}")
+                mergers.append(_Merger.start(args, run_dir, state, (shard, shards)))
             side = LightIsland if light else PipelineIsland
             island = side(context, shapes, fragments, endpoint[0], ports[2], shards)
             for merger in mergers:
@@ -304,6 +284,22 @@ class _Merger:
 
     conn: Connection
     process: BaseProcess
+
+    @classmethod
+    def start(cls, args: tuple, run_dir: str, state: MergerState, shard: tuple[int, int]):
+        """Shard `shard` (I, N) of the benchmark's merger in a new process; `args`: (shapes,
+        fragments, delta, snapshot and control endpoints)."""
+        conn, child_conn = multiprocessing.get_context("spawn").Pipe()
+        process = multiprocessing.get_context("spawn").Process(
+            target=merger_process,
+            name=f"bench-scale-merger-{shard[0]}",
+            daemon=True,
+            args=(child_conn, *args, os.path.join(run_dir, f"shard-{shard[0]}"), state, shard),
+        )
+        # as `dloco up` starts a merger: its mapped blocks in huge pages (merger/memory.py)
+        with _environment(with_huge_pages(dict(os.environ))):
+            process.start()
+        return cls(conn, process)
 
     def expect(self, what: str) -> tuple:
         """The merger's next answer, which must be `what`; its fields."""

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dloco.merger.admission import delta_norm
+from dloco.merger.contribution import Contribution
 from dloco.protocol import CodedTensor
-
-if TYPE_CHECKING:
-    from dloco.merger.fold import Contribution
 
 
 def clip_factors(

@@ -167,9 +167,7 @@ def dense(
     scratch = Scratch() if scratch is None else scratch
     sizes = [1] * len(tensors) if sizes is None else list(sizes)
     if sum(sizes) != len(tensors) or len(sizes) != len(weights) or min(sizes) < 1:
-        raise ValueError(
-            f"members of sizes {sizes} for {len(tensors)} deltas, {len(weights)} weights"
-        )
+        raise ValueError(f"members of sizes {sizes}: {len(tensors)} deltas, {len(weights)} weights")
     paths = sorted(tensors[0])
     codec, count = tensors[0][paths[0]].codec, len(tensors)
     spans, _, start = _layout(tensors[0], paths)
@@ -183,33 +181,13 @@ def dense(
     # (blocks, M, M): exact integers, in float64 for the sums below
     gram = fold_loops.gram(codes, codec.bits).astype(np.float64)
     scales = [np.concatenate([t[p].scales for p in paths]).astype(np.float64) for t in tensors]
-    # each delta's sums of squares per block, and each member's (its deltas' sum)
-    squares = [scales[m] ** 2 * gram[:, m, m] for m in range(count)]
-    members = list(_members(sizes))
-    delta_norms = _norms(squares, spans)
-    norms = [
-        delta_norms[first]
-        if size == 1
-        else _norms([_sum_squares(scales, gram, first, size)], spans)[0]
-        for first, size in members
-    ]
+    delta_norms, norms = _member_norms(scales, gram, sizes, spans)
     # each delta with its member's weight and norm
     factors = np.stack(
-        _factors(
-            [w for w, (_, size) in zip(weights, members) for _ in range(size)],
-            scales,
-            [n for n, (_, size) in zip(norms, members) for _ in range(size)],
-            spans,
-            plain,
-            start,
-        )
+        _factors(_each(weights, sizes), scales, _each(norms, sizes), spans, plain, start)
     )
-    wide = factors.astype(np.float64)
     # ||u_b||^2 = sum_m sum_n f_mb f_nb G_mnb, each pair once, in a fixed order
-    u_squares = np.zeros(start)
-    for m in range(count):
-        for n in range(m, count):
-            u_squares += (1 if m == n else 2) * wide[m] * wide[n] * gram[:, m, n]
+    u_squares = _sum_squares(list(factors.astype(np.float64)), gram, 0, count)
     block_scale, merged_norm = _rescale(u_squares, spans, weights, norms, plain, start)
     # whole blocks: each tensor a view from its first block (the last one's padding unused)
     flat = scratch.values(start * codec.block * 4).view(np.float32)
@@ -222,17 +200,32 @@ def dense(
     return merged, [float(np.sqrt(sum(n[p] ** 2 for p in paths))) for n in delta_norms], merged_norm
 
 
-def _members(sizes: Sequence[int]):
-    """(first delta, deltas) of each member."""
-    first = 0
+def _member_norms(
+    scales: list[np.ndarray], gram: np.ndarray, sizes: list[int], spans: Spans
+) -> tuple[list[dict], list[dict]]:
+    """Each delta's norm per path and each member's (the sum of its deltas), from the block
+    scales and the products of levels."""
+    deltas = _norms([s**2 * gram[:, m, m] for m, s in enumerate(scales)], spans)
+    members, first = [], 0
     for size in sizes:
-        yield first, size
+        members.append(
+            deltas[first]
+            if size == 1
+            else _norms([_sum_squares(scales, gram, first, size)], spans)[0]
+        )
         first += size
+    return deltas, members
+
+
+def _each(values: Sequence, sizes: list[int]) -> list:
+    """Each member's value repeated for each of its deltas."""
+    return [value for value, size in zip(values, sizes) for _ in range(size)]
 
 
 def _sum_squares(scales: list[np.ndarray], gram: np.ndarray, first: int, size: int) -> np.ndarray:
-    """Per block, the sum of squares of deltas first..first+size-1 added up:
-    sum_mn s_mb s_nb G_mnb, each pair once, in a fixed order."""
+    """Per block, the sum of squares of the values sum_m s_mb q_mb over deltas first..first+size-1
+    (`scales`: each delta's per-block factor): sum_mn s_mb s_nb G_mnb, each pair once, in a fixed
+    order."""
     total = np.zeros(gram.shape[0])
     for m in range(first, first + size):
         for n in range(m, first + size):

@@ -74,7 +74,8 @@ class MergeConfig:
     outlier_factor: float = 20.0
     # A fold moves the fragment by at most this many times the largest of the other islands' recent
     # median movements per island's part (what an island's part moves it: its weight x its delta's
-    # norm); a larger part is scaled down to it (merger/outliers.py, merger/clipping.py).  0: no guard.
+    # norm); a larger part is scaled down to it (merger/outliers.py, merger/clipping.py).  0: no
+    # guard.
     clip_factor: float = 2.0
     # Until an island has a movement reference in a fragment (its first folds on a fresh merger),
     # each of its deltas counts in a fold with a norm of at most this many times the largest delta

@@ -27,6 +27,7 @@ from dloco.merger.admission import delta_norm
 from dloco.merger.clipping import guarded
 from dloco.merger.coded_kernels import outer_step
 from dloco.merger.config import MergeConfig
+from dloco.merger.contribution import Contribution
 from dloco.merger.outer import make_step
 from dloco.merger.weighting import weights as contribution_weights
 from dloco.protocol import CodedTensor
@@ -56,18 +57,6 @@ class PendingStep(NamedTuple):
     version: int
     direction: list
     take: Callable[[FragmentState], tuple[dict, Any]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Contribution:
-    island: str
-    epoch: int
-    delta_id: int
-    staleness: int
-    tokens: int
-    steps: int
-    # path -> float32 delta, or its int records
-    tensors: Mapping[str, np.ndarray | CodedTensor]
 
 
 @dataclasses.dataclass(frozen=True)

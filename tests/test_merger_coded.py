@@ -32,16 +32,8 @@ def test_two_hand_made_int4_deltas():
     # 10); the rest level 0 (nibble 8).
     a = CodedTensor(INT4_8, (8,), record(0.5, [0x89, 0x88, 0x88, 0x88])[None, :])
     b = CodedTensor(INT4_8, (8,), record(1.0, [0xA8, 0x88, 0x88, 0x88])[None, :])
-    assert a.decode().tolist() == [0.5, 0, 0, 0, 0, 0, 0, 0] and b.decode().tolist() == [
-        0,
-        2,
-        0,
-        0,
-        0,
-        0,
-        0,
-        0,
-    ]
+    assert a.decode().tolist() == [0.5] + [0] * 7
+    assert b.decode().tolist() == [0, 2] + [0] * 6
     merged, norms, merged_norm = coded.merge([{"w": a}, {"w": b}], [0.5, 0.5], {"w": False})
     # RDA: r = .5*.5 + .5*2 = 1.25; u = .5*e0 + .5*e1; merged = 1.25 * u / |u| = 1.25/sqrt(2) (e0 +
     # e1)
