@@ -15,12 +15,14 @@ value is the same bytes on every machine.  A merger may serve S in bfloat16 (a s
 ``served = "bf16"``): every value of S is then rounded to it (nearest, ties to even) after each
 snapshot, ``S_v = bf16(S_b + decode_d(...))``, computed in float32 first; the next diff carries
 what the rounding left out, as it carries the codec's error.  Half the memory on both ends; the
-digest is still over S's values as float32.  Pure numpy: no sockets, no clocks.
+digest is then over S's bfloat16 bytes (half the bytes to checksum).  Pure numpy: no sockets, no
+clocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping
 
 import ml_dtypes
@@ -64,28 +66,31 @@ class Served:
 
 # values a tensor in another dtype is read as float32 at a time, for its digest (1 MiB: cache-sized)
 DIGEST_PIECE = 1 << 18
+# bfloat16 arrays are in the machine's byte order; the digest takes their bytes little-endian
+_LITTLE = sys.byteorder == "little"
 
 
 def digest(tensors: Mapping[str, np.ndarray]) -> int:
-    """CRC-32 over each tensor's path (UTF-8) and float32 little-endian values, in sorted path
-    order (a tensor in another dtype converted a piece at a time into one reused buffer: no
-    float32 copy of it; a bfloat16 one by shifting its bits, exactly its float32 value)."""
+    """CRC-32 over each tensor's path (UTF-8) and its values as held, in sorted path order
+    (PROTOCOL.md §3.3): a bfloat16 tensor's 2-byte values, any other's float32 (little-endian
+    both; a tensor in another dtype converted a piece at a time into one reused buffer, no float32
+    copy of it)."""
     crc, buffer = 0, None
     for path in sorted(tensors):
         crc = crc32(path.encode(), crc)
         flat = np.asarray(tensors[path]).reshape(-1)
-        if flat.dtype == np.dtype("<f4"):
-            crc = crc32(memoryview(np.ascontiguousarray(flat)).cast("B"), crc)
+        if flat.dtype == np.dtype("<f4") or (flat.dtype == SERVED_DTYPES["bf16"] and _LITTLE):
+            crc = crc32(memoryview(np.ascontiguousarray(flat).view(np.uint8)), crc)
             continue
         if buffer is None:
             buffer = np.empty(DIGEST_PIECE, np.uint32)
         for start in range(0, flat.size, DIGEST_PIECE):
             part = flat[start : start + DIGEST_PIECE]
-            out = buffer[: part.size]
             if part.dtype == SERVED_DTYPES["bf16"]:
-                np.left_shift(part.view(np.uint16), 16, out=out, dtype=np.uint32)
-            else:
-                out.view("<f4")[...] = part
+                crc = crc32(part.view(np.uint16).astype("<u2").tobytes(), crc)
+                continue
+            out = buffer[: part.size]
+            out.view("<f4")[...] = part
             crc = crc32(memoryview(out).cast("B"), crc)
     return crc
 

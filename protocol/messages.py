@@ -20,7 +20,7 @@ from dloco.protocol.quantization import Codec
 # 2: snapshots may be diffs (base_version, digest); 3: a stream per merger shard (heartbeat.stream,
 # topics end in /); 4: trained tokens (heartbeat.tokens, ack.tokens) for the cluster's schedule;
 # 5: a snapshot's served value may be held in bfloat16 (snapshot.served)
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 # a snapshot's `served`: what else than float32 receivers may hold the served value in
 SERVED_DTYPES = frozenset({"bf16"})

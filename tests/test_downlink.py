@@ -32,17 +32,29 @@ def test_digest_by_hand():
     )
 
 
+def test_the_digest_of_a_bfloat16_tensor_is_over_its_two_byte_values():
+    # 1.0 is 0x3f80 in bfloat16, little-endian; -0.0 0x8000
+    held = np.array([1.0, -0.0], ml_dtypes.bfloat16)
+    assert downlink.digest({"a": held}) == zlib.crc32(b"\x80\x3f\x00\x80", zlib.crc32(b"a"))
+    # not the float32 values' CRC (PROTOCOL.md v5's)
+    assert downlink.digest({"a": held}) != downlink.digest({"a": held.astype(F32)})
+
+
 def test_the_digest_of_a_tensor_held_in_another_dtype_is_that_of_its_float32_values():
-    """bfloat16 (bits shifted), float16 and big-endian float32, over more than one piece: the
-    CRC of the float32 little-endian copy; NaN payloads and -0.0 kept."""
+    """float16 and big-endian float32, over more than one piece: the CRC of the float32
+    little-endian copy; NaN payloads and -0.0 kept.  A bfloat16 one over several pieces and a
+    strided one: its own bytes."""
     rng = np.random.default_rng(2)
     values = rng.standard_normal(downlink.DIGEST_PIECE + 1000).astype(F32)
     values[:3] = [np.nan, -0.0, np.inf]
-    bf16 = values.astype(ml_dtypes.bfloat16)
-    for held in (bf16, values.astype(np.float16), values.astype(">f4")):
+    for held in (values.astype(np.float16), values.astype(">f4")):
         as_float32 = np.asarray(held, "<f4")
         expected = zlib.crc32(as_float32.tobytes(), zlib.crc32(b"w"))
         assert downlink.digest({"w": held}) == expected, held.dtype
+    bf16 = values.astype(ml_dtypes.bfloat16)
+    for held in (bf16, bf16[::2]):
+        expected = zlib.crc32(np.ascontiguousarray(held).tobytes(), zlib.crc32(b"w"))
+        assert downlink.digest({"w": held}) == expected
 
 
 def test_a_full_snapshot_serves_what_its_codec_decodes():
@@ -276,7 +288,9 @@ def test_a_bfloat16_served_value_is_rounded_after_each_snapshot_the_next_diff_ca
         held.append(float(served.tensors["w"][0]))
         assert served.tensors["w"].nbytes == 4
     assert held == [1.0, 1.0078125, 1.0078125]
-    assert served.digest == downlink.digest({"w": np.array([1.0078125, 3.0], F32)})
+    assert served.digest == downlink.digest(
+        {"w": np.array([1.0078125, 3.0], downlink.SERVED_DTYPES["bf16"])}
+    )
     # a receiver applying the last diff to the bf16 value it held computes the same bytes
     before = {"w": np.array([1.0078125, 3.0], F32).astype(downlink.SERVED_DTYPES["bf16"])}
     change = downlink._decoded(plans, fp32, {"w": (2,)})
