@@ -25,6 +25,9 @@ from dloco.benchmarks.scale_model import (
 )
 from dloco.protocol.errors import ConfigError
 
+# what the merger holds per parameter (of its share) with the float32 state
+FLOAT32_STATE = {"parameters": 4.0, "optimizer": 4.0, "other_jax_arrays": 0.0, "served": 4.0}
+
 
 def test_sizes_read_as_the_command_line_writes_them():
     assert parse_sizes("10M,50M, 1.5G,2000,3k") == [
@@ -242,9 +245,7 @@ def test_bench_scale_json_has_every_stage_and_the_memory_figures():
     # the state both hold, exactly: the merger's parameters, momentum and served value; the island's
     # served value (float32), anchors' offsets and residuals (int8 in blocks of 256: 260 bytes a
     # block), and int4 chunks with their headers
-    assert merger["held_bytes_per_param"] == pytest.approx(
-        {"parameters": 4.0, "optimizer": 4.0, "other_jax_arrays": 0.0, "served": 4.0}
-    )
+    assert merger["held_bytes_per_param"] == pytest.approx(FLOAT32_STATE)
     # the join, then a diff per fold
     assert merger["counters"] == {"merger/snapshot_full": 4, "merger/snapshot_diff": 8}
     held = island["held_bytes_per_param"]
@@ -272,30 +273,22 @@ def test_bench_scale_json_has_every_stage_and_the_memory_figures():
     assert "would not join" in scale.summary(result).splitlines()[-1]
 
 
+def _one_million(*options: str) -> dict:
+    """`dloco bench scale --json` at 1M, one timed round, with `options`: its JSON."""
+    run = dloco("bench", "scale", "--json", "--sizes", "1M", "--reps", "1", *options, timeout=280)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
 # a merger process, an island process and the broker's sockets: -m e2e
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_bench_scale_holds_16_bit_state_when_asked():
     """--momentum-dtype bfloat16 --served-dtype bf16: the merger's momentum and served value and
     the island's served value take 2 bytes a parameter; --fragments is the partition's."""
-    run = dloco(
-        "bench",
-        "scale",
-        "--json",
-        "--sizes",
-        "1M",
-        "--reps",
-        "1",
-        "--fragments",
-        "8",
-        "--momentum-dtype",
-        "bfloat16",
-        "--served-dtype",
-        "bf16",
-        timeout=280,
+    result = _one_million(
+        "--fragments", "8", "--momentum-dtype", "bfloat16", "--served-dtype", "bf16"
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout)
     assert (result["fragments"], result["momentum_dtype"], result["served_dtype"]) == (
         8,
         "bfloat16",
@@ -315,19 +308,13 @@ def test_bench_scale_holds_16_bit_state_when_asked():
 @pytest.mark.timeout(300)
 def test_the_light_island_sends_and_checks_every_fragment():
     """--light-island: no model on the island side, the merger's work and figures as before."""
-    run = dloco(
-        "bench", "scale", "--json", "--sizes", "1M", "--reps", "1", "--light-island", timeout=280
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout)
+    result = _one_million("--light-island")
     assert result["island_side"] == "light" and "light island" in scale.summary(result)
     (size,) = result["sizes"]
     # every fragment joined and a diff of each adopted per round (the pipeline checks both), and
     # the merger's state as with the full island
     assert size["merger"]["counters"] == {"merger/snapshot_full": 4, "merger/snapshot_diff": 8}
-    assert size["merger"]["held_bytes_per_param"] == pytest.approx(
-        {"parameters": 4.0, "optimizer": 4.0, "other_jax_arrays": 0.0, "served": 4.0}
-    )
+    assert size["merger"]["held_bytes_per_param"] == pytest.approx(FLOAT32_STATE)
     assert all(figures["seconds"] > 0 for figures in size["stages"].values())
 
 
@@ -337,21 +324,7 @@ def test_the_light_island_sends_and_checks_every_fragment():
 def test_merger_shards_each_hold_and_serve_their_share():
     """--shards 2: each shard process folds, holds and serves its own fragments; its memory is per
     parameter of its share."""
-    run = dloco(
-        "bench",
-        "scale",
-        "--json",
-        "--sizes",
-        "1M",
-        "--reps",
-        "1",
-        "--light-island",
-        "--shards",
-        "2",
-        timeout=280,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout)
+    result = _one_million("--light-island", "--shards", "2")
     assert result["shards"] == 2 and "merger shards at 1M: fragments 0,2" in scale.summary(result)
     (size,) = result["sizes"]
     shards = size["merger_shards"]
@@ -361,8 +334,6 @@ def test_merger_shards_each_hold_and_serve_their_share():
         # its two fragments joined in full, then a diff of each per round (warm-up and one timed)
         assert shard["counters"] == {"merger/snapshot_full": 2, "merger/snapshot_diff": 4}
         # its share's parameters, momentum and served value, and nothing of the other shard's
-        assert shard["held_bytes_per_param"] == pytest.approx(
-            {"parameters": 4.0, "optimizer": 4.0, "other_jax_arrays": 0.0, "served": 4.0}
-        )
+        assert shard["held_bytes_per_param"] == pytest.approx(FLOAT32_STATE)
     assert size["merger"] == max(shards, key=lambda shard: shard["bytes_per_param"])
     assert all(figures["seconds"] > 0 for figures in size["stages"].values())
