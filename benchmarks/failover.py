@@ -34,7 +34,8 @@ WAIT_S = 120.0
 class StreamIsland:
     """An island reduced to its stream: contiguous seqs, heartbeats, resends on request (everything
     sent is kept), a delta repeated until settled.  `chunks(delta_id, base_versions)` makes a
-    delta's chunks; every ack seen is kept as (merger epoch, results)."""
+    delta's chunks; every ack seen is kept as (merger epoch, results).  `stream`: the merger shard
+    its deltas are for (protocol/shards.py), named on its heartbeats."""
 
     def __init__(
         self,
@@ -43,8 +44,10 @@ class StreamIsland:
         control: list[str],
         chunks: Callable,
         name: str = "a",
+        stream: int = 0,
     ) -> None:
         self.context, self.name, self.chunks = zmq.Context(), name, chunks
+        self.stream = stream
         self.pub = self._socket(zmq.PUB, delta_in)
         self.sub = self._socket(zmq.SUB, snapshot_out)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"ack")
@@ -80,7 +83,9 @@ class StreamIsland:
                 self.pub.send_multipart(f)
             self.pub.send_multipart(
                 protocol.encode(
-                    protocol.Heartbeat(sender=self.name, epoch=self.epoch, seq=self.seq)
+                    protocol.Heartbeat(
+                        sender=self.name, epoch=self.epoch, seq=self.seq, stream=self.stream
+                    )
                 )
             )
             until = time.monotonic() + 0.3

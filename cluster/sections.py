@@ -193,8 +193,9 @@ class MergerSection:
         )
         require(
             self.shards == 1 or not self.standby,
-            "merger.standby with merger.shards > 1: a standby per shard is not built yet;"
-            " choose one",
+            "merger.standby with merger.shards > 1: dloco up runs a standby for an unsharded"
+            " merger only; choose one (a shard's standby runs by hand: dloco merger --shard I/N"
+            " --standby-of, PROTOCOL.md §12)",
         )
         require(
             self.replication in ("sync", "async"),

@@ -124,3 +124,18 @@ def set_aside_from(
         _fsync_dir(aside)
         _fsync_dir(directory)
     return moved
+
+
+def other_shard(genesis: dict, shard: int, shards: int) -> str | None:
+    """Why a merger started as shard `shard` of `shards` cannot keep the log that starts with
+    `genesis` (the fragments it holds are another shard's, or the whole model's), or None."""
+    fragments = genesis["fragments"]
+    paths = dict.fromkeys(path for path, _ in genesis["tensors"])
+    held = [i for i, mine in enumerate(records.held_fragments(fragments, paths)) if mine]
+    mine = [f for f in range(len(fragments)) if f % shards == shard]
+    if held == mine:
+        return None
+    return (
+        f"its log holds fragments {held} of {len(fragments)}; this merger, shard {shard}/{shards},"
+        f" folds {mine}: give the standby the --shard of its primary"
+    )

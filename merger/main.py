@@ -93,11 +93,6 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
             f"--shard {args.shard} owns no fragment of --fragments {args.fragments}: give fewer"
             " shards than fragments"
         )
-    if shards > 1 and (args.standby_of or args.peer or args.replication_endpoint):
-        raise ConfigError(
-            "--shard with a standby (--standby-of, --peer, --replication-endpoint): a standby"
-            " per shard is not built yet"
-        )
     security = security_from_args(args, args.name, "merger")
     mode = args.replication or ("sync" if args.replication_endpoint else "off")
     replication = ReplicationConfig(

@@ -25,7 +25,7 @@ import time
 import zmq
 
 from dloco.bus.sockets import open_socket
-from dloco.merger import checkpoint, records
+from dloco.merger import checkpoint, logmatch, records
 from dloco.merger.core import MergerCore
 from dloco.merger.logmatch import genesis_id, genesis_of, newest_epoch, set_aside_from, terms_of
 from dloco.merger.recovery import checkpoint_dir, recover, wal_dir
@@ -44,7 +44,7 @@ from dloco.merger.replication_wire import (
     fragment_digest,
     read_record,
 )
-from dloco.merger.rundir import RunDirLock
+from dloco.merger.rundir import RunDirLock, check_shard
 from dloco.merger.settings import ServiceConfig
 from dloco.merger.wal import WriteAheadLog
 from dloco.protocol.errors import DlocoError
@@ -90,17 +90,13 @@ class Standby:
         self.lock = RunDirLock(config.run_dir)
         self.stopping, self.warming = False, None
         try:
+            check_shard(config.run_dir, config.shard, config.shards)
             self._open()
         except BaseException:
             self.lock.release()
             raise
-        (
-            self.primary_epoch,
-            self.primary_term,
-            self.primary_length,
-            self.primary_state,
-            self.heard,
-        ) = (0, 0, 0, "", None)
+        self.primary_epoch, self.primary_term, self.primary_length = 0, 0, 0
+        self.primary_state, self.heard = "", None
         # our latest `follow`, and whether its `start` has come
         self.generation, self.started = 0, False
         # fold index -> (fragment, ours)
@@ -291,6 +287,10 @@ class Standby:
             return False
         if record["type"] != records.GENESIS and self.core is None:
             raise Diverged(f"record {index} arrived before any genesis record")
+        if record["type"] == records.GENESIS and (
+            why := logmatch.other_shard(record, self.config.shard, self.config.shards)
+        ):
+            raise Refused(f"the primary at {self.replication.peer}: {why}")
         self.wal.append(record, blobs)
         if record["type"] == records.GENESIS:
             # as the log reads it back

@@ -15,6 +15,7 @@ import pytest
 from dloco.analysis.export import params_of
 from dloco.cluster.ports import free_ports
 from dloco.merger import checkpoint
+from dloco.merger.logmatch import other_shard
 from dloco.merger.recovery import checkpoint_dir
 from dloco.merger.rundir import check_shard
 from dloco.protocol import shards
@@ -81,6 +82,19 @@ def test_a_run_directory_belongs_to_one_shard(tmp_path):
     check_shard(tmp_path / "b", 0, 1)
 
 
+def test_a_standby_keeps_only_a_log_of_its_own_shard():
+    """logmatch.other_shard by hand: fragments [a, b] / [c] / [d], a log holding fragment 1's
+    tensors is shard 1/3's; a whole model's is an unsharded merger's."""
+    genesis = {"fragments": [["a", "b"], ["c"], ["d"]], "tensors": [["c", [4]]]}
+    assert other_shard(genesis, 1, 3) is None
+    why = other_shard(genesis, 0, 3)
+    assert "holds fragments [1] of 3" in why and "shard 0/3, folds [0]" in why
+    assert "folds [0, 1, 2]" in other_shard(genesis, 0, 1)
+    whole = {**genesis, "tensors": [[p, [4]] for p in "abcd"]}
+    assert other_shard(whole, 0, 1) is None
+    assert "holds fragments [0, 1, 2] of 3" in other_shard(whole, 1, 2)
+
+
 def test_a_cluster_with_two_merger_shards_wires_every_island_to_both():
     from dloco.cli import build_parser
     from dloco.cluster import topology
@@ -116,7 +130,7 @@ def test_a_cluster_with_two_merger_shards_wires_every_island_to_both():
     )
     assert "tcp://merger.1:${DLOCO_CONTROL_PORT_MERGER_1:-5571}" in services["east"]["command"]
     assert set(services["east"]["depends_on"]) == {"merger", "merger.1"}
-    with pytest.raises(ConfigError, match="standby per shard"):
+    with pytest.raises(ConfigError, match="standby for an unsharded merger only"):
         MergerSection(shards=2, standby=True)
     with pytest.raises(ConfigError, match="must not exceed sync.fragments"):
         # it folds the whole model as one fragment
