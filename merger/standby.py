@@ -136,7 +136,8 @@ class Standby:
             self.config.security,
             self.config.sender,
             receive_hwm=RECEIVE_HWM,
-            immediate=True,
+            # not ZMQ_IMMEDIATE: libzmq 4.3.5 aborts (fq.cpp, !_more) when such a DEALER's peer
+            # goes while a multipart record is half read; a follow sent meanwhile waits instead
         )
         began, unsynced = time.monotonic(), False
         next_checkpoint = self.folds + self.config.checkpoint_every
@@ -211,7 +212,7 @@ class Standby:
                 },
             ),
         )
-        # unsent (no primary bound yet): again next turn
+        # unsent (the queue to an absent primary full): again next turn
         if sent:
             self.asked, self.started, self.refollow = now, False, False
 
@@ -391,6 +392,6 @@ def _send(dealer: zmq.Socket, frames: list) -> bool:
     try:
         dealer.send_multipart(frames, zmq.NOBLOCK)
         return True
-    # not connected (the primary is down or restarting): asked again later
+    # its queue is full (the primary long gone): asked again later
     except zmq.ZMQError:
         return False
