@@ -78,7 +78,7 @@ class SnapshotFollower:
         snapshot_endpoint, bus_server, control_endpoint = self._endpoints
         sub = open_socket(self._context, zmq.SUB, snapshot_endpoint, self.security, bus_server)
         sub.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
-        # as an island's: one per merger shard; with a standby ("A,B"), requests queue only to the
+        # as an island's: one per merger shard; with a standby ("A,B"), requests go only to the
         # merger that is up
         self._mergers = MergerLinks(
             self._context, control_endpoint, self.security, self.control_server, self.name
@@ -103,6 +103,7 @@ class SnapshotFollower:
             for socket in dict(poller.poll(POLL_MS)):
                 frames = socket.recv_multipart(copy=False)
                 self._on_frames([f.buffer for f in frames], reassemblers[socket])
+            self._mergers.refresh()
             self._take()
             self.downlink.ask_for_values(
                 time.monotonic(), lambda fragment: 0, self._mergers.send_for

@@ -223,7 +223,7 @@ class NetworkLink:
         sub.setsockopt(zmq.SUBSCRIBE, b"snapshot/")
         sub.setsockopt(zmq.SUBSCRIBE, b"ack")
         # the merger (each shard) routes resend requests to us by name; with a standby, to both
-        # mergers' control sockets ("A,B"), queueing only to one that is up (the primary binds its
+        # mergers' control sockets ("A,B"), sending only to one that is up (the primary binds its
         # own)
         self._mergers = MergerLinks(
             self._context,
@@ -231,7 +231,7 @@ class NetworkLink:
             self.security,
             self.control_server,
             self.name,
-            watch=self.links.watch,
+            links=self.links,
         )
         ask_all = {
             shard: protocol.encode(self.downlink.ask_for_all(time.monotonic()))
@@ -256,6 +256,7 @@ class NetworkLink:
             for socket in dict(poller.poll(POLL_MS)):
                 frames = socket.recv_multipart(copy=False)
                 self._on_frames([f.buffer for f in frames], reassemblers[socket])
+            self._mergers.refresh()
             now = time.monotonic()
             self.uplink.probe(now, self._mergers.send)
             self.downlink.ask_for_values(
