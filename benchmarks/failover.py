@@ -26,7 +26,9 @@ import numpy as np
 import zmq
 
 from dloco import protocol
+from dloco.bus.security import Security
 from dloco.cluster.ports import free_ports
+from dloco.island.mergers import MergerLinks
 
 WAIT_S = 120.0
 
@@ -51,12 +53,10 @@ class StreamIsland:
         self.pub = self._socket(zmq.PUB, delta_in)
         self.sub = self._socket(zmq.SUB, snapshot_out)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"ack")
-        self.dealer = self.context.socket(zmq.DEALER)
-        self.dealer.setsockopt(zmq.LINGER, 0)
-        self.dealer.setsockopt(zmq.IDENTITY, name.encode())
-        self.dealer.setsockopt(zmq.IMMEDIATE, 1)
-        for endpoint in control:
-            self.dealer.connect(endpoint)
+        # as an island's: the mergers' control sockets, requests on the one that is up
+        self.links = MergerLinks(
+            self.context, [",".join(control)], Security(None, name), "merger", name
+        )
         self.epoch, self.seq, self.sent = time.time_ns(), 0, {}
         self.versions: dict[int, int] = {}
         self.acks: list[tuple[int, tuple]] = []
@@ -90,8 +90,9 @@ class StreamIsland:
             )
             until = time.monotonic() + 0.3
             while (left := until - time.monotonic()) > 0:
-                while self.dealer.poll(0):
-                    self._resend(protocol.decode(self.dealer.recv_multipart()))
+                for dealer in self.links.dealers:
+                    while dealer.poll(0):
+                        self._resend(protocol.decode(dealer.recv_multipart()))
                 if not self.sub.poll(int(min(left, 0.05) * 1000) + 1):
                     continue
                 ack = protocol.decode(self.sub.recv_multipart())
@@ -113,12 +114,11 @@ class StreamIsland:
     def _resend(self, request) -> None:
         for first, last in getattr(request, "ranges", ()):
             for seq in range(first, last + 1):
-                try:
-                    self.dealer.send_multipart(self.sent[seq], zmq.NOBLOCK)
-                except (zmq.Again, KeyError):
-                    pass
+                if seq in self.sent:
+                    self.links.send(self.sent[seq], 0)
 
     def close(self) -> None:
+        self.links.close()
         self.context.destroy(linger=0)
 
 
