@@ -45,12 +45,16 @@ class _Pair:
         self.up.append(None)
 
     def refresh(self, label: str, links: LinkWatcher | None) -> None:
+        """Take the links' changes so far (each passed on to `links`, labelled `label`)."""
         for index, monitor in enumerate(self.monitors):
             while True:
                 try:
                     event = recv_monitor_message(monitor, zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                # a monitor message this pyzmq cannot parse
+                except ValueError:
+                    continue
                 if event.get("event") not in (_UP, _DOWN):
                     continue
                 self.changes += 1
