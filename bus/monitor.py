@@ -93,11 +93,12 @@ class LinkWatcher(SocketMonitor):
         endpoint = bytes(event.get("endpoint", b"")).decode("ascii", "replace")
         if kind not in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED):
             return
+        # also called by an island's pairs of merger links (island/mergers.py), on its thread
         with self.lock:
             (self.up if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED else self.down)[label] += 1
-        self.report(
-            "link_up" if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED else "link_down", label, endpoint
-        )
+            self.report(
+                "link_up" if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED else "link_down", label, endpoint
+            )
 
     def summary(self) -> dict[str, dict[str, int]]:
         """{label: {"up": n, "down": n}} for every label seen."""

@@ -194,7 +194,8 @@ class NetworkLink:
 
     # ---- the threads ---------------------------------------------------------------------------
     def _link_changed(self, event: str, socket: str, endpoint: str) -> None:
-        """`link_up` / `link_down` of one of the island's sockets (the link watcher's thread)."""
+        """`link_up` / `link_down` of one of the island's sockets (the link watcher's thread, or
+        the receiver's for a merger and its standby), one at a time."""
         if self._link_log is not None:
             self._link_log.info(event, socket=socket, endpoint=endpoint)
 

@@ -130,7 +130,11 @@ def other_shard(genesis: dict, shard: int, shards: int) -> str | None:
     """Why a merger started as shard `shard` of `shards` cannot keep the log that starts with
     `genesis` (the fragments it holds are another shard's, or the whole model's), or None."""
     fragments = genesis["fragments"]
-    paths = dict.fromkeys(path for path, _ in genesis["tensors"])
+    # logs before 2026-12-03: a `params` map instead of `tensors`
+    if "tensors" in genesis:
+        paths = dict.fromkeys(path for path, _ in genesis["tensors"])
+    else:
+        paths = dict.fromkeys(genesis.get("params", {}))
     held = [i for i, mine in enumerate(records.held_fragments(fragments, paths)) if mine]
     mine = [f for f in range(len(fragments)) if f % shards == shard]
     if held == mine:

@@ -48,9 +48,11 @@ SHARD_NAME = "shard"
 
 def check_shard(run_dir: Path, shard: int, shards: int) -> None:
     """A run directory belongs to one shard (`I/N` in its file `shard`, written on first use): a
-    merger started on it as another shard would fold fragments its log has never seen."""
+    merger started on it as another shard would fold fragments its log has never seen.  While its
+    log holds no record (a standby that refused its primary) it belongs to none yet."""
     path, mine = run_dir / SHARD_NAME, f"{shard}/{shards}"
-    if path.exists():
+    logged = any(segment.stat().st_size for segment in (run_dir / "wal").glob("*.seg"))
+    if path.exists() and logged:
         theirs = path.read_text().strip()
         if theirs != mine:
             raise ConfigError(
@@ -58,7 +60,7 @@ def check_shard(run_dir: Path, shard: int, shards: int) -> None:
                 " shard its own --run-dir"
             )
     # a log from before shards were recorded: an unsharded merger's
-    elif shards > 1 and (run_dir / "wal").exists():
+    elif shards > 1 and logged:
         raise ConfigError(
             f"{run_dir} holds the log of an unsharded merger, not of shard {mine}: give this shard"
             " its own --run-dir"

@@ -54,6 +54,7 @@ DRAIN_LIMIT = 256
 # records queued from the primary (it sends at most replication_stream.WINDOW_BYTES beyond what we
 # stored)
 RECEIVE_HWM = 4096
+SEND_HWM = 16
 # stored records' payloads waiting to be applied: beyond this the socket waits (a catch-up's memory)
 UNAPPLIED_BYTES = 256 << 20
 # fold digests awaiting their other half (a fold the primary made alone never gets one)
@@ -137,7 +138,9 @@ class Standby:
             self.config.sender,
             receive_hwm=RECEIVE_HWM,
             # not ZMQ_IMMEDIATE: libzmq 4.3.5 aborts (fq.cpp, !_more) when such a DEALER's peer
-            # goes while a multipart record is half read; a follow sent meanwhile waits instead
+            # goes while a multipart record is half read; what is sent while no primary is up
+            # waits, SEND_HWM messages at most (a primary then hears few stale follows)
+            send_hwm=SEND_HWM,
         )
         began, unsynced = time.monotonic(), False
         next_checkpoint = self.folds + self.config.checkpoint_every

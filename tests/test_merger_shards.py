@@ -69,14 +69,24 @@ def test_the_shards_of_a_run_are_found_by_index_and_a_missing_one_is_named(tmp_p
 
 
 def test_a_run_directory_belongs_to_one_shard(tmp_path):
+    def log_a_record(run_dir):
+        (run_dir / "wal").mkdir(parents=True, exist_ok=True)
+        (run_dir / "wal" / "000000000000.seg").write_bytes(b"a record")
+
     (tmp_path / "a").mkdir()
     check_shard(tmp_path / "a", 1, 2)
+    # nothing logged yet (a standby that refused its primary): another shard may take it
+    (tmp_path / "a" / "wal").mkdir()
+    (tmp_path / "a" / "wal" / "000000000000.seg").write_bytes(b"")
+    check_shard(tmp_path / "a", 0, 2)
+    check_shard(tmp_path / "a", 1, 2)
+    log_a_record(tmp_path / "a")
     # the same shard again: fine
     check_shard(tmp_path / "a", 1, 2)
     with pytest.raises(ConfigError, match="merger shard 1/2, not 0/2"):
         check_shard(tmp_path / "a", 0, 2)
     # an unsharded merger's log, from before shards were recorded
-    (tmp_path / "b" / "wal").mkdir(parents=True)
+    log_a_record(tmp_path / "b")
     with pytest.raises(ConfigError, match="unsharded merger"):
         check_shard(tmp_path / "b", 0, 2)
     check_shard(tmp_path / "b", 0, 1)
@@ -93,6 +103,9 @@ def test_a_standby_keeps_only_a_log_of_its_own_shard():
     whole = {**genesis, "tensors": [[p, [4]] for p in "abcd"]}
     assert other_shard(whole, 0, 1) is None
     assert "holds fragments [0, 1, 2] of 3" in other_shard(whole, 1, 2)
+    # a log written before genesis records listed their tensors
+    old = {"fragments": genesis["fragments"], "params": {"c": {"shape": [4], "data": b""}}}
+    assert other_shard(old, 1, 3) is None and other_shard(old, 0, 1) is not None
 
 
 def test_a_cluster_with_two_merger_shards_wires_every_island_to_both():

@@ -6,6 +6,7 @@ Bounded by work (deltas settled, events logged), never by a wall-clock figure.""
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 
@@ -129,7 +130,7 @@ def test_a_shards_standby_takes_over_its_fragments_and_the_other_shard_folds_on(
 @pytest.mark.timeout(300)
 def test_a_standby_started_as_another_shard_refuses_its_primary(tmp_path, init_npz):
     """Shard 1's primary, a standby given --shard 0/2: it stops, naming both, before it keeps a
-    record (EXIT_REFUSED)."""
+    record (EXIT_REFUSED); started again with --shard 1/2 on the same run directory, it follows."""
     broker = BrokerProcess(tmp_path, "--insecure")
     control, ends = free_ports(2), [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
     common = merger_command(broker, "sync")
@@ -161,6 +162,15 @@ def test_a_standby_started_as_another_shard_refuses_its_primary(tmp_path, init_n
         # nothing of the other shard's log was kept
         assert not list(read_records(wal_dir(standby.run_dir)))
         assert primary.process.poll() is None
+        # given its primary's --shard, the same run directory follows it
+        standby.args[standby.args.index("0/2")] = "1/2"
+        standby.start()
+        standby.wait_for("following")
+        deadline = time.monotonic() + WAIT_S
+        while not list(read_records(wal_dir(standby.run_dir))):
+            assert time.monotonic() < deadline, "the standby kept no record of its primary's log"
+            assert standby.process.poll() is None, standby.process.returncode
+            time.sleep(0.05)
     finally:
         for merger in (primary, standby):
             if merger.process is not None and merger.process.poll() is None:
