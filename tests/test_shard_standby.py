@@ -75,9 +75,7 @@ class ShardedPair:
         for island in self.streams:
             island.close()
         for merger in self.mergers:
-            if merger.process is not None and merger.process.poll() is None:
-                merger.process.kill()
-                merger.process.wait(timeout=10)
+            merger.kill()
         self.broker.stop()
 
 
@@ -173,7 +171,5 @@ def test_a_standby_started_as_another_shard_refuses_its_primary(tmp_path, init_n
             time.sleep(0.05)
     finally:
         for merger in (primary, standby):
-            if merger.process is not None and merger.process.poll() is None:
-                merger.process.kill()
-                merger.process.wait(timeout=10)
+            merger.kill()
         broker.stop()

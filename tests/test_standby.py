@@ -89,6 +89,12 @@ class Merger:
         self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout=60)
 
+    def kill(self) -> None:
+        """At a test's end: kill -9 this life, if it still runs."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
 
 def merger_command(broker: BrokerProcess, mode: str) -> list[str]:
     """The command line both mergers of a pair share: the broker's buses, a checkpoint every
@@ -169,9 +175,7 @@ class Pair:
     def close(self) -> None:
         self.island.close()
         for merger in (self.a, self.b):
-            if merger.process is not None and merger.process.poll() is None:
-                merger.process.kill()
-                merger.process.wait(timeout=10)
+            merger.kill()
         self.broker.stop()
 
 
