@@ -171,7 +171,7 @@ class MergerCore:
             )
         history.record(candidate.island, verdict.norm)
         wal_index = (
-            self.log.append(*record(verdict.staleness))
+            self.log.append(*record(verdict.staleness), frozen=True)
             if self.log is not None and record is not None
             else None
         )

@@ -63,8 +63,10 @@ class ReplicatedLog:
     def next_index(self) -> int:
         return self.wal.next_index
 
-    def append(self, record: dict, blobs: Sequence[tuple[Any, int | None]] = ()) -> int:
-        index = self.wal.append(record, blobs)
+    def append(
+        self, record: dict, blobs: Sequence[tuple[Any, int | None]] = (), frozen: bool = False
+    ) -> int:
+        index = self.wal.append(record, blobs, frozen)
         self.server.appended(index, record, blobs)
         return index
 

@@ -5,9 +5,19 @@ The segment files and their records are merger/wal_segments.py's.  Blobs are wri
 with the CRC-32 their frame carried and decode verified, so a payload is checksummed once on its
 way in, and still verified when the log is read.
 
+Records are written on a thread of their own (``wal-write``), in order: `append` numbers a record,
+queues it and returns; a record whose blobs the caller may change later (``frozen=False``, e.g.
+the genesis record's parameters) is written before `append` returns.  So the merger's receiving
+thread does not wait for the disk: writes to the page cache are throttled to the disk's pace once
+dirty pages pile up (on this project's VM, ~0.7 GB/s), which made the log's `write` half of that
+thread's time at 1 B parameters (BENCHMARKS.md).  At most `queue_bytes` wait to be written (then
+`append` waits).  A write that fails is final: nothing after it is written, and every later
+append, sync or wait raises the `StorageError`.
+
 ``sync()`` makes everything appended durable; ``sync_async()`` hands the fsync to a background
 thread and returns a ticket for ``wait_durable`` — the merger starts the fsync when it dispatches
-a fold and waits for it only when the fold is computed and about to be announced.
+a fold and waits for it only when the fold is computed and about to be announced.  Both wait for
+the writer first: a ticket is durable only once written and fsynced.
 
 A full segment is closed and the next one opened without waiting for the disk: the fsync of the
 old segment and of the directory happen with the next sync, in order — older segments, the
@@ -20,11 +30,13 @@ a power failure leaves them behind): they are moved to ``DIR/discarded/<index wh
 ends>/``, not deleted.  Any other bad record raises `LogCorruption`.
 
 ``fsync``: "always" (every append is durable before `append` returns), "batch" (durable after
-`sync()`, which the service calls before it acknowledges), "never" (tests, benchmarks).
+`sync()`, which the service calls before it acknowledges), "never" (tests, benchmarks: "durable"
+once written).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -34,18 +46,13 @@ from typing import Any, Protocol
 
 import msgpack
 
-from dloco.merger.wal_segments import (
-    _HEADER,
-    MAX_META_BYTES,
-    LogCorruption,
-    _fsync_dir,
-    _scan,
-    _segments,
-)
+from dloco.merger.wal_segments import _HEADER, MAX_META_BYTES, _fsync_dir, _segments, open_log
 from dloco.protocol.checksum import crc32
 from dloco.protocol.errors import DlocoError
 
 FSYNC_POLICIES = ("always", "batch", "never")
+# records queued for the writer thread, at most (bytes); a record larger is queued alone
+QUEUE_BYTES = 1 << 30
 
 
 class Log(Protocol):
@@ -53,7 +60,9 @@ class Log(Protocol):
 
     next_index: int
 
-    def append(self, record: dict, blobs: Sequence[tuple[Any, int | None]] = ()) -> int: ...
+    def append(
+        self, record: dict, blobs: Sequence[tuple[Any, int | None]] = (), frozen: bool = False
+    ) -> int: ...
 
 
 class StorageError(DlocoError):
@@ -63,20 +72,21 @@ class StorageError(DlocoError):
 
 class WriteAheadLog:
     def __init__(
-        self, directory: str | Path, segment_bytes: int = 64 << 20, fsync: str = "batch"
+        self,
+        directory: str | Path,
+        segment_bytes: int = 64 << 20,
+        fsync: str = "batch",
+        queue_bytes: int = QUEUE_BYTES,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise DlocoError(f"wal fsync policy must be one of {FSYNC_POLICIES}, got {fsync!r}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.segment_bytes, self.fsync = segment_bytes, fsync
+        self.segment_bytes, self.fsync, self.queue_bytes = segment_bytes, fsync, queue_bytes
         # by this process (metrics)
         self.bytes_appended = 0
         # called with each fsync's seconds (metrics)
         self.on_fsync = None
-        self.truncated_bytes = 0
-        # segments set aside after a torn record (see the module docstring)
-        self.discarded: list[str] = []
         # guards the fields below; fsync runs with it released
         self._cond = threading.Condition()
         # tickets: record indexes flushed / made durable
@@ -89,64 +99,16 @@ class WriteAheadLog:
         self._syncing = False
         self._syncer: threading.Thread | None = None
         self._closing, self._error = False, None
-        self.next_index = self._recover()
+        # truncated_bytes: of a torn tail; discarded: segments set aside after it (module docstring)
+        self.next_index, self.truncated_bytes, self.discarded = open_log(self.directory)
+        # records for the writer thread: (index, header and map, blob views, bytes)
+        self._queue: collections.deque[tuple[int, bytes, list, int]] = collections.deque()
+        self._queued_bytes = 0
+        # ticket: records before it are written (in the kernel's hands)
+        self._written = self.next_index
+        self._writer: threading.Thread | None = None
         self._file = None
         self._open_segment(self.next_index, reuse_last=True)
-
-    def _recover(self) -> int:
-        """Index after the last valid record; truncate a torn tail (and set aside any segments after
-        it)."""
-        segments = _segments(self.directory)
-        if not segments:
-            return 0
-        if int(segments[0].stem) != 0:
-            raise LogCorruption(
-                segments[0],
-                0,
-                0,
-                f"the log's first segment starts at record {int(segments[0].stem)}: records before"
-                " it are missing",
-            )
-        next_index = 0
-        for position, segment in enumerate(segments):
-            # the previous segment lost its tail at a record boundary
-            if int(segment.stem) != next_index:
-                self._discard(segments[position:], next_index)
-                return next_index
-            good_end = 0
-            for index, offset, end, _, problem in _scan(segment, int(segment.stem)):
-                if problem:
-                    if not problem.startswith("torn"):
-                        raise LogCorruption(segment, offset, index, problem)
-                    break
-                next_index, good_end = index + 1, end
-            else:
-                continue
-            self._discard(segments[position + 1 :], next_index)
-            size = segment.stat().st_size
-            self.truncated_bytes = size - good_end
-            with open(segment, "r+b") as handle:
-                handle.truncate(good_end)
-                os.fsync(handle.fileno())
-            return next_index
-        return next_index
-
-    def _discard(self, segments: list[Path], torn_index: int) -> None:
-        """Move segments written after a torn record (never durable) to DIR/discarded/<its
-        index>[-n]/."""
-        if not segments:
-            return
-        aside, n = self.directory / "discarded" / f"{torn_index:012d}", 1
-        # set aside at this index before: keep that too
-        while aside.exists():
-            n += 1
-            aside = self.directory / "discarded" / f"{torn_index:012d}-{n}"
-        aside.mkdir(parents=True)
-        for segment in segments:
-            segment.rename(aside / segment.name)
-            self.discarded.append(segment.name)
-        _fsync_dir(aside)
-        _fsync_dir(self.directory)
 
     def _open_segment(self, first_index: int, reuse_last: bool = False) -> None:
         segments = _segments(self.directory)
@@ -169,9 +131,13 @@ class WriteAheadLog:
             _fsync_dir(self.directory)
         self._segment_size = path.stat().st_size
 
-    def append(self, record: dict, blobs: Sequence[tuple[Any, int | None]] = ()) -> int:
-        """Write one record, with raw blobs after it ((buffer, CRC-32 or None to compute it));
-        return its index.  Durable on return when fsync == "always"."""
+    def append(
+        self, record: dict, blobs: Sequence[tuple[Any, int | None]] = (), frozen: bool = False
+    ) -> int:
+        """Queue one record, with raw blobs after it ((buffer, CRC-32 or None to compute it)), for
+        the writer thread; return its index.  `frozen`: the blobs never change (received frames),
+        so this returns at once, as for a record without blobs; otherwise once the record is
+        written.  Durable on return when fsync == "always"."""
         views = [memoryview(buffer).cast("B") for buffer, _ in blobs]
         if blobs:
             record = {
@@ -184,47 +150,104 @@ class WriteAheadLog:
         meta = msgpack.packb(record, use_bin_type=True)
         if len(meta) >= MAX_META_BYTES:
             raise DlocoError(f"log record's map of {len(meta)} bytes exceeds {MAX_META_BYTES}")
-        size = _HEADER.size + len(meta) + sum(v.nbytes for v in views)
+        head = _HEADER.pack(len(meta), crc32(meta)) + meta
+        size = len(head) + sum(v.nbytes for v in views)
+        with self._cond:
+            while (
+                self._error is None
+                and self._queued_bytes
+                and self._queued_bytes + size > self.queue_bytes
+            ):
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+            index, self.next_index = self.next_index, self.next_index + 1
+            self._queue.append((index, head, views, size))
+            self._queued_bytes += size
+            if self._writer is None:
+                self._writer = threading.Thread(
+                    target=self._write_loop, name="wal-write", daemon=True
+                )
+                self._writer.start()
+            self._cond.notify_all()
+            if blobs and not frozen:
+                self._wait_written(index + 1)
+        self.bytes_appended += size
+        if self.fsync == "always":
+            # covers this record: the ticket is the index after it
+            self.sync()
+        return index
+
+    def flush(self) -> None:
+        """Wait until everything appended is written (the kernel's, not yet durable)."""
+        with self._cond:
+            self._wait_written(self.next_index)
+
+    def _wait_written(self, ticket: int) -> None:
+        """With the lock held: wait until the records before `ticket` are written."""
+        while self._written < ticket and self._error is None:
+            self._cond.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _write_loop(self) -> None:
+        """The writer thread: each queued record written and flushed, in order; the first failure
+        ends it (`_error`)."""
+        with self._cond:
+            while True:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                index, head, views, size = self._queue[0]
+                self._cond.release()
+                failure = None
+                try:
+                    self._write(index, head, views, size)
+                except StorageError as error:
+                    failure = error
+                # a bug, not the disk: every waiter must still hear of it
+                except BaseException as error:
+                    failure = DlocoError(f"the write-ahead log's writer failed: {error!r}")
+                finally:
+                    self._cond.acquire()
+                self._queue.popleft()
+                self._queued_bytes -= size
+                if failure is not None:
+                    self._error = failure
+                    self._queue.clear()
+                else:
+                    self._written = index + 1
+                    if self.fsync == "never":
+                        self._durable = self._written
+                self._cond.notify_all()
+
+    def _write(self, index: int, head: bytes, views: list, size: int) -> None:
         try:
             if self._segment_size > 0 and self._segment_size + size > self.segment_bytes:
-                self._open_segment(self.next_index)
-            self._file.write(_HEADER.pack(len(meta), crc32(meta)) + meta)
+                self._open_segment(index)
+            self._file.write(head)
             for view in views:
                 # large writes go straight to the file, no copy
                 self._file.write(view)
+            self._file.flush()
         except OSError as error:
             raise StorageError(
                 f"cannot append to the write-ahead log in {self.directory}:"
                 f" {error.strerror or error}"
             ) from error
         self._segment_size += size
-        self.bytes_appended += size
-        index, self.next_index = self.next_index, self.next_index + 1
-        if self.fsync == "always":
-            # covers this record: the ticket is the index after it
-            self.sync()
-        return index
 
     @property
     def durable(self) -> int:
         """Ticket (record index) below which every record is known to be on disk."""
         return self._durable
 
-    def _flush(self) -> None:
-        try:
-            self._file.flush()
-        except OSError as error:
-            raise StorageError(
-                f"cannot write the write-ahead log in {self.directory}: {error.strerror or error}"
-            ) from error
-
     def sync_async(self) -> int:
         """Start making everything appended so far durable; returns the ticket for
         `wait_durable`."""
-        self._flush()
         ticket = self.next_index
         if self.fsync == "never":
-            self._durable = ticket
             return ticket
         with self._cond:
             self._wanted = max(self._wanted, ticket)
@@ -237,7 +260,8 @@ class WriteAheadLog:
         return ticket
 
     def wait_durable(self, ticket: int) -> None:
-        """Block until the records before `ticket` are on disk (re-raising an fsync failure)."""
+        """Block until the records before `ticket` are on disk (re-raising a write or fsync
+        failure)."""
         with self._cond:
             while self._durable < ticket and self._error is None:
                 self._cond.wait()
@@ -247,11 +271,10 @@ class WriteAheadLog:
     def sync(self) -> None:
         """Make everything appended durable now (on this thread: cheaper than a hand-off when the
         caller waits anyway)."""
-        self._flush()
         ticket = self.next_index
         with self._cond:
             if self.fsync == "never":
-                self._durable = max(self._durable, ticket)
+                self._wait_written(ticket)
                 return
             self._make_durable(ticket)
             if self._error is not None:
@@ -269,7 +292,7 @@ class WriteAheadLog:
         """With the lock held: fsync full segments, the directory, then the current segment (the
         lock released meanwhile, one thread at a time), and call records before `target` durable.
         Any failure is final: `_error` is set and every later wait or sync raises it."""
-        while self._syncing:
+        while (self._syncing or self._written < target) and self._error is None:
             self._cond.wait()
         if self._durable >= target or self._error is not None:
             return
@@ -328,8 +351,9 @@ class WriteAheadLog:
             with self._cond:
                 self._closing = True
                 self._cond.notify_all()
-            if self._syncer is not None:
-                self._syncer.join(timeout=60)
+            for thread in (self._writer, self._syncer):
+                if thread is not None:
+                    thread.join(timeout=60)
             with self._cond:
                 # only after a failed sync
                 for fd in self._rotated:

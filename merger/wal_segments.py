@@ -161,3 +161,58 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def open_log(directory: Path) -> tuple[int, int, list[str]]:
+    """Open a log for append: (the index after its last valid record, bytes of a torn tail
+    truncated, segments set aside after it).  Segments after a torn record were never durable:
+    they move to DIR/discarded/<its index>[-n]/.  Any other bad record raises LogCorruption."""
+    segments = _segments(directory)
+    if not segments:
+        return 0, 0, []
+    if int(segments[0].stem) != 0:
+        raise LogCorruption(
+            segments[0],
+            0,
+            0,
+            f"the log's first segment starts at record {int(segments[0].stem)}: records before"
+            " it are missing",
+        )
+    next_index = 0
+    for position, segment in enumerate(segments):
+        # the previous segment lost its tail at a record boundary
+        if int(segment.stem) != next_index:
+            return next_index, 0, _discard(directory, segments[position:], next_index)
+        good_end = 0
+        for index, offset, end, _, problem in _scan(segment, int(segment.stem)):
+            if problem:
+                if not problem.startswith("torn"):
+                    raise LogCorruption(segment, offset, index, problem)
+                break
+            next_index, good_end = index + 1, end
+        else:
+            continue
+        discarded = _discard(directory, segments[position + 1 :], next_index)
+        truncated = segment.stat().st_size - good_end
+        with open(segment, "r+b") as handle:
+            handle.truncate(good_end)
+            os.fsync(handle.fileno())
+        return next_index, truncated, discarded
+    return next_index, 0, []
+
+
+def _discard(directory: Path, segments: list[Path], torn_index: int) -> list[str]:
+    """Move `segments` to DIR/discarded/<torn_index>[-n]/; their names."""
+    if not segments:
+        return []
+    aside, n = directory / "discarded" / f"{torn_index:012d}", 1
+    # set aside at this index before: keep that too
+    while aside.exists():
+        n += 1
+        aside = directory / "discarded" / f"{torn_index:012d}-{n}"
+    aside.mkdir(parents=True)
+    for segment in segments:
+        segment.rename(aside / segment.name)
+    _fsync_dir(aside)
+    _fsync_dir(directory)
+    return [segment.name for segment in segments]

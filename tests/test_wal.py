@@ -126,6 +126,7 @@ def test_a_full_segment_is_fsynced_by_the_next_sync_not_by_the_append_that_fills
     monkeypatch.setattr(os, "fsync", spy)
     for i in range(30):
         log.append({"i": i, "blob": bytes(100)})
+    log.flush()
     segments = sorted(p.name for p in tmp_path.glob("*.seg"))
     # full segments closed, nothing waited for
     assert len(segments) >= 3 and synced == []
@@ -248,3 +249,89 @@ def test_an_earlier_segment_that_lost_whole_records_ends_the_log_too(tmp_path):
     os.rename(first, first.with_name("000000000001.seg"))
     with pytest.raises(LogCorruption, match="first segment starts at record 1"):
         WriteAheadLog(tmp_path, fsync="never")
+
+
+def held_writer(monkeypatch):
+    """Every record's write waits for the returned event (the writer thread is held)."""
+    import threading
+
+    release = threading.Event()
+    real = WriteAheadLog._write
+
+    def held(self, *args):
+        assert release.wait(60)
+        real(self, *args)
+
+    monkeypatch.setattr(WriteAheadLog, "_write", held)
+    return release
+
+
+@pytest.mark.timeout(60)
+def test_frozen_records_return_before_they_are_written_and_are_durable_only_once_written(
+    tmp_path, monkeypatch
+):
+    """The receiving thread does not wait for the disk: a frozen record is queued; a ticket is
+    durable only once the writer has written it, in order."""
+    release = held_writer(monkeypatch)
+    log = WriteAheadLog(tmp_path, fsync="never")
+    assert [log.append({"i": i}, [(bytes(10), None)], frozen=True) for i in range(3)] == [0, 1, 2]
+    ticket = log.sync_async()
+    assert ticket == 3 and log.durable == 0 and list(read_records(tmp_path)) == []
+    release.set()
+    log.wait_durable(ticket)
+    assert log.durable == 3 and [r["i"] for _, r in read_records(tmp_path)] == [0, 1, 2]
+    # not frozen: written (and visible to a reader) when append returns, no sync asked
+    log.append({"i": 3}, [(bytearray(10), None)])
+    assert [r["i"] for _, r in read_records(tmp_path)] == [0, 1, 2, 3]
+    # no blobs: queued, as a frozen record
+    release.clear()
+    log.append({"i": 4})
+    assert log.next_index == 5 and len(list(read_records(tmp_path))) == 4
+    release.set()
+    log.flush()
+    assert len(list(read_records(tmp_path))) == 5
+    log.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_write_queue_is_bounded_in_bytes(tmp_path, monkeypatch):
+    import threading
+
+    release = held_writer(monkeypatch)
+    log = WriteAheadLog(tmp_path, fsync="batch", queue_bytes=1000)
+    # one record over the bound is queued alone
+    log.append({"i": 0}, [(bytes(2000), None)], frozen=True)
+    second = threading.Thread(target=log.append, args=({"i": 1}, [(bytes(10), None)], True))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive() and log.next_index == 1
+    release.set()
+    second.join(30)
+    log.sync()
+    assert log.durable == 2
+    log.close()
+    assert [r["i"] for _, r in read_records(tmp_path)] == [0, 1]
+
+
+def test_a_failed_write_stops_the_writer_and_every_later_append_and_sync_raises(tmp_path):
+    """A write the disk refuses (here /dev/full: ENOSPC) ends the log where it was: nothing after
+    it is written, the appender hears it at its next append or sync."""
+    from dloco.merger.wal import StorageError
+
+    log = WriteAheadLog(tmp_path, fsync="batch")
+    log.append({"i": 0})
+    log.sync()
+    real_file, log._file = log._file, open("/dev/full", "ab")
+    log.append({"i": 1}, [(bytes(100), None)], frozen=True)
+    with pytest.raises(StorageError, match="No space left on device"):
+        log.sync()
+    with pytest.raises(StorageError, match="No space left on device"):
+        log.append({"i": 2}, frozen=True)
+    with pytest.raises(StorageError):
+        log.wait_durable(2)
+    with pytest.raises(StorageError):
+        log.close()
+    real_file.close()
+    reopened = WriteAheadLog(tmp_path, fsync="never")
+    assert reopened.next_index == 1
+    reopened.close()
