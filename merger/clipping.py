@@ -15,6 +15,7 @@ import numpy as np
 
 from dloco.merger.admission import delta_norm
 from dloco.merger.contribution import Contribution
+from dloco.merger.outliers import ColdCap
 from dloco.protocol import CodedTensor
 
 
@@ -22,7 +23,7 @@ def clip_factors(
     islands: Sequence[str],
     w: Sequence[float],
     norms: Sequence[float],
-    caps: Mapping[str, float],
+    caps: Mapping[str, float | ColdCap],
     allowed: Sequence[float] | None = None,
 ) -> tuple[list[float], list[str], list[float]]:
     """What each island's part of a fold may move the fragment: its weight times its norm
@@ -37,6 +38,9 @@ def clip_factors(
         kept = min(1.0, allowed[i] / norm) if allowed is not None and norm > 0 else 1.0
         movement = weight * norm
         cap = caps.get(island)
+        if isinstance(cap, ColdCap):
+            # within the lower bound: within the cap, whatever its exact value
+            cap = cap.lower if movement <= cap.lower else cap.exact()
         if cap is not None and movement * kept > cap:
             kept *= cap / (movement * kept)
         if cap is not None:

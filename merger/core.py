@@ -11,7 +11,6 @@ log alone determines the model: replay and crash recovery feed the same records 
 from __future__ import annotations
 
 import collections
-import functools
 from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
@@ -365,7 +364,7 @@ class MergerCore:
         """The guard's cap on each member island's part of a fold (outliers.fold_caps) and the most
         each delta of a member without a reference counts (outliers.delta_limits); None: off."""
         islands, merge = {c.island for c in members}, self.config.merge
-        norm = functools.partial(self.param_norms.of, fragment, self.states[fragment].params)
+        norm = self.param_norms.bounds(fragment, self.states)
         return (
             fold_caps(self.moves[fragment], norm, islands, merge.clip_factor),
             delta_limits(self.norms[fragment], self.moves[fragment], islands, merge.cold_factor),

@@ -7,7 +7,8 @@ first.
   scales: ``||u_b||^2 = sum_m sum_n f_mb f_nb G_mnb`` for ``u = sum_m f_m q_m``.
 - `merge_into`: ``(sum_m f_mb q_m) * s_b`` into float32 values: the merged pseudo-gradient.
 - `norm`: the Euclidean norm of float32 tensors (the guard's cold reference, a fragment's norm
-  before every fold that has no other reference: merger/outliers.py), in a fixed order.
+  before every fold that has no other reference: merger/outliers.py), in a fixed order; or a
+  lower bound of it from a fixed sample of its parts.
 
 `gram` and `merge_into` read a round's codes block by block, every delta's block once, through a
 block-sized buffer in L1.
@@ -87,8 +88,9 @@ NORM_PART = 1 << 16
 NORM_LANES = 8
 
 
-def _square_sums(x, out, lo, hi):  # pragma: no cover - compiled
-    for part in range(lo, hi):
+def _square_sums(x, out, lo, hi, every):  # pragma: no cover - compiled
+    for j in range(lo, hi):
+        part = j * every
         start, end = part * NORM_PART, min(x.shape[0], (part + 1) * NORM_PART)
         lanes = np.zeros(NORM_LANES, np.float64)
         full = start + (end - start) // NORM_LANES * NORM_LANES
@@ -102,7 +104,7 @@ def _square_sums(x, out, lo, hi):  # pragma: no cover - compiled
         total = 0.0
         for lane in range(NORM_LANES):
             total += lanes[lane]
-        out[part] = total
+        out[j] = total
 
 
 _square_sums = compiled(_square_sums, "square_sums")
@@ -143,14 +145,17 @@ def merge_into(
         out[full * width :] = tail[0, :rest]
 
 
-def norm(tensors: Iterable[np.ndarray], threads: int = DEFAULT_THREADS) -> float:
+def norm(tensors: Iterable[np.ndarray], threads: int = DEFAULT_THREADS, every: int = 1) -> float:
     """Euclidean norm of float32 tensors taken as one vector: squares in float64, summed in parts
     of NORM_PART values (each over NORM_LANES running sums), the parts' sums added exactly
-    (`math.fsum`): the same float on any machine and any number of threads."""
+    (`math.fsum`): the same float on any machine and any number of threads.  `every` > 1: only
+    parts 0, every, 2 x every... of each tensor, the same part sums, fewer of them, so the float is
+    never above the whole norm's (an exact sum of fewer non-negative terms, correctly rounded)."""
     sums = []
     for tensor in tensors:
         x = np.ascontiguousarray(tensor, dtype=np.float32).reshape(-1)
-        out = np.empty(-(-x.size // NORM_PART), np.float64)
-        run_split(lambda lo, hi: _square_sums(x, out, lo, hi), out.size, threads)
+        parts = -(-x.size // NORM_PART)
+        out = np.empty(-(-parts // every), np.float64)
+        run_split(lambda lo, hi: _square_sums(x, out, lo, hi, every), out.size, threads)
         sums.append(out)
     return math.sqrt(math.fsum(np.concatenate(sums))) if sums else 0.0

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import statistics
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 HOSTILE = frozenset({"outlier_norm", "non_finite", "layout_mismatch", "future_base"})
 # without a reference, one island's part of a fold moves a fragment by at most this times its norm
@@ -133,28 +135,63 @@ class Quarantine:
         return True
 
 
+class ParamNorm(NamedTuple):
+    """A fragment's norm as the guard asks for it: `exact()`, and `lower()`, a float never above
+    it that costs a fraction of a pass (merger/param_norms.py)."""
+
+    exact: Callable[[], float]
+    lower: Callable[[], float]
+
+
+class ColdCap(NamedTuple):
+    """COLD_LIMIT times the fragment's norm, computed only where it can matter: a part that moves
+    the fragment by at most `lower` (COLD_LIMIT times the norm's lower bound) is under the cap
+    whatever its exact value, so only a part that moves more asks for `exact()` (None: a zero
+    norm, which caps nothing; merger/clipping.py `clip_factors`)."""
+
+    lower: float
+    exact: Callable[[], float | None]
+
+
 def fold_caps(
-    moves: NormHistory, params_norm: Callable[[], float], islands: Iterable[str], factor: float
-) -> dict[str, float] | None:
+    moves: NormHistory,
+    params_norm: ParamNorm | Callable[[], float],
+    islands: Iterable[str],
+    factor: float,
+) -> dict[str, float | ColdCap] | None:
     """The guard's cap on each island's part of a fold (merger/fold.py `guard`): `factor`
     (clip_factor) times the largest of the other islands' median movements in `moves`; without
-    one, COLD_LIMIT times the norm of the fragment's parameters (`params_norm()`, asked for only
-    then).  None: the guard is off."""
+    one, COLD_LIMIT times the norm of the fragment's parameters (`params_norm`, asked for only
+    then; a ParamNorm gives a ColdCap).  None: the guard is off."""
     if factor <= 0:
         return None
     caps, cold = {}, None
     for island in islands:
         reference = moves.reference(island, "max")
         if reference is None:
-            if cold is None:
-                cold = COLD_LIMIT * params_norm()
-            reference, factor_here = cold, 1.0
-        else:
-            factor_here = factor
+            cold = _cold_cap(params_norm) if cold is None else cold
+            if cold is not None:
+                caps[island] = cold
         # a zero reference (a fragment at zero, or that nobody moves) caps nothing
-        if reference > 0:
-            caps[island] = factor_here * reference
+        elif reference > 0:
+            caps[island] = factor * reference
     return caps
+
+
+def _cold_cap(params_norm: ParamNorm | Callable[[], float]) -> float | ColdCap | None:
+    if not isinstance(params_norm, ParamNorm):
+        cap = COLD_LIMIT * params_norm()
+        return cap if cap > 0 else None
+
+    # a started fold keeps its caps: they hold the exact norm's function, not the ParamNorm
+    norm = params_norm.exact
+
+    @functools.cache
+    def exact() -> float | None:
+        cap = COLD_LIMIT * norm()
+        return cap if cap > 0 else None
+
+    return ColdCap(COLD_LIMIT * params_norm.lower(), exact)
 
 
 def delta_limits(

@@ -69,3 +69,19 @@ def test_one_pass_decodes_as_the_codec_does_on_any_number_of_threads(name):
     padded = np.concatenate([levels, np.zeros(64 * len(ones) - count, np.int64)])
     # the encoder pads the last block with zeros: level 0
     assert squares.tolist() == (padded.reshape(-1, 64) ** 2).sum(axis=1).tolist()
+
+
+def test_the_norm_over_one_part_in_every_is_a_lower_bound_of_the_whole():
+    """Parts of 65536 values: 1s, 2s, then 10 3s; a second tensor of one part."""
+    part = fold_loops.NORM_PART
+    x = np.concatenate([np.ones(part), np.full(part, 2.0), np.full(10, 3.0)]).astype(np.float32)
+    y = np.array([12.0], np.float32)
+    whole = part + 4 * part + 90 + 144
+    assert fold_loops.norm([x, y]) == np.sqrt(whole)
+    # parts 0 and 2 of x, part 0 of y
+    assert fold_loops.norm([x, y], every=2) == np.sqrt(part + 90 + 144)
+    assert fold_loops.norm([x, y], threads=1, every=3) == np.sqrt(part + 144)
+    rng = np.random.default_rng(0)
+    tensors = [rng.standard_normal(n).astype(np.float32) for n in (7, part + 1, 9 * part - 3)]
+    for every in (2, 8, 64):
+        assert fold_loops.norm(tensors, every=every) <= fold_loops.norm(tensors)

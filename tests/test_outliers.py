@@ -9,9 +9,10 @@ import pytest
 
 from dloco import protocol
 from dloco.merger import admission
+from dloco.merger.clipping import clip_factors
 from dloco.merger.config import ConfigError, MergeConfig, MergerConfig
 from dloco.merger.core import MergerCore
-from dloco.merger.outliers import NormHistory, Quarantine
+from dloco.merger.outliers import ColdCap, NormHistory, ParamNorm, Quarantine, fold_caps
 
 LAYOUT = {"w": (2, 2), "b": (2,)}
 
@@ -197,3 +198,26 @@ def test_the_core_rejects_a_poisoned_delta_and_quarantines_its_sender():
     assert send("b", 201, now=30.0) is None
     # the quarantine is over
     assert send("a", 202, now=61.5) is None
+
+
+def test_a_cold_cap_is_computed_exactly_only_for_a_part_beyond_its_lower_bound():
+    """fold_caps with a ParamNorm: COLD_LIMIT x the bound, and the exact cap asked for (once) only
+    by a part that moves more; a part within the bound is scaled and recorded as under the exact
+    cap."""
+    asked = []
+    norm = ParamNorm(exact=lambda: asked.append(1) or 10.0, lower=lambda: 4.0)
+    caps = fold_caps(NormHistory(), norm, ["a", "b"], 2.0)
+    assert isinstance(caps["a"], ColdCap) and caps["a"].lower == 2.0 and asked == []
+    # a moves 1.5 (within 2.0): as under the exact cap of 5.0, nothing asked
+    assert clip_factors(["a"], [0.5], [3.0], caps) == ([1.5], [], [1.0])
+    assert clip_factors(["a"], [0.5], [3.0], {"a": 5.0}) == ([1.5], [], [1.0]) and asked == []
+    # b moves 8.0: the exact cap (5.0) clips it to 5/8, asked once for both islands
+    assert clip_factors(["a", "b"], [1.0, 1.0], [3.0, 8.0], caps) == (
+        [3.0, 5.0],
+        ["b"],
+        [1.0, 0.625],
+    )
+    assert clip_factors(["b"], [1.0], [8.0], caps)[2] == [0.625] and asked == [1]
+    # a zero norm caps nothing
+    zero = fold_caps(NormHistory(), ParamNorm(lambda: 0.0, lambda: 0.0), ["a"], 2.0)
+    assert clip_factors(["a"], [1.0], [8.0], zero) == ([8.0], [], [1.0])

@@ -8,13 +8,15 @@ import threading
 from collections.abc import Mapping
 
 import numpy as np
+import pytest
 
 from dloco import protocol
 from dloco.merger.config import MergerConfig
 from dloco.merger.core import MergerCore
-from dloco.merger.fold import Contribution
-from dloco.merger.outliers import COLD_LIMIT, NormHistory
-from dloco.merger.param_norms import ParamNorms, norm_of
+from dloco.merger.fold import Contribution, FragmentState, ReplayError
+from dloco.merger.fold_loops import NORM_PART
+from dloco.merger.outliers import COLD_LIMIT, NormHistory, ParamNorm
+from dloco.merger.param_norms import LOWER_EVERY, ParamNorms, norm_of
 
 
 class Watched(Mapping):
@@ -37,18 +39,29 @@ class Watched(Mapping):
         return self.params.values()
 
 
-def test_a_norm_started_ahead_is_taken_and_others_are_computed_on_the_spot():
+def test_a_lower_bound_started_ahead_is_taken_and_others_are_computed_on_the_spot():
     norms = ParamNorms()
-    ahead = Watched({"w": np.array([3.0, 0.0], np.float32), "b": np.array([4.0], np.float32)})
+    # 8 parts of the first tensor (the bound reads its first), one of the second
+    w = np.ones(LOWER_EVERY * NORM_PART, np.float32)
+    ahead = Watched({"w": w, "b": np.array([3.0, 4.0], np.float32)})
     norms.ahead(0, ahead)
     norms.settle(0)
-    assert norms.of(0, ahead) == 5.0
+    assert norms.lower(0, ahead) == np.sqrt(NORM_PART + 25.0)
     assert len(ahead.readers) == 1 and ahead.readers[0].startswith("guard-norm")
+    # the exact norm only when asked for, on the asking thread, of the state then held
+    states = [FragmentState(3, ahead, None)]
+    bounds = norms.bounds(0, states)
+    assert bounds.lower() == np.sqrt(NORM_PART + 25.0) and len(ahead.readers) == 1
+    assert bounds.exact() == np.sqrt(LOWER_EVERY * NORM_PART + 25.0)
+    assert ahead.readers[1] == threading.current_thread().name
+    states[0] = FragmentState(4, ahead, None)
+    with pytest.raises(ReplayError, match="fragment 0 at version 3; it holds 4"):
+        bounds.exact()
     # other parameters of the fragment (a state replaced since): computed here
     other = Watched({"w": np.array([6.0, 8.0], np.float32)})
-    assert norms.of(0, other) == 10.0 and other.readers == [threading.current_thread().name]
+    assert norms.lower(0, other) == 10.0 and other.readers == [threading.current_thread().name]
     # another fragment: nothing was started for it
-    assert norms.of(1, ahead) == 5.0 and len(ahead.readers) == 2
+    assert norms.lower(1, ahead) == np.sqrt(NORM_PART + 25.0) and len(ahead.readers) == 3
 
 
 def test_a_norm_starts_only_while_an_island_of_the_fold_has_no_reference():
@@ -87,3 +100,42 @@ def test_a_lone_islands_cap_is_half_the_norm_of_the_parameters_before_its_fold()
         report = core._apply_fold(0, [member(delta_id, 1e6)])
         assert report.clipped == ("a",)
         assert dict(report.movements)["a"] == COLD_LIMIT * before
+
+
+def test_a_lone_honest_island_never_needs_the_exact_norm_and_folds_as_with_it():
+    """The fold's cap asks for the exact norm only for a part beyond the lower bound's cap: an
+    honest island's folds read the parameters once per fold, for the bound, ahead; and each fold is
+    the one that the exact norm gives, bit for bit."""
+    rng = np.random.default_rng(5)
+    shapes = {"w": (3 * NORM_PART + 5,), "b": (7,)}
+    params = {p: rng.normal(size=s).astype(np.float32) for p, s in shapes.items()}
+    deltas = [
+        {p: (rng.normal(size=s) * 0.01).astype(np.float32) for p, s in shapes.items()}
+        for _ in range(4)
+    ]
+    cores = [
+        MergerCore(MergerConfig(), protocol.model_fingerprint(params), [["b", "w"]], params)
+        for _ in range(2)
+    ]
+    asked, exact_asked = [], []
+    bounded = cores[0].param_norms.bounds
+    cores[0].param_norms.bounds = lambda fragment, states: ParamNorm(
+        lambda: exact_asked.append(1) or bounded(fragment, states).exact(),
+        bounded(fragment, states).lower,
+    )
+    # the second core's guard is given the exact norm as its bound
+    exact = cores[1].param_norms
+    exact.bounds = lambda fragment, states: ParamNorm(
+        lambda: norm_of(states[fragment].params),
+        lambda: asked.append(1) or norm_of(states[fragment].params),
+    )
+    for delta_id, tensors in enumerate(deltas, 1):
+        member = Contribution("a", 1, delta_id, 0, 100, 10, tensors)
+        reports = [core._apply_fold(0, [member]) for core in cores]
+        assert reports[0].movements == reports[1].movements and not reports[0].clipped
+        for path in shapes:
+            assert np.array_equal(
+                np.asarray(cores[0].states[0].params[path]),
+                np.asarray(cores[1].states[0].params[path]),
+            )
+    assert len(asked) == 4 and exact_asked == []
