@@ -22,7 +22,7 @@ the writer first: a ticket is durable only once written and fsynced.
 A full segment is closed and the next one opened without waiting for the disk: the fsync of the
 old segment and of the directory happen with the next sync, in order — older segments, the
 directory, then the current one — before anything after them is called durable.  (Waiting on
-the merger's receiving thread would cost 30-50 ms per 64 MiB segment.)
+the writer would cost it 30-50 ms per 64 MiB segment.)
 
 Opening a log for append scans every segment and truncates a torn tail away (what ends the log:
 merger/wal_segments.py).  Segments after that point were written after it, so never durable (only
