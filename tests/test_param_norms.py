@@ -1,6 +1,6 @@
-"""The guard's cold reference computed ahead (merger/param_norms.py): the norm of a fragment's new
-parameters starts on its own thread when a fold leaves an island without a movement reference,
-the next fold takes it, and it is the same float as one computed when the fold starts."""
+"""The guard's cold reference (merger/param_norms.py): a lower bound of the norm of a fragment's new
+parameters starts on its own thread when a fold leaves an island without a movement reference, the
+next fold takes it, and the exact norm is read only for a part beyond the bound's cap."""
 
 from __future__ import annotations
 
