@@ -155,34 +155,28 @@ class ColdCap(NamedTuple):
 
 def fold_caps(
     moves: NormHistory,
-    params_norm: ParamNorm | Callable[[], float],
+    params_norm: ParamNorm,
     islands: Iterable[str],
     factor: float,
 ) -> dict[str, float | ColdCap] | None:
     """The guard's cap on each island's part of a fold (merger/fold.py `guard`): `factor`
     (clip_factor) times the largest of the other islands' median movements in `moves`; without
-    one, COLD_LIMIT times the norm of the fragment's parameters (`params_norm`, asked for only
-    then; a ParamNorm gives a ColdCap).  None: the guard is off."""
+    one, a ColdCap: COLD_LIMIT times the norm of the fragment's parameters (`params_norm`, asked
+    for only then).  None: the guard is off."""
     if factor <= 0:
         return None
     caps, cold = {}, None
     for island in islands:
         reference = moves.reference(island, "max")
         if reference is None:
-            cold = _cold_cap(params_norm) if cold is None else cold
-            if cold is not None:
-                caps[island] = cold
+            cold = caps[island] = _cold_cap(params_norm) if cold is None else cold
         # a zero reference (a fragment at zero, or that nobody moves) caps nothing
         elif reference > 0:
             caps[island] = factor * reference
     return caps
 
 
-def _cold_cap(params_norm: ParamNorm | Callable[[], float]) -> float | ColdCap | None:
-    if not isinstance(params_norm, ParamNorm):
-        cap = COLD_LIMIT * params_norm()
-        return cap if cap > 0 else None
-
+def _cold_cap(params_norm: ParamNorm) -> ColdCap:
     # a started fold keeps its caps: they hold the exact norm's function, not the ParamNorm
     norm = params_norm.exact
 
