@@ -6,12 +6,16 @@ first.
   with itself gives its squares).  Every norm a fold needs follows from these and the block
   scales: ``||u_b||^2 = sum_m sum_n f_mb f_nb G_mnb`` for ``u = sum_m f_m q_m``.
 - `merge_into`: ``(sum_m f_mb q_m) * s_b`` into float32 values: the merged pseudo-gradient.
+- `nesterov_into`: that pseudo-gradient g, in a block-sized buffer, taken straight into the outer
+  step of Nesterov momentum (``t = g + mu m; p' = p - lr (g + mu t); m' = t``) from one
+  fragment's parameters and momentum (float32, or bfloat16 rounded to nearest even) into another
+  (or the same) pair: the fold's one pass over the model (merger/fused.py).
 - `norm`: the Euclidean norm of float32 tensors (the guard's cold reference, a fragment's norm
   before every fold that has no other reference: merger/outliers.py), in a fixed order; or a
   lower bound of it from a fixed sample of its parts.
 
-`gram` and `merge_into` read a round's codes block by block, every delta's block once, through a
-block-sized buffer in L1.
+`gram`, `merge_into` and `nesterov_into` read a round's codes block by block, every delta's block
+once, through a block-sized buffer in L1.
 
 A byte's levels are those of protocol/code_loops.py (value ``per * k + j`` of a block is position
 j of its byte k: PROTOCOL.md §Codecs).  The loops are numba-compiled (no fast-math: no
@@ -24,6 +28,7 @@ Pure functions of arrays; no I/O.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 
@@ -159,3 +164,85 @@ def norm(tensors: Iterable[np.ndarray], threads: int = DEFAULT_THREADS, every: i
         run_split(lambda lo, hi: _square_sums(x, out, lo, hi, every), out.size, threads)
         sums.append(out)
     return math.sqrt(math.fsum(np.concatenate(sums))) if sums else 0.0
+
+
+@functools.cache
+def _nesterov_loop(bits: int, wide: bool):
+    """The fused loop of one codec; `wide`: the momentum is bfloat16 (held as uint16)."""
+    per = LEVELS[bits][0]
+
+    def step(
+        new_params, new_momentum, params, momentum, codes, factors, scale, terms, lo, hi
+    ):  # pragma: no cover - compiled
+        width = codes.shape[2] * per
+        u = np.empty(width, np.float32)
+        # the block's momentum in float32 (bfloat16: its bits widened), then the new one
+        words = np.empty(width, np.uint32)
+        held = words.view(np.float32)
+        rate, mu = terms[0], terms[1]
+        for r in range(lo, hi):
+            # u as merge_into computes it
+            f = factors[0, r]
+            for k in range(codes.shape[2]):
+                for j in range(per):
+                    u[k * per + j] = np.float32(level(codes[0, r, k], j, bits)) * f
+            for m in range(1, codes.shape[0]):
+                f = factors[m, r]
+                for k in range(codes.shape[2]):
+                    for j in range(per):
+                        u[k * per + j] = (
+                            u[k * per + j] + np.float32(level(codes[m, r, k], j, bits)) * f
+                        )
+            s = scale[r]
+            for i in range(width):
+                if wide:
+                    words[i] = np.uint32(momentum[r, i]) << 16
+                else:
+                    held[i] = momentum[r, i]
+            for i in range(width):
+                g = u[i] * s
+                t = g + mu * held[i]
+                new_params[r, i] = params[r, i] - rate * (g + mu * t)
+                held[i] = t
+            for i in range(width):
+                if wide:
+                    x = words[i]
+                    # round to nearest even; a NaN stays a (quiet) NaN
+                    even = (x + np.uint32(0x7FFF) + ((x >> 16) & np.uint32(1))) >> 16
+                    nan = (x >> 16) | np.uint32(0x40)
+                    new_momentum[r, i] = np.uint16(
+                        nan if (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else even
+                    )
+                else:
+                    new_momentum[r, i] = held[i]
+
+    return compiled(step, f"nesterov_int{bits}_{'bf16' if wide else 'fp32'}")
+
+
+def nesterov_into(
+    new: tuple[np.ndarray, np.ndarray],
+    old: tuple[np.ndarray, np.ndarray],
+    codes: np.ndarray,
+    factors: np.ndarray,
+    scale: np.ndarray,
+    bits: int,
+    terms: tuple[float, float],
+    threads: int = DEFAULT_THREADS,
+) -> None:
+    """new (parameters, momentum) <- the Nesterov step of `terms` (lr, mu) from old, with the
+    pseudo-gradient g = (sum over m in order of factors_mb * level_m) * scale_b.  Each array is
+    (B, values per block), over whole blocks; parameters float32, momentum float32 or bfloat16's
+    bits (uint16); `new` may be `old` (each value is read before it is written).  codes (M, B, C),
+    factors (M, B), scale (B,) as `merge_into`'s.  Every value is the float32 roundings of
+    ``t = g + mu m; p - lr (g + mu t)`` in that order."""
+    wide = old[1].dtype == np.uint16
+    if new[1].dtype != old[1].dtype or old[1].dtype not in (np.uint16, np.float32):
+        raise ValueError(f"momentum of {old[1].dtype} into {new[1].dtype}")
+    rows = codes.shape[1]
+    if any(a.shape != (rows, codes.shape[2] * (8 // bits)) for a in (*new, *old)):
+        raise ValueError(f"arrays of {[a.shape for a in (*new, *old)]} for codes {codes.shape}")
+    loop = _nesterov_loop(bits, wide)
+    rate_mu = np.array(terms, np.float32)
+    run_split(
+        lambda lo, hi: loop(*new, *old, codes, factors, scale, rate_mu, lo, hi), rows, threads
+    )

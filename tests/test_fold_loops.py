@@ -3,6 +3,7 @@ the codec's own decoding."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -85,3 +86,55 @@ def test_the_norm_over_one_part_in_every_is_a_lower_bound_of_the_whole():
     tensors = [rng.standard_normal(n).astype(np.float32) for n in (7, part + 1, 9 * part - 3)]
     for every in (2, 8, 64):
         assert fold_loops.norm(tensors, every=every) <= fold_loops.norm(tensors)
+
+
+def test_the_nesterov_step_of_a_hand_made_int8_block():
+    # levels (+3, -2), factor 0.5, scale 2: g = (3, -2); p = (1, 1), m = (1, 0), lr 0.5, mu 0.5
+    codes = np.array([[[0x03, 0xFE]]], np.uint8)
+    factors, scale = np.float32([[0.5]]), np.float32([2.0])
+    # t = g + mu m = (3.5, -2); p - lr (g + mu t) = (1 - 0.5 * 4.75, 1 - 0.5 * -3)
+    params = np.float32([[1.0, 1.0]])
+    for momentum, expected in (
+        (np.float32([[1.0, 0.0]]), [3.5, -2.0]),
+        # bfloat16's bits: 1.0 is 0x3F80; 3.5 is 0x4060, -2 is 0xC000
+        (np.uint16([[0x3F80, 0x0000]]), [0x4060, 0xC000]),
+    ):
+        new = (np.zeros_like(params), np.zeros_like(momentum))
+        fold_loops.nesterov_into(new, (params, momentum), codes, factors, scale, 8, (0.5, 0.5))
+        assert new[0].tolist() == [[-1.375, 2.5]] and new[1].tolist() == [expected]
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_the_nesterov_step_is_numpys_float32_arithmetic_in_place_or_not(bits):
+    rng, block, blocks = np.random.default_rng(bits), 64, 37
+    codes = rng.integers(0, 256, (3, blocks, block * bits // 8), dtype=np.uint8)
+    factors = rng.standard_normal((3, blocks)).astype(np.float32)
+    scale = rng.random(blocks).astype(np.float32)
+    g = np.empty(blocks * block, np.float32)
+    fold_loops.merge_into(g, codes, factors, scale, bits)
+    g = g.reshape(blocks, block)
+    params = rng.standard_normal((blocks, block)).astype(np.float32)
+    lr, mu = np.float32(0.7), np.float32(0.9)
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        momentum = rng.standard_normal((blocks, block)).astype(dtype)
+        t = g + mu * momentum.astype(np.float32)
+        expected = (params - lr * (g + mu * t), t.astype(dtype))
+        held = momentum.view(np.uint16) if dtype != np.float32 else momentum
+        new = (np.empty_like(params), np.empty_like(held))
+        fold_loops.nesterov_into(new, (params, held), codes, factors, scale, bits, (0.7, 0.9))
+        assert np.array_equal(new[0], expected[0])
+        assert np.array_equal(new[1], expected[1].view(held.dtype))
+        # over the old arrays themselves, on one thread: the same bytes
+        same = (params.copy(), held.copy())
+        fold_loops.nesterov_into(same, same, codes, factors, scale, bits, (0.7, 0.9), threads=1)
+        assert np.array_equal(same[0], new[0]) and np.array_equal(same[1], new[1])
+
+
+def test_the_nesterov_step_refuses_arrays_that_do_not_match():
+    codes, ones = np.zeros((1, 2, 32), np.uint8), np.ones((1, 2), np.float32)
+    pair = (np.zeros((2, 64), np.float32), np.zeros((2, 64), np.float32))
+    with pytest.raises(ValueError, match="momentum of float32 into uint16"):
+        wide = (pair[0], np.zeros((2, 64), np.uint16))
+        fold_loops.nesterov_into(wide, pair, codes, ones, ones[0], 4, (0.1, 0.9))
+    with pytest.raises(ValueError, match="for codes"):
+        fold_loops.nesterov_into(pair, pair, codes[:, :1], ones, ones[0], 4, (0.1, 0.9))
