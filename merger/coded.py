@@ -28,6 +28,7 @@ the same log gives the same bytes (replay feeds the same records to this code).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,7 @@ from dloco.merger.coded_kernels import (
     sparse_accumulate,
     split,
 )
+from dloco.merger.scratch import Scratch
 from dloco.protocol import CodedTensor, sparse
 
 # (first delta, deltas, padded size) of each kernel call over a round
@@ -77,64 +79,6 @@ def tile_blocks(blocks: int) -> int:
     return min(TILE_BLOCKS, max(16, 1 << (blocks - 1).bit_length()))
 
 
-def _aligned_empty(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
-    """An uninitialised uint8 array starting on an `align`-byte boundary, whose tiles (each a
-    multiple of `align` bytes) jax.device_put hands to XLA without copying (it copies anything
-    less aligned: 0.35 ms a tile)."""
-    nbytes = int(np.prod(shape))
-    raw = np.empty(nbytes + align, np.uint8)
-    start = -raw.ctypes.data % align
-    return raw[start : start + nbytes].reshape(shape)
-
-
-class Scratch:
-    """Memory one merger's folds from dense codes reuse: a fresh block is faulted in a page at a
-    time, ~1 ns a byte on this machine, 20x a copy into memory already mapped (merger/memory.py).
-    The round's codes (`dense` alone uses them), and two buffers for the merged direction's
-    float32 values, taken in turn: the fold's outer step reads a direction after `dense` returns
-    (XLA takes it without a copy), so a fold's direction is written while the previous fold's step
-    may still run, into the other buffer.  `read_by` names the arrays a step reading the last
-    direction writes; `settle`, before the next step is taken (which may write over those
-    arrays), waits until they are ready: a buffer is written again only after the step that read
-    it is done.  Grown to the largest fragment; the codes shrink after a larger round than
-    usual."""
-
-    def __init__(self) -> None:
-        self._codes = np.empty(0, np.uint8)
-        self._values = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
-        self._readers: list[object] = [None, None]
-        self._last = 1
-
-    def codes(self, shape: tuple[int, ...]) -> np.ndarray:
-        size = int(np.prod(shape))
-        if not size <= self._codes.size <= 4 * size:
-            self._codes = np.empty(size, np.uint8)
-        return self._codes[:size].reshape(shape)
-
-    def values(self, nbytes: int) -> np.ndarray:
-        """`nbytes` of 64-byte aligned memory that no outer step reads any more."""
-        i = self._last = 1 - self._last
-        self._wait(i)
-        if self._values[i].size < nbytes:
-            self._values[i] = _aligned_empty((nbytes,))
-        return self._values[i][:nbytes]
-
-    def read_by(self, outputs: object) -> None:
-        """The arrays (any pytree) an outer step reading the last values writes."""
-        self._readers[self._last] = outputs
-
-    def settle(self) -> None:
-        """Wait for every step that reads a buffer (before a step that may donate their
-        outputs)."""
-        for i in (0, 1):
-            self._wait(i)
-
-    def _wait(self, i: int) -> None:
-        if self._readers[i] is not None:
-            jax.block_until_ready(self._readers[i])
-            self._readers[i] = None
-
-
 def _sum64(x: np.ndarray) -> float:
     return float(np.add.reduce(np.asarray(x, dtype=np.float64)))
 
@@ -150,6 +94,25 @@ def merge(
     return dict(zip(paths, split(tiles, block_scale, layout))), delta_norms, merged_norm
 
 
+class Dense(NamedTuple):
+    """A round of dense codes up to its merge (`dense_terms`): u = (sum_m factors_mb q_m) * scale_b
+    over the fragment's blocks, each path's blocks at `spans` (every tensor from the first value
+    of its first block)."""
+
+    # (M, blocks, C) uint8, in the scratch's memory: valid until its next round
+    codes: np.ndarray
+    # (M, blocks) float32
+    factors: np.ndarray
+    # (blocks,) float32
+    scale: np.ndarray
+    spans: Spans
+    bits: int
+    block: int
+    # each delta's norm, and u's
+    delta_norms: list[float]
+    merged_norm: float
+
+
 def dense(
     tensors: Sequence[dict[str, CodedTensor]],
     weights: Sequence[float],
@@ -157,14 +120,36 @@ def dense(
     scratch: Scratch | None = None,
     sizes: Sequence[int] | None = None,
 ) -> tuple[dict[str, np.ndarray], list[float], float]:
-    """`merge` for the dense int codecs, by compiled loops over the codes (merger/fold_loops.py):
-    per block the products of every two deltas' levels give each delta's norm and u's, then one
-    pass over every delta's codes writes u, rescaled, into each tensor's float32 values (in
-    `scratch`'s memory if given, else fresh).  `sizes`: how many of `tensors`, in order, each
-    member is (an island's several deltas of one fold, merged as their sum: its norm is the sum's,
-    from the products of its deltas' levels, and each of its deltas takes the member's factor);
-    None: one each.  `weights` are the members'; the norms returned are each delta's."""
+    """`merge` for the dense int codecs (`dense_terms`), u written, rescaled, into each tensor's
+    float32 values by one pass over every delta's codes (in `scratch`'s memory if given, else
+    fresh)."""
     scratch = Scratch() if scratch is None else scratch
+    terms = dense_terms(tensors, weights, plain, scratch, sizes)
+    # whole blocks: each tensor a view from its first block (the last one's padding unused)
+    flat = scratch.values(terms.scale.size * terms.block * 4).view(np.float32)
+    fold_loops.merge_into(flat, terms.codes, terms.factors, terms.scale, terms.bits)
+    merged = {}
+    for path, (b0, _) in terms.spans.items():
+        tensor = tensors[0][path]
+        at = b0 * terms.block
+        merged[path] = flat[at : at + tensor.count].reshape(tensor.shape)
+    return merged, terms.delta_norms, terms.merged_norm
+
+
+def dense_terms(
+    tensors: Sequence[dict[str, CodedTensor]],
+    weights: Sequence[float],
+    plain: dict[str, bool],
+    scratch: Scratch,
+    sizes: Sequence[int] | None = None,
+) -> Dense:
+    """A round of dense int codes up to its merge, by compiled loops over the codes
+    (merger/fold_loops.py): per block the products of every two deltas' levels give each delta's
+    norm and u's, and so each delta's factors and RDA's rescaling.  `sizes`: how many of
+    `tensors`, in order, each member is (an island's several deltas of one fold, merged as their
+    sum: its norm is the sum's, from the products of its deltas' levels, and each of its deltas
+    takes the member's factor); None: one each.  `weights` are the members'; the norms returned
+    are each delta's."""
     sizes = [1] * len(tensors) if sizes is None else list(sizes)
     if sum(sizes) != len(tensors) or len(sizes) != len(weights) or min(sizes) < 1:
         raise ValueError(f"members of sizes {sizes}: {len(tensors)} deltas, {len(weights)} weights")
@@ -189,15 +174,10 @@ def dense(
     # ||u_b||^2 = sum_m sum_n f_mb f_nb G_mnb, each pair once, in a fixed order
     u_squares = _sum_squares(list(factors.astype(np.float64)), gram, 0, count)
     block_scale, merged_norm = _rescale(u_squares, spans, weights, norms, plain, start)
-    # whole blocks: each tensor a view from its first block (the last one's padding unused)
-    flat = scratch.values(start * codec.block * 4).view(np.float32)
-    fold_loops.merge_into(flat, codes, factors, block_scale, codec.bits)
-    merged = {}
-    for path, (b0, _) in spans.items():
-        tensor = tensors[0][path]
-        at = b0 * codec.block
-        merged[path] = flat[at : at + tensor.count].reshape(tensor.shape)
-    return merged, [float(np.sqrt(sum(n[p] ** 2 for p in paths))) for n in delta_norms], merged_norm
+    norms_out = [float(np.sqrt(sum(n[p] ** 2 for p in paths))) for n in delta_norms]
+    return Dense(
+        codes, factors, block_scale, spans, codec.bits, codec.block, norms_out, merged_norm
+    )
 
 
 def _member_norms(
