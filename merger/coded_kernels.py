@@ -24,7 +24,10 @@ import optax
 # exact products of levels, where it was a float32 sum of u's squares
 # 4: an island's several dense-coded deltas of one fold merge from their codes as their sum
 # (merger/coded.py `dense`, `sizes`), where they were summed in float32 and merged from there
-KERNELS_VERSION = 4
+# 5: dense int codes under Nesterov momentum take the outer step in the merge's pass
+# (merger/fused.py): float32 roundings in a fixed order, where XLA's step over the merged direction
+# could fuse a multiply and an add
+KERNELS_VERSION = 5
 
 
 def _halving_sum(x: jax.Array) -> jax.Array:

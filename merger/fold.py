@@ -22,13 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dloco.merger import coded, rda
+from dloco.merger import coded, fused, rda
 from dloco.merger.admission import delta_norm
 from dloco.merger.clipping import guarded
 from dloco.merger.coded_kernels import outer_step
 from dloco.merger.config import MergeConfig
 from dloco.merger.contribution import Contribution
-from dloco.merger.outer import make_step
+from dloco.merger.outer import fused_terms, make_step
 from dloco.merger.weighting import weights as contribution_weights
 from dloco.protocol import CodedTensor
 from dloco.protocol.errors import DlocoError
@@ -52,7 +52,9 @@ class PendingStep(NamedTuple):
     step on the installed `state`, donating its parameters and optimizer state (the new ones are
     written over them), and returns (params, optimizer state): between the two, only the merged
     direction (`direction`, the arrays the step reads) is held beside the state, not a second copy
-    of it.  `state` must be the one the fold was computed from (version - 1)."""
+    of it.  `state` must be the one the fold was computed from (version - 1).  A fold that took
+    its step in the merge's pass (merger/fused.py) holds no direction: `take` returns the new
+    state it computed, in buffers of its own."""
 
     version: int
     direction: list
@@ -203,7 +205,9 @@ def fold(
     parts, movements, clipped, factors = groups, [], [], [1.0] * len(groups)
     if caps is not None:
         parts, movements, clipped, factors = guarded(groups, w, caps, limits)
-    take, direction, delta_norms, merged_norm = _stepped(parts, w, config, step, share, scratch)
+    take, direction, delta_norms, merged_norm = _stepped(
+        state, parts, w, config, step, share, scratch
+    )
     # as sent: a clipped delta's norm before the guard scaled it (scaled to nothing: the bound
     # admission measured)
     delta_norms = [
@@ -232,12 +236,13 @@ def fold(
     return FragmentState(report.version, dict(params), opt_state), report
 
 
-def _stepped(parts, w, config, step, share, scratch):
+def _stepped(state, parts, w, config, step, share, scratch):
     """A fold's merged direction over its parts (each island's deltas, after the guard), from their
     codes when every tensor is coded with one int codec (an island's several sparse deltas are
     summed in float32 first), else from float32: (`take(state, in_place)`, which takes the outer
     step on `state` and returns (params, optimizer state), the direction's arrays, each delta's
-    norm, the merged norm)."""
+    norm, the merged norm).  Dense int codes under Nesterov momentum take the step from `state`
+    here, in the merge's pass (merger/fused.py): `take` returns that new state."""
     deltas = [c for group in parts for c in group]
     tensors = [c.tensors for c in deltas]
     mergeable = coded.mergeable(tensors)
@@ -271,9 +276,14 @@ def _stepped(parts, w, config, step, share, scratch):
             return dict(zip(paths, new)), opt_state
 
         return take_sparse, tiles, delta_norms, merged_norm
-    merged, delta_norms, merged_norm = coded.dense(
-        tensors, w, plains, scratch, [len(group) for group in parts]
-    )
+    sizes = [len(group) for group in parts]
+    terms = fused_terms(step.optimizer)
+    if terms is not None and fused.fits(state.params, state.opt_state):
+        scratch = coded.Scratch() if scratch is None else scratch
+        dense = coded.dense_terms(tensors, w, plains, scratch, sizes)
+        new = fused.step(state.params, state.opt_state, dense, terms, scratch.states)
+        return (lambda current, in_place: new), [], dense.delta_norms, dense.merged_norm
+    merged, delta_norms, merged_norm = coded.dense(tensors, w, plains, scratch, sizes)
     # aligned host buffers: XLA reads them where they are
     merged = {p: jax.device_put(v) for p, v in merged.items()}
     return _taking(merged, step, share), list(merged.values()), delta_norms, merged_norm

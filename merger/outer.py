@@ -178,17 +178,31 @@ def round_nesterov(
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+# optimizers whose folds from dense int codes take their step in the merge's pass
+# (merger/fused.py): id -> (the optimizer, (lr, momentum))
+_FUSED: dict[int, tuple[optax.GradientTransformation, tuple[float, float]]] = {}
+
+
+def fused_terms(optimizer: optax.GradientTransformation) -> tuple[float, float] | None:
+    """(lr, momentum) of an `outer_optimizer` of kind "nesterov", whose state is one momentum
+    array per parameter (float32 or bfloat16); None for any other optimizer."""
+    entry = _FUSED.get(id(optimizer))
+    return entry[1] if entry is not None and entry[0] is optimizer else None
+
+
 @functools.lru_cache(maxsize=32)
 def outer_optimizer(config: OuterConfig) -> optax.GradientTransformationExtraArgs:
     """One optimizer object per configuration: compiled fold steps (keyed by it) are shared by every
     core built from the same configuration — a recovered or benchmarked core never recompiles."""
     dtype = jnp.dtype(config.momentum_dtype)
-    if config.kind == "nesterov" and dtype == jnp.float32:
-        return optax.with_extra_args_support(
-            optax.sgd(config.lr, momentum=config.momentum, nesterov=True)
-        )
     if config.kind == "nesterov":
-        return optax.with_extra_args_support(nesterov(config.lr, config.momentum, dtype))
+        optimizer = optax.with_extra_args_support(
+            optax.sgd(config.lr, momentum=config.momentum, nesterov=True)
+            if dtype == jnp.float32
+            else nesterov(config.lr, config.momentum, dtype)
+        )
+        _FUSED[id(optimizer)] = (optimizer, (config.lr, config.momentum))
+        return optimizer
     if config.kind == "sgd":
         return optax.with_extra_args_support(optax.sgd(config.lr))
     if config.kind == "round_nesterov":

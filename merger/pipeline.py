@@ -16,10 +16,12 @@ writes the core: `finished()` installs a fold's state on the loop's thread once 
 `MergerCore.states` (what catch-up requests and checkpoints get) never shows a fold a crash could
 lose; a checkpoint waits until nothing is in flight.  The worker computes a fold up to its outer
 step (the merged direction); installing takes that step in place, over the fragment's parameters
-and optimizer state (`fold.PendingStep`), so no second copy of the state is made, and a fold
-whose log fails to become durable leaves the state as it was.  Each computed fold holds its
-direction (a fragment-sized array) until then, so the worker computes the next fold only once the
-last one is installed (`HELD_COMPUTED`).  After a failed fold (computed or installed) the
+and optimizer state (`fold.PendingStep`), so no second copy of the state is made.  A fold of
+dense codes under Nesterov momentum is computed whole instead, into buffers of its own that the
+state it replaces frees for a later fold (merger/fused.py); installing swaps it in.  Either way a
+fold whose log fails to become durable leaves the state as it was.  Each computed fold holds its
+direction or its new state (fragment-sized) until then, so the worker computes the next fold only
+once the last one is installed (`HELD_COMPUTED`).  After a failed fold (computed or installed) the
 pipeline stops (`failed`): the service must not checkpoint, the log alone says what happened.  A
 fragment has at most one fold in flight, so the version islands base their deltas on is never
 more than one behind the merger's (a stall — a kernel compiling — delays folds instead of making
@@ -43,8 +45,8 @@ from dloco.merger.rounds import StartedFold
 from dloco.merger.wal import WriteAheadLog
 
 # Computed folds not yet installed that the worker lets wait before it computes the next (each holds
-# its merged direction, fragment-sized: while the loop receives, unbounded, computed folds added up
-# to most of the model's state again).
+# its merged direction or new state, fragment-sized: while the loop receives, unbounded, computed
+# folds added up to most of the model's state again).
 HELD_COMPUTED = 1
 
 

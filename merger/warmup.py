@@ -1,8 +1,9 @@
 """Compiling ahead, so that the merger folds its first rounds without waiting for a compiler.
 
-Folds from dense int codes run compiled loops, one pair per codec (merger/fold_loops.py), and one
-outer step per fragment layout; folds from sparse codes run XLA kernels of a few shapes
-(merger/coded.py) and compile them at their first round.  `warm_up_kernels` compiles one codec's
+Folds from dense int codes run compiled loops, a few per codec (merger/fold_loops.py; under
+Nesterov momentum the outer step is one of them: merger/fused.py), other folds one outer step per
+fragment layout; folds from sparse codes run XLA kernels of a few shapes (merger/coded.py) and
+compile them at their first round.  `warm_up_kernels` compiles one codec's
 loops; `warm_up_folds` those and every fragment's outer step.  A compilation cannot be cut short,
 and a process must not exit during one: once `stopping()` is true, each returns before the next.
 """
@@ -34,6 +35,12 @@ def warm_up_kernels(codec: Codec) -> None:
     count = codec.block + 1
     zero = {"w": CodedTensor(codec, (count,), _zero_records(codec, count))}
     coded.dense([zero, zero], [0.5, 0.5], {"w": False})
+    # the Nesterov step in the merge's pass (merger/fused.py), momentum float32 or bfloat16's bits
+    codes = np.zeros((1, 1, codec.block * codec.bits // 8), np.uint8)
+    factors = np.zeros((1, 1), np.float32)
+    for dtype in (np.float32, np.uint16):
+        pair = (np.zeros((1, codec.block), np.float32), np.zeros((1, codec.block), dtype))
+        fold_loops.nesterov_into(pair, pair, codes, factors, factors[0], codec.bits, (0.0, 0.0))
 
 
 def _zero_records(codec: Codec, count: int) -> np.ndarray:

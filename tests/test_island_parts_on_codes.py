@@ -95,7 +95,7 @@ def test_a_fold_of_an_islands_backlog_stays_on_the_codes(backlog, monkeypatch):
     fresh = init_state(params, outer_optimizer(OuterConfig()))
     by_floats, float_report = fold(fresh, [_decoded(c) for c in members], MergeConfig(), step)
     calls, decodes = [], []
-    monkeypatch.setattr(coded, "dense", _counting(coded.dense, calls))
+    monkeypatch.setattr(coded, "dense_terms", _counting(coded.dense_terms, calls))
     monkeypatch.setattr(CodedTensor, "decode", _counting(CodedTensor.decode, decodes))
     results = []
     for _ in range(2):
@@ -122,7 +122,7 @@ def test_a_clipped_backlog_stays_on_the_codes(backlog, monkeypatch):
     w_a = 0.5
     caps = {"a": 0.25 * w_a * part_norm(members[:2]), "b": 1e9}
     calls = []
-    monkeypatch.setattr(coded, "dense", _counting(coded.dense, calls))
+    monkeypatch.setattr(coded, "dense_terms", _counting(coded.dense_terms, calls))
     state, report = fold(fresh, members, MergeConfig(), step, caps=caps)
     assert calls == [1] and report.clipped == ("a",)
     quarter = [

@@ -329,7 +329,7 @@ def test_a_fold_whose_delta_the_guard_clips_stays_on_the_codes(monkeypatch):
     # weights 0.5 each; the guard measures a's part by admission's bound (`part_norm`)
     caps = {"a": 0.25 * 0.5 * part_norm(members[:1]), "b": 1e9}
     calls = []
-    monkeypatch.setattr(coded, "dense", _counting(coded.dense, calls))
+    monkeypatch.setattr(coded, "dense_terms", _counting(coded.dense_terms, calls))
     fresh = init_state(params, outer_optimizer(OuterConfig()))
     state, report = fold(fresh, members, MergeConfig(), step, caps=caps)
     assert calls == [1] and report.clipped == ("a",)

@@ -1,6 +1,8 @@
-"""A fold's outer step taken in place when it is installed: the new parameters and momentum are
-written over the fragment's previous ones (no second copy of the state), with the bytes of a fold
-that allocates, and never under a host view someone still holds."""
+"""A fold's outer step in XLA taken in place when it is installed: the new parameters and momentum
+are written over the fragment's previous ones (no second copy of the state), with the bytes of a
+fold that allocates, and never under a host view someone still holds.  (Folds of dense codes under
+Nesterov momentum take their step in the merge's pass instead: tests/test_merger_fused.py; these
+cores run an optimizer that does not.)"""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 from dloco import protocol
-from dloco.merger.config import MergerConfig
+from dloco.merger.config import MergerConfig, OuterConfig
 from dloco.merger.core import MergerCore, ReplayError
 from dloco.merger.fold import FragmentState, PendingStep, fold
 from dloco.merger.starting import initial_core
@@ -21,10 +23,14 @@ from tests.merger_helpers import assemble, delta_chunks, initial_params
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
+# Nesterov momentum stepped in XLA (merger/outer.py's delayed variant with a delay of 1)
+XLA_STEP = MergerConfig(outer=OuterConfig(kind="delayed_nesterov", delay=1))
+
+
 def _core(params=None) -> MergerCore:
     params = initial_params() if params is None else params
     parts = protocol.partition({p: a.shape for p, a in params.items()}, 2)
-    return MergerCore(MergerConfig(), protocol.model_fingerprint(params), parts, params)
+    return MergerCore(XLA_STEP, protocol.model_fingerprint(params), parts, params)
 
 
 def _send(core: MergerCore, fragment: int, island: str, delta_id: int, seed: int) -> None:
