@@ -137,7 +137,10 @@ class IngestLoop:
         self.core, self.pipeline, self.expected = core, pipeline, expected
         self.reassembler = protocol.Reassembler(max_bytes=2 << 30, decode=False)
         self.stages: collections.Counter[str] = collections.Counter()
-        self.handled, self.done, self.latency = 0, [], []
+        # the finished folds' reports and the worker's seconds, not the folds: a fold holds the
+        # state it installed, and holding every one would keep each state's buffers from the folds
+        # after it (merger/fused.py), as a merger does not
+        self.handled, self.done, self.latency, self.worker_s = 0, [], [], 0.0
         # this process's CPU time at the first message (its loop thread and fold worker from then
         # on)
         self.cpu_began: float | None = None
@@ -145,7 +148,8 @@ class IngestLoop:
     def finished(self, wait: bool = False) -> None:
         folds = self.pipeline.finished(wait=wait)
         self.latency.extend(time.perf_counter() - fold.began for fold in folds)
-        self.done.extend(folds)
+        self.done.extend(fold.report for fold in folds)
+        self.worker_s += sum(fold.compute_s for fold in folds)
 
     def handle(self, frames: list) -> None:
         self.handled += 1
@@ -181,7 +185,7 @@ class IngestLoop:
         # threads), the merger could not ingest faster than wire / max(loop, worker, (loop +
         # worker) / cores).
         loop_s = sum(v for k, v in self.stages.items() if k != "finish_sync_s")
-        worker_s = sum(fold.compute_s for fold in self.done)
+        worker_s = self.worker_s
         cores = len(os.sched_getaffinity(0))
         bound_s = max(loop_s, worker_s, (loop_s + worker_s) / cores)
         return {
@@ -234,7 +238,7 @@ def merger_pass(
         if replica is not None:
             replica.close()
         wal.close()
-    folds, folded = len(loop.done), sum(len(fold.report.contributors) for fold in loop.done)
+    folds, folded = len(loop.done), sum(len(report.contributors) for report in loop.done)
     mine = fragments if owned is None else len(owned)
     # a fragment busy folding folds two rounds at once next time: count deltas
     if folded != islands * mine * rounds:
