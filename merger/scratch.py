@@ -7,6 +7,7 @@ no I/O.
 from __future__ import annotations
 
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -88,12 +89,18 @@ class StateBuffers:
         self._buffers: list[np.ndarray] = []
         # every size asked for
         self._sizes: set[int] = set()
+        # a buffer seen free is viewed before another thread looks
+        self._lock = threading.Lock()
 
     def take(self, nbytes: int, align: int = 64) -> np.ndarray:
         """`nbytes` of `align`-byte aligned uint8 memory that nothing else views: the smallest free
         buffer that holds them (and is at most twice as large), else a new one, as large as the
         largest request so far that is at most a quarter larger (fragments of a model differ a
         little in size: each one's buffer then fits the next fold of any of them)."""
+        with self._lock:
+            return self._take(nbytes, align)
+
+    def _take(self, nbytes: int, align: int) -> np.ndarray:
         self._sizes.add(nbytes)
         free = [i for i in range(len(self._buffers)) if not self._viewed(i)]
         fits = [i for i in free if nbytes + align <= self._buffers[i].size <= 2 * nbytes + align]
