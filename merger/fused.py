@@ -97,9 +97,13 @@ def _rows(flat: np.ndarray, block: int) -> np.ndarray:
 
 
 def _views(flat: np.ndarray, offsets: list[int], shapes: list[tuple]) -> list[np.ndarray]:
-    return [
-        flat[at : at + int(np.prod(shape))].reshape(shape) for at, shape in zip(offsets, shapes)
-    ]
+    """Each tensor of a state, read-only (a state is replaced, never written: as XLA's arrays)."""
+    views = []
+    for at, shape in zip(offsets, shapes):
+        view = flat[at : at + int(np.prod(shape))].reshape(shape)
+        view.flags.writeable = False
+        views.append(view)
+    return views
 
 
 def _flat(arrays: Sequence[Any], offsets: list[int], values: int) -> np.ndarray | None:

@@ -55,6 +55,8 @@ def test_a_fused_fold_steps_as_xla_does_over_the_merged_direction(dtype, monkeyp
         states.append(state)
     fused_state, xla_state = states
     assert isinstance(fused_state.params["a/w"], np.ndarray) and report.version == 3
+    # a state is replaced, never written
+    assert not fused_state.params["a/w"].flags.writeable
     for p in SHAPES:
         np.testing.assert_allclose(
             fused_state.params[p], np.asarray(xla_state.params[p]), rtol=1e-6, atol=1e-7
