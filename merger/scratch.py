@@ -6,6 +6,7 @@ no I/O.
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 
@@ -82,7 +83,7 @@ class StateBuffers:
     replaces are taken again by a later fold once nothing views them any more.  Whether anything
     does is the buffer's reference count: every numpy view of a buffer holds a reference to it
     (whoever still holds a state, a host view of it, or an array made from one keeps its buffer
-    out of reuse).  At most `spare` free buffers are kept."""
+    out of reuse).  At most `spare` free buffers of each size are kept."""
 
     def __init__(self, spare: int = SPARE_STATES) -> None:
         self.spare = spare
@@ -91,28 +92,38 @@ class StateBuffers:
         self._sizes: set[int] = set()
         # a buffer seen free is viewed before another thread looks
         self._lock = threading.Lock()
+        # buffers allocated, not taken again (a merger's steady state allocates none)
+        self.fresh = 0
 
     def take(self, nbytes: int, align: int = 64) -> np.ndarray:
         """`nbytes` of `align`-byte aligned uint8 memory that nothing else views: the smallest free
-        buffer that holds them (and is at most twice as large), else a new one, as large as the
+        buffer that holds them and is at most a quarter larger, else a new one, as large as the
         largest request so far that is at most a quarter larger (fragments of a model differ a
-        little in size: each one's buffer then fits the next fold of any of them)."""
+        little in size: each one's buffer then fits the next fold of any of them; a fragment much
+        smaller does not take, and waste, a larger one's)."""
         with self._lock:
             return self._take(nbytes, align)
 
     def _take(self, nbytes: int, align: int) -> np.ndarray:
         self._sizes.add(nbytes)
         free = [i for i in range(len(self._buffers)) if not self._viewed(i)]
-        fits = [i for i in free if nbytes + align <= self._buffers[i].size <= 2 * nbytes + align]
+        fits = [i for i in free if 0 <= self._buffers[i].size - nbytes - align <= nbytes // 4]
         if fits:
             chosen = min(fits, key=lambda i: self._buffers[i].size)
         else:
             chosen = len(self._buffers)
             size = max(n for n in self._sizes if n <= nbytes + nbytes // 4)
             self._buffers.append(np.empty(size + align, np.uint8))
-        # the viewed, the chosen, and `spare` others free
-        dropped = set(i for i in free if i != chosen)
-        dropped -= set(sorted(dropped)[: self.spare])
+            self.fresh += 1
+        # the viewed, the chosen, and of each size `spare` others free (a fold of a fragment of
+        # another size cannot take them, the next of one of this size will)
+        dropped, kept = set(), collections.Counter()
+        for i in free:
+            size = self._buffers[i].size
+            if i != chosen and kept[size] >= self.spare:
+                dropped.add(i)
+            elif i != chosen:
+                kept[size] += 1
         self._buffers = [b for i, b in enumerate(self._buffers) if i not in dropped]
         raw = self._buffers[chosen - sum(i < chosen for i in dropped)]
         start = -raw.ctypes.data % align

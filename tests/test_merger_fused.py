@@ -9,12 +9,15 @@ import jax
 import numpy as np
 import pytest
 
+from dloco import protocol
 from dloco.merger import fold as fold_module
-from dloco.merger.config import MergeConfig, OuterConfig
+from dloco.merger.config import MergeConfig, MergerConfig, OuterConfig
+from dloco.merger.core import MergerCore
 from dloco.merger.fold import Contribution, fold, init_state
 from dloco.merger.outer import make_step, outer_optimizer
 from dloco.merger.scratch import Scratch, StateBuffers
 from dloco.protocol import Codec, CodedTensor
+from tests.merger_helpers import assemble, delta_chunks, initial_params
 
 SHAPES = {"a/w": (50, 24), "a/b": (7,), "c/w": (24, 33)}
 
@@ -119,18 +122,50 @@ def test_state_buffers_reuse_what_nothing_views_and_keep_few_spare():
     first = buffers.take(1000)
     second = buffers.take(1000)
     assert first.base is not second.base and first.ctypes.data % 64 == 0
+    assert buffers.fresh == 2
     address = first.base.ctypes.data
     del first
-    # free, and large enough (up to twice the size asked)
+    # free, and large enough (at most a quarter larger than asked)
     third = buffers.take(900)
-    assert third.base.ctypes.data == address
+    assert third.base.ctypes.data == address and buffers.fresh == 2
     # nothing free: a new buffer, as large as the largest size asked for that is at most a
     # quarter larger
     larger = buffers.take(1100)
-    assert buffers.take(1000).base.size == 1100 + 64 and larger.base.size == 1100 + 64
-    held = [buffers.take(500) for _ in range(5)]
-    del held
+    fourth = buffers.take(1000)
+    assert fourth.base.size == larger.base.size == 1100 + 64 and buffers.fresh == 4
+    # a free buffer much larger is not taken
+    del fourth
+    small = buffers.take(500)
+    assert small.base.size == 500 + 64 and buffers.fresh == 5
+    held = [buffers.take(500) for _ in range(4)]
+    del held, small
     buffers.take(500)
-    # held: second, third, larger; then the one just taken and two spare of those let go (the
-    # earliest): the others are dropped
-    assert len(buffers._buffers) == 3 + 1 + 2
+    # held: second, third, larger; let go: fourth (a spare of its size) and, of the five of 500,
+    # two spare beside the one just taken (the others are dropped)
+    assert sorted(b.size for b in buffers._buffers) == [564] * 3 + [1064] * 2 + [1164] * 2
+
+
+def test_a_mergers_folds_allocate_no_state_buffer_after_the_first_rounds():
+    """Each fold takes the buffers of a state the one before it replaced: after the first
+    rounds (each fragment's first fold gathers its state into the flat layout), none is new."""
+    params = initial_params()
+    parts = protocol.partition({p: a.shape for p, a in params.items()}, 2)
+    core = MergerCore(MergerConfig(), protocol.model_fingerprint(params), parts, params)
+    zeros = {p: np.zeros(a.shape, np.float32) for p, a in params.items()}
+    fresh = []
+    for round_ in range(5):
+        for fragment in (0, 1):
+            chunks = delta_chunks(
+                core.fragments[fragment],
+                "a",
+                1 + 2 * round_ + fragment,
+                fragment,
+                core.version(fragment),
+                seed=round_,
+                params=zeros,
+            )
+            assert core.submit(assemble(chunks), now=float(round_)) is None
+            core.fold(fragment)
+        fresh.append(core.scratch.states.fresh)
+    assert isinstance(core.states[0].params[core.fragments[0][0]], np.ndarray)
+    assert fresh[1] == fresh[-1] and fresh[0] >= 2
