@@ -13,7 +13,8 @@ so passes over the codes give the merged direction u, and the radius/length resc
   two compiled loops over them (merger/fold_loops.py): the products of levels per block give
   every norm (``||u_b||^2 = sum_mn f_mb f_nb sum_i q_mbi q_nbi``, exact integers inside), and one
   pass writes u, rescaled, into float32 values that each tensor views; the outer step takes them
-  as its pseudo-gradient (`outer.make_step`).
+  as its pseudo-gradient (`outer.make_step`).  Under Nesterov momentum a fold takes the round up
+  to that pass (`dense_terms`) and steps from the codes instead (merger/fused.py).
 - Sparse codecs (`direction`): d_bj = scale_b * level_bj at the block's kept indices only, so u is
   a scatter-add of f_mb * level_mbj, one delta after another (each delta's indices are distinct,
   so the order of the additions is fixed), by XLA kernels over groups of up to 8 deltas (a
