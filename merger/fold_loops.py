@@ -32,10 +32,27 @@ import functools
 import math
 from collections.abc import Iterable
 
+import numba
 import numpy as np
 
 from dloco.protocol.code_loops import LEVELS, compiled, level
 from dloco.protocol.pieces import DEFAULT_THREADS, run_split
+
+
+@numba.njit(inline="always")
+def _merged_block(u, codes, factors, r, per, bits):  # pragma: no cover - compiled
+    """u <- block r's sum over deltas of factors_mr * levels, in delta order from the first: the
+    sequential float32 sum, in a block-sized buffer in L1 (`per`, `bits`: the codec's constants
+    where the loops call it)."""
+    f = factors[0, r]
+    for k in range(codes.shape[2]):
+        for j in range(per):
+            u[k * per + j] = np.float32(level(codes[0, r, k], j, bits)) * f
+    for m in range(1, codes.shape[0]):
+        f = factors[m, r]
+        for k in range(codes.shape[2]):
+            for j in range(per):
+                u[k * per + j] = u[k * per + j] + np.float32(level(codes[m, r, k], j, bits)) * f
 
 
 def _loops(bits: int):
@@ -64,18 +81,7 @@ def _loops(bits: int):
         width = codes.shape[2] * per
         u = np.empty(width, np.float32)
         for r in range(lo, hi):
-            # in delta order, from the first: the sequential float32 sum, in a block of L1
-            f = factors[0, r]
-            for k in range(codes.shape[2]):
-                for j in range(per):
-                    u[k * per + j] = np.float32(level(codes[0, r, k], j, bits)) * f
-            for m in range(1, codes.shape[0]):
-                f = factors[m, r]
-                for k in range(codes.shape[2]):
-                    for j in range(per):
-                        u[k * per + j] = (
-                            u[k * per + j] + np.float32(level(codes[m, r, k], j, bits)) * f
-                        )
+            _merged_block(u, codes, factors, r, per, bits)
             s = scale[r]
             for i in range(width):
                 out[r, i] = u[i] * s
@@ -181,18 +187,7 @@ def _nesterov_loop(bits: int, wide: bool):
         held = words.view(np.float32)
         rate, mu = terms[0], terms[1]
         for r in range(lo, hi):
-            # u as merge_into computes it
-            f = factors[0, r]
-            for k in range(codes.shape[2]):
-                for j in range(per):
-                    u[k * per + j] = np.float32(level(codes[0, r, k], j, bits)) * f
-            for m in range(1, codes.shape[0]):
-                f = factors[m, r]
-                for k in range(codes.shape[2]):
-                    for j in range(per):
-                        u[k * per + j] = (
-                            u[k * per + j] + np.float32(level(codes[m, r, k], j, bits)) * f
-                        )
+            _merged_block(u, codes, factors, r, per, bits)
             s = scale[r]
             for i in range(width):
                 if wide:
