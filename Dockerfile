@@ -1,21 +1,23 @@
 # One image for every service of docker-compose.yml (broker, merger, islands, the prepare job).
 # The islands' default corpus is this image's Python standard library sources, as on a laptop.
-# BASE: any image with Python 3.11+ and pip (scripts/compose-smoke builds one locally, without a registry).
+# BASE: any image with Python 3.11+, pip and venv (scripts/compose-smoke builds one locally,
+# without a registry).
 ARG BASE=python:3.11-slim
+
+# Stage 1: the wheel, built from the sources, installed with its dependencies into a virtual
+# environment of its own.
+FROM ${BASE} AS build
+WORKDIR /src
+COPY . .
+RUN python3 -m venv /opt/dloco \
+    && /opt/dloco/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
+    && /opt/dloco/bin/pip install --no-cache-dir /wheels/dloco-*.whl \
+    && /opt/dloco/bin/pip uninstall --yes --quiet pip setuptools
+
+# Stage 2: that environment alone.  No source tree, no wheel, no build tools: `dloco` and
+# `python -m dloco` find the installed package from any directory.  The working directory is the
+# one the compose file mounts the run volume under, and holds no package folder.
 FROM ${BASE}
-WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY protocol ./protocol
-COPY bus ./bus
-COPY telemetry ./telemetry
-COPY cliargs ./cliargs
-COPY broker ./broker
-COPY merger ./merger
-COPY island ./island
-COPY cluster ./cluster
-COPY analysis ./analysis
-COPY suites ./suites
-COPY dloco ./dloco
-COPY benchmarks ./benchmarks
-COPY sim ./sim
-RUN pip install --no-cache-dir .
+COPY --from=build /opt/dloco /opt/dloco
+ENV PATH=/opt/dloco/bin:$PATH
+WORKDIR /dloco

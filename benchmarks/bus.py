@@ -37,6 +37,7 @@ def _measure(
     (sub.bind if bind_sub else sub.connect)(endpoint_out)
     sender = [
         sys.executable,
+        "-P",
         "-m",
         "dloco.benchmarks.bus",
         "--send",
@@ -59,6 +60,7 @@ def _broker(secure_keys: Path | None) -> tuple[subprocess.Popen, list[int]]:
     ports = free_ports(4)
     args = [
         sys.executable,
+        "-P",
         "-m",
         "dloco",
         "broker",

@@ -124,7 +124,9 @@ class StreamIsland:
 
 def dloco(*args: str, log: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "dloco", *args], stdout=open(log, "ab"), stderr=subprocess.STDOUT
+        [sys.executable, "-P", "-m", "dloco", *args],
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
     )
 
 

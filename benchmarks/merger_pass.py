@@ -47,6 +47,7 @@ def start_sender(
     `rounds` times, published to the subscriber on `port`."""
     command = [
         sys.executable,
+        "-P",
         "-m",
         "dloco.benchmarks.delta_sender",
         "--endpoint",
@@ -287,6 +288,7 @@ class Replica:
         self.process = subprocess.Popen(
             [
                 sys.executable,
+                "-P",
                 "-m",
                 "dloco",
                 "merger",

@@ -42,6 +42,7 @@ def _run_shards(
         subprocess.Popen(
             [
                 sys.executable,
+                "-P",
                 "-m",
                 "dloco.benchmarks.merger_shards",
                 "--child",

@@ -36,7 +36,7 @@ from dloco.bus.keys import create_keys, write_allow_list
 from dloco.cluster import localcompose, netns, status, topology
 from dloco.cluster.chaos import is_merger
 from dloco.cluster.config import ClusterConfig
-from dloco.cluster.localcompose import Service
+from dloco.cluster.localcompose import Service, dloco_program
 from dloco.cluster.ports import free_ports
 from dloco.cluster.processes import AUXILIARY, Cluster, LaunchError
 from dloco.cluster.records import RunCluster, outline, run_task
@@ -63,7 +63,7 @@ def share_compilations() -> Path:
 
 
 def dloco(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dloco", *map(str, args)]
+    return [*dloco_program(), *map(str, args)]
 
 
 def prepare(config: ClusterConfig, run_dir: Path) -> None:

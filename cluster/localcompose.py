@@ -125,10 +125,17 @@ def _localize(
     return program + out[1:] if out and out[0] == "dloco" else out
 
 
+def dloco_program() -> list[str]:
+    """This Python running the `dloco` command line, whatever the working directory: `-P` keeps
+    the directory out of the import path, so a folder there named `dloco` (a checkout's, a
+    container's WORKDIR) cannot shadow the installed package."""
+    return [sys.executable, "-P", "-m", "dloco"]
+
+
 def load(path: Path, env: dict[str, str], program: list[str] | None = None) -> dict[str, Service]:
     """The compose file's services as local processes: `dloco` becomes this Python's `-m dloco`,
     container paths of volumes become their host paths, service names and `*` become 127.0.0.1."""
-    program = program or [sys.executable, "-m", "dloco"]
+    program = program or dloco_program()
     env = {**os.environ, **env}
     try:
         data = yaml.safe_load(path.read_text())

@@ -275,10 +275,8 @@ def host_names(config) -> list[str]:
 def services(config, run_dir, network: Network) -> dict:
     """The cluster's processes (cluster/topology.py's commands), each in its host's namespace,
     reaching the others at their hosts' addresses; every namespace has the ports to itself."""
-    import sys
-
     from dloco.cluster import topology
-    from dloco.cluster.localcompose import Service
+    from dloco.cluster.localcompose import Service, dloco_program
 
     mergers = config.merger.processes
     shards = [name for name in mergers if name.startswith("merger.")]
@@ -301,7 +299,7 @@ def services(config, run_dir, network: Network) -> dict:
     cpus = {name: config.cpus_of(r) for r in config.regions for name in r.processes}
     return {
         name: Service(
-            network.wrap(site.get(name, name), [sys.executable, "-m", "dloco", *args]),
+            network.wrap(site.get(name, name), [*dloco_program(), *args]),
             cpus=cpus.get(name),
         )
         for name, args in commands.items()

@@ -80,7 +80,7 @@ class Cluster:
     # ---- processes -----------------------------------------------------------------------------
     def start(self, name: str) -> None:
         service = self.services[name]
-        # The process stops itself if this launcher dies, however it dies (dloco/cli.py:
+        # The process stops itself if this launcher dies, however it dies (commands/cli.py:
         # stop_with_launcher).
         env = {**os.environ, **service.env, LAUNCHER_PID: str(os.getpid())}
         # A capped island enters its quota's group itself, after compiling (island/cpugroup.py).

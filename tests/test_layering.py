@@ -4,7 +4,7 @@ functions alike), parsed with `ast`, nothing imported or run.
 - no import cycles between the project's modules, nor between its packages;
 - every import of the project says `dloco.…` (one name for each module);
 - the process packages import nothing from the launcher (cluster), the analysis, the suites, the CLI
-  (dloco) or the benchmarks;
+  (commands/, the top package `dloco`) or the benchmarks;
 - the launcher and the analysis import neither the suites nor the CLI, the analysis not the
   launcher (it takes plain values), and the suites not the CLI;
 - protocol imports no zmq, jax, flax or optax (numpy, msgpack and numba's compiled loops);
@@ -20,17 +20,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # import name -> folder, as pyproject.toml installs them: `dloco.protocol` is protocol/, ...
 FOLDERS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-# the short names below are the folders (`protocol`); "dloco" is the CLI, dloco/ itself
+# the short names below are the folders (`protocol`); "commands" is the CLI, the top package `dloco`
 PACKAGES = sorted(FOLDERS.values())
 PROCESS_PACKAGES = ("island", "merger", "broker", "bus", "protocol", "telemetry", "cliargs")
 # the launcher, the analysis, the suites, the CLI, the benchmarks and the simulator
-NOT_FOR_PROCESSES = ("cluster", "analysis", "suites", "dloco", "benchmarks", "sim")
+NOT_FOR_PROCESSES = ("cluster", "analysis", "suites", "commands", "benchmarks", "sim")
 # package -> what it may not import
 NOT_FOR = {
-    "cluster": ("suites", "dloco", "sim"),
-    "analysis": ("cluster", "suites", "dloco", "sim"),
-    "suites": ("dloco",),
-    "sim": ("suites", "dloco"),
+    "cluster": ("suites", "commands", "sim"),
+    "analysis": ("cluster", "suites", "commands", "sim"),
+    "suites": ("commands",),
+    "sim": ("suites", "commands"),
 }
 NOT_FOR_PROTOCOL = ("zmq", "jax", "jaxlib", "flax", "optax")
 MAX_LINES = 400
@@ -48,13 +48,13 @@ def module_name(path: Path) -> str:
 
 def package_of(module: str) -> str | None:
     """The project folder a dotted import name lives in (`dloco.merger.fold` -> "merger",
-    `dloco.cli` -> "dloco"), or None for anything outside the project."""
+    `dloco.cli` -> "commands"), or None for anything outside the project."""
     parts = module.split(".")
     if parts[0] != "dloco":
         return None
     if len(parts) > 1 and f"dloco.{parts[1]}" in FOLDERS:
         return FOLDERS[f"dloco.{parts[1]}"]
-    return "dloco"
+    return FOLDERS["dloco"]
 
 
 def source_files() -> list[Path]:
@@ -216,7 +216,7 @@ def test_the_package_cycle_finder_sees_a_cycle_through_different_modules():
 def test_every_import_of_the_project_goes_through_its_one_name():
     """`import protocol` would load protocol/ a second time under another name (and fail outside
     a checkout); every file says `dloco.protocol`."""
-    bare = set(FOLDERS.values()) - {"dloco"}
+    bare = set(FOLDERS.values())
     offending = [
         f"{path.relative_to(ROOT)}: {module}"
         for path in source_files()

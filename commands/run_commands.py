@@ -66,7 +66,7 @@ def add_up(commands: argparse._SubParsersAction) -> None:
     )
     up.add_argument(
         "--mode",
-        choices=("decoupled", "sync-diloco", "sync-dp"),
+        choices=("decoupled", "sync-diloco", "sync-avg", "sync-dp"),
         default=None,
         help=(
             "how the islands synchronise (overrides the cluster file): this project, or a"
