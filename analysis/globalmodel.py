@@ -29,6 +29,7 @@ class Evaluator:
         config = TrainConfig(batch=run.batch, seed=run.seed)
         self.trainer = Trainer(task.model, task.loss, config, task.optimizer, task.metrics)
         self.batches = task.eval_batches
+        self.whole_split = task.whole_split
         self.run_dir = run_dir
 
     def loss(self, params: dict[str, np.ndarray]) -> float:
@@ -38,6 +39,23 @@ class Evaluator:
         """Held-out loss and the task's metrics ({"loss": ..., name: ...})."""
         self.trainer.set_params(params)
         return self.trainer.evaluate_all(self.batches)
+
+    def on_splits(self, params: dict[str, np.ndarray]) -> dict[str, float]:
+        """The loss on the whole validation and test splits ({} when the task has none)."""
+        if self.whole_split is None:
+            return {}
+        self.trainer.set_params(params)
+        return {
+            split: self.trainer.evaluate(self.whole_split(split))
+            for split in ("validation", "test")
+        }
+
+    def final_on_splits(self) -> dict[str, float]:
+        """The merger's last checkpoint on the whole splits ({} without one, or without splits)."""
+        from dloco.analysis.export import latest_saved, params_of
+
+        saved = latest_saved(self.run_dir)
+        return {} if saved is None else self.on_splits(params_of(saved))
 
     def initial(self) -> dict[str, float]:
         with np.load(self.run_dir / "init.npz") as initial:

@@ -43,7 +43,7 @@ def run(
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> dict:
     corpus = data.load()
-    shards, evaluation = data.split(corpus, 1)
+    shards, evaluation, _ = data.split(corpus, 1)
     model, train = ModelConfig(), TrainConfig(max_steps=steps * rounds, eval_every=10**9)
     sync = SyncConfig(fragments=4, interval=50, codec="int4")
     context, stop = zmq.Context(), threading.Event()

@@ -62,8 +62,11 @@ class ClusterConfig:
     merger: MergerSection = dataclasses.field(default_factory=MergerSection)
     # kill -9 / restart schedule (cluster.chaos)
     chaos: tuple[ChaosEvent, ...] = ()
-    # or a synchronous baseline: "sync-diloco", "sync-dp" (see MODES)
+    # or a baseline: "sync-diloco", "sync-avg", "sync-dp" (in one process only; see MODES)
     mode: str = "decoupled"
+    # [merger] settings over the mode's own (a suite's tuning of a baseline: sync-diloco's outer lr
+    # and momentum), as (key, value) pairs
+    mode_merger: tuple[tuple[str, object], ...] = ()
     # Cores a full-speed island may use (a CPU quota, cluster/cpuquota.py); a region's slowdown then
     # divides its quota instead of making it sleep.  0: no quota, slow regions sleep (their CPU goes
     # to the other processes of the machine).
@@ -229,7 +232,7 @@ class ClusterConfig:
         mode = MODES[self.mode]
         merger = {
             key: len(self.regions) if value == ALL_ISLANDS else value
-            for key, value in mode.merger.items()
+            for key, value in {**mode.merger, **dict(self.mode_merger)}.items()
         }
         return dataclasses.replace(self.sync, **mode.sync), dataclasses.replace(
             self.merger, **merger

@@ -37,10 +37,12 @@ from dloco.cluster import localcompose, netns, status, topology
 from dloco.cluster.chaos import is_merger
 from dloco.cluster.config import ClusterConfig
 from dloco.cluster.localcompose import Service, dloco_program
+from dloco.cluster.modes import MODES
 from dloco.cluster.ports import free_ports
 from dloco.cluster.processes import AUXILIARY, Cluster, LaunchError
 from dloco.cluster.records import RunCluster, outline, run_task
 from dloco.cluster.watch import Watch
+from dloco.protocol.errors import ConfigError
 from dloco.protocol.shards import names as shard_names
 
 # in a run directory: where each process serves its Prometheus metrics
@@ -138,6 +140,12 @@ def run(
     run locally; `config` then only names the regions, the model and the run's bounds for the live
     view and report.  `status_port`: serve the status page there while the run lasts (0: a free
     port; None: no page)."""
+    if not MODES[config.mode].on_bus:
+        raise ConfigError(
+            f"mode {config.mode} runs in one process only (`dloco experiment quality` trains it:"
+            " suites/inprocess.py); on the bus, sync-avg averages the islands' parameters after"
+            " every step (the bytes and barrier of an fp32 all-reduce, not its arithmetic)"
+        )
     run_dir = run_dir.resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     share_compilations()

@@ -10,19 +10,24 @@ import dataclasses
 # The run modes: the same islands, links and corpus; only how they synchronise differs.
 # sync-diloco: classic DiLoCo — the whole model (P = 1) every H steps, every island blocks until
 #   the merger has all N deltas and returns the new global model.
-# Both synchronous modes fold every island's delta at once with a whole outer step (share_window 0),
-# as classic DiLoCo and data parallelism do (sync-diloco with DiLoCo's Nesterov at lr 0.7, whatever
-# the profile sets for decoupled folds), and publish every fold at once (snapshot_every_round 0):
+# The synchronous modes fold every island's delta at once with a whole outer step (share_window 0),
+# as classic DiLoCo does (sync-diloco with DiLoCo's Nesterov, lr 0.7 and momentum 0.9, whatever the
+# profile sets for decoupled folds; a suite tunes them through ClusterConfig.mode_merger), and
+# publish every fold at once (snapshot_every_round 0):
 # their islands wait for it.  A round waits for every island up to the quorum timeout (30 s): at
 # H = 48 the half-speed islands finish ~25 s after the fast ones, inside it; at H = 96 (~50 s) a
 # round would go on without them, so H = 96 in a synchronous mode is not classic DiLoCo here.  (A
 # longer timeout alone does not help: an island gives up waiting for its delta's fold after 60 s and
 # trains on; the quorum counts islands, so its next delta does not complete a round without the
 # slow ones, but the round still waits only up to the timeout.)
-# sync-dp: a stand-in for data-parallel all-reduce — every step each island sends its full fp32
-#   change and blocks until the merger returns the average (outer SGD, lr 1: the new global model is
-#   the mean of the islands' models), so the bytes and the barrier per step are those of an
-#   all-reduce of fp32 gradients.
+# sync-avg: parameter averaging after every step — each island takes one step of its own AdamW
+#   (its own moments, its own clip) on its own batch, sends its full fp32 change and blocks until
+#   the merger returns the average of the islands' models (outer SGD, lr 1).  That is local AdamW
+#   with H = 1, not data parallelism, but its bytes and its barrier per step are those of an fp32
+#   all-reduce through a hub: the quality suite times data parallelism over the links with it.
+# sync-dp: data parallelism, one AdamW on the all-reduced gradient of the global batch.  It runs in
+#   one process (suites/inprocess.py, `dloco experiment quality`), not on the bus; its overrides
+#   are sync-avg's, so that its bytes per step are counted as an fp32 all-reduce's.
 @dataclasses.dataclass(frozen=True)
 class Mode:
     """A run mode's overrides of the [sync] and [merger] sections (dataclasses.replace
@@ -31,6 +36,8 @@ class Mode:
     sync: dict = dataclasses.field(default_factory=dict)
     # quorum ALL_ISLANDS: the cluster's number of islands
     merger: dict = dataclasses.field(default_factory=dict)
+    # runs as processes on the bus (`dloco up`); otherwise in one process only
+    on_bus: bool = True
 
 
 ALL_ISLANDS = "all"
@@ -45,9 +52,10 @@ MODES = {
             "snapshot_every_round": 0.0,
             "outer": "nesterov",
             "outer_lr": 0.7,
+            "outer_momentum": 0.9,
         },
     ),
-    "sync-dp": Mode(
+    "sync-avg": Mode(
         sync={"fragments": 1, "interval": 1, "codec": "fp32", "blocking": True},
         merger={
             "quorum": ALL_ISLANDS,
@@ -63,3 +71,6 @@ MODES = {
         },
     ),
 }
+MODES["sync-dp"] = dataclasses.replace(MODES["sync-avg"], on_bus=False)
+# the modes `dloco up` runs
+BUS_MODES = tuple(name for name, mode in MODES.items() if mode.on_bus)

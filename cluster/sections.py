@@ -97,6 +97,9 @@ class ModelSection:
     tokens: str | None = None
     # sequences (examples) per step
     batch: int = TrainConfig.batch
+    # the islands' peak inner learning rate (None: TrainConfig's); in mode sync-dp, the one
+    # optimizer's at the global batch
+    lr: float | None = None
 
     def __post_init__(self) -> None:
         require(
@@ -114,6 +117,10 @@ class ModelSection:
                 value is None or (type(value) is int and value >= 1),
                 f"model.{key} must be a positive int, got {value!r}",
             )
+        require(
+            self.lr is None or (type(self.lr) in (int, float) and 0 < self.lr < 1),
+            f"model.lr must be a number in (0, 1), got {self.lr!r}",
+        )
         require(
             self.size is None or self.size in MODEL_SIZES,
             f"model.size must be one of {sorted(MODEL_SIZES)}, got {self.size!r}",
@@ -157,6 +164,7 @@ class MergerSection:
     share_window: int = MergeConfig.share_window
     outer: str = OuterConfig.kind
     outer_lr: float = OuterConfig.lr
+    outer_momentum: float = OuterConfig.momentum
     # delayed_nesterov: momentum once per N folds
     delay: int = OuterConfig.delay
     # float32 | bfloat16: the outer momentum's storage
@@ -227,8 +235,7 @@ class MergerSection:
         )
 
     def math(self) -> MergerConfig:
-        """The merger's MergerConfig these settings give (the outer momentum is the merger's
-        default)."""
+        """The merger's MergerConfig these settings give."""
         return MergerConfig(
             MergeConfig(
                 method=self.merge, max_staleness=self.max_staleness, share_window=self.share_window
@@ -236,6 +243,7 @@ class MergerSection:
             OuterConfig(
                 kind=self.outer,
                 lr=self.outer_lr,
+                momentum=self.outer_momentum,
                 delay=self.delay,
                 momentum_dtype=self.momentum_dtype,
             ),

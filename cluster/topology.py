@@ -69,6 +69,8 @@ def model_args(config: ClusterConfig, place=lambda path: path) -> list[str]:
         ]
     for pair in task_option_pairs(config):
         args += ["--task-option", pair]
+    if m.lr is not None:
+        args += ["--lr", m.lr]
     return args + ["--batch", m.batch, "--seed", config.seed]
 
 

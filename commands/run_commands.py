@@ -158,12 +158,50 @@ def add_experiment(commands: argparse._SubParsersAction) -> None:
         ),
     )
     experiment.add_argument(
-        "--sync-dp-on-bus",
-        action="store_true",
+        "--seeds",
+        default=None,
+        metavar="N,N,...",
+        help="quality: the seeds of every mode and budget (model init and data order; default 0)",
+    )
+    experiment.add_argument(
+        "--dp-lr",
+        type=float,
+        default=None,
+        metavar="LR",
+        help="quality: sync-dp's peak learning rate at the global batch (default: the tuned one)",
+    )
+    experiment.add_argument(
+        "--diloco-outer",
+        default=None,
+        metavar="LR,MOMENTUM",
+        help="quality: sync-diloco's outer Nesterov step (default: the tuned one)",
+    )
+    experiment.add_argument(
+        "--tune",
+        choices=("sync-dp", "sync-diloco"),
+        default=None,
         help=(
-            "quality: run sync-dp as a cluster through the bus, not in one process (the same"
-            " arithmetic; ~6x slower)"
+            "quality: run that baseline's tuning grid at the first budget instead (sync-dp: its"
+            " peak lr; sync-diloco: outer lr x momentum at H = 12 and 48), read on validation"
         ),
+    )
+    experiment.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=(
+            "quality: write each run's record there as it lands (default OUT/results; the"
+            " committed ones are in experiments/results/quality)"
+        ),
+    )
+    experiment.add_argument(
+        "--from-results",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="quality: run nothing; tabulate and plot the records in DIR (repeatable)",
     )
     experiment.add_argument(
         "--quick",
@@ -276,15 +314,19 @@ def _experiment(args: argparse.Namespace) -> int:
                     "quality: runs are bounded by their budgets (--budgets); give --out to resume"
                     " an earlier one"
                 )
-            budgets = quality.parse_budgets(args.budgets) if args.budgets else None
-            text = quality.run(
-                out,
-                quick=args.quick,
-                config_path=args.config,
-                budgets=budgets,
-                only=runs,
-                sync_dp_on_bus=args.sync_dp_on_bus,
-            )
+            if args.from_results:
+                text = quality.run_from_results(args.from_results, out, args.config)
+            else:
+                text = quality.run(
+                    out,
+                    quick=args.quick,
+                    config_path=args.config,
+                    budgets=quality.parse_budgets(args.budgets) if args.budgets else None,
+                    only=runs,
+                    settings=quality.parse_settings(args.seeds, args.dp_lr, args.diloco_outer),
+                    tune=args.tune,
+                    results_dir=args.results,
+                )
         elif args.name == "soak":
             from dloco.suites import soak
 
@@ -294,8 +336,10 @@ def _experiment(args: argparse.Namespace) -> int:
             text, passed = soak.run(out, args.minutes, seed, config_path=args.config)
             print(text)
             return 0 if passed else 1
-        elif args.budgets or args.sync_dp_on_bus:
-            raise DlocoError("--budgets and --sync-dp-on-bus are for the quality suite")
+        elif args.budgets or args.seeds or args.tune or args.from_results or args.results:
+            raise DlocoError(
+                "--budgets, --seeds, --tune, --results and --from-results are for the quality suite"
+            )
         else:
             text = experiments.run(
                 args.name,

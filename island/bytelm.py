@@ -7,8 +7,9 @@ flags --model-size, --width, ...):
   width, depth, heads, context, vocab, tie_embeddings   override the size's values
   corpus   a file or folder of text, read as bytes (default: this Python's standard library sources)
   tokens   a token file from `dloco tokenize` (.bin or .npy of uint16/uint32 ids) instead of text
-  eval_batches  held-out batches (fixed windows of the eval split, the same on every island; default
-8)
+  eval_batches  held-out batches (fixed windows of the validation split, the same on every island;
+default 8).  The validation and test splits (island/data.py) are also evaluated whole at the end
+of a run: validation for choosing settings, test for reported figures only.
 
 The vocabulary is the size's (GPT-2's 50,257 for 124m/350m) or else the data's (256 for bytes, a
 token file's own); data with an id the model has no embedding for is refused.
@@ -91,7 +92,7 @@ def task(ctx: TaskContext) -> Task:
         )
     corpus = load_data(ctx.options)
     config = model_config(ctx.options, corpus.vocab)
-    shards, evaluation = data.split(corpus, ctx.islands)
+    shards, validation, test = data.split(corpus, ctx.islands)
     return Task(
         model=ByteLM(config, nnx.Rngs(ctx.seed)),
         loss=loss_fn,
@@ -99,7 +100,10 @@ def task(ctx: TaskContext) -> Task:
             shards[ctx.island_index], ctx.batch, config.context, ctx.seed, ctx.island_index
         ),
         eval_batches=data.eval_batches(
-            evaluation, ctx.batch, config.context, _count(ctx.options.get("eval_batches", 8))
+            validation, ctx.batch, config.context, _count(ctx.options.get("eval_batches", 8))
+        ),
+        whole_split=functools.partial(
+            _whole_split, {"validation": validation, "test": test}, ctx.batch, config.context
         ),
         count=count_tokens,
         metrics=_metrics,
@@ -109,6 +113,12 @@ def task(ctx: TaskContext) -> Task:
             f" {corpus.vocab}, listing sha256 {corpus.digest})"
         ),
     )
+
+
+def _whole_split(splits: dict, batch: int, context: int, name: str) -> list[np.ndarray]:
+    if name not in splits:
+        raise TaskError(f"the built-in LM's splits are {sorted(splits)}, got {name!r}")
+    return data.whole_split(splits[name], batch, context)
 
 
 def _count(value) -> int:

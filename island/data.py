@@ -5,8 +5,10 @@ Default: the Python standard library sources of the running interpreter (`*.py` 
 ``sysconfig.get_paths()["stdlib"]``, minus test/, tests/, idlelib/, site-packages/), about 11 MB of
 code written by others.  Any file or folder of text works (`--corpus PATH`); each byte is a token.
 Files are read in sorted relative-path order; the sha256 of the list (path and size per line) is
-logged so runs are comparable.  The last `eval_fraction` of the concatenated tokens is the eval
-split; the rest is cut into `islands` contiguous, disjoint shards.
+logged so runs are comparable.  The last `held_out` share of the concatenated tokens is held out:
+its first half is the validation split (the held-out batches every island, the evaluator and every
+choice of a setting read), its second half the test split (read only for reported figures, whole).
+The rest is cut into `islands` contiguous, disjoint shards.
 
 A token file (`load_tokens`, `--tokens FILE`) is the nanoGPT convention: a flat array of token ids,
 memory-mapped so that a corpus larger than RAM costs only the pages the windows touch.  FILE.bin is
@@ -23,6 +25,7 @@ import json
 import os
 import sysconfig
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -259,16 +262,30 @@ def _open_raw(path: Path, info) -> tuple[np.ndarray, str]:
     return tokens_N, dtype
 
 
-def split(
-    corpus: Corpus, islands: int, eval_fraction: float = 0.05
-) -> tuple[list[np.ndarray], np.ndarray]:
-    """(train shards, one per island; eval split shared by all).  Slices: a memory-mapped corpus
-    stays mapped."""
+class Split(NamedTuple):
+    """A corpus cut for training and evaluation: three disjoint ranges of its tokens."""
+
+    # one per island, contiguous, disjoint
+    shards: list[np.ndarray]
+    # for every choice made while training: the islands' held-out batches
+    validation: np.ndarray
+    # for the reported figures only
+    test: np.ndarray
+
+
+def split(corpus: Corpus, islands: int, held_out: float = 0.05) -> Split:
+    """The training shards, then the validation and test splits (halves of the last `held_out`
+    share).  Slices: a memory-mapped corpus stays mapped."""
     n = corpus.tokens_N.size
-    cut = int(n * (1 - eval_fraction))
-    train, evaluation = corpus.tokens_N[:cut], corpus.tokens_N[cut:]
+    cut = int(n * (1 - held_out))
+    middle = cut + (n - cut) // 2
+    train = corpus.tokens_N[:cut]
     bounds = np.linspace(0, cut, islands + 1).astype(np.int64)
-    return [train[bounds[i] : bounds[i + 1]] for i in range(islands)], evaluation
+    return Split(
+        [train[bounds[i] : bounds[i + 1]] for i in range(islands)],
+        corpus.tokens_N[cut:middle],
+        corpus.tokens_N[middle:],
+    )
 
 
 class Batches:
@@ -306,3 +323,19 @@ def eval_batches(evaluation: np.ndarray, batch: int, context: int, count: int) -
     starts = np.linspace(0, evaluation.size - context - 2, total).astype(np.int64)
     windows = np.stack([evaluation[s : s + context + 1] for s in starts]).astype(np.int32)
     return [windows[i * batch : (i + 1) * batch] for i in range(count)]
+
+
+def whole_split(tokens_N: np.ndarray, batch: int, context: int) -> list[np.ndarray]:
+    """Every window of a split, each token predicted once: windows of `context + 1` tokens that
+    start `context` apart, in batches of `batch` (the last, partial batch left out, fewer than
+    `batch` windows: the same compiled shape for every batch)."""
+    windows = (tokens_N.size - 1) // context
+    if windows < batch:
+        raise CorpusError(
+            f"the split holds {tokens_N.size} tokens, fewer than one batch of {batch} sequences of"
+            f" {context + 1}: use more data, a smaller batch or a shorter context"
+        )
+    count = windows // batch
+    starts_W = np.arange(count * batch, dtype=np.int64) * context
+    windows_WxT1 = np.stack([tokens_N[s : s + context + 1] for s in starts_W]).astype(np.int32)
+    return [windows_WxT1[i * batch : (i + 1) * batch] for i in range(count)]

@@ -69,7 +69,8 @@ class Task:
     loss: Callable[[Any, Any], Any]
     # this island's training batches, endless
     batches: Iterator[Any]
-    # held-out batches, identical on every island (the global model is evaluated on them too)
+    # held-out batches, identical on every island (the global model is evaluated on them too):
+    # the validation split, which every choice of a setting may read
     eval_batches: Sequence[Any]
     # an optax.GradientTransformation; None: dloco's AdamW chain from the training settings
     optimizer: Any = None
@@ -79,6 +80,10 @@ class Task:
     count: Callable[[Any], int] | None = None
     # shown in logs and reports
     name: str = ""
+    # split -> that split's batches, whole (built when asked): "validation" (what eval_batches
+    # sample; a final figure for tuning) or "test" (disjoint from the shards and from validation,
+    # for reported figures only).  None: the task has no such splits
+    whole_split: Callable[[str], Sequence[Any]] | None = None
 
     def tokens_in(self, batch) -> int:
         return int(self.count(batch)) if self.count is not None else examples_in(batch)

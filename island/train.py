@@ -109,6 +109,11 @@ class Trainer:
         # kept).  A buffer that a host view still holds (`params()` on CPU) is copied instead.
         self._step = nnx.jit(train_step, donate_argnums=(0, 1))
         self._eval = nnx.jit(evaluate)
+        # The step in two halves, for data parallelism between Trainers (suites/inprocess.py):
+        # each computes its batch's gradient, the gradients are averaged (the all-reduce), and
+        # every Trainer applies the same average, so all hold the same parameters and state.
+        self._gradient = nnx.jit(lambda model, batch: nnx.value_and_grad(loss)(model, batch))
+        self._apply = nnx.jit(_apply, donate_argnums=(0, 1))
 
     def _put(self, batch):
         return jax.tree.map(lambda leaf: place(leaf, self.batch_sharding), batch)
@@ -123,6 +128,18 @@ class Trainer:
                 " this state is published"
             )
         return loss, grad_norm
+
+    def gradient(self, batch):
+        """(loss, gradient) of one batch at the current parameters; nothing is updated."""
+        return self._gradient(self.model, self._put(batch))
+
+    def apply(self, gradient) -> float:
+        """One optimizer step on `gradient` (a `gradient`'s, or an average of several); returns its
+        norm.  Raises DivergedError on NaN/Inf."""
+        norm = float(self._apply(self.model, self.optimizer, gradient))
+        if not np.isfinite(norm):
+            raise DivergedError(f"the gradient's norm is {norm}: stopping")
+        return norm
 
     def set_rate_scale(self, value: float) -> None:
         """Multiply every later update by `value` (a run with a token budget only)."""
@@ -158,6 +175,11 @@ class Trainer:
     def set_params(self, values: dict[str, np.ndarray]) -> None:
         """Overwrite the named parameters (a subset is fine), keeping the replicated placement."""
         assign(self.model, values, self.replicated)
+
+
+def _apply(model: nnx.Module, optimizer: nnx.Optimizer, gradient):
+    optimizer.update(model, gradient)
+    return optax.tree.norm(gradient)
 
 
 def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:

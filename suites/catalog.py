@@ -57,16 +57,16 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
             " a 12B model, see cluster/profiles/default.toml), and decoupled at H = 96 (48 on the"
             " half-speed regions; a fragment's snapshot at most once per mean round, as in the"
             " profile): time to a target loss, loss at equal tokens, utilisation, bytes per token."
-            f" `{speedup.FULL_SPEED}` is sync-dp without link emulation, for as many steps as the"
-            " decoupled runs' cluster tokens: its loss per step, with sync-dp's measured time per"
-            " step, gives sync-dp's time to the decoupled runs' final loss (suites/speedup.py)."
+            f" `{speedup.FULL_SPEED}` is sync-avg without link emulation, for as many steps as the"
+            " decoupled runs' cluster tokens: its loss per step, with sync-avg's measured time per"
+            " step, gives sync-avg's time to the decoupled runs' final loss (suites/speedup.py)."
         ),
         [
             ("decoupled", mode("decoupled")),
             ("decoupled-h96-held", chain(mode("decoupled"), LEAN)),
             ("sync-diloco", mode("sync-diloco")),
-            ("sync-dp", mode("sync-dp")),
-            (speedup.FULL_SPEED, chain(mode("sync-dp"), unlinked)),
+            ("sync-avg", mode("sync-avg")),
+            (speedup.FULL_SPEED, chain(mode("sync-avg"), unlinked)),
         ],
     ),
     "heterogeneous": (
@@ -204,15 +204,15 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
     ),
     "bytes": (
         (
-            "Bytes on the wire per trained token, up and down: sync-dp, the former default (every"
+            "Bytes on the wire per trained token, up and down: sync-avg, the former default (every"
             " fold down as an int4 diff, int4 deltas up, one H for every region), the profile as"
             " shipped (a fragment's int4 diff held to one per mean round of the islands, half-speed"
             " regions at half the H), and the profile with topk2 deltas (error feedback) up: the"
-            " ratio to sync-dp, the merger's model at equal cluster tokens and at equal time, the"
+            " ratio to sync-avg, the merger's model at equal cluster tokens and at equal time, the"
             " islands' utilisation, and the goals (suites/wirebytes.py)."
         ),
         [
-            (wirebytes.SYNC_DP, mode("sync-dp")),
+            (wirebytes.SYNC_AVG, mode("sync-avg")),
             (wirebytes.REFERENCE, EVERY_FOLD_INT4),
             ("default", lambda c: c),
             ("lean", LEAN_BYTES),
@@ -248,7 +248,7 @@ QUICK_STEPS = {
 }
 QUICK_LIMIT_S = 900.0
 QUICK_RUNS = {
-    "speedup": ("decoupled", "sync-diloco", "sync-dp"),
+    "speedup": ("decoupled", "sync-diloco", "sync-avg"),
     "heterogeneous": ("decoupled-mixed", "sync-diloco-mixed", "sync-diloco-uniform"),
     "quantization": ("fp32", "int4", "int2"),
     "quantization-sync": ("fp32", "int4"),

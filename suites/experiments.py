@@ -49,7 +49,7 @@ from dloco.suites.catalog import (
 from dloco.suites.suiteresults import RunResult, cluster_tokens, collect, measure_global, summarize
 from dloco.suites.transforms import Transform
 
-# the limit of the speedup suite's sync-dp-full-speed run (bounded by steps)
+# the limit of the speedup suite's sync-avg-full-speed run (bounded by steps)
 FULL_SPEED_LIMIT_S = 1800.0
 
 

@@ -1,19 +1,22 @@
-"""`sync-dp` in one process: the cluster's sync-dp arithmetic without the bus.
+"""Data parallelism in one process: the quality suite's `sync-dp` baseline.
 
-In the cluster's `sync-dp` mode (cluster/modes.py MODES) every island takes one AdamW step on its
-own shard with its own optimizer state, sends the fp32 change, and the merger averages the islands'
-changes (outer SGD at lr 1) and every island adopts the average before its next step.  This module
-does the same in one process: one Trainer per island (its task built as that island builds it, so
-the same shard, batches, initial model and held-out batches), one step each, the parameters
-averaged, every Trainer set to the average.  The rate follows the budget as an island's does
-(island/schedule.py), from the cluster tokens an island has heard of, and the run stops when they
-reach the budget, as the cluster's islands do.
+Data parallelism is one optimizer on the all-reduced gradient of the global batch: every replica
+holds the same parameters and the same optimizer state, and takes the same step.  Here the global
+batch is the concatenation of every island's batch (each island's task built as that island builds
+it: the same shard, data order, initial model and held-out batches) and one Trainer takes one AdamW
+step on it, its gradient clipped by its global norm, at the peak rate `[model] lr` (tuned at the
+global batch: EXPERIMENTS.md).  With equal batches the mean of the islands' gradients is the
+gradient of the concatenated batch, so this is the all-reduce without the replicas:
+`all_reduce_step` does it the replicated way, and tests/test_data_parallel.py checks that the two
+agree to float rounding and that the replicas' optimizer states stay identical.
 
-What it saves is the bus: the cluster's sync-dp moves the whole model through the merger at every
-step (fp32 up and down, the write-ahead log on disk), about 3 s per step on two cores against
-about 0.5 s here.  Its loss per step is the cluster's (`tests/test_quality_suite.py` compares the
-two on the quick model); its seconds per step are not, and the quality suite takes those from a
-short run through the bus (`sync-dp-linked`).
+The rate follows the budget as an island's does (island/schedule.py): warmup by steps, then the
+decay over the cluster's tokens, here known exactly.  The run stops once the cluster's tokens reach
+the budget.  The model is evaluated on the validation batches every `eval_every` steps, and at the
+end on the whole validation and test splits.
+
+This is the baseline's loss per token; its seconds per step over the profile's links come from the
+bus (`sync-avg`, the same bytes and barrier per step: suites/quality.py).
 """
 
 from __future__ import annotations
@@ -29,17 +32,18 @@ from dloco.cluster.config import ClusterConfig
 from dloco.cluster.records import run_task
 from dloco.protocol.errors import ConfigError
 
-# a finished run's curve, in its run directory
+# a finished run's result, in its run directory
 RESULT = "in_process.json"
 
 
 @dataclasses.dataclass
 class InProcessRun:
-    """What one in-process sync-dp run measured: the shared model's held-out loss every
-    `eval_every` rounds, against rounds (each island's steps) and cluster tokens."""
+    """What one in-process data-parallel run measured: the model's validation loss every
+    `eval_every` steps, against steps and cluster tokens, and the whole splits at the end."""
 
     budget: int
     islands: int
+    # optimizer steps, each on the global batch (every island's batch)
     rounds: int
     cluster_tokens: int
     before: float
@@ -47,6 +51,11 @@ class InProcessRun:
     # {"step", "cluster_tokens", "since_start", "eval_loss"}, the last one at the end
     curve: list[dict]
     seconds: float
+    # the final model on each whole split: {"validation": loss, "test": loss}
+    final: dict = dataclasses.field(default_factory=dict)
+    # the peak learning rate at the global batch, and the seed
+    lr: float = 0.0
+    seed: int = 0
 
     def save(self, run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -61,38 +70,47 @@ class InProcessRun:
             return None
 
 
-def average(values: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """The element-wise mean of several islands' parameters (float32, as the merger's fp32
-    average)."""
-    if not values:
-        raise ValueError("nothing to average")
-    return {
-        path: np.mean([v[path] for v in values], axis=0, dtype=np.float32) for path in values[0]
-    }
+def concatenate(batches: list):
+    """The islands' batches as one global batch (arrays or pytrees of arrays, along the leading
+    axis)."""
+    import jax
+
+    return jax.tree.map(lambda *parts: np.concatenate(parts), *batches)
 
 
-def _islands(config: ClusterConfig, run) -> list[tuple]:
-    """Each island's (task, Trainer) for `run` (cluster.records.run_task's), trained to the
-    cluster's token budget."""
+def all_reduce_step(trainers: list, batches: list) -> float:
+    """One data-parallel step of replicas: each Trainer's gradient on its batch, their mean (the
+    all-reduce), the same optimizer step on every Trainer.  Returns the mean loss."""
+    import jax
+
+    results = [trainer.gradient(batch) for trainer, batch in zip(trainers, batches, strict=True)]
+    mean = jax.tree.map(lambda *parts: sum(parts) / len(parts), *[g for _, g in results])
+    for trainer in trainers:
+        trainer.apply(mean)
+    return float(np.mean([float(loss) for loss, _ in results]))
+
+
+def peak_lr(config: ClusterConfig) -> float:
     from dloco.island.config import TrainConfig
-    from dloco.island.task import TaskContext, build
-    from dloco.island.train import Trainer
 
-    train = TrainConfig(
-        batch=run.batch, seed=run.seed, eval_every=config.eval_every, budget_tokens=config.tokens
-    )
-    islands = []
-    for index in range(run.islands):
-        task = build(
-            run.task, TaskContext(index, run.islands, run.seed, run.batch, 10**9, run.options)
-        )
-        islands.append((task, Trainer(task.model, task.loss, train, task.optimizer, task.metrics)))
-    return islands
+    return config.model.lr if config.model.lr is not None else TrainConfig.lr
+
+
+def _islands_tasks(config: ClusterConfig, run) -> list:
+    """Each island's task, built as that island builds it."""
+    from dloco.island.task import TaskContext, build
+
+    return [
+        build(run.task, TaskContext(index, run.islands, run.seed, run.batch, 10**9, run.options))
+        for index in range(run.islands)
+    ]
 
 
 def train_sync_dp(config: ClusterConfig, log=lambda line: None) -> InProcessRun:
     """Train `config` (mode sync-dp, a token budget) in one process; see the module's docstring."""
     from dloco.island import schedule
+    from dloco.island.config import TrainConfig
+    from dloco.island.train import Trainer
 
     if config.mode != "sync-dp" or not config.tokens:
         raise ConfigError(
@@ -100,49 +118,54 @@ def train_sync_dp(config: ClusterConfig, log=lambda line: None) -> InProcessRun:
             f" {config.mode!r}, tokens {config.tokens}"
         )
     run = run_task(config)
-    islands = _islands(config, run)
-    evaluate = islands[0][1].evaluate
-    held_out = islands[0][0].eval_batches
+    tasks = _islands_tasks(config, run)
+    first = tasks[0]
+    train = TrainConfig(
+        batch=run.batch * run.islands,
+        lr=peak_lr(config),
+        seed=run.seed,
+        eval_every=config.eval_every,
+        budget_tokens=config.tokens,
+    )
+    trainer = Trainer(first.model, first.loss, train, first.optimizer, first.metrics)
+    held_out = first.eval_batches
     started = time.monotonic()
-    before = evaluate(held_out)
-    # As an island of the cluster hears them: the merger's ack of a round comes after the island has
-    # set its rate for the next one, so its view lags by a round (island/loop.py _follow_budget);
-    # it stops once that view reaches the budget.
-    curve, tokens, heard, rounds = [], 0, 0, 0
-    while heard < config.tokens:
-        scale = schedule.decay(round(1e6 * schedule.progress(heard, config.tokens)) / 1e6)
-        trained, previous = [], tokens
-        for task, trainer in islands:
-            batch = next(task.batches)
-            trainer.set_rate_scale(scale)
-            trainer.step(batch)
-            tokens += task.tokens_in(batch)
-            trained.append(trainer.params())
-        heard = previous
-        mean = average(trained)
-        for _, trainer in islands:
-            trainer.set_params(mean)
-        rounds += 1
-        if rounds % config.eval_every == 0 or heard >= config.tokens:
+    before = trainer.evaluate(held_out)
+    curve, tokens, steps = [], 0, 0
+    while tokens < config.tokens:
+        trainer.set_rate_scale(
+            schedule.decay(round(1e6 * schedule.progress(tokens, config.tokens)) / 1e6)
+        )
+        batches = [next(task.batches) for task in tasks]
+        trainer.step(concatenate(batches))
+        tokens += sum(task.tokens_in(batch) for task, batch in zip(tasks, batches, strict=True))
+        steps += 1
+        if steps % config.eval_every == 0 or tokens >= config.tokens:
             curve.append(
                 {
-                    "step": rounds,
+                    "step": steps,
                     "cluster_tokens": tokens,
                     "since_start": time.monotonic() - started,
-                    "eval_loss": evaluate(held_out),
+                    "eval_loss": trainer.evaluate(held_out),
                 }
             )
             log(
-                f"sync-dp in one process: round {rounds}, {tokens:,} of {config.tokens:,} cluster"
-                f" tokens, held-out loss {curve[-1]['eval_loss']:.4f}"
+                f"sync-dp in one process: step {steps}, {tokens:,} of {config.tokens:,} cluster"
+                f" tokens, validation loss {curve[-1]['eval_loss']:.4f}"
             )
+    final = {}
+    if first.whole_split is not None:
+        final = {name: trainer.evaluate(first.whole_split(name)) for name in ("validation", "test")}
     return InProcessRun(
         config.tokens,
         run.islands,
-        rounds,
+        steps,
         tokens,
         before,
         curve[-1]["eval_loss"],
         curve,
         time.monotonic() - started,
+        final,
+        train.lr,
+        run.seed,
     )

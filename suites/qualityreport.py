@@ -1,27 +1,91 @@
-"""The quality suite's measures and write-up (suites/quality.py runs it): the table of the global
-model's final held-out loss per mode and budget with the gap to sync-dp, the wall-clock claim both
-ways, and two plots: loss against budget per mode, and the global model against cluster tokens at
-the largest budget."""
+"""The quality suite's measures and write-up (suites/quality.py runs it): the table of the final
+global model's test loss per mode and budget (mean and standard deviation over seeds) with the gaps
+to sync-dp and sync-diloco paired by seed, a tuning grid's table (validation), the wall-clock claim
+both ways, and two plots: loss against budget per mode, and the global model against cluster
+tokens at the largest budget."""
 
 from __future__ import annotations
 
 import math
+import re
+import statistics
 from pathlib import Path
 
 from dloco.suites import speedup
-from dloco.suites.suiteresults import RunResult, cluster_tokens
+from dloco.suites.suiteresults import RunResult
 
 MODES = ("sync-dp", "sync-diloco", "decoupled")
-# a short sync-dp run over the emulated links: its seconds per step
-LINKED = "sync-dp-linked"
+# a short sync-avg run over the emulated links: data parallelism's seconds per step there
+LINKED = "sync-avg-linked"
 
 
-def label(mode: str, budget: int) -> str:
-    """A budgeted run's label, e.g. decoupled@4M."""
+def label(mode: str, budget: int, seed: int = 0, tag: str = "") -> str:
+    """A budgeted run's label, e.g. decoupled@4M; a tuning run's setting and a seed other than 0
+    follow: sync-dp@2M-lr0.006-s1."""
+    name = f"{mode}@{budget}"
     for unit, size in (("M", 1_000_000), ("k", 1_000)):
         if budget >= size and budget % (size // 10) == 0:
-            return f"{mode}@{budget / size:g}{unit}"
-    return f"{mode}@{budget}"
+            name = f"{mode}@{budget / size:g}{unit}"
+            break
+    return name + (f"-{tag}" if tag else "") + (f"-s{seed}" if seed else "")
+
+
+def tag_of(result: RunResult) -> str:
+    """The setting a tuning run's label names ("" for the suite's own runs)."""
+    rest = result.label.partition("@")[2].partition("-")[2]
+    return re.sub(r"(^|-)s\d+$", "", rest)
+
+
+def reported(result: RunResult, split: str = "test") -> float | None:
+    """The final model's loss on a whole split (test: the reported figure)."""
+    value = result.final.get(split) if result.final else None
+    return value if value is not None and math.isfinite(value) else None
+
+
+def spread(values: list[float]) -> tuple[float, float] | None:
+    """(mean, sample standard deviation; 0 for one value), or None for none."""
+    if not values:
+        return None
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _groups(results: list[RunResult]) -> dict[tuple[str, int, str], list[RunResult]]:
+    """(mode, budget, tag) -> its runs, one per seed."""
+    groups: dict[tuple[str, int, str], list[RunResult]] = {}
+    for r in results:
+        if r.config.tokens:
+            groups.setdefault((r.config.mode, r.config.tokens, tag_of(r)), []).append(r)
+    return groups
+
+
+def paired_gap(
+    runs: list[RunResult], references: list[RunResult], split: str = "test"
+) -> tuple[float, float, int] | None:
+    """(mean, sd, seeds) of the gap to the reference over the seeds both have (each seed's runs
+    share the initial model and every island's data order)."""
+    by_seed = {r.config.seed: reported(r, split) for r in references}
+    gaps = [
+        gap(reported(r, split), by_seed.get(r.config.seed))
+        for r in runs
+        if r.config.seed in by_seed
+    ]
+    gaps = [g for g in gaps if g is not None]
+    stats = spread(gaps)
+    return None if stats is None else (*stats, len(gaps))
+
+
+def _mean_sd(runs: list[RunResult] | None, split: str = "test") -> str:
+    stats = spread([v for r in runs or [] if (v := reported(r, split)) is not None])
+    if stats is None:
+        return "n/a"
+    return f"{stats[0]:.4f} ± {stats[1]:.4f} ({len(runs)})" if len(runs) > 1 else f"{stats[0]:.4f}"
+
+
+def _gap_cell(found: tuple[float, float, int] | None) -> str:
+    if found is None:
+        return "n/a"
+    mean, sd, seeds = found
+    return f"{mean:+.2%} ± {sd:.2%}" if seeds > 1 else f"{mean:+.2%}"
 
 
 def wall_clock(results: list[RunResult]) -> dict:
@@ -90,33 +154,52 @@ def _cell(value: float | None, form: str = ".3f") -> str:
 
 
 def table(results: list[RunResult]) -> list[str]:
-    by_label = {r.label: r for r in results}
-    budgets = sorted({r.config.tokens for r in results if r.config.tokens})
-    modes = [m for m in MODES if any(label(m, b) in by_label for b in budgets)]
+    """Per budget, each mode's final test loss (mean ± sd over seeds, their count) and decoupled's
+    gaps to the baselines, paired by seed."""
+    groups = {key: runs for key, runs in _groups(results).items() if not key[2]}
+    budgets = sorted({budget for _, budget, _ in groups})
+    modes = [m for m in MODES if any((m, b, "") in groups for b in budgets)]
     lines = [
         "| budget (cluster tokens) | "
-        + " | ".join(f"{m}: global held-out loss" for m in modes)
+        + " | ".join(f"{m}: test loss" for m in modes)
         + " | decoupled vs sync-dp | decoupled vs sync-diloco | decoupled islands busy |",
         "|---|" + "---|" * (len(modes) + 3),
     ]
     for budget in budgets:
-        runs = {m: by_label.get(label(m, budget)) for m in modes}
-        losses = {m: r.global_after if r is not None else None for m, r in runs.items()}
-        decoupled = runs.get("decoupled")
-        busy = (
-            min((e.get("compute_util", 0.0) for e in decoupled.last.values()), default=None)
-            if decoupled
-            else None
+        runs = {m: groups.get((m, budget, "")) for m in modes}
+        decoupled = runs.get("decoupled") or []
+        busy = min(
+            (e.get("compute_util", 1.0) for r in decoupled for e in r.last.values()),
+            default=None,
         )
-        trained = ", ".join(f"{m} {cluster_tokens(r):,}" for m, r in runs.items() if r is not None)
         lines.append(
-            f"| {budget:,} ({trained}) | "
-            + " | ".join(_cell(losses[m]) for m in modes)
-            + f" | {_cell(gap(losses.get('decoupled'), losses.get('sync-dp')), '+.1%')}"
-            + f" | {_cell(gap(losses.get('decoupled'), losses.get('sync-diloco')), '+.1%')} |"
+            f"| {budget:,} | "
+            + " | ".join(_mean_sd(runs[m]) for m in modes)
+            + f" | {_gap_cell(paired_gap(decoupled, runs.get('sync-dp') or []))}"
+            + f" | {_gap_cell(paired_gap(decoupled, runs.get('sync-diloco') or []))} |"
             f" {_cell(busy, '.2f')} |"
         )
     return lines
+
+
+def tuning_table(results: list[RunResult]) -> list[str]:
+    """A tuning grid's runs: each setting's final loss on the whole validation split (what the
+    choice reads), best first."""
+    rows = sorted(
+        (
+            (spread([v for r in runs if (v := reported(r, "validation")) is not None]), key)
+            for key, runs in _groups(results).items()
+            if key[2]
+        ),
+        key=lambda row: row[0][0] if row[0] else math.inf,
+    )
+    if not rows:
+        return []
+    lines = ["| run | setting | validation loss (whole split) |", "|---|---|---|"]
+    for stats, (mode, budget, tag) in rows:
+        value = "n/a" if stats is None else f"{stats[0]:.4f}"
+        lines.append(f"| {label(mode, budget)} | {tag} | {value} |")
+    return [*lines, ""]
 
 
 # decoupled within 1.5 % of sync-dp; >= 20x sooner to a final loss
@@ -125,23 +208,23 @@ QUALITY_GOAL, SPEEDUP_GOAL = 0.015, 20.0
 
 def goal_lines(results: list[RunResult]) -> list[str]:
     """The suite's goals at the largest budget, each met or missed and by how much (a goal whose
-    runs are missing is not judged)."""
-    budget = max((r.config.tokens for r in results), default=0)
-    final = {
-        mode: r.global_after
-        for mode in MODES
-        if (r := {x.label: x for x in results}.get(label(mode, budget))) is not None
-    }
+    runs are missing is not judged).  Quality is judged on the test split, paired by seed: within
+    1.5 % of sync-dp only if the mean gap plus one standard deviation is."""
+    groups = {key: runs for key, runs in _groups(results).items() if not key[2]}
+    budget = max((b for _, b, _ in groups), default=0)
+    decoupled = groups.get(("decoupled", budget, ""), [])
     lines = []
-    if (behind := gap(final.get("decoupled"), final.get("sync-dp"))) is not None:
+    if found := paired_gap(decoupled, groups.get(("sync-dp", budget, ""), [])):
+        mean, sd, seeds = found
+        met = mean + sd <= QUALITY_GOAL
         lines.append(
-            f"- goal, decoupled within {QUALITY_GOAL:.1%} of sync-dp:"
-            f" {'met' if behind <= QUALITY_GOAL else 'MISSED'} ({behind:+.1%})"
+            f"- goal, decoupled within {QUALITY_GOAL:.1%} of sync-dp (test, {seeds} seed"
+            f"{'s' if seeds > 1 else ''}): {'met' if met else 'MISSED'} ({_gap_cell(found)})"
         )
-    if (against := gap(final.get("decoupled"), final.get("sync-diloco"))) is not None:
+    if found := paired_gap(decoupled, groups.get(("sync-diloco", budget, ""), [])):
         lines.append(
-            f"- goal, decoupled no worse than sync-diloco: {'met' if against <= 0 else 'MISSED'}"
-            f" ({against:+.1%})"
+            f"- goal, decoupled no worse than sync-diloco (test):"
+            f" {'met' if found[0] <= 0 else 'MISSED'} ({_gap_cell(found)})"
         )
     clock = wall_clock(results)
     best = max(
@@ -199,17 +282,28 @@ def plot(results: list[RunResult], out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     budgeted = [r for r in results if r.config.tokens and r.global_after is not None]
+    groups = {key: runs for key, runs in _groups(results).items() if not key[2]}
     made = []
     figure, axes = plt.subplots(figsize=(7, 4))
     for index, mode in enumerate(MODES):
         points = sorted(
-            (r.config.tokens, r.global_after) for r in budgeted if r.config.mode == mode
+            (budget, stats)
+            for (m, budget, _), runs in groups.items()
+            if m == mode and (stats := spread([v for r in runs if (v := reported(r)) is not None]))
         )
         if points:
-            axes.plot(*zip(*points), marker="o", color=f"C{index}", label=mode)
+            axes.errorbar(
+                [b for b, _ in points],
+                [st[0] for _, st in points],
+                yerr=[st[1] for _, st in points],
+                marker="o",
+                capsize=3,
+                color=f"C{index}",
+                label=mode,
+            )
     axes.set_xscale("log")
     axes.set_xlabel("budget: tokens trained by the whole cluster (log)")
-    axes.set_ylabel("global model's held-out loss at the budget")
+    axes.set_ylabel("final global model's test loss (mean ± sd over seeds)")
     axes.grid(alpha=0.3, which="both")
     axes.legend()
     figure.tight_layout()
@@ -220,7 +314,8 @@ def plot(results: list[RunResult], out_dir: Path) -> list[Path]:
     figure, axes = plt.subplots(figsize=(7, 4))
     for index, mode in enumerate(MODES):
         r = next(
-            (r for r in budgeted if r.config.mode == mode and r.config.tokens == largest), None
+            (r for r in budgeted if r.label == label(mode, largest)),
+            None,
         )
         if r is not None and r.global_curve:
             points = [(0, r.global_before)] + [
@@ -228,8 +323,8 @@ def plot(results: list[RunResult], out_dir: Path) -> list[Path]:
             ]
             axes.plot(*zip(*points), marker=".", color=f"C{index}", label=mode)
     axes.set_xlabel("tokens trained by the whole cluster")
-    axes.set_ylabel("global model's held-out loss")
-    axes.set_title(f"budget {largest:,} tokens: each run decays over it")
+    axes.set_ylabel("global model's validation loss (8 batches)")
+    axes.set_title(f"budget {largest:,} tokens, seed 0: each run decays over it")
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
@@ -247,16 +342,17 @@ def write_up(results: list[RunResult], command: str, seconds: float, out_dir: Pa
             "## Quality at equal tokens, each run decayed over its budget",
             "",
             (
-                "The merger's final global model, evaluated on the islands' held-out batches, at"
-                " the end of runs bounded by a cluster token budget; every island's inner rate"
-                " decays over the cluster's progress towards it (PROTOCOL.md §6.1). sync-dp is"
-                " trained in one process, the cluster's arithmetic without the bus"
-                " (suites/inprocess.py; its loss per step depends on neither the link nor the bus),"
-                " unless run with --sync-dp-on-bus."
+                "The final global model of runs bounded by a cluster token budget (every island's"
+                " inner rate decays over the cluster's progress towards it, PROTOCOL.md §6.1),"
+                " evaluated on the whole test split: mean ± standard deviation over seeds (their"
+                " count), gaps paired by seed. sync-dp is data parallelism, one AdamW on the"
+                " all-reduced gradient of the global batch, trained in one process"
+                " (suites/inprocess.py)."
             ),
             "",
             *table(results),
             "",
+            *tuning_table(results),
             *goal_lines(results),
             *claim_lines(results),
             *(f"![{p.name}](experiments/{p.name})" for p in plots),

@@ -1,11 +1,11 @@
-"""Speedup against data parallelism past what a 300 s `sync-dp` run reaches.
+"""Speedup against the synchronous baseline past what a 300 s `sync-avg` run reaches.
 
-Over the emulated WAN a `sync-dp` run trains ~19 steps in 300 s, so a time-to-target against it can
+Over the emulated WAN a `sync-avg` run trains ~19 steps in 300 s, so a time-to-target against it can
 only use an early-training loss.  Its loss per step, however, does not depend on the link (every
 step is one barrier-averaged step, however long the barrier takes).  So the `speedup` suite also
-runs `sync-dp-full-speed`, the same cluster without link emulation, for as many steps as the
+runs `sync-avg-full-speed`, the same cluster without link emulation, for as many steps as the
 decoupled run's cluster tokens take, and each of its steps is given the wall-clock time a step took
-in the emulated `sync-dp` run.  Pure functions of the runs' island evaluations (`RunResult.evals`).
+in the emulated `sync-avg` run.  Pure functions of the runs' island evaluations (`RunResult.evals`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import math
 import statistics
 from collections.abc import Sequence
 
-# the suite's run of sync-dp without link emulation
-FULL_SPEED = "sync-dp-full-speed"
+# the suite's run of sync-avg without link emulation
+FULL_SPEED = "sync-avg-full-speed"
 
 
 def first_life(events: Sequence[dict]) -> list[dict]:
@@ -69,7 +69,7 @@ def final_loss(evals: dict[str, list[dict]]) -> float | None:
 def extrapolated_seconds(
     full_speed: dict[str, list[dict]], emulated: dict[str, list[dict]], target: float
 ) -> float | None:
-    """Seconds `sync-dp` would take over the emulated links to reach `target`: the full-speed run's
+    """Seconds `sync-avg` would take over the emulated links to reach `target`: the full-speed run's
     steps to it times the emulated run's seconds per step.  None when either is unknown."""
     steps, per_step = steps_to(mean_curve(full_speed), target), seconds_per_step(emulated)
     return None if steps is None or per_step is None else steps * per_step

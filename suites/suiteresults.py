@@ -40,6 +40,8 @@ class RunResult:
     global_curve: list[dict] = dataclasses.field(default_factory=list)
     # the merger's model when the cluster had trained the suite's equal cluster tokens
     global_equal: float | None = None
+    # the final model on the whole validation and test splits ({"validation": ..., "test": ...})
+    final: dict = dataclasses.field(default_factory=dict)
 
 
 def collect(label: str, config: ClusterConfig, run_dir: Path, code: int) -> RunResult:
@@ -199,8 +201,8 @@ def bytes_per_token(result: RunResult) -> float:
 def summarize(
     name: str, description: str, results: list[RunResult], command: str, seconds: float
 ) -> str:
-    """The suite's Markdown: its table, a row per run, each decoupled run against sync-dp, the
-    extrapolated sync-dp, the bytes suite's goals, each fault's effect, and the plots."""
+    """The suite's Markdown: its table, a row per run, each decoupled run against sync-avg, the
+    extrapolated sync-avg, the bytes suite's goals, each fault's effect, and the plots."""
     target = max(
         min(e["eval_loss"] for events in r.evals.values() for e in events)
         for r in results
@@ -235,7 +237,7 @@ def summarize(
         "|---|---|---|---|---|---|---|---|",
     ]
     lines += [_row(r, target, equal_tokens) for r in results]
-    dp = next((r for r in results if r.label == "sync-dp"), None)
+    dp = next((r for r in results if r.label == "sync-avg"), None)
     if dp is not None:
         lines += _against_sync_dp(results, dp, target, equal_tokens)
     full = next((r for r in results if r.label == speedup.FULL_SPEED), None)
@@ -277,7 +279,7 @@ def _row(r: RunResult, target: float, equal_tokens: int) -> str:
 def _against_sync_dp(
     results: list[RunResult], dp: RunResult, target: float, equal_tokens: int
 ) -> list[str]:
-    """Each decoupled run that reached the target against sync-dp: speed, bytes, loss."""
+    """Each decoupled run that reached the target against sync-avg: speed, bytes, loss."""
     lines = []
     for r in results:
         if r.label.startswith("decoupled") and time_to(r, target) and time_to(dp, target):
@@ -285,7 +287,7 @@ def _against_sync_dp(
             lines += [
                 "",
                 (
-                    f"{r.label} vs sync-dp: {time_to(dp, target) / time_to(r, target):.1f}x faster"
+                    f"{r.label} vs sync-avg: {time_to(dp, target) / time_to(r, target):.1f}x faster"
                     " to the target; "
                     f"{bytes_per_token(dp) / bytes_per_token(r):.0f}x fewer bytes per token; "
                     f"loss at equal tokens {100 * equal:+.1f} %."
@@ -327,16 +329,16 @@ def _fault_lines(r: RunResult) -> list[str]:
 def _extrapolated(
     results: list[RunResult], dp: RunResult, full: RunResult, target: float
 ) -> list[str]:
-    """sync-dp's time to each decoupled run's final loss, from its loss per step at full speed and
+    """sync-avg's time to each decoupled run's final loss, from its loss per step at full speed and
     its time per step over the emulated links (suites/speedup.py)."""
     per_step, curve = speedup.seconds_per_step(dp.evals), speedup.mean_curve(full.evals)
     if per_step is None or not curve:
-        return [f"{speedup.FULL_SPEED}: too few evaluations to extrapolate sync-dp"]
+        return [f"{speedup.FULL_SPEED}: too few evaluations to extrapolate sync-avg"]
     check = speedup.extrapolated_seconds(full.evals, dp.evals, target)
     lines = [
         (
-            f"sync-dp extrapolated: {speedup.FULL_SPEED}'s loss per step ({curve[-1][0]} steps,"
-            f" mean island loss {curve[0][1]:.3f} → {curve[-1][1]:.3f}) at sync-dp's"
+            f"sync-avg extrapolated: {speedup.FULL_SPEED}'s loss per step ({curve[-1][0]} steps,"
+            f" mean island loss {curve[0][1]:.3f} → {curve[-1][1]:.3f}) at sync-avg's"
             f" {per_step:.2f} s per step over the emulated links. Check: to the target above"
             f" {'never' if check is None else f'{check:.1f} s'} extrapolated,"
             f" {_seconds_or(time_to(dp, target))} measured."
@@ -349,11 +351,11 @@ def _extrapolated(
         own, theirs = time_to(r, final), speedup.extrapolated_seconds(full.evals, dp.evals, final)
         if own and theirs:
             ratio = f"{theirs / own:.1f}x"
-        # sync-dp did not get there in the steps it ran: at least that long
+        # sync-avg did not get there in the steps it ran: at least that long
         else:
             ratio = f"more than {curve[-1][0] * per_step / own:.1f}x" if own else "n/a"
         lines.append(
-            f"{r.label} vs sync-dp to {r.label}'s final loss {final:.3f}: {_seconds_or(own)} vs "
+            f"{r.label} vs sync-avg to {r.label}'s final loss {final:.3f}: {_seconds_or(own)} vs "
             f"{_seconds_or(theirs, f'not within {curve[-1][0]} steps')} extrapolated: {ratio}."
         )
     return lines

@@ -16,7 +16,7 @@ Transform = Callable[[ClusterConfig], ClusterConfig]
 
 
 def mode(name: str) -> Transform:
-    """Mode `name` (sync-dp, sync-diloco, decoupled)."""
+    """Mode `name` (decoupled, sync-diloco, sync-avg; cluster/modes.py)."""
     return lambda c: dataclasses.replace(c, mode=name)
 
 

@@ -1,15 +1,16 @@
-"""The `bytes` suite's comparison: bytes per token up and down against `sync-dp`, the merger's model
-at equal cluster tokens and at equal time against the former default, the islands' utilisation,
-and the suite's goals — each met, or how far off.  Pure functions of the runs' results
-(suites/suiteresults.RunResult: each island's last step event, the merger's model over the run)."""
+"""The `bytes` suite's comparison: bytes per token up and down against `sync-avg` (an fp32
+all-reduce's bytes), the merger's model at equal cluster tokens and at equal time against the
+former default, the islands' utilisation, and the suite's goals — each met, or how far off.  Pure
+functions of the runs' results (suites/suiteresults.RunResult: each island's last step event, the
+merger's model over the run)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 # the suite's labels of the baseline and of the former default
-SYNC_DP, REFERENCE = "sync-dp", "every-fold-int4"
-# fewer bytes than sync-dp; within 1.5 % at equal tokens; busy
+SYNC_AVG, REFERENCE = "sync-avg", "every-fold-int4"
+# fewer bytes than sync-avg; within 1.5 % at equal tokens; busy
 GOAL_RATIO, GOAL_QUALITY, GOAL_BUSY = 800.0, 0.015, 0.97
 
 
@@ -68,13 +69,13 @@ def global_at_tokens(result, tokens: float) -> float | None:
 
 
 def equal_tokens(results: list) -> int | None:
-    """The fewest cluster tokens any decoupled run trained (sync-dp, far behind, is left out: the
+    """The fewest cluster tokens any decoupled run trained (sync-avg, far behind, is left out: the
     suite's own equal-tokens column is at its few tokens)."""
     return min(
         (
             r.global_curve[-1]["cluster_tokens"]
             for r in results
-            if r.global_curve and _base(r.label)[0] != SYNC_DP
+            if r.global_curve and _base(r.label)[0] != SYNC_AVG
         ),
         default=None,
     )
@@ -97,7 +98,7 @@ def _peer(results: list, run, name: str):
 
 
 def _dp_total(results: list, run) -> float | None:
-    dp = _peer(results, run, SYNC_DP)
+    dp = _peer(results, run, SYNC_AVG)
     return sum(per_token(dp)) if dp else None
 
 
@@ -111,10 +112,10 @@ def lines(results: list) -> list[str]:
     out = [
         "",
         (
-            f"| run | bytes up / token | bytes down / token (full values) | vs {SYNC_DP} (past full"
-            " values) | down / up per island (past full values) | merger's model at"
-            f" {tokens or 0:,} cluster tokens | at {common or 0:.0f} s | vs {REFERENCE} (tokens,"
-            " time) | least busy island |"
+            "| run | bytes up / token | bytes down / token (full values) |"
+            f" vs {SYNC_AVG} (past full values) | down / up per island (past full values) |"
+            f" merger's model at {tokens or 0:,} cluster tokens | at {common or 0:.0f} s |"
+            f" vs {REFERENCE} (tokens, time) | least busy island |"
         ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -127,7 +128,7 @@ def lines(results: list) -> list[str]:
         )
         ratio = (
             f"{_x(_over(dp_total, up + down))} ({_x(_over(dp_total, up + down - values))})"
-            if _base(r.label)[0] != SYNC_DP
+            if _base(r.label)[0] != SYNC_AVG
             else "1x"
         )
         at_time = None if common is None else global_at_time(r, common)
@@ -154,7 +155,7 @@ def goals(results: list) -> list[str]:
     """For each run other than the two references: the three goals, met or by how much not."""
     out, tokens = [], equal_tokens(results)
     for r in results:
-        if _base(r.label)[0] in (SYNC_DP, REFERENCE) or tokens is None:
+        if _base(r.label)[0] in (SYNC_AVG, REFERENCE) or tokens is None:
             continue
         dp_total, ref = _dp_total(results, r), _peer(results, r, REFERENCE)
         ratio, lasting = (
@@ -168,8 +169,9 @@ def goals(results: list) -> list[str]:
                 "bytes",
                 ratio is not None and ratio >= GOAL_RATIO,
                 (
-                    f"{_x(ratio)} fewer bytes than {SYNC_DP} (goal {GOAL_RATIO:.0f}x; {_x(lasting)}"
-                    " past the full values, which a longer run spreads over more tokens)"
+                    f"{_x(ratio)} fewer bytes than {SYNC_AVG} (goal {GOAL_RATIO:.0f}x;"
+                    f" {_x(lasting)} past the full values, which a longer run spreads over more"
+                    " tokens)"
                 ),
             ),
             (

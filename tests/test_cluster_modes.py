@@ -92,7 +92,7 @@ def test_a_synchronous_island_waits_for_its_round_as_long_as_the_merger_does(tmp
 # the bytes sent, the report.
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["sync-diloco", "sync-dp"])
+@pytest.mark.parametrize("mode", ["sync-diloco", "sync-avg"])
 def test_a_synchronous_mode_holds_every_island_at_the_barrier(tmp_path, mode):
     # The barrier waits as long as it takes (a slow start on a busy machine must not split a round).
     (tmp_path / "c.toml").write_text(
@@ -123,7 +123,7 @@ def test_a_synchronous_mode_holds_every_island_at_the_barrier(tmp_path, mode):
         timeout=560,
     )
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
-    interval = 1 if mode == "sync-dp" else 10
+    interval = 1 if mode == "sync-avg" else 10
     folds = merger_folds(run)
     # one fold per round, each with both islands (the islands go on until the launcher sees both at
     # STEPS: a last round may be cut)
@@ -149,7 +149,7 @@ def test_a_synchronous_mode_holds_every_island_at_the_barrier(tmp_path, mode):
         params = sum(init[name].size for name in init.files)
     # a full fp32 model up every step, as an all-reduce of gradients would move (the stop may cut a
     # later step)
-    if mode == "sync-dp":
+    if mode == "sync-avg":
         assert (
             next(e for e in steps["fast"] if e["step"] == STEPS)["bytes_sent"] >= STEPS * 4 * params
         )

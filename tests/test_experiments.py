@@ -38,7 +38,7 @@ def test_time_to_target_loss_at_equal_tokens_and_bytes_per_token():
         },
     )
     slow = result(
-        "sync-dp",
+        "sync-avg",
         {
             "a": [
                 {"since_start": 50, "tokens": 100, "eval_loss": 3.5},
@@ -46,7 +46,7 @@ def test_time_to_target_loss_at_equal_tokens_and_bytes_per_token():
             ]
         },
         {"a": {"tokens": 200, "bytes_sent": 40_000, "bytes_received": 40_000, "compute_util": 0.3}},
-        "sync-dp",
+        "sync-avg",
     )
     assert (
         suiteresults.time_to(fast, 2.5) == 12
@@ -61,10 +61,10 @@ def test_time_to_target_loss_at_equal_tokens_and_bytes_per_token():
     )
     text = suiteresults.summarize("speedup", "why", [fast, slow], "dloco experiment speedup", 100.0)
     # target: the worst run's best island evaluation (2.4), reached by decoupled at 20 s (a's 2.0),
-    # by sync-dp at 90 s
+    # by sync-avg at 90 s
     assert "time to island loss ≤ 2.400" in text and "| 20.0 s |" in text and "| 90.0 s |" in text
     assert "4.5x faster to the target; 160x fewer bytes per token" in text
-    # the fewest any run's cluster trained (sync-dp's 200; decoupled's 300 + 100)
+    # the fewest any run's cluster trained (sync-avg's 200; decoupled's 300 + 100)
     assert "global loss at 200 cluster tokens" in text
 
 

@@ -61,17 +61,17 @@ def quick(name: str, tmp_path) -> dict[str, suiteresults.RunResult]:
 
 
 def test_speedup_decoupled_never_waits_and_sends_far_fewer_bytes_than_data_parallel(tmp_path):
-    """Who waits on whom: a sync-dp island waits for the barrier at every step, a decoupled one
+    """Who waits on whom: a sync-avg island waits for the barrier at every step, a decoupled one
     never does; and the bytes.  Time to a loss and utilisation are reported in the suite's table,
     not asserted.
     """
     runs = quick("speedup", tmp_path)
-    assert suiteresults.bytes_per_token(runs["sync-dp"]) > 20 * suiteresults.bytes_per_token(
+    assert suiteresults.bytes_per_token(runs["sync-avg"]) > 20 * suiteresults.bytes_per_token(
         runs["decoupled"]
     )
     for island in runs["decoupled"].last:
         assert _steps(runs["decoupled"], island)[-1]["wait_s"] == 0, island
-        waits = [e["wait_s"] for e in _steps(runs["sync-dp"], island)]
+        waits = [e["wait_s"] for e in _steps(runs["sync-avg"], island)]
         waited = sum(b > a for a, b in zip(waits, waits[1:]))
         assert waited >= 0.9 * (len(waits) - 1), (island, waited, len(waits))
 
@@ -223,40 +223,16 @@ def test_quality_a_larger_budget_gives_every_mode_a_better_global_model(tmp_path
             assert suiteresults.cluster_tokens(r) >= r.config.tokens, r.label
             assert r.global_after is not None and r.global_after < r.global_before, r.label
         assert runs[1].global_after < runs[0].global_after, mode
-    assert "| decoupled vs sync-dp |" in text.replace(
-        "decoupled vs sync-dp | decoupled vs sync-diloco", "decoupled vs sync-dp |"
-    )
+        # the reported figure: the final model on the whole test split
+        assert all(set(r.final) == {"validation", "test"} for r in runs), mode
+        assert runs[1].final["test"] < runs[0].final["test"], mode
+    assert "| decoupled vs sync-dp | decoupled vs sync-diloco |" in text
+    # every run's record, as it landed; the write-up again from the records alone
+    records = quality.qualityrecords.load_all(tmp_path / "results")
+    assert {r["label"] for r in records} == {r.label for r in results if r.config.tokens}
+    again = quality.run_from_results([tmp_path / "results"], tmp_path / "again")
+    assert again.splitlines()[4:8] == text.splitlines()[4:8]
     assert (tmp_path / "experiments" / "quality_loss_vs_budget.png").exists() and (
         tmp_path / "quality.md"
     ).exists()
     assert qualityreport.wall_clock(results)["seconds_per_step_linked"] > 0
-
-
-def test_quality_sync_dp_in_one_process_is_the_clusters_sync_dp(tmp_path):
-    """The same budget, the quick model: sync-dp through the bus (four island processes, the
-    merger's fp32 average) and in one process (suites/inprocess.py) end within 1 % of each other,
-    after the same number of steps give or take the island's one-round-late view of the budget."""
-    from dloco.suites import quality, qualityreport
-
-    budget = quality.QUICK_BUDGETS[0]
-    name = qualityreport.label("sync-dp", budget)
-    _, (bus,) = quality.run_suite(
-        tmp_path / "bus",
-        quick=True,
-        budgets=(budget,),
-        only=(name,),
-        sync_dp_on_bus=True,
-        log=lambda line: None,
-    )
-    _, (alone,) = quality.run_suite(
-        tmp_path / "alone", quick=True, budgets=(budget,), only=(name,), log=lambda line: None
-    )
-    assert (tmp_path / "alone" / "quality" / name / "in_process.json").exists() and not (
-        tmp_path / "alone" / "quality" / name / "merger"
-    ).exists()
-    assert abs(alone.global_after - bus.global_after) < 0.01 * bus.global_after, (
-        alone.global_after,
-        bus.global_after,
-    )
-    steps = {max(e["step"] for e in events) for events in bus.evals.values()}
-    assert all(abs(s - next(iter(alone.last.values()))["step"]) <= 1 for s in steps), steps

@@ -41,7 +41,7 @@ class ScriptedLink:
 
 @pytest.fixture(scope="module")
 def corpus_parts():
-    shards, evaluation = data.split(data.load(), 1)
+    shards, evaluation, _ = data.split(data.load(), 1)
     return shards[0], data.eval_batches(evaluation, 4, 32, 1)
 
 

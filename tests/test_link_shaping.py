@@ -56,7 +56,7 @@ def test_the_loop_never_waits_for_a_trickling_uplink(tmp_path):
     (`dloco bench island`), not this test's: on a busy machine step times vary more than any margin.
     """
     corpus = data.load()
-    shards, evaluation = data.split(corpus, 1)
+    shards, evaluation, _ = data.split(corpus, 1)
     model, train = (
         ModelConfig(width=64, depth=2, heads=2, context=64),
         TrainConfig(batch=8, eval_every=10_000, max_steps=120),
@@ -185,7 +185,7 @@ def test_the_downlink_holds_snapshots_until_they_would_have_arrived():
 
 def test_slowdown_stretches_each_step_by_its_factor(tmp_path):
     corpus = data.load()
-    shards, evaluation = data.split(corpus, 1)
+    shards, evaluation, _ = data.split(corpus, 1)
     model, train = (
         ModelConfig(width=64, depth=2, heads=2, context=64),
         TrainConfig(batch=8, eval_every=10_000),

@@ -3,7 +3,6 @@ runs end to end are tests/test_experiments_quick.py's (-m experiments)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from dloco.cluster import config as cluster_config
@@ -21,8 +20,10 @@ def test_budgets_parse_in_decimal_units_and_must_increase():
             quality.parse_budgets(bad)
 
 
-def test_labels_name_mode_and_budget():
+def test_labels_name_mode_and_budget_then_a_setting_and_a_seed():
     assert qualityreport.label("decoupled", 4_000_000) == "decoupled@4M"
+    assert qualityreport.label("decoupled", 4_000_000, seed=2) == "decoupled@4M-s2"
+    assert qualityreport.label("sync-dp", 2_000_000, 1, "lr0.006") == "sync-dp@2M-lr0.006-s1"
     assert qualityreport.label("sync-dp", 1_500_000) == "sync-dp@1.5M"
     assert qualityreport.label("sync-diloco", 500_000) == "sync-diloco@500k"
     assert qualityreport.label("decoupled", 49_152) == "decoupled@49152"
@@ -44,7 +45,7 @@ def test_the_plan_runs_every_mode_at_every_budget_each_ended_by_it():
         # over the links, bounded by steps: its seconds per step
         if name == qualityreport.LINKED:
             assert (config.mode, config.tokens, config.max_steps) == (
-                "sync-dp",
+                "sync-avg",
                 0,
                 quality.LINKED_STEPS,
             )
@@ -67,6 +68,89 @@ def test_the_plan_runs_every_mode_at_every_budget_each_ended_by_it():
         quality.QUICK_INTERVAL // 2,
         quality.QUICK_INTERVAL,
     ]
+
+
+def test_seeds_and_the_baselines_settings_reach_every_run():
+    base = cluster_config.load()
+    settings = quality.parse_settings("0,1", 6e-3, "0.35,0.0")
+    runs = dict(quality.plan(base, (2_000_000,), quick=False, settings=settings))
+    assert list(runs)[:6] == [
+        "sync-dp@2M",
+        "sync-diloco@2M",
+        "decoupled@2M",
+        "sync-dp@2M-s1",
+        "sync-diloco@2M-s1",
+        "decoupled@2M-s1",
+    ]
+    assert [runs[f"decoupled@2M{s}"].seed for s in ("", "-s1")] == [0, 1]
+    assert runs["sync-dp@2M-s1"].model.lr == 6e-3
+    # sync-diloco's outer step is the tuned one, over the mode's DiLoCo default (0.7, 0.9)
+    _, merger = runs["sync-diloco@2M"].effective()
+    assert (merger.outer_lr, merger.outer_momentum) == (0.35, 0.0)
+    assert runs["decoupled@2M"].effective()[1].outer_lr == base.merger.outer_lr
+    for bad in (("0,0", None, None), ("a", None, None), (None, 1.5, None), (None, None, "1")):
+        with pytest.raises(ConfigError):
+            quality.parse_settings(*bad)
+
+
+def test_the_tuning_grids_name_each_setting():
+    base = cluster_config.load()
+    dp = dict(quality.tuning_plan(base, 2_000_000, False, "sync-dp"))
+    assert list(dp) == [
+        "sync-dp@2M-lr0.0015",
+        "sync-dp@2M-lr0.003",
+        "sync-dp@2M-lr0.006",
+        "sync-dp@2M-lr0.012",
+    ]
+    assert [c.model.lr for c in dp.values()] == [0.0015, 0.003, 0.006, 0.012]
+    diloco = dict(quality.tuning_plan(base, 2_000_000, False, "sync-diloco"))
+    assert len(diloco) == 16 and "sync-diloco@2M-h48-lr0.35-m0.9" in diloco
+    chosen = diloco["sync-diloco@2M-h48-lr0.35-m0.9"]
+    sync, merger = chosen.effective()
+    assert (sync.interval, sync.fragments, merger.outer_lr, merger.outer_momentum) == (
+        48,
+        1,
+        0.35,
+        0.9,
+    )
+    with pytest.raises(ConfigError, match="--tune"):
+        quality.tuning_plan(base, 2_000_000, False, "decoupled")
+
+
+def _seeded(mode, seed, test, config):
+    result = RunResult(
+        qualityreport.label(mode, 1_000_000, seed),
+        __import__("dataclasses").replace(config, seed=seed),
+        0,
+        6.0,
+        test,
+        {},
+        {},
+    )
+    result.final = {"validation": test + 0.01, "test": test}
+    return result
+
+
+def test_the_table_and_goals_pair_seeds_and_judge_beyond_one_sd():
+    runs = dict(quality.plan(cluster_config.load(), (1_000_000,), quick=False))
+    # decoupled 1 % and 2 % behind sync-dp on seeds 0 and 1: +1.5 % +- 0.71 %: within 1.5 % on
+    # average, not beyond one sd
+    results = [
+        _seeded("sync-dp", 0, 2.0, runs["sync-dp@1M"]),
+        _seeded("sync-dp", 1, 2.1, runs["sync-dp@1M"]),
+        _seeded("decoupled", 0, 2.02, runs["decoupled@1M"]),
+        _seeded("decoupled", 1, 2.142, runs["decoupled@1M"]),
+    ]
+    mean, sd, seeds = qualityreport.paired_gap(results[2:], results[:2])
+    assert (mean, seeds) == (pytest.approx(0.015), 2) and sd == pytest.approx(0.00707, abs=1e-5)
+    assert qualityreport.goal_lines(results) == [
+        "- goal, decoupled within 1.5% of sync-dp (test, 2 seeds): MISSED (+1.50% ± 0.71%)",
+        "",
+    ]
+    row = qualityreport.table(results)[2]
+    assert row.startswith("| 1,000,000 | 2.0500 ± 0.0707 (2) | 2.0810 ± 0.0863 (2) | +1.50% ± 0.71%")
+    # a seed the reference lacks is not paired
+    assert qualityreport.paired_gap(results[2:], results[:1])[2] == 1
 
 
 def _result(label, config, after, curve=(), evals=None, last=None):
@@ -131,16 +215,18 @@ def test_the_wall_clock_claim_both_ways_by_hand():
     ] == pytest.approx(40.0)
     # without the linked run: no claim
     assert qualityreport.wall_clock([dp, dec]) == {}
-    # The goals, judged: decoupled 2.2 against sync-dp's 2.6 (-15.4 %), 40x the best way
+    # The goals, judged: decoupled 2.2 against sync-dp's 2.6 (-15.4 %) on the test split, 40x the
+    # best way
+    dp.final, dec.final = {"test": 2.6}, {"test": 2.2}
     assert qualityreport.goal_lines([linked, dp, dec]) == [
-        "- goal, decoupled within 1.5% of sync-dp: met (-15.4%)",
+        "- goal, decoupled within 1.5% of sync-dp (test, 1 seed): met (-15.38%)",
         "- goal, decoupled >= 20x sooner to a final loss: met (best of the two ways: 40.0x)",
         "",
     ]
     # sync-dp ends at 2.0: decoupled 10 % behind; 26x the one way there is
-    dp.global_after = 2.0
+    dp.global_after, dp.final = 2.0, {"test": 2.0}
     assert qualityreport.goal_lines([dp, dec]) == [
-        "- goal, decoupled within 1.5% of sync-dp: MISSED (+10.0%)",
+        "- goal, decoupled within 1.5% of sync-dp (test, 1 seed): MISSED (+10.00%)",
         "",
     ]
     slow_linked = _result(
@@ -166,17 +252,6 @@ def test_the_wall_clock_claim_both_ways_by_hand():
     )
 
 
-def test_sync_dp_in_one_process_averages_the_islands_parameters():
-    from dloco.suites import inprocess
-
-    mean = inprocess.average(
-        [{"w": np.array([1.0, 2.0], np.float32)}, {"w": np.array([3.0, -2.0], np.float32)}]
-    )
-    assert mean["w"].dtype == np.float32 and mean["w"].tolist() == [2.0, 0.0]
-    with pytest.raises(ValueError):
-        inprocess.average([])
-
-
 def test_sync_dp_in_one_process_is_for_a_budgeted_sync_dp_run():
     from dloco.suites import inprocess
 
@@ -197,12 +272,11 @@ def test_sync_dp_in_one_process_reports_the_initial_loss_and_the_curve_it_traine
         eval_every=2,
     )
     run = inprocess.train_sync_dp(config)
-    # four islands of 8 sequences of 32 bytes: 1,024 tokens a round; an island hears the cluster's
-    # count a round late, so the fifth round is the one that sees 4,096 and stops
+    # four islands of 8 sequences of 32 bytes: one step on 1,024 tokens; the fourth reaches 4,096
     assert (
-        run.rounds == 5
-        and run.cluster_tokens == 5120
-        and [p["cluster_tokens"] for p in run.curve] == [2048, 4096, 5120]
+        run.rounds == 4
+        and run.cluster_tokens == 4096
+        and [p["cluster_tokens"] for p in run.curve] == [2048, 4096]
     )
     # the initial model's held-out loss (a byte model starts near ln 256 = 5.55), not a token count
     assert 4.5 < run.before < 7.0 and run.after == run.curve[-1]["eval_loss"] < run.before

@@ -1,4 +1,4 @@
-"""Two suites' own tables on hand-made run results: speedup (suites/speedup.py: sync-dp extrapolated
+"""Two suites' own tables on hand-made run results: speedup (suites/speedup.py: sync-avg extrapolated
 from its full-speed run, which trains as many cluster tokens as the decoupled run) and bytes
 (suites/wirebytes.py: bytes up and down per token, the merger's model's quality, and its goals)."""
 
@@ -13,11 +13,11 @@ from tests.test_experiments import result
 
 # Over 60 lines: one worked example in its order: the emulated and full-speed curves by hand, then
 # the summary's claim built from them.
-def test_sync_dp_is_extrapolated_from_its_full_speed_loss_and_its_time_per_step_on_the_links():
-    """sync-dp over the emulated links: steps 1 and 3 at 0 and 20 s (10 s per step).  At full speed
+def test_sync_avg_is_extrapolated_from_its_full_speed_loss_and_its_time_per_step_on_the_links():
+    """sync-avg over the emulated links: steps 1 and 3 at 0 and 20 s (10 s per step).  At full speed
     its mean island loss is 4.0, 3.0, 2.0 at steps 10, 20, 30 (islands a and b: 4.2/3.8, 3.0/3.0,
     2.1/1.9). The decoupled run's final loss is its best island's last evaluation, 2.5 (a's 2.5 at
-    40 s; b ends at 2.8), reached at 40 s; sync-dp gets there at step 25 (halfway from 3.0 to 2.0):
+    40 s; b ends at 2.8), reached at 40 s; sync-avg gets there at step 25 (halfway from 3.0 to 2.0):
     250 s, 6.2x."""
     from dloco.suites import speedup
 
@@ -62,31 +62,31 @@ def test_sync_dp_is_extrapolated_from_its_full_speed_loss_and_its_time_per_step_
     )
     assert speedup.final_loss(decoupled.evals) == 2.5
     dp = result(
-        "sync-dp",
+        "sync-avg",
         {"a": [{**e, "tokens": 10 * e["step"]} for e in emulated["a"]]},
         {"a": {"tokens": 30, "bytes_sent": 3000}},
-        "sync-dp",
+        "sync-avg",
     )
     fast = result(
         speedup.FULL_SPEED,
         {k: [{**e, "tokens": 10 * e["step"]} for e in v] for k, v in full.items()},
         {"a": {"tokens": 300, "bytes_sent": 30000}, "b": {"tokens": 300, "bytes_sent": 30000}},
-        "sync-dp",
+        "sync-avg",
     )
     text = suiteresults.summarize(
         "speedup", "why", [decoupled, dp, fast], "dloco experiment speedup", 100.0
     )
     assert (
-        "decoupled vs sync-dp to decoupled's final loss 2.500: 40.0 s vs 250.0 s extrapolated:"
+        "decoupled vs sync-avg to decoupled's final loss 2.500: 40.0 s vs 250.0 s extrapolated:"
         " 6.2x." in text
     )
-    assert "at sync-dp's 10.00 s per step over the emulated links" in text
+    assert "at sync-avg's 10.00 s per step over the emulated links" in text
 
 
-def test_the_full_speed_sync_dp_run_trains_the_decoupled_runs_cluster_tokens():
+def test_the_full_speed_sync_avg_run_trains_the_decoupled_runs_cluster_tokens():
     base = config.load()
     full = dict(catalog.SUITES["speedup"][1])[experiments.speedup.FULL_SPEED](base)
-    assert full.mode == "sync-dp" and all(
+    assert full.mode == "sync-avg" and all(
         r.uplink_mbps is None and r.rtt_ms == 0 for r in full.regions
     )
     decoupled = result(
@@ -120,7 +120,7 @@ def bytes_run(label, up, down, values, curve, util):
 def test_the_bytes_suite_tabulates_up_down_quality_and_its_goals():
     from dloco.suites import wirebytes
 
-    dp = bytes_run("sync-dp", 2_000_000, 2_000_000, 0, [(100, 150, 3.0)], 0.05)
+    dp = bytes_run("sync-avg", 2_000_000, 2_000_000, 0, [(100, 150, 3.0)], 0.05)
     ref = bytes_run(
         "every-fold-int4", 5_000, 20_000, 1_000, [(50, 500, 2.5), (100, 1000, 2.0)], 0.99
     )
@@ -134,7 +134,7 @@ def test_the_bytes_suite_tabulates_up_down_quality_and_its_goals():
     assert (
         wirebytes.global_at_time(lean, 90) is None and wirebytes.global_at_tokens(lean, 800) is None
     )
-    # sync-dp's 150 left out
+    # sync-avg's 150 left out
     assert wirebytes.equal_tokens([dp, ref, lean]) == 700
     lines = "\n".join(wirebytes.lines([dp, ref, lean]))
     # at 700 cluster tokens ref is 2.5 - 0.5 * 200 / 500 = 2.3, lean 2.1: -8.7 %; at 80 s (the
@@ -147,7 +147,7 @@ def test_the_bytes_suite_tabulates_up_down_quality_and_its_goals():
     )
     assert "| every-fold-int4 | 5.00 | 20.00 (1.00) | 160x (167x) | 4.00 (3.80) | 2.300 |" in lines
     assert (
-        "- lean: met: 1,000x fewer bytes than sync-dp (goal 800x; 1,600x past the full values"
+        "- lean: met: 1,000x fewer bytes than sync-avg (goal 800x; 1,600x past the full values"
         in lines
     )
     assert "met: merger's model -8.7 % against every-fold-int4" in lines

@@ -83,20 +83,22 @@ def test_shards_batches_and_eval_windows_of_a_token_file_are_the_hand_computed_s
     np.arange(20_000, dtype="<u2").tofile(tmp_path / "t.bin")
     corpus = data.load_tokens(tmp_path / "t.bin")
     # cut at int(20,000 * 0.95) = 19,000; two shards of 9,500
-    shards, evaluation = data.split(corpus, 2)
+    shards, evaluation, test = data.split(corpus, 2)
     assert [(int(s[0]), s.size) for s in shards] == [(0, 9_500), (9_500, 9_500)]
-    assert (int(evaluation[0]), evaluation.size) == (19_000, 1_000)
+    # the held-out 1,000 in halves: validation, then test
+    assert (int(evaluation[0]), evaluation.size) == (19_000, 500)
+    assert (int(test[0]), test.size) == (19_500, 500)
     # slices stay mapped
     assert isinstance(shards[1], np.memmap)
     batch = data.Batches(shards[1], 3, 8, seed=5, island=1).next()
     starts = np.random.default_rng([5, 1]).integers(0, 9_500 - 9, size=3)
     assert batch.dtype == np.int32 and np.array_equal(batch, 9_500 + starts[:, None] + np.arange(9))
-    # six starts, evenly from 0 to 1,000 - 10
+    # six starts, evenly from 0 to 500 - 10
     windows = data.eval_batches(evaluation, 2, 8, 3)
     assert [w.shape for w in windows] == [(2, 9)] * 3
     assert np.array_equal(
         np.concatenate(windows),
-        19_000 + np.array([0, 198, 396, 594, 792, 990])[:, None] + np.arange(9),
+        19_000 + np.array([0, 98, 196, 294, 392, 490])[:, None] + np.arange(9),
     )
 
 
