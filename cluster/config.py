@@ -274,19 +274,21 @@ class ClusterConfig:
 
 # The keys a cluster file may set: those that reach the processes' command lines
 # (cluster/topology.py).
-_RUN_KEYS = {
-    "duration_s",
-    "max_steps",
-    "tokens",
-    "eval_every",
-    "eval_early",
-    "eval_trace",
-    "evaluator",
-    "seed",
-    "mode",
-    "island_cpus",
-    "network",
+# [run]'s keys and the type each takes (float: any number)
+_RUN_TYPES = {
+    "duration_s": float,
+    "max_steps": int,
+    "tokens": int,
+    "eval_every": int,
+    "eval_early": bool,
+    "eval_trace": int,
+    "evaluator": bool,
+    "seed": int,
+    "mode": str,
+    "island_cpus": float,
+    "network": str,
 }
+_RUN_KEYS = set(_RUN_TYPES)
 NETWORKS = ("loopback", "netns")
 # [sync]: the island's exchange flags but `blocking`, which the mode sets
 SYNC_KEYS = set(field_names(SYNC_FLAGS)) - {"blocking"}
@@ -304,6 +306,17 @@ def load(path: str | Path | None = None) -> ClusterConfig:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise ConfigError(f"cannot read cluster file {path}: {error}") from None
+    for section in (*_SECTIONS, "task"):
+        require(
+            isinstance(data.get(section, {}), dict),
+            f"{path}: [{section}] must be a table of KEY = VALUE, got {data.get(section)!r}",
+        )
+    for section in ("regions", "chaos"):
+        entries = data.get(section, [])
+        require(
+            isinstance(entries, list) and all(isinstance(e, dict) for e in entries),
+            f"{path}: [[{section}]] must be tables, got {entries!r}",
+        )
     unknown = set(data) - set(_SECTIONS) - {"regions", "chaos", "task"}
     require(
         isinstance(data.get("task", {}), dict),
@@ -325,6 +338,9 @@ def load(path: str | Path | None = None) -> ClusterConfig:
     chaos = [from_table(path, entry) for entry in data.get("chaos", [])]
     defaults = ClusterConfig(regions=(Region("x"),))
     run = data.get("run", {})
+    for key, value in run.items():
+        types, what = _KINDS[_RUN_TYPES[key]]
+        require(type(value) in types, f"{path}: run.{key} must be {what}, got {value!r}")
     return ClusterConfig(
         regions=tuple(regions),
         duration_s=float(run.get("duration_s", defaults.duration_s)),

@@ -36,9 +36,15 @@ class Region:
 
     def __post_init__(self) -> None:
         require(
-            self.name.replace("-", "").replace("_", "").isalnum(),
+            type(self.name) is str and self.name.replace("-", "").replace("_", "").isalnum(),
             f"region name must be letters, digits, '-' or '_', got {self.name!r}",
         )
+        for key in ("slowdown", "uplink_mbps", "downlink_mbps", "rtt_ms"):
+            value = getattr(self, key)
+            require(
+                type(value) in (int, float) or (value is None and key.endswith("_mbps")),
+                f"region {self.name}: {key} must be a number, got {value!r}",
+            )
         require(
             type(self.hosts) is int and 1 <= self.hosts <= 64,
             f"region {self.name}: hosts must be an int in [1, 64], got {self.hosts!r}",

@@ -161,11 +161,11 @@ class SyncConfig:
 
     def __post_init__(self) -> None:
         _require(
-            isinstance(self.fragments, int) and self.fragments >= 1,
+            type(self.fragments) is int and self.fragments >= 1,
             f"sync.fragments must be a positive int, got {self.fragments!r}",
         )
         _require(
-            isinstance(self.interval, int) and self.interval >= self.fragments,
+            type(self.interval) is int and self.interval >= self.fragments,
             f"sync.interval (H={self.interval}) must be an int >= sync.fragments"
             f" (P={self.fragments})",
         )
