@@ -148,7 +148,9 @@ def test_the_table_and_goals_pair_seeds_and_judge_beyond_one_sd():
         "",
     ]
     row = qualityreport.table(results)[2]
-    assert row.startswith("| 1,000,000 | 2.0500 ± 0.0707 (2) | 2.0810 ± 0.0863 (2) | +1.50% ± 0.71%")
+    assert row.startswith(
+        "| 1,000,000 | 2.0500 ± 0.0707 (2) | 2.0810 ± 0.0863 (2) | +1.50% ± 0.71%"
+    )
     # a seed the reference lacks is not paired
     assert qualityreport.paired_gap(results[2:], results[:1])[2] == 1
 
@@ -280,3 +282,12 @@ def test_sync_dp_in_one_process_reports_the_initial_loss_and_the_curve_it_traine
     )
     # the initial model's held-out loss (a byte model starts near ln 256 = 5.55), not a token count
     assert 4.5 < run.before < 7.0 and run.after == run.curve[-1]["eval_loss"] < run.before
+
+
+def test_the_quota_profile_is_the_shipped_profile_under_cpu_quotas():
+    import dataclasses
+    from pathlib import Path
+
+    quota = cluster_config.load(Path(__file__).parent.parent / "experiments/configs/quota.toml")
+    assert quota.island_cpus == 0.45
+    assert dataclasses.replace(quota, island_cpus=0.0) == cluster_config.load()

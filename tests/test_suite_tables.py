@@ -1,6 +1,7 @@
-"""Two suites' own tables on hand-made run results: speedup (suites/speedup.py: sync-avg extrapolated
-from its full-speed run, which trains as many cluster tokens as the decoupled run) and bytes
-(suites/wirebytes.py: bytes up and down per token, the merger's model's quality, and its goals)."""
+"""Two suites' own tables on hand-made run results: speedup (suites/speedup.py: sync-avg
+extrapolated from its full-speed run, which trains as many cluster tokens as the decoupled run) and
+bytes (suites/wirebytes.py: bytes up and down per token, the merger's model's quality, and its
+goals)."""
 
 from __future__ import annotations
 
