@@ -46,7 +46,7 @@ class Evaluator:
             return {}
         self.trainer.set_params(params)
         return {
-            split: self.trainer.evaluate(self.whole_split(split))
+            split: self.trainer.evaluate_whole(self.whole_split(split))
             for split in ("validation", "test")
         }
 

@@ -20,7 +20,7 @@ from dloco.cluster.chaos import ChaosEvent, check, from_table, in_order, is_netw
 from dloco.cluster.cpuquota import quota_us
 from dloco.cluster.modes import ALL_ISLANDS, MODES
 from dloco.cluster.sections import MergerSection, ModelSection, Region
-from dloco.island.config import SyncConfig, TrainConfig
+from dloco.island.config import MODEL_SIZES, SyncConfig, TrainConfig
 from dloco.island.flags import SYNC_FLAGS
 from dloco.protocol.errors import ConfigError, require
 
@@ -67,6 +67,9 @@ class ClusterConfig:
     # [merger] settings over the mode's own (a suite's tuning of a baseline: sync-diloco's outer lr
     # and momentum), as (key, value) pairs
     mode_merger: tuple[tuple[str, object], ...] = ()
+    # "section.key" of [model], [sync] and [merger] that the cluster file left to the processes'
+    # own defaults (`dloco up` says where those differ from the shipped profile)
+    defaulted: tuple[str, ...] = dataclasses.field(default=(), compare=False)
     # Cores a full-speed island may use (a CPU quota, cluster/cpuquota.py); a region's slowdown then
     # divides its quota instead of making it sleep.  0: no quota, slow regions sleep (their CPU goes
     # to the other processes of the machine).
@@ -359,7 +362,30 @@ def load(path: str | Path | None = None) -> ClusterConfig:
         sync=_section(path, "sync", SyncConfig, data),
         merger=_section(path, "merger", MergerSection, data),
         chaos=in_order(chaos),
+        defaulted=tuple(
+            f"{section}.{key}"
+            for section in ("model", "sync", "merger")
+            for key in sorted(_SECTIONS[section])
+            if key not in data.get(section, {})
+        ),
     )
+
+
+def unlike_the_profile(config: ClusterConfig) -> list[str]:
+    """The settings `config`'s file left to the processes' defaults where those differ from the
+    shipped profile's (DiLoCo's H = 50 and outer lr 0.7 where the profile measured better), as
+    `sync.interval = 50 (the profile: 12)`."""
+    profile = load()
+    found = []
+    for name in config.defaulted:
+        section, key = name.split(".")
+        value, shipped = (getattr(getattr(c, section), key) for c in (config, profile))
+        if section == "model" and value is None:
+            # unset: the size preset's
+            value = MODEL_SIZES[config.model.size or "tiny"].get(key)
+        if value is not None and value != shipped:
+            found.append(f"{name} = {value!r} (the profile: {shipped!r})")
+    return found
 
 
 def _near(path: Path, model: ModelSection) -> ModelSection:

@@ -35,7 +35,7 @@ from dloco.analysis import verdict
 from dloco.bus.keys import create_keys, write_allow_list
 from dloco.cluster import localcompose, netns, status, topology
 from dloco.cluster.chaos import is_merger
-from dloco.cluster.config import ClusterConfig
+from dloco.cluster.config import ClusterConfig, unlike_the_profile
 from dloco.cluster.localcompose import Service, dloco_program
 from dloco.cluster.modes import MODES
 from dloco.cluster.ports import free_ports
@@ -168,6 +168,11 @@ def run(
         if status_port is not None:
             page = status.serve(run_dir, watch.islands, status_port)
             watch.say(f"dloco up: status page at http://127.0.0.1:{page.server_address[1]}/")
+        if compose_file is None and (unlike := unlike_the_profile(config)):
+            watch.say(
+                "dloco up: not in the cluster file, so the processes' own defaults, unlike the"
+                f" shipped profile (cluster/profiles/default.toml): {', '.join(unlike)}"
+            )
         watch.say(f"dloco up: preparing {run_dir} (keys, initial model) ...")
         if (quotas := cluster.quota_summary()) is not None:
             watch.say(quotas)

@@ -103,7 +103,7 @@ def task(ctx: TaskContext) -> Task:
             validation, ctx.batch, config.context, _count(ctx.options.get("eval_batches", 8))
         ),
         whole_split=functools.partial(
-            _whole_split, {"validation": validation, "test": test}, ctx.batch, config.context
+            _whole_split, {"validation": validation, "test": test}, WHOLE_BATCH, config.context
         ),
         count=count_tokens,
         metrics=_metrics,
@@ -113,6 +113,10 @@ def task(ctx: TaskContext) -> Task:
             f" {corpus.vocab}, listing sha256 {corpus.digest})"
         ),
     )
+
+
+# sequences per batch when a split is evaluated whole (fewer calls than the training batch's)
+WHOLE_BATCH = 64
 
 
 def _whole_split(splits: dict, batch: int, context: int, name: str) -> list[np.ndarray]:

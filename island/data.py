@@ -327,15 +327,14 @@ def eval_batches(evaluation: np.ndarray, batch: int, context: int, count: int) -
 
 def whole_split(tokens_N: np.ndarray, batch: int, context: int) -> list[np.ndarray]:
     """Every window of a split, each token predicted once: windows of `context + 1` tokens that
-    start `context` apart, in batches of `batch` (the last, partial batch left out, fewer than
-    `batch` windows: the same compiled shape for every batch)."""
+    start `context` apart, in batches of `batch` (the last one holds the rest).  Their mean loss is
+    a mean over windows (Trainer.evaluate_whole), not over batches."""
     windows = (tokens_N.size - 1) // context
-    if windows < batch:
+    if windows < 1:
         raise CorpusError(
-            f"the split holds {tokens_N.size} tokens, fewer than one batch of {batch} sequences of"
-            f" {context + 1}: use more data, a smaller batch or a shorter context"
+            f"the split holds {tokens_N.size} tokens, fewer than one sequence of {context + 1}:"
+            " use more data or a shorter context"
         )
-    count = windows // batch
-    starts_W = np.arange(count * batch, dtype=np.int64) * context
+    starts_W = np.arange(windows, dtype=np.int64) * context
     windows_WxT1 = np.stack([tokens_N[s : s + context + 1] for s in starts_W]).astype(np.int32)
-    return [windows_WxT1[i * batch : (i + 1) * batch] for i in range(count)]
+    return [windows_WxT1[i : i + batch] for i in range(0, windows, batch)]

@@ -11,7 +11,7 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dloco.island.config import TrainConfig
-from dloco.island.task import TaskError
+from dloco.island.task import TaskError, examples_in
 from dloco.protocol.errors import DlocoError
 
 
@@ -156,6 +156,13 @@ class Trainer:
     def evaluate(self, batches) -> float:
         """The mean held-out loss."""
         return self.evaluate_all(batches)["loss"]
+
+    def evaluate_whole(self, batches) -> float:
+        """The mean held-out loss over every example of `batches`, which may differ in size (a
+        whole split: the last batch holds the rest)."""
+        sizes = [examples_in(batch) for batch in batches]
+        losses = [self.evaluate([batch]) for batch in batches]
+        return float(np.dot(losses, sizes) / sum(sizes))
 
     def evaluate_all(self, batches) -> dict[str, float]:
         """The mean held-out loss and the task's metrics, each averaged over the batches."""

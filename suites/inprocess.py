@@ -32,8 +32,8 @@ from dloco.cluster.config import ClusterConfig
 from dloco.cluster.records import run_task
 from dloco.protocol.errors import ConfigError
 
-# a finished run's result, in its run directory
-RESULT = "in_process.json"
+# a finished run's result and its final parameters, in its run directory
+RESULT, FINAL_PARAMS = "in_process.json", "final.npz"
 
 
 @dataclasses.dataclass
@@ -106,8 +106,11 @@ def _islands_tasks(config: ClusterConfig, run) -> list:
     ]
 
 
-def train_sync_dp(config: ClusterConfig, log=lambda line: None) -> InProcessRun:
-    """Train `config` (mode sync-dp, a token budget) in one process; see the module's docstring."""
+def train_sync_dp(
+    config: ClusterConfig, log=lambda line: None, run_dir: Path | None = None
+) -> InProcessRun:
+    """Train `config` (mode sync-dp, a token budget) in one process; see the module's docstring.
+    With `run_dir`, the final parameters go to RUN_DIR/final.npz (to evaluate them again)."""
     from dloco.island import schedule
     from dloco.island.config import TrainConfig
     from dloco.island.train import Trainer
@@ -153,9 +156,14 @@ def train_sync_dp(config: ClusterConfig, log=lambda line: None) -> InProcessRun:
                 f"sync-dp in one process: step {steps}, {tokens:,} of {config.tokens:,} cluster"
                 f" tokens, validation loss {curve[-1]['eval_loss']:.4f}"
             )
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        np.savez(run_dir / FINAL_PARAMS, **trainer.params())
     final = {}
     if first.whole_split is not None:
-        final = {name: trainer.evaluate(first.whole_split(name)) for name in ("validation", "test")}
+        final = {
+            name: trainer.evaluate_whole(first.whole_split(name)) for name in ("validation", "test")
+        }
     return InProcessRun(
         config.tokens,
         run.islands,

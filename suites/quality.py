@@ -269,7 +269,7 @@ def in_process_result(name: str, config: ClusterConfig, run_dir: Path, log) -> R
     done = inprocess.InProcessRun.load(run_dir)
     if done is None or done.budget != config.tokens:
         log(f"dloco experiment quality: {name} in one process (suites/inprocess.py) -> {run_dir}")
-        done = inprocess.train_sync_dp(config, log=log)
+        done = inprocess.train_sync_dp(config, log=log, run_dir=run_dir)
         done.save(run_dir)
     evals = {
         r.name: [
@@ -333,6 +333,7 @@ def run_suite(
     command = (
         "dloco experiment quality"
         + (" --quick" if quick else "")
+        + (f" --config {config_path}" if config_path else "")
         + (f" --tune {tune}" if tune else "")
         + (
             f" --budgets {','.join(_short(b) for b in budgets)}"
@@ -340,6 +341,12 @@ def run_suite(
             else ""
         )
         + (f" --seeds {','.join(map(str, settings.seeds))}" if settings.seeds != (0,) else "")
+        + (f" --dp-lr {settings.dp_lr:g}" if settings.dp_lr is not None else "")
+        + (
+            " --diloco-outer {:g},{:g}".format(*settings.diloco_outer)
+            if settings.diloco_outer != Settings().diloco_outer
+            else ""
+        )
         + (f" --runs {','.join(only)}" if only else "")
     )
     return write_up(results, command, time.monotonic() - started, out_dir), results

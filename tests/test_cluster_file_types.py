@@ -80,3 +80,16 @@ def test_a_wrong_type_is_one_line_naming_the_key(tmp_path, section, key, kind):
 
 # made absolute (the cluster file's neighbours), or stored under another name
 PATHS = {("model", "corpus"), ("model", "tokens"), ("model", "task")}
+
+
+def test_dloco_up_names_what_a_file_leaves_to_defaults_unlike_the_profile(tmp_path):
+    """A cluster file without [sync] interval or [merger] outer_lr runs DiLoCo's H = 50 and
+    lr 0.7, not what the profile measured best: `dloco up` says so, naming each."""
+    path = tmp_path / "partial.toml"
+    path.write_text('[[regions]]\nname = "a"\n\n[sync]\nfragments = 4\n\n[merger]\nquorum = 1\n')
+    found = cluster_config.unlike_the_profile(cluster_config.load(path))
+    assert "sync.interval = 50 (the profile: 12)" in found
+    assert "merger.outer_lr = 0.7 (the profile: 0.15)" in found
+    # what the file sets, and what equals the profile anyway, are not named
+    assert not any(f.startswith(("sync.fragments", "merger.quorum", "model.")) for f in found)
+    assert cluster_config.unlike_the_profile(cluster_config.load()) == []

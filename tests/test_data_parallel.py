@@ -122,10 +122,21 @@ def test_the_splits_are_disjoint_from_each_other_and_from_every_shard(islands):
 def test_a_whole_split_predicts_each_token_once():
     tokens_N = np.arange(1000, dtype=np.uint8)
     batches = data.whole_split(tokens_N, 4, 10)
-    # 99 windows of 11 tokens start 10 apart: 24 whole batches of 4 (3 windows left out)
-    assert len(batches) == 24 and all(b.shape == (4, 11) for b in batches)
+    # 99 windows of 11 tokens start 10 apart: 24 batches of 4, the last 3 windows in a 25th
+    assert [b.shape for b in batches] == [(4, 11)] * 24 + [(3, 11)]
     windows = np.concatenate(batches)
     predicted = np.concatenate([w[1:] for w in windows])
-    assert np.array_equal(predicted, np.arange(1, 961, dtype=np.int32) % 256)
-    with pytest.raises(data.CorpusError, match="fewer than one batch"):
-        data.whole_split(tokens_N[:30], 4, 10)
+    assert np.array_equal(predicted, np.arange(1, 991, dtype=np.int32) % 256)
+    with pytest.raises(data.CorpusError, match="fewer than one sequence"):
+        data.whole_split(tokens_N[:10], 4, 10)
+
+
+def test_a_whole_split_is_a_mean_over_windows_not_over_batches():
+    (task,) = tasks(1)
+    t = trainer(task, BATCH)
+    windows = np.concatenate(data.whole_split(np.arange(400, dtype=np.uint8), 5, 16))
+    per_window = [t.evaluate([w[None]]) for w in windows]
+    uneven = [windows[:5], windows[5:10], windows[10:12]]
+    assert len(windows) == 24 and t.evaluate_whole(uneven + [windows[12:]]) == pytest.approx(
+        float(np.mean(per_window)), rel=1e-5
+    )
