@@ -14,7 +14,7 @@ A token file (`load_tokens`, `--tokens FILE`) is the nanoGPT convention: a flat 
 memory-mapped so that a corpus larger than RAM costs only the pages the windows touch.  FILE.bin is
 raw little-endian ids without a header (uint16 unless its sidecar says uint32); FILE.npy is a 1-D
 uint16 or uint32 array.  The sidecar FILE.json next to it, written by `dloco tokenize`
-(island/tokenize.py), names the dtype, the vocabulary size, the token count and the tokenizer.
+(island/tokenizing.py), names the dtype, the vocabulary size, the token count and the tokenizer.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class ServiceConfig:
     metrics_host: str = "127.0.0.1"
     # a standby, its stream and lease (merger/replication.py)
     replication: ReplicationConfig = ReplicationConfig()
-    # this merger folds the fragments f with f % shards == shard (merger/sharding.py)
+    # this merger folds the fragments f with f % shards == shard (protocol/shards.py)
     shard: int = 0
     shards: int = 1
 

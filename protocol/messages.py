@@ -19,7 +19,8 @@ from dloco.protocol.quantization import Codec
 
 # 2: snapshots may be diffs (base_version, digest); 3: a stream per merger shard (heartbeat.stream,
 # topics end in /); 4: trained tokens (heartbeat.tokens, ack.tokens) for the cluster's schedule;
-# 5: a snapshot's served value may be held in bfloat16 (snapshot.served)
+# 5: a snapshot's served value may be held in bfloat16 (snapshot.served); 6: with served = bf16,
+# the digest is over the bfloat16 bytes (PROTOCOL.md §9 lists every version)
 PROTOCOL_VERSION = 6
 
 # a snapshot's `served`: what else than float32 receivers may hold the served value in

@@ -7,7 +7,8 @@ from dloco.sim.chips import CHIPS
 from dloco.sim.scenario import Island, Link, Scenario, step_seconds
 
 SEED_PARAMS = 12_000_000_000
-# per island: 512 sequences of 2,048 tokens (assumed; the paper's batch is not in DESIGN.md)
+# per island: 512 sequences of 2,048 tokens (assumed; the paper's batch is not in docs/design.md's
+# published numbers)
 SEED_TOKENS_PER_STEP = 512 * 2048
 # per island (assumed: one 256-chip slice per region)
 SEED_CHIPS = 256

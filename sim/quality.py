@@ -17,7 +17,7 @@ parameter model, 4 islands, 16 M cluster tokens (18 per parameter), one run each
 - H = 12 (6 on the half-speed islands, the shipped profile): 1.252, so q(12) = 15.9 M / 16 M =
 0.993. Between measured intervals q is linear in ln H; past the last one it goes on with the last
 segment's slope, never below FLOOR.  Published runs at 35 M-1 B parameters (Streaming DiLoCo,
-DESIGN.md) put the gap at H = 100 near 1 %, so for large models this curve is pessimistic; a
+docs/design.md "Numbers to respect") put the gap at H = 100 near 1 %, so for large models this curve is pessimistic; a
 scenario's `[quality]` table replaces it with the user's own measurement.
 """
 
