@@ -8,8 +8,11 @@ so an interval that grows on a slow link costs useful tokens, and sync-DiLoCo's 
 too.
 
 The default curve is this repository's own measurement (EXPERIMENTS.md, "Quality"), on the 0.87 M
-parameter model, 4 islands, 16 M cluster tokens (18 per parameter), one run each:
-- sync-dp's final loss falls 0.289 per doubling of its budget between 2 M and 16 M tokens (2.116 at
+parameter model, 4 islands, 16 M cluster tokens (18 per parameter), one run each, taken against
+the baseline then called sync-dp, which is `sync-avg` now (parameter averaging after each island's
+own AdamW step, not data parallelism: against data parallelism every q below is lower; at 2 M
+tokens decoupled ended 17 % behind it on the test split):
+- that baseline's final loss falls 0.289 per doubling of its budget between 2 M and 16 M tokens (2.116 at
   2 M, 1.249 at 16 M), so a decoupled final loss L at 16 M is what sync-dp reaches with
   16 M x 2^-((L - 1.249) / 0.289) tokens;
 - H = 48 (24 on the half-speed islands): 1.311, so q(48) = 13.8 M / 16 M = 0.862;
@@ -17,8 +20,8 @@ parameter model, 4 islands, 16 M cluster tokens (18 per parameter), one run each
 - H = 12 (6 on the half-speed islands, the shipped profile): 1.252, so q(12) = 15.9 M / 16 M =
 0.993. Between measured intervals q is linear in ln H; past the last one it goes on with the last
 segment's slope, never below FLOOR.  Published runs at 35 M-1 B parameters (Streaming DiLoCo,
-docs/design.md "Numbers to respect") put the gap at H = 100 near 1 %, so for large models this curve is pessimistic; a
-scenario's `[quality]` table replaces it with the user's own measurement.
+docs/design.md "Numbers to respect") put the gap at H = 100 near 1 %; a scenario's `[quality]`
+table replaces this curve with the user's own measurement.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import math
 from dloco.protocol.errors import require
 
 FLOOR = 0.05
-# sync-dp's final loss per doubling of its budget, 2 M -> 16 M tokens
+# the baseline's (sync-avg's) final loss per doubling of its budget, 2 M -> 16 M tokens
 SYNC_DP_SLOPE = 0.289
 SYNC_DP_LOSS_16M = 1.249
 QUALITY_H48_LOSS = 1.311
