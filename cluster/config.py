@@ -9,6 +9,9 @@ shipped profile, `cluster/profiles/default.toml`, overrides them visibly (its co
 link scaling).
 """
 
+# Over 400 lines: the cluster file's one schema, ClusterConfig with its checks across sections and
+# the loader that reads and types each key, so that a key's default, type and check read together.
+
 from __future__ import annotations
 
 import dataclasses
@@ -309,26 +312,7 @@ def load(path: str | Path | None = None) -> ClusterConfig:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise ConfigError(f"cannot read cluster file {path}: {error}") from None
-    for section in (*_SECTIONS, "task"):
-        require(
-            isinstance(data.get(section, {}), dict),
-            f"{path}: [{section}] must be a table of KEY = VALUE, got {data.get(section)!r}",
-        )
-    for section in ("regions", "chaos"):
-        entries = data.get(section, [])
-        require(
-            isinstance(entries, list) and all(isinstance(e, dict) for e in entries),
-            f"{path}: [[{section}]] must be tables, got {entries!r}",
-        )
-    unknown = set(data) - set(_SECTIONS) - {"regions", "chaos", "task"}
-    require(
-        isinstance(data.get("task", {}), dict),
-        f"{path}: [task] must be a table of KEY = VALUE (the task itself is [model] task)",
-    )
-    require(not unknown, f"{path}: unknown sections {sorted(unknown)}")
-    for section, keys in _SECTIONS.items():
-        extra = set(data.get(section, {})) - keys
-        require(not extra, f"{path}: unknown keys in [{section}]: {sorted(extra)}")
+    _check_tables(path, data)
     region_keys = {f.name for f in dataclasses.fields(Region)}
     regions = []
     for entry in data.get("regions", []):
@@ -341,9 +325,6 @@ def load(path: str | Path | None = None) -> ClusterConfig:
     chaos = [from_table(path, entry) for entry in data.get("chaos", [])]
     defaults = ClusterConfig(regions=(Region("x"),))
     run = data.get("run", {})
-    for key, value in run.items():
-        types, what = _KINDS[_RUN_TYPES[key]]
-        require(type(value) in types, f"{path}: run.{key} must be {what}, got {value!r}")
     return ClusterConfig(
         regions=tuple(regions),
         duration_s=float(run.get("duration_s", defaults.duration_s)),
@@ -386,6 +367,34 @@ def unlike_the_profile(config: ClusterConfig) -> list[str]:
         if value is not None and value != shipped:
             found.append(f"{name} = {value!r} (the profile: {shipped!r})")
     return found
+
+
+def _check_tables(path: Path, data: dict) -> None:
+    """Known sections, each a table (an array of tables: [[regions]], [[chaos]]) of known keys,
+    [run]'s keys of their types."""
+    require(
+        isinstance(data.get("task", {}), dict),
+        f"{path}: [task] must be a table of KEY = VALUE (the task itself is [model] task)",
+    )
+    for section in _SECTIONS:
+        require(
+            isinstance(data.get(section, {}), dict),
+            f"{path}: [{section}] must be a table of KEY = VALUE, got {data.get(section)!r}",
+        )
+    for section in ("regions", "chaos"):
+        entries = data.get(section, [])
+        require(
+            isinstance(entries, list) and all(isinstance(e, dict) for e in entries),
+            f"{path}: [[{section}]] must be tables, got {entries!r}",
+        )
+    unknown = set(data) - set(_SECTIONS) - {"regions", "chaos", "task"}
+    require(not unknown, f"{path}: unknown sections {sorted(unknown)}")
+    for section, keys in _SECTIONS.items():
+        extra = set(data.get(section, {})) - keys
+        require(not extra, f"{path}: unknown keys in [{section}]: {sorted(extra)}")
+    for key, value in data.get("run", {}).items():
+        types, what = _KINDS[_RUN_TYPES[key]]
+        require(type(value) in types, f"{path}: run.{key} must be {what}, got {value!r}")
 
 
 def _near(path: Path, model: ModelSection) -> ModelSection:

@@ -296,6 +296,29 @@ def _up(args: argparse.Namespace) -> int:
         return 2
 
 
+def _quality(args: argparse.Namespace, out: Path, runs: tuple[str, ...] | None) -> str:
+    from dloco.protocol import DlocoError
+    from dloco.suites import quality, qualityplan
+
+    if args.reuse or args.steps or args.seconds:
+        raise DlocoError(
+            "quality: runs are bounded by their budgets (--budgets); give --out to resume an"
+            " earlier one"
+        )
+    if args.from_results:
+        return quality.run_from_results(args.from_results, out, args.config)
+    return quality.run(
+        out,
+        quick=args.quick,
+        config_path=args.config,
+        budgets=qualityplan.parse_budgets(args.budgets) if args.budgets else None,
+        only=runs,
+        settings=qualityplan.parse_settings(args.seeds, args.dp_lr, args.diloco_outer),
+        tune=args.tune,
+        results_dir=args.results,
+    )
+
+
 def _experiment(args: argparse.Namespace) -> int:
     import random
     import time
@@ -307,26 +330,7 @@ def _experiment(args: argparse.Namespace) -> int:
     try:
         runs = tuple(label.strip() for label in args.runs.split(",")) if args.runs else None
         if args.name == "quality":
-            from dloco.suites import quality
-
-            if args.reuse or args.steps or args.seconds:
-                raise DlocoError(
-                    "quality: runs are bounded by their budgets (--budgets); give --out to resume"
-                    " an earlier one"
-                )
-            if args.from_results:
-                text = quality.run_from_results(args.from_results, out, args.config)
-            else:
-                text = quality.run(
-                    out,
-                    quick=args.quick,
-                    config_path=args.config,
-                    budgets=quality.parse_budgets(args.budgets) if args.budgets else None,
-                    only=runs,
-                    settings=quality.parse_settings(args.seeds, args.dp_lr, args.diloco_outer),
-                    tune=args.tune,
-                    results_dir=args.results,
-                )
+            text = _quality(args, out, runs)
         elif args.name == "soak":
             from dloco.suites import soak
 

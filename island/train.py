@@ -109,11 +109,7 @@ class Trainer:
         # kept).  A buffer that a host view still holds (`params()` on CPU) is copied instead.
         self._step = nnx.jit(train_step, donate_argnums=(0, 1))
         self._eval = nnx.jit(evaluate)
-        # The step in two halves, for data parallelism between Trainers (suites/inprocess.py):
-        # each computes its batch's gradient, the gradients are averaged (the all-reduce), and
-        # every Trainer applies the same average, so all hold the same parameters and state.
-        self._gradient = nnx.jit(lambda model, batch: nnx.value_and_grad(loss)(model, batch))
-        self._apply = nnx.jit(_apply, donate_argnums=(0, 1))
+        self._gradient, self._apply = _halves(loss)
 
     def _put(self, batch):
         return jax.tree.map(lambda leaf: place(leaf, self.batch_sharding), batch)
@@ -184,9 +180,19 @@ class Trainer:
         assign(self.model, values, self.replicated)
 
 
-def _apply(model: nnx.Module, optimizer: nnx.Optimizer, gradient):
-    optimizer.update(model, gradient)
-    return optax.tree.norm(gradient)
+def _halves(loss):
+    """The step in two halves, for data parallelism between Trainers (suites/inprocess.py): each
+    computes its batch's gradient, the gradients are averaged (the all-reduce), and every Trainer
+    applies the same average, so all hold the same parameters and optimizer state."""
+
+    def gradient(model: nnx.Module, batch):
+        return nnx.value_and_grad(loss)(model, batch)
+
+    def apply(model: nnx.Module, optimizer: nnx.Optimizer, gradient):
+        optimizer.update(model, gradient)
+        return optax.tree.norm(gradient)
+
+    return nnx.jit(gradient), nnx.jit(apply, donate_argnums=(0, 1))
 
 
 def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:

@@ -12,8 +12,8 @@ parameter model, 4 islands, 16 M cluster tokens (18 per parameter), one run each
 the baseline then called sync-dp, which is `sync-avg` now (parameter averaging after each island's
 own AdamW step, not data parallelism: against data parallelism every q below is lower; at 2 M
 tokens decoupled ended 17 % behind it on the test split):
-- that baseline's final loss falls 0.289 per doubling of its budget between 2 M and 16 M tokens (2.116 at
-  2 M, 1.249 at 16 M), so a decoupled final loss L at 16 M is what sync-dp reaches with
+- that baseline's final loss falls 0.289 per doubling of its budget between 2 M and 16 M tokens
+  (2.116 at 2 M, 1.249 at 16 M), so a decoupled final loss L at 16 M is what it reaches with
   16 M x 2^-((L - 1.249) / 0.289) tokens;
 - H = 48 (24 on the half-speed islands): 1.311, so q(48) = 13.8 M / 16 M = 0.862;
 - H = 24 (12 on the half-speed islands): 1.277, so q(24) = 15.0 M / 16 M = 0.935;

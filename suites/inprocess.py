@@ -112,8 +112,6 @@ def train_sync_dp(
     """Train `config` (mode sync-dp, a token budget) in one process; see the module's docstring.
     With `run_dir`, the final parameters go to RUN_DIR/final.npz (to evaluate them again)."""
     from dloco.island import schedule
-    from dloco.island.config import TrainConfig
-    from dloco.island.train import Trainer
 
     if config.mode != "sync-dp" or not config.tokens:
         raise ConfigError(
@@ -123,14 +121,7 @@ def train_sync_dp(
     run = run_task(config)
     tasks = _islands_tasks(config, run)
     first = tasks[0]
-    train = TrainConfig(
-        batch=run.batch * run.islands,
-        lr=peak_lr(config),
-        seed=run.seed,
-        eval_every=config.eval_every,
-        budget_tokens=config.tokens,
-    )
-    trainer = Trainer(first.model, first.loss, train, first.optimizer, first.metrics)
+    trainer = _global_trainer(config, run, first)
     held_out = first.eval_batches
     started = time.monotonic()
     before = trainer.evaluate(held_out)
@@ -156,14 +147,6 @@ def train_sync_dp(
                 f"sync-dp in one process: step {steps}, {tokens:,} of {config.tokens:,} cluster"
                 f" tokens, validation loss {curve[-1]['eval_loss']:.4f}"
             )
-    if run_dir is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        np.savez(run_dir / FINAL_PARAMS, **trainer.params())
-    final = {}
-    if first.whole_split is not None:
-        final = {
-            name: trainer.evaluate_whole(first.whole_split(name)) for name in ("validation", "test")
-        }
     return InProcessRun(
         config.tokens,
         run.islands,
@@ -173,7 +156,34 @@ def train_sync_dp(
         curve[-1]["eval_loss"],
         curve,
         time.monotonic() - started,
-        final,
-        train.lr,
+        _finish(trainer, first, run_dir),
+        peak_lr(config),
         run.seed,
     )
+
+
+def _global_trainer(config: ClusterConfig, run, task):
+    """One Trainer of the first island's model at the global batch (every island's), its peak lr
+    the cluster's `[model] lr`, its rate decaying over the cluster's token budget."""
+    from dloco.island.config import TrainConfig
+    from dloco.island.train import Trainer
+
+    train = TrainConfig(
+        batch=run.batch * run.islands,
+        lr=peak_lr(config),
+        seed=run.seed,
+        eval_every=config.eval_every,
+        budget_tokens=config.tokens,
+    )
+    return Trainer(task.model, task.loss, train, task.optimizer, task.metrics)
+
+
+def _finish(trainer, task, run_dir: Path | None) -> dict:
+    """The final model on the whole validation and test splits ({} when the task has none); with
+    `run_dir`, its parameters saved there."""
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        np.savez(run_dir / FINAL_PARAMS, **trainer.params())
+    if task.whole_split is None:
+        return {}
+    return {name: trainer.evaluate_whole(task.whole_split(name)) for name in ("validation", "test")}

@@ -224,11 +224,14 @@ def test_memory_budget_evicts_the_least_recently_extended_partial():
 def test_a_sender_past_its_share_evicts_its_own_partials_not_others():
     """Budget for three first chunks in all, two per sender: a's third partial evicts a's oldest,
     and b's partial, older than both, stays."""
-    chunk = lambda sender, delta_id: wire(
-        delta_messages(
-            FRAGMENT, Codec("fp32"), max_chunk_bytes=4000, sender=sender, delta_id=delta_id
-        )
-    )[0]
+
+    def chunk(sender, delta_id):
+        return wire(
+            delta_messages(
+                FRAGMENT, Codec("fp32"), max_chunk_bytes=4000, sender=sender, delta_id=delta_id
+            )
+        )[0]
+
     one = cost(chunk("a", 1))
     reassembler = Reassembler(max_bytes=3 * one, max_sender_bytes=2 * one)
     reassembler.add(chunk("b", 1), 0.0)

@@ -211,11 +211,11 @@ def test_downlink_diffs_cut_the_bytes(tmp_path):
 def test_quality_a_larger_budget_gives_every_mode_a_better_global_model(tmp_path):
     """The quality suite, quick: three modes at two budgets, each run decayed over its own budget
     and ended by it; direction only (magnitudes need the full suite, EXPERIMENTS.md "Quality")."""
-    from dloco.suites import quality, qualityreport
+    from dloco.suites import quality, qualityplan, qualityreport
 
     text, results = quality.run_suite(tmp_path, quick=True, log=lambda line: None)
     by_label = {r.label: r for r in results}
-    small, large = quality.QUICK_BUDGETS
+    small, large = qualityplan.QUICK_BUDGETS
     for mode in qualityreport.MODES:
         runs = [by_label[qualityreport.label(mode, budget)] for budget in (small, large)]
         for r in runs:

@@ -8,7 +8,7 @@ functions alike), parsed with `ast`, nothing imported or run.
 - the launcher and the analysis import neither the suites nor the CLI, the analysis not the
   launcher (it takes plain values), and the suites not the CLI;
 - protocol imports no zmq, jax, flax or optax (numpy, msgpack and numba's compiled loops);
-- no .py file is over 400 lines.
+- a .py file over 400 lines says why near its top.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ NOT_FOR = {
 }
 NOT_FOR_PROTOCOL = ("zmq", "jax", "jaxlib", "flax", "optax")
 MAX_LINES = 400
+LONG_REASON = "# Over 400 lines:"
 
 
 def module_name(path: Path) -> str:
@@ -259,11 +260,14 @@ def test_protocol_imports_no_zmq_or_jax():
     assert not offending, offending
 
 
-def test_no_source_file_is_over_400_lines():
+def test_a_source_file_over_400_lines_says_why():
+    """400 lines is a signal, not a cut: a longer file says why near its top (`# Over 400 lines:`),
+    as a long function does above it (tests/test_reading.py)."""
     long = {
         str(path.relative_to(ROOT)): n
         for path in every_python_file()
-        if (n := len(path.read_text().splitlines())) > MAX_LINES
+        if (n := len(lines := path.read_text().splitlines())) > MAX_LINES
+        and not any(line.startswith(LONG_REASON) for line in lines[:60])
     }
     assert not long, long
 

@@ -7,17 +7,17 @@ import pytest
 
 from dloco.cluster import config as cluster_config
 from dloco.protocol.errors import ConfigError
-from dloco.suites import quality, qualityreport
+from dloco.suites import qualityplan, qualityreport
 from dloco.suites.suiteresults import RunResult
 
 
 def test_budgets_parse_in_decimal_units_and_must_increase():
-    assert quality.parse_budgets("1M,4M,16M") == (1_000_000, 4_000_000, 16_000_000)
-    assert quality.parse_budgets("49152, 147456") == (49_152, 147_456)
-    assert quality.parse_budgets("500k,1.5M,2G") == (500_000, 1_500_000, 2_000_000_000)
+    assert qualityplan.parse_budgets("1M,4M,16M") == (1_000_000, 4_000_000, 16_000_000)
+    assert qualityplan.parse_budgets("49152, 147456") == (49_152, 147_456)
+    assert qualityplan.parse_budgets("500k,1.5M,2G") == (500_000, 1_500_000, 2_000_000_000)
     for bad in ("4M,1M", "1M,1M", "0", "1.5", "a", "1M,"):
         with pytest.raises(ConfigError, match="--budgets"):
-            quality.parse_budgets(bad)
+            qualityplan.parse_budgets(bad)
 
 
 def test_labels_name_mode_and_budget_then_a_setting_and_a_seed():
@@ -31,7 +31,7 @@ def test_labels_name_mode_and_budget_then_a_setting_and_a_seed():
 
 def test_the_plan_runs_every_mode_at_every_budget_each_ended_by_it():
     base = cluster_config.load()
-    runs = dict(quality.plan(base, (1_000_000, 4_000_000), quick=False))
+    runs = dict(qualityplan.plan(base, (1_000_000, 4_000_000), quick=False))
     assert list(runs) == [
         "sync-dp@1M",
         "sync-diloco@1M",
@@ -47,7 +47,7 @@ def test_the_plan_runs_every_mode_at_every_budget_each_ended_by_it():
             assert (config.mode, config.tokens, config.max_steps) == (
                 "sync-avg",
                 0,
-                quality.LINKED_STEPS,
+                qualityplan.LINKED_STEPS,
             )
             assert config.regions == base.regions
             continue
@@ -55,25 +55,26 @@ def test_the_plan_runs_every_mode_at_every_budget_each_ended_by_it():
         assert (config.mode, config.max_steps, config.chaos) == (mode, 0, ())
         assert config.tokens == (1_000_000 if name.endswith("@1M") else 4_000_000)
         # only a limit
-        assert config.duration_s >= quality.LIMIT_S_PER_KTOKEN * config.tokens / 1000
+        assert config.duration_s >= qualityplan.LIMIT_S_PER_KTOKEN * config.tokens / 1000
         # sync-dp at full speed; the others over the profile's links
         assert all(r.uplink_mbps is None for r in config.regions) == (mode == "sync-dp")
-    quick = dict(quality.plan(base, quality.QUICK_BUDGETS, quick=True))
-    decoupled = quick[qualityreport.label("decoupled", quality.QUICK_BUDGETS[0])]
+    quick = dict(qualityplan.plan(base, qualityplan.QUICK_BUDGETS, quick=True))
+    decoupled = quick[qualityreport.label("decoupled", qualityplan.QUICK_BUDGETS[0])]
     assert (
-        decoupled.model == quality.QUICK_MODEL and decoupled.sync.interval == quality.QUICK_INTERVAL
+        decoupled.model == qualityplan.QUICK_MODEL
+        and decoupled.sync.interval == qualityplan.QUICK_INTERVAL
     )
     # half-speed regions keep half the interval
     assert sorted({decoupled.interval_of(r) for r in decoupled.regions}) == [
-        quality.QUICK_INTERVAL // 2,
-        quality.QUICK_INTERVAL,
+        qualityplan.QUICK_INTERVAL // 2,
+        qualityplan.QUICK_INTERVAL,
     ]
 
 
 def test_seeds_and_the_baselines_settings_reach_every_run():
     base = cluster_config.load()
-    settings = quality.parse_settings("0,1", 6e-3, "0.35,0.0")
-    runs = dict(quality.plan(base, (2_000_000,), quick=False, settings=settings))
+    settings = qualityplan.parse_settings("0,1", 6e-3, "0.35,0.0")
+    runs = dict(qualityplan.plan(base, (2_000_000,), quick=False, settings=settings))
     assert list(runs)[:6] == [
         "sync-dp@2M",
         "sync-diloco@2M",
@@ -90,12 +91,12 @@ def test_seeds_and_the_baselines_settings_reach_every_run():
     assert runs["decoupled@2M"].effective()[1].outer_lr == base.merger.outer_lr
     for bad in (("0,0", None, None), ("a", None, None), (None, 1.5, None), (None, None, "1")):
         with pytest.raises(ConfigError):
-            quality.parse_settings(*bad)
+            qualityplan.parse_settings(*bad)
 
 
 def test_the_tuning_grids_name_each_setting():
     base = cluster_config.load()
-    dp = dict(quality.tuning_plan(base, 2_000_000, False, "sync-dp"))
+    dp = dict(qualityplan.tuning_plan(base, 2_000_000, False, "sync-dp"))
     assert list(dp) == [
         "sync-dp@2M-lr0.0015",
         "sync-dp@2M-lr0.003",
@@ -103,7 +104,7 @@ def test_the_tuning_grids_name_each_setting():
         "sync-dp@2M-lr0.012",
     ]
     assert [c.model.lr for c in dp.values()] == [0.0015, 0.003, 0.006, 0.012]
-    diloco = dict(quality.tuning_plan(base, 2_000_000, False, "sync-diloco"))
+    diloco = dict(qualityplan.tuning_plan(base, 2_000_000, False, "sync-diloco"))
     assert len(diloco) == 16 and "sync-diloco@2M-h48-lr0.35-m0.9" in diloco
     chosen = diloco["sync-diloco@2M-h48-lr0.35-m0.9"]
     sync, merger = chosen.effective()
@@ -114,7 +115,7 @@ def test_the_tuning_grids_name_each_setting():
         0.9,
     )
     with pytest.raises(ConfigError, match="--tune"):
-        quality.tuning_plan(base, 2_000_000, False, "decoupled")
+        qualityplan.tuning_plan(base, 2_000_000, False, "decoupled")
 
 
 def _seeded(mode, seed, test, config):
@@ -132,7 +133,7 @@ def _seeded(mode, seed, test, config):
 
 
 def test_the_table_and_goals_pair_seeds_and_judge_beyond_one_sd():
-    runs = dict(quality.plan(cluster_config.load(), (1_000_000,), quick=False))
+    runs = dict(qualityplan.plan(cluster_config.load(), (1_000_000,), quick=False))
     # decoupled 1 % and 2 % behind sync-dp on seeds 0 and 1: +1.5 % +- 0.71 %: within 1.5 % on
     # average, not beyond one sd
     results = [
@@ -165,7 +166,7 @@ def _result(label, config, after, curve=(), evals=None, last=None):
 # ways, then the goals judged.
 def test_the_wall_clock_claim_both_ways_by_hand():
     base = cluster_config.load()
-    runs = dict(quality.plan(base, (1_000_000,), quick=False))
+    runs = dict(qualityplan.plan(base, (1_000_000,), quick=False))
     # sync-dp over the links: 20 s per step (steps 3 and 12 evaluated 180 s apart)
     linked = _result(
         qualityreport.LINKED,
@@ -266,11 +267,11 @@ def test_sync_dp_in_one_process_is_for_a_budgeted_sync_dp_run():
 def test_sync_dp_in_one_process_reports_the_initial_loss_and_the_curve_it_trained():
     import dataclasses
 
-    from dloco.suites import inprocess, quality
+    from dloco.suites import inprocess, qualityplan
 
     config = dataclasses.replace(
         cluster_config.load().with_mode("sync-dp").with_tokens(4096),
-        model=quality.QUICK_MODEL,
+        model=qualityplan.QUICK_MODEL,
         eval_every=2,
     )
     run = inprocess.train_sync_dp(config)
