@@ -1,6 +1,6 @@
-"""Emulated links and speeds: the shaper's schedule by hand, the uplink never over its rate, the
-downlink holding snapshots until they would have arrived, the loop never waiting on a trickling
-uplink, and a slowdown factor stretching each step."""
+"""Emulated links and speeds: the shaper's schedule by hand, the loop never waiting on a trickling
+uplink; and, read off the wall clock (-m e2e), the uplink never over its rate, the downlink holding
+snapshots until they would have arrived, and a slowdown factor stretching each step."""
 
 from __future__ import annotations
 
@@ -95,6 +95,8 @@ def test_the_loop_never_waits_for_a_trickling_uplink(tmp_path):
     assert all(link.deltas_sent == 0 and link.summed >= 50 for link in links["trickle"])
 
 
+# a rate read off the wall clock: -m e2e (the default suite never reads a clock's ratio)
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_the_uplink_never_exceeds_its_configured_rate():
     context = zmq.Context()
@@ -135,6 +137,8 @@ def test_the_uplink_never_exceeds_its_configured_rate():
         context.destroy(linger=0)
 
 
+# a rate read off the wall clock: -m e2e (the default suite never reads a clock's ratio)
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_the_downlink_holds_snapshots_until_they_would_have_arrived():
     link = NetworkLink(
@@ -183,6 +187,8 @@ def test_the_downlink_holds_snapshots_until_they_would_have_arrived():
         link.close()
 
 
+# a rate read off the wall clock: -m e2e (the default suite never reads a clock's ratio)
+@pytest.mark.e2e
 def test_slowdown_stretches_each_step_by_its_factor(tmp_path):
     corpus = data.load()
     shards, evaluation, _ = data.split(corpus, 1)
