@@ -244,6 +244,21 @@ def goal_lines(results: list[RunResult]) -> list[str]:
     return [*lines, ""] if lines else []
 
 
+def bandwidth_lines(results: list[RunResult]) -> list[str]:
+    """The wall clock like for like at the largest budget (suites/wallclock.py), from the seed-0
+    sync-dp and decoupled runs; nothing without them."""
+    from dloco.suites import wallclock
+
+    budget = max((r.config.tokens for r in results), default=0)
+    by_label = {r.label: r for r in results}
+    dp, dec = by_label.get(label("sync-dp", budget)), by_label.get(label("decoupled", budget))
+    if dp is None or dec is None or not dec.global_curve or not dec.evals:
+        return []
+    x = wallclock.exchange_of(dec, wallclock.params_of(dec.config))
+    rows = wallclock.curve_rows(speedup.mean_curve(dp.evals), dec.global_curve, x)
+    return wallclock.table(rows, x)
+
+
 def claim_lines(results: list[RunResult]) -> list[str]:
     clock = wall_clock(results)
     if not clock:
@@ -355,6 +370,7 @@ def write_up(results: list[RunResult], command: str, seconds: float, out_dir: Pa
             *tuning_table(results),
             *goal_lines(results),
             *claim_lines(results),
+            *bandwidth_lines(results),
             *(f"![{p.name}](experiments/{p.name})" for p in plots),
             "",
             f"Command: `{command}` ({seconds / 60:.0f} min).",
