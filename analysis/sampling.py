@@ -22,8 +22,7 @@ from dloco.island.task import BUILTIN
 from dloco.protocol.errors import DlocoError
 
 # The report's sample: a fixed prompt that the default corpus (Python sources) makes sense of, and a
-# clock: a 124M model on a CPU makes a token every second or two, and the report must not wait
-# minutes.
+# clock: a large model on a CPU is slow to sample, and the report must not wait minutes.
 REPORT_PROMPT, REPORT_LENGTH, REPORT_TEMPERATURE, REPORT_TOP_K, REPORT_SEED = (
     "def ",
     200,

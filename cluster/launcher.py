@@ -55,7 +55,7 @@ def share_compilations() -> Path:
     """Every process this launcher starts (and the report, in this one) keeps JAX's compiled
     programs in one persistent cache, unless JAX_COMPILATION_CACHE_DIR is set already: an island
     restarted by hand or by chaos, and the next run of the same model, start without compiling again
-    (seconds instead of tens of seconds on 2 cores).  Returns the cache folder."""
+    (loading a compiled program is far quicker than compiling it).  Returns the cache folder."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dloco" / "jax"
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache))
     # the model's many small initialisers too

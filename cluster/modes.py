@@ -15,11 +15,11 @@ import dataclasses
 # profile sets for decoupled folds; a suite tunes them through ClusterConfig.mode_merger), and
 # publish every fold at once (snapshot_every_round 0):
 # their islands wait for it.  A round waits for every island up to the quorum timeout (30 s): at
-# H = 48 the half-speed islands finish ~25 s after the fast ones, inside it; at H = 96 (~50 s) a
-# round would go on without them, so H = 96 in a synchronous mode is not classic DiLoCo here.  (A
-# longer timeout alone does not help: an island gives up waiting for its delta's fold after 60 s and
-# trains on; the quorum counts islands, so its next delta does not complete a round without the
-# slow ones, but the round still waits only up to the timeout.)
+# H = 48 the shipped profile's half-speed islands finish inside it, after the fast ones; at H = 96
+# they lag past it and a round would go on without them, so H = 96 in a synchronous mode is not
+# classic DiLoCo here.  (A longer timeout alone does not help: an island gives up waiting for its
+# delta's fold after 60 s and trains on; the quorum counts islands, so its next delta does not
+# complete a round without the slow ones, but the round still waits only up to the timeout.)
 # sync-avg: parameter averaging after every step — each island takes one step of its own AdamW
 #   (its own moments, its own clip) on its own batch, sends its full fp32 change and blocks until
 #   the merger returns the average of the islands' models (outer SGD, lr 1).  That is local AdamW

@@ -22,9 +22,8 @@ from typing import Any, NoReturn
 
 from dloco.island.cpugroup import CpuGroupError
 
-# --eval-trace after training: 48 evaluations take about 50 s with four islands on two cores; a
-# launcher waits 150 s for a stopped island (cluster/processes.py STOP_TIMEOUT_S): draining first,
-# up to 30 s.
+# --eval-trace after training, at most this long: a launcher waits 150 s for a stopped island
+# (cluster/processes.py STOP_TIMEOUT_S), which drains first, up to 30 s.
 TRACE_BUDGET_S = 90.0
 GROUP_LOST_EXIT = 3
 

@@ -104,9 +104,10 @@ class Trainer:
                 )
             return {"loss": loss(model, batch), **extra}
 
-        # The step updates the parameters and optimizer state in place (donated): at 350m it
-        # peaked at 7.3 GB instead of 14 (AdamW's new state beside the old, then freed memory
-        # kept).  A buffer that a host view still holds (`params()` on CPU) is copied instead.
+        # The step updates the parameters and optimizer state in place (donated), so the peak
+        # holds one AdamW state, not the new one beside the old (whose memory, once freed, the
+        # process would keep).  A buffer that a host view still holds (`params()` on CPU) is
+        # copied instead.
         self._step = nnx.jit(train_step, donate_argnums=(0, 1))
         self._eval = nnx.jit(evaluate)
         self._gradient, self._apply = _halves(loss)

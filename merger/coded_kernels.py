@@ -18,15 +18,7 @@ import optax
 
 # Bumped whenever a change to these kernels moves results by as much as a rounding unit (logged in
 # the genesis record: `dloco replay` says when a log was written with other kernels or jax).
-# 2: a fold whose delta the guard clipped stays on codes (its block scales scaled), where it was
-# merged from float32
-# 3: dense int codes fold by compiled loops (merger/fold_loops.py): u's norm per block from the
-# exact products of levels, where it was a float32 sum of u's squares
-# 4: an island's several dense-coded deltas of one fold merge from their codes as their sum
-# (merger/coded.py `dense`, `sizes`), where they were summed in float32 and merged from there
-# 5: dense int codes under Nesterov momentum take the outer step in the merge's pass
-# (merger/fused.py): float32 roundings in a fixed order, where XLA's step over the merged direction
-# could fuse a multiply and an add
+# CHANGELOG.md says what each version changed.
 KERNELS_VERSION = 5
 
 
@@ -66,8 +58,8 @@ def _pseudo_gradient(
 ) -> list[jax.Array]:
     """The tiles of u (value order, (T, K) each), times block_scale, cut into the fragment's
     tensors: layout = ((first block, count, shape), ...).  Each tensor is assembled from slices of
-    just the tiles it spans (concatenating every tile first made XLA copy the whole fragment twice:
-    2x slower).
+    just the tiles it spans (concatenating every tile first made XLA copy the whole fragment
+    twice).
     """
     size, K = tiles[0].shape
     out = []

@@ -90,7 +90,7 @@ def _loops(bits: int):
 
 
 # each codec's loops with its levels per byte as constants, so that they vectorise (one generic
-# loop over a runtime count was 5-25x slower)
+# loop over a runtime count is several times slower)
 _LOOPS = {bits: _loops(bits) for bits in LEVELS}
 
 # values per partial sum of `norm`, and its independent running sums (lanes) within a part: a
@@ -146,7 +146,7 @@ def merge_into(
     if full + (rest > 0) != codes.shape[1]:
         raise ValueError(f"{codes.shape[1]} blocks of codes for {out.shape[0]} values")
     loop = _LOOPS[bits][1]
-    # blocks as rows: the compiled loop indexes two dimensions (a flat index was 2x slower)
+    # blocks as rows: the compiled loop indexes two dimensions (faster than a flat index)
     values = out[: full * width].reshape(full, width)
     run_split(lambda lo, hi: loop(values, codes, factors, scale, lo, hi), full, threads)
     if rest:

@@ -130,7 +130,7 @@ def other_shard(genesis: dict, shard: int, shards: int) -> str | None:
     """Why a merger started as shard `shard` of `shards` cannot keep the log that starts with
     `genesis` (the fragments it holds are another shard's, or the whole model's), or None."""
     fragments = genesis["fragments"]
-    # logs before 2026-12-03: a `params` map instead of `tensors`
+    # a log written before the genesis record listed `tensors`: a `params` map instead
     if "tensors" in genesis:
         paths = dict.fromkeys(path for path, _ in genesis["tensors"])
     else:

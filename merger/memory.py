@@ -4,12 +4,12 @@ A fold allocates its merged direction and, in its outer step, the pseudo-gradien
 parameters and momentum are written over the old: merger/fold.py `PendingStep`); reassembly
 allocates a buffer per delta; a snapshot diff a tensor's change.  Two costs pull apart:
 
-- page faults: a block mapped fresh is faulted in a page at a time (4 KiB; with glibc's defaults
-  every fold touches tens of megabytes of new pages, 37-45 ms a fold on the ingest benchmark's
-  fragment against 26-29 ms with its freed memory kept: docs/benchmarks-archive.md);
+- page faults: a block mapped fresh is faulted in a page at a time (4 KiB), and with glibc's
+  defaults every fold's new blocks are fresh pages, tens of megabytes of them: a fold takes
+  markedly longer than one that reuses freed memory;
 - holes: a heap gives memory back only from its top, so large blocks freed in its middle stay
-  resident.  With every block up to 32 MiB on the heap, `dloco bench scale` at 200 M parameters
-  (tensors of 16 MB) peaked at 24.6-25.2 bytes per parameter for 12.7 in use.
+  resident: with every block up to 32 MiB on the heap, the merger's peak stands well above what
+  it has in use.
 
 `keep_freed_memory` maps blocks of `MMAP_THRESHOLD` (1 MiB) and more on their own, so freeing one
 gives it back whole, and lets the heap keep up to `trim_threshold` bytes of freed smaller blocks.
@@ -17,14 +17,14 @@ It makes every thread share one arena (glibc gives each thread that contends its
 core, each keeping its own freed blocks).  Mapped blocks are faulted in cheaply when the process
 starts with `HUGE_PAGES` in GLIBC_TUNABLES (glibc 2.35+: transparent huge pages of 2 MiB for its
 mapped blocks, 512 times fewer faults); `dloco up` and compose start the merger so
-(`with_huge_pages`); a merger started by hand wants the variable too.  On the same benchmark:
-19.2-19.5 bytes per parameter at peak, ingest within 5 %; but `dloco bench merger` (25 M
-parameters, tensors of 12.6 MB, each fold's outputs then fresh pages) folded ~30 % slower, as every
-merger does once its tensors pass 32 MiB, glibc's most for the heap (BENCHMARKS.md, "Cost of model
-size").  Folds now write their new parameters and momentum over the old: those are no longer
-fresh pages (the direction and pseudo-gradient still are).
-The island calls `keep_freed_memory` too (island/main.py): in a 350m cluster an island's freed
-blocks stayed resident as holes (~8.5 GB between steps, ~11 GB at peak; ~5.5 and ~8.5 with it).
+(`with_huge_pages`); a merger started by hand wants the variable too.  So a large merger's peak
+comes down and its ingest stays as it was; but a merger whose tensors are between 1 and 32 MiB
+(glibc's most for the heap) then folds into fresh pages, and more slowly, as every merger with
+larger tensors does anyway (BENCHMARKS.md, "Cost of model size").  Folds write their new
+parameters and momentum over the old, so those are not fresh pages (the direction and
+pseudo-gradient are).
+The island calls `keep_freed_memory` too (island/main.py): without it a large model's island keeps
+its freed blocks resident as holes, between steps and at its peak.
 Elsewhere than glibc (macOS, musl) it does nothing and says so.
 """
 

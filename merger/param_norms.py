@@ -3,9 +3,9 @@ of it computed ahead on a thread of its own, the exact norm only when a fold nee
 
 While an island of a fragment has no movement reference (a merger with one island, or the first
 folds of a fresh one), a fold caps its part at COLD_LIMIT times the norm of the fragment's
-parameters.  The exact norm is a pass over them: ~0.35 ns a parameter of a one-island merger's
-ingest in `dloco bench scale` at 1 B, beside the fold on the second core.  An honest island moves
-a fragment by a small fraction of its norm, under any cap, so a fold asks first for a lower bound:
+parameters.  The exact norm is a pass over them, a sizeable share of a one-island merger's ingest
+(`dloco bench scale`), beside the fold on the second core.  An honest island moves a fragment by
+a small fraction of its norm, under any cap, so a fold asks first for a lower bound:
 `fold_loops.norm` over one part in LOWER_EVERY of each tensor (the same part sums as the exact
 norm's, fewer of them: never above it, float for float).  A part within COLD_LIMIT times the bound
 is within the cap whatever its exact value; only a part that moves more asks for the exact norm,

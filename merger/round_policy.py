@@ -51,8 +51,8 @@ def observe(stats: ArrivalStats | None, now: float, alpha: float) -> ArrivalStat
     """Arrival history after a delta arrives at `now`.  A gap of more than ABSENCE intervals is an
     absence (a failure, a partition), not a long round: the history starts again, so that an island
     back from one does not stretch the mean round, which holds every fragment's snapshots
-    (snapshot_due), for many rounds: `dloco plan` showed every island's deltas going stale for
-    2.5 h after one 10-minute failure in the seed's scenario."""
+    (snapshot_due), for many rounds: in `dloco plan`'s seed scenario, one short failure left every
+    island's deltas stale for many times its length (EXPERIMENTS.md)."""
     if stats is None:
         return ArrivalStats(last=now, interval=None)
     gap = max(0.0, now - stats.last)

@@ -1,7 +1,6 @@
 """Memory a merger's folds reuse (merger/coded.py, merger/fused.py): a fresh block is faulted in a
-page at a time, ~1 ns a byte on this machine, 20x a copy into memory already mapped
-(merger/memory.py), so a fold writes into memory an earlier one used.  Pure memory bookkeeping;
-no I/O.
+page at a time, many times slower than a copy into memory already mapped (merger/memory.py), so a
+fold writes into memory an earlier one used.  Pure memory bookkeeping; no I/O.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ SPARE_STATES = 2
 def _aligned_empty(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
     """An uninitialised uint8 array starting on an `align`-byte boundary, whose tiles (each a
     multiple of `align` bytes) jax.device_put hands to XLA without copying (it copies anything
-    less aligned: 0.35 ms a tile)."""
+    less aligned)."""
     nbytes = int(np.prod(shape))
     raw = np.empty(nbytes + align, np.uint8)
     start = -raw.ctypes.data % align
@@ -29,7 +28,7 @@ def _aligned_empty(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
 
 class Scratch:
     """Memory one merger's folds from dense codes reuse: a fresh block is faulted in a page at a
-    time, ~1 ns a byte on this machine, 20x a copy into memory already mapped (merger/memory.py).
+    time, many times slower than a copy into memory already mapped (merger/memory.py).
     The round's codes (`dense` alone uses them), and two buffers for the merged direction's
     float32 values, taken in turn: the fold's outer step reads a direction after `dense` returns
     (XLA takes it without a copy), so a fold's direction is written while the previous fold's step

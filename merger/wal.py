@@ -9,10 +9,10 @@ Records are written on a thread of their own (``wal-write``), in order: `append`
 queues it and returns; a record whose blobs the caller may change later (``frozen=False``, e.g.
 the genesis record's parameters) is written before `append` returns.  So the merger's receiving
 thread does not wait for the disk: writes to the page cache are throttled to the disk's pace once
-dirty pages pile up (on this project's VM, ~0.7 GB/s), which made the log's `write` half of that
-thread's time at 1 B parameters (BENCHMARKS.md).  At most `queue_bytes` wait to be written (then
-`append` waits).  A write that fails is final: nothing after it is written, and every later
-append, sync or wait raises the `StorageError`.
+dirty pages pile up, which made the log's `write` a large share of that thread's time at 1 B
+parameters (BENCHMARKS.md).  At most `queue_bytes` wait to be written (then `append` waits).  A
+write that fails is final: nothing after it is written, and every later append, sync or wait
+raises the `StorageError`.
 
 ``sync()`` makes everything appended durable; ``sync_async()`` hands the fsync to a background
 thread and returns a ticket for ``wait_durable`` — the merger starts the fsync when it dispatches
@@ -22,7 +22,7 @@ the writer first: a ticket is durable only once written and fsynced.
 A full segment is closed and the next one opened without waiting for the disk: the fsync of the
 old segment and of the directory happen with the next sync, in order — older segments, the
 directory, then the current one — before anything after them is called durable.  (Waiting on
-the writer would cost it 30-50 ms per 64 MiB segment.)
+the writer would stall it on the disk at every segment, the receiving thread behind it.)
 
 Opening a log for append scans every segment and truncates a torn tail away (what ends the log:
 merger/wal_segments.py).  Segments after that point were written after it, so never durable (only

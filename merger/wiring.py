@@ -40,9 +40,9 @@ class Sockets:
 def snapshot_send_hwm(values: int, max_chunk_bytes: int) -> int:
     """Messages the snapshot socket queues before it drops any: every fragment's full fp32 snapshot
     at once (a join publishes them together: past ZeroMQ's default of 1000 messages, a model above
-    ~260 M parameters could lose part of its join, and `dloco bench scale` at 350 M never received
-    it whole), plus the default.  The queued frames are the snapshots' own (sent without copying),
-    so this bounds what a join holds."""
+    ~260 M parameters in chunks of 1 MiB would lose part of its join), plus the default.  The
+    queued frames are the snapshots' own (sent without copying), so this bounds what a join
+    holds."""
     return 1000 + -(-4 * values // max_chunk_bytes)
 
 

@@ -142,7 +142,8 @@ def _dequantize_rows(codes_RxC, scale_Rx1, out_RxK, bits: int) -> None:
     if bits == 4:
         # Each code byte widened to a little-endian u16 of its low nibble then its high one: the
         # u16s' bytes are the codes + 8 in value order, so whole-array shifts, an int8 subtraction
-        # and the scaling decode them (about 3x a table lookup per byte on this machine).
+        # and the scaling decode them: a few passes over contiguous arrays, faster than a table
+        # lookup per byte (BENCHMARKS.md).
         n, half = codes_RxC.shape
         work = work_buffers(max(1, PASS_BYTES // (8 * half)), 2 * half)
         pair_RxH, low_RxH = work.u16_RxH[:n], work.u8_RxK[:n, :half]

@@ -1,6 +1,6 @@
 """CRC-32/ISO-HDLC, the checksum of PROTOCOL.md §3.4 (zlib's `crc32`; same values, same chaining).
 
-ISA-L's SIMD implementation (the `isal` package) when it is installed: 4-7x zlib's on this machine
+ISA-L's SIMD implementation (the `isal` package) when it is installed: several times zlib's speed
 (BENCHMARKS.md), which matters because every payload byte is checksummed by its sender, by the
 merger's decoder and by the merger's log.  zlib's otherwise.
 """

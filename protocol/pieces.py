@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 # Work in pieces of about this many input bytes: large enough to amortise numpy's per-call cost,
-# small enough that the temporaries stay in L2 (measured best at 1-2 MiB on this machine).
+# small enough that the temporaries stay in L2.
 PASS_BYTES = 1 << 21
 # numpy releases the GIL inside its loops, so pieces run in parallel on a small thread pool.
 DEFAULT_THREADS = min(4, os.cpu_count() or 1)
@@ -38,7 +38,7 @@ def run_pieces(fn: Callable[[int, int], None], n: int, per_piece: int, threads: 
 def run_split(fn: Callable[[int, int], None], n: int, threads: int) -> None:
     """Call fn(lo, hi) over [0, n) cut into `threads` contiguous parts, the last on the calling
     thread: for compiled loops that release the GIL, which run at memory speed on a few long
-    parts (pieces handed out one by one cost them about half: merger/fold_loops.py)."""
+    parts (pieces handed out one by one slow them down)."""
     threads = max(1, min(threads, MAX_THREADS, n))
     cuts = [n * k // threads for k in range(threads + 1)]
     if threads == 1 or threading.current_thread().name.startswith(THREAD_PREFIX):

@@ -18,8 +18,8 @@ from dloco.protocol.errors import require
 from dloco.sim.quality import MEASURED, QualityCurve
 
 # The merger's fold throughput when nothing better is known: coded delta bytes folded per second by
-# one fold worker, as `dloco bench merger` measures it on a 2-core CPU machine (BENCHMARKS.md:
-# 0.25-0.29 GB/s, the sender on the same cores).
+# one fold worker, as `dloco bench merger` measures it on a 2-core CPU machine, the sender on the
+# same cores (BENCHMARKS.md, "Merger ingest").
 DEFAULT_MERGER_BYTES_S = 0.25e9
 # sync-DP's all-reduce overlaps the backward pass for all but the gradients computed last (the first
 # layers'): PyTorch DDP's gradient buckets, each reduced as soon as it is complete.  The share of
