@@ -1,9 +1,10 @@
 """The replication stream's messages and settings (PROTOCOL.md §12).  Pure: bytes in, values out.
 
-Frame 0 is the kind, frame 1 a msgpack map whose fields are checked by name and type, further
-frames as the kind says (a record's map and its blobs).  Anything else is a `ReplicationError`
-with a counter key.  A standby's `follow` carries a generation that `start` and `stored` repeat,
-so an answer to an earlier `follow` is told apart from the current stream's.
+Frame 0 is the kind, frame 1 a msgpack map whose fields are checked by name, type and range,
+further frames as the kind says (a record's map and its blobs; none for the others).  Anything
+else is a `ReplicationError` with a counter key.  A standby's `follow` carries a generation that
+`start` and `stored` repeat, so an answer to an earlier `follow` is told apart from the current
+stream's.
 """
 
 from __future__ import annotations
@@ -32,37 +33,51 @@ FOLLOW, START, RECORD, LEASE, STORED, DIGEST, FENCE, REFUSED = (
 )
 
 
-def _int(value) -> bool:
-    return type(value) is int
+def _uint(value) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _uint32(value) -> bool:
+    return _uint(value) and value < 1 << 32
 
 
 def _terms(value) -> bool:
     return isinstance(value, list) and all(
-        isinstance(t, list) and len(t) == 2 and all(map(_int, t)) for t in value
+        isinstance(t, list) and len(t) == 2 and all(map(_uint, t)) for t in value
     )
 
 
 def _crcs(value) -> bool:
-    return isinstance(value, list) and all(c is None or _int(c) for c in value)
+    return isinstance(value, list) and all(c is None or _uint32(c) for c in value)
 
 
-# kind -> {field: check}
+def _seconds(value) -> bool:
+    return type(value) in (int, float) and 0 <= value < float("inf")
+
+
+def _hex64(value) -> bool:
+    return (
+        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    )
+
+
+def _text(value) -> bool:
+    return isinstance(value, str)
+
+
+# kind -> {field: check}, in PROTOCOL.md §12's order
 FIELDS = {
-    FOLLOW: {"length": _int, "terms": _terms, "genesis": _int, "generation": _int},
-    START: {"at": _int, "generation": _int},
-    RECORD: {"index": _int, "crcs": _crcs},
-    LEASE: {
-        "epoch": _int,
-        "term": _int,
-        "length": _int,
-        "lease_s": lambda v: type(v) in (int, float),
-        "state": lambda v: isinstance(v, str),
-    },
-    STORED: {"length": _int, "generation": _int},
-    DIGEST: {"index": _int, "fragment": _int, "sha256": lambda v: isinstance(v, str)},
-    FENCE: {"epoch": _int, "term": _int},
-    REFUSED: {"why": lambda v: isinstance(v, str)},
+    FOLLOW: {"length": _uint, "terms": _terms, "genesis": _uint32, "generation": _uint},
+    START: {"at": _uint, "generation": _uint},
+    RECORD: {"index": _uint, "crcs": _crcs},
+    LEASE: {"epoch": _uint, "term": _uint, "length": _uint, "lease_s": _seconds, "state": _text},
+    STORED: {"length": _uint, "generation": _uint},
+    DIGEST: {"index": _uint, "fragment": _uint, "sha256": _hex64},
+    FENCE: {"epoch": _uint, "term": _uint},
+    REFUSED: {"why": _text},
 }
+# the frames after the map: a record's map and blobs (at least the map); none for the others
+MIN_EXTRA = {RECORD: 1}
 
 
 class ReplicationError(DlocoError):
@@ -97,6 +112,9 @@ def decode(frames: Sequence) -> tuple[bytes, dict, list]:
     ]
     if wrong:
         raise ReplicationError("body", f"{kind.decode()}: missing or mistyped {', '.join(wrong)}")
+    extra = len(frames) - 2
+    if (kind in MIN_EXTRA and extra < MIN_EXTRA[kind]) or (kind not in MIN_EXTRA and extra):
+        raise ReplicationError("frames", f"{kind.decode()}: {extra} frame(s) after the map")
     return kind, body, list(frames[2:])
 
 

@@ -228,8 +228,11 @@ def _read_snapshot(
             f"snapshot.base_version must be below version ({version}) and come with a digest, got"
             f" {base}",
         )
+    # present, `served` is a name of SERVED_DTYPES (nil is refused, as for every optional field)
     served = fields.get("served") if "served" in fields.mapping else None
-    if served is not None and (served not in SERVED_DTYPES or digest is None):
+    if "served" in fields.mapping and not (
+        type(served) is str and served in SERVED_DTYPES and digest is not None
+    ):
         raise ProtocolError(
             "field_value",
             f"snapshot.served must be one of {sorted(SERVED_DTYPES)} and come with a digest, got"
