@@ -58,6 +58,7 @@ def in_process_result(name: str, config: ClusterConfig, run_dir: Path, log) -> R
     done = inprocess.InProcessRun.load(run_dir)
     if done is None or done.budget != config.tokens:
         log(f"dloco experiment quality: {name} in one process (suites/inprocess.py) -> {run_dir}")
+        qualityrecords.mark_trained(run_dir)
         done = inprocess.train_sync_dp(config, log=log, run_dir=run_dir)
         done.save(run_dir)
     evals = {
@@ -202,7 +203,7 @@ def _launch(name: str, config: ClusterConfig, run_dir: Path, position: str, log)
         f"dloco experiment quality: run {position} {name} ({bound}, at most"
         f" {config.duration_s:.0f} s) -> {run_dir}"
     )
-    run_dir.mkdir(parents=True, exist_ok=True)
+    qualityrecords.mark_trained(run_dir)
     with open(run_dir / "up.out", "w") as out:
         code = launcher.run(config, run_dir, out=out)
     if code != 0:

@@ -2,7 +2,8 @@
 experiments/results/quality/): what the suite's tables and plots read, without the run's logs, so
 that `dloco experiment quality --from-results DIR` rebuilds them without running anything.
 
-A record holds the run's mode, budget, seed and settings, the commit that ran it, the final model
+A record holds the run's mode, budget, seed and settings, the commit that trained it and the one
+that evaluated it (a "+dirty" one had uncommitted changes in the checkout), the final model
 on the whole validation and test splits, the shared model's curve (validation batches, against
 cluster tokens and seconds), and each island's evaluations and last step (trimmed to the keys the
 tables use).
@@ -45,6 +46,23 @@ def commit() -> str:
     return f"{head}+dirty" if head and dirty else head or "unknown"
 
 
+# in a run directory: the commit that trained the run (its record may be written later, by another)
+TRAINED_AT = "commit"
+
+
+def mark_trained(run_dir: Path) -> None:
+    """Note the commit that trains the run in RUN_DIR (before it starts)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / TRAINED_AT).write_text(commit() + "\n")
+
+
+def trained_at(run_dir: Path | None) -> str:
+    try:
+        return (run_dir / TRAINED_AT).read_text().strip() if run_dir else "unknown"
+    except OSError:
+        return "unknown"
+
+
 def settings_of(config: ClusterConfig) -> dict:
     """The settings that distinguish the suite's runs: the inner lr and batch, H and P, the codec,
     the outer step."""
@@ -71,7 +89,8 @@ def of(result: RunResult) -> dict:
         "budget": config.tokens,
         "seed": config.seed,
         "settings": settings_of(config),
-        "commit": commit(),
+        "commit": trained_at(result.run_dir),
+        "evaluated_at": commit(),
         "final": result.final,
         "before": result.global_before,
         "after": result.global_after,
