@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 
 from dloco.suites import speedup
-from dloco.suites.suiteresults import RunResult
+from dloco.suites.suiteresults import RunResult, bytes_per_token
 
 MODES = ("sync-dp", "sync-diloco", "decoupled")
 # a short sync-avg run over the emulated links: data parallelism's seconds per step there
@@ -43,7 +43,9 @@ def reported(result: RunResult, split: str = "test") -> float | None:
 
 
 def spread(values: list[float]) -> tuple[float, float] | None:
-    """(mean, sample standard deviation; 0 for one value), or None for none."""
+    """(mean, sample standard deviation; 0 for one value) of the finite values, or None for
+    none."""
+    values = [v for v in values if math.isfinite(v)]
     if not values:
         return None
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
@@ -162,8 +164,9 @@ def table(results: list[RunResult]) -> list[str]:
     lines = [
         "| budget (cluster tokens) | "
         + " | ".join(f"{m}: test loss" for m in modes)
-        + " | decoupled vs sync-dp | decoupled vs sync-diloco | decoupled islands busy |",
-        "|---|" + "---|" * (len(modes) + 3),
+        + " | decoupled vs sync-dp | decoupled vs sync-diloco | decoupled islands busy |"
+        " decoupled bytes / token |",
+        "|---|" + "---|" * (len(modes) + 4),
     ]
     for budget in budgets:
         runs = {m: groups.get((m, budget, "")) for m in modes}
@@ -172,12 +175,14 @@ def table(results: list[RunResult]) -> list[str]:
             (e.get("compute_util", 1.0) for r in decoupled for e in r.last.values()),
             default=None,
         )
+        # bytes sent and received by the islands per token they trained, mean over seeds
+        per_token = spread([bytes_per_token(r) for r in decoupled])
         lines.append(
             f"| {budget:,} | "
             + " | ".join(_mean_sd(runs[m]) for m in modes)
             + f" | {_gap_cell(paired_gap(decoupled, runs.get('sync-dp') or []))}"
             + f" | {_gap_cell(paired_gap(decoupled, runs.get('sync-diloco') or []))} |"
-            f" {_cell(busy, '.2f')} |"
+            f" {_cell(busy, '.2f')} | {_cell(per_token and per_token[0], '.1f')} |"
         )
     return lines
 
