@@ -4,9 +4,9 @@ with seeds, on a test split that no setting was chosen on.
 Each run trains the cluster for a token budget (`[run] tokens`, PROTOCOL.md §6.1): every island's
 inner rate decays over the cluster's progress towards it, so each run ends decayed, as a real
 training run does.  The modes: `sync-dp`, data parallelism (one AdamW on the all-reduced gradient
-of the global batch), trained in one process (suites/inprocess.py) at its tuned peak rate (DP_LR);
-`sync-diloco` at its tuned outer step (DILOCO_OUTER) and `decoupled`, both over the profile's
-emulated links.  Every run's final model is evaluated on the whole validation and test splits
+of the global batch), trained in one process (suites/inprocess.py) at its tuned peak rate;
+`sync-diloco` at its tuned outer step (both: suites/qualityplan.py `Settings`) and `decoupled`,
+both over the profile's emulated links.  Every run's final model is evaluated on the whole validation and test splits
 (island/data.py): the tables report test, the tuning grids (`--tune`) read validation.  Seeds vary
 the model's initialisation and every island's data order; a table gives each mode's mean and
 standard deviation over them and each difference paired by seed.
@@ -131,7 +131,7 @@ def run_suite(
             else ""
         )
         + (f" --seeds {','.join(map(str, settings.seeds))}" if settings.seeds != (0,) else "")
-        + (f" --dp-lr {settings.dp_lr:g}" if settings.dp_lr is not None else "")
+        + (f" --dp-lr {settings.dp_lr:g}" if settings.dp_lr != Settings().dp_lr else "")
         + (
             " --diloco-outer {:g},{:g}".format(*settings.diloco_outer)
             if settings.diloco_outer != Settings().diloco_outer

@@ -87,8 +87,9 @@ class Settings:
     settings (the defaults are the tuning tables' best: EXPERIMENTS.md, "Quality")."""
 
     seeds: tuple[int, ...] = (0,)
-    # sync-dp's peak learning rate at the global batch (None: the islands' default)
-    dp_lr: float | None = None
+    # sync-dp's peak learning rate at the global batch (None: the islands' default), the best of
+    # its tuning grid at 2 M (twice the islands' default: EXPERIMENTS.md, "Quality")
+    dp_lr: float | None = 6e-3
     # sync-diloco's outer (lr, momentum)
     diloco_outer: tuple[float, float] = (0.7, 0.9)
 
