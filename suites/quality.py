@@ -6,8 +6,9 @@ inner rate decays over the cluster's progress towards it, so each run ends decay
 training run does.  The modes: `sync-dp`, data parallelism (one AdamW on the all-reduced gradient
 of the global batch), trained in one process (suites/inprocess.py) at its tuned peak rate;
 `sync-diloco` at its tuned outer step (both: suites/qualityplan.py `Settings`) and `decoupled`,
-both over the profile's emulated links.  Every run's final model is evaluated on the whole validation and test splits
-(island/data.py): the tables report test, the tuning grids (`--tune`) read validation.  Seeds vary
+both over the profile's emulated links.  Every run's final model is evaluated on the whole
+validation and test splits (island/data.py): the tables report test, the tuning grids (`--tune`)
+read validation.  Seeds vary
 the model's initialisation and every island's data order; a table gives each mode's mean and
 standard deviation over them and each difference paired by seed.
 

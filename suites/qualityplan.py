@@ -9,6 +9,7 @@ from dloco.cluster.config import ClusterConfig
 from dloco.cluster.sections import ModelSection
 from dloco.protocol.errors import ConfigError
 from dloco.suites.qualityreport import LINKED, MODES, label
+from dloco.suites.transforms import unlinked
 
 # cluster tokens; 16 M is ~20 per parameter of the 0.87 M model
 BUDGETS = (1_000_000, 4_000_000, 16_000_000)
@@ -49,16 +50,6 @@ def parse_budgets(text: str) -> tuple[int, ...]:
     if budgets != sorted(set(budgets)):
         raise ConfigError(f"--budgets must increase and not repeat, got {text!r}")
     return tuple(budgets)
-
-
-def _unlinked(c: ClusterConfig) -> ClusterConfig:
-    return dataclasses.replace(
-        c,
-        regions=tuple(
-            dataclasses.replace(r, uplink_mbps=None, downlink_mbps=None, rtt_ms=0.0)
-            for r in c.regions
-        ),
-    )
 
 
 def _quick(c: ClusterConfig) -> ClusterConfig:
@@ -143,7 +134,7 @@ def _mode_config(
     config = dataclasses.replace(base.with_mode(mode).with_tokens(budget), seed=seed)
     if mode == "sync-dp":
         model = dataclasses.replace(config.model, lr=settings.dp_lr)
-        config = _unlinked(dataclasses.replace(config, model=model))
+        config = unlinked(dataclasses.replace(config, model=model))
     if mode == "sync-diloco":
         lr, momentum = settings.diloco_outer
         config = dataclasses.replace(

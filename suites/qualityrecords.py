@@ -28,19 +28,14 @@ LAST_KEYS = ("step", "tokens", "compute_util", "bytes_sent", "bytes_received")
 def commit() -> str:
     """The checkout's commit (with "+dirty" when it has uncommitted changes), or "unknown"."""
     root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+
     try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "-uno")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return f"{head}+dirty" if head and dirty else head or "unknown"

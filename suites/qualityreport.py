@@ -11,7 +11,7 @@ import re
 import statistics
 from pathlib import Path
 
-from dloco.suites import speedup
+from dloco.suites import speedup, wallclock
 from dloco.suites.suiteresults import RunResult, bytes_per_token
 
 MODES = ("sync-dp", "sync-diloco", "decoupled")
@@ -111,7 +111,7 @@ def wall_clock(results: list[RunResult]) -> dict:
     dp_steps = max((e.get("step", 0) for e in dp.last.values()), default=0)
     dp_to_dec = speedup.steps_to(curve, dec.global_after)
     dec_seconds = max((p["since_start"] for p in dec.global_curve), default=None)
-    dec_to_dp = _time_on_curve(dec.global_curve, dp.global_after)
+    dec_to_dp = wallclock.seconds_on(dec.global_curve, dp.global_after)
     out = {
         "budget": budget,
         "seconds_per_step_linked": per_step,
@@ -127,21 +127,6 @@ def wall_clock(results: list[RunResult]) -> dict:
     if out["sync_dp_seconds"] and dec_to_dp:
         out["speedup_to_sync_dp_final"] = out["sync_dp_seconds"] / dec_to_dp
     return out
-
-
-def _time_on_curve(curve: list[dict], target: float) -> float | None:
-    """The first `since_start` at which a global curve reaches `target`, linearly between points."""
-    previous = None
-    for point in curve:
-        if point["eval_loss"] <= target:
-            if previous is None or previous["eval_loss"] == point["eval_loss"]:
-                return point["since_start"]
-            share = (previous["eval_loss"] - target) / (previous["eval_loss"] - point["eval_loss"])
-            return previous["since_start"] + share * (
-                point["since_start"] - previous["since_start"]
-            )
-        previous = point
-    return None
 
 
 def gap(loss: float | None, reference: float | None) -> float | None:
@@ -252,8 +237,6 @@ def goal_lines(results: list[RunResult]) -> list[str]:
 def bandwidth_lines(results: list[RunResult]) -> list[str]:
     """The wall clock like for like at the largest budget (suites/wallclock.py), from the seed-0
     sync-dp and decoupled runs; nothing without them."""
-    from dloco.suites import wallclock
-
     budget = max((r.config.tokens for r in results), default=0)
     by_label = {r.label: r for r in results}
     dp, dec = by_label.get(label("sync-dp", budget)), by_label.get(label("decoupled", budget))
