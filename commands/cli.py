@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     compose_commands.add_prepare(commands)
     compose_commands.add_report(commands)
     compose_commands.add_compose(commands)
+    compose_commands.add_deploy(commands)
     plan.add_parser(commands)
     compose_commands.add_probe(commands)
     model_commands.add_tokenize(commands)

@@ -86,6 +86,23 @@ def add_compose(commands: argparse._SubParsersAction) -> None:
     compose.set_defaults(run=_compose)
 
 
+def add_deploy(commands: argparse._SubParsersAction) -> None:
+    """`dloco deploy`: a cluster file as bundles for separate hosts (cluster/deploy.py)."""
+    deploy = commands.add_parser(
+        "deploy",
+        help=(
+            "write a cluster file as one folder per host: the hub (broker, merger, evaluator) and"
+            " each region's island, each with its own keys, a compose file and a README"
+        ),
+    )
+    deploy.add_argument("config", type=Path, help="cluster file (TOML)")
+    deploy.add_argument(
+        "--hub", required=True, help="the hub's host name or address, as the regions reach it"
+    )
+    deploy.add_argument("--out", type=Path, required=True, help="a new folder for the bundles")
+    deploy.set_defaults(run=_deploy)
+
+
 def add_probe(commands: argparse._SubParsersAction) -> None:
     """`dloco probe`: a compose service's health check."""
     probe = commands.add_parser(
@@ -208,3 +225,17 @@ def _probe(args: argparse.Namespace) -> int:
     for line in failed:
         print(f"dloco probe: {line}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    from dloco.cluster import config, deploy, launcher
+    from dloco.protocol import DlocoError
+
+    try:
+        bundles = deploy.write(config.load(args.config), args.hub, args.out, launcher.prepare)
+    except (DlocoError, OSError) as error:
+        print(f"dloco deploy: {error}", file=sys.stderr)
+        return 2
+    for bundle in bundles:
+        print(f"dloco deploy: {bundle}/ (its README.md says where it goes and how to start it)")
+    return 0
