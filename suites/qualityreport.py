@@ -174,14 +174,15 @@ def table(results: list[RunResult]) -> list[str]:
 
 def tuning_table(results: list[RunResult]) -> list[str]:
     """A tuning grid's runs: each setting's final loss on the whole validation split (what the
-    choice reads), best first."""
+    choice reads), by mode, best first."""
     rows = sorted(
         (
             (spread([v for r in runs if (v := reported(r, "validation")) is not None]), key)
             for key, runs in _groups(results).items()
             if key[2]
         ),
-        key=lambda row: row[0][0] if row[0] else math.inf,
+        # by mode, each mode's best first
+        key=lambda row: (row[1][0], row[0][0] if row[0] else math.inf),
     )
     if not rows:
         return []
