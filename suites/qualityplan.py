@@ -120,6 +120,8 @@ def parse_settings(seeds: str | None, dp_lr: float | None, diloco_outer: str | N
 DP_LR_FACTORS = (0.5, 1.0, 2.0, 4.0)
 DILOCO_GRID = {"interval": (12, 48), "lr": (0.15, 0.35, 0.7, 1.0), "momentum": (0.0, 0.9)}
 TUNABLE = ("sync-dp", "sync-diloco")
+# seconds a synchronous round may wait for its islands (an island waits twice that for its fold)
+SYNC_WAIT_S = 1800.0
 
 
 def _bounded(config: ClusterConfig, budget: int) -> ClusterConfig:
@@ -137,8 +139,16 @@ def _mode_config(
         config = unlinked(dataclasses.replace(config, model=model))
     if mode == "sync-diloco":
         lr, momentum = settings.diloco_outer
+        # Classic DiLoCo whatever the machine's load: a round waits for every island, and an
+        # island for its round's fold, however long a busy machine makes them.
         config = dataclasses.replace(
-            config, mode_merger=(("outer_lr", lr), ("outer_momentum", momentum))
+            config,
+            sync=dataclasses.replace(config.sync, settle_timeout_s=2 * SYNC_WAIT_S),
+            mode_merger=(
+                ("outer_lr", lr),
+                ("outer_momentum", momentum),
+                ("quorum_timeout_s", SYNC_WAIT_S),
+            ),
         )
     return _bounded(config, budget)
 

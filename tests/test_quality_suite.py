@@ -86,8 +86,10 @@ def test_seeds_and_the_baselines_settings_reach_every_run():
     assert [runs[f"decoupled@2M{s}"].seed for s in ("", "-s1")] == [0, 1]
     assert runs["sync-dp@2M-s1"].model.lr == 6e-3
     # sync-diloco's outer step is the tuned one, over the mode's DiLoCo default (0.7, 0.9)
-    _, merger = runs["sync-diloco@2M"].effective()
+    sync, merger = runs["sync-diloco@2M"].effective()
     assert (merger.outer_lr, merger.outer_momentum) == (0.35, 0.0)
+    # classic DiLoCo on a busy machine too: rounds and islands wait as long as it takes
+    assert merger.quorum_timeout_s == qualityplan.SYNC_WAIT_S < sync.settle_timeout_s
     assert runs["decoupled@2M"].effective()[1].outer_lr == base.merger.outer_lr
     for bad in (("0,0", None, None), ("a", None, None), (None, 1.5, None), (None, None, "1")):
         with pytest.raises(ConfigError):
