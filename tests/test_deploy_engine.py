@@ -1,0 +1,174 @@
+"""`dloco deploy`'s bundles on a real Docker engine (-m e2e): the hub and two regions as separate
+compose projects, each on a network of its own, the regions reaching the hub only through the
+ports it publishes on this machine (as `host.docker.internal`).  The run trains to its budget,
+both regions' deltas are folded; a region whose bundle holds another region's key is refused by
+the hub and never folded.
+
+Needs a Docker engine and the image `dloco:latest` (scripts/compose-smoke builds it; .ci/run
+runs that first and sets DLOCO_REQUIRE_DOCKER, so that there a missing engine fails the test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from dloco.cluster import config as cluster_config
+from dloco.cluster import deploy, launcher
+
+HUB = "host.docker.internal"
+# the islands reach the hub's published ports through the machine's gateway
+OVERRIDE = "services:\n  {name}:\n    extra_hosts: ['host.docker.internal:host-gateway']\n"
+CLUSTER = """
+[run]
+tokens = 49152
+eval_every = 12
+seed = 0
+
+[model]
+width = 32
+depth = 1
+heads = 2
+context = 32
+batch = 8
+
+[sync]
+fragments = 2
+interval = 8
+
+[merger]
+outer_lr = 0.15
+cold_wait_s = 0.0
+
+[[regions]]
+name = "us-east"
+
+[[regions]]
+name = "us-west"
+
+[[regions]]
+name = "rogue"
+"""
+# how long any one wait may take (a stuck engine fails the test rather than hanging it)
+LIMIT_S = 900
+
+
+def engine() -> str | None:
+    """Why no engine and image can run bundles here, or None."""
+    if shutil.which("docker") is None:
+        return "no docker client"
+    info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=60)
+    if info.returncode != 0:
+        return "no Docker engine running"
+    image = subprocess.run(
+        ["docker", "image", "inspect", "dloco:latest"], capture_output=True, timeout=60
+    )
+    return None if image.returncode == 0 else "no image dloco:latest (scripts/compose-smoke)"
+
+
+@pytest.fixture(scope="module")
+def compose():
+    if (why := engine()) is not None:
+        if os.environ.get("DLOCO_REQUIRE_DOCKER"):
+            pytest.fail(f"a Docker engine is required here (DLOCO_REQUIRE_DOCKER) but: {why}")
+        pytest.skip(why)
+    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    from tests.test_compose import compose_binary
+
+    return [str(compose_binary())]
+
+
+def up(compose, bundle, project: str) -> None:
+    started = subprocess.run(
+        [*compose, "-p", project, "up", "-d"],
+        cwd=bundle,
+        capture_output=True,
+        text=True,
+        timeout=LIMIT_S,
+    )
+    assert started.returncode == 0, started.stderr[-3000:]
+
+
+def logs(compose, bundle, project: str, service: str) -> list[dict]:
+    out = subprocess.run(
+        [*compose, "-p", project, "logs", "--no-log-prefix", service],
+        cwd=bundle,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def exited(compose, bundle, project: str, service: str) -> int | None:
+    state = subprocess.run(
+        [*compose, "-p", project, "ps", "--all", "--format", "{{.State}} {{.ExitCode}}", service],
+        cwd=bundle,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.split()
+    return int(state[1]) if state and state[0] == "exited" else None
+
+
+# Over 60 lines: one run of three projects in its order: bundles, the hub, the regions, the rogue,
+# then what the hub folded and refused, then tear-down.
+@pytest.mark.e2e
+@pytest.mark.timeout(2 * LIMIT_S)
+def test_the_bundles_train_across_separate_projects_and_a_borrowed_key_is_refused(
+    tmp_path, compose
+):
+    (tmp_path / "cluster.toml").write_text(CLUSTER)
+    config = cluster_config.load(tmp_path / "cluster.toml")
+    bundles = tmp_path / "bundles"
+    deploy.write(config, HUB, bundles, launcher.prepare)
+    # the rogue region presents us-east's key under its own name
+    keys = bundles / "rogue" / "run" / "keys"
+    for suffix in (".key", ".key_secret"):
+        shutil.copy2(
+            bundles / "us-east" / "run" / "keys" / f"us-east{suffix}", keys / f"rogue{suffix}"
+        )
+    projects = {"hub": f"dloco-hub-{os.getpid()}"}
+    projects.update({r.name: f"dloco-{r.name}-{os.getpid()}" for r in config.regions})
+    try:
+        up(compose, bundles / "hub", projects["hub"])
+        for region in config.regions:
+            (bundles / region.name / "docker-compose.override.yml").write_text(
+                OVERRIDE.format(name=region.name)
+            )
+            up(compose, bundles / region.name, projects[region.name])
+        deadline = time.monotonic() + LIMIT_S
+        honest = ("us-east", "us-west")
+        while not all(exited(compose, bundles / n, projects[n], n) is not None for n in honest):
+            assert time.monotonic() < deadline, "the islands did not reach the budget"
+            time.sleep(5)
+        assert [exited(compose, bundles / n, projects[n], n) for n in honest] == [0, 0]
+        folds = [
+            e
+            for e in logs(compose, bundles / "hub", projects["hub"], "merger")
+            if e.get("event") == "fold"
+        ]
+        contributors = {name for fold in folds for name in fold["contributors"]}
+        assert {"us-east", "us-west"} <= contributors and "rogue" not in contributors
+        refused = [
+            e
+            for e in logs(compose, bundles / "hub", projects["hub"], "broker")
+            if e.get("event") == "message_refused"
+        ]
+        assert any(
+            e["reason"] == "sender_mismatch" and e["claimed_sender"] == "rogue" for e in refused
+        ), refused[-5:]
+    finally:
+        for name, project in projects.items():
+            subprocess.run(
+                [*compose, "-p", project, "down", "--volumes", "--timeout", "30"],
+                cwd=bundles / name,
+                capture_output=True,
+                timeout=LIMIT_S,
+            )
