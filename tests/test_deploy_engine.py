@@ -24,9 +24,11 @@ from dloco.cluster import deploy, launcher
 HUB = "host.docker.internal"
 # the islands reach the hub's published ports through the machine's gateway
 OVERRIDE = "services:\n  {name}:\n    extra_hosts: ['host.docker.internal:host-gateway']\n"
+# The budget counts every island's tokens: large enough that an island whose container starts
+# late still trains a share of it.
 CLUSTER = """
 [run]
-tokens = 49152
+tokens = 393216
 eval_every = 12
 seed = 0
 
@@ -50,6 +52,9 @@ name = "us-east"
 
 [[regions]]
 name = "us-west"
+
+[[regions]]
+name = "victim"
 
 [[regions]]
 name = "rogue"
@@ -128,17 +133,19 @@ def test_the_bundles_train_across_separate_projects_and_a_borrowed_key_is_refuse
     config = cluster_config.load(tmp_path / "cluster.toml")
     bundles = tmp_path / "bundles"
     deploy.write(config, HUB, bundles, launcher.prepare)
-    # the rogue region presents us-east's key under its own name
+    # the rogue region presents the victim's key under its own name; the victim never starts (its
+    # key's owner would be refused beside the impostor: a stolen key costs its owner too)
     keys = bundles / "rogue" / "run" / "keys"
     for suffix in (".key", ".key_secret"):
         shutil.copy2(
-            bundles / "us-east" / "run" / "keys" / f"us-east{suffix}", keys / f"rogue{suffix}"
+            bundles / "victim" / "run" / "keys" / f"victim{suffix}", keys / f"rogue{suffix}"
         )
+    started = [r for r in config.regions if r.name != "victim"]
     projects = {"hub": f"dloco-hub-{os.getpid()}"}
-    projects.update({r.name: f"dloco-{r.name}-{os.getpid()}" for r in config.regions})
+    projects.update({r.name: f"dloco-{r.name}-{os.getpid()}" for r in started})
     try:
         up(compose, bundles / "hub", projects["hub"])
-        for region in config.regions:
+        for region in started:
             (bundles / region.name / "docker-compose.override.yml").write_text(
                 OVERRIDE.format(name=region.name)
             )
