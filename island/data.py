@@ -316,7 +316,7 @@ def eval_batches(evaluation: np.ndarray, batch: int, context: int, count: int) -
         raise CorpusError(f"eval_batches must be at least 1, got {count}")
     if evaluation.size < context + 2:
         raise CorpusError(
-            f"the eval split holds {evaluation.size} tokens, fewer than one sequence of"
+            f"the validation split holds {evaluation.size} tokens, fewer than one sequence of"
             f" {context + 1}: use more data or a shorter context"
         )
     total = batch * count

@@ -171,7 +171,11 @@ def run_from_results(results_dirs: list[Path], out_dir: Path, config_path=None) 
     if not records:
         raise ConfigError(f"no quality records in {', '.join(map(str, results_dirs))}")
     results = [qualityrecords.result_of(record, base) for record in records]
-    command = "dloco experiment quality --from-results " + " ".join(map(str, results_dirs))
+    command = (
+        "dloco experiment quality"
+        + (f" --config {config_path}" if config_path else "")
+        + "".join(f" --from-results {d}" for d in results_dirs)
+    )
     return write_up(results, command, 0.0, out_dir)
 
 

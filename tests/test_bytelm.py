@@ -83,10 +83,11 @@ def test_the_builtin_task_refuses_unknown_options_and_gives_what_the_contract_as
 def test_too_little_held_out_data_and_bad_counts_are_refused_by_name(tmp_path):
     from dloco.island import data
 
-    # 12,001 tokens with the newline after the file; 5 % held out: 601
+    # 12,001 tokens with the newline after the file; 5 % held out: 601, its first half validation
     (tmp_path / "small.txt").write_text("x" * 12_000)
     with pytest.raises(
-        data.CorpusError, match="the eval split holds 601 tokens, fewer than one sequence of 1025"
+        data.CorpusError,
+        match="the validation split holds 300 tokens, fewer than one sequence of 1025",
     ):
         build(
             "dloco.island.bytelm:task",

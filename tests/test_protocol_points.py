@@ -146,7 +146,8 @@ def test_d6_the_replication_stream_is_given_field_by_field():
         records.TERM,
     ):
         assert f"| `{record_type}` |" in section, record_type
-    assert "64 lower-case hex digits" in section and "`lease_s` (int or float: seconds)" in section
+    assert "64 lower-case hex digits" in section and "`lease_s` (seconds)" in section
+    assert "seconds an int or float ≥ 0 and finite" in section
 
 
 @pytest.mark.parametrize(

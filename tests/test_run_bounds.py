@@ -139,11 +139,12 @@ def test_max_steps_must_cover_an_interval(tmp_path):
         ),
     ):
         bounded.with_steps(9)
-    # sync-dp exchanges every step
-    assert bounded.with_mode("sync-dp").with_steps(1).max_steps == 1
+    # sync-avg exchanges every step
+    assert bounded.with_mode("sync-avg").with_steps(1).max_steps == 1
     for bad in ("-1", "2.5", "'10'"):
         path.write_text(f"[run]\nmax_steps = {bad}\n[[regions]]\nname = 'a'\n")
-        with pytest.raises(ConfigError, match="run.max_steps must be an int >= 0"):
+        # a negative int is out of range; a float or a string is the wrong type
+        with pytest.raises(ConfigError, match="run.max_steps must be an int"):
             config.load(path)
 
 
