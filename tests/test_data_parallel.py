@@ -23,9 +23,19 @@ TINY = {"width": 16, "depth": 1, "heads": 2, "context": 16}
 BATCH = 4
 
 
-def tasks(islands: int, seed: int = 0) -> list:
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """200 kB of real text (the start of the default corpus): small splits, quick to evaluate
+    whole."""
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_bytes(data.load().tokens_N[:200_000].tobytes())
+    return str(path)
+
+
+def tasks(corpus: str, islands: int, seed: int = 0) -> list:
+    options = {**TINY, "corpus": corpus}
     return [
-        build("dloco.island.bytelm:task", TaskContext(i, islands, seed, BATCH, 100, TINY))
+        build("dloco.island.bytelm:task", TaskContext(i, islands, seed, BATCH, 100, options))
         for i in range(islands)
     ]
 
@@ -38,10 +48,10 @@ def leaves(tree) -> list[np.ndarray]:
     return [np.asarray(leaf) for leaf in jax.tree.leaves(tree)]
 
 
-def test_an_all_reduce_of_two_islands_is_one_optimizer_on_their_concatenated_batch():
-    islands, replicas_of = tasks(2), tasks(2)
+def test_an_all_reduce_of_two_islands_is_one_optimizer_on_their_concatenated_batch(corpus):
+    islands, replicas_of = tasks(corpus, 2), tasks(corpus, 2)
     replicas = [trainer(t, BATCH) for t in replicas_of]
-    single = trainer(tasks(1)[0], 2 * BATCH)
+    single = trainer(tasks(corpus, 1)[0], 2 * BATCH)
     for _ in range(4):
         batches = [next(t.batches) for t in islands]
         inprocess.all_reduce_step(replicas, batches)
@@ -57,16 +67,16 @@ def test_an_all_reduce_of_two_islands_is_one_optimizer_on_their_concatenated_bat
         np.testing.assert_allclose(first[key], one[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
-def test_averaging_parameters_after_separate_adamw_steps_is_not_data_parallelism():
+def test_averaging_parameters_after_separate_adamw_steps_is_not_data_parallelism(corpus):
     """What `sync-avg` does (local AdamW, H = 1): each island's own step, then the mean of the
     parameters.  After one step from the same start it already differs from the all-reduce."""
-    islands = tasks(2)
+    islands = tasks(corpus, 2)
     batches = [next(t.batches) for t in islands]
-    local = [trainer(t, BATCH) for t in tasks(2)]
+    local = [trainer(t, BATCH) for t in tasks(corpus, 2)]
     for t, batch in zip(local, batches, strict=True):
         t.step(batch)
     averaged = {k: (local[0].params()[k] + local[1].params()[k]) / 2 for k in local[0].params()}
-    replicas = [trainer(t, BATCH) for t in tasks(2)]
+    replicas = [trainer(t, BATCH) for t in tasks(corpus, 2)]
     inprocess.all_reduce_step(replicas, batches)
     reduced = replicas[0].params()
     worst = max(float(np.max(np.abs(averaged[k] - reduced[k]))) for k in reduced)
@@ -75,11 +85,13 @@ def test_averaging_parameters_after_separate_adamw_steps_is_not_data_parallelism
     assert worst > 1e-3
 
 
-def test_sync_dp_in_one_process_trains_to_its_budget_and_reports_the_whole_splits():
+def test_sync_dp_in_one_process_trains_to_its_budget_and_reports_the_whole_splits(corpus):
     base = cluster_config.load()
     config = dataclasses.replace(
         base.with_mode("sync-dp").with_tokens(4 * BATCH * 16 * 6),
-        model=ModelSection(width=16, depth=1, heads=2, context=16, batch=BATCH, lr=6e-3),
+        model=ModelSection(
+            width=16, depth=1, heads=2, context=16, batch=BATCH, lr=6e-3, corpus=corpus
+        ),
         eval_every=2,
     )
     done = inprocess.train_sync_dp(config)
@@ -131,8 +143,8 @@ def test_a_whole_split_predicts_each_token_once():
         data.whole_split(tokens_N[:10], 4, 10)
 
 
-def test_a_whole_split_is_a_mean_over_windows_not_over_batches():
-    (task,) = tasks(1)
+def test_a_whole_split_is_a_mean_over_windows_not_over_batches(corpus):
+    (task,) = tasks(corpus, 1)
     t = trainer(task, BATCH)
     windows = np.concatenate(data.whole_split(np.arange(400, dtype=np.uint8), 5, 16))
     per_window = [t.evaluate([w[None]]) for w in windows]
