@@ -90,7 +90,11 @@ class Ending:
         summary.update(
             deltas_sent=link.deltas_sent,
             summed=link.summed,
+            rebased=link.uplink.rebased,
+            scaled=link.uplink.scaled,
             acks=dict(link.results),
+            # the inner steps those deltas carried, by result
+            settled_steps=dict(link.step_results),
             snapshots=dict(link.downlink_results),
             bytes_sent=link.bytes_sent,
             links=link.links.summary(),

@@ -7,42 +7,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from dloco.island import exchange, schedule
 from dloco.island.config import SyncConfig, TrainConfig
 from dloco.island.joining import wait_for_model
+from dloco.island.link import Link
 from dloco.island.metrics import MetricsWriter
 from dloco.island.task import examples_in
 from dloco.island.train import Trainer
-
-
-class Link(Protocol):
-    """What the loop needs from the network; implementations never block the caller."""
-
-    bytes_sent: int
-    bytes_received: int
-    # fragment -> deltas settled without a fold (blocking mode ends its wait on them)
-    unfolded: Mapping[int, int]
-    # fragment -> {path: shape} of snapshots of another model (never adopted)
-    foreign: Mapping[int, Mapping[str, tuple[int, ...]]]
-
-    def publish(
-        self,
-        fragment: int,
-        base_version: int,
-        delta: dict[str, np.ndarray],
-        steps: int,
-        tokens: int,
-    ) -> None: ...
-
-    # (fragment, version, tensors)
-    def snapshots(self) -> list[tuple[int, int, dict[str, np.ndarray]]]: ...
-
-    # error feedback's undelivered part, handed to the loop
-    def take_residuals(self, paths) -> dict[str, np.ndarray]: ...
 
 
 @dataclasses.dataclass
@@ -319,8 +294,10 @@ class IslandLoop:
         the next delta; "replace" overwrites it (adopt-on-arrival: a snapshot arriving just before a
         send throws away up to H steps of the island's work on that fragment).  A delta's
         base_version is then the version its work was last rebased onto: part of that work was done
-        on older versions, which the staleness bound does not see.  Snapshots are full values: of
-        several versions of one fragment only the newest is taken."""
+        on older versions, which the staleness bound does not see; so is a delta of the fragment
+        still in the link's outbox (`rebase_unsent`: work held across a partition goes out on the
+        newest value, not rejected as stale).  Snapshots are full values: of several versions of
+        one fragment only the newest is taken."""
         newest: dict[int, tuple[int, dict]] = {}
         for fragment, version, tensors in arrived:
             if version > max(self.progress[fragment].version, newest.get(fragment, (-1, None))[0]):
@@ -343,6 +320,8 @@ class IslandLoop:
             else:
                 self._set(exchange.adopt(theta, tensors, self.sync.alpha))
                 self.progress[fragment] = FragmentProgress(anchor, version)
+            if self.sync.adoption == "rebase" and self.link is not None:
+                self.link.rebase_unsent(fragment, version)
 
     def evaluate_trace(self, budget_s: float) -> int:
         """Evaluate the parameters copied after each of the first `train.eval_trace` steps, now that

@@ -131,6 +131,9 @@ class NetworkLink:
     def take_residuals(self, paths) -> dict[str, np.ndarray]:
         return self.uplink.take_residuals(paths)
 
+    def rebase_unsent(self, fragment: int, version: int) -> None:
+        self.uplink.rebase_unsent(fragment, version)
+
     def report_trained(self, tokens: int) -> None:
         """This life's trained tokens, for the heartbeats (the merger sums them, PROTOCOL.md
         §6.1)."""
@@ -177,6 +180,11 @@ class NetworkLink:
         return self.uplink.results
 
     @property
+    def step_results(self) -> collections.Counter[str]:
+        """The inner steps of settled deltas: folded, rejected, unknown."""
+        return self.uplink.step_results
+
+    @property
     def unfolded(self) -> collections.Counter[int]:
         return self.uplink.unfolded
 
@@ -196,6 +204,8 @@ class NetworkLink:
     def _link_changed(self, event: str, socket: str, endpoint: str) -> None:
         """`link_up` / `link_down` of one of the island's sockets (the link watcher's thread, or
         the receiver's for a merger and its standby), one at a time."""
+        if socket == "delta-bus":
+            self.uplink.on_bus(event == "link_up", time.monotonic())
         if self._link_log is not None:
             self._link_log.info(event, socket=socket, endpoint=endpoint)
 
@@ -311,6 +321,8 @@ class NetworkLink:
         elif assembled is not None:
             sender = assembled.header.sender
             before = len(self.downlink.adopted_epochs.get(sender, ()))
+            head = assembled.header
+            self.uplink.heard_of(head.sender, head.epoch, head.fragment, head.version, arrives)
             self.downlink.on_snapshot(assembled.header, assembled.tensors, arrives)
             # a new merger life's first value
             if self.log is not None and len(self.downlink.adopted_epochs.get(sender, ())) > before:

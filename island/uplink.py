@@ -14,7 +14,14 @@ passes its last seq it is admitted (on the merger's disk); if its result has not
 PROBE_AFTER_S later (the ack went out while the bus was down), its first chunk is sent again
 point to point, and the merger says the result again (a repeat of a settled delta is re-acked,
 never refolded).  A delta still unsettled `settle_timeout_s` after admission counts as "unknown".
+
+Across a partition: while the delta bus is down (`on_bus`) deltas stay in the outbox, where they
+are summed and rebased onto what the island adopts (`rebase_unsent`); after it returns they wait
+for the island to adopt the newest values heard of (`heard_of`): island/outbox.py's `BusState`.
 """
+
+# Over 400 lines: one uplink's state shared by three threads (sending, settling, the bus's
+# comings and goings) under one lock; split, each part would reach into the others' fields.
 
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ from dloco import protocol
 from dloco.bus.sequencing import RetransmitBuffer
 from dloco.island import exchange
 from dloco.island.config import SyncConfig
-from dloco.island.outbox import Outbox, PendingDelta
+from dloco.island.outbox import BusState, Outbox, PendingDelta, held_scale
 from dloco.island.shaper import LinkShaper
 from dloco.protocol.shards import shard_of
 
@@ -40,6 +47,8 @@ POLL_MS = 50
 HEARTBEAT_S = 0.5
 # a delta admitted this long ago and still unsettled: its result (an ack) was lost; ask again
 PROBE_AFTER_S = 3.0
+# the norms of a fragment's last deltas (as the loop made them) a summed one is measured against
+NORMS_KEPT = 16
 
 
 @dataclasses.dataclass
@@ -63,6 +72,8 @@ class SentDelta:
     last_seq: int
     # frames of its first chunk: sent again as a probe
     first_chunk: list
+    # inner steps of work it carries
+    steps: int
     # monotonic time the merger's cursor was seen past last_seq; None: not yet
     admitted_at: float | None = None
     # monotonic time of the last probe (or of admission)
@@ -95,6 +106,9 @@ class Uplink:
         self.codec = protocol.Codec(sync.codec, sync.block)
         self.lock = threading.Condition()
         self.outbox = Outbox()
+        self.bus = BusState()
+        # fragment -> NORMS_KEPT norms (the publisher's: `_scale_summed`)
+        self.norms: dict[int, collections.deque[float]] = {}
         # the publisher has taken a delta off the outbox and not finished sending it
         self.in_flight = False
         # error feedback: what quantization left out, added to the next delta (path -> the
@@ -115,8 +129,12 @@ class Uplink:
         self.unsettled: dict[int, SentDelta] = {}
         # delta ids with a result (an ack can arrive twice)
         self.settled: set[int] = set()
+        # delta id -> its result, come before its sender had finished with it
+        self.early_steps: dict[int, str] = {}
         # folded, rejected, unknown, dropped/<reason>
         self.results: collections.Counter[str] = collections.Counter()
+        # the inner steps those deltas carried: folded, rejected, unknown
+        self.step_results: collections.Counter[str] = collections.Counter()
         # newest epoch heard from each merger (by name), on acks and, when shared with the Downlink,
         # on snapshots: a replaced merger's acks are ignored once its successor has been heard at
         # all
@@ -124,7 +142,7 @@ class Uplink:
         # fragment -> deltas of it settled without a fold (rejected, or given up on): a blocking
         # island waiting for such a delta's fold must stop waiting
         self.unfolded: collections.Counter[int] = collections.Counter()
-        self.bytes_sent = self.deltas_sent = self.summed = 0
+        self.bytes_sent = self.deltas_sent = self.summed = self.rebased = self.scaled = 0
         self.resent = self.probes = self.backpressure_waits = 0
         # tokens: this life's, set by the loop and told in heartbeats; the cluster's, the most any
         # ack has said (PROTOCOL.md §6.1)
@@ -154,6 +172,13 @@ class Uplink:
         with self.lock:
             self.lock.notify_all()
 
+    def rebase_unsent(self, fragment: int, version: int) -> None:
+        """The island adopted `version` of `fragment` with its progress on top: an unsent delta of
+        it is now a change of that version too."""
+        with self.lock:
+            self.rebased += self.outbox.rebase(fragment, version)
+            self.lock.notify()
+
     def take_residuals(self, paths) -> dict[str, np.ndarray]:
         """The error-feedback residuals of `paths` (what quantization has not delivered yet),
         removed from here: the loop keeps them in the island's own parameters from now on (a
@@ -161,6 +186,20 @@ class Uplink:
         with self.lock:
             taken = [(path, self.residuals.pop(path)) for path in paths if path in self.residuals]
         return {path: exchange.unheld(*residual, self.held_codec) for path, residual in taken}
+
+    # ---- the link watcher's and the receiver's threads ----------------------------------------
+    def on_bus(self, up: bool, now: float) -> None:
+        """The delta bus's connection came up or went down."""
+        with self.lock:
+            self.bus.came_back(now) if up else self.bus.went_down()
+            self.lock.notify_all()
+
+    def heard_of(self, sender: str, epoch: int, fragment: int, version: int, now: float) -> None:
+        """A value of `fragment` the merger served (not one of an older life of it)."""
+        with self.lock:
+            if epoch >= self.merger_epochs.get(sender, 0):
+                self.bus.heard_of(fragment, version, now)
+                self.lock.notify_all()
 
     # ---- the publisher thread --------------------------------------------------------------------
     def run(self, pub: zmq.Socket) -> None:
@@ -172,7 +211,7 @@ class Uplink:
                 while (
                     not self.stop.is_set()
                     and time.monotonic() < next_heartbeat
-                    and (pending := self.outbox.take(self._room_for)) is None
+                    and (pending := self.outbox.take(self._ready)) is None
                 ):
                     self.lock.wait(timeout=POLL_MS / 1000)
                 if self.stop.is_set():
@@ -202,6 +241,7 @@ class Uplink:
                 self.lock.notify_all()
 
     def _send(self, pub: zmq.Socket, delta_id: int, pending: PendingDelta) -> None:
+        self._scale_summed(pending)
         delta = self._compensated(pending.delta) if self.sync.error_feedback else pending.delta
         plans = protocol.split_fragment(delta, self.codec, self.sync.chunk_bytes)
         stream, first = self.streams[shard_of(pending.fragment, len(self.streams))], None
@@ -241,8 +281,25 @@ class Uplink:
             first = first or frames
         self.deltas_sent += 1
         with self.lock:
-            if delta_id not in self.settled:
-                self.unsettled[delta_id] = SentDelta(pending.fragment, stream.seq, first)
+            if delta_id in self.early_steps:
+                self.step_results[self.early_steps.pop(delta_id)] += pending.steps
+            else:
+                sent = SentDelta(pending.fragment, stream.seq, first, pending.steps)
+                self.unsettled[delta_id] = sent
+
+    def _scale_summed(self, pending: PendingDelta) -> None:
+        """Keep the norm of a delta as the loop made it; scale a summed one down in place
+        (island/outbox.py `held_scale`): the delta is this thread's alone now."""
+        norm = float(np.sqrt(sum(float(np.vdot(v, v)) for v in pending.delta.values())))
+        recent = self.norms.setdefault(pending.fragment, collections.deque(maxlen=NORMS_KEPT))
+        if pending.parts == 1:
+            recent.append(norm)
+            return
+        scale = held_scale(norm, recent)
+        if scale < 1:
+            for value in pending.delta.values():
+                value *= np.float32(scale)
+            self.scaled += 1
 
     def _compensated(self, delta: dict[str, np.ndarray]) -> dict[str, protocol.Encoded]:
         """Error feedback (protocol.error_feedback) a tensor at a time: returns the encodings the
@@ -265,6 +322,10 @@ class Uplink:
         with self.lock:
             self.residuals.update(residuals)
         return sent
+
+    def _ready(self, pending: PendingDelta) -> bool:
+        """May `pending` start now: the bus (`BusState.sendable`) and its stream's room."""
+        return self.bus.sendable(pending, time.monotonic()) and self._room_for(pending)
 
     def _room_for(self, pending: PendingDelta) -> bool:
         """With merger shards, a delta starts only when its stream's retransmit buffer has room for
@@ -318,7 +379,12 @@ class Uplink:
                     and result.delta_id not in self.settled
                 ):
                     self.settled.add(result.delta_id)
-                    self.unsettled.pop(result.delta_id, None)
+                    sent = self.unsettled.pop(result.delta_id, None)
+                    if sent is not None:
+                        self.step_results[result.status] += sent.steps
+                    # its sender has not finished with it yet (_send counts it)
+                    else:
+                        self.early_steps[result.delta_id] = result.status
                     self.results[result.status] += 1
                     if result.status != "folded":
                         self.unfolded[result.fragment] += 1
@@ -362,7 +428,9 @@ class Uplink:
             ]
             # the merger does not know it (e.g. rejected, then restarted): stop asking
             for delta_id in expired:
-                self.unfolded[self.unsettled.pop(delta_id).fragment] += 1
+                sent = self.unsettled.pop(delta_id)
+                self.unfolded[sent.fragment] += 1
+                self.step_results["unknown"] += sent.steps
                 # a late answer is not counted twice
                 self.settled.add(delta_id)
                 self.results["unknown"] += 1

@@ -24,6 +24,8 @@ class ScriptedLink:
         self.bytes_sent = self.bytes_received = 0
         self.unfolded: dict[int, int] = {}
         self.published: list[tuple[int, int, dict, int, int]] = []
+        # (fragment, version) of each rebase_unsent
+        self.rebases: list[tuple[int, int]] = []
         self.snapshot: dict[str, np.ndarray] | None = None
         self.loop_steps, self.at_step, self.version = loop_steps, at_step, version
 
@@ -31,6 +33,9 @@ class ScriptedLink:
         self.published.append(
             (fragment, base_version, {p: v.copy() for p, v in delta.items()}, steps, tokens)
         )
+
+    def rebase_unsent(self, fragment, version) -> None:
+        self.rebases.append((fragment, version))
 
     def snapshots(self):
         if self.snapshot is not None and self.loop_steps[0] >= self.at_step:
@@ -96,6 +101,8 @@ def test_a_snapshot_between_sends_keeps_the_islands_work_with_rebase_and_drops_i
     )
     for path in delta0:
         np.testing.assert_allclose(delta1[path], delta0[path], rtol=1e-3, atol=1e-6)
+    # rebase also tells the link, whose outbox rebases an unsent delta of the fragment
+    assert rebased.rebases == [(0, 1)] and replaced.rebases == []
     # replace: the first 5 steps are thrown away; the delta carries 3 steps of work
     assert (base2, steps2, tokens2) == (1, 3, 3 * 4 * 32)
 

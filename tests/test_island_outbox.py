@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from dloco.island.outbox import Outbox, PendingDelta, summed
+from dloco.island.outbox import (
+    BusState,
+    Outbox,
+    PendingDelta,
+    held_scale,
+    rebased,
+    summed,
+)
 
 F32 = np.float32
 
@@ -94,3 +101,64 @@ def test_a_full_stream_of_one_merger_shard_holds_back_only_its_own_fragments():
     alone.streams[0].kept.add(1, [b"x"], 1 << 20)
     alone.outbox.put(big)
     assert alone.outbox.take(alone._room_for).fragment == 1
+
+
+def test_an_unsent_delta_is_rebased_onto_a_newer_version_only():
+    box = Outbox()
+    box.put(pending(1, 3, [1.0], 2, 20))
+    # older or equal: unchanged; no delta of fragment 0: nothing to do
+    assert [box.rebase(1, 2), box.rebase(1, 3), box.rebase(0, 9)] == [False, False, False]
+    assert box.rebase(1, 7) is True
+    taken = box.take()
+    # only the base moves: the work, its steps and tokens are the same
+    assert (taken.base_version, taken.delta["w"].tolist(), taken.steps, taken.tokens) == (
+        7,
+        [1.0],
+        2,
+        20,
+    )
+    assert rebased(taken, 5) is taken and rebased(taken, 8).base_version == 8
+
+
+def test_nothing_leaves_while_the_bus_is_down_and_after_it_returns_only_on_the_newest_base():
+    """Times by hand: down at 10, back at 20 (wait 10 s); fragment 0's newest value, version 6,
+    heard at 21; fragment 1's version 4 heard at 15 (during the cut) and not since."""
+    bus = BusState()
+    on_5, on_6, other_on_4 = (
+        pending(0, 5, [1.0], 1, 1),
+        pending(0, 6, [1.0], 1, 1),
+        pending(1, 4, [1.0], 1, 1),
+    )
+    # the first connection is not a return: nothing waits at start
+    bus.came_back(1.0)
+    assert bus.back_at is None and bus.sendable(on_5, 2.0)
+    bus.went_down()
+    assert not bus.sendable(on_6, 11.0) and not bus.sendable(other_on_4, 11.0)
+    bus.heard_of(1, 4, 15.0)
+    bus.came_back(20.0)
+    # back, nothing heard since: wait
+    assert not bus.sendable(on_6, 20.5) and not bus.sendable(other_on_4, 20.5)
+    bus.heard_of(0, 6, 21.0)
+    # version 6 heard since: a delta on 5 waits to be rebased, one on 6 goes
+    assert not bus.sendable(on_5, 21.5) and bus.sendable(on_6, 21.5)
+    # fragment 1's version 4 was heard before the return; heard again, its delta goes
+    assert not bus.sendable(other_on_4, 22.0)
+    bus.heard_of(1, 4, 22.5)
+    assert bus.sendable(other_on_4, 23.0)
+    # an older version heard later changes nothing
+    bus.heard_of(0, 2, 24.0)
+    assert bus.heard[0] == (6, 21.0)
+    # after the wait, anything goes (the staleness bound decides)
+    assert bus.sendable(on_5, 30.0) and bus.sendable(pending(0, 0, [1.0], 1, 1), 30.0)
+
+
+def test_a_summed_delta_is_scaled_to_at_most_four_times_the_median_of_recent_norms():
+    three = summed(
+        summed(pending(0, 0, [1.0], 1, 1), pending(0, 0, [1.0], 1, 1)), pending(0, 1, [1.0], 1, 1)
+    )
+    assert three.parts == 3 and pending(0, 0, [1.0], 1, 1).parts == 1
+    # median 2, limit 8: a norm of 10 is scaled by 0.8; 8 and below are not; nothing to measure
+    # against: not scaled
+    assert held_scale(10.0, [1.0, 2.0, 3.0]) == 0.8
+    assert held_scale(8.0, [3.0, 1.0, 2.0]) == 1.0 and held_scale(5.0, []) == 1.0
+    assert held_scale(10.0, [2.0], factor=2.0) == 0.4
