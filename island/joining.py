@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from dloco.bus.sockets import HEARTBEAT_TIMEOUT_MS
 from dloco.island.task import first_difference
 from dloco.protocol.errors import DlocoError
 
@@ -26,16 +27,29 @@ def wait_for_model(
     fragments: int,
     timeout_s: float,
     stopping: Callable[[], bool],
+    unreachable: Callable[[list[str]], None] = lambda endpoints: None,
 ) -> list[tuple[int, int, dict[str, np.ndarray]]]:
     """The snapshots (fragment, version, tensors) `link` delivers until every one of `fragments`
     has arrived, in arrival order; fewer when `stopping()` turns true.  `ours`: this task's
-    {path: shape}.  Raises JoinTimeout after `timeout_s`, ModelMismatch as soon as what arrived
-    differs from `ours` (and, once everything arrived, if anything of `ours` is missing)."""
-    deadline = time.monotonic() + timeout_s
+    {path: shape}.  Raises JoinTimeout after `timeout_s`, naming the endpoints never reached if
+    the link says (`link.unreached()`), ModelMismatch as soon as what arrived differs from `ours`
+    (and, once everything arrived, if anything of `ours` is missing).  `unreachable(endpoints)` is
+    told once if no connection has come up within the heartbeat timeout."""
+    started = time.monotonic()
+    deadline, warned = started + timeout_s, False
     waiting, theirs, arrived = set(range(fragments)), {}, []
     while waiting and not stopping():
+        unreached = link.unreached() if hasattr(link, "unreached") else []
+        if not warned and unreached and time.monotonic() - started > HEARTBEAT_TIMEOUT_MS / 1000:
+            unreachable(unreached)
+            warned = True
         if time.monotonic() > deadline:
             refuse_foreign(link, ours, fragments, final=True)
+            if unreached:
+                raise JoinTimeout(
+                    f"could not reach {', '.join(unreached)} within {timeout_s} s: is the hub"
+                    " running, and are its ports open to this host?"
+                )
             raise JoinTimeout(
                 f"no snapshot of fragments {sorted(waiting)} within {timeout_s} s: is the"
                 " merger running, with the same model?"

@@ -93,6 +93,7 @@ class IslandLoop:
             len(self.progress),
             timeout_s,
             lambda: self.stop_requested,
+            lambda endpoints: self.log and self.log.warning("hub_unreachable", endpoints=endpoints),
         )
         for fragment, version, tensors in arrived:
             self._set(exchange.adopt(theta, tensors, 0.0))

@@ -179,6 +179,20 @@ class NetworkLink:
     def results(self) -> collections.Counter[str]:
         return self.uplink.results
 
+    def unreached(self) -> list[str]:
+        """The endpoints (and their sockets) no connection to has ever come up: what a host that
+        cannot reach the hub names."""
+        names = shards.names(self.control_server, len(self.control_endpoints))
+        sockets = [
+            ("delta-bus", self.delta_route.endpoint),
+            ("snapshot-bus", self.snapshot_route.endpoint),
+            *zip(names, self.control_endpoints),
+        ]
+        with self.links.lock:
+            return [
+                f"{endpoint} ({label})" for label, endpoint in sockets if not self.links.up[label]
+            ]
+
     @property
     def step_results(self) -> collections.Counter[str]:
         """The inner steps of settled deltas: folded, rejected, unknown."""
