@@ -1,11 +1,11 @@
 """The merger's global model out of a run directory: its flat parameters from a checkpoint, and
 `dloco export`'s safetensors file of them.
 
-The merger checkpoints its whole state now and then and when it stops (merger/checkpoint.py), as
-RUN_DIR/merger/checkpoints/<record>.ckpt, named by the write-ahead-log record it was taken at: the
-number `dloco replay --verify` prints ("checkpoint at record N"), so that is the number a user picks
-with --checkpoint.  The default is the newest that reads back intact: after a clean stop, the final
-global model.
+The merger checkpoints its whole state now and then and when it stops (merger/state/checkpoint.py),
+as RUN_DIR/merger/checkpoints/<record>.ckpt, named by the write-ahead-log record it was taken at:
+the number `dloco replay --verify` prints ("checkpoint at record N"), so that is the number a user
+picks with --checkpoint.  The default is the newest that reads back intact: after a clean stop, the
+final global model.
 
 The file holds one float32 tensor per parameter path ("blocks/0/qkv/kernel") and string metadata
 naming the run, the checkpoint, the fragment versions and the task (spec and options as JSON), so
@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from dloco.analysis.runinfo import RUN_TASK, RunDirError, RunTask, merger_run_dir, shard_run_dirs
-from dloco.merger import checkpoint
-from dloco.merger.recovery import checkpoint_dir
+from dloco.merger.state import checkpoint
+from dloco.merger.state.recovery import checkpoint_dir
 from dloco.protocol.errors import DlocoError
 
 # the metadata's "format": what wrote the file, and how to read it

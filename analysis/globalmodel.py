@@ -155,7 +155,7 @@ def _of_owner(held: list, fragment: int, directories: list[Path], initial: dict[
     """`fragment`'s state from the shard that folds it (`held`: each shard's states, None before its
     first fold), at its start where that shard has not folded yet (its genesis record: a shard
     holds no other shard's fragment)."""
-    from dloco.merger.recovery import initial_states
+    from dloco.merger.state.recovery import initial_states
 
     owner = fragment % len(held)
     if held[owner] is not None:
@@ -170,8 +170,8 @@ def _replayed_states(
 ) -> list:
     """One merger's (shard's) fragment states at each wall time (None before its first fold);
     `folded_at`: when each of its folds was logged."""
-    from dloco.merger.core import ReplayError
-    from dloco.merger.recovery import replay
+    from dloco.merger.state.core import ReplayError
+    from dloco.merger.state.recovery import replay
 
     order = sorted(range(len(walls)), key=lambda i: walls[i])
     found: list = [None] * len(walls)

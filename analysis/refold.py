@@ -14,9 +14,9 @@ import numpy as np
 from dloco.analysis.globalmodel import Evaluator
 from dloco.analysis.runinfo import RunDirError, RunTask
 from dloco.merger.config import MergerConfig
-from dloco.merger.core import MergerCore
-from dloco.merger.recovery import genesis_record, wal_dir
-from dloco.merger.wal_segments import read_records
+from dloco.merger.log.segments import read_records
+from dloco.merger.state.core import MergerCore
+from dloco.merger.state.recovery import genesis_record, wal_dir
 
 
 def refolded(merger_dir: Path, momentum_dtype: str) -> tuple[int, dict[str, np.ndarray]]:

@@ -1,10 +1,10 @@
 """`dloco bench attacks`: how far one island's key can move the merger's model, per attack.
 
-Each attack runs twice against the merger's own core (merger/core.py, its write-ahead log on disk,
-restarts and takeovers through merger/recovery.py): once with the attacker, once with its key
-silent from the attack on.  Honest islands send the same deltas in both.  The figure is how far the
-attack moved the model from where the run without it left it, in multiples of what the attacker's
-folds would have moved it had they been honest folds:
+Each attack runs twice against the merger's own core (merger/state/core.py, its write-ahead log on
+disk, restarts and takeovers through merger/state/recovery.py): once with the attacker, once with
+its key silent from the attack on.  Honest islands send the same deltas in both.  The figure is how
+far the attack moved the model from where the run without it left it, in multiples of what the
+attacker's folds would have moved it had they been honest folds:
 
     ratio = |theta_attack - theta_without| / (mean movement of one honest fold x the attacker's
 folds)
@@ -32,12 +32,12 @@ from pathlib import Path
 import numpy as np
 
 from dloco import protocol
-from dloco.merger import checkpoint
 from dloco.merger.config import MergeConfig, MergerConfig, OuterConfig
-from dloco.merger.core import MergerCore
-from dloco.merger.recovery import checkpoint_dir, recover, wal_dir
-from dloco.merger.trained_tokens import TrainedTokens
-from dloco.merger.wal import WriteAheadLog
+from dloco.merger.log.wal import WriteAheadLog
+from dloco.merger.state import checkpoint
+from dloco.merger.state.core import MergerCore
+from dloco.merger.state.recovery import checkpoint_dir, recover, wal_dir
+from dloco.merger.state.trained_tokens import TrainedTokens
 
 SIZE, INIT_STD, HONEST_NORM = 4096, 0.2, 0.26
 HONEST_TOKENS, HONEST_STEPS = 98_304, 48
@@ -125,7 +125,7 @@ class Outcome:
     # honest deltas refused (should be 0)
     honest_refused: int
     # the trained tokens the merger counts for the attacker's key over the attack (its service's
-    # count, merger/trained_tokens.py), in honest deltas' worth; it sent `attacker_deltas`
+    # count, merger/state/trained_tokens.py), in honest deltas' worth; it sent `attacker_deltas`
     tokens_counted: float = 0.0
     attacker_deltas: int = 0
     # the attack's movement over the control's (see the module's docstring)

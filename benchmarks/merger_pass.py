@@ -26,13 +26,13 @@ from dloco.benchmarks.timing import gbps, receive_timed
 from dloco.bus.security import Security
 from dloco.cluster.ports import free_ports
 from dloco.merger.config import MergerConfig
-from dloco.merger.core import MergerCore
-from dloco.merger.fold import Contribution
-from dloco.merger.logmatch import genesis_of
-from dloco.merger.pipeline import FoldPipeline
-from dloco.merger.replication import ReplicatedLog, ReplicationServer
-from dloco.merger.replication_wire import ReplicationConfig
-from dloco.merger.wal import WriteAheadLog
+from dloco.merger.fold.merge import Contribution
+from dloco.merger.log.logmatch import genesis_of
+from dloco.merger.log.wal import WriteAheadLog
+from dloco.merger.replication.primary import ReplicatedLog, ReplicationServer
+from dloco.merger.settings import ReplicationConfig
+from dloco.merger.state.core import MergerCore
+from dloco.merger.state.pipeline import FoldPipeline
 
 
 def start_sender(
@@ -140,7 +140,7 @@ class IngestLoop:
         self.stages: collections.Counter[str] = collections.Counter()
         # the finished folds' reports and the worker's seconds, not the folds: a fold holds the
         # state it installed, and holding every one would keep each state's buffers from the folds
-        # after it (merger/fused.py), as a merger does not
+        # after it (merger/engines/fused.py), as a merger does not
         self.handled, self.done, self.latency, self.worker_s = 0, [], [], 0.0
         # this process's CPU time at the first message (its loop thread and fold worker from then
         # on)

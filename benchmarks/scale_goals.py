@@ -63,9 +63,9 @@ MERGER_PHASES = {
     ),
     "ingest": (
         "the rounds on top of the state (parameters, momentum and served value: 12 B/param): one"
-        " fold at a time computed beside the installed state (merger/pipeline.py), each with its"
-        " fragment's merged direction and pseudo-gradient (the outer step is taken in place), and"
-        " the first fold's device copy of the initial values; the deltas in flight"
+        " fold at a time computed beside the installed state (merger/state/pipeline.py), each with"
+        " its fragment's merged direction and pseudo-gradient (the outer step is taken in place),"
+        " and the first fold's device copy of the initial values; the deltas in flight"
     ),
     "announce": (
         "the snapshot diffs, a tensor at a time (its change and decoding) and the fragment's codes"

@@ -11,11 +11,12 @@ five stages that run one after the other, so that each is timed alone:
    int4 quantization, `split_fragment`, frame encoding, PUB to the broker, retransmit buffer);
 2. broker_forward: the broker's forwarding (`Broker._forward`, over its real XSUB/XPUB sockets,
    driven from this thread) until every chunk has passed;
-3. merger_ingest: in the merger, `Receiver.on_delta_frames` (merger/receiving.py) for every chunk
-   (decode, gap tracking, reassembly, admission, write-ahead log) and the fold pipeline until
+3. merger_ingest: in the merger, `Receiver.on_delta_frames` (merger/network/receiving.py) for every
+chunk (decode, gap tracking, reassembly, admission, write-ahead log) and the fold pipeline until
    every fold is computed and durable;
-4. snapshot_diff: in the merger, `Announcer.announce` (merger/announcing.py): per fold the int4 diff
-   from the value served (protocol/downlink.py), its frames on the snapshot PUB, then the acks;
+4. snapshot_diff: in the merger, `Announcer.announce` (merger/network/announcing.py): per fold the
+int4 diff from the value served (protocol/downlink.py), its frames on the snapshot PUB, then the
+acks;
 5. island_adopt: the snapshot frames and acks received (the island's SUB, straight from the
    merger's PUB: the broker's forward is measured once, on the delta bus), reassembled, applied to
    the value held (`island.snapshots.Downlink.on_snapshot`: `downlink.receive`, digest checked)

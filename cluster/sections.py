@@ -15,7 +15,7 @@ import dataclasses
 from dloco.island.config import MODEL_SIZES, ModelConfig, TrainConfig
 from dloco.island.task import BUILTIN
 from dloco.merger.config import MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
-from dloco.merger.replication_wire import ReplicationConfig, check_lease
+from dloco.merger.settings import ReplicationConfig, check_lease
 from dloco.protocol.errors import ConfigError, require
 from dloco.protocol.shards import names as shard_names
 
@@ -179,7 +179,8 @@ class MergerSection:
     quorum: int = RoundConfig.quorum
     quorum_timeout_s: float = RoundConfig.quorum_timeout_s
     grace_cap_s: float = RoundConfig.grace_cap_s
-    # a fresh merger's first fold waits at most this long for a second island (merger/outliers.py)
+    # a fresh merger's first fold waits at most this long for a second island
+    # (merger/fold/outliers.py)
     cold_wait_s: float = RoundConfig.cold_wait_s
     snapshot_codec: str = SnapshotConfig.snapshot_codec
     snapshot_diff_codec: str = SnapshotConfig.snapshot_diff_codec

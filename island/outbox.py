@@ -29,7 +29,7 @@ import numpy as np
 
 # a summed delta is scaled down to at most this times the norm of the fragment's recent deltas:
 # the work of a long partition, summed, goes out within the merger's outlier check (20x the other
-# islands' median, merger/outliers.py) with room for islands that differ by a few times
+# islands' median, merger/fold/outliers.py) with room for islands that differ by a few times
 HELD_NORM_FACTOR = 4.0
 # after the delta bus comes back, a held delta waits at most this long for its fragment's newest
 # value: about two of the merger's heartbeat timeouts, enough for a catch-up of the tests' and the

@@ -20,7 +20,7 @@ FULL_SNAPSHOT_CODECS = ("fp32", "bf16", "int8")
 class OuterConfig:
     """Outer optimizer (DiLoCo: SGD with Nesterov momentum, lr 0.7, momentum 0.9)."""
 
-    # "nesterov" | "round_nesterov" | "delayed_nesterov" | "sgd" (merger/outer.py)
+    # "nesterov" | "round_nesterov" | "delayed_nesterov" | "sgd" (merger/fold/outer.py)
     kind: str = "nesterov"
     lr: float = 0.7
     momentum: float = 0.9
@@ -66,21 +66,21 @@ class MergeConfig:
     average_paths: tuple[str, ...] = ("embed",)
     # 0: every fold takes a whole outer step.  N > 0: a fold's step is scaled by its share of the
     # weight of a whole round: the islands that contributed to this fragment within the last N
-    # versions (merger/weighting.py fold_share).  Single-delta folds then add up to one step per
-    # round.
+    # versions (merger/fold/weighting.py fold_share).  Single-delta folds then add up to one step
+    # per round.
     share_window: int = 0
     # A delta whose norm is more than this many times the median of the other islands' recent
-    # medians is rejected as an outlier (merger/outliers.py); 0 turns the check off.
+    # medians is rejected as an outlier (merger/fold/outliers.py); 0 turns the check off.
     outlier_factor: float = 20.0
     # A fold moves the fragment by at most this many times the largest of the other islands' recent
     # median movements per island's part (what an island's part moves it: its weight x its delta's
-    # norm); a larger part is scaled down to it (merger/outliers.py, merger/clipping.py).  0: no
-    # guard.
+    # norm); a larger part is scaled down to it (merger/fold/outliers.py, merger/fold/clipping.py).
+    # 0: no guard.
     clip_factor: float = 2.0
     # Until an island has a movement reference in a fragment (its first folds on a fresh merger),
     # each of its deltas counts in a fold with a norm of at most this many times the largest delta
-    # norm the other islands have on record there, however few (merger/outliers.py delta_limits); a
-    # larger delta is scaled down.  0: off (only the fragment's norm bounds them).
+    # norm the other islands have on record there, however few (merger/fold/outliers.py
+    # delta_limits); a larger delta is scaled down.  0: off (only the fragment's norm bounds them).
     cold_factor: float = 2.0
     # No island's weight in a fold (tokens**2 / steps, as it claims them) exceeds this many times
     # the heaviest other island's, in the fold or among the fragment's recent contributors; 0: no
@@ -144,7 +144,7 @@ class RoundConfig:
     # and no other island has sent it a nonzero delta: a fresh merger's first folds) and another
     # island is live, the fold waits at most this long past the oldest pending delta, so that a
     # key that sends before the honest islands have trained meets their deltas
-    # (merger/outliers.py `unjudged`).  0: never waits.
+    # (merger/fold/outliers.py `unjudged`).  0: never waits.
     cold_wait_s: float = 30.0
 
     def __post_init__(self) -> None:

@@ -24,8 +24,7 @@ from dloco.merger.config import (
     RoundConfig,
     SnapshotConfig,
 )
-from dloco.merger.replication_wire import MIN_LEASE_S, MODES, ReplicationConfig
-from dloco.merger.settings import ServiceConfig
+from dloco.merger.settings import MIN_LEASE_S, MODES, ReplicationConfig, ServiceConfig
 from dloco.protocol import CODEC_NAMES
 from dloco.protocol.shards import DEFAULT_FRAGMENTS
 

@@ -12,8 +12,7 @@ from dloco.merger.config import (
     SnapshotConfig,
 )
 from dloco.merger.flags import add_merger_flags, merger_config
-from dloco.merger.replication_wire import ReplicationConfig
-from dloco.merger.settings import ServiceConfig
+from dloco.merger.settings import ReplicationConfig, ServiceConfig
 from dloco.protocol import DlocoError
 
 
@@ -127,7 +126,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
 
 def run_replay(args: argparse.Namespace) -> int:
     from dloco.merger.memory import keep_freed_memory
-    from dloco.merger.recovery import replay, software_mismatch
+    from dloco.merger.state.recovery import replay, software_mismatch
 
     keep_freed_memory()
     folds = 0

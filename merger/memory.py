@@ -1,7 +1,7 @@
 """How the merger process uses memory: freed small blocks are kept, large ones given back at once.
 
 A fold allocates its merged direction and, in its outer step, the pseudo-gradient (its new
-parameters and momentum are written over the old: merger/fold.py `PendingStep`); reassembly
+parameters and momentum are written over the old: merger/fold/merge.py `PendingStep`); reassembly
 allocates a buffer per delta; a snapshot diff a tensor's change.  Two costs pull apart:
 
 - page faults: a block mapped fresh is faulted in a page at a time (4 KiB), and with glibc's

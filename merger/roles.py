@@ -1,4 +1,5 @@
-"""A merger with a peer: standby or primary, and back (merger/standby.py, merger/replication.py).
+"""A merger with a peer: standby or primary, and back (merger/replication/standby.py,
+merger/replication/primary.py).
 
 Without a peer a merger is the primary, as always.  With one it starts as the standby when told
 to (`--standby-of`), else it first asks the peer for two leases whether it is the primary (a merger
@@ -15,10 +16,9 @@ import threading
 import zmq
 
 from dloco.merger.config import ConfigError
-from dloco.merger.replication_wire import ReplicationConfig
+from dloco.merger.replication.standby import Diverged, Refused, Standby
 from dloco.merger.service import MergerService
-from dloco.merger.settings import ServiceConfig
-from dloco.merger.standby import Diverged, Refused, Standby
+from dloco.merger.settings import ReplicationConfig, ServiceConfig
 from dloco.telemetry import prom
 from dloco.telemetry.logs import configure_logging
 

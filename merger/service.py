@@ -1,14 +1,15 @@
 """The merger process: sockets, clock and disk around `MergerCore`.
 
-Sockets: merger/wiring.py.  Islands' streams (merger/streams.py `StreamKeeper`), snapshots
-(merger/publishing.py `SnapshotPublisher`) and announcements (merger/announcing.py `Announcer`)
-are objects of their own; this module keeps the poll loop and the dispatch of what arrives.
+Sockets: merger/wiring.py.  Islands' streams (merger/network/streams.py `StreamKeeper`), snapshots
+(merger/network/publishing.py `SnapshotPublisher`) and announcements (merger/network/announcing.py
+`Announcer`) are objects of their own; this module keeps the poll loop and the dispatch of what
+arrives.
 
 Chunks pass a `GapTracker` first (in order, exactly once per island); gaps and heartbeat-revealed
 tails are asked for again every RESEND_S.  Per admitted delta: write-ahead log first, fold when the
-round policy says so (the fold computes while the loop goes on: merger/pipeline.py), and once it is
-computed sync the log, then publish the snapshot and the acks — an acknowledged delta is always on
-disk, and cursors are logged before islands see them.  Every receive is behind a poll
+round policy says so (the fold computes while the loop goes on: merger/state/pipeline.py), and once
+it is computed sync the log, then publish the snapshot and the acks — an acknowledged delta is
+always on disk, and cursors are logged before islands see them.  Every receive is behind a poll
 with a timeout; SIGTERM/SIGINT stop the loop, write a final checkpoint, close the sockets with
 linger 0 and exit 0.
 """
@@ -25,19 +26,19 @@ import zmq
 from dloco import protocol
 from dloco.bus.security import Security, peer_of
 from dloco.bus.subscriptions import BudgetedXPUB, give_back_freed
-from dloco.merger.announcing import Announcer
-from dloco.merger.pipeline import FoldPipeline
-from dloco.merger.publishing import SnapshotPublisher, Stamp
-from dloco.merger.receiving import Receiver
-from dloco.merger.recovery import open_run
-from dloco.merger.replication import Fenced, ReplicatedLog
+from dloco.merger.log.wal import StorageError
+from dloco.merger.network.announcing import Announcer
+from dloco.merger.network.publishing import SnapshotPublisher, Stamp
+from dloco.merger.network.receiving import Receiver
+from dloco.merger.network.streams import StreamKeeper
+from dloco.merger.replication.primary import Fenced, ReplicatedLog
+from dloco.merger.replication.standby import Takeover
 
 # re-exported: the service's settings
 from dloco.merger.settings import ServiceConfig as ServiceConfig
-from dloco.merger.standby import Takeover
-from dloco.merger.streams import StreamKeeper
-from dloco.merger.trained_tokens import TrainedTokens
-from dloco.merger.wal import StorageError
+from dloco.merger.state.pipeline import FoldPipeline
+from dloco.merger.state.recovery import open_run
+from dloco.merger.state.trained_tokens import TrainedTokens
 from dloco.merger.wiring import open_sockets, start_replication
 from dloco.protocol import code_loops
 from dloco.protocol.errors import ConfigError
@@ -57,8 +58,8 @@ class MergerService:
     def __init__(
         self, config: ServiceConfig, core_factory=None, takeover: Takeover | None = None
     ) -> None:
-        """`takeover`: a standby's state, log and lock (merger/standby.py), instead of recovering
-        them."""
+        """`takeover`: a standby's state, log and lock (merger/replication/standby.py), instead of
+        recovering them."""
         self.config = config
         self.log = configure_logging("merger", sender=config.sender)
         # lines a peer's messages cause: once a second per peer and reason
@@ -80,8 +81,8 @@ class MergerService:
         if self.histograms is not None:
             self.wal.on_fsync = self.histograms[2].observe
         self.counters: dict[str, int] = {}
-        # int deltas stay in their records: the fold works on codes (merger/coded.py), whose kernels
-        # compile in the background now rather than in the first rounds
+        # int deltas stay in their records: the fold works on codes (merger/engines/coded.py), whose
+        # kernels compile in the background now rather than in the first rounds
         self.stopping, self.storage_failed = False, None
         self.warming = threading.Thread(target=self._warm_up, name="warm-up", daemon=True)
         self.warming.start()

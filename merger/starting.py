@@ -4,7 +4,7 @@ A merger shard (`dloco merger --shard I/N`, protocol/shards.py) loads, holds, lo
 only its own fragments: it reads every tensor's shape from the initial values (to cut the same
 fragments as every other process, and for the model's fingerprint) and the values of its own
 fragments alone, so its memory is its share of the model.  A core given the values of some
-fragments only holds those (merger/core.py): the others are another shard's.
+fragments only holds those (merger/state/core.py): the others are another shard's.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from dloco.merger.config import MergerConfig
-from dloco.merger.core import MergerCore
+from dloco.merger.state.core import MergerCore
 from dloco.protocol import model_fingerprint, partition
 from dloco.protocol.errors import ConfigError
 from dloco.protocol.shards import owned

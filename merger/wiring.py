@@ -19,11 +19,11 @@ import zmq
 
 from dloco.bus.sockets import open_socket
 from dloco.bus.subscriptions import BudgetedXPUB
-from dloco.merger import records
-from dloco.merger.logmatch import genesis_of, newest_epoch, terms_of
-from dloco.merger.publishing import Stamp
-from dloco.merger.recovery import wal_dir
-from dloco.merger.replication import ReplicationServer
+from dloco.merger.log import records
+from dloco.merger.log.logmatch import genesis_of, newest_epoch, terms_of
+from dloco.merger.network.publishing import Stamp
+from dloco.merger.replication.primary import ReplicationServer
+from dloco.merger.state.recovery import wal_dir
 from dloco.protocol import shards
 
 

@@ -18,7 +18,7 @@ zeros).  Values not kept decode to 0.
 
 A kept value of 0 (a block with fewer than ``keep`` nonzero values) decodes to ``+scale``: use
 these codecs with error feedback, which carries that error, and everything not kept, into the next
-delta (`protocol.error_feedback`).  The merger folds the records directly (merger/coded.py).
+delta (`protocol.error_feedback`).  The merger folds the records directly (merger/engines/coded.py).
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ import numpy as np
 
 from dloco.island.exchange import due_offset
 from dloco.island.outbox import PendingDelta
-from dloco.merger.admission import Candidate
-from dloco.merger.core import MergerCore
-from dloco.merger.round_policy import snapshot_due
+from dloco.merger.fold.admission import Candidate
+from dloco.merger.state.core import MergerCore
+from dloco.merger.state.round_policy import snapshot_due
 from dloco.protocol import model_fingerprint
 from dloco.sim.delivery import Downlinks, Published
 from dloco.sim.islands import SimIsland

@@ -20,7 +20,7 @@ from dloco.sim.scenario import Island, Scenario
 # deltas not counted)
 OVERLOADED = 0.95
 # the outer optimizer's buffers per parameter: Nesterov's momentum; Round and Delayed Nesterov's
-# momentum and a round's sum of pseudo-gradients (merger/outer.py)
+# momentum and a round's sum of pseudo-gradients (merger/fold/outer.py)
 OUTER_BUFFERS = {"sgd": 0, "nesterov": 1, "round_nesterov": 2, "delayed_nesterov": 2}
 
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 from dloco.analysis import soakcheck
 from dloco.analysis.runinfo import chaos_effects, read_events, step_times
-from dloco.merger.wal_segments import read_records
+from dloco.merger.log.segments import read_records
 
 MERGERS = ("merger", "standby")
 
 
 def _replay(directory: Path) -> list[tuple[int, str, str]] | str:
-    from dloco.merger.recovery import replay
+    from dloco.merger.state.recovery import replay
     from dloco.protocol import DlocoError
 
     try:

@@ -15,11 +15,11 @@ from dloco.analysis.globalmodel import build_task
 from dloco.cluster import config as cluster_config
 from dloco.cluster.records import run_task
 from dloco.island.train import flat_params
-from dloco.merger import checkpoint
 from dloco.merger.config import MergeConfig, MergerConfig
-from dloco.merger.core import MergerCore
-from dloco.merger.recovery import checkpoint_dir, wal_dir
-from dloco.merger.wal import WriteAheadLog
+from dloco.merger.log.wal import WriteAheadLog
+from dloco.merger.state import checkpoint
+from dloco.merger.state.core import MergerCore
+from dloco.merger.state.recovery import checkpoint_dir, wal_dir
 from tests.merger_helpers import assemble, delta_chunks
 
 CODE = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n"

@@ -10,13 +10,13 @@ import pytest
 
 from dloco import protocol
 from dloco.benchmarks import attacks
-from dloco.merger import admission
-from dloco.merger.clipping import guard, part_allowed
 from dloco.merger.config import MergeConfig, MergerConfig, RoundConfig
-from dloco.merger.core import MergerCore
-from dloco.merger.fold import Contribution
-from dloco.merger.outliers import COLD_LIMIT, NormHistory, delta_limits, holds, unjudged
-from dloco.merger.trained_tokens import CLAIM_RATIO
+from dloco.merger.fold import admission
+from dloco.merger.fold.clipping import guard, part_allowed
+from dloco.merger.fold.merge import Contribution
+from dloco.merger.fold.outliers import COLD_LIMIT, NormHistory, delta_limits, holds, unjudged
+from dloco.merger.state.core import MergerCore
+from dloco.merger.state.trained_tokens import CLAIM_RATIO
 
 POISONING = ["ramp-1.2", "ramp-1.4", "ramp-2", "burst", "single-19x", "tokens"]
 

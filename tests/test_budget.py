@@ -1,6 +1,7 @@
 """A run's token budget: the inner schedule decays over the cluster's tokens (island/schedule.py),
-which the merger counts from heartbeats backed by deltas (merger/trained_tokens.py) and tells in
-every ack (PROTOCOL.md §6.1).  Values by hand; then a merger and two islands, one at half speed."""
+which the merger counts from heartbeats backed by deltas (merger/state/trained_tokens.py) and tells
+in every ack (PROTOCOL.md §6.1).  Values by hand; then a merger and two islands, one at half
+speed."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from dloco.cluster.topology import commands
 from dloco.island import schedule
 from dloco.island.config import TrainConfig
 from dloco.island.train import Trainer
-from dloco.merger.trained_tokens import TrainedTokens
+from dloco.merger.state.trained_tokens import TrainedTokens
 from dloco.protocol.errors import ConfigError
 from tests.conftest import header_of, reason_of, with_header
 from tests.merger_process_helpers import TINY, start_bound_merger, start_connected_island

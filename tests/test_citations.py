@@ -1,4 +1,4 @@
-"""Every file a module's text names (`merger/fold.py`, `PROTOCOL.md`, ...) exists, from the
+"""Every file a module's text names (`merger/fold/merge.py`, `PROTOCOL.md`, ...) exists, from the
 checkout's root or beside the module: a renamed file leaves no dead pointer behind.  Placeholders
 (`RUN_DIR/report.md`, `OUT/quality.md`, `NAME.md`) and the paths tests build are not citations."""
 
@@ -45,6 +45,6 @@ def test_every_file_the_code_cites_exists():
 
 def test_the_citation_finder_finds_what_it_should():
     found = {cited for _, cited in citations()}
-    assert {"PROTOCOL.md", "merger/fold.py", "island/tokenizing.py"} <= found
+    assert {"PROTOCOL.md", "merger/fold/merge.py", "island/tokenizing.py"} <= found
     assert not any(placeholder(c) for c in found)
     assert placeholder("RUN_DIR/report.md") and not placeholder("PROTOCOL.md")

@@ -16,8 +16,7 @@ from dloco.cluster.sections import MergerSection, Region
 from dloco.island.config import SyncConfig, TrainConfig
 from dloco.merger.config import MergeConfig, MergerConfig, OuterConfig, RoundConfig, SnapshotConfig
 from dloco.merger.flags import merger_config
-from dloco.merger.replication_wire import MIN_LEASE_S, ReplicationConfig
-from dloco.merger.settings import ServiceConfig
+from dloco.merger.settings import MIN_LEASE_S, ReplicationConfig, ServiceConfig
 from dloco.protocol.errors import ConfigError
 
 MERGER = [

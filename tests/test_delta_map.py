@@ -1,7 +1,7 @@
 """docs/delta-life.md names real code: every backticked `path.py` followed by a backticked name
-(a table row "| `merger/core.py` | `MergerCore.offer` | ... |", or the two side by side in prose)
-is a file of the checkout that defines that function or class, or that class's method.  Read with
-`ast`, nothing imported.  A step table's row must name its function so, and a name that is not
+(a table row "| `merger/state/core.py` | `MergerCore.offer` | ... |", or the two side by side in
+prose) is a file of the checkout that defines that function or class, or that class's method.  Read
+with `ast`, nothing imported.  A step table's row must name its function so, and a name that is not
 there is reported (the self-check)."""
 
 from __future__ import annotations
@@ -80,10 +80,10 @@ def test_every_named_function_exists_where_the_page_says():
 
 def test_the_check_reports_a_made_up_name_a_missing_file_and_a_malformed_row():
     text = (
-        "| 1 | `merger/core.py` | `MergerCore.offer` | real |\n"
-        "| 2 | `merger/core.py` | `MergerCore.no_such_method` | made up |\n"
+        "| 1 | `merger/state/core.py` | `MergerCore.offer` | real |\n"
+        "| 2 | `merger/state/core.py` | `MergerCore.no_such_method` | made up |\n"
         "| 3 | `merger/nowhere.py` | `fold` | no such file |\n"
-        "| 4 | `merger/core.py` | MergerCore.offer, unquoted | malformed |\n"
+        "| 4 | `merger/state/core.py` | MergerCore.offer, unquoted | malformed |\n"
         "prose: `island/exchange.py` `rebase` and `island/exchange.py` `NoSuchClass`\n"
     )
     problems = missing(text)

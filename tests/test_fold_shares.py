@@ -8,9 +8,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dloco.merger import outer, weighting
 from dloco.merger.config import MergeConfig, OuterConfig
-from dloco.merger.fold import Contribution, fold, init_state
+from dloco.merger.fold import outer, weighting
+from dloco.merger.fold.merge import Contribution, fold, init_state
 
 
 def test_fold_share_by_hand():
@@ -60,7 +60,7 @@ def test_a_forged_token_count_does_not_take_over_the_fragment():
     its weight noted capped, and b's next fold still gets 1 / (1 + 2) of a round, not ~1e-6."""
     from dloco import protocol
     from dloco.merger.config import MergerConfig
-    from dloco.merger.core import MergerCore
+    from dloco.merger.state.core import MergerCore
     from tests.merger_helpers import assemble, delta_chunks, initial_params
 
     params = initial_params()
@@ -106,7 +106,7 @@ def test_single_island_folds_add_up_to_a_round():
     steps (nobody else known yet), then each fold a quarter; a whole round in one fold: share 1."""
     from dloco import protocol
     from dloco.merger.config import MergerConfig
-    from dloco.merger.core import MergerCore
+    from dloco.merger.state.core import MergerCore
     from tests.merger_helpers import assemble, delta_chunks, initial_params
 
     params = initial_params()

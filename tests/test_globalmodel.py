@@ -11,11 +11,11 @@ import pytest
 
 from dloco import protocol
 from dloco.analysis.globalmodel import cluster_tokens_at, states_at, when_cluster_reached
-from dloco.merger import checkpoint
 from dloco.merger.config import MergeConfig, MergerConfig
-from dloco.merger.core import MergerCore, ReplayError
-from dloco.merger.recovery import checkpoint_dir, wal_dir
-from dloco.merger.wal import WriteAheadLog
+from dloco.merger.log.wal import WriteAheadLog
+from dloco.merger.state import checkpoint
+from dloco.merger.state.core import MergerCore, ReplayError
+from dloco.merger.state.recovery import checkpoint_dir, wal_dir
 from tests.merger_helpers import assemble, delta_chunks, initial_params
 
 

@@ -1,6 +1,6 @@
 """An island's several deltas of one fold (a merger that fell behind) are merged as their sum, and
-with a dense int codec straight from their codes (merger/coded.py `dense`, `sizes`): the fold
-stays on the codes instead of decoding every delta for the float32 path."""
+with a dense int codec straight from their codes (merger/engines/coded.py `dense`, `sizes`): the
+fold stays on the codes instead of decoding every delta for the float32 path."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dloco.merger import coded
-from dloco.merger.clipping import part_norm
 from dloco.merger.config import MergeConfig, OuterConfig
-from dloco.merger.fold import Contribution, fold, init_state
-from dloco.merger.outer import make_step, outer_optimizer
+from dloco.merger.engines import coded
+from dloco.merger.fold.clipping import part_norm
+from dloco.merger.fold.merge import Contribution, fold, init_state
+from dloco.merger.fold.outer import make_step, outer_optimizer
 from dloco.protocol import Codec, CodedTensor
 
 INT4_8 = Codec("int4", 8)

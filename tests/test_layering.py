@@ -48,7 +48,7 @@ def module_name(path: Path) -> str:
 
 
 def package_of(module: str) -> str | None:
-    """The project folder a dotted import name lives in (`dloco.merger.fold` -> "merger",
+    """The project folder a dotted import name lives in (`dloco.merger.fold.merge` -> "merger",
     `dloco.cli` -> "commands"), or None for anything outside the project."""
     parts = module.split(".")
     if parts[0] != "dloco":
@@ -176,7 +176,7 @@ def folder_of(path: Path) -> str:
 
 def imported_packages(path: Path) -> set[str]:
     """The project folders a file imports from (`from dloco import merger` and
-    `from dloco.merger.fold import fold` both give "merger")."""
+    `from dloco.merger.fold.merge import fold` both give "merger")."""
     found = set()
     for module, names in imported_names(path):
         targets = (

@@ -1,6 +1,7 @@
 """requirements.lock pins every package pyproject.toml asks for (the install, the test and dev
 extras), with hashes: CI and the README's test command install from it, so that a replay's
-bit-identity is tied to the jax and numba that ran (merger/fold_loops.py KERNELS_VERSION)."""
+bit-identity is tied to the jax and numba that ran (merger/engines/dense_loops.py
+KERNELS_VERSION)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Merging straight from int codes (merger/coded.py) against hand-derived values and against the
-float32 path on the decoded deltas; live and replay take the same path (tests/test_merger_log.py).
+"""Merging straight from int codes (merger/engines/coded.py) against hand-derived values and against
+the float32 path on the decoded deltas; live and replay take the same path
+(tests/test_merger_log.py).
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import numpy as np
 import pytest
 
 from dloco import protocol
-from dloco.merger import coded, rda
-from dloco.merger.clipping import part_norm
 from dloco.merger.config import MergeConfig, OuterConfig
-from dloco.merger.fold import Contribution, fold, init_state, merge
-from dloco.merger.outer import make_step, outer_optimizer
+from dloco.merger.engines import coded
+from dloco.merger.fold import rda
+from dloco.merger.fold.clipping import part_norm
+from dloco.merger.fold.merge import Contribution, fold, init_state, merge
+from dloco.merger.fold.outer import make_step, outer_optimizer
 from dloco.protocol import Codec, CodedTensor
 
 INT4_8 = Codec("int4", 8)

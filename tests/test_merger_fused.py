@@ -1,6 +1,6 @@
 """Folds of dense int codes under Nesterov momentum take the outer step in the merge's pass
-(merger/fused.py): the model the merged direction stepped in XLA gives (to rounding), the state
-folded from read and never written, the new one in buffers that come back once nothing views
+(merger/engines/fused.py): the model the merged direction stepped in XLA gives (to rounding), the
+state folded from read and never written, the new one in buffers that come back once nothing views
 them."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from dloco import protocol
-from dloco.merger import fold as fold_module
 from dloco.merger.config import MergeConfig, MergerConfig, OuterConfig
-from dloco.merger.core import MergerCore
-from dloco.merger.fold import Contribution, fold, init_state
-from dloco.merger.outer import make_step, outer_optimizer
-from dloco.merger.scratch import Scratch, StateBuffers
+from dloco.merger.engines.scratch import Scratch, StateBuffers
+from dloco.merger.fold import merge as fold_module
+from dloco.merger.fold.merge import Contribution, fold, init_state
+from dloco.merger.fold.outer import make_step, outer_optimizer
+from dloco.merger.state.core import MergerCore
 from dloco.protocol import Codec, CodedTensor
 from tests.merger_helpers import assemble, delta_chunks, initial_params
 

@@ -15,15 +15,15 @@ import pytest
 
 from dloco import protocol
 from dloco.merger.config import MergerConfig, OuterConfig
-from dloco.merger.core import MergerCore, ReplayError
-from dloco.merger.fold import FragmentState, PendingStep, fold
+from dloco.merger.fold.merge import FragmentState, PendingStep, fold
 from dloco.merger.starting import initial_core
+from dloco.merger.state.core import MergerCore, ReplayError
 from tests.merger_helpers import assemble, delta_chunks, initial_params
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
-# Nesterov momentum stepped in XLA (merger/outer.py's delayed variant with a delay of 1)
+# Nesterov momentum stepped in XLA (merger/fold/outer.py's delayed variant with a delay of 1)
 XLA_STEP = MergerConfig(outer=OuterConfig(kind="delayed_nesterov", delay=1))
 
 

@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 
 from dloco import protocol
-from dloco.merger import checkpoint
 from dloco.merger.config import MergeConfig, MergerConfig, OuterConfig
-from dloco.merger.core import MergerCore, ReplayError
-from dloco.merger.recovery import checkpoint_dir, recover, replay, wal_dir
-from dloco.merger.wal import WriteAheadLog
-from dloco.merger.wal_segments import LogCorruption, read_records
+from dloco.merger.log.segments import LogCorruption, read_records
+from dloco.merger.log.wal import WriteAheadLog
+from dloco.merger.state import checkpoint
+from dloco.merger.state.core import MergerCore, ReplayError
+from dloco.merger.state.recovery import checkpoint_dir, recover, replay, wal_dir
 from tests.merger_helpers import assemble, delta_chunks, initial_params
 
 CONFIG = MergerConfig(MergeConfig(max_staleness=2))
@@ -207,9 +207,9 @@ def test_the_log_says_which_fold_kernels_and_jax_wrote_it(tmp_path):
     silence."""
     import jax
 
-    from dloco.merger import records
-    from dloco.merger.coded_kernels import KERNELS_VERSION
-    from dloco.merger.recovery import software_mismatch
+    from dloco.merger.engines.sparse_xla import KERNELS_VERSION
+    from dloco.merger.log import records
+    from dloco.merger.state.recovery import software_mismatch
 
     core, wal = new_core(tmp_path)
     wal.close()
@@ -255,8 +255,8 @@ def test_the_genesis_record_carries_the_model_as_blobs_without_copying_it(tmp_pa
     import msgpack
     import numpy as np
 
-    from dloco.merger import records
-    from dloco.merger.logmatch import genesis_id, genesis_of
+    from dloco.merger.log import records
+    from dloco.merger.log.logmatch import genesis_id, genesis_of
 
     params = {
         "a": np.arange(6, dtype=np.float32).reshape(2, 3),

@@ -11,9 +11,9 @@ import numpy as np
 import optax
 import pytest
 
-from dloco.merger import admission, outer, rda, weighting
 from dloco.merger.config import ConfigError, MergeConfig, OuterConfig, RoundConfig
-from dloco.merger.fold import Contribution, fold, init_state
+from dloco.merger.fold import admission, outer, rda, weighting
+from dloco.merger.fold.merge import Contribution, fold, init_state
 
 LAYOUT = {"w": (2, 2), "b": (2,)}
 

@@ -10,10 +10,10 @@ import zmq
 
 from dloco import protocol
 from dloco.merger.config import MergeConfig, MergerConfig, RoundConfig
-from dloco.merger.core import MergerCore
-from dloco.merger.pipeline import FoldPipeline
-from dloco.merger.recovery import replay, wal_dir
-from dloco.merger.wal import WriteAheadLog
+from dloco.merger.log.wal import WriteAheadLog
+from dloco.merger.state.core import MergerCore
+from dloco.merger.state.pipeline import FoldPipeline
+from dloco.merger.state.recovery import replay, wal_dir
 from tests.merger_helpers import assemble, delta_chunks, initial_params
 
 CONFIG = MergerConfig(MergeConfig(max_staleness=3), round=RoundConfig(quorum=1, grace_cap_s=0.0))
@@ -203,8 +203,8 @@ def test_a_barrier_that_raises_does_not_leave_the_worker_waiting(tmp_path):
 
 def test_a_fold_given_up_before_its_install_leaves_the_state_as_it_was(tmp_path):
     """The outer step is taken in place when a fold is installed, or into buffers of the fold's own
-    (merger/fused.py): a fold given up before its install (a fenced primary's barrier raises, or
-    the log cannot be made durable) has not touched the fragment's parameters."""
+    (merger/engines/fused.py): a fold given up before its install (a fenced primary's barrier
+    raises, or the log cannot be made durable) has not touched the fragment's parameters."""
     core, wal = new_core(tmp_path)
     pipeline = FoldPipeline(core, wal)
     # a first fold installed: the fragment's arrays are the folds' now (the next could take them)

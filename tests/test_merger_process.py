@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from dloco import protocol
-from dloco.merger import checkpoint
-from dloco.merger.recovery import checkpoint_dir, wal_dir
+from dloco.merger.state import checkpoint
+from dloco.merger.state.recovery import checkpoint_dir, wal_dir
 from tests.merger_process_helpers import Island, start_merger, stop
 
 DELTAS = 12

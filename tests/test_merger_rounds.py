@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dloco.merger import admission, round_policy
 from dloco.merger.config import RoundConfig
+from dloco.merger.fold import admission
+from dloco.merger.state import round_policy
 
 
 def test_quorum_one_folds_immediately():
@@ -131,7 +132,7 @@ def test_the_merger_asks_the_round_policy_about_nearby_islands_only_and_decides_
     (now - slack, now + grace_cap]; over random arrivals of 40 islands its decisions are those of
     `decide` over every island's history."""
     from dloco.merger.config import MergerConfig
-    from dloco.merger.core import MergerCore
+    from dloco.merger.state.core import MergerCore
     from dloco.protocol import model_fingerprint
 
     rng = random.Random(7)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dloco.merger.recovery import wal_dir
+from dloco.merger.state.recovery import wal_dir
 from tests.merger_process_helpers import Island, free_port, start_merger, stop
 
 

@@ -14,10 +14,10 @@ import pytest
 
 from dloco.analysis.export import params_of
 from dloco.cluster.ports import free_ports
-from dloco.merger import checkpoint
-from dloco.merger.logmatch import other_shard
-from dloco.merger.recovery import checkpoint_dir
-from dloco.merger.rundir import check_shard
+from dloco.merger.log.logmatch import other_shard
+from dloco.merger.log.rundir import check_shard
+from dloco.merger.state import checkpoint
+from dloco.merger.state.recovery import checkpoint_dir
 from dloco.protocol import shards
 from dloco.protocol.errors import ConfigError
 

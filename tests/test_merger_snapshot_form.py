@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from dloco.merger import round_policy
-from dloco.merger.snapshot_form import DIFF, FULL, REPLY, snapshot_form
+from dloco.merger.network.snapshot_form import DIFF, FULL, REPLY, snapshot_form
+from dloco.merger.state import round_policy
 
 
 @pytest.mark.parametrize(
@@ -55,7 +55,7 @@ def test_snapshot_form(version, served, on_bus, every, form):
 
 def test_an_island_silent_for_two_of_its_intervals_no_longer_holds_snapshots():
     from dloco.merger.config import MergerConfig
-    from dloco.merger.core import MergerCore
+    from dloco.merger.state.core import MergerCore
     from dloco.protocol import model_fingerprint
 
     params = {"w": np.zeros(1, np.float32)}
@@ -75,7 +75,7 @@ def test_an_island_silent_for_two_of_its_intervals_no_longer_holds_snapshots():
 
 def test_a_peers_catch_up_replies_are_budgeted():
     """2 fragments: 12 replies at once, then 2 a second."""
-    from dloco.merger.round_policy import CatchUpBudget
+    from dloco.merger.state.round_policy import CatchUpBudget
 
     budget = CatchUpBudget(2)
     assert [budget.take(10.0) for _ in range(13)] == [True] * 12 + [False]

@@ -21,7 +21,7 @@ import pytest
 from dloco.analysis.runinfo import merger_folds, read_events, read_metrics, wall
 from dloco.bus.sockets import HEARTBEAT_TIMEOUT_MS
 from dloco.cluster import netns
-from dloco.merger.wal_segments import read_records
+from dloco.merger.log.segments import read_records
 from tests.cluster_helpers import small_profile
 
 TIMEOUT_S = HEARTBEAT_TIMEOUT_MS / 1000
@@ -140,6 +140,7 @@ def _rejections_logged(run, island) -> int:
     return sum((0 if e.get("flushed") else 1) + e.get("left_out", 0) for e in lines)
 
 
+# Over 60 lines: two cuts, then what each must leave behind, checked in the order they happened.
 @pytest.mark.e2e
 @pytest.mark.timeout(1000)
 def test_an_island_partitioned_for_2x_then_20x_the_heartbeat_timeout_trains_on_and_resyncs(

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from dloco import protocol
-from dloco.merger import checkpoint, outer
 from dloco.merger.config import ConfigError, MergerConfig, OuterConfig
-from dloco.merger.core import MergerCore
+from dloco.merger.fold import outer
+from dloco.merger.state import checkpoint
+from dloco.merger.state.core import MergerCore
 from tests.merger_helpers import assemble, delta_chunks, initial_params
 from tests.test_merger_math import run_outer, run_outer_shares
 

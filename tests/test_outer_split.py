@@ -1,4 +1,4 @@
-"""The in-place outer step of a 16-bit optimizer state runs as two programs (merger/outer.py
+"""The in-place outer step of a 16-bit optimizer state runs as two programs (merger/fold/outer.py
 `make_step`): the same bytes as the one program the step runs out of place, fold after fold, for
 every outer optimizer, and the state's buffers written over themselves."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dloco.merger.config import OuterConfig
-from dloco.merger.outer import _narrow, make_step, outer_optimizer
+from dloco.merger.fold.outer import _narrow, make_step, outer_optimizer
 
 SHAPES = {"a": (64, 48), "b": (300,)}
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from dloco import protocol
-from dloco.merger import admission
-from dloco.merger.clipping import clip_factors
 from dloco.merger.config import ConfigError, MergeConfig, MergerConfig
-from dloco.merger.core import MergerCore
-from dloco.merger.outliers import ColdCap, NormHistory, ParamNorm, Quarantine, fold_caps
+from dloco.merger.fold import admission
+from dloco.merger.fold.clipping import clip_factors
+from dloco.merger.fold.outliers import ColdCap, NormHistory, ParamNorm, Quarantine, fold_caps
+from dloco.merger.state.core import MergerCore
 
 LAYOUT = {"w": (2, 2), "b": (2,)}
 

@@ -1,6 +1,7 @@
-"""The guard's cold reference (merger/param_norms.py): a lower bound of the norm of a fragment's new
-parameters starts on its own thread when a fold leaves an island without a movement reference, the
-next fold takes it, and the exact norm is read only for a part beyond the bound's cap."""
+"""The guard's cold reference (merger/state/param_norms.py): a lower bound of the norm of a
+fragment's new parameters starts on its own thread when a fold leaves an island without a movement
+reference, the next fold takes it, and the exact norm is read only for a part beyond the bound's
+cap."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import pytest
 
 from dloco import protocol
 from dloco.merger.config import MergerConfig
-from dloco.merger.core import MergerCore
-from dloco.merger.fold import Contribution, FragmentState, ReplayError
-from dloco.merger.fold_loops import NORM_PART
-from dloco.merger.outliers import COLD_LIMIT, NormHistory, ParamNorm
-from dloco.merger.param_norms import LOWER_EVERY, ParamNorms, norm_of
+from dloco.merger.engines.dense_loops import NORM_PART
+from dloco.merger.fold.merge import Contribution, FragmentState, ReplayError
+from dloco.merger.fold.outliers import COLD_LIMIT, NormHistory, ParamNorm
+from dloco.merger.state.core import MergerCore
+from dloco.merger.state.param_norms import LOWER_EVERY, ParamNorms, norm_of
 
 
 class Watched(Mapping):

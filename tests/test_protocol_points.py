@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from dloco import protocol
-from dloco.merger import records
-from dloco.merger.replication_wire import FIELDS
+from dloco.merger.log import records
+from dloco.merger.replication.wire import FIELDS
 from dloco.protocol import downlink, shards
 from dloco.protocol.sparse import SPARSE_BITS
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from dloco.analysis.refold import refolded
-from dloco.merger.recovery import recover, wal_dir
-from dloco.merger.wal import WriteAheadLog
+from dloco.merger.log.wal import WriteAheadLog
+from dloco.merger.state.recovery import recover, wal_dir
 from tests.merger_helpers import assemble, delta_chunks
 from tests.run_dir_helpers import make_run
 

@@ -16,12 +16,13 @@ from dloco.island.config import SyncConfig
 from dloco.island.shaper import LinkShaper
 from dloco.island.snapshots import Downlink
 from dloco.island.uplink import Uplink
-from dloco.merger import records
-from dloco.merger.logmatch import agreed_length, set_aside_from, terms_of
-from dloco.merger.replication_wire import (
+from dloco.merger.log import records
+from dloco.merger.log.logmatch import agreed_length, set_aside_from, terms_of
+from dloco.merger.log.segments import read_records
+from dloco.merger.log.wal import WriteAheadLog
+from dloco.merger.replication.wire import (
     FOLLOW,
     RECORD,
-    ReplicationConfig,
     ReplicationError,
     decode,
     encode,
@@ -29,8 +30,7 @@ from dloco.merger.replication_wire import (
     read_record,
     record_frames,
 )
-from dloco.merger.wal import WriteAheadLog
-from dloco.merger.wal_segments import read_records
+from dloco.merger.settings import ReplicationConfig
 from dloco.protocol.checksum import crc32
 from dloco.protocol.errors import DlocoError
 from tests.test_broker import BrokerProcess, heartbeat, pair
@@ -313,7 +313,7 @@ def test_the_broker_drops_snapshot_bus_messages_from_an_older_epoch_of_their_sen
 
 
 def test_a_standby_whose_fold_differs_from_the_primarys_raises_whichever_digest_comes_second():
-    from dloco.merger.standby import Diverged, Standby
+    from dloco.merger.replication.standby import Diverged, Standby
 
     # only its digest book-keeping: no sockets, no log
     standby = object.__new__(Standby)

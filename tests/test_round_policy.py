@@ -1,8 +1,8 @@
-"""The round policy's arrival history (merger/round_policy.py observe), by hand."""
+"""The round policy's arrival history (merger/state/round_policy.py observe), by hand."""
 
 from __future__ import annotations
 
-from dloco.merger.round_policy import observe
+from dloco.merger.state.round_policy import observe
 
 
 def test_an_islands_arrival_history_starts_again_after_an_absence():

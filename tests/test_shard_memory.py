@@ -1,8 +1,8 @@
-"""A merger shard holds only its share of the model (merger/starting.py, merger/core.py): it reads
-its own fragments' values from the initial values, logs and checkpoints them alone, holds empty
-states for the other shards' fragments, and refuses their deltas and catch-up requests.  What the
-shards hold together is the model, and an export joins their checkpoints into it.  (The same bytes
-as one merger, through real processes: test_merger_shards.py, `-m e2e`.)"""
+"""A merger shard holds only its share of the model (merger/starting.py, merger/state/core.py): it
+reads its own fragments' values from the initial values, logs and checkpoints them alone, holds
+empty states for the other shards' fragments, and refuses their deltas and catch-up requests.  What
+the shards hold together is the model, and an export joins their checkpoints into it.  (The same
+bytes as one merger, through real processes: test_merger_shards.py, `-m e2e`.)"""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import pytest
 
 from dloco import protocol
 from dloco.analysis.export import combine, params_of
-from dloco.merger import checkpoint, records
 from dloco.merger.config import MergeConfig, MergerConfig, RoundConfig
-from dloco.merger.recovery import initial_states, recover, wal_dir
+from dloco.merger.log import records
+from dloco.merger.log.wal import WriteAheadLog
 from dloco.merger.starting import initial_core, load_initial, npz_shapes
-from dloco.merger.wal import WriteAheadLog
+from dloco.merger.state import checkpoint
+from dloco.merger.state.recovery import initial_states, recover, wal_dir
 from tests.merger_helpers import assemble, delta_chunks
 
 CONFIG = MergerConfig(MergeConfig(max_staleness=3), round=RoundConfig(quorum=1, grace_cap_s=0.0))

@@ -12,9 +12,9 @@ import pytest
 
 from dloco.benchmarks.failover import StreamIsland
 from dloco.cluster.ports import free_ports
-from dloco.merger.recovery import genesis_record, wal_dir
+from dloco.merger.log.segments import read_records
 from dloco.merger.roles import EXIT_REFUSED
-from dloco.merger.wal_segments import read_records
+from dloco.merger.state.recovery import genesis_record, wal_dir
 from tests.merger_helpers import delta_chunks
 from tests.test_broker import BrokerProcess
 from tests.test_standby import (

@@ -11,8 +11,8 @@ import msgpack
 import pytest
 
 from dloco import protocol
-from dloco.merger import replication_wire as wire
-from dloco.merger.replication_wire import ReplicationError
+from dloco.merger.replication import wire
+from dloco.merger.replication.wire import ReplicationError
 from dloco.protocol import ProtocolError, decode, encode
 from tests.conftest import one_of_each_kind
 

@@ -21,9 +21,9 @@ import pytest
 from dloco import protocol
 from dloco.benchmarks.failover import StreamIsland
 from dloco.cluster.ports import free_ports
-from dloco.merger import records
-from dloco.merger.recovery import wal_dir
-from dloco.merger.wal_segments import read_records
+from dloco.merger.log import records
+from dloco.merger.log.segments import read_records
+from dloco.merger.state.recovery import wal_dir
 from tests.merger_helpers import delta_chunks, initial_params
 from tests.test_broker import BrokerProcess
 

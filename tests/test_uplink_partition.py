@@ -35,6 +35,7 @@ def received(sub: zmq.Socket, heartbeats: int) -> list:
     return [m for m in messages if isinstance(m, protocol.DeltaChunk)]
 
 
+# Over 60 lines: one partition walked through in order, on the same sockets.
 @pytest.mark.timeout(120)
 def test_deltas_wait_out_a_partition_summed_and_leave_rebased_on_the_newest_value():
     context = zmq.Context()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dloco.merger.wal import WriteAheadLog
-from dloco.merger.wal_segments import LogCorruption, read_records
+from dloco.merger.log.segments import LogCorruption, read_records
+from dloco.merger.log.wal import WriteAheadLog
 
 
 def fill(directory, count, segment_bytes=1 << 20):
@@ -225,7 +225,7 @@ def test_an_earlier_segment_that_lost_whole_records_ends_the_log_too(tmp_path):
     name the missing records), and a log whose first segment is not record 0 is corruption."""
     import os
 
-    from dloco.merger.wal_segments import _scan
+    from dloco.merger.log.segments import _scan
 
     fill(tmp_path, 40, segment_bytes=1000)
     segments = sorted(tmp_path.glob("*.seg"))
@@ -316,7 +316,7 @@ def test_the_write_queue_is_bounded_in_bytes(tmp_path, monkeypatch):
 def test_a_failed_write_stops_the_writer_and_every_later_append_and_sync_raises(tmp_path):
     """A write the disk refuses (here /dev/full: ENOSPC) ends the log where it was: nothing after
     it is written, the appender hears it at its next append or sync."""
-    from dloco.merger.wal import StorageError
+    from dloco.merger.log.wal import StorageError
 
     log = WriteAheadLog(tmp_path, fsync="batch")
     log.append({"i": 0})
