@@ -58,7 +58,11 @@ class IslandLoop:
         self.progress = [
             FragmentProgress(exchange.Anchor({p: params[p] for p in paths})) for paths in self.parts
         ]
-        self.tokens, self.compute_s, self.started = 0, 0.0, None
+        # tokens trained, seconds of the island's own work (training, evaluating), and when the
+        # first step began
+        self.tokens = 0
+        self.compute_s = 0.0
+        self.started = None
         # time spent blocked on the merger (synchronous modes only)
         self.wait_s = 0.0
         # set from a signal handler: finish the current step, then stop
@@ -66,7 +70,9 @@ class IslandLoop:
         # A multi-process island (island/group.py): the leader's parameter changes are staged and
         # reach every process once per step, with the stop requests, which all processes then agree
         # on.
-        self.group, self.staged, self.group_stop = group, {}, False
+        self.group = group
+        self.staged: dict[str, np.ndarray] = {}
+        self.group_stop = False
         # (step event, parameters after it): train.eval_trace
         self.trace: list[tuple[dict, dict[str, np.ndarray]]] = []
         # With a token budget: the cluster's progress in millionths, the leader's as agreed by

@@ -96,14 +96,8 @@ class Uplink:
         shards: int = 1,
         merger_epochs: dict[str, int] | None = None,
     ) -> None:
-        self.name, self.model, self.epoch, self.sync, self.shaper, self.stop = (
-            name,
-            model,
-            epoch,
-            sync,
-            shaper,
-            stop,
-        )
+        self.name, self.model, self.epoch = name, model, epoch
+        self.sync, self.shaper, self.stop = sync, shaper, stop
         self.codec = protocol.Codec(sync.codec, sync.block)
         self.lock = threading.Condition()
         self.outbox = Outbox()

@@ -14,6 +14,9 @@ every epoch the old primary used, and hands the state, log and lock to a `Merger
 within two leases, else the primary.
 """
 
+# Over 400 lines: one follower of one primary, its loop and its takeover over the same fields;
+# the messages it reads are wire.py's, the state it keeps is MergerCore's.
+
 from __future__ import annotations
 
 import collections
@@ -95,8 +98,12 @@ class Standby:
         except BaseException:
             self.lock.release()
             raise
-        self.primary_epoch, self.primary_term, self.primary_length = 0, 0, 0
-        self.primary_state, self.heard = "", None
+        # what the primary last said of itself, and when we last heard it
+        self.primary_epoch = 0
+        self.primary_term = 0
+        self.primary_length = 0
+        self.primary_state = ""
+        self.heard = None
         # our latest `follow`, and whether its `start` has come
         self.generation, self.started = 0, False
         # fold index -> (fragment, ours)
@@ -216,7 +223,9 @@ class Standby:
         )
         # unsent (the queue to an absent primary full): again next turn
         if sent:
-            self.asked, self.started, self.refollow = now, False, False
+            self.asked = now
+            self.started = False
+            self.refollow = False
 
     def _on_message(self, frames: list, dealer: zmq.Socket) -> bool:
         """Handle one message from the primary; True when a record was appended."""
