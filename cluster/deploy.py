@@ -7,20 +7,25 @@ its host and start there with `docker compose up -d`:
   merger's control ROUTER.
 - one folder per region: that region's island, its own secret key and the hub's public keys, and
   nothing else: a region host never holds another's secret.  Islands only dial out, so a region
-  behind NAT works.
+  behind NAT works.  Beside its compose file, `island.sbatch` runs the island under Slurm instead:
+  one task per host of the region (`[[regions]] hosts`), one jax.distributed program whose
+  coordinator each task takes from Slurm's environment (`--coordinator slurm`).  A region of
+  several hosts gets the Slurm script only.
 
 Real hosts have real links and real speeds: the profile's emulated links and slowdowns stay
 behind.  Each bundle's README says what to copy where, which ports must be reachable, how to start
 it and how to check it (`dloco probe`).  A cluster this cannot place yet is refused, naming why:
-a hot standby, merger shards, an island over several hosts, a network of namespaces, or inputs
-(a task file, a corpus, a token file) that would have to travel with a bundle.
+a hot standby, merger shards, a network of namespaces, or inputs (a task file, a corpus, a token
+file) that would have to travel with a bundle.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -50,10 +55,6 @@ def check(config: ClusterConfig) -> None:
     merger = config.merger
     require(not merger.standby, "deploy: a hot standby ([merger] standby) is not placed yet")
     require(merger.shards == 1, "deploy: merger shards ([merger] shards > 1) are not placed yet")
-    multi = [r.name for r in config.regions if r.hosts > 1]
-    require(
-        not multi, f"deploy: an island over several hosts ({', '.join(multi)}) is not placed yet"
-    )
     require(config.network == "loopback", "deploy: run.network = netns is for one machine")
     model = config.model
     require(
@@ -72,6 +73,14 @@ def real_hosts(config: ClusterConfig) -> ClusterConfig:
     return dataclasses.replace(config, regions=regions, island_cpus=0.0)
 
 
+def one_command_each(config: ClusterConfig) -> ClusterConfig:
+    """`config` with every island written as one command line: a region's hosts are the tasks of
+    its Slurm job, which take their group from Slurm (every process of an island is started with
+    the same flags but for the group's; each takes its part of the batch)."""
+    regions = tuple(dataclasses.replace(r, hosts=1) for r in config.regions)
+    return dataclasses.replace(config, regions=regions)
+
+
 def commands(config: ClusterConfig, hub: str) -> dict[str, list[str]]:
     """Every process's `dloco` arguments: the hub's reaching each other by service name, the
     islands the hub at `hub`."""
@@ -79,12 +88,38 @@ def commands(config: ClusterConfig, hub: str) -> dict[str, list[str]]:
         BROKER_PORTS, CONTROL_PORT, broker_host="broker", merger_host="merger", bind_host="*"
     )
     outside = topology.Addresses(BROKER_PORTS, CONTROL_PORT, broker_host=hub, merger_host=hub)
-    hub_commands = topology.commands(config, inside, RUN)
-    island_commands = topology.commands(config, outside, RUN)
+    hub_commands = topology.commands(one_command_each(config), inside, RUN)
+    island_commands = topology.commands(one_command_each(config), outside, RUN)
     return {
         **{name: hub_commands[name] for name in HUB_SERVICES},
         **{r.name: island_commands[r.name] for r in config.regions},
     }
+
+
+def slurm_commands(config: ClusterConfig, hub: str) -> dict[str, list[str]]:
+    """Each region's island as one command line for every task of an srun step: paths under the
+    bundle's run/ (a Slurm job runs in the folder it was submitted from), the group taken from
+    Slurm's environment instead of a coordinator, a count and an index per host."""
+    outside = topology.Addresses(BROKER_PORTS, CONTROL_PORT, broker_host=hub, merger_host=hub)
+    lines = topology.commands(one_command_each(config), outside, "run")
+    return {r.name: [*lines[r.name], "--coordinator", "slurm"] for r in config.regions}
+
+
+def island_sbatch(name: str, command: list[str], tasks: int, program: Sequence[str] = ("dloco",)):
+    """A batch script that runs `command` (a `dloco` command line) as `tasks` tasks of one srun
+    step; `program` is how the host starts dloco."""
+    return f"""#!/bin/bash
+# Region {name}'s island under Slurm: {tasks} task(s) of one jax.distributed program, one per host
+# of the region; each takes the group's coordinator, size and its index from Slurm's environment.
+# From this folder: sbatch island.sbatch  (scancel ends it; the hub sees the island leave)
+#SBATCH --job-name=dloco-{name}
+#SBATCH --ntasks={tasks}
+#SBATCH --output=run/slurm-%j.out
+# one task per host, as the cluster file places them: uncomment on a cluster of several nodes
+##SBATCH --ntasks-per-node=1
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
+exec srun --kill-on-bad-exit=1 {shlex.join([*program, *command])}
+"""
 
 
 def _service(command: list[str], **extra) -> dict:
@@ -138,7 +173,7 @@ def write(config: ClusterConfig, hub: str, out: Path, prepare) -> list[Path]:
     if out.exists():
         raise ConfigError(f"deploy: {out} exists; give a new folder")
     config = real_hosts(config)
-    lines = commands(config, hub)
+    lines, slurm = commands(config, hub), slurm_commands(config, hub)
     with tempfile.TemporaryDirectory() as scratch:
         made = Path(scratch) / "run"
         prepare(config, made)
@@ -160,8 +195,13 @@ def write(config: ClusterConfig, hub: str, out: Path, prepare) -> list[Path]:
             ):
                 shutil.copy2(keys / key, bundle / "run" / "keys" / key)
             (bundle / "run" / "keys").chmod(0o700)
-            _dump(region_compose(region.name, lines[region.name]), bundle / "docker-compose.yml")
-            (bundle / "README.md").write_text(region_readme(region.name, hub))
+            if region.hosts == 1:
+                compose = region_compose(region.name, lines[region.name])
+                _dump(compose, bundle / "docker-compose.yml")
+            script = island_sbatch(region.name, slurm[region.name], region.hosts)
+            (bundle / "island.sbatch").write_text(script)
+            (bundle / "island.sbatch").chmod(0o755)
+            (bundle / "README.md").write_text(region_readme(region.name, hub, region.hosts))
             bundles.append(bundle)
     return bundles
 
@@ -199,13 +239,23 @@ Check it: `docker compose ps` (the broker healthy), then from any host
 """
 
 
-def region_readme(name: str, hub: str) -> str:
+def region_readme(name: str, hub: str, hosts: int = 1) -> str:
+    compose = (
+        f"Copy this folder to the host of region `{name}`, build the image there from a checkout"
+        " of dloco\n(`docker build -t dloco:latest .`), then:\n\n    docker compose up -d\n\n"
+        "Or, on a Slurm cluster with dloco installed (`pip install` from a checkout), from this"
+        " folder on\na filesystem the nodes share: `sbatch island.sbatch`."
+    )
+    slurm = (
+        f"Region `{name}` is one island over {hosts} hosts: it runs under Slurm, one task per host"
+        " of\none jax.distributed program. Copy this folder to a filesystem the nodes share,"
+        " install dloco on\nthem (`pip install` from a checkout), then from this folder:\n\n"
+        "    sbatch island.sbatch"
+    )
+    start = compose if hosts == 1 else slurm
     return f"""# Region {name}: its island
 
-Copy this folder to the host of region `{name}`, build the image there from a checkout of dloco
-(`docker build -t dloco:latest .`), then:
-
-    docker compose up -d
+{start}
 
 The island dials the hub `{hub}` on ports {", ".join(PUBLISHED)} (it only connects out: a host
 behind NAT works). `run/keys` holds this region's secret key alone, and the hub's public keys; the

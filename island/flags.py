@@ -132,7 +132,12 @@ def _add_group_flags(island: argparse.ArgumentParser) -> None:
         "--coordinator",
         default=None,
         metavar="HOST:PORT",
-        help="process 0's address for the group, the same for every process",
+        help=(
+            "process 0's address for the group, the same for every process; `slurm`: the tasks"
+            " of an srun job step (coordinator, --num-processes and --process-id from Slurm's"
+            " environment; processes other than 0 write their metrics as NAME.I beside"
+            " --metrics-out)"
+        ),
     )
     hosts.add_argument(
         "--num-processes",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -63,13 +64,44 @@ def _lost(error: BaseException) -> GroupLost:
     )
 
 
+# `--coordinator slurm`: the group is the job step's tasks (srun), as jax.distributed finds it
+SLURM = "slurm"
+SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
+
+
+def from_slurm(environment: Mapping[str, str]) -> tuple[int, int]:
+    """(processes, this process's index) of a task started by srun, from Slurm's environment;
+    jax.distributed takes the coordinator (the step's first node) from the same variables.
+    GroupError naming what is missing outside srun."""
+    missing = [name for name in SLURM_VARIABLES if name not in environment]
+    if missing:
+        raise GroupError(
+            f"--coordinator slurm needs Slurm's environment (run it under srun): {missing} unset"
+        )
+    try:
+        return int(environment["SLURM_NTASKS"]), int(environment["SLURM_PROCID"])
+    except ValueError:
+        raise GroupError(
+            "Slurm's SLURM_NTASKS and SLURM_PROCID must be integers, got"
+            f" {environment['SLURM_NTASKS']!r}, {environment['SLURM_PROCID']!r}"
+        ) from None
+
+
+def metrics_path(path: Path | None, index: int) -> Path | None:
+    """Where process `index` of a group started with one command line (srun) writes its metrics:
+    process 0 at `path`, the others beside it as NAME.I.jsonl (cluster files name hosts so too)."""
+    if path is None or index == 0:
+        return path
+    return path.with_name(f"{path.stem}.{index}{path.suffix}")
+
+
 def check(coordinator: str | None, processes: int, index: int) -> None:
     """The flags of one process of a group, checked before anything is imported."""
     if processes < 1:
         raise GroupError(f"--num-processes must be >= 1, got {processes}")
     if not 0 <= index < processes:
         raise GroupError(f"--process-id must be in [0, {processes}), got {index}")
-    if processes > 1:
+    if processes > 1 and coordinator != SLURM:
         host, _, port = (coordinator or "").rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise GroupError(
@@ -119,10 +151,12 @@ def initialize(
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # under srun jax.distributed finds the coordinator, count and index itself (SlurmCluster)
+    slurm = coordinator == SLURM
     jax.distributed.initialize(
-        coordinator,
-        num_processes=processes,
-        process_id=index,
+        None if slurm else coordinator,
+        num_processes=None if slurm else processes,
+        process_id=None if slurm else index,
         initialization_timeout=max(1, round(join_timeout_s)),
         heartbeat_timeout_seconds=max(1, round(timeout_s)),
         shutdown_timeout_seconds=max(1, round(timeout_s)),

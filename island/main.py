@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import sys
 
 from dloco.cliargs import from_args
 from dloco.island.config import SyncConfig, TrainConfig
 from dloco.island.flags import add_island_flags, task_options
-from dloco.island.group import GroupLost
+from dloco.island.group import SLURM, GroupLost, from_slurm, metrics_path
 from dloco.island.group import check as group_check
 from dloco.island.task import BUILTIN
 
@@ -36,6 +37,9 @@ def checked(args: argparse.Namespace, task_context) -> tuple:
     sync = from_args(SyncConfig, args)
     if not 0 <= args.island_index < args.islands:
         raise DlocoError(f"--island-index must be in [0, {args.islands}), got {args.island_index}")
+    if args.coordinator == SLURM:
+        args.num_processes, args.process_id = from_slurm(os.environ)
+        args.metrics_out = metrics_path(args.metrics_out, args.process_id)
     group_check(args.coordinator, args.num_processes, args.process_id)
     if args.num_processes > 1 and (args.eval_trace or args.write_init is not None):
         raise DlocoError("--eval-trace and --write-init are for an island of one process")

@@ -1,11 +1,13 @@
 """`dloco deploy` (cluster/deploy.py): one cluster file as a bundle per host.  A region's bundle
 holds its own secret key and the hub's public keys, nothing else; the hub's holds no island's
-secret; the islands dial only the ports the hub publishes; every compose file is one `docker
-compose` reads; what cannot be placed yet is refused by name."""
+secret; the islands dial only the ports the hub publishes, in compose or under Slurm (a region of
+several hosts is one job of a task per host); every compose file is one `docker compose` reads;
+what cannot be placed yet is refused by name."""
 
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import stat
 import subprocess
 
@@ -69,6 +71,28 @@ def test_islands_dial_only_the_ports_the_hub_publishes(bundles):
         # a real host: no emulated link, no sleep
         command = island["command"]
         assert "--uplink-mbps" not in command and command[command.index("--slowdown") + 1] == "1.0"
+        # the same island under Slurm: the same endpoints, its group from Slurm's environment
+        script = (bundles / region.name / "island.sbatch").read_text()
+        (srun,) = [line for line in script.splitlines() if line.startswith("exec srun ")]
+        words = shlex.split(srun)
+        assert {arg for arg in words if arg.startswith("tcp://")} == dialled
+        assert words[words.index("--coordinator") + 1] == "slurm" and "--process-id" not in words
+        assert "#SBATCH --ntasks=1" in script and words[3:5] == ["dloco", "island"]
+
+
+def test_a_region_of_several_hosts_is_one_slurm_job_of_a_task_per_host(tmp_path):
+    config = cluster_config.load()
+    first = dataclasses.replace(config.regions[0], hosts=4)
+    config = dataclasses.replace(config, regions=(first, *config.regions[1:]))
+    deploy.write(config, HUB, tmp_path / "out", launcher.prepare)
+    bundle = tmp_path / "out" / first.name
+    assert names(bundle) == {"run", "island.sbatch", "README.md"}
+    script = (bundle / "island.sbatch").read_text()
+    words = shlex.split(script.splitlines()[-1])
+    assert "#SBATCH --ntasks=4" in script and "--num-processes" not in words
+    assert words[words.index("--coordinator") + 1] == "slurm"
+    assert words[words.index("--metrics-out") + 1] == f"run/metrics/{first.name}.jsonl"
+    assert "sbatch island.sbatch" in (bundle / "README.md").read_text()
 
 
 def test_every_bundle_is_a_compose_file_docker_compose_reads(bundles):
@@ -100,12 +124,6 @@ def test_every_bundle_is_a_compose_file_docker_compose_reads(bundles):
         (
             lambda c: dataclasses.replace(c, model=dataclasses.replace(c.model, corpus="/x")),
             "corpus",
-        ),
-        (
-            lambda c: dataclasses.replace(
-                c, regions=(dataclasses.replace(c.regions[0], hosts=2), *c.regions[1:])
-            ),
-            "several hosts",
         ),
     ],
 )
