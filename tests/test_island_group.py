@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -79,6 +80,22 @@ def test_bad_group_flags_are_named(coordinator, processes, index, message):
         group.check(coordinator, processes, index)
     # one process needs no coordinator
     group.check(None, 1, 0)
+
+
+def test_under_srun_the_group_is_read_from_slurms_environment():
+    step = {"SLURM_JOB_ID": "17", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2"}
+    assert group.from_slurm({**step, "SLURM_PROCID": "1"}) == (2, 1)
+    # outside srun: the variables missing are named
+    with pytest.raises(group.GroupError, match=r"under srun.*SLURM_PROCID"):
+        group.from_slurm(step)
+    with pytest.raises(group.GroupError, match="integers"):
+        group.from_slurm({**step, "SLURM_PROCID": "x"})
+    # the coordinator is jax.distributed's to find: no HOST:PORT is asked for
+    group.check(group.SLURM, 2, 1)
+    # process 0 keeps its file, the others write beside it as NAME.I
+    assert group.metrics_path(Path("run/metrics/east.jsonl"), 0) == Path("run/metrics/east.jsonl")
+    assert group.metrics_path(Path("run/metrics/east.jsonl"), 2) == Path("run/metrics/east.2.jsonl")
+    assert group.metrics_path(None, 1) is None
 
 
 def test_a_two_host_region_is_two_processes_wired_to_one_coordinator(tmp_path):
