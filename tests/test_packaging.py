@@ -52,7 +52,7 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
     # every folder arrived, data files included
     for path in (
         "dloco/protocol/framing.py",
-        "dloco/merger/fold.py",
+        "dloco/merger/fold/merge.py",
         "dloco/cluster/profiles/default.toml",
         "dloco/cluster/static/status.html",
         "dloco/cli.py",
