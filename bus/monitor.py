@@ -76,9 +76,16 @@ class SocketMonitor:
 
 class LinkWatcher(SocketMonitor):
     """Per label, the connections that came up and went down.  `report(event, label, endpoint)`
-    hears each change: `link_up` or `link_down`."""
+    hears each change: `link_up` or `link_down`.  Also counted: TCP connections made (`reached`:
+    the peer's port answered) and handshakes the peer refused (`refused`: CURVE keys it does not
+    admit), which tell a host that cannot reach the hub from one the hub turns away."""
 
-    EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+    REFUSALS = (
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    )
+    EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | REFUSALS
 
     def __init__(
         self, report: Callable[[str, str, str], None] = lambda event, label, endpoint: None
@@ -86,11 +93,17 @@ class LinkWatcher(SocketMonitor):
         self.report = report
         self.up: collections.Counter[str] = collections.Counter()
         self.down: collections.Counter[str] = collections.Counter()
+        self.reached: collections.Counter[str] = collections.Counter()
+        self.refused: collections.Counter[str] = collections.Counter()
         super().__init__(self.EVENTS, "link-watcher")
 
     def on_event(self, label: str, event: dict) -> None:
         kind = event.get("event")
         endpoint = bytes(event.get("endpoint", b"")).decode("ascii", "replace")
+        if kind == zmq.EVENT_CONNECTED or (kind is not None and kind & self.REFUSALS):
+            with self.lock:
+                (self.reached if kind == zmq.EVENT_CONNECTED else self.refused)[label] += 1
+            return
         if kind not in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED):
             return
         # also called by an island's pairs of merger links (island/mergers.py), on its thread

@@ -31,8 +31,9 @@ def wait_for_model(
 ) -> list[tuple[int, int, dict[str, np.ndarray]]]:
     """The snapshots (fragment, version, tensors) `link` delivers until every one of `fragments`
     has arrived, in arrival order; fewer when `stopping()` turns true.  `ours`: this task's
-    {path: shape}.  Raises JoinTimeout after `timeout_s`, naming the endpoints never reached if
-    the link says (`link.unreached()`), ModelMismatch as soon as what arrived differs from `ours`
+    {path: shape}.  Raises JoinTimeout after `timeout_s`, naming the endpoints never reached, or
+    those that refused its handshake, if the link says (`link.unreached()`, `link.refused()`),
+    ModelMismatch as soon as what arrived differs from `ours`
     (and, once everything arrived, if anything of `ours` is missing).  `unreachable(endpoints)` is
     told once if no connection has come up within the heartbeat timeout."""
     started = time.monotonic()
@@ -50,9 +51,16 @@ def wait_for_model(
                     f"could not reach {', '.join(unreached)} within {timeout_s} s: is the hub"
                     " running, and are its ports open to this host?"
                 )
+            refused = link.refused() if hasattr(link, "refused") else []
+            why = (
+                f" ({', '.join(refused)} refused its handshake: is this island's key in the hub's"
+                " allow-list?)"
+                if refused
+                else ""
+            )
             raise JoinTimeout(
                 f"no snapshot of fragments {sorted(waiting)} within {timeout_s} s: is the"
-                " merger running, with the same model?"
+                f" merger running, with the same model?{why}"
             )
         for fragment, version, tensors in link.snapshots():
             theirs.update({p: np.shape(v) for p, v in tensors.items()})

@@ -179,18 +179,34 @@ class NetworkLink:
     def results(self) -> collections.Counter[str]:
         return self.uplink.results
 
-    def unreached(self) -> list[str]:
-        """The endpoints (and their sockets) no connection to has ever come up: what a host that
-        cannot reach the hub names."""
+    def _sockets(self) -> list[tuple[str, str]]:
         names = shards.names(self.control_server, len(self.control_endpoints))
-        sockets = [
+        return [
             ("delta-bus", self.delta_route.endpoint),
             ("snapshot-bus", self.snapshot_route.endpoint),
             *zip(names, self.control_endpoints),
         ]
-        with self.links.lock:
+
+    def unreached(self) -> list[str]:
+        """The endpoints (and their sockets) that never answered a connection: what a host that
+        cannot reach the hub names."""
+        links = self.links
+        with links.lock:
             return [
-                f"{endpoint} ({label})" for label, endpoint in sockets if not self.links.up[label]
+                f"{endpoint} ({label})"
+                for label, endpoint in self._sockets()
+                if not links.up[label] and not links.reached[label]
+            ]
+
+    def refused(self) -> list[str]:
+        """The endpoints that answered but refused every handshake (a key the hub does not
+        admit)."""
+        links = self.links
+        with links.lock:
+            return [
+                f"{endpoint} ({label})"
+                for label, endpoint in self._sockets()
+                if not links.up[label] and links.refused[label]
             ]
 
     @property

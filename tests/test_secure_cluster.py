@@ -118,6 +118,8 @@ def test_training_through_a_curve_broker(tmp_path):
     assert good.returncode == 0, good.stderr[-2000:]
     summary = json.loads(good.stdout.strip().splitlines()[-1])
     assert summary["deltas_sent"] >= 6 and summary["acks"].get("folded", 0) >= 3, summary
-    assert bad.returncode == 2 and "no snapshot of fragments" in bad.stderr
+    # it reached the hub (no "could not reach"), which refused its handshakes, and says so
+    assert bad.returncode == 2 and "no snapshot of fragments" in bad.stderr, bad.stderr
+    assert "refused its handshake" in bad.stderr and "allow-list" in bad.stderr, bad.stderr
     # the stranger was turned away at the broker
     assert broker.events("broker_stopped")[-1]["auth_refused"] >= 1
