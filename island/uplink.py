@@ -186,7 +186,10 @@ class Uplink:
     def on_bus(self, up: bool, now: float) -> None:
         """The delta bus's connection came up or went down."""
         with self.lock:
-            self.bus.came_back(now) if up else self.bus.went_down()
+            if up:
+                self.bus.came_back(now)
+            else:
+                self.bus.went_down()
             self.lock.notify_all()
 
     def heard_of(self, sender: str, epoch: int, fragment: int, version: int, now: float) -> None:
