@@ -10,8 +10,8 @@ too.
 The default curve is this repository's own measurement (EXPERIMENTS.md, "Quality"), on the 0.87 M
 parameter model, 4 islands, 16 M cluster tokens (18 per parameter), one run each, taken against
 the baseline then called sync-dp, which is `sync-avg` now (parameter averaging after each island's
-own AdamW step, not data parallelism: against data parallelism every q below is lower; at 2 M
-tokens decoupled ended 18 % behind it on the test split):
+own AdamW step, not data parallelism: against data parallelism every q below is lower, by how
+much EXPERIMENTS.md "Quality" says):
 - that baseline's final loss falls 0.289 per doubling of its budget between 2 M and 16 M tokens
   (2.116 at 2 M, 1.249 at 16 M), so a decoupled final loss L at 16 M is what it reaches with
   16 M x 2^-((L - 1.249) / 0.289) tokens;
