@@ -197,6 +197,8 @@ class IslandLoop:
             "wall": time.time(),
             "compute_util": self.compute_s / (time.perf_counter() - self.started),
             "bytes_sent": getattr(self.link, "bytes_sent", 0),
+            # the highest delta id sent so far (ids count up from 1 per epoch)
+            "deltas_sent": getattr(self.link, "deltas_sent", 0),
             "bytes_received": getattr(self.link, "bytes_received", 0),
             "bytes_received_values": getattr(self.link, "bytes_received_values", 0),
             "snapshot_version": [p.version for p in self.progress],
