@@ -32,7 +32,17 @@ DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "default.toml"
 
 # processes and compose services
 RESERVED_NAMES = frozenset(
-    {"merger", "standby", "broker", "evaluator", "prepare", "status", "prometheus", "grafana"}
+    {
+        "merger",
+        "standby",
+        "broker",
+        "etcd",
+        "evaluator",
+        "prepare",
+        "status",
+        "prometheus",
+        "grafana",
+    }
 )
 
 
@@ -260,7 +270,12 @@ class ClusterConfig:
 
     @property
     def process_names(self) -> list[str]:
-        return [p for r in self.regions for p in r.processes] + [*self.merger.processes, "broker"]
+        return [
+            *(p for r in self.regions for p in r.processes),
+            *self.merger.processes,
+            "broker",
+            *(["etcd"] if self.merger.etcd else []),
+        ]
 
     def with_duration(self, seconds: float | None) -> ClusterConfig:
         return self if seconds is None else dataclasses.replace(self, duration_s=seconds)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from dloco.analysis import verdict
 from dloco.bus.keys import create_keys, write_allow_list
-from dloco.cluster import localcompose, netns, status, topology
+from dloco.cluster import etcd, localcompose, netns, status, topology
 from dloco.cluster.chaos import is_merger
 from dloco.cluster.config import ClusterConfig, unlike_the_profile
 from dloco.cluster.localcompose import Service, dloco_program
@@ -98,13 +98,14 @@ def native_services(config: ClusterConfig, run_dir: Path) -> dict[str, Service]:
     """Broker, merger and islands as processes of this Python on 127.0.0.1, free ports."""
     names = ["broker", *config.merger.processes, "evaluator", *(r.name for r in config.regions)]
     groups = [r.name for r in config.regions if r.hosts > 1]
-    ports = [str(p) for p in free_ports(8 + len(names) + len(groups) + config.merger.shards - 1)]
-    extra = ports[8 + len(names) :]
+    ports = [str(p) for p in free_ports(10 + len(names) + len(groups) + config.merger.shards - 1)]
+    extra = ports[10 + len(names) :]
     at = topology.Addresses(
         broker_ports=tuple(ports[:4]),
         control_port=ports[4],
         standby_ports=tuple(ports[5:8]),
-        metrics_ports=dict(zip(names, ports[8 : 8 + len(names)], strict=True)),
+        etcd_ports=(ports[8], ports[9]),
+        metrics_ports=dict(zip(names, ports[10 : 10 + len(names)], strict=True)),
         coordinator_ports=dict(zip(groups, extra[: len(groups)], strict=True)),
         shard_control_ports=tuple(extra[len(groups) :]),
     )
@@ -122,7 +123,8 @@ def native_services(config: ClusterConfig, run_dir: Path) -> dict[str, Service]:
         + "\n"
     )
     cpus = {name: config.cpus_of(r) for r in config.regions for name in r.processes}
-    return {name: Service(dloco(*args), cpus=cpus.get(name)) for name, args in commands.items()}
+    services = {name: Service(dloco(*args), cpus=cpus.get(name)) for name, args in commands.items()}
+    return etcd.first(services, dloco("probe", f"tcp://127.0.0.1:{at.etcd_ports[0]}"))
 
 
 def run(
@@ -196,6 +198,7 @@ def _own_services(
     )
     order = [
         "broker",
+        *(["etcd"] if "etcd" in services else []),
         *config.merger.processes,
         *(["evaluator"] if config.evaluator else []),
         *(p for r in config.regions for p in r.processes),

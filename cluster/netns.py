@@ -275,7 +275,7 @@ def host_names(config) -> list[str]:
 def services(config, run_dir, network: Network) -> dict:
     """The cluster's processes (cluster/topology.py's commands), each in its host's namespace,
     reaching the others at their hosts' addresses; every namespace has the ports to itself."""
-    from dloco.cluster import topology
+    from dloco.cluster import etcd, topology
     from dloco.cluster.localcompose import Service, dloco_program
 
     mergers = config.merger.processes
@@ -297,10 +297,14 @@ def services(config, run_dir, network: Network) -> dict:
     commands = topology.commands(config, at, str(run_dir))
     site = {process: region.name for region in config.regions for process in region.processes}
     cpus = {name: config.cpus_of(r) for r in config.regions for name in r.processes}
-    return {
+    # etcd on the hub's host, beside the broker
+    site["etcd"] = "broker"
+    services = {
         name: Service(
             network.wrap(site.get(name, name), [*dloco_program(), *args]),
             cpus=cpus.get(name),
         )
         for name, args in commands.items()
     }
+    probe = [*dloco_program(), "probe", f"tcp://{at.broker_host}:{at.etcd_ports[0]}"]
+    return etcd.first(services, network.wrap("broker", probe))

@@ -22,6 +22,8 @@ from dloco.protocol.errors import DlocoError
 
 # their end is reported, never a run's failure: the islands and the merger train without them
 AUXILIARY = ("evaluator", "status")
+# stopped last, after the mergers
+HUB = ("broker", "etcd")
 # an island drains (up to 30 s), then may evaluate its --eval-trace (up to 90 s)
 STOP_TIMEOUT_S = 150.0
 # the rest of a multi-host island whose process was killed: it drains (up to 30 s) and exits
@@ -242,17 +244,15 @@ class Cluster:
 
     def stop_all(self) -> dict[str, int]:
         """Islands first (they finish the step, send and drain), then the evaluator and the status
-        page, then the merger (final checkpoint), then the broker."""
+        page, then the merger (final checkpoint), then the broker and etcd."""
         codes = {}
-        islands = [
-            n for n in self.processes if not is_merger(n) and n not in ("broker", *AUXILIARY)
-        ]
+        islands = [n for n in self.processes if not is_merger(n) and n not in (*HUB, *AUXILIARY)]
         # both mergers at once: a standby that outlived its primary would take over
         for group in (
             islands,
             [n for n in self.processes if n in AUXILIARY],
             [n for n in self.processes if is_merger(n)],
-            ["broker"],
+            list(HUB),
         ):
             for name in group:
                 if name in self.processes and self.processes[name].poll() is None:

@@ -193,6 +193,9 @@ class MergerSection:
     # with a standby: sync | async
     replication: str = "sync"
     lease_s: float = ReplicationConfig.lease_s
+    # with a standby, who decides the primary: "lease" (the pair's own lease) or "etcd" (a lease
+    # key in etcd, which dloco up starts beside the broker: merger/replication/consensus.py)
+    failover: str = "lease"
     # merger processes, each folding the fragments f with f % shards == its index
     # (protocol/shards.py)
     shards: int = 1
@@ -216,6 +219,15 @@ class MergerSection:
             self.replication in ("sync", "async"),
             f"merger.replication must be sync or async, got {self.replication!r}",
         )
+        require(
+            self.failover in ("lease", "etcd"),
+            f"merger.failover must be lease or etcd, got {self.failover!r}",
+        )
+        require(
+            self.failover == "lease" or self.standby,
+            'merger.failover = "etcd" decides between a primary and its standby: set'
+            " merger.standby = true too",
+        )
         check_lease(self.lease_s, "merger.lease_s")
         timeout = self.quorum_timeout_s
         require(
@@ -230,6 +242,10 @@ class MergerSection:
     def processes(self) -> list[str]:
         """The merger's process names: `merger` (shard 0), `merger.1`, ...; then `standby`."""
         return [*shard_names("merger", self.shards), *(["standby"] if self.standby else [])]
+
+    @property
+    def etcd(self) -> bool:
+        return self.standby and self.failover == "etcd"
 
     def snapshots(self) -> SnapshotConfig:
         """The merger's SnapshotConfig these settings give."""

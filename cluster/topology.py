@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from dloco.cliargs import as_flags
+from dloco.cluster import etcd
 from dloco.cluster.config import ClusterConfig
 from dloco.island.config import TrainConfig
 from dloco.island.flags import SYNC_FLAGS, TRAIN_FLAGS
@@ -32,6 +33,8 @@ class Addresses:
     # with [merger] standby: its control port, the merger's and its replication ports
     standby_ports: tuple[str, str, str] | None = None
     standby_host: str = "127.0.0.1"
+    # with [merger] failover = "etcd": etcd's client and peer ports, on the broker's host
+    etcd_ports: tuple[str, str] = (etcd.CLIENT_PORT, etcd.PEER_PORT)
     # a multi-host region -> its coordinator's port (process 0 listens there)
     coordinator_ports: dict[str, str] | None = None
     # None: the region's own name (its process 0's service)
@@ -158,6 +161,12 @@ def _mergers(config: ClusterConfig, at: Addresses, run_dir: str, out: dict) -> l
     if mc.standby:
         standby_control, mine, its = at.standby_ports
         pair = _flags(replication=mc.replication, lease=mc.lease_s)
+        if mc.etcd:
+            client, peer = at.etcd_ports
+            out["etcd"] = etcd.dloco_args(
+                f"{run_dir}/etcd", at.bind_host, at.broker_host, client, peer
+            )
+            pair += _flags(etcd=f"http://{at.broker_host}:{client}")
         standby = [
             *_without(_without(out["merger"], "--init-npz"), "--control-endpoint"),
             *pair,

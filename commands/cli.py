@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     compose_commands.add_deploy(commands)
     plan.add_parser(commands)
     compose_commands.add_probe(commands)
+
+    from dloco.cluster.etcd import add_command as add_etcd_command
+
+    add_etcd_command(commands)
     model_commands.add_tokenize(commands)
     model_commands.add_export(commands)
     model_commands.add_sample(commands)

@@ -289,3 +289,19 @@ def _add_standby_flags(standby) -> None:
             " 3); the primary drops a standby silent for twice this"
         ),
     )
+    standby.add_argument(
+        "--etcd",
+        metavar="URL,URL",
+        default="",
+        help=(
+            "etcd's client URLs: the primary holds a lease key there, renewed every lease/6, and"
+            " acknowledges nothing without it; a standby takes over only by claiming the key"
+            " once etcd let the lease lapse (default: none, the pair's own lease decides)"
+        ),
+    )
+    standby.add_argument(
+        "--etcd-prefix",
+        metavar="KEY",
+        default="",
+        help="the pair's keys in etcd (default /dloco/NAME)",
+    )

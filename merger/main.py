@@ -100,6 +100,8 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         args.standby_of or args.peer,
         args.lease,
         bool(args.standby_of),
+        tuple(url for url in args.etcd.split(",") if url.strip()),
+        args.etcd_prefix or f"/dloco/{args.name}",
     )
     if args.standby_of and args.peer and args.peer != args.standby_of:
         raise ConfigError("--peer and --standby-of name the same merger: give one of them")

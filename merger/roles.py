@@ -10,15 +10,26 @@ follows it.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 
 import zmq
 
 from dloco.merger.config import ConfigError
+from dloco.merger.log.logmatch import newest_epoch, terms_of
+from dloco.merger.replication.consensus import (
+    RENEWALS_PER_LEASE,
+    Claim,
+    Consensus,
+    EtcdRefused,
+    EtcdUnreachable,
+)
 from dloco.merger.replication.standby import Diverged, Refused, Standby
 from dloco.merger.service import MergerService
 from dloco.merger.settings import ReplicationConfig, ServiceConfig
+from dloco.merger.state.recovery import wal_dir
 from dloco.telemetry import prom
 from dloco.telemetry.logs import configure_logging
 
@@ -37,6 +48,7 @@ def run_merger_roles(config: ServiceConfig, core_factory=None) -> tuple[int, Mer
         service = MergerService(config, core_factory=core_factory)
         return service.run(), service
     log = configure_logging("merger", sender=config.sender)
+    consensus = _consensus(replication, log)
     context = zmq.Context()
     probe, service, standby, stop = not replication.standby, None, None, threading.Event()
 
@@ -51,7 +63,7 @@ def run_merger_roles(config: ServiceConfig, core_factory=None) -> tuple[int, Mer
         signal.signal(sig, on_signal)
     try:
         while not stop.is_set():
-            standby = Standby(config, replication, context, log)
+            standby = Standby(config, replication, context, log, consensus)
             standby.stopping = stop.is_set()
             metrics = serve_standby_metrics(config, standby)
             try:
@@ -69,6 +81,7 @@ def run_merger_roles(config: ServiceConfig, core_factory=None) -> tuple[int, Mer
                 raise
             # the primary serves the same port
             _stop_metrics(metrics)
+            claim = takeover.claim if takeover is not None else None
             if takeover is None:
                 standby.close()
                 if standby.stopping:
@@ -80,7 +93,14 @@ def run_merger_roles(config: ServiceConfig, core_factory=None) -> tuple[int, Mer
                         f"{config.run_dir} holds no log, no primary answers at {replication.peer},"
                         " and no --init-npz was given"
                     )
-            service = MergerService(config, core_factory=core_factory, takeover=takeover)
+                claim = _claim(consensus, config, stop, log) if consensus is not None else None
+                if consensus is not None and claim is None:
+                    # another merger holds the key: it is the primary, out of our sight
+                    probe = True
+                    continue
+            service = MergerService(
+                config, core_factory=core_factory, takeover=takeover, lease=(consensus, claim)
+            )
             service.stopping = stop.is_set()
             standby = None
             code = service.run(signals=False)
@@ -91,6 +111,48 @@ def run_merger_roles(config: ServiceConfig, core_factory=None) -> tuple[int, Mer
         return 0, service
     finally:
         context.destroy(linger=0)
+
+
+def _consensus(replication: ReplicationConfig, log) -> Consensus | None:
+    """With --etcd, the pair's keys there, etcd reached once now: an etcd out of reach at start is
+    an error naming each endpoint."""
+    if not replication.etcd:
+        return None
+    consensus = Consensus(
+        replication.etcd,
+        replication.etcd_prefix,
+        # one merger's life: a restarted one does not hold its earlier life's lease
+        f"{replication.endpoint.lstrip('@')} pid {os.getpid()}",
+        replication.lease_s,
+    )
+    try:
+        version = consensus.check()
+    except EtcdUnreachable as error:
+        raise EtcdUnreachable(f"{error} (--etcd: is etcd running there?)") from None
+    log.info("etcd", endpoints=list(replication.etcd), version=version, key=consensus.primary_key)
+    return consensus
+
+
+def _claim(consensus: Consensus, config: ServiceConfig, stop, log) -> Claim | None:
+    """The primary's key for a merger that found no primary: tried for two TTLs (a lease of its
+    own earlier life may still run), with an epoch above every epoch its log names.  None: another
+    merger holds it, or etcd is out of reach."""
+    wal = wal_dir(config.run_dir)
+    terms = terms_of(wal)[0] if wal.exists() else []
+    floor = max(time.time_ns(), newest_epoch(terms) + 1)
+    deadline = time.monotonic() + 2 * consensus.ttl_s
+    while not stop.is_set():
+        try:
+            claim = consensus.claim(floor)
+            why = None if claim is not None else f"held by {consensus.holder_now()}"
+        except (EtcdUnreachable, EtcdRefused) as error:
+            claim, why = None, str(error)[:300]
+        if claim is not None or time.monotonic() > deadline:
+            if why is not None:
+                log.warning("primary_refused", why=why)
+            return claim
+        stop.wait(consensus.ttl_s / RENEWALS_PER_LEASE)
+    return None
 
 
 def serve_standby_metrics(config: ServiceConfig, standby: Standby):

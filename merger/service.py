@@ -56,10 +56,15 @@ EXIT_STORAGE = 3
 
 class MergerService:
     def __init__(
-        self, config: ServiceConfig, core_factory=None, takeover: Takeover | None = None
+        self,
+        config: ServiceConfig,
+        core_factory=None,
+        takeover: Takeover | None = None,
+        lease: tuple = (None, None),
     ) -> None:
         """`takeover`: a standby's state, log and lock (merger/replication/standby.py), instead of
-        recovering them."""
+        recovering them; `lease`: with etcd, the pair's keys and the claim this merger holds
+        (merger/replication/consensus.py)."""
         self.config = config
         self.log = configure_logging("merger", sender=config.sender)
         # lines a peer's messages cause: once a second per peer and reason
@@ -104,8 +109,9 @@ class MergerService:
         # the log goes to a standby too; in sync mode nothing is published before it has it
         if config.replication.on:
             self.replication = start_replication(
-                config, self.context, self.wal, self.stamp, takeover, self.log
+                config, self.context, self.wal, self.stamp, takeover, self.log, lease
             )
+            self.replication.stopping = lambda: self.stopping
             self.core.log = ReplicatedLog(self.wal, self.replication)
             self.pipeline.barrier = self.replication.barrier
         self._make_parts()

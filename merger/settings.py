@@ -39,6 +39,11 @@ class ReplicationConfig:
     lease_s: float = 3.0
     # start as the standby of `peer`
     standby: bool = False
+    # etcd's client URLs: the primary holds a lease key there and a standby takes over only by
+    # claiming it (merger/replication/consensus.py); empty: the pair's own lease decides
+    etcd: tuple[str, ...] = ()
+    # the pair's keys in etcd (default /dloco/SENDER)
+    etcd_prefix: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -51,6 +56,11 @@ class ReplicationConfig:
             )
         if self.standby and not self.peer:
             raise ConfigError("a standby needs the primary's replication endpoint (--standby-of)")
+        if self.etcd and not self.peer:
+            raise ConfigError(
+                "--etcd decides which of two mergers is the primary: give the other's"
+                " replication endpoint too (--peer or --standby-of)"
+            )
         if self.peer and self.mode == "off":
             raise ConfigError(
                 "a merger with a peer streams its log when it is the primary: give"

@@ -22,9 +22,11 @@ from dloco.bus.subscriptions import BudgetedXPUB
 from dloco.merger.log import records
 from dloco.merger.log.logmatch import genesis_of, newest_epoch, terms_of
 from dloco.merger.network.publishing import Stamp
+from dloco.merger.replication.consensus import PrimaryLease
 from dloco.merger.replication.primary import ReplicationServer
 from dloco.merger.state.recovery import wal_dir
 from dloco.protocol import shards
+from dloco.protocol.errors import DlocoError
 
 
 @dataclasses.dataclass
@@ -109,17 +111,30 @@ def budgeted_xpub(socket, endpoint: str, send_hwm: int) -> zmq.Socket:
     return made
 
 
-def start_replication(config, context, wal, stamp: Stamp, takeover, log) -> ReplicationServer:
+def start_replication(
+    config, context, wal, stamp: Stamp, takeover, log, lease=(None, None)
+) -> ReplicationServer:
     """The log's stream to a standby.  A primary that did not take over (`takeover` None) starts a
     term of its own (records it lost since it last streamed must not match its standby's copies of
-    them) with an epoch above every epoch its log names: `stamp.epoch` moves there."""
+    them) with an epoch above every epoch its log names: `stamp.epoch` moves there.  With etcd
+    (`lease`: the pair's keys and this merger's claim), the epoch is the claim's, and the primary
+    acknowledges nothing while its lease is not valid."""
+    consensus, claim = lease
     if takeover is not None:
         terms, term = takeover.terms, takeover.term
     else:
         # the genesis record a new run just wrote, on disk where terms_of and genesis_of read
         wal.sync()
         terms, _, term = terms_of(wal_dir(config.run_dir))
-        stamp.epoch, term = max(stamp.epoch, newest_epoch(terms) + 1), term + 1
+        epoch = max(stamp.epoch, newest_epoch(terms) + 1)
+        if claim is not None:
+            if claim.epoch <= newest_epoch(terms):
+                raise DlocoError(
+                    f"the epoch claimed in etcd ({claim.epoch}) is not above this log's newest"
+                    f" ({newest_epoch(terms)})"
+                )
+            epoch = claim.epoch
+        stamp.epoch, term = epoch, term + 1
         terms.append((stamp.epoch, wal.append(records.term_record(term, stamp.epoch))))
         wal.sync()
     return ReplicationServer(
@@ -134,4 +149,5 @@ def start_replication(config, context, wal, stamp: Stamp, takeover, log) -> Repl
         term,
         genesis_of(config.run_dir),
         log,
+        PrimaryLease(consensus, claim, log) if claim is not None else None,
     )

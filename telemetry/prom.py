@@ -274,6 +274,14 @@ def replication_families(
                 replication["lag"],
             )
         )
+        if "lease_valid" in replication:
+            families.append(
+                _gauge(
+                    "dloco_merger_etcd_lease_valid",
+                    "1 while this primary's etcd lease is valid (it acknowledges only then)",
+                    float(replication["lease_valid"]),
+                )
+            )
     if folds_compared is not None:
         families.append(
             _counter(

@@ -52,10 +52,12 @@ def namespaces():
         pytest.skip(reason)
 
 
-def _up(tmp_path, schedule: str, max_steps: int = 100, timeout: int = 900):
+def _up(tmp_path, schedule: str, max_steps: int = 100, timeout: int = 900, merger: str = ""):
+    """`dloco up` in namespaces under `schedule` (`merger`: lines added to [merger])."""
     profile = small_profile(timeout - 100, 50, REGIONS, max_steps=max_steps).replace(
         "[run]\n", '[run]\nnetwork = "netns"\n'
     )
+    profile = profile.replace("share_window = 8\n", f"share_window = 8\n{merger}")
     (tmp_path / "c.toml").write_text(profile)
     run = tmp_path / "run"
     up = subprocess.run(
@@ -361,4 +363,32 @@ def test_a_primary_and_standby_partitioned_from_each_other_but_not_from_the_brok
     assert alone and all(w >= alone[0] for w in late)
     # the new primary's log: nothing the islands counted as folded is missing from it
     _settled_once(run, wal="standby")
+    assert {"a", "b"} <= _folded_islands(run, healed, float("inf"))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1000)
+def test_a_standby_cut_off_from_everything_cannot_take_over_with_the_lease_in_etcd(tmp_path):
+    """The partition PROTOCOL.md §12 used to lose acknowledged deltas in: the standby cut off from
+    the primary *and* the broker (etcd runs beside the broker) for ~7 leases, while the primary
+    reaches everyone.  With the pair's own lease the standby took over unseen, the primary went on
+    alone and acknowledged folds only it held, and on healing it was fenced and set them aside
+    (the islands had been told they were folded).  With the lease key in etcd the standby cannot
+    claim it (etcd is out of its reach, and the primary renews it): no takeover, no fencing,
+    nothing set aside; the primary folds on alone, the standby follows again once healed, and
+    every delta an island counted as folded is in the primary's log once."""
+    schedule = f"partition:standby@folds=10,heal:standby@+{4 * TIMEOUT_S:g},heal:standby@a.folds=+4"
+    run, (cut, healed, _) = _up(tmp_path, schedule, merger='standby = true\nfailover = "etcd"\n')
+    standby, merger = (read_events(run / "logs" / f"{name}.log") for name in ("standby", "merger"))
+    assert not [e for e in standby if e.get("event") == "taking_over"]
+    refused = [wall(e) for e in standby if e.get("event") == "takeover_refused"]
+    assert refused and cut < refused[0] < healed
+    assert not [e for e in merger if e.get("event") in ("fenced", "stepped_down", "log_set_aside")]
+    assert not (run / "merger" / "wal" / "discarded").exists()
+    # the primary went on alone meanwhile, and took its standby back after the heal
+    assert any(cut < wall(e) < healed for e in merger_folds(run))
+    assert any(e.get("event") == "standby_following" and wall(e) > healed for e in merger), (
+        "the standby did not follow again"
+    )
+    _settled_once(run)
     assert {"a", "b"} <= _folded_islands(run, healed, float("inf"))

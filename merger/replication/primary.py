@@ -36,6 +36,7 @@ from dloco.merger.log import records
 from dloco.merger.log.logmatch import agreed_length
 from dloco.merger.replication import wire
 from dloco.merger.replication.channel import StandbyChannel, Wakeup
+from dloco.merger.replication.consensus import PrimaryLease
 from dloco.merger.replication.stream import (
     CAUGHT_UP_RECORDS,
     WINDOW_BYTES,
@@ -90,8 +91,13 @@ class ReplicationServer:
         term: int,
         genesis: int,
         log,
+        lease: PrimaryLease | None = None,
     ) -> None:
         self.config, self.epoch = config, epoch
+        # with etcd: nothing is acknowledged while it is not valid (consensus.py)
+        self.lease, self.lease_waits = lease, 0
+        # the merger's loop says so: a barrier waiting for the lease gives up
+        self.stopping = lambda: False
         # the stream thread has none of the loop thread's context
         self.log = log.bind(role="merger", sender=sender)
         # terms: (epoch, first index); term: this one's number
@@ -156,12 +162,30 @@ class ReplicationServer:
             ):
                 self.cond.wait(timeout=self.config.lease_s / 6)
         self.check_fenced()
+        self._hold_lease()
+
+    def _hold_lease(self) -> None:
+        """With etcd, return once the lease is valid; raises Fenced once it is lost, or when the
+        merger stops without it (nothing more may be published)."""
+        if self.lease is None or self.lease.valid():
+            return
+        self.lease_waits += 1
+        self.log.warning("acks_held", why="the etcd lease is not valid: acknowledgements wait")
+        began = time.monotonic()
+        while not self.lease.valid():
+            self.check_fenced()
+            if self.stopping() or self._stopping:
+                raise Fenced("stopped without a valid etcd lease: nothing more is published")
+            self.lease.wait(self.config.lease_s / 6)
+        self.log.info("acks_resumed", held_s=round(time.monotonic() - began, 3))
 
     def check_fenced(self) -> None:
         if self.fenced_by is not None:
             raise Fenced(
                 f"a merger with epoch {self.fenced_by} has taken over (this one's is {self.epoch})"
             )
+        if self.lease is not None and self.lease.lost is not None:
+            raise Fenced(self.lease.lost)
 
     def close(self) -> None:
         with self.cond:
@@ -169,6 +193,8 @@ class ReplicationServer:
             self.cond.notify_all()
         self._wakeup.signal()
         self.digests.stop()
+        if self.lease is not None:
+            self.lease.close()
         self._thread.join(timeout=30)
         self.digests.join(timeout=30)
         # a thread still running keeps its own (the context's destruction ends them)
@@ -382,5 +408,10 @@ class ReplicationServer:
                 "state": self.state,
                 "lag": self.length - follower.stored if follower is not None else None,
                 "fenced_by": self.fenced_by,
+                **(
+                    {"lease_valid": self.lease.valid(), "lease_waits": self.lease_waits}
+                    if self.lease is not None
+                    else {}
+                ),
                 **dict(self.counters),
             }

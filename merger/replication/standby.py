@@ -31,6 +31,7 @@ from dloco.merger.log import logmatch, records
 from dloco.merger.log.logmatch import genesis_id, genesis_of, newest_epoch, set_aside_from, terms_of
 from dloco.merger.log.rundir import RunDirLock, check_shard
 from dloco.merger.log.wal import WriteAheadLog
+from dloco.merger.replication.consensus import Claim, Consensus, EtcdRefused, EtcdUnreachable
 from dloco.merger.replication.wire import (
     DIGEST,
     FOLLOW,
@@ -83,13 +84,22 @@ class Takeover:
     terms: list[tuple[int, int]]
     # its term's number
     term: int
+    # with etcd: the key it claimed, and its lease
+    claim: Claim | None = None
 
 
 class Standby:
     def __init__(
-        self, config: ServiceConfig, replication: ReplicationConfig, context: zmq.Context, log
+        self,
+        config: ServiceConfig,
+        replication: ReplicationConfig,
+        context: zmq.Context,
+        log,
+        consensus: Consensus | None = None,
     ) -> None:
         self.config, self.replication, self.context, self.log = config, replication, context, log
+        # with etcd, a takeover is a claim of the primary's key (consensus.py)
+        self.consensus, self.next_claim, self.refusal_logged = consensus, 0.0, None
         self.lock = RunDirLock(config.run_dir)
         self.stopping, self.warming = False, None
         try:
@@ -187,7 +197,10 @@ class Standby:
                     and now - self.heard > self.replication.lease_s
                     and self.core is not None
                 ):
-                    return self._take_over(now)
+                    if self.consensus is None:
+                        return self._take_over(now)
+                    if (claim := self._claim(now)) is not None:
+                        return self._take_over(now, claim)
                 if probe and self.heard is None and now - began > 2 * self.replication.lease_s:
                     return None
             return None
@@ -363,10 +376,30 @@ class Standby:
             )
         self.compared += 1
 
-    def _take_over(self, now: float) -> Takeover:
+    def _epoch_floor(self) -> int:
+        """Above every epoch it has seen."""
+        return max(time.time_ns(), self.primary_epoch + 1, newest_epoch(self.terms) + 1)
+
+    def _claim(self, now: float) -> Claim | None:
+        """With etcd, the primary silent: claim its key (every lease/6).  None while it is held (the
+        primary renews it, so it lives: only this standby is cut off) or etcd is out of reach;
+        each silence's first refusal is logged."""
+        if now < self.next_claim:
+            return None
+        self.next_claim = now + self.replication.lease_s / 6
+        try:
+            claim = self.consensus.claim(self._epoch_floor())
+            why = None if claim is not None else f"held by {self.consensus.holder_now()}"
+        except (EtcdUnreachable, EtcdRefused) as error:
+            claim, why = None, str(error)[:300]
+        if why is not None and self.refusal_logged != self.heard:
+            self.refusal_logged = self.heard
+            self.log.warning("takeover_refused", silent_s=round(now - self.heard, 3), why=why)
+        return claim
+
+    def _take_over(self, now: float, claim: Claim | None = None) -> Takeover:
         self._apply_stored()
-        # above every epoch it has seen
-        epoch = max(time.time_ns(), self.primary_epoch + 1, newest_epoch(self.terms) + 1)
+        epoch = claim.epoch if claim is not None else self._epoch_floor()
         term = max(self.term, self.primary_term) + 1
         self.terms.append((epoch, self.wal.append(records.term_record(term, epoch))))
         self.wal.sync()
@@ -381,8 +414,9 @@ class Standby:
             folds_compared=self.compared,
             primary_said=self.primary_state,
             behind_records=max(0, behind),
+            **({"etcd_revision": claim.revision} if claim is not None else {}),
         )
-        return Takeover(self.core, self.wal, self.lock, epoch, self.terms, term)
+        return Takeover(self.core, self.wal, self.lock, epoch, self.terms, term, claim)
 
     def close(self) -> None:
         # a stopping standby's warm-up ends after the compilation under way
