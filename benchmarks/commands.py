@@ -107,7 +107,14 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
         default=3.0,
         help="the mergers' lease in seconds (default 3)",
     )
-    failover.set_defaults(run=run_bench, bench_params={"runs": "runs", "lease_s": "lease"})
+    failover.add_argument(
+        "--etcd",
+        action="store_true",
+        help="each run also with the lease in etcd (a local member; needs the etcd binary)",
+    )
+    failover.set_defaults(
+        run=run_bench, bench_params={"runs": "runs", "lease_s": "lease", "etcd": "etcd"}
+    )
     island = suites.add_parser(
         "island", help="island steps/s with int4 publishing on vs standalone, side by side"
     )

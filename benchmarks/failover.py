@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -186,11 +187,12 @@ def _chunks(delta_id: int, versions: dict[int, int]) -> list[protocol.DeltaChunk
     ]
 
 
-def _one(tmp: Path, broker: list[str], lease_s: float, number: int) -> dict:
-    """One failover: a fresh primary and standby, a few deltas folded, the primary killed; the
-    seconds to the first delta settled under the new epoch, and to the standby's takeover."""
+def _one(tmp: Path, broker: list[str], lease_s: float, number: int, extra=()) -> dict:
+    """One failover: a fresh primary and standby (`extra`: more flags for both), a few deltas
+    folded, the primary killed; the seconds to the first delta settled under the new epoch, and to
+    the standby's takeover."""
     control = free_ports(2)
-    (a, a_log), (b, b_log) = _mergers(tmp, broker, lease_s, number, control)
+    (a, a_log), (b, b_log) = _mergers(tmp, broker, lease_s, number, control, extra)
     island = StreamIsland(broker[0], broker[3], [f"tcp://127.0.0.1:{p}" for p in control], _chunks)
     try:
         for delta_id in range(1, 5):
@@ -227,7 +229,7 @@ def _one(tmp: Path, broker: list[str], lease_s: float, number: int) -> dict:
 
 
 def _mergers(
-    tmp: Path, broker: list[str], lease_s: float, number: int, control: list[int]
+    tmp: Path, broker: list[str], lease_s: float, number: int, control: list[int], extra=()
 ) -> tuple[tuple[subprocess.Popen, Path], tuple[subprocess.Popen, Path]]:
     """A fresh primary `dloco merger` (a) and its standby (b), sync replication, on the broker's
     buses: each process with its log."""
@@ -249,6 +251,7 @@ def _mergers(
         "sync",
         "--fsync",
         "always",
+        *extra,
     ]
     a_log, b_log = tmp / f"a{number}.log", tmp / f"b{number}.log"
     a = dloco(
@@ -290,8 +293,11 @@ def run(
     runs: int = 5,
     lease_s: float = 3.0,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+    etcd: bool = False,
 ) -> dict:
-    samples = []
+    """`runs` failovers; with `etcd`, each beside one with the lease in etcd (a local etcd member,
+    merger/replication/consensus.py), in turn, and their medians' ratio."""
+    samples, with_etcd = [], []
     with tempfile.TemporaryDirectory(prefix="dloco-bench-failover-") as tmp:
         ports = free_ports(4)
         broker = [f"tcp://127.0.0.1:{p}" for p in ports]
@@ -308,15 +314,23 @@ def run(
             broker[3],
             log=Path(tmp) / "broker.log",
         )
+        store, url = _etcd(Path(tmp)) if etcd else (None, None)
         try:
             for number in range(runs):
                 samples.append(_one(Path(tmp), broker, lease_s, number))
                 log(f"bench failover: run {number + 1} of {runs}: {samples[-1]}")
+                if etcd:
+                    flags = ("--etcd", url, "--etcd-prefix", f"/bench/{number}")
+                    with_etcd.append(_one(Path(tmp), broker, lease_s, runs + number, flags))
+                    log(f"bench failover: run {number + 1} of {runs}, etcd: {with_etcd[-1]}")
         finally:
             broker_process.send_signal(signal.SIGTERM)
             broker_process.wait(timeout=30)
+            if store is not None:
+                store.send_signal(signal.SIGTERM)
+                store.wait(timeout=30)
     first = statistics.median(s["first_fold_s"] for s in samples)
-    return {
+    result = {
         "runs": runs,
         "lease_s": lease_s,
         "first_fold_after_loss_s": round(first, 3),
@@ -324,12 +338,52 @@ def run(
         "first_fold_vs_lease": round(first / lease_s, 3),
         "samples": samples,
     }
+    if etcd:
+        first_etcd = statistics.median(s["first_fold_s"] for s in with_etcd)
+        result["etcd"] = {
+            "first_fold_after_loss_s": round(first_etcd, 3),
+            "takeover_after_loss_s": round(
+                statistics.median(s["takeover_s"] for s in with_etcd), 3
+            ),
+            "vs_lease": round(first_etcd / first, 3),
+            "samples": with_etcd,
+        }
+    return result
+
+
+def _etcd(tmp: Path) -> tuple[subprocess.Popen, str]:
+    """One etcd member on free loopback ports (`dloco etcd`), once it accepts connections."""
+    client, peer = free_ports(2)
+    process = dloco(
+        "etcd",
+        *("--data-dir", str(tmp / "etcd"), "--client-port", str(client)),
+        *("--peer-port", str(peer)),
+        log=tmp / "etcd.log",
+    )
+    url = f"http://127.0.0.1:{client}"
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as answer:
+                if b'"true"' in answer.read():
+                    return process, url
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"etcd did not start: see {tmp / 'etcd.log'}") from None
+        time.sleep(0.1)
 
 
 def summary(result: dict) -> str:
-    return (
+    line = (
         f"failover: first fold {result['first_fold_after_loss_s']:.2f} s after the primary's kill"
         f" -9 (median of {result['runs']}; the standby took over after"
         f" {result['takeover_after_loss_s']:.2f} s); lease {result['lease_s']} s; ratio to the"
         f" lease {result['first_fold_vs_lease']:.2f}"
     )
+    if "etcd" in result:
+        e = result["etcd"]
+        line += (
+            f"; with the lease in etcd: {e['first_fold_after_loss_s']:.2f} s (took over after"
+            f" {e['takeover_after_loss_s']:.2f} s), {e['vs_lease']:.2f}x the pair's own lease"
+        )
+    return line
