@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    child = subprocess.Popen([binary, *etcd_argv(args)])
+    child = subprocess.Popen([binary, *etcd_argv(args)], preexec_fn=_die_with_parent)
     asked = []
 
     # etcd ends on SIGTERM by raising it again after its clean stop: asked for, that is an exit 0
@@ -97,3 +97,12 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, forward)
     code = child.wait()
     return 0 if asked and code in (0, -asked[0]) else code if code >= 0 else 128 - code
+
+
+def _die_with_parent() -> None:
+    """In the child: killed with this process (chaos's kill -9 of `dloco etcd` is etcd's too)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

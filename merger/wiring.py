@@ -149,5 +149,9 @@ def start_replication(
         term,
         genesis_of(config.run_dir),
         log,
-        PrimaryLease(consensus, claim, log) if claim is not None else None,
+        (
+            PrimaryLease(consensus, claim, log.bind(role="merger", sender=config.sender))
+            if claim is not None
+            else None
+        ),
     )

@@ -1,0 +1,92 @@
+"""The lease in etcd under `dloco up` (`[merger] failover = "etcd"`, -m e2e): etcd lost mid-run
+holds the primary's acknowledgements, which resume once it is back, with nothing lost; the
+primary's kill still hands the key, and the model, to the standby.  (The partition the lease in
+etcd exists for is in tests/test_network_faults.py.)"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dloco.analysis.runinfo import merger_folds, read_events, wall
+from tests.test_network_faults import _settled_once
+from tests.test_standby_cluster import STANDBY_PROFILE
+
+LEASE_S = 3.0
+
+
+@pytest.fixture(autouse=True)
+def etcd_binary():
+    if shutil.which("etcd") is None:
+        if os.environ.get("DLOCO_REQUIRE_ETCD"):
+            pytest.fail("etcd is required here (DLOCO_REQUIRE_ETCD) but not on PATH")
+        pytest.skip("no etcd binary (Debian: apt install etcd-server)")
+
+
+def _up(tmp_path, schedule: str):
+    (tmp_path / "c.toml").write_text(
+        STANDBY_PROFILE.replace("standby = true", 'standby = true\nfailover = "etcd"').replace(
+            "max_steps = 200", "max_steps = 120"
+        )
+    )
+    run = tmp_path / "run"
+    up = subprocess.run(
+        [
+            *(sys.executable, "-m", "dloco", "up", "--config", str(tmp_path / "c.toml")),
+            *("--run-dir", str(run), "--chaos", schedule, "--status-port", "-1"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+    assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
+    return run, [e["wall"] for e in read_events(run / "chaos.jsonl")]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_etcd_lost_mid_run_holds_the_acks_until_it_is_back_and_loses_nothing(tmp_path):
+    """etcd is killed -9 for 4 leases: the primary's lease stops being valid within one, every
+    acknowledgement waits (no fold is announced while it is held), the standby takes nothing over;
+    once etcd is back (its data kept) the lease is renewed, the acks resume and both islands are
+    folded again; every delta an island counted as folded is in the primary's log once."""
+    run, (killed, back) = _up(tmp_path, f"kill:etcd@folds=10,restart:etcd@+{4 * LEASE_S:g}")
+    merger = read_events(run / "logs" / "merger.log")
+    held = [wall(e) for e in merger if e.get("event") == "acks_held"]
+    resumed = [wall(e) for e in merger if e.get("event") == "acks_resumed"]
+    assert held and killed < held[0] < back, (held, killed, back)
+    assert resumed and resumed[0] > back
+    assert not [w for w in map(wall, merger_folds(run)) if held[0] < w < resumed[0]]
+    assert any(e.get("event") == "etcd_unreachable" for e in merger)
+    standby = read_events(run / "logs" / "standby.log")
+    assert not [e for e in standby if e.get("event") == "taking_over"]
+    after = {c for e in merger_folds(run) if wall(e) > resumed[0] for c in e["contributors"]}
+    assert after == {"a", "b"}
+    _settled_once(run)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_the_primary_killed_hands_the_key_and_the_model_to_the_standby(tmp_path):
+    """kill -9 of the primary: its lease lapses in etcd, the standby's claim succeeds (a first one
+    may be refused while etcd still counts the lease), it takes over under the epoch it claimed,
+    and the islands are folded by it; the old primary, restarted, finds the key held and follows."""
+    run, (killed, _) = _up(tmp_path, "kill:merger@folds=10,restart:merger@a.step=+40")
+    standby = read_events(run / "logs" / "standby.log")
+    took = [e for e in standby if e.get("event") == "taking_over"]
+    assert len(took) == 1 and wall(took[0]) > killed and "etcd_revision" in took[0]
+    assert all(
+        e.get("why", "").startswith("held by")
+        for e in standby
+        if e.get("event") == "takeover_refused"
+    )
+    folded = {c for e in merger_folds(run) if wall(e) > wall(took[0]) for c in e["contributors"]}
+    assert folded == {"a", "b"}
+    merger = read_events(run / "logs" / "merger.log")
+    # its second life follows the new primary
+    assert [e.get("event") for e in merger].count("following") >= 2
+    _settled_once(run, wal="standby")
