@@ -5,6 +5,8 @@ from a run directory once the run has stopped.
 - fragment versions strictly increase, record after record, in every log;
 - every delta an island's last life counted as folded is in the final primary's log (and every delta
   it sent was settled: folded, rejected, or its ack still unknown when it stopped);
+- no fold a merger announced (published: only once acknowledged, PROTOCOL.md §12) is among the
+  records it set aside on stepping down;
 - a merger folds only while it is the primary (a standby, or one that stepped down, never), and
   each takeover is under a newer term;
 - no island adopted a snapshot of a merger epoch older than one it had adopted before (a fenced
@@ -89,6 +91,22 @@ def acked_in_log(dones: Mapping[str, dict], logged: collections.Counter) -> Chec
         bool(dones) and not bad,
         "; ".join(bad)
         or f"{len(dones)} islands' last lives: every folded ack in the log, every send settled",
+    )
+
+
+def nothing_acked_discarded(set_asides: Mapping[str, list[tuple[set, set]]]) -> Check:
+    """`set_asides`: per merger, each time it set records aside, (the folds (fragment, version) it
+    announced since its previous set-aside, the fold records set aside)."""
+    bad, discarded = [], 0
+    for name, times in sorted(set_asides.items()):
+        for announced, aside in times:
+            discarded += len(aside)
+            if acked := sorted(announced & aside):
+                bad.append(f"{name} set aside {len(acked)} announced folds, e.g. {acked[:3]}")
+    return Check(
+        "no acknowledged record set aside",
+        not bad,
+        "; ".join(bad) or f"{discarded} unannounced fold records set aside, none announced",
     )
 
 

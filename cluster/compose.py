@@ -8,13 +8,14 @@ file back into local processes (`dloco up --compose FILE`).
 
 from __future__ import annotations
 
+import argparse
 import functools
 import re
 from pathlib import Path
 
 import yaml
 
-from dloco.cluster import monitoring, topology
+from dloco.cluster import etcd, monitoring, topology
 from dloco.cluster.config import ClusterConfig
 from dloco.merger.memory import with_huge_pages
 from dloco.protocol.errors import ConfigError, require
@@ -39,6 +40,9 @@ PORTS = {
 ENVIRONMENT = {"PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
 # Docker keeps what a container prints; its driver bounds it as the processes bound their own log
 # files under `dloco up` (telemetry/logs.py): 64 MiB, five files per container.
+# the lease in etcd ([merger] failover = "etcd"): etcd's own image, the release Debian's etcd-server
+# packages the API of
+ETCD_IMAGE = "gcr.io/etcd-development/etcd:v3.5.17"
 LOGGING = {"driver": "json-file", "options": {"max-size": "64m", "max-file": "5"}}
 # the rendered file's opening comment, line by line: each ends with its `\n`
 HEADER = (
@@ -171,6 +175,7 @@ def _addresses(config: ClusterConfig, metered: list[str]) -> topology.Addresses:
         bind_host="*",
         metrics_ports=metrics_ports,
         standby_host="standby",
+        etcd_host="etcd",
         standby_ports=(
             _port("DLOCO_STANDBY_CONTROL_PORT"),
             _port("DLOCO_REPLICATION_PORT"),
@@ -231,6 +236,35 @@ def _service(
     return {**spec, **extra}
 
 
+def _etcd_service() -> dict:
+    """etcd for the mergers' failover, its data in the run volume."""
+    args = argparse.Namespace(
+        data_dir=f"{RUN}/etcd",
+        bind="*",
+        host="etcd",
+        client_port=etcd.CLIENT_PORT,
+        peer_port=etcd.PEER_PORT,
+    )
+    return {
+        "image": ETCD_IMAGE,
+        "command": ["etcd", *etcd.etcd_argv(args)],
+        "volumes": ["${DLOCO_RUN_DIR:-./run}:" + RUN],
+        "healthcheck": {
+            "test": [
+                "CMD",
+                "etcdctl",
+                f"--endpoints=http://127.0.0.1:{etcd.CLIENT_PORT}",
+                "endpoint",
+                "health",
+            ],
+            "interval": "2s",
+            "timeout": "5s",
+            "retries": 60,
+        },
+        "logging": {**LOGGING, "options": dict(LOGGING["options"])},
+    }
+
+
 def _process_services(
     config: ClusterConfig, commands: dict[str, list[str]], shard_ports: tuple[str, ...], service
 ) -> dict[str, dict]:
@@ -262,6 +296,11 @@ def _process_services(
         services["standby"] = service(
             commands["standby"], None, {"broker": "service_healthy"}, stop_grace_period="60s"
         )
+    # the lease in etcd: one member, etcd's own image (the dloco image has no etcd binary)
+    if config.merger.etcd:
+        services = {"etcd": _etcd_service(), **services}
+        for name in ("merger", "standby"):
+            services[name]["depends_on"]["etcd"] = {"condition": "service_healthy"}
     # healthy while its metrics keep coming; one service per host of the region
     for region in config.regions:
         # docker's CPU quota, as dloco up sets it

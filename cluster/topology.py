@@ -35,6 +35,8 @@ class Addresses:
     standby_host: str = "127.0.0.1"
     # with [merger] failover = "etcd": etcd's client and peer ports, on the broker's host
     etcd_ports: tuple[str, str] = (etcd.CLIENT_PORT, etcd.PEER_PORT)
+    # how the mergers reach it (None: broker_host)
+    etcd_host: str | None = None
     # a multi-host region -> its coordinator's port (process 0 listens there)
     coordinator_ports: dict[str, str] | None = None
     # None: the region's own name (its process 0's service)
@@ -166,7 +168,7 @@ def _mergers(config: ClusterConfig, at: Addresses, run_dir: str, out: dict) -> l
             out["etcd"] = etcd.dloco_args(
                 f"{run_dir}/etcd", at.bind_host, at.broker_host, client, peer
             )
-            pair += _flags(etcd=f"http://{at.broker_host}:{client}")
+            pair += _flags(etcd=f"http://{at.etcd_host or at.broker_host}:{client}")
         standby = [
             *_without(_without(out["merger"], "--init-npz"), "--control-endpoint"),
             *pair,

@@ -5,10 +5,11 @@ The schedule (`plan`, pure) is one fault at a time, each followed by its recover
 and restarted; with `[run] network = "netns"` (root) an island's link partitioned, cut one way or
 lossy, and healed; the broker killed and restarted; the primary merger killed (with the standby:
 a takeover; the restarted one follows the new primary) or partitioned from everything (the standby
-takes over; the old primary is fenced on healing).  A takeover comes first, then each other kind
-the machine allows once, before any repeats.  Times are seconds after the processes start; the
-schedule and the seed are printed, and `dloco up --chaos '<schedule>'` with the same cluster file
-replays it.
+takes over; the old primary is fenced on healing); with the lease in etcd (when the etcd binary
+is there) the standby cut off from everyone (it must not take over).  A takeover comes first,
+then each other kind the machine allows once, before any repeats.  Times are seconds after the
+processes start; the schedule and the seed are printed, and `dloco up --chaos '<schedule>'` with
+the same cluster file replays it.
 
 The run is the shipped profile's regions with the tiny model and a standby, in namespaces where
 the machine allows.  OUT/soak.md has the schedule, each fault's effect (analysis.chaoseffects) and
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -50,6 +52,9 @@ class Kind:
     length_s: tuple[float, float]
     # needs the namespaces
     network: bool = False
+    # needs the lease in etcd (with the pair's own lease it loses acknowledged deltas: PROTOCOL.md
+    # §12)
+    etcd: bool = False
 
 
 # the first comes first in every schedule
@@ -67,6 +72,10 @@ KINDS = {
     ),
     "partition-in": Kind(
         "partition-in", "heal", "island", (2 * TIMEOUT_S, 6 * TIMEOUT_S), network=True
+    ),
+    # cut off from the primary, the broker and etcd alike
+    "standby-partition": Kind(
+        "partition", "heal", "standby", (4 * TIMEOUT_S, 8 * TIMEOUT_S), network=True, etcd=True
     ),
 }
 
@@ -87,12 +96,18 @@ class Fault:
         )
 
 
-def plan(seed: int, seconds: float, islands: list[str], network: bool) -> list[Fault]:
+def plan(
+    seed: int, seconds: float, islands: list[str], network: bool, etcd: bool = False
+) -> list[Fault]:
     """Faults one after another from WARMUP_S until TAIL_S before `seconds`: a takeover first, then
-    every other kind allowed (`network`: the namespace ones too) once in a seeded order, then drawn
-    at random."""
+    every other kind allowed (`network`: the namespace ones too; `etcd`: the standby's cut) once in
+    a seeded order, then drawn at random."""
     rng = random.Random(seed)
-    kinds = [name for name, kind in KINDS.items() if network or not kind.network]
+    kinds = [
+        name
+        for name, kind in KINDS.items()
+        if (network or not kind.network) and (etcd or not kind.etcd)
+    ]
     first = kinds[1:]
     rng.shuffle(first)
     first.insert(0, kinds[0])
@@ -106,7 +121,7 @@ def plan(seed: int, seconds: float, islands: list[str], network: bool) -> list[F
         target = rng.choice(islands) if kind.target == "island" else kind.target
         action = f"loss-{rng.choice(LOSSES)}" if kind.action == "loss" else kind.action
         faults.append(Fault(name, action, kind.recovery, target, round(at, 1), length))
-        at += length + (AFTER_MERGER_S if target == "merger" else rng.uniform(*GAP_S))
+        at += length + (AFTER_MERGER_S if target in ("merger", "standby") else rng.uniform(*GAP_S))
 
 
 def schedule(faults: list[Fault]) -> str:
@@ -115,10 +130,10 @@ def schedule(faults: list[Fault]) -> str:
 
 
 def soak_config(
-    config_path: Path | None, seconds: float, network: bool
+    config_path: Path | None, seconds: float, network: bool, etcd: bool = False
 ) -> cluster_config.ClusterConfig:
     """The cluster file's regions and settings (default: the shipped profile), the tiny model, a
-    standby, `seconds` long; in namespaces with `network`."""
+    standby (its lease in etcd with `etcd`), `seconds` long; in namespaces with `network`."""
     from dloco.suites.catalog import QUICK_MODEL
 
     base = cluster_config.load(config_path)
@@ -130,7 +145,9 @@ def soak_config(
         tokens=0,
         eval_every=50,
         chaos=(),
-        merger=dataclasses.replace(base.merger, standby=True),
+        merger=dataclasses.replace(
+            base.merger, standby=True, failover="etcd" if etcd else base.merger.failover
+        ),
         network="netns" if network else "loopback",
     )
 
@@ -152,15 +169,16 @@ def run(
             f"a soak needs at least {(WARMUP_S + TAIL_S + 30) / 60:.1f} minutes, got {minutes:g}"
         )
     reason = netns.unavailable()
-    network = reason is None
-    config = soak_config(config_path, minutes * 60, network)
+    network, etcd = reason is None, shutil.which("etcd") is not None
+    config = soak_config(config_path, minutes * 60, network, etcd)
     islands = [region.name for region in config.regions]
-    faults = plan(seed, config.duration_s, islands, network)
+    faults = plan(seed, config.duration_s, islands, network, config.merger.etcd)
     chaos = schedule(faults)
     config = dataclasses.replace(config, chaos=tuple(e for f in faults for e in f.events()))
     log(
         f"dloco experiment soak: seed {seed}, {minutes:g} minutes, {len(faults)} faults"
         + ("" if network else f" (no network faults: {reason})")
+        + (", the lease in etcd" if config.merger.etcd else " (no etcd binary: the pair's lease)")
         + f"; schedule: {chaos}"
     )
     run_dir = out_dir / "soak"

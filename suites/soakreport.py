@@ -35,6 +35,7 @@ def check_run(run_dir: Path, config) -> list[soakcheck.Check]:
     logged = _final_log(run_dir)
     island_logs = {name: read_events(run_dir / "logs" / f"{name}.log") for name in islands}
     checks.append(_acked(islands, island_logs, logged))
+    checks.append(soakcheck.nothing_acked_discarded({m: _set_asides(run_dir, m) for m in mergers}))
     checks.append(
         soakcheck.one_primary(
             {name: read_events(run_dir / "logs" / f"{name}.log") for name in mergers}
@@ -94,6 +95,31 @@ def _final_log(run_dir: Path) -> collections.Counter:
         if record.get("type") == "fold"
         for m in record["members"]
     )
+
+
+def _set_asides(run_dir: Path, name: str) -> list[tuple[set, set]]:
+    """Each time merger `name` set records aside: the folds it announced since the previous time,
+    and the fold records in what it set aside (wal/discarded/<from index>[-n]/)."""
+    out, announced = [], set()
+    discarded = run_dir / name / "wal" / "discarded"
+    taken: set[Path] = set()
+    for event in read_events(run_dir / "logs" / f"{name}.log"):
+        if event.get("event") == "fold":
+            announced.add((event["fragment"], event["version"]))
+        elif event.get("event") == "log_set_aside":
+            folders = sorted(
+                set(discarded.glob(f"{event['from_index']:012d}*")) - taken, key=lambda p: p.name
+            )[:1]
+            taken.update(folders)
+            aside = {
+                (r["fragment"], r["version"])
+                for folder in folders
+                for _, r in read_records(folder)
+                if r.get("type") == "fold"
+            }
+            out.append((announced, aside))
+            announced = set()
+    return out
 
 
 def _acked(islands: list[str], island_logs: dict, logged: collections.Counter) -> soakcheck.Check:
@@ -164,7 +190,8 @@ def write_up(
     )
     intro = (
         f"`dloco experiment soak --minutes {minutes:g} --seed {seed}`: {len(faults)} faults over "
-        f"{minutes:g} minutes, {len(islands)} islands ({', '.join(islands)}), a standby, {where}; "
+        f"{minutes:g} minutes, {len(islands)} islands ({', '.join(islands)}), a standby"
+        f"{' (its lease in etcd)' if config.merger.etcd else ''}, {where}; "
         f"`dloco up` exited {code}."
     )
     verdict = (
@@ -180,7 +207,8 @@ def write_up(
         for c in checks
     ]
     lines += ["", *_faults_section(faults, rows)]
-    settings = "`[merger] standby = true`, the tiny model" + (
+    failover = ', failover = "etcd"' if config.merger.etcd else ""
+    settings = f"`[merger] standby = true{failover}`, the tiny model" + (
         ', `[run] network = "netns"`' if no_network is None else ""
     )
     lines += [

@@ -353,3 +353,38 @@ def test_a_cluster_without_the_evaluator_has_no_such_service_nor_target(tmp_path
     (tmp_path / "c.toml").write_text(profile.replace("[run]\n", '[run]\nevaluator = "no"\n', 1))
     with pytest.raises(ConfigError, match="run.evaluator must be true or false"):
         config.load(tmp_path / "c.toml")
+
+
+def test_the_lease_in_etcd_is_an_etcd_service_the_mergers_wait_for(tmp_path):
+    merger = dataclasses.replace(config.load().merger, standby=True, failover="etcd")
+    text = compose.render(dataclasses.replace(config.load(), merger=merger), "c.toml")
+    (tmp_path / "docker-compose.yml").write_text(text)
+    rendered = yaml.safe_load(text)["services"]
+    etcd = rendered["etcd"]
+    assert etcd["image"] == compose.ETCD_IMAGE and etcd["command"][0] == "etcd"
+    # its data in the run volume; clients on every address, reached by its service name
+    command = etcd["command"]
+    assert command[command.index("--data-dir") + 1] == f"{compose.RUN}/etcd"
+    assert command[command.index("--advertise-client-urls") + 1] == "http://etcd:2379"
+    for name in ("merger", "standby"):
+        flags = rendered[name]["command"]
+        assert flags[flags.index("--etcd") + 1] == "http://etcd:2379"
+        assert rendered[name]["depends_on"]["etcd"] == {"condition": "service_healthy"}
+    # the pair's own lease: no etcd
+    plain = yaml.safe_load(
+        compose.render(
+            dataclasses.replace(
+                config.load(), merger=dataclasses.replace(merger, failover="lease")
+            ),
+            "c.toml",
+        )
+    )["services"]
+    assert "etcd" not in plain and "--etcd" not in plain["merger"]["command"]
+    ok = subprocess.run(
+        [compose_binary(), "-f", tmp_path / "docker-compose.yml", "config", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert ok.returncode == 0, ok.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import itertools
 import os
+import shutil
 import subprocess
 import sys
 
@@ -20,9 +21,9 @@ from dloco.suites import soak
 
 def test_a_schedule_is_the_seeds_a_takeover_first_one_fault_at_a_time_and_healed_before_the_tail():
     islands = ["a", "b", "c"]
-    faults = soak.plan(11, 1800, islands, network=True)
-    assert faults == soak.plan(11, 1800, islands, network=True) and faults != soak.plan(
-        12, 1800, islands, network=True
+    faults = soak.plan(11, 1800, islands, network=True, etcd=True)
+    assert faults == soak.plan(11, 1800, islands, network=True, etcd=True) and faults != soak.plan(
+        12, 1800, islands, network=True, etcd=True
     )
     assert faults[0].kind == "merger-kill" and faults[0].start_s == soak.WARMUP_S
     assert {f.kind for f in faults[: len(soak.KINDS)]} == set(
@@ -34,11 +35,18 @@ def test_a_schedule_is_the_seeds_a_takeover_first_one_fault_at_a_time_and_healed
     assert faults[-1].start_s + faults[-1].length_s <= 1800 - soak.TAIL_S
     for fault in faults:
         low, high = soak.KINDS[fault.kind].length_s
-        assert low <= fault.length_s <= high and fault.target in (*islands, "merger", "broker")
+        assert low <= fault.length_s <= high and fault.target in (
+            *islands,
+            "merger",
+            "standby",
+            "broker",
+        )
     # the schedule string parses back into the same events, and passes the launcher's checks
     events = chaos.parse(soak.schedule(faults))
     assert events == tuple(e for f in faults for e in f.events())
     chaos.check(events, [*islands, "merger", "standby", "broker"])
+    # with the pair's own lease, the standby is never cut off from everyone (it would lose acks)
+    assert "standby-partition" not in {f.kind for f in soak.plan(11, 1800, islands, network=True)}
     # without namespaces: process faults only
     assert {f.kind for f in soak.plan(11, 1800, islands, network=False)} == {
         "merger-kill",
@@ -85,6 +93,16 @@ def test_acked_deltas_against_the_log_by_hand():
         # one send neither folded, rejected nor unknown
     }
     assert not soakcheck.acked_in_log(unsettled, logged).ok
+
+
+def test_announced_folds_set_aside_by_hand():
+    # the merger announced (0, 5) and (1, 5), then set aside (0, 6) and (1, 6): nothing acked lost
+    assert soakcheck.nothing_acked_discarded(
+        {"merger": [({(0, 5), (1, 5)}, {(0, 6), (1, 6)})], "standby": []}
+    ).ok
+    # it had announced (1, 6) before stepping down
+    lost = soakcheck.nothing_acked_discarded({"merger": [({(0, 5), (1, 6)}, {(0, 6), (1, 6)})]})
+    assert not lost.ok and "(1, 6)" in lost.detail
 
 
 def test_one_primary_and_monotone_epochs_by_hand():
@@ -222,7 +240,7 @@ def test_a_four_minute_soak_keeps_every_invariant(tmp_path):
     run = tmp_path / "soak"
     network = netns.unavailable() is None
     islands = [region.name for region in soak.soak_config(None, 240, network).regions]
-    planned = soak.schedule(soak.plan(7, 240, islands, network))
+    planned = soak.schedule(soak.plan(7, 240, islands, network, shutil.which("etcd") is not None))
     assert [e["when"] for e in read_events(run / "chaos.jsonl")] == planned.split(
         ","
         # every fault and recovery happened
