@@ -188,6 +188,8 @@ class Standby:
                     self.refollow
                     or now - max(self.asked, self.heard or -float("inf"))
                     > self.replication.lease_s / 3
+                    # heard, but our latest follow not answered (lost with a dropped connection)
+                    or (not self.started and now - self.asked > self.replication.lease_s)
                 ):
                     # at start, after a lost record, and whenever the primary is silent: a restarted
                     # primary learns of us so
@@ -220,8 +222,9 @@ class Standby:
         return unsynced
 
     def _follow_again(self, dealer: zmq.Socket, now: float) -> None:
-        """Say where our log ends, as a new `follow` generation."""
-        self.generation += 1
+        """Say where our log ends, as a new `follow` generation (numbered only once queued: the
+        primary answers the newest one we sent, however many waited out a cut)."""
+        generation = self.generation + 1
         sent = _send(
             dealer,
             encode(
@@ -230,12 +233,13 @@ class Standby:
                     "length": self.wal.next_index,
                     "terms": self.terms,
                     "genesis": self.genesis,
-                    "generation": self.generation,
+                    "generation": generation,
                 },
             ),
         )
         # unsent (the queue to an absent primary full): again next turn
         if sent:
+            self.generation = generation
             self.asked = now
             self.started = False
             self.refollow = False
