@@ -225,15 +225,15 @@ MERGER_LOGS = ("merger.log", "standby.log")
 
 
 def merger_logs(run_dir: Path) -> list[str]:
-    """The merger logs of a run: MERGER_LOGS, and merger.I.log of every further merger shard that
-    has one so far (shard 0 is merger.log)."""
+    """The merger logs of a run: MERGER_LOGS, and merger.I.log and standby.I.log of every further
+    merger shard that has one so far (shard 0 is merger.log)."""
     shards = sorted(
         (
             p.name
-            for p in (Path(run_dir) / "logs").glob("merger.*.log")
-            if re.fullmatch(r"merger\.[1-9][0-9]*\.log", p.name)
+            for p in (Path(run_dir) / "logs").glob("*.*.log")
+            if re.fullmatch(r"(merger|standby)\.[1-9][0-9]*\.log", p.name)
         ),
-        key=lambda name: int(name.split(".")[1]),
+        key=lambda name: (int(name.split(".")[1]), name),
     )
     return [*MERGER_LOGS, *shards]
 
@@ -243,7 +243,7 @@ def shard_run_dirs(run_dir: Path) -> list[Path]:
     its standby after a takeover), then merger.1/, merger.2/, ... (`[merger] shards`).
     RunDirError when one is missing (fragment f is shard f % N's: a gap would shift them)."""
     found = {
-        int(match.group(1)): path
+        int(match.group(1))
         for path in Path(run_dir).glob("merger.*")
         if path.is_dir() and (match := re.fullmatch(r"merger\.([1-9][0-9]*)", path.name))
     }
@@ -253,7 +253,7 @@ def shard_run_dirs(run_dir: Path) -> list[Path]:
             f"{run_dir}: merger shard run directories {', '.join(f'merger.{i}' for i in missing)}"
             f" are missing (the run had at least {max(found) + 1} shards)"
         )
-    return [merger_run_dir(run_dir), *(found[index] for index in sorted(found))]
+    return [merger_run_dir(run_dir, index) for index in range(max(found, default=0) + 1)]
 
 
 ROLE_EVENTS = {
@@ -276,9 +276,10 @@ def merger_folds(run_dir: Path) -> list[dict]:
     return sorted(folds, key=lambda e: e.get("timestamp", ""))
 
 
-def merger_run_dir(run_dir: Path) -> Path:
+def merger_run_dir(run_dir: Path, shard: int = 0) -> Path:
     """The merger's run directory with the longest log: merger/, or standby/ after a takeover (by
-    their newest checkpoint; each writes one at its log's end when it stops)."""
+    their newest checkpoint; each writes one at its log's end when it stops); merger.I/ or
+    standby.I/ for shard I."""
 
     def newest(directory: Path) -> int:
         return max(
@@ -286,7 +287,8 @@ def merger_run_dir(run_dir: Path) -> Path:
             default=-1,
         )
 
-    return max((run_dir / "merger", run_dir / "standby"), key=newest)
+    suffix = f".{shard}" if shard else ""
+    return max((run_dir / f"merger{suffix}", run_dir / f"standby{suffix}"), key=newest)
 
 
 def merger_role(log: Path) -> str | None:

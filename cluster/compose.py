@@ -19,6 +19,7 @@ from dloco.cluster import etcd, monitoring, topology
 from dloco.cluster.config import ClusterConfig
 from dloco.merger.memory import with_huge_pages
 from dloco.protocol.errors import ConfigError, require
+from dloco.protocol.shards import names as shard_names
 
 # the run directory inside every container (a volume)
 RUN = "/dloco/run"
@@ -70,6 +71,8 @@ HEADER = (
 METRICS_BASE_PORT = 9100
 # merger shard 1's control port; then shard 2's
 SHARD_BASE_PORT = 5570
+# standby.I's control, its primary's replication and its own replication ports
+STANDBY_BASE_PORT = 5600
 # the first multi-host region's jax.distributed coordinator; then the next one's
 COORDINATOR_BASE_PORT = 5600
 STATUS_PORT, PROMETHEUS_PORT, GRAFANA_PORT = 8080, 9090, 3000
@@ -185,6 +188,20 @@ def _addresses(config: ClusterConfig, metered: list[str]) -> topology.Addresses:
         coordinator_host=None,
         shard_control_ports=shard_ports,
         shard_hosts=tuple(config.merger.processes[1 : config.merger.shards]),
+        shard_standby_ports=tuple(
+            tuple(
+                _port(f"{variable}_{index}", STANDBY_BASE_PORT + 3 * (index - 1) + k)
+                for k, variable in enumerate(
+                    (
+                        "DLOCO_STANDBY_CONTROL_PORT",
+                        "DLOCO_REPLICATION_PORT",
+                        "DLOCO_STANDBY_REPLICATION_PORT",
+                    )
+                )
+            )
+            for index in range(1, config.merger.shards if config.merger.standby else 1)
+        ),
+        shard_standby_hosts=tuple(shard_names("standby", config.merger.shards)[1:]),
     )
 
 
@@ -291,15 +308,16 @@ def _process_services(
             {"broker": "service_healthy"},
             stop_grace_period="60s",
         )
-    # follows the merger's log; takes over if the merger's lease lapses (PROTOCOL.md §12)
+    # each follows its shard's merger's log; takes over if its lease lapses (PROTOCOL.md §12)
     if config.merger.standby:
-        services["standby"] = service(
-            commands["standby"], None, {"broker": "service_healthy"}, stop_grace_period="60s"
-        )
+        for name in shard_names("standby", config.merger.shards):
+            services[name] = service(
+                commands[name], None, {"broker": "service_healthy"}, stop_grace_period="60s"
+            )
     # the lease in etcd: one member, etcd's own image (the dloco image has no etcd binary)
     if config.merger.etcd:
         services = {"etcd": _etcd_service(), **services}
-        for name in ("merger", "standby"):
+        for name in config.merger.processes:
             services[name]["depends_on"]["etcd"] = {"condition": "service_healthy"}
     # healthy while its metrics keep coming; one service per host of the region
     for region in config.regions:

@@ -98,8 +98,11 @@ def native_services(config: ClusterConfig, run_dir: Path) -> dict[str, Service]:
     """Broker, merger and islands as processes of this Python on 127.0.0.1, free ports."""
     names = ["broker", *config.merger.processes, "evaluator", *(r.name for r in config.regions)]
     groups = [r.name for r in config.regions if r.hosts > 1]
-    ports = [str(p) for p in free_ports(10 + len(names) + len(groups) + config.merger.shards - 1)]
+    shards = config.merger.shards
+    standbys = shards - 1 if config.merger.standby else 0
+    ports = [str(p) for p in free_ports(10 + len(names) + len(groups) + shards - 1 + 3 * standbys)]
     extra = ports[10 + len(names) :]
+    pairs = extra[len(groups) + shards - 1 :]
     at = topology.Addresses(
         broker_ports=tuple(ports[:4]),
         control_port=ports[4],
@@ -107,7 +110,8 @@ def native_services(config: ClusterConfig, run_dir: Path) -> dict[str, Service]:
         etcd_ports=(ports[8], ports[9]),
         metrics_ports=dict(zip(names, ports[10 : 10 + len(names)], strict=True)),
         coordinator_ports=dict(zip(groups, extra[: len(groups)], strict=True)),
-        shard_control_ports=tuple(extra[len(groups) :]),
+        shard_control_ports=tuple(extra[len(groups) : len(groups) + shards - 1]),
+        shard_standby_ports=tuple(tuple(pairs[3 * k : 3 * k + 3]) for k in range(standbys)),
     )
     commands = topology.commands(config, at, str(run_dir))
     (run_dir / ENDPOINTS).write_text(

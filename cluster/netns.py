@@ -280,6 +280,7 @@ def services(config, run_dir, network: Network) -> dict:
 
     mergers = config.merger.processes
     shards = [name for name in mergers if name.startswith("merger.")]
+    standbys = [name for name in mergers if name.startswith("standby.")]
     groups = [r.name for r in config.regions if r.hosts > 1]
     at = topology.Addresses(
         broker_ports=("5550", "5551", "5552", "5553"),
@@ -293,6 +294,10 @@ def services(config, run_dir, network: Network) -> dict:
         coordinator_host="127.0.0.1",
         shard_control_ports=tuple(str(5570 + k) for k in range(len(shards))),
         shard_hosts=tuple(network.address(name) for name in shards),
+        shard_standby_ports=tuple(
+            (str(5590 + 3 * k), str(5591 + 3 * k), str(5592 + 3 * k)) for k in range(len(standbys))
+        ),
+        shard_standby_hosts=tuple(network.address(name) for name in standbys),
     )
     commands = topology.commands(config, at, str(run_dir))
     site = {process: region.name for region in config.regions for process in region.processes}

@@ -129,13 +129,14 @@ class Cluster:
 
     def resolve(self, target: str) -> str:
         """The process a chaos target names: with a standby, `merger` is whichever merger is the
-        primary now (its log's last role event), `standby` the other."""
-        if target not in MERGERS or "standby" not in self.services:
+        primary now (its log's last role event), `standby` the other; `merger.I` and `standby.I`
+        the same of shard I's pair."""
+        base, dot, index = target.partition(".")
+        pair = [f"{name}{dot}{index}" for name in MERGERS]
+        if base not in MERGERS or pair[1] not in self.services:
             return target
         running = [
-            name
-            for name in MERGERS
-            if name in self.processes and self.processes[name].poll() is None
+            name for name in pair if name in self.processes and self.processes[name].poll() is None
         ]
         primary = next(
             (
@@ -147,12 +148,13 @@ class Cluster:
         )
         chosen = (
             primary
-            if target == "merger"
+            if base == "merger"
             else next((name for name in running if name != primary), None)
         )
         if chosen is None:
             raise LaunchError(
-                f"chaos: no {'primary' if target == 'merger' else 'standby'} merger is running now "
+                f"chaos: no {'primary' if base == 'merger' else 'standby'} of {pair[0]} is running"
+                " now "
                 f"(running: {', '.join(running) or 'none'})"
             )
         return chosen

@@ -210,12 +210,6 @@ class MergerSection:
             f"merger.shards must be an int in [1, 64], got {self.shards!r}",
         )
         require(
-            self.shards == 1 or not self.standby,
-            "merger.standby with merger.shards > 1: dloco up runs a standby for an unsharded"
-            " merger only; choose one (a shard's standby runs by hand: dloco merger --shard I/N"
-            " --standby-of, PROTOCOL.md §12)",
-        )
-        require(
             self.replication in ("sync", "async"),
             f"merger.replication must be sync or async, got {self.replication!r}",
         )
@@ -240,8 +234,12 @@ class MergerSection:
 
     @property
     def processes(self) -> list[str]:
-        """The merger's process names: `merger` (shard 0), `merger.1`, ...; then `standby`."""
-        return [*shard_names("merger", self.shards), *(["standby"] if self.standby else [])]
+        """The merger's process names: `merger` (shard 0), `merger.1`, ...; then, with a standby
+        per shard, `standby`, `standby.1`, ..."""
+        return [
+            *shard_names("merger", self.shards),
+            *(shard_names("standby", self.shards) if self.standby else []),
+        ]
 
     @property
     def etcd(self) -> bool:

@@ -37,6 +37,10 @@ class Addresses:
     etcd_ports: tuple[str, str] = (etcd.CLIENT_PORT, etcd.PEER_PORT)
     # how the mergers reach it (None: broker_host)
     etcd_host: str | None = None
+    # with [merger] standby and shards: standby.1, standby.2, ...'s ports (as standby_ports) and
+    # hosts (default: standby_host)
+    shard_standby_ports: tuple[tuple[str, str, str], ...] = ()
+    shard_standby_hosts: tuple[str, ...] = ()
     # a multi-host region -> its coordinator's port (process 0 listens there)
     coordinator_ports: dict[str, str] | None = None
     # None: the region's own name (its process 0's service)
@@ -159,32 +163,53 @@ def _mergers(config: ClusterConfig, at: Addresses, run_dir: str, out: dict) -> l
                 *_flags(name=name, shard=f"{index}/{mc.shards}"),
             ]
             controls.append(f"tcp://{host}:{port}")
-    # the same merger twice (one key, one name): either may be the primary; islands reach both
+    # each shard twice (one key, one name): either may be the primary; islands reach both
     if mc.standby:
-        standby_control, mine, its = at.standby_ports
-        pair = _flags(replication=mc.replication, lease=mc.lease_s)
-        if mc.etcd:
-            client, peer = at.etcd_ports
-            out["etcd"] = etcd.dloco_args(
-                f"{run_dir}/etcd", at.bind_host, at.broker_host, client, peer
-            )
-            pair += _flags(etcd=f"http://{at.etcd_host or at.broker_host}:{client}")
-        standby = [
-            *_without(_without(out["merger"], "--init-npz"), "--control-endpoint"),
-            *pair,
-            *_flags(replication_endpoint=f"@tcp://{at.bind_host}:{its}"),
-            *_flags(standby_of=f"tcp://{at.merger_host}:{mine}"),
-            *_flags(control_endpoint=f"@tcp://{at.bind_host}:{standby_control}"),
-        ]
-        standby[standby.index("--run-dir") + 1] = f"{run_dir}/standby"
-        out["standby"] = standby
-        out["merger"] += [
-            *pair,
-            *_flags(replication_endpoint=f"@tcp://{at.bind_host}:{mine}"),
-            *_flags(peer=f"tcp://{at.standby_host}:{its}"),
-        ]
-        controls[0] += f",tcp://{at.standby_host}:{standby_control}"
+        for index, (name, standby_name) in enumerate(
+            zip(shard_names("merger", mc.shards), shard_names("standby", mc.shards), strict=True)
+        ):
+            out[standby_name] = _pair(mc, at, run_dir, out, index, name, standby_name)
+            standby_control = (
+                at.standby_ports if index == 0 else at.shard_standby_ports[index - 1]
+            )[0]
+            controls[index] += f",tcp://{_standby_host(at, index)}:{standby_control}"
     return controls
+
+
+def _standby_host(at: Addresses, index: int) -> str:
+    return (
+        at.shard_standby_hosts[index - 1] if index and at.shard_standby_hosts else at.standby_host
+    )
+
+
+def _pair(mc, at: Addresses, run_dir: str, out: dict, index: int, name: str, standby: str) -> list:
+    """Shard `index`'s standby's command line; its primary's (`out[name]`) gains the flags of a
+    pair: replication, lease, the peer, etcd."""
+    standby_control, mine, its = (
+        at.standby_ports if index == 0 else at.shard_standby_ports[index - 1]
+    )
+    primary_host = at.shard_hosts[index - 1] if index and at.shard_hosts else at.merger_host
+    pair = _flags(replication=mc.replication, lease=mc.lease_s)
+    if mc.etcd:
+        client, peer = at.etcd_ports
+        out.setdefault(
+            "etcd", etcd.dloco_args(f"{run_dir}/etcd", at.bind_host, at.broker_host, client, peer)
+        )
+        pair += _flags(etcd=f"http://{at.etcd_host or at.broker_host}:{client}")
+    command = [
+        *_without(_without(out[name], "--init-npz"), "--control-endpoint"),
+        *pair,
+        *_flags(replication_endpoint=f"@tcp://{at.bind_host}:{its}"),
+        *_flags(standby_of=f"tcp://{primary_host}:{mine}"),
+        *_flags(control_endpoint=f"@tcp://{at.bind_host}:{standby_control}"),
+    ]
+    command[command.index("--run-dir") + 1] = f"{run_dir}/{standby}"
+    out[name] += [
+        *pair,
+        *_flags(replication_endpoint=f"@tcp://{at.bind_host}:{mine}"),
+        *_flags(peer=f"tcp://{_standby_host(at, index)}:{its}"),
+    ]
+    return command
 
 
 def _island(config: ClusterConfig, at, run_dir: str, place, region, index: int, control) -> dict:

@@ -29,6 +29,7 @@ from dloco.cluster import config as cluster_config
 from dloco.cluster import netns
 from dloco.cluster.chaos import ChaosEvent
 from dloco.protocol.errors import ConfigError
+from dloco.protocol.shards import names as shard_names
 
 TIMEOUT_S = HEARTBEAT_TIMEOUT_MS / 1000
 # the islands compile and join before the first fault
@@ -97,11 +98,16 @@ class Fault:
 
 
 def plan(
-    seed: int, seconds: float, islands: list[str], network: bool, etcd: bool = False
+    seed: int,
+    seconds: float,
+    islands: list[str],
+    network: bool,
+    etcd: bool = False,
+    shards: int = 1,
 ) -> list[Fault]:
     """Faults one after another from WARMUP_S until TAIL_S before `seconds`: a takeover first, then
     every other kind allowed (`network`: the namespace ones too; `etcd`: the standby's cut) once in
-    a seeded order, then drawn at random."""
+    a seeded order, then drawn at random; a merger's fault hits one of `shards` pairs, drawn."""
     rng = random.Random(seed)
     kinds = [
         name
@@ -119,9 +125,15 @@ def plan(
         if at + length > seconds - TAIL_S:
             return faults
         target = rng.choice(islands) if kind.target == "island" else kind.target
+        if target in ("merger", "standby") and shards > 1:
+            target = rng.choice(shard_names(target, shards))
         action = f"loss-{rng.choice(LOSSES)}" if kind.action == "loss" else kind.action
         faults.append(Fault(name, action, kind.recovery, target, round(at, 1), length))
-        at += length + (AFTER_MERGER_S if target in ("merger", "standby") else rng.uniform(*GAP_S))
+        at += length + (
+            AFTER_MERGER_S
+            if target.partition(".")[0] in ("merger", "standby")
+            else rng.uniform(*GAP_S)
+        )
 
 
 def schedule(faults: list[Fault]) -> str:
@@ -133,7 +145,8 @@ def soak_config(
     config_path: Path | None, seconds: float, network: bool, etcd: bool = False
 ) -> cluster_config.ClusterConfig:
     """The cluster file's regions and settings (default: the shipped profile), the tiny model, a
-    standby (its lease in etcd with `etcd`), `seconds` long; in namespaces with `network`."""
+    standby for each merger shard (its lease in etcd with `etcd`), `seconds` long; in namespaces
+    with `network`."""
     from dloco.suites.catalog import QUICK_MODEL
 
     base = cluster_config.load(config_path)
@@ -172,7 +185,9 @@ def run(
     network, etcd = reason is None, shutil.which("etcd") is not None
     config = soak_config(config_path, minutes * 60, network, etcd)
     islands = [region.name for region in config.regions]
-    faults = plan(seed, config.duration_s, islands, network, config.merger.etcd)
+    faults = plan(
+        seed, config.duration_s, islands, network, config.merger.etcd, config.merger.shards
+    )
     chaos = schedule(faults)
     config = dataclasses.replace(config, chaos=tuple(e for f in faults for e in f.events()))
     log(

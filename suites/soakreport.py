@@ -4,6 +4,8 @@ the rules) and OUT/soak.md."""
 from __future__ import annotations
 
 import collections
+import dataclasses
+import re
 import statistics
 from pathlib import Path
 
@@ -11,7 +13,8 @@ from dloco.analysis import soakcheck
 from dloco.analysis.runinfo import chaos_effects, read_events, step_times
 from dloco.merger.log.segments import read_records
 
-MERGERS = ("merger", "standby")
+# each merger's run directory: merger, standby, and shard I's merger.I, standby.I
+MERGER_DIR = re.compile(r"(merger|standby)(\.[1-9][0-9]*)?")
 
 
 def _replay(directory: Path) -> list[tuple[int, str, str]] | str:
@@ -30,17 +33,28 @@ def check_run(run_dir: Path, config) -> list[soakcheck.Check]:
     from dloco.cluster.records import run_task
 
     islands = [region.name for region in config.regions]
-    mergers = [name for name in MERGERS if (run_dir / name / "wal").exists()]
+    mergers = sorted(
+        (
+            path.name
+            for path in run_dir.iterdir()
+            if MERGER_DIR.fullmatch(path.name) and (path / "wal").exists()
+        ),
+        key=lambda name: (name.partition(".")[2], name),
+    )
     checks = _log_checks(run_dir, mergers)
     logged = _final_log(run_dir)
     island_logs = {name: read_events(run_dir / "logs" / f"{name}.log") for name in islands}
     checks.append(_acked(islands, island_logs, logged))
     checks.append(soakcheck.nothing_acked_discarded({m: _set_asides(run_dir, m) for m in mergers}))
-    checks.append(
-        soakcheck.one_primary(
-            {name: read_events(run_dir / "logs" / f"{name}.log") for name in mergers}
+    # each shard's pair on its own (their terms are their own)
+    for shard in sorted({name.partition(".")[2] for name in mergers}):
+        pair = [name for name in mergers if name.partition(".")[2] == shard]
+        check = soakcheck.one_primary(
+            {name: read_events(run_dir / "logs" / f"{name}.log") for name in pair}
         )
-    )
+        checks.append(
+            dataclasses.replace(check, name=f"{check.name} (shard {shard})") if shard else check
+        )
     checks.append(
         soakcheck.epochs_monotone(
             {
@@ -85,12 +99,12 @@ def _log_checks(run_dir: Path, mergers: list[str]) -> list[soakcheck.Check]:
 
 
 def _final_log(run_dir: Path) -> collections.Counter:
-    """The final primary's fold records: (island, epoch) -> its deltas folded."""
-    from dloco.analysis.runinfo import merger_run_dir
+    """The final primaries' fold records (each shard's): (island, epoch) -> its deltas folded."""
+    from dloco.analysis.runinfo import shard_run_dirs
 
-    final = merger_run_dir(run_dir)
     return collections.Counter(
         (m[0], m[1])
+        for final in shard_run_dirs(run_dir)
         for _, record in read_records(final / "wal")
         if record.get("type") == "fold"
         for m in record["members"]

@@ -5,6 +5,7 @@ etcd exists for is in tests/test_network_faults.py.)"""
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import pytest
 
 from dloco.analysis.runinfo import merger_folds, read_events, wall
+from dloco.merger.log.segments import read_records
 from tests.test_network_faults import _settled_once
 from tests.test_standby_cluster import STANDBY_PROFILE
 
@@ -27,11 +29,12 @@ def etcd_binary():
         pytest.skip("no etcd binary (Debian: apt install etcd-server)")
 
 
-def _up(tmp_path, schedule: str):
+def _up(tmp_path, schedule: str, merger: str = "", max_steps: int = 120):
+    """`dloco up` with a standby whose lease is in etcd (`merger`: more [merger] lines)."""
     (tmp_path / "c.toml").write_text(
-        STANDBY_PROFILE.replace("standby = true", 'standby = true\nfailover = "etcd"').replace(
-            "max_steps = 200", "max_steps = 120"
-        )
+        STANDBY_PROFILE.replace(
+            "standby = true", f'standby = true\nfailover = "etcd"\n{merger}'
+        ).replace("max_steps = 200", f"max_steps = {max_steps}")
     )
     run = tmp_path / "run"
     up = subprocess.run(
@@ -90,3 +93,53 @@ def test_the_primary_killed_hands_the_key_and_the_model_to_the_standby(tmp_path)
     # its second life follows the new primary
     assert [e.get("event") for e in merger].count("following") >= 2
     _settled_once(run, wal="standby")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_two_shards_each_with_a_standby_survive_the_loss_of_shard_1s_primary_and_its_disk(
+    tmp_path,
+):
+    """`[merger] shards = 2` with a standby each: shard 1's primary loses its machine and disk;
+    standby.1 claims shard 1's key and takes over (shard 0's pair is untouched), the old primary
+    comes back empty and follows it, both shards fold both islands after, and every delta an island
+    counted as folded is in its shard's final log once."""
+    run, (lost, _) = _up(
+        tmp_path,
+        "lose-disk:merger.1@folds=10,restart:merger.1@a.step=+40",
+        merger="shards = 2\n",
+        # the restarted one starts (JAX, a probe of two leases) and follows before the end
+        max_steps=240,
+    )
+    assert [e["process"] for e in read_events(run / "chaos.jsonl")] == ["merger.1", "merger.1"]
+    took = {
+        name: [
+            e for e in read_events(run / "logs" / f"{name}.log") if e.get("event") == "taking_over"
+        ]
+        for name in ("merger", "standby", "merger.1", "standby.1")
+    }
+    assert [name for name, events in took.items() if events] == ["standby.1"]
+    assert wall(took["standby.1"][0]) > lost
+    assert [e.get("event") for e in read_events(run / "logs" / "merger.1.log")].count(
+        "following"
+    ) >= 1
+    after = collections.defaultdict(set)
+    for e in merger_folds(run):
+        if wall(e) > wall(took["standby.1"][0]):
+            after[e["fragment"] % 2].update(e["contributors"])
+    assert after == {0: {"a", "b"}, 1: {"a", "b"}}, after
+    # every acked delta in its shard's final log (shard 1's: standby.1's), once
+    folded = collections.Counter(
+        tuple(m)
+        for name in ("merger", "standby.1")
+        for _, r in read_records(run / name / "wal")
+        if r.get("type") == "fold"
+        for m in r["members"]
+    )
+    assert folded and max(folded.values()) == 1
+    for island in ("a", "b"):
+        done = [e for e in read_events(run / "logs" / f"{island}.log") if e.get("event") == "done"][
+            -1
+        ]
+        acks, logged = done["acks"], sum(1 for m in folded if m[0] == island)
+        assert acks.get("folded", 0) <= logged <= acks.get("folded", 0) + acks.get("unknown", 0)

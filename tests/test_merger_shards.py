@@ -143,8 +143,13 @@ def test_a_cluster_with_two_merger_shards_wires_every_island_to_both():
     )
     assert "tcp://merger.1:${DLOCO_CONTROL_PORT_MERGER_1:-5571}" in services["east"]["command"]
     assert set(services["east"]["depends_on"]) == {"merger", "merger.1"}
-    with pytest.raises(ConfigError, match="standby for an unsharded merger only"):
-        MergerSection(shards=2, standby=True)
+    # a standby per shard: standby, standby.1
+    assert MergerSection(shards=2, standby=True).processes == [
+        "merger",
+        "merger.1",
+        "standby",
+        "standby.1",
+    ]
     with pytest.raises(ConfigError, match="must not exceed sync.fragments"):
         # it folds the whole model as one fragment
         config.with_mode("sync-diloco")
