@@ -54,9 +54,13 @@ from dloco.protocol.errors import DlocoError
 
 POLL_MS = 50
 DRAIN_LIMIT = 256
-# records queued from the primary (it sends at most stream.WINDOW_BYTES beyond what we
-# stored)
-RECEIVE_HWM = 4096
+# records queued from the primary: no limit of ZeroMQ's, since the primary sends at most
+# stream.WINDOW_BYTES beyond what we stored.  A limit stops the connection's input while we apply
+# or recover; stopped past the heartbeat timeout, the connection is dropped and remade, and libzmq
+# 4.3 then aborts restarting the input of the new one (stream_engine_base.cpp:396, "Assertion
+# failed: _input_stopped"; zeromq/libzmq#3937), which a 30-minute soak hit once a takeover's old
+# primary set its log aside and caught up
+RECEIVE_HWM = 0
 SEND_HWM = 16
 # stored records' payloads waiting to be applied: beyond this the socket waits (a catch-up's memory)
 UNAPPLIED_BYTES = 256 << 20
