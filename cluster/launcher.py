@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -196,6 +197,13 @@ def _own_services(
 ) -> tuple[netns.Network | None, dict[str, Service], list[str]]:
     """The cluster file's processes and their start order: on this machine's loopback, or each host
     in a network namespace of its own (cluster/netns.py; the network is returned, to be closed)."""
+    if config.merger.etcd and shutil.which("etcd") is None:
+        raise ConfigError(
+            'a standby with merger.failover = "etcd" (the default) needs the etcd binary on PATH'
+            ' (Debian: apt install etcd-server); or set failover = "lease", the pair\'s own lease,'
+            " which a standby cut off from everyone cannot tell from a dead primary (PROTOCOL.md"
+            " §12)"
+        )
     network = netns.Network(netns.host_names(config)) if config.network == "netns" else None
     services = (
         netns.services(config, run_dir, network) if network else native_services(config, run_dir)

@@ -193,9 +193,10 @@ class MergerSection:
     # with a standby: sync | async
     replication: str = "sync"
     lease_s: float = ReplicationConfig.lease_s
-    # with a standby, who decides the primary: "lease" (the pair's own lease) or "etcd" (a lease
-    # key in etcd, which dloco up starts beside the broker: merger/replication/consensus.py)
-    failover: str = "lease"
+    # with a standby, who decides the primary: "etcd" (a lease key in etcd, which dloco up starts
+    # beside the broker: merger/replication/consensus.py) or "lease" (the pair's own lease, which a
+    # standby cut off from everyone cannot tell from a dead primary: PROTOCOL.md §12)
+    failover: str = "etcd"
     # merger processes, each folding the fragments f with f % shards == its index
     # (protocol/shards.py)
     shards: int = 1
@@ -216,11 +217,6 @@ class MergerSection:
         require(
             self.failover in ("lease", "etcd"),
             f"merger.failover must be lease or etcd, got {self.failover!r}",
-        )
-        require(
-            self.failover == "lease" or self.standby,
-            'merger.failover = "etcd" decides between a primary and its standby: set'
-            " merger.standby = true too",
         )
         check_lease(self.lease_s, "merger.lease_s")
         timeout = self.quorum_timeout_s

@@ -158,9 +158,7 @@ def soak_config(
         tokens=0,
         eval_every=50,
         chaos=(),
-        merger=dataclasses.replace(
-            base.merger, standby=True, failover="etcd" if etcd else base.merger.failover
-        ),
+        merger=dataclasses.replace(base.merger, standby=True, failover="etcd" if etcd else "lease"),
         network="netns" if network else "loopback",
     )
 

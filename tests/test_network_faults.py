@@ -60,6 +60,7 @@ def _up(tmp_path, schedule: str, max_steps: int = 100, timeout: int = 900, merge
     profile = profile.replace("share_window = 8\n", f"share_window = 8\n{merger}")
     (tmp_path / "c.toml").write_text(profile)
     run = tmp_path / "run"
+    before = _namespaces()
     up = subprocess.run(
         [
             sys.executable,
@@ -80,10 +81,14 @@ def _up(tmp_path, schedule: str, max_steps: int = 100, timeout: int = 900, merge
     assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
     executed = read_events(run / "chaos.jsonl")
     assert [e["when"] for e in executed] == schedule.split(","), executed
-    leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    # `dloco up` removed its namespaces as it stopped
-    assert "dloco-" not in leftover
+    # `dloco up` removed its namespaces as it stopped (another run's may be there)
+    assert not _namespaces() - before
     return run, [e["wall"] for e in executed]
+
+
+def _namespaces() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.startswith("dloco-")}
 
 
 def _steps_between(run, island, start, end):
@@ -302,8 +307,9 @@ def test_the_merger_partitioned_from_the_broker_loses_no_acked_delta(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.timeout(1000)
 def test_a_primary_and_standby_partitioned_from_each_other_but_not_from_the_broker(tmp_path):
-    """The split-brain case: the primary and its standby lose each other for 6x the heartbeat
-    timeout (ten leases), both still reaching the broker and the islands.  The standby takes over
+    """The split-brain case, with the pair's own lease (`failover = "lease"`; the lease in etcd is
+    the next test's): the primary and its standby lose each other for 6x the heartbeat timeout (ten
+    leases), both still reaching the broker and the islands.  The standby takes over
     under a newer epoch once its lease runs out; the old primary, alone after two leases, folds what
     it still can (deltas whose bases are the new primary's versions it rejects) and is fenced on
     healing: it steps down, sets its unreplicated records aside and follows.  Every delta the
@@ -313,7 +319,7 @@ def test_a_primary_and_standby_partitioned_from_each_other_but_not_from_the_brok
         "[run]\n", '[run]\nnetwork = "netns"\n'
     )
     (tmp_path / "c.toml").write_text(
-        profile.replace("share_window = 8", "share_window = 8\nstandby = true")
+        profile.replace("share_window = 8", 'share_window = 8\nstandby = true\nfailover = "lease"')
     )
     schedule = (
         f"partition-from-standby:merger@folds=10,"
@@ -392,3 +398,27 @@ def test_a_standby_cut_off_from_everything_cannot_take_over_with_the_lease_in_et
     )
     _settled_once(run)
     assert {"a", "b"} <= _folded_islands(run, healed, float("inf"))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1000)
+def test_a_primary_and_standby_cut_off_from_each_other_hand_nothing_over_with_the_lease_in_etcd(
+    tmp_path,
+):
+    """The split-brain case with the lease in etcd (the default): both still reach the broker and
+    etcd, so the standby's claims are refused while the primary renews the key; no takeover, no
+    fencing, nothing set aside, the standby follows again once healed, and every delta an island
+    counted as folded is in the primary's log once."""
+    schedule = (
+        f"partition-from-standby:merger@folds=10,heal:merger@+{6 * TIMEOUT_S:g},"
+        "heal:merger@a.folds=+4"
+    )
+    run, (cut, healed, _) = _up(tmp_path, schedule, merger="standby = true\n")
+    standby, merger = (read_events(run / "logs" / f"{name}.log") for name in ("standby", "merger"))
+    assert not [e for e in standby if e.get("event") == "taking_over"]
+    refused = [e for e in standby if e.get("event") == "takeover_refused"]
+    assert refused and all(e["why"].startswith("held by") for e in refused)
+    assert not [e for e in merger if e.get("event") in ("fenced", "stepped_down", "log_set_aside")]
+    assert any(cut < wall(e) < healed for e in merger_folds(run))
+    assert any(e.get("event") == "standby_following" and wall(e) > healed for e in merger)
+    _settled_once(run)
