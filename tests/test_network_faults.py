@@ -60,8 +60,7 @@ def _up(tmp_path, schedule: str, max_steps: int = 100, timeout: int = 900, merge
     profile = profile.replace("share_window = 8\n", f"share_window = 8\n{merger}")
     (tmp_path / "c.toml").write_text(profile)
     run = tmp_path / "run"
-    before = _namespaces()
-    up = subprocess.run(
+    with subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -74,15 +73,20 @@ def _up(tmp_path, schedule: str, max_steps: int = 100, timeout: int = 900, merge
             "--chaos",
             schedule,
         ],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-    )
-    assert up.returncode == 0, (up.stdout[-3000:], up.stderr[-3000:])
+    ) as up:
+        try:
+            stdout, stderr = up.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            raise
+    assert up.returncode == 0, (stdout[-3000:], stderr[-3000:])
     executed = read_events(run / "chaos.jsonl")
     assert [e["when"] for e in executed] == schedule.split(","), executed
-    # `dloco up` removed its namespaces as it stopped (another run's may be there)
-    assert not _namespaces() - before
+    # `dloco up` removed its namespaces (named after its process id) as it stopped
+    assert not [name for name in _namespaces() if name.startswith(f"dloco-{up.pid}-")]
     return run, [e["wall"] for e in executed]
 
 
