@@ -156,6 +156,10 @@ def test_replay_and_improvement_by_hand():
     assert soakcheck.stopped_cleanly(
         {"merger": "stopped", "standby": "stopped", "broker": "broker_stopped", "a": "done"}
     ).ok
+    # a shard's pair, and a region's second host
+    assert soakcheck.stopped_cleanly(
+        {"merger.1": "stopped", "standby.1": "stopped", "a": "done", "a.1": "done"}
+    ).ok
     never_back = soakcheck.stopped_cleanly(
         {"merger": "stopped", "standby": "fold", "a": "done"}
         # killed mid-run, never restarted
