@@ -55,6 +55,8 @@ EXIT_STORAGE = 3
 
 
 class MergerService:
+    # Over 60 lines: the service's parts built in the order they depend on each other (metrics
+    # port, log and state, sockets, pipeline, replication), each failing before the next opens.
     def __init__(
         self,
         config: ServiceConfig,

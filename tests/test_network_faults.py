@@ -8,6 +8,9 @@ gets.
 Root and network namespaces are needed (CI has both: .ci/run sets DLOCO_REQUIRE_NETNS, so that a
 machine without them fails there instead of skipping)."""
 
+# Over 400 lines: every network fault's run in namespaces (a run each, minutes apart), with the
+# helpers that read what the run left behind; split, each file would repeat them.
+
 from __future__ import annotations
 
 import collections

@@ -19,6 +19,10 @@ records (`appended`) and finished folds (`folded`).  An error on that thread is 
 counted, and drops the standby: a broken stream never holds the primary's acknowledgements.
 """
 
+# Over 400 lines: one server of one standby, its stream thread and the loop's calls (records,
+# folds, the barrier that holds acks for the standby's disk and the etcd lease) over the same
+# fields and lock.
+
 from __future__ import annotations
 
 import collections

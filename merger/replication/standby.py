@@ -147,6 +147,8 @@ class Standby:
         )
         self.warming.start()
 
+    # Over 60 lines: one turn of the follower's loop in the order each turn needs (the socket,
+    # the disk, the applier, the checkpoint, a follow again, the takeover rule), over shared fields.
     def follow(self, probe: bool = False) -> Takeover | None:
         """Follow the primary until its lease lapses (a Takeover), or, probing, until two leases
         passed without a primary (None).  Raises Diverged, Refused; returns None when stopped."""
