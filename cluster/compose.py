@@ -43,7 +43,7 @@ ENVIRONMENT = {"PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
 # files under `dloco up` (telemetry/logs.py): 64 MiB, five files per container.
 # the lease in etcd ([merger] failover = "etcd"): etcd's own image, the release Debian's etcd-server
 # packages the API of
-ETCD_IMAGE = "gcr.io/etcd-development/etcd:v3.5.17"
+ETCD_IMAGE = "${DLOCO_ETCD_IMAGE:-gcr.io/etcd-development/etcd:v3.5.17}"
 LOGGING = {"driver": "json-file", "options": {"max-size": "64m", "max-file": "5"}}
 # the rendered file's opening comment, line by line: each ends with its `\n`
 HEADER = (
@@ -253,8 +253,9 @@ def _service(
     return {**spec, **extra}
 
 
-def _etcd_service() -> dict:
-    """etcd for the mergers' failover, its data in the run volume."""
+def etcd_service(volume: str = "${DLOCO_RUN_DIR:-./run}") -> dict:
+    """etcd for the mergers' failover, its data in the run volume (`volume`, mounted at RUN);
+    DLOCO_ETCD_IMAGE names another image with etcd and etcdctl on its PATH."""
     args = argparse.Namespace(
         data_dir=f"{RUN}/etcd",
         bind="*",
@@ -265,7 +266,7 @@ def _etcd_service() -> dict:
     return {
         "image": ETCD_IMAGE,
         "command": ["etcd", *etcd.etcd_argv(args)],
-        "volumes": ["${DLOCO_RUN_DIR:-./run}:" + RUN],
+        "volumes": [f"{volume}:{RUN}"],
         "healthcheck": {
             "test": [
                 "CMD",
@@ -316,7 +317,7 @@ def _process_services(
             )
     # the lease in etcd: one member, etcd's own image (the dloco image has no etcd binary)
     if config.merger.etcd:
-        services = {"etcd": _etcd_service(), **services}
+        services = {"etcd": etcd_service(), **services}
         for name in config.merger.processes:
             services[name]["depends_on"]["etcd"] = {"condition": "service_healthy"}
     # healthy while its metrics keep coming; one service per host of the region

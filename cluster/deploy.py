@@ -3,8 +3,14 @@ its host and start there with `docker compose up -d`:
 
 - `hub/`: the broker, the merger and the evaluator, with the secret keys of those three, every
   island's public key (the allow-list, by role) and the initial model.  It publishes three ports,
-  the only ones any other host dials: the delta bus's input, the snapshot bus's output and the
+  the only ones any island dials: the delta bus's input, the snapshot bus's output and the
   merger's control ROUTER.
+- with `[merger] standby = true`, `standby/` for a second hub host (`--standby-host`): the merger's
+  hot standby, with the merger's secret key (either may be the primary) and no other.  The hub
+  then also runs one etcd member that holds the pair's lease (`[merger] failover = "etcd"`, or
+  `--etcd URL,...` for an etcd cluster of your own) and publishes to the standby's host what it
+  needs: the delta bus's output, the snapshot bus's input, the merger's replication port and
+  etcd's client port.  The islands dial both mergers' control ports.
 - one folder per region: that region's island, its own secret key and the hub's public keys, and
   nothing else: a region host never holds another's secret.  Islands only dial out, so a region
   behind NAT works.  Beside its compose file, `island.sbatch` runs the island under Slurm instead:
@@ -15,14 +21,13 @@ its host and start there with `docker compose up -d`:
 Real hosts have real links and real speeds: the profile's emulated links and slowdowns stay
 behind.  Each bundle's README says what to copy where, which ports must be reachable, how to start
 it and how to check it (`dloco probe`).  A cluster this cannot place yet is refused, naming why:
-a hot standby, merger shards, a network of namespaces, or inputs (a task file, a corpus, a token
+merger shards, a network of namespaces, or inputs (a task file, a corpus, a token
 file) that would have to travel with a bundle.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import shlex
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -30,30 +35,30 @@ from pathlib import Path
 
 import yaml
 
-from dloco.cluster import topology
+from dloco.cluster import compose, etcd, topology
+from dloco.cluster.bundle_texts import (
+    BROKER_PORTS,
+    CONTROL_PORT,
+    FROM_STANDBY,
+    STANDBY_PORTS,
+    hub_readme,
+    island_sbatch,
+    region_readme,
+    standby_readme,
+)
 from dloco.cluster.config import ClusterConfig
 from dloco.protocol.errors import ConfigError, require
 
 # inside every container: the bundle's run/ folder
 RUN = "/dloco/run"
-# delta in, delta out, snapshot in, snapshot out; the merger's control ROUTER
-BROKER_PORTS = ("5551", "5552", "5553", "5554")
-CONTROL_PORT = "5560"
-# the ports other hosts dial: the islands' deltas in, snapshots out, catch-up and acks
-PUBLISHED = {
-    BROKER_PORTS[0]: "delta bus (islands publish)",
-    BROKER_PORTS[3]: "snapshot bus (islands subscribe)",
-    CONTROL_PORT: "the merger's control (acks, resends, catch-up)",
-}
 HUB_SERVICES = ("broker", "merger", "evaluator")
 ENVIRONMENT = {"PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
 LOGGING = {"driver": "json-file", "options": {"max-size": "64m", "max-file": "5"}}
 
 
-def check(config: ClusterConfig) -> None:
+def check(config: ClusterConfig, hub: str, standby: str | None) -> None:
     """Refuse what this cannot place on separate hosts yet, naming it."""
     merger = config.merger
-    require(not merger.standby, "deploy: a hot standby ([merger] standby) is not placed yet")
     require(merger.shards == 1, "deploy: merger shards ([merger] shards > 1) are not placed yet")
     require(config.network == "loopback", "deploy: run.network = netns is for one machine")
     model = config.model
@@ -62,6 +67,23 @@ def check(config: ClusterConfig) -> None:
         "deploy: a task file, corpus or token file would have to travel with every bundle; the"
         " image's built-in LM on its own standard library sources is placed",
     )
+    for flag, host in (("--hub", hub), ("--standby-host", standby)):
+        require(
+            host is None or (bool(host) and "/" not in host and ":" not in host),
+            f"deploy: {flag} must be a host, got {host!r}",
+        )
+    if merger.standby:
+        require(
+            bool(standby),
+            "deploy: a hot standby ([merger] standby) needs a host of its own: --standby-host",
+        )
+        require(
+            standby != hub,
+            f"deploy: the standby's host is the hub's ({hub}): it would share the merger's"
+            " failures; give another host",
+        )
+    else:
+        require(not standby, "deploy: --standby-host, but the cluster file has no [merger] standby")
 
 
 def real_hosts(config: ClusterConfig) -> ClusterConfig:
@@ -81,45 +103,53 @@ def one_command_each(config: ClusterConfig) -> ClusterConfig:
     return dataclasses.replace(config, regions=regions)
 
 
-def commands(config: ClusterConfig, hub: str) -> dict[str, list[str]]:
-    """Every process's `dloco` arguments: the hub's reaching each other by service name, the
-    islands the hub at `hub`."""
-    inside = topology.Addresses(
-        BROKER_PORTS, CONTROL_PORT, broker_host="broker", merger_host="merger", bind_host="*"
+def _addresses(hub: str, standby: str | None, **where) -> topology.Addresses:
+    """Where everything listens: the hub's fixed ports, the standby's on `standby`; `where` says
+    how this side reaches the hub (by default: at `hub`)."""
+    return topology.Addresses(
+        BROKER_PORTS,
+        CONTROL_PORT,
+        **{"broker_host": hub, "merger_host": hub, "etcd_host": hub, **where},
+        standby_ports=STANDBY_PORTS,
+        standby_host=standby or "standby",
     )
-    outside = topology.Addresses(BROKER_PORTS, CONTROL_PORT, broker_host=hub, merger_host=hub)
-    hub_commands = topology.commands(one_command_each(config), inside, RUN)
-    island_commands = topology.commands(one_command_each(config), outside, RUN)
-    return {
-        **{name: hub_commands[name] for name in HUB_SERVICES},
-        **{r.name: island_commands[r.name] for r in config.regions},
+
+
+def commands(
+    config: ClusterConfig, hub: str, standby: str | None = None, etcd_urls: str = ""
+) -> dict[str, list[str]]:
+    """Every process's `dloco` arguments: the hub's reaching each other by service name, the
+    standby and the islands the hub at `hub`, the standby (if any) at `standby`; the pair's lease
+    in etcd at `etcd_urls` (default: the hub's own member)."""
+    config = one_command_each(config)
+    inside = _addresses(
+        hub, standby, broker_host="broker", merger_host="merger", etcd_host="etcd", bind_host="*"
+    )
+    hub_lines = topology.commands(config, inside, RUN)
+    island_lines = topology.commands(config, _addresses(hub, standby), RUN)
+    out = {
+        **{name: hub_lines[name] for name in HUB_SERVICES},
+        **{r.name: island_lines[r.name] for r in config.regions},
     }
+    if config.merger.standby:
+        out["standby"] = topology.commands(config, _addresses(hub, standby, bind_host="*"), RUN)[
+            "standby"
+        ]
+    if etcd_urls:
+        for name in ("merger", "standby"):
+            at = out[name].index("--etcd") + 1
+            out[name] = [*out[name][:at], etcd_urls, *out[name][at + 1 :]]
+    return out
 
 
-def slurm_commands(config: ClusterConfig, hub: str) -> dict[str, list[str]]:
+def slurm_commands(
+    config: ClusterConfig, hub: str, standby: str | None = None
+) -> dict[str, list[str]]:
     """Each region's island as one command line for every task of an srun step: paths under the
     bundle's run/ (a Slurm job runs in the folder it was submitted from), the group taken from
     Slurm's environment instead of a coordinator, a count and an index per host."""
-    outside = topology.Addresses(BROKER_PORTS, CONTROL_PORT, broker_host=hub, merger_host=hub)
-    lines = topology.commands(one_command_each(config), outside, "run")
+    lines = topology.commands(one_command_each(config), _addresses(hub, standby), "run")
     return {r.name: [*lines[r.name], "--coordinator", "slurm"] for r in config.regions}
-
-
-def island_sbatch(name: str, command: list[str], tasks: int, program: Sequence[str] = ("dloco",)):
-    """A batch script that runs `command` (a `dloco` command line) as `tasks` tasks of one srun
-    step; `program` is how the host starts dloco."""
-    return f"""#!/bin/bash
-# Region {name}'s island under Slurm: {tasks} task(s) of one jax.distributed program, one per host
-# of the region; each takes the group's coordinator, size and its index from Slurm's environment.
-# From this folder: sbatch island.sbatch  (scancel ends it; the hub sees the island leave)
-#SBATCH --job-name=dloco-{name}
-#SBATCH --ntasks={tasks}
-#SBATCH --output=run/slurm-%j.out
-# one task per host, as the cluster file places them: uncomment on a cluster of several nodes
-##SBATCH --ntasks-per-node=1
-export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
-exec srun --kill-on-bad-exit=1 {shlex.join([*program, *command])}
-"""
 
 
 def _service(command: list[str], **extra) -> dict:
@@ -133,26 +163,44 @@ def _service(command: list[str], **extra) -> dict:
     }
 
 
-def hub_compose(commands: dict[str, list[str]]) -> dict:
+def _ports(*ports: str) -> list[str]:
+    return [f"{port}:{port}" for port in ports]
+
+
+def hub_compose(commands: dict[str, list[str]], own_etcd: bool = False) -> dict:
+    """The hub's compose file; with a standby in `commands`, the ports its host dials published
+    too, and (`own_etcd`) one etcd member holding the pair's lease."""
     probe = ["CMD", "dloco", "probe"]
+    pair = "standby" in commands
+    services = {
+        "broker": _service(
+            commands["broker"],
+            ports=_ports(BROKER_PORTS[0], BROKER_PORTS[3], *(BROKER_PORTS[1:3] if pair else ())),
+            healthcheck={"test": [*probe, f"tcp://127.0.0.1:{BROKER_PORTS[0]}"]},
+        ),
+        "merger": _service(
+            commands["merger"],
+            ports=_ports(CONTROL_PORT, *(STANDBY_PORTS[1:2] if pair else ())),
+            depends_on={"broker": {"condition": "service_healthy"}},
+            healthcheck={"test": [*probe, f"tcp://127.0.0.1:{CONTROL_PORT}"]},
+            stop_grace_period="60s",
+        ),
+        "evaluator": _service(
+            commands["evaluator"], depends_on={"merger": {"condition": "service_healthy"}}
+        ),
+    }
+    if own_etcd:
+        member = {**compose.etcd_service("./run"), "ports": _ports(etcd.CLIENT_PORT)}
+        services = {"etcd": member, **services}
+        services["merger"]["depends_on"]["etcd"] = {"condition": "service_healthy"}
+    return {"name": "dloco-hub", "services": services}
+
+
+def standby_compose(command: list[str]) -> dict:
     return {
-        "name": "dloco-hub",
+        "name": "dloco-standby",
         "services": {
-            "broker": _service(
-                commands["broker"],
-                ports=[f"{p}:{p}" for p in (BROKER_PORTS[0], BROKER_PORTS[3])],
-                healthcheck={"test": [*probe, f"tcp://127.0.0.1:{BROKER_PORTS[0]}"]},
-            ),
-            "merger": _service(
-                commands["merger"],
-                ports=[f"{CONTROL_PORT}:{CONTROL_PORT}"],
-                depends_on={"broker": {"condition": "service_healthy"}},
-                healthcheck={"test": [*probe, f"tcp://127.0.0.1:{CONTROL_PORT}"]},
-                stop_grace_period="60s",
-            ),
-            "evaluator": _service(
-                commands["evaluator"], depends_on={"merger": {"condition": "service_healthy"}}
-            ),
+            "standby": _service(command, ports=_ports(*FROM_STANDBY), stop_grace_period="60s")
         },
     }
 
@@ -161,28 +209,43 @@ def region_compose(name: str, command: list[str]) -> dict:
     return {"name": f"dloco-{name}", "services": {name: _service(command)}}
 
 
-def write(config: ClusterConfig, hub: str, out: Path, prepare) -> list[Path]:
-    """The bundles of `config` for a hub reachable at `hub`, under OUT (refused if it exists);
-    `prepare(config, run_dir)` makes every key, the allow-list and the initial model
-    (cluster.launcher.prepare).  Returns the bundles' folders."""
-    check(config)
-    require(
-        bool(hub) and "/" not in hub and ":" not in hub,
-        f"deploy: --hub must be a host, got {hub!r}",
-    )
+# Over 60 lines: the bundles in turn (hub, standby, each region), each its files and its README.
+def write(
+    config: ClusterConfig,
+    hub: str,
+    out: Path,
+    prepare,
+    standby: str | None = None,
+    etcd_urls: str = "",
+) -> list[Path]:
+    """The bundles of `config` for a hub reachable at `hub` (and a standby at `standby`), under
+    OUT (refused if it exists); `prepare(config, run_dir)` makes every key, the allow-list and the
+    initial model (cluster.launcher.prepare); the pair's lease in etcd at `etcd_urls` (default:
+    an etcd member in the hub's bundle).  Returns the bundles' folders."""
+    check(config, hub, standby)
     if out.exists():
         raise ConfigError(f"deploy: {out} exists; give a new folder")
     config = real_hosts(config)
-    lines, slurm = commands(config, hub), slurm_commands(config, hub)
+    own_etcd = config.merger.etcd and not etcd_urls
+    lines = commands(config, hub, standby, etcd_urls if config.merger.etcd else "")
+    slurm = slurm_commands(config, hub, standby)
     with tempfile.TemporaryDirectory() as scratch:
         made = Path(scratch) / "run"
         prepare(config, made)
         keys = made / "keys"
         hub_run = out / "hub" / "run"
-        shutil.copytree(made, hub_run, ignore=_region_secrets(config))
-        _dump(hub_compose(lines), out / "hub" / "docker-compose.yml")
-        (out / "hub" / "README.md").write_text(hub_readme(config, hub))
+        shutil.copytree(made, hub_run, ignore=_secrets_but(("broker", "merger", "evaluator")))
+        _dump(hub_compose(lines, own_etcd), out / "hub" / "docker-compose.yml")
+        (out / "hub" / "README.md").write_text(hub_readme(config, hub, standby, own_etcd))
         bundles = [out / "hub"]
+        if standby:
+            shutil.copytree(made, out / "standby" / "run", ignore=_secrets_but(("merger",)))
+            (out / "standby" / "run" / "init.npz").unlink()
+            _dump(standby_compose(lines["standby"]), out / "standby" / "docker-compose.yml")
+            (out / "standby" / "README.md").write_text(
+                standby_readme(hub, standby, etcd_urls, config.merger.etcd)
+            )
+            bundles.append(out / "standby")
         for region in config.regions:
             bundle = out / region.name
             (bundle / "run" / "keys").mkdir(parents=True)
@@ -196,71 +259,25 @@ def write(config: ClusterConfig, hub: str, out: Path, prepare) -> list[Path]:
                 shutil.copy2(keys / key, bundle / "run" / "keys" / key)
             (bundle / "run" / "keys").chmod(0o700)
             if region.hosts == 1:
-                compose = region_compose(region.name, lines[region.name])
-                _dump(compose, bundle / "docker-compose.yml")
+                compose_file = region_compose(region.name, lines[region.name])
+                _dump(compose_file, bundle / "docker-compose.yml")
             script = island_sbatch(region.name, slurm[region.name], region.hosts)
             (bundle / "island.sbatch").write_text(script)
             (bundle / "island.sbatch").chmod(0o755)
-            (bundle / "README.md").write_text(region_readme(region.name, hub, region.hosts))
+            readme = region_readme(region.name, hub, region.hosts, standby)
+            (bundle / "README.md").write_text(readme)
             bundles.append(bundle)
     return bundles
 
 
-def _region_secrets(config: ClusterConfig):
-    """copytree's ignore: the islands' secret keys stay out of the hub's bundle."""
-    secrets = {f"{r.name}.key_secret" for r in config.regions}
-    return lambda folder, names: [name for name in names if name in secrets]
+def _secrets_but(own: Sequence[str]):
+    """copytree's ignore: every secret key but those of `own` stays out of the bundle."""
+    return lambda folder, names: [
+        name
+        for name in names
+        if name.endswith(".key_secret") and name.removesuffix(".key_secret") not in own
+    ]
 
 
 def _dump(data: dict, path: Path) -> None:
     path.write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100))
-
-
-def hub_readme(config: ClusterConfig, hub: str) -> str:
-    ports = "\n".join(f"- {port}/tcp: {what}" for port, what in PUBLISHED.items())
-    regions = ", ".join(r.name for r in config.regions)
-    return f"""# The hub: broker, merger, evaluator
-
-Copy this folder to the hub host, `{hub}`, build the image there from a checkout of dloco
-(`docker build -t dloco:latest .`), then:
-
-    docker compose up -d
-
-The islands ({regions}) dial these ports of `{hub}`; open them to the regions' hosts:
-
-{ports}
-
-Nothing else needs to be reachable: islands only connect out. `run/keys` holds the secret keys of
-the broker, the merger and the evaluator, and every island's public key; `run/allow` names each
-public key's role. The merger's log and checkpoints grow in `run/merger`.
-
-Check it: `docker compose ps` (the broker healthy), then from any host
-`dloco probe tcp://{hub}:{BROKER_PORTS[0]} tcp://{hub}:{CONTROL_PORT}`.
-"""
-
-
-def region_readme(name: str, hub: str, hosts: int = 1) -> str:
-    compose = (
-        f"Copy this folder to the host of region `{name}`, build the image there from a checkout"
-        " of dloco\n(`docker build -t dloco:latest .`), then:\n\n    docker compose up -d\n\n"
-        "Or, on a Slurm cluster with dloco installed (`pip install` from a checkout), from this"
-        " folder on\na filesystem the nodes share: `sbatch island.sbatch`."
-    )
-    slurm = (
-        f"Region `{name}` is one island over {hosts} hosts: it runs under Slurm, one task per host"
-        " of\none jax.distributed program. Copy this folder to a filesystem the nodes share,"
-        " install dloco on\nthem (`pip install` from a checkout), then from this folder:\n\n"
-        "    sbatch island.sbatch"
-    )
-    start = compose if hosts == 1 else slurm
-    return f"""# Region {name}: its island
-
-{start}
-
-The island dials the hub `{hub}` on ports {", ".join(PUBLISHED)} (it only connects out: a host
-behind NAT works). `run/keys` holds this region's secret key alone, and the hub's public keys; the
-hub admits it under the name `{name}` only.
-
-Check it: `dloco probe tcp://{hub}:{BROKER_PORTS[0]}` from this host reaches the hub; after the
-island has joined, `dloco probe run/metrics/{name}.jsonl --max-age 120` says it is training.
-"""

@@ -100,6 +100,19 @@ def add_deploy(commands: argparse._SubParsersAction) -> None:
         "--hub", required=True, help="the hub's host name or address, as the regions reach it"
     )
     deploy.add_argument("--out", type=Path, required=True, help="a new folder for the bundles")
+    deploy.add_argument(
+        "--standby-host",
+        help="with [merger] standby: the second hub host, where the merger's hot standby runs",
+    )
+    deploy.add_argument(
+        "--etcd",
+        default="",
+        metavar="URL,URL",
+        help=(
+            'with a standby and [merger] failover = "etcd": the client URLs of an etcd cluster of'
+            " your own for the pair's lease (default: one etcd member in the hub's bundle)"
+        ),
+    )
     deploy.set_defaults(run=_deploy)
 
 
@@ -232,9 +245,16 @@ def _deploy(args: argparse.Namespace) -> int:
     from dloco.protocol import DlocoError
 
     try:
-        bundles = deploy.write(config.load(args.config), args.hub, args.out, launcher.prepare)
+        bundles = deploy.write(
+            config.load(args.config),
+            args.hub,
+            args.out,
+            launcher.prepare,
+            standby=args.standby_host,
+            etcd_urls=args.etcd,
+        )
     except (DlocoError, OSError) as error:
-        print(f"dloco deploy: {error}", file=sys.stderr)
+        print(f"dloco deploy: {str(error).removeprefix('deploy: ')}", file=sys.stderr)
         return 2
     for bundle in bundles:
         print(f"dloco deploy: {bundle}/ (its README.md says where it goes and how to start it)")

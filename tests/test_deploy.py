@@ -14,8 +14,8 @@ import subprocess
 import pytest
 import yaml
 
+from dloco.cluster import bundle_texts, deploy, launcher
 from dloco.cluster import config as cluster_config
-from dloco.cluster import deploy, launcher
 from dloco.protocol.errors import ConfigError
 from tests.test_compose import compose_binary
 
@@ -61,13 +61,13 @@ def test_islands_dial_only_the_ports_the_hub_publishes(bundles):
         for service in hub["services"].values()
         for port in service.get("ports", [])
     }
-    assert published == set(deploy.PUBLISHED)
+    assert published == set(bundle_texts.PUBLISHED)
     for region in cluster_config.load().regions:
         (island,) = yaml.safe_load((bundles / region.name / "docker-compose.yml").read_text())[
             "services"
         ].values()
         dialled = {arg for arg in island["command"] if arg.startswith("tcp://")}
-        assert dialled == {f"tcp://{HUB}:{port}" for port in deploy.PUBLISHED}
+        assert dialled == {f"tcp://{HUB}:{port}" for port in bundle_texts.PUBLISHED}
         # a real host: no emulated link, no sleep
         command = island["command"]
         assert "--uplink-mbps" not in command and command[command.index("--slowdown") + 1] == "1.0"
@@ -109,13 +109,102 @@ def test_every_bundle_is_a_compose_file_docker_compose_reads(bundles):
         assert f"`{HUB}`" in (bundle / "README.md").read_text()
 
 
+STANDBY = "hub2.example.org"
+
+
+def with_standby(failover: str = "etcd"):
+    config = cluster_config.load()
+    merger = dataclasses.replace(config.merger, standby=True, failover=failover)
+    return dataclasses.replace(config, merger=merger)
+
+
+def services(bundle) -> dict:
+    return yaml.safe_load((bundle / "docker-compose.yml").read_text())["services"]
+
+
+def published(bundle) -> set[str]:
+    return {p.split(":")[0] for s in services(bundle).values() for p in s.get("ports", [])}
+
+
+def endpoints(command: list[str]) -> set[str]:
+    return {e for arg in command if arg.startswith("tcp://") for e in arg.split(",")}
+
+
+def test_a_standby_host_holds_the_mergers_secret_only_and_everyone_dials_both_mergers(tmp_path):
+    """The standby's bundle: the merger's secret key (it speaks as the merger) and public keys
+    only, no initial model; the hub runs etcd and publishes what the standby dials; the standby
+    publishes its control port (islands, evaluator) and its replication port (the merger)."""
+    config = with_standby()
+    deploy.write(config, HUB, tmp_path / "out", launcher.prepare, standby=STANDBY)
+    out = tmp_path / "out"
+    regions = [r.name for r in config.regions]
+    assert names(out) == {"hub", "standby", *regions}
+    keys = names(out / "standby" / "run" / "keys")
+    assert {k for k in keys if k.endswith("_secret")} == {"merger.key_secret"}
+    assert not (out / "standby" / "run" / "init.npz").exists()
+    hub = services(out / "hub")
+    assert list(hub) == ["etcd", "broker", "merger", "evaluator"]
+    assert hub["merger"]["depends_on"]["etcd"] == {"condition": "service_healthy"}
+    assert published(out / "hub") == {*bundle_texts.PUBLISHED, *bundle_texts.TO_STANDBY, "2379"}
+    assert published(out / "standby") == set(bundle_texts.FROM_STANDBY)
+    (standby,) = services(out / "standby").values()
+    command = standby["command"]
+    assert endpoints(command) == {f"tcp://{HUB}:{p}" for p in ("5552", "5553", "5562")}
+    assert command[command.index("--etcd") + 1] == f"http://{HUB}:2379"
+    merger = hub["merger"]["command"]
+    assert merger[merger.index("--peer") + 1] == f"tcp://{STANDBY}:5563"
+    assert merger[merger.index("--etcd") + 1] == "http://etcd:2379"
+    both = {f"tcp://{HUB}:5560", f"tcp://{STANDBY}:5561"}
+    for region in regions:
+        (island,) = services(out / region).values()
+        assert endpoints(island["command"]) == {f"tcp://{HUB}:5551", f"tcp://{HUB}:5554", *both}
+        assert STANDBY in (out / region / "README.md").read_text()
+    assert f"tcp://{STANDBY}:5561" in endpoints(hub["evaluator"]["command"])
+    assert "etcd" in (out / "standby" / "README.md").read_text()
+    binary = compose_binary()
+    for bundle in ("hub", "standby"):
+        checked = subprocess.run(
+            [binary, "-f", out / bundle / "docker-compose.yml", "config", "-q"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=out / bundle,
+        )
+        assert checked.returncode == 0, (bundle, checked.stderr)
+
+
+def test_an_etcd_of_your_own_replaces_the_hubs_member_and_lease_failover_needs_none(tmp_path):
+    urls = "http://etcd-a:2379,http://etcd-b:2379"
+    deploy.write(with_standby(), HUB, tmp_path / "own", launcher.prepare, STANDBY, urls)
+    hub = services(tmp_path / "own" / "hub")
+    assert "etcd" not in hub and "2379" not in published(tmp_path / "own" / "hub")
+    (standby,) = services(tmp_path / "own" / "standby").values()
+    for command in (hub["merger"]["command"], standby["command"]):
+        assert command[command.index("--etcd") + 1] == urls
+    deploy.write(with_standby("lease"), HUB, tmp_path / "lease", launcher.prepare, STANDBY)
+    hub = services(tmp_path / "lease" / "hub")
+    assert "etcd" not in hub and "--etcd" not in hub["merger"]["command"]
+    assert "prefer etcd" in (tmp_path / "lease" / "standby" / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("config", "standby", "named"),
+    [
+        (with_standby, None, "--standby-host"),
+        (with_standby, HUB, "the hub's"),
+        (with_standby, "hub2:5561", "--standby-host must be a host"),
+        (cluster_config.load, STANDBY, "no \\[merger\\] standby"),
+    ],
+)
+def test_a_standby_without_a_host_of_its_own_is_refused(tmp_path, config, standby, named):
+    with pytest.raises(ConfigError, match=named):
+        deploy.write(config(), HUB, tmp_path / "out", launcher.prepare, standby=standby)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        (
-            lambda c: dataclasses.replace(c, merger=dataclasses.replace(c.merger, standby=True)),
-            "standby",
-        ),
         (
             lambda c: dataclasses.replace(c, merger=dataclasses.replace(c.merger, shards=2)),
             "shards",

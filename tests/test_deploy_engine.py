@@ -179,3 +179,100 @@ def test_the_bundles_train_across_separate_projects_and_a_borrowed_key_is_refuse
                 capture_output=True,
                 timeout=LIMIT_S,
             )
+
+
+STANDBY = "standby.docker.internal"
+# every project reaches the others' published ports through the machine's gateway, by host name
+GATEWAY = ["host.docker.internal:host-gateway", f"{STANDBY}:host-gateway"]
+# etcd for the hub's bundle without a registry: Debian's etcd-server on the compose smoke's base
+# image (DLOCO_ETCD_IMAGE names another, as it does for a user without gcr.io)
+ETCD_IMAGE = "dloco-etcd:bookworm"
+ETCD_DOCKERFILE = """FROM dloco-base:bookworm
+RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \\
+    --no-install-recommends etcd-server etcd-client >/dev/null && rm -rf /var/lib/apt/lists/*
+"""
+
+
+def etcd_image() -> str:
+    if image := os.environ.get("DLOCO_ETCD_IMAGE"):
+        return image
+    built = subprocess.run(
+        ["docker", "build", "-q", "-t", ETCD_IMAGE, "-"],
+        input=ETCD_DOCKERFILE,
+        capture_output=True,
+        text=True,
+        timeout=LIMIT_S,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    return ETCD_IMAGE
+
+
+def reach_all(bundle, services) -> None:
+    """An override that lets `services` of `bundle` dial the hub and the standby by name."""
+    override = {"services": {name: {"extra_hosts": GATEWAY} for name in services}}
+    (bundle / "docker-compose.override.yml").write_text(json.dumps(override))
+
+
+def events(compose, bundle, project, service, name) -> list[dict]:
+    return [e for e in logs(compose, bundle, project, service) if e.get("event") == name]
+
+
+# Over 60 lines: one run of four projects in its order (hub, standby, regions), the merger killed
+# once it folds, the standby's takeover and folds after it, then tear-down.
+@pytest.mark.e2e
+@pytest.mark.timeout(2 * LIMIT_S)
+def test_the_standby_on_a_second_hub_host_takes_over_through_the_hubs_etcd(
+    tmp_path, compose, monkeypatch
+):
+    """`dloco deploy --standby-host`: the hub's bundle runs an etcd member beside the merger, the
+    standby's bundle (a separate project, reaching the hub only through its published ports) follows
+    the merger's log; the merger killed (-9) mid-run, the standby claims the lease in etcd, takes
+    over, and both regions' deltas are folded by it until the islands reach their budget."""
+    monkeypatch.setenv("DLOCO_ETCD_IMAGE", etcd_image())
+    # two regions; four times the budget, so that the takeover comes early in the run
+    two = CLUSTER.split('\n[[regions]]\nname = "victim"')[0]
+    two = two.replace("cold_wait_s = 0.0", "cold_wait_s = 0.0\nstandby = true")
+    (tmp_path / "cluster.toml").write_text(two.replace("tokens = 393216", "tokens = 1572864"))
+    config = cluster_config.load(tmp_path / "cluster.toml")
+    bundles = tmp_path / "bundles"
+    deploy.write(config, HUB, bundles, launcher.prepare, standby=STANDBY)
+    reach_all(bundles / "hub", ["merger", "evaluator"])
+    reach_all(bundles / "standby", ["standby"])
+    honest = [r.name for r in config.regions]
+    for name in honest:
+        reach_all(bundles / name, [name])
+    projects = {n: f"dloco-{n}-{os.getpid()}" for n in ["hub", "standby", *honest]}
+    try:
+        for name, project in projects.items():
+            up(compose, bundles / name, project)
+        hub = (compose, bundles / "hub", projects["hub"])
+        standby = (compose, bundles / "standby", projects["standby"])
+        deadline = time.monotonic() + LIMIT_S
+        while len(events(*hub, "merger", "fold")) < 10 or not events(
+            *standby, "standby", "following"
+        ):
+            assert time.monotonic() < deadline, "the merger did not fold with its standby following"
+            time.sleep(1)
+        killed = subprocess.run(
+            [*compose, "-p", projects["hub"], "kill", "merger"],
+            cwd=bundles / "hub",
+            capture_output=True,
+            timeout=120,
+        )
+        assert killed.returncode == 0, killed.stderr
+        while not all(exited(compose, bundles / n, projects[n], n) is not None for n in honest):
+            assert time.monotonic() < deadline, "the islands did not reach the budget"
+            time.sleep(5)
+        assert [exited(compose, bundles / n, projects[n], n) for n in honest] == [0, 0]
+        took = events(*standby, "standby", "taking_over")
+        assert len(took) == 1 and "etcd_revision" in took[0], took
+        folds = events(*standby, "standby", "fold")
+        assert {c for fold in folds for c in fold["contributors"]} == set(honest)
+    finally:
+        for name, project in projects.items():
+            subprocess.run(
+                [*compose, "-p", project, "down", "--volumes", "--timeout", "30"],
+                cwd=bundles / name,
+                capture_output=True,
+                timeout=LIMIT_S,
+            )

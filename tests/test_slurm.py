@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dloco.cluster.deploy import island_sbatch
+from dloco.cluster.bundle_texts import island_sbatch
 from dloco.cluster.ports import free_ports
 from tests.merger_process_helpers import TINY, start_bound_merger
 
