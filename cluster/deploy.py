@@ -67,6 +67,11 @@ def check(config: ClusterConfig, hub: str, standby: str | None) -> None:
         "deploy: a task file, corpus or token file would have to travel with every bundle; the"
         " image's built-in LM on its own standard library sources is placed",
     )
+    taken = {r.name for r in config.regions} & {"hub", "standby"}
+    require(
+        not taken,
+        f"deploy: a region named {', '.join(sorted(taken))} would share a bundle's folder",
+    )
     for flag, host in (("--hub", hub), ("--standby-host", standby)):
         require(
             host is None or (bool(host) and "/" not in host and ":" not in host),
@@ -209,7 +214,6 @@ def region_compose(name: str, command: list[str]) -> dict:
     return {"name": f"dloco-{name}", "services": {name: _service(command)}}
 
 
-# Over 60 lines: the bundles in turn (hub, standby, each region), each its files and its README.
 def write(
     config: ClusterConfig,
     hub: str,
@@ -219,12 +223,27 @@ def write(
     etcd_urls: str = "",
 ) -> list[Path]:
     """The bundles of `config` for a hub reachable at `hub` (and a standby at `standby`), under
-    OUT (refused if it exists); `prepare(config, run_dir)` makes every key, the allow-list and the
-    initial model (cluster.launcher.prepare); the pair's lease in etcd at `etcd_urls` (default:
-    an etcd member in the hub's bundle).  Returns the bundles' folders."""
+    OUT (refused if it exists; nothing is left there if writing fails); `prepare(config, run_dir)`
+    makes every key, the allow-list and the initial model (cluster.launcher.prepare); the pair's
+    lease in etcd at `etcd_urls` (default: an etcd member in the hub's bundle).  Returns the
+    bundles' folders."""
     check(config, hub, standby)
     if out.exists():
         raise ConfigError(f"deploy: {out} exists; give a new folder")
+    staging = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        names = _write(config, hub, staging, prepare, standby, etcd_urls)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return [out / name for name in names]
+
+
+# Over 60 lines: the bundles in turn (hub, standby, each region), each its files and its README.
+def _write(config, hub: str, out: Path, prepare, standby, etcd_urls: str) -> list[str]:
+    """write's bundles into OUT; their folders' names."""
     config = real_hosts(config)
     own_etcd = config.merger.etcd and not etcd_urls
     lines = commands(config, hub, standby, etcd_urls if config.merger.etcd else "")
@@ -237,7 +256,7 @@ def write(
         shutil.copytree(made, hub_run, ignore=_secrets_but(("broker", "merger", "evaluator")))
         _dump(hub_compose(lines, own_etcd), out / "hub" / "docker-compose.yml")
         (out / "hub" / "README.md").write_text(hub_readme(config, hub, standby, own_etcd))
-        bundles = [out / "hub"]
+        bundles = ["hub"]
         if standby:
             shutil.copytree(made, out / "standby" / "run", ignore=_secrets_but(("merger",)))
             (out / "standby" / "run" / "init.npz").unlink()
@@ -245,7 +264,7 @@ def write(
             (out / "standby" / "README.md").write_text(
                 standby_readme(hub, standby, etcd_urls, config.merger.etcd)
             )
-            bundles.append(out / "standby")
+            bundles.append("standby")
         for region in config.regions:
             bundle = out / region.name
             (bundle / "run" / "keys").mkdir(parents=True)
@@ -266,7 +285,7 @@ def write(
             (bundle / "island.sbatch").chmod(0o755)
             readme = region_readme(region.name, hub, region.hosts, standby)
             (bundle / "README.md").write_text(readme)
-            bundles.append(bundle)
+            bundles.append(region.name)
     return bundles
 
 

@@ -222,6 +222,27 @@ def test_what_cannot_be_placed_yet_is_refused_by_name(tmp_path, change, named):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_region_named_as_a_bundle_is_refused_and_a_failed_write_leaves_nothing(tmp_path):
+    config = cluster_config.load()
+    hub = dataclasses.replace(config.regions[0], name="hub")
+    with pytest.raises(ConfigError, match="region named hub"):
+        deploy.write(
+            dataclasses.replace(config, regions=(hub, *config.regions[1:])),
+            HUB,
+            tmp_path / "out",
+            launcher.prepare,
+        )
+
+    # the last region's key lost after the hub's and the first regions' bundles were written
+    def losing(config, run_dir):
+        launcher.prepare(config, run_dir)
+        (run_dir / "keys" / f"{config.regions[-1].name}.key_secret").unlink()
+
+    with pytest.raises(FileNotFoundError, match="key_secret"):
+        deploy.write(config, HUB, tmp_path / "out", losing)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_hub_that_is_not_a_host_and_a_folder_that_exists_are_refused(tmp_path):
     for hub in ("", "tcp://hub:5551", "hub:5551"):
         with pytest.raises(ConfigError, match="--hub"):
