@@ -47,6 +47,7 @@ from dloco.cluster.bundle_texts import (
     standby_readme,
 )
 from dloco.cluster.config import ClusterConfig
+from dloco.merger.replication.consensus import check_endpoints
 from dloco.protocol.errors import ConfigError, require
 
 # inside every container: the bundle's run/ folder
@@ -56,7 +57,7 @@ ENVIRONMENT = {"PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
 LOGGING = {"driver": "json-file", "options": {"max-size": "64m", "max-file": "5"}}
 
 
-def check(config: ClusterConfig, hub: str, standby: str | None) -> None:
+def check(config: ClusterConfig, hub: str, standby: str | None, etcd_urls: str = "") -> None:
     """Refuse what this cannot place on separate hosts yet, naming it."""
     merger = config.merger
     require(merger.shards == 1, "deploy: merger shards ([merger] shards > 1) are not placed yet")
@@ -89,6 +90,13 @@ def check(config: ClusterConfig, hub: str, standby: str | None) -> None:
         )
     else:
         require(not standby, "deploy: --standby-host, but the cluster file has no [merger] standby")
+    if etcd_urls:
+        require(
+            merger.etcd,
+            'deploy: --etcd is for a standby with [merger] failover = "etcd"; the cluster file has'
+            f" standby = {str(merger.standby).lower()}, failover = {merger.failover!r}",
+        )
+        check_endpoints(etcd_urls.split(","))
 
 
 def real_hosts(config: ClusterConfig) -> ClusterConfig:
@@ -227,7 +235,7 @@ def write(
     makes every key, the allow-list and the initial model (cluster.launcher.prepare); the pair's
     lease in etcd at `etcd_urls` (default: an etcd member in the hub's bundle).  Returns the
     bundles' folders."""
-    check(config, hub, standby)
+    check(config, hub, standby, etcd_urls)
     if out.exists():
         raise ConfigError(f"deploy: {out} exists; give a new folder")
     staging = out.with_name(f".{out.name}.partial")

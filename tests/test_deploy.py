@@ -203,6 +203,20 @@ def test_a_standby_without_a_host_of_its_own_is_refused(tmp_path, config, standb
 
 
 @pytest.mark.parametrize(
+    ("failover", "urls", "named"),
+    [
+        ("etcd", "etcd-a:2379", "http://HOST:PORT"),
+        ("etcd", "http://a:2379,", "http://HOST:PORT"),
+        ("lease", "http://a:2379", "failover = 'lease'"),
+    ],
+)
+def test_an_etcd_given_wrong_or_without_use_is_refused(tmp_path, failover, urls, named):
+    with pytest.raises(ConfigError, match=named):
+        deploy.write(with_standby(failover), HUB, tmp_path / "out", launcher.prepare, STANDBY, urls)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
     ("change", "named"),
     [
         (
