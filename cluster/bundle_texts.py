@@ -27,8 +27,9 @@ TO_STANDBY = {
     STANDBY_PORTS[1]: "the merger's replication (the standby follows its log)",
 }
 FROM_STANDBY = {
-    STANDBY_PORTS[0]: "the standby's control (islands and the evaluator: acks, catch-up)",
-    STANDBY_PORTS[2]: "the standby's replication (the merger streams its log)",
+    STANDBY_PORTS[0]: "the standby's control (the regions and the hub: acks, catch-up)",
+    STANDBY_PORTS[2]: "the standby's replication (the hub's merger: to fence it, or to follow it"
+    " once it is primary)",
 }
 
 
@@ -53,7 +54,9 @@ def _listing(ports: dict[str, str]) -> str:
     return "\n".join(f"- {port}/tcp: {what}" for port, what in ports.items())
 
 
-def hub_readme(config: ClusterConfig, hub: str, standby: str | None, own_etcd: bool) -> str:
+def hub_readme(
+    config: ClusterConfig, hub: str, standby: str | None, own_etcd: bool, etcd_urls: str = ""
+) -> str:
     regions = ", ".join(r.name for r in config.regions)
     pair, in_etcd = "", " in etcd" if config.merger.etcd else ""
     if standby:
@@ -61,15 +64,29 @@ def hub_readme(config: ClusterConfig, hub: str, standby: str | None, own_etcd: b
             **TO_STANDBY,
             **({etcd.CLIENT_PORT: "etcd (the pair's lease)"} if own_etcd else {}),
         }
+        external = (
+            f"\nThe merger reaches the etcd cluster at {etcd_urls}; open it to this host and to"
+            f" `{standby}`.\n"
+            if etcd_urls
+            else ""
+        )
+        guarded = (
+            f"\netcd's {etcd.CLIENT_PORT} has no authentication: open it to `{standby}` alone"
+            " (a firewall rule),\nnever to the internet; whoever reaches it can take the lease.\n"
+            if own_etcd
+            else ""
+        )
         pair = f"""
 The merger's hot standby runs on `{standby}` (the `standby` bundle). Open these ports of `{hub}`
 to that host as well:
 
 {_listing(to_standby)}
-
-and `{standby}`'s {", ".join(FROM_STANDBY)} to this host (the merger streams its log there) and to
-the regions. Whichever of the two holds the lease{in_etcd} is the primary; the other follows its
-log and takes over when the lease lapses (PROTOCOL.md §12).
+{guarded}{external}
+`{standby}` publishes {STANDBY_PORTS[0]} (to the regions and this host) and {STANDBY_PORTS[2]} (to
+this host). Whichever of the two mergers holds the lease{in_etcd} is the primary; the other
+follows its log and takes over when the lease lapses (PROTOCOL.md §12). After a takeover, the
+merger restarted here follows the standby: `docker compose ps` then shows it unhealthy (its
+control port is closed while it follows) and `docker compose logs merger` says `following`.
 """
     return f"""# The hub: broker, merger, evaluator
 
@@ -119,16 +136,16 @@ of dloco (`docker build -t dloco:latest .`), then, once the hub runs:
 
 It follows the merger's log over the replication stream and takes over when the merger's {lease}
 
-It dials `{hub}` on {", ".join(dialled)}; open
-these ports of this host to the hub and to every region:
+It dials `{hub}` on {", ".join(dialled)}. Open these ports of this host ({STANDBY_PORTS[0]} to the
+hub and to every region, {STANDBY_PORTS[2]} to the hub alone):
 
 {_listing(FROM_STANDBY)}
 
 `run/keys` holds the merger's secret key (the standby speaks as the merger) and the others' public
 keys; its own copy of the log grows in `run/standby`.
 
-Check it: `dloco probe tcp://{standby}:{STANDBY_PORTS[0]}` from a region's host; `docker compose
-logs standby` shows `following` and the log it has caught up to.
+Check it: on the hub, `docker compose logs merger` shows `standby_following` once this standby has
+connected and caught up; `docker compose logs standby` here shows `taking_over` if it ever does.
 """
 
 

@@ -28,6 +28,7 @@ file) that would have to travel with a bundle.
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -53,6 +54,10 @@ from dloco.protocol.errors import ConfigError, require
 # inside every container: the bundle's run/ folder
 RUN = "/dloco/run"
 HUB_SERVICES = ("broker", "merger", "evaluator")
+# a host name (RFC 1123 labels) or an IPv4 address, as --hub and --standby-host take them
+LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+HOST = re.compile(rf"(?=.{{1,253}}$){LABEL}(\.{LABEL})*\.?")
+LOOPBACK = ("localhost", "[::1]")
 ENVIRONMENT = {"PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
 LOGGING = {"driver": "json-file", "options": {"max-size": "64m", "max-file": "5"}}
 
@@ -75,8 +80,8 @@ def check(config: ClusterConfig, hub: str, standby: str | None, etcd_urls: str =
     )
     for flag, host in (("--hub", hub), ("--standby-host", standby)):
         require(
-            host is None or (bool(host) and "/" not in host and ":" not in host),
-            f"deploy: {flag} must be a host, got {host!r}",
+            host is None or HOST.fullmatch(host) is not None,
+            f"deploy: {flag} must be a host name or IPv4 address, got {host!r}",
         )
     if merger.standby:
         require(
@@ -84,7 +89,7 @@ def check(config: ClusterConfig, hub: str, standby: str | None, etcd_urls: str =
             "deploy: a hot standby ([merger] standby) needs a host of its own: --standby-host",
         )
         require(
-            standby != hub,
+            standby.lower().rstrip(".") != hub.lower().rstrip("."),
             f"deploy: the standby's host is the hub's ({hub}): it would share the merger's"
             " failures; give another host",
         )
@@ -96,7 +101,13 @@ def check(config: ClusterConfig, hub: str, standby: str | None, etcd_urls: str =
             'deploy: --etcd is for a standby with [merger] failover = "etcd"; the cluster file has'
             f" standby = {str(merger.standby).lower()}, failover = {merger.failover!r}",
         )
-        check_endpoints(etcd_urls.split(","))
+        for url in check_endpoints(etcd_urls.split(",")):
+            where = url.partition("://")[2].rpartition(":")[0]
+            require(
+                where not in LOOPBACK and not where.startswith("127."),
+                f"deploy: --etcd {url} is this host's own address; give one the hub and the"
+                " standby both reach",
+            )
 
 
 def real_hosts(config: ClusterConfig) -> ClusterConfig:
@@ -149,9 +160,12 @@ def commands(
             "standby"
         ]
     if etcd_urls:
+        # an etcd of the user's may hold other deployments' keys: this pair's under its hub's name
+        urls = ",".join(check_endpoints(etcd_urls.split(",")))
         for name in ("merger", "standby"):
             at = out[name].index("--etcd") + 1
-            out[name] = [*out[name][:at], etcd_urls, *out[name][at + 1 :]]
+            own = ["--etcd-prefix", f"/dloco/{hub.lower()}/merger"]
+            out[name] = [*out[name][:at], urls, *own, *out[name][at + 1 :]]
     return out
 
 
@@ -198,12 +212,18 @@ def hub_compose(commands: dict[str, list[str]], own_etcd: bool = False) -> dict:
             healthcheck={"test": [*probe, f"tcp://127.0.0.1:{CONTROL_PORT}"]},
             stop_grace_period="60s",
         ),
+        # a merger restarted after its standby took over follows it, its control port closed
         "evaluator": _service(
-            commands["evaluator"], depends_on={"merger": {"condition": "service_healthy"}}
+            commands["evaluator"],
+            depends_on={"merger": {"condition": "service_started" if pair else "service_healthy"}},
         ),
     }
     if own_etcd:
-        member = {**compose.etcd_service("./run"), "ports": _ports(etcd.CLIENT_PORT)}
+        member = {
+            **compose.etcd_service("./run"),
+            "ports": _ports(etcd.CLIENT_PORT),
+            "restart": "on-failure",
+        }
         services = {"etcd": member, **services}
         services["merger"]["depends_on"]["etcd"] = {"condition": "service_healthy"}
     return {"name": "dloco-hub", "services": services}
@@ -213,7 +233,13 @@ def standby_compose(command: list[str]) -> dict:
     return {
         "name": "dloco-standby",
         "services": {
-            "standby": _service(command, ports=_ports(*FROM_STANDBY), stop_grace_period="60s")
+            # it exits if etcd is out of reach at its start: it tries again
+            "standby": _service(
+                command,
+                ports=_ports(*FROM_STANDBY),
+                stop_grace_period="60s",
+                restart="on-failure",
+            )
         },
     }
 
@@ -238,14 +264,14 @@ def write(
     check(config, hub, standby, etcd_urls)
     if out.exists():
         raise ConfigError(f"deploy: {out} exists; give a new folder")
-    staging = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # beside OUT, mode 0700 (it holds every secret key until the bundles are complete)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent)) / "bundles"
     try:
         names = _write(config, hub, staging, prepare, standby, etcd_urls)
         staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    finally:
+        shutil.rmtree(staging.parent, ignore_errors=True)
     return [out / name for name in names]
 
 
@@ -263,7 +289,9 @@ def _write(config, hub: str, out: Path, prepare, standby, etcd_urls: str) -> lis
         hub_run = out / "hub" / "run"
         shutil.copytree(made, hub_run, ignore=_secrets_but(("broker", "merger", "evaluator")))
         _dump(hub_compose(lines, own_etcd), out / "hub" / "docker-compose.yml")
-        (out / "hub" / "README.md").write_text(hub_readme(config, hub, standby, own_etcd))
+        (out / "hub" / "README.md").write_text(
+            hub_readme(config, hub, standby, own_etcd, etcd_urls)
+        )
         bundles = ["hub"]
         if standby:
             shutil.copytree(made, out / "standby" / "run", ignore=_secrets_but(("merger",)))

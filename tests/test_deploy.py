@@ -130,6 +130,10 @@ def endpoints(command: list[str]) -> set[str]:
     return {e for arg in command if arg.startswith("tcp://") for e in arg.split(",")}
 
 
+def urls(command: list[str]) -> set[str]:
+    return {e for arg in command if arg.startswith("http://") for e in arg.split(",")}
+
+
 def test_a_standby_host_holds_the_mergers_secret_only_and_everyone_dials_both_mergers(tmp_path):
     """The standby's bundle: the merger's secret key (it speaks as the merger) and public keys
     only, no initial model; the hub runs etcd and publishes what the standby dials; the standby
@@ -145,8 +149,21 @@ def test_a_standby_host_holds_the_mergers_secret_only_and_everyone_dials_both_me
     hub = services(out / "hub")
     assert list(hub) == ["etcd", "broker", "merger", "evaluator"]
     assert hub["merger"]["depends_on"]["etcd"] == {"condition": "service_healthy"}
-    assert published(out / "hub") == {*bundle_texts.PUBLISHED, *bundle_texts.TO_STANDBY, "2379"}
-    assert published(out / "standby") == set(bundle_texts.FROM_STANDBY)
+    # every port a process of another host dials is published by the bundle of the host it names,
+    # and bound there by the service that publishes it
+    where = {HUB: out / "hub", STANDBY: out / "standby"}
+    for bundle in [out / "hub", out / "standby", *(out / r for r in regions)]:
+        for service in services(bundle).values():
+            for endpoint in endpoints(service["command"]) | urls(service["command"]):
+                host, port = endpoint.split("://")[1].split(":")
+                if host in where:
+                    assert port in published(where[host]), (bundle.name, endpoint)
+    for bundle in where.values():
+        for service in services(bundle).values():
+            bound = {arg.rpartition(":")[2] for arg in service["command"] if "://*:" in arg}
+            bound |= {a.rpartition(":")[2] for a in service["command"] if "0.0.0.0" in a}
+            assert {p.split(":")[0] for p in service.get("ports", [])} <= bound, service
+    assert published(out / "standby") == {"5561", "5563"}
     (standby,) = services(out / "standby").values()
     command = standby["command"]
     assert endpoints(command) == {f"tcp://{HUB}:{p}" for p in ("5552", "5553", "5562")}
@@ -160,7 +177,8 @@ def test_a_standby_host_holds_the_mergers_secret_only_and_everyone_dials_both_me
         assert endpoints(island["command"]) == {f"tcp://{HUB}:5551", f"tcp://{HUB}:5554", *both}
         assert STANDBY in (out / region / "README.md").read_text()
     assert f"tcp://{STANDBY}:5561" in endpoints(hub["evaluator"]["command"])
-    assert "etcd" in (out / "standby" / "README.md").read_text()
+    assert f"{HUB}:2379" in (out / "standby" / "README.md").read_text()
+    assert "no authentication" in (out / "hub" / "README.md").read_text()
     binary = compose_binary()
     for bundle in ("hub", "standby"):
         checked = subprocess.run(
@@ -181,6 +199,9 @@ def test_an_etcd_of_your_own_replaces_the_hubs_member_and_lease_failover_needs_n
     (standby,) = services(tmp_path / "own" / "standby").values()
     for command in (hub["merger"]["command"], standby["command"]):
         assert command[command.index("--etcd") + 1] == urls
+        # its keys apart from any other deployment's in that etcd
+        assert command[command.index("--etcd-prefix") + 1] == f"/dloco/{HUB}/merger"
+    assert "etcd-a:2379" in (tmp_path / "own" / "hub" / "README.md").read_text()
     deploy.write(with_standby("lease"), HUB, tmp_path / "lease", launcher.prepare, STANDBY)
     hub = services(tmp_path / "lease" / "hub")
     assert "etcd" not in hub and "--etcd" not in hub["merger"]["command"]
@@ -192,7 +213,9 @@ def test_an_etcd_of_your_own_replaces_the_hubs_member_and_lease_failover_needs_n
     [
         (with_standby, None, "--standby-host"),
         (with_standby, HUB, "the hub's"),
+        (with_standby, HUB.upper() + ".", "the hub's"),
         (with_standby, "hub2:5561", "--standby-host must be a host"),
+        (with_standby, "hub2,hub3", "--standby-host must be a host"),
         (cluster_config.load, STANDBY, "no \\[merger\\] standby"),
     ],
 )
@@ -208,6 +231,8 @@ def test_a_standby_without_a_host_of_its_own_is_refused(tmp_path, config, standb
         ("etcd", "etcd-a:2379", "http://HOST:PORT"),
         ("etcd", "http://a:2379,", "http://HOST:PORT"),
         ("lease", "http://a:2379", "failover = 'lease'"),
+        ("etcd", "http://127.0.0.1:2379", "this host's own"),
+        ("etcd", "http://localhost:2379", "this host's own"),
     ],
 )
 def test_an_etcd_given_wrong_or_without_use_is_refused(tmp_path, failover, urls, named):
@@ -258,7 +283,7 @@ def test_a_region_named_as_a_bundle_is_refused_and_a_failed_write_leaves_nothing
 
 
 def test_a_hub_that_is_not_a_host_and_a_folder_that_exists_are_refused(tmp_path):
-    for hub in ("", "tcp://hub:5551", "hub:5551"):
+    for hub in ("", "tcp://hub:5551", "hub:5551", "a,b", "hub name"):
         with pytest.raises(ConfigError, match="--hub"):
             deploy.write(cluster_config.load(), hub, tmp_path / "out", launcher.prepare)
     (tmp_path / "taken").mkdir()

@@ -248,8 +248,9 @@ def test_the_standby_on_a_second_hub_host_takes_over_through_the_hubs_etcd(
         hub = (compose, bundles / "hub", projects["hub"])
         standby = (compose, bundles / "standby", projects["standby"])
         deadline = time.monotonic() + LIMIT_S
+        # the standby connected and caught up, as its primary says
         while len(events(*hub, "merger", "fold")) < 10 or not events(
-            *standby, "standby", "following"
+            *hub, "merger", "standby_following"
         ):
             assert time.monotonic() < deadline, "the merger did not fold with its standby following"
             time.sleep(1)
@@ -266,7 +267,17 @@ def test_the_standby_on_a_second_hub_host_takes_over_through_the_hubs_etcd(
         assert [exited(compose, bundles / n, projects[n], n) for n in honest] == [0, 0]
         took = events(*standby, "standby", "taking_over")
         assert len(took) == 1 and "etcd_revision" in took[0], took
+        # it took over the merger's whole log (replication is synchronous), then folded on from it
+        assert took[0]["behind_records"] == 0 and took[0]["length"] > 10, took
+        # each fragment's versions go on from the merger's last (which the standby may fold again
+        # if the merger died before replicating it), not from the initial model
+        last, first = {}, {}
+        for e in events(*hub, "merger", "fold"):
+            last[e["fragment"]] = max(last.get(e["fragment"], 0), e["version"])
         folds = events(*standby, "standby", "fold")
+        for e in folds:
+            first[e["fragment"]] = min(first.get(e["fragment"], e["version"]), e["version"])
+        assert first and all(first[f] >= last[f] >= 2 for f in first), (last, first)
         assert {c for fold in folds for c in fold["contributors"]} == set(honest)
     finally:
         for name, project in projects.items():
