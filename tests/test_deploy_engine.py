@@ -231,7 +231,9 @@ def test_the_standby_on_a_second_hub_host_takes_over_through_the_hubs_etcd(
     monkeypatch.setenv("DLOCO_ETCD_IMAGE", etcd_image())
     # two regions; four times the budget, so that the takeover comes early in the run
     two = CLUSTER.split('\n[[regions]]\nname = "victim"')[0]
-    two = two.replace("cold_wait_s = 0.0", "cold_wait_s = 0.0\nstandby = true")
+    # a lease long enough that a loaded machine's stalls (seconds, four projects on two cores) do
+    # not hand the lease over before the kill
+    two = two.replace("cold_wait_s = 0.0", "cold_wait_s = 0.0\nstandby = true\nlease_s = 10.0")
     (tmp_path / "cluster.toml").write_text(two.replace("tokens = 393216", "tokens = 1572864"))
     config = cluster_config.load(tmp_path / "cluster.toml")
     bundles = tmp_path / "bundles"
@@ -252,7 +254,11 @@ def test_the_standby_on_a_second_hub_host_takes_over_through_the_hubs_etcd(
         while len(events(*hub, "merger", "fold")) < 10 or not events(
             *hub, "merger", "standby_following"
         ):
-            assert time.monotonic() < deadline, "the merger did not fold with its standby following"
+            assert time.monotonic() < deadline, (
+                "the merger did not fold with its standby following",
+                [e.get("event") for e in logs(*hub, "merger")][-20:],
+                logs(*standby, "standby")[-10:],
+            )
             time.sleep(1)
         killed = subprocess.run(
             [*compose, "-p", projects["hub"], "kill", "merger"],
