@@ -30,8 +30,6 @@ Elsewhere than glibc (macOS, musl) it does nothing and says so.
 
 from __future__ import annotations
 
-import os
-
 from dloco.bus import libc
 
 # glibc <malloc.h>
@@ -72,8 +70,3 @@ def with_huge_pages(env: dict[str, str]) -> dict[str, str]:
     if HUGE_PAGES not in tunables:
         tunables.append(HUGE_PAGES)
     return {**env, "GLIBC_TUNABLES": ":".join(tunables)}
-
-
-def huge_pages() -> bool:
-    """Whether this process started with HUGE_PAGES."""
-    return HUGE_PAGES in os.environ.get("GLIBC_TUNABLES", "").split(":")
