@@ -100,6 +100,17 @@ def up(compose, bundle, project: str) -> None:
     assert started.returncode == 0, started.stderr[-3000:]
 
 
+def down(compose, bundles, projects: dict[str, str]) -> None:
+    """Every project (bundle name -> project) torn down with its volumes."""
+    for name, project in projects.items():
+        subprocess.run(
+            [*compose, "-p", project, "down", "--volumes", "--timeout", "30"],
+            cwd=bundles / name,
+            capture_output=True,
+            timeout=LIMIT_S,
+        )
+
+
 def logs(compose, bundle, project: str, service: str) -> list[dict]:
     out = subprocess.run(
         [*compose, "-p", project, "logs", "--no-log-prefix", service],
@@ -172,13 +183,7 @@ def test_the_bundles_train_across_separate_projects_and_a_borrowed_key_is_refuse
             e["reason"] == "sender_mismatch" and e["claimed_sender"] == "rogue" for e in refused
         ), refused[-5:]
     finally:
-        for name, project in projects.items():
-            subprocess.run(
-                [*compose, "-p", project, "down", "--volumes", "--timeout", "30"],
-                cwd=bundles / name,
-                capture_output=True,
-                timeout=LIMIT_S,
-            )
+        down(compose, bundles, projects)
 
 
 STANDBY = "standby.docker.internal"
@@ -286,10 +291,4 @@ def test_the_standby_on_a_second_hub_host_takes_over_through_the_hubs_etcd(
         assert first and all(first[f] >= last[f] >= 2 for f in first), (last, first)
         assert {c for fold in folds for c in fold["contributors"]} == set(honest)
     finally:
-        for name, project in projects.items():
-            subprocess.run(
-                [*compose, "-p", project, "down", "--volumes", "--timeout", "30"],
-                cwd=bundles / name,
-                capture_output=True,
-                timeout=LIMIT_S,
-            )
+        down(compose, bundles, projects)
