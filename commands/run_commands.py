@@ -131,6 +131,7 @@ def add_experiment(commands: argparse._SubParsersAction) -> None:
             "merging",
             "downlink",
             "bytes",
+            "links",
             "quality",
             "soak",
         ),

@@ -6,7 +6,7 @@ its --quick steps and runs, and how its islands trace their early evaluations.
 from __future__ import annotations
 
 from dloco.cluster.sections import ModelSection
-from dloco.suites import speedup, wirebytes
+from dloco.suites import linkcurve, speedup, wirebytes
 from dloco.suites.transforms import (
     Transform,
     capped,
@@ -218,6 +218,16 @@ SUITES: dict[str, tuple[str, list[tuple[str, Transform]]]] = {
             ("lean", LEAN_BYTES),
         ],
     ),
+    "links": (
+        (
+            "The bandwidth curve measured, not modelled: sync-avg (this system's hub moving data"
+            " parallelism's fp32 exchange, a barrier every step) at 1x, 2x and 8x the profile's"
+            " links, its seconds per step beside the model the quality suite's wall-clock table"
+            " uses; decoupled at 1x, 1/8 and 1/32 of the links, whether its islands still train"
+            " without waiting (suites/linkcurve.py)."
+        ),
+        linkcurve.runs(),
+    ),
 }
 # Seconds per run by default (a suite stays within 30 minutes on 2 cores).  heterogeneous: five
 # runs, each ~95 s longer than its length (start-up, stop, trace evaluations), so 240 s.
@@ -231,6 +241,7 @@ DEFAULT_SECONDS = {
     "merging": 210.0,
     "downlink": 300.0,
     "bytes": 300.0,
+    "links": 180.0,
 }
 # --quick: the tiny model and a few runs per suite (the ones whose direction shows in a short run),
 # each bounded by work: every island trains this many steps (at least one interval, H = 48, and for
@@ -245,6 +256,7 @@ QUICK_STEPS = {
     "merging": 96,
     "downlink": 144,
     "bytes": 144,
+    "links": 96,
 }
 QUICK_LIMIT_S = 900.0
 QUICK_RUNS = {
@@ -254,6 +266,7 @@ QUICK_RUNS = {
     "quantization-sync": ("fp32", "int4"),
     "adoption": ("rebase-uniform", "replace-uniform"),
     "merging": ("average-4-islands", "rda-4-islands", "round-nesterov-lr0.7-4-islands"),
+    "links": ("sync-avg-x1", "decoupled-x1", "decoupled-x0.125"),
 }
 QUICK_MODEL = ModelSection(width=32, depth=1, heads=2, context=32, batch=8)
 # Islands evaluate each of their first N steps after training (below eval_every, 50 and 20 in quick

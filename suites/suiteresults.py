@@ -14,7 +14,7 @@ from dloco.analysis.runinfo import chaos_effects, last_step, lives, read_metrics
 from dloco.cluster.config import ClusterConfig
 from dloco.cluster.records import run_task
 from dloco.protocol.errors import DlocoError
-from dloco.suites import speedup, wirebytes
+from dloco.suites import linkcurve, speedup, wirebytes
 
 # The merger's model is evaluated at this many moments of each run, and at equal cluster tokens
 # (measure_global: one replay of the merger's log and ~1 s per evaluation, after the runs).
@@ -245,6 +245,8 @@ def summarize(
         lines += [""] + _extrapolated(results, dp, full, target)
     if name == "bytes":
         lines += wirebytes.lines(results)
+    if name == "links":
+        lines += linkcurve.lines(results)
     lines += [line for r in results for line in _fault_lines(r)]
     lines += [
         "",

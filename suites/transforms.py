@@ -62,6 +62,27 @@ def islands(count: int) -> Transform:
     return lambda c: dataclasses.replace(c, regions=c.regions[:count])
 
 
+def links(factor: float) -> Transform:
+    """Every region's links `factor` times as fast each way (an unlimited link stays unlimited;
+    round trips unchanged)."""
+
+    def scale(mbps: float | None) -> float | None:
+        return None if mbps is None else mbps * factor
+
+    def apply(c: ClusterConfig) -> ClusterConfig:
+        return dataclasses.replace(
+            c,
+            regions=tuple(
+                dataclasses.replace(
+                    r, uplink_mbps=scale(r.uplink_mbps), downlink_mbps=scale(r.downlink_mbps)
+                )
+                for r in c.regions
+            ),
+        )
+
+    return apply
+
+
 def unlinked(c: ClusterConfig) -> ClusterConfig:
     """No link emulation: every region's links unlimited, no latency."""
     return dataclasses.replace(
