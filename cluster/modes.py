@@ -11,10 +11,11 @@ import dataclasses
 # sync-diloco: classic DiLoCo — the whole model (P = 1) every H steps, every island blocks until
 #   the merger has all N deltas and returns the new global model.
 # The synchronous modes fold every island's delta at once with a whole outer step (share_window 0),
-# as classic DiLoCo does (sync-diloco with DiLoCo's Nesterov, lr 0.7 and momentum 0.9, whatever the
-# profile sets for decoupled folds; a suite tunes them through ClusterConfig.mode_merger), and
-# publish every fold at once (snapshot_every_round 0):
-# their islands wait for it.  A round waits for every island up to the quorum timeout (30 s): at
+# as classic DiLoCo does, and publish every fold at once (snapshot_every_round 0).  sync-diloco's
+# outer step is Nesterov lr 0.7 without momentum, whatever the profile sets for decoupled folds: the
+# best of its tuning grid at H = 12 (EXPERIMENTS.md, "Quality"; DiLoCo's momentum 0.9, tuned at
+# H = 500, ranks sixth of eight there); a suite tunes it through ClusterConfig.mode_merger.
+# Their islands wait for each fold.  A round waits for every island up to the quorum timeout (30 s): at
 # H = 48 the shipped profile's half-speed islands finish inside it, after the fast ones; at H = 96
 # they lag past it and a round would go on without them, so H = 96 in a synchronous mode is not
 # classic DiLoCo here.  (A longer timeout alone does not help: an island gives up waiting for its
@@ -52,7 +53,7 @@ MODES = {
             "snapshot_every_round": 0.0,
             "outer": "nesterov",
             "outer_lr": 0.7,
-            "outer_momentum": 0.9,
+            "outer_momentum": 0.0,
         },
     ),
     "sync-avg": Mode(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from dloco.cluster.config import ClusterConfig
+from dloco.cluster.modes import MODES as RUN_MODES
 from dloco.cluster.sections import ModelSection
 from dloco.protocol.errors import ConfigError
 from dloco.suites.qualityreport import LINKED, MODES, label
@@ -81,9 +82,11 @@ class Settings:
     # sync-dp's peak learning rate at the global batch (None: the islands' default), the best of
     # its tuning grid at 2 M (twice the islands' default: EXPERIMENTS.md, "Quality")
     dp_lr: float | None = 6e-3
-    # sync-diloco's outer (lr, momentum): the best of its grid at H = 12 and 2 M (DiLoCo's 0.7 with
-    # momentum 0.9, tuned at H = 500, ranks sixth of eight there)
-    diloco_outer: tuple[float, float] = (0.7, 0.0)
+    # sync-diloco's outer (lr, momentum): the mode's own, the best of its grid at H = 12 and 2 M
+    diloco_outer: tuple[float, float] = (
+        RUN_MODES["sync-diloco"].merger["outer_lr"],
+        RUN_MODES["sync-diloco"].merger["outer_momentum"],
+    )
 
 
 def parse_settings(seeds: str | None, dp_lr: float | None, diloco_outer: str | None) -> Settings:
