@@ -15,12 +15,13 @@ import dataclasses
 # outer step is Nesterov lr 0.7 without momentum, whatever the profile sets for decoupled folds: the
 # best of its tuning grid at H = 12 (EXPERIMENTS.md, "Quality"; DiLoCo's momentum 0.9, tuned at
 # H = 500, ranks sixth of eight there); a suite tunes it through ClusterConfig.mode_merger.
-# Their islands wait for each fold.  A round waits for every island up to the quorum timeout (30 s): at
-# H = 48 the shipped profile's half-speed islands finish inside it, after the fast ones; at H = 96
-# they lag past it and a round would go on without them, so H = 96 in a synchronous mode is not
-# classic DiLoCo here.  (A longer timeout alone does not help: an island gives up waiting for its
-# delta's fold after 60 s and trains on; the quorum counts islands, so its next delta does not
-# complete a round without the slow ones, but the round still waits only up to the timeout.)
+# Their islands wait for each fold.  A round waits for every island up to the quorum timeout
+# (30 s): at H = 48 the shipped profile's half-speed islands finish inside it, after the fast
+# ones; at H = 96 they lag past it and a round would go on without them, so H = 96 in a synchronous
+# mode is not classic DiLoCo here.  (A longer timeout alone does not help: an island gives up
+# waiting for its delta's fold after 60 s and trains on; the quorum counts islands, so its next
+# delta does not complete a round without the slow ones, but the round still waits only up to the
+# timeout.)
 # sync-avg: parameter averaging after every step — each island takes one step of its own AdamW
 #   (its own moments, its own clip) on its own batch, sends its full fp32 change and blocks until
 #   the merger returns the average of the islands' models (outer SGD, lr 1).  That is local AdamW

@@ -245,7 +245,7 @@ def bandwidth_lines(results: list[RunResult]) -> list[str]:
         return []
     x = wallclock.exchange_of(dec, wallclock.params_of(dec.config))
     rows = wallclock.curve_rows(speedup.mean_curve(dp.evals), dec.global_curve, x)
-    return wallclock.table(rows, x)
+    return wallclock.table(rows, x) + wallclock.utilisation_table(x)
 
 
 def claim_lines(results: list[RunResult]) -> list[str]:

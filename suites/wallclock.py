@@ -58,6 +58,50 @@ def dp_step_s(x: Exchange, practice: str) -> float:
     raise ValueError(f"practice must be hub or ring, got {practice!r}")
 
 
+def bandwidth_for(x: Exchange, util: float, practice: str) -> float:
+    """The bandwidth each way (bit/s) at which a data-parallel step computes `util` of its time
+    (dp_step_s inverted; DiLoCo's scaling-laws paper, Table 6, in this model): inf where the round
+    trips alone leave less than that."""
+    if not 0 < util <= 1:
+        raise ValueError(f"util must be in (0, 1], got {util}")
+    # seconds of exchange a step may show beside its compute
+    shown = x.step_s * (1 / util - 1)
+    if practice == "hub":
+        moved, latency = 2 * FP32_BYTES * x.params, x.rtt_s
+    elif practice == "ring":
+        n = x.islands
+        moved, latency = 2 * (n - 1) / n * BF16_BYTES * x.params, (n - 1) * x.rtt_s
+        shown += BACKWARD_SHARE * x.step_s
+    else:
+        raise ValueError(f"practice must be hub or ring, got {practice!r}")
+    return moved * 8 / (shown - latency) if shown > latency else math.inf
+
+
+UTILISATIONS = (0.5, 0.8, 0.9, 0.95, 0.99)
+
+
+def utilisation_table(x: Exchange) -> list[str]:
+    """Data parallelism's bandwidth for each compute utilisation in UTILISATIONS, in Table 6's
+    format, Mbit/s each way."""
+
+    def cell(practice: str, util: float) -> str:
+        bps = bandwidth_for(x, util, practice)
+        return "unreachable" if math.isinf(bps) else f"{bps / 1e6:,.1f}"
+
+    return [
+        "Bandwidth each way (Mbit/s) data parallelism needs for a compute utilisation, at that"
+        f" step ({x.step_s:.2f} s) and round trip ({x.rtt_s * 1000:.0f} ms):",
+        "",
+        "| practice | " + " | ".join(f"{u:.0%}" for u in UTILISATIONS) + " |",
+        "|---|" + "---|" * len(UTILISATIONS),
+        *(
+            f"| {name} | " + " | ".join(cell(practice, u) for u in UTILISATIONS) + " |"
+            for practice, name in (("hub", "hub, fp32"), ("ring", "ring, bf16, overlapped"))
+        ),
+        "",
+    ]
+
+
 def dp_seconds_to(
     curve: Sequence[tuple[int, float]], target: float, x: Exchange, practice: str
 ) -> float | None:

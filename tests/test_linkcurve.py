@@ -43,7 +43,8 @@ def test_the_suite_runs_sync_avg_and_decoupled_at_their_multiples_of_the_links()
 
 
 def test_the_hub_model_at_a_multiple_of_the_links():
-    # 1 s of compute; 2 x 4 B x 1,000 parameters = 64,000 bits over 16 Mbit/s = 4 ms; 0.1 s round trip
+    # 1 s of compute; 2 x 4 B x 1,000 parameters = 64,000 bits over 16 Mbit/s = 4 ms; 0.1 s
+    # round trip
     base = wallclock.Exchange(params=1000, islands=4, step_s=1.0, bps=8e6, rtt_s=0.1)
     assert abs(linkcurve.modelled_hub_step_s(base, 2.0) - 1.104) < 1e-12
 

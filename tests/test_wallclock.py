@@ -45,3 +45,24 @@ def test_the_ratio_to_decoupled_final_loss_against_bandwidth():
     # a target the data-parallel curve never reaches: no time, no ratio
     never = wallclock.curve_rows(DP, [{"since_start": 5.0, "eval_loss": 1.0}], BASE, (1,))
     assert never[0]["hub_s"] is None and never[0]["hub_ratio"] is None
+
+
+def test_the_bandwidth_for_a_compute_utilisation():
+    # hub at 50 %: 0.5 s of exchange, 0.04 s of it the round trip: 64 Mbit in 0.46 s
+    assert wallclock.bandwidth_for(BASE, 0.5, "hub") == pytest.approx(64e6 / 0.46)
+    # ring at 80 %: 0.125 s shown + 1/3 s behind the backward pass, less 3 round trips (0.12 s):
+    # 24 Mbit (3 MB) in 0.3383 s
+    assert wallclock.bandwidth_for(BASE, 0.8, "ring") == pytest.approx(
+        24e6 / (0.125 + 1 / 3 - 0.12)
+    )
+    # inverse of the step: at that bandwidth the step is compute / utilisation
+    bps = wallclock.bandwidth_for(BASE, 0.9, "hub")
+    assert wallclock.dp_step_s(Exchange(1_000_000, 4, 0.5, bps, 0.04), "hub") == pytest.approx(
+        0.5 / 0.9
+    )
+    # 99 % leaves 5 ms of exchange, less than the 40 ms round trip: no bandwidth does it
+    assert wallclock.bandwidth_for(BASE, 0.99, "hub") == float("inf")
+    table = wallclock.utilisation_table(BASE)
+    assert table[4].startswith("| hub, fp32 | 139.1 | ") and table[4].endswith("unreachable |")
+    with pytest.raises(ValueError):
+        wallclock.bandwidth_for(BASE, 0.0, "hub")
