@@ -100,5 +100,7 @@ MEASURED = QualityCurve(
         (24, factor_from_loss(QUALITY_H24_LOSS)),
         (48, factor_from_loss(QUALITY_H48_LOSS)),
     ),
-    "dloco experiment quality at 16 M tokens, 0.87 M parameters (sim/quality.py)",
+    "measured at H = 12-48, 16 M tokens, 0.87 M parameters, against sync-avg (parameter"
+    " averaging after each island's step); against data parallelism every q is lower:"
+    " EXPERIMENTS.md, Quality",
 )
