@@ -172,6 +172,52 @@ def table(results: list[RunResult]) -> list[str]:
     return lines
 
 
+def up_down(result: RunResult, params: int | None = None) -> tuple[float, float] | None:
+    """Bytes the islands sent and received per token they trained.  sync-dp trains in one process,
+    so its bytes are counted as this system's hub would move them (suites/wallclock.py): every
+    island its fp32 gradient up and the result down each step, with `params`; None without."""
+    tokens = sum(e.get("tokens", 0) for e in result.last.values())
+    if not tokens:
+        return None
+    if result.config.mode == "sync-dp":
+        if params is None:
+            return None
+        steps = sum(e.get("step", 0) for e in result.last.values())
+        moved = steps * wallclock.FP32_BYTES * params / tokens
+        return moved, moved
+    sent = sum(e.get("bytes_sent", 0) for e in result.last.values())
+    received = sum(e.get("bytes_received", 0) for e in result.last.values())
+    return sent / tokens, received / tokens
+
+
+def bytes_table(results: list[RunResult], params: int | None = None) -> list[str]:
+    """Per budget, each mode's bytes per trained token up and down (mean over seeds)."""
+    groups = {key: runs for key, runs in _groups(results).items() if not key[2]}
+    budgets = sorted({budget for _, budget, _ in groups})
+    modes = [m for m in MODES if any((m, b, "") in groups for b in budgets)]
+    if not modes:
+        return []
+
+    def cell(runs: list[RunResult] | None) -> str:
+        found = [ud for r in runs or [] if (ud := up_down(r, params)) is not None]
+        if not found:
+            return "n/a"
+        up, down = (statistics.fmean(ud[k] for ud in found) for k in (0, 1))
+        return f"{up:,.1f} / {down:,.1f}"
+
+    return [
+        "| budget (cluster tokens) | "
+        + " | ".join(f"{m}: bytes / token up / down" for m in modes)
+        + " |",
+        "|---|" + "---|" * len(modes),
+        *(
+            f"| {budget:,} | " + " | ".join(cell(groups.get((m, budget, ""))) for m in modes) + " |"
+            for budget in budgets
+        ),
+        "",
+    ]
+
+
 def tuning_table(results: list[RunResult]) -> list[str]:
     """A tuning grid's runs: each setting's final loss on the whole validation split (what the
     choice reads), by mode, best first."""
@@ -341,6 +387,7 @@ def plot(results: list[RunResult], out_dir: Path) -> list[Path]:
 def write_up(results: list[RunResult], command: str, seconds: float, out_dir: Path) -> str:
     """OUT/quality.md and OUT/experiments/quality_*.png; returns the Markdown."""
     plots = plot(results, out_dir / "experiments")
+    params = wallclock.params_of(results[0].config) if results else None
     text = "\n".join(
         [
             "## Quality at equal tokens, each run decayed over its budget",
@@ -356,6 +403,7 @@ def write_up(results: list[RunResult], command: str, seconds: float, out_dir: Pa
             "",
             *table(results),
             "",
+            *bytes_table(results, params),
             *tuning_table(results),
             *goal_lines(results),
             *claim_lines(results),

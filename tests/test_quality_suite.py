@@ -296,3 +296,40 @@ def test_the_quota_profile_is_the_shipped_profile_under_cpu_quotas():
     quota = cluster_config.load(Path(__file__).parent.parent / "experiments/configs/quota.toml")
     assert quota.island_cpus == 0.45
     assert dataclasses.replace(quota, island_cpus=0.0) == cluster_config.load()
+
+
+def test_bytes_per_token_up_and_down_for_every_mode():
+    runs = dict(qualityplan.plan(cluster_config.load(), (1_000_000,), quick=False))
+    # sync-dp: 2 islands, 10 steps of 2,048 tokens each; counted as an fp32 hub all-reduce of
+    # 1,024 parameters: 4,096 B up and down per 2,048 tokens = 2 B per token each way
+    dp = _result(
+        "sync-dp@1M",
+        runs["sync-dp@1M"],
+        2.0,
+        last={n: {"step": 10, "tokens": 20_480} for n in ("a", "b")},
+    )
+    # decoupled: 3,000 B sent and 1,000 received for 1,000 tokens, and 1,000 / 1,000 for another
+    # 1,000: 2 and 1 B per token; seed 1 sends 4 and receives 3: the mean over seeds is 3 / 2
+    dec = _result(
+        "decoupled@1M",
+        runs["decoupled@1M"],
+        2.2,
+        last={
+            "a": {"tokens": 1000, "bytes_sent": 3000, "bytes_received": 1000},
+            "b": {"tokens": 1000, "bytes_sent": 1000, "bytes_received": 1000},
+        },
+    )
+    dec1 = _result(
+        "decoupled@1M-s1",
+        __import__("dataclasses").replace(runs["decoupled@1M"], seed=1),
+        2.2,
+        last={"a": {"tokens": 1000, "bytes_sent": 4000, "bytes_received": 3000}},
+    )
+    assert qualityreport.up_down(dp, params=1024) == (2.0, 2.0)
+    assert qualityreport.up_down(dp) is None
+    lines = qualityreport.bytes_table([dp, dec, dec1], params=1024)
+    assert lines[0] == (
+        "| budget (cluster tokens) | sync-dp: bytes / token up / down |"
+        " decoupled: bytes / token up / down |"
+    )
+    assert lines[2] == "| 1,000,000 | 2.0 / 2.0 | 3.0 / 2.0 |"
