@@ -44,6 +44,7 @@ from dloco.suites.qualityplan import (
     short,
     tuning_plan,
 )
+from dloco.suites.qualityplots import plot
 from dloco.suites.qualityreport import write_up
 from dloco.suites.suiteresults import RunResult, collect, measure_global
 
@@ -140,7 +141,8 @@ def run_suite(
         )
         + (f" --runs {','.join(only)}" if only else "")
     )
-    return write_up(results, command, time.monotonic() - started, out_dir), results
+    plots = plot(results, out_dir / "experiments")
+    return write_up(results, command, time.monotonic() - started, out_dir, plots), results
 
 
 def _run_or_read(name: str, config: ClusterConfig, run_dir: Path, position: str, log) -> RunResult:
@@ -176,7 +178,7 @@ def run_from_results(results_dirs: list[Path], out_dir: Path, config_path=None) 
         + (f" --config {config_path}" if config_path else "")
         + "".join(f" --from-results {d}" for d in results_dirs)
     )
-    return write_up(results, command, 0.0, out_dir)
+    return write_up(results, command, 0.0, out_dir, plot(results, out_dir / "experiments"))
 
 
 def _selected(

@@ -51,7 +51,7 @@ def spread(values: list[float]) -> tuple[float, float] | None:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def _groups(results: list[RunResult]) -> dict[tuple[str, int, str], list[RunResult]]:
+def by_setting(results: list[RunResult]) -> dict[tuple[str, int, str], list[RunResult]]:
     """(mode, budget, tag) -> its runs, one per seed."""
     groups: dict[tuple[str, int, str], list[RunResult]] = {}
     for r in results:
@@ -143,7 +143,7 @@ def _cell(value: float | None, form: str = ".3f") -> str:
 def table(results: list[RunResult]) -> list[str]:
     """Per budget, each mode's final test loss (mean ± sd over seeds, their count) and decoupled's
     gaps to the baselines, paired by seed."""
-    groups = {key: runs for key, runs in _groups(results).items() if not key[2]}
+    groups = {key: runs for key, runs in by_setting(results).items() if not key[2]}
     budgets = sorted({budget for _, budget, _ in groups})
     modes = [m for m in MODES if any((m, b, "") in groups for b in budgets)]
     lines = [
@@ -192,7 +192,7 @@ def up_down(result: RunResult, params: int | None = None) -> tuple[float, float]
 
 def bytes_table(results: list[RunResult], params: int | None = None) -> list[str]:
     """Per budget, each mode's bytes per trained token up and down (mean over seeds)."""
-    groups = {key: runs for key, runs in _groups(results).items() if not key[2]}
+    groups = {key: runs for key, runs in by_setting(results).items() if not key[2]}
     budgets = sorted({budget for _, budget, _ in groups})
     modes = [m for m in MODES if any((m, b, "") in groups for b in budgets)]
     if not modes:
@@ -224,7 +224,7 @@ def tuning_table(results: list[RunResult]) -> list[str]:
     rows = sorted(
         (
             (spread([v for r in runs if (v := reported(r, "validation")) is not None]), key)
-            for key, runs in _groups(results).items()
+            for key, runs in by_setting(results).items()
             if key[2]
         ),
         # by mode, each mode's best first
@@ -247,7 +247,7 @@ def goal_lines(results: list[RunResult]) -> list[str]:
     """The suite's goals at the largest budget, each met or missed and by how much (a goal whose
     runs are missing is not judged).  Quality is judged on the test split, paired by seed: within
     1.5 % of sync-dp only if the mean gap plus one standard deviation is."""
-    groups = {key: runs for key, runs in _groups(results).items() if not key[2]}
+    groups = {key: runs for key, runs in by_setting(results).items() if not key[2]}
     budget = max((b for _, b, _ in groups), default=0)
     decoupled = groups.get(("decoupled", budget, ""), [])
     lines = []
@@ -324,69 +324,11 @@ def claim_lines(results: list[RunResult]) -> list[str]:
     ]
 
 
-def plot(results: list[RunResult], out_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    budgeted = [r for r in results if r.config.tokens and r.global_after is not None]
-    groups = {key: runs for key, runs in _groups(results).items() if not key[2]}
-    made = []
-    figure, axes = plt.subplots(figsize=(7, 4))
-    for index, mode in enumerate(MODES):
-        points = sorted(
-            (budget, stats)
-            for (m, budget, _), runs in groups.items()
-            if m == mode and (stats := spread([v for r in runs if (v := reported(r)) is not None]))
-        )
-        if points:
-            axes.errorbar(
-                [b for b, _ in points],
-                [st[0] for _, st in points],
-                yerr=[st[1] for _, st in points],
-                marker="o",
-                capsize=3,
-                color=f"C{index}",
-                label=mode,
-            )
-    axes.set_xscale("log")
-    axes.set_xlabel("budget: tokens trained by the whole cluster (log)")
-    axes.set_ylabel("final global model's test loss (mean ± sd over seeds)")
-    axes.grid(alpha=0.3, which="both")
-    axes.legend()
-    figure.tight_layout()
-    made.append(out_dir / "quality_loss_vs_budget.png")
-    figure.savefig(made[-1], dpi=100)
-    plt.close(figure)
-    largest = max((r.config.tokens for r in budgeted), default=0)
-    figure, axes = plt.subplots(figsize=(7, 4))
-    for index, mode in enumerate(MODES):
-        r = next(
-            (r for r in budgeted if r.label == label(mode, largest)),
-            None,
-        )
-        if r is not None and r.global_curve:
-            points = [(0, r.global_before)] + [
-                (p["cluster_tokens"], p["eval_loss"]) for p in r.global_curve
-            ]
-            axes.plot(*zip(*points), marker=".", color=f"C{index}", label=mode)
-    axes.set_xlabel("tokens trained by the whole cluster")
-    axes.set_ylabel("global model's validation loss (8 batches)")
-    axes.set_title(f"budget {largest:,} tokens, seed 0: each run decays over it")
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    made.append(out_dir / "quality_loss_vs_tokens.png")
-    figure.savefig(made[-1], dpi=100)
-    plt.close(figure)
-    return made
-
-
-def write_up(results: list[RunResult], command: str, seconds: float, out_dir: Path) -> str:
-    """OUT/quality.md and OUT/experiments/quality_*.png; returns the Markdown."""
-    plots = plot(results, out_dir / "experiments")
+def write_up(
+    results: list[RunResult], command: str, seconds: float, out_dir: Path, plots: list[Path]
+) -> str:
+    """OUT/quality.md, which shows `plots` (suites/qualityplots.py drew them into
+    OUT/experiments/); returns the Markdown."""
     params = wallclock.params_of(results[0].config) if results else None
     text = "\n".join(
         [

@@ -198,6 +198,10 @@ def bytes_per_token(result: RunResult) -> float:
     return sent / tokens if tokens else float("nan")
 
 
+# a suite's own tables, after the common one
+SUITE_LINES = {"bytes": wirebytes.lines, "links": linkcurve.lines}
+
+
 def summarize(
     name: str, description: str, results: list[RunResult], command: str, seconds: float
 ) -> str:
@@ -243,10 +247,7 @@ def summarize(
     full = next((r for r in results if r.label == speedup.FULL_SPEED), None)
     if dp is not None and full is not None:
         lines += [""] + _extrapolated(results, dp, full, target)
-    if name == "bytes":
-        lines += wirebytes.lines(results)
-    if name == "links":
-        lines += linkcurve.lines(results)
+    lines += SUITE_LINES.get(name, lambda _: [])(results)
     lines += [line for r in results for line in _fault_lines(r)]
     lines += [
         "",
