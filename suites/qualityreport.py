@@ -11,7 +11,7 @@ import re
 import statistics
 from pathlib import Path
 
-from dloco.suites import speedup, wallclock
+from dloco.suites import linkcurve, speedup, wallclock
 from dloco.suites.suiteresults import RunResult, bytes_per_token
 
 MODES = ("sync-dp", "sync-diloco", "decoupled")
@@ -185,9 +185,7 @@ def up_down(result: RunResult, params: int | None = None) -> tuple[float, float]
         steps = sum(e.get("step", 0) for e in result.last.values())
         moved = steps * wallclock.FP32_BYTES * params / tokens
         return moved, moved
-    sent = sum(e.get("bytes_sent", 0) for e in result.last.values())
-    received = sum(e.get("bytes_received", 0) for e in result.last.values())
-    return sent / tokens, received / tokens
+    return linkcurve.up_down_per_token(result)
 
 
 def bytes_table(results: list[RunResult], params: int | None = None) -> list[str]:
