@@ -15,8 +15,9 @@ exchange).  Data parallelism's step then costs, over links of `bps` each way and
 Its time to a loss is the steps its curve needs (sync-dp's loss per step, which no link changes)
 times that step.  Decoupled's time is read off its global model's curve as it ran; its islands do
 not wait on the links, so at other bandwidths its time is taken as the same: `dloco experiment
-links` (suites/linkcurve.py) measures them 0.93+ busy from 1x down to 1/32 of the profile's links,
-and this system's hub step within 5-16 % of the model here at 1x-8x.
+links` (suites/linkcurve.py) measures both assumptions against runs at several multiples of the
+links: decoupled's islands' utilisation, and this system's hub step against the model here
+(EXPERIMENTS.md, "Quality", has the figures).
 """
 
 from __future__ import annotations
