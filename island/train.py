@@ -71,6 +71,10 @@ class Trainer:
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.model = model
+        # path -> the parameter's Variable: reading and writing parameters goes straight to them
+        # (a step updates their values in place), not through a traversal of the whole graph, which
+        # cost more than the arithmetic of an adoption (`flat_params` names the paths the same way)
+        self.variables = param_variables(model)
         transform = optimizer if optimizer is not None else inner_optimizer(train_config)
         # A run with a token budget: the update is scaled by the cluster's decay (a hyperparameter
         # of the state, so changing it recompiles nothing); a task's own optimizer is scaled too.
@@ -174,11 +178,18 @@ class Trainer:
     def params(self) -> dict[str, np.ndarray]:
         """Flat {path: float32 array} of the parameters: on CPU views of the live buffers (a step
         taken while one is held copies that buffer instead of updating it in place)."""
-        return flat_params(self.model)
+        return {
+            path: np.asarray(local(variable.get_value()), dtype=np.float32)
+            for path, variable in self.variables.items()
+        }
 
     def set_params(self, values: dict[str, np.ndarray]) -> None:
-        """Overwrite the named parameters (a subset is fine), keeping the replicated placement."""
-        assign(self.model, values, self.replicated)
+        """Overwrite the named parameters (a subset is fine), keeping the replicated placement; each
+        keeps its own dtype (bf16 stays bf16)."""
+        for path, value in values.items():
+            variable = self.variables[path]
+            dtype = variable.get_value().dtype
+            variable.set_value(place(np.asarray(value, dtype=dtype), self.replicated))
 
 
 def _halves(loss):
@@ -204,6 +215,23 @@ def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
         "/".join(str(k) for k in key): np.asarray(local(value), dtype=np.float32)
         for key, value in flat.items()
     }
+
+
+def param_variables(model: nnx.Module) -> dict[str, nnx.Variable]:
+    """A model's parameters as {"a/b/c": its Variable}, named and ordered as `flat_params` names
+    them."""
+    found = {
+        "/".join(str(k) for k in path): node
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.Param)
+    }
+    names = list(flat_params(model))
+    if set(names) != set(found):
+        raise DlocoError(
+            "the model's parameters are not where its graph says:"
+            f" {sorted(set(names) ^ set(found))[:5]}"
+        )
+    return {name: found[name] for name in names}
 
 
 def place(value, sharding):

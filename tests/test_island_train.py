@@ -12,7 +12,7 @@ import pytest
 
 from dloco.island import bytelm, data
 from dloco.island.config import ModelConfig, TrainConfig
-from dloco.island.train import DivergedError
+from dloco.island.train import DivergedError, flat_params
 
 TINY = ModelConfig(width=32, depth=1, heads=2, context=32)
 
@@ -85,6 +85,27 @@ def test_a_step_updates_in_place_and_never_under_a_held_view(corpus):
     trainer.step(batches.next())
     assert np.array_equal(view, held)
     assert not np.array_equal(trainer.params()["head/kernel"], held)
+
+
+def test_params_read_and_write_the_live_model_across_steps(corpus):
+    """params() and set_params() go to the parameters' Variables directly: after steps they still
+    see what a traversal of the model sees, and a subset written is what the next step trains."""
+    shards, _, _ = data.split(corpus, 1)
+    trainer = bytelm.trainer(TINY, TrainConfig(batch=4))
+    batches = data.Batches(shards[0], 4, 32, 0, 0)
+    for _ in range(2):
+        trainer.step(batches.next())
+    walked = flat_params(trainer.model)
+    assert list(trainer.params()) == list(walked)
+    assert all(np.array_equal(trainer.params()[p], walked[p]) for p in walked)
+    written = {"head/kernel": np.full(walked["head/kernel"].shape, 0.01, np.float32)}
+    trainer.set_params(written)
+    assert np.array_equal(flat_params(trainer.model)["head/kernel"], written["head/kernel"])
+    assert np.array_equal(trainer.params()["blocks/0/up/kernel"], walked["blocks/0/up/kernel"])
+    trainer.step(batches.next())
+    after = flat_params(trainer.model)
+    assert np.array_equal(trainer.params()["head/kernel"], after["head/kernel"])
+    assert not np.array_equal(after["head/kernel"], written["head/kernel"])
 
 
 def test_nan_stops_the_island_with_a_clear_error(corpus):
