@@ -71,9 +71,6 @@ class Trainer:
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.model = model
-        # path -> the parameter's Variable: reading and writing parameters goes straight to them
-        # (a step updates their values in place), not through a traversal of the whole graph, which
-        # cost more than the arithmetic of an adoption (`flat_params` names the paths the same way)
         self.variables = param_variables(model)
         transform = optimizer if optimizer is not None else inner_optimizer(train_config)
         # A run with a token budget: the update is scaled by the cluster's decay (a hyperparameter
@@ -219,7 +216,8 @@ def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
 
 def param_variables(model: nnx.Module) -> dict[str, nnx.Variable]:
     """A model's parameters as {"a/b/c": its Variable}, named and ordered as `flat_params` names
-    them."""
+    them.  A Trainer reads and writes parameters through these (a step updates their values in
+    place): a traversal of the whole graph per adoption cost more than its arithmetic."""
     found = {
         "/".join(str(k) for k in path): node
         for path, node in nnx.iter_graph(model)
