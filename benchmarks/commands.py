@@ -129,6 +129,13 @@ def add_commands(commands: argparse._SubParsersAction, positive_int) -> None:
         help="alternating standalone/publishing pairs (default 3)",
     )
     island.set_defaults(run=run_bench, bench_params={"steps": "steps", "rounds": "rounds"})
+    adoption = suites.add_parser(
+        "adoption",
+        help="an island's parameter read and fragment write per adoption vs one training step",
+    )
+    adoption.add_argument("--json", action="store_true", help="print one JSON object")
+    adoption.add_argument("--reps", type=positive_int, default=20, help="repetitions (default 20)")
+    adoption.set_defaults(run=run_bench, bench_params={"reps": "reps"})
     bus = suites.add_parser(
         "bus", help="1 MiB messages: raw PUB->SUB vs through the broker vs broker with CURVE"
     )
