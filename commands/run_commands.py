@@ -179,11 +179,13 @@ def add_experiment(commands: argparse._SubParsersAction) -> None:
     )
     experiment.add_argument(
         "--tune",
-        choices=("sync-dp", "sync-diloco"),
+        choices=("sync-dp", "sync-diloco", "decoupled"),
         default=None,
         help=(
-            "quality: run that baseline's tuning grid at the first budget instead (sync-dp: its"
-            " peak lr; sync-diloco: outer lr x momentum at H = 12 and 48), read on validation"
+            "quality: run that mode's tuning grid at the first budget instead (sync-dp: its"
+            " peak lr; sync-diloco: outer lr x momentum at H = 12 and 48; decoupled: H from 6"
+            " to 384, and its outer lr at the profile's H), read on validation; --runs picks"
+            " settings by label"
         ),
     )
     experiment.add_argument(

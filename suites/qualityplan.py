@@ -53,24 +53,25 @@ def parse_budgets(text: str) -> tuple[int, ...]:
     return tuple(budgets)
 
 
-def _quick(c: ClusterConfig) -> ClusterConfig:
+def at_interval(config: ClusterConfig, interval: int) -> ClusterConfig:
+    """`config` at H = `interval`; a region with its own H keeps its ratio to the cluster's (at
+    least one step per fragment)."""
     regions = tuple(
-        (
-            dataclasses.replace(
-                r, interval=max(c.sync.fragments, r.interval * QUICK_INTERVAL // c.sync.interval)
-            )
-            if r.interval
-            else r
+        dataclasses.replace(
+            r,
+            interval=max(config.sync.fragments, r.interval * interval // config.sync.interval),
         )
-        for r in c.regions
+        if r.interval
+        else r
+        for r in config.regions
     )
     return dataclasses.replace(
-        c,
-        model=QUICK_MODEL,
-        eval_every=12,
-        sync=dataclasses.replace(c.sync, interval=QUICK_INTERVAL),
-        regions=regions,
+        config, sync=dataclasses.replace(config.sync, interval=interval), regions=regions
     )
+
+
+def _quick(c: ClusterConfig) -> ClusterConfig:
+    return dataclasses.replace(at_interval(c, QUICK_INTERVAL), model=QUICK_MODEL, eval_every=12)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +121,13 @@ def parse_settings(seeds: str | None, dp_lr: float | None, diloco_outer: str | N
 
 
 # The tuning grids (`--tune`), each at the suite's (small) budget: sync-dp's peak lr as multiples
-# of the islands' default, at the global batch; sync-diloco's outer lr x momentum at two H.
+# of the islands' default, at the global batch; sync-diloco's outer lr x momentum at two H;
+# decoupled's H at the profile's outer lr (out to H = 384: the planner's quality curve,
+# sim/quality.py) and its outer lr at the profile's H.
 DP_LR_FACTORS = (0.5, 1.0, 2.0, 4.0)
 DILOCO_GRID = {"interval": (12, 48), "lr": (0.15, 0.35, 0.7, 1.0), "momentum": (0.0, 0.9)}
-TUNABLE = ("sync-dp", "sync-diloco")
+DECOUPLED_GRID = {"interval": (6, 12, 24, 48, 96, 192, 384), "lr": (0.15, 0.35, 0.7)}
+TUNABLE = ("sync-dp", "sync-diloco", "decoupled")
 # seconds a synchronous round may wait for its islands (an island waits twice that for its fold)
 SYNC_WAIT_S = 1800.0
 
@@ -196,12 +200,31 @@ def plan(
     return runs
 
 
+def _decoupled_grid(base: ClusterConfig, budget: int, seed: int) -> list[tuple[str, ClusterConfig]]:
+    """Decoupled's H (each region's own H scaled with it) at the profile's outer lr, then its outer
+    lr at the profile's H: a line through the profile along each lever."""
+    lr0 = base.merger.outer_lr
+    settings = [(h, lr0) for h in DECOUPLED_GRID["interval"]]
+    settings += [(base.sync.interval, lr) for lr in DECOUPLED_GRID["lr"] if lr != lr0]
+    runs = []
+    for interval, lr in settings:
+        config = at_interval(base.with_mode("decoupled").with_tokens(budget), interval)
+        config = dataclasses.replace(
+            config, seed=seed, merger=dataclasses.replace(config.merger, outer_lr=lr)
+        )
+        runs.append(
+            (label("decoupled", budget, seed, f"h{interval}-lr{lr:g}"), _bounded(config, budget))
+        )
+    return runs
+
+
 def tuning_plan(
     base: ClusterConfig, budget: int, quick: bool, mode: str, settings: Settings = Settings()
 ) -> list[tuple[str, ClusterConfig]]:
-    """A baseline's tuning grid at `budget` (seed: the first of `settings`): sync-dp's peak lr
-    (DP_LR_FACTORS times the islands' default), or sync-diloco's outer lr x momentum at each H of
-    DILOCO_GRID.  Each run's label names its setting."""
+    """A mode's tuning grid at `budget` (seed: the first of `settings`): sync-dp's peak lr
+    (DP_LR_FACTORS times the islands' default), sync-diloco's outer lr x momentum at each H of
+    DILOCO_GRID, or decoupled's H and outer lr (DECOUPLED_GRID).  Each run's label names its
+    setting."""
     from dloco.suites.inprocess import peak_lr
 
     if mode not in TUNABLE:
@@ -220,6 +243,8 @@ def tuning_plan(
                 )
             )
         return runs
+    if mode == "decoupled":
+        return _decoupled_grid(base, budget, seed)
     for interval in DILOCO_GRID["interval"]:
         at_h = dataclasses.replace(base, sync=dataclasses.replace(base.sync, interval=interval))
         for lr in DILOCO_GRID["lr"]:

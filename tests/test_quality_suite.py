@@ -117,7 +117,35 @@ def test_the_tuning_grids_name_each_setting():
         0.9,
     )
     with pytest.raises(ConfigError, match="--tune"):
-        qualityplan.tuning_plan(base, 2_000_000, False, "decoupled")
+        qualityplan.tuning_plan(base, 2_000_000, False, "sync-avg")
+
+
+def test_decoupled_grid_scales_each_regions_interval_with_h():
+    # the profile: H = 12, half-speed regions at 6, four fragments, outer lr 0.15
+    base = cluster_config.load()
+    grid = dict(qualityplan.tuning_plan(base, 2_000_000, False, "decoupled"))
+    assert list(grid) == [
+        "decoupled@2M-h6-lr0.15",
+        "decoupled@2M-h12-lr0.15",
+        "decoupled@2M-h24-lr0.15",
+        "decoupled@2M-h48-lr0.15",
+        "decoupled@2M-h96-lr0.15",
+        "decoupled@2M-h192-lr0.15",
+        "decoupled@2M-h384-lr0.15",
+        "decoupled@2M-h12-lr0.35",
+        "decoupled@2M-h12-lr0.7",
+    ]
+    intervals = {
+        name: (c.effective()[0].interval, [r.interval for r in c.regions])
+        for name, c in grid.items()
+    }
+    # a region without its own H (0) follows the cluster's; 6 / 2 = 3 is raised to one step per
+    # fragment
+    assert intervals["decoupled@2M-h384-lr0.15"] == (384, [0, 0, 192, 192])
+    assert intervals["decoupled@2M-h6-lr0.15"] == (6, [0, 0, 4, 4])
+    chosen = grid["decoupled@2M-h12-lr0.7"]
+    assert chosen.effective()[1].outer_lr == 0.7 and chosen.mode == "decoupled"
+    assert (chosen.tokens, chosen.seed) == (2_000_000, 0)
 
 
 def _seeded(mode, seed, test, config):
