@@ -41,6 +41,17 @@ QUALITY_H24_LOSS = 1.277
 QUALITY_H12_LOSS = 1.252
 
 
+def slope_per_doubling(small: tuple[int, float], large: tuple[int, float]) -> float:
+    """A reference's final loss fall per doubling of its budget, from (tokens, loss) at two
+    budgets."""
+    (b0, l0), (b1, l1) = small, large
+    require(
+        0 < b0 < b1 and l0 > l1,
+        f"a slope needs a larger budget at a lower loss, got {small} and {large}",
+    )
+    return (l0 - l1) / math.log2(b1 / b0)
+
+
 def factor_from_loss(
     loss: float, reference: float = SYNC_DP_LOSS_16M, slope: float = SYNC_DP_SLOPE
 ) -> float:

@@ -11,6 +11,7 @@ import re
 import statistics
 from pathlib import Path
 
+from dloco.sim.quality import factor_from_loss, slope_per_doubling
 from dloco.suites import linkcurve, speedup, wallclock
 from dloco.suites.suiteresults import RunResult, bytes_per_token
 
@@ -237,6 +238,63 @@ def tuning_table(results: list[RunResult]) -> list[str]:
     return [*lines, ""]
 
 
+# a decoupled tuning run's tag at some H and outer lr (suites/qualityplan.py DECOUPLED_GRID)
+DECOUPLED_TAG = re.compile(r"^h(\d+)-lr([0-9.]+)$")
+
+
+def decoupled_setting(result: RunResult) -> tuple[int, float] | None:
+    """(H, outer lr) of a decoupled run: the suite's own run's, or the ones its tuning tag names
+    (None for another mode)."""
+    if result.config.mode != "decoupled":
+        return None
+    sync, merger = result.config.effective()
+    found = DECOUPLED_TAG.match(tag_of(result))
+    return (int(found[1]), float(found[2])) if found else (sync.interval, merger.outer_lr)
+
+
+def quality_curve(results: list[RunResult], split: str = "validation") -> list[tuple]:
+    """The planner's q(H) (sim/quality.py) from the runs: at each budget where sync-dp ran, the
+    tokens sync-dp needs to reach decoupled's final loss at interval H, over decoupled's budget.
+    sync-dp's loss between budgets follows its fall per doubling from its smallest budget to its
+    largest (at least two).  Rows (budget, H, outer lr, runs, loss, sync-dp's loss, q), means over
+    seeds."""
+    groups = by_setting(results)
+    dp = {
+        budget: stats[0]
+        for (mode, budget, tag), runs in groups.items()
+        if mode == "sync-dp" and not tag
+        if (stats := spread([v for r in runs if (v := reported(r, split)) is not None]))
+    }
+    if len(dp) < 2:
+        return []
+    slope = slope_per_doubling(*((b, dp[b]) for b in (min(dp), max(dp))))
+    losses: dict[tuple[int, int, float], list[float]] = {}
+    for r in results:
+        setting, loss = decoupled_setting(r), reported(r, split)
+        if setting and loss is not None and r.config.tokens in dp:
+            losses.setdefault((r.config.tokens, *setting), []).append(loss)
+    rows = []
+    for (budget, h, lr), values in sorted(losses.items()):
+        loss = statistics.fmean(values)
+        q = factor_from_loss(loss, dp[budget], slope)
+        rows.append((budget, h, lr, len(values), loss, dp[budget], q))
+    return rows
+
+
+def quality_curve_table(results: list[RunResult]) -> list[str]:
+    rows = quality_curve(results)
+    if not rows:
+        return []
+    lines = [
+        "| budget | decoupled: H | outer lr | runs | validation loss | sync-dp's validation loss |"
+        " q: sync-dp's tokens to that loss / budget |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for budget, h, lr, n, loss, dp, q in rows:
+        lines.append(f"| {budget:,} | {h} | {lr:g} | {n} | {loss:.4f} | {dp:.4f} | {q:.3f} |")
+    return [*lines, ""]
+
+
 # decoupled within 1.5 % of sync-dp; >= 20x sooner to a final loss
 QUALITY_GOAL, SPEEDUP_GOAL = 0.015, 20.0
 
@@ -345,6 +403,7 @@ def write_up(
             "",
             *bytes_table(results, params),
             *tuning_table(results),
+            *quality_curve_table(results),
             *goal_lines(results),
             *claim_lines(results),
             *bandwidth_lines(results),

@@ -3,6 +3,8 @@ runs end to end are tests/test_experiments_quick.py's (-m experiments)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from dloco.cluster import config as cluster_config
@@ -151,7 +153,7 @@ def test_decoupled_grid_scales_each_regions_interval_with_h():
 def _seeded(mode, seed, test, config):
     result = RunResult(
         qualityreport.label(mode, 1_000_000, seed),
-        __import__("dataclasses").replace(config, seed=seed),
+        dataclasses.replace(config, seed=seed),
         0,
         6.0,
         test,
@@ -184,6 +186,48 @@ def test_the_table_and_goals_pair_seeds_and_judge_beyond_one_sd():
     )
     # a seed the reference lacks is not paired
     assert qualityreport.paired_gap(results[2:], results[:1])[2] == 1
+
+
+def test_the_planners_quality_curve_from_runs_by_hand():
+    base = cluster_config.load()
+    small = dict(qualityplan.plan(base, (1_000_000,), quick=False))
+    large = dict(qualityplan.plan(base, (4_000_000,), quick=False))
+    grid = dict(qualityplan.tuning_plan(base, 1_000_000, False, "decoupled"))
+
+    def run(name, config, validation):
+        result = RunResult(name, config, 0, 6.0, validation, {}, {})
+        result.final = {"validation": validation, "test": validation + 0.5}
+        return result
+
+    results = [
+        # sync-dp: 2.0 at 1 M, 1.6 at 4 M: 0.2 per doubling of its budget
+        run("sync-dp@1M", small["sync-dp@1M"], 2.0),
+        run("sync-dp@4M", large["sync-dp@4M"], 1.6),
+        # the suite's own decoupled runs are at the profile's H = 12: seeds 2.2 and 2.4
+        run("decoupled@1M", small["decoupled@1M"], 2.2),
+        run("decoupled@1M-s1", dataclasses.replace(small["decoupled@1M"], seed=1), 2.4),
+        run("decoupled@1M-h48-lr0.15", grid["decoupled@1M-h48-lr0.15"], 2.6),
+        # another outer lr is a row of its own; sync-diloco is not on the curve
+        run("decoupled@1M-h12-lr0.7", grid["decoupled@1M-h12-lr0.7"], 2.1),
+        run("sync-diloco@1M", small["sync-diloco@1M"], 2.1),
+        # a budget sync-dp has not run has no reference
+        run("decoupled@2M", dataclasses.replace(small["decoupled@1M"], tokens=2_000_000), 1.9),
+    ]
+    rows = qualityreport.quality_curve(results)
+    # H = 12: mean 2.3, 0.3 above sync-dp = 1.5 doublings: q = 2^-1.5; H = 48: 3 doublings; at
+    # lr 0.7 half a doubling
+    assert [row[:4] for row in rows] == [
+        (1_000_000, 12, 0.15, 2),
+        (1_000_000, 12, 0.7, 1),
+        (1_000_000, 48, 0.15, 1),
+    ]
+    assert [row[6] for row in rows] == [
+        pytest.approx(2**-1.5),
+        pytest.approx(2**-0.5),
+        pytest.approx(0.125),
+    ]
+    assert rows[0][4:6] == (pytest.approx(2.3), 2.0)
+    assert qualityreport.quality_curve(results[2:]) == []
 
 
 def _result(label, config, after, curve=(), evals=None, last=None):
