@@ -1,11 +1,19 @@
 """The quality suite's plots (suites/qualityreport.py writes its Markdown): each mode's final test
-loss against the budget, and the global model's curve at the largest budget."""
+loss against the budget, the global model's curve at the largest budget, and the planner's q(H)
+where decoupled ran at several H."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from dloco.suites.qualityreport import MODES, by_setting, label, reported, spread
+from dloco.suites.qualityreport import (
+    MODES,
+    by_setting,
+    label,
+    quality_curve,
+    reported,
+    spread,
+)
 from dloco.suites.suiteresults import RunResult
 
 
@@ -61,9 +69,37 @@ def plot(results: list[RunResult], out_dir: Path) -> list[Path]:
     axes.set_ylabel("global model's validation loss (8 batches)")
     axes.set_title(f"budget {largest:,} tokens, seed 0: each run decays over it")
     axes.grid(alpha=0.3)
-    axes.legend()
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend()
     figure.tight_layout()
     made.append(out_dir / "quality_loss_vs_tokens.png")
     figure.savefig(made[-1], dpi=100)
     plt.close(figure)
+    rows = quality_curve(results)
+    if len({(budget, h) for budget, h, *_ in rows}) > len({budget for budget, *_ in rows}):
+        made.append(out_dir / "quality_q_vs_interval.png")
+        _plot_q(plt, rows, made[-1])
     return made
+
+
+def _plot_q(plt, rows: list[tuple], path: Path) -> None:
+    """q(H) per budget and outer lr (suites/qualityreport.py quality_curve's rows)."""
+    figure, axes = plt.subplots(figsize=(7, 4))
+    lines = sorted({(budget, lr) for budget, _, lr, *_ in rows})
+    for index, (budget, lr) in enumerate(lines):
+        points = [(row[1], row[6]) for row in rows if (row[0], row[2]) == (budget, lr)]
+        axes.plot(
+            *zip(*points),
+            marker="o",
+            color=f"C{index}",
+            label=f"{budget / 1e6:g} M tokens, outer lr {lr:g}",
+        )
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("H: inner steps per delta (the half-speed islands: H / 2)")
+    axes.set_ylabel("q(H): sync-dp's tokens to the same loss / budget")
+    axes.set_title("a decoupled token's worth against data parallelism (validation)")
+    axes.grid(alpha=0.3, which="both")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

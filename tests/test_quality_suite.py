@@ -9,7 +9,7 @@ import pytest
 
 from dloco.cluster import config as cluster_config
 from dloco.protocol.errors import ConfigError
-from dloco.suites import qualityplan, qualityreport
+from dloco.suites import qualityplan, qualityplots, qualityreport
 from dloco.suites.suiteresults import RunResult
 
 
@@ -188,7 +188,7 @@ def test_the_table_and_goals_pair_seeds_and_judge_beyond_one_sd():
     assert qualityreport.paired_gap(results[2:], results[:1])[2] == 1
 
 
-def test_the_planners_quality_curve_from_runs_by_hand():
+def _curve_runs():
     base = cluster_config.load()
     small = dict(qualityplan.plan(base, (1_000_000,), quick=False))
     large = dict(qualityplan.plan(base, (4_000_000,), quick=False))
@@ -199,7 +199,7 @@ def test_the_planners_quality_curve_from_runs_by_hand():
         result.final = {"validation": validation, "test": validation + 0.5}
         return result
 
-    results = [
+    return [
         # sync-dp: 2.0 at 1 M, 1.6 at 4 M: 0.2 per doubling of its budget
         run("sync-dp@1M", small["sync-dp@1M"], 2.0),
         run("sync-dp@4M", large["sync-dp@4M"], 1.6),
@@ -213,6 +213,10 @@ def test_the_planners_quality_curve_from_runs_by_hand():
         # a budget sync-dp has not run has no reference
         run("decoupled@2M", dataclasses.replace(small["decoupled@1M"], tokens=2_000_000), 1.9),
     ]
+
+
+def test_the_planners_quality_curve_from_runs_by_hand():
+    results = _curve_runs()
     rows = qualityreport.quality_curve(results)
     # H = 12: mean 2.3, 0.3 above sync-dp = 1.5 doublings: q = 2^-1.5; H = 48: 3 doublings; at
     # lr 0.7 half a doubling
@@ -228,6 +232,15 @@ def test_the_planners_quality_curve_from_runs_by_hand():
     ]
     assert rows[0][4:6] == (pytest.approx(2.3), 2.0)
     assert qualityreport.quality_curve(results[2:]) == []
+
+
+def test_the_quality_curve_is_plotted_where_decoupled_ran_at_two_intervals(tmp_path):
+    results = _curve_runs()
+    made = qualityplots.plot(results, tmp_path / "two")
+    assert made[-1].name == "quality_q_vs_interval.png"
+    assert made[-1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    one = [r for r in results if "h48" not in r.label and "lr0.7" not in r.label]
+    assert "quality_q_vs_interval.png" not in [p.name for p in qualityplots.plot(one, tmp_path)]
 
 
 def _result(label, config, after, curve=(), evals=None, last=None):
