@@ -7,21 +7,24 @@ every folded token by q of the steps its delta covered (a delta the outbox summe
 so an interval that grows on a slow link costs useful tokens, and sync-DiLoCo's tokens count q(H)
 too.
 
-The default curve is this repository's own measurement (EXPERIMENTS.md, "Quality"), on the 0.87 M
-parameter model, 4 islands, 16 M cluster tokens (18 per parameter), one run each, taken against
-the baseline then called sync-dp, which is `sync-avg` now (parameter averaging after each island's
-own AdamW step, not data parallelism: against data parallelism every q below is lower, by how
-much EXPERIMENTS.md "Quality" says):
-- that baseline's final loss falls 0.289 per doubling of its budget between 2 M and 16 M tokens
-  (2.116 at 2 M, 1.249 at 16 M), so a decoupled final loss L at 16 M is what it reaches with
-  16 M x 2^-((L - 1.249) / 0.289) tokens;
-- H = 48 (24 on the half-speed islands): 1.311, so q(48) = 13.8 M / 16 M = 0.862;
-- H = 24 (12 on the half-speed islands): 1.277, so q(24) = 15.0 M / 16 M = 0.935;
-- H = 12 (6 on the half-speed islands, the shipped profile): 1.252, so q(12) = 15.9 M / 16 M =
-0.993. Between measured intervals q is linear in ln H; past the last one it goes on with the last
-segment's slope, never below FLOOR.  Published runs at 35 M-1 B parameters (Streaming DiLoCo,
-docs/design.md "Numbers to respect") put the gap at H = 100 near 1 %; a scenario's `[quality]`
-table replaces this curve with the user's own measurement.
+The default curve is this repository's own measurement (EXPERIMENTS.md, "Quality": the quality
+suite's q(H) table, `dloco experiment quality --from-results experiments/results/quality`), on the
+0.87 M parameter model, 4 islands, 16 M cluster tokens (18 per parameter), the whole validation
+split, against data parallelism (one AdamW on the all-reduced gradient of the global batch, its lr
+tuned):
+- data parallelism's final loss falls 0.246 per doubling of its budget between 2 M and 16 M tokens
+  (1.883 at 2 M, 1.146 at 16 M, 3 seeds each), so a decoupled final loss L at 16 M is what it
+  reaches with 16 M x 2^-((L - 1.146) / 0.246) tokens;
+- H = 12 (6 on the half-speed islands, the shipped profile; 3 seeds): 1.249, so q(12) = 0.747;
+- H = 384 (192 on the half-speed islands; one seed): 2.012, so q(384) = 0.087: at the profile's
+  outer lr (0.15), tuned at H = 12-48; each island's own model ended at 1.44-1.54, so a larger outer
+  step would likely raise it.
+Between measured intervals q is linear in ln H; past the last one it goes on with the last
+segment's slope, never below FLOOR.  At 2 M tokens the same model measured q(6) = 0.34, q(12) =
+0.37, q(24) = 0.34, q(48) = 0.27.  Published runs at 35 M-1 B parameters (Streaming DiLoCo,
+docs/design.md "Numbers to respect"; DiLoCo's scaling laws: M = 4 learners 2.0 % behind data
+parallelism at 35 M) put the gap far smaller, so at scale this curve is pessimistic; a scenario's
+`[quality]` table replaces it with the user's own measurement.
 """
 
 from __future__ import annotations
@@ -33,12 +36,12 @@ import math
 from dloco.protocol.errors import require
 
 FLOOR = 0.05
-# the baseline's (sync-avg's) final loss per doubling of its budget, 2 M -> 16 M tokens
-SYNC_DP_SLOPE = 0.289
-SYNC_DP_LOSS_16M = 1.249
-QUALITY_H48_LOSS = 1.311
-QUALITY_H24_LOSS = 1.277
-QUALITY_H12_LOSS = 1.252
+# data parallelism's final validation loss at 2 M and 16 M cluster tokens (3 seeds each), and
+# decoupled's at 16 M at H = 12 (3 seeds) and 384 (one): EXPERIMENTS.md, "Quality"
+SYNC_DP_LOSS_2M = 1.8828
+SYNC_DP_LOSS_16M = 1.1459
+QUALITY_H12_LOSS = 1.2491
+QUALITY_H384_LOSS = 2.0118
 
 
 def slope_per_doubling(small: tuple[int, float], large: tuple[int, float]) -> float:
@@ -52,9 +55,7 @@ def slope_per_doubling(small: tuple[int, float], large: tuple[int, float]) -> fl
     return (l0 - l1) / math.log2(b1 / b0)
 
 
-def factor_from_loss(
-    loss: float, reference: float = SYNC_DP_LOSS_16M, slope: float = SYNC_DP_SLOPE
-) -> float:
+def factor_from_loss(loss: float, reference: float, slope: float) -> float:
     """Tokens sync-dp needs for `loss`, over the budget that reached it (both budgeted runs)."""
     return min(1.0, 2.0 ** (-(loss - reference) / slope))
 
@@ -104,14 +105,13 @@ class QualityCurve:
         return max(FLOOR, min(1.0, q0 + slope * math.log(steps / h0)))
 
 
+SYNC_DP_SLOPE = slope_per_doubling((2_000_000, SYNC_DP_LOSS_2M), (16_000_000, SYNC_DP_LOSS_16M))
 MEASURED = QualityCurve(
     (
         (1, 1.0),
-        (12, factor_from_loss(QUALITY_H12_LOSS)),
-        (24, factor_from_loss(QUALITY_H24_LOSS)),
-        (48, factor_from_loss(QUALITY_H48_LOSS)),
+        (12, factor_from_loss(QUALITY_H12_LOSS, SYNC_DP_LOSS_16M, SYNC_DP_SLOPE)),
+        (384, factor_from_loss(QUALITY_H384_LOSS, SYNC_DP_LOSS_16M, SYNC_DP_SLOPE)),
     ),
-    "measured at H = 12-48, 16 M tokens, 0.87 M parameters, against sync-avg (parameter"
-    " averaging after each island's step); against data parallelism every q is lower:"
-    " EXPERIMENTS.md, Quality",
+    "measured at H = 12 and 384, 16 M tokens, 0.87 M parameters, against data parallelism on the"
+    " validation split (H = 384 at an outer lr tuned for 12-48): EXPERIMENTS.md, Quality",
 )

@@ -15,7 +15,7 @@ from dloco.protocol import Codec
 from dloco.protocol.errors import ConfigError
 from dloco.sim import plan, planreport, targetutil
 from dloco.sim.engine import simulate
-from dloco.sim.quality import MEASURED, QualityCurve, factor_from_loss
+from dloco.sim.quality import MEASURED, QualityCurve, factor_from_loss, slope_per_doubling
 from dloco.sim.scenario import Island, Link, Scenario
 from dloco.sim.scenariofile import load
 from dloco.sim.wire import wire_bytes
@@ -56,9 +56,14 @@ def test_the_quality_curve_is_linear_in_log_h_between_its_points_and_goes_on_pas
     # the floor
     assert Q(40) == pytest.approx(0.4) and Q(10_000) == 0.05
     assert QualityCurve.flat()(500) == 1.0
-    # one doubling of sync-DP's budget
-    assert factor_from_loss(1.249) == 1.0 and factor_from_loss(1.249 + 0.289) == pytest.approx(0.5)
-    assert MEASURED(1) == 1.0 and 0.5 < MEASURED(48) < 1.0
+    # one doubling of sync-DP's budget: 2.0 at 1 M tokens, 1.6 at 4 M falls 0.2 per doubling
+    slope = slope_per_doubling((1_000_000, 2.0), (4_000_000, 1.6))
+    assert slope == pytest.approx(0.2)
+    assert factor_from_loss(1.5, 1.6, slope) == 1.0
+    assert factor_from_loss(1.6 + 0.2, 1.6, slope) == pytest.approx(0.5)
+    with pytest.raises(ConfigError, match="slope"):
+        slope_per_doubling((4_000_000, 1.6), (1_000_000, 2.0))
+    assert MEASURED(1) == 1.0 and MEASURED(384) < MEASURED(48) < MEASURED(12) < 1.0
     with pytest.raises(ConfigError, match="ascend"):
         QualityCurve(((1, 1.0), (48, 0.9), (24, 0.95)))
 
