@@ -126,7 +126,7 @@ def parse_settings(seeds: str | None, dp_lr: float | None, diloco_outer: str | N
 # sim/quality.py) and its outer lr at the profile's H.
 DP_LR_FACTORS = (0.5, 1.0, 2.0, 4.0)
 DILOCO_GRID = {"interval": (12, 48), "lr": (0.15, 0.35, 0.7, 1.0), "momentum": (0.0, 0.9)}
-DECOUPLED_GRID = {"interval": (6, 12, 24, 48, 96, 192, 384), "lr": (0.15, 0.35, 0.7)}
+DECOUPLED_GRID = {"interval": (6, 12, 24, 48, 96, 192, 384), "lr": (0.07, 0.15, 0.35, 0.7)}
 TUNABLE = ("sync-dp", "sync-diloco", "decoupled")
 # seconds a synchronous round may wait for its islands (an island waits twice that for its fold)
 SYNC_WAIT_S = 1800.0

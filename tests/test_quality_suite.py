@@ -134,6 +134,7 @@ def test_decoupled_grid_scales_each_regions_interval_with_h():
         "decoupled@2M-h96-lr0.15",
         "decoupled@2M-h192-lr0.15",
         "decoupled@2M-h384-lr0.15",
+        "decoupled@2M-h12-lr0.07",
         "decoupled@2M-h12-lr0.35",
         "decoupled@2M-h12-lr0.7",
     ]
