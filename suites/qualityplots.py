@@ -24,9 +24,19 @@ def plot(results: list[RunResult], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    budgeted = [r for r in results if r.config.tokens and r.global_after is not None]
+    made = [out_dir / "quality_loss_vs_budget.png", out_dir / "quality_loss_vs_tokens.png"]
+    _plot_budgets(plt, results, made[0])
+    _plot_largest(plt, results, made[1])
+    rows = quality_curve(results)
+    if len({(budget, h) for budget, h, *_ in rows}) > len({budget for budget, *_ in rows}):
+        made.append(out_dir / "quality_q_vs_interval.png")
+        _plot_q(plt, rows, made[-1])
+    return made
+
+
+def _plot_budgets(plt, results: list[RunResult], path: Path) -> None:
+    """Each mode's final test loss (mean ± sd over seeds) against the budget."""
     groups = {key: runs for key, runs in by_setting(results).items() if not key[2]}
-    made = []
     figure, axes = plt.subplots(figsize=(7, 4))
     for index, mode in enumerate(MODES):
         points = sorted(
@@ -50,16 +60,17 @@ def plot(results: list[RunResult], out_dir: Path) -> list[Path]:
     axes.grid(alpha=0.3, which="both")
     axes.legend()
     figure.tight_layout()
-    made.append(out_dir / "quality_loss_vs_budget.png")
-    figure.savefig(made[-1], dpi=100)
+    figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def _plot_largest(plt, results: list[RunResult], path: Path) -> None:
+    """The global model's curve of each mode's seed-0 run at the largest budget."""
+    budgeted = [r for r in results if r.config.tokens and r.global_after is not None]
     largest = max((r.config.tokens for r in budgeted), default=0)
     figure, axes = plt.subplots(figsize=(7, 4))
     for index, mode in enumerate(MODES):
-        r = next(
-            (r for r in budgeted if r.label == label(mode, largest)),
-            None,
-        )
+        r = next((r for r in budgeted if r.label == label(mode, largest)), None)
         if r is not None and r.global_curve:
             points = [(0, r.global_before)] + [
                 (p["cluster_tokens"], p["eval_loss"]) for p in r.global_curve
@@ -72,14 +83,8 @@ def plot(results: list[RunResult], out_dir: Path) -> list[Path]:
     if axes.get_legend_handles_labels()[0]:
         axes.legend()
     figure.tight_layout()
-    made.append(out_dir / "quality_loss_vs_tokens.png")
-    figure.savefig(made[-1], dpi=100)
+    figure.savefig(path, dpi=100)
     plt.close(figure)
-    rows = quality_curve(results)
-    if len({(budget, h) for budget, h, *_ in rows}) > len({budget for budget, *_ in rows}):
-        made.append(out_dir / "quality_q_vs_interval.png")
-        _plot_q(plt, rows, made[-1])
-    return made
 
 
 def _plot_q(plt, rows: list[tuple], path: Path) -> None:

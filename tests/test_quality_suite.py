@@ -9,7 +9,7 @@ import pytest
 
 from dloco.cluster import config as cluster_config
 from dloco.protocol.errors import ConfigError
-from dloco.suites import qualityplan, qualityplots, qualityreport
+from dloco.suites import qualityplan, qualityreport
 from dloco.suites.suiteresults import RunResult
 
 
@@ -98,59 +98,6 @@ def test_seeds_and_the_baselines_settings_reach_every_run():
             qualityplan.parse_settings(*bad)
 
 
-def test_the_tuning_grids_name_each_setting():
-    base = cluster_config.load()
-    dp = dict(qualityplan.tuning_plan(base, 2_000_000, False, "sync-dp"))
-    assert list(dp) == [
-        "sync-dp@2M-lr0.0015",
-        "sync-dp@2M-lr0.003",
-        "sync-dp@2M-lr0.006",
-        "sync-dp@2M-lr0.012",
-    ]
-    assert [c.model.lr for c in dp.values()] == [0.0015, 0.003, 0.006, 0.012]
-    diloco = dict(qualityplan.tuning_plan(base, 2_000_000, False, "sync-diloco"))
-    assert len(diloco) == 16 and "sync-diloco@2M-h48-lr0.35-m0.9" in diloco
-    chosen = diloco["sync-diloco@2M-h48-lr0.35-m0.9"]
-    sync, merger = chosen.effective()
-    assert (sync.interval, sync.fragments, merger.outer_lr, merger.outer_momentum) == (
-        48,
-        1,
-        0.35,
-        0.9,
-    )
-    with pytest.raises(ConfigError, match="--tune"):
-        qualityplan.tuning_plan(base, 2_000_000, False, "sync-avg")
-
-
-def test_decoupled_grid_scales_each_regions_interval_with_h():
-    # the profile: H = 12, half-speed regions at 6, four fragments, outer lr 0.15
-    base = cluster_config.load()
-    grid = dict(qualityplan.tuning_plan(base, 2_000_000, False, "decoupled"))
-    assert list(grid) == [
-        "decoupled@2M-h6-lr0.15",
-        "decoupled@2M-h12-lr0.15",
-        "decoupled@2M-h24-lr0.15",
-        "decoupled@2M-h48-lr0.15",
-        "decoupled@2M-h96-lr0.15",
-        "decoupled@2M-h192-lr0.15",
-        "decoupled@2M-h384-lr0.15",
-        "decoupled@2M-h12-lr0.07",
-        "decoupled@2M-h12-lr0.35",
-        "decoupled@2M-h12-lr0.7",
-    ]
-    intervals = {
-        name: (c.effective()[0].interval, [r.interval for r in c.regions])
-        for name, c in grid.items()
-    }
-    # a region without its own H (0) follows the cluster's; 6 / 2 = 3 is raised to one step per
-    # fragment
-    assert intervals["decoupled@2M-h384-lr0.15"] == (384, [0, 0, 192, 192])
-    assert intervals["decoupled@2M-h6-lr0.15"] == (6, [0, 0, 4, 4])
-    chosen = grid["decoupled@2M-h12-lr0.7"]
-    assert chosen.effective()[1].outer_lr == 0.7 and chosen.mode == "decoupled"
-    assert (chosen.tokens, chosen.seed) == (2_000_000, 0)
-
-
 def _seeded(mode, seed, test, config):
     result = RunResult(
         qualityreport.label(mode, 1_000_000, seed),
@@ -187,61 +134,6 @@ def test_the_table_and_goals_pair_seeds_and_judge_beyond_one_sd():
     )
     # a seed the reference lacks is not paired
     assert qualityreport.paired_gap(results[2:], results[:1])[2] == 1
-
-
-def _curve_runs():
-    base = cluster_config.load()
-    small = dict(qualityplan.plan(base, (1_000_000,), quick=False))
-    large = dict(qualityplan.plan(base, (4_000_000,), quick=False))
-    grid = dict(qualityplan.tuning_plan(base, 1_000_000, False, "decoupled"))
-
-    def run(name, config, validation):
-        result = RunResult(name, config, 0, 6.0, validation, {}, {})
-        result.final = {"validation": validation, "test": validation + 0.5}
-        return result
-
-    return [
-        # sync-dp: 2.0 at 1 M, 1.6 at 4 M: 0.2 per doubling of its budget
-        run("sync-dp@1M", small["sync-dp@1M"], 2.0),
-        run("sync-dp@4M", large["sync-dp@4M"], 1.6),
-        # the suite's own decoupled runs are at the profile's H = 12: seeds 2.2 and 2.4
-        run("decoupled@1M", small["decoupled@1M"], 2.2),
-        run("decoupled@1M-s1", dataclasses.replace(small["decoupled@1M"], seed=1), 2.4),
-        run("decoupled@1M-h48-lr0.15", grid["decoupled@1M-h48-lr0.15"], 2.6),
-        # another outer lr is a row of its own; sync-diloco is not on the curve
-        run("decoupled@1M-h12-lr0.7", grid["decoupled@1M-h12-lr0.7"], 2.1),
-        run("sync-diloco@1M", small["sync-diloco@1M"], 2.1),
-        # a budget sync-dp has not run has no reference
-        run("decoupled@2M", dataclasses.replace(small["decoupled@1M"], tokens=2_000_000), 1.9),
-    ]
-
-
-def test_the_planners_quality_curve_from_runs_by_hand():
-    results = _curve_runs()
-    rows = qualityreport.quality_curve(results)
-    # H = 12: mean 2.3, 0.3 above sync-dp = 1.5 doublings: q = 2^-1.5; H = 48: 3 doublings; at
-    # lr 0.7 half a doubling
-    assert [row[:4] for row in rows] == [
-        (1_000_000, 12, 0.15, 2),
-        (1_000_000, 12, 0.7, 1),
-        (1_000_000, 48, 0.15, 1),
-    ]
-    assert [row[6] for row in rows] == [
-        pytest.approx(2**-1.5),
-        pytest.approx(2**-0.5),
-        pytest.approx(0.125),
-    ]
-    assert rows[0][4:6] == (pytest.approx(2.3), 2.0)
-    assert qualityreport.quality_curve(results[2:]) == []
-
-
-def test_the_quality_curve_is_plotted_where_decoupled_ran_at_two_intervals(tmp_path):
-    results = _curve_runs()
-    made = qualityplots.plot(results, tmp_path / "two")
-    assert made[-1].name == "quality_q_vs_interval.png"
-    assert made[-1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    one = [r for r in results if "h48" not in r.label and "lr0.7" not in r.label]
-    assert "quality_q_vs_interval.png" not in [p.name for p in qualityplots.plot(one, tmp_path)]
 
 
 def _result(label, config, after, curve=(), evals=None, last=None):
