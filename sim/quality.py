@@ -16,6 +16,7 @@ tuned):
   (1.883 at 2 M, 1.146 at 16 M, 3 seeds each), so a decoupled final loss L at 16 M is what it
   reaches with 16 M x 2^-((L - 1.146) / 0.246) tokens;
 - H = 12 (6 on the half-speed islands, the shipped profile; 3 seeds): 1.249, so q(12) = 0.747;
+- H = 96 (48 on the half-speed islands; one seed): 1.350, so q(96) = 0.562;
 - H = 384 (192 on the half-speed islands; one seed): 2.012, so q(384) = 0.087: at the profile's
   outer lr (0.15), tuned at H = 12-48; each island's own model ended at 1.44-1.54, so a larger outer
   step would likely raise it.
@@ -37,10 +38,11 @@ from dloco.protocol.errors import require
 
 FLOOR = 0.05
 # data parallelism's final validation loss at 2 M and 16 M cluster tokens (3 seeds each), and
-# decoupled's at 16 M at H = 12 (3 seeds) and 384 (one): EXPERIMENTS.md, "Quality"
+# decoupled's at 16 M at H = 12 (3 seeds), 96 and 384 (one each): EXPERIMENTS.md, "Quality"
 SYNC_DP_LOSS_2M = 1.8828
 SYNC_DP_LOSS_16M = 1.1459
 QUALITY_H12_LOSS = 1.2491
+QUALITY_H96_LOSS = 1.3500
 QUALITY_H384_LOSS = 2.0118
 
 
@@ -110,8 +112,9 @@ MEASURED = QualityCurve(
     (
         (1, 1.0),
         (12, factor_from_loss(QUALITY_H12_LOSS, SYNC_DP_LOSS_16M, SYNC_DP_SLOPE)),
+        (96, factor_from_loss(QUALITY_H96_LOSS, SYNC_DP_LOSS_16M, SYNC_DP_SLOPE)),
         (384, factor_from_loss(QUALITY_H384_LOSS, SYNC_DP_LOSS_16M, SYNC_DP_SLOPE)),
     ),
-    "measured at H = 12 and 384, 16 M tokens, 0.87 M parameters, against data parallelism on the"
-    " validation split (H = 384 at an outer lr tuned for 12-48): EXPERIMENTS.md, Quality",
+    "measured at H = 12, 96 and 384, 16 M tokens, 0.87 M parameters, against data parallelism on"
+    " the validation split (H = 384 at an outer lr tuned for 12-48): EXPERIMENTS.md, Quality",
 )
