@@ -282,7 +282,10 @@ def _report(watch: Watch, codes: dict[str, int]) -> int:
         and name not in cluster.down
         and name not in watch.dead
         and name not in AUXILIARY
+        and name not in cluster.stopped_starting
     }
+    for name in sorted(cluster.stopped_starting):
+        watch.say(f"dloco up: {name} was still starting when stopped (exit {codes[name]})")
     for name in sorted(set(codes) & set(AUXILIARY) - watch.warned):
         if codes[name] != 0:
             watch.say(

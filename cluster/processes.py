@@ -60,6 +60,9 @@ class Cluster:
         self.down: set[str] = set()
         # chaos target -> the process its kill killed (a merger's role moves)
         self.killed_as: dict[str, str] = {}
+        # ended by stop_all's SIGTERM itself: still starting, before their own handler was in place
+        # (a process restarted by chaos near the run's end), so stopped as asked, not failed
+        self.stopped_starting: set[str] = set()
         # A multi-host island's processes (cluster.sections Region.processes) go down and come back
         # together: when one dies the others end by themselves (island/group.py), and a restart
         # starts them all.
@@ -256,9 +259,13 @@ class Cluster:
             [n for n in self.processes if is_merger(n)],
             list(HUB),
         ):
-            for name in group:
-                if name in self.processes and self.processes[name].poll() is None:
-                    self.processes[name].send_signal(signal.SIGTERM)
+            signalled = [
+                name
+                for name in group
+                if name in self.processes and self.processes[name].poll() is None
+            ]
+            for name in signalled:
+                self.processes[name].send_signal(signal.SIGTERM)
             for name in group:
                 if name in self.processes:
                     try:
@@ -266,4 +273,7 @@ class Cluster:
                     except subprocess.TimeoutExpired:
                         self.processes[name].kill()
                         codes[name] = self.processes[name].wait(timeout=10)
+            self.stopped_starting.update(
+                name for name in signalled if codes[name] == -signal.SIGTERM
+            )
         return codes

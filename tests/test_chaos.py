@@ -298,3 +298,49 @@ def test_a_kill_of_the_primary_and_its_restart_name_the_same_process_whichever_i
         for process in cluster.processes.values():
             process.kill()
             process.wait(timeout=30)
+
+
+def test_a_process_still_starting_when_the_run_stops_is_stopped_not_failed(tmp_path):
+    """stop_all's SIGTERM ends a process that has no handler yet (a merger restarted by chaos near
+    the end, still importing) by the signal itself: it is recorded as stopped while starting, while
+    one whose handler exits 0 is not, and neither is one that had already ended by itself."""
+    import sys
+    import time
+
+    from dloco.cluster.localcompose import Service
+    from dloco.cluster.processes import Cluster
+
+    starting = Service(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"]
+    )
+    handled = Service(
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0));"
+            " print('up', flush=True); time.sleep(120)",
+        ]
+    )
+    ended = Service(
+        [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"]
+    )
+    regions = config.ClusterConfig(regions=(sections.Region(name="a"),))
+    services = {"merger": starting, "broker": handled, "a": ended}
+    cluster = Cluster(regions, tmp_path, services, list(services))
+    (tmp_path / "logs").mkdir()
+    try:
+        for name in services:
+            cluster.start(name)
+        cluster.processes["a"].wait(timeout=60)
+        # the handled one's handler is in place once it printed
+        deadline = time.monotonic() + 60
+        while b"up" not in (tmp_path / "logs" / "broker.log").read_bytes():
+            assert time.monotonic() < deadline, "the broker stand-in never started"
+            time.sleep(0.05)
+        codes = cluster.stop_all()
+        assert codes == {"a": -15, "merger": -15, "broker": 0}
+        assert cluster.stopped_starting == {"merger"}
+    finally:
+        for process in cluster.processes.values():
+            process.kill()
+            process.wait(timeout=30)
