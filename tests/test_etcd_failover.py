@@ -102,13 +102,13 @@ def test_two_shards_each_with_a_standby_survive_the_loss_of_shard_1s_primary_and
 ):
     """`[merger] shards = 2` with a standby each: shard 1's primary loses its machine and disk;
     standby.1 claims shard 1's key and takes over (shard 0's pair is untouched), the old primary
-    comes back empty and follows it, both shards fold both islands after, and every delta an island
-    counted as folded is in its shard's final log once."""
+    comes back empty and, once started, follows it; shard 0 folds both islands after the loss and
+    standby.1 both after its takeover, and every delta an island counted as folded is in its
+    shard's final log once."""
     run, (lost, _) = _up(
         tmp_path,
         "lose-disk:merger.1@folds=10,restart:merger.1@a.step=+40",
         merger="shards = 2\n",
-        # the restarted one starts (JAX, a probe of two leases) and follows before the end
         max_steps=240,
     )
     assert [e["process"] for e in read_events(run / "chaos.jsonl")] == ["merger.1", "merger.1"]
@@ -120,12 +120,17 @@ def test_two_shards_each_with_a_standby_survive_the_loss_of_shard_1s_primary_and
     }
     assert [name for name, events in took.items() if events] == ["standby.1"]
     assert wall(took["standby.1"][0]) > lost
-    assert [e.get("event") for e in read_events(run / "logs" / "merger.1.log")].count(
-        "following"
-    ) >= 1
+    # Each life of merger.1 starts by following; only its first became the primary (genesis). Its
+    # second may still be starting when the islands' work is done (it is then stopped, not failed).
+    events = [e.get("event") for e in read_events(run / "logs" / "merger.1.log")]
+    assert events.count("genesis") == 1 and events.count("following") >= events.count("etcd")
+    # Shard 0 folds both islands after shard 1's loss (a trains 40 more steps, b until a's end);
+    # shard 1's new primary folds both after its takeover, if only the deltas the islands resend
+    # while they drain (the islands may finish their steps within the lease it waits out).
+    since = {0: lost, 1: wall(took["standby.1"][0])}
     after = collections.defaultdict(set)
     for e in merger_folds(run):
-        if wall(e) > wall(took["standby.1"][0]):
+        if wall(e) > since[e["fragment"] % 2]:
             after[e["fragment"] % 2].update(e["contributors"])
     assert after == {0: {"a", "b"}, 1: {"a", "b"}}, after
     # every acked delta in its shard's final log (shard 1's: standby.1's), once
