@@ -123,7 +123,7 @@ def parse_settings(seeds: str | None, dp_lr: float | None, diloco_outer: str | N
 # The tuning grids (`--tune`), each at the suite's (small) budget: sync-dp's peak lr as multiples
 # of the islands' default, at the global batch; sync-diloco's outer lr x momentum at two H;
 # decoupled's H at the profile's outer lr (out to H = 384: the planner's quality curve,
-# sim/quality.py) and its outer lr at the profile's H.
+# sim/quality.py), its outer lr at the profile's H, and the larger outer lrs at H = 384.
 DP_LR_FACTORS = (0.5, 1.0, 2.0, 4.0)
 DILOCO_GRID = {"interval": (12, 48), "lr": (0.15, 0.35, 0.7, 1.0), "momentum": (0.0, 0.9)}
 DECOUPLED_GRID = {"interval": (6, 12, 24, 48, 96, 192, 384), "lr": (0.07, 0.15, 0.35, 0.7)}
@@ -202,10 +202,13 @@ def plan(
 
 def _decoupled_grid(base: ClusterConfig, budget: int, seed: int) -> list[tuple[str, ClusterConfig]]:
     """Decoupled's H (each region's own H scaled with it) at the profile's outer lr, then its outer
-    lr at the profile's H: a line through the profile along each lever."""
+    lr at the profile's H (a line through the profile along each lever), then the larger outer lrs
+    at the longest H, where a run has only a few outer steps per fragment."""
     lr0 = base.merger.outer_lr
     settings = [(h, lr0) for h in DECOUPLED_GRID["interval"]]
     settings += [(base.sync.interval, lr) for lr in DECOUPLED_GRID["lr"] if lr != lr0]
+    longest = max(DECOUPLED_GRID["interval"])
+    settings += [(longest, lr) for lr in DECOUPLED_GRID["lr"] if lr > lr0]
     runs = []
     for interval, lr in settings:
         config = at_interval(base.with_mode("decoupled").with_tokens(budget), interval)

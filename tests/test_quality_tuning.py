@@ -52,6 +52,8 @@ def test_decoupled_grid_scales_each_regions_interval_with_h():
         "decoupled@2M-h12-lr0.07",
         "decoupled@2M-h12-lr0.35",
         "decoupled@2M-h12-lr0.7",
+        "decoupled@2M-h384-lr0.35",
+        "decoupled@2M-h384-lr0.7",
     ]
     intervals = {
         name: (c.effective()[0].interval, [r.interval for r in c.regions])
@@ -63,6 +65,8 @@ def test_decoupled_grid_scales_each_regions_interval_with_h():
     assert intervals["decoupled@2M-h6-lr0.15"] == (6, [0, 0, 4, 4])
     chosen = grid["decoupled@2M-h12-lr0.7"]
     assert chosen.effective()[1].outer_lr == 0.7 and chosen.mode == "decoupled"
+    far = grid["decoupled@2M-h384-lr0.35"].effective()
+    assert (far[0].interval, far[1].outer_lr) == (384, 0.35)
     assert (chosen.tokens, chosen.seed) == (2_000_000, 0)
 
 
