@@ -28,6 +28,7 @@ from dloco.bus.security import Security, peer_of
 from dloco.bus.subscriptions import BudgetedXPUB, give_back_freed
 from dloco.merger.log.wal import StorageError
 from dloco.merger.network.announcing import Announcer
+from dloco.merger.network.backlog import Backlog, read_into
 from dloco.merger.network.publishing import SnapshotPublisher, Stamp
 from dloco.merger.network.receiving import Receiver
 from dloco.merger.network.streams import StreamKeeper
@@ -107,6 +108,8 @@ class MergerService:
         self.owned = sockets.owned
         self._own_fragments(config)
         self.pipeline = FoldPipeline(self.core, self.wal, self.context)
+        # read while the loop waits for the etcd lease or the standby, handled after
+        self.backlog, self._loop_thread = Backlog(config.held_bytes), None
         self.replication, self.fenced = None, None
         # the log goes to a standby too; in sync mode nothing is published before it has it
         if config.replication.on:
@@ -114,6 +117,7 @@ class MergerService:
                 config, self.context, self.wal, self.stamp, takeover, self.log, lease
             )
             self.replication.stopping = lambda: self.stopping
+            self.replication.pump = self._read_while_waiting
             self.core.log = ReplicatedLog(self.wal, self.replication)
             self.pipeline.barrier = self.replication.barrier
         self._make_parts()
@@ -218,9 +222,10 @@ class MergerService:
             gate.after_open = lambda new: poller.register(new, zmq.POLLIN)
         for fragment in self.owned:
             self.publisher.publish(fragment)
-        wake = None
+        wake, self._loop_thread = None, threading.get_ident()
         try:
             while not self.stopping:
+                self.backlog.handle_all()
                 # wake may be far off
                 timeout = (
                     POLL_MS
@@ -236,6 +241,8 @@ class MergerService:
                     self._charge_subscriptions(gate)
                 # first: a fragment whose fold finished may fold again now
                 self.announcer.announce(self.pipeline.finished())
+                # what arrived while announcing waited (the lease, the standby), before the rest
+                self.backlog.handle_all()
                 wake = self.pipeline.dispatch(time.monotonic(), self.streams.live())
                 next_snapshot = self.publisher.publish_due(time.monotonic())
                 wake = (
@@ -287,6 +294,19 @@ class MergerService:
                 f" {config.shard}/{config.shards} folds {self.owned}"
             )
         self.core.owned = frozenset(self.owned) if config.shards > 1 else None
+
+    def _read_while_waiting(self) -> None:
+        """The replication's waits call this (on the loop's thread): the delta bus and the control
+        socket keep being read, into the backlog, so that neither's pipe fills meanwhile."""
+        if threading.get_ident() != self._loop_thread:
+            return
+        receiver = self.receiver
+        sockets = (
+            (self.delta_sub, receiver.on_delta_frames),
+            (self.control, receiver.on_control_frames),
+        )
+        for _ in range(read_into(self.backlog, sockets, DRAIN_LIMIT)):
+            self.count("merger/dropped_while_waiting")
 
     def _drain(self, socket: zmq.Socket, handle) -> None:
         for _ in range(DRAIN_LIMIT):

@@ -65,6 +65,9 @@ def test_etcd_lost_mid_run_holds_the_acks_until_it_is_back_and_loses_nothing(tmp
     assert resumed and resumed[0] > back
     assert not [w for w in map(wall, merger_folds(run)) if held[0] < w < resumed[0]]
     assert any(e.get("event") == "etcd_unreachable" for e in merger)
+    # its loop read the islands on while it held the acks (merger/network/backlog.py): none fell
+    # silent to it (unread, its delta pipe filled, and libzmq could abort it on the reconnect)
+    assert not [e for e in merger if e.get("event") == "island_gone"]
     standby = read_events(run / "logs" / "standby.log")
     assert not [e for e in standby if e.get("event") == "taking_over"]
     after = {c for e in merger_folds(run) if wall(e) > resumed[0] for c in e["contributors"]}
@@ -89,9 +92,10 @@ def test_the_primary_killed_hands_the_key_and_the_model_to_the_standby(tmp_path)
     )
     folded = {c for e in merger_folds(run) if wall(e) > wall(took[0]) for c in e["contributors"]}
     assert folded == {"a", "b"}
-    merger = read_events(run / "logs" / "merger.log")
-    # its second life follows the new primary
-    assert [e.get("event") for e in merger].count("following") >= 2
+    # its second life, once started (the run may end first), follows the new primary
+    events = [e.get("event") for e in read_events(run / "logs" / "merger.log")]
+    assert events.count("genesis") == 1 and "taking_over" not in events
+    assert events.count("following") >= events.count("etcd")
     _settled_once(run, wal="standby")
 
 

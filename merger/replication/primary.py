@@ -102,6 +102,8 @@ class ReplicationServer:
         self.lease, self.lease_waits = lease, 0
         # the merger's loop says so: a barrier waiting for the lease gives up
         self.stopping = lambda: False
+        # the merger's loop's sockets read while it waits here (merger/network/backlog.py)
+        self.pump = lambda: None
         # the stream thread has none of the loop thread's context
         self.log = log.bind(role="merger", sender=sender)
         # terms: (epoch, first index); term: this one's number
@@ -165,6 +167,7 @@ class ReplicationServer:
                 and self.fenced_by is None
             ):
                 self.cond.wait(timeout=self.config.lease_s / 6)
+                self.pump()
         self.check_fenced()
         self._hold_lease()
 
@@ -181,6 +184,7 @@ class ReplicationServer:
             if self.stopping() or self._stopping:
                 raise Fenced("stopped without a valid etcd lease: nothing more is published")
             self.lease.wait(self.config.lease_s / 6)
+            self.pump()
         self.log.info("acks_resumed", held_s=round(time.monotonic() - began, 3))
 
     def check_fenced(self) -> None:
