@@ -17,9 +17,9 @@ tuned):
   reaches with 16 M x 2^-((L - 1.146) / 0.246) tokens;
 - H = 12 (6 on the half-speed islands, the shipped profile; 3 seeds): 1.249, so q(12) = 0.747;
 - H = 96 (48 on the half-speed islands; one seed): 1.350, so q(96) = 0.562;
-- H = 384 (192 on the half-speed islands; one seed): 2.012, so q(384) = 0.087: at the profile's
-  outer lr (0.15), tuned at H = 12-48; each island's own model ended at 1.44-1.54, so a larger outer
-  step would likely raise it.
+- H = 384 (192 on the half-speed islands; one seed): 2.012, so q(384) = 0.087, at the profile's
+  outer lr (0.15); each island's own model ended at 1.44-1.54. Outer lr 0.35 gave 1.980 (0.095)
+  and 0.7 2.312 (0.037): about five outer steps per fragment, so one seed moves it that much.
 Between measured intervals q is linear in ln H; past the last one it goes on with the last
 segment's slope, never below FLOOR.  At 2 M tokens the same model measured q(6) = 0.34, q(12) =
 0.37, q(24) = 0.34, q(48) = 0.27, q(96) = 0.21.  Published runs at 35 M-1 B parameters
