@@ -54,6 +54,9 @@ def test_decoupled_grid_scales_each_regions_interval_with_h():
         "decoupled@2M-h12-lr0.7",
         "decoupled@2M-h384-lr0.35",
         "decoupled@2M-h384-lr0.7",
+        "decoupled@2M-h12-lr0.35-m0",
+        "decoupled@2M-h12-lr0.7-m0",
+        "decoupled@2M-h12-lr1-m0",
     ]
     intervals = {
         name: (c.effective()[0].interval, [r.interval for r in c.regions])
@@ -68,6 +71,10 @@ def test_decoupled_grid_scales_each_regions_interval_with_h():
     far = grid["decoupled@2M-h384-lr0.35"].effective()
     assert (far[0].interval, far[1].outer_lr) == (384, 0.35)
     assert (chosen.tokens, chosen.seed) == (2_000_000, 0)
+    # the momentum lever: the profile's H, no momentum; every other run keeps the profile's 0.9
+    plain = grid["decoupled@2M-h12-lr1-m0"].effective()
+    assert (plain[0].interval, plain[1].outer_lr, plain[1].outer_momentum) == (12, 1.0, 0.0)
+    assert {c.effective()[1].outer_momentum for n, c in grid.items() if "-m" not in n} == {0.9}
 
 
 def _curve_runs():
@@ -91,6 +98,8 @@ def _curve_runs():
         run("decoupled@1M-h48-lr0.15", grid["decoupled@1M-h48-lr0.15"], 2.6),
         # another outer lr is a row of its own; sync-diloco is not on the curve
         run("decoupled@1M-h12-lr0.7", grid["decoupled@1M-h12-lr0.7"], 2.1),
+        # another outer momentum is not on the profile's curve
+        run("decoupled@1M-h12-lr0.7-m0", grid["decoupled@1M-h12-lr0.7-m0"], 1.0),
         run("sync-diloco@1M", small["sync-diloco@1M"], 2.1),
         # a budget sync-dp has not run has no reference
         run("decoupled@2M", dataclasses.replace(small["decoupled@1M"], tokens=2_000_000), 1.9),
