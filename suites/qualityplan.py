@@ -130,7 +130,7 @@ DILOCO_GRID = {"interval": (12, 48), "lr": (0.15, 0.35, 0.7, 1.0), "momentum": (
 DECOUPLED_GRID = {
     "interval": (6, 12, 24, 48, 96, 192, 384),
     "lr": (0.07, 0.15, 0.35, 0.7),
-    "lr_without_momentum": (0.35, 0.7, 1.0),
+    "lr_without_momentum": (0.35, 0.7, 1.0, 1.4),
 }
 TUNABLE = ("sync-dp", "sync-diloco", "decoupled")
 # seconds a synchronous round may wait for its islands (an island waits twice that for its fold)

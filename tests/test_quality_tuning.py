@@ -57,6 +57,7 @@ def test_decoupled_grid_scales_each_regions_interval_with_h():
         "decoupled@2M-h12-lr0.35-m0",
         "decoupled@2M-h12-lr0.7-m0",
         "decoupled@2M-h12-lr1-m0",
+        "decoupled@2M-h12-lr1.4-m0",
     ]
     intervals = {
         name: (c.effective()[0].interval, [r.interval for r in c.regions])
