@@ -117,10 +117,17 @@ def load_all(folder: Path) -> list[dict]:
 
 def result_of(record: dict, base: ClusterConfig) -> RunResult:
     """A record as a suite result: its config rebuilt from `base` (the cluster file the suite
-    starts from) with the record's mode, budget and seed."""
+    starts from) with the record's mode, budget and seed, and the outer step it ran (a record of
+    a former profile keeps its own)."""
     config = dataclasses.replace(
         base.with_mode(record["mode"]).with_tokens(record["budget"] or None), seed=record["seed"]
     )
+    ran = record.get("settings", {})
+    if record["mode"] == "decoupled" and {"outer_lr", "outer_momentum"} <= ran.keys():
+        merger = dataclasses.replace(
+            config.merger, outer_lr=ran["outer_lr"], outer_momentum=ran["outer_momentum"]
+        )
+        config = dataclasses.replace(config, merger=merger)
     result = RunResult(
         record["label"],
         config,

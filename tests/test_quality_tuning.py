@@ -133,3 +133,37 @@ def test_the_quality_curve_is_plotted_where_decoupled_ran_at_two_intervals(tmp_p
     assert made[-1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     one = [r for r in results if "h48" not in r.label and "lr0.7" not in r.label]
     assert "quality_q_vs_interval.png" not in [p.name for p in qualityplots.plot(one, tmp_path)]
+
+
+def test_a_record_keeps_the_outer_step_it_ran_whatever_the_cluster_file_says():
+    from dloco.suites import qualityrecords
+
+    # a cluster file whose outer step is not the one the record's run had
+    base = cluster_config.load()
+    base = dataclasses.replace(
+        base, merger=dataclasses.replace(base.merger, outer_lr=1.0, outer_momentum=0.0)
+    )
+
+    def record(mode, settings):
+        return {
+            "label": f"{mode}@2M",
+            "mode": mode,
+            "budget": 2_000_000,
+            "seed": 0,
+            "settings": settings,
+            "before": 5.5,
+            "after": 2.2,
+            "evals": {},
+            "last": {},
+            "curve": [],
+            "final": {"validation": 2.2, "test": 2.3},
+        }
+
+    ran = {"interval": 12, "outer_lr": 0.15, "outer_momentum": 0.9}
+    former = qualityrecords.result_of(record("decoupled", ran), base)
+    assert qualityreport.decoupled_setting(former) == (12, 0.15)
+    assert former.config.effective()[1].outer_momentum == 0.9
+    # a record without its settings reads the file's; another mode keeps its own step
+    assert qualityrecords.result_of(record("decoupled", {}), base).config.merger.outer_lr == 1.0
+    diloco = qualityrecords.result_of(record("sync-diloco", ran), base)
+    assert diloco.config.effective()[1].outer_lr == 0.7
