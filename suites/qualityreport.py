@@ -240,20 +240,20 @@ def tuning_table(results: list[RunResult]) -> list[str]:
     return [*lines, ""]
 
 
-# a decoupled tuning run's tag at some H and outer lr, and an outer momentum other than the
-# profile's (suites/qualityplan.py DECOUPLED_GRID)
-DECOUPLED_TAG = re.compile(r"^h(\d+)-lr([0-9.]+)(-m[0-9.]+)?$")
+# a decoupled tuning run's tag at some H and outer lr, and an outer momentum or a number of
+# fragments other than the profile's (suites/qualityplan.py DECOUPLED_GRID)
+DECOUPLED_TAG = re.compile(r"^h(\d+)-lr([0-9.]+)(-m[0-9.]+)?(-p\d+)?$")
 
 
 def decoupled_setting(result: RunResult) -> tuple[int, float] | None:
     """(H, outer lr) of a decoupled run: the suite's own run's, or the ones its tuning tag names.
-    None for another mode, and for a run at another outer momentum than the profile's: the
-    planner's curve is the profile's outer step at each H."""
+    None for another mode, and for a run at another outer momentum or number of fragments than
+    the profile's: the planner's curve is the profile's outer step and fragments at each H."""
     if result.config.mode != "decoupled":
         return None
     sync, merger = result.config.effective()
     found = DECOUPLED_TAG.match(tag_of(result))
-    if found and found[3]:
+    if found and (found[3] or found[4]):
         return None
     return (int(found[1]), float(found[2])) if found else (sync.interval, merger.outer_lr)
 

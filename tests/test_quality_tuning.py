@@ -58,6 +58,8 @@ def test_decoupled_grid_scales_each_regions_interval_with_h():
         "decoupled@2M-h12-lr0.7-m0",
         "decoupled@2M-h12-lr1-m0",
         "decoupled@2M-h12-lr1.4-m0",
+        "decoupled@2M-h12-lr0.15-p1",
+        "decoupled@2M-h12-lr0.15-p2",
     ]
     intervals = {
         name: (c.effective()[0].interval, [r.interval for r in c.regions])
@@ -76,6 +78,19 @@ def test_decoupled_grid_scales_each_regions_interval_with_h():
     plain = grid["decoupled@2M-h12-lr1-m0"].effective()
     assert (plain[0].interval, plain[1].outer_lr, plain[1].outer_momentum) == (12, 1.0, 0.0)
     assert {c.effective()[1].outer_momentum for n, c in grid.items() if "-m" not in n} == {0.9}
+    # the fragments lever: the profile's H and outer step, the whole model (or halves) at once;
+    # every other run keeps the profile's four fragments, and the regions' H is the profile's
+    whole = grid["decoupled@2M-h12-lr0.15-p1"]
+    sync, merger = whole.effective()
+    assert (sync.interval, sync.fragments, merger.outer_lr, merger.outer_momentum) == (
+        12,
+        1,
+        0.15,
+        0.9,
+    )
+    assert [r.interval for r in whole.regions] == [0, 0, 6, 6]
+    assert grid["decoupled@2M-h12-lr0.15-p2"].effective()[0].fragments == 2
+    assert {c.effective()[0].fragments for n, c in grid.items() if "-p" not in n} == {4}
 
 
 def _curve_runs():
@@ -101,6 +116,8 @@ def _curve_runs():
         run("decoupled@1M-h12-lr0.7", grid["decoupled@1M-h12-lr0.7"], 2.1),
         # another outer momentum is not on the profile's curve
         run("decoupled@1M-h12-lr0.7-m0", grid["decoupled@1M-h12-lr0.7-m0"], 1.0),
+        # nor are fewer fragments
+        run("decoupled@1M-h12-lr0.15-p1", grid["decoupled@1M-h12-lr0.15-p1"], 1.0),
         run("sync-diloco@1M", small["sync-diloco@1M"], 2.1),
         # a budget sync-dp has not run has no reference
         run("decoupled@2M", dataclasses.replace(small["decoupled@1M"], tokens=2_000_000), 1.9),
