@@ -221,11 +221,12 @@ def bytes_table(results: list[RunResult], params: int | None = None) -> list[str
 
 def tuning_table(results: list[RunResult]) -> list[str]:
     """A tuning grid's runs: each setting's final loss on the whole validation split (what the
-    choice reads), by mode, best first."""
+    choice reads; mean ± sd (seeds) where it ran more than one), by mode, best first."""
+    groups = by_setting(results)
     rows = sorted(
         (
             (spread([v for r in runs if (v := reported(r, "validation")) is not None]), key)
-            for key, runs in by_setting(results).items()
+            for key, runs in groups.items()
             if key[2]
         ),
         # by mode, each mode's best first
@@ -234,9 +235,9 @@ def tuning_table(results: list[RunResult]) -> list[str]:
     if not rows:
         return []
     lines = ["| run | setting | validation loss (whole split) |", "|---|---|---|"]
-    for stats, (mode, budget, tag) in rows:
-        value = "n/a" if stats is None else f"{stats[0]:.4f}"
-        lines.append(f"| {label(mode, budget)} | {tag} | {value} |")
+    for _, key in rows:
+        mode, budget, tag = key
+        lines.append(f"| {label(mode, budget)} | {tag} | {_mean_sd(groups[key], 'validation')} |")
     return [*lines, ""]
 
 

@@ -184,3 +184,20 @@ def test_a_record_keeps_the_outer_step_it_ran_whatever_the_cluster_file_says():
     assert qualityrecords.result_of(record("decoupled", {}), base).config.merger.outer_lr == 1.0
     diloco = qualityrecords.result_of(record("sync-diloco", ran), base)
     assert diloco.config.effective()[1].outer_lr == 0.7
+
+
+def test_the_tuning_table_gives_each_setting_its_spread_over_seeds():
+    runs = _curve_runs()
+    seed1 = dataclasses.replace(runs[4].config, seed=1)
+    again = RunResult("decoupled@1M-h48-lr0.15-s1", seed1, 0, 6.0, 2.8, {}, {})
+    again.final = {"validation": 2.8, "test": 3.3}
+    lines = qualityreport.tuning_table([*runs, again])
+    # decoupled's settings best first; H = 48 over seeds 0 and 1: 2.6 and 2.8, sd 0.1414; the
+    # suite's own runs (no tag) are not a tuning row
+    assert lines[2:] == [
+        "| decoupled@1M | h12-lr0.7-m0 | 1.0000 |",
+        "| decoupled@1M | h12-lr0.15-p1 | 1.0000 |",
+        "| decoupled@1M | h12-lr0.7 | 2.1000 |",
+        "| decoupled@1M | h48-lr0.15 | 2.7000 ± 0.1414 (2) |",
+        "",
+    ]
