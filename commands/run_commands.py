@@ -184,7 +184,7 @@ def add_experiment(commands: argparse._SubParsersAction) -> None:
         help=(
             "quality: run that mode's tuning grid at the first budget instead (sync-dp: its"
             " peak lr; sync-diloco: outer lr x momentum at H = 12 and 48; decoupled: H from 6"
-            " to 384, and at the profile's H its outer lr with and without momentum and 1 or 2"
+            " to 384, and at the profile's H its outer lr with and without momentum and 1, 2 or 6"
             " fragments), read on validation; --runs picks settings by label"
         ),
     )

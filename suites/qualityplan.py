@@ -124,15 +124,16 @@ def parse_settings(seeds: str | None, dp_lr: float | None, diloco_outer: str | N
 # of the islands' default, at the global batch; sync-diloco's outer lr x momentum at two H;
 # decoupled's H at the profile's outer lr (out to H = 384: the planner's quality curve,
 # sim/quality.py), its outer lr at the profile's H, the larger outer lrs at H = 384, at the
-# profile's H the outer lrs without momentum (sync-diloco's best kind of outer step), and fewer
-# fragments at the profile's H and outer step (P = 1: the whole model every H, as sync-diloco).
+# profile's H the outer lrs without momentum (sync-diloco's best kind of outer step), and other
+# numbers of fragments at the profile's H and outer step (P = 1: the whole model every H, as
+# sync-diloco; 6: the most a half-speed region's H = 6 has steps for).
 DP_LR_FACTORS = (0.5, 1.0, 2.0, 4.0)
 DILOCO_GRID = {"interval": (12, 48), "lr": (0.15, 0.35, 0.7, 1.0), "momentum": (0.0, 0.9)}
 DECOUPLED_GRID = {
     "interval": (6, 12, 24, 48, 96, 192, 384),
     "lr": (0.07, 0.15, 0.35, 0.7),
     "lr_without_momentum": (0.35, 0.7, 1.0, 1.4),
-    "fragments": (1, 2),
+    "fragments": (1, 2, 6),
 }
 TUNABLE = ("sync-dp", "sync-diloco", "decoupled")
 # seconds a synchronous round may wait for its islands (an island waits twice that for its fold)
@@ -211,8 +212,8 @@ def _decoupled_grid(base: ClusterConfig, budget: int, seed: int) -> list[tuple[s
     """Decoupled's H (each region's own H scaled with it) at the profile's outer lr, then its outer
     lr at the profile's H (a line through the profile along each lever), then the larger outer lrs
     at the longest H, where a run has only a few outer steps per fragment, then the outer lrs
-    without momentum at the profile's H (their tag ends in -m0), then fewer fragments at the
-    profile's H and outer step (-p1, -p2)."""
+    without momentum at the profile's H (their tag ends in -m0), then other numbers of fragments
+    at the profile's H and outer step (-p1, -p2, -p6)."""
     lr0 = base.merger.outer_lr
     h0 = base.sync.interval
     settings = [(h, lr0, None, None) for h in DECOUPLED_GRID["interval"]]

@@ -60,6 +60,7 @@ def test_decoupled_grid_scales_each_regions_interval_with_h():
         "decoupled@2M-h12-lr1.4-m0",
         "decoupled@2M-h12-lr0.15-p1",
         "decoupled@2M-h12-lr0.15-p2",
+        "decoupled@2M-h12-lr0.15-p6",
     ]
     intervals = {
         name: (c.effective()[0].interval, [r.interval for r in c.regions])
@@ -78,7 +79,7 @@ def test_decoupled_grid_scales_each_regions_interval_with_h():
     plain = grid["decoupled@2M-h12-lr1-m0"].effective()
     assert (plain[0].interval, plain[1].outer_lr, plain[1].outer_momentum) == (12, 1.0, 0.0)
     assert {c.effective()[1].outer_momentum for n, c in grid.items() if "-m" not in n} == {0.9}
-    # the fragments lever: the profile's H and outer step, the whole model (or halves) at once;
+    # the fragments lever: the profile's H and outer step, the model in 1, 2 or 6 parts;
     # every other run keeps the profile's four fragments, and the regions' H is the profile's
     whole = grid["decoupled@2M-h12-lr0.15-p1"]
     sync, merger = whole.effective()
@@ -90,6 +91,9 @@ def test_decoupled_grid_scales_each_regions_interval_with_h():
     )
     assert [r.interval for r in whole.regions] == [0, 0, 6, 6]
     assert grid["decoupled@2M-h12-lr0.15-p2"].effective()[0].fragments == 2
+    # six fragments fit the half-speed regions' H = 6: each due at its own step
+    most = grid["decoupled@2M-h12-lr0.15-p6"]
+    assert most.effective()[0].fragments == 6 and [r.interval for r in most.regions][2:] == [6, 6]
     assert {c.effective()[0].fragments for n, c in grid.items() if "-p" not in n} == {4}
 
 
