@@ -21,11 +21,11 @@ tuned):
   outer lr (0.15); each island's own model ended at 1.44-1.54. Outer lr 0.35 gave 1.980 (0.095)
   and 0.7 2.312 (0.037): about five outer steps per fragment, so one seed moves it that much.
 Between measured intervals q is linear in ln H; past the last one it goes on with the last
-segment's slope, never below FLOOR.  At 2 M tokens the same model measured q(6) = 0.34, q(12) =
-0.37, q(24) = 0.34, q(48) = 0.27, q(96) = 0.21.  Published runs at 35 M-1 B parameters
-(Streaming DiLoCo, docs/design.md "Numbers to respect"; DiLoCo's scaling laws: M = 4 learners 2.0 %
-behind data parallelism at 35 M) put the gap far smaller, so at scale this curve is pessimistic;
-a scenario's `[quality]` table replaces it with the user's own measurement.
+segment's slope, never below FLOOR.  At 2 M tokens the same model measured q(6) = 0.33, q(12) =
+0.37, q(24) = 0.33, q(48) = 0.26 (3 seeds each), q(96) = 0.21.  Published runs at 35 M-1 B
+parameters (Streaming DiLoCo, docs/design.md "Numbers to respect"; DiLoCo's scaling laws: M = 4
+learners 2.0 % behind data parallelism at 35 M) put the gap far smaller, so at scale this curve is
+pessimistic; a scenario's `[quality]` table replaces it with the user's own measurement.
 """
 
 from __future__ import annotations
