@@ -132,22 +132,28 @@ def _measured_island(run_dir: Path, name: str, steps: list[dict], step_s: float)
     # bytes up: from the island's summary after its drain when there is one (every delta of its
     # work sent; its last step's line misses what its uplink still had queued, as much as the
     # link lags)
-    done = [
-        e
-        for e in read_events(run_dir / "logs" / f"{name}.log")
-        if isinstance(e, dict) and e.get("event") == "done"
-    ]
+    events = [e for e in read_events(run_dir / "logs" / f"{name}.log") if isinstance(e, dict)]
+    done = [e for e in events if e.get("event") == "done"]
     sent = (
         done[-1]["bytes_sent"] / done[-1]["tokens"]
         if done and "bytes_sent" in done[-1] and done[-1].get("tokens")
         else None
     )
+    summary = done[-1] if done else {}
     return {
         "compute_util": last["compute_util"],
         "steps": last["step"],
         "step_s": step_s,
         "bytes_up_per_token": sent if sent is not None else last["bytes_sent"] / last["tokens"],
         "bytes_down_per_token": last["bytes_received"] / last["tokens"],
+        # What the simulator does not model: a delta bus that dropped (a starved process misses
+        # ZMTP heartbeats) holds deltas in the outbox, summed; a drain cut short leaves some unsent.
+        "deltas": {
+            "sent": summary.get("deltas_sent"),
+            "summed": summary.get("summed"),
+            "bus_drops": summary.get("links", {}).get("delta-bus", {}).get("down"),
+            "drained": not any(e.get("event") == "drain_incomplete" for e in events),
+        },
     }
 
 
@@ -224,9 +230,13 @@ def _wire(run_dir: Path, sync, merger) -> tuple[tuple[int, int, int], ...]:
 def calibrate(run_dir: Path, config: Path | None = None) -> dict:
     scenario, measured = load_run(run_dir, config)
     result = simulate(scenario)
-    rows = []
+    rows, deltas = [], {}
     for run, spec in zip(result.islands, scenario.islands):
         m = measured["islands"][run.name]
+        deltas[run.name] = {
+            "predicted": {"sent": run.deltas_sent, "summed": run.deltas_summed},
+            "measured": m["deltas"],
+        }
         life = scenario.duration_s - spec.start_s
         predicted = {
             "compute_util": run.compute_s / life if life > 0 else 0.0,
@@ -249,6 +259,8 @@ def calibrate(run_dir: Path, config: Path | None = None) -> dict:
     return {
         "rows": rows,
         "staleness": {"simulated": sim_stale, "measured": run_stale},
+        # per island: deltas sent and summed (measured: from its summary after the drain)
+        "deltas": deltas,
         "within": sum(row["within"] for row in rows),
         "of": len(rows),
         "duration_s": scenario.duration_s,
@@ -295,6 +307,15 @@ def markdown(c: dict, run_dir: Path) -> str:
         lines.append(
             f"| {row['metric']} | {row['predicted']:.4g} | {row['measured']:.4g} |"
             f" {row['error']:+.1%}{'' if row['within'] else ' **out**'} |"
+        )
+    lines += ["", "Deltas sent (of them summed in the outbox):", ""]
+    for name, d in c["deltas"].items():
+        got, want = d["predicted"], d["measured"]
+        lines.append(
+            f"- {name}: predicted {got['sent']} ({got['summed']}),"
+            f" measured {want['sent']} ({want['summed']})"
+            + (f"; its delta bus dropped {want['bus_drops']} times" if want["bus_drops"] else "")
+            + ("" if want["drained"] else "; its drain was cut short")
         )
     sim, run = c["staleness"]["simulated"], c["staleness"]["measured"]
     lines += [

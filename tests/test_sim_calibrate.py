@@ -10,15 +10,18 @@ import sys
 import pytest
 from cluster_helpers import small_profile
 
+from dloco.sim.calibrate import TOLERANCE
+
 
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_a_finished_run_is_simulated_and_set_beside_its_measurements(tmp_path):
     """The run records its regions and settings (cluster.json); the simulation of it predicts every
     island's bytes up per token within 15 %: a delta's size is the codec's and the framing's, its
-    tokens H steps' worth, whatever CPU share the islands got.  Folds and staleness depend on
-    timing, so they are reported, not bounded here (EXPERIMENTS.md has the shipped profile's
-    calibration)."""
+    tokens H steps' worth, whatever CPU share the islands got, unless a starved island's delta bus
+    dropped, which the simulator does not model (the calibration says so).  Folds and staleness
+    depend on timing, so they are reported, not bounded here (EXPERIMENTS.md has the shipped
+    profile's calibration)."""
     regions = (
         '[[regions]]\nname = "fast"\nuplink_mbps = 8\n[[regions]]\nname = "slow"\nslowdown ='
         " 2.0\nuplink_mbps = 4\nrtt_ms = 80\n"
@@ -49,9 +52,22 @@ def test_a_finished_run_is_simulated_and_set_beside_its_measurements(tmp_path):
         timeout=120,
     )
     assert got.returncode == 0, got.stderr[-2000:]
-    rows = {row["metric"]: row for row in json.loads(got.stdout)["rows"]}
+    calibration = json.loads(got.stdout)
+    rows = {row["metric"]: row for row in calibration["rows"]}
     for name in ("fast", "slow"):
-        assert rows[f"{name}: bytes up per token"]["within"], rows[f"{name}: bytes up per token"]
+        up, deltas = rows[f"{name}: bytes up per token"], calibration["deltas"][name]
+        measured = deltas["measured"]
+        assert measured["sent"] > 0 and deltas["predicted"]["sent"] > 0, deltas
+        if (
+            measured["summed"] <= deltas["predicted"]["summed"]
+            and not measured["bus_drops"]
+            and measured["drained"]
+        ):
+            assert up["within"], (up, deltas)
+        else:
+            # Starved of CPU, the island's delta bus dropped (or its drain was cut short): deltas
+            # summed in its outbox or left in it only lower the bytes it sent.
+            assert up["measured"] < up["predicted"] * (1 + TOLERANCE), (up, deltas)
         assert f"{name}: compute util" in rows and f"{name}: bytes down per token" in rows
     assert (
         rows["folds of fragment 0"]["predicted"] > 0 and rows["folds of fragment 1"]["measured"] > 0
