@@ -313,7 +313,11 @@ def markdown(c: dict, run_dir: Path) -> str:
         got, want = d["predicted"], d["measured"]
         lines.append(
             f"- {name}: predicted {got['sent']} ({got['summed']}),"
-            f" measured {want['sent']} ({want['summed']})"
+            + (
+                f" measured {want['sent']} ({want['summed']})"
+                if want["sent"] is not None
+                else " measured: no summary in its log"
+            )
             + (f"; its delta bus dropped {want['bus_drops']} times" if want["bus_drops"] else "")
             + ("" if want["drained"] else "; its drain was cut short")
         )

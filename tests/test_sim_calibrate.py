@@ -88,3 +88,29 @@ def test_a_finished_run_is_simulated_and_set_beside_its_measurements(tmp_path):
         timeout=120,
     )
     assert missing.returncode == 2 and "cluster.json" in missing.stderr
+
+
+def test_an_islands_summary_says_what_the_simulator_leaves_out(tmp_path):
+    """From an island's log: bytes up per token from its summary after the drain, its deltas sent
+    and summed, how often its delta bus dropped, and whether its drain finished."""
+    from dloco.sim.calibrate import _measured_island
+
+    (tmp_path / "logs").mkdir()
+    done = {
+        "event": "done",
+        "tokens": 1000,
+        "bytes_sent": 6000,
+        "deltas_sent": 11,
+        "summed": 2,
+        "links": {"delta-bus": {"up": 2, "down": 1}},
+    }
+    lines = [{"event": "drain_incomplete", "deltas_sent": 11}, done]
+    (tmp_path / "logs" / "slow.log").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    last = {"compute_util": 0.9, "step": 40, "tokens": 1000, "bytes_sent": 5000}
+    last["bytes_received"] = 7
+    got = _measured_island(tmp_path, "slow", [last], 0.1)
+    assert got["bytes_up_per_token"] == 6.0 and got["bytes_down_per_token"] == 0.007
+    assert got["deltas"] == {"sent": 11, "summed": 2, "bus_drops": 1, "drained": False}
+    (tmp_path / "logs" / "slow.log").write_text(json.dumps({**done, "links": {}}) + "\n")
+    got = _measured_island(tmp_path, "slow", [last], 0.1)
+    assert got["deltas"] == {"sent": 11, "summed": 2, "bus_drops": None, "drained": True}
