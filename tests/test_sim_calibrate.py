@@ -55,19 +55,7 @@ def test_a_finished_run_is_simulated_and_set_beside_its_measurements(tmp_path):
     calibration = json.loads(got.stdout)
     rows = {row["metric"]: row for row in calibration["rows"]}
     for name in ("fast", "slow"):
-        up, deltas = rows[f"{name}: bytes up per token"], calibration["deltas"][name]
-        measured = deltas["measured"]
-        assert measured["sent"] > 0 and deltas["predicted"]["sent"] > 0, deltas
-        if (
-            measured["summed"] <= deltas["predicted"]["summed"]
-            and not measured["bus_drops"]
-            and measured["drained"]
-        ):
-            assert up["within"], (up, deltas)
-        else:
-            # Starved of CPU, the island's delta bus dropped (or its drain was cut short): deltas
-            # summed in its outbox or left in it only lower the bytes it sent.
-            assert up["measured"] < up["predicted"] * (1 + TOLERANCE), (up, deltas)
+        assert_bytes_up_predicted(rows[f"{name}: bytes up per token"], calibration["deltas"][name])
         assert f"{name}: compute util" in rows and f"{name}: bytes down per token" in rows
     assert (
         rows["folds of fragment 0"]["predicted"] > 0 and rows["folds of fragment 1"]["measured"] > 0
@@ -79,8 +67,13 @@ def test_a_finished_run_is_simulated_and_set_beside_its_measurements(tmp_path):
         timeout=120,
     )
     assert (
-        markdown.returncode == 0 and "| metric | predicted | measured | error |" in markdown.stdout
+        markdown.returncode == 0
+        and "| metric | predicted | measured | error |" in markdown.stdout
+        and "- slow: predicted" in markdown.stdout
     )
+
+
+def test_a_folder_that_is_not_a_run_is_a_clear_error(tmp_path):
     missing = subprocess.run(
         [sys.executable, "-m", "dloco", "plan", "--calibrate", str(tmp_path)],
         capture_output=True,
@@ -88,6 +81,21 @@ def test_a_finished_run_is_simulated_and_set_beside_its_measurements(tmp_path):
         timeout=120,
     )
     assert missing.returncode == 2 and "cluster.json" in missing.stderr
+
+
+def assert_bytes_up_predicted(up: dict, deltas: dict) -> None:
+    measured = deltas["measured"]
+    assert measured["sent"] > 0 and deltas["predicted"]["sent"] > 0, deltas
+    if (
+        measured["summed"] <= deltas["predicted"]["summed"]
+        and not measured["bus_drops"]
+        and measured["drained"]
+    ):
+        assert up["within"], (up, deltas)
+    else:
+        # Starved of CPU, the island's delta bus dropped (or its drain was cut short): deltas
+        # summed in its outbox or left in it only lower the bytes it sent.
+        assert up["measured"] < up["predicted"] * (1 + TOLERANCE), (up, deltas)
 
 
 def test_an_islands_summary_says_what_the_simulator_leaves_out(tmp_path):
