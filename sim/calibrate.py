@@ -6,7 +6,8 @@ the cluster file given), each island's measured step time (its metrics, compile 
 start, the merger's measured fold time (its log), and every fragment's bytes on the wire from
 encoding the run's own initial model (init.npz) with the real codecs and chunking.  What is
 compared: compute utilisation per island, folds per fragment, bytes per token up and down per
-island, and the staleness of the folded deltas.
+island, and the staleness of the folded deltas; listed beside them, each island's deltas sent and
+summed, and what the simulator does not model (a delta bus that dropped, a drain cut short).
 """
 
 from __future__ import annotations
